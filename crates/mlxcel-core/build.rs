@@ -1,0 +1,261 @@
+//! Build script of `mlxcel-core`: locates MLX's C++ library, generates the op table, compiles the
+//! C++ shim through `cxx`, and links `libmlx` with a RUNPATH.
+//!
+//! MLX is found in this order (see README "Getting MLX"):
+//! 1. `MLX_DIR`: a folder holding `mlx/lib/libmlx.{so,dylib}` and `mlx/include`;
+//! 2. an importable Python `mlx` (a namespace package: every entry of `mlx.__path__` is tried);
+//! 3. the `mlx-cpu` wheel from PyPI, pip-downloaded (no deps) and unpacked into a cache folder
+//!    (`MLXCEL_CACHE_DIR`, else `$HOME/.cache/mlxcel`), keeping `mlx/` and `mlx_cpu.libs/` side by
+//!    side because `libmlx.so` finds its BLAS through `$ORIGIN/../../mlx_cpu.libs`.
+
+use std::env;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const MLX_VERSION: &str = "0.32.4";
+
+fn main() {
+    println!("cargo:rerun-if-env-changed=MLX_DIR");
+    println!("cargo:rerun-if-env-changed=MLXCEL_CACHE_DIR");
+    println!("cargo:rerun-if-env-changed=MLXCEL_PYTHON");
+    println!("cargo:rerun-if-changed=ops.table");
+    println!("cargo:rerun-if-changed=cpp/shim.h");
+    println!("cargo:rerun-if-changed=cpp/shim.cc");
+    println!("cargo:rerun-if-changed=src/ffi.rs");
+
+    let root = match locate_mlx() {
+        Ok(root) => root,
+        Err(why) => {
+            eprintln!("mlxcel-core: could not find MLX {MLX_VERSION}: {why}");
+            eprintln!("  set MLX_DIR to a folder holding mlx/lib/libmlx.so and mlx/include,");
+            eprintln!(
+                "  or `pip install mlx-cpu=={MLX_VERSION}` (Linux) / `pip install mlx` (macOS)"
+            );
+            std::process::exit(1);
+        }
+    };
+    let include = root.join("mlx").join("include");
+    let lib = root.join("mlx").join("lib");
+    check_version(&include);
+
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    generate_op_table(&out);
+
+    let mut build = cxx_build::bridge("src/ffi.rs");
+    build
+        .file("cpp/shim.cc")
+        .include(&include)
+        .include(&out)
+        .flag_if_supported("-std=c++20")
+        .flag_if_supported("-Wno-unused-parameter")
+        .flag_if_supported("-Wno-deprecated-declarations")
+        .flag_if_supported("-Wno-unused-variable")
+        .flag_if_supported("-Wno-sign-compare");
+    if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("macos") {
+        build.flag("-mmacosx-version-min=14.0");
+    }
+    build.compile("mlxcel_shim");
+
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=dylib=mlx");
+    // RUNPATH (not RPATH): LD_LIBRARY_PATH still wins, which is how the same binary picks up the
+    // CUDA wheel's libmlx.so on a GPU machine.
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags");
+    }
+    // Exposed to dependents as DEP_MLX_LIB_DIR / DEP_MLX_INCLUDE_DIR.
+    println!("cargo:lib_dir={}", lib.display());
+    println!("cargo:include_dir={}", include.display());
+    println!("cargo:rustc-env=MLXCEL_MLX_LIB_DIR={}", lib.display());
+}
+
+fn has_mlx(root: &Path) -> bool {
+    let lib = root.join("mlx").join("lib");
+    (lib.join("libmlx.so").is_file() || lib.join("libmlx.dylib").is_file())
+        && root
+            .join("mlx")
+            .join("include")
+            .join("mlx")
+            .join("mlx.h")
+            .is_file()
+}
+
+fn locate_mlx() -> Result<PathBuf, String> {
+    if let Ok(dir) = env::var("MLX_DIR") {
+        let dir = PathBuf::from(dir);
+        return if has_mlx(&dir) {
+            Ok(dir)
+        } else {
+            Err(format!(
+                "MLX_DIR={} holds no mlx/lib/libmlx.so with mlx/include",
+                dir.display()
+            ))
+        };
+    }
+    let python = env::var("MLXCEL_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    if let Some(root) = python_mlx(&python) {
+        return Ok(root);
+    }
+    download_wheel(&python)
+}
+
+/// The parent of every `mlx` package folder Python can import, first one holding the C++ library.
+fn python_mlx(python: &str) -> Option<PathBuf> {
+    let output = Command::new(python)
+        .args(["-c", "import mlx\nfor p in mlx.__path__: print(p)"])
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| Path::new(line.trim()).parent().map(Path::to_path_buf))
+        .find(|root| has_mlx(root))
+}
+
+fn download_wheel(python: &str) -> Result<PathBuf, String> {
+    let cache = match env::var("MLXCEL_CACHE_DIR") {
+        Ok(dir) => PathBuf::from(dir),
+        Err(_) => PathBuf::from(env::var("HOME").map_err(|_| "HOME is not set".to_string())?)
+            .join(".cache")
+            .join("mlxcel"),
+    };
+    let root = cache.join(format!("mlx-cpu-{MLX_VERSION}"));
+    if has_mlx(&root) {
+        return Ok(root);
+    }
+    let download = cache.join(format!("mlx-cpu-{MLX_VERSION}-download"));
+    let _ = fs::remove_dir_all(&download);
+    fs::create_dir_all(&download).map_err(|e| format!("{}: {e}", download.display()))?;
+    let status = Command::new(python)
+        .args(["-m", "pip", "download", "--quiet", "--no-deps", "-d"])
+        .arg(&download)
+        .arg(format!("mlx-cpu=={MLX_VERSION}"))
+        .status()
+        .map_err(|e| format!("running {python} -m pip: {e}"))?;
+    if !status.success() {
+        return Err(format!("`pip download mlx-cpu=={MLX_VERSION}` failed"));
+    }
+    let wheel = fs::read_dir(&download)
+        .map_err(|e| format!("{}: {e}", download.display()))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|ext| ext == "whl"))
+        .ok_or_else(|| format!("no wheel in {}", download.display()))?;
+    // Unpack into a staging folder and rename, so an interrupted build never leaves half a library.
+    let staging = cache.join(format!("mlx-cpu-{MLX_VERSION}-staging"));
+    let _ = fs::remove_dir_all(&staging);
+    let status = Command::new(python)
+        .args(["-m", "zipfile", "-e"])
+        .arg(&wheel)
+        .arg(&staging)
+        .status()
+        .map_err(|e| format!("unpacking {}: {e}", wheel.display()))?;
+    if !status.success() || !has_mlx(&staging) {
+        return Err(format!("unpacking {} failed", wheel.display()));
+    }
+    let _ = fs::remove_dir_all(&root);
+    fs::rename(&staging, &root).map_err(|e| format!("{}: {e}", root.display()))?;
+    let _ = fs::remove_dir_all(&download);
+    Ok(root)
+}
+
+fn check_version(include: &Path) {
+    let header = include.join("mlx").join("version.h");
+    let Ok(text) = fs::read_to_string(&header) else {
+        return;
+    };
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+            .map(|v| v.trim().to_string())
+    };
+    let found = format!(
+        "{}.{}.{}",
+        field("MLX_VERSION_MAJOR").unwrap_or_default(),
+        field("MLX_VERSION_MINOR").unwrap_or_default(),
+        field("MLX_VERSION_PATCH").unwrap_or_default()
+    );
+    if found != MLX_VERSION {
+        println!(
+            "cargo:warning=mlxcel is built and tested against MLX {MLX_VERSION}; found {found} at {}",
+            header.display()
+        );
+    }
+}
+
+/// Reads `ops.table` (one op per line: `family rust_name mlx_function doc...`) and writes the C++
+/// dispatch tables (`ops_table.inc`) and the Rust methods (`ops_table.rs`) from it, so adding an op
+/// of an existing family is one line in one file.
+fn generate_op_table(out: &Path) {
+    let table = fs::read_to_string("ops.table").expect("ops.table is part of the crate");
+    let mut cpp: [String; 3] = Default::default();
+    let mut rust = String::from("impl Array {\n");
+    for (lineno, line) in table.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let family = words.next().unwrap_or_default();
+        let name = words.next().unwrap_or_default();
+        let mlx = words.next().unwrap_or_default();
+        let doc = words.collect::<Vec<_>>().join(" ");
+        assert!(
+            !name.is_empty() && !mlx.is_empty(),
+            "ops.table:{}: expected `family name mlx_function doc`",
+            lineno + 1
+        );
+        let doc = if doc.is_empty() {
+            format!("MLX `{mlx}`.")
+        } else {
+            doc
+        };
+        let (slot, entry, method) = match family {
+            "unary" => (
+                0,
+                format!("  {{\"{name}\", [](const array& a) {{ return {mlx}(a); }}}},\n"),
+                format!(
+                    "    /// {doc}\n    pub fn {name}(&self) -> Result<Array> {{\n        self.unary_op(\"{name}\")\n    }}\n"
+                ),
+            ),
+            "binary" => (
+                1,
+                format!(
+                    "  {{\"{name}\", [](const array& a, const array& b) {{ return {mlx}(a, b); }}}},\n"
+                ),
+                format!(
+                    "    /// {doc}\n    pub fn {name}(&self, other: &Array) -> Result<Array> {{\n        self.binary_op(\"{name}\", other)\n    }}\n"
+                ),
+            ),
+            "reduce" => (
+                2,
+                format!(
+                    "  {{\"{name}\", [](const array& a, const std::vector<int>& axes, bool keepdims) {{ return {mlx}(a, axes, keepdims); }}}},\n"
+                ),
+                format!(
+                    "    /// {doc} Reduces over `axes` (negative counts from the end).\n    pub fn {name}(&self, axes: &[i32], keepdims: bool) -> Result<Array> {{\n        self.reduce_op(\"{name}\", axes, keepdims)\n    }}\n"
+                ),
+            ),
+            other => panic!("ops.table:{}: unknown family `{other}`", lineno + 1),
+        };
+        cpp[slot].push_str(&entry);
+        rust.push_str(&method);
+    }
+    rust.push_str("}\n");
+    let mut inc = String::new();
+    let names = ["UNARY_OPS", "BINARY_OPS", "REDUCE_OPS"];
+    let types = ["UnaryFn", "BinaryFn", "ReduceFn"];
+    for (i, entries) in cpp.iter().enumerate() {
+        let _ = write!(
+            inc,
+            "static const std::unordered_map<std::string, {}> {} = {{\n{}}};\n",
+            types[i], names[i], entries
+        );
+    }
+    fs::write(out.join("ops_table.inc"), inc).expect("write ops_table.inc");
+    fs::write(out.join("ops_table.rs"), rust).expect("write ops_table.rs");
+}

@@ -1,0 +1,144 @@
+// The C++ side of the mlxcel-core bridge: thin, fallible wrappers over MLX's C++ API.
+// Each function may throw; cxx turns the exception into a Rust `Err` (every bridge function is
+// declared `Result<..>` in src/ffi.rs).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mlx/mlx.h"
+#include "rust/cxx.h"
+
+namespace mlxcel {
+
+using mlx::core::array;
+enum class Dtype : int32_t;
+enum class DeviceKind : int32_t;
+
+struct ArrayVec {
+  std::vector<array> items;
+};
+
+struct CustomKernel {
+  mlx::core::fast::CustomKernelFunction fn;
+};
+
+using Ptr = std::unique_ptr<array>;
+
+rust::String mlx_version();
+DeviceKind default_device_kind();
+void set_default_device_kind(DeviceKind kind);
+bool device_available(DeviceKind kind);
+size_t active_memory();
+size_t peak_memory();
+void reset_peak_memory();
+size_t cache_memory();
+size_t set_cache_limit(size_t bytes);
+size_t set_memory_limit(size_t bytes);
+void clear_cache();
+
+Ptr array_clone(const array& a);
+Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, Dtype dtype);
+Ptr array_scalar_f64(double value, Dtype dtype);
+rust::Vec<int32_t> array_shape(const array& a);
+Dtype array_dtype(const array& a);
+size_t array_size(const array& a);
+size_t array_nbytes(const array& a);
+void array_copy_to_host(const array& a, rust::Slice<uint8_t> out);
+void array_eval(const array& a);
+double array_item_f64(const array& a);
+
+std::unique_ptr<ArrayVec> new_array_vec();
+void array_vec_push(ArrayVec& v, const array& a);
+size_t array_vec_len(const ArrayVec& v);
+Ptr array_vec_get(const ArrayVec& v, size_t index);
+void eval_all(const ArrayVec& v);
+void async_eval_all(const ArrayVec& v);
+
+Ptr unary_op(rust::Str name, const array& a);
+Ptr binary_op(rust::Str name, const array& a, const array& b);
+Ptr reduce_op(rust::Str name, const array& a, rust::Slice<const int32_t> axes, bool keepdims);
+
+Ptr zeros(rust::Slice<const int32_t> shape, Dtype dtype);
+Ptr ones(rust::Slice<const int32_t> shape, Dtype dtype);
+Ptr full(rust::Slice<const int32_t> shape, const array& value, Dtype dtype);
+Ptr arange(double start, double stop, double step, Dtype dtype);
+
+Ptr astype(const array& a, Dtype dtype);
+Ptr view_as(const array& a, Dtype dtype);
+Ptr reshape(const array& a, rust::Slice<const int32_t> shape);
+Ptr transpose(const array& a, rust::Slice<const int32_t> axes);
+Ptr broadcast_to(const array& a, rust::Slice<const int32_t> shape);
+Ptr expand_dims(const array& a, rust::Slice<const int32_t> axes);
+Ptr squeeze(const array& a, rust::Slice<const int32_t> axes);
+Ptr contiguous(const array& a);
+Ptr slice(const array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop,
+          rust::Slice<const int32_t> strides);
+Ptr slice_dynamic(const array& a, const array& start, rust::Slice<const int32_t> axes,
+                  rust::Slice<const int32_t> sizes);
+Ptr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
+                 rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides);
+Ptr slice_update_dynamic(const array& src, const array& update, const array& start,
+                         rust::Slice<const int32_t> axes);
+Ptr concatenate(const ArrayVec& arrays, int32_t axis);
+Ptr stack(const ArrayVec& arrays, int32_t axis);
+std::unique_ptr<ArrayVec> split_at(const array& a, rust::Slice<const int32_t> indices, int32_t axis);
+std::unique_ptr<ArrayVec> split_equal(const array& a, int32_t parts, int32_t axis);
+Ptr take(const array& a, const array& indices, int32_t axis);
+Ptr take_along_axis(const array& a, const array& indices, int32_t axis);
+Ptr put_along_axis(const array& a, const array& indices, const array& values, int32_t axis);
+Ptr where_(const array& cond, const array& x, const array& y);
+
+Ptr addmm(const array& c, const array& a, const array& b, float alpha, float beta);
+Ptr softmax(const array& a, rust::Slice<const int32_t> axes, bool precise);
+Ptr argmax(const array& a, int32_t axis, bool keepdims);
+Ptr argmin(const array& a, int32_t axis, bool keepdims);
+Ptr argpartition(const array& a, int32_t kth, int32_t axis);
+Ptr topk(const array& a, int32_t k, int32_t axis);
+Ptr sort(const array& a, int32_t axis);
+Ptr argsort(const array& a, int32_t axis);
+Ptr cumsum(const array& a, int32_t axis, bool reverse, bool inclusive);
+Ptr clip(const array& a, const array* lo, const array* hi);
+Ptr conv1d(const array& input, const array& weight, int32_t stride, int32_t padding,
+           int32_t dilation, int32_t groups);
+
+std::unique_ptr<ArrayVec> quantize(const array& w, int32_t group_size, int32_t bits, rust::Str mode);
+Ptr dequantize(const array& w, const array& scales, const array* biases, int32_t group_size,
+               int32_t bits, rust::Str mode, int32_t out_dtype);
+Ptr quantized_matmul(const array& x, const array& w, const array& scales, const array* biases,
+                     bool transpose, int32_t group_size, int32_t bits, rust::Str mode);
+Ptr gather_qmm(const array& x, const array& w, const array& scales, const array* biases,
+               const array* lhs_indices, const array* rhs_indices, bool transpose,
+               int32_t group_size, int32_t bits, rust::Str mode, bool sorted_indices);
+Ptr gather_mm(const array& a, const array& b, const array* lhs_indices, const array* rhs_indices,
+              bool sorted_indices);
+
+Ptr rms_norm(const array& x, const array* weight, float eps);
+Ptr layer_norm(const array& x, const array* weight, const array* bias, float eps);
+Ptr rope(const array& x, int32_t dims, bool traditional, float base, bool has_base, float scale,
+         int32_t offset, const array* freqs);
+Ptr scaled_dot_product_attention(const array& q, const array& k, const array& v, float scale,
+                                 rust::Str mask_mode, const array* mask, const array* sinks);
+
+Ptr random_key(uint64_t seed);
+Ptr random_split(const array& key, int32_t parts);
+Ptr random_categorical(const array& logits, int32_t axis, const array& key);
+Ptr random_uniform(rust::Slice<const int32_t> shape, Dtype dtype, const array& key);
+
+std::unique_ptr<CustomKernel> custom_kernel_new(rust::Str backend, rust::Str name,
+                                                const rust::Vec<rust::String>& input_names,
+                                                const rust::Vec<rust::String>& output_names,
+                                                rust::Str source, rust::Str header);
+std::unique_ptr<ArrayVec> custom_kernel_call(const CustomKernel& kernel, const ArrayVec& inputs,
+                                             rust::Slice<const int32_t> output_shapes,
+                                             rust::Slice<const int32_t> output_ndims,
+                                             rust::Slice<const Dtype> output_dtypes,
+                                             rust::Slice<const int32_t> grid,
+                                             rust::Slice<const int32_t> threadgroup,
+                                             const rust::Vec<rust::String>& template_names,
+                                             rust::Slice<const int32_t> template_values);
+
+}  // namespace mlxcel

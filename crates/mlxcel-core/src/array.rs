@@ -1,0 +1,248 @@
+//! [`Array`]: the owned, cheaply clonable handle over an MLX array.
+
+use cxx::UniquePtr;
+
+use crate::ffi::bridge::{self, ArrayVec, MlxArray};
+use crate::{Dtype, Error, Result};
+
+/// An MLX array: a node of MLX's lazy computation graph. Cloning copies a reference-counted
+/// handle, not the data. Ops return new arrays lazily; [`Array::eval`] (or reading the data)
+/// computes them.
+///
+/// `Array` is neither `Send` nor `Sync`: MLX's graph nodes share state between clones without
+/// synchronisation, so evaluating clones of one graph from two threads at once is a data race.
+/// Move host data (`Vec<T>`) between threads instead.
+pub struct Array {
+    raw: UniquePtr<MlxArray>,
+}
+
+impl Clone for Array {
+    fn clone(&self) -> Self {
+        // Copying an mlx::core::array copies a shared_ptr; it cannot fail short of allocation
+        // failure, which aborts in Rust as well.
+        Array {
+            raw: bridge::array_clone(self.as_ref()).expect("cloning an MLX array handle"),
+        }
+    }
+}
+
+impl std::fmt::Debug for Array {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Array")
+            .field("shape", &self.shape())
+            .field("dtype", &self.dtype().ok())
+            .finish()
+    }
+}
+
+/// Host element types an [`Array`] can be created from and copied into.
+pub trait HostElement: Copy + Default + 'static {
+    const DTYPE: Dtype;
+}
+
+macro_rules! host_elements {
+    ($($t:ty => $d:ident),* $(,)?) => {
+        $(impl HostElement for $t { const DTYPE: Dtype = Dtype::$d; })*
+    };
+}
+
+host_elements! {
+    bool => Bool, u8 => Uint8, u16 => Uint16, u32 => Uint32, u64 => Uint64,
+    i8 => Int8, i16 => Int16, i32 => Int32, i64 => Int64,
+    half::f16 => Float16, half::bf16 => Bfloat16, f32 => Float32, f64 => Float64,
+}
+
+pub(crate) fn check_shape(shape: &[i32]) -> Result<()> {
+    if let Some(d) = shape.iter().find(|d| **d < 0) {
+        return Err(Error::Invalid(format!(
+            "negative dimension {d} in shape {shape:?}"
+        )));
+    }
+    Ok(())
+}
+
+impl Array {
+    pub(crate) fn from_raw(raw: UniquePtr<MlxArray>) -> Array {
+        Array { raw }
+    }
+
+    pub(crate) fn as_ref(&self) -> &MlxArray {
+        // A live Array always holds a non-null handle: every constructor goes through a bridge
+        // function that returns a fresh unique_ptr or an Err.
+        self.raw.as_ref().expect("non-null MLX array handle")
+    }
+
+    pub(crate) fn as_ptr(&self) -> *const MlxArray {
+        self.as_ref() as *const MlxArray
+    }
+
+    /// Copies `data` into a new array of the given shape.
+    pub fn from_slice<T: HostElement>(data: &[T], shape: &[i32]) -> Result<Array> {
+        check_shape(shape)?;
+        // SAFETY: `T` is one of the plain-old-data element types above; viewing its slice as
+        // bytes is sound (no padding, any bit pattern is read as-is by MLX).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data))
+        };
+        Self::from_bytes(bytes, shape, T::DTYPE)
+    }
+
+    /// Copies raw little-endian element bytes (as stored in safetensors) into a new array.
+    pub fn from_bytes(bytes: &[u8], shape: &[i32], dtype: Dtype) -> Result<Array> {
+        check_shape(shape)?;
+        Ok(Array::from_raw(bridge::array_from_bytes(
+            bytes, shape, dtype,
+        )?))
+    }
+
+    /// A zero-dimensional array holding `value` converted to `dtype`.
+    pub fn scalar(value: f64, dtype: Dtype) -> Result<Array> {
+        Ok(Array::from_raw(bridge::array_scalar_f64(value, dtype)?))
+    }
+
+    /// A zero-dimensional array of `value` in this array's dtype, so that arithmetic with it
+    /// keeps the dtype (MLX promotes `bf16 * f32-scalar` to f32).
+    pub fn scalar_like(&self, value: f64) -> Result<Array> {
+        Array::scalar(value, self.dtype()?)
+    }
+
+    pub fn shape(&self) -> Vec<i32> {
+        // Reading the shape of a live array does not throw.
+        bridge::array_shape(self.as_ref()).unwrap_or_default()
+    }
+
+    pub fn ndim(&self) -> usize {
+        self.shape().len()
+    }
+
+    /// The size of `axis` (negative counts from the end).
+    pub fn dim(&self, axis: i32) -> Result<i32> {
+        let shape = self.shape();
+        let n = shape.len() as i32;
+        let i = if axis < 0 { axis + n } else { axis };
+        if i < 0 || i >= n {
+            return Err(Error::Invalid(format!(
+                "axis {axis} out of range for shape {shape:?}"
+            )));
+        }
+        Ok(shape[i as usize])
+    }
+
+    pub fn dtype(&self) -> Result<Dtype> {
+        Ok(bridge::array_dtype(self.as_ref())?)
+    }
+
+    /// Number of elements.
+    pub fn size(&self) -> usize {
+        bridge::array_size(self.as_ref()).unwrap_or(0)
+    }
+
+    pub fn nbytes(&self) -> usize {
+        bridge::array_nbytes(self.as_ref()).unwrap_or(0)
+    }
+
+    /// Computes the array (and everything it depends on).
+    pub fn eval(&self) -> Result<()> {
+        Ok(bridge::array_eval(self.as_ref())?)
+    }
+
+    /// Copies the elements out in row-major order; views (transposed, sliced, broadcast) are
+    /// made dense first. `T` must match the dtype exactly.
+    pub fn to_vec<T: HostElement>(&self) -> Result<Vec<T>> {
+        let dtype = self.dtype()?;
+        if dtype != T::DTYPE {
+            return Err(Error::DtypeMismatch {
+                array: dtype,
+                requested: T::DTYPE,
+            });
+        }
+        let mut out = vec![T::default(); self.size()];
+        // SAFETY: `out` is a live buffer of exactly size * size_of::<T>() bytes of a plain type.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                out.as_mut_ptr().cast::<u8>(),
+                std::mem::size_of_val(out.as_slice()),
+            )
+        };
+        bridge::array_copy_to_host(self.as_ref(), bytes)?;
+        Ok(out)
+    }
+
+    /// The raw element bytes in row-major order (any dtype), as safetensors stores them.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.nbytes()];
+        bridge::array_copy_to_host(self.as_ref(), &mut out)?;
+        Ok(out)
+    }
+
+    /// The single element of a one-element array as `f64`.
+    pub fn item(&self) -> Result<f64> {
+        Ok(bridge::array_item_f64(self.as_ref())?)
+    }
+
+    pub(crate) fn unary_op(&self, name: &str) -> Result<Array> {
+        Ok(Array::from_raw(bridge::unary_op(name, self.as_ref())?))
+    }
+
+    pub(crate) fn binary_op(&self, name: &str, other: &Array) -> Result<Array> {
+        Ok(Array::from_raw(bridge::binary_op(
+            name,
+            self.as_ref(),
+            other.as_ref(),
+        )?))
+    }
+
+    pub(crate) fn reduce_op(&self, name: &str, axes: &[i32], keepdims: bool) -> Result<Array> {
+        Ok(Array::from_raw(bridge::reduce_op(
+            name,
+            self.as_ref(),
+            axes,
+            keepdims,
+        )?))
+    }
+}
+
+// The element-wise and reduction methods generated from `ops.table` by build.rs.
+include!(concat!(env!("OUT_DIR"), "/ops_table.rs"));
+
+/// A list of arrays on the C++ side, for ops that take or return several.
+pub(crate) struct ArrayList {
+    raw: UniquePtr<ArrayVec>,
+}
+
+impl ArrayList {
+    pub(crate) fn new<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<ArrayList> {
+        let mut raw = bridge::new_array_vec()?;
+        for a in arrays {
+            bridge::array_vec_push(raw.pin_mut(), a.as_ref())?;
+        }
+        Ok(ArrayList { raw })
+    }
+
+    pub(crate) fn from_raw(raw: UniquePtr<ArrayVec>) -> ArrayList {
+        ArrayList { raw }
+    }
+
+    pub(crate) fn as_ref(&self) -> &ArrayVec {
+        self.raw.as_ref().expect("non-null MLX array list")
+    }
+
+    pub(crate) fn into_vec(self) -> Result<Vec<Array>> {
+        let n = bridge::array_vec_len(self.as_ref())?;
+        (0..n)
+            .map(|i| Ok(Array::from_raw(bridge::array_vec_get(self.as_ref(), i)?)))
+            .collect()
+    }
+}
+
+/// Evaluates several arrays together (one graph traversal, shared work computed once).
+pub fn eval_all<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
+    let list = ArrayList::new(arrays)?;
+    Ok(bridge::eval_all(list.as_ref())?)
+}
+
+/// Schedules the arrays for evaluation and returns at once; a later read or `eval` waits.
+pub fn async_eval_all<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
+    let list = ArrayList::new(arrays)?;
+    Ok(bridge::async_eval_all(list.as_ref())?)
+}

@@ -1,0 +1,57 @@
+//! The error type shared by the bridge and weight I/O.
+
+use std::path::PathBuf;
+
+/// Errors from MLX and from reading checkpoints. Every variant names what is at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// MLX threw: a shape mismatch, an unsupported dtype or mode, a device error.
+    #[error("MLX: {0}")]
+    Mlx(String),
+    /// A call was made with arguments the bridge refuses before reaching MLX.
+    #[error("{0}")]
+    Invalid(String),
+    /// Host data and array element types disagree.
+    #[error("dtype mismatch: array is {array}, requested {requested}")]
+    DtypeMismatch {
+        array: crate::Dtype,
+        requested: crate::Dtype,
+    },
+    /// A file could not be opened, mapped or read.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A checkpoint file or tensor is malformed.
+    #[error("{path}: {message}")]
+    Checkpoint { path: PathBuf, message: String },
+    /// A tensor was asked for that no file defines.
+    #[error("tensor `{name}` is not in the checkpoint at {folder}")]
+    MissingTensor { name: String, folder: PathBuf },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<cxx::Exception> for Error {
+    fn from(e: cxx::Exception) -> Self {
+        Error::Mlx(e.what().to_string())
+    }
+}
+
+impl Error {
+    pub(crate) fn checkpoint(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Error::Checkpoint {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,323 @@
+//! The `cxx` bridge to MLX's C++ API. Every function is fallible (`Result`), so an MLX exception
+//! (a bad shape in a user's checkpoint, an unsupported dtype on a device) reaches Rust as an
+//! `Err` with MLX's message instead of `std::terminate`.
+//!
+//! Element-wise and reduction ops are not declared here one by one: they go through the three
+//! dispatchers (`unary_op`, `binary_op`, `reduce_op`) whose name tables are generated from
+//! `ops.table`. Ops with other signatures are declared below and implemented in `cpp/shim.cc`.
+
+#[cxx::bridge(namespace = "mlxcel")]
+pub(crate) mod bridge {
+    /// Element types MLX arrays can hold.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    #[repr(i32)]
+    enum Dtype {
+        Bool,
+        Uint8,
+        Uint16,
+        Uint32,
+        Uint64,
+        Int8,
+        Int16,
+        Int32,
+        Int64,
+        Float16,
+        Bfloat16,
+        Float32,
+        Float64,
+        Complex64,
+    }
+
+    /// Where MLX runs a computation.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    #[repr(i32)]
+    enum DeviceKind {
+        Cpu,
+        Gpu,
+    }
+
+    unsafe extern "C++" {
+        include!("mlxcel-core/cpp/shim.h");
+
+        /// `mlx::core::array`: a reference-counted node of MLX's lazy graph.
+        #[namespace = "mlx::core"]
+        #[cxx_name = "array"]
+        type MlxArray;
+        /// A `std::vector<mlx::core::array>` for ops taking or returning several arrays.
+        type ArrayVec;
+        /// A compiled custom kernel (`mlx::core::fast::metal_kernel` / `cuda_kernel`).
+        type CustomKernel;
+
+        // ---- library, devices, memory ----
+        fn mlx_version() -> Result<String>;
+        fn default_device_kind() -> Result<DeviceKind>;
+        fn set_default_device_kind(kind: DeviceKind) -> Result<()>;
+        fn device_available(kind: DeviceKind) -> Result<bool>;
+        fn active_memory() -> Result<usize>;
+        fn peak_memory() -> Result<usize>;
+        fn reset_peak_memory() -> Result<()>;
+        fn cache_memory() -> Result<usize>;
+        fn set_cache_limit(bytes: usize) -> Result<usize>;
+        fn set_memory_limit(bytes: usize) -> Result<usize>;
+        fn clear_cache() -> Result<()>;
+
+        // ---- array handles ----
+        fn array_clone(a: &MlxArray) -> Result<UniquePtr<MlxArray>>;
+        fn array_from_bytes(
+            data: &[u8],
+            shape: &[i32],
+            dtype: Dtype,
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn array_scalar_f64(value: f64, dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
+        fn array_shape(a: &MlxArray) -> Result<Vec<i32>>;
+        fn array_dtype(a: &MlxArray) -> Result<Dtype>;
+        fn array_size(a: &MlxArray) -> Result<usize>;
+        fn array_nbytes(a: &MlxArray) -> Result<usize>;
+        fn array_copy_to_host(a: &MlxArray, out: &mut [u8]) -> Result<()>;
+        fn array_eval(a: &MlxArray) -> Result<()>;
+        fn array_item_f64(a: &MlxArray) -> Result<f64>;
+
+        fn new_array_vec() -> Result<UniquePtr<ArrayVec>>;
+        fn array_vec_push(v: Pin<&mut ArrayVec>, a: &MlxArray) -> Result<()>;
+        fn array_vec_len(v: &ArrayVec) -> Result<usize>;
+        fn array_vec_get(v: &ArrayVec, index: usize) -> Result<UniquePtr<MlxArray>>;
+        fn eval_all(v: &ArrayVec) -> Result<()>;
+        fn async_eval_all(v: &ArrayVec) -> Result<()>;
+
+        // ---- table-driven families (names from ops.table) ----
+        fn unary_op(name: &str, a: &MlxArray) -> Result<UniquePtr<MlxArray>>;
+        fn binary_op(name: &str, a: &MlxArray, b: &MlxArray) -> Result<UniquePtr<MlxArray>>;
+        fn reduce_op(
+            name: &str,
+            a: &MlxArray,
+            axes: &[i32],
+            keepdims: bool,
+        ) -> Result<UniquePtr<MlxArray>>;
+
+        // ---- creation ----
+        fn zeros(shape: &[i32], dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
+        fn ones(shape: &[i32], dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
+        fn full(shape: &[i32], value: &MlxArray, dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
+        fn arange(start: f64, stop: f64, step: f64, dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
+
+        // ---- shape and indexing ----
+        fn astype(a: &MlxArray, dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
+        fn view_as(a: &MlxArray, dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
+        fn reshape(a: &MlxArray, shape: &[i32]) -> Result<UniquePtr<MlxArray>>;
+        fn transpose(a: &MlxArray, axes: &[i32]) -> Result<UniquePtr<MlxArray>>;
+        fn broadcast_to(a: &MlxArray, shape: &[i32]) -> Result<UniquePtr<MlxArray>>;
+        fn expand_dims(a: &MlxArray, axes: &[i32]) -> Result<UniquePtr<MlxArray>>;
+        fn squeeze(a: &MlxArray, axes: &[i32]) -> Result<UniquePtr<MlxArray>>;
+        fn contiguous(a: &MlxArray) -> Result<UniquePtr<MlxArray>>;
+        fn slice(
+            a: &MlxArray,
+            start: &[i32],
+            stop: &[i32],
+            strides: &[i32],
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn slice_dynamic(
+            a: &MlxArray,
+            start: &MlxArray,
+            axes: &[i32],
+            sizes: &[i32],
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn slice_update(
+            src: &MlxArray,
+            update: &MlxArray,
+            start: &[i32],
+            stop: &[i32],
+            strides: &[i32],
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn slice_update_dynamic(
+            src: &MlxArray,
+            update: &MlxArray,
+            start: &MlxArray,
+            axes: &[i32],
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn concatenate(arrays: &ArrayVec, axis: i32) -> Result<UniquePtr<MlxArray>>;
+        fn stack(arrays: &ArrayVec, axis: i32) -> Result<UniquePtr<MlxArray>>;
+        fn split_at(a: &MlxArray, indices: &[i32], axis: i32) -> Result<UniquePtr<ArrayVec>>;
+        fn split_equal(a: &MlxArray, parts: i32, axis: i32) -> Result<UniquePtr<ArrayVec>>;
+        fn take(a: &MlxArray, indices: &MlxArray, axis: i32) -> Result<UniquePtr<MlxArray>>;
+        fn take_along_axis(
+            a: &MlxArray,
+            indices: &MlxArray,
+            axis: i32,
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn put_along_axis(
+            a: &MlxArray,
+            indices: &MlxArray,
+            values: &MlxArray,
+            axis: i32,
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn where_(cond: &MlxArray, x: &MlxArray, y: &MlxArray) -> Result<UniquePtr<MlxArray>>;
+
+        // ---- math with extra parameters ----
+        fn addmm(
+            c: &MlxArray,
+            a: &MlxArray,
+            b: &MlxArray,
+            alpha: f32,
+            beta: f32,
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn softmax(a: &MlxArray, axes: &[i32], precise: bool) -> Result<UniquePtr<MlxArray>>;
+        fn argmax(a: &MlxArray, axis: i32, keepdims: bool) -> Result<UniquePtr<MlxArray>>;
+        fn argmin(a: &MlxArray, axis: i32, keepdims: bool) -> Result<UniquePtr<MlxArray>>;
+        fn argpartition(a: &MlxArray, kth: i32, axis: i32) -> Result<UniquePtr<MlxArray>>;
+        fn topk(a: &MlxArray, k: i32, axis: i32) -> Result<UniquePtr<MlxArray>>;
+        fn sort(a: &MlxArray, axis: i32) -> Result<UniquePtr<MlxArray>>;
+        fn argsort(a: &MlxArray, axis: i32) -> Result<UniquePtr<MlxArray>>;
+        fn cumsum(
+            a: &MlxArray,
+            axis: i32,
+            reverse: bool,
+            inclusive: bool,
+        ) -> Result<UniquePtr<MlxArray>>;
+        /// # Safety
+        /// `lo` and `hi` are null or point to live arrays.
+        unsafe fn clip(
+            a: &MlxArray,
+            lo: *const MlxArray,
+            hi: *const MlxArray,
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn conv1d(
+            input: &MlxArray,
+            weight: &MlxArray,
+            stride: i32,
+            padding: i32,
+            dilation: i32,
+            groups: i32,
+        ) -> Result<UniquePtr<MlxArray>>;
+
+        // ---- quantization (mode: "affine", "mxfp4", "mxfp8", "nvfp4") ----
+        fn quantize(
+            w: &MlxArray,
+            group_size: i32,
+            bits: i32,
+            mode: &str,
+        ) -> Result<UniquePtr<ArrayVec>>;
+        /// # Safety
+        /// `biases` is null or points to a live array.
+        unsafe fn dequantize(
+            w: &MlxArray,
+            scales: &MlxArray,
+            biases: *const MlxArray,
+            group_size: i32,
+            bits: i32,
+            mode: &str,
+            out_dtype: i32,
+        ) -> Result<UniquePtr<MlxArray>>;
+        /// # Safety
+        /// `biases` is null or points to a live array.
+        unsafe fn quantized_matmul(
+            x: &MlxArray,
+            w: &MlxArray,
+            scales: &MlxArray,
+            biases: *const MlxArray,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+            mode: &str,
+        ) -> Result<UniquePtr<MlxArray>>;
+        /// # Safety
+        /// `biases`, `lhs_indices` and `rhs_indices` are null or point to live arrays.
+        unsafe fn gather_qmm(
+            x: &MlxArray,
+            w: &MlxArray,
+            scales: &MlxArray,
+            biases: *const MlxArray,
+            lhs_indices: *const MlxArray,
+            rhs_indices: *const MlxArray,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+            mode: &str,
+            sorted_indices: bool,
+        ) -> Result<UniquePtr<MlxArray>>;
+        /// # Safety
+        /// `lhs_indices` and `rhs_indices` are null or point to live arrays.
+        unsafe fn gather_mm(
+            a: &MlxArray,
+            b: &MlxArray,
+            lhs_indices: *const MlxArray,
+            rhs_indices: *const MlxArray,
+            sorted_indices: bool,
+        ) -> Result<UniquePtr<MlxArray>>;
+
+        // ---- fast (fused) kernels ----
+        /// # Safety
+        /// `weight` is null or points to a live array.
+        unsafe fn rms_norm(
+            x: &MlxArray,
+            weight: *const MlxArray,
+            eps: f32,
+        ) -> Result<UniquePtr<MlxArray>>;
+        /// # Safety
+        /// `weight` and `bias` are null or point to live arrays.
+        unsafe fn layer_norm(
+            x: &MlxArray,
+            weight: *const MlxArray,
+            bias: *const MlxArray,
+            eps: f32,
+        ) -> Result<UniquePtr<MlxArray>>;
+        /// # Safety
+        /// `freqs` is null or points to a live array.
+        unsafe fn rope(
+            x: &MlxArray,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            has_base: bool,
+            scale: f32,
+            offset: i32,
+            freqs: *const MlxArray,
+        ) -> Result<UniquePtr<MlxArray>>;
+        /// # Safety
+        /// `mask` and `sinks` are null or point to live arrays.
+        unsafe fn scaled_dot_product_attention(
+            q: &MlxArray,
+            k: &MlxArray,
+            v: &MlxArray,
+            scale: f32,
+            mask_mode: &str,
+            mask: *const MlxArray,
+            sinks: *const MlxArray,
+        ) -> Result<UniquePtr<MlxArray>>;
+
+        // ---- random ----
+        fn random_key(seed: u64) -> Result<UniquePtr<MlxArray>>;
+        fn random_split(key: &MlxArray, parts: i32) -> Result<UniquePtr<MlxArray>>;
+        fn random_categorical(
+            logits: &MlxArray,
+            axis: i32,
+            key: &MlxArray,
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn random_uniform(
+            shape: &[i32],
+            dtype: Dtype,
+            key: &MlxArray,
+        ) -> Result<UniquePtr<MlxArray>>;
+
+        // ---- custom kernels (backend: "metal" or "cuda") ----
+        fn custom_kernel_new(
+            backend: &str,
+            name: &str,
+            input_names: &Vec<String>,
+            output_names: &Vec<String>,
+            source: &str,
+            header: &str,
+        ) -> Result<UniquePtr<CustomKernel>>;
+        #[allow(clippy::too_many_arguments)]
+        fn custom_kernel_call(
+            kernel: &CustomKernel,
+            inputs: &ArrayVec,
+            output_shapes: &[i32],
+            output_ndims: &[i32],
+            output_dtypes: &[Dtype],
+            grid: &[i32],
+            threadgroup: &[i32],
+            template_names: &Vec<String>,
+            template_values: &[i32],
+        ) -> Result<UniquePtr<ArrayVec>>;
+    }
+}

@@ -1,0 +1,631 @@
+//! The ops whose signatures do not fit the table-driven families of `ops.table`: shape and
+//! indexing ops, quantized matmuls, fused `fast` kernels and random sampling. Element-wise and
+//! reduction ops are methods on [`Array`] generated from `ops.table`.
+
+use std::ptr;
+
+use crate::array::{check_shape, ArrayList};
+use crate::ffi::bridge::{self, MlxArray};
+use crate::{Array, Dtype, Error, Result};
+
+fn wrap(raw: cxx::UniquePtr<MlxArray>) -> Array {
+    Array::from_raw(raw)
+}
+
+fn opt_ptr(a: Option<&Array>) -> *const MlxArray {
+    a.map_or(ptr::null(), Array::as_ptr)
+}
+
+/// MLX's quantization formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QuantMode {
+    /// Per-group scale and bias, 1–8 bits (`w ≈ scale * q + bias`).
+    Affine,
+    /// OCP microscaling FP4 (E2M1), 32-element groups, E8M0 scales.
+    Mxfp4,
+    /// OCP microscaling FP8 (E4M3), 32-element groups, E8M0 scales.
+    Mxfp8,
+    /// NVIDIA FP4 (E2M1), 16-element groups, FP8 (E4M3) scales.
+    Nvfp4,
+}
+
+impl QuantMode {
+    /// The mode string MLX and mlx-lm's `config.json` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantMode::Affine => "affine",
+            QuantMode::Mxfp4 => "mxfp4",
+            QuantMode::Mxfp8 => "mxfp8",
+            QuantMode::Nvfp4 => "nvfp4",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<QuantMode> {
+        Some(match name {
+            "affine" => QuantMode::Affine,
+            "mxfp4" => QuantMode::Mxfp4,
+            "mxfp8" => QuantMode::Mxfp8,
+            "nvfp4" => QuantMode::Nvfp4,
+            _ => return None,
+        })
+    }
+
+    /// `(group_size, bits)` fixed by the format, or `None` for affine (chosen per tensor).
+    pub fn fixed_layout(self) -> Option<(i32, i32)> {
+        match self {
+            QuantMode::Affine => None,
+            QuantMode::Mxfp4 => Some((32, 4)),
+            QuantMode::Mxfp8 => Some((32, 8)),
+            QuantMode::Nvfp4 => Some((16, 4)),
+        }
+    }
+
+    /// Whether the format stores a per-group bias plane (only affine does).
+    pub fn has_biases(self) -> bool {
+        self == QuantMode::Affine
+    }
+}
+
+impl std::fmt::Display for QuantMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a matrix is quantized: the parameters every quantized op takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QuantSpec {
+    pub mode: QuantMode,
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+impl QuantSpec {
+    pub fn affine(group_size: i32, bits: i32) -> QuantSpec {
+        QuantSpec {
+            mode: QuantMode::Affine,
+            group_size,
+            bits,
+        }
+    }
+
+    /// The spec of a fixed-layout mode (mxfp4, mxfp8, nvfp4); `None` for affine.
+    pub fn fixed(mode: QuantMode) -> Option<QuantSpec> {
+        mode.fixed_layout().map(|(group_size, bits)| QuantSpec {
+            mode,
+            group_size,
+            bits,
+        })
+    }
+}
+
+/// The planes `quantize` produces.
+#[derive(Debug, Clone)]
+pub struct Quantized {
+    pub weight: Array,
+    pub scales: Array,
+    /// Present for affine only.
+    pub biases: Option<Array>,
+}
+
+/// How `scaled_dot_product_attention` masks scores.
+#[derive(Debug, Clone, Copy)]
+pub enum AttentionMask<'a> {
+    None,
+    /// Causal, aligned to the end: query i sees keys up to `kv_len - q_len + i`.
+    Causal,
+    /// Boolean (true = keep) or additive float mask broadcastable to `[B, H, Lq, Lk]`.
+    Array(&'a Array),
+}
+
+/// Rotary embedding parameters for [`Array::rope`].
+#[derive(Debug, Clone, Copy)]
+pub struct Rope<'a> {
+    /// Number of leading feature dims rotated (partial rotary when < head dim).
+    pub dims: i32,
+    /// Rotate interleaved pairs (GPT-J/llama.cpp style) instead of the two halves.
+    pub traditional: bool,
+    /// Frequency base; ignored when `freqs` is given.
+    pub base: f32,
+    /// Position scale (linear rope scaling divides positions by the factor: scale = 1/factor).
+    pub scale: f32,
+    /// Per-pair frequencies `[dims/2]` (MLX divides positions by them) that replace `base`:
+    /// how llama3, yarn and longrope scaling are expressed.
+    pub freqs: Option<&'a Array>,
+}
+
+impl Array {
+    pub fn astype(&self, dtype: Dtype) -> Result<Array> {
+        Ok(wrap(bridge::astype(self.as_ref(), dtype)?))
+    }
+
+    /// Reinterprets the bytes as another dtype (the last axis scales by the size ratio).
+    pub fn view(&self, dtype: Dtype) -> Result<Array> {
+        Ok(wrap(bridge::view_as(self.as_ref(), dtype)?))
+    }
+
+    /// Reshapes; at most one dimension may be -1 (inferred).
+    pub fn reshape(&self, shape: &[i32]) -> Result<Array> {
+        Ok(wrap(bridge::reshape(self.as_ref(), shape)?))
+    }
+
+    /// Permutes the axes.
+    pub fn transpose(&self, axes: &[i32]) -> Result<Array> {
+        Ok(wrap(bridge::transpose(self.as_ref(), axes)?))
+    }
+
+    /// Swaps the last two axes.
+    pub fn t(&self) -> Result<Array> {
+        let n = self.ndim() as i32;
+        if n < 2 {
+            return Err(Error::Invalid(format!(
+                "t() needs at least 2 dims, shape is {:?}",
+                self.shape()
+            )));
+        }
+        let mut axes: Vec<i32> = (0..n).collect();
+        axes.swap((n - 1) as usize, (n - 2) as usize);
+        self.transpose(&axes)
+    }
+
+    pub fn broadcast_to(&self, shape: &[i32]) -> Result<Array> {
+        check_shape(shape)?;
+        Ok(wrap(bridge::broadcast_to(self.as_ref(), shape)?))
+    }
+
+    pub fn expand_dims(&self, axes: &[i32]) -> Result<Array> {
+        Ok(wrap(bridge::expand_dims(self.as_ref(), axes)?))
+    }
+
+    pub fn squeeze(&self, axes: &[i32]) -> Result<Array> {
+        Ok(wrap(bridge::squeeze(self.as_ref(), axes)?))
+    }
+
+    /// A row-major copy of a view (a no-op for arrays that already are).
+    pub fn contiguous(&self) -> Result<Array> {
+        Ok(wrap(bridge::contiguous(self.as_ref())?))
+    }
+
+    /// Strided slice `[start, stop)` with `strides` along every axis.
+    pub fn slice(&self, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
+        Ok(wrap(bridge::slice(self.as_ref(), start, stop, strides)?))
+    }
+
+    /// Slice `[start, stop)` of one axis, the other axes whole.
+    pub fn slice_axis(&self, axis: i32, start: i32, stop: i32) -> Result<Array> {
+        let shape = self.shape();
+        let n = shape.len() as i32;
+        let ax = if axis < 0 { axis + n } else { axis };
+        if ax < 0 || ax >= n {
+            return Err(Error::Invalid(format!(
+                "axis {axis} out of range for shape {shape:?}"
+            )));
+        }
+        let mut lo = vec![0; shape.len()];
+        let mut hi = shape.clone();
+        lo[ax as usize] = start;
+        hi[ax as usize] = stop;
+        self.slice(&lo, &hi, &vec![1; shape.len()])
+    }
+
+    /// Slice whose start is an array (decided at eval time): `sizes` elements along `axes`.
+    pub fn slice_dynamic(&self, start: &Array, axes: &[i32], sizes: &[i32]) -> Result<Array> {
+        Ok(wrap(bridge::slice_dynamic(
+            self.as_ref(),
+            start.as_ref(),
+            axes,
+            sizes,
+        )?))
+    }
+
+    /// A copy of `self` with `[start, stop)` (strided) replaced by `update`.
+    pub fn slice_update(
+        &self,
+        update: &Array,
+        start: &[i32],
+        stop: &[i32],
+        strides: &[i32],
+    ) -> Result<Array> {
+        Ok(wrap(bridge::slice_update(
+            self.as_ref(),
+            update.as_ref(),
+            start,
+            stop,
+            strides,
+        )?))
+    }
+
+    /// [`Array::slice_update`] with the start given as an array along `axes`.
+    pub fn slice_update_dynamic(
+        &self,
+        update: &Array,
+        start: &Array,
+        axes: &[i32],
+    ) -> Result<Array> {
+        Ok(wrap(bridge::slice_update_dynamic(
+            self.as_ref(),
+            update.as_ref(),
+            start.as_ref(),
+            axes,
+        )?))
+    }
+
+    /// Splits at the given indices along `axis`.
+    pub fn split_at(&self, indices: &[i32], axis: i32) -> Result<Vec<Array>> {
+        ArrayList::from_raw(bridge::split_at(self.as_ref(), indices, axis)?).into_vec()
+    }
+
+    /// Splits into `parts` equal pieces along `axis`.
+    pub fn split_equal(&self, parts: i32, axis: i32) -> Result<Vec<Array>> {
+        ArrayList::from_raw(bridge::split_equal(self.as_ref(), parts, axis)?).into_vec()
+    }
+
+    /// Gathers slices along `axis` at `indices` (embedding lookup: `table.take(ids, 0)`).
+    pub fn take(&self, indices: &Array, axis: i32) -> Result<Array> {
+        Ok(wrap(bridge::take(self.as_ref(), indices.as_ref(), axis)?))
+    }
+
+    pub fn take_along_axis(&self, indices: &Array, axis: i32) -> Result<Array> {
+        Ok(wrap(bridge::take_along_axis(
+            self.as_ref(),
+            indices.as_ref(),
+            axis,
+        )?))
+    }
+
+    pub fn put_along_axis(&self, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
+        Ok(wrap(bridge::put_along_axis(
+            self.as_ref(),
+            indices.as_ref(),
+            values.as_ref(),
+            axis,
+        )?))
+    }
+
+    /// `beta * self + alpha * (a @ b)`.
+    pub fn addmm(&self, a: &Array, b: &Array, alpha: f32, beta: f32) -> Result<Array> {
+        Ok(wrap(bridge::addmm(
+            self.as_ref(),
+            a.as_ref(),
+            b.as_ref(),
+            alpha,
+            beta,
+        )?))
+    }
+
+    /// Softmax over `axes`; `precise` accumulates in f32 for half-precision inputs.
+    pub fn softmax(&self, axes: &[i32], precise: bool) -> Result<Array> {
+        Ok(wrap(bridge::softmax(self.as_ref(), axes, precise)?))
+    }
+
+    pub fn argmax(&self, axis: i32, keepdims: bool) -> Result<Array> {
+        Ok(wrap(bridge::argmax(self.as_ref(), axis, keepdims)?))
+    }
+
+    pub fn argmin(&self, axis: i32, keepdims: bool) -> Result<Array> {
+        Ok(wrap(bridge::argmin(self.as_ref(), axis, keepdims)?))
+    }
+
+    /// Indices that partition `axis` around its `kth` smallest element.
+    pub fn argpartition(&self, kth: i32, axis: i32) -> Result<Array> {
+        Ok(wrap(bridge::argpartition(self.as_ref(), kth, axis)?))
+    }
+
+    /// The `k` largest values along `axis` (unordered).
+    pub fn topk(&self, k: i32, axis: i32) -> Result<Array> {
+        Ok(wrap(bridge::topk(self.as_ref(), k, axis)?))
+    }
+
+    pub fn sort(&self, axis: i32) -> Result<Array> {
+        Ok(wrap(bridge::sort(self.as_ref(), axis)?))
+    }
+
+    pub fn argsort(&self, axis: i32) -> Result<Array> {
+        Ok(wrap(bridge::argsort(self.as_ref(), axis)?))
+    }
+
+    pub fn cumsum(&self, axis: i32, reverse: bool, inclusive: bool) -> Result<Array> {
+        Ok(wrap(bridge::cumsum(
+            self.as_ref(),
+            axis,
+            reverse,
+            inclusive,
+        )?))
+    }
+
+    /// Limits values to `[lo, hi]` (either bound optional).
+    pub fn clip(&self, lo: Option<&Array>, hi: Option<&Array>) -> Result<Array> {
+        // SAFETY: the pointers are null or borrowed from live arrays for the call's duration.
+        Ok(wrap(unsafe {
+            bridge::clip(self.as_ref(), opt_ptr(lo), opt_ptr(hi))?
+        }))
+    }
+
+    /// 1-D convolution, channels last: input `[N, L, C_in]`, weight `[C_out, K, C_in/groups]`.
+    pub fn conv1d(
+        &self,
+        weight: &Array,
+        stride: i32,
+        padding: i32,
+        dilation: i32,
+        groups: i32,
+    ) -> Result<Array> {
+        Ok(wrap(bridge::conv1d(
+            self.as_ref(),
+            weight.as_ref(),
+            stride,
+            padding,
+            dilation,
+            groups,
+        )?))
+    }
+
+    /// `self + value`, `value` in this array's dtype.
+    pub fn add_scalar(&self, value: f64) -> Result<Array> {
+        self.add(&self.scalar_like(value)?)
+    }
+
+    /// `self * value`, `value` in this array's dtype.
+    pub fn mul_scalar(&self, value: f64) -> Result<Array> {
+        self.multiply(&self.scalar_like(value)?)
+    }
+
+    /// Quantizes the last axis of a matrix (or stack of matrices).
+    pub fn quantize(&self, spec: QuantSpec) -> Result<Quantized> {
+        let planes = ArrayList::from_raw(bridge::quantize(
+            self.as_ref(),
+            spec.group_size,
+            spec.bits,
+            spec.mode.name(),
+        )?)
+        .into_vec()?;
+        let mut planes = planes.into_iter();
+        match (planes.next(), planes.next(), planes.next()) {
+            (Some(weight), Some(scales), biases) => Ok(Quantized {
+                weight,
+                scales,
+                biases,
+            }),
+            _ => Err(Error::Mlx("quantize returned fewer than two planes".into())),
+        }
+    }
+
+    /// Rotary position embedding over the last axis; `offset` is the position of the first row
+    /// along axis -2.
+    pub fn rope(&self, rope: &Rope<'_>, offset: i32) -> Result<Array> {
+        // SAFETY: `freqs` is null or borrowed for the call's duration.
+        Ok(wrap(unsafe {
+            bridge::rope(
+                self.as_ref(),
+                rope.dims,
+                rope.traditional,
+                rope.base,
+                rope.freqs.is_none(),
+                rope.scale,
+                offset,
+                opt_ptr(rope.freqs),
+            )?
+        }))
+    }
+
+    /// RMS normalisation over the last axis, optionally scaled by `weight`.
+    pub fn rms_norm(&self, weight: Option<&Array>, eps: f32) -> Result<Array> {
+        // SAFETY: `weight` is null or borrowed for the call's duration.
+        Ok(wrap(unsafe {
+            bridge::rms_norm(self.as_ref(), opt_ptr(weight), eps)?
+        }))
+    }
+
+    /// Layer normalisation over the last axis with optional affine parameters.
+    pub fn layer_norm(
+        &self,
+        weight: Option<&Array>,
+        bias: Option<&Array>,
+        eps: f32,
+    ) -> Result<Array> {
+        // SAFETY: `weight` and `bias` are null or borrowed for the call's duration.
+        Ok(wrap(unsafe {
+            bridge::layer_norm(self.as_ref(), opt_ptr(weight), opt_ptr(bias), eps)?
+        }))
+    }
+}
+
+/// Dequantizes planes produced by [`Array::quantize`] (or read from an MLX checkpoint).
+/// `dtype` defaults to the scales' dtype (float16 for the fp modes' byte scales).
+pub fn dequantize(
+    weight: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    spec: QuantSpec,
+    dtype: Option<Dtype>,
+) -> Result<Array> {
+    let out = dtype.map_or(-1, |d| d.repr);
+    // SAFETY: `biases` is null or borrowed for the call's duration.
+    Ok(wrap(unsafe {
+        bridge::dequantize(
+            weight.as_ref(),
+            scales.as_ref(),
+            opt_ptr(biases),
+            spec.group_size,
+            spec.bits,
+            spec.mode.name(),
+            out,
+        )?
+    }))
+}
+
+/// `x @ dequantize(w).T` (when `transpose`) without materialising the dense matrix.
+pub fn quantized_matmul(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    transpose: bool,
+    spec: QuantSpec,
+) -> Result<Array> {
+    // SAFETY: `biases` is null or borrowed for the call's duration.
+    Ok(wrap(unsafe {
+        bridge::quantized_matmul(
+            x.as_ref(),
+            weight.as_ref(),
+            scales.as_ref(),
+            opt_ptr(biases),
+            transpose,
+            spec.group_size,
+            spec.bits,
+            spec.mode.name(),
+        )?
+    }))
+}
+
+/// Batched quantized matmul choosing, per row, the matrix `rhs_indices` names in a stack of
+/// quantized matrices (MoE experts). `sorted_indices` promises `rhs_indices` is non-decreasing,
+/// which lets MLX process each expert's rows as one block.
+#[allow(clippy::too_many_arguments)]
+pub fn gather_qmm(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    lhs_indices: Option<&Array>,
+    rhs_indices: Option<&Array>,
+    transpose: bool,
+    spec: QuantSpec,
+    sorted_indices: bool,
+) -> Result<Array> {
+    // SAFETY: the optional pointers are null or borrowed for the call's duration.
+    Ok(wrap(unsafe {
+        bridge::gather_qmm(
+            x.as_ref(),
+            weight.as_ref(),
+            scales.as_ref(),
+            opt_ptr(biases),
+            opt_ptr(lhs_indices),
+            opt_ptr(rhs_indices),
+            transpose,
+            spec.group_size,
+            spec.bits,
+            spec.mode.name(),
+            sorted_indices,
+        )?
+    }))
+}
+
+/// Dense counterpart of [`gather_qmm`]: `a[lhs] @ b[rhs]`.
+pub fn gather_mm(
+    a: &Array,
+    b: &Array,
+    lhs_indices: Option<&Array>,
+    rhs_indices: Option<&Array>,
+    sorted_indices: bool,
+) -> Result<Array> {
+    // SAFETY: the optional pointers are null or borrowed for the call's duration.
+    Ok(wrap(unsafe {
+        bridge::gather_mm(
+            a.as_ref(),
+            b.as_ref(),
+            opt_ptr(lhs_indices),
+            opt_ptr(rhs_indices),
+            sorted_indices,
+        )?
+    }))
+}
+
+/// Fused attention `softmax(q k^T * scale + mask) v` over `[B, H, L, D]` inputs; `k`/`v` may
+/// have fewer heads than `q` (grouped-query attention). `sinks` (`[H]`) adds a per-head logit
+/// that takes probability mass but contributes no value.
+pub fn scaled_dot_product_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: AttentionMask<'_>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
+    let (mode, arr) = match mask {
+        AttentionMask::None => ("", None),
+        AttentionMask::Causal => ("causal", None),
+        AttentionMask::Array(m) => ("array", Some(m)),
+    };
+    // SAFETY: the optional pointers are null or borrowed for the call's duration.
+    Ok(wrap(unsafe {
+        bridge::scaled_dot_product_attention(
+            q.as_ref(),
+            k.as_ref(),
+            v.as_ref(),
+            scale,
+            mode,
+            opt_ptr(arr),
+            opt_ptr(sinks),
+        )?
+    }))
+}
+
+pub fn zeros(shape: &[i32], dtype: Dtype) -> Result<Array> {
+    check_shape(shape)?;
+    Ok(wrap(bridge::zeros(shape, dtype)?))
+}
+
+pub fn ones(shape: &[i32], dtype: Dtype) -> Result<Array> {
+    check_shape(shape)?;
+    Ok(wrap(bridge::ones(shape, dtype)?))
+}
+
+pub fn full(shape: &[i32], value: f64, dtype: Dtype) -> Result<Array> {
+    check_shape(shape)?;
+    let v = Array::scalar(value, dtype)?;
+    Ok(wrap(bridge::full(shape, v.as_ref(), dtype)?))
+}
+
+/// `[start, stop)` in steps of `step`.
+pub fn arange(start: f64, stop: f64, step: f64, dtype: Dtype) -> Result<Array> {
+    Ok(wrap(bridge::arange(start, stop, step, dtype)?))
+}
+
+pub fn concatenate(arrays: &[Array], axis: i32) -> Result<Array> {
+    let list = ArrayList::new(arrays)?;
+    Ok(wrap(bridge::concatenate(list.as_ref(), axis)?))
+}
+
+pub fn stack(arrays: &[Array], axis: i32) -> Result<Array> {
+    let list = ArrayList::new(arrays)?;
+    Ok(wrap(bridge::stack(list.as_ref(), axis)?))
+}
+
+/// Element-wise `cond ? x : y` with broadcasting.
+pub fn where_(cond: &Array, x: &Array, y: &Array) -> Result<Array> {
+    Ok(wrap(bridge::where_(cond.as_ref(), x.as_ref(), y.as_ref())?))
+}
+
+pub use crate::array::{async_eval_all, eval_all};
+
+/// Explicit-key random numbers (reproducible with `--seed`).
+pub mod random {
+    use super::wrap;
+    use crate::ffi::bridge;
+    use crate::{Array, Dtype, Result};
+
+    /// A PRNG key from a seed.
+    pub fn key(seed: u64) -> Result<Array> {
+        Ok(wrap(bridge::random_key(seed)?))
+    }
+
+    /// `parts` independent keys derived from `key` (shape `[parts, 2]`).
+    pub fn split(key: &Array, parts: i32) -> Result<Array> {
+        Ok(wrap(bridge::random_split(key.as_ref(), parts)?))
+    }
+
+    /// Samples an index along `axis` with probabilities `softmax(logits)`.
+    pub fn categorical(logits: &Array, axis: i32, key: &Array) -> Result<Array> {
+        Ok(wrap(bridge::random_categorical(
+            logits.as_ref(),
+            axis,
+            key.as_ref(),
+        )?))
+    }
+
+    /// Uniform samples in `[0, 1)`.
+    pub fn uniform(shape: &[i32], dtype: Dtype, key: &Array) -> Result<Array> {
+        Ok(wrap(bridge::random_uniform(shape, dtype, key.as_ref())?))
+    }
+}

@@ -1,0 +1,512 @@
+//! [`WeightMap`]: the tensors of a safetensors checkpoint, by name.
+//!
+//! Opening a folder maps every shard (`memmap2`) and parses its header with the `safetensors`
+//! crate, so names, dtypes and shapes are known without touching tensor data. A tensor becomes
+//! an [`Array`] only when asked for ([`WeightMap::get`]), copied once from the page cache into
+//! an MLX buffer. Sanitisers edit the map in place ([`WeightMap::insert`], [`WeightMap::remove`],
+//! [`WeightMap::rename`]) before a model takes its tensors.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype as StDtype, SafeTensors};
+
+use crate::{Array, Dtype, Error, Result};
+
+/// The index file sharded checkpoints carry.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Where a tensor's value comes from.
+#[derive(Clone)]
+enum Source {
+    /// Bytes `[start, end)` of a mapped shard.
+    File {
+        shard: usize,
+        start: usize,
+        end: usize,
+    },
+    /// An array a sanitiser put in the map.
+    Array(Array),
+}
+
+/// What is known about a tensor without reading its data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The dtype the tensor becomes as an [`Array`]. FP8 tensors (`F8_E4M3`, `F8_E5M2`) are
+    /// exposed as their raw bytes (`uint8`); `stored_dtype` tells them apart.
+    pub dtype: Dtype,
+    /// The safetensors dtype tag as written in the file (`"BF16"`, `"F8_E4M3"`, ...).
+    pub stored_dtype: String,
+    pub shape: Vec<i32>,
+    /// The shard file, `None` for tensors inserted by a sanitiser.
+    pub file: Option<PathBuf>,
+}
+
+impl TensorInfo {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().map(|d| *d as usize).product()
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size_of()
+    }
+}
+
+#[derive(Clone)]
+struct Entry {
+    info: TensorInfo,
+    source: Source,
+}
+
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+}
+
+/// The tensors of a checkpoint folder.
+#[derive(Clone)]
+pub struct WeightMap {
+    folder: PathBuf,
+    shards: Arc<Vec<Shard>>,
+    entries: BTreeMap<String, Entry>,
+}
+
+impl std::fmt::Debug for WeightMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightMap")
+            .field("folder", &self.folder)
+            .field("tensors", &self.entries.len())
+            .finish()
+    }
+}
+
+fn map_dtype(st: StDtype) -> Option<Dtype> {
+    Some(match st {
+        StDtype::BOOL => Dtype::Bool,
+        StDtype::U8 | StDtype::F8_E4M3 | StDtype::F8_E5M2 => Dtype::Uint8,
+        StDtype::I8 => Dtype::Int8,
+        StDtype::U16 => Dtype::Uint16,
+        StDtype::I16 => Dtype::Int16,
+        StDtype::F16 => Dtype::Float16,
+        StDtype::BF16 => Dtype::Bfloat16,
+        StDtype::U32 => Dtype::Uint32,
+        StDtype::I32 => Dtype::Int32,
+        StDtype::F32 => Dtype::Float32,
+        StDtype::U64 => Dtype::Uint64,
+        StDtype::I64 => Dtype::Int64,
+        StDtype::F64 => Dtype::Float64,
+        _ => return None,
+    })
+}
+
+fn safetensors_dtype(d: Dtype) -> Option<StDtype> {
+    Some(match d {
+        Dtype::Bool => StDtype::BOOL,
+        Dtype::Uint8 => StDtype::U8,
+        Dtype::Int8 => StDtype::I8,
+        Dtype::Uint16 => StDtype::U16,
+        Dtype::Int16 => StDtype::I16,
+        Dtype::Float16 => StDtype::F16,
+        Dtype::Bfloat16 => StDtype::BF16,
+        Dtype::Uint32 => StDtype::U32,
+        Dtype::Int32 => StDtype::I32,
+        Dtype::Float32 => StDtype::F32,
+        Dtype::Uint64 => StDtype::U64,
+        Dtype::Int64 => StDtype::I64,
+        Dtype::Float64 => StDtype::F64,
+        _ => return None,
+    })
+}
+
+/// When the safetensors crate refuses a header, find which tensor is at fault so the message
+/// can name it (the crate's serde error does not).
+fn diagnose_header(bytes: &[u8]) -> Option<String> {
+    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value =
+        serde_json::from_slice(bytes.get(8..8usize.checked_add(len)?)?).ok()?;
+    let known = [
+        "BOOL", "U8", "I8", "U16", "I16", "F16", "BF16", "U32", "I32", "F32", "U64", "I64", "F64",
+        "F8_E4M3", "F8_E5M2",
+    ];
+    for (name, value) in header.as_object()? {
+        if name == "__metadata__" {
+            continue;
+        }
+        if let Some(dtype) = value.get("dtype").and_then(|d| d.as_str()) {
+            if !known.contains(&dtype) {
+                return Some(format!("tensor `{name}` has unknown dtype `{dtype}`"));
+            }
+        }
+    }
+    None
+}
+
+fn open_shard(path: &Path) -> Result<Mmap> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: the map is read-only. If another process truncates the file while it is mapped,
+    // reads fault; checkpoints are not modified in place while a model loads.
+    unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))
+}
+
+impl WeightMap {
+    /// An empty map rooted at `folder` (for building checkpoints in memory).
+    pub fn empty(folder: impl Into<PathBuf>) -> WeightMap {
+        WeightMap {
+            folder: folder.into(),
+            shards: Arc::new(Vec::new()),
+            entries: BTreeMap::new(),
+        }
+    }
+
+    /// Opens every shard of a checkpoint folder: the files `model.safetensors.index.json` names,
+    /// else every `*.safetensors` file in the folder.
+    pub fn open(folder: impl AsRef<Path>) -> Result<WeightMap> {
+        let folder = folder.as_ref().to_path_buf();
+        let index_path = folder.join(INDEX_FILE);
+        let (files, index) = if index_path.is_file() {
+            let index = read_index(&index_path)?;
+            let mut files: Vec<String> = index.values().cloned().collect();
+            files.sort();
+            files.dedup();
+            for f in &files {
+                if !folder.join(f).is_file() {
+                    let tensor = index.iter().find(|(_, v)| *v == f).map(|(k, _)| k.as_str());
+                    return Err(Error::checkpoint(
+                        &index_path,
+                        format!(
+                            "shard `{f}` named by the index (e.g. for tensor `{}`) is missing",
+                            tensor.unwrap_or("?")
+                        ),
+                    ));
+                }
+            }
+            (
+                files.into_iter().map(|f| folder.join(f)).collect(),
+                Some(index),
+            )
+        } else {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(&folder)
+                .map_err(|e| Error::io(&folder, e))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            files.sort();
+            (files, None)
+        };
+        if files.is_empty() {
+            return Err(Error::checkpoint(
+                &folder,
+                "no *.safetensors files in the folder",
+            ));
+        }
+
+        let mut shards = Vec::with_capacity(files.len());
+        let mut entries: BTreeMap<String, Entry> = BTreeMap::new();
+        for (shard, path) in files.into_iter().enumerate() {
+            let map = open_shard(&path)?;
+            let parsed = SafeTensors::deserialize(&map).map_err(|e| {
+                let detail = diagnose_header(&map).unwrap_or_else(|| e.to_string());
+                Error::checkpoint(&path, format!("not a valid safetensors file: {detail}"))
+            })?;
+            let (header_len, _) = SafeTensors::read_metadata(&map)
+                .map_err(|e| Error::checkpoint(&path, format!("bad header: {e}")))?;
+            let data_start = 8 + header_len;
+            for (name, view) in parsed.tensors() {
+                let dtype = map_dtype(view.dtype()).ok_or_else(|| {
+                    Error::checkpoint(
+                        &path,
+                        format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
+                    )
+                })?;
+                let shape = view
+                    .shape()
+                    .iter()
+                    .map(|d| i32::try_from(*d))
+                    .collect::<std::result::Result<Vec<i32>, _>>()
+                    .map_err(|_| {
+                        Error::checkpoint(
+                            &path,
+                            format!("tensor `{name}` has a dimension over 2^31"),
+                        )
+                    })?;
+                // The view's data is a sub-slice of the map: recover its offsets.
+                let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
+                let end = start + view.data().len();
+                debug_assert!(start >= data_start);
+                if let Some(prev) = entries.get(&name) {
+                    return Err(Error::checkpoint(
+                        &path,
+                        format!(
+                            "tensor `{name}` is also defined in {}",
+                            prev.info
+                                .file
+                                .as_deref()
+                                .unwrap_or(Path::new("?"))
+                                .display()
+                        ),
+                    ));
+                }
+                if let Some(index) = &index {
+                    match index.get(&name) {
+                        Some(f) if folder.join(f) == path => {}
+                        Some(f) => {
+                            return Err(Error::checkpoint(
+                                &path,
+                                format!("tensor `{name}` is here but the index places it in `{f}`"),
+                            ))
+                        }
+                        None => {
+                            return Err(Error::checkpoint(
+                                &path,
+                                format!("tensor `{name}` is not listed in {INDEX_FILE}"),
+                            ))
+                        }
+                    }
+                }
+                let info = TensorInfo {
+                    dtype,
+                    stored_dtype: format!("{:?}", view.dtype()),
+                    shape,
+                    file: Some(path.clone()),
+                };
+                entries.insert(
+                    name,
+                    Entry {
+                        info,
+                        source: Source::File { shard, start, end },
+                    },
+                );
+            }
+            shards.push(Shard { path, map });
+        }
+        if let Some(index) = &index {
+            if let Some((name, file)) = index.iter().find(|(name, _)| !entries.contains_key(*name))
+            {
+                return Err(Error::checkpoint(
+                    folder.join(file),
+                    format!("tensor `{name}` is listed in {INDEX_FILE} but not in this shard"),
+                ));
+            }
+        }
+        Ok(WeightMap {
+            folder,
+            shards: Arc::new(shards),
+            entries,
+        })
+    }
+
+    pub fn folder(&self) -> &Path {
+        &self.folder
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// Tensor names in sorted order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.entries.get(name).map(|e| &e.info)
+    }
+
+    /// The tensor as an array (copied from the mapped file on each call for file tensors).
+    pub fn get(&self, name: &str) -> Result<Array> {
+        let entry = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            folder: self.folder.clone(),
+        })?;
+        match &entry.source {
+            Source::Array(a) => Ok(a.clone()),
+            Source::File { shard, start, end } => {
+                let shard = &self.shards[*shard];
+                let bytes = shard.map.get(*start..*end).ok_or_else(|| {
+                    Error::checkpoint(
+                        &shard.path,
+                        format!("tensor `{name}` lies outside the file"),
+                    )
+                })?;
+                Array::from_bytes(bytes, &entry.info.shape, entry.info.dtype)
+                    .map_err(|e| Error::checkpoint(&shard.path, format!("tensor `{name}`: {e}")))
+            }
+        }
+    }
+
+    /// The raw bytes of a file tensor, without creating an array (`None` for inserted arrays).
+    pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+        match &self.entries.get(name)?.source {
+            Source::File { shard, start, end } => self.shards[*shard].map.get(*start..*end),
+            Source::Array(_) => None,
+        }
+    }
+
+    /// Takes a tensor out of the map.
+    pub fn take(&mut self, name: &str) -> Result<Array> {
+        let a = self.get(name)?;
+        self.entries.remove(name);
+        Ok(a)
+    }
+
+    /// Adds or replaces a tensor.
+    pub fn insert(&mut self, name: impl Into<String>, array: Array) -> Result<()> {
+        let info = TensorInfo {
+            dtype: array.dtype()?,
+            stored_dtype: array.dtype()?.name().to_string(),
+            shape: array.shape(),
+            file: None,
+        };
+        self.entries.insert(
+            name.into(),
+            Entry {
+                info,
+                source: Source::Array(array),
+            },
+        );
+        Ok(())
+    }
+
+    /// Removes a tensor; returns whether it was present.
+    pub fn remove(&mut self, name: &str) -> bool {
+        self.entries.remove(name).is_some()
+    }
+
+    /// Renames a tensor; an error when `from` is missing or `to` exists.
+    pub fn rename(&mut self, from: &str, to: &str) -> Result<()> {
+        if self.entries.contains_key(to) {
+            return Err(Error::Invalid(format!(
+                "cannot rename `{from}` to `{to}`: `{to}` exists"
+            )));
+        }
+        let entry = self
+            .entries
+            .remove(from)
+            .ok_or_else(|| Error::MissingTensor {
+                name: from.to_string(),
+                folder: self.folder.clone(),
+            })?;
+        self.entries.insert(to.to_string(), entry);
+        Ok(())
+    }
+
+    /// Renames every tensor whose name starts with `from` to start with `to` instead.
+    pub fn rename_prefix(&mut self, from: &str, to: &str) -> Result<usize> {
+        let names: Vec<String> = self
+            .entries
+            .keys()
+            .filter(|n| n.starts_with(from))
+            .cloned()
+            .collect();
+        for n in &names {
+            self.rename(n, &format!("{to}{}", &n[from.len()..]))?;
+        }
+        Ok(names.len())
+    }
+
+    /// Total bytes of all tensors.
+    pub fn total_bytes(&self) -> usize {
+        self.entries.values().map(|e| e.info.nbytes()).sum()
+    }
+}
+
+fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::checkpoint(path, format!("invalid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::checkpoint(path, "no `weight_map` object"))?;
+    map.iter()
+        .map(|(k, v)| {
+            v.as_str()
+                .map(|f| (k.clone(), f.to_string()))
+                .ok_or_else(|| {
+                    Error::checkpoint(path, format!("weight_map entry `{k}` is not a file name"))
+                })
+        })
+        .collect()
+}
+
+/// Writes arrays as one safetensors file (evaluating them), with optional string metadata
+/// (mlx-lm writes `{"format": "mlx"}`).
+pub fn save_safetensors(
+    path: impl AsRef<Path>,
+    tensors: &[(String, Array)],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let mut owned = Vec::with_capacity(tensors.len());
+    for (name, array) in tensors {
+        let dtype = array.dtype()?;
+        let st = safetensors_dtype(dtype).ok_or_else(|| {
+            Error::Invalid(format!(
+                "tensor `{name}`: dtype {dtype} cannot be stored in safetensors"
+            ))
+        })?;
+        let shape: Vec<usize> = array.shape().iter().map(|d| *d as usize).collect();
+        owned.push((name.clone(), st, shape, array.to_bytes()?));
+    }
+    let views = owned
+        .iter()
+        .map(|(name, st, shape, bytes)| {
+            safetensors::tensor::TensorView::new(*st, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| Error::Invalid(format!("tensor `{name}`: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::tensor::serialize_to_file(views, &metadata, path)
+        .map_err(|e| Error::checkpoint(path, format!("writing safetensors: {e}")))
+}
+
+/// Whether loading evaluates every kept tensor before reporting the model loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Materialization {
+    /// Evaluate all kept weights (and their load-time transforms) during loading, so the first
+    /// token never waits on weight I/O. The default.
+    #[default]
+    Eager,
+    /// Leave weights (and load-time transforms such as dtype casts) as lazy graph nodes;
+    /// they are computed on first use.
+    Lazy,
+}
+
+impl Materialization {
+    /// The environment switch that selects the policy.
+    pub const ENV: &'static str = "MLXCEL_WEIGHT_MATERIALIZATION";
+
+    /// Reads `MLXCEL_WEIGHT_MATERIALIZATION` (`eager` or `lazy`; unset means eager).
+    pub fn from_env() -> Result<Materialization> {
+        match std::env::var(Self::ENV) {
+            Err(_) => Ok(Materialization::Eager),
+            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "" | "eager" => Ok(Materialization::Eager),
+                "lazy" => Ok(Materialization::Lazy),
+                other => Err(Error::Invalid(format!(
+                    "{}={other}: expected `eager` or `lazy`",
+                    Self::ENV
+                ))),
+            },
+        }
+    }
+
+    /// Applies the policy to the arrays a model kept.
+    pub fn apply<'a>(self, arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
+        match self {
+            Materialization::Eager => crate::ops::eval_all(arrays),
+            Materialization::Lazy => Ok(()),
+        }
+    }
+}

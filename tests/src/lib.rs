@@ -1,0 +1,1 @@
+//! Workspace-level integration tests and the dev-only fixture helpers they share.
