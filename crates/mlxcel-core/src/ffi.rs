@@ -6,6 +6,8 @@
 //! dispatchers (`unary_op`, `binary_op`, `reduce_op`) whose name tables are generated from
 //! `ops.table`. Ops with other signatures are declared below and implemented in `cpp/shim.cc`.
 
+// MLX's quantized ops take many scalar parameters; the bridge mirrors them one to one.
+#[allow(clippy::too_many_arguments)]
 #[cxx::bridge(namespace = "mlxcel")]
 pub(crate) mod bridge {
     /// Element types MLX arrays can hold.
@@ -307,7 +309,6 @@ pub(crate) mod bridge {
             source: &str,
             header: &str,
         ) -> Result<UniquePtr<CustomKernel>>;
-        #[allow(clippy::too_many_arguments)]
         fn custom_kernel_call(
             kernel: &CustomKernel,
             inputs: &ArrayVec,

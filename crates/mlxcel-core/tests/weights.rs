@@ -1,0 +1,260 @@
+//! `WeightMap` on real safetensors files written here, and every malformed-checkpoint error path.
+
+use std::fs;
+use std::path::Path;
+
+use mlxcel_core::weights::{save_safetensors, INDEX_FILE};
+use mlxcel_core::{Array, Dtype, Error, Materialization, WeightMap};
+
+fn arr(values: &[f32], shape: &[i32]) -> Array {
+    Array::from_slice(values, shape).unwrap()
+}
+
+fn write(path: &Path, tensors: &[(&str, Array)]) {
+    let owned: Vec<(String, Array)> = tensors
+        .iter()
+        .map(|(n, a)| (n.to_string(), a.clone()))
+        .collect();
+    save_safetensors(path, &owned, None).unwrap();
+}
+
+/// A safetensors file assembled by hand, for headers no writer would produce.
+fn raw_file(path: &Path, header: &str, data: &[u8]) {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn opens_a_folder_and_reads_tensors_on_demand() {
+    let dir = tempfile::tempdir().unwrap();
+    let bf: Vec<half::bf16> = [1.0f32, -2.0, 3.5]
+        .iter()
+        .map(|v| half::bf16::from_f32(*v))
+        .collect();
+    write(
+        &dir.path().join("model.safetensors"),
+        &[
+            ("a.weight", arr(&[1., 2., 3., 4., 5., 6.], &[2, 3])),
+            ("b", Array::from_slice(&bf, &[3]).unwrap()),
+        ],
+    );
+    let map = WeightMap::open(dir.path()).unwrap();
+    assert_eq!(map.len(), 2);
+    assert_eq!(map.names().collect::<Vec<_>>(), vec!["a.weight", "b"]);
+    let info = map.info("a.weight").unwrap();
+    assert_eq!(
+        (info.dtype, info.shape.clone(), info.stored_dtype.as_str()),
+        (Dtype::Float32, vec![2, 3], "F32")
+    );
+    assert_eq!(info.nbytes(), 24);
+    assert_eq!(
+        map.get("a.weight").unwrap().to_vec::<f32>().unwrap(),
+        vec![1., 2., 3., 4., 5., 6.]
+    );
+    assert_eq!(map.get("b").unwrap().to_vec::<half::bf16>().unwrap(), bf);
+    assert_eq!(map.bytes("b").unwrap().len(), 6);
+    assert_eq!(map.total_bytes(), 30);
+    match map.get("nope") {
+        Err(Error::MissingTensor { name, .. }) => assert_eq!(name, "nope"),
+        other => panic!("expected MissingTensor, got {other:?}"),
+    }
+}
+
+#[test]
+fn sanitiser_edits() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("m.safetensors"),
+        &[
+            ("x", arr(&[1.], &[1])),
+            ("p.y", arr(&[2.], &[1])),
+            ("p.z", arr(&[3.], &[1])),
+        ],
+    );
+    let mut map = WeightMap::open(dir.path()).unwrap();
+    map.rename("x", "w").unwrap();
+    assert!(
+        map.rename("w", "p.y").is_err(),
+        "rename onto an existing name"
+    );
+    assert!(map.rename("gone", "q").is_err());
+    assert_eq!(map.rename_prefix("p.", "model.").unwrap(), 2);
+    assert!(map.contains("model.y") && map.contains("model.z") && map.contains("w"));
+    map.insert("new", arr(&[9., 9.], &[2])).unwrap();
+    assert_eq!(map.info("new").unwrap().file, None);
+    assert_eq!(
+        map.get("new").unwrap().to_vec::<f32>().unwrap(),
+        vec![9., 9.]
+    );
+    assert!(map.remove("w"));
+    assert!(!map.remove("w"));
+    assert_eq!(
+        map.take("model.y").unwrap().to_vec::<f32>().unwrap(),
+        vec![2.]
+    );
+    assert_eq!(map.len(), 2);
+}
+
+#[test]
+fn sharded_checkpoint_with_index() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("model-00001-of-00002.safetensors"),
+        &[("a", arr(&[1.], &[1]))],
+    );
+    write(
+        &dir.path().join("model-00002-of-00002.safetensors"),
+        &[("b", arr(&[2.], &[1]))],
+    );
+    let index = r#"{"metadata": {"total_size": 8}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}"#;
+    fs::write(dir.path().join(INDEX_FILE), index).unwrap();
+    let map = WeightMap::open(dir.path()).unwrap();
+    assert_eq!(map.get("b").unwrap().to_vec::<f32>().unwrap(), vec![2.]);
+    assert!(map
+        .info("a")
+        .unwrap()
+        .file
+        .as_ref()
+        .unwrap()
+        .ends_with("model-00001-of-00002.safetensors"));
+
+    // A shard the index names is missing.
+    fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
+    let err = WeightMap::open(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("model-00002-of-00002.safetensors")
+            && err.contains("missing")
+            && err.contains("`b`"),
+        "{err}"
+    );
+
+    // The index names a tensor no shard has.
+    write(
+        &dir.path().join("model-00002-of-00002.safetensors"),
+        &[("c", arr(&[2.], &[1]))],
+    );
+    let err = WeightMap::open(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("`c`") && err.contains("not listed"), "{err}");
+}
+
+#[test]
+fn two_shards_defining_one_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("one.safetensors"),
+        &[("dup", arr(&[1.], &[1]))],
+    );
+    write(
+        &dir.path().join("two.safetensors"),
+        &[("dup", arr(&[2.], &[1]))],
+    );
+    let err = WeightMap::open(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("two.safetensors") && err.contains("one.safetensors") && err.contains("`dup`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn truncated_file_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    write(&path, &[("w", arr(&[1., 2., 3., 4.], &[4]))]);
+    let bytes = fs::read(&path).unwrap();
+    fs::write(&path, &bytes[..bytes.len() - 5]).unwrap();
+    let err = WeightMap::open(dir.path()).unwrap_err();
+    assert!(matches!(err, Error::Checkpoint { .. }));
+    let msg = err.to_string();
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("not a valid safetensors file"),
+        "{msg}"
+    );
+    // Shorter than the length prefix.
+    fs::write(&path, [1u8, 2, 3]).unwrap();
+    assert!(WeightMap::open(dir.path())
+        .unwrap_err()
+        .to_string()
+        .contains("model.safetensors"));
+}
+
+#[test]
+fn lying_offsets_and_unknown_dtypes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    // Offsets claim 16 bytes, the shape needs 8.
+    raw_file(
+        &path,
+        r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}}"#,
+        &[0u8; 16],
+    );
+    let msg = WeightMap::open(dir.path()).unwrap_err().to_string();
+    assert!(msg.contains("model.safetensors"), "{msg}");
+    // Offsets run past the end of the file.
+    raw_file(
+        &path,
+        r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+        &[0u8; 8],
+    );
+    let msg = WeightMap::open(dir.path()).unwrap_err().to_string();
+    assert!(msg.contains("model.safetensors"), "{msg}");
+    // An element type safetensors does not know.
+    raw_file(
+        &path,
+        r#"{"odd":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}}"#,
+        &[0u8; 8],
+    );
+    let msg = WeightMap::open(dir.path()).unwrap_err().to_string();
+    assert!(msg.contains("`odd`") && msg.contains("Q4"), "{msg}");
+}
+
+#[test]
+fn missing_folder_and_empty_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let msg = WeightMap::open(dir.path()).unwrap_err().to_string();
+    assert!(msg.contains("no *.safetensors files"), "{msg}");
+    let msg = WeightMap::open(dir.path().join("absent"))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("absent"), "{msg}");
+}
+
+#[test]
+fn fp8_tensors_are_exposed_as_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    raw_file(
+        &dir.path().join("m.safetensors"),
+        r#"{"w":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]}}"#,
+        &[0x38, 0x40, 0xb8, 0],
+    );
+    let map = WeightMap::open(dir.path()).unwrap();
+    let info = map.info("w").unwrap();
+    assert_eq!(
+        (info.dtype, info.stored_dtype.as_str()),
+        (Dtype::Uint8, "F8_E4M3")
+    );
+    assert_eq!(
+        map.get("w").unwrap().to_vec::<u8>().unwrap(),
+        vec![0x38, 0x40, 0xb8, 0]
+    );
+}
+
+#[test]
+fn materialization_policy_from_env() {
+    // One test owns the variable to avoid races between tests of this binary.
+    std::env::remove_var(Materialization::ENV);
+    assert_eq!(Materialization::from_env().unwrap(), Materialization::Eager);
+    std::env::set_var(Materialization::ENV, "lazy");
+    assert_eq!(Materialization::from_env().unwrap(), Materialization::Lazy);
+    std::env::set_var(Materialization::ENV, "sometimes");
+    let msg = Materialization::from_env().unwrap_err().to_string();
+    assert!(
+        msg.contains("MLXCEL_WEIGHT_MATERIALIZATION=sometimes"),
+        "{msg}"
+    );
+    std::env::remove_var(Materialization::ENV);
+    let a = arr(&[1., 2.], &[2]).exp().unwrap();
+    Materialization::Eager.apply([&a]).unwrap();
+    Materialization::Lazy.apply([&a]).unwrap();
+}
