@@ -1,1 +1,129 @@
-//! Workspace-level integration tests and the dev-only fixture helpers they share.
+//! Workspace-level integration tests, and the dev-only helpers that load a golden fixture and
+//! its references (see `tests/fixtures/README.md` for how they were made).
+
+use std::path::{Path, PathBuf};
+
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+/// `tests/fixtures/`.
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+/// The folder of one tiny model fixture.
+pub fn model_dir(name: &str) -> PathBuf {
+    fixtures_dir().join("models").join(name)
+}
+
+/// One row of `models/index.json`.
+#[derive(Debug, Clone)]
+pub struct FixtureEntry {
+    pub name: String,
+    pub model_type: String,
+    /// `f32-transformers` or `quantized-mlx-lm`.
+    pub kind: String,
+    pub margin: f64,
+}
+
+pub fn fixture_index() -> Vec<FixtureEntry> {
+    let path = fixtures_dir().join("models/index.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let json: Value = serde_json::from_str(&text).expect("index.json is valid JSON");
+    json["fixtures"]
+        .as_array()
+        .expect("index.json has a fixtures array")
+        .iter()
+        .map(|f| FixtureEntry {
+            name: f["name"].as_str().unwrap_or_default().to_string(),
+            model_type: f["model_type"].as_str().unwrap_or_default().to_string(),
+            kind: f["kind"].as_str().unwrap_or_default().to_string(),
+            margin: f["margin"].as_f64().unwrap_or(0.0),
+        })
+        .collect()
+}
+
+/// A fixture's reference outputs.
+#[derive(Debug, Clone)]
+pub struct Reference {
+    pub prompt_ids: Vec<u32>,
+    /// `[prompt_len, vocab]`, row-major.
+    pub logits: Vec<f32>,
+    pub vocab: usize,
+    pub greedy_ids: Vec<u32>,
+    pub meta: Value,
+    /// For f32 transformers fixtures (`exact.safetensors`): the float64 forward's logits and
+    /// the max |transformers f32 − float64| error, i.e. the reference's own float32 noise.
+    pub exact: Option<(Vec<f32>, f32)>,
+}
+
+fn read_f32(st: &SafeTensors, name: &str) -> Vec<f32> {
+    let t = st
+        .tensor(name)
+        .unwrap_or_else(|e| panic!("reference tensor {name}: {e}"));
+    t.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn read_i32(st: &SafeTensors, name: &str) -> Vec<i32> {
+    let t = st
+        .tensor(name)
+        .unwrap_or_else(|e| panic!("reference tensor {name}: {e}"));
+    t.data()
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+pub fn reference(name: &str) -> Reference {
+    let dir = model_dir(name);
+    let bytes = std::fs::read(dir.join("reference.safetensors")).expect("reference.safetensors");
+    let st = SafeTensors::deserialize(&bytes).expect("valid reference.safetensors");
+    let vocab = st.tensor("logits").expect("logits").shape()[1];
+    let logits = read_f32(&st, "logits");
+    let exact = std::fs::read(dir.join("exact.safetensors"))
+        .ok()
+        .map(|bytes| {
+            let st = SafeTensors::deserialize(&bytes).expect("valid exact.safetensors");
+            (
+                read_f32(&st, "logits_f64"),
+                read_f32(&st, "reference_error")[0],
+            )
+        });
+    let meta = std::fs::read_to_string(dir.join("reference.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(Value::Null);
+    Reference {
+        prompt_ids: read_i32(&st, "prompt_ids")
+            .into_iter()
+            .map(|v| v as u32)
+            .collect(),
+        logits,
+        vocab,
+        greedy_ids: read_i32(&st, "greedy_ids")
+            .into_iter()
+            .map(|v| v as u32)
+            .collect(),
+        meta,
+        exact,
+    }
+}
+
+/// Largest absolute difference and where it is.
+pub fn max_abs_diff(got: &[f32], want: &[f32]) -> (f32, usize) {
+    assert_eq!(got.len(), want.len(), "logit counts differ");
+    got.iter()
+        .zip(want)
+        .enumerate()
+        .map(|(i, (g, w))| ((g - w).abs(), i))
+        .fold((0.0, 0), |best, cur| {
+            if cur.0 > best.0 || cur.0.is_nan() {
+                cur
+            } else {
+                best
+            }
+        })
+}

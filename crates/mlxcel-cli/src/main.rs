@@ -1,7 +1,15 @@
 //! `mlxcel`: the command-line interface. Argument parsing and printing only; everything else goes
 //! through the library crates' public API.
 
-use clap::Parser;
+mod inspect;
+mod npy;
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use mlxcel_core::Array;
+use mlxcel_loading::{load_model, LanguageModel, LoadOptions};
 
 #[derive(Parser)]
 #[command(
@@ -13,17 +21,74 @@ struct Cli {
     /// Print mlxcel's and MLX's versions and the default device.
     #[arg(long, short = 'V')]
     version: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One forward pass over token ids; writes float32 logits `[seq, vocab]` as NumPy .npy.
+    Logits {
+        #[arg(long)]
+        model: PathBuf,
+        /// Comma-separated token ids.
+        #[arg(long, value_delimiter = ',', required = true)]
+        prompt_ids: Vec<u32>,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Describe a checkpoint: type, routes, parameters, dtype and quantization mix by role, bytes.
+    Inspect { model: PathBuf },
+    /// Print the model registry.
+    Arch,
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if cli.version {
-        let device = mlxcel_core::default_device()?;
         println!("mlxcel {}", env!("CARGO_PKG_VERSION"));
         println!("MLX {}", mlxcel_core::mlx_version()?);
-        println!("default device: {device}");
+        println!("default device: {}", mlxcel_core::default_device()?);
         return Ok(());
     }
-    println!("mlxcel {}: run `mlxcel --help`", env!("CARGO_PKG_VERSION"));
+    match cli.command {
+        None => println!("mlxcel {}: run `mlxcel --help`", env!("CARGO_PKG_VERSION")),
+        Some(Command::Logits {
+            model,
+            prompt_ids,
+            out,
+        }) => logits(&model, &prompt_ids, &out)?,
+        Some(Command::Inspect { model }) => inspect::run(&model)?,
+        Some(Command::Arch) => inspect::print_registry(),
+    }
+    Ok(())
+}
+
+fn logits(model: &std::path::Path, ids: &[u32], out: &std::path::Path) -> anyhow::Result<()> {
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let loaded = load_model(model, &options)?;
+    let vocab = loaded.model.vocab_size();
+    if let Some(bad) = ids.iter().find(|t| **t as usize >= vocab) {
+        bail!("--prompt-ids: token {bad} is outside the vocabulary of {vocab}");
+    }
+    let input: Vec<i32> = ids.iter().map(|t| *t as i32).collect();
+    let tokens = Array::from_slice(&input, &[1, input.len() as i32])?;
+    let mut caches = loaded.model.make_caches();
+    let logits = loaded
+        .model
+        .forward(&tokens, &mut caches)?
+        .astype(mlxcel_core::Dtype::Float32)?;
+    let values = logits.to_vec::<f32>()?;
+    npy::write_f32(out, &[ids.len(), vocab], &values)
+        .with_context(|| format!("writing {}", out.display()))?;
+    eprintln!(
+        "wrote {} x {} logits to {}",
+        ids.len(),
+        vocab,
+        out.display()
+    );
     Ok(())
 }

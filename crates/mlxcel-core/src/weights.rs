@@ -162,7 +162,7 @@ impl WeightMap {
     }
 
     /// Opens every shard of a checkpoint folder: the files `model.safetensors.index.json` names,
-    /// else every `*.safetensors` file in the folder.
+    /// else the `model*.safetensors` files, else every `*.safetensors` file in the folder.
     pub fn open(folder: impl AsRef<Path>) -> Result<WeightMap> {
         let folder = folder.as_ref().to_path_buf();
         let index_path = folder.join(INDEX_FILE);
@@ -193,6 +193,17 @@ impl WeightMap {
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
                 .collect();
+            // Folders often hold other safetensors next to the model (Mistral's
+            // `consolidated.safetensors` duplicating the model, LoRA `adapters.safetensors`):
+            // when `model*.safetensors` shards exist, they are the model.
+            let is_model = |p: &PathBuf| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("model"))
+            };
+            if files.iter().any(is_model) {
+                files.retain(is_model);
+            }
             files.sort();
             (files, None)
         };

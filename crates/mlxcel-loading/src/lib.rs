@@ -2,5 +2,23 @@
 //!
 //! Owns the loading pipeline: resolve a path, read and sanitise `config.json`, decide the kind,
 //! map the model type, look up the load policy, run the loader family, and hand back a
-//! `LoadedModel` with its tokenizer; tied embeddings, the surgery hook, LoRA, tokenizer and chat
-//! template loading.
+//! [`LoadedModel`] with its tokenizer.
+//!
+//! ```text
+//! path ─ resolve_model_dir ─ config.json ─ sanitize_config_json ─ detect_kind
+//!   ├─ Embedding / Reranker: their loaders (not in this build: a clear error)
+//!   └─ Generation ─ get_model_type ─ model_load_policy ─ directory route
+//!        └─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
+//!                                                                  └─ load_tokenizer
+//! ```
+
+mod error;
+mod pipeline;
+mod tokenizer;
+
+pub use error::{LoadError, Result};
+pub use mlxcel_models::{LanguageModel, LoadedModel, ModelType};
+pub use pipeline::{
+    compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, Loaded,
+};
+pub use tokenizer::{load_tokenizer, Tokenizer};

@@ -1,5 +1,26 @@
 //! # mlxcel-models
 //!
-//! Owns the model side: `ModelType`, detection from `config.json`, config sanitising, the
-//! `for_each_model_registration!` registry, per-architecture `ModelArgs` and model code, the
-//! `LanguageModel` trait, `LoadedModel`, KV caches, generation and sampling.
+//! Owns the model side: [`ModelType`] and detection from `config.json`
+//! ([`detection`]), config sanitising ([`config::sanitize_config_json`]), the
+//! [`for_each_model_registration!`] registry, per-architecture `ModelArgs` and model code
+//! ([`models`]), the [`LanguageModel`] trait, [`LoadedModel`], and KV caches ([`cache`]).
+
+pub mod cache;
+pub mod config;
+pub mod detection;
+mod error;
+pub mod generate;
+pub mod model;
+pub mod models;
+pub mod nn;
+pub mod registry;
+pub mod sanitize;
+pub mod weights;
+
+pub use cache::{KvCache, Mask};
+pub use error::{ModelError, Result};
+pub use model::{Architecture, LanguageModel, LayerKind};
+pub use registry::{
+    load_config_backed, model_load_policy, BuildOptions, DirectoryRoute, LoadedModel, ModelKind,
+    ModelLoadPolicy, ModelType, StaticModelDescriptor, WeightRoute, DESCRIPTORS,
+};

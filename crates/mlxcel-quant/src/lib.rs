@@ -1,7 +1,26 @@
 //! # mlxcel-quant
 //!
 //! Owns quantization: the formats MLX supports (affine 1–8 bit, mxfp4, mxfp8, nvfp4),
-//! `QuantizedWeight`, shape-based bit-width inference, fp8-block → mxfp8 requantization, recipes
-//! (which tensor gets which format) and GGUF block import.
+//! [`QuantizedWeight`], shape-based bit-width inference ([`infer_quantization_bits`]), the
+//! per-tensor configuration MLX checkpoints carry ([`QuantConfig`]), and (to come) recipes,
+//! fp8-block → mxfp8 requantization and GGUF block import.
 
+mod config;
+mod weight;
+
+pub use config::{QuantConfig, TensorQuant};
 pub use mlxcel_core::ops::{QuantMode, QuantSpec, Quantized};
+pub use weight::{infer_quantization_bits, QuantizedWeight};
+
+/// Errors of this crate; each names the tensor or config field at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum QuantError {
+    #[error("tensor `{tensor}`: {message}")]
+    Layout { tensor: String, message: String },
+    #[error("config.json `{field}`: {message}")]
+    Config { field: String, message: String },
+    #[error(transparent)]
+    Core(#[from] mlxcel_core::Error),
+}
+
+pub type Result<T, E = QuantError> = std::result::Result<T, E>;

@@ -1,0 +1,156 @@
+//! The generation-model pipeline (see the crate docs for the flow).
+
+use std::path::{Path, PathBuf};
+
+use mlxcel_core::{Device, Dtype, Materialization, WeightMap};
+use mlxcel_models::config::sanitize_config_json;
+use mlxcel_models::detection::{detect_kind, get_model_type};
+use mlxcel_models::{
+    load_config_backed, model_load_policy, BuildOptions, DirectoryRoute, LoadedModel, ModelKind,
+    ModelType,
+};
+use mlxcel_quant::QuantConfig;
+use serde_json::Value;
+
+use crate::tokenizer::{load_tokenizer, Tokenizer};
+use crate::{LoadError, Result};
+
+/// Choices a caller may make; the defaults suit most uses.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Compute dtype of float weights; default: [`compute_dtype`].
+    pub dtype: Option<Dtype>,
+    /// Default: `MLXCEL_WEIGHT_MATERIALIZATION` (eager unless set to `lazy`).
+    pub materialization: Option<Materialization>,
+    /// Skip the tokenizer (logits-only use).
+    pub skip_tokenizer: bool,
+}
+
+/// A loaded generation model with what was learned on the way.
+pub struct Loaded {
+    pub model: LoadedModel,
+    pub tokenizer: Option<Tokenizer>,
+    pub model_type: ModelType,
+    /// The sanitised `config.json`.
+    pub config: Value,
+    pub folder: PathBuf,
+    pub dtype: Dtype,
+}
+
+/// A model folder from a folder or a file inside it; it must hold `config.json`.
+pub fn resolve_model_dir(path: impl AsRef<Path>) -> Result<PathBuf> {
+    let path = path.as_ref();
+    let folder = if path.is_file() {
+        path.parent().unwrap_or(Path::new("."))
+    } else {
+        path
+    };
+    if !folder.is_dir() {
+        return Err(LoadError::file(path, "no such model folder"));
+    }
+    if !folder.join("config.json").is_file() {
+        return Err(LoadError::file(
+            folder,
+            "not a model folder: no config.json",
+        ));
+    }
+    Ok(folder.to_path_buf())
+}
+
+/// Reads and sanitises `config.json`.
+pub fn read_config(folder: &Path) -> Result<Value> {
+    let path = folder.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| LoadError::file(&path, e.to_string()))?;
+    let raw: Value = serde_json::from_str(&text)
+        .map_err(|e| LoadError::file(&path, format!("invalid JSON: {e}")))?;
+    if !raw.is_object() {
+        return Err(LoadError::file(&path, "expected a JSON object"));
+    }
+    Ok(sanitize_config_json(raw))
+}
+
+/// The compute dtype for float weights: float32 on the CPU backend (MLX's Linux CPU kernels are
+/// scalar, emulate half precision and accumulate quantized matmuls in the activation dtype);
+/// on a GPU the checkpoint's own dtype.
+pub fn compute_dtype(config: &Value) -> Result<Dtype> {
+    if mlxcel_core::default_device()? == Device::Cpu {
+        return Ok(Dtype::Float32);
+    }
+    let named = config.get("torch_dtype").and_then(Value::as_str);
+    Ok(named
+        .and_then(Dtype::from_name)
+        .filter(|d| d.is_float())
+        .unwrap_or(Dtype::Bfloat16))
+}
+
+fn has_vision_weights(weights: &WeightMap) -> bool {
+    weights.names().any(|n| {
+        n.starts_with("vision_tower.")
+            || n.starts_with("model.visual.")
+            || n.contains(".vision_tower.")
+    })
+}
+
+/// Loads a generation model and its tokenizer from a folder (or a file in it).
+pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loaded> {
+    let folder = resolve_model_dir(path)?;
+    let config = read_config(&folder)?;
+    let model_err = |source| LoadError::Model {
+        folder: folder.clone(),
+        source,
+    };
+    match detect_kind(&config, folder.join("modules.json").is_file()) {
+        ModelKind::Generation => {}
+        ModelKind::Embedding => {
+            return Err(LoadError::Unsupported(format!(
+                "{}: an embedding checkpoint; embedding models load through the embedding loader, which this build does not have yet",
+                folder.display()
+            )))
+        }
+        ModelKind::Reranker => {
+            return Err(LoadError::Unsupported(format!(
+                "{}: a reranker checkpoint; rerankers load through the reranker loader, which this build does not have yet",
+                folder.display()
+            )))
+        }
+    }
+    let weights = WeightMap::open(&folder)?;
+    let model_type = get_model_type(&config, has_vision_weights(&weights)).map_err(model_err)?;
+    let policy = model_load_policy(model_type);
+    if policy.directory_route != DirectoryRoute::ConfigBacked {
+        return Err(LoadError::Unsupported(format!(
+            "{}: {} loads through the {:?} route, which this build does not have yet",
+            folder.display(),
+            model_type.name(),
+            policy.directory_route
+        )));
+    }
+    let quant = QuantConfig::from_config(&config)?;
+    let dtype = match options.dtype {
+        Some(d) => d,
+        None => compute_dtype(&config)?,
+    };
+    let materialization = match options.materialization {
+        Some(m) => m,
+        None => Materialization::from_env()?,
+    };
+    let build = BuildOptions {
+        quant,
+        dtype,
+        materialization,
+    };
+    let model = load_config_backed(model_type, &config, weights, &build).map_err(model_err)?;
+    let tokenizer = if options.skip_tokenizer {
+        None
+    } else {
+        Some(load_tokenizer(&folder)?)
+    };
+    Ok(Loaded {
+        model,
+        tokenizer,
+        model_type,
+        config,
+        folder,
+        dtype,
+    })
+}

@@ -1,0 +1,68 @@
+//! Tokenizer loading: `tokenizer.json` through the `tokenizers` crate. SentencePiece
+//! (`tokenizer.model`) and tiktoken files without a `tokenizer.json` are refused with the reason.
+
+use std::path::{Path, PathBuf};
+
+use crate::{LoadError, Result};
+
+/// A model's tokenizer.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub path: PathBuf,
+}
+
+impl Tokenizer {
+    /// Token ids of `text`, with the tokenizer's special-token post-processing when
+    /// `add_special_tokens`.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| LoadError::file(&self.path, format!("encoding failed: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| LoadError::file(&self.path, format!("decoding failed: {e}")))
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
+
+pub fn load_tokenizer(folder: &Path) -> Result<Tokenizer> {
+    let path = folder.join("tokenizer.json");
+    if path.is_file() {
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| LoadError::file(&path, format!("invalid tokenizer: {e}")))?;
+        return Ok(Tokenizer { inner, path });
+    }
+    if folder.join("tokenizer.model").is_file() {
+        return Err(LoadError::file(
+            folder.join("tokenizer.model"),
+            "SentencePiece tokenizers are supported through tokenizer.json only; convert with `transformers` (AutoTokenizer(...).save_pretrained) to write one",
+        ));
+    }
+    let tiktoken = std::fs::read_dir(folder).ok().and_then(|d| {
+        d.filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "tiktoken"))
+    });
+    if let Some(t) = tiktoken {
+        return Err(LoadError::file(
+            t,
+            "tiktoken files are not supported; a tokenizer.json is needed",
+        ));
+    }
+    Err(LoadError::file(
+        folder,
+        "no tokenizer.json in the model folder",
+    ))
+}

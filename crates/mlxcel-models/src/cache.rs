@@ -1,0 +1,320 @@
+//! Per-layer key/value caches and the attention masks that go with them.
+//!
+//! - [`KvCache::Standard`] keeps every position, growing its buffers in steps.
+//! - [`KvCache::Rotating`] serves a sliding-window layer. It never drops a row that a query of
+//!   the current chunk still attends to: a chunk of `L` tokens sees the `window - 1` rows before
+//!   it plus its own `L` rows, and only after the chunk is the buffer trimmed back to `window`
+//!   rows. (Seed 003 describes the silent bug this avoids: a ring exactly `window` wide fed
+//!   2,048-token chunks kept only the last rows, and short-prompt tests kept passing.)
+
+use mlxcel_core::ops;
+use mlxcel_core::Array;
+
+use crate::Result;
+
+/// How attention over the returned keys must be masked.
+#[derive(Debug, Clone)]
+pub enum Mask {
+    /// Every query sees every key.
+    None,
+    /// Causal, aligned to the end of the keys.
+    Causal,
+    /// Boolean `[L, S]`, true = attend.
+    Array(Array),
+}
+
+impl Mask {
+    /// The boolean mask for queries at absolute positions `q0..q0+l` over keys at `k0..k0+s`,
+    /// causal and limited to `window` keys per query.
+    pub fn window(q0: usize, l: usize, k0: usize, s: usize, window: Option<usize>) -> Result<Mask> {
+        let keep: Vec<bool> = (0..l * s)
+            .map(|f| {
+                let (qp, kp) = (q0 + f / s, k0 + f % s);
+                kp <= qp && window.is_none_or(|w| qp - kp < w)
+            })
+            .collect();
+        if keep.iter().all(|k| *k) {
+            return Ok(Mask::None);
+        }
+        Ok(Mask::Array(Array::from_slice(
+            &keep,
+            &[l as i32, s as i32],
+        )?))
+    }
+}
+
+/// Growth step of standard caches, in positions.
+const STEP: i32 = 256;
+
+#[derive(Debug, Clone, Default)]
+pub struct StandardCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct RotatingCache {
+    window: usize,
+    keys: Option<Array>,
+    values: Option<Array>,
+    /// Ring position of the oldest row once the buffer is full and written in place.
+    start: usize,
+    offset: usize,
+}
+
+#[derive(Debug, Clone)]
+pub enum KvCache {
+    Standard(StandardCache),
+    Rotating(RotatingCache),
+}
+
+fn rows(a: &Option<Array>) -> Result<usize> {
+    Ok(match a {
+        Some(a) => a.dim(2)? as usize,
+        None => 0,
+    })
+}
+
+impl KvCache {
+    pub fn standard() -> KvCache {
+        KvCache::Standard(StandardCache::default())
+    }
+
+    pub fn rotating(window: usize) -> KvCache {
+        KvCache::Rotating(RotatingCache {
+            window,
+            keys: None,
+            values: None,
+            start: 0,
+            offset: 0,
+        })
+    }
+
+    /// Positions processed so far.
+    pub fn offset(&self) -> usize {
+        match self {
+            KvCache::Standard(c) => c.offset,
+            KvCache::Rotating(c) => c.offset,
+        }
+    }
+
+    /// Appends `k`, `v` (`[B, H, L, D]`) and returns the keys, values and mask the `L` new queries
+    /// attend over. `window` limits each query to that many most recent keys (sliding-window
+    /// layers held in a standard cache).
+    pub fn update(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        window: Option<usize>,
+    ) -> Result<(Array, Array, Mask)> {
+        match self {
+            KvCache::Standard(c) => c.update(k, v, window),
+            KvCache::Rotating(c) => c.update(k, v),
+        }
+    }
+
+    /// Bytes held by the cache buffers.
+    pub fn nbytes(&self) -> usize {
+        let (k, v) = match self {
+            KvCache::Standard(c) => (&c.keys, &c.values),
+            KvCache::Rotating(c) => (&c.keys, &c.values),
+        };
+        k.as_ref().map_or(0, Array::nbytes) + v.as_ref().map_or(0, Array::nbytes)
+    }
+}
+
+impl StandardCache {
+    fn update(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        window: Option<usize>,
+    ) -> Result<(Array, Array, Mask)> {
+        let prev = self.offset;
+        let l = k.dim(2)? as usize;
+        let end = prev + l;
+        if end > rows(&self.keys)? {
+            let shape = k.shape();
+            let cap = (end as i32 + STEP - 1) / STEP * STEP;
+            let grow = |old: &Option<Array>, new: &Array| -> Result<Array> {
+                let mut s = shape.clone();
+                s[2] = cap - prev as i32;
+                s[3] = new.dim(3)?;
+                let fresh = ops::zeros(&s, new.dtype()?)?;
+                Ok(match old {
+                    Some(o) => ops::concatenate(&[o.slice_axis(2, 0, prev as i32)?, fresh], 2)?,
+                    None => fresh,
+                })
+            };
+            self.keys = Some(grow(&self.keys, k)?);
+            self.values = Some(grow(&self.values, v)?);
+        }
+        let write = |buf: &Array, new: &Array| -> Result<Array> {
+            let mut start = vec![0; 4];
+            start[2] = prev as i32;
+            let mut stop = buf.shape();
+            stop[2] = end as i32;
+            Ok(buf.slice_update(new, &start, &stop, &[1, 1, 1, 1])?)
+        };
+        let keys = write(self.keys.as_ref().expect("grown above"), k)?;
+        let values = write(self.values.as_ref().expect("grown above"), v)?;
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        self.offset = end;
+        // Only the rows a query of this step can see: all of them, or the last window + L - 1.
+        let first = match window {
+            Some(w) => end.saturating_sub(w + l - 1),
+            None => 0,
+        };
+        let k_out = keys.slice_axis(2, first as i32, end as i32)?;
+        let v_out = values.slice_axis(2, first as i32, end as i32)?;
+        let mask = if l == 1 && window.is_none_or(|w| end - first <= w) {
+            Mask::None
+        } else if window.is_none() {
+            Mask::Causal
+        } else {
+            Mask::window(prev, l, first, end - first, window)?
+        };
+        Ok((k_out, v_out, mask))
+    }
+}
+
+impl RotatingCache {
+    /// The buffer in temporal order.
+    fn ordered(&self, a: &Array) -> Result<Array> {
+        if self.start == 0 {
+            return Ok(a.clone());
+        }
+        let n = a.dim(2)?;
+        Ok(ops::concatenate(
+            &[
+                a.slice_axis(2, self.start as i32, n)?,
+                a.slice_axis(2, 0, self.start as i32)?,
+            ],
+            2,
+        )?)
+    }
+
+    fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
+        let l = k.dim(2)? as usize;
+        let w = self.window;
+        let held = rows(&self.keys)?;
+        if l == 1 && held == w {
+            // Full ring, one token: overwrite the oldest row in place; every held row is inside
+            // the window of the new query, so no mask and no ordering are needed.
+            let write = |buf: &Array, new: &Array| -> Result<Array> {
+                let mut stop = buf.shape();
+                stop[2] = self.start as i32 + 1;
+                Ok(buf.slice_update(new, &[0, 0, self.start as i32, 0], &stop, &[1, 1, 1, 1])?)
+            };
+            let keys = write(self.keys.as_ref().expect("held == window > 0"), k)?;
+            let values = write(self.values.as_ref().expect("held == window > 0"), v)?;
+            self.start = (self.start + 1) % w;
+            self.offset += 1;
+            self.keys = Some(keys.clone());
+            self.values = Some(values.clone());
+            return Ok((keys, values, Mask::None));
+        }
+        // A chunk (or a ring not yet full): the previous window - 1 rows in order, then the new
+        // rows. The returned keys cover every row any of the L queries attends to.
+        let keep = held.min(w - 1);
+        let join = |buf: &Option<Array>, new: &Array| -> Result<Array> {
+            Ok(match buf {
+                Some(b) => {
+                    let b = self.ordered(b)?;
+                    let n = b.dim(2)?;
+                    ops::concatenate(&[b.slice_axis(2, n - keep as i32, n)?, new.clone()], 2)?
+                }
+                None => new.clone(),
+            })
+        };
+        let keys = join(&self.keys, k)?;
+        let values = join(&self.values, v)?;
+        let total = keep + l;
+        let mask = Mask::window(self.offset, l, self.offset - keep, total, Some(w))?;
+        // Trim back to the window only now that the chunk's queries have their rows.
+        let stored = total.min(w) as i32;
+        self.keys = Some(keys.slice_axis(2, total as i32 - stored, total as i32)?);
+        self.values = Some(values.slice_axis(2, total as i32 - stored, total as i32)?);
+        self.start = 0;
+        self.offset += l;
+        Ok((keys, values, mask))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows_of(a: &Array) -> Vec<f32> {
+        a.to_vec::<f32>().unwrap()
+    }
+
+    /// Keys whose single feature is their absolute position.
+    fn keys(from: usize, l: usize) -> Array {
+        let v: Vec<f32> = (from..from + l).map(|p| p as f32).collect();
+        Array::from_slice(&v, &[1, 1, l as i32, 1]).unwrap()
+    }
+
+    #[test]
+    fn rotating_cache_keeps_every_row_a_chunk_needs() {
+        let w = 8;
+        for chunk in [1usize, 3, 8, 16, 64] {
+            let mut cache = KvCache::rotating(w);
+            let total = 70;
+            let mut pos = 0;
+            while pos < total {
+                let l = chunk.min(total - pos);
+                let (k, _, mask) = cache.update(&keys(pos, l), &keys(pos, l), None).unwrap();
+                let got = rows_of(&k);
+                let mask_keep: Vec<bool> = match &mask {
+                    Mask::Array(m) => m.to_vec::<bool>().unwrap(),
+                    _ => vec![true; l * got.len()],
+                };
+                for q in 0..l {
+                    let qp = pos + q;
+                    // Every key in the query's window is present and unmasked...
+                    for needed in qp.saturating_sub(w - 1)..=qp {
+                        let j = got.iter().position(|p| *p as usize == needed);
+                        let j = j.unwrap_or_else(|| {
+                            panic!("chunk {chunk}: row {needed} missing for query {qp}")
+                        });
+                        assert!(
+                            mask_keep[q * got.len() + j],
+                            "chunk {chunk}: row {needed} masked for {qp}"
+                        );
+                    }
+                    // ...and nothing outside it is visible.
+                    for (j, p) in got.iter().enumerate() {
+                        let p = *p as usize;
+                        if mask_keep[q * got.len() + j] {
+                            assert!(p <= qp && qp - p < w, "chunk {chunk}: query {qp} sees {p}");
+                        }
+                    }
+                }
+                pos += l;
+            }
+            assert_eq!(cache.offset(), total);
+        }
+    }
+
+    #[test]
+    fn standard_cache_grows_and_masks() {
+        let mut cache = KvCache::standard();
+        let (k, _, mask) = cache.update(&keys(0, 5), &keys(0, 5), None).unwrap();
+        assert_eq!(rows_of(&k), vec![0., 1., 2., 3., 4.]);
+        assert!(matches!(mask, Mask::Causal));
+        let (k, _, mask) = cache.update(&keys(5, 1), &keys(5, 1), None).unwrap();
+        assert_eq!(k.dim(2).unwrap(), 6);
+        assert!(matches!(mask, Mask::None));
+        // Windowed layer in a standard cache: only the visible rows come back.
+        let (k, _, mask) = cache.update(&keys(6, 1), &keys(6, 1), Some(3)).unwrap();
+        assert_eq!(rows_of(&k), vec![4., 5., 6.]);
+        assert!(matches!(mask, Mask::None));
+        for p in 7..300 {
+            cache.update(&keys(p, 1), &keys(p, 1), None).unwrap();
+        }
+        assert_eq!(cache.offset(), 300);
+    }
+}

@@ -1,0 +1,33 @@
+//! Errors of model construction and execution; each names the config field or tensor at fault.
+
+use mlxcel_quant::QuantError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `config.json` lacks a field or holds a value the architecture cannot use.
+    #[error("config.json: {0}")]
+    Config(String),
+    /// A tensor the architecture needs is not in the checkpoint.
+    #[error("missing tensor `{0}`")]
+    MissingTensor(String),
+    /// A tensor exists with another shape than the config implies.
+    #[error("tensor `{tensor}` has shape {found:?}, expected {expected:?}")]
+    Shape {
+        tensor: String,
+        found: Vec<i32>,
+        expected: Vec<i32>,
+    },
+    /// The checkpoint holds tensors the architecture does not use (a wrong model type, or a
+    /// checkpoint for another variant): loading them silently would hide the mismatch.
+    #[error("unexpected tensors not used by {model}: {}{}", names.iter().take(8).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "), if names.len() > 8 { format!(" and {} more", names.len() - 8) } else { String::new() })]
+    UnexpectedTensors { model: String, names: Vec<String> },
+    /// Something this build does not support, with the reason.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+    #[error(transparent)]
+    Core(#[from] mlxcel_core::Error),
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;

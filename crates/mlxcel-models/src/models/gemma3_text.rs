@@ -1,0 +1,66 @@
+//! Gemma 3 (text): Gemma 2's layout with per-head `(1 + w)` qk-norms instead of soft-capping,
+//! a sliding pattern (`layer_types`, else every `sliding_window_pattern`-th layer global), and a
+//! local rope base (`rope_local_base_freq`, unscaled) on sliding layers.
+
+use serde::Deserialize;
+
+use super::common::CommonArgs;
+use super::gemma::gemma_spec;
+use super::transformer::{Decoder, QkNormSpec, Transformer};
+use crate::model::Architecture;
+use crate::weights::ModelWeights;
+use crate::Result;
+
+fn default_pattern() -> usize {
+    6
+}
+
+fn default_local_base() -> f64 {
+    10000.0
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Args {
+    #[serde(flatten)]
+    pub common: CommonArgs,
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+    #[serde(default = "default_pattern")]
+    pub sliding_window_pattern: usize,
+    #[serde(default = "default_local_base")]
+    pub rope_local_base_freq: f64,
+}
+
+pub type Model = Transformer<Args>;
+
+impl Architecture for Model {
+    type Args = Args;
+
+    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+        let c = &args.common;
+        let mut spec = gemma_spec(c, args.hidden_activation.as_deref())?;
+        spec.sandwich_norms = true;
+        spec.qk_norm = QkNormSpec::PerHead;
+        spec.attn_scale = args
+            .query_pre_attn_scalar
+            .unwrap_or(c.head_dim() as f64)
+            .powf(-0.5) as f32;
+        spec.attn_softcap = args.attn_logit_softcapping.map(|v| v as f32);
+        spec.final_softcap = args.final_logit_softcapping;
+        let pattern = args.sliding_window_pattern.max(1);
+        spec.windows = c.windows(|i| (i + 1) % pattern != 0)?;
+        for (rope, window) in spec.rope.iter_mut().zip(&spec.windows) {
+            if window.is_some() {
+                rope.base = args.rope_local_base_freq;
+                rope.scaling = None;
+            }
+        }
+        Ok(Transformer::new(Decoder::build(&spec, w)?))
+    }
+}

@@ -1,0 +1,37 @@
+//! Llama 1–3 and Mistral (one architecture: Mistral adds a sliding window on every layer).
+//! Rope scaling (linear, dynamic, llama3, yarn) comes from `rope_scaling`.
+
+use serde::Deserialize;
+
+use super::common::{base_spec, CommonArgs};
+use super::transformer::{Decoder, Transformer};
+use crate::model::Architecture;
+use crate::weights::ModelWeights;
+use crate::Result;
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Args {
+    #[serde(flatten)]
+    pub common: CommonArgs,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+}
+
+pub type Model = Transformer<Args>;
+
+impl Architecture for Model {
+    type Args = Args;
+
+    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+        let c = &args.common;
+        let mut spec = base_spec(c, false, "silu")?;
+        spec.qkv_bias = args.attention_bias;
+        spec.o_bias = args.attention_bias;
+        spec.mlp_bias = args.mlp_bias;
+        // Mistral's `sliding_window` applies to every layer unless `layer_types` says otherwise.
+        spec.windows = c.windows(|_| c.sliding_window.is_some())?;
+        Ok(Transformer::new(Decoder::build(&spec, w)?))
+    }
+}

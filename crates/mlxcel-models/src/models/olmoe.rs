@@ -1,0 +1,62 @@
+//! OLMoE: RMSNorm over the full query and key projections (before splitting heads) and a
+//! softmax-routed mixture of experts on every layer.
+
+use mlxcel_core::WeightMap;
+use serde::Deserialize;
+
+use super::common::{base_spec, CommonArgs};
+use super::transformer::{Decoder, FfnSpec, MoeSpec, QkNormSpec, Transformer};
+use crate::model::Architecture;
+use crate::nn::RouterScoring;
+use crate::sanitize::stack_mlp_experts;
+use crate::weights::ModelWeights;
+use crate::{ModelError, Result};
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Args {
+    #[serde(flatten)]
+    pub common: CommonArgs,
+    pub num_experts: i32,
+    pub num_experts_per_tok: i32,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    #[serde(default)]
+    pub clip_qkv: Option<f64>,
+    #[serde(default)]
+    pub attention_bias: bool,
+}
+
+pub type Model = Transformer<Args>;
+
+impl Architecture for Model {
+    type Args = Args;
+
+    fn sanitize(args: &Args, weights: &mut WeightMap) -> Result<()> {
+        stack_mlp_experts(
+            weights,
+            args.common.num_hidden_layers,
+            args.num_experts as usize,
+        )
+    }
+
+    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+        if let Some(clip) = args.clip_qkv {
+            return Err(ModelError::Unsupported(format!("olmoe clip_qkv = {clip}")));
+        }
+        let c = &args.common;
+        let mut spec = base_spec(c, false, "silu")?;
+        spec.qkv_bias = args.attention_bias;
+        spec.o_bias = args.attention_bias;
+        spec.qk_norm = QkNormSpec::Full;
+        let moe = MoeSpec {
+            experts: args.num_experts,
+            top_k: args.num_experts_per_tok,
+            intermediate: c.intermediate()?,
+            scoring: RouterScoring::Softmax,
+            normalize: args.norm_topk_prob,
+            shared_intermediate: None,
+        };
+        spec.ffn = vec![FfnSpec::Moe(moe); c.num_hidden_layers];
+        Ok(Transformer::new(Decoder::build(&spec, w)?))
+    }
+}

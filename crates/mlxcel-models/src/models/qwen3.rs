@@ -1,0 +1,37 @@
+//! Qwen3: llama with per-head RMSNorm on queries and keys (and optional attention bias).
+
+use serde::Deserialize;
+
+use super::common::{base_spec, CommonArgs};
+use super::transformer::{Decoder, QkNormSpec, Transformer};
+use crate::model::Architecture;
+use crate::weights::ModelWeights;
+use crate::Result;
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Args {
+    #[serde(flatten)]
+    pub common: CommonArgs,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+}
+
+pub type Model = Transformer<Args>;
+
+impl Architecture for Model {
+    type Args = Args;
+
+    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+        let c = &args.common;
+        let mut spec = base_spec(c, true, "silu")?;
+        spec.qkv_bias = args.attention_bias;
+        spec.o_bias = args.attention_bias;
+        spec.qk_norm = QkNormSpec::PerHead;
+        if args.use_sliding_window {
+            spec.windows = c.windows(|_| true)?;
+        }
+        Ok(Transformer::new(Decoder::build(&spec, w)?))
+    }
+}

@@ -1,0 +1,403 @@
+//! The pre-norm decoder most text architectures are variations of. An architecture file turns
+//! its `ModelArgs` into a [`DecoderSpec`] (which norms, which attention options, which layers
+//! are sliding, which feed-forward blocks are mixtures of experts) and [`Decoder`] does the rest:
+//! tensor names follow the HF/mlx-lm layout (`model.layers.{i}.self_attn.q_proj`, ...).
+
+use std::marker::PhantomData;
+
+use mlxcel_core::Array;
+
+use crate::cache::KvCache;
+use crate::model::{LanguageModel, LayerKind};
+use crate::nn::{
+    Activation, Attention, AttentionConfig, Embedding, Linear, Mlp, Norm, NormKind, QkNorm,
+    QkvProjection, RopeConfig, RotaryEmbedding, Router, RouterScoring, SwitchGlu,
+};
+use crate::weights::ModelWeights;
+use crate::{ModelError, Result};
+
+/// Which query/key normalisation a layer applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNormSpec {
+    None,
+    PerHead,
+    Full,
+}
+
+/// A mixture-of-experts feed-forward block.
+#[derive(Debug, Clone)]
+pub struct MoeSpec {
+    pub experts: i32,
+    pub top_k: i32,
+    pub intermediate: i32,
+    pub scoring: RouterScoring,
+    pub normalize: bool,
+    /// A shared expert of this intermediate size, gated by `sigmoid(shared_expert_gate(x))`.
+    pub shared_intermediate: Option<i32>,
+}
+
+#[derive(Debug, Clone)]
+pub enum FfnSpec {
+    Dense { intermediate: i32 },
+    Moe(MoeSpec),
+}
+
+/// Everything that distinguishes one decoder architecture from another.
+#[derive(Debug, Clone)]
+pub struct DecoderSpec {
+    pub vocab: i32,
+    pub hidden: i32,
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub norm: NormKind,
+    pub eps: f32,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    pub fused_qkv: bool,
+    pub fused_gate_up: bool,
+    pub qk_norm: QkNormSpec,
+    pub attn_scale: f32,
+    pub attn_softcap: Option<f32>,
+    pub act: Activation,
+    /// Per layer: rotary embedding.
+    pub rope: Vec<RopeConfig>,
+    /// Per layer: sliding window (keys per query), `None` for global attention.
+    pub windows: Vec<Option<usize>>,
+    /// Per layer: feed-forward block.
+    pub ffn: Vec<FfnSpec>,
+    /// Name of the feed-forward module (`mlp`, or `block_sparse_moe` for mixtral).
+    pub ffn_prefix: &'static str,
+    /// Gemma 2/3: norms after attention and around the feed-forward block.
+    pub sandwich_norms: bool,
+    /// Multiplies the embeddings (Gemma: `sqrt(hidden)`).
+    pub embed_scale: Option<f64>,
+    pub final_softcap: Option<f64>,
+    pub tie_word_embeddings: bool,
+}
+
+impl DecoderSpec {
+    pub fn layers(&self) -> usize {
+        self.windows.len()
+    }
+}
+
+#[derive(Debug, Clone)]
+enum FeedForward {
+    Dense(Mlp),
+    Moe(Box<MoeBlock>),
+}
+
+#[derive(Debug, Clone)]
+struct MoeBlock {
+    router: Router,
+    experts: SwitchGlu,
+    shared: Option<(Mlp, Linear)>,
+}
+
+impl FeedForward {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            FeedForward::Dense(mlp) => mlp.forward(x),
+            FeedForward::Moe(moe) => {
+                let MoeBlock {
+                    router,
+                    experts,
+                    shared,
+                } = moe.as_ref();
+                let shape = x.shape();
+                let d = shape[shape.len() - 1];
+                let flat = x.reshape(&[-1, d])?;
+                let (ids, weights) = router.route(&flat)?;
+                let mut y = experts.combine(&flat, &ids, &weights)?;
+                if let Some((mlp, gate)) = shared {
+                    let s = mlp
+                        .forward(&flat)?
+                        .multiply(&gate.forward(&flat)?.sigmoid()?)?;
+                    y = y.add(&s)?;
+                }
+                Ok(y.reshape(&shape)?)
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    input_norm: Norm,
+    attn: Attention,
+    post_attn_norm: Norm,
+    /// Sandwich norms: (pre-ffn, post-ffn).
+    ffn_norms: Option<(Norm, Norm)>,
+    ffn: FeedForward,
+}
+
+/// A decoder built from a [`DecoderSpec`].
+#[derive(Debug, Clone)]
+pub struct Decoder {
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: Norm,
+    lm_head: Option<Linear>,
+    embed_scale: Option<f64>,
+    final_softcap: Option<f64>,
+    vocab: usize,
+    windows: Vec<Option<usize>>,
+}
+
+fn norm(w: &mut ModelWeights, spec: &DecoderSpec, name: &str, dim: i32) -> Result<Norm> {
+    w.norm(name, spec.norm, dim, spec.eps)
+}
+
+fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, prefix: &str, intermediate: i32) -> Result<Mlp> {
+    let (h, b) = (spec.hidden, spec.mlp_bias);
+    let down = w.linear(&format!("{prefix}.down_proj"), intermediate, h, b)?;
+    Ok(if spec.fused_gate_up {
+        Mlp::FusedGated {
+            gate_up: w.linear(&format!("{prefix}.gate_up_proj"), h, 2 * intermediate, b)?,
+            down,
+            act: spec.act,
+            hidden: intermediate,
+        }
+    } else {
+        Mlp::Gated {
+            gate: w.linear(&format!("{prefix}.gate_proj"), h, intermediate, b)?,
+            up: w.linear(&format!("{prefix}.up_proj"), h, intermediate, b)?,
+            down,
+            act: spec.act,
+        }
+    })
+}
+
+impl Decoder {
+    pub fn build(spec: &DecoderSpec, w: &mut ModelWeights) -> Result<Decoder> {
+        let n = spec.layers();
+        if spec.rope.len() != n || spec.ffn.len() != n {
+            return Err(ModelError::Config(format!(
+                "internal: {n} layers but {} rope and {} ffn entries",
+                spec.rope.len(),
+                spec.ffn.len()
+            )));
+        }
+        if spec.heads % spec.kv_heads != 0 {
+            return Err(ModelError::Config(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                spec.heads, spec.kv_heads
+            )));
+        }
+        let (h, hd) = (spec.hidden, spec.head_dim);
+        let (q_dim, kv_dim) = (spec.heads * hd, spec.kv_heads * hd);
+        let embed = w.embedding("model.embed_tokens", spec.vocab, h)?;
+        let mut layers = Vec::with_capacity(n);
+        for i in 0..n {
+            let p = format!("model.layers.{i}");
+            let a = format!("{p}.self_attn");
+            let qkv = if spec.fused_qkv {
+                QkvProjection::Fused(w.linear(
+                    &format!("{a}.qkv_proj"),
+                    h,
+                    q_dim + 2 * kv_dim,
+                    spec.qkv_bias,
+                )?)
+            } else {
+                QkvProjection::Separate {
+                    q: w.linear(&format!("{a}.q_proj"), h, q_dim, spec.qkv_bias)?,
+                    k: w.linear(&format!("{a}.k_proj"), h, kv_dim, spec.qkv_bias)?,
+                    v: w.linear(&format!("{a}.v_proj"), h, kv_dim, spec.qkv_bias)?,
+                }
+            };
+            let qk_norm = match spec.qk_norm {
+                QkNormSpec::None => QkNorm::None,
+                QkNormSpec::PerHead => QkNorm::PerHead {
+                    q: norm(w, spec, &format!("{a}.q_norm"), hd)?,
+                    k: norm(w, spec, &format!("{a}.k_norm"), hd)?,
+                },
+                QkNormSpec::Full => QkNorm::Full {
+                    q: norm(w, spec, &format!("{a}.q_norm"), q_dim)?,
+                    k: norm(w, spec, &format!("{a}.k_norm"), kv_dim)?,
+                },
+            };
+            let rope = RotaryEmbedding::new(&spec.rope[i])?;
+            w.keep_all(rope.arrays());
+            let attn = Attention {
+                qkv,
+                o: w.linear(&format!("{a}.o_proj"), q_dim, h, spec.o_bias)?,
+                qk_norm,
+                rope: Some(rope),
+                cfg: AttentionConfig {
+                    n_heads: spec.heads,
+                    n_kv_heads: spec.kv_heads,
+                    head_dim: hd,
+                    scale: spec.attn_scale,
+                    softcap: spec.attn_softcap,
+                    window: spec.windows[i],
+                },
+            };
+            let f = format!("{p}.{}", spec.ffn_prefix);
+            let ffn = match &spec.ffn[i] {
+                FfnSpec::Dense { intermediate } => {
+                    FeedForward::Dense(mlp(w, spec, &f, *intermediate)?)
+                }
+                FfnSpec::Moe(m) => {
+                    let router = Router {
+                        gate: w.linear(&format!("{f}.gate"), h, m.experts, false)?,
+                        top_k: m.top_k,
+                        scoring: m.scoring,
+                        normalize: m.normalize,
+                    };
+                    let s = format!("{f}.switch_mlp");
+                    let experts = SwitchGlu {
+                        gate: w.switch_linear(
+                            &format!("{s}.gate_proj"),
+                            m.experts,
+                            h,
+                            m.intermediate,
+                        )?,
+                        up: w.switch_linear(
+                            &format!("{s}.up_proj"),
+                            m.experts,
+                            h,
+                            m.intermediate,
+                        )?,
+                        down: w.switch_linear(
+                            &format!("{s}.down_proj"),
+                            m.experts,
+                            m.intermediate,
+                            h,
+                        )?,
+                        act: spec.act,
+                    };
+                    let shared = match m.shared_intermediate {
+                        Some(si) => Some((
+                            mlp(w, spec, &format!("{f}.shared_expert"), si)?,
+                            w.linear(&format!("{f}.shared_expert_gate"), h, 1, false)?,
+                        )),
+                        None => None,
+                    };
+                    FeedForward::Moe(Box::new(MoeBlock {
+                        router,
+                        experts,
+                        shared,
+                    }))
+                }
+            };
+            let ffn_norms = if spec.sandwich_norms {
+                Some((
+                    norm(w, spec, &format!("{p}.pre_feedforward_layernorm"), h)?,
+                    norm(w, spec, &format!("{p}.post_feedforward_layernorm"), h)?,
+                ))
+            } else {
+                None
+            };
+            layers.push(Layer {
+                input_norm: norm(w, spec, &format!("{p}.input_layernorm"), h)?,
+                attn,
+                post_attn_norm: norm(w, spec, &format!("{p}.post_attention_layernorm"), h)?,
+                ffn_norms,
+                ffn,
+            });
+        }
+        let final_norm = norm(w, spec, "model.norm", h)?;
+        // Tied heads reuse the embedding table (no second copy); an untied config without
+        // `lm_head.weight` is an error naming the tensor.
+        let lm_head = if spec.tie_word_embeddings && !w.contains("lm_head.weight") {
+            None
+        } else {
+            Some(w.linear("lm_head", h, spec.vocab, false)?)
+        };
+        Ok(Decoder {
+            embed,
+            layers,
+            norm: final_norm,
+            lm_head,
+            embed_scale: spec.embed_scale,
+            final_softcap: spec.final_softcap,
+            vocab: spec.vocab as usize,
+            windows: spec.windows.clone(),
+        })
+    }
+
+    pub fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array> {
+        if caches.len() != self.layers.len() {
+            return Err(ModelError::Config(format!(
+                "{} caches for {} layers",
+                caches.len(),
+                self.layers.len()
+            )));
+        }
+        let mut h = self.embed.forward(tokens)?;
+        if let Some(s) = self.embed_scale {
+            // In the activation dtype, as transformers rounds the normaliser.
+            h = h.mul_scalar(s)?;
+        }
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            let mut r = layer.attn.forward(&layer.input_norm.forward(&h)?, cache)?;
+            let ffn_in;
+            if let Some((pre, post)) = &layer.ffn_norms {
+                r = layer.post_attn_norm.forward(&r)?;
+                h = h.add(&r)?;
+                let f = layer.ffn.forward(&pre.forward(&h)?)?;
+                ffn_in = post.forward(&f)?;
+            } else {
+                h = h.add(&r)?;
+                ffn_in = layer.ffn.forward(&layer.post_attn_norm.forward(&h)?)?;
+            }
+            h = h.add(&ffn_in)?;
+        }
+        let h = self.norm.forward(&h)?;
+        let mut logits = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => self.embed.as_linear(&h)?,
+        };
+        if let Some(cap) = self.final_softcap {
+            logits = logits.mul_scalar(1.0 / cap)?.tanh()?.mul_scalar(cap)?;
+        }
+        Ok(logits)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    pub fn layer_schedule(&self) -> Vec<LayerKind> {
+        self.windows
+            .iter()
+            .map(|w| match w {
+                Some(window) => LayerKind::SlidingAttention { window: *window },
+                None => LayerKind::GlobalAttention,
+            })
+            .collect()
+    }
+}
+
+/// A decoder architecture: `A` is the architecture's `ModelArgs`, which selects the
+/// [`crate::model::Architecture`] implementation (its sanitiser and its spec).
+#[derive(Debug, Clone)]
+pub struct Transformer<A> {
+    pub decoder: Decoder,
+    _args: PhantomData<fn() -> A>,
+}
+
+impl<A> Transformer<A> {
+    pub fn new(decoder: Decoder) -> Self {
+        Transformer {
+            decoder,
+            _args: PhantomData,
+        }
+    }
+}
+
+impl<A> LanguageModel for Transformer<A> {
+    fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array> {
+        self.decoder.forward(tokens, caches)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.decoder.vocab_size()
+    }
+
+    fn layer_schedule(&self) -> Vec<LayerKind> {
+        self.decoder.layer_schedule()
+    }
+}

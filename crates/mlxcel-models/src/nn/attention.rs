@@ -1,0 +1,161 @@
+//! Multi-head attention with grouped-query heads, as most decoder architectures use it; the
+//! variations (fused qkv, per-head or full-width qk-norm, soft-capping, sliding windows, partial
+//! rotary) are configuration, not copies.
+
+use mlxcel_core::ops::{self, AttentionMask};
+use mlxcel_core::Array;
+
+use super::{Linear, Norm, RotaryEmbedding};
+use crate::cache::{KvCache, Mask};
+use crate::Result;
+
+/// How queries, keys and values are projected.
+#[derive(Debug, Clone)]
+pub enum QkvProjection {
+    Separate {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+    },
+    /// One `qkv_proj` whose output is `[q | k | v]`.
+    Fused(Linear),
+}
+
+/// Normalisation of queries and keys before rope.
+#[derive(Debug, Clone)]
+pub enum QkNorm {
+    None,
+    /// Over each head's `head_dim` features (qwen3, gemma3).
+    PerHead {
+        q: Norm,
+        k: Norm,
+    },
+    /// Over the whole projection, before splitting heads (olmoe).
+    Full {
+        q: Norm,
+        k: Norm,
+    },
+}
+
+/// Shape and behaviour of one attention layer.
+#[derive(Debug, Clone)]
+pub struct AttentionConfig {
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub head_dim: i32,
+    /// Multiplies `q k^T`.
+    pub scale: f32,
+    /// `tanh(s / cap) * cap` on the scores (gemma2).
+    pub softcap: Option<f32>,
+    /// Sliding window in keys per query (including itself), `None` for global attention.
+    pub window: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Attention {
+    pub qkv: QkvProjection,
+    pub o: Linear,
+    pub qk_norm: QkNorm,
+    pub rope: Option<RotaryEmbedding>,
+    pub cfg: AttentionConfig,
+}
+
+impl Attention {
+    /// `x` `[B, L, hidden]` → `[B, L, hidden]`, reading and extending `cache`.
+    pub fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
+        let shape = x.shape();
+        let (b, l) = (shape[0], shape[1]);
+        let c = &self.cfg;
+        let (mut q, mut k, v) = match &self.qkv {
+            QkvProjection::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
+            QkvProjection::Fused(qkv) => {
+                let parts = qkv.forward(x)?.split_at(
+                    &[
+                        c.n_heads * c.head_dim,
+                        (c.n_heads + c.n_kv_heads) * c.head_dim,
+                    ],
+                    -1,
+                )?;
+                (parts[0].clone(), parts[1].clone(), parts[2].clone())
+            }
+        };
+        if let QkNorm::Full { q: qn, k: kn } = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let heads = |t: &Array, n: i32| -> Result<Array> {
+            Ok(t.reshape(&[b, l, n, c.head_dim])?
+                .transpose(&[0, 2, 1, 3])?)
+        };
+        let mut q = heads(&q, c.n_heads)?;
+        let mut k = heads(&k, c.n_kv_heads)?;
+        let v = heads(&v, c.n_kv_heads)?;
+        if let QkNorm::PerHead { q: qn, k: kn } = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        if let Some(rope) = &self.rope {
+            let offset = cache.offset();
+            q = rope.forward(&q, offset)?;
+            k = rope.forward(&k, offset)?;
+        }
+        let (keys, values, mask) = cache.update(&k, &v, c.window)?;
+        let out = match c.softcap {
+            None => {
+                let m = match &mask {
+                    Mask::None => AttentionMask::None,
+                    Mask::Causal => AttentionMask::Causal,
+                    Mask::Array(a) => AttentionMask::Array(a),
+                };
+                ops::scaled_dot_product_attention(&q, &keys, &values, c.scale, m, None)?
+            }
+            Some(cap) => softcapped_attention(&q, &keys, &values, c.scale, cap, &mask)?,
+        };
+        let out = out
+            .transpose(&[0, 2, 1, 3])?
+            .reshape(&[b, l, c.n_heads * c.head_dim])?;
+        self.o.forward(&out)
+    }
+}
+
+/// Attention with tanh soft-capping of the scores, which the fused kernel does not offer.
+fn softcapped_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    cap: f32,
+    mask: &Mask,
+) -> Result<Array> {
+    let (qs, ks) = (q.shape(), k.shape());
+    let (b, hq, l, d) = (qs[0], qs[1], qs[2], qs[3]);
+    let (hk, s) = (ks[1], ks[2]);
+    let rep = hq / hk;
+    // Group query heads by their shared kv head: [B, Hk, rep, L, D] against [B, Hk, 1, S, D].
+    let q = q.reshape(&[b, hk, rep, l, d])?;
+    let k = k.expand_dims(&[2])?;
+    let v = v.expand_dims(&[2])?;
+    let scores = q
+        .mul_scalar(scale as f64)?
+        .matmul(&k.transpose(&[0, 1, 2, 4, 3])?)?;
+    let scores = scores
+        .mul_scalar(1.0 / cap as f64)?
+        .tanh()?
+        .mul_scalar(cap as f64)?;
+    let keep = match mask {
+        Mask::None => None,
+        Mask::Causal => {
+            match Mask::window(s as usize - l as usize, l as usize, 0, s as usize, None)? {
+                Mask::Array(a) => Some(a),
+                _ => None,
+            }
+        }
+        Mask::Array(a) => Some(a.clone()),
+    };
+    let scores = match keep {
+        Some(m) => ops::where_(&m, &scores, &scores.scalar_like(f64::NEG_INFINITY)?)?,
+        None => scores,
+    };
+    let probs = scores.softmax(&[-1], true)?;
+    Ok(probs.matmul(&v)?.reshape(&[b, hq, l, d])?)
+}

@@ -1,0 +1,97 @@
+//! Linear layers and embeddings, dense or quantized as the checkpoint stores them.
+
+use mlxcel_core::ops;
+use mlxcel_core::{Array, Dtype};
+use mlxcel_quant::QuantizedWeight;
+
+use crate::Result;
+
+/// `y = x W^T + b` with `W` `[out, in]`.
+#[derive(Debug, Clone)]
+pub enum Linear {
+    Dense {
+        weight: Array,
+        bias: Option<Array>,
+    },
+    Quantized {
+        weight: QuantizedWeight,
+        bias: Option<Array>,
+    },
+}
+
+impl Linear {
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let (y, bias) = match self {
+            Linear::Dense { weight, bias } => (x.matmul(&weight.t()?)?, bias),
+            Linear::Quantized { weight, bias } => (weight.matmul_t(x)?, bias),
+        };
+        Ok(match bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// A token embedding table `[vocab, dim]`.
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    Dense(Array),
+    Quantized(QuantizedWeight),
+}
+
+impl Embedding {
+    /// Rows for `ids` (any shape of int ids) → `[..ids, dim]`.
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense(table) => Ok(table.take(ids, 0)?),
+            Embedding::Quantized(q) => {
+                let dtype = match q.spec.mode {
+                    mlxcel_quant::QuantMode::Affine => q.scales.dtype()?,
+                    _ => Dtype::Float32,
+                };
+                let w = q.weight.take(ids, 0)?;
+                let s = q.scales.take(ids, 0)?;
+                let b = q.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?;
+                Ok(ops::dequantize(&w, &s, b.as_ref(), q.spec, Some(dtype))?)
+            }
+        }
+    }
+
+    /// The table used as an output projection (tied embeddings): `x @ table^T`.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense(table) => Ok(x.matmul(&table.t()?)?),
+            Embedding::Quantized(q) => Ok(q.matmul_t(x)?),
+        }
+    }
+}
+
+/// A stack of per-expert linear layers `[experts, out, in]`, applied with gathered matmuls.
+#[derive(Debug, Clone)]
+pub enum SwitchLinear {
+    Dense(Array),
+    Quantized(QuantizedWeight),
+}
+
+impl SwitchLinear {
+    /// `x` `[rows, 1, in]`, `experts` `[rows]` (sorted ascending) → `[rows, 1, out]`.
+    pub fn forward_sorted(&self, x: &Array, experts: &Array) -> Result<Array> {
+        match self {
+            SwitchLinear::Dense(w) => {
+                let wt = w.transpose(&[0, 2, 1])?;
+                Ok(ops::gather_mm(x, &wt, None, Some(experts), true)?)
+            }
+            SwitchLinear::Quantized(q) => Ok(ops::gather_qmm(
+                x,
+                &q.weight,
+                &q.scales,
+                q.biases.as_ref(),
+                None,
+                Some(experts),
+                true,
+                q.spec,
+                true,
+            )?),
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Gated and plain MLPs.
+
+use mlxcel_core::Array;
+
+use super::Linear;
+use crate::Result;
+
+/// Activation functions by their config names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu` / `swish`.
+    Silu,
+    /// `gelu_pytorch_tanh` / `gelu_new` / `gelu_fast`: the tanh approximation.
+    GeluTanh,
+    /// `gelu`: the exact erf form.
+    Gelu,
+    Relu,
+}
+
+impl Activation {
+    pub fn from_name(name: &str) -> Option<Activation> {
+        Some(match name {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu_tanh" => Activation::GeluTanh,
+            "gelu" | "gelu_exact" => Activation::Gelu,
+            "relu" => Activation::Relu,
+            _ => return None,
+        })
+    }
+
+    pub fn apply(self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Activation::Silu => x.multiply(&x.sigmoid()?)?,
+            Activation::GeluTanh => {
+                // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+                let inner = x
+                    .add(&x.multiply(&x.square()?)?.mul_scalar(0.044715)?)?
+                    .mul_scalar((2.0 / std::f64::consts::PI).sqrt())?;
+                x.multiply(&inner.tanh()?.add_scalar(1.0)?)?
+                    .mul_scalar(0.5)?
+            }
+            Activation::Gelu => {
+                let e = x.mul_scalar(std::f64::consts::FRAC_1_SQRT_2)?.erf()?;
+                x.multiply(&e.add_scalar(1.0)?)?.mul_scalar(0.5)?
+            }
+            Activation::Relu => x.maximum(&x.scalar_like(0.0)?)?,
+        })
+    }
+}
+
+/// `down(act(gate(x)) * up(x))`, with the gate and up projections separate or fused
+/// (`gate_up_proj`, gate first).
+#[derive(Debug, Clone)]
+pub enum Mlp {
+    Gated {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+        act: Activation,
+    },
+    FusedGated {
+        gate_up: Linear,
+        down: Linear,
+        act: Activation,
+        hidden: i32,
+    },
+    /// `down(act(up(x)))`.
+    Plain {
+        up: Linear,
+        down: Linear,
+        act: Activation,
+    },
+}
+
+impl Mlp {
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            Mlp::Gated {
+                gate,
+                up,
+                down,
+                act,
+            } => {
+                let h = act.apply(&gate.forward(x)?)?.multiply(&up.forward(x)?)?;
+                down.forward(&h)
+            }
+            Mlp::FusedGated {
+                gate_up,
+                down,
+                act,
+                hidden,
+            } => {
+                let gu = gate_up.forward(x)?;
+                let parts = gu.split_at(&[*hidden], -1)?;
+                let h = act.apply(&parts[0])?.multiply(&parts[1])?;
+                down.forward(&h)
+            }
+            Mlp::Plain { up, down, act } => down.forward(&act.apply(&up.forward(x)?)?),
+        }
+    }
+}

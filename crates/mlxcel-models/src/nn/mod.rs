@@ -1,0 +1,16 @@
+//! Building blocks shared by the architectures: linear layers (dense or quantized), embeddings,
+//! norms, rotary embeddings, attention, MLPs and mixture-of-experts layers.
+
+mod attention;
+mod linear;
+mod mlp;
+mod moe;
+mod norm;
+mod rope;
+
+pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
+pub use linear::{Embedding, Linear, SwitchLinear};
+pub use mlp::{Activation, Mlp};
+pub use moe::{Router, RouterScoring, SwitchGlu};
+pub use norm::{Norm, NormKind};
+pub use rope::{RopeConfig, RotaryEmbedding};

@@ -1,0 +1,52 @@
+//! Normalisation layers.
+
+use mlxcel_core::Array;
+
+use crate::Result;
+
+/// Which normalisation and how its weight is applied.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum NormKind {
+    /// RMSNorm scaled by `w`.
+    Rms,
+    /// RMSNorm scaled by `1 + w` (Gemma stores the offset from one).
+    RmsOffset,
+    /// LayerNorm with weight and optional bias.
+    Layer,
+}
+
+#[derive(Debug, Clone)]
+pub struct Norm {
+    kind: NormKind,
+    weight: Array,
+    bias: Option<Array>,
+    eps: f32,
+}
+
+impl Norm {
+    pub fn new(kind: NormKind, weight: Array, bias: Option<Array>, eps: f32) -> Result<Norm> {
+        // Fold Gemma's `1 + w` into the stored weight once, at load.
+        let weight = match kind {
+            NormKind::RmsOffset => weight.add_scalar(1.0)?,
+            _ => weight,
+        };
+        Ok(Norm {
+            kind,
+            weight,
+            bias,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(match self.kind {
+            NormKind::Rms | NormKind::RmsOffset => x.rms_norm(Some(&self.weight), self.eps)?,
+            NormKind::Layer => x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps)?,
+        })
+    }
+
+    /// The arrays created at load (the folded `1 + w`), for materialisation.
+    pub fn arrays(&self) -> Vec<&Array> {
+        vec![&self.weight]
+    }
+}

@@ -1,0 +1,325 @@
+//! Rotary position embeddings with the scalings configs ask for: default, linear, dynamic NTK,
+//! llama3, yarn and longrope (phi3). Frequencies follow transformers' `_compute_*_parameters`
+//! and are handed to MLX's fused rope as periods (`freqs` = 1 / inv_freq).
+
+use mlxcel_core::ops::Rope;
+use mlxcel_core::Array;
+use serde_json::Value;
+
+use crate::{ModelError, Result};
+
+/// What a config says about rotary embeddings, gathered from the architecture's args.
+#[derive(Debug, Clone)]
+pub struct RopeConfig {
+    pub base: f64,
+    pub head_dim: i32,
+    /// Rotated dims (partial rotary: `head_dim * partial_rotary_factor`).
+    pub dims: i32,
+    pub traditional: bool,
+    /// `rope_scaling` as written (already sanitised), or `None`.
+    pub scaling: Option<Value>,
+    pub max_position_embeddings: Option<i64>,
+}
+
+#[derive(Debug, Clone)]
+enum Scaling {
+    /// Fixed periods (default, linear, llama3, yarn), and a factor applied to the rotated part.
+    Fixed {
+        freqs: Option<Array>,
+        scale: f32,
+        attention_factor: f64,
+    },
+    /// NTK-aware base growth once positions exceed `max_positions`.
+    Dynamic { factor: f64, max_positions: i64 },
+    /// Phi3 longrope: short factors up to `original_max`, long factors beyond.
+    LongRope {
+        short: Array,
+        long: Array,
+        original_max: i64,
+        attention_factor: f64,
+    },
+}
+
+/// A rotary embedding ready to apply to `[B, H, L, D]` queries and keys.
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    dims: i32,
+    base: f64,
+    traditional: bool,
+    scaling: Scaling,
+}
+
+fn num(v: &Value, key: &str) -> Option<f64> {
+    v.get(key).and_then(Value::as_f64)
+}
+
+fn field_err(key: &str) -> ModelError {
+    ModelError::Config(format!("rope_scaling.{key} is required for this rope type"))
+}
+
+/// Periods for `dims` rotated dims from inverse frequencies.
+fn periods(inv_freq: &[f64]) -> Result<Array> {
+    let p: Vec<f32> = inv_freq.iter().map(|f| (1.0 / f) as f32).collect();
+    Ok(Array::from_slice(&p, &[p.len() as i32])?)
+}
+
+fn default_inv_freq(base: f64, dims: i32) -> Vec<f64> {
+    (0..dims / 2)
+        .map(|i| 1.0 / base.powf(2.0 * i as f64 / dims as f64))
+        .collect()
+}
+
+fn factor_list(v: &Value, key: &str, len: i32) -> Result<Vec<f64>> {
+    let list = v
+        .get(key)
+        .and_then(Value::as_array)
+        .ok_or_else(|| field_err(key))?;
+    let vals: Vec<f64> = list.iter().filter_map(Value::as_f64).collect();
+    if vals.len() != len as usize {
+        return Err(ModelError::Config(format!(
+            "rope_scaling.{key} has {} entries, expected {len} (rotary dims / 2)",
+            vals.len()
+        )));
+    }
+    Ok(vals)
+}
+
+impl RotaryEmbedding {
+    pub fn new(cfg: &RopeConfig) -> Result<RotaryEmbedding> {
+        let dims = cfg.dims;
+        let base = cfg.base;
+        let fixed = |freqs: Option<Array>, scale: f64, attention_factor: f64| Scaling::Fixed {
+            freqs,
+            scale: scale as f32,
+            attention_factor,
+        };
+        let Some(s) = cfg.scaling.as_ref() else {
+            return Ok(RotaryEmbedding {
+                dims,
+                base,
+                traditional: cfg.traditional,
+                scaling: fixed(None, 1.0, 1.0),
+            });
+        };
+        let kind = s
+            .get("rope_type")
+            .or_else(|| s.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let factor = num(s, "factor");
+        let scaling = match kind {
+            "default" => fixed(None, 1.0, 1.0),
+            "linear" => fixed(None, 1.0 / factor.ok_or_else(|| field_err("factor"))?, 1.0),
+            "dynamic" => Scaling::Dynamic {
+                factor: factor.ok_or_else(|| field_err("factor"))?,
+                max_positions: cfg.max_position_embeddings.ok_or_else(|| {
+                    ModelError::Config("dynamic rope needs max_position_embeddings".into())
+                })?,
+            },
+            "llama3" => {
+                let factor = factor.ok_or_else(|| field_err("factor"))?;
+                let low = num(s, "low_freq_factor").ok_or_else(|| field_err("low_freq_factor"))?;
+                let high =
+                    num(s, "high_freq_factor").ok_or_else(|| field_err("high_freq_factor"))?;
+                let old = num(s, "original_max_position_embeddings")
+                    .ok_or_else(|| field_err("original_max_position_embeddings"))?;
+                let (low_wavelen, high_wavelen) = (old / low, old / high);
+                let inv: Vec<f64> = default_inv_freq(base, dims)
+                    .into_iter()
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low) / (high - low);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect();
+                fixed(Some(periods(&inv)?), 1.0, 1.0)
+            }
+            "yarn" => {
+                let factor = factor.ok_or_else(|| field_err("factor"))?;
+                let original = num(s, "original_max_position_embeddings")
+                    .or(cfg.max_position_embeddings.map(|v| v as f64))
+                    .ok_or_else(|| field_err("original_max_position_embeddings"))?;
+                let get_mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
+                let attention_factor = match (
+                    num(s, "attention_factor"),
+                    num(s, "mscale"),
+                    num(s, "mscale_all_dim"),
+                ) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(mad)) if m != 0.0 && mad != 0.0 => {
+                        get_mscale(factor, m) / get_mscale(factor, mad)
+                    }
+                    _ => get_mscale(factor, 1.0),
+                };
+                let beta_fast = num(s, "beta_fast").unwrap_or(32.0);
+                let beta_slow = num(s, "beta_slow").unwrap_or(1.0);
+                let d = dims as f64;
+                let correction = |rot: f64| {
+                    (d * (original / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * base.ln())
+                };
+                let truncate = s.get("truncate").and_then(Value::as_bool).unwrap_or(true);
+                let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+                if truncate {
+                    low = low.floor();
+                    high = high.ceil();
+                }
+                let low = low.max(0.0);
+                let high = high.min(d - 1.0);
+                let high = if low == high { high + 0.001 } else { high };
+                let inv: Vec<f64> = (0..dims / 2)
+                    .map(|i| {
+                        let pos_freq = base.powf(2.0 * i as f64 / d);
+                        let extrapolation = 1.0 / pos_freq;
+                        let interpolation = 1.0 / (factor * pos_freq);
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        let extrapolation_factor = 1.0 - ramp;
+                        interpolation * (1.0 - extrapolation_factor)
+                            + extrapolation * extrapolation_factor
+                    })
+                    .collect();
+                fixed(Some(periods(&inv)?), 1.0, attention_factor)
+            }
+            "longrope" | "su" => {
+                let original = num(s, "original_max_position_embeddings")
+                    .map(|v| v as i64)
+                    .or(cfg.max_position_embeddings)
+                    .ok_or_else(|| field_err("original_max_position_embeddings"))?;
+                let max = cfg.max_position_embeddings.unwrap_or(original);
+                let factor = factor.unwrap_or(max as f64 / original as f64);
+                let attention_factor = match num(s, "attention_factor") {
+                    Some(a) => a,
+                    None if factor <= 1.0 => 1.0,
+                    None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+                };
+                let inv = default_inv_freq(base, dims);
+                let scaled = |key: &str| -> Result<Array> {
+                    let f = factor_list(s, key, dims / 2)?;
+                    periods(&inv.iter().zip(&f).map(|(i, f)| i / f).collect::<Vec<_>>())
+                };
+                Scaling::LongRope {
+                    short: scaled("short_factor")?,
+                    long: scaled("long_factor")?,
+                    original_max: original,
+                    attention_factor,
+                }
+            }
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "rope_scaling type `{other}`"
+                )))
+            }
+        };
+        Ok(RotaryEmbedding {
+            dims,
+            base,
+            traditional: cfg.traditional,
+            scaling,
+        })
+    }
+
+    /// Applies the rotation to `x` `[B, H, L, D]` whose first row is at position `offset`.
+    pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
+        let length = x.dim(-2)? as usize;
+        let dims = self.dims;
+        let traditional = self.traditional;
+        fn spec(
+            dims: i32,
+            traditional: bool,
+            base: f64,
+            scale: f32,
+            freqs: Option<&Array>,
+        ) -> Rope<'_> {
+            Rope {
+                dims,
+                traditional,
+                base: base as f32,
+                scale,
+                freqs,
+            }
+        }
+        let (y, attention_factor) = match &self.scaling {
+            Scaling::Fixed {
+                freqs,
+                scale,
+                attention_factor,
+            } => (
+                x.rope(
+                    &spec(dims, traditional, self.base, *scale, freqs.as_ref()),
+                    offset as i32,
+                )?,
+                *attention_factor,
+            ),
+            Scaling::Dynamic {
+                factor,
+                max_positions,
+            } => {
+                let seq = (offset + length) as f64;
+                let base = if seq > *max_positions as f64 {
+                    let d = self.dims as f64;
+                    self.base
+                        * ((factor * seq / *max_positions as f64) - (factor - 1.0))
+                            .powf(d / (d - 2.0))
+                } else {
+                    self.base
+                };
+                (
+                    x.rope(&spec(dims, traditional, base, 1.0, None), offset as i32)?,
+                    1.0,
+                )
+            }
+            Scaling::LongRope {
+                short,
+                long,
+                original_max,
+                attention_factor,
+            } => {
+                let freqs = if (offset + length) as i64 > *original_max {
+                    long
+                } else {
+                    short
+                };
+                (
+                    x.rope(
+                        &spec(dims, traditional, self.base, 1.0, Some(freqs)),
+                        offset as i32,
+                    )?,
+                    *attention_factor,
+                )
+            }
+        };
+        if attention_factor == 1.0 {
+            return Ok(y);
+        }
+        // transformers scales cos and sin, i.e. only the rotated part.
+        let head_dim = x.dim(-1)?;
+        if self.dims == head_dim {
+            return Ok(y.mul_scalar(attention_factor)?);
+        }
+        let parts = y.split_at(&[self.dims], -1)?;
+        Ok(mlxcel_core::ops::concatenate(
+            &[parts[0].mul_scalar(attention_factor)?, parts[1].clone()],
+            -1,
+        )?)
+    }
+
+    /// The arrays built at load (frequency tables).
+    pub fn arrays(&self) -> Vec<&Array> {
+        match &self.scaling {
+            Scaling::Fixed { freqs, .. } => freqs.iter().collect(),
+            Scaling::Dynamic { .. } => vec![],
+            Scaling::LongRope { short, long, .. } => vec![short, long],
+        }
+    }
+}

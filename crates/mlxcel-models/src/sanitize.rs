@@ -1,0 +1,70 @@
+//! Checkpoint rewrites shared by several architectures' `sanitize` (mlx-lm's catalogue of
+//! checkpoint quirks is the model for these).
+
+use mlxcel_core::{ops, WeightMap};
+
+use crate::{ModelError, Result};
+
+/// Stacks per-expert tensors into the layout the model runs: for each `(from, to)` pair and each
+/// plane (`weight`, `scales`, `biases`), `{prefix}.{experts}.{e}.{from}.{plane}` for `e` in
+/// `0..n` becomes `{prefix}.switch_mlp.{to}.{plane}` of shape `[n, ..]`. Checkpoints already
+/// stacked (MLX conversions) are left as they are.
+pub fn stack_experts(
+    map: &mut WeightMap,
+    prefix: &str,
+    experts: &str,
+    n: usize,
+    names: &[(&str, &str)],
+) -> Result<()> {
+    for (from, to) in names {
+        for plane in ["weight", "scales", "biases"] {
+            let name = |e: usize| format!("{prefix}.{experts}.{e}.{from}.{plane}");
+            if !map.contains(&name(0)) {
+                continue;
+            }
+            let mut parts = Vec::with_capacity(n);
+            for e in 0..n {
+                let part = name(e);
+                if !map.contains(&part) {
+                    return Err(ModelError::MissingTensor(part));
+                }
+                parts.push(map.take(&part)?);
+            }
+            map.insert(
+                format!("{prefix}.switch_mlp.{to}.{plane}"),
+                ops::stack(&parts, 0)?,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// The common HF MoE layout: `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj`.
+pub fn stack_mlp_experts(map: &mut WeightMap, layers: usize, experts: usize) -> Result<()> {
+    for i in 0..layers {
+        stack_experts(
+            map,
+            &format!("model.layers.{i}.mlp"),
+            "experts",
+            experts,
+            &[
+                ("gate_proj", "gate_proj"),
+                ("up_proj", "up_proj"),
+                ("down_proj", "down_proj"),
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+/// Drops buffers no inference path reads (rotary frequency caches some exporters save).
+pub fn drop_unused_buffers(map: &mut WeightMap) {
+    let names: Vec<String> = map
+        .names()
+        .filter(|n| n.ends_with(".rotary_emb.inv_freq"))
+        .map(str::to_string)
+        .collect();
+    for n in names {
+        map.remove(&n);
+    }
+}

@@ -1,0 +1,260 @@
+//! [`ModelWeights`]: how model code pulls its tensors by name. It checks shapes against what the
+//! config implies, builds dense or quantized layers as the checkpoint stores them (per-module
+//! quantization overrides, bit widths inferred from shapes), casts float tensors to the compute
+//! dtype, records every array the model keeps (for the materialisation policy), and at the end
+//! refuses tensors nobody used.
+
+use std::collections::BTreeSet;
+
+use mlxcel_core::{Array, Dtype, WeightMap};
+use mlxcel_quant::{QuantConfig, QuantMode, QuantizedWeight, TensorQuant};
+
+use crate::nn::{Embedding, Linear, SwitchLinear};
+use crate::{ModelError, Result};
+
+pub struct ModelWeights {
+    map: WeightMap,
+    quant: Option<QuantConfig>,
+    dtype: Dtype,
+    used: BTreeSet<String>,
+    kept: Vec<Array>,
+}
+
+impl ModelWeights {
+    /// `dtype` is the compute dtype float tensors are cast to (float32 on the CPU backend).
+    pub fn new(map: WeightMap, quant: Option<QuantConfig>, dtype: Dtype) -> ModelWeights {
+        ModelWeights {
+            map,
+            quant,
+            dtype,
+            used: BTreeSet::new(),
+            kept: Vec::new(),
+        }
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.map.contains(name)
+    }
+
+    fn fetch(&mut self, name: &str) -> Result<Array> {
+        if !self.map.contains(name) {
+            return Err(ModelError::MissingTensor(name.to_string()));
+        }
+        self.used.insert(name.to_string());
+        Ok(self.map.get(name)?)
+    }
+
+    fn keep(&mut self, a: Array) -> Array {
+        self.kept.push(a.clone());
+        a
+    }
+
+    fn check_shape(&self, name: &str, expected: &[i32]) -> Result<()> {
+        let found = self
+            .map
+            .info(name)
+            .map(|i| i.shape.clone())
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        if found != expected {
+            return Err(ModelError::Shape {
+                tensor: name.to_string(),
+                found,
+                expected: expected.to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    fn float(&self, a: Array) -> Result<Array> {
+        Ok(if a.dtype()?.is_float() && a.dtype()? != self.dtype {
+            a.astype(self.dtype)?
+        } else {
+            a
+        })
+    }
+
+    /// A float tensor of exactly `shape`, in the compute dtype.
+    pub fn tensor(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        self.check_shape(name, shape)?;
+        let a = self.fetch(name)?;
+        let a = self.float(a)?;
+        Ok(self.keep(a))
+    }
+
+    /// [`ModelWeights::tensor`] when present, `None` when the checkpoint lacks it.
+    pub fn optional(&mut self, name: &str, shape: &[i32]) -> Result<Option<Array>> {
+        if self.map.contains(name) {
+            self.tensor(name, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// The quantization of module `prefix`: `None` when stored dense (no `.scales`).
+    fn quantized(
+        &mut self,
+        prefix: &str,
+        out_shape: &[i32],
+        in_features: i32,
+    ) -> Result<Option<QuantizedWeight>> {
+        let scales_name = format!("{prefix}.scales");
+        if !self.map.contains(&scales_name) {
+            return Ok(None);
+        }
+        let (mode, group_size, bits) = match self.quant.as_ref().map(|q| q.for_module(prefix)) {
+            Some(TensorQuant::Quantized {
+                mode,
+                group_size,
+                bits,
+            }) => (mode, group_size, bits),
+            Some(TensorQuant::Dense) => {
+                return Err(ModelError::Config(format!(
+                    "quantization marks `{prefix}` as dense but the checkpoint has `{scales_name}`"
+                )))
+            }
+            None => {
+                return Err(ModelError::Config(format!(
+                    "`{scales_name}` is quantized but config.json has no `quantization` block"
+                )))
+            }
+        };
+        let weight_name = format!("{prefix}.weight");
+        let weight = self.fetch(&weight_name)?;
+        let scales = self.fetch(&scales_name)?;
+        let biases_name = format!("{prefix}.biases");
+        let biases = if self.map.contains(&biases_name) {
+            Some(self.fetch(&biases_name)?)
+        } else {
+            None
+        };
+        let q = QuantizedWeight::new(&weight_name, weight, scales, biases, mode, group_size, bits)?;
+        let mut expected = out_shape.to_vec();
+        expected.push(in_features);
+        let mut found = q.weight.shape();
+        if let Some(last) = found.last_mut() {
+            *last = q.in_features();
+        }
+        if found != expected {
+            return Err(ModelError::Shape {
+                tensor: weight_name,
+                found,
+                expected,
+            });
+        }
+        if q.spec.mode == QuantMode::Affine && q.spec.bits == 1 && out_shape.len() > 1 {
+            return Err(ModelError::Unsupported(format!(
+                "`{weight_name}`: 1-bit affine is supported for dense linears and embeddings only, not expert stacks"
+            )));
+        }
+        let q = q.with_float_dtype(self.dtype)?;
+        for a in q.arrays() {
+            self.kept.push(a.clone());
+        }
+        Ok(Some(q))
+    }
+
+    /// A linear layer `prefix.{weight,bias}` mapping `in_features` to `out_features`, dense or
+    /// quantized as stored.
+    pub fn linear(
+        &mut self,
+        prefix: &str,
+        in_features: i32,
+        out_features: i32,
+        bias: bool,
+    ) -> Result<Linear> {
+        let bias = if bias {
+            Some(self.tensor(&format!("{prefix}.bias"), &[out_features])?)
+        } else {
+            None
+        };
+        if let Some(q) = self.quantized(prefix, &[out_features], in_features)? {
+            return Ok(Linear::Quantized { weight: q, bias });
+        }
+        let weight = self.tensor(&format!("{prefix}.weight"), &[out_features, in_features])?;
+        Ok(Linear::Dense { weight, bias })
+    }
+
+    /// A linear layer whose bias is used when the checkpoint has one.
+    pub fn linear_maybe_bias(
+        &mut self,
+        prefix: &str,
+        in_features: i32,
+        out_features: i32,
+    ) -> Result<Linear> {
+        let has_bias = self.map.contains(&format!("{prefix}.bias"));
+        self.linear(prefix, in_features, out_features, has_bias)
+    }
+
+    /// An embedding table `[vocab, dim]`, dense or quantized.
+    pub fn embedding(&mut self, prefix: &str, vocab: i32, dim: i32) -> Result<Embedding> {
+        if let Some(q) = self.quantized(prefix, &[vocab], dim)? {
+            return Ok(Embedding::Quantized(q));
+        }
+        let table = self.tensor(&format!("{prefix}.weight"), &[vocab, dim])?;
+        Ok(Embedding::Dense(table))
+    }
+
+    /// A stack of `experts` linear layers `[experts, out, in]` (MoE), dense or quantized.
+    pub fn switch_linear(
+        &mut self,
+        prefix: &str,
+        experts: i32,
+        in_features: i32,
+        out_features: i32,
+    ) -> Result<SwitchLinear> {
+        if let Some(q) = self.quantized(prefix, &[experts, out_features], in_features)? {
+            return Ok(SwitchLinear::Quantized(q));
+        }
+        let w = self.tensor(
+            &format!("{prefix}.weight"),
+            &[experts, out_features, in_features],
+        )?;
+        Ok(SwitchLinear::Dense(w))
+    }
+
+    /// A normalisation layer `prefix.weight` (and `prefix.bias` for LayerNorm when present).
+    pub fn norm(
+        &mut self,
+        prefix: &str,
+        kind: crate::nn::NormKind,
+        dim: i32,
+        eps: f32,
+    ) -> Result<crate::nn::Norm> {
+        let weight = self.tensor(&format!("{prefix}.weight"), &[dim])?;
+        let bias = match kind {
+            crate::nn::NormKind::Layer => self.optional(&format!("{prefix}.bias"), &[dim])?,
+            _ => None,
+        };
+        let norm = crate::nn::Norm::new(kind, weight, bias, eps)?;
+        self.keep_all(norm.arrays());
+        Ok(norm)
+    }
+
+    /// Records arrays built at load from checkpoint tensors (folded norms, rope tables), so the
+    /// materialisation policy evaluates them too.
+    pub fn keep_all<'a>(&mut self, arrays: impl IntoIterator<Item = &'a Array>) {
+        self.kept.extend(arrays.into_iter().cloned());
+    }
+
+    /// Ends construction: an error listing the tensors the model did not use; otherwise every
+    /// array the model keeps.
+    pub fn finish(self, model: &str) -> Result<Vec<Array>> {
+        let unused: Vec<String> = self
+            .map
+            .names()
+            .filter(|n| !self.used.contains(*n))
+            .map(str::to_string)
+            .collect();
+        if !unused.is_empty() {
+            return Err(ModelError::UnexpectedTensors {
+                model: model.to_string(),
+                names: unused,
+            });
+        }
+        Ok(self.kept)
+    }
+}

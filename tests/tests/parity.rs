@@ -1,0 +1,109 @@
+//! Parity of every registered architecture with its golden fixture: all-position logits and the
+//! 16-token greedy continuation, unchunked and with chunked prefill.
+//!
+//! Tolerances. MLX-quantized checkpoints: max |Δ| ≤ 1e-3 against mlx-lm (f32 compute).
+//! f32 checkpoints: transformers' own float32 logits are up to 2.3e-4 away from the float64
+//! forward on these fixtures (logits up to ~25), so a fixed 1e-4 against them would test the
+//! reference's rounding, not ours. Instead, with `e_ref` = max |transformers f32 − float64|:
+//! mlxcel's error against the float64 forward must be ≤ max(1e-4, 2·e_ref) — at least as accurate
+//! as a float32 engine can be — and its distance to transformers' f32 logits ≤ that bound + e_ref
+//! (the triangle inequality). Where e_ref ≤ 5e-5 this is the plain 1e-4 + e_ref.
+
+use mlxcel_core::Array;
+use mlxcel_loading::{load_model, LanguageModel, LoadOptions};
+use mlxcel_models::generate::greedy;
+use mlxcel_models::ModelType;
+use mlxcel_tests::{fixture_index, max_abs_diff, model_dir, reference};
+
+fn logits_for(model: &dyn LanguageModel, ids: &[u32]) -> Vec<f32> {
+    let input: Vec<i32> = ids.iter().map(|t| *t as i32).collect();
+    let tokens = Array::from_slice(&input, &[1, input.len() as i32]).unwrap();
+    let mut caches = model.make_caches();
+    model
+        .forward(&tokens, &mut caches)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+}
+
+fn check(name: &str, quantized: bool) {
+    let reference = reference(name);
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let loaded = load_model(model_dir(name), &options).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model = &loaded.model;
+    assert_eq!(model.vocab_size(), reference.vocab, "{name}: vocab");
+    let got = logits_for(model, &reference.prompt_ids);
+    let tolerance = if quantized {
+        1e-3
+    } else {
+        let (exact, e_ref) = reference
+            .exact
+            .as_ref()
+            .unwrap_or_else(|| panic!("{name}: no exact.safetensors"));
+        let bound = (2.0 * e_ref).max(1e-4);
+        let (err, at) = max_abs_diff(&got, exact);
+        assert!(
+            err <= bound,
+            "{name}: max |Δlogit| vs float64 {err:.2e} > {bound:.2e} at position {}",
+            at / reference.vocab
+        );
+        eprintln!("{name}: vs float64 {err:.2e} (transformers f32: {e_ref:.2e})");
+        bound + e_ref
+    };
+    let (diff, at) = max_abs_diff(&got, &reference.logits);
+    let pos = at / reference.vocab;
+    assert!(
+        diff <= tolerance,
+        "{name}: max |Δlogit| {diff:.2e} > {tolerance:.1e} at position {pos} token {}",
+        at % reference.vocab
+    );
+    for chunk in [None, Some(1), Some(3), Some(8), Some(16), Some(64)] {
+        let ids = greedy(
+            model,
+            &reference.prompt_ids,
+            reference.greedy_ids.len(),
+            chunk,
+            |_| false,
+        )
+        .unwrap();
+        assert_eq!(
+            ids, reference.greedy_ids,
+            "{name}: greedy continuation with prefill chunk {chunk:?}"
+        );
+    }
+    eprintln!("{name}: max |Δlogit| {diff:.2e}, greedy ok");
+}
+
+#[test]
+fn every_registered_fixture_matches_its_reference() {
+    let mut checked = 0;
+    for entry in fixture_index() {
+        if ModelType::from_model_type(&entry.model_type).is_none() {
+            continue;
+        }
+        check(&entry.name, entry.kind == "quantized-mlx-lm");
+        checked += 1;
+    }
+    assert!(checked >= 25, "only {checked} fixtures checked");
+}
+
+#[test]
+fn unregistered_architectures_are_refused_by_name() {
+    for entry in fixture_index() {
+        if ModelType::from_model_type(&entry.model_type).is_some() {
+            continue;
+        }
+        let err = match load_model(model_dir(&entry.name), &LoadOptions::default()) {
+            Ok(_) => panic!("{} loaded without a registered architecture", entry.name),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains(&format!("`{}`", entry.model_type)),
+            "{}: {err}",
+            entry.name
+        );
+    }
+}
