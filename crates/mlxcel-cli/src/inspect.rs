@@ -4,37 +4,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use mlxcel_core::WeightMap;
+use mlxcel_loading::memory::tensor_role as role;
 use mlxcel_loading::{read_config, resolve_model_dir};
 use mlxcel_models::detection::{detect_kind, get_model_type};
 use mlxcel_models::{model_load_policy, DESCRIPTORS};
 use mlxcel_quant::infer_quantization_bits;
-
-/// The role of a tensor, from its name.
-fn role(name: &str) -> &'static str {
-    let n = name;
-    if n.contains("embed_tokens") || n.contains("wte") {
-        "embedding"
-    } else if n.starts_with("lm_head") {
-        "lm_head"
-    } else if n.contains("norm") {
-        "norm"
-    } else if n.contains("shared_expert") {
-        "shared expert"
-    } else if n.contains("switch_mlp") || n.contains(".experts.") {
-        "routed experts"
-    } else if n.ends_with("mlp.gate.weight")
-        || n.contains("block_sparse_moe.gate")
-        || n.contains(".router")
-    {
-        "router"
-    } else if n.contains("self_attn") || n.contains("attention") {
-        "attention"
-    } else if n.contains("mlp") || n.contains("feed_forward") {
-        "dense mlp"
-    } else {
-        "other"
-    }
-}
 
 #[derive(Default)]
 struct RoleStats {

@@ -1,6 +1,7 @@
 //! `mlxcel`: the command-line interface. Argument parsing and printing only; everything else goes
 //! through the library crates' public API.
 
+mod generate;
 mod inspect;
 mod npy;
 
@@ -41,6 +42,10 @@ enum Command {
     Inspect { model: PathBuf },
     /// Print the model registry.
     Arch,
+    /// Generate text from a prompt; text to stdout, statistics to stderr.
+    Generate(generate::GenerateFlags),
+    /// Interactive chat keeping the session (and its caches) between turns.
+    Chat(generate::RunFlags),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -60,6 +65,8 @@ fn main() -> anyhow::Result<()> {
         }) => logits(&model, &prompt_ids, &out)?,
         Some(Command::Inspect { model }) => inspect::run(&model)?,
         Some(Command::Arch) => inspect::print_registry(),
+        Some(Command::Generate(flags)) => generate::generate(flags)?,
+        Some(Command::Chat(flags)) => generate::chat(flags)?,
     }
     Ok(())
 }

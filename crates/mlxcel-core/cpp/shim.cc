@@ -97,6 +97,17 @@ DeviceKind default_device_kind() {
 }
 void set_default_device_kind(DeviceKind kind) { mx::set_default_device(mx::Device(to_mlx(kind))); }
 bool device_available(DeviceKind kind) { return mx::is_available(mx::Device(to_mlx(kind))); }
+size_t device_memory_bytes(DeviceKind kind) {
+  // Total memory as the backend reports it (0 when it does not).
+  const auto& info = mx::device_info(mx::Device(to_mlx(kind)));
+  for (const char* key : {"total_memory", "memory_size"}) {
+    auto it = info.find(key);
+    if (it != info.end()) {
+      if (auto v = std::get_if<size_t>(&it->second)) return *v;
+    }
+  }
+  return 0;
+}
 size_t active_memory() { return mx::get_active_memory(); }
 size_t peak_memory() { return mx::get_peak_memory(); }
 void reset_peak_memory() { mx::reset_peak_memory(); }

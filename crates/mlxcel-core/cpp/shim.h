@@ -32,6 +32,7 @@ rust::String mlx_version();
 DeviceKind default_device_kind();
 void set_default_device_kind(DeviceKind kind);
 bool device_available(DeviceKind kind);
+size_t device_memory_bytes(DeviceKind kind);
 size_t active_memory();
 size_t peak_memory();
 void reset_peak_memory();

@@ -23,6 +23,13 @@ impl Device {
         Ok(bridge::device_available(self.kind())?)
     }
 
+    /// Total memory of the device as MLX's backend reports it; `None` when it does not report
+    /// one (the CPU backend), in which case callers use the system's memory.
+    pub fn memory_bytes(self) -> Result<Option<usize>> {
+        let bytes = bridge::device_memory_bytes(self.kind())?;
+        Ok((bytes > 0).then_some(bytes))
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Device::Cpu => "cpu",

@@ -55,6 +55,7 @@ pub(crate) mod bridge {
         fn default_device_kind() -> Result<DeviceKind>;
         fn set_default_device_kind(kind: DeviceKind) -> Result<()>;
         fn device_available(kind: DeviceKind) -> Result<bool>;
+        fn device_memory_bytes(kind: DeviceKind) -> Result<usize>;
         fn active_memory() -> Result<usize>;
         fn peak_memory() -> Result<usize>;
         fn reset_peak_memory() -> Result<()>;

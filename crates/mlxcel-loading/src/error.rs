@@ -13,6 +13,9 @@ pub enum LoadError {
     },
     #[error("{0}")]
     Unsupported(String),
+    /// A model failed while running (generation).
+    #[error(transparent)]
+    Run(#[from] mlxcel_models::ModelError),
     #[error(transparent)]
     Core(#[from] mlxcel_core::Error),
     #[error(transparent)]

@@ -12,13 +12,18 @@
 //!                                                                  └─ load_tokenizer
 //! ```
 
+mod chat;
 mod error;
+pub mod memory;
 mod pipeline;
+mod textgen;
 mod tokenizer;
 
+pub use chat::{ChatTemplate, Message};
 pub use error::{LoadError, Result};
 pub use mlxcel_models::{LanguageModel, LoadedModel, ModelType};
 pub use pipeline::{
     compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, Loaded,
 };
-pub use tokenizer::{load_tokenizer, Tokenizer};
+pub use textgen::{generate_text, FinishReason, GenerateRequest, GenerationStats};
+pub use tokenizer::{load_tokenizer, StreamDecoder, Tokenizer};

@@ -12,6 +12,7 @@ use mlxcel_models::{
 use mlxcel_quant::QuantConfig;
 use serde_json::Value;
 
+use crate::chat::ChatTemplate;
 use crate::tokenizer::{load_tokenizer, Tokenizer};
 use crate::{LoadError, Result};
 
@@ -35,6 +36,42 @@ pub struct Loaded {
     pub config: Value,
     pub folder: PathBuf,
     pub dtype: Dtype,
+    /// Ids that end generation: `eos_token_id` of `config.json` and `generation_config.json`
+    /// (a number or a list) and the tokenizer's `eos_token`.
+    pub eos_token_ids: Vec<u32>,
+    pub chat_template: Option<ChatTemplate>,
+    pub load_seconds: f64,
+}
+
+fn ids_of(value: Option<&Value>) -> Vec<u32> {
+    match value {
+        Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The end-of-sequence ids a model declares (see [`Loaded::eos_token_ids`]).
+pub fn eos_token_ids(folder: &Path, config: &Value, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
+    let mut ids = ids_of(config.get("eos_token_id"));
+    if let Ok(text) = std::fs::read_to_string(folder.join("generation_config.json")) {
+        if let Ok(gen) = serde_json::from_str::<Value>(&text) {
+            ids.extend(ids_of(gen.get("eos_token_id")));
+        }
+    }
+    if let (Some(t), Ok(text)) = (tokenizer, std::fs::read_to_string(folder.join("tokenizer_config.json"))) {
+        if let Ok(tc) = serde_json::from_str::<Value>(&text) {
+            let eos = match tc.get("eos_token") {
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).map(str::to_string),
+                _ => None,
+            };
+            ids.extend(eos.and_then(|e| t.token_to_id(&e)));
+        }
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
 
 /// A model folder from a folder or a file inside it; it must hold `config.json`.
@@ -93,6 +130,7 @@ fn has_vision_weights(weights: &WeightMap) -> bool {
 
 /// Loads a generation model and its tokenizer from a folder (or a file in it).
 pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loaded> {
+    let started = std::time::Instant::now();
     let folder = resolve_model_dir(path)?;
     let config = read_config(&folder)?;
     let model_err = |source| LoadError::Model {
@@ -140,11 +178,12 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         materialization,
     };
     let model = load_config_backed(model_type, &config, weights, &build).map_err(model_err)?;
-    let tokenizer = if options.skip_tokenizer {
-        None
+    let (tokenizer, chat_template) = if options.skip_tokenizer {
+        (None, None)
     } else {
-        Some(load_tokenizer(&folder)?)
+        (Some(load_tokenizer(&folder)?), ChatTemplate::load(&folder)?)
     };
+    let eos_token_ids = eos_token_ids(&folder, &config, tokenizer.as_ref());
     Ok(Loaded {
         model,
         tokenizer,
@@ -152,5 +191,8 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         config,
         folder,
         dtype,
+        eos_token_ids,
+        chat_template,
+        load_seconds: started.elapsed().as_secs_f64(),
     })
 }

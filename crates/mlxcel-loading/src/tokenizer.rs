@@ -66,3 +66,45 @@ pub fn load_tokenizer(folder: &Path) -> Result<Tokenizer> {
         "no tokenizer.json in the model folder",
     ))
 }
+
+/// Incremental detokenisation for streaming: text is released only once it no longer ends in
+/// a partial UTF-8 sequence (byte-level BPE splits Korean and emoji characters across tokens),
+/// and a token's text is computed in the context of the one before it (leading-space rules).
+pub struct StreamDecoder<'t> {
+    tokenizer: &'t Tokenizer,
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+    skip_special_tokens: bool,
+}
+
+impl<'t> StreamDecoder<'t> {
+    pub fn new(tokenizer: &'t Tokenizer, skip_special_tokens: bool) -> StreamDecoder<'t> {
+        StreamDecoder { tokenizer, ids: Vec::new(), prefix_offset: 0, read_offset: 0, skip_special_tokens }
+    }
+
+    /// Adds a token; returns the text it completes (possibly empty).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let skip = self.skip_special_tokens;
+        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], skip)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.starts_with(&prefix) {
+            let text = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            return Ok(text);
+        }
+        Ok(String::new())
+    }
+
+    /// Text still held back (an incomplete character at the very end, rendered as decoded).
+    pub fn flush(&mut self) -> Result<String> {
+        let skip = self.skip_special_tokens;
+        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], skip)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(full.strip_prefix(prefix.as_str()).unwrap_or("").to_string())
+    }
+}

@@ -114,6 +114,46 @@ impl KvCache {
         }
     }
 
+    /// Whether the cache can be cut back to its first `position` tokens: a standard cache
+    /// always can; a ring only while it still holds every row the token at `position` attends to.
+    pub fn can_rewind(&self, position: usize) -> bool {
+        match self {
+            KvCache::Standard(c) => position <= c.offset,
+            KvCache::Rotating(c) => {
+                let held = rows(&c.keys).unwrap_or(0);
+                let oldest = c.offset - held;
+                position <= c.offset && oldest <= position.saturating_sub(c.window - 1)
+            }
+        }
+    }
+
+    /// Cuts the cache back to its first `position` tokens (see [`KvCache::can_rewind`]).
+    pub fn rewind(&mut self, position: usize) -> Result<()> {
+        if !self.can_rewind(position) {
+            return Err(crate::ModelError::Config(format!(
+                "cache cannot rewind from {} to {position}",
+                self.offset()
+            )));
+        }
+        match self {
+            // Rows past the offset are overwritten by the next update.
+            KvCache::Standard(c) => c.offset = position,
+            KvCache::Rotating(c) => {
+                let held = rows(&c.keys)?;
+                let keep = (position - (c.offset - held)) as i32;
+                let cut = |buf: &Option<Array>| -> Result<Option<Array>> {
+                    buf.as_ref().map(|b| Ok(c.ordered(b)?.slice_axis(2, 0, keep)?)).transpose()
+                };
+                let (k, v) = (cut(&c.keys)?, cut(&c.values)?);
+                c.keys = if keep > 0 { k } else { None };
+                c.values = if keep > 0 { v } else { None };
+                c.start = 0;
+                c.offset = position;
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes held by the cache buffers.
     pub fn nbytes(&self) -> usize {
         let (k, v) = match self {
@@ -297,6 +337,23 @@ mod tests {
             }
             assert_eq!(cache.offset(), total);
         }
+    }
+
+    #[test]
+    fn rewinding() {
+        let mut standard = KvCache::standard();
+        standard.update(&keys(0, 10), &keys(0, 10), None).unwrap();
+        standard.rewind(4).unwrap();
+        let (k, _, _) = standard.update(&keys(4, 1), &keys(4, 1), None).unwrap();
+        assert_eq!(rows_of(&k), vec![0., 1., 2., 3., 4.]);
+        let mut ring = KvCache::rotating(4);
+        ring.update(&keys(0, 6), &keys(0, 6), None).unwrap();
+        // Holds positions 2..6: the token at 5 needs 2..5, the token at 4 would need 1..4.
+        assert!(ring.can_rewind(5) && !ring.can_rewind(4));
+        ring.rewind(5).unwrap();
+        let (k, _, _) = ring.update(&keys(5, 1), &keys(5, 1), None).unwrap();
+        assert_eq!(rows_of(&k), vec![2., 3., 4., 5.]);
+        assert!(ring.rewind(1).is_err());
     }
 
     #[test]

@@ -59,3 +59,55 @@ pub fn greedy(
     }
     Ok(out)
 }
+
+/// A conversation's model state: the caches and the tokens they hold. A new request reuses the
+/// longest common prefix with what the caches hold (rewinding them to the first differing token)
+/// instead of starting over, and falls back to a full prefill only when a sliding-window ring no
+/// longer holds the rows the resumed position needs.
+pub struct Session<'m> {
+    model: &'m dyn LanguageModel,
+    caches: Vec<KvCache>,
+    tokens: Vec<u32>,
+}
+
+impl<'m> Session<'m> {
+    pub fn new(model: &'m dyn LanguageModel) -> Session<'m> {
+        Session { model, caches: model.make_caches(), tokens: Vec::new() }
+    }
+
+    /// The tokens whose keys and values the caches hold.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn caches(&self) -> &[KvCache] {
+        &self.caches
+    }
+
+    /// Makes the caches hold `prompt`; returns how many leading tokens were reused and the
+    /// logits after the last prompt token.
+    pub fn prefill(&mut self, prompt: &[u32], chunk: Option<usize>) -> Result<(usize, Array)> {
+        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        // At least the last prompt token is recomputed: its logits start the reply.
+        let mut reuse = common.min(prompt.len().saturating_sub(1));
+        if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {
+            for c in &mut self.caches {
+                c.rewind(reuse)?;
+            }
+        } else {
+            reuse = 0;
+            self.caches = self.model.make_caches();
+        }
+        self.tokens.truncate(reuse);
+        let logits = prefill(self.model, &prompt[reuse..], &mut self.caches, chunk)?;
+        self.tokens.extend_from_slice(&prompt[reuse..]);
+        Ok((reuse, logits))
+    }
+
+    /// Feeds one generated token; returns the logits for the next.
+    pub fn step(&mut self, token: u32) -> Result<Array> {
+        let logits = prefill(self.model, &[token], &mut self.caches, None)?;
+        self.tokens.push(token);
+        Ok(logits)
+    }
+}

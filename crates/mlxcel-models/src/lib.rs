@@ -14,6 +14,7 @@ pub mod model;
 pub mod models;
 pub mod nn;
 pub mod registry;
+pub mod sampling;
 pub mod sanitize;
 pub mod weights;
 

@@ -1,0 +1,314 @@
+//! `mlxcel generate` and `mlxcel chat`: flags in, text out (stdout), statistics to stderr.
+
+use std::io::{BufRead, Read, Write};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use mlxcel_loading::memory::estimate;
+use mlxcel_loading::{generate_text, load_model, GenerateRequest, GenerationStats, LanguageModel, LoadOptions, Loaded, Message};
+use mlxcel_models::generate::Session;
+use mlxcel_models::sampling::SamplingParams;
+
+/// Flags shared by `generate` and `chat`.
+#[derive(Args, Debug, Clone)]
+pub struct RunFlags {
+    /// Model folder (default: the SmolLM2 that `cargo xtask fetch-models` installs).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// System message (with --messages, --user or in chat).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 1024)]
+    pub max_new: usize,
+    /// Refuse prompts longer than this many tokens (and size --estimate-memory's KV cache).
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop before this text (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Prefill the prompt in chunks of this many tokens.
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
+    /// No statistics on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Print the memory estimate and exit.
+    #[arg(long)]
+    pub estimate_memory: bool,
+    /// Run even when the estimate exceeds the device's memory.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateFlags {
+    #[command(flatten)]
+    pub run: RunFlags,
+    /// Raw completion of this text (no chat template).
+    #[arg(long, conflicts_with_all = ["messages", "user", "prompt_ids"])]
+    pub prompt: Option<String>,
+    /// A JSON array of {role, content} messages (a file, or - for stdin); the chat template applies.
+    #[arg(long, conflicts_with_all = ["user", "prompt_ids"])]
+    pub messages: Option<String>,
+    /// One user message (the chat template applies).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub user: Option<String>,
+    /// Comma-separated prompt token ids (machine use).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Print the generated ids, comma-separated, on stdout instead of text.
+    #[arg(long)]
+    pub print_ids: bool,
+}
+
+fn default_model() -> anyhow::Result<PathBuf> {
+    let cache = match std::env::var("MLXCEL_CACHE_DIR") {
+        Ok(d) => PathBuf::from(d),
+        Err(_) => PathBuf::from(std::env::var("HOME").context("HOME is not set")?).join(".cache/mlxcel"),
+    };
+    let path = cache.join("models/SmolLM2-135M-Instruct-4bit");
+    if !path.join("config.json").is_file() {
+        bail!("no --model given and the default model is not installed at {}: run `cargo xtask fetch-models`", path.display());
+    }
+    Ok(path)
+}
+
+fn sampling(flags: &RunFlags) -> SamplingParams {
+    SamplingParams {
+        temperature: flags.temperature,
+        top_k: flags.top_k,
+        top_p: flags.top_p,
+        min_p: flags.min_p,
+        repetition_penalty: flags.repetition_penalty,
+        seed: flags.seed,
+        ..Default::default()
+    }
+}
+
+fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>> {
+    let model = match &flags.model {
+        Some(m) => m.clone(),
+        None => default_model()?,
+    };
+    if flags.estimate_memory || !flags.force {
+        let folder = mlxcel_loading::resolve_model_dir(&model)?;
+        let config = mlxcel_loading::read_config(&folder)?;
+        let dtype = mlxcel_loading::compute_dtype(&config)?;
+        let context = flags.max_context.unwrap_or(4096) as u64;
+        let est = estimate(&folder, &config, dtype, context, flags.prefill_chunk.unwrap_or(512) as u64)?;
+        if flags.estimate_memory {
+            print_estimate(&est, context);
+            return Ok(None);
+        }
+        if !est.fits() {
+            bail!(
+                "the run needs about {:.2} GiB ({:.2} GiB weights, {:.2} GiB KV cache for {context} tokens) but the {} has {:.2} GiB; use --force to run anyway",
+                gib(est.total()),
+                gib(est.weight_bytes()),
+                gib(est.kv_cache),
+                est.device,
+                gib(est.available.unwrap_or(0))
+            );
+        }
+    }
+    let options = LoadOptions { skip_tokenizer: !need_tokenizer, ..Default::default() };
+    let loaded = load_model(&model, &options)?;
+    if !flags.quiet {
+        eprintln!("[loaded {} ({}) in {:.2}s]", loaded.folder.display(), loaded.model_type.name(), loaded.load_seconds);
+    }
+    Ok(Some(loaded))
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
+    println!("{:<16} {:<10} {:>12}", "role", "dtype", "bytes");
+    for ((role, dtype), bytes) in &est.weights {
+        println!("{role:<16} {dtype:<10} {bytes:>12}");
+    }
+    println!("weights          {:>23} ({:.3} GiB)", est.weight_bytes(), gib(est.weight_bytes()));
+    println!("kv cache         {:>23} ({:.3} GiB, {context} tokens)", est.kv_cache, gib(est.kv_cache));
+    println!("transient        {:>23} ({:.3} GiB)", est.transient, gib(est.transient));
+    println!("total            {:>23} ({:.3} GiB)", est.total(), gib(est.total()));
+    match est.available {
+        Some(a) => println!("{} memory      {:>23} ({:.3} GiB): {}", est.device, a, gib(a), if est.fits() { "fits" } else { "does NOT fit" }),
+        None => println!("{} memory unknown", est.device),
+    }
+}
+
+fn read_messages(source: &str) -> anyhow::Result<Vec<Message>> {
+    let text = if source == "-" {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s)?;
+        s
+    } else {
+        std::fs::read_to_string(source).with_context(|| format!("--messages {source}"))?
+    };
+    serde_json::from_str(&text).with_context(|| format!("--messages {source}: expected a JSON array of {{\"role\", \"content\"}} objects"))
+}
+
+fn print_stats(stats: &GenerationStats, quiet: bool) {
+    if quiet {
+        return;
+    }
+    let peak = mlxcel_core::memory::peak_bytes().unwrap_or(0);
+    eprintln!(
+        "\n[prompt {} tokens ({} reused), prefill {:.1} tok/s, decode {} tokens at {:.1} tok/s, peak memory {:.1} MiB, finish {:?}]",
+        stats.prompt_tokens,
+        stats.reused_tokens,
+        stats.prefill_tokens_per_second(),
+        stats.generated_tokens,
+        stats.decode_tokens_per_second(),
+        peak as f64 / (1 << 20) as f64,
+        stats.finish
+    );
+}
+
+fn request(flags: &RunFlags, loaded: &Loaded) -> GenerateRequest {
+    GenerateRequest {
+        max_new_tokens: flags.max_new,
+        sampling: sampling(flags),
+        stop: flags.stop.clone(),
+        eos_token_ids: loaded.eos_token_ids.clone(),
+        prefill_chunk: flags.prefill_chunk,
+    }
+}
+
+fn check_context(flags: &RunFlags, tokens: usize) -> anyhow::Result<()> {
+    if let Some(max) = flags.max_context {
+        if tokens > max {
+            bail!("the prompt has {tokens} tokens, more than --max-context {max}");
+        }
+    }
+    Ok(())
+}
+
+fn templated(loaded: &Loaded, messages: &[Message]) -> anyhow::Result<Vec<u32>> {
+    let template = loaded
+        .chat_template
+        .as_ref()
+        .with_context(|| format!("{} has no chat template; use --prompt for raw completion", loaded.folder.display()))?;
+    let text = template.render(messages, true)?;
+    let tokenizer = loaded.tokenizer.as_ref().context("model has no tokenizer")?;
+    Ok(tokenizer.encode(&text, false)?)
+}
+
+pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
+    let run = &flags.run;
+    let need_tokenizer = flags.prompt_ids.is_none() || !flags.print_ids;
+    let Some(loaded) = load(run, need_tokenizer)? else { return Ok(()) };
+    let mut messages = Vec::new();
+    if let Some(system) = &run.system {
+        messages.push(Message::new("system", system));
+    }
+    let prompt: Vec<u32> = if let Some(ids) = &flags.prompt_ids {
+        let vocab = loaded.model.vocab_size();
+        if let Some(bad) = ids.iter().find(|t| **t as usize >= vocab) {
+            bail!("--prompt-ids: token {bad} is outside the vocabulary of {vocab}");
+        }
+        ids.clone()
+    } else if let Some(text) = &flags.prompt {
+        if run.system.is_some() {
+            bail!("--system applies to chat prompts (--messages or --user), not to --prompt");
+        }
+        loaded.tokenizer.as_ref().context("model has no tokenizer")?.encode(text, true)?
+    } else if let Some(source) = &flags.messages {
+        messages.extend(read_messages(source)?);
+        templated(&loaded, &messages)?
+    } else if let Some(user) = &flags.user {
+        messages.push(Message::new("user", user));
+        templated(&loaded, &messages)?
+    } else {
+        bail!("give a prompt: --prompt TEXT, --user TEXT, --messages FILE|- or --prompt-ids 1,2,3");
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    check_context(run, prompt.len())?;
+    let mut session = Session::new(&loaded.model);
+    let tokenizer = if flags.print_ids { None } else { loaded.tokenizer.as_ref() };
+    let mut stdout = std::io::stdout();
+    let (ids, stats) = generate_text(
+        &mut session,
+        tokenizer,
+        &prompt,
+        &request(run, &loaded),
+        |text| {
+            let _ = stdout.write_all(text.as_bytes());
+            let _ = stdout.flush();
+        },
+        |_| {},
+    )?;
+    if flags.print_ids {
+        println!("{}", ids.iter().map(u32::to_string).collect::<Vec<_>>().join(","));
+    } else {
+        println!();
+    }
+    print_stats(&stats, run.quiet);
+    Ok(())
+}
+
+/// Interactive chat: one line per user turn; the session's caches carry over, and each turn's
+/// prompt (the whole conversation re-rendered as text) reuses the prefix they hold.
+pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
+    let Some(loaded) = load(&flags, true)? else { return Ok(()) };
+    let tokenizer = loaded.tokenizer.as_ref().context("model has no tokenizer")?;
+    let mut messages = Vec::new();
+    if let Some(system) = &flags.system {
+        messages.push(Message::new("system", system));
+    }
+    let mut session = Session::new(&loaded.model);
+    let stdin = std::io::stdin();
+    let interactive = std::io::IsTerminal::is_terminal(&stdin);
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if line.is_empty() {
+            continue;
+        }
+        messages.push(Message::new("user", line));
+        let prompt = templated(&loaded, &messages)?;
+        check_context(&flags, prompt.len())?;
+        let mut reply = String::new();
+        let mut stdout = std::io::stdout();
+        let (_, stats) = generate_text(
+            &mut session,
+            Some(tokenizer),
+            &prompt,
+            &request(&flags, &loaded),
+            |text| {
+                reply.push_str(text);
+                let _ = stdout.write_all(text.as_bytes());
+                let _ = stdout.flush();
+            },
+            |_| {},
+        )?;
+        println!();
+        print_stats(&stats, flags.quiet);
+        messages.push(Message::new("assistant", reply.trim()));
+    }
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! `--estimate-memory`: what a run will hold — weights by role and dtype, the KV cache for the
+//! requested context, a transient allowance — against the device's memory.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use mlxcel_core::{Device, Dtype, WeightMap};
+use serde_json::Value;
+
+use crate::Result;
+
+/// The role of a tensor, from its name (the recipe and report vocabulary).
+pub fn tensor_role(name: &str) -> &'static str {
+    if name.contains("embed_tokens") || name.contains("wte") {
+        "embedding"
+    } else if name.starts_with("lm_head") {
+        "lm_head"
+    } else if name.contains("norm") {
+        "norm"
+    } else if name.contains("shared_expert") {
+        "shared expert"
+    } else if name.contains("switch_mlp") || name.contains(".experts.") {
+        "routed experts"
+    } else if name.ends_with("mlp.gate.weight") || name.contains("block_sparse_moe.gate") || name.contains(".router") {
+        "router"
+    } else if name.contains("self_attn") || name.contains("attention") {
+        "attention"
+    } else if name.contains("mlp") || name.contains("feed_forward") {
+        "dense mlp"
+    } else {
+        "other"
+    }
+}
+
+/// A memory budget for one run.
+#[derive(Debug, Clone)]
+pub struct MemoryEstimate {
+    /// Bytes by (role, stored dtype) as loaded (float tensors at the compute dtype).
+    pub weights: BTreeMap<(String, String), u64>,
+    pub kv_cache: u64,
+    pub transient: u64,
+    pub device: Device,
+    /// The device's (or, for the CPU, the system's) memory.
+    pub available: Option<u64>,
+}
+
+impl MemoryEstimate {
+    pub fn weight_bytes(&self) -> u64 {
+        self.weights.values().sum()
+    }
+
+    pub fn total(&self) -> u64 {
+        self.weight_bytes() + self.kv_cache + self.transient
+    }
+
+    /// Whether the run fits, leaving 10% of the device for the system and MLX's allocator.
+    pub fn fits(&self) -> bool {
+        self.available.is_none_or(|a| self.total() as f64 <= a as f64 * 0.9)
+    }
+}
+
+fn system_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = text
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+fn num(config: &Value, key: &str) -> Option<u64> {
+    config.get(key).and_then(Value::as_u64)
+}
+
+/// Estimates a run of `context` tokens with prefill chunks of `chunk` positions over the model
+/// in `folder` computed in `dtype`.
+pub fn estimate(folder: &Path, config: &Value, dtype: Dtype, context: u64, chunk: u64) -> Result<MemoryEstimate> {
+    let weights = WeightMap::open(folder)?;
+    let mut by_role: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for name in weights.names() {
+        let info = weights.info(name).expect("listed name");
+        // Float tensors are held at the compute dtype; packed planes as stored.
+        let quantized_plane = name.ends_with(".scales") || name.ends_with(".biases") || weights.contains(&format!("{}.scales", name.trim_end_matches(".weight")));
+        let (label, bytes) = if info.dtype.is_float() && !quantized_plane {
+            (dtype.name().to_string(), (info.numel() * dtype.size_of()) as u64)
+        } else {
+            (info.stored_dtype.to_lowercase(), info.nbytes() as u64)
+        };
+        *by_role.entry((tensor_role(name).to_string(), label)).or_default() += bytes;
+    }
+    let layers = num(config, "num_hidden_layers").unwrap_or(0);
+    let heads = num(config, "num_attention_heads").unwrap_or(1).max(1);
+    let kv_heads = num(config, "num_key_value_heads").unwrap_or(heads);
+    let hidden = num(config, "hidden_size").unwrap_or(0);
+    let head_dim = num(config, "head_dim").unwrap_or(hidden / heads);
+    let per_token = 2 * kv_heads * head_dim * dtype.size_of() as u64;
+    // Every layer is counted at the full context: an upper bound for sliding-window layers,
+    // whose rings hold at most window + chunk rows.
+    let rows = context;
+    // Growth happens in steps of 256 positions.
+    let rows = rows.div_ceil(256) * 256;
+    let kv_cache = layers * rows * per_token;
+    let vocab = num(config, "vocab_size").unwrap_or(0);
+    let inter = num(config, "intermediate_size").unwrap_or(4 * hidden).max(num(config, "moe_intermediate_size").unwrap_or(0));
+    let f = dtype.size_of() as u64;
+    // Logits of one chunk (f32), a few activations of the widest layer, attention scores.
+    let transient = chunk * vocab * 4 + 4 * chunk * inter.max(hidden) * f + heads * chunk * rows.min(context) * f;
+    let device = mlxcel_core::default_device()?;
+    let available = match device.memory_bytes()? {
+        Some(b) => Some(b as u64),
+        None => system_memory(),
+    };
+    Ok(MemoryEstimate { weights: by_role, kv_cache, transient, device, available })
+}

@@ -1,0 +1,161 @@
+//! Text generation: a tokenized prompt through a [`Session`], sampled token by token, streamed
+//! as text that never splits a UTF-8 character, stopped at EOS ids, stop strings or a length.
+
+use std::time::Instant;
+
+use mlxcel_models::generate::Session;
+use mlxcel_models::sampling::{Sampler, SamplingParams};
+
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::Result;
+
+/// What to generate.
+#[derive(Debug, Clone, Default)]
+pub struct GenerateRequest {
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends before the first occurrence of any of these in the output.
+    pub stop: Vec<String>,
+    /// Generation ends at any of these tokens (not emitted).
+    pub eos_token_ids: Vec<u32>,
+    pub prefill_chunk: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Eos,
+    Stop,
+    Length,
+}
+
+/// Measurements of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    /// Leading prompt tokens served from the caches of the previous turn.
+    pub reused_tokens: usize,
+    pub prefill_seconds: f64,
+    pub generated_tokens: usize,
+    pub decode_seconds: f64,
+    pub finish: FinishReason,
+}
+
+impl GenerationStats {
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        (self.prompt_tokens - self.reused_tokens) as f64 / self.prefill_seconds.max(1e-9)
+    }
+
+    /// Tokens after the first, over the time after the first (the first comes from prefill).
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode_seconds.max(1e-9)
+    }
+}
+
+/// Holds back output that might be the start of a stop string.
+struct StopFilter<'a> {
+    stops: &'a [String],
+    pending: String,
+}
+
+impl StopFilter<'_> {
+    /// Adds text; returns what can be released and whether a stop string was hit.
+    fn push(&mut self, text: &str) -> (String, bool) {
+        self.pending.push_str(text);
+        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        // Keep the longest tail that is a proper prefix of a stop string.
+        let keep = self
+            .stops
+            .iter()
+            .flat_map(|s| (1..s.len()).filter(|n| s.is_char_boundary(*n)).map(move |n| &s[..n]))
+            .filter(|p| self.pending.ends_with(p))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+}
+
+/// Generates a reply to `prompt` (token ids) in `session`, calling `on_text` with each piece of
+/// text as it becomes final and `on_token` with each generated id. Returns the generated ids
+/// (without EOS) and the measurements.
+pub fn generate_text(
+    session: &mut Session<'_>,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    request: &GenerateRequest,
+    mut on_text: impl FnMut(&str),
+    mut on_token: impl FnMut(u32),
+) -> Result<(Vec<u32>, GenerationStats)> {
+    let start = Instant::now();
+    let (reused, mut logits) = session.prefill(prompt, request.prefill_chunk)?;
+    let prefill_seconds = start.elapsed().as_secs_f64();
+    let decode_start = Instant::now();
+    let mut sampler = Sampler::new(request.sampling.clone());
+    let mut decoder = tokenizer.map(|t| StreamDecoder::new(t, true));
+    let mut stop = StopFilter { stops: &request.stop, pending: String::new() };
+    let mut generated = Vec::new();
+    let mut finish = FinishReason::Length;
+    while generated.len() < request.max_new_tokens {
+        let row = logits.astype(mlxcel_core::Dtype::Float32)?.to_vec::<f32>()?;
+        let token = sampler.sample(&row, session.tokens());
+        if request.eos_token_ids.contains(&token) {
+            finish = FinishReason::Eos;
+            break;
+        }
+        generated.push(token);
+        on_token(token);
+        if let Some(d) = decoder.as_mut() {
+            let (text, hit) = stop.push(&d.push(token)?);
+            if !text.is_empty() {
+                on_text(&text);
+            }
+            if hit {
+                finish = FinishReason::Stop;
+                break;
+            }
+        }
+        if generated.len() < request.max_new_tokens {
+            logits = session.step(token)?;
+        }
+    }
+    if finish != FinishReason::Stop {
+        if let Some(d) = decoder.as_mut() {
+            let (text, _) = stop.push(&d.flush()?);
+            let rest = format!("{text}{}", stop.pending);
+            if !rest.is_empty() {
+                on_text(&rest);
+            }
+        }
+    }
+    let stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        reused_tokens: reused,
+        prefill_seconds,
+        generated_tokens: generated.len(),
+        decode_seconds: decode_start.elapsed().as_secs_f64(),
+        finish,
+    };
+    Ok((generated, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_hold_back_partial_matches() {
+        let stops = vec!["<end>".to_string(), "STOP".to_string()];
+        let mut f = StopFilter { stops: &stops, pending: String::new() };
+        assert_eq!(f.push("hello <e"), ("hello ".to_string(), false));
+        assert_eq!(f.push("nx"), ("<enx".to_string(), false));
+        assert_eq!(f.push(" ST"), (" ".to_string(), false));
+        assert_eq!(f.push("OP tail"), ("".to_string(), true));
+    }
+}
