@@ -5,3 +5,5 @@
 //! (which tensor gets which format) and GGUF block import.
 
 pub use mlxcel_core::ops::{QuantMode, QuantSpec, Quantized};
+
+pub mod gguf;
