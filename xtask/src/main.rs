@@ -2,6 +2,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod fetch;
+
 #[derive(Parser)]
 #[command(name = "xtask")]
 struct Cli {
@@ -13,6 +15,13 @@ struct Cli {
 enum Command {
     /// Print where MLX was found and which version is loaded.
     MlxInfo,
+    /// Download the real checkpoints the parity tests use (SmolLM2-135M-Instruct from its GGUF,
+    /// imported losslessly to MLX 4-bit; all-MiniLM-L6-v2) into `~/.cache/mlxcel/models`.
+    FetchModels {
+        /// No progress or status lines.
+        #[arg(long)]
+        quiet: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -23,6 +32,11 @@ fn main() -> anyhow::Result<()> {
                 mlxcel_core::mlx_version()?,
                 mlxcel_core::MLX_LIB_DIR
             );
+        }
+        Command::FetchModels { quiet } => {
+            for dir in fetch::fetch_models(quiet)? {
+                println!("{}", dir.display());
+            }
         }
     }
     Ok(())

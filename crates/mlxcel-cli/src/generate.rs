@@ -6,7 +6,10 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use mlxcel_loading::memory::estimate;
-use mlxcel_loading::{generate_text, load_model, GenerateRequest, GenerationStats, LanguageModel, LoadOptions, Loaded, Message};
+use mlxcel_loading::{
+    generate_text, load_model, GenerateRequest, GenerationStats, LanguageModel, LoadOptions,
+    Loaded, Message,
+};
 use mlxcel_models::generate::Session;
 use mlxcel_models::sampling::SamplingParams;
 
@@ -79,7 +82,9 @@ pub struct GenerateFlags {
 fn default_model() -> anyhow::Result<PathBuf> {
     let cache = match std::env::var("MLXCEL_CACHE_DIR") {
         Ok(d) => PathBuf::from(d),
-        Err(_) => PathBuf::from(std::env::var("HOME").context("HOME is not set")?).join(".cache/mlxcel"),
+        Err(_) => {
+            PathBuf::from(std::env::var("HOME").context("HOME is not set")?).join(".cache/mlxcel")
+        }
     };
     let path = cache.join("models/SmolLM2-135M-Instruct-4bit");
     if !path.join("config.json").is_file() {
@@ -110,7 +115,13 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
         let config = mlxcel_loading::read_config(&folder)?;
         let dtype = mlxcel_loading::compute_dtype(&config)?;
         let context = flags.max_context.unwrap_or(4096) as u64;
-        let est = estimate(&folder, &config, dtype, context, flags.prefill_chunk.unwrap_or(512) as u64)?;
+        let est = estimate(
+            &folder,
+            &config,
+            dtype,
+            context,
+            flags.prefill_chunk.unwrap_or(512) as u64,
+        )?;
         if flags.estimate_memory {
             print_estimate(&est, context);
             return Ok(None);
@@ -126,10 +137,18 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
             );
         }
     }
-    let options = LoadOptions { skip_tokenizer: !need_tokenizer, ..Default::default() };
+    let options = LoadOptions {
+        skip_tokenizer: !need_tokenizer,
+        ..Default::default()
+    };
     let loaded = load_model(&model, &options)?;
     if !flags.quiet {
-        eprintln!("[loaded {} ({}) in {:.2}s]", loaded.folder.display(), loaded.model_type.name(), loaded.load_seconds);
+        eprintln!(
+            "[loaded {} ({}) in {:.2}s]",
+            loaded.folder.display(),
+            loaded.model_type.name(),
+            loaded.load_seconds
+        );
     }
     Ok(Some(loaded))
 }
@@ -143,12 +162,34 @@ fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
     for ((role, dtype), bytes) in &est.weights {
         println!("{role:<16} {dtype:<10} {bytes:>12}");
     }
-    println!("weights          {:>23} ({:.3} GiB)", est.weight_bytes(), gib(est.weight_bytes()));
-    println!("kv cache         {:>23} ({:.3} GiB, {context} tokens)", est.kv_cache, gib(est.kv_cache));
-    println!("transient        {:>23} ({:.3} GiB)", est.transient, gib(est.transient));
-    println!("total            {:>23} ({:.3} GiB)", est.total(), gib(est.total()));
+    println!(
+        "weights          {:>23} ({:.3} GiB)",
+        est.weight_bytes(),
+        gib(est.weight_bytes())
+    );
+    println!(
+        "kv cache         {:>23} ({:.3} GiB, {context} tokens)",
+        est.kv_cache,
+        gib(est.kv_cache)
+    );
+    println!(
+        "transient        {:>23} ({:.3} GiB)",
+        est.transient,
+        gib(est.transient)
+    );
+    println!(
+        "total            {:>23} ({:.3} GiB)",
+        est.total(),
+        gib(est.total())
+    );
     match est.available {
-        Some(a) => println!("{} memory      {:>23} ({:.3} GiB): {}", est.device, a, gib(a), if est.fits() { "fits" } else { "does NOT fit" }),
+        Some(a) => println!(
+            "{} memory      {:>23} ({:.3} GiB): {}",
+            est.device,
+            a,
+            gib(a),
+            if est.fits() { "fits" } else { "does NOT fit" }
+        ),
         None => println!("{} memory unknown", est.device),
     }
 }
@@ -161,7 +202,9 @@ fn read_messages(source: &str) -> anyhow::Result<Vec<Message>> {
     } else {
         std::fs::read_to_string(source).with_context(|| format!("--messages {source}"))?
     };
-    serde_json::from_str(&text).with_context(|| format!("--messages {source}: expected a JSON array of {{\"role\", \"content\"}} objects"))
+    serde_json::from_str(&text).with_context(|| {
+        format!("--messages {source}: expected a JSON array of {{\"role\", \"content\"}} objects")
+    })
 }
 
 fn print_stats(stats: &GenerationStats, quiet: bool) {
@@ -201,19 +244,26 @@ fn check_context(flags: &RunFlags, tokens: usize) -> anyhow::Result<()> {
 }
 
 fn templated(loaded: &Loaded, messages: &[Message]) -> anyhow::Result<Vec<u32>> {
-    let template = loaded
-        .chat_template
-        .as_ref()
-        .with_context(|| format!("{} has no chat template; use --prompt for raw completion", loaded.folder.display()))?;
+    let template = loaded.chat_template.as_ref().with_context(|| {
+        format!(
+            "{} has no chat template; use --prompt for raw completion",
+            loaded.folder.display()
+        )
+    })?;
     let text = template.render(messages, true)?;
-    let tokenizer = loaded.tokenizer.as_ref().context("model has no tokenizer")?;
+    let tokenizer = loaded
+        .tokenizer
+        .as_ref()
+        .context("model has no tokenizer")?;
     Ok(tokenizer.encode(&text, false)?)
 }
 
 pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     let run = &flags.run;
     let need_tokenizer = flags.prompt_ids.is_none() || !flags.print_ids;
-    let Some(loaded) = load(run, need_tokenizer)? else { return Ok(()) };
+    let Some(loaded) = load(run, need_tokenizer)? else {
+        return Ok(());
+    };
     let mut messages = Vec::new();
     if let Some(system) = &run.system {
         messages.push(Message::new("system", system));
@@ -228,7 +278,11 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         if run.system.is_some() {
             bail!("--system applies to chat prompts (--messages or --user), not to --prompt");
         }
-        loaded.tokenizer.as_ref().context("model has no tokenizer")?.encode(text, true)?
+        loaded
+            .tokenizer
+            .as_ref()
+            .context("model has no tokenizer")?
+            .encode(text, true)?
     } else if let Some(source) = &flags.messages {
         messages.extend(read_messages(source)?);
         templated(&loaded, &messages)?
@@ -243,7 +297,11 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     }
     check_context(run, prompt.len())?;
     let mut session = Session::new(&loaded.model);
-    let tokenizer = if flags.print_ids { None } else { loaded.tokenizer.as_ref() };
+    let tokenizer = if flags.print_ids {
+        None
+    } else {
+        loaded.tokenizer.as_ref()
+    };
     let mut stdout = std::io::stdout();
     let (ids, stats) = generate_text(
         &mut session,
@@ -257,7 +315,10 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         |_| {},
     )?;
     if flags.print_ids {
-        println!("{}", ids.iter().map(u32::to_string).collect::<Vec<_>>().join(","));
+        println!(
+            "{}",
+            ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+        );
     } else {
         println!();
     }
@@ -268,8 +329,13 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
 /// Interactive chat: one line per user turn; the session's caches carry over, and each turn's
 /// prompt (the whole conversation re-rendered as text) reuses the prefix they hold.
 pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
-    let Some(loaded) = load(&flags, true)? else { return Ok(()) };
-    let tokenizer = loaded.tokenizer.as_ref().context("model has no tokenizer")?;
+    let Some(loaded) = load(&flags, true)? else {
+        return Ok(());
+    };
+    let tokenizer = loaded
+        .tokenizer
+        .as_ref()
+        .context("model has no tokenizer")?;
     let mut messages = Vec::new();
     if let Some(system) = &flags.system {
         messages.push(Message::new("system", system));

@@ -20,7 +20,10 @@ pub struct Message {
 
 impl Message {
     pub fn new(role: &str, content: &str) -> Message {
-        Message { role: role.to_string(), content: content.to_string() }
+        Message {
+            role: role.to_string(),
+            content: content.to_string(),
+        }
     }
 }
 
@@ -34,7 +37,11 @@ pub struct ChatTemplate {
 fn token_text(config: &Value, key: &str) -> String {
     match config.get(key) {
         Some(Value::String(s)) => s.clone(),
-        Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).unwrap_or_default().to_string(),
+        Some(Value::Object(o)) => o
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string(),
         _ => String::new(),
     }
 }
@@ -58,7 +65,18 @@ fn strftime_now(format: String) -> String {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
     let month = MONTHS[(m - 1) as usize];
     let mut out = String::new();
@@ -94,9 +112,12 @@ impl ChatTemplate {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<JinjaValue, JinjaError> {
-            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<JinjaValue, JinjaError> {
+                Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| LoadError::Unsupported(format!("chat template does not parse: {e}")))?;
@@ -111,12 +132,16 @@ impl ChatTemplate {
     pub fn load(folder: &Path) -> Result<Option<ChatTemplate>> {
         let config_path = folder.join("tokenizer_config.json");
         let config: Value = match std::fs::read_to_string(&config_path) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| LoadError::file(&config_path, format!("invalid JSON: {e}")))?,
+            Ok(text) => serde_json::from_str(&text)
+                .map_err(|e| LoadError::file(&config_path, format!("invalid JSON: {e}")))?,
             Err(_) => Value::Null,
         };
         let jinja = folder.join("chat_template.jinja");
         let source = if jinja.is_file() {
-            Some(std::fs::read_to_string(&jinja).map_err(|e| LoadError::file(&jinja, e.to_string()))?)
+            Some(
+                std::fs::read_to_string(&jinja)
+                    .map_err(|e| LoadError::file(&jinja, e.to_string()))?,
+            )
         } else {
             match config.get("chat_template") {
                 Some(Value::String(s)) => Some(s.clone()),
@@ -158,11 +183,25 @@ mod tests {
         let source = r#"{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}{%- set messages = messages[1:] %}{%- else %}{%- set system = 'default' %}{%- endif %}{{ bos_token }}[{{ system | tojson }}]{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}{% if loop.index > 5 %}{% break %}{% endif %}<{{ m.role }}>{{ m.content.strip() }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"#;
         let config = serde_json::json!({"bos_token": "<s>", "eos_token": {"content": "</s>"}});
         let t = ChatTemplate::new(source, &config).unwrap();
-        let out = t.render(&[Message::new("system", "be nice"), Message::new("user", "  hi  ")], true).unwrap();
+        let out = t
+            .render(
+                &[
+                    Message::new("system", "be nice"),
+                    Message::new("user", "  hi  "),
+                ],
+                true,
+            )
+            .unwrap();
         assert_eq!(out, "<s>[\"be nice\"]<user>hi<assistant>");
-        let err = t.render(&[Message::new("tool", "x")], false).unwrap_err().to_string();
+        let err = t
+            .render(&[Message::new("tool", "x")], false)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("bad role tool"), "{err}");
-        let date = ChatTemplate::new("{{ strftime_now('%Y-%m-%d') }}", &config).unwrap().render(&[], false).unwrap();
+        let date = ChatTemplate::new("{{ strftime_now('%Y-%m-%d') }}", &config)
+            .unwrap()
+            .render(&[], false)
+            .unwrap();
         assert_eq!(date.len(), 10);
         assert!(date.starts_with("20"), "{date}");
     }

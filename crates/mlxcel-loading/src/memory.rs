@@ -21,7 +21,10 @@ pub fn tensor_role(name: &str) -> &'static str {
         "shared expert"
     } else if name.contains("switch_mlp") || name.contains(".experts.") {
         "routed experts"
-    } else if name.ends_with("mlp.gate.weight") || name.contains("block_sparse_moe.gate") || name.contains(".router") {
+    } else if name.ends_with("mlp.gate.weight")
+        || name.contains("block_sparse_moe.gate")
+        || name.contains(".router")
+    {
         "router"
     } else if name.contains("self_attn") || name.contains("attention") {
         "attention"
@@ -55,7 +58,8 @@ impl MemoryEstimate {
 
     /// Whether the run fits, leaving 10% of the device for the system and MLX's allocator.
     pub fn fits(&self) -> bool {
-        self.available.is_none_or(|a| self.total() as f64 <= a as f64 * 0.9)
+        self.available
+            .is_none_or(|a| self.total() as f64 <= a as f64 * 0.9)
     }
 }
 
@@ -77,19 +81,32 @@ fn num(config: &Value, key: &str) -> Option<u64> {
 
 /// Estimates a run of `context` tokens with prefill chunks of `chunk` positions over the model
 /// in `folder` computed in `dtype`.
-pub fn estimate(folder: &Path, config: &Value, dtype: Dtype, context: u64, chunk: u64) -> Result<MemoryEstimate> {
+pub fn estimate(
+    folder: &Path,
+    config: &Value,
+    dtype: Dtype,
+    context: u64,
+    chunk: u64,
+) -> Result<MemoryEstimate> {
     let weights = WeightMap::open(folder)?;
     let mut by_role: BTreeMap<(String, String), u64> = BTreeMap::new();
     for name in weights.names() {
         let info = weights.info(name).expect("listed name");
         // Float tensors are held at the compute dtype; packed planes as stored.
-        let quantized_plane = name.ends_with(".scales") || name.ends_with(".biases") || weights.contains(&format!("{}.scales", name.trim_end_matches(".weight")));
+        let quantized_plane = name.ends_with(".scales")
+            || name.ends_with(".biases")
+            || weights.contains(&format!("{}.scales", name.trim_end_matches(".weight")));
         let (label, bytes) = if info.dtype.is_float() && !quantized_plane {
-            (dtype.name().to_string(), (info.numel() * dtype.size_of()) as u64)
+            (
+                dtype.name().to_string(),
+                (info.numel() * dtype.size_of()) as u64,
+            )
         } else {
             (info.stored_dtype.to_lowercase(), info.nbytes() as u64)
         };
-        *by_role.entry((tensor_role(name).to_string(), label)).or_default() += bytes;
+        *by_role
+            .entry((tensor_role(name).to_string(), label))
+            .or_default() += bytes;
     }
     let layers = num(config, "num_hidden_layers").unwrap_or(0);
     let heads = num(config, "num_attention_heads").unwrap_or(1).max(1);
@@ -104,14 +121,24 @@ pub fn estimate(folder: &Path, config: &Value, dtype: Dtype, context: u64, chunk
     let rows = rows.div_ceil(256) * 256;
     let kv_cache = layers * rows * per_token;
     let vocab = num(config, "vocab_size").unwrap_or(0);
-    let inter = num(config, "intermediate_size").unwrap_or(4 * hidden).max(num(config, "moe_intermediate_size").unwrap_or(0));
+    let inter = num(config, "intermediate_size")
+        .unwrap_or(4 * hidden)
+        .max(num(config, "moe_intermediate_size").unwrap_or(0));
     let f = dtype.size_of() as u64;
     // Logits of one chunk (f32), a few activations of the widest layer, attention scores.
-    let transient = chunk * vocab * 4 + 4 * chunk * inter.max(hidden) * f + heads * chunk * rows.min(context) * f;
+    let transient = chunk * vocab * 4
+        + 4 * chunk * inter.max(hidden) * f
+        + heads * chunk * rows.min(context) * f;
     let device = mlxcel_core::default_device()?;
     let available = match device.memory_bytes()? {
         Some(b) => Some(b as u64),
         None => system_memory(),
     };
-    Ok(MemoryEstimate { weights: by_role, kv_cache, transient, device, available })
+    Ok(MemoryEstimate {
+        weights: by_role,
+        kv_cache,
+        transient,
+        device,
+        available,
+    })
 }

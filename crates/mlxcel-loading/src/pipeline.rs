@@ -46,7 +46,11 @@ pub struct Loaded {
 fn ids_of(value: Option<&Value>) -> Vec<u32> {
     match value {
         Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|v| v as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -59,11 +63,16 @@ pub fn eos_token_ids(folder: &Path, config: &Value, tokenizer: Option<&Tokenizer
             ids.extend(ids_of(gen.get("eos_token_id")));
         }
     }
-    if let (Some(t), Ok(text)) = (tokenizer, std::fs::read_to_string(folder.join("tokenizer_config.json"))) {
+    if let (Some(t), Ok(text)) = (
+        tokenizer,
+        std::fs::read_to_string(folder.join("tokenizer_config.json")),
+    ) {
         if let Ok(tc) = serde_json::from_str::<Value>(&text) {
             let eos = match tc.get("eos_token") {
                 Some(Value::String(s)) => Some(s.clone()),
-                Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).map(str::to_string),
+                Some(Value::Object(o)) => {
+                    o.get("content").and_then(Value::as_str).map(str::to_string)
+                }
                 _ => None,
             };
             ids.extend(eos.and_then(|e| t.token_to_id(&e)));

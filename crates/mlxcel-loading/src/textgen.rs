@@ -61,7 +61,12 @@ impl StopFilter<'_> {
     /// Adds text; returns what can be released and whether a stop string was hit.
     fn push(&mut self, text: &str) -> (String, bool) {
         self.pending.push_str(text);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()
+        {
             let out = self.pending[..at].to_string();
             self.pending.clear();
             return (out, true);
@@ -70,7 +75,11 @@ impl StopFilter<'_> {
         let keep = self
             .stops
             .iter()
-            .flat_map(|s| (1..s.len()).filter(|n| s.is_char_boundary(*n)).map(move |n| &s[..n]))
+            .flat_map(|s| {
+                (1..s.len())
+                    .filter(|n| s.is_char_boundary(*n))
+                    .map(move |n| &s[..n])
+            })
             .filter(|p| self.pending.ends_with(p))
             .map(str::len)
             .max()
@@ -99,11 +108,16 @@ pub fn generate_text(
     let decode_start = Instant::now();
     let mut sampler = Sampler::new(request.sampling.clone());
     let mut decoder = tokenizer.map(|t| StreamDecoder::new(t, true));
-    let mut stop = StopFilter { stops: &request.stop, pending: String::new() };
+    let mut stop = StopFilter {
+        stops: &request.stop,
+        pending: String::new(),
+    };
     let mut generated = Vec::new();
     let mut finish = FinishReason::Length;
     while generated.len() < request.max_new_tokens {
-        let row = logits.astype(mlxcel_core::Dtype::Float32)?.to_vec::<f32>()?;
+        let row = logits
+            .astype(mlxcel_core::Dtype::Float32)?
+            .to_vec::<f32>()?;
         let token = sampler.sample(&row, session.tokens());
         if request.eos_token_ids.contains(&token) {
             finish = FinishReason::Eos;
@@ -152,7 +166,10 @@ mod tests {
     #[test]
     fn stop_strings_hold_back_partial_matches() {
         let stops = vec!["<end>".to_string(), "STOP".to_string()];
-        let mut f = StopFilter { stops: &stops, pending: String::new() };
+        let mut f = StopFilter {
+            stops: &stops,
+            pending: String::new(),
+        };
         assert_eq!(f.push("hello <e"), ("hello ".to_string(), false));
         assert_eq!(f.push("nx"), ("<enx".to_string(), false));
         assert_eq!(f.push(" ST"), (" ".to_string(), false));

@@ -80,15 +80,25 @@ pub struct StreamDecoder<'t> {
 
 impl<'t> StreamDecoder<'t> {
     pub fn new(tokenizer: &'t Tokenizer, skip_special_tokens: bool) -> StreamDecoder<'t> {
-        StreamDecoder { tokenizer, ids: Vec::new(), prefix_offset: 0, read_offset: 0, skip_special_tokens }
+        StreamDecoder {
+            tokenizer,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+            skip_special_tokens,
+        }
     }
 
     /// Adds a token; returns the text it completes (possibly empty).
     pub fn push(&mut self, id: u32) -> Result<String> {
         self.ids.push(id);
         let skip = self.skip_special_tokens;
-        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
-        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], skip)?;
+        let prefix = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let full = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], skip)?;
         if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.starts_with(&prefix) {
             let text = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
@@ -101,8 +111,12 @@ impl<'t> StreamDecoder<'t> {
     /// Text still held back (an incomplete character at the very end, rendered as decoded).
     pub fn flush(&mut self) -> Result<String> {
         let skip = self.skip_special_tokens;
-        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
-        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], skip)?;
+        let prefix = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let full = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], skip)?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         Ok(full.strip_prefix(prefix.as_str()).unwrap_or("").to_string())

@@ -142,7 +142,9 @@ impl KvCache {
                 let held = rows(&c.keys)?;
                 let keep = (position - (c.offset - held)) as i32;
                 let cut = |buf: &Option<Array>| -> Result<Option<Array>> {
-                    buf.as_ref().map(|b| Ok(c.ordered(b)?.slice_axis(2, 0, keep)?)).transpose()
+                    buf.as_ref()
+                        .map(|b| Ok(c.ordered(b)?.slice_axis(2, 0, keep)?))
+                        .transpose()
                 };
                 let (k, v) = (cut(&c.keys)?, cut(&c.values)?);
                 c.keys = if keep > 0 { k } else { None };

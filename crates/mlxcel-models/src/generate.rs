@@ -72,7 +72,11 @@ pub struct Session<'m> {
 
 impl<'m> Session<'m> {
     pub fn new(model: &'m dyn LanguageModel) -> Session<'m> {
-        Session { model, caches: model.make_caches(), tokens: Vec::new() }
+        Session {
+            model,
+            caches: model.make_caches(),
+            tokens: Vec::new(),
+        }
     }
 
     /// The tokens whose keys and values the caches hold.
@@ -87,7 +91,12 @@ impl<'m> Session<'m> {
     /// Makes the caches hold `prompt`; returns how many leading tokens were reused and the
     /// logits after the last prompt token.
     pub fn prefill(&mut self, prompt: &[u32], chunk: Option<usize>) -> Result<(usize, Array)> {
-        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let common = self
+            .tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
         // At least the last prompt token is recomputed: its logits start the reply.
         let mut reuse = common.min(prompt.len().saturating_sub(1));
         if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {

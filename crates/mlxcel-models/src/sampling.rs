@@ -23,7 +23,15 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, repetition_context: 64, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            repetition_context: 64,
+            seed: 0,
+        }
     }
 }
 
@@ -46,7 +54,11 @@ impl Sampler {
             let start = history.len().saturating_sub(p.repetition_context);
             for &t in &history[start..] {
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
                 }
             }
         }
@@ -54,14 +66,22 @@ impl Sampler {
             logits
                 .iter()
                 .enumerate()
-                .fold((0usize, f32::NEG_INFINITY), |best, (i, &l)| if l > best.1 { (i, l) } else { best })
+                .fold((0usize, f32::NEG_INFINITY), |best, (i, &l)| {
+                    if l > best.1 {
+                        (i, l)
+                    } else {
+                        best
+                    }
+                })
                 .0 as u32
         };
         if p.temperature <= 0.0 {
             return argmax();
         }
         // Candidates sorted by logit, most likely first.
-        let mut order: Vec<usize> = (0..logits.len()).filter(|i| logits[*i].is_finite()).collect();
+        let mut order: Vec<usize> = (0..logits.len())
+            .filter(|i| logits[*i].is_finite())
+            .collect();
         order.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]));
         if p.top_k > 0 {
             order.truncate(p.top_k);
@@ -70,7 +90,10 @@ impl Sampler {
             return argmax();
         }
         let max = logits[order[0]];
-        let mut probs: Vec<f64> = order.iter().map(|i| (((logits[*i] - max) / p.temperature) as f64).exp()).collect();
+        let mut probs: Vec<f64> = order
+            .iter()
+            .map(|i| (((logits[*i] - max) / p.temperature) as f64).exp())
+            .collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|q| *q /= total);
         let mut keep = probs.len();
@@ -113,20 +136,48 @@ mod tests {
         let mut greedy = Sampler::new(SamplingParams::default());
         assert_eq!(greedy.sample(&logits, &[]), 1);
         // Repetition penalty demotes token 1 below token 3.
-        let mut rep = Sampler::new(SamplingParams { repetition_penalty: 1.5, ..Default::default() });
+        let mut rep = Sampler::new(SamplingParams {
+            repetition_penalty: 1.5,
+            ..Default::default()
+        });
         assert_eq!(rep.sample(&logits, &[1]), 3);
         // top-k 2 only ever yields the two best; min-p 0.5 likewise here; seed reproduces.
-        let params = SamplingParams { temperature: 1.0, top_k: 2, seed: 7, ..Default::default() };
-        let a: Vec<u32> = { let mut s = Sampler::new(params.clone()); (0..200).map(|_| s.sample(&logits, &[])).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(params.clone()); (0..200).map(|_| s.sample(&logits, &[])).collect() };
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            seed: 7,
+            ..Default::default()
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(params.clone());
+            (0..200).map(|_| s.sample(&logits, &[])).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(params.clone());
+            (0..200).map(|_| s.sample(&logits, &[])).collect()
+        };
         assert_eq!(a, b);
         assert!(a.iter().all(|t| *t == 1 || *t == 3) && a.contains(&1) && a.contains(&3));
-        let mut minp = Sampler::new(SamplingParams { temperature: 1.0, min_p: 0.5, seed: 1, ..Default::default() });
+        let mut minp = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: 1,
+            ..Default::default()
+        });
         assert!((0..200).all(|_| matches!(minp.sample(&logits, &[]), 1 | 3)));
-        let mut topp = Sampler::new(SamplingParams { temperature: 1.0, top_p: 0.1, seed: 1, ..Default::default() });
+        let mut topp = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.1,
+            seed: 1,
+            ..Default::default()
+        });
         assert!((0..50).all(|_| topp.sample(&logits, &[]) == 1));
         // Temperature 1 over the full vocabulary follows softmax.
-        let mut full = Sampler::new(SamplingParams { temperature: 1.0, seed: 3, ..Default::default() });
+        let mut full = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..Default::default()
+        });
         let two = [0.0f32, (3.0f32).ln()];
         let ones = (0..4000).filter(|_| full.sample(&two, &[]) == 1).count() as f64 / 4000.0;
         assert!((ones - 0.75).abs() < 0.03, "{ones}");

@@ -2,8 +2,8 @@
 //!
 //! Owns quantization: the formats MLX supports (affine 1–8 bit, mxfp4, mxfp8, nvfp4),
 //! [`QuantizedWeight`], shape-based bit-width inference ([`infer_quantization_bits`]), the
-//! per-tensor configuration MLX checkpoints carry ([`QuantConfig`]), and (to come) recipes,
-//! fp8-block → mxfp8 requantization and GGUF block import.
+//! per-tensor configuration MLX checkpoints carry ([`QuantConfig`]), lossless GGUF import
+//! ([`gguf`]), and (to come) recipes and fp8-block → mxfp8 requantization.
 
 mod config;
 mod weight;
@@ -24,3 +24,5 @@ pub enum QuantError {
 }
 
 pub type Result<T, E = QuantError> = std::result::Result<T, E>;
+
+pub mod gguf;

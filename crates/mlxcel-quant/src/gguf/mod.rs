@@ -1,0 +1,111 @@
+//! GGUF import: read llama.cpp's GGUF files and write an MLX checkpoint folder.
+//!
+//! - [`GgufFile`]: a GGUF v2/v3 reader over a memory map (metadata of every value type, tensor
+//!   infos, `general.alignment`), with errors that name the file and the tensor at fault.
+//! - [`blocks`]: ggml block decoding, and the exact repacking of `Q4_0`/`Q4_1`/`Q8_0` blocks
+//!   into MLX affine planes.
+//! - [`import_gguf`]: a llama-architecture GGUF → `config.json` (with mlx-lm's `quantization`
+//!   block), `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
+//!   `generation_config.json`. `Q4_0`/`Q4_1`/`Q8_0` tensors are imported losslessly as MLX affine
+//!   4/8-bit with group size 32; F32/F16/BF16 pass through; `Q5_0`/`Q5_1`/K-quants are stored
+//!   dense in float32 (exact decodes, not re-quantized); other types are an error naming them.
+
+pub mod blocks;
+mod import;
+mod reader;
+mod tokenizer;
+mod types;
+
+use std::path::{Path, PathBuf};
+
+pub use import::{hf_tensor_name, import_gguf, unpermute_rope_rows, ImportReport, TensorImport};
+pub use reader::{GgufFile, GgufTensorInfo, MetaValue};
+pub use tokenizer::{build_tokenizer_files, TokenizerFiles};
+pub use types::GgmlType;
+
+/// Errors reading or importing a GGUF file; each names the file and, where it applies, the
+/// tensor or metadata key.
+#[derive(Debug, thiserror::Error)]
+pub enum GgufError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The header is malformed or truncated.
+    #[error("{path}: {message}")]
+    Format { path: PathBuf, message: String },
+    #[error("{path}: tensor `{tensor}`: {message}")]
+    Tensor {
+        path: PathBuf,
+        tensor: String,
+        message: String,
+    },
+    #[error("{path}: tensor `{tensor}` has ggml type id {type_id}, which is not a known type")]
+    UnknownType {
+        path: PathBuf,
+        tensor: String,
+        type_id: u32,
+    },
+    #[error(
+        "{path}: tensor `{tensor}` is {ggml_type}, which cannot be imported (supported: F32, F16, \
+         BF16, Q4_0, Q4_1, Q8_0 losslessly; Q5_0, Q5_1, Q4_K, Q5_K, Q6_K dequantized to float32)"
+    )]
+    UnsupportedType {
+        path: PathBuf,
+        tensor: String,
+        ggml_type: GgmlType,
+    },
+    #[error("{path}: metadata `{key}`: {message}")]
+    Metadata {
+        path: PathBuf,
+        key: String,
+        message: String,
+    },
+    #[error("{path}: {source}")]
+    Mlx {
+        path: PathBuf,
+        #[source]
+        source: mlxcel_core::Error,
+    },
+}
+
+impl GgufError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    pub(crate) fn format(path: &Path, message: impl Into<String>) -> Self {
+        GgufError::Format {
+            path: path.to_path_buf(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn tensor(path: &Path, tensor: &str, message: impl Into<String>) -> Self {
+        GgufError::Tensor {
+            path: path.to_path_buf(),
+            tensor: tensor.to_string(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn metadata(path: &Path, key: &str, message: impl Into<String>) -> Self {
+        GgufError::Metadata {
+            path: path.to_path_buf(),
+            key: key.to_string(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn mlx(path: &Path, source: mlxcel_core::Error) -> Self {
+        GgufError::Mlx {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! Rebuilding `tokenizer.json` and `tokenizer_config.json` from GGUF tokenizer metadata.
+//!
+//! Supported: `tokenizer.ggml.model = "gpt2"` (byte-level BPE: `tokens`, `merges`,
+//! `token_type`). Control tokens (type 3) become special added tokens, user-defined ones
+//! (type 4) plain added tokens. The pre-tokenizer follows `tokenizer.ggml.pre`: `gpt2`/`default`
+//! is GPT-2's byte-level regex; `smollm` splits digits individually first, as SmolLM's own
+//! `tokenizer.json` and llama.cpp do. Anything else is an error naming the value.
+
+use std::collections::HashSet;
+
+use serde_json::{json, Map, Value};
+
+use super::reader::{GgufFile, MetaValue};
+use super::GgufError;
+
+/// The tokenizer files rebuilt from a GGUF, and the ids the model configs need.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenizerFiles {
+    pub tokenizer: Value,
+    pub tokenizer_config: Value,
+    pub bos_id: Option<u64>,
+    /// `eos_token_id`, then `eot_token_id`/`eom_token_id` when they differ.
+    pub eos_ids: Vec<u64>,
+    pub pad_id: Option<u64>,
+}
+
+const TOKEN_CONTROL: i64 = 3;
+const TOKEN_USER_DEFINED: i64 = 4;
+
+/// GPT-2's byte → printable character table: printable Latin-1 bytes stand for themselves,
+/// the rest are shifted to U+0100 onwards in byte order.
+fn byte_alphabet() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut shifted = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        table[b as usize] = if printable {
+            b as char
+        } else {
+            shifted += 1;
+            char::from_u32(255 + shifted).unwrap_or('\0')
+        };
+    }
+    table
+}
+
+fn string_array<'a>(g: &'a GgufFile, key: &str) -> Result<Option<Vec<&'a str>>, GgufError> {
+    let Some(v) = g.get(key) else {
+        return Ok(None);
+    };
+    let items = v.as_array().ok_or_else(|| {
+        GgufError::metadata(
+            g.path(),
+            key,
+            format!("expected an array, found {}", v.type_name()),
+        )
+    })?;
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            s.as_str().ok_or_else(|| {
+                GgufError::metadata(g.path(), key, format!("element {i} is not a string"))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+fn id_field(g: &GgufFile, key: &str, n_tokens: usize) -> Result<Option<u64>, GgufError> {
+    match g.get(key) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(id) if (id as usize) < n_tokens => Ok(Some(id)),
+            _ => Err(GgufError::metadata(
+                g.path(),
+                key,
+                format!("{v:?} is not a token id below {n_tokens}"),
+            )),
+        },
+    }
+}
+
+fn flag(g: &GgufFile, key: &str) -> Result<Option<bool>, GgufError> {
+    match g.get(key) {
+        None => Ok(None),
+        Some(MetaValue::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(GgufError::metadata(
+            g.path(),
+            key,
+            format!("expected a bool, found {}", v.type_name()),
+        )),
+    }
+}
+
+fn byte_level(add_prefix_space: bool, trim_offsets: bool) -> Value {
+    json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space,
+           "trim_offsets": trim_offsets, "use_regex": true})
+}
+
+/// Builds `tokenizer.json` and `tokenizer_config.json` for a byte-level BPE GGUF.
+pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles, GgufError> {
+    let path = g.path();
+    let model_key = "tokenizer.ggml.model";
+    let model = g
+        .get(model_key)
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| GgufError::metadata(path, model_key, "missing or not a string"))?;
+    if model != "gpt2" {
+        return Err(GgufError::metadata(
+            path,
+            model_key,
+            format!("tokenizer model `{model}` cannot be rebuilt yet (only byte-level BPE `gpt2`)"),
+        ));
+    }
+    let tokens_key = "tokenizer.ggml.tokens";
+    let tokens = string_array(g, tokens_key)?
+        .ok_or_else(|| GgufError::metadata(path, tokens_key, "missing"))?;
+    let merges_key = "tokenizer.ggml.merges";
+    let merges = string_array(g, merges_key)?
+        .ok_or_else(|| GgufError::metadata(path, merges_key, "missing"))?;
+    let types_key = "tokenizer.ggml.token_type";
+    let token_types: Vec<i64> = match g.get(types_key) {
+        None => vec![1; tokens.len()],
+        Some(v) => v
+            .as_array()
+            .filter(|a| a.len() == tokens.len())
+            .and_then(|a| a.iter().map(|t| t.as_i64()).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| {
+                GgufError::metadata(
+                    path,
+                    types_key,
+                    format!("expected {} integers, one per token", tokens.len()),
+                )
+            })?,
+    };
+
+    let pre_key = "tokenizer.ggml.pre";
+    let pre = g.get(pre_key).and_then(|v| v.as_str()).unwrap_or("default");
+    let add_space = flag(g, "tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
+    let byte_level_pre = byte_level(add_space, true);
+    let pre_tokenizer = match pre {
+        "default" | "gpt2" => byte_level_pre,
+        "smollm" => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true},
+            byte_level_pre,
+        ]}),
+        other => {
+            return Err(GgufError::metadata(
+                path,
+                pre_key,
+                format!("pre-tokenizer `{other}` is not known (supported: default, gpt2, smollm)"),
+            ))
+        }
+    };
+
+    // Tokens are stored in the byte alphabet already; one that is not (a raw-text control token
+    // written by some converters) is spelled through it so the BPE vocabulary stays consistent.
+    let alphabet = byte_alphabet();
+    let in_alphabet: HashSet<char> = alphabet.iter().copied().collect();
+    let mut vocab = Map::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        let key = if tok.chars().all(|c| in_alphabet.contains(&c)) {
+            tok.to_string()
+        } else {
+            tok.bytes().map(|b| alphabet[b as usize]).collect()
+        };
+        vocab.insert(key, json!(id));
+    }
+    let merges = merges
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            m.split_once(' ')
+                .map(|(a, b)| json!([a, b]))
+                .ok_or_else(|| {
+                    GgufError::metadata(path, merges_key, format!("merge {i} `{m}` has no space"))
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let mut added = Vec::new();
+    let mut added_decoder = Map::new();
+    for (id, (tok, ty)) in tokens.iter().zip(&token_types).enumerate() {
+        let special = match *ty {
+            TOKEN_CONTROL if tok.chars().all(|c| in_alphabet.contains(&c)) => true,
+            TOKEN_USER_DEFINED => false,
+            _ => continue,
+        };
+        let entry = json!({"content": tok, "single_word": false, "lstrip": false,
+                           "rstrip": false, "normalized": false, "special": special});
+        let mut with_id = Map::new();
+        with_id.insert("id".into(), json!(id));
+        if let Value::Object(fields) = &entry {
+            with_id.extend(fields.clone());
+        }
+        added.push(Value::Object(with_id));
+        added_decoder.insert(id.to_string(), entry);
+    }
+
+    let n = tokens.len();
+    let bos_id = id_field(g, "tokenizer.ggml.bos_token_id", n)?;
+    let eos_id = id_field(g, "tokenizer.ggml.eos_token_id", n)?;
+    let unk_id = id_field(g, "tokenizer.ggml.unknown_token_id", n)?;
+    let pad_id = id_field(g, "tokenizer.ggml.padding_token_id", n)?;
+    let mut eos_ids: Vec<u64> = eos_id.into_iter().collect();
+    for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        if let Some(id) = id_field(g, key, n)? {
+            if !eos_ids.contains(&id) {
+                eos_ids.push(id);
+            }
+        }
+    }
+    let add_bos = flag(g, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+    let add_eos = flag(g, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+    let token = |id: Option<u64>| id.map(|i| tokens[i as usize].to_string());
+
+    let post_processor = if add_bos || add_eos {
+        let mut single = Vec::new();
+        let mut pair = Vec::new();
+        let mut specials = Map::new();
+        let mut special = |id: Option<u64>, key: &str| -> Result<Value, GgufError> {
+            let id = id.ok_or_else(|| {
+                GgufError::metadata(path, key, "is required by add_bos/add_eos_token")
+            })?;
+            let tok = tokens[id as usize];
+            specials.insert(tok.into(), json!({"id": tok, "ids": [id], "tokens": [tok]}));
+            Ok(json!({"SpecialToken": {"id": tok, "type_id": 0}}))
+        };
+        let bos = if add_bos {
+            Some(special(bos_id, "tokenizer.ggml.bos_token_id")?)
+        } else {
+            None
+        };
+        let eos = if add_eos {
+            Some(special(eos_id, "tokenizer.ggml.eos_token_id")?)
+        } else {
+            None
+        };
+        for (seq, type_id) in [("A", 0), ("B", 1)] {
+            let target = if seq == "A" { &mut single } else { &mut pair };
+            let part = json!({"Sequence": {"id": seq, "type_id": type_id}});
+            for t in [&bos, &Some(part), &eos].into_iter().flatten() {
+                target.push(t.clone());
+            }
+        }
+        let pair: Vec<Value> = single.iter().cloned().chain(pair).collect();
+        json!({"type": "TemplateProcessing", "single": single, "pair": pair,
+               "special_tokens": specials})
+    } else {
+        byte_level(true, false)
+    };
+
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": post_processor,
+        "decoder": byte_level(true, true),
+        "model": {
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": null,
+            "continuing_subword_prefix": null,
+            "end_of_word_suffix": null,
+            "fuse_unk": false,
+            "byte_fallback": false,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": merges,
+        },
+    });
+
+    let mut cfg = Map::new();
+    cfg.insert("add_bos_token".into(), json!(add_bos));
+    cfg.insert("add_eos_token".into(), json!(add_eos));
+    cfg.insert("added_tokens_decoder".into(), Value::Object(added_decoder));
+    cfg.insert("bos_token".into(), json!(token(bos_id)));
+    cfg.insert("eos_token".into(), json!(token(eos_id)));
+    cfg.insert("pad_token".into(), json!(token(pad_id)));
+    cfg.insert("unk_token".into(), json!(token(unk_id)));
+    cfg.insert("clean_up_tokenization_spaces".into(), json!(false));
+    cfg.insert("model_max_length".into(), json!(n_ctx));
+    cfg.insert("tokenizer_class".into(), json!("PreTrainedTokenizerFast"));
+    let template_key = "tokenizer.chat_template";
+    match g.get(template_key) {
+        None => {}
+        Some(MetaValue::String(t)) => {
+            cfg.insert("chat_template".into(), json!(t));
+        }
+        Some(v) => {
+            return Err(GgufError::metadata(
+                path,
+                template_key,
+                format!("expected a string, found {}", v.type_name()),
+            ))
+        }
+    }
+
+    Ok(TokenizerFiles {
+        tokenizer,
+        tokenizer_config: Value::Object(cfg),
+        bos_id,
+        eos_ids,
+        pad_id,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_alphabet_matches_gpt2() {
+        let a = byte_alphabet();
+        assert_eq!(a[b' ' as usize], 'Ġ'); // U+0120: the 33rd shifted byte
+        assert_eq!(a[b'\n' as usize], 'Ċ'); // U+010A
+        assert_eq!(a[0], 'Ā'); // U+0100
+        assert_eq!(a[b'A' as usize], 'A');
+        assert_eq!(a[0xAD], 'Ń'); // soft hyphen is shifted (U+0143)
+        assert_eq!(a.iter().collect::<HashSet<_>>().len(), 256);
+    }
+}
