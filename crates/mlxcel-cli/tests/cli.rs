@@ -1,0 +1,99 @@
+//! The `mlxcel` binary end to end on a fixture: machine-use generation and logits output.
+
+use std::process::Command;
+
+fn mlxcel() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_mlxcel"))
+}
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models")
+        .join(name)
+}
+
+/// The prompt and greedy ids of a fixture's reference (int32 tensors in reference.safetensors).
+fn reference_ids(name: &str) -> (Vec<i32>, Vec<i32>) {
+    let bytes = std::fs::read(fixture(name).join("reference.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let read = |key: &str| -> Vec<i32> {
+        let off = &header[key]["data_offsets"];
+        let (a, b) = (
+            off[0].as_u64().unwrap() as usize + 8 + n,
+            off[1].as_u64().unwrap() as usize + 8 + n,
+        );
+        bytes[a..b]
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    (read("prompt_ids"), read("greedy_ids"))
+}
+
+#[test]
+fn generate_prompt_ids_prints_the_greedy_ids() {
+    let (prompt, greedy) = reference_ids("gemma3_text");
+    let ids: Vec<String> = prompt.iter().map(i32::to_string).collect();
+    for chunk in ["3", "64"] {
+        let out = mlxcel()
+            .args([
+                "generate",
+                "--quiet",
+                "--print-ids",
+                "--max-new",
+                "16",
+                "--prefill-chunk",
+                chunk,
+                "--model",
+            ])
+            .arg(fixture("gemma3_text"))
+            .args(["--prompt-ids", &ids.join(",")])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let want: Vec<String> = greedy.iter().map(i32::to_string).collect();
+        assert_eq!(
+            String::from_utf8(out.stdout).unwrap().trim(),
+            want.join(",")
+        );
+    }
+}
+
+#[test]
+fn logits_writes_npy_and_bad_input_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("l.npy");
+    let status = mlxcel()
+        .args(["logits", "--prompt-ids", "1,2,3", "--out"])
+        .arg(&out)
+        .arg("--model")
+        .arg(fixture("llama"))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let bytes = std::fs::read(&out).unwrap();
+    assert!(bytes.starts_with(b"\x93NUMPY\x01\x00"));
+    assert!(String::from_utf8_lossy(&bytes[10..128]).contains("'shape': (3, 512)"));
+    assert_eq!(bytes.len(), 128 + 3 * 512 * 4);
+    let bad = mlxcel()
+        .args(["logits", "--prompt-ids", "1,99999", "--out"])
+        .arg(&out)
+        .arg("--model")
+        .arg(fixture("llama"))
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr)
+        .contains("token 99999 is outside the vocabulary of 512"));
+    let missing = mlxcel()
+        .args(["generate", "--user", "hi", "--model", "/nonexistent/model"])
+        .output()
+        .unwrap();
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/model"));
+}
