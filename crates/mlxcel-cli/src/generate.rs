@@ -150,6 +150,9 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
             loaded.load_seconds
         );
     }
+    if let (false, Some((plan, _))) = (flags.quiet, &loaded.expert_stream) {
+        eprintln!("{}", plan.describe());
+    }
     Ok(Some(loaded))
 }
 
@@ -177,6 +180,13 @@ fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
         est.transient,
         gib(est.transient)
     );
+    if est.expert_arena > 0 {
+        println!(
+            "expert arena     {:>23} ({:.3} GiB, streamed routed experts)",
+            est.expert_arena,
+            gib(est.expert_arena)
+        );
+    }
     println!(
         "total            {:>23} ({:.3} GiB)",
         est.total(),
@@ -207,9 +217,20 @@ fn read_messages(source: &str) -> anyhow::Result<Vec<Message>> {
     })
 }
 
-fn print_stats(stats: &GenerationStats, quiet: bool) {
+fn print_stats(stats: &GenerationStats, loaded: &Loaded, quiet: bool) {
     if quiet {
         return;
+    }
+    if let Some((_, s)) = &loaded.expert_stream {
+        let s = s.borrow();
+        eprintln!(
+            "\n[experts: {} hits, {} misses ({:.1}% hit rate), {:.1} MiB read in {:.2}s]",
+            s.hits,
+            s.misses,
+            100.0 * s.hit_rate(),
+            s.bytes_read as f64 / (1 << 20) as f64,
+            s.read_seconds
+        );
     }
     let peak = mlxcel_core::memory::peak_bytes().unwrap_or(0);
     eprintln!(
@@ -322,7 +343,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     } else {
         println!();
     }
-    print_stats(&stats, run.quiet);
+    print_stats(&stats, &loaded, run.quiet);
     Ok(())
 }
 
@@ -373,7 +394,7 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
             |_| {},
         )?;
         println!();
-        print_stats(&stats, flags.quiet);
+        print_stats(&stats, &loaded, flags.quiet);
         messages.push(Message::new("assistant", reply.trim()));
     }
     Ok(())

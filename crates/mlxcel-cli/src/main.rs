@@ -46,6 +46,15 @@ enum Command {
     Generate(generate::GenerateFlags),
     /// Interactive chat keeping the session (and its caches) between turns.
     Chat(generate::RunFlags),
+    /// Write (or with --verify, check) the expert-stream layout of an MoE model, so its routed
+    /// experts can stream from disk.
+    PrepareExpertStream {
+        #[arg(long)]
+        model: PathBuf,
+        /// Check the layout's sizes and hashes without loading the model.
+        #[arg(long)]
+        verify: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -67,7 +76,32 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Arch) => inspect::print_registry(),
         Some(Command::Generate(flags)) => generate::generate(flags)?,
         Some(Command::Chat(flags)) => generate::chat(flags)?,
+        Some(Command::PrepareExpertStream { model, verify }) => {
+            prepare_expert_stream(&model, verify)?
+        }
     }
+    Ok(())
+}
+
+fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Result<()> {
+    let folder = mlxcel_loading::resolve_model_dir(model)?;
+    let manifest = if verify {
+        mlxcel_stream::manifest::verify(&folder)?
+    } else {
+        mlxcel_loading::stream::prepare_expert_stream(&folder, |done, total| {
+            eprint!("\r[prepare-expert-stream] layer {done}/{total}");
+        })?
+    };
+    eprintln!();
+    let bytes = manifest.total_expert_bytes();
+    println!(
+        "{} {} MoE layers, {} experts each, {:.1} MiB of experts in {}",
+        if verify { "verified" } else { "prepared" },
+        manifest.layers.len(),
+        manifest.layers.first().map_or(0, |l| l.experts),
+        bytes as f64 / (1 << 20) as f64,
+        folder.join(mlxcel_stream::STREAM_DIR).display()
+    );
     Ok(())
 }
 

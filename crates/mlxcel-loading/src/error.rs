@@ -20,6 +20,8 @@ pub enum LoadError {
     Core(#[from] mlxcel_core::Error),
     #[error(transparent)]
     Quant(#[from] mlxcel_quant::QuantError),
+    #[error(transparent)]
+    Stream(#[from] mlxcel_stream::StreamError),
 }
 
 pub type Result<T, E = LoadError> = std::result::Result<T, E>;

@@ -16,6 +16,7 @@ mod chat;
 mod error;
 pub mod memory;
 mod pipeline;
+pub mod stream;
 mod textgen;
 mod tokenizer;
 

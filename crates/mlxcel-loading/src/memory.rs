@@ -42,6 +42,8 @@ pub struct MemoryEstimate {
     pub weights: BTreeMap<(String, String), u64>,
     pub kv_cache: u64,
     pub transient: u64,
+    /// Slot arenas of streamed routed experts (0 when experts are resident).
+    pub expert_arena: u64,
     pub device: Device,
     /// The device's (or, for the CPU, the system's) memory.
     pub available: Option<u64>,
@@ -53,7 +55,7 @@ impl MemoryEstimate {
     }
 
     pub fn total(&self) -> u64 {
-        self.weight_bytes() + self.kv_cache + self.transient
+        self.weight_bytes() + self.kv_cache + self.transient + self.expert_arena
     }
 
     /// Whether the run fits, leaving 10% of the device for the system and MLX's allocator.
@@ -61,6 +63,14 @@ impl MemoryEstimate {
         self.available
             .is_none_or(|a| self.total() as f64 <= a as f64 * 0.9)
     }
+}
+
+/// Memory of the default device (for the CPU backend: the system's), if known.
+pub fn available_memory() -> Result<Option<u64>> {
+    Ok(match mlxcel_core::default_device()?.memory_bytes()? {
+        Some(b) => Some(b as u64),
+        None => system_memory(),
+    })
 }
 
 fn system_memory() -> Option<u64> {
@@ -130,14 +140,19 @@ pub fn estimate(
         + 4 * chunk * inter.max(hidden) * f
         + heads * chunk * rows.min(context) * f;
     let device = mlxcel_core::default_device()?;
-    let available = match device.memory_bytes()? {
-        Some(b) => Some(b as u64),
-        None => system_memory(),
-    };
+    let available = available_memory()?;
+    // Streamed routed experts are not resident: the arena holds them instead.
+    let mut expert_arena = 0;
+    let stream = mlxcel_stream::StreamConfig::from_env()?;
+    if let Some(plan) = crate::stream::plan(folder, config, &stream, available)? {
+        by_role.retain(|(role, _), _| role != "routed experts");
+        expert_arena = plan.arena_bytes();
+    }
     Ok(MemoryEstimate {
         weights: by_role,
         kv_cache,
         transient,
+        expert_arena,
         device,
         available,
     })

@@ -1,6 +1,8 @@
 //! The generation-model pipeline (see the crate docs for the flow).
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use mlxcel_core::{Device, Dtype, Materialization, WeightMap};
 use mlxcel_models::config::sanitize_config_json;
@@ -25,6 +27,8 @@ pub struct LoadOptions {
     pub materialization: Option<Materialization>,
     /// Skip the tokenizer (logits-only use).
     pub skip_tokenizer: bool,
+    /// Expert streaming switches; default: from `MLXCEL_EXPERT_*`.
+    pub stream: Option<mlxcel_stream::StreamConfig>,
 }
 
 /// A loaded generation model with what was learned on the way.
@@ -41,6 +45,11 @@ pub struct Loaded {
     pub eos_token_ids: Vec<u32>,
     pub chat_template: Option<ChatTemplate>,
     pub load_seconds: f64,
+    /// Set when routed experts stream from disk: the arena and its counters.
+    pub expert_stream: Option<(
+        crate::stream::StreamPlan,
+        Rc<RefCell<mlxcel_stream::StreamStats>>,
+    )>,
 }
 
 fn ids_of(value: Option<&Value>) -> Vec<u32> {
@@ -181,10 +190,22 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         Some(m) => m,
         None => Materialization::from_env()?,
     };
+    let stream_config = match &options.stream {
+        Some(c) => c.clone(),
+        None => mlxcel_stream::StreamConfig::from_env()?,
+    };
+    let plan = crate::stream::plan(
+        &folder,
+        &config,
+        &stream_config,
+        crate::memory::available_memory()?,
+    )?;
+    let stats = Rc::new(RefCell::new(mlxcel_stream::StreamStats::default()));
     let build = BuildOptions {
         quant,
         dtype,
         materialization,
+        stream: plan.as_ref().map(|p| p.setup(stats.clone())),
     };
     let model = load_config_backed(model_type, &config, weights, &build).map_err(model_err)?;
     let (tokenizer, chat_template) = if options.skip_tokenizer {
@@ -203,5 +224,6 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         eos_token_ids,
         chat_template,
         load_seconds: started.elapsed().as_secs_f64(),
+        expert_stream: plan.map(|p| (p, stats)),
     })
 }

@@ -27,6 +27,8 @@ pub enum ModelError {
     #[error(transparent)]
     Quant(#[from] QuantError),
     #[error(transparent)]
+    Stream(#[from] mlxcel_stream::StreamError),
+    #[error(transparent)]
     Core(#[from] mlxcel_core::Error),
 }
 

@@ -22,6 +22,7 @@ pub use cache::{KvCache, Mask};
 pub use error::{ModelError, Result};
 pub use model::{Architecture, LanguageModel, LayerKind};
 pub use registry::{
-    load_config_backed, model_load_policy, BuildOptions, DirectoryRoute, LoadedModel, ModelKind,
-    ModelLoadPolicy, ModelType, StaticModelDescriptor, WeightRoute, DESCRIPTORS,
+    load_config_backed, model_load_policy, sanitized_weights, BuildOptions, DirectoryRoute,
+    LoadedModel, ModelKind, ModelLoadPolicy, ModelType, StaticModelDescriptor, WeightRoute,
+    DESCRIPTORS,
 };

@@ -104,6 +104,8 @@ pub struct BuildOptions {
     pub quant: Option<QuantConfig>,
     pub dtype: Dtype,
     pub materialization: Materialization,
+    /// Stream the routed experts of the layers this covers instead of loading them.
+    pub stream: Option<crate::weights::ExpertStreamSetup>,
 }
 
 /// Builds one architecture from a sanitised config and its weights: deserialise the args (a
@@ -117,9 +119,26 @@ pub fn build_architecture<M: Architecture>(
 ) -> Result<M> {
     let args: M::Args =
         serde_json::from_value(config.clone()).map_err(|e| ModelError::Config(e.to_string()))?;
+    if let Some(stream) = &options.stream {
+        // Streamed experts stay on disk: drop them before the sanitiser would stack them.
+        for layer in &stream.manifest.layers {
+            let covered: Vec<String> = weights
+                .names()
+                .filter(|n| {
+                    n.starts_with(&format!("{}.experts.", layer.prefix))
+                        || n.starts_with(&format!("{}.switch_mlp.", layer.prefix))
+                })
+                .map(str::to_string)
+                .collect();
+            for n in covered {
+                weights.remove(&n);
+            }
+        }
+    }
     M::sanitize(&args, &mut weights)?;
     drop_unused_buffers(&mut weights);
-    let mut w = ModelWeights::new(weights, options.quant.clone(), options.dtype);
+    let mut w = ModelWeights::new(weights, options.quant.clone(), options.dtype)
+        .with_stream(options.stream.clone());
     let model = M::build(&args, &mut w)?;
     let kept = w.finish(name)?;
     options.materialization.apply(kept.iter())?;
@@ -187,6 +206,19 @@ macro_rules! define_registry {
             fn make_caches(&self) -> Vec<KvCache> {
                 match self { $(LoadedModel::$variant(m) => m.make_caches()),* }
             }
+        }
+
+        /// A checkpoint's tensors after its architecture's sanitiser (experts stacked into
+        /// `switch_mlp`, ...): what the expert-stream writer slices.
+        pub fn sanitized_weights(model_type: ModelType, config: &Value, mut weights: WeightMap) -> Result<WeightMap> {
+            match model_type {
+                $(ModelType::$variant => {
+                    let args: <$model as Architecture>::Args = serde_json::from_value(config.clone())
+                        .map_err(|e| ModelError::Config(e.to_string()))?;
+                    <$model as Architecture>::sanitize(&args, &mut weights)?;
+                }),*
+            }
+            Ok(weights)
         }
 
         /// The generated config-backed loader: builds `model_type` from its config and weights.

@@ -18,6 +18,19 @@ pub struct ModelWeights {
     dtype: Dtype,
     used: BTreeSet<String>,
     kept: Vec<Array>,
+    stream: Option<ExpertStreamSetup>,
+}
+
+/// Where and how routed experts stream from disk (see `mlxcel_stream`).
+#[derive(Clone)]
+pub struct ExpertStreamSetup {
+    /// The prepared `expert-stream` folder.
+    pub dir: std::path::PathBuf,
+    pub manifest: mlxcel_stream::Manifest,
+    pub slots_per_layer: usize,
+    pub policy: mlxcel_stream::CachePolicy,
+    /// Counters shared by all layers, read by the caller after a run.
+    pub stats: std::rc::Rc<std::cell::RefCell<mlxcel_stream::StreamStats>>,
 }
 
 impl ModelWeights {
@@ -29,7 +42,14 @@ impl ModelWeights {
             dtype,
             used: BTreeSet::new(),
             kept: Vec::new(),
+            stream: None,
         }
+    }
+
+    /// Streams the routed experts of the layers `setup`'s manifest covers.
+    pub fn with_stream(mut self, setup: Option<ExpertStreamSetup>) -> ModelWeights {
+        self.stream = setup;
+        self
     }
 
     pub fn dtype(&self) -> Dtype {
@@ -238,6 +258,136 @@ impl ModelWeights {
     /// materialisation policy evaluates them too.
     pub fn keep_all<'a>(&mut self, arrays: impl IntoIterator<Item = &'a Array>) {
         self.kept.extend(arrays.into_iter().cloned());
+    }
+
+    /// The routed experts of the MoE block at `prefix` (`{prefix}.switch_mlp.{gate,up,down}_proj`):
+    /// streamed when the expert stream covers this layer, else resident.
+    pub fn routed_experts(
+        &mut self,
+        prefix: &str,
+        experts: i32,
+        hidden: i32,
+        intermediate: i32,
+        act: crate::nn::Activation,
+    ) -> Result<crate::nn::RoutedExperts> {
+        use crate::nn::{RoutedExperts, StreamedGlu, SwitchGlu};
+        let s = format!("{prefix}.switch_mlp");
+        let entry = self
+            .stream
+            .as_ref()
+            .and_then(|st| st.manifest.layer(prefix).cloned());
+        let (Some(entry), Some(setup)) = (entry, self.stream.clone()) else {
+            return Ok(RoutedExperts::Resident(SwitchGlu {
+                gate: self.switch_linear(
+                    &format!("{s}.gate_proj"),
+                    experts,
+                    hidden,
+                    intermediate,
+                )?,
+                up: self.switch_linear(&format!("{s}.up_proj"), experts, hidden, intermediate)?,
+                down: self.switch_linear(
+                    &format!("{s}.down_proj"),
+                    experts,
+                    intermediate,
+                    hidden,
+                )?,
+                act,
+            }));
+        };
+        if entry.experts != experts as usize {
+            return Err(ModelError::Config(format!(
+                "{prefix}: the expert stream has {} experts, the config {experts}",
+                entry.experts
+            )));
+        }
+        let dims = [
+            (intermediate, hidden),
+            (intermediate, hidden),
+            (hidden, intermediate),
+        ];
+        let mut specs = [None; 3];
+        for (i, proj) in mlxcel_stream::manifest::PROJECTIONS.iter().enumerate() {
+            let (out, inp) = dims[i];
+            let name = format!("{s}.{proj}.weight");
+            let weight = entry
+                .plane(&format!("{proj}.weight"))
+                .ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
+            specs[i] = match entry.plane(&format!("{proj}.scales")) {
+                None => {
+                    if weight.shape != [out, inp] {
+                        return Err(ModelError::Shape {
+                            tensor: name,
+                            found: weight.shape.clone(),
+                            expected: vec![out, inp],
+                        });
+                    }
+                    None
+                }
+                Some(scales) => {
+                    let module = format!("{s}.{proj}");
+                    let (mode, group, bits) =
+                        match self.quant.as_ref().map(|q| q.for_module(&module)) {
+                            Some(TensorQuant::Quantized {
+                                mode,
+                                group_size,
+                                bits,
+                            }) => (mode, group_size, bits),
+                            _ => {
+                                return Err(ModelError::Config(format!(
+                            "`{module}` is quantized in the expert stream but not in config.json"
+                        )))
+                            }
+                        };
+                    let (group, bits) = match mode.fixed_layout() {
+                        Some(fixed) => fixed,
+                        None => (
+                            group,
+                            mlxcel_quant::infer_quantization_bits(
+                                &name,
+                                &weight.shape,
+                                &scales.shape,
+                                group,
+                                bits,
+                            )?,
+                        ),
+                    };
+                    let unpacked = weight.shape.last().copied().unwrap_or(0) * 32 / bits;
+                    if weight.shape.first() != Some(&out) || unpacked != inp {
+                        return Err(ModelError::Shape {
+                            tensor: name,
+                            found: vec![weight.shape[0], unpacked],
+                            expected: vec![out, inp],
+                        });
+                    }
+                    Some(mlxcel_core::ops::QuantSpec {
+                        mode,
+                        group_size: group,
+                        bits,
+                    })
+                }
+            };
+        }
+        // The stacked tensors stay on disk; they count as used.
+        let names: Vec<String> = self
+            .map
+            .names()
+            .filter(|n| n.starts_with(&format!("{s}.")))
+            .map(str::to_string)
+            .collect();
+        self.used.extend(names);
+        let layer = mlxcel_stream::LayerStream::open(
+            &setup.dir,
+            &entry,
+            setup.slots_per_layer,
+            setup.policy,
+            self.dtype,
+            setup.stats.clone(),
+        )?;
+        Ok(RoutedExperts::Streamed(Box::new(StreamedGlu {
+            layer: std::cell::RefCell::new(layer),
+            specs,
+            act,
+        })))
     }
 
     /// Ends construction: an error listing the tensors the model did not use; otherwise every

@@ -11,7 +11,7 @@ use crate::cache::KvCache;
 use crate::model::{LanguageModel, LayerKind};
 use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, Linear, Mlp, Norm, NormKind, QkNorm,
-    QkvProjection, RopeConfig, RotaryEmbedding, Router, RouterScoring, SwitchGlu,
+    QkvProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -83,16 +83,16 @@ impl DecoderSpec {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 enum FeedForward {
     Dense(Mlp),
     Moe(Box<MoeBlock>),
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct MoeBlock {
     router: Router,
-    experts: SwitchGlu,
+    experts: RoutedExperts,
     shared: Option<(Mlp, Linear)>,
 }
 
@@ -110,11 +110,22 @@ impl FeedForward {
                 let d = shape[shape.len() - 1];
                 let flat = x.reshape(&[-1, d])?;
                 let (ids, weights) = router.route(&flat)?;
+                let shared_out = match shared {
+                    Some((mlp, gate)) => {
+                        let s = mlp
+                            .forward(&flat)?
+                            .multiply(&gate.forward(&flat)?.sigmoid()?)?;
+                        // Streamed experts are read from disk next: let the shared expert, which
+                        // does not depend on them, compute meanwhile.
+                        if experts.is_streamed() {
+                            mlxcel_core::ops::async_eval_all([&s])?;
+                        }
+                        Some(s)
+                    }
+                    None => None,
+                };
                 let mut y = experts.combine(&flat, &ids, &weights)?;
-                if let Some((mlp, gate)) = shared {
-                    let s = mlp
-                        .forward(&flat)?
-                        .multiply(&gate.forward(&flat)?.sigmoid()?)?;
+                if let Some(s) = shared_out {
                     y = y.add(&s)?;
                 }
                 Ok(y.reshape(&shape)?)
@@ -123,7 +134,7 @@ impl FeedForward {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Layer {
     input_norm: Norm,
     attn: Attention,
@@ -134,7 +145,7 @@ struct Layer {
 }
 
 /// A decoder built from a [`DecoderSpec`].
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Decoder {
     embed: Embedding,
     layers: Vec<Layer>,
@@ -246,28 +257,7 @@ impl Decoder {
                         scoring: m.scoring,
                         normalize: m.normalize,
                     };
-                    let s = format!("{f}.switch_mlp");
-                    let experts = SwitchGlu {
-                        gate: w.switch_linear(
-                            &format!("{s}.gate_proj"),
-                            m.experts,
-                            h,
-                            m.intermediate,
-                        )?,
-                        up: w.switch_linear(
-                            &format!("{s}.up_proj"),
-                            m.experts,
-                            h,
-                            m.intermediate,
-                        )?,
-                        down: w.switch_linear(
-                            &format!("{s}.down_proj"),
-                            m.experts,
-                            m.intermediate,
-                            h,
-                        )?,
-                        act: spec.act,
-                    };
+                    let experts = w.routed_experts(&f, m.experts, h, m.intermediate, spec.act)?;
                     let shared = match m.shared_intermediate {
                         Some(si) => Some((
                             mlp(w, spec, &format!("{f}.shared_expert"), si)?,
@@ -373,7 +363,7 @@ impl Decoder {
 
 /// A decoder architecture: `A` is the architecture's `ModelArgs`, which selects the
 /// [`crate::model::Architecture`] implementation (its sanitiser and its spec).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Transformer<A> {
     pub decoder: Decoder,
     _args: PhantomData<fn() -> A>,

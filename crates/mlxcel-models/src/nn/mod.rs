@@ -11,6 +11,6 @@ mod rope;
 pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
 pub use linear::{Embedding, Linear, SwitchLinear};
 pub use mlp::{Activation, Mlp};
-pub use moe::{Router, RouterScoring, SwitchGlu};
+pub use moe::{RoutedExperts, Router, RouterScoring, StreamedGlu, SwitchGlu};
 pub use norm::{Norm, NormKind};
 pub use rope::{RopeConfig, RotaryEmbedding};

@@ -74,10 +74,129 @@ impl SwitchGlu {
         let y = self.down.forward_sorted(&h, &sorted_ids)?;
         Ok(y.take(&inverse, 0)?.reshape(&[t, k, d])?)
     }
+}
 
+/// Routed experts streamed from disk through a slot arena (see `mlxcel_stream`). Per call the
+/// router's choices are read on the host, the distinct experts loaded into slots (in waves when
+/// a prefill chunk needs more experts than there are slots: each expert is fetched once per
+/// chunk for all rows routed to it), and each projection runs as one gathered matmul with slot
+/// indices into the arena.
+pub struct StreamedGlu {
+    pub layer: std::cell::RefCell<mlxcel_stream::LayerStream>,
+    /// Per projection (gate, up, down): the quantization, `None` for dense expert weights.
+    pub specs: [Option<mlxcel_core::ops::QuantSpec>; 3],
+    pub act: Activation,
+}
+
+impl std::fmt::Debug for StreamedGlu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamedGlu")
+            .field("prefix", &self.layer.borrow().entry().prefix)
+            .finish()
+    }
+}
+
+impl StreamedGlu {
+    fn projection(&self, layer: &mlxcel_stream::LayerStream, index: usize) -> Result<SwitchLinear> {
+        let name = mlxcel_stream::manifest::PROJECTIONS[index];
+        let plane = |p: &str| layer.plane(&format!("{name}.{p}")).cloned();
+        let missing = || {
+            crate::ModelError::MissingTensor(format!(
+                "{}.switch_mlp.{name}.weight",
+                layer.entry().prefix
+            ))
+        };
+        let weight = plane("weight").ok_or_else(missing)?;
+        Ok(match self.specs[index] {
+            None => SwitchLinear::Dense(weight),
+            Some(spec) => SwitchLinear::Quantized(mlxcel_quant::QuantizedWeight {
+                weight,
+                scales: plane("scales").ok_or_else(missing)?,
+                biases: plane("biases"),
+                spec,
+            }),
+        })
+    }
+
+    /// `x` `[T, D]`, `ids` `[T, k]` → `[T, k, D]`, like [`SwitchGlu::forward`].
+    pub fn forward(&self, x: &Array, ids: &Array) -> Result<Array> {
+        let shape = ids.shape();
+        let (t, k) = (shape[0] as usize, shape[1] as usize);
+        let d = x.dim(-1)?;
+        let chosen: Vec<u32> = ids.astype(Dtype::Uint32)?.to_vec::<u32>()?;
+        // (token, expert) pairs sorted by expert; the distinct experts in order.
+        let mut pairs: Vec<usize> = (0..t * k).collect();
+        pairs.sort_by_key(|p| chosen[*p]);
+        let mut experts: Vec<usize> = pairs.iter().map(|p| chosen[*p] as usize).collect();
+        experts.dedup();
+        let mut layer = self.layer.borrow_mut();
+        let capacity = layer.capacity();
+        let waves = experts.len().div_ceil(capacity);
+        let mut outputs = Vec::with_capacity(waves);
+        let mut sequence: Vec<usize> = Vec::with_capacity(t * k);
+        for wave in experts.chunks(capacity) {
+            let slots = layer.ensure(wave)?;
+            let slot_of: std::collections::HashMap<usize, usize> =
+                wave.iter().copied().zip(slots).collect();
+            let mut rows: Vec<usize> = pairs
+                .iter()
+                .copied()
+                .filter(|p| slot_of.contains_key(&(chosen[*p] as usize)))
+                .collect();
+            rows.sort_by_key(|p| slot_of[&(chosen[*p] as usize)]);
+            let tokens: Vec<i32> = rows.iter().map(|p| (p / k) as i32).collect();
+            let slot_ids: Vec<u32> = rows
+                .iter()
+                .map(|p| slot_of[&(chosen[*p] as usize)] as u32)
+                .collect();
+            let n = rows.len() as i32;
+            let xs = x
+                .take(&Array::from_slice(&tokens, &[n])?, 0)?
+                .reshape(&[n, 1, d])?;
+            let idx = Array::from_slice(&slot_ids, &[n])?;
+            let g = self.projection(&layer, 0)?.forward_sorted(&xs, &idx)?;
+            let u = self.projection(&layer, 1)?.forward_sorted(&xs, &idx)?;
+            let h = self.act.apply(&g)?.multiply(&u)?;
+            let y = self.projection(&layer, 2)?.forward_sorted(&h, &idx)?;
+            if waves > 1 {
+                // The next wave may evict these slots: finish reading them first.
+                y.eval()?;
+            }
+            outputs.push(y);
+            sequence.extend(rows);
+        }
+        let y = if outputs.len() == 1 {
+            outputs.pop().expect("one wave")
+        } else {
+            mlxcel_core::ops::concatenate(&outputs, 0)?
+        };
+        let mut position = vec![0i32; t * k];
+        for (i, p) in sequence.iter().enumerate() {
+            position[*p] = i as i32;
+        }
+        let back = Array::from_slice(&position, &[(t * k) as i32])?;
+        Ok(y.take(&back, 0)?.reshape(&[t as i32, k as i32, d])?)
+    }
+}
+
+/// A mixture-of-experts layer's routed experts: resident in memory or streamed from disk.
+#[derive(Debug)]
+pub enum RoutedExperts {
+    Resident(SwitchGlu),
+    Streamed(Box<StreamedGlu>),
+}
+
+impl RoutedExperts {
     /// Weighted sum over each token's experts: `x` `[T, D]` → `[T, D]`.
     pub fn combine(&self, x: &Array, ids: &Array, weights: &Array) -> Result<Array> {
-        let y = self.forward(x, ids)?;
+        let y = match self {
+            RoutedExperts::Resident(glu) => glu.forward(x, ids)?,
+            RoutedExperts::Streamed(glu) => glu.forward(x, ids)?,
+        };
         Ok(y.multiply(&weights.expand_dims(&[-1])?)?.sum(&[1], false)?)
+    }
+
+    pub fn is_streamed(&self) -> bool {
+        matches!(self, RoutedExperts::Streamed(_))
     }
 }

@@ -1,0 +1,127 @@
+//! Whether a model's routed experts stream from disk, and preparing the stream files.
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use mlxcel_core::WeightMap;
+use mlxcel_models::detection::get_model_type;
+use mlxcel_models::sanitized_weights;
+use mlxcel_models::weights::ExpertStreamSetup;
+use mlxcel_stream::{manifest, Manifest, StreamConfig, StreamMode, StreamStats};
+use serde_json::Value;
+
+use crate::{LoadError, Result};
+
+/// The decision to stream, and its arena.
+#[derive(Debug, Clone)]
+pub struct StreamPlan {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    pub slots_per_layer: usize,
+    pub config: StreamConfig,
+}
+
+impl StreamPlan {
+    /// Bytes of all layers' arenas.
+    pub fn arena_bytes(&self) -> u64 {
+        self.manifest
+            .layers
+            .iter()
+            .map(|l| l.expert_stride * self.slots_per_layer.min(l.experts) as u64)
+            .sum()
+    }
+
+    /// The line printed at start-up.
+    pub fn describe(&self) -> String {
+        let per_slot: u64 = self
+            .manifest
+            .layers
+            .iter()
+            .map(|l| l.expert_bytes())
+            .max()
+            .unwrap_or(0);
+        format!(
+            "[Expert arena: {} layers × {} slots × {:.2} MiB = {:.1} MiB ({:.1} MiB of experts on disk), {:?} policy]",
+            self.manifest.layers.len(),
+            self.slots_per_layer,
+            per_slot as f64 / (1 << 20) as f64,
+            self.arena_bytes() as f64 / (1 << 20) as f64,
+            self.manifest.total_expert_bytes() as f64 / (1 << 20) as f64,
+            self.config.policy
+        )
+    }
+
+    pub fn setup(&self, stats: Rc<RefCell<StreamStats>>) -> ExpertStreamSetup {
+        ExpertStreamSetup {
+            dir: self.dir.clone(),
+            manifest: self.manifest.clone(),
+            slots_per_layer: self.slots_per_layer,
+            policy: self.config.policy,
+            stats,
+        }
+    }
+}
+
+/// Decides streaming for the model in `folder`: `None` when experts stay resident.
+/// `MLXCEL_EXPERT_STREAM=1` without a prepared layout is an error saying how to make one.
+pub fn plan(
+    folder: &Path,
+    config: &Value,
+    stream: &StreamConfig,
+    available: Option<u64>,
+) -> Result<Option<StreamPlan>> {
+    if stream.mode == StreamMode::Off {
+        return Ok(None);
+    }
+    let Some((dir, manifest)) = manifest::open(folder)? else {
+        if stream.mode == StreamMode::On {
+            return Err(LoadError::file(
+                folder,
+                format!("MLXCEL_EXPERT_STREAM=1 but the model has no prepared expert stream: run `mlxcel prepare-expert-stream --model {}`", folder.display()),
+            ));
+        }
+        return Ok(None);
+    };
+    let available = available.unwrap_or(u64::MAX);
+    if stream.mode == StreamMode::Auto && manifest.total_expert_bytes() <= available / 2 {
+        return Ok(None);
+    }
+    let top_k = config
+        .get("num_experts_per_tok")
+        .and_then(Value::as_u64)
+        .unwrap_or(1) as usize;
+    let slots_per_layer = stream.slots_per_layer(&manifest, available, top_k);
+    if slots_per_layer < top_k {
+        return Err(LoadError::Unsupported(format!(
+            "{}: the expert arena needs at least {top_k} slots per layer (top-k)",
+            folder.display()
+        )));
+    }
+    Ok(Some(StreamPlan {
+        dir,
+        manifest,
+        slots_per_layer,
+        config: stream.clone(),
+    }))
+}
+
+/// Writes the expert-stream layout of the MoE model in `folder` (see `mlxcel_stream::manifest`).
+pub fn prepare_expert_stream(
+    folder: &Path,
+    progress: impl FnMut(usize, usize),
+) -> Result<Manifest> {
+    let folder = crate::resolve_model_dir(folder)?;
+    let config = crate::read_config(&folder)?;
+    let model_type = get_model_type(&config, false).map_err(|source| LoadError::Model {
+        folder: folder.clone(),
+        source,
+    })?;
+    let weights = WeightMap::open(&folder)?;
+    let weights =
+        sanitized_weights(model_type, &config, weights).map_err(|source| LoadError::Model {
+            folder: folder.clone(),
+            source,
+        })?;
+    Ok(manifest::prepare(&folder, &weights, progress)?)
+}

@@ -1,0 +1,347 @@
+//! The runtime side: per MoE layer a slot arena of fixed capacity (one MLX array per plane,
+//! `[slots, ..plane]`), a cache policy deciding which expert leaves a slot, and bounded
+//! parallel `pread`s of missing experts from the layer's stream file.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::Instant;
+
+use mlxcel_core::{ops, Array, Dtype};
+
+use crate::manifest::LayerEntry;
+use crate::{Result, StreamError};
+
+/// Which resident expert gives up its slot on a miss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CachePolicy {
+    /// Least recently used.
+    Lru,
+    /// Least frequently used over the run; recency breaks ties.
+    Lfu,
+}
+
+impl CachePolicy {
+    pub fn from_name(name: &str) -> Option<CachePolicy> {
+        match name.to_ascii_lowercase().as_str() {
+            "lru" => Some(CachePolicy::Lru),
+            "lfu" => Some(CachePolicy::Lfu),
+            _ => None,
+        }
+    }
+}
+
+/// Counters shared by every layer of a model.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StreamStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes_read: u64,
+    pub read_seconds: f64,
+}
+
+impl StreamStats {
+    pub fn hit_rate(&self) -> f64 {
+        self.hits as f64 / (self.hits + self.misses).max(1) as f64
+    }
+}
+
+/// Which expert sits in which slot, and which to evict.
+#[derive(Debug, Clone)]
+pub struct SlotMap {
+    policy: CachePolicy,
+    slot_of: HashMap<usize, usize>,
+    occupant: Vec<Option<usize>>,
+    last_use: Vec<u64>,
+    uses: HashMap<usize, u64>,
+    clock: u64,
+}
+
+impl SlotMap {
+    pub fn new(capacity: usize, policy: CachePolicy) -> SlotMap {
+        SlotMap {
+            policy,
+            slot_of: HashMap::new(),
+            occupant: vec![None; capacity],
+            last_use: vec![0; capacity],
+            uses: HashMap::new(),
+            clock: 0,
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.occupant.len()
+    }
+
+    /// Slots for `needed` (distinct experts, at most `capacity`): the slot of each, and the
+    /// (expert, slot) pairs that must be loaded. Victims never hold an expert of `needed`.
+    pub fn plan(&mut self, needed: &[usize]) -> (Vec<usize>, Vec<(usize, usize)>) {
+        debug_assert!(needed.len() <= self.capacity());
+        self.clock += 1;
+        let mut slots = Vec::with_capacity(needed.len());
+        let mut loads = Vec::new();
+        let mut pinned = vec![false; self.capacity()];
+        for e in needed {
+            if let Some(&s) = self.slot_of.get(e) {
+                pinned[s] = true;
+            }
+        }
+        for &e in needed {
+            *self.uses.entry(e).or_default() += 1;
+            let slot = match self.slot_of.get(&e) {
+                Some(&s) => s,
+                None => {
+                    let victim = (0..self.capacity())
+                        .filter(|s| !pinned[*s])
+                        .min_by_key(|s| match self.occupant[*s] {
+                            None => (0, 0, 0),
+                            Some(o) => match self.policy {
+                                CachePolicy::Lru => (1, self.last_use[*s], 0),
+                                CachePolicy::Lfu => (
+                                    1,
+                                    self.uses.get(&o).copied().unwrap_or(0),
+                                    self.last_use[*s],
+                                ),
+                            },
+                        })
+                        .expect("needed.len() <= capacity leaves a free slot");
+                    if let Some(old) = self.occupant[victim].take() {
+                        self.slot_of.remove(&old);
+                    }
+                    self.occupant[victim] = Some(e);
+                    self.slot_of.insert(e, victim);
+                    pinned[victim] = true;
+                    loads.push((e, victim));
+                    victim
+                }
+            };
+            self.last_use[slot] = self.clock;
+            slots.push(slot);
+        }
+        (slots, loads)
+    }
+}
+
+/// How many reads run at once (`MLXCEL_EXPERT_READ_THREADS`, default 4).
+fn read_threads() -> usize {
+    std::env::var("MLXCEL_EXPERT_READ_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(4)
+}
+
+/// One MoE layer's streamed experts.
+pub struct LayerStream {
+    entry: LayerEntry,
+    path: PathBuf,
+    file: File,
+    slots: SlotMap,
+    /// One array per plane, `[capacity, ..plane shape]`, in manifest order.
+    arena: Vec<Array>,
+    float_dtype: Dtype,
+    stats: Rc<RefCell<StreamStats>>,
+}
+
+/// The dtype a plane is held in: its file dtype, or `float_dtype` for float planes.
+fn held_dtype(stored: &str, float_dtype: Dtype) -> Dtype {
+    match Dtype::from_name(stored) {
+        Some(d) if d.is_float() => float_dtype,
+        Some(d) => d,
+        None => Dtype::Uint8,
+    }
+}
+
+impl LayerStream {
+    /// Opens a layer's stream with `capacity` slots. Float planes (dense expert weights, affine
+    /// scales and biases) are held in `float_dtype`, the model's compute dtype.
+    pub fn open(
+        dir: &Path,
+        entry: &LayerEntry,
+        capacity: usize,
+        policy: CachePolicy,
+        float_dtype: Dtype,
+        stats: Rc<RefCell<StreamStats>>,
+    ) -> Result<LayerStream> {
+        let path = dir.join(&entry.file);
+        let file = File::open(&path).map_err(|e| StreamError::io(&path, e))?;
+        let arena = entry
+            .planes
+            .iter()
+            .map(|p| {
+                let dtype = held_dtype(&p.dtype, float_dtype);
+                let mut shape = vec![capacity as i32];
+                shape.extend(&p.shape);
+                Ok(ops::zeros(&shape, dtype)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(LayerStream {
+            entry: entry.clone(),
+            path,
+            file,
+            slots: SlotMap::new(capacity, policy),
+            arena,
+            float_dtype,
+            stats,
+        })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.slots.capacity()
+    }
+
+    pub fn entry(&self) -> &LayerEntry {
+        &self.entry
+    }
+
+    /// The arena of a plane (`gate_proj.weight`, ...), or `None` if the layer has no such plane.
+    pub fn plane(&self, name: &str) -> Option<&Array> {
+        self.entry
+            .planes
+            .iter()
+            .position(|p| p.name == name)
+            .map(|i| &self.arena[i])
+    }
+
+    /// Makes `experts` (distinct, at most `capacity`) resident; returns the slot of each.
+    /// Missing experts are read with bounded parallel `pread`s and written into free or evicted
+    /// slots. Callers evaluate everything that read a slot before the next call can evict it.
+    pub fn ensure(&mut self, experts: &[usize]) -> Result<Vec<usize>> {
+        if experts.len() > self.capacity() {
+            return Err(StreamError::Layout {
+                path: self.path.clone(),
+                message: format!(
+                    "{} experts needed at once but the arena has {} slots",
+                    experts.len(),
+                    self.capacity()
+                ),
+            });
+        }
+        if let Some(bad) = experts.iter().find(|e| **e >= self.entry.experts) {
+            return Err(StreamError::Layout {
+                path: self.path.clone(),
+                message: format!("expert {bad} out of range ({} experts)", self.entry.experts),
+            });
+        }
+        let (slots, loads) = self.slots.plan(experts);
+        {
+            let mut stats = self.stats.borrow_mut();
+            stats.misses += loads.len() as u64;
+            stats.hits += (experts.len() - loads.len()) as u64;
+        }
+        if loads.is_empty() {
+            return Ok(slots);
+        }
+        let started = Instant::now();
+        let blobs = self.read(&loads)?;
+        let read_seconds = started.elapsed().as_secs_f64();
+        for ((_, slot), blob) in loads.iter().zip(&blobs) {
+            for (i, plane) in self.entry.planes.iter().enumerate() {
+                let bytes = &blob[plane.offset as usize..(plane.offset + plane.nbytes) as usize];
+                let stored = Dtype::from_name(&plane.dtype).unwrap_or(Dtype::Uint8);
+                let mut shape = vec![1];
+                shape.extend(&plane.shape);
+                let mut update = Array::from_bytes(bytes, &shape, stored)?;
+                let held = held_dtype(&plane.dtype, self.float_dtype);
+                if held != stored {
+                    update = update.astype(held)?;
+                }
+                let mut start = vec![0; shape.len()];
+                start[0] = *slot as i32;
+                let mut stop = self.arena[i].shape();
+                stop[0] = *slot as i32 + 1;
+                self.arena[i] =
+                    self.arena[i].slice_update(&update, &start, &stop, &vec![1; shape.len()])?;
+            }
+        }
+        let mut stats = self.stats.borrow_mut();
+        stats.bytes_read += blobs.iter().map(|b| b.len() as u64).sum::<u64>();
+        stats.read_seconds += read_seconds;
+        Ok(slots)
+    }
+
+    /// Reads the blobs of `loads` concurrently, at most [`read_threads`] at a time.
+    fn read(&self, loads: &[(usize, usize)]) -> Result<Vec<Vec<u8>>> {
+        let stride = self.entry.expert_stride;
+        let len = self.entry.expert_bytes().max(
+            self.entry
+                .planes
+                .iter()
+                .map(|p| p.offset + p.nbytes)
+                .max()
+                .unwrap_or(0),
+        );
+        let threads = read_threads().min(loads.len()).max(1);
+        let mut out: Vec<Vec<u8>> = vec![Vec::new(); loads.len()];
+        let results: Vec<std::io::Result<()>> = std::thread::scope(|scope| {
+            let chunks: Vec<_> = out
+                .chunks_mut(loads.len().div_ceil(threads))
+                .zip(loads.chunks(loads.len().div_ceil(threads)))
+                .collect();
+            let handles: Vec<_> = chunks
+                .into_iter()
+                .map(|(bufs, jobs)| {
+                    let file = &self.file;
+                    scope.spawn(move || -> std::io::Result<()> {
+                        for (buf, (expert, _)) in bufs.iter_mut().zip(jobs) {
+                            *buf = vec![0u8; len as usize];
+                            file.read_exact_at(buf, *expert as u64 * stride)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(std::io::Error::other("read thread panicked")))
+                })
+                .collect()
+        });
+        for r in results {
+            r.map_err(|e| StreamError::io(&self.path, e))?;
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_and_lfu_evict_differently() {
+        // Capacity 2: use expert 0 often, then 1, then 2 arrives.
+        let mut lru = SlotMap::new(2, CachePolicy::Lru);
+        let mut lfu = SlotMap::new(2, CachePolicy::Lfu);
+        for m in [&mut lru, &mut lfu] {
+            m.plan(&[0]);
+            m.plan(&[0]);
+            m.plan(&[0]);
+            m.plan(&[1]);
+        }
+        // LRU evicts 0 (least recent); LFU evicts 1 (least frequent).
+        let (_, loads) = lru.plan(&[2]);
+        assert_eq!(loads.len(), 1);
+        assert_eq!(lru.plan(&[1]).1.len(), 0, "LRU kept 1");
+        let (_, loads) = lfu.plan(&[2]);
+        assert_eq!(loads.len(), 1);
+        assert_eq!(lfu.plan(&[0]).1.len(), 0, "LFU kept 0");
+    }
+
+    #[test]
+    fn needed_experts_are_never_victims() {
+        let mut m = SlotMap::new(3, CachePolicy::Lru);
+        m.plan(&[0, 1, 2]);
+        let (slots, loads) = m.plan(&[2, 3, 0]);
+        assert_eq!(loads.len(), 1);
+        assert_eq!(loads[0].0, 3);
+        // 3 took 1's slot, the only one not needed.
+        let (slots0, _) = m.plan(&[0, 2, 3]);
+        assert_eq!(slots0, vec![slots[2], slots[0], slots[1]]);
+    }
+}
