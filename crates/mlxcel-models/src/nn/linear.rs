@@ -6,6 +6,36 @@ use mlxcel_quant::QuantizedWeight;
 
 use crate::Result;
 
+/// From how many rows of activations a quantized linear layer is dequantized and run as a dense
+/// GEMM: `MLXCEL_DEQUANT_ROWS` (0 = never), by default 32 on a GPU and never on the CPU, where
+/// MLX's dense and quantized kernels run at the same speed.
+pub fn dequantize_rows_threshold() -> usize {
+    static THRESHOLD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THRESHOLD.get_or_init(|| {
+        match std::env::var("MLXCEL_DEQUANT_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+        {
+            Some(n) => n,
+            None => match mlxcel_core::default_device() {
+                Ok(mlxcel_core::Device::Gpu) => 32,
+                _ => 0,
+            },
+        }
+    })
+}
+
+fn dequantize_for(rows: usize) -> bool {
+    let threshold = dequantize_rows_threshold();
+    threshold > 0 && rows >= threshold
+}
+
+/// Whether an expert stack is dequantized for `rows` routed rows: past the threshold and with
+/// four rows per expert on average, so the one-off dequantization is amortised.
+fn dequantize_experts_for(rows: usize, experts: usize) -> bool {
+    dequantize_for(rows) && rows >= 4 * experts
+}
+
 /// `y = x W^T + b` with `W` `[out, in]`.
 #[derive(Debug, Clone)]
 pub enum Linear {
@@ -23,7 +53,17 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (y, bias) = match self {
             Linear::Dense { weight, bias } => (x.matmul(&weight.t()?)?, bias),
-            Linear::Quantized { weight, bias } => (weight.matmul_t(x)?, bias),
+            Linear::Quantized { weight, bias } => {
+                let rows = x.size() / x.dim(-1)?.max(1) as usize;
+                if dequantize_for(rows) {
+                    // Many rows (prefill): one dense GEMM on the dequantized layer beats the
+                    // quantized kernels by far on GPUs; the dense copy is transient.
+                    let w = weight.dequantize(x.dtype()?)?;
+                    (x.matmul(&w.t()?)?, bias)
+                } else {
+                    (weight.matmul_t(x)?, bias)
+                }
+            }
         };
         Ok(match bias {
             Some(b) => y.add(b)?,
@@ -80,6 +120,14 @@ impl SwitchLinear {
             SwitchLinear::Dense(w) => {
                 let wt = w.transpose(&[0, 2, 1])?;
                 Ok(ops::gather_mm(x, &wt, None, Some(experts), true)?)
+            }
+            SwitchLinear::Quantized(q)
+                if dequantize_experts_for(x.dim(0)? as usize, q.weight.dim(0)? as usize) =>
+            {
+                // Prefill with several rows per expert on average: dequantize the stack once and
+                // use the dense gathered GEMM (see `dequantize_rows_threshold`).
+                let w = q.dequantize(x.dtype()?)?.transpose(&[0, 2, 1])?;
+                Ok(ops::gather_mm(x, &w, None, Some(experts), true)?)
             }
             SwitchLinear::Quantized(q) => Ok(ops::gather_qmm(
                 x,
