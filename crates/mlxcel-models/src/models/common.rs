@@ -160,3 +160,60 @@ pub fn base_spec(
         tie_word_embeddings: c.tie_word_embeddings.unwrap_or(tie_default),
     })
 }
+
+fn one() -> usize {
+    1
+}
+
+/// Config fields of softmax-routed mixture-of-experts architectures (`num_local_experts`
+/// arrives as `num_experts` after sanitising).
+#[derive(Debug, Clone, Deserialize)]
+pub struct MoeArgs {
+    pub num_experts: i32,
+    pub num_experts_per_tok: i32,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<i32>,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    #[serde(default = "one")]
+    pub decoder_sparse_step: usize,
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeArgs {
+    /// Turns the sparse layers of `spec` into expert blocks of `expert_intermediate` width:
+    /// every layer not in `mlp_only_layers` whose index + 1 is a multiple of
+    /// `decoder_sparse_step` (transformers' rule; all layers by default).
+    pub fn apply(
+        &self,
+        spec: &mut super::transformer::DecoderSpec,
+        expert_intermediate: i32,
+        normalize: bool,
+        shared_intermediate: Option<i32>,
+    ) {
+        use super::transformer::{FfnSpec, MoeSpec};
+        let moe = MoeSpec {
+            experts: self.num_experts,
+            top_k: self.num_experts_per_tok,
+            intermediate: expert_intermediate,
+            scoring: crate::nn::RouterScoring::Softmax,
+            normalize,
+            shared_intermediate,
+        };
+        let step = self.decoder_sparse_step;
+        for (i, ffn) in spec.ffn.iter_mut().enumerate() {
+            if !self.mlp_only_layers.contains(&i) && step > 0 && (i + 1) % step == 0 {
+                *ffn = FfnSpec::Moe(moe.clone());
+            }
+        }
+    }
+
+    /// The width of the routed experts: `moe_intermediate_size`, else `intermediate_size`.
+    pub fn expert_intermediate(&self, c: &CommonArgs) -> Result<i32> {
+        match self.moe_intermediate_size {
+            Some(i) => Ok(i),
+            None => c.intermediate(),
+        }
+    }
+}

@@ -4,10 +4,9 @@
 use mlxcel_core::WeightMap;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
-use super::transformer::{Decoder, FfnSpec, MoeSpec, Transformer};
+use super::common::{base_spec, CommonArgs, MoeArgs};
+use super::transformer::{Decoder, Transformer};
 use crate::model::Architecture;
-use crate::nn::RouterScoring;
 use crate::sanitize::stack_experts;
 use crate::weights::ModelWeights;
 use crate::Result;
@@ -16,8 +15,8 @@ use crate::Result;
 pub struct Args {
     #[serde(flatten)]
     pub common: CommonArgs,
-    pub num_local_experts: i32,
-    pub num_experts_per_tok: i32,
+    #[serde(flatten)]
+    pub moe: MoeArgs,
 }
 
 pub type Model = Transformer<Args>;
@@ -31,7 +30,7 @@ impl Architecture for Model {
                 weights,
                 &format!("model.layers.{i}.block_sparse_moe"),
                 "experts",
-                args.num_local_experts as usize,
+                args.moe.num_experts as usize,
                 &[("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")],
             )?;
         }
@@ -41,15 +40,8 @@ impl Architecture for Model {
     fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
         let c = &args.common;
         let mut spec = base_spec(c, false, "silu")?;
-        let moe = MoeSpec {
-            experts: args.num_local_experts,
-            top_k: args.num_experts_per_tok,
-            intermediate: c.intermediate()?,
-            scoring: RouterScoring::Softmax,
-            normalize: true,
-            shared_intermediate: None,
-        };
-        spec.ffn = vec![FfnSpec::Moe(moe); c.num_hidden_layers];
+        // Mixtral always renormalises the kept weights.
+        args.moe.apply(&mut spec, c.intermediate()?, true, None);
         spec.ffn_prefix = "block_sparse_moe";
         spec.windows = c.windows(|_| c.sliding_window.is_some())?;
         Ok(Transformer::new(Decoder::build(&spec, w)?))

@@ -4,10 +4,9 @@
 use mlxcel_core::WeightMap;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
-use super::transformer::{Decoder, FfnSpec, MoeSpec, QkNormSpec, Transformer};
+use super::common::{base_spec, CommonArgs, MoeArgs};
+use super::transformer::{Decoder, QkNormSpec, Transformer};
 use crate::model::Architecture;
-use crate::nn::RouterScoring;
 use crate::sanitize::stack_mlp_experts;
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -16,10 +15,8 @@ use crate::{ModelError, Result};
 pub struct Args {
     #[serde(flatten)]
     pub common: CommonArgs,
-    pub num_experts: i32,
-    pub num_experts_per_tok: i32,
-    #[serde(default)]
-    pub norm_topk_prob: bool,
+    #[serde(flatten)]
+    pub moe: MoeArgs,
     #[serde(default)]
     pub clip_qkv: Option<f64>,
     #[serde(default)]
@@ -35,7 +32,7 @@ impl Architecture for Model {
         stack_mlp_experts(
             weights,
             args.common.num_hidden_layers,
-            args.num_experts as usize,
+            args.moe.num_experts as usize,
         )
     }
 
@@ -48,15 +45,9 @@ impl Architecture for Model {
         spec.qkv_bias = args.attention_bias;
         spec.o_bias = args.attention_bias;
         spec.qk_norm = QkNormSpec::Full;
-        let moe = MoeSpec {
-            experts: args.num_experts,
-            top_k: args.num_experts_per_tok,
-            intermediate: c.intermediate()?,
-            scoring: RouterScoring::Softmax,
-            normalize: args.norm_topk_prob,
-            shared_intermediate: None,
-        };
-        spec.ffn = vec![FfnSpec::Moe(moe); c.num_hidden_layers];
+        // OLMoE's experts are `intermediate_size` wide and every layer is sparse.
+        args.moe
+            .apply(&mut spec, c.intermediate()?, args.moe.norm_topk_prob, None);
         Ok(Transformer::new(Decoder::build(&spec, w)?))
     }
 }

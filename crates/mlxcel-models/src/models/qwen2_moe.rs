@@ -5,38 +5,21 @@
 use mlxcel_core::WeightMap;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
-use super::transformer::{Decoder, FfnSpec, MoeSpec, Transformer};
+use super::common::{base_spec, CommonArgs, MoeArgs};
+use super::transformer::{Decoder, Transformer};
 use crate::model::Architecture;
-use crate::nn::RouterScoring;
 use crate::sanitize::stack_mlp_experts;
 use crate::weights::ModelWeights;
 use crate::Result;
-
-fn one() -> usize {
-    1
-}
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
     #[serde(flatten)]
     pub common: CommonArgs,
-    pub num_experts: i32,
-    pub num_experts_per_tok: i32,
-    pub moe_intermediate_size: i32,
+    #[serde(flatten)]
+    pub moe: MoeArgs,
     #[serde(default)]
     pub shared_expert_intermediate_size: Option<i32>,
-    #[serde(default)]
-    pub norm_topk_prob: bool,
-    #[serde(default = "one")]
-    pub decoder_sparse_step: usize,
-    #[serde(default)]
-    pub mlp_only_layers: Vec<usize>,
-}
-
-/// Whether layer `i` is a mixture-of-experts layer (transformers' rule).
-pub(crate) fn is_sparse(i: usize, mlp_only: &[usize], step: usize) -> bool {
-    !mlp_only.contains(&i) && step > 0 && (i + 1) % step == 0
 }
 
 pub type Model = Transformer<Args>;
@@ -48,7 +31,7 @@ impl Architecture for Model {
         stack_mlp_experts(
             weights,
             args.common.num_hidden_layers,
-            args.num_experts as usize,
+            args.moe.num_experts as usize,
         )
     }
 
@@ -56,19 +39,13 @@ impl Architecture for Model {
         let c = &args.common;
         let mut spec = base_spec(c, false, "silu")?;
         spec.qkv_bias = true;
-        let moe = MoeSpec {
-            experts: args.num_experts,
-            top_k: args.num_experts_per_tok,
-            intermediate: args.moe_intermediate_size,
-            scoring: RouterScoring::Softmax,
-            normalize: args.norm_topk_prob,
-            shared_intermediate: args.shared_expert_intermediate_size,
-        };
-        for (i, ffn) in spec.ffn.iter_mut().enumerate() {
-            if is_sparse(i, &args.mlp_only_layers, args.decoder_sparse_step) {
-                *ffn = FfnSpec::Moe(moe.clone());
-            }
-        }
+        let moe = &args.moe;
+        moe.apply(
+            &mut spec,
+            moe.expert_intermediate(c)?,
+            moe.norm_topk_prob,
+            args.shared_expert_intermediate_size,
+        );
         Ok(Transformer::new(Decoder::build(&spec, w)?))
     }
 }
