@@ -42,7 +42,9 @@ pub fn block_fp8_config(config: &Value) -> Result<Option<BlockFp8>> {
     let block = q
         .get("weight_block_size")
         .and_then(Value::as_array)
-        .ok_or_else(|| bad("missing: per-tensor FP8 scales are not supported, only blocks".into()))?;
+        .ok_or_else(|| {
+            bad("missing: per-tensor FP8 scales are not supported, only blocks".into())
+        })?;
     let dims: Vec<usize> = block
         .iter()
         .filter_map(Value::as_u64)
@@ -53,7 +55,9 @@ pub fn block_fp8_config(config: &Value) -> Result<Option<BlockFp8>> {
             block_out: *o,
             block_in: *i,
         })),
-        _ => Err(bad(format!("expected two positive integers, found {block:?}"))),
+        _ => Err(bad(format!(
+            "expected two positive integers, found {block:?}"
+        ))),
     }
 }
 
@@ -87,7 +91,9 @@ pub fn dequantize_block_fp8(
         message,
     };
     let [out, inp] = shape else {
-        return Err(layout(format!("expected a 2-D FP8 weight, found shape {shape:?}")));
+        return Err(layout(format!(
+            "expected a 2-D FP8 weight, found shape {shape:?}"
+        )));
     };
     let (out, inp) = (*out as usize, *inp as usize);
     let (bo, bi) = (out.div_ceil(block.block_out), inp.div_ceil(block.block_in));
@@ -161,10 +167,13 @@ pub fn requantize_checkpoint(map: &mut WeightMap, block: BlockFp8) -> Result<Qua
     for scale_name in names {
         let prefix = &scale_name[..scale_name.len() - ".weight_scale_inv".len()];
         let weight_name = format!("{prefix}.weight");
-        let info = map.info(&weight_name).cloned().ok_or_else(|| QuantError::Layout {
-            tensor: scale_name.clone(),
-            message: format!("has no `{weight_name}`"),
-        })?;
+        let info = map
+            .info(&weight_name)
+            .cloned()
+            .ok_or_else(|| QuantError::Layout {
+                tensor: scale_name.clone(),
+                message: format!("has no `{weight_name}`"),
+            })?;
         if info.stored_dtype != "F8_E4M3" {
             return Err(QuantError::Layout {
                 tensor: weight_name,
@@ -287,14 +296,14 @@ mod tests {
                 f32_to_e4m3(x)
             })
             .collect();
-        let dense =
-            dequantize_block_fp8("w", &bytes, &[64, 96], &scales, &[2, 3], block).unwrap();
+        let dense = dequantize_block_fp8("w", &bytes, &[64, 96], &scales, &[2, 3], block).unwrap();
         let q = requantize_block_fp8("w", &bytes, &[64, 96], &scales, &[2, 3], block).unwrap();
         let spec = QuantSpec::fixed(QuantMode::Mxfp8).unwrap();
-        let back = mlxcel_core::ops::dequantize(&q.weight, &q.scales, None, spec, Some(Dtype::Float32))
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap();
+        let back =
+            mlxcel_core::ops::dequantize(&q.weight, &q.scales, None, spec, Some(Dtype::Float32))
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
         let amax = dense.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         let (mut num, mut den) = (0.0f64, 0.0f64);
         for (a, b) in dense.iter().zip(&back) {

@@ -152,7 +152,10 @@ pub fn quantize_weighted_host(
         )));
     }
     if w.len() != rows * cols {
-        return Err(layout(format!("{} values for shape [{rows}, {cols}]", w.len())));
+        return Err(layout(format!(
+            "{} values for shape [{rows}, {cols}]",
+            w.len()
+        )));
     }
     // Guard against all-zero or negative importances: a small floor keeps every weight counted.
     let mean = importance.iter().map(|x| x.max(0.0) as f64).sum::<f64>() / cols as f64;
@@ -198,7 +201,10 @@ pub fn quantize_weighted(
             message: "a scalar cannot be quantized".into(),
         });
     };
-    let rows: usize = shape[..shape.len() - 1].iter().map(|d| *d as usize).product();
+    let rows: usize = shape[..shape.len() - 1]
+        .iter()
+        .map(|d| *d as usize)
+        .product();
     let host = w.astype(Dtype::Float32)?.to_vec::<f32>()?;
     let (packed, scales, biases) =
         quantize_weighted_host(tensor, &host, rows, cols as usize, spec, importance, dtype)?;
@@ -261,7 +267,11 @@ mod tests {
                 })
                 .collect();
             let ours = pack_codes(&codes, 4, 128, bits);
-            assert_eq!(ours, q.weight.to_vec::<u32>().unwrap(), "{bits}-bit packing");
+            assert_eq!(
+                ours,
+                q.weight.to_vec::<u32>().unwrap(),
+                "{bits}-bit packing"
+            );
         }
     }
 
@@ -272,20 +282,33 @@ mod tests {
         let host = w.to_vec::<f32>().unwrap();
         // A few channels carry most of the activation energy, as in real models.
         let imp: Vec<f32> = (0..cols)
-            .map(|j| if j % 17 == 0 { 50.0 } else { 0.1 + (j % 5) as f32 * 0.1 })
+            .map(|j| {
+                if j % 17 == 0 {
+                    50.0
+                } else {
+                    0.1 + (j % 5) as f32 * 0.1
+                }
+            })
             .collect();
         for bits in [2, 3, 4] {
             let spec = QuantSpec::affine(64, bits);
             let plain = w.quantize(spec).unwrap();
-            let plain_hat = ops::dequantize(&plain.weight, &plain.scales, plain.biases.as_ref(), spec, None)
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap();
+            let plain_hat = ops::dequantize(
+                &plain.weight,
+                &plain.scales,
+                plain.biases.as_ref(),
+                spec,
+                None,
+            )
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
             let ours = quantize_weighted("t", &w, spec, &imp).unwrap();
-            let ours_hat = ops::dequantize(&ours.weight, &ours.scales, ours.biases.as_ref(), spec, None)
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap();
+            let ours_hat =
+                ops::dequantize(&ours.weight, &ours.scales, ours.biases.as_ref(), spec, None)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
             let e_plain = weighted_error(&host, &plain_hat, cols, &imp);
             let e_ours = weighted_error(&host, &ours_hat, cols, &imp);
             assert!(e_ours < e_plain * 0.9, "{bits}-bit: {e_ours} vs {e_plain}");

@@ -13,8 +13,8 @@ pub mod recipe;
 mod weight;
 
 pub use config::{QuantConfig, TensorQuant};
-pub use recipe::{Format, Recipe, Role};
 pub use mlxcel_core::ops::{QuantMode, QuantSpec, Quantized};
+pub use recipe::{Format, Recipe, Role};
 pub use weight::{infer_quantization_bits, QuantizedWeight};
 
 /// Errors of this crate; each names the tensor or config field at fault.

@@ -286,7 +286,9 @@ impl ModelLayout {
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_string();
-        let num_layers = get("num_hidden_layers").or_else(|| get("n_layer")).unwrap_or(0) as usize;
+        let num_layers = get("num_hidden_layers")
+            .or_else(|| get("n_layer"))
+            .unwrap_or(0) as usize;
         let mut sparse_layers = BTreeSet::new();
         let mut down: Vec<&str> = Vec::new();
         for m in modules {
@@ -546,12 +548,22 @@ pub enum Recipe {
     /// One format everywhere (plus the model's own predicate, as mlx-lm applies it).
     Uniform(QuantSpec),
     /// mlx-lm's `mixed_{low}_{high}` recipes.
-    Mixed { low: i32, high: i32, group: i32 },
+    Mixed {
+        low: i32,
+        high: i32,
+        group: i32,
+    },
     Rules(RuleSet),
 }
 
 /// The built-in recipe names (besides `uniform` formats such as `affine4-g64` or `mxfp4`).
-pub const BUILTIN_RECIPES: [&str; 5] = ["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6", "moe-role"];
+pub const BUILTIN_RECIPES: [&str; 5] = [
+    "mixed_2_6",
+    "mixed_3_4",
+    "mixed_3_6",
+    "mixed_4_6",
+    "moe-role",
+];
 
 impl Recipe {
     /// A built-in recipe by name (`mixed_3_6`, `moe-role`, a uniform format like `affine4-g64`,
@@ -714,8 +726,7 @@ fn mixed_bits(module: &str, low: i32, high: i32, layout: &ModelLayout) -> i32 {
         _ => 0,
     };
     let n = layout.num_layers as i64;
-    let use_more_bits =
-        index < n / 8 || index >= 7 * n / 8 || (index - n / 8).rem_euclid(3) == 2;
+    let use_more_bits = index < n / 8 || index >= 7 * n / 8 || (index - n / 8).rem_euclid(3) == 2;
     let has = |s: &str| module.contains(s);
     if (has("v_proj") || has("v_a_proj") || has("v_b_proj")) && use_more_bits {
         return high;
@@ -753,9 +764,18 @@ mod tests {
             ("model.layers.0.mlp.gate", Role::Router),
             ("model.layers.0.block_sparse_moe.gate", Role::Router),
             ("model.layers.0.mlp.shared_expert_gate", Role::Router),
-            ("model.layers.0.mlp.shared_expert.up_proj", Role::SharedExpert),
-            ("model.layers.0.mlp.experts.3.gate_proj.weight", Role::ExpertGate),
-            ("model.layers.0.block_sparse_moe.experts.1.w2.weight", Role::ExpertDown),
+            (
+                "model.layers.0.mlp.shared_expert.up_proj",
+                Role::SharedExpert,
+            ),
+            (
+                "model.layers.0.mlp.experts.3.gate_proj.weight",
+                Role::ExpertGate,
+            ),
+            (
+                "model.layers.0.block_sparse_moe.experts.1.w2.weight",
+                Role::ExpertDown,
+            ),
             ("model.layers.0.mlp.switch_mlp.up_proj", Role::ExpertUp),
             ("model.layers.0.mlp.down_proj", Role::DenseMlp),
             ("model.mtp.0.proj", Role::Mtp),
@@ -779,10 +799,7 @@ mod tests {
             Format::Quantized(QuantSpec::affine(64, 8))
         );
         assert_eq!(Format::parse("dense").unwrap(), Format::Dense);
-        assert_eq!(
-            Format::parse("nvfp4").unwrap().name(),
-            "nvfp4".to_string()
-        );
+        assert_eq!(Format::parse("nvfp4").unwrap().name(), "nvfp4".to_string());
         let e = Format::parse("affine7-g64").unwrap_err().to_string();
         assert!(e.contains("bit width 7"), "{e}");
         let e = Format::parse("affine4-g48").unwrap_err().to_string();
@@ -820,7 +837,10 @@ mod tests {
             "model.layers.3.mlp.switch_mlp.down_proj",
         ];
         let l = layout(4, &modules);
-        assert_eq!(l.sparse_layers.iter().copied().collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(
+            l.sparse_layers.iter().copied().collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
         let r = Recipe::resolve("moe-role").unwrap();
         let bits = |m: &str| match r.decide(m, 64, &l).format {
             Format::Quantized(s) => s.bits,
@@ -850,13 +870,21 @@ mod tests {
             Format::Quantized(QuantSpec::affine(64, 4))
         );
         assert_eq!(r.decide("lm_head", 64, &l).format, Format::Dense);
-        let e = RuleSet::from_yaml("default: affine4\nrules:\n  - roles: [routers]\n    format: dense\n")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rules[0].roles") && e.contains("`routers`"), "{e}");
+        let e = RuleSet::from_yaml(
+            "default: affine4\nrules:\n  - roles: [routers]\n    format: dense\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("rules[0].roles") && e.contains("`routers`"),
+            "{e}"
+        );
         let e = RuleSet::from_yaml("default: affine4\nrules:\n  - format: affine9\n")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("rules[0].format") && e.contains("bit width 9"), "{e}");
+        assert!(
+            e.contains("rules[0].format") && e.contains("bit width 9"),
+            "{e}"
+        );
     }
 }
