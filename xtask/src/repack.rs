@@ -58,6 +58,7 @@ pub struct RepackOptions {
     pub quiet: bool,
 }
 
+#[cfg_attr(not(test), allow(dead_code))]
 impl RepackOptions {
     pub fn new(model: impl Into<PathBuf>, out: impl Into<PathBuf>, recipe: &str) -> Self {
         RepackOptions {
