@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod fetch;
+mod repack;
 
 #[derive(Parser)]
 #[command(name = "xtask")]
@@ -22,6 +23,40 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
+    /// Quantize a float (f32/bf16/f16) HuggingFace checkpoint by a recipe into an MLX checkpoint.
+    Repack {
+        /// Source checkpoint folder.
+        #[arg(long)]
+        model: std::path::PathBuf,
+        /// Output folder (must not exist or be empty).
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// A built-in recipe (affine4-g64, mxfp4, mixed_3_6, moe-role, ...) or a YAML file.
+        #[arg(long)]
+        recipe: String,
+        /// Importance vectors from `cargo xtask importance`.
+        #[arg(long)]
+        importance: Option<std::path::PathBuf>,
+        /// Maximum shard size in GiB.
+        #[arg(long, default_value_t = 2.0)]
+        shard_gb: f64,
+        /// No progress bar or report.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Measure per-input-channel mean squared activations of every linear over calibration
+    /// prompts (for `repack --importance`).
+    Importance {
+        /// Source (float) checkpoint folder.
+        #[arg(long)]
+        model: std::path::PathBuf,
+        /// Output safetensors file.
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// Prompts, one per line (default: built-in six-language prompts).
+        #[arg(long)]
+        prompts: Option<std::path::PathBuf>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,6 +72,40 @@ fn main() -> anyhow::Result<()> {
             for dir in fetch::fetch_models(quiet)? {
                 println!("{}", dir.display());
             }
+        }
+        Command::Repack {
+            model,
+            out,
+            recipe,
+            importance,
+            shard_gb,
+            quiet,
+        } => {
+            let report = repack::repack(&repack::RepackOptions {
+                model,
+                out,
+                recipe,
+                importance,
+                shard_bytes: (shard_gb * (1u64 << 30) as f64) as u64,
+                quiet,
+            })?;
+            if !quiet {
+                report.print();
+            }
+        }
+        Command::Importance {
+            model,
+            out,
+            prompts,
+        } => {
+            let prompts = repack::read_prompts(prompts.as_deref())?;
+            let imp = repack::calibrate(&model, &prompts)?;
+            repack::write_importance(&out, &imp)?;
+            eprintln!(
+                "{} importance vectors written to {}",
+                imp.len(),
+                out.display()
+            );
         }
     }
     Ok(())

@@ -170,7 +170,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
             )))
         }
     }
-    let weights = WeightMap::open(&folder)?;
+    let mut weights = WeightMap::open(&folder)?;
     let model_type = get_model_type(&config, has_vision_weights(&weights)).map_err(model_err)?;
     let policy = model_load_policy(model_type);
     if policy.directory_route != DirectoryRoute::ConfigBacked {
@@ -181,7 +181,14 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
             policy.directory_route
         )));
     }
-    let quant = QuantConfig::from_config(&config)?;
+    // Vendor block-FP8 checkpoints (`quant_method: "fp8"`) are requantized to mxfp8 here.
+    let quant = match mlxcel_quant::fp8::block_fp8_config(&config)? {
+        Some(block) => Some(mlxcel_quant::fp8::requantize_checkpoint(
+            &mut weights,
+            block,
+        )?),
+        None => QuantConfig::from_config(&config)?,
+    };
     let dtype = match options.dtype {
         Some(d) => d,
         None => compute_dtype(&config)?,

@@ -3,13 +3,18 @@
 //! Owns quantization: the formats MLX supports (affine 1–8 bit, mxfp4, mxfp8, nvfp4),
 //! [`QuantizedWeight`], shape-based bit-width inference ([`infer_quantization_bits`]), the
 //! per-tensor configuration MLX checkpoints carry ([`QuantConfig`]), lossless GGUF import
-//! ([`gguf`]), and (to come) recipes and fp8-block → mxfp8 requantization.
+//! ([`gguf`]), recipes ([`recipe`]), importance-weighted affine quantization
+//! ([`importance`]) and fp8-block → mxfp8 requantization ([`fp8`]).
 
 mod config;
+pub mod fp8;
+pub mod importance;
+pub mod recipe;
 mod weight;
 
 pub use config::{QuantConfig, TensorQuant};
 pub use mlxcel_core::ops::{QuantMode, QuantSpec, Quantized};
+pub use recipe::{Format, Recipe, Role};
 pub use weight::{infer_quantization_bits, QuantizedWeight};
 
 /// Errors of this crate; each names the tensor or config field at fault.

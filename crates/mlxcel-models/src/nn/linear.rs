@@ -52,7 +52,10 @@ pub enum Linear {
 impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (y, bias) = match self {
-            Linear::Dense { weight, bias } => (x.matmul(&weight.t()?)?, bias),
+            Linear::Dense { weight, bias } => {
+                super::calibration::observe(weight, x);
+                (x.matmul(&weight.t()?)?, bias)
+            }
             Linear::Quantized { weight, bias } => {
                 let rows = x.size() / x.dim(-1)?.max(1) as usize;
                 if dequantize_for(rows) {
@@ -118,6 +121,7 @@ impl SwitchLinear {
     pub fn forward_sorted(&self, x: &Array, experts: &Array) -> Result<Array> {
         match self {
             SwitchLinear::Dense(w) => {
+                super::calibration::observe(w, x);
                 let wt = w.transpose(&[0, 2, 1])?;
                 Ok(ops::gather_mm(x, &wt, None, Some(experts), true)?)
             }

@@ -2,6 +2,7 @@
 //! norms, rotary embeddings, attention, MLPs and mixture-of-experts layers.
 
 mod attention;
+pub mod calibration;
 mod linear;
 mod mlp;
 mod moe;
