@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod fetch;
 
 #[derive(Parser)]
@@ -22,6 +23,9 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
+    /// Benchmark mlxcel against mlx-lm (load, prefill, decode, peak RSS); writes
+    /// target/bench/results.{md,json}.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -38,6 +42,7 @@ fn main() -> anyhow::Result<()> {
                 println!("{}", dir.display());
             }
         }
+        Command::Bench(args) => bench::bench(args)?,
     }
     Ok(())
 }
