@@ -644,14 +644,15 @@ fn markdown(results: &[CaseResult], hw: &Value, command: &str, elapsed: f64) -> 
                 continue;
             }
             s.push_str(&format!(
-                "| {} | {}/{} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {}/{} | {} | {} | {} | {:.3} ({:.0} MB) | {} | {} | {} |\n",
                 c.name,
                 c.prompt,
                 c.new,
                 e.label(),
                 sum.runs,
                 fmt(sum.load_s, 2),
-                format!("{:.3} ({:.0} MB)", r.floor_s, r.bytes as f64 / 1e6),
+                r.floor_s,
+                r.bytes as f64 / 1e6,
                 fmt(sum.prefill_tps, 2),
                 fmt(sum.decode_tps, 2),
                 fmt(sum.peak_rss_mib, 0),
