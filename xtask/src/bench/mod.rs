@@ -168,8 +168,8 @@ fn plan(quick: bool) -> Vec<Case> {
             Qwen3Moe4,
             32,
             8,
-            [1, 1, 1],
-            "short lengths (time)",
+            [1, 0, 1],
+            "short lengths; mlx-lm checkpoint dtype skipped (bf16 gather_qmm emulated on CPU: minutes per run)",
         ),
     ]
 }
