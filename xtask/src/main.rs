@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod fetch;
 mod repack;
 
@@ -57,6 +58,9 @@ enum Command {
         #[arg(long)]
         prompts: Option<std::path::PathBuf>,
     },
+    /// Benchmark mlxcel against mlx-lm (load, prefill, decode, peak RSS); writes
+    /// target/bench/results.{md,json}.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -107,6 +111,7 @@ fn main() -> anyhow::Result<()> {
                 out.display()
             );
         }
+        Command::Bench(args) => bench::bench(args)?,
     }
     Ok(())
 }

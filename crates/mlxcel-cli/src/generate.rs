@@ -77,6 +77,12 @@ pub struct GenerateFlags {
     /// Print the generated ids, comma-separated, on stdout instead of text.
     #[arg(long)]
     pub print_ids: bool,
+    /// Print one JSON line of measurements on stderr (for `cargo xtask bench`).
+    #[arg(long, hide = true)]
+    pub stats_json: bool,
+    /// Do not stop at end-of-sequence ids (benchmarks generate a fixed count).
+    #[arg(long, hide = true)]
+    pub ignore_eos: bool,
 }
 
 fn default_model() -> anyhow::Result<PathBuf> {
@@ -324,11 +330,15 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         loaded.tokenizer.as_ref()
     };
     let mut stdout = std::io::stdout();
+    let mut req = request(run, &loaded);
+    if flags.ignore_eos {
+        req.eos_token_ids.clear();
+    }
     let (ids, stats) = generate_text(
         &mut session,
         tokenizer,
         &prompt,
-        &request(run, &loaded),
+        &req,
         |text| {
             let _ = stdout.write_all(text.as_bytes());
             let _ = stdout.flush();
@@ -344,7 +354,37 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         println!();
     }
     print_stats(&stats, &loaded, run.quiet);
+    if flags.stats_json {
+        print_stats_json(&loaded, &stats);
+    }
     Ok(())
+}
+
+/// The measurements `cargo xtask bench` reads (same keys as xtask/bench/mlx_lm_bench.py).
+fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
+    let vmhwm = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?.to_owned();
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map(|kib| kib * 1024);
+    let json = serde_json::json!({
+        "engine": "mlxcel",
+        "dtype": loaded.dtype.to_string(),
+        "device": mlxcel_core::default_device().map(|d| format!("{d:?}")).unwrap_or_default(),
+        "mlx_version": mlxcel_core::mlx_version().unwrap_or_default(),
+        "load_s": loaded.load_seconds,
+        "prompt_tokens": stats.prompt_tokens,
+        "prefill_s": stats.prefill_seconds,
+        "prefill_tps": stats.prefill_tokens_per_second(),
+        "generated_tokens": stats.generated_tokens,
+        "decode_s": stats.decode_seconds,
+        "decode_tps": stats.decode_tokens_per_second(),
+        "peak_mlx_bytes": mlxcel_core::memory::peak_bytes().unwrap_or(0),
+        "vmhwm_bytes": vmhwm,
+    });
+    eprintln!("{json}");
 }
 
 /// Interactive chat: one line per user turn; the session's caches carry over, and each turn's

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Random-weight checkpoints and bandwidth floors for the GPU benchmark (xtask/bench/gpu.sh).
+
+Needs only Python `mlx` (the GPU machine has no Rust toolchain):
+
+  make_random_model.py make llama-8b  OUTDIR   Llama-3.1-8B shape, affine 4-bit g64, bf16 scales
+  make_random_model.py make qwen3-30b-a3b OUTDIR   Qwen3-30B-A3B shape (128 experts, top-8)
+  make_random_model.py floor MODELDIR [--bandwidth GBPS]
+      prints JSON: weight bytes, bytes read per decoded token, measured device copy bandwidth
+      (a large MLX array copy: read + write bytes / time) and the decode floor in tok/s.
+
+Weights are uniform with std 0.02 (seeded per tensor), norms are ones, routers stay bf16,
+experts are written in mlx-lm's stacked layout (mlp.switch_mlp.{gate,up,down}_proj).
+Shards hold a few layers each and model.safetensors.index.json maps names to shards.
+"""
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import time
+
+SHAPES = {
+    "llama-8b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=128000,
+        eos_token_id=128001, torch_dtype="bfloat16"),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, rope_scaling=None,
+        hidden_act="silu", attention_bias=False, bos_token_id=151643, eos_token_id=151645,
+        torch_dtype="bfloat16"),
+}
+GROUP, BITS = 64, 4
+
+
+def layout(c):
+    """(name, shape, kind) with kind 'q' (quantized linear prefix), 'ones', 'dense'; by layer."""
+    h, hd = c["hidden_size"], c["head_dim"]
+    nh, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    head = [("model.embed_tokens", (c["vocab_size"], h), "q")]
+    layers = []
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        t = [
+            (f"{p}.input_layernorm.weight", (h,), "ones"),
+            (f"{p}.post_attention_layernorm.weight", (h,), "ones"),
+            (f"{p}.self_attn.q_proj", (nh * hd, h), "q"),
+            (f"{p}.self_attn.k_proj", (kv * hd, h), "q"),
+            (f"{p}.self_attn.v_proj", (kv * hd, h), "q"),
+            (f"{p}.self_attn.o_proj", (h, nh * hd), "q"),
+        ]
+        if c["model_type"] == "qwen3_moe":
+            e, mi = c["num_experts"], c["moe_intermediate_size"]
+            t += [
+                (f"{p}.self_attn.q_norm.weight", (hd,), "ones"),
+                (f"{p}.self_attn.k_norm.weight", (hd,), "ones"),
+                (f"{p}.mlp.gate.weight", (e, h), "dense"),
+                (f"{p}.mlp.switch_mlp.gate_proj", (e, mi, h), "q"),
+                (f"{p}.mlp.switch_mlp.up_proj", (e, mi, h), "q"),
+                (f"{p}.mlp.switch_mlp.down_proj", (e, h, mi), "q"),
+            ]
+        else:
+            it = c["intermediate_size"]
+            t += [
+                (f"{p}.mlp.gate_proj", (it, h), "q"),
+                (f"{p}.mlp.up_proj", (it, h), "q"),
+                (f"{p}.mlp.down_proj", (h, it), "q"),
+            ]
+        layers.append(t)
+    tail = [("model.norm.weight", (h,), "ones")]
+    if not c["tie_word_embeddings"]:
+        tail.append(("lm_head", (c["vocab_size"], h), "q"))
+    return head, layers, tail
+
+
+def make(shape, out):
+    import mlx.core as mx
+
+    c = dict(SHAPES[shape])
+    q = {"group_size": GROUP, "bits": BITS, "mode": "affine"}
+    c["quantization"] = q
+    c["quantization_config"] = dict(q)
+    if os.path.isfile(os.path.join(out, "model.safetensors.index.json")):
+        print(f"{out}: present")
+        return
+    stage = out + ".staging"
+    os.makedirs(stage, exist_ok=True)
+    head, layers, tail = layout(c)
+    per_shard = 4
+    groups = [head + layers[0]] + layers[1:]
+    groups[-1] = groups[-1] + tail
+    shards = [sum(groups[i:i + per_shard], []) for i in range(0, len(groups), per_shard)]
+    weight_map, counter, total = {}, 0, 0
+    t0 = time.time()
+    for si, items in enumerate(shards):
+        fname = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shp, kind in items:
+            counter += 1
+            key = mx.random.key(1000003 * 3 + counter)
+            if kind == "ones":
+                tensors[name] = mx.ones(shp, dtype=mx.bfloat16)
+                continue
+            w = ((mx.random.uniform(shape=shp, key=key) - 0.5) * (2 * 0.02 * math.sqrt(3))).astype(mx.bfloat16)
+            if kind == "dense":
+                tensors[name] = w
+            else:
+                wq, s, b = mx.quantize(w, group_size=GROUP, bits=BITS)
+                tensors[f"{name}.weight"], tensors[f"{name}.scales"], tensors[f"{name}.biases"] = wq, s, b
+            mx.eval(tensors)
+        for n, a in tensors.items():
+            weight_map[n] = fname
+            total += a.nbytes
+        mx.save_safetensors(os.path.join(stage, fname), tensors, metadata={"format": "mlx"})
+        del tensors
+        print(f"  {fname} ({time.time() - t0:.0f}s)", flush=True)
+    with open(os.path.join(stage, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    with open(os.path.join(stage, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    os.rename(stage, out)
+    print(f"{out}: {total / 1e9:.2f} GB in {time.time() - t0:.0f}s")
+
+
+def header(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))
+
+
+def bytes_per_token(model):
+    """Weight bytes one decoded token reads: everything except the embedding table (one row)
+    and the routed experts (top-k of E)."""
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    files = sorted(x for x in os.listdir(model) if x.endswith(".safetensors"))
+    total = read = 0
+    frac = c.get("num_experts_per_tok", 1) / c.get("num_experts", 1)
+    for fn in files:
+        for name, info in header(os.path.join(model, fn)).items():
+            if name == "__metadata__":
+                continue
+            n = info["data_offsets"][1] - info["data_offsets"][0]
+            total += n
+            if name.startswith("model.embed_tokens.") and not c.get("tie_word_embeddings"):
+                continue
+            read += n * frac if ".switch_mlp." in name else n
+    return total, int(read)
+
+
+def bandwidth_gbps():
+    import mlx.core as mx
+
+    a = mx.random.uniform(shape=(1 << 30,), dtype=mx.float32)  # 4 GiB
+    mx.eval(a)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        b = a + 0  # reads 4 GiB, writes 4 GiB
+        mx.eval(b)
+        dt = time.perf_counter() - t
+        best = max(best, 2 * a.nbytes / dt / 1e9)
+        del b
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("shape", choices=sorted(SHAPES))
+    m.add_argument("out")
+    fl = sub.add_parser("floor")
+    fl.add_argument("model")
+    fl.add_argument("--bandwidth", type=float, help="GB/s (measured when absent)")
+    args = ap.parse_args()
+    if args.cmd == "make":
+        make(args.shape, args.out)
+    else:
+        total, read = bytes_per_token(args.model)
+        bw = args.bandwidth or bandwidth_gbps()
+        print(json.dumps({"weight_bytes": total, "bytes_per_token": read, "bandwidth_gbps": bw,
+                          "decode_floor_tps": bw * 1e9 / read}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

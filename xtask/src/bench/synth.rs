@@ -1,0 +1,409 @@
+//! Checkpoints the benchmark makes: synthetic random-weight models (written tensor by tensor, so
+//! memory holds one tensor at a time) and an 8-bit requantization of the 4-bit SmolLM2 import.
+//! Everything is written into a staging folder and renamed into place when complete.
+
+use std::collections::HashMap;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use mlxcel_core::ops::random;
+use mlxcel_core::ops::{dequantize, QuantSpec};
+use mlxcel_core::{Array, Dtype, WeightMap};
+use serde_json::{json, Value};
+
+/// Standard deviation of the random weights (uniform in ±std·√3).
+const STD: f64 = 0.02;
+
+/// How a tensor is made.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fill {
+    Random,
+    Ones,
+}
+
+/// One entry of a synthetic checkpoint: a dense float tensor or a quantized linear/embedding
+/// (`<prefix>.weight/.scales/.biases`).
+#[derive(Debug, Clone)]
+struct Item {
+    /// Full tensor name (dense) or module prefix (quantized).
+    name: String,
+    shape: Vec<i32>,
+    fill: Fill,
+    quant: Option<QuantSpec>,
+}
+
+/// A synthetic model: its `config.json` and tensors.
+pub struct Synthetic {
+    pub config: Value,
+    items: Vec<Item>,
+    dtype: Dtype,
+}
+
+fn st_dtype(d: Dtype) -> Result<&'static str> {
+    Ok(match d {
+        Dtype::Bfloat16 => "BF16",
+        Dtype::Float16 => "F16",
+        Dtype::Float32 => "F32",
+        Dtype::Uint32 => "U32",
+        other => bail!("no safetensors tag for {other} in the synthetic writer"),
+    })
+}
+
+impl Synthetic {
+    fn dense(&mut self, name: String, shape: &[i32], fill: Fill) {
+        self.items.push(Item {
+            name,
+            shape: shape.to_vec(),
+            fill,
+            quant: None,
+        });
+    }
+
+    /// A matrix `[.., out, in]` stored as `<prefix>.weight` (quantized when `quant` is set).
+    fn linear(&mut self, prefix: String, shape: &[i32], quant: Option<QuantSpec>) {
+        match quant {
+            Some(_) => self.items.push(Item {
+                name: prefix,
+                shape: shape.to_vec(),
+                fill: Fill::Random,
+                quant,
+            }),
+            None => self.dense(format!("{prefix}.weight"), shape, Fill::Random),
+        }
+    }
+
+    /// `(name, dtype, shape)` of every stored tensor, in file order.
+    fn layout(&self) -> Vec<(String, Dtype, Vec<i32>)> {
+        let mut out = Vec::new();
+        for item in &self.items {
+            match item.quant {
+                None => out.push((item.name.clone(), self.dtype, item.shape.clone())),
+                Some(q) => {
+                    let mut w = item.shape.clone();
+                    let mut s = item.shape.clone();
+                    let last = *item.shape.last().unwrap_or(&0);
+                    *w.last_mut().unwrap_or(&mut 0) = last * q.bits / 32;
+                    *s.last_mut().unwrap_or(&mut 0) = last / q.group_size;
+                    out.push((format!("{}.weight", item.name), Dtype::Uint32, w));
+                    out.push((format!("{}.scales", item.name), self.dtype, s.clone()));
+                    out.push((format!("{}.biases", item.name), self.dtype, s));
+                }
+            }
+        }
+        out
+    }
+
+    /// Total bytes of the tensors.
+    pub fn nbytes(&self) -> u64 {
+        self.layout()
+            .iter()
+            .map(|(_, d, s)| d.size_of() as u64 * s.iter().map(|x| *x as u64).product::<u64>())
+            .sum()
+    }
+
+    /// Writes `config.json` and `model.safetensors` into `dest` (via a staging folder).
+    pub fn write(
+        &self,
+        dest: &Path,
+        seed: u64,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<()> {
+        let staging = staging_for(dest)?;
+        let layout = self.layout();
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), json!({"format": "mlx"}));
+        let mut offset = 0u64;
+        let mut sizes = Vec::new();
+        for (name, dtype, shape) in &layout {
+            let n = dtype.size_of() as u64 * shape.iter().map(|x| *x as u64).product::<u64>();
+            header.insert(
+                name.clone(),
+                json!({"dtype": st_dtype(*dtype)?, "shape": shape, "data_offsets": [offset, offset + n]}),
+            );
+            sizes.push(n);
+            offset += n;
+        }
+        let mut text = serde_json::to_string(&Value::Object(header))?;
+        while text.len() % 8 != 0 {
+            text.push(' ');
+        }
+        let path = staging.join("model.safetensors");
+        let file = std::fs::File::create(&path).with_context(|| format!("{}", path.display()))?;
+        let mut out = BufWriter::with_capacity(8 << 20, file);
+        out.write_all(&(text.len() as u64).to_le_bytes())?;
+        out.write_all(text.as_bytes())?;
+        let mut next = 0usize;
+        for (i, item) in self.items.iter().enumerate() {
+            progress(i, self.items.len());
+            let key = random::key(seed.wrapping_mul(1_000_003).wrapping_add(i as u64))?;
+            let base = match item.fill {
+                Fill::Ones => mlxcel_core::ops::ones(&item.shape, Dtype::Float32)?,
+                Fill::Random => random::uniform(&item.shape, Dtype::Float32, &key)?
+                    .add_scalar(-0.5)?
+                    .mul_scalar(2.0 * STD * 3f64.sqrt())?,
+            };
+            let base = base.astype(self.dtype)?;
+            let planes: Vec<Array> = match item.quant {
+                None => vec![base],
+                Some(q) => {
+                    let p = base.quantize(q)?;
+                    let biases = p.biases.context("affine quantization without biases")?;
+                    vec![p.weight, p.scales, biases]
+                }
+            };
+            for plane in planes {
+                let bytes = plane.to_bytes()?;
+                let (name, _, _) = &layout[next];
+                if bytes.len() as u64 != sizes[next] {
+                    bail!(
+                        "{name}: wrote {} bytes, the header says {}",
+                        bytes.len(),
+                        sizes[next]
+                    );
+                }
+                out.write_all(&bytes)?;
+                next += 1;
+            }
+        }
+        out.flush()?;
+        drop(out);
+        std::fs::write(
+            staging.join("config.json"),
+            serde_json::to_string_pretty(&self.config)?,
+        )?;
+        publish(&staging, dest)
+    }
+}
+
+fn quant_json(q: Option<QuantSpec>) -> Option<Value> {
+    q.map(|q| json!({"group_size": q.group_size, "bits": q.bits, "mode": "affine"}))
+}
+
+fn with_quant(mut config: Value, q: Option<QuantSpec>) -> Value {
+    if let (Some(obj), Some(qj)) = (config.as_object_mut(), quant_json(q)) {
+        obj.insert("quantization".into(), qj.clone());
+        obj.insert("quantization_config".into(), qj);
+    }
+    config
+}
+
+/// A Llama-3.2-1B-shaped model: hidden 2048, 16 layers, 32 heads (8 KV, head_dim 64),
+/// intermediate 8192, vocab 128256, tied embeddings, llama3 rope scaling.
+pub fn llama_1b(quant: Option<QuantSpec>) -> Synthetic {
+    let (h, layers, heads, kv, hd, inter, vocab) = (2048, 16, 32, 8, 64, 8192, 128256);
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": inter,
+        "vocab_size": vocab, "tie_word_embeddings": true, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "hidden_act": "silu", "attention_bias": false, "mlp_bias": false,
+        "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+    });
+    let mut m = Synthetic {
+        config: with_quant(config, quant),
+        items: Vec::new(),
+        dtype: Dtype::Bfloat16,
+    };
+    m.linear("model.embed_tokens".into(), &[vocab, h], quant);
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        m.dense(format!("{p}.input_layernorm.weight"), &[h], Fill::Ones);
+        m.linear(format!("{p}.self_attn.q_proj"), &[heads * hd, h], quant);
+        m.linear(format!("{p}.self_attn.k_proj"), &[kv * hd, h], quant);
+        m.linear(format!("{p}.self_attn.v_proj"), &[kv * hd, h], quant);
+        m.linear(format!("{p}.self_attn.o_proj"), &[h, heads * hd], quant);
+        m.dense(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[h],
+            Fill::Ones,
+        );
+        m.linear(format!("{p}.mlp.gate_proj"), &[inter, h], quant);
+        m.linear(format!("{p}.mlp.up_proj"), &[inter, h], quant);
+        m.linear(format!("{p}.mlp.down_proj"), &[h, inter], quant);
+    }
+    m.dense("model.norm.weight".into(), &[h], Fill::Ones);
+    m
+}
+
+/// A Qwen3-MoE-shaped model of about 1 GB at 4-bit: hidden 1024, 16 layers, 16 heads (4 KV,
+/// head_dim 128), 64 experts top-8 with moe_intermediate 512, vocab 32000, untied head. Experts
+/// in mlx-lm's stacked `switch_mlp` layout; the router `mlp.gate` stays dense bf16.
+pub fn qwen3_moe(quant: Option<QuantSpec>) -> Synthetic {
+    let (h, layers, heads, kv, hd, experts, top_k, moe_inter, vocab) =
+        (1024, 16, 16, 4, 128, 64, 8, 512, 32000);
+    let config = json!({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": 3072,
+        "num_experts": experts, "num_experts_per_tok": top_k,
+        "moe_intermediate_size": moe_inter, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": true, "vocab_size": vocab, "tie_word_embeddings": false,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "rope_scaling": null, "hidden_act": "silu", "attention_bias": false,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    });
+    let mut m = Synthetic {
+        config: with_quant(config, quant),
+        items: Vec::new(),
+        dtype: Dtype::Bfloat16,
+    };
+    m.linear("model.embed_tokens".into(), &[vocab, h], quant);
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        m.dense(format!("{p}.input_layernorm.weight"), &[h], Fill::Ones);
+        m.linear(format!("{p}.self_attn.q_proj"), &[heads * hd, h], quant);
+        m.linear(format!("{p}.self_attn.k_proj"), &[kv * hd, h], quant);
+        m.linear(format!("{p}.self_attn.v_proj"), &[kv * hd, h], quant);
+        m.linear(format!("{p}.self_attn.o_proj"), &[h, heads * hd], quant);
+        m.dense(format!("{p}.self_attn.q_norm.weight"), &[hd], Fill::Ones);
+        m.dense(format!("{p}.self_attn.k_norm.weight"), &[hd], Fill::Ones);
+        m.dense(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[h],
+            Fill::Ones,
+        );
+        m.dense(format!("{p}.mlp.gate.weight"), &[experts, h], Fill::Random);
+        let s = format!("{p}.mlp.switch_mlp");
+        m.linear(format!("{s}.gate_proj"), &[experts, moe_inter, h], quant);
+        m.linear(format!("{s}.up_proj"), &[experts, moe_inter, h], quant);
+        m.linear(format!("{s}.down_proj"), &[experts, h, moe_inter], quant);
+    }
+    m.dense("model.norm.weight".into(), &[h], Fill::Ones);
+    m.linear("lm_head".into(), &[vocab, h], quant);
+    m
+}
+
+/// The quantization of module `prefix` per an MLX `quantization` block (per-module overrides,
+/// else the defaults).
+fn module_spec(q: &Value, prefix: &str) -> Option<QuantSpec> {
+    let block = q.get(prefix).filter(|v| v.is_object()).unwrap_or(q);
+    let gs = block.get("group_size")?.as_i64()? as i32;
+    let bits = block.get("bits")?.as_i64()? as i32;
+    Some(QuantSpec::affine(gs, bits))
+}
+
+/// Requantizes an MLX affine checkpoint folder to `target` (every quantized matrix is
+/// dequantized to float32 and quantized again; other tensors are copied), copying the tokenizer
+/// files; `config.json` gets `quantization` and `quantization_config` for `target`.
+pub fn requantize(src: &Path, dest: &Path, target: QuantSpec) -> Result<()> {
+    let text = std::fs::read_to_string(src.join("config.json"))
+        .with_context(|| format!("{}/config.json", src.display()))?;
+    let mut config: Value = serde_json::from_str(&text)?;
+    let q = config
+        .get("quantization")
+        .cloned()
+        .with_context(|| format!("{}: config.json has no quantization block", src.display()))?;
+    let weights = WeightMap::open(src)?;
+    let mut out: Vec<(String, Array)> = Vec::new();
+    let names: Vec<String> = weights.names().map(str::to_string).collect();
+    for name in &names {
+        if name.ends_with(".scales") || name.ends_with(".biases") {
+            continue;
+        }
+        let prefix = name.strip_suffix(".weight").unwrap_or(name);
+        let scales = format!("{prefix}.scales");
+        if name.ends_with(".weight") && weights.contains(&scales) {
+            let spec = module_spec(&q, prefix).with_context(|| {
+                format!("{prefix}: no group_size/bits in the quantization block")
+            })?;
+            let biases = format!("{prefix}.biases");
+            let b = if weights.contains(&biases) {
+                Some(weights.get(&biases)?)
+            } else {
+                None
+            };
+            let dense = dequantize(
+                &weights.get(name)?,
+                &weights.get(&scales)?,
+                b.as_ref(),
+                spec,
+                Some(Dtype::Float32),
+            )?;
+            let scales_dtype = weights.get(&scales)?.dtype()?;
+            let p = dense.quantize(target)?;
+            out.push((name.clone(), p.weight));
+            out.push((scales, p.scales.astype(scales_dtype)?));
+            if let Some(b) = p.biases {
+                out.push((biases, b.astype(scales_dtype)?));
+            }
+        } else {
+            out.push((name.clone(), weights.get(name)?));
+        }
+    }
+    let staging = staging_for(dest)?;
+    let meta: HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
+    mlxcel_core::weights::save_safetensors(staging.join("model.safetensors"), &out, Some(meta))?;
+    let qj = json!({"group_size": target.group_size, "bits": target.bits, "mode": "affine"});
+    if let Some(obj) = config.as_object_mut() {
+        obj.insert("quantization".into(), qj.clone());
+        obj.insert("quantization_config".into(), qj);
+    }
+    std::fs::write(
+        staging.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "special_tokens_map.json",
+    ] {
+        if src.join(f).is_file() {
+            std::fs::copy(src.join(f), staging.join(f))?;
+        }
+    }
+    publish(&staging, dest)
+}
+
+fn staging_for(dest: &Path) -> Result<PathBuf> {
+    let name = dest
+        .file_name()
+        .context("destination has no name")?
+        .to_string_lossy();
+    let staging = dest.with_file_name(format!(".{name}.staging-{}", std::process::id()));
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging)?;
+    }
+    std::fs::create_dir_all(&staging).with_context(|| format!("{}", staging.display()))?;
+    Ok(staging)
+}
+
+fn publish(staging: &Path, dest: &Path) -> Result<()> {
+    if dest.exists() {
+        std::fs::remove_dir_all(dest).with_context(|| format!("removing {}", dest.display()))?;
+    }
+    std::fs::rename(staging, dest)
+        .with_context(|| format!("moving {} to {}", staging.display(), dest.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synthetic_layouts_have_the_intended_size() {
+        let q = Some(QuantSpec::affine(64, 4));
+        // 4-bit g64 with bf16 scales and biases: 4.5 bits per weight, norms in bf16.
+        let gb = |m: &Synthetic| m.nbytes() as f64 / 1e9;
+        assert!(
+            (0.6..0.8).contains(&gb(&llama_1b(q))),
+            "{}",
+            gb(&llama_1b(q))
+        );
+        assert!((2.4..2.6).contains(&gb(&llama_1b(None))));
+        assert!(
+            (0.9..1.1).contains(&gb(&qwen3_moe(q))),
+            "{}",
+            gb(&qwen3_moe(q))
+        );
+        let names: Vec<String> = qwen3_moe(q).layout().into_iter().map(|l| l.0).collect();
+        assert!(names.contains(&"model.layers.3.mlp.switch_mlp.down_proj.scales".to_string()));
+        assert!(names.contains(&"model.layers.3.mlp.gate.weight".to_string()));
+    }
+}
