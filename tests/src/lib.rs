@@ -6,9 +6,12 @@ use std::path::{Path, PathBuf};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
-/// `tests/fixtures/`.
+/// `tests/fixtures/`, or `MLXCEL_FIXTURES_DIR` (test binaries carried to another machine).
 pub fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+    match std::env::var_os("MLXCEL_FIXTURES_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures"),
+    }
 }
 
 /// The folder of one tiny model fixture.

@@ -139,7 +139,13 @@ Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t>
 }
 
 Ptr array_scalar_f64(double value, Dtype dtype) {
-  return wrap(mx::astype(array(value, mx::float64), to_mlx(dtype), mx::Device::cpu));
+  // Converted on the host at construction: no op, no device (a CPU-stream astype here would
+  // make every GPU graph using the scalar wait on the CPU stream).
+  auto dt = to_mlx(dtype);
+  if (dt == mx::bool_) return wrap(array(value != 0.0, dt));
+  if (mx::issubdtype(dt, mx::integer)) return wrap(array(static_cast<int64_t>(value), dt));
+  if (dt == mx::float64) return wrap(array(value, dt));
+  return wrap(array(static_cast<float>(value), dt));
 }
 
 rust::Vec<int32_t> array_shape(const array& a) {

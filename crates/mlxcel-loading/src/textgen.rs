@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use mlxcel_core::{Array, Dtype};
 use mlxcel_models::generate::Session;
 use mlxcel_models::sampling::{Sampler, SamplingParams};
 
@@ -114,11 +115,40 @@ pub fn generate_text(
     };
     let mut generated = Vec::new();
     let mut finish = FinishReason::Length;
+    // Greedy decoding picks tokens on the device and queues each step before reading the token
+    // it feeds (as mlx-lm does), so the host builds the next graph while the device computes.
+    let device_argmax = |logits: &Array| -> Result<Array> {
+        Ok(logits
+            .argmax(-1, false)?
+            .astype(Dtype::Int32)?
+            .reshape(&[1, 1])?)
+    };
+    let mut pending = if sampler.is_greedy() {
+        let first = device_argmax(&logits)?;
+        mlxcel_core::ops::async_eval_all([&first])?;
+        Some(first)
+    } else {
+        None
+    };
     while generated.len() < request.max_new_tokens {
-        let row = logits
-            .astype(mlxcel_core::Dtype::Float32)?
-            .to_vec::<f32>()?;
-        let token = sampler.sample(&row, session.tokens());
+        let token = match pending.take() {
+            Some(current) => {
+                if generated.len() + 1 < request.max_new_tokens {
+                    let next = device_argmax(&session.step_pending(&current)?)?;
+                    mlxcel_core::ops::async_eval_all([&next])?;
+                    pending = Some(next);
+                }
+                let token = current.to_vec::<i32>()?[0] as u32;
+                if pending.is_some() {
+                    session.record_token(token);
+                }
+                token
+            }
+            None => {
+                let row = logits.astype(Dtype::Float32)?.to_vec::<f32>()?;
+                sampler.sample(&row, session.tokens())
+            }
+        };
         if request.eos_token_ids.contains(&token) {
             finish = FinishReason::Eos;
             break;
@@ -135,7 +165,7 @@ pub fn generate_text(
                 break;
             }
         }
-        if generated.len() < request.max_new_tokens {
+        if pending.is_none() && generated.len() < request.max_new_tokens {
             logits = session.step(token)?;
         }
     }

@@ -113,6 +113,20 @@ impl<'m> Session<'m> {
         Ok((reuse, logits))
     }
 
+    /// Feeds a token the device is still computing (`[1, 1]` int32) and returns the next
+    /// logits `[vocab]` without waiting for either: the caller queues the following step before
+    /// reading this token, so building the graph overlaps the device's work. Call
+    /// [`Session::record_token`] with the token's value once read.
+    pub fn step_pending(&mut self, token: &Array) -> Result<Array> {
+        let logits = self.model.forward(token, &mut self.caches)?;
+        Ok(logits.reshape(&[-1])?)
+    }
+
+    /// Records the value of a token fed by [`Session::step_pending`].
+    pub fn record_token(&mut self, token: u32) {
+        self.tokens.push(token);
+    }
+
     /// Feeds one generated token; returns the logits for the next.
     pub fn step(&mut self, token: u32) -> Result<Array> {
         let logits = prefill(self.model, &[token], &mut self.caches, None)?;

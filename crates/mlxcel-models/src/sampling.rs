@@ -46,6 +46,12 @@ impl Sampler {
         Sampler { params, rng }
     }
 
+    /// Whether the choice is the plain argmax (no randomness, no history), which can then be
+    /// made on the device.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature <= 0.0 && self.params.repetition_penalty == 1.0
+    }
+
     /// Picks the next token from `logits` (one row, any length) given the tokens so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = &self.params;

@@ -117,21 +117,24 @@ pub enum SwitchLinear {
 }
 
 impl SwitchLinear {
-    /// `x` `[rows, 1, in]`, `experts` `[rows]` (sorted ascending) → `[rows, 1, out]`.
-    pub fn forward_sorted(&self, x: &Array, experts: &Array) -> Result<Array> {
+    /// `x` `[.., 1, in]` against the experts named by `experts` (`x`'s batch shape broadcast
+    /// against it) → `[.., 1, out]`. `sorted` promises `experts` is non-decreasing, which lets MLX
+    /// run each expert's rows as one block.
+    pub fn forward(&self, x: &Array, experts: &Array, sorted: bool) -> Result<Array> {
         match self {
             SwitchLinear::Dense(w) => {
                 super::calibration::observe(w, x);
                 let wt = w.transpose(&[0, 2, 1])?;
-                Ok(ops::gather_mm(x, &wt, None, Some(experts), true)?)
+                Ok(ops::gather_mm(x, &wt, None, Some(experts), sorted)?)
             }
             SwitchLinear::Quantized(q)
-                if dequantize_experts_for(x.dim(0)? as usize, q.weight.dim(0)? as usize) =>
+                if sorted
+                    && dequantize_experts_for(x.dim(0)? as usize, q.weight.dim(0)? as usize) =>
             {
                 // Prefill with several rows per expert on average: dequantize the stack once and
                 // use the dense gathered GEMM (see `dequantize_rows_threshold`).
                 let w = q.dequantize(x.dtype()?)?.transpose(&[0, 2, 1])?;
-                Ok(ops::gather_mm(x, &w, None, Some(experts), true)?)
+                Ok(ops::gather_mm(x, &w, None, Some(experts), sorted)?)
             }
             SwitchLinear::Quantized(q) => Ok(ops::gather_qmm(
                 x,
@@ -142,7 +145,7 @@ impl SwitchLinear {
                 Some(experts),
                 true,
                 q.spec,
-                true,
+                sorted,
             )?),
         }
     }

@@ -61,20 +61,33 @@ impl SwitchGlu {
         let shape = ids.shape();
         let (t, k) = (shape[0], shape[1]);
         let d = x.dim(-1)?;
+        if t * k < SORT_FROM_PAIRS {
+            // Decode-sized: each token's row broadcast over its k experts, no sorting.
+            let xs = x.reshape(&[t, 1, 1, d])?;
+            let g = self.gate.forward(&xs, ids, false)?;
+            let u = self.up.forward(&xs, ids, false)?;
+            let h = self.act.apply(&g)?.multiply(&u)?;
+            let y = self.down.forward(&h, ids, false)?;
+            return Ok(y.reshape(&[t, k, d])?);
+        }
         let flat = ids.reshape(&[t * k])?;
         // Sort (token, expert) pairs by expert so each expert's rows are contiguous.
         let order = flat.argsort(0)?;
         let inverse = order.argsort(0)?;
         let sorted_ids = flat.take(&order, 0)?;
-        let token_of = order.floor_divide(&Array::scalar(k as f64, order.dtype()?)?)?;
+        let token_of = order.floor_divide(&order.scalar_like(k as f64)?)?;
         let rows = x.take(&token_of, 0)?.reshape(&[t * k, 1, d])?;
-        let g = self.gate.forward_sorted(&rows, &sorted_ids)?;
-        let u = self.up.forward_sorted(&rows, &sorted_ids)?;
+        let g = self.gate.forward(&rows, &sorted_ids, true)?;
+        let u = self.up.forward(&rows, &sorted_ids, true)?;
         let h = self.act.apply(&g)?.multiply(&u)?;
-        let y = self.down.forward_sorted(&h, &sorted_ids)?;
+        let y = self.down.forward(&h, &sorted_ids, true)?;
         Ok(y.take(&inverse, 0)?.reshape(&[t, k, d])?)
     }
 }
+
+/// From how many (token, expert) pairs sorting them by expert pays off (prefill); below it
+/// (decode) the gathered matmuls take the tokens unsorted, as mlx-lm does.
+const SORT_FROM_PAIRS: i32 = 64;
 
 /// Routed experts streamed from disk through a slot arena (see `mlxcel_stream`). Per call the
 /// router's choices are read on the host, the distinct experts loaded into slots (in waves when
@@ -154,10 +167,10 @@ impl StreamedGlu {
                 .take(&Array::from_slice(&tokens, &[n])?, 0)?
                 .reshape(&[n, 1, d])?;
             let idx = Array::from_slice(&slot_ids, &[n])?;
-            let g = self.projection(&layer, 0)?.forward_sorted(&xs, &idx)?;
-            let u = self.projection(&layer, 1)?.forward_sorted(&xs, &idx)?;
+            let g = self.projection(&layer, 0)?.forward(&xs, &idx, true)?;
+            let u = self.projection(&layer, 1)?.forward(&xs, &idx, true)?;
             let h = self.act.apply(&g)?.multiply(&u)?;
-            let y = self.projection(&layer, 2)?.forward_sorted(&h, &idx)?;
+            let y = self.projection(&layer, 2)?.forward(&h, &idx, true)?;
             if waves > 1 {
                 // The next wave may evict these slots: finish reading them first.
                 y.eval()?;
