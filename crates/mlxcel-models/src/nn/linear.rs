@@ -7,21 +7,17 @@ use mlxcel_quant::QuantizedWeight;
 use crate::Result;
 
 /// From how many rows of activations a quantized linear layer is dequantized and run as a dense
-/// GEMM: `MLXCEL_DEQUANT_ROWS` (0 = never), by default 32 on a GPU and never on the CPU, where
-/// MLX's dense and quantized kernels run at the same speed.
+/// GEMM: `MLXCEL_DEQUANT_ROWS` (unset or 0 = never). Off by default: measured on an H200 with
+/// MLX 0.32.4's CUDA backend, once its kernels are JIT-compiled the quantized prefill kernels are
+/// as fast as dequantize + dense GEMM for a Llama-8B shape and faster for a 30B-A3B MoE (see
+/// docs/performance.md); on the CPU both run at the same speed.
 pub fn dequantize_rows_threshold() -> usize {
     static THRESHOLD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *THRESHOLD.get_or_init(|| {
-        match std::env::var("MLXCEL_DEQUANT_ROWS")
+        std::env::var("MLXCEL_DEQUANT_ROWS")
             .ok()
             .and_then(|v| v.trim().parse().ok())
-        {
-            Some(n) => n,
-            None => match mlxcel_core::default_device() {
-                Ok(mlxcel_core::Device::Gpu) => 32,
-                _ => 0,
-            },
-        }
+            .unwrap_or(0)
     })
 }
 
