@@ -115,6 +115,19 @@ pub fn reference(name: &str) -> Reference {
     }
 }
 
+/// All-position logits `[len, vocab]` (row-major) of one forward pass over `ids` with fresh caches.
+pub fn logits_for(model: &dyn mlxcel_models::LanguageModel, ids: &[u32]) -> Vec<f32> {
+    let input: Vec<i32> = ids.iter().map(|t| *t as i32).collect();
+    let tokens =
+        mlxcel_core::Array::from_slice(&input, &[1, input.len() as i32]).expect("token array");
+    let mut caches = model.make_caches();
+    model
+        .forward(&tokens, &mut caches)
+        .expect("forward")
+        .to_vec::<f32>()
+        .expect("f32 logits")
+}
+
 /// Largest absolute difference and where it is.
 pub fn max_abs_diff(got: &[f32], want: &[f32]) -> (f32, usize) {
     assert_eq!(got.len(), want.len(), "logit counts differ");

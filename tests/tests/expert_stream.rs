@@ -5,12 +5,11 @@
 use std::fs;
 use std::path::Path;
 
-use mlxcel_core::Array;
 use mlxcel_loading::stream::prepare_expert_stream;
-use mlxcel_loading::{load_model, LanguageModel, LoadOptions, Loaded};
+use mlxcel_loading::{load_model, LoadOptions, Loaded};
 use mlxcel_models::generate::greedy;
 use mlxcel_stream::{manifest, CachePolicy, StreamConfig, StreamMode};
-use mlxcel_tests::{model_dir, reference};
+use mlxcel_tests::{logits_for, model_dir, reference};
 
 fn copy_fixture(name: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -33,17 +32,6 @@ fn load(dir: &Path, stream: StreamConfig) -> Loaded {
     .unwrap()
 }
 
-fn logits(model: &dyn LanguageModel, ids: &[u32]) -> Vec<f32> {
-    let input: Vec<i32> = ids.iter().map(|t| *t as i32).collect();
-    let tokens = Array::from_slice(&input, &[1, input.len() as i32]).unwrap();
-    let mut caches = model.make_caches();
-    model
-        .forward(&tokens, &mut caches)
-        .unwrap()
-        .to_vec::<f32>()
-        .unwrap()
-}
-
 fn check(name: &str) {
     let dir = copy_fixture(name);
     let manifest = prepare_expert_stream(dir.path(), |_, _| {}).unwrap();
@@ -55,7 +43,7 @@ fn check(name: &str) {
     };
     let resident = load(dir.path(), off);
     assert!(resident.expert_stream.is_none());
-    let want_logits = logits(&resident.model, &r.prompt_ids);
+    let want_logits = logits_for(&resident.model, &r.prompt_ids);
     let want_ids = greedy(
         &resident.model,
         &r.prompt_ids,
@@ -78,7 +66,7 @@ fn check(name: &str) {
             let streamed = load(dir.path(), on);
             let (plan, stats) = streamed.expert_stream.as_ref().expect("streaming");
             assert_eq!(plan.slots_per_layer, slots);
-            let got = logits(&streamed.model, &r.prompt_ids);
+            let got = logits_for(&streamed.model, &r.prompt_ids);
             assert_eq!(got, want_logits, "{name}: {slots} slots {policy:?}: logits");
             for chunk in [None, Some(3), Some(16)] {
                 let ids = greedy(

@@ -9,22 +9,10 @@
 //! as a float32 engine can be — and its distance to transformers' f32 logits ≤ that bound + e_ref
 //! (the triangle inequality). Where e_ref ≤ 5e-5 this is the plain 1e-4 + e_ref.
 
-use mlxcel_core::Array;
 use mlxcel_loading::{load_model, LanguageModel, LoadOptions};
 use mlxcel_models::generate::greedy;
 use mlxcel_models::ModelType;
-use mlxcel_tests::{fixture_index, max_abs_diff, model_dir, reference};
-
-fn logits_for(model: &dyn LanguageModel, ids: &[u32]) -> Vec<f32> {
-    let input: Vec<i32> = ids.iter().map(|t| *t as i32).collect();
-    let tokens = Array::from_slice(&input, &[1, input.len() as i32]).unwrap();
-    let mut caches = model.make_caches();
-    model
-        .forward(&tokens, &mut caches)
-        .unwrap()
-        .to_vec::<f32>()
-        .unwrap()
-}
+use mlxcel_tests::{fixture_index, logits_for, max_abs_diff, model_dir, reference};
 
 fn check(name: &str, quantized: bool) {
     let reference = reference(name);

@@ -30,6 +30,33 @@ pub(crate) fn gemma_spec(c: &CommonArgs, hidden_activation: Option<&str>) -> Res
     Ok(spec)
 }
 
+/// The Gemma 2/3 config fields beyond [`CommonArgs`].
+#[derive(Debug, Clone, Deserialize)]
+pub struct GemmaArgs {
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+}
+
+/// Gemma 2/3's layout: sandwich norms, queries scaled by `query_pre_attn_scalar^-1/2`,
+/// optional soft-capping of attention scores and final logits.
+pub(crate) fn sandwich_spec(c: &CommonArgs, g: &GemmaArgs) -> Result<DecoderSpec> {
+    let mut spec = gemma_spec(c, g.hidden_activation.as_deref())?;
+    spec.sandwich_norms = true;
+    spec.attn_scale = g
+        .query_pre_attn_scalar
+        .unwrap_or(c.head_dim() as f64)
+        .powf(-0.5) as f32;
+    spec.attn_softcap = g.attn_logit_softcapping.map(|v| v as f32);
+    spec.final_softcap = g.final_logit_softcapping;
+    Ok(spec)
+}
+
 pub type Model = Transformer<Args>;
 
 impl Architecture for Model {

@@ -5,7 +5,7 @@
 use serde::Deserialize;
 
 use super::common::CommonArgs;
-use super::gemma::gemma_spec;
+use super::gemma::{sandwich_spec, GemmaArgs};
 use super::transformer::{Decoder, QkNormSpec, Transformer};
 use crate::model::Architecture;
 use crate::weights::ModelWeights;
@@ -23,14 +23,8 @@ fn default_local_base() -> f64 {
 pub struct Args {
     #[serde(flatten)]
     pub common: CommonArgs,
-    #[serde(default)]
-    pub hidden_activation: Option<String>,
-    #[serde(default)]
-    pub query_pre_attn_scalar: Option<f64>,
-    #[serde(default)]
-    pub attn_logit_softcapping: Option<f64>,
-    #[serde(default)]
-    pub final_logit_softcapping: Option<f64>,
+    #[serde(flatten)]
+    pub gemma: GemmaArgs,
     #[serde(default = "default_pattern")]
     pub sliding_window_pattern: usize,
     #[serde(default = "default_local_base")]
@@ -44,15 +38,8 @@ impl Architecture for Model {
 
     fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
         let c = &args.common;
-        let mut spec = gemma_spec(c, args.hidden_activation.as_deref())?;
-        spec.sandwich_norms = true;
+        let mut spec = sandwich_spec(c, &args.gemma)?;
         spec.qk_norm = QkNormSpec::PerHead;
-        spec.attn_scale = args
-            .query_pre_attn_scalar
-            .unwrap_or(c.head_dim() as f64)
-            .powf(-0.5) as f32;
-        spec.attn_softcap = args.attn_logit_softcapping.map(|v| v as f32);
-        spec.final_softcap = args.final_logit_softcapping;
         let pattern = args.sliding_window_pattern.max(1);
         spec.windows = c.windows(|i| (i + 1) % pattern != 0)?;
         for (rope, window) in spec.rope.iter_mut().zip(&spec.windows) {
