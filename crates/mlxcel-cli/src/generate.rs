@@ -166,6 +166,16 @@ fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
+/// `--estimate-memory` for `inspect`: a run of `context` tokens with 512-token prefill chunks.
+pub fn estimate_for(model: &std::path::Path, context: u64) -> anyhow::Result<()> {
+    let folder = mlxcel_loading::resolve_model_dir(model)?;
+    let config = mlxcel_loading::read_config(&folder)?;
+    let dtype = mlxcel_loading::compute_dtype(&config)?;
+    println!();
+    print_estimate(&estimate(&folder, &config, dtype, context, 512)?, context);
+    Ok(())
+}
+
 fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
     println!("{:<16} {:<10} {:>12}", "role", "dtype", "bytes");
     for ((role, dtype), bytes) in &est.weights {

@@ -39,7 +39,15 @@ enum Command {
         out: PathBuf,
     },
     /// Describe a checkpoint: type, routes, parameters, dtype and quantization mix by role, bytes.
-    Inspect { model: PathBuf },
+    Inspect {
+        model: PathBuf,
+        /// Also print the memory a run would need (weights by role, KV cache, transient).
+        #[arg(long)]
+        estimate_memory: bool,
+        /// Context length for --estimate-memory's KV cache.
+        #[arg(long, default_value_t = 4096)]
+        max_context: u64,
+    },
     /// Print the model registry.
     Arch,
     /// Generate text from a prompt; text to stdout, statistics to stderr.
@@ -72,7 +80,16 @@ fn main() -> anyhow::Result<()> {
             prompt_ids,
             out,
         }) => logits(&model, &prompt_ids, &out)?,
-        Some(Command::Inspect { model }) => inspect::run(&model)?,
+        Some(Command::Inspect {
+            model,
+            estimate_memory,
+            max_context,
+        }) => {
+            inspect::run(&model)?;
+            if estimate_memory {
+                generate::estimate_for(&model, max_context)?;
+            }
+        }
         Some(Command::Arch) => inspect::print_registry(),
         Some(Command::Generate(flags)) => generate::generate(flags)?,
         Some(Command::Chat(flags)) => generate::chat(flags)?,

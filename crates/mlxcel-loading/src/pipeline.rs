@@ -157,17 +157,20 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     match detect_kind(&config, folder.join("modules.json").is_file()) {
         ModelKind::Generation => {}
-        ModelKind::Embedding => {
+        kind => {
+            let model_type = config
+                .get("model_type")
+                .and_then(Value::as_str)
+                .unwrap_or("?");
+            let what = if kind == ModelKind::Embedding {
+                "an embedding"
+            } else {
+                "a reranker"
+            };
             return Err(LoadError::Unsupported(format!(
-                "{}: an embedding checkpoint; embedding models load through the embedding loader, which this build does not have yet",
+                "{}: model_type `{model_type}` is {what} checkpoint; its loader is not in this build yet",
                 folder.display()
-            )))
-        }
-        ModelKind::Reranker => {
-            return Err(LoadError::Unsupported(format!(
-                "{}: a reranker checkpoint; rerankers load through the reranker loader, which this build does not have yet",
-                folder.display()
-            )))
+            )));
         }
     }
     let mut weights = WeightMap::open(&folder)?;

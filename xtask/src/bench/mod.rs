@@ -8,6 +8,7 @@
 
 mod proc;
 mod stats;
+mod stream;
 mod synth;
 
 use std::io::Read;
@@ -37,6 +38,10 @@ pub struct BenchArgs {
     /// Print the plan and exit.
     #[arg(long)]
     dry_run: bool,
+    /// Instead of the plan: routed-expert streaming on the MoE shape, resident vs LRU vs LFU
+    /// arenas (writes target/bench/expert_stream.md).
+    #[arg(long)]
+    expert_stream: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -465,6 +470,15 @@ fn command_for(
 
 pub fn bench(args: BenchArgs) -> Result<()> {
     let p = paths()?;
+    if args.expert_stream {
+        let model = ensure_model(&p, ModelId::Qwen3Moe4)?;
+        let prompt = prompt_ids(32, 32000, 7);
+        let table = stream::compare_policies(&model, &prompt, 16)?;
+        let out = p.bench.join("expert_stream.md");
+        std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+        println!("{table}");
+        return Ok(());
+    }
     let mut cases = plan(args.quick);
     if let Some(only) = &args.only {
         cases.retain(|c| c.name.contains(only.as_str()));
