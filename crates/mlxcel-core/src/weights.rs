@@ -356,6 +356,39 @@ impl WeightMap {
         }
     }
 
+    /// The tensor converted to `dtype`. Half-precision file tensors become float32 on the host
+    /// (SIMD conversion while copying out of the map) instead of through an MLX cast: on the CPU
+    /// backend that cast is a scalar loop and dominated load time. Other conversions use MLX.
+    pub fn get_as(&self, name: &str, dtype: Dtype) -> Result<Array> {
+        use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+        let info = self.entries.get(name).map(|e| &e.info);
+        let half_to_f32 = dtype == Dtype::Float32
+            && info.is_some_and(|i| matches!(i.dtype, Dtype::Float16 | Dtype::Bfloat16));
+        if let (true, Some(bytes), Some(info)) = (half_to_f32, self.bytes(name), info) {
+            let mut out = vec![0f32; bytes.len() / 2];
+            let units: Vec<u16> = bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect();
+            if info.dtype == Dtype::Float16 {
+                units
+                    .reinterpret_cast::<half::f16>()
+                    .convert_to_f32_slice(&mut out);
+            } else {
+                units
+                    .reinterpret_cast::<half::bf16>()
+                    .convert_to_f32_slice(&mut out);
+            }
+            return Array::from_slice(&out, &info.shape);
+        }
+        let a = self.get(name)?;
+        if a.dtype()? == dtype {
+            Ok(a)
+        } else {
+            a.astype(dtype)
+        }
+    }
+
     /// The raw bytes of a file tensor, without creating an array (`None` for inserted arrays).
     pub fn bytes(&self, name: &str) -> Option<&[u8]> {
         match &self.entries.get(name)?.source {

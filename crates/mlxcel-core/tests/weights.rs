@@ -258,3 +258,38 @@ fn materialization_policy_from_env() {
     Materialization::Eager.apply([&a]).unwrap();
     Materialization::Lazy.apply([&a]).unwrap();
 }
+
+#[test]
+fn half_tensors_convert_to_f32_on_the_host_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let values = [1.5f32, -2.25, 3.0e-5, 65504.0, -0.0, 1.0e-7];
+    let h: Vec<half::f16> = values.iter().map(|v| half::f16::from_f32(*v)).collect();
+    let b: Vec<half::bf16> = values.iter().map(|v| half::bf16::from_f32(*v)).collect();
+    write(
+        &dir.path().join("m.safetensors"),
+        &[
+            ("h", Array::from_slice(&h, &[2, 3]).unwrap()),
+            ("b", Array::from_slice(&b, &[2, 3]).unwrap()),
+        ],
+    );
+    let map = WeightMap::open(dir.path()).unwrap();
+    for name in ["h", "b"] {
+        let host = map.get_as(name, Dtype::Float32).unwrap();
+        let mlx = map.get(name).unwrap().astype(Dtype::Float32).unwrap();
+        assert_eq!(host.shape(), vec![2, 3]);
+        assert_eq!(
+            host.to_vec::<f32>().unwrap(),
+            mlx.to_vec::<f32>().unwrap(),
+            "{name}"
+        );
+    }
+    // Other targets go through MLX.
+    assert_eq!(
+        map.get_as("h", Dtype::Float16).unwrap().dtype().unwrap(),
+        Dtype::Float16
+    );
+    assert_eq!(
+        map.get_as("b", Dtype::Float16).unwrap().dtype().unwrap(),
+        Dtype::Float16
+    );
+}

@@ -68,6 +68,19 @@ impl ModelWeights {
         Ok(self.map.get(name)?)
     }
 
+    /// A float tensor in the compute dtype (other tensors as stored).
+    fn fetch_float(&mut self, name: &str) -> Result<Array> {
+        let is_float = self.map.info(name).is_some_and(|i| i.dtype.is_float());
+        if !is_float {
+            return self.fetch(name);
+        }
+        if !self.map.contains(name) {
+            return Err(ModelError::MissingTensor(name.to_string()));
+        }
+        self.used.insert(name.to_string());
+        Ok(self.map.get_as(name, self.dtype)?)
+    }
+
     fn keep(&mut self, a: Array) -> Array {
         self.kept.push(a.clone());
         a
@@ -89,19 +102,10 @@ impl ModelWeights {
         Ok(())
     }
 
-    fn float(&self, a: Array) -> Result<Array> {
-        Ok(if a.dtype()?.is_float() && a.dtype()? != self.dtype {
-            a.astype(self.dtype)?
-        } else {
-            a
-        })
-    }
-
     /// A float tensor of exactly `shape`, in the compute dtype.
     pub fn tensor(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
         self.check_shape(name, shape)?;
-        let a = self.fetch(name)?;
-        let a = self.float(a)?;
+        let a = self.fetch_float(name)?;
         Ok(self.keep(a))
     }
 
@@ -144,10 +148,10 @@ impl ModelWeights {
         };
         let weight_name = format!("{prefix}.weight");
         let weight = self.fetch(&weight_name)?;
-        let scales = self.fetch(&scales_name)?;
+        let scales = self.fetch_float(&scales_name)?;
         let biases_name = format!("{prefix}.biases");
         let biases = if self.map.contains(&biases_name) {
-            Some(self.fetch(&biases_name)?)
+            Some(self.fetch_float(&biases_name)?)
         } else {
             None
         };

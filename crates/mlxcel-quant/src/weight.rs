@@ -171,7 +171,7 @@ impl QuantizedWeight {
     /// Casts the float planes (scales and biases of affine) to `dtype`; fp modes keep their
     /// byte scales.
     pub fn with_float_dtype(self, dtype: Dtype) -> mlxcel_core::Result<QuantizedWeight> {
-        if self.spec.mode != QuantMode::Affine {
+        if self.spec.mode != QuantMode::Affine || self.scales.dtype()? == dtype {
             return Ok(self);
         }
         Ok(QuantizedWeight {
