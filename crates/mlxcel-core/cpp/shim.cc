@@ -158,10 +158,15 @@ size_t array_size(const array& a) { return a.size(); }
 size_t array_nbytes(const array& a) { return a.nbytes(); }
 
 void array_copy_to_host(const array& a, rust::Slice<uint8_t> out) {
-  // Views (transposes, slices, broadcasts) are not row-contiguous: copy them into a dense
-  // row-major array first.
-  array dense = mx::contiguous(a, false);
+  // Wait for the array itself first: adding an op here would queue behind work scheduled after
+  // it (a decode step queued before this token is read) and serialise the pipeline. Only views
+  // (transposes, slices, broadcasts) are then copied into a dense row-major array.
+  array dense = a;
   dense.eval();
+  if (!dense.flags().row_contiguous) {
+    dense = mx::contiguous(dense, false);
+    dense.eval();
+  }
   if (!dense.flags().row_contiguous) {
     throw std::runtime_error("mlxcel: contiguous() did not produce a row-major array");
   }
