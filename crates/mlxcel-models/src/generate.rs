@@ -22,9 +22,7 @@ pub fn prefill(
     for piece in tokens.chunks(step) {
         let ids: Vec<i32> = piece.iter().map(|t| *t as i32).collect();
         let input = Array::from_slice(&ids, &[1, ids.len() as i32])?;
-        let logits = model.forward(&input, caches)?;
-        let n = logits.dim(1)?;
-        let row = logits.slice_axis(1, n - 1, n)?.reshape(&[-1])?;
+        let row = model.forward_last(&input, caches)?.reshape(&[-1])?;
         // Evaluate per chunk so the graph (and memory) stays bounded by one chunk.
         row.eval()?;
         last = Some(row);
@@ -118,8 +116,10 @@ impl<'m> Session<'m> {
     /// reading this token, so building the graph overlaps the device's work. Call
     /// [`Session::record_token`] with the token's value once read.
     pub fn step_pending(&mut self, token: &Array) -> Result<Array> {
-        let logits = self.model.forward(token, &mut self.caches)?;
-        Ok(logits.reshape(&[-1])?)
+        Ok(self
+            .model
+            .forward_last(token, &mut self.caches)?
+            .reshape(&[-1])?)
     }
 
     /// Records the value of a token fed by [`Session::step_pending`].

@@ -22,6 +22,14 @@ pub trait LanguageModel {
     /// from [`LanguageModel::make_caches`]).
     fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array>;
 
+    /// Like [`LanguageModel::forward`] but only the last position's logits `[B, 1, vocab]`
+    /// (prefill and decoding need no others).
+    fn forward_last(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array> {
+        let logits = self.forward(tokens, caches)?;
+        let n = logits.dim(1)?;
+        Ok(logits.slice_axis(1, n - 1, n)?)
+    }
+
     fn vocab_size(&self) -> usize;
 
     /// One entry per layer.

@@ -197,6 +197,9 @@ macro_rules! define_registry {
             fn forward(&self, tokens: &mlxcel_core::Array, caches: &mut [KvCache]) -> Result<mlxcel_core::Array> {
                 match self { $(LoadedModel::$variant(m) => m.forward(tokens, caches)),* }
             }
+            fn forward_last(&self, tokens: &mlxcel_core::Array, caches: &mut [KvCache]) -> Result<mlxcel_core::Array> {
+                match self { $(LoadedModel::$variant(m) => m.forward_last(tokens, caches)),* }
+            }
             fn vocab_size(&self) -> usize {
                 match self { $(LoadedModel::$variant(m) => m.vocab_size()),* }
             }

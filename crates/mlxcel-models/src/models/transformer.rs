@@ -308,7 +308,15 @@ impl Decoder {
         })
     }
 
-    pub fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array> {
+    /// Logits `[B, L, vocab]` for every position, or `[B, 1, vocab]` for the last one only
+    /// (`last_only`: prefill needs just the next token's logits, and the output head is a large
+    /// share of a prompt's compute).
+    pub fn forward(
+        &self,
+        tokens: &Array,
+        caches: &mut [KvCache],
+        last_only: bool,
+    ) -> Result<Array> {
         if caches.len() != self.layers.len() {
             return Err(ModelError::Config(format!(
                 "{} caches for {} layers",
@@ -335,6 +343,12 @@ impl Decoder {
             }
             h = h.add(&ffn_in)?;
         }
+        let h = if last_only {
+            let n = h.dim(1)?;
+            h.slice_axis(1, n - 1, n)?
+        } else {
+            h
+        };
         let h = self.norm.forward(&h)?;
         let mut logits = match &self.lm_head {
             Some(head) => head.forward(&h)?,
@@ -380,7 +394,11 @@ impl<A> Transformer<A> {
 
 impl<A> LanguageModel for Transformer<A> {
     fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array> {
-        self.decoder.forward(tokens, caches)
+        self.decoder.forward(tokens, caches, false)
+    }
+
+    fn forward_last(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array> {
+        self.decoder.forward(tokens, caches, true)
     }
 
     fn vocab_size(&self) -> usize {
