@@ -44,10 +44,17 @@ fn check(name: &str, quantized: bool) {
     // The last-position-only forward (prefill) equals the last row of the full forward.
     let ids: Vec<i32> = reference.prompt_ids.iter().map(|t| *t as i32).collect();
     let tokens = mlxcel_core::Array::from_slice(&ids, &[1, ids.len() as i32]).unwrap();
-    let last = model.forward_last(&tokens, &mut model.make_caches()).unwrap().to_vec::<f32>().unwrap();
+    let last = model
+        .forward_last(&tokens, &mut model.make_caches())
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
     let full_last = &got[got.len() - reference.vocab..];
     let (d, _) = max_abs_diff(&last, full_last);
-    assert!(d <= 1e-5, "{name}: forward_last differs from the full forward by {d:.2e}");
+    assert!(
+        d <= 1e-5,
+        "{name}: forward_last differs from the full forward by {d:.2e}"
+    );
     let (diff, at) = max_abs_diff(&got, &reference.logits);
     let pos = at / reference.vocab;
     assert!(
