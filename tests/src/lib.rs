@@ -19,6 +19,19 @@ pub fn model_dir(name: &str) -> PathBuf {
     fixtures_dir().join("models").join(name)
 }
 
+/// A copy of a fixture folder (files only) in a temporary folder a test may edit.
+pub fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    for entry in std::fs::read_dir(model_dir(name)).expect("fixture folder") {
+        let path = entry.expect("fixture entry").path();
+        if path.is_file() {
+            std::fs::copy(&path, dir.path().join(path.file_name().expect("file name")))
+                .expect("copy");
+        }
+    }
+    dir
+}
+
 /// One row of `models/index.json`.
 #[derive(Debug, Clone)]
 pub struct FixtureEntry {

@@ -9,16 +9,7 @@ use mlxcel_loading::stream::prepare_expert_stream;
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
 use mlxcel_models::generate::greedy;
 use mlxcel_stream::{manifest, CachePolicy, StreamConfig, StreamMode};
-use mlxcel_tests::{logits_for, model_dir, reference};
-
-fn copy_fixture(name: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in fs::read_dir(model_dir(name)).unwrap() {
-        let path = entry.unwrap().path();
-        fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-    }
-    dir
-}
+use mlxcel_tests::{copy_fixture, logits_for, reference};
 
 fn load(dir: &Path, stream: StreamConfig) -> Loaded {
     load_model(

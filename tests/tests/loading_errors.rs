@@ -7,18 +7,8 @@ use std::path::Path;
 use mlxcel_core::weights::save_safetensors;
 use mlxcel_core::{Array, WeightMap};
 use mlxcel_loading::{load_model, LoadOptions};
-use mlxcel_tests::model_dir;
+use mlxcel_tests::copy_fixture;
 use serde_json::Value;
-
-/// A copy of a fixture folder whose config and weights a test may edit.
-fn copy_fixture(name: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in fs::read_dir(model_dir(name)).unwrap() {
-        let path = entry.unwrap().path();
-        fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-    }
-    dir
-}
 
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) {
     let path = dir.join("config.json");

@@ -3,8 +3,6 @@
 //! dequantized in float32 (`tests/fixtures/real/smollm2/`). Skips, saying so, when the model has
 //! not been fetched (CI fetches it first).
 
-use std::path::PathBuf;
-
 use mlxcel_core::Array;
 use mlxcel_loading::{
     generate_text, load_model, GenerateRequest, LanguageModel, LoadOptions, Loaded, Message,
@@ -16,10 +14,7 @@ use mlxcel_tests::fixtures_dir;
 use serde_json::Value;
 
 fn smollm2() -> Option<Loaded> {
-    let cache = match std::env::var_os("MLXCEL_CACHE_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/mlxcel"),
-    };
+    let cache = mlxcel_core::cache_dir().unwrap_or_default();
     let folder = cache.join("models/SmolLM2-135M-Instruct-4bit");
     if !folder.join("config.json").is_file() {
         println!(

@@ -31,11 +31,7 @@ const MODEL_FILES: [&str; 3] = ["config.json", "model.safetensors", "tokenizer.j
 
 /// `MLXCEL_CACHE_DIR`, else `~/.cache/mlxcel`.
 pub fn cache_dir() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("MLXCEL_CACHE_DIR") {
-        return Ok(PathBuf::from(dir));
-    }
-    let home = std::env::var_os("HOME").context("neither MLXCEL_CACHE_DIR nor HOME is set")?;
-    Ok(PathBuf::from(home).join(".cache").join("mlxcel"))
+    mlxcel_core::cache_dir().context("neither MLXCEL_CACHE_DIR nor HOME is set")
 }
 
 fn python() -> String {

@@ -86,12 +86,7 @@ pub struct GenerateFlags {
 }
 
 fn default_model() -> anyhow::Result<PathBuf> {
-    let cache = match std::env::var("MLXCEL_CACHE_DIR") {
-        Ok(d) => PathBuf::from(d),
-        Err(_) => {
-            PathBuf::from(std::env::var("HOME").context("HOME is not set")?).join(".cache/mlxcel")
-        }
-    };
+    let cache = mlxcel_core::cache_dir().context("neither MLXCEL_CACHE_DIR nor HOME is set")?;
     let path = cache.join("models/SmolLM2-135M-Instruct-4bit");
     if !path.join("config.json").is_file() {
         bail!("no --model given and the default model is not installed at {}: run `cargo xtask fetch-models`", path.display());

@@ -35,5 +35,15 @@ pub fn mlx_version() -> Result<String> {
     Ok(ffi::bridge::mlx_version()?)
 }
 
+/// mlxcel's cache folder (downloads, imported models): `MLXCEL_CACHE_DIR`, else
+/// `$HOME/.cache/mlxcel`; `None` when neither is set. (The build script resolves the same
+/// folder for the MLX wheel on its own, as it cannot call this crate.)
+pub fn cache_dir() -> Option<std::path::PathBuf> {
+    if let Some(dir) = std::env::var_os("MLXCEL_CACHE_DIR") {
+        return Some(dir.into());
+    }
+    std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache").join("mlxcel"))
+}
+
 /// The folder of the `libmlx` this crate was linked against (its RUNPATH).
 pub const MLX_LIB_DIR: &str = env!("MLXCEL_MLX_LIB_DIR");

@@ -12,10 +12,7 @@ use mlxcel_core::{Dtype, WeightMap};
 use serde_json::Value;
 
 fn cache_dir() -> PathBuf {
-    match std::env::var_os("MLXCEL_CACHE_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/mlxcel"),
-    }
+    mlxcel_core::cache_dir().unwrap_or_default()
 }
 
 /// `(model folder, gguf)` or `None` (after printing a skip line) when not fetched.
