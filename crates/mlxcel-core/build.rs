@@ -23,6 +23,8 @@ fn main() {
     println!("cargo:rerun-if-changed=ops.table");
     println!("cargo:rerun-if-changed=cpp/shim.h");
     println!("cargo:rerun-if-changed=cpp/shim.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_linear.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_linear_kernels.inc");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
     let root = match locate_mlx() {
@@ -46,13 +48,15 @@ fn main() {
     let mut build = cxx_build::bridge("src/ffi.rs");
     build
         .file("cpp/shim.cc")
+        .file("cpp/cpu_linear.cc")
         .include(&include)
         .include(&out)
         .flag_if_supported("-std=c++20")
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .flag_if_supported("-Wno-unused-variable")
-        .flag_if_supported("-Wno-sign-compare");
+        .flag_if_supported("-Wno-sign-compare")
+        .flag_if_supported("-Wno-psabi");
     if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("macos") {
         build.flag("-mmacosx-version-min=14.0");
     }

@@ -116,6 +116,9 @@ Ptr gather_qmm(const array& x, const array& w, const array& scales, const array*
                int32_t group_size, int32_t bits, rust::Str mode, bool sorted_indices);
 Ptr gather_mm(const array& a, const array& b, const array* lhs_indices, const array* rhs_indices,
               bool sorted_indices);
+// x @ W^T on mlxcel's own CPU kernel (cpu_linear.cc); bits 0 means W is dense.
+Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
+               int32_t group_size, int32_t bits);
 
 Ptr rms_norm(const array& x, const array* weight, float eps);
 Ptr layer_norm(const array& x, const array* weight, const array* bias, float eps);

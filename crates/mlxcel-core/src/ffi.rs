@@ -246,6 +246,17 @@ pub(crate) mod bridge {
             rhs_indices: *const MlxArray,
             sorted_indices: bool,
         ) -> Result<UniquePtr<MlxArray>>;
+        /// `x @ w^T` on mlxcel's CPU kernel; `bits == 0`: `w` dense.
+        /// # Safety
+        /// `scales` and `biases` are null or point to live arrays.
+        unsafe fn cpu_linear(
+            x: &MlxArray,
+            w: &MlxArray,
+            scales: *const MlxArray,
+            biases: *const MlxArray,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<MlxArray>>;
 
         // ---- fast (fused) kernels ----
         /// # Safety

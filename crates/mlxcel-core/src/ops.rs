@@ -454,7 +454,41 @@ pub fn dequantize(
     }))
 }
 
-/// `x @ dequantize(w).T` (when `transpose`) without materialising the dense matrix.
+/// Whether mlxcel's own CPU kernel (`cpp/cpu_linear.cc`) computes `x @ W^T` when MLX runs on
+/// the CPU: on unless `MLXCEL_CPU_KERNELS=0` (which keeps MLX's kernels, for comparisons).
+/// MLX's Linux CPU backend runs quantized matmuls as a scalar loop and dense ones through a
+/// reference BLAS; the mlxcel kernel is vectorised and multi-threaded (`MLXCEL_CPU_THREADS`).
+pub fn cpu_kernels_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("MLXCEL_CPU_KERNELS").map_or(true, |v| v.trim() != "0"))
+}
+
+fn on_cpu_kernel_path(x: &Array, weight: &Array) -> Result<bool> {
+    Ok(cpu_kernels_enabled()
+        && weight.ndim() == 2
+        && x.dtype()? == Dtype::Float32
+        && crate::default_device()? == crate::Device::Cpu)
+}
+
+fn is_cpu_kernel_float(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+}
+
+/// `x @ weight^T` for a dense weight `[out, in]` (a linear layer), on mlxcel's CPU kernel where
+/// it applies (float32 activations on the CPU, float weights read as stored), else MLX's matmul.
+pub fn linear(x: &Array, weight: &Array) -> Result<Array> {
+    if on_cpu_kernel_path(x, weight)? && is_cpu_kernel_float(weight.dtype()?) {
+        // SAFETY: null optional pointers.
+        return Ok(wrap(unsafe {
+            bridge::cpu_linear(x.as_ref(), weight.as_ref(), ptr::null(), ptr::null(), 0, 0)?
+        }));
+    }
+    x.matmul(&weight.t()?)
+}
+
+/// `x @ dequantize(w).T` (when `transpose`) without materialising the dense matrix. On the CPU
+/// with float32 activations, affine 2/4/8-bit weights run on mlxcel's kernel (see
+/// [`cpu_kernels_enabled`]).
 pub fn quantized_matmul(
     x: &Array,
     weight: &Array,
@@ -463,6 +497,27 @@ pub fn quantized_matmul(
     transpose: bool,
     spec: QuantSpec,
 ) -> Result<Array> {
+    if let Some(b) = biases {
+        if transpose
+            && spec.mode == QuantMode::Affine
+            && matches!(spec.bits, 2 | 4 | 8)
+            && spec.group_size % 16 == 0
+            && is_cpu_kernel_float(scales.dtype()?)
+            && on_cpu_kernel_path(x, weight)?
+        {
+            return Ok(wrap(unsafe {
+                // SAFETY: both pointers borrow live arrays for the call's duration.
+                bridge::cpu_linear(
+                    x.as_ref(),
+                    weight.as_ref(),
+                    scales.as_ptr(),
+                    b.as_ptr(),
+                    spec.group_size,
+                    spec.bits,
+                )?
+            }));
+        }
+    }
     // SAFETY: `biases` is null or borrowed for the call's duration.
     Ok(wrap(unsafe {
         bridge::quantized_matmul(

@@ -1,0 +1,321 @@
+// `CpuLinear`: mlxcel's own CPU kernel for `y = x @ W^T`, registered with MLX as a primitive so
+// it sits in the lazy graph like any MLX op.
+//
+// Why: MLX's Linux CPU backend runs quantized matmuls as a scalar single-threaded loop and dense
+// float32 matmuls through the reference BLAS bundled with the `mlx-cpu` wheel, both at a few
+// GFLOP/s. This kernel vectorises (AVX2/FMA/F16C when the CPU has them, chosen at run time),
+// splits the output columns over a small thread pool, reads quantized codes, bf16 and f16 weights
+// directly (no float32 copy of the weights), and keeps activations and accumulation in float32.
+//
+// Covered: x float32 [..., K]; W either MLX affine-quantized (2, 4 or 8 bits; scales and biases
+// float32, bf16 or f16) or dense float32/bf16/f16 [N, K]. Everything else stays on MLX's kernels
+// (the Rust side decides, see `mlxcel_core::ops::linear`).
+#include "mlxcel-core/cpp/shim.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace mlxcel {
+
+namespace mx = mlx::core;
+
+namespace {
+
+enum class ElemKind { F32, BF16, F16 };
+
+struct LinearArgs {
+  const float* x;     // [M, K]
+  const float* xsum;  // [M, K / group_size], quantized weights only
+  const void* w;
+  const void* scales;
+  const void* biases;
+  float* out;  // [M, N]
+  int64_t M, N;
+  int K;
+  int group_size;
+  int bits;  // 0: dense
+  ElemKind weight_kind;
+  ElemKind scale_kind;
+};
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MLXCEL_HAVE_AVX2_KERNELS 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#include "cpu_linear_kernels.inc"
+}
+#pragma GCC pop_options
+#endif
+
+namespace generic {
+#include "cpu_linear_kernels.inc"
+}
+
+using RowsFn = void (*)(const LinearArgs&, int64_t, int64_t);
+
+RowsFn pick_kernel() {
+#ifdef MLXCEL_HAVE_AVX2_KERNELS
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return avx2::run_rows;
+  }
+#endif
+  return generic::run_rows;
+}
+
+// A fixed set of worker threads that split one range at a time. The thread that submits the
+// work (MLX's CPU stream thread) takes a share itself. Workers sleep on a condition variable
+// between calls; a decode step issues a few hundred calls, so threads are never spawned per call.
+class Pool {
+ public:
+  explicit Pool(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  int threads() const { return int(workers_.size()) + 1; }
+
+  // Calls `fn(i)` for every i in [0, tasks), spread over the pool; returns when all are done.
+  void run(int tasks, const std::function<void(int)>& fn) {
+    if (workers_.empty() || tasks <= 1) {
+      for (int i = 0; i < tasks; ++i) fn(i);
+      return;
+    }
+    std::lock_guard<std::mutex> submit(submit_mu_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &fn;
+      tasks_ = tasks;
+      next_.store(0);
+      busy_ = int(workers_.size());
+      ++generation_;
+    }
+    wake_.notify_all();
+    drain(fn, tasks);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return busy_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void drain(const std::function<void(int)>& fn, int tasks) {
+    for (int i = next_.fetch_add(1); i < tasks; i = next_.fetch_add(1)) fn(i);
+  }
+
+  void worker_loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* fn;
+      int tasks;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        fn = job_;
+        tasks = tasks_;
+      }
+      drain(*fn, tasks);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (--busy_ == 0) done_.notify_one();
+      }
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex submit_mu_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  const std::function<void(int)>* job_ = nullptr;
+  int tasks_ = 0;
+  std::atomic<int> next_{0};
+  int busy_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+int pool_threads() {
+  if (const char* v = std::getenv("MLXCEL_CPU_THREADS")) {
+    int n = std::atoi(v);
+    if (n > 0) return std::min(n, 64);
+  }
+  unsigned hw = std::thread::hardware_concurrency();
+  return int(std::clamp(hw, 1u, 16u));
+}
+
+Pool& pool() {
+  // Leaked on purpose: joining threads during static destruction at process exit can deadlock
+  // with MLX's own scheduler teardown.
+  static Pool* p = new Pool(pool_threads());
+  return *p;
+}
+
+void run_linear(const LinearArgs& a) {
+  static const RowsFn rows = pick_kernel();
+  // Work below ~64K weight elements x rows is not worth waking the pool for.
+  const int64_t work = a.N * int64_t(a.K) * std::max<int64_t>(a.M, 1);
+  const int threads = work < (int64_t(1) << 16) ? 1 : pool().threads();
+  // Split output columns in equal, even-sized spans (the blocked path pairs rows).
+  const int64_t span = ((a.N + threads - 1) / threads + 1) & ~int64_t(1);
+  const int tasks = int((a.N + span - 1) / span);
+  pool().run(tasks, [&](int t) {
+    const int64_t begin = int64_t(t) * span;
+    rows(a, begin, std::min(a.N, begin + span));
+  });
+}
+
+ElemKind elem_kind(const mx::array& a, const char* what) {
+  switch (a.dtype().val()) {
+    case mx::Dtype::Val::float32: return ElemKind::F32;
+    case mx::Dtype::Val::bfloat16: return ElemKind::BF16;
+    case mx::Dtype::Val::float16: return ElemKind::F16;
+    default:
+      throw std::invalid_argument(std::string("mlxcel cpu_linear: ") + what +
+                                  " must be float32, bfloat16 or float16");
+  }
+}
+
+class CpuLinear : public mx::UnaryPrimitive {
+ public:
+  CpuLinear(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    for (const auto& in : inputs) {
+      if (!in.flags().row_contiguous) {
+        // Weights come from safetensors or MLX's quantize (row-major); x is made contiguous
+        // when the node is built. Anything else is a caller bug, reported before any work.
+        throw std::invalid_argument("mlxcel cpu_linear: an input is not row-contiguous");
+      }
+    }
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+
+    LinearArgs a{};
+    a.K = x.shape(-1);
+    a.M = a.K == 0 ? 0 : int64_t(x.size() / a.K);
+    a.N = w.shape(0);
+    a.group_size = group_size_;
+    a.bits = bits_;
+    a.x = x.data<float>();
+    a.w = w.data<void>();
+    a.out = out.data<float>();
+    a.weight_kind = bits_ == 0 ? elem_kind(w, "weight") : ElemKind::F32;
+    if (bits_ > 0) {
+      a.scales = inputs[2].data<void>();
+      a.biases = inputs[3].data<void>();
+      a.scale_kind = elem_kind(inputs[2], "scales");
+    }
+
+    // Keep every buffer alive until the task has run, whatever happens to the graph meanwhile.
+    std::vector<std::shared_ptr<mx::array::Data>> keep;
+    for (const auto& in : inputs) keep.push_back(in.data_shared_ptr());
+    keep.push_back(out.data_shared_ptr());
+
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    encoder.dispatch([a, keep = std::move(keep)]() mutable {
+      if (a.M == 0 || a.N == 0) return;
+      std::vector<float> xsum;
+      if (a.bits > 0) {
+        // sum(x) per quantization group, shared by every output column.
+        const int groups = a.K / a.group_size;
+        xsum.assign(size_t(a.M) * groups, 0.0f);
+        for (int64_t m = 0; m < a.M; ++m)
+          for (int g = 0; g < groups; ++g) {
+            const float* xs = a.x + size_t(m) * a.K + size_t(g) * a.group_size;
+            float s = 0.0f;
+            for (int k = 0; k < a.group_size; ++k) s += xs[k];
+            xsum[size_t(m) * groups + g] = s;
+          }
+        a.xsum = xsum.data();
+      }
+      run_linear(a);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxcel cpu_linear runs on the CPU stream only");
+  }
+
+  const char* name() const override { return "MlxcelCpuLinear"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const CpuLinear&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+}  // namespace
+
+Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
+               int32_t group_size, int32_t bits) {
+  auto fail = [](const std::string& why) {
+    throw std::invalid_argument("mlxcel cpu_linear: " + why);
+  };
+  if (x.dtype() != mx::float32) fail("x must be float32");
+  if (x.ndim() < 1) fail("x must have at least one dimension");
+  if (w.ndim() != 2) fail("the weight must be 2-D [out, in]");
+  const int K = x.shape(-1);
+  const int N = w.shape(0);
+  std::vector<array> inputs;
+  auto stream = mx::default_stream(mx::Device::cpu);
+  inputs.push_back(mx::contiguous(x, false, stream));
+  inputs.push_back(w);
+  if (bits == 0) {
+    elem_kind(w, "weight");
+    if (w.shape(1) != K) fail("weight has " + std::to_string(w.shape(1)) + " columns, x has " +
+                              std::to_string(K));
+  } else {
+    if (bits != 2 && bits != 4 && bits != 8) fail("bits must be 2, 4 or 8");
+    if (group_size <= 0 || group_size % 16 != 0) fail("group size must be a multiple of 16");
+    if (!scales || !biases) fail("affine quantization needs scales and biases");
+    if (w.dtype() != mx::uint32) fail("packed weight must be uint32");
+    if (int64_t(w.shape(1)) * 32 / bits != K) fail("packed weight does not match K");
+    if (K % group_size != 0) fail("K is not a multiple of the group size");
+    const mx::Shape sshape{N, K / group_size};
+    if (scales->shape() != sshape || biases->shape() != sshape) fail("scales/biases shape");
+    if (scales->dtype() != biases->dtype()) fail("scales and biases differ in dtype");
+    elem_kind(*scales, "scales");
+    inputs.push_back(*scales);
+    inputs.push_back(*biases);
+  }
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = N;
+  return std::make_unique<array>(out_shape, mx::float32,
+                                 std::make_shared<CpuLinear>(stream, group_size, bits),
+                                 std::move(inputs));
+}
+
+}  // namespace mlxcel

@@ -1,0 +1,172 @@
+//! mlxcel's CPU linear kernel (`cpp/cpu_linear.cc`, reached through `ops::quantized_matmul` and
+//! `ops::linear` on the CPU with float32 activations) against a float64 host reference built
+//! from MLX's own `dequantize` (quantized weights) or the stored values (dense weights): every
+//! bit width and scale dtype it takes, the fused few-row path (1–4 rows), the blocked many-row
+//! path, the thread pool (large enough layers), odd sizes and strided inputs.
+
+mod common;
+
+use common::*;
+use mlxcel_core::ops::{self, QuantSpec};
+use mlxcel_core::{Array, Dtype};
+
+/// `x [m, k] @ w[n, k]^T` in float64, with the bound `sum |x| |w|` per output used to scale the
+/// tolerance (float32 accumulation in a different order than the reference).
+fn reference(x: &[f64], w: &[f64], m: usize, k: usize, n: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut y = vec![0.0; m * n];
+    let mut bound = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut b) = (0.0, 0.0);
+            for t in 0..k {
+                s += x[i * k + t] * w[j * k + t];
+                b += (x[i * k + t] * w[j * k + t]).abs();
+            }
+            y[i * n + j] = s;
+            bound[i * n + j] = b;
+        }
+    }
+    (y, bound)
+}
+
+fn check(what: &str, got: &Array, want: &[f64], bound: &[f64]) {
+    assert_eq!(got.dtype().unwrap(), Dtype::Float32, "{what}: output dtype");
+    let got = read(got);
+    assert_eq!(got.len(), want.len(), "{what}: output size");
+    for (i, ((g, w), b)) in got.iter().zip(want).zip(bound).enumerate() {
+        let tol = 2e-6 * b + 1e-6;
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}: element {i}: got {g}, want {w} (tolerance {tol})"
+        );
+    }
+}
+
+/// Dequantizes MLX's affine layout on the host: codes packed LSB-first into little-endian u32
+/// words, `w = scale * code + bias` per group, in float64 from the stored scales and biases.
+fn dequantize_host(q: &ops::Quantized, bits: usize, group: usize, n: usize, k: usize) -> Vec<f64> {
+    let words = q.weight.to_vec::<u32>().unwrap();
+    let scales = read(&q.scales);
+    let biases = read(q.biases.as_ref().unwrap());
+    let per_word = 32 / bits;
+    (0..n * k)
+        .map(|i| {
+            let code = (words[i / per_word] >> ((i % per_word) * bits)) & ((1 << bits) - 1);
+            let g = i / group;
+            scales[g] * code as f64 + biases[g]
+        })
+        .collect()
+}
+
+fn random_matrix(rows: usize, cols: usize, seed: u64, dtype: Dtype) -> (Array, Vec<f64>) {
+    let mut r = rng(seed);
+    let v = round_to(&random_vec(&mut r, rows * cols, -1.0, 1.0), dtype);
+    (array(&v, &[rows as i32, cols as i32], dtype), v)
+}
+
+#[test]
+fn quantized_rows_match_float64_reference() {
+    let mut case = 0u64;
+    for bits in [2, 4, 8] {
+        for group in [32, 64, 128] {
+            for scale_dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+                for (m, k, n) in [
+                    (1, 128, 7),
+                    (2, 256, 33),
+                    (3, 128, 64),
+                    (4, 384, 9),
+                    (5, 128, 5),
+                    (17, 256, 30),
+                ] {
+                    if k % group != 0 {
+                        continue;
+                    }
+                    case += 1;
+                    let (w, _) = random_matrix(n, k, 100 + case, scale_dtype);
+                    let spec = QuantSpec::affine(group as i32, bits);
+                    let q = w.quantize(spec).unwrap();
+                    let biases = q.biases.as_ref().unwrap();
+                    assert_eq!(q.scales.dtype().unwrap(), scale_dtype);
+                    let deq = dequantize_host(&q, bits as usize, group, n, k);
+                    let (x, xv) = random_matrix(m, k, 200 + case, Dtype::Float32);
+                    let (want, bound) = reference(&xv, &deq, m, k, n);
+                    let got =
+                        ops::quantized_matmul(&x, &q.weight, &q.scales, Some(biases), true, spec)
+                            .unwrap();
+                    check(
+                        &format!("{bits}-bit g{group} scales {scale_dtype} m{m} k{k} n{n}"),
+                        &got,
+                        &want,
+                        &bound,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn dense_rows_match_float64_reference() {
+    for (i, dtype) in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16]
+        .into_iter()
+        .enumerate()
+    {
+        // k = 13 and 70 exercise the scalar tail after the 8-wide vectors.
+        for (m, k, n) in [(1, 13, 5), (3, 70, 9), (4, 64, 2), (6, 13, 3), (9, 200, 31)] {
+            let seed = 10 * i as u64 + m as u64;
+            let (w, wv) = random_matrix(n, k, 300 + seed, dtype);
+            let (x, xv) = random_matrix(m, k, 400 + seed, Dtype::Float32);
+            let (want, bound) = reference(&xv, &wv, m, k, n);
+            let got = ops::linear(&x, &w).unwrap();
+            check(
+                &format!("dense {dtype} m{m} k{k} n{n}"),
+                &got,
+                &want,
+                &bound,
+            );
+        }
+    }
+}
+
+#[test]
+fn large_layers_split_over_threads_and_keep_batch_dims() {
+    // 1024 x 512 weights are past the size from which the kernel uses its thread pool; x has
+    // a batch dimension and is a transposed (non-contiguous) view.
+    let (k, n) = (512usize, 1024usize);
+    let spec = QuantSpec::affine(64, 4);
+    let (w, _) = random_matrix(n, k, 7, Dtype::Bfloat16);
+    let q = w.quantize(spec).unwrap();
+    let biases = q.biases.as_ref().unwrap();
+    let deq = dequantize_host(&q, 4, 64, n, k);
+    for rows in [1usize, 6] {
+        let (xt, xtv) = random_matrix(k, 2 * rows, 8 + rows as u64, Dtype::Float32);
+        // x = xt^T reshaped to [2, rows, k]: row r of x is column r of xt.
+        let x = xt
+            .t()
+            .unwrap()
+            .reshape(&[2, rows as i32, k as i32])
+            .unwrap();
+        let xv: Vec<f64> = (0..2 * rows)
+            .flat_map(|r| (0..k).map(move |c| (r, c)))
+            .map(|(r, c)| xtv[c * 2 * rows + r])
+            .collect();
+        let (want, bound) = reference(&xv, &deq, 2 * rows, k, n);
+        let got =
+            ops::quantized_matmul(&x, &q.weight, &q.scales, Some(biases), true, spec).unwrap();
+        assert_eq!(got.shape(), vec![2, rows as i32, n as i32]);
+        check(&format!("threaded 4-bit rows {rows}"), &got, &want, &bound);
+
+        let (wd, wdv) = random_matrix(n, k, 9, Dtype::Bfloat16);
+        let (want, bound) = reference(&xv, &wdv, 2 * rows, k, n);
+        let got = ops::linear(&x, &wd).unwrap();
+        check(&format!("threaded dense rows {rows}"), &got, &want, &bound);
+    }
+}
+
+#[test]
+fn mismatched_shapes_are_errors_not_aborts() {
+    let (x, _) = random_matrix(2, 64, 1, Dtype::Float32);
+    let (w, _) = random_matrix(8, 32, 2, Dtype::Float32);
+    let err = ops::linear(&x, &w).unwrap_err().to_string();
+    assert!(err.contains("32 columns, x has 64"), "{err}");
+}
