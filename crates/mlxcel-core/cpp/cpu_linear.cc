@@ -20,6 +20,10 @@
 #include <stdexcept>
 #include <thread>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
@@ -50,9 +54,11 @@ struct LinearArgs {
 #define MLXCEL_HAVE_AVX2_KERNELS 1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#define MLXCEL_AVX2_REGION 1
 namespace avx2 {
 #include "cpu_linear_kernels.inc"
 }
+#undef MLXCEL_AVX2_REGION
 #pragma GCC pop_options
 #endif
 
@@ -299,7 +305,7 @@ Ptr cpu_linear(const array& x, const array& w, const array* scales, const array*
                               std::to_string(K));
   } else {
     if (bits != 2 && bits != 4 && bits != 8) fail("bits must be 2, 4 or 8");
-    if (group_size <= 0 || group_size % 16 != 0) fail("group size must be a multiple of 16");
+    if (group_size <= 0 || group_size % 32 != 0) fail("group size must be a multiple of 32");
     if (!scales || !biases) fail("affine quantization needs scales and biases");
     if (w.dtype() != mx::uint32) fail("packed weight must be uint32");
     if (int64_t(w.shape(1)) * 32 / bits != K) fail("packed weight does not match K");

@@ -501,7 +501,7 @@ pub fn quantized_matmul(
         if transpose
             && spec.mode == QuantMode::Affine
             && matches!(spec.bits, 2 | 4 | 8)
-            && spec.group_size % 16 == 0
+            && spec.group_size % 32 == 0
             && is_cpu_kernel_float(scales.dtype()?)
             && on_cpu_kernel_path(x, weight)?
         {

@@ -1,0 +1,147 @@
+// qmv_header.cuh: helpers for the `qmv` custom kernel (qmv.cu).
+//
+// Passed as `header` to mx.fast.cuda_kernel / mlx::core::fast::cuda_kernel. MLX pastes it
+// after its own default header (mlx/backend/cuda/device/utils.cuh, which brings in
+// cuda_bf16.h / cuda_fp16.h) and before `namespace mlx::core::cu { __global__ ... }`, so
+// everything here lives in the global namespace; the `qmv_` prefix keeps it clear of the
+// names MLX defines in mlx::core::cu.
+
+// ---- scalar conversions (overloads pick the type from the generated signature) ----------
+
+__device__ __forceinline__ float qmv_to_float(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+__device__ __forceinline__ float qmv_to_float(__half v) {
+  return __half2float(v);
+}
+__device__ __forceinline__ float qmv_to_float(float v) {
+  return v;
+}
+
+__device__ __forceinline__ void qmv_store(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16(v);  // round to nearest even
+}
+__device__ __forceinline__ void qmv_store(__half* p, float v) {
+  *p = __float2half(v);
+}
+__device__ __forceinline__ void qmv_store(float* p, float v) {
+  *p = v;
+}
+
+// ---- loads -------------------------------------------------------------------------------
+
+// 16 bytes of packed weights. NOALLOC=1 streams them past L1 (read-only path, no L1
+// allocation) so that x, which every block re-reads, stays resident in L1.
+template <int NOALLOC>
+__device__ __forceinline__ uint4 qmv_load_w(const uint32_t* p) {
+  uint4 r;
+  if constexpr (NOALLOC != 0) {
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+  } else {
+    r = __ldg(reinterpret_cast<const uint4*>(p));
+  }
+  return r;
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) qmv_vec {
+  T v[N];
+};
+
+// N consecutive activations (N * sizeof(T) bytes, which must be that aligned) as floats.
+template <int N, typename T>
+__device__ __forceinline__ void qmv_load_x(const T* p, float (&xf)[N]) {
+  const qmv_vec<T, N> t = *reinterpret_cast<const qmv_vec<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    xf[i] = qmv_to_float(t.v[i]);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ float qmv_sum(const float (&a)[N]) {
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    s0 += a[i];
+    if (i + 1 < N) {
+      s1 += a[i + 1];
+    }
+  }
+  return s0 + s1;
+}
+
+// xsum += sum(a); with HI also xhi += a[4] + .. + a[7] (the FAST layout, 8 elements).
+template <bool HI, int N>
+__device__ __forceinline__ void qmv_add_sums(const float (&a)[N], float& xsum, float& xhi) {
+  if constexpr (HI) {
+    static_assert(N == 8, "qmv: FAST needs 8 elements per word");
+    const float h = (a[4] + a[5]) + (a[6] + a[7]);
+    xhi += h;
+    xsum += ((a[0] + a[1]) + (a[2] + a[3])) + h;
+  } else {
+    xsum += qmv_sum(a);
+  }
+}
+
+__device__ __forceinline__ uint32_t qmv_word(const uint4& v, int k) {
+  return k == 0 ? v.x : (k == 1 ? v.y : (k == 2 ? v.z : v.w));
+}
+
+// ---- dequantize + dot of one packed word -------------------------------------------------
+//
+// Element j of a word sits at bits BITS*j .. BITS*j+BITS-1. Instead of shift/and/I2F (the
+// int->float convert is quarter rate), the quantized value q is moved into the top of a
+// float mantissa under a fixed exponent, which yields the exact float QOFF + q:
+//   BITS=4: bits 16..19 under 0x43000000 (128.0, ulp 1 there)  -> 128 + q
+//   BITS=8: bits 15..22 under 0x43800000 (256.0, ulp 1 there)  -> 256 + q
+// The caller removes QOFF * sum(x) once per 16-byte chunk (shared by all rows of the block).
+// Only left shifts (which ptxas may put on the FMA pipe as IMAD.SHL) and one right shift per
+// word are used, to spare the integer ALU pipe.
+//
+// FAST=1 (4 bits only): one LOP3 builds two elements at once, v = (t & 0x000F000F) |
+// 0x43004300. Its low half shifted up is exactly 128 + q_lo; v itself read as a float is
+// 128 + 0.26171875 + q_hi + q_lo / 65536, i.e. the high element carries an extra constant
+// (removed by the caller through the sum of the high-half activations) and a perturbation of
+// at most 15/65536 on a value in 0..15 (relative error ~2e-5 on the result, far below bf16's
+// 4e-3, but not float32-exact: use FAST=0 for float32 outputs).
+// Returns acc + sum_j (offset_j + q_j) * xf[j].
+template <int BITS, int FAST>
+__device__ __forceinline__ float qmv_dot_word(uint32_t w, const float* xf, float acc) {
+  float a0 = acc, a1 = 0.0f;
+  if constexpr (BITS == 4 && FAST != 0) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint32_t v = ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u;
+      a0 = fmaf(__uint_as_float(v << 16), xf[p], a0);   // element p
+      a1 = fmaf(__uint_as_float(v), xf[p + 4], a1);     // element p + 4
+    }
+  } else if constexpr (BITS == 4) {
+    const uint32_t hi = w >> 16;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t t = (j < 4) ? (w << (16 - 4 * j)) : (j == 4 ? w : (hi << (32 - 4 * j)));
+      const float f = __uint_as_float((t & 0x000F0000u) | 0x43000000u);
+      if (j & 1) {
+        a1 = fmaf(f, xf[j], a1);
+      } else {
+        a0 = fmaf(f, xf[j], a0);
+      }
+    }
+  } else {
+    static_assert(BITS == 8, "qmv: BITS must be 4 or 8");
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t t = (j < 2) ? (w << (15 - 8 * j)) : (w >> (8 * j - 15));
+      const float f = __uint_as_float((t & 0x007F8000u) | 0x43800000u);
+      if (j & 1) {
+        a1 = fmaf(f, xf[j], a1);
+      } else {
+        a0 = fmaf(f, xf[j], a0);
+      }
+    }
+  }
+  return a0 + a1;
+}
