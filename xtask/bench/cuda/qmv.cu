@@ -11,7 +11,7 @@
 // Output:
 //   out    T      [M, N]          (any shape with M*N elements; dtype = x's dtype)
 // Integer template args: BITS (4 or 8), NW (warps per block), RPW (output rows per block),
-//   NOALLOC (1: weights read with ld.global.nc.L1::no_allocate, 0: plain __ldg),
+//   NOALLOC (1: weights read with ld.global.nc.L1::no_allocate, 0: plain ld.global.nc),
 //   FAST (4 bits only; 1: two elements per LOP3 with a ~2e-5 relative perturbation, see
 //   qmv_header.cuh; use 0 for float32 outputs or when bit-faithful float math is wanted).
 // Launch: threadgroup (NW*32, 1, 1), grid (ceil(N/RPW) * NW*32, M, 1)  (grid is in threads).
@@ -52,7 +52,7 @@ size_t wbase[RPW];
 int gbase[RPW];
 #pragma unroll
 for (int r = 0; r < RPW; ++r) {
-  const int n = min(row0 + r, n_rows - 1);
+  const int n = (row0 + r < n_rows) ? (row0 + r) : (n_rows - 1);
   wbase[r] = (size_t)n * (size_t)words_per_row;
   gbase[r] = n * groups_per_row;
 }

@@ -30,8 +30,8 @@ __device__ __forceinline__ void qmv_store(float* p, float v) {
 
 // ---- loads -------------------------------------------------------------------------------
 
-// 16 bytes of packed weights. NOALLOC=1 streams them past L1 (read-only path, no L1
-// allocation) so that x, which every block re-reads, stays resident in L1.
+// 16 bytes of packed weights through the read-only path. NOALLOC=1 adds L1::no_allocate so the
+// streamed weights do not evict x, which every block re-reads, from L1.
 template <int NOALLOC>
 __device__ __forceinline__ uint4 qmv_load_w(const uint32_t* p) {
   uint4 r;
@@ -40,23 +40,61 @@ __device__ __forceinline__ uint4 qmv_load_w(const uint32_t* p) {
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p));
   } else {
-    r = __ldg(reinterpret_cast<const uint4*>(p));
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
   }
   return r;
 }
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) qmv_vec {
-  T v[N];
-};
+// W consecutive 32-bit words (W * 4 bytes, which must be that aligned) in one or two vector loads.
+template <int W>
+__device__ __forceinline__ void qmv_load_words(const void* p, uint32_t (&u)[W]) {
+  static_assert(W == 2 || W == 4 || W == 8, "qmv: 2, 4 or 8 words");
+  if constexpr (W == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    u[0] = v.x;
+    u[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < W / 4; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+      u[4 * i + 0] = v.x;
+      u[4 * i + 1] = v.y;
+      u[4 * i + 2] = v.z;
+      u[4 * i + 3] = v.w;
+    }
+  }
+}
 
-// N consecutive activations (N * sizeof(T) bytes, which must be that aligned) as floats.
-template <int N, typename T>
-__device__ __forceinline__ void qmv_load_x(const T* p, float (&xf)[N]) {
-  const qmv_vec<T, N> t = *reinterpret_cast<const qmv_vec<T, N>*>(p);
+// N consecutive activations as floats (element 2i is the low half of word i).
+template <int N>
+__device__ __forceinline__ void qmv_load_x(const __nv_bfloat16* p, float (&xf)[N]) {
+  uint32_t u[N / 2];
+  qmv_load_words<N / 2>(p, u);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    xf[2 * i] = __uint_as_float(u[i] << 16);
+    xf[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
+  }
+}
+template <int N>
+__device__ __forceinline__ void qmv_load_x(const __half* p, float (&xf)[N]) {
+  uint32_t u[N / 2];
+  qmv_load_words<N / 2>(p, u);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    xf[2 * i] = __half2float(__ushort_as_half((unsigned short)(u[i] & 0xFFFFu)));
+    xf[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(u[i] >> 16)));
+  }
+}
+template <int N>
+__device__ __forceinline__ void qmv_load_x(const float* p, float (&xf)[N]) {
+  uint32_t u[N];
+  qmv_load_words<N>(p, u);
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    xf[i] = qmv_to_float(t.v[i]);
+    xf[i] = __uint_as_float(u[i]);
   }
 }
 

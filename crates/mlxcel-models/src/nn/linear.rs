@@ -50,7 +50,7 @@ impl Linear {
         let (y, bias) = match self {
             Linear::Dense { weight, bias } => {
                 super::calibration::observe(weight, x);
-                (x.matmul(&weight.t()?)?, bias)
+                (ops::linear(x, weight)?, bias)
             }
             Linear::Quantized { weight, bias } => {
                 let rows = x.size() / x.dim(-1)?.max(1) as usize;
@@ -99,7 +99,7 @@ impl Embedding {
     /// The table used as an output projection (tied embeddings): `x @ table^T`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense(table) => Ok(x.matmul(&table.t()?)?),
+            Embedding::Dense(table) => Ok(ops::linear(x, table)?),
             Embedding::Quantized(q) => Ok(q.matmul_t(x)?),
         }
     }
