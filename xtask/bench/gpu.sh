@@ -23,8 +23,9 @@ if [ "$mode" = stage ]; then
   root=$(cd "$here/../.." && pwd)
   (cd "$root" && cargo build --release -p mlxcel-cli)
   mkdir -p "$root/.device/run"
-  cp "$root/target/release/mlxcel" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/mlx_lm_bench.py" \
-     "$here/make_random_model.py" "$root/.device/run/"
+  cp "$root/target/release/mlxcel" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" \
+     "$here/mlx_lm_bench.py" "$here/make_random_model.py" "$here/cuda/qmv_test.py" \
+     "$here/cuda/prefill_probe.py" "$root/crates/mlxcel-core/kernels/cuda/"* "$root/.device/run/"
   grep -qx '/.device/' "$root/.git/info/exclude" 2>/dev/null || \
     grep -qx '/.device/' "$root/.gitignore" || echo '/.device/' >> "$root/.git/info/exclude"
   du -sh "$root/.device/run"

@@ -4,6 +4,7 @@
 Needs only Python `mlx` (the GPU machine has no Rust toolchain):
 
   make_random_model.py make llama-8b  OUTDIR   Llama-3.1-8B shape, affine 4-bit g64, bf16 scales
+  make_random_model.py make llama-8b OUTDIR --dense   the same shape unquantized, bf16 (16 GB)
   make_random_model.py make qwen3-30b-a3b OUTDIR   Qwen3-30B-A3B shape (128 experts, top-8)
   make_random_model.py floor MODELDIR [--bandwidth GBPS]
       prints JSON: weight bytes, bytes read per decoded token, measured device copy bandwidth
@@ -84,13 +85,14 @@ def layout(c):
     return head, layers, tail
 
 
-def make(shape, out):
+def make(shape, out, dense=False):
     import mlx.core as mx
 
     c = dict(SHAPES[shape])
-    q = {"group_size": GROUP, "bits": BITS, "mode": "affine"}
-    c["quantization"] = q
-    c["quantization_config"] = dict(q)
+    if not dense:
+        q = {"group_size": GROUP, "bits": BITS, "mode": "affine"}
+        c["quantization"] = q
+        c["quantization_config"] = dict(q)
     if os.path.isfile(os.path.join(out, "model.safetensors.index.json")):
         print(f"{out}: present")
         return
@@ -115,6 +117,8 @@ def make(shape, out):
             w = ((mx.random.uniform(shape=shp, key=key) - 0.5) * (2 * 0.02 * math.sqrt(3))).astype(mx.bfloat16)
             if kind == "dense":
                 tensors[name] = w
+            elif dense:
+                tensors[f"{name}.weight"] = w
             else:
                 wq, s, b = mx.quantize(w, group_size=GROUP, bits=BITS)
                 tensors[f"{name}.weight"], tensors[f"{name}.scales"], tensors[f"{name}.biases"] = wq, s, b
@@ -181,12 +185,13 @@ def main():
     m = sub.add_parser("make")
     m.add_argument("shape", choices=sorted(SHAPES))
     m.add_argument("out")
+    m.add_argument("--dense", action="store_true", help="bf16 weights, no quantization")
     fl = sub.add_parser("floor")
     fl.add_argument("model")
     fl.add_argument("--bandwidth", type=float, help="GB/s (measured when absent)")
     args = ap.parse_args()
     if args.cmd == "make":
-        make(args.shape, args.out)
+        make(args.shape, args.out, args.dense)
     else:
         total, read = bytes_per_token(args.model)
         bw = args.bandwidth or bandwidth_gbps()

@@ -488,7 +488,7 @@ pub fn linear(x: &Array, weight: &Array) -> Result<Array> {
 
 /// `x @ dequantize(w).T` (when `transpose`) without materialising the dense matrix. On the CPU
 /// with float32 activations, affine 2/4/8-bit weights run on mlxcel's kernel (see
-/// [`cpu_kernels_enabled`]).
+/// [`cpu_kernels_enabled`]); on CUDA, decode rows can run on mlxcel's GEMV (`MLXCEL_CUDA_QMV`).
 pub fn quantized_matmul(
     x: &Array,
     weight: &Array,
@@ -498,6 +498,9 @@ pub fn quantized_matmul(
     spec: QuantSpec,
 ) -> Result<Array> {
     if let Some(b) = biases {
+        if transpose && crate::cuda_qmv::applies(x, weight, scales, spec)? {
+            return crate::cuda_qmv::qmv(x, weight, scales, b, spec);
+        }
         if transpose
             && spec.mode == QuantMode::Affine
             && matches!(spec.bits, 2 | 4 | 8)

@@ -29,6 +29,20 @@ pub struct LoadOptions {
     pub skip_tokenizer: bool,
     /// Expert streaming switches; default: from `MLXCEL_EXPERT_*`.
     pub stream: Option<mlxcel_stream::StreamConfig>,
+    /// Run one throwaway decode step at the end of loading so GPU kernels (MLX's JIT and
+    /// mlxcel's custom kernels) are compiled before the first request; its time counts as
+    /// loading. Default: on when MLX's default device is a GPU.
+    pub warm_up: Option<bool>,
+}
+
+/// One decode step on scratch caches, evaluated and dropped: compiles the kernels a decode
+/// step uses (MLX's GPU backends JIT-compile them on first use).
+fn warm_up(model: &LoadedModel) -> mlxcel_models::Result<()> {
+    use mlxcel_models::LanguageModel;
+    let mut caches = model.make_caches();
+    let token = mlxcel_core::Array::from_slice(&[0i32], &[1, 1])?;
+    model.forward_last(&token, &mut caches)?.eval()?;
+    Ok(())
 }
 
 /// A loaded generation model with what was learned on the way.
@@ -218,6 +232,10 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         stream: plan.as_ref().map(|p| p.setup(stats.clone())),
     };
     let model = load_config_backed(model_type, &config, weights, &build).map_err(model_err)?;
+    let gpu = mlxcel_core::default_device()? == Device::Gpu;
+    if options.warm_up.unwrap_or(gpu) {
+        warm_up(&model).map_err(model_err)?;
+    }
     let (tokenizer, chat_template) = if options.skip_tokenizer {
         (None, None)
     } else {

@@ -24,6 +24,9 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The kernel sources live in the crate that ships them; staged copies sit next to this script.
+KDIR = HERE if os.path.isfile(os.path.join(HERE, "qmv.cu")) else os.path.join(
+    HERE, "..", "..", "..", "crates", "mlxcel-core", "kernels", "cuda")
 HARD_LIMIT_S = 115
 
 # (N, K): q/o proj, gate/up, down, lm head, and an odd small one.
@@ -94,8 +97,8 @@ def child(args):
     except AttributeError:
         pass
 
-    src = open(os.path.join(HERE, "qmv.cu")).read()
-    hdr = open(os.path.join(HERE, "qmv_header.cuh")).read()
+    src = open(os.path.join(KDIR, "qmv.cu")).read()
+    hdr = open(os.path.join(KDIR, "qmv_header.cuh")).read()
     tag = hashlib.sha1((src + "\0" + hdr).encode()).hexdigest()[:10]
     dnames = {str(mx.bfloat16): "bf16", str(mx.float16): "f16", str(mx.float32): "f32"}
     kernels = {}

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Kernel-level and warm end-to-end probes on the GPU machine (after unpack.sh; staged into
+# .device/run by `gpu.sh stage`):
+#   gpu_probe.sh kernels     qmv_test.py (mlxcel's CUDA decode GEMV against MLX's) and
+#                            prefill_probe.py (quantized vs dequantize+dense prefill matmuls)
+#   gpu_probe.sh llama-8b    warm mlxcel configurations vs mlx-lm on the 8B 4-bit shape
+#   gpu_probe.sh llama-8b-bf16   the same on the unquantized bf16 8B shape
+# Each engine runs once to fill MLX's kernel cache, then RUNS (default 2) measured passes;
+# prompt 512 ids, 128 new tokens, EOS ignored.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+what=${1:-kernels}
+RUNS=${RUNS:-2}
+models=$HOME/bench-models; mkdir -p "$models"
+fmt='import json,sys
+lines=[l for l in sys.stdin.read().strip().splitlines() if l.startswith("{")]
+s=json.loads(lines[-1]) if lines else None
+print("load %.2f s  prefill %.0f tok/s  decode %.1f tok/s" % (s["load_s"], s["prefill_tps"], s["decode_tps"]) if s else "no stats line")'
+ids=$(python3 -c "import random; r=random.Random(7); print(','.join(str(r.randrange(1000, 32000)) for _ in range(512)))")
+
+mlxcel() {  # label, env assignments...
+  local label=$1; shift
+  echo -n "  mlxcel $label: "
+  env "$@" "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 128 --ignore-eos \
+    --stats-json --print-ids --quiet 2>&1 >/dev/null | python3 -c "$fmt"
+}
+mlxlm() {
+  echo -n "  mlx-lm: "
+  python3 "$here/mlx_lm_bench.py" "$M" --prompt-ids "$ids" --max-new 128 2>&1 >/dev/null | python3 -c "$fmt"
+}
+
+case $what in
+kernels)
+  timeout 170 python3 "$here/qmv_test.py" --quick
+  timeout 120 python3 "$here/prefill_probe.py"
+  ;;
+llama-8b)
+  M=$models/llama-8b-4bit
+  [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" make llama-8b "$M" | tail -1
+  python3 "$here/make_random_model.py" floor "$M"
+  for pass in warm-up $(seq -f measured-%g "$RUNS"); do
+    echo "$pass"
+    mlxcel "default" MLXCEL_NOTHING=1
+    mlxcel "qmv 4x4" MLXCEL_CUDA_QMV=4x4
+    mlxcel "qmv 2x8" MLXCEL_CUDA_QMV=2x8
+    mlxcel "dequant-prefill" MLXCEL_DEQUANT_ROWS=32
+    mlxlm
+  done
+  ;;
+llama-8b-bf16)
+  M=$models/llama-8b-bf16
+  [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" make llama-8b "$M" --dense | tail -1
+  python3 "$here/make_random_model.py" floor "$M"
+  for pass in warm-up $(seq -f measured-%g "$RUNS"); do
+    echo "$pass"
+    mlxcel "default" MLXCEL_NOTHING=1
+    mlxlm
+  done
+  ;;
+*) echo "usage: gpu_probe.sh kernels | llama-8b | llama-8b-bf16" >&2; exit 2 ;;
+esac
