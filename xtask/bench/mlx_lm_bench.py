@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--max-new", type=int, required=True)
     ap.add_argument("--dtype", choices=["checkpoint", "f32"], default="checkpoint")
     ap.add_argument("--print-ids", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the generation this many times in the process, a stats line each")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -67,37 +69,38 @@ def main():
         mx.eval(model.parameters())
     load_s = time.perf_counter() - t0
 
-    ids = []
-    t_start = time.perf_counter()
-    t_first = None
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=args.max_new):
-        tok = token if isinstance(token, int) else int(token.item())
-        if t_first is None:
-            t_first = time.perf_counter()
-        ids.append(tok)
-        if len(ids) >= args.max_new:
-            break
-    t_end = time.perf_counter()
-    prefill_s = t_first - t_start
-    decode_s = t_end - t_first
-    if args.print_ids:
-        print(",".join(map(str, ids)))
-    stats = {
-        "engine": "mlx-lm",
-        "dtype": args.dtype,
-        "device": str(mx.default_device()),
-        "mlx_version": mx.__version__,
-        "load_s": load_s,
-        "prompt_tokens": len(prompt),
-        "prefill_s": prefill_s,
-        "prefill_tps": len(prompt) / max(prefill_s, 1e-9),
-        "generated_tokens": len(ids),
-        "decode_s": decode_s,
-        "decode_tps": max(len(ids) - 1, 0) / max(decode_s, 1e-9),
-        "peak_mlx_bytes": mx.get_peak_memory(),
-        "vmhwm_bytes": vmhwm_bytes(),
-    }
-    sys.stderr.write(json.dumps(stats) + "\n")
+    for _ in range(max(args.repeat, 1)):
+        ids = []
+        t_start = time.perf_counter()
+        t_first = None
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=args.max_new):
+            tok = token if isinstance(token, int) else int(token.item())
+            if t_first is None:
+                t_first = time.perf_counter()
+            ids.append(tok)
+            if len(ids) >= args.max_new:
+                break
+        t_end = time.perf_counter()
+        prefill_s = t_first - t_start
+        decode_s = t_end - t_first
+        if args.print_ids:
+            print(",".join(map(str, ids)))
+        stats = {
+            "engine": "mlx-lm",
+            "dtype": args.dtype,
+            "device": str(mx.default_device()),
+            "mlx_version": mx.__version__,
+            "load_s": load_s,
+            "prompt_tokens": len(prompt),
+            "prefill_s": prefill_s,
+            "prefill_tps": len(prompt) / max(prefill_s, 1e-9),
+            "generated_tokens": len(ids),
+            "decode_s": decode_s,
+            "decode_tps": max(len(ids) - 1, 0) / max(decode_s, 1e-9),
+            "peak_mlx_bytes": mx.get_peak_memory(),
+            "vmhwm_bytes": vmhwm_bytes(),
+        }
+        sys.stderr.write(json.dumps(stats) + "\n")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,11 @@ pub struct GenerateFlags {
     /// Do not stop at end-of-sequence ids (benchmarks generate a fixed count).
     #[arg(long, hide = true)]
     pub ignore_eos: bool,
+    /// Run the same generation this many times in the process, each from empty caches, with
+    /// a stats line per run (benchmarks: the later runs show steady-state speed, without
+    /// first-use costs such as GPU kernel loading).
+    #[arg(long, hide = true, default_value_t = 1)]
+    pub repeat: usize,
 }
 
 fn default_model() -> anyhow::Result<PathBuf> {
@@ -328,7 +333,6 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         bail!("the prompt is empty");
     }
     check_context(run, prompt.len())?;
-    let mut session = Session::new(&loaded.model);
     let tokenizer = if flags.print_ids {
         None
     } else {
@@ -339,28 +343,31 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     if flags.ignore_eos {
         req.eos_token_ids.clear();
     }
-    let (ids, stats) = generate_text(
-        &mut session,
-        tokenizer,
-        &prompt,
-        &req,
-        |text| {
-            let _ = stdout.write_all(text.as_bytes());
-            let _ = stdout.flush();
-        },
-        |_| {},
-    )?;
-    if flags.print_ids {
-        println!(
-            "{}",
-            ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-        );
-    } else {
-        println!();
-    }
-    print_stats(&stats, &loaded, run.quiet);
-    if flags.stats_json {
-        print_stats_json(&loaded, &stats);
+    for _ in 0..flags.repeat.max(1) {
+        let mut session = Session::new(&loaded.model);
+        let (ids, stats) = generate_text(
+            &mut session,
+            tokenizer,
+            &prompt,
+            &req,
+            |text| {
+                let _ = stdout.write_all(text.as_bytes());
+                let _ = stdout.flush();
+            },
+            |_| {},
+        )?;
+        if flags.print_ids {
+            println!(
+                "{}",
+                ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+            );
+        } else {
+            println!();
+        }
+        print_stats(&stats, &loaded, run.quiet);
+        if flags.stats_json {
+            print_stats_json(&loaded, &stats);
+        }
     }
     Ok(())
 }
@@ -385,6 +392,8 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
         "prefill_tps": stats.prefill_tokens_per_second(),
         "generated_tokens": stats.generated_tokens,
         "decode_s": stats.decode_seconds,
+        "decode_graph_s": stats.decode_graph_seconds,
+        "decode_dispatch_s": stats.decode_dispatch_seconds,
         "decode_tps": stats.decode_tokens_per_second(),
         "peak_mlx_bytes": mlxcel_core::memory::peak_bytes().unwrap_or(0),
         "vmhwm_bytes": vmhwm,

@@ -80,9 +80,10 @@ pub(crate) fn qmv(
     let rows = (x.size() / k as usize) as i32;
     let n = weight.dim(0)?;
     let name = format!("mlxcel_qmv_{SOURCE_VERSION}_{}", dtype.name());
+    // The kernel reads x as [rows, K] whatever its leading dimensions, so neither x nor the
+    // output is reshaped: every extra graph node costs MLX dispatch time in decode.
     let mut shape = x.shape();
     *shape.last_mut().expect("x has a last dimension") = n;
-    let x2 = x.reshape(&[rows, k])?;
     // Float32 outputs need the exact nibble arithmetic; half precision takes the faster form
     // whose ~2e-5 relative error is far below its own rounding.
     let fast = i32::from(spec.bits == 4 && dtype != Dtype::Float32);
@@ -102,11 +103,8 @@ pub(crate) fn qmv(
         let kernel = &cache[&name];
         let blocks = (n + rpw - 1) / rpw;
         let out = kernel.call(
-            &[weight.clone(), scales.clone(), biases.clone(), x2],
-            &[KernelOutput {
-                shape: vec![rows, n],
-                dtype,
-            }],
+            &[weight.clone(), scales.clone(), biases.clone(), x.clone()],
+            &[KernelOutput { shape, dtype }],
             [blocks * nw * 32, rows, 1],
             [nw * 32, 1, 1],
             &[
@@ -117,9 +115,6 @@ pub(crate) fn qmv(
                 ("FAST", fast),
             ],
         )?;
-        out.into_iter()
-            .next()
-            .expect("one output")
-            .reshape(&shape)
+        Ok(out.into_iter().next().expect("one output"))
     })
 }

@@ -31,7 +31,8 @@ pub struct LoadOptions {
     pub stream: Option<mlxcel_stream::StreamConfig>,
     /// Run one throwaway decode step at the end of loading so GPU kernels (MLX's JIT and
     /// mlxcel's custom kernels) are compiled before the first request; its time counts as
-    /// loading. Default: on when MLX's default device is a GPU.
+    /// loading. Default: `MLXCEL_WARM_UP` (`0` or `1`), else on when MLX's default device is
+    /// a GPU.
     pub warm_up: Option<bool>,
 }
 
@@ -233,7 +234,8 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     let model = load_config_backed(model_type, &config, weights, &build).map_err(model_err)?;
     let gpu = mlxcel_core::default_device()? == Device::Gpu;
-    if options.warm_up.unwrap_or(gpu) {
+    let warm_up_env = std::env::var("MLXCEL_WARM_UP").ok().map(|v| v.trim() != "0");
+    if options.warm_up.or(warm_up_env).unwrap_or(gpu) {
         warm_up(&model).map_err(model_err)?;
     }
     let (tokenizer, chat_template) = if options.skip_tokenizer {

@@ -38,6 +38,11 @@ pub struct GenerationStats {
     pub prefill_seconds: f64,
     pub generated_tokens: usize,
     pub decode_seconds: f64,
+    /// Part of `decode_seconds` the host spent building step graphs (greedy decoding).
+    pub decode_graph_seconds: f64,
+    /// Part of `decode_seconds` spent in MLX's `async_eval` of each step: encoding its
+    /// kernels, and waiting whenever MLX throttles the host to the device's pace.
+    pub decode_dispatch_seconds: f64,
     pub finish: FinishReason,
 }
 
@@ -115,6 +120,7 @@ pub fn generate_text(
     };
     let mut generated = Vec::new();
     let mut finish = FinishReason::Length;
+    let (mut graph_seconds, mut dispatch_seconds) = (0.0, 0.0);
     // Greedy decoding picks tokens on the device and queues each step before reading the token
     // it feeds (as mlx-lm does), so the host builds the next graph while the device computes.
     let device_argmax = |logits: &Array| -> Result<Array> {
@@ -134,8 +140,12 @@ pub fn generate_text(
         let token = match pending.take() {
             Some(current) => {
                 if generated.len() + 1 < request.max_new_tokens {
+                    let built = Instant::now();
                     let next = device_argmax(&session.step_pending(&current)?)?;
+                    let queued = Instant::now();
                     mlxcel_core::ops::async_eval_all([&next])?;
+                    graph_seconds += (queued - built).as_secs_f64();
+                    dispatch_seconds += queued.elapsed().as_secs_f64();
                     pending = Some(next);
                 }
                 let token = current.to_vec::<i32>()?[0] as u32;
@@ -184,6 +194,8 @@ pub fn generate_text(
         prefill_seconds,
         generated_tokens: generated.len(),
         decode_seconds: decode_start.elapsed().as_secs_f64(),
+        decode_graph_seconds: graph_seconds,
+        decode_dispatch_seconds: dispatch_seconds,
         finish,
     };
     Ok((generated, stats))
