@@ -234,7 +234,9 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     let model = load_config_backed(model_type, &config, weights, &build).map_err(model_err)?;
     let gpu = mlxcel_core::default_device()? == Device::Gpu;
-    let warm_up_env = std::env::var("MLXCEL_WARM_UP").ok().map(|v| v.trim() != "0");
+    let warm_up_env = std::env::var("MLXCEL_WARM_UP")
+        .ok()
+        .map(|v| v.trim() != "0");
     if options.warm_up.or(warm_up_env).unwrap_or(gpu) {
         warm_up(&model).map_err(model_err)?;
     }
