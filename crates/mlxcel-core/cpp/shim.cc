@@ -118,24 +118,72 @@ void clear_cache() { mx::clear_cache(); }
 
 Ptr array_clone(const array& a) { return std::make_unique<array>(a); }
 
-Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
-                     Dtype dtype) {
-  auto dt = to_mlx(dtype);
+namespace {
+void check_byte_count(size_t bytes, rust::Slice<const int32_t> shape, mx::Dtype dt) {
   size_t count = 1;
   for (auto d : shape) {
     if (d < 0) throw std::invalid_argument("mlxcel: negative dimension in shape");
     count *= size_t(d);
   }
-  if (count * dt.size() != data.size()) {
-    throw std::invalid_argument("mlxcel: " + std::to_string(data.size()) +
+  if (count * dt.size() != bytes) {
+    throw std::invalid_argument("mlxcel: " + std::to_string(bytes) +
                                 " bytes do not fill a tensor of " + std::to_string(count) +
                                 " elements of " + std::to_string(dt.size()) + " bytes");
   }
+}
+}  // namespace
+
+Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
+                     Dtype dtype) {
+  auto dt = to_mlx(dtype);
+  check_byte_count(data.size(), shape, dt);
   // One copy, straight into an MLX-owned buffer (public allocator API), so the array never
   // points at memory Rust may free or unmap.
   auto buffer = mx::allocator::malloc(data.size());
   if (data.size() > 0) std::memcpy(buffer.buffer().raw_ptr(), data.data(), data.size());
   return wrap(array(std::move(buffer), shape_of(shape), dt));
+}
+
+namespace {
+// Whether the allocator in this libmlx is MLX's common CPU allocator, whose buffers are a size
+// header followed by the data: checked on a real allocation (the CUDA and Metal allocators lay
+// buffers out differently; there borrowing falls back to a copy).
+bool cpu_allocator_wraps_foreign_memory() {
+  static const bool wraps = [] {
+    auto probe = mx::allocator::malloc(64);
+    auto buffer = probe.buffer();
+    return buffer.raw_ptr() == static_cast<char*>(buffer.ptr()) + sizeof(size_t);
+  }();
+  return wraps;
+}
+}  // namespace
+
+Ptr array_borrowing_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
+                          Dtype dtype, rust::Box<BorrowedBytesOwner> owner) {
+  auto dt = to_mlx(dtype);
+  check_byte_count(data.size(), shape, dt);
+  // std::function needs a copyable callable; the shared_ptr makes the owner's drop happen once,
+  // when MLX calls the deleter (after the last array using the memory is gone, or right after
+  // its copy when the allocator cannot wrap foreign memory).
+  auto hold = std::make_shared<rust::Box<BorrowedBytesOwner>>(std::move(owner));
+  if (!cpu_allocator_wraps_foreign_memory() || data.size() == 0) {
+    // Copy (the deleter runs right after it).
+    return wrap(array(const_cast<uint8_t*>(data.data()), shape_of(shape), dt,
+                      [hold](void*) mutable { hold.reset(); }));
+  }
+  // MLX's CPU allocator keeps each allocation's size in the 8 bytes before the data and its
+  // Buffer points at that header (raw_ptr() = ptr + 8); `array(void*, ...)` always copies on
+  // it. A Buffer pointing 8 bytes before the borrowed bytes gives MLX exactly that view; the
+  // Data is not owned (no free), its deleter drops the owner. Checkpoint tensors never start
+  // in the first 8 bytes of a file, so those 8 bytes are mapped too.
+  auto* start = const_cast<uint8_t*>(data.data()) - sizeof(size_t);
+  mx::allocator::Data borrowed(mx::allocator::Buffer(start),
+                               [hold](mx::allocator::Buffer) mutable { hold.reset(); });
+  return wrap(array(std::move(borrowed), shape_of(shape), dt));
+}
+
+size_t array_data_address(const array& a) {
+  return reinterpret_cast<size_t>(a.data<void>());
 }
 
 Ptr array_scalar_f64(double value, Dtype dtype) {

@@ -15,6 +15,7 @@
 namespace mlxcel {
 
 using mlx::core::array;
+struct BorrowedBytesOwner;
 enum class Dtype : int32_t;
 enum class DeviceKind : int32_t;
 
@@ -43,6 +44,9 @@ void clear_cache();
 
 Ptr array_clone(const array& a);
 Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, Dtype dtype);
+Ptr array_borrowing_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
+                          Dtype dtype, rust::Box<BorrowedBytesOwner> owner);
+size_t array_data_address(const array& a);
 Ptr array_scalar_f64(double value, Dtype dtype);
 rust::Vec<int32_t> array_shape(const array& a);
 Dtype array_dtype(const array& a);

@@ -95,6 +95,31 @@ impl Array {
         )?))
     }
 
+    /// An array over `bytes` without copying them where MLX's allocator can wrap foreign
+    /// memory (the CPU backend), else a copy. `owner` keeps `bytes` alive: it is dropped once
+    /// MLX no longer uses them.
+    ///
+    /// # Safety
+    /// `bytes` must stay valid and unmodified for as long as `owner` lives.
+    pub unsafe fn borrowing_bytes(
+        bytes: &[u8],
+        shape: &[i32],
+        dtype: Dtype,
+        owner: Box<dyn Send + Sync>,
+    ) -> Result<Array> {
+        check_shape(shape)?;
+        let owner = Box::new(crate::ffi::BorrowedBytesOwner(owner));
+        // SAFETY: forwarded from the caller.
+        Ok(Array::from_raw(unsafe {
+            bridge::array_borrowing_bytes(bytes, shape, dtype, owner)?
+        }))
+    }
+
+    /// Address of the first element (whether two arrays share memory; zero-copy checks).
+    pub fn data_address(&self) -> Result<usize> {
+        Ok(bridge::array_data_address(self.as_ref())?)
+    }
+
     /// A zero-dimensional array holding `value` converted to `dtype`.
     pub fn scalar(value: f64, dtype: Dtype) -> Result<Array> {
         Ok(Array::from_raw(bridge::array_scalar_f64(value, dtype)?))

@@ -7,9 +7,17 @@
 //! `ops.table`. Ops with other signatures are declared below and implemented in `cpp/shim.cc`.
 
 // MLX's quantized ops take many scalar parameters; the bridge mirrors them one to one.
+/// Keeps alive the memory an array borrows (a mapped checkpoint shard): MLX drops it through
+/// the array's deleter once no array uses the memory.
+pub(crate) struct BorrowedBytesOwner(#[allow(dead_code)] pub(crate) Box<dyn Send + Sync>);
+
 #[allow(clippy::too_many_arguments)]
 #[cxx::bridge(namespace = "mlxcel")]
 pub(crate) mod bridge {
+    extern "Rust" {
+        type BorrowedBytesOwner;
+    }
+
     /// Element types MLX arrays can hold.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     #[repr(i32)]
@@ -71,6 +79,18 @@ pub(crate) mod bridge {
             shape: &[i32],
             dtype: Dtype,
         ) -> Result<UniquePtr<MlxArray>>;
+        /// An array over `data` without a copy where MLX's allocator allows it (the CPU
+        /// backend), else a copy; `owner` is dropped when MLX no longer needs `data`.
+        /// # Safety
+        /// `data` stays valid and unmodified while `owner` lives.
+        unsafe fn array_borrowing_bytes(
+            data: &[u8],
+            shape: &[i32],
+            dtype: Dtype,
+            owner: Box<BorrowedBytesOwner>,
+        ) -> Result<UniquePtr<MlxArray>>;
+        /// Address of the array's first element (tests: did a borrow avoid the copy?).
+        fn array_data_address(a: &MlxArray) -> Result<usize>;
         fn array_scalar_f64(value: f64, dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
         fn array_shape(a: &MlxArray) -> Result<Vec<i32>>;
         fn array_dtype(a: &MlxArray) -> Result<Dtype>;

@@ -11,7 +11,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use memmap2::Mmap;
+use memmap2::{Advice, MmapMut, MmapOptions};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 
 use crate::{Array, Dtype, Error, Result};
@@ -63,7 +63,9 @@ struct Entry {
 
 struct Shard {
     path: PathBuf,
-    map: Mmap,
+    /// Private copy-on-write mapping: arrays may borrow from it (see [`zero_copy_enabled`]),
+    /// and a write through one (MLX reusing an input buffer) could never reach the file.
+    map: Arc<MmapMut>,
 }
 
 /// The tensors of a checkpoint folder.
@@ -144,11 +146,24 @@ fn diagnose_header(bytes: &[u8]) -> Option<String> {
     None
 }
 
-fn open_shard(path: &Path) -> Result<Mmap> {
+fn open_shard(path: &Path) -> Result<Arc<MmapMut>> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
-    // SAFETY: the map is read-only. If another process truncates the file while it is mapped,
-    // reads fault; checkpoints are not modified in place while a model loads.
-    unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))
+    // SAFETY: private mapping (our writes never reach the file). If another process truncates
+    // the file while it is mapped, reads fault; checkpoints are not modified in place while a
+    // model loads.
+    let map = unsafe { MmapOptions::new().map_copy(&file) }.map_err(|e| Error::io(path, e))?;
+    Ok(Arc::new(map))
+}
+
+/// Whether [`WeightMap::get`] hands out arrays that borrow the mapped file instead of copying
+/// it: on MLX's CPU backend (which computes on host memory) unless `MLXCEL_ZERO_COPY=0`.
+/// Loading then costs no copy of the weights; the pages are faulted in (read from the page
+/// cache) while loading, so the first forward pass does not pay for them.
+pub fn zero_copy_enabled() -> bool {
+    static DISABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let disabled =
+        *DISABLED.get_or_init(|| std::env::var("MLXCEL_ZERO_COPY").is_ok_and(|v| v.trim() == "0"));
+    !disabled && crate::default_device().ok() == Some(crate::Device::Cpu)
 }
 
 impl WeightMap {
@@ -350,8 +365,27 @@ impl WeightMap {
                         format!("tensor `{name}` lies outside the file"),
                     )
                 })?;
-                Array::from_bytes(bytes, &entry.info.shape, entry.info.dtype)
-                    .map_err(|e| Error::checkpoint(&shard.path, format!("tensor `{name}`: {e}")))
+                let aligned = (bytes.as_ptr() as usize) % entry.info.dtype.size_of().max(1) == 0;
+                let array = if zero_copy_enabled() && aligned && !bytes.is_empty() {
+                    // Fault the pages in now (load time) rather than in the first forward pass;
+                    // an old kernel without MADV_POPULATE_READ just faults them later.
+                    let _ = shard
+                        .map
+                        .advise_range(Advice::PopulateRead, *start, *end - *start);
+                    // SAFETY: `bytes` lies in `shard.map`, which the owner keeps mapped; the
+                    // mapping is private, so nothing modifies it behind MLX's back.
+                    unsafe {
+                        Array::borrowing_bytes(
+                            bytes,
+                            &entry.info.shape,
+                            entry.info.dtype,
+                            Box::new(shard.map.clone()),
+                        )
+                    }
+                } else {
+                    Array::from_bytes(bytes, &entry.info.shape, entry.info.dtype)
+                };
+                array.map_err(|e| Error::checkpoint(&shard.path, format!("tensor `{name}`: {e}")))
             }
         }
     }

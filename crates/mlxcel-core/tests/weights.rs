@@ -293,3 +293,39 @@ fn half_tensors_convert_to_f32_on_the_host_exactly() {
         Dtype::Float16
     );
 }
+
+#[test]
+fn cpu_arrays_borrow_the_mapped_file_and_outlive_the_map() {
+    // On the CPU backend a tensor read from a checkpoint is the mapped file itself (no copy),
+    // it stays valid after the WeightMap is dropped, and computing with it (including ops that
+    // could reuse an input buffer) never writes to the file.
+    assert!(mlxcel_core::weights::zero_copy_enabled());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let values: Vec<f32> = (0..4096).map(|i| i as f32 * 0.5).collect();
+    write(&path, &[("w", arr(&values, &[64, 64]))]);
+    let before = fs::read(&path).unwrap();
+    let map = WeightMap::open(dir.path()).unwrap();
+    let bytes_at = map.bytes("w").unwrap().as_ptr() as usize;
+    let w = map.get("w").unwrap();
+    assert_eq!(
+        w.data_address().unwrap(),
+        bytes_at,
+        "the array copied the tensor"
+    );
+    drop(map);
+    let doubled = w.add(&w).unwrap();
+    let negated = w.negative().unwrap();
+    assert_eq!(
+        doubled.to_vec::<f32>().unwrap(),
+        values.iter().map(|v| v * 2.0).collect::<Vec<_>>()
+    );
+    assert_eq!(negated.to_vec::<f32>().unwrap()[3], -1.5);
+    assert_eq!(w.to_vec::<f32>().unwrap(), values);
+    drop(w);
+    assert_eq!(
+        fs::read(&path).unwrap(),
+        before,
+        "the checkpoint file changed"
+    );
+}

@@ -109,6 +109,26 @@ impl ModelWeights {
         Ok(self.keep(a))
     }
 
+    /// A dense weight used through `ops::linear` (linear layers, embedding tables that may serve
+    /// as tied output heads). Where mlxcel's CPU kernel computes those (float32 compute on the
+    /// CPU backend) a half-precision weight is kept as stored: the kernel widens it row by row,
+    /// so loading neither converts nor copies it (see `WeightMap::get`) and it stays half the
+    /// size in memory. Elsewhere it is cast to the compute dtype like any float tensor.
+    fn matmul_weight(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        self.check_shape(name, shape)?;
+        let stored = self.map.info(name).map(|i| i.dtype);
+        let half = matches!(stored, Some(Dtype::Bfloat16 | Dtype::Float16));
+        if half
+            && self.dtype == Dtype::Float32
+            && mlxcel_core::ops::cpu_kernels_enabled()
+            && mlxcel_core::default_device()? == mlxcel_core::Device::Cpu
+        {
+            let a = self.fetch(name)?;
+            return Ok(self.keep(a));
+        }
+        self.tensor(name, shape)
+    }
+
     /// [`ModelWeights::tensor`] when present, `None` when the checkpoint lacks it.
     pub fn optional(&mut self, name: &str, shape: &[i32]) -> Result<Option<Array>> {
         if self.map.contains(name) {
@@ -198,7 +218,8 @@ impl ModelWeights {
         if let Some(q) = self.quantized(prefix, &[out_features], in_features)? {
             return Ok(Linear::Quantized { weight: q, bias });
         }
-        let weight = self.tensor(&format!("{prefix}.weight"), &[out_features, in_features])?;
+        let weight =
+            self.matmul_weight(&format!("{prefix}.weight"), &[out_features, in_features])?;
         Ok(Linear::Dense { weight, bias })
     }
 
@@ -218,8 +239,11 @@ impl ModelWeights {
         if let Some(q) = self.quantized(prefix, &[vocab], dim)? {
             return Ok(Embedding::Quantized(q));
         }
-        let table = self.tensor(&format!("{prefix}.weight"), &[vocab, dim])?;
-        Ok(Embedding::Dense(table))
+        let table = self.matmul_weight(&format!("{prefix}.weight"), &[vocab, dim])?;
+        Ok(Embedding::Dense {
+            table,
+            dtype: self.dtype,
+        })
     }
 
     /// A stack of `experts` linear layers `[experts, out, in]` (MoE), dense or quantized.

@@ -87,7 +87,13 @@ impl Linear {
 /// A token embedding table `[vocab, dim]`.
 #[derive(Debug, Clone)]
 pub enum Embedding {
-    Dense(Array),
+    /// `table` may be stored in half precision while the model computes in `dtype` (mlxcel's
+    /// CPU kernel reads half-precision tables directly when they serve as output heads); the
+    /// rows looked up are cast to `dtype`.
+    Dense {
+        table: Array,
+        dtype: Dtype,
+    },
     Quantized(QuantizedWeight),
 }
 
@@ -95,7 +101,14 @@ impl Embedding {
     /// Rows for `ids` (any shape of int ids) → `[..ids, dim]`.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense(table) => Ok(table.take(ids, 0)?),
+            Embedding::Dense { table, dtype } => {
+                let rows = table.take(ids, 0)?;
+                Ok(if rows.dtype()? == *dtype {
+                    rows
+                } else {
+                    rows.astype(*dtype)?
+                })
+            }
             Embedding::Quantized(q) => {
                 let dtype = match q.spec.mode {
                     mlxcel_quant::QuantMode::Affine => q.scales.dtype()?,
@@ -112,7 +125,7 @@ impl Embedding {
     /// The table used as an output projection (tied embeddings): `x @ table^T`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense(table) => Ok(ops::linear(x, table)?),
+            Embedding::Dense { table, .. } => Ok(ops::linear(x, table)?),
             Embedding::Quantized(q) => Ok(q.matmul_t(x)?),
         }
     }
