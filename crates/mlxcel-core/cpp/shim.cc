@@ -7,6 +7,8 @@
 #include <functional>
 #include <optional>
 #include <stdexcept>
+#include <thread>
+#include <algorithm>
 #include <unordered_map>
 
 #include "mlxcel-core/src/ffi.rs.h"
@@ -133,6 +135,31 @@ void check_byte_count(size_t bytes, rust::Slice<const int32_t> shape, mx::Dtype 
 }
 }  // namespace
 
+// Copies large tensors with several threads: one core's memcpy (with the page faults of a
+// freshly mapped file and of a fresh MLX allocation) is far below what memory and the page
+// cache deliver, and a checkpoint is gigabytes of such copies.
+static void parallel_copy(void* dst, const void* src, size_t bytes) {
+  constexpr size_t kMinPerThread = size_t(8) << 20;
+  const size_t hw = std::max(1u, std::thread::hardware_concurrency());
+  const size_t threads = std::min<size_t>({hw, size_t(8), bytes / kMinPerThread});
+  if (threads <= 1) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  const size_t span = (bytes + threads - 1) / threads;
+  std::vector<std::thread> workers;
+  for (size_t t = 1; t < threads; ++t) {
+    const size_t begin = t * span;
+    const size_t len = std::min(span, bytes - std::min(bytes, begin));
+    if (len == 0) break;
+    workers.emplace_back([=] {
+      std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, len);
+    });
+  }
+  std::memcpy(dst, src, std::min(span, bytes));
+  for (auto& w : workers) w.join();
+}
+
 Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
                      Dtype dtype) {
   auto dt = to_mlx(dtype);
@@ -140,7 +167,7 @@ Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t>
   // One copy, straight into an MLX-owned buffer (public allocator API), so the array never
   // points at memory Rust may free or unmap.
   auto buffer = mx::allocator::malloc(data.size());
-  if (data.size() > 0) std::memcpy(buffer.buffer().raw_ptr(), data.data(), data.size());
+  if (data.size() > 0) parallel_copy(buffer.buffer().raw_ptr(), data.data(), data.size());
   return wrap(array(std::move(buffer), shape_of(shape), dt));
 }
 

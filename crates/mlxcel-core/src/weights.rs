@@ -366,12 +366,15 @@ impl WeightMap {
                     )
                 })?;
                 let aligned = (bytes.as_ptr() as usize) % entry.info.dtype.size_of().max(1) == 0;
-                let array = if zero_copy_enabled() && aligned && !bytes.is_empty() {
-                    // Fault the pages in now (load time) rather than in the first forward pass;
-                    // an old kernel without MADV_POPULATE_READ just faults them later.
+                // Fault the range in with one call: far cheaper than a fault per page during a
+                // copy, and for borrowed tensors it keeps the faults out of the first forward
+                // pass. An old kernel without MADV_POPULATE_READ just faults them later.
+                if !bytes.is_empty() {
                     let _ = shard
                         .map
                         .advise_range(Advice::PopulateRead, *start, *end - *start);
+                }
+                let array = if zero_copy_enabled() && aligned && !bytes.is_empty() {
                     // SAFETY: `bytes` lies in `shard.map`, which the owner keeps mapped; the
                     // mapping is private, so nothing modifies it behind MLX's back.
                     unsafe {
