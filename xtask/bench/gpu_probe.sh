@@ -48,9 +48,9 @@ llama-8b)
   for pass in warm-up $(seq -f measured-%g "$RUNS"); do
     echo "$pass"
     mlxcel "default" MLXCEL_NOTHING=1
-    mlxcel "qmv 4x4" MLXCEL_CUDA_QMV=4x4
-    mlxcel "dequant-prefill" MLXCEL_DEQUANT_ROWS=32
+    mlxcel "quantized prefill" MLXCEL_DEQUANT_ROWS=0
     mlxcel "no warm-up" MLXCEL_WARM_UP=0
+    mlxcel "qmv 4x4" MLXCEL_CUDA_QMV=4x4
     mlxlm
   done
   ;;
