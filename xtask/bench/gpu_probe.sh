@@ -74,5 +74,23 @@ qwen3-30b-a3b)
     mlxlm
   done
   ;;
-*) echo "usage: gpu_probe.sh kernels | llama-8b | llama-8b-bf16 | qwen3-30b-a3b" >&2; exit 2 ;;
+final)
+  # mlxcel's defaults against mlx-lm on the three shapes.
+  for shape in llama-8b-4bit llama-8b-bf16 qwen3-30b-a3b-4bit; do
+    M=$models/$shape
+    case $shape in
+      llama-8b-4bit) make="make llama-8b $M" ;;
+      llama-8b-bf16) make="make llama-8b $M --dense" ;;
+      *) make="make qwen3-30b-a3b $M" ;;
+    esac
+    [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" $make | tail -1
+    echo "== $shape"
+    for pass in warm-up $(seq -f measured-%g "$RUNS"); do
+      echo "$pass"
+      mlxcel "default" MLXCEL_NOTHING=1
+      mlxlm
+    done
+  done
+  ;;
+*) echo "usage: gpu_probe.sh kernels | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | final" >&2; exit 2 ;;
 esac

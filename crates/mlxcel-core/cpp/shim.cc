@@ -408,6 +408,52 @@ Ptr gather_mm(const array& a, const array& b, const array* lhs_indices, const ar
   return wrap(mx::gather_mm(a, b, opt(lhs_indices), opt(rhs_indices), sorted_indices));
 }
 
+namespace {
+// act(gate) * up for the gated MLPs. Scalars carry the input's dtype: a float32 scalar would
+// promote half-precision activations to float32.
+array scalar(float v, const array& like) { return array(v, like.dtype()); }
+array silu_mul(const array& g, const array& u) { return g * mx::sigmoid(g) * u; }
+array gelu_tanh_mul(const array& g, const array& u) {
+  // 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u
+  auto inner = (g + scalar(0.044715f, g) * g * g * g) * scalar(0.7978845608f, g);
+  return scalar(0.5f, g) * g * (scalar(1.0f, g) + mx::tanh(inner)) * u;
+}
+array gelu_mul(const array& g, const array& u) {
+  return scalar(0.5f, g) * g * (scalar(1.0f, g) + mx::erf(g * scalar(0.70710678f, g))) * u;
+}
+std::vector<array> silu_mul_fn(const std::vector<array>& in) { return {silu_mul(in[0], in[1])}; }
+std::vector<array> gelu_tanh_mul_fn(const std::vector<array>& in) {
+  return {gelu_tanh_mul(in[0], in[1])};
+}
+std::vector<array> gelu_mul_fn(const std::vector<array>& in) { return {gelu_mul(in[0], in[1])}; }
+}  // namespace
+
+Ptr gated_activation(rust::Str kind, const array& gate, const array& up, bool fused) {
+  using Fn = std::function<std::vector<array>(const std::vector<array>&)>;
+  // mx::compile traces each function once per input shape/dtype and runs it as one fused
+  // kernel; the traced functions are static, so the cache lives for the process.
+  static const Fn silu_c = mx::compile(silu_mul_fn);
+  static const Fn gelu_tanh_c = mx::compile(gelu_tanh_mul_fn);
+  static const Fn gelu_c = mx::compile(gelu_mul_fn);
+  auto k = str(kind);
+  const Fn* compiled = nullptr;
+  std::vector<array> (*plain)(const std::vector<array>&) = nullptr;
+  if (k == "silu") {
+    compiled = &silu_c;
+    plain = silu_mul_fn;
+  } else if (k == "gelu_tanh") {
+    compiled = &gelu_tanh_c;
+    plain = gelu_tanh_mul_fn;
+  } else if (k == "gelu") {
+    compiled = &gelu_c;
+    plain = gelu_mul_fn;
+  } else {
+    throw std::invalid_argument("mlxcel: unknown gated activation `" + k + "`");
+  }
+  std::vector<array> in{gate, up};
+  return wrap((fused ? (*compiled)(in) : plain(in))[0]);
+}
+
 Ptr rms_norm(const array& x, const array* weight, float eps) {
   return wrap(mx::fast::rms_norm(x, opt(weight), eps));
 }

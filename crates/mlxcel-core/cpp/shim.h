@@ -124,6 +124,7 @@ Ptr gather_mm(const array& a, const array& b, const array* lhs_indices, const ar
 Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
                int32_t group_size, int32_t bits);
 
+Ptr gated_activation(rust::Str kind, const array& gate, const array& up, bool fused);
 Ptr rms_norm(const array& x, const array* weight, float eps);
 Ptr layer_norm(const array& x, const array* weight, const array* bias, float eps);
 Ptr rope(const array& x, int32_t dims, bool traditional, float base, bool has_base, float scale,

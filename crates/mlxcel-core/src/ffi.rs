@@ -279,6 +279,13 @@ pub(crate) mod bridge {
         ) -> Result<UniquePtr<MlxArray>>;
 
         // ---- fast (fused) kernels ----
+        /// `act(gate) * up` (`kind`: silu, gelu_tanh, gelu); `fused`: one compiled kernel.
+        fn gated_activation(
+            kind: &str,
+            gate: &MlxArray,
+            up: &MlxArray,
+            fused: bool,
+        ) -> Result<UniquePtr<MlxArray>>;
         /// # Safety
         /// `weight` is null or points to a live array.
         unsafe fn rms_norm(

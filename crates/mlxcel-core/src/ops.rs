@@ -454,6 +454,47 @@ pub fn dequantize(
     }))
 }
 
+/// Activations of gated MLPs, `act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatedActivation {
+    Silu,
+    /// The tanh approximation of GELU.
+    GeluTanh,
+    /// The exact (erf) GELU.
+    Gelu,
+}
+
+/// `act(gate) * up` for gated MLPs. On a GPU it runs as one kernel (a function compiled once
+/// with MLX's `compile`: decode is bound by per-kernel dispatch, and SiLU-and-multiply is
+/// otherwise three kernels, tanh-GELU-and-multiply nine). On the CPU the same ops run unfused:
+/// MLX compiles fused CPU kernels with the system C++ compiler at run time, which a deployed
+/// binary cannot count on.
+pub fn gated_activation(kind: GatedActivation, gate: &Array, up: &Array) -> Result<Array> {
+    let fused = crate::default_device()? == crate::Device::Gpu;
+    gated_activation_as(kind, gate, up, fused)
+}
+
+/// [`gated_activation`] with the fusion chosen by the caller (`fused` on the CPU needs a C++
+/// compiler at run time).
+pub fn gated_activation_as(
+    kind: GatedActivation,
+    gate: &Array,
+    up: &Array,
+    fused: bool,
+) -> Result<Array> {
+    let name = match kind {
+        GatedActivation::Silu => "silu",
+        GatedActivation::GeluTanh => "gelu_tanh",
+        GatedActivation::Gelu => "gelu",
+    };
+    Ok(wrap(bridge::gated_activation(
+        name,
+        gate.as_ref(),
+        up.as_ref(),
+        fused,
+    )?))
+}
+
 /// Whether mlxcel's own CPU kernel (`cpp/cpu_linear.cc`) computes `x @ W^T` when MLX runs on
 /// the CPU: on unless `MLXCEL_CPU_KERNELS=0` (which keeps MLX's kernels, for comparisons).
 /// MLX's Linux CPU backend runs quantized matmuls as a scalar loop and dense ones through a

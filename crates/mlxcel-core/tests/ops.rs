@@ -910,3 +910,63 @@ fn devices_and_memory() {
     assert!(mlxcel_core::memory::peak_bytes().unwrap() >= 4 << 20);
     assert!(mlxcel_core::mlx_version().unwrap().starts_with("0.32"));
 }
+
+#[test]
+fn gated_activations_fused_and_unfused_match_the_definition() {
+    use mlxcel_core::ops::{gated_activation_as, GatedActivation};
+    let mut r = rng(77);
+    let n = 257;
+    let g = random_vec(&mut r, n, -4.0, 4.0);
+    let u = random_vec(&mut r, n, -2.0, 2.0);
+    let erf = |x: f64| {
+        // Abramowitz-Stegun 7.1.26 is too coarse for 1e-5; integrate instead.
+        let steps = 4000;
+        let h = x / steps as f64;
+        let f = |t: f64| (-t * t).exp();
+        let mut s = f(0.0) + f(x);
+        for i in 1..steps {
+            s += f(i as f64 * h) * if i % 2 == 1 { 4.0 } else { 2.0 };
+        }
+        s * h / 3.0 * 2.0 / std::f64::consts::PI.sqrt()
+    };
+    let cases: [(GatedActivation, &dyn Fn(f64) -> f64); 3] = [
+        (GatedActivation::Silu, &|x: f64| x / (1.0 + (-x).exp())),
+        (GatedActivation::GeluTanh, &|x: f64| {
+            0.5 * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+        }),
+        (GatedActivation::Gelu, &|x: f64| {
+            0.5 * x * (1.0 + erf(x / 2f64.sqrt()))
+        }),
+    ];
+    for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        let (gv, uv) = (round_to(&g, dtype), round_to(&u, dtype));
+        let (ga, ua) = (
+            array(&gv, &[n as i32], dtype),
+            array(&uv, &[n as i32], dtype),
+        );
+        for (kind, act) in &cases {
+            let want: Vec<f64> = gv.iter().zip(&uv).map(|(g, u)| act(*g) * u).collect();
+            for fused in [false, true] {
+                let got = gated_activation_as(*kind, &ga, &ua, fused).unwrap();
+                assert_eq!(
+                    got.dtype().unwrap(),
+                    dtype,
+                    "{kind:?} keeps the input dtype"
+                );
+                // bf16: a few roundings of intermediate results.
+                let tol = if dtype == Dtype::Float32 {
+                    1e-5
+                } else {
+                    4.0 * tolerance(dtype)
+                };
+                for (i, (a, b)) in read(&got).iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= tol * b.abs().max(1.0),
+                        "{kind:?} {dtype} fused={fused} element {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -28,6 +28,19 @@ impl Activation {
         })
     }
 
+    /// `act(gate) * up`, as one fused kernel where the backend allows (see
+    /// `ops::gated_activation`).
+    pub fn gated(self, gate: &Array, up: &Array) -> Result<Array> {
+        use mlxcel_core::ops::{gated_activation, GatedActivation};
+        let kind = match self {
+            Activation::Silu => GatedActivation::Silu,
+            Activation::GeluTanh => GatedActivation::GeluTanh,
+            Activation::Gelu => GatedActivation::Gelu,
+            Activation::Relu => return Ok(self.apply(gate)?.multiply(up)?),
+        };
+        Ok(gated_activation(kind, gate, up)?)
+    }
+
     pub fn apply(self, x: &Array) -> Result<Array> {
         Ok(match self {
             Activation::Silu => x.multiply(&x.sigmoid()?)?,
@@ -81,7 +94,7 @@ impl Mlp {
                 down,
                 act,
             } => {
-                let h = act.apply(&gate.forward(x)?)?.multiply(&up.forward(x)?)?;
+                let h = act.gated(&gate.forward(x)?, &up.forward(x)?)?;
                 down.forward(&h)
             }
             Mlp::FusedGated {
@@ -92,7 +105,7 @@ impl Mlp {
             } => {
                 let gu = gate_up.forward(x)?;
                 let parts = gu.split_at(&[*hidden], -1)?;
-                let h = act.apply(&parts[0])?.multiply(&parts[1])?;
+                let h = act.gated(&parts[0], &parts[1])?;
                 down.forward(&h)
             }
             Mlp::Plain { up, down, act } => down.forward(&act.apply(&up.forward(x)?)?),

@@ -66,7 +66,7 @@ impl SwitchGlu {
             let xs = x.reshape(&[t, 1, 1, d])?;
             let g = self.gate.forward(&xs, ids, false)?;
             let u = self.up.forward(&xs, ids, false)?;
-            let h = self.act.apply(&g)?.multiply(&u)?;
+            let h = self.act.gated(&g, &u)?;
             let y = self.down.forward(&h, ids, false)?;
             return Ok(y.reshape(&[t, k, d])?);
         }
@@ -79,7 +79,7 @@ impl SwitchGlu {
         let rows = x.take(&token_of, 0)?.reshape(&[t * k, 1, d])?;
         let g = self.gate.forward(&rows, &sorted_ids, true)?;
         let u = self.up.forward(&rows, &sorted_ids, true)?;
-        let h = self.act.apply(&g)?.multiply(&u)?;
+        let h = self.act.gated(&g, &u)?;
         let y = self.down.forward(&h, &sorted_ids, true)?;
         Ok(y.take(&inverse, 0)?.reshape(&[t, k, d])?)
     }
@@ -169,7 +169,7 @@ impl StreamedGlu {
             let idx = Array::from_slice(&slot_ids, &[n])?;
             let g = self.projection(&layer, 0)?.forward(&xs, &idx, true)?;
             let u = self.projection(&layer, 1)?.forward(&xs, &idx, true)?;
-            let h = self.act.apply(&g)?.multiply(&u)?;
+            let h = self.act.gated(&g, &u)?;
             let y = self.projection(&layer, 2)?.forward(&h, &idx, true)?;
             if waves > 1 {
                 // The next wave may evict these slots: finish reading them first.
