@@ -36,60 +36,48 @@ mlxlm() {
   python3 "$here/mlx_lm_bench.py" "$M" --prompt-ids "$ids" --max-new 128 --repeat 2 2>&1 >/dev/null | python3 -c "$fmt"
 }
 
+# Generates model folder $1 (llama-8b-4bit | llama-8b-bf16 | qwen3-30b-a3b-4bit) if absent; sets M.
+model() {
+  M=$models/$1
+  local make
+  case $1 in
+    llama-8b-4bit) make="make llama-8b $M" ;;
+    llama-8b-bf16) make="make llama-8b $M --dense" ;;
+    qwen3-30b-a3b-4bit) make="make qwen3-30b-a3b $M" ;;
+  esac
+  [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" $make | tail -1
+  python3 "$here/make_random_model.py" floor "$M"
+}
+# The warm-up pass and RUNS measured passes of mlxcel configurations ("label ENV=VALUE", ...)
+# and mlx-lm on $M.
+passes() {
+  for pass in warm-up $(seq -f measured-%g "$RUNS"); do
+    echo "$pass"
+    for config in "$@"; do mlxcel ${config% *} ${config##* }; done
+    mlxlm
+  done
+}
+
 case $what in
 kernels)
   timeout 170 python3 "$here/qmv_test.py" --quick
   timeout 120 python3 "$here/prefill_probe.py"
   ;;
 llama-8b)
-  M=$models/llama-8b-4bit
-  [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" make llama-8b "$M" | tail -1
-  python3 "$here/make_random_model.py" floor "$M"
-  for pass in warm-up $(seq -f measured-%g "$RUNS"); do
-    echo "$pass"
-    mlxcel "default" MLXCEL_NOTHING=1
-    mlxcel "quantized prefill" MLXCEL_DEQUANT_ROWS=0
-    mlxcel "no warm-up" MLXCEL_WARM_UP=0
-    mlxcel "qmv 4x4" MLXCEL_CUDA_QMV=4x4
-    mlxlm
-  done
+  model llama-8b-4bit
+  passes "default MLXCEL_NOTHING=1" "quantized-prefill MLXCEL_DEQUANT_ROWS=0" \
+    "no-warm-up MLXCEL_WARM_UP=0" "qmv-4x4 MLXCEL_CUDA_QMV=4x4"
   ;;
-llama-8b-bf16)
-  M=$models/llama-8b-bf16
-  [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" make llama-8b "$M" --dense | tail -1
-  python3 "$here/make_random_model.py" floor "$M"
-  for pass in warm-up $(seq -f measured-%g "$RUNS"); do
-    echo "$pass"
-    mlxcel "default" MLXCEL_NOTHING=1
-    mlxlm
-  done
-  ;;
-qwen3-30b-a3b)
-  M=$models/qwen3-30b-a3b-4bit
-  [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" make qwen3-30b-a3b "$M" | tail -1
-  python3 "$here/make_random_model.py" floor "$M"
-  for pass in warm-up $(seq -f measured-%g "$RUNS"); do
-    echo "$pass"
-    mlxcel "default" MLXCEL_NOTHING=1
-    mlxlm
-  done
+llama-8b-bf16 | qwen3-30b-a3b)
+  model "$what$([ "$what" = qwen3-30b-a3b ] && echo -4bit)"
+  passes "default MLXCEL_NOTHING=1"
   ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes.
   for shape in llama-8b-4bit llama-8b-bf16 qwen3-30b-a3b-4bit; do
-    M=$models/$shape
-    case $shape in
-      llama-8b-4bit) make="make llama-8b $M" ;;
-      llama-8b-bf16) make="make llama-8b $M --dense" ;;
-      *) make="make qwen3-30b-a3b $M" ;;
-    esac
-    [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" $make | tail -1
     echo "== $shape"
-    for pass in warm-up $(seq -f measured-%g "$RUNS"); do
-      echo "$pass"
-      mlxcel "default" MLXCEL_NOTHING=1
-      mlxlm
-    done
+    model $shape
+    passes "default MLXCEL_NOTHING=1"
   done
   ;;
 *) echo "usage: gpu_probe.sh kernels | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | final" >&2; exit 2 ;;
