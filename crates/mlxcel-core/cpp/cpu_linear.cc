@@ -175,18 +175,64 @@ Pool& pool() {
   return *p;
 }
 
-void run_linear(const LinearArgs& a) {
+// Runs independent products (one linear layer, or one per routed expert), splitting each one's
+// output columns over the pool.
+void run_parts(const std::vector<LinearArgs>& parts) {
   static const RowsFn rows = pick_kernel();
+  int64_t work = 0;
+  for (const auto& a : parts) work += a.N * int64_t(a.K) * std::max<int64_t>(a.M, 1);
   // Work below ~64K weight elements x rows is not worth waking the pool for.
-  const int64_t work = a.N * int64_t(a.K) * std::max<int64_t>(a.M, 1);
   const int threads = work < (int64_t(1) << 16) ? 1 : pool().threads();
-  // Split output columns in equal, even-sized spans (the blocked path pairs rows).
-  const int64_t span = ((a.N + threads - 1) / threads + 1) & ~int64_t(1);
-  const int tasks = int((a.N + span - 1) / span);
-  pool().run(tasks, [&](int t) {
-    const int64_t begin = int64_t(t) * span;
-    rows(a, begin, std::min(a.N, begin + span));
+  const int chunks = threads;
+  pool().run(int(parts.size()) * chunks, [&](int t) {
+    const LinearArgs& a = parts[t / chunks];
+    // Equal, even-sized spans of output columns (the blocked path pairs rows).
+    const int64_t span = ((a.N + chunks - 1) / chunks + 1) & ~int64_t(1);
+    const int64_t begin = int64_t(t % chunks) * span;
+    if (begin < a.N) rows(a, begin, std::min(a.N, begin + span));
   });
+}
+
+// sum(x) per quantization group of each row of `a.x` ([a.M, groups]), shared by every output
+// column of a quantized product.
+std::vector<float> group_sums(const LinearArgs& a) {
+  const int groups = a.K / a.group_size;
+  std::vector<float> sums(size_t(a.M) * groups, 0.0f);
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int g = 0; g < groups; ++g) {
+      const float* xs = a.x + size_t(m) * a.K + size_t(g) * a.group_size;
+      float s = 0.0f;
+      for (int k = 0; k < a.group_size; ++k) s += xs[k];
+      sums[size_t(m) * groups + g] = s;
+    }
+  return sums;
+}
+
+// The routed-expert form: pair p multiplies x row p / pairs_per_row by expert ids[p]'s matrix
+// into output row p. Consecutive pairs on one expert with consecutive x rows (prefill, pairs
+// sorted by expert) become one many-row product.
+std::vector<LinearArgs> expert_parts(const LinearArgs& base, const uint32_t* ids, int64_t pairs,
+                                     int64_t pairs_per_row, int64_t experts, size_t w_stride,
+                                     size_t s_stride) {
+  std::vector<LinearArgs> parts;
+  for (int64_t p = 0; p < pairs;) {
+    const uint32_t e = ids[p];
+    int64_t m = 1;
+    if (pairs_per_row == 1)
+      while (p + m < pairs && ids[p + m] == e) ++m;
+    if (e < experts) {  // an out-of-range id leaves its rows unset rather than read out of bounds
+      LinearArgs a = base;
+      a.x = base.x + size_t(p / pairs_per_row) * base.K;
+      a.M = m;
+      a.out = base.out + size_t(p) * base.N;
+      a.w = static_cast<const uint8_t*>(base.w) + e * w_stride;
+      a.scales = static_cast<const uint8_t*>(base.scales) + e * s_stride;
+      a.biases = static_cast<const uint8_t*>(base.biases) + e * s_stride;
+      parts.push_back(a);
+    }
+    p += m;
+  }
+  return parts;
 }
 
 ElemKind elem_kind(const mx::array& a, const char* what) {
@@ -241,23 +287,32 @@ class CpuLinear : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& in : inputs) encoder.set_input_array(in);
     encoder.set_output_array(out);
-    encoder.dispatch([a, keep = std::move(keep)]() mutable {
+    // Routed experts: inputs[4] holds the expert of each (row, expert) pair.
+    const bool gathered = inputs.size() == 5;
+    const uint32_t* ids = gathered ? inputs[4].data<uint32_t>() : nullptr;
+    const int64_t pairs = gathered ? int64_t(inputs[4].size()) : 0;
+    const int64_t pairs_per_row = gathered && a.M > 0 ? std::max<int64_t>(1, pairs / a.M) : 1;
+    const int64_t experts = gathered ? w.shape(0) : 0;
+    if (gathered) {
+      a.N = w.shape(1);
+    }
+    const size_t w_stride = gathered ? w.nbytes() / experts : 0;
+    const size_t s_stride = gathered ? inputs[2].nbytes() / experts : 0;
+
+    encoder.dispatch([a, ids, pairs, pairs_per_row, experts, w_stride, s_stride,
+                      keep = std::move(keep)]() mutable {
       if (a.M == 0 || a.N == 0) return;
-      std::vector<float> xsum;
+      std::vector<LinearArgs> parts =
+          ids ? expert_parts(a, ids, pairs, pairs_per_row, experts, w_stride, s_stride)
+              : std::vector<LinearArgs>{a};
+      std::vector<std::vector<float>> sums(parts.size());
       if (a.bits > 0) {
-        // sum(x) per quantization group, shared by every output column.
-        const int groups = a.K / a.group_size;
-        xsum.assign(size_t(a.M) * groups, 0.0f);
-        for (int64_t m = 0; m < a.M; ++m)
-          for (int g = 0; g < groups; ++g) {
-            const float* xs = a.x + size_t(m) * a.K + size_t(g) * a.group_size;
-            float s = 0.0f;
-            for (int k = 0; k < a.group_size; ++k) s += xs[k];
-            xsum[size_t(m) * groups + g] = s;
-          }
-        a.xsum = xsum.data();
+        for (size_t i = 0; i < parts.size(); ++i) {
+          sums[i] = group_sums(parts[i]);
+          parts[i].xsum = sums[i].data();
+        }
       }
-      run_linear(a);
+      run_parts(parts);
     });
   }
 
@@ -273,6 +328,12 @@ class CpuLinear : public mx::UnaryPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    if (inputs.size() == 5) {  // routed experts: [..ids, 1, N]
+      mx::Shape shape = inputs[4].shape();
+      shape.push_back(1);
+      shape.push_back(inputs[1].shape(1));
+      return {shape};
+    }
     mx::Shape shape = inputs[0].shape();
     shape.back() = inputs[1].shape(0);
     return {shape};
@@ -285,11 +346,30 @@ class CpuLinear : public mx::UnaryPrimitive {
 
 }  // namespace
 
+namespace {
+[[noreturn]] void fail(const std::string& why) {
+  throw std::invalid_argument("mlxcel cpu_linear: " + why);
+}
+
+// Checks an affine-quantized weight of `rows` x K (per expert when stacked) and its planes.
+void check_quantized(const array& w, const array* scales, const array* biases, int K,
+                     int group_size, int bits) {
+  if (bits != 2 && bits != 4 && bits != 8) fail("bits must be 2, 4 or 8");
+  if (group_size <= 0 || group_size % 32 != 0) fail("group size must be a multiple of 32");
+  if (!scales || !biases) fail("affine quantization needs scales and biases");
+  if (w.dtype() != mx::uint32) fail("packed weight must be uint32");
+  if (int64_t(w.shape(-1)) * 32 / bits != K) fail("packed weight does not match K");
+  if (K % group_size != 0) fail("K is not a multiple of the group size");
+  mx::Shape sshape = w.shape();
+  sshape.back() = K / group_size;
+  if (scales->shape() != sshape || biases->shape() != sshape) fail("scales/biases shape");
+  if (scales->dtype() != biases->dtype()) fail("scales and biases differ in dtype");
+  elem_kind(*scales, "scales");
+}
+}  // namespace
+
 Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
                int32_t group_size, int32_t bits) {
-  auto fail = [](const std::string& why) {
-    throw std::invalid_argument("mlxcel cpu_linear: " + why);
-  };
   if (x.dtype() != mx::float32) fail("x must be float32");
   if (x.ndim() < 1) fail("x must have at least one dimension");
   if (w.ndim() != 2) fail("the weight must be 2-D [out, in]");
@@ -304,21 +384,36 @@ Ptr cpu_linear(const array& x, const array& w, const array* scales, const array*
     if (w.shape(1) != K) fail("weight has " + std::to_string(w.shape(1)) + " columns, x has " +
                               std::to_string(K));
   } else {
-    if (bits != 2 && bits != 4 && bits != 8) fail("bits must be 2, 4 or 8");
-    if (group_size <= 0 || group_size % 32 != 0) fail("group size must be a multiple of 32");
-    if (!scales || !biases) fail("affine quantization needs scales and biases");
-    if (w.dtype() != mx::uint32) fail("packed weight must be uint32");
-    if (int64_t(w.shape(1)) * 32 / bits != K) fail("packed weight does not match K");
-    if (K % group_size != 0) fail("K is not a multiple of the group size");
-    const mx::Shape sshape{N, K / group_size};
-    if (scales->shape() != sshape || biases->shape() != sshape) fail("scales/biases shape");
-    if (scales->dtype() != biases->dtype()) fail("scales and biases differ in dtype");
-    elem_kind(*scales, "scales");
+    check_quantized(w, scales, biases, K, group_size, bits);
     inputs.push_back(*scales);
     inputs.push_back(*biases);
   }
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;
+  return std::make_unique<array>(out_shape, mx::float32,
+                                 std::make_shared<CpuLinear>(stream, group_size, bits),
+                                 std::move(inputs));
+}
+
+Ptr cpu_gather_linear(const array& x, const array& w, const array& scales, const array& biases,
+                      const array& ids, int32_t group_size, int32_t bits) {
+  if (x.dtype() != mx::float32) fail("x must be float32");
+  if (x.ndim() < 1) fail("x must have at least one dimension");
+  if (w.ndim() != 3) fail("the expert stack must be 3-D [experts, out, in]");
+  if (ids.dtype() != mx::uint32 && ids.dtype() != mx::int32) fail("expert ids must be 32-bit");
+  const int K = x.shape(-1);
+  check_quantized(w, &scales, &biases, K, group_size, bits);
+  const size_t rows = K == 0 ? 0 : x.size() / size_t(K);
+  if (rows == 0 || ids.size() % rows != 0) {
+    fail("expert ids (" + std::to_string(ids.size()) + ") are not a whole number per row of x (" +
+         std::to_string(rows) + ")");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<array> inputs{mx::contiguous(x, false, stream), w, scales, biases,
+                            mx::contiguous(mx::view(ids, mx::uint32, stream), false, stream)};
+  mx::Shape out_shape = ids.shape();
+  out_shape.push_back(1);
+  out_shape.push_back(w.shape(1));
   return std::make_unique<array>(out_shape, mx::float32,
                                  std::make_shared<CpuLinear>(stream, group_size, bits),
                                  std::move(inputs));

@@ -123,6 +123,10 @@ Ptr gather_mm(const array& a, const array& b, const array* lhs_indices, const ar
 // x @ W^T on mlxcel's own CPU kernel (cpu_linear.cc); bits 0 means W is dense.
 Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
                int32_t group_size, int32_t bits);
+// The routed-expert form: row i of x against expert ids[i, j] of the stack w [E, N, K] for each
+// of the ids per row; out [..ids, 1, N] (cpu_linear.cc).
+Ptr cpu_gather_linear(const array& x, const array& w, const array& scales, const array& biases,
+                      const array& ids, int32_t group_size, int32_t bits);
 
 Ptr gated_activation(rust::Str kind, const array& gate, const array& up, bool fused);
 Ptr rms_norm(const array& x, const array* weight, float eps);

@@ -278,6 +278,17 @@ pub(crate) mod bridge {
             bits: i32,
         ) -> Result<UniquePtr<MlxArray>>;
 
+        /// Routed experts on mlxcel's CPU kernel: x rows against the experts `ids` names.
+        fn cpu_gather_linear(
+            x: &MlxArray,
+            w: &MlxArray,
+            scales: &MlxArray,
+            biases: &MlxArray,
+            ids: &MlxArray,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<MlxArray>>;
+
         // ---- fast (fused) kernels ----
         /// `act(gate) * up` (`kind`: silu, gelu_tanh, gelu); `fused`: one compiled kernel.
         fn gated_activation(

@@ -592,6 +592,19 @@ pub fn gather_qmm(
     spec: QuantSpec,
     sorted_indices: bool,
 ) -> Result<Array> {
+    if let (None, Some(ids), Some(b)) = (lhs_indices, rhs_indices, biases) {
+        if transpose && cpu_gather_applies(x, weight, scales, ids, spec)? {
+            return Ok(wrap(bridge::cpu_gather_linear(
+                x.as_ref(),
+                weight.as_ref(),
+                scales.as_ref(),
+                b.as_ref(),
+                ids.as_ref(),
+                spec.group_size,
+                spec.bits,
+            )?));
+        }
+    }
     // SAFETY: the optional pointers are null or borrowed for the call's duration.
     Ok(wrap(unsafe {
         bridge::gather_qmm(
@@ -608,6 +621,43 @@ pub fn gather_qmm(
             sorted_indices,
         )?
     }))
+}
+
+/// Whether a routed-expert product runs on mlxcel's CPU kernel: the conditions of
+/// [`quantized_matmul`]'s CPU path, a 3-D expert stack, single-row operands (`x` `[.., 1, K]`)
+/// whose batch shape is the ids' shape or that shape with the last axis 1 (each row against its
+/// k experts), the two layouts MoE blocks use.
+fn cpu_gather_applies(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    ids: &Array,
+    spec: QuantSpec,
+) -> Result<bool> {
+    if !(cpu_kernels_enabled()
+        && spec.mode == QuantMode::Affine
+        && matches!(spec.bits, 2 | 4 | 8)
+        && spec.group_size % 32 == 0
+        && weight.ndim() == 3
+        && x.ndim() >= 2
+        && x.dtype()? == Dtype::Float32
+        && matches!(ids.dtype()?, Dtype::Uint32 | Dtype::Int32)
+        && is_cpu_kernel_float(scales.dtype()?)
+        && crate::default_device()? == crate::Device::Cpu)
+    {
+        return Ok(false);
+    }
+    let xs = x.shape();
+    if xs[xs.len() - 2] != 1 {
+        return Ok(false);
+    }
+    let batch = &xs[..xs.len() - 2];
+    let ids_shape = ids.shape();
+    let per_row = match ids_shape.split_last() {
+        Some((_, lead)) => [lead, &[1]].concat(),
+        None => return Ok(false),
+    };
+    Ok(batch == ids_shape.as_slice() || batch == per_row.as_slice())
 }
 
 /// Dense counterpart of [`gather_qmm`]: `a[lhs] @ b[rhs]`.

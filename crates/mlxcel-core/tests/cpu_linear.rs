@@ -170,3 +170,76 @@ fn mismatched_shapes_are_errors_not_aborts() {
     let err = ops::linear(&x, &w).unwrap_err().to_string();
     assert!(err.contains("32 columns, x has 64"), "{err}");
 }
+
+#[test]
+fn routed_experts_match_float64_reference() {
+    // A stack of 5 experts; (a) decode layout: x [t, 1, 1, K] with k experts per row, ids
+    // [t, k], unsorted; (b) prefill layout: x [P, 1, K], ids [P] sorted, so runs of one expert
+    // become many-row products. Output [..ids, 1, N].
+    let (experts, k, n) = (5usize, 128usize, 40usize);
+    for (bits, group) in [(4, 64), (8, 32), (2, 128)] {
+        let spec = QuantSpec::affine(group as i32, bits);
+        let (stack, _) = random_matrix(experts * n, k, 900 + bits as u64, Dtype::Bfloat16);
+        let stack = stack
+            .reshape(&[experts as i32, n as i32, k as i32])
+            .unwrap();
+        let q = stack.quantize(spec).unwrap();
+        let deq = dequantize_host(&q, bits as usize, group, experts * n, k);
+        let expert_rows = |e: usize| &deq[e * n * k..(e + 1) * n * k];
+
+        let (t, per_row) = (3usize, 2usize);
+        let ids: Vec<u32> = vec![4, 1, 0, 4, 2, 2];
+        let (x, xv) = random_matrix(t, k, 31, Dtype::Float32);
+        let x4 = x.reshape(&[t as i32, 1, 1, k as i32]).unwrap();
+        let ids_a = Array::from_slice(&ids, &[t as i32, per_row as i32]).unwrap();
+        let got = ops::gather_qmm(
+            &x4,
+            &q.weight,
+            &q.scales,
+            q.biases.as_ref(),
+            None,
+            Some(&ids_a),
+            true,
+            spec,
+            false,
+        )
+        .unwrap();
+        assert_eq!(got.shape(), vec![t as i32, per_row as i32, 1, n as i32]);
+        let mut want = Vec::new();
+        let mut bound = Vec::new();
+        for (p, e) in ids.iter().enumerate() {
+            let row = &xv[(p / per_row) * k..(p / per_row + 1) * k];
+            let (y, b) = reference(row, expert_rows(*e as usize), 1, k, n);
+            want.extend(y);
+            bound.extend(b);
+        }
+        check(&format!("{bits}-bit decode layout"), &got, &want, &bound);
+
+        let sorted: Vec<i32> = vec![0, 0, 0, 1, 3, 3, 4, 4, 4, 4];
+        let rows = sorted.len();
+        let (x, xv) = random_matrix(rows, k, 32, Dtype::Float32);
+        let x3 = x.reshape(&[rows as i32, 1, k as i32]).unwrap();
+        let ids_s = Array::from_slice(&sorted, &[rows as i32]).unwrap();
+        let got = ops::gather_qmm(
+            &x3,
+            &q.weight,
+            &q.scales,
+            q.biases.as_ref(),
+            None,
+            Some(&ids_s),
+            true,
+            spec,
+            true,
+        )
+        .unwrap();
+        assert_eq!(got.shape(), vec![rows as i32, 1, n as i32]);
+        let mut want = Vec::new();
+        let mut bound = Vec::new();
+        for (p, e) in sorted.iter().enumerate() {
+            let (y, b) = reference(&xv[p * k..(p + 1) * k], expert_rows(*e as usize), 1, k, n);
+            want.extend(y);
+            bound.extend(b);
+        }
+        check(&format!("{bits}-bit sorted layout"), &got, &want, &bound);
+    }
+}
