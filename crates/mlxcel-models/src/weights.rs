@@ -118,15 +118,19 @@ impl ModelWeights {
         self.check_shape(name, shape)?;
         let stored = self.map.info(name).map(|i| i.dtype);
         let half = matches!(stored, Some(Dtype::Bfloat16 | Dtype::Float16));
-        if half
-            && self.dtype == Dtype::Float32
-            && mlxcel_core::ops::cpu_kernels_enabled()
-            && mlxcel_core::default_device()? == mlxcel_core::Device::Cpu
-        {
+        if half && self.on_cpu_kernel_path()? {
             let a = self.fetch(name)?;
             return Ok(self.keep(a));
         }
         self.tensor(name, shape)
+    }
+
+    /// Whether linear layers run on mlxcel's CPU kernel (float32 compute on MLX's CPU backend),
+    /// which reads half-precision weights, scales and biases as stored.
+    fn on_cpu_kernel_path(&self) -> Result<bool> {
+        Ok(self.dtype == Dtype::Float32
+            && mlxcel_core::ops::cpu_kernels_enabled()
+            && mlxcel_core::default_device()? == mlxcel_core::Device::Cpu)
     }
 
     /// [`ModelWeights::tensor`] when present, `None` when the checkpoint lacks it.
@@ -168,10 +172,24 @@ impl ModelWeights {
         };
         let weight_name = format!("{prefix}.weight");
         let weight = self.fetch(&weight_name)?;
-        let scales = self.fetch_float(&scales_name)?;
+        // Layers mlxcel's CPU kernel computes read half-precision scales and biases as stored
+        // (no float32 copy at load); everything else gets them in the compute dtype.
+        let stored_planes = out_shape.len() == 1
+            && mode == QuantMode::Affine
+            && matches!(bits, 2 | 4 | 8)
+            && group_size % 32 == 0
+            && self.on_cpu_kernel_path()?;
+        let plane = |w: &mut Self, name: &str| {
+            if stored_planes {
+                w.fetch(name)
+            } else {
+                w.fetch_float(name)
+            }
+        };
+        let scales = plane(self, &scales_name)?;
         let biases_name = format!("{prefix}.biases");
         let biases = if self.map.contains(&biases_name) {
-            Some(self.fetch_float(&biases_name)?)
+            Some(plane(self, &biases_name)?)
         } else {
             None
         };
@@ -194,7 +212,11 @@ impl ModelWeights {
                 "`{weight_name}`: 1-bit affine is supported for dense linears and embeddings only, not expert stacks"
             )));
         }
-        let q = q.with_float_dtype(self.dtype)?;
+        let q = if stored_planes {
+            q
+        } else {
+            q.with_float_dtype(self.dtype)?
+        };
         for a in q.arrays() {
             self.kept.push(a.clone());
         }
@@ -237,7 +259,10 @@ impl ModelWeights {
     /// An embedding table `[vocab, dim]`, dense or quantized.
     pub fn embedding(&mut self, prefix: &str, vocab: i32, dim: i32) -> Result<Embedding> {
         if let Some(q) = self.quantized(prefix, &[vocab], dim)? {
-            return Ok(Embedding::Quantized(q));
+            return Ok(Embedding::Quantized {
+                table: q,
+                dtype: self.dtype,
+            });
         }
         let table = self.matmul_weight(&format!("{prefix}.weight"), &[vocab, dim])?;
         Ok(Embedding::Dense {

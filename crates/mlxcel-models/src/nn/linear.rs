@@ -90,11 +90,12 @@ pub enum Embedding {
     /// `table` may be stored in half precision while the model computes in `dtype` (mlxcel's
     /// CPU kernel reads half-precision tables directly when they serve as output heads); the
     /// rows looked up are cast to `dtype`.
-    Dense {
-        table: Array,
+    Dense { table: Array, dtype: Dtype },
+    /// Rows are dequantized to `dtype` (the table's scales may be stored in half precision).
+    Quantized {
+        table: QuantizedWeight,
         dtype: Dtype,
     },
-    Quantized(QuantizedWeight),
 }
 
 impl Embedding {
@@ -109,15 +110,24 @@ impl Embedding {
                     rows.astype(*dtype)?
                 })
             }
-            Embedding::Quantized(q) => {
-                let dtype = match q.spec.mode {
-                    mlxcel_quant::QuantMode::Affine => q.scales.dtype()?,
-                    _ => Dtype::Float32,
+            Embedding::Quantized { table: q, dtype } => {
+                // MLX dequantizes in the scales' dtype: half-precision planes are widened
+                // first (only the looked-up rows), or every value would round to half precision.
+                let widen = |a: Array| -> Result<Array> {
+                    let half = matches!(a.dtype()?, Dtype::Bfloat16 | Dtype::Float16);
+                    Ok(if half && *dtype == Dtype::Float32 {
+                        a.astype(Dtype::Float32)?
+                    } else {
+                        a
+                    })
                 };
                 let w = q.weight.take(ids, 0)?;
-                let s = q.scales.take(ids, 0)?;
-                let b = q.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?;
-                Ok(ops::dequantize(&w, &s, b.as_ref(), q.spec, Some(dtype))?)
+                let s = widen(q.scales.take(ids, 0)?)?;
+                let b = match &q.biases {
+                    Some(b) => Some(widen(b.take(ids, 0)?)?),
+                    None => None,
+                };
+                Ok(ops::dequantize(&w, &s, b.as_ref(), q.spec, Some(*dtype))?)
             }
         }
     }
@@ -126,7 +136,7 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
             Embedding::Dense { table, .. } => Ok(ops::linear(x, table)?),
-            Embedding::Quantized(q) => Ok(q.matmul_t(x)?),
+            Embedding::Quantized { table: q, .. } => Ok(q.matmul_t(x)?),
         }
     }
 }
