@@ -47,6 +47,9 @@ fn main() {
 
     let mut build = cxx_build::bridge("src/ffi.rs");
     build
+        // Optimised in every profile: the CPU linear kernel is the hot loop of CPU inference and
+        // tests (debug builds of the workspace would otherwise compile it at -O0).
+        .opt_level(2)
         .file("cpp/shim.cc")
         .file("cpp/cpu_linear.cc")
         .include(&include)
