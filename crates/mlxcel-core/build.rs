@@ -25,6 +25,8 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/shim.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_linear.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_linear_kernels.inc");
+    println!("cargo:rerun-if-changed=cpp/cpu_attention.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_kernels.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
     let root = match locate_mlx() {
@@ -52,6 +54,7 @@ fn main() {
         .opt_level(2)
         .file("cpp/shim.cc")
         .file("cpp/cpu_linear.cc")
+        .file("cpp/cpu_attention.cc")
         .include(&include)
         .include(&out)
         .flag_if_supported("-std=c++20")

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "mlxcel-core/cpp/cpu_kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
@@ -174,6 +175,14 @@ Pool& pool() {
   static Pool* p = new Pool(pool_threads());
   return *p;
 }
+
+}  // namespace
+
+// Shared with the other CPU kernels (cpu_kernels.h).
+void parallel_for(int tasks, const std::function<void(int)>& fn) { pool().run(tasks, fn); }
+int parallel_threads() { return pool().threads(); }
+
+namespace {
 
 // Runs independent products (one linear layer, or one per routed expert), splitting each one's
 // output columns over the pool.

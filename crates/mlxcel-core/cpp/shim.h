@@ -129,6 +129,8 @@ Ptr cpu_gather_linear(const array& x, const array& w, const array& scales, const
                       const array& ids, int32_t group_size, int32_t bits);
 
 Ptr gated_activation(rust::Str kind, const array& gate, const array& up, bool fused);
+// Attention on mlxcel's CPU pool (cpu_attention.cc): float32, no mask or causal.
+Ptr cpu_attention(const array& q, const array& k, const array& v, float scale, bool causal);
 Ptr rms_norm(const array& x, const array* weight, float eps);
 Ptr layer_norm(const array& x, const array* weight, const array* bias, float eps);
 Ptr rope(const array& x, int32_t dims, bool traditional, float base, bool has_base, float scale,

@@ -289,6 +289,15 @@ pub(crate) mod bridge {
             bits: i32,
         ) -> Result<UniquePtr<MlxArray>>;
 
+        /// Attention on mlxcel's CPU pool: float32, no mask or the causal mask.
+        fn cpu_attention(
+            q: &MlxArray,
+            k: &MlxArray,
+            v: &MlxArray,
+            scale: f32,
+            causal: bool,
+        ) -> Result<UniquePtr<MlxArray>>;
+
         // ---- fast (fused) kernels ----
         /// `act(gate) * up` (`kind`: silu, gelu_tanh, gelu); `fused`: one compiled kernel.
         fn gated_activation(

@@ -660,6 +660,20 @@ fn cpu_gather_applies(
     Ok(batch == ids_shape.as_slice() || batch == per_row.as_slice())
 }
 
+/// Whether attention runs on mlxcel's CPU kernel (`cpp/cpu_attention.cc`): float32 `[B, H, L, D]`
+/// operands on the CPU with the CPU kernels enabled (MLX's CPU attention is matmuls through a
+/// reference BLAS). Masks other than causal and attention sinks stay on MLX.
+fn cpu_attention_applies(q: &Array, k: &Array, v: &Array) -> Result<bool> {
+    Ok(cpu_kernels_enabled()
+        && q.ndim() == 4
+        && k.ndim() == 4
+        && v.ndim() == 4
+        && q.dtype()? == Dtype::Float32
+        && k.dtype()? == Dtype::Float32
+        && v.dtype()? == Dtype::Float32
+        && crate::default_device()? == crate::Device::Cpu)
+}
+
 /// Dense counterpart of [`gather_qmm`]: `a[lhs] @ b[rhs]`.
 pub fn gather_mm(
     a: &Array,
@@ -691,6 +705,22 @@ pub fn scaled_dot_product_attention(
     mask: AttentionMask<'_>,
     sinks: Option<&Array>,
 ) -> Result<Array> {
+    let causal = match mask {
+        AttentionMask::None => Some(false),
+        AttentionMask::Causal => Some(true),
+        AttentionMask::Array(_) => None,
+    };
+    if let (Some(causal), None) = (causal, sinks) {
+        if cpu_attention_applies(q, k, v)? {
+            return Ok(wrap(bridge::cpu_attention(
+                q.as_ref(),
+                k.as_ref(),
+                v.as_ref(),
+                scale,
+                causal,
+            )?));
+        }
+    }
     let (mode, arr) = match mask {
         AttentionMask::None => ("", None),
         AttentionMask::Causal => ("causal", None),
