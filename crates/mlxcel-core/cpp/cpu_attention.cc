@@ -12,8 +12,6 @@
 #include <stdexcept>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/primitives.h"
 #include "mlxcel-core/cpp/cpu_kernels.h"
 #include "mlxcel-core/cpp/shim.h"
 
@@ -98,10 +96,10 @@ void strides_of(const mx::array& x, int64_t (&out)[3]) {
   for (int i = 0; i < 3; ++i) out[i] = x.strides()[i];
 }
 
-class CpuAttention : public mx::UnaryPrimitive {
+class CpuAttention : public CpuPrimitive {
  public:
   CpuAttention(mx::Stream stream, float scale, bool causal)
-      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+      : CpuPrimitive(stream), scale_(scale), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& q = inputs[0];
@@ -129,19 +127,9 @@ class CpuAttention : public mx::UnaryPrimitive {
     strides_of(v, a.vs);
     a.scale = scale_;
     a.causal = causal_;
-    std::vector<std::shared_ptr<mx::array::Data>> keep;
-    for (const auto& in : inputs) keep.push_back(in.data_shared_ptr());
-    keep.push_back(out.data_shared_ptr());
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    encoder.dispatch([a, keep = std::move(keep)]() {
+    schedule(inputs, out, [a]() {
       if (a.B * a.Hq * a.L * a.D > 0) run_attention(a);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxcel cpu_attention runs on the CPU stream only");
   }
 
   const char* name() const override { return "MlxcelCpuAttention"; }

@@ -255,10 +255,10 @@ ElemKind elem_kind(const mx::array& a, const char* what) {
   }
 }
 
-class CpuLinear : public mx::UnaryPrimitive {
+class CpuLinear : public CpuPrimitive {
  public:
   CpuLinear(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+      : CpuPrimitive(stream), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     for (const auto& in : inputs) {
@@ -288,14 +288,6 @@ class CpuLinear : public mx::UnaryPrimitive {
       a.scale_kind = elem_kind(inputs[2], "scales");
     }
 
-    // Keep every buffer alive until the task has run, whatever happens to the graph meanwhile.
-    std::vector<std::shared_ptr<mx::array::Data>> keep;
-    for (const auto& in : inputs) keep.push_back(in.data_shared_ptr());
-    keep.push_back(out.data_shared_ptr());
-
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
     // Routed experts: inputs[4] holds the expert of each (row, expert) pair.
     const bool gathered = inputs.size() == 5;
     const uint32_t* ids = gathered ? inputs[4].data<uint32_t>() : nullptr;
@@ -308,8 +300,7 @@ class CpuLinear : public mx::UnaryPrimitive {
     const size_t w_stride = gathered ? w.nbytes() / experts : 0;
     const size_t s_stride = gathered ? inputs[2].nbytes() / experts : 0;
 
-    encoder.dispatch([a, ids, pairs, pairs_per_row, experts, w_stride, s_stride,
-                      keep = std::move(keep)]() mutable {
+    schedule(inputs, out, [a, ids, pairs, pairs_per_row, experts, w_stride, s_stride]() {
       if (a.M == 0 || a.N == 0) return;
       std::vector<LinearArgs> parts =
           ids ? expert_parts(a, ids, pairs, pairs_per_row, experts, w_stride, s_stride)
@@ -323,10 +314,6 @@ class CpuLinear : public mx::UnaryPrimitive {
       }
       run_parts(parts);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxcel cpu_linear runs on the CPU stream only");
   }
 
   const char* name() const override { return "MlxcelCpuLinear"; }
