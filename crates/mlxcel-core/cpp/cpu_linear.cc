@@ -25,8 +25,6 @@
 #endif
 
 #include "mlxcel-core/cpp/cpu_kernels.h"
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/primitives.h"
 
 namespace mlxcel {
 

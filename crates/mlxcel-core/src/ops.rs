@@ -504,11 +504,20 @@ pub fn cpu_kernels_enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("MLXCEL_CPU_KERNELS").map_or(true, |v| v.trim() != "0"))
 }
 
+/// Whether mlxcel's CPU kernels are in use now: enabled and MLX's default device is the CPU.
+pub fn cpu_kernels_active() -> Result<bool> {
+    Ok(cpu_kernels_enabled() && crate::default_device()? == crate::Device::Cpu)
+}
+
+/// Whether mlxcel's CPU kernel reads a quantization format directly: affine 2, 4 or 8 bits in
+/// groups of a multiple of 32 (the one rule for linear layers, routed experts and which
+/// checkpoint planes loading may keep as stored).
+pub fn cpu_kernel_reads(spec: QuantSpec) -> bool {
+    spec.mode == QuantMode::Affine && matches!(spec.bits, 2 | 4 | 8) && spec.group_size % 32 == 0
+}
+
 fn on_cpu_kernel_path(x: &Array, weight: &Array) -> Result<bool> {
-    Ok(cpu_kernels_enabled()
-        && weight.ndim() == 2
-        && x.dtype()? == Dtype::Float32
-        && crate::default_device()? == crate::Device::Cpu)
+    Ok(weight.ndim() == 2 && x.dtype()? == Dtype::Float32 && cpu_kernels_active()?)
 }
 
 fn is_cpu_kernel_float(dtype: Dtype) -> bool {
@@ -543,9 +552,7 @@ pub fn quantized_matmul(
             return crate::cuda_qmv::qmv(x, weight, scales, b, spec);
         }
         if transpose
-            && spec.mode == QuantMode::Affine
-            && matches!(spec.bits, 2 | 4 | 8)
-            && spec.group_size % 32 == 0
+            && cpu_kernel_reads(spec)
             && is_cpu_kernel_float(scales.dtype()?)
             && on_cpu_kernel_path(x, weight)?
         {
@@ -634,16 +641,13 @@ fn cpu_gather_applies(
     ids: &Array,
     spec: QuantSpec,
 ) -> Result<bool> {
-    if !(cpu_kernels_enabled()
-        && spec.mode == QuantMode::Affine
-        && matches!(spec.bits, 2 | 4 | 8)
-        && spec.group_size % 32 == 0
+    if !(cpu_kernel_reads(spec)
         && weight.ndim() == 3
         && x.ndim() >= 2
         && x.dtype()? == Dtype::Float32
         && matches!(ids.dtype()?, Dtype::Uint32 | Dtype::Int32)
         && is_cpu_kernel_float(scales.dtype()?)
-        && crate::default_device()? == crate::Device::Cpu)
+        && cpu_kernels_active()?)
     {
         return Ok(false);
     }
@@ -664,14 +668,13 @@ fn cpu_gather_applies(
 /// operands on the CPU with the CPU kernels enabled (MLX's CPU attention is matmuls through a
 /// reference BLAS). Masks other than causal and attention sinks stay on MLX.
 fn cpu_attention_applies(q: &Array, k: &Array, v: &Array) -> Result<bool> {
-    Ok(cpu_kernels_enabled()
-        && q.ndim() == 4
+    Ok(q.ndim() == 4
         && k.ndim() == 4
         && v.ndim() == 4
         && q.dtype()? == Dtype::Float32
         && k.dtype()? == Dtype::Float32
         && v.dtype()? == Dtype::Float32
-        && crate::default_device()? == crate::Device::Cpu)
+        && cpu_kernels_active()?)
 }
 
 /// Dense counterpart of [`gather_qmm`]: `a[lhs] @ b[rhs]`.

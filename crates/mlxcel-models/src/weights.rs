@@ -128,9 +128,7 @@ impl ModelWeights {
     /// Whether linear layers run on mlxcel's CPU kernel (float32 compute on MLX's CPU backend),
     /// which reads half-precision weights, scales and biases as stored.
     fn on_cpu_kernel_path(&self) -> Result<bool> {
-        Ok(self.dtype == Dtype::Float32
-            && mlxcel_core::ops::cpu_kernels_enabled()
-            && mlxcel_core::default_device()? == mlxcel_core::Device::Cpu)
+        Ok(self.dtype == Dtype::Float32 && mlxcel_core::ops::cpu_kernels_active()?)
     }
 
     /// [`ModelWeights::tensor`] when present, `None` when the checkpoint lacks it.
@@ -174,10 +172,13 @@ impl ModelWeights {
         let weight = self.fetch(&weight_name)?;
         // Layers mlxcel's CPU kernel computes read half-precision scales and biases as stored
         // (no float32 copy at load); everything else gets them in the compute dtype.
+        let spec = mlxcel_core::ops::QuantSpec {
+            mode,
+            group_size,
+            bits,
+        };
         let stored_planes = out_shape.len() == 1
-            && mode == QuantMode::Affine
-            && matches!(bits, 2 | 4 | 8)
-            && group_size % 32 == 0
+            && mlxcel_core::ops::cpu_kernel_reads(spec)
             && self.on_cpu_kernel_path()?;
         let plane = |w: &mut Self, name: &str| {
             if stored_planes {

@@ -13,23 +13,35 @@ use crate::Result;
 /// a layer costs about as much as a quantized GEMM over ~150 rows, hence 256.
 const GPU_DEQUANT_ROWS: usize = 256;
 
+/// When quantized layers are dequantized and run as dense GEMMs, read once per process.
+struct DequantPolicy {
+    /// From this many rows of activations (0 = never).
+    rows: usize,
+    /// Whether routed-expert stacks are included: only when `MLXCEL_DEQUANT_ROWS` is set (a
+    /// stack holds every expert of the layer while a prefill chunk uses each for a few rows; on
+    /// the 30B-A3B shape it measured slower than MLX's gathered quantized GEMM).
+    experts: bool,
+}
+
+fn dequant_policy() -> &'static DequantPolicy {
+    static POLICY: std::sync::OnceLock<DequantPolicy> = std::sync::OnceLock::new();
+    POLICY.get_or_init(|| {
+        let set = std::env::var("MLXCEL_DEQUANT_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok());
+        let gpu = mlxcel_core::default_device().ok() == Some(mlxcel_core::Device::Gpu);
+        DequantPolicy {
+            rows: set.unwrap_or(if gpu { GPU_DEQUANT_ROWS } else { 0 }),
+            experts: std::env::var_os("MLXCEL_DEQUANT_ROWS").is_some(),
+        }
+    })
+}
+
 /// From how many rows of activations a quantized linear layer is dequantized and run as a
 /// dense GEMM: `MLXCEL_DEQUANT_ROWS` (0 = never), else [`GPU_DEQUANT_ROWS`] on a GPU and never
 /// on the CPU (mlxcel's CPU kernel reads quantized weights directly).
 pub fn dequantize_rows_threshold() -> usize {
-    static THRESHOLD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *THRESHOLD.get_or_init(|| {
-        match std::env::var("MLXCEL_DEQUANT_ROWS")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-        {
-            Some(rows) => rows,
-            None if mlxcel_core::default_device().ok() == Some(mlxcel_core::Device::Gpu) => {
-                GPU_DEQUANT_ROWS
-            }
-            None => 0,
-        }
-    })
+    dequant_policy().rows
 }
 
 fn dequantize_for(rows: usize) -> bool {
@@ -37,12 +49,10 @@ fn dequantize_for(rows: usize) -> bool {
     threshold > 0 && rows >= threshold
 }
 
-/// Whether an expert stack is dequantized for `rows` routed rows: only when
-/// `MLXCEL_DEQUANT_ROWS` is set (a stack holds every expert of the layer while a prefill chunk
-/// uses each for a few rows; on the 30B-A3B shape it measured slower than MLX's gathered
-/// quantized GEMM), past the threshold and with four rows per expert on average.
+/// Whether an expert stack is dequantized for `rows` routed rows: when the policy includes
+/// experts, past the threshold and with four rows per expert on average.
 fn dequantize_experts_for(rows: usize, experts: usize) -> bool {
-    std::env::var_os("MLXCEL_DEQUANT_ROWS").is_some() && dequantize_for(rows) && rows >= 4 * experts
+    dequant_policy().experts && dequantize_for(rows) && rows >= 4 * experts
 }
 
 /// `y = x W^T + b` with `W` `[out, in]`.
