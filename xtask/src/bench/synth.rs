@@ -4,13 +4,15 @@
 
 use std::collections::HashMap;
 use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use mlxcel_core::ops::random;
 use mlxcel_core::ops::{dequantize, QuantSpec};
 use mlxcel_core::{Array, Dtype, WeightMap};
 use serde_json::{json, Value};
+
+use crate::staging::{publish, staging_for};
 
 /// Standard deviation of the random weights (uniform in ±std·√3).
 const STD: f64 = 0.02;
@@ -71,6 +73,21 @@ impl Synthetic {
             }),
             None => self.dense(format!("{prefix}.weight"), shape, Fill::Random),
         }
+    }
+
+    /// The start of a decoder layer `p` both shapes share: its input norm and the q/k/v/o
+    /// projections of `heads` query and `kv` key/value heads of `hd` dims over hidden size `h`.
+    fn attention(
+        &mut self,
+        p: &str,
+        (h, heads, kv, hd): (i32, i32, i32, i32),
+        quant: Option<QuantSpec>,
+    ) {
+        self.dense(format!("{p}.input_layernorm.weight"), &[h], Fill::Ones);
+        self.linear(format!("{p}.self_attn.q_proj"), &[heads * hd, h], quant);
+        self.linear(format!("{p}.self_attn.k_proj"), &[kv * hd, h], quant);
+        self.linear(format!("{p}.self_attn.v_proj"), &[kv * hd, h], quant);
+        self.linear(format!("{p}.self_attn.o_proj"), &[h, heads * hd], quant);
     }
 
     /// `(name, dtype, shape)` of every stored tensor, in file order.
@@ -212,11 +229,7 @@ pub fn llama_1b(quant: Option<QuantSpec>) -> Synthetic {
     m.linear("model.embed_tokens".into(), &[vocab, h], quant);
     for i in 0..layers {
         let p = format!("model.layers.{i}");
-        m.dense(format!("{p}.input_layernorm.weight"), &[h], Fill::Ones);
-        m.linear(format!("{p}.self_attn.q_proj"), &[heads * hd, h], quant);
-        m.linear(format!("{p}.self_attn.k_proj"), &[kv * hd, h], quant);
-        m.linear(format!("{p}.self_attn.v_proj"), &[kv * hd, h], quant);
-        m.linear(format!("{p}.self_attn.o_proj"), &[h, heads * hd], quant);
+        m.attention(&p, (h, heads, kv, hd), quant);
         m.dense(
             format!("{p}.post_attention_layernorm.weight"),
             &[h],
@@ -256,11 +269,7 @@ pub fn qwen3_moe(quant: Option<QuantSpec>) -> Synthetic {
     m.linear("model.embed_tokens".into(), &[vocab, h], quant);
     for i in 0..layers {
         let p = format!("model.layers.{i}");
-        m.dense(format!("{p}.input_layernorm.weight"), &[h], Fill::Ones);
-        m.linear(format!("{p}.self_attn.q_proj"), &[heads * hd, h], quant);
-        m.linear(format!("{p}.self_attn.k_proj"), &[kv * hd, h], quant);
-        m.linear(format!("{p}.self_attn.v_proj"), &[kv * hd, h], quant);
-        m.linear(format!("{p}.self_attn.o_proj"), &[h, heads * hd], quant);
+        m.attention(&p, (h, heads, kv, hd), quant);
         m.dense(format!("{p}.self_attn.q_norm.weight"), &[hd], Fill::Ones);
         m.dense(format!("{p}.self_attn.k_norm.weight"), &[hd], Fill::Ones);
         m.dense(
@@ -359,27 +368,6 @@ pub fn requantize(src: &Path, dest: &Path, target: QuantSpec) -> Result<()> {
         }
     }
     publish(&staging, dest)
-}
-
-fn staging_for(dest: &Path) -> Result<PathBuf> {
-    let name = dest
-        .file_name()
-        .context("destination has no name")?
-        .to_string_lossy();
-    let staging = dest.with_file_name(format!(".{name}.staging-{}", std::process::id()));
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging)?;
-    }
-    std::fs::create_dir_all(&staging).with_context(|| format!("{}", staging.display()))?;
-    Ok(staging)
-}
-
-fn publish(staging: &Path, dest: &Path) -> Result<()> {
-    if dest.exists() {
-        std::fs::remove_dir_all(dest).with_context(|| format!("removing {}", dest.display()))?;
-    }
-    std::fs::rename(staging, dest)
-        .with_context(|| format!("moving {} to {}", staging.display(), dest.display()))
 }
 
 #[cfg(test)]
