@@ -25,7 +25,7 @@ if [ "$mode" = stage ]; then
   mkdir -p "$root/.device/run"
   cp "$root/target/release/mlxcel" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" \
      "$here/mlx_lm_bench.py" "$here/make_random_model.py" "$here/cuda/qmv_test.py" \
-     "$here/cuda/prefill_probe.py" "$root/crates/mlxcel-core/kernels/cuda/"* "$root/.device/run/"
+     "$here/cuda/prefill_probe.py" "$here/cuda/dequant_test.py" "$root/crates/mlxcel-core/kernels/cuda/"* "$root/.device/run/"
   grep -qx '/.device/' "$root/.git/info/exclude" 2>/dev/null || \
     grep -qx '/.device/' "$root/.gitignore" || echo '/.device/' >> "$root/.git/info/exclude"
   du -sh "$root/.device/run"

@@ -3,6 +3,7 @@
 # .device/run by `gpu.sh stage`):
 #   gpu_probe.sh kernels     qmv_test.py (mlxcel's CUDA decode GEMV against MLX's) and
 #                            prefill_probe.py (quantized vs dequantize+dense prefill matmuls)
+#   gpu_probe.sh graphs      MLX CUDA-graph batching settings (and decode host vs device time)
 #   gpu_probe.sh llama-8b    warm mlxcel configurations vs mlx-lm on the 8B 4-bit shape
 #   gpu_probe.sh llama-8b-bf16   the same on the unquantized bf16 8B shape
 #   gpu_probe.sh qwen3-30b-a3b   the same on the 30B-A3B MoE shape (4-bit)
@@ -20,8 +21,10 @@ lines=[l for l in sys.stdin.read().strip().splitlines() if l.startswith("{")]
 if not lines: print("no stats line")
 for i, l in enumerate(lines):
     s=json.loads(l)
-    extra=" (graph %.0f%%, dispatch %.0f%% of decode)" % (100*s["decode_graph_s"]/s["decode_s"], 100*s["decode_dispatch_s"]/s["decode_s"]) if "decode_graph_s" in s else ""
+    extra=" (graph %.0f%%, async_eval %.0f%%, token wait %.0f%% of decode)" % (100*s["decode_graph_s"]/s["decode_s"], 100*s["decode_dispatch_s"]/s["decode_s"], 100*(1-(s["decode_graph_s"]+s["decode_dispatch_s"])/s["decode_s"])) if "decode_graph_s" in s else ""
+    if "decode_step_arrays" in s: extra += " %d arrays/step" % s["decode_step_arrays"]
     print("%s[run %d] load %.2f s  prefill %.0f tok/s  decode %.1f tok/s%s" % ("\n      " if i else "", i+1, s["load_s"], s["prefill_tps"], s["decode_tps"], extra), end="")
+    if i == 0 and "decode_step_census" in s and __import__("os").environ.get("CENSUS"): print("\n      census: " + ", ".join(s["decode_step_census"]), end="")
 print()'
 ids=$(python3 -c "import random; r=random.Random(7); print(','.join(str(r.randrange(1000, 32000)) for _ in range(512)))")
 
@@ -31,9 +34,10 @@ mlxcel() {  # label, env assignments...
   env "$@" "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 128 --ignore-eos \
     --stats-json --print-ids --quiet --repeat 2 2>&1 >/dev/null | python3 -c "$fmt"
 }
-mlxlm() {
-  echo -n "  mlx-lm: "
-  python3 "$here/mlx_lm_bench.py" "$M" --prompt-ids "$ids" --max-new 128 --repeat 2 2>&1 >/dev/null | python3 -c "$fmt"
+mlxlm() {  # [label, env assignments...]
+  local label=${1:-}; shift || true
+  echo -n "  mlx-lm${label:+ $label}: "
+  env "$@" python3 "$here/mlx_lm_bench.py" "$M" --prompt-ids "$ids" --max-new 128 --repeat 2 2>&1 >/dev/null | python3 -c "$fmt"
 }
 
 # Generates model folder $1 (llama-8b-4bit | llama-8b-bf16 | qwen3-30b-a3b-4bit) if absent; sets M.
@@ -48,29 +52,44 @@ model() {
   [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" $make | tail -1
   python3 "$here/make_random_model.py" floor "$M"
 }
-# The warm-up pass and RUNS measured passes of mlxcel configurations ("label ENV=VALUE", ...)
-# and mlx-lm on $M.
+# The warm-up pass and RUNS measured passes of mlxcel configurations ("label ENV=VALUE ...",
+# ...) and mlx-lm on $M; MLXLM_CONFIGS (same form) adds mlx-lm configurations.
 passes() {
   for pass in warm-up $(seq -f measured-%g "$RUNS"); do
     echo "$pass"
-    for config in "$@"; do mlxcel ${config% *} ${config##* }; done
+    for config in "$@"; do mlxcel $config; done
     mlxlm
+    for config in ${MLXLM_CONFIGS:+"${MLXLM_CONFIGS[@]}"}; do mlxlm $config; done
   done
 }
 
 case $what in
 kernels)
   timeout 170 python3 "$here/qmv_test.py" --quick
+  timeout 170 python3 "$here/dequant_test.py"
   timeout 120 python3 "$here/prefill_probe.py"
   ;;
 llama-8b)
   model llama-8b-4bit
-  passes "default MLXCEL_NOTHING=1" "quantized-prefill MLXCEL_DEQUANT_ROWS=0" \
-    "no-warm-up MLXCEL_WARM_UP=0" "qmv-4x4 MLXCEL_CUDA_QMV=4x4"
+  CENSUS=1 passes "default MLXCEL_NOTHING=1" "unfused MLXCEL_FUSE_PROJECTIONS=0" \
+    "mlx-dequantize MLXCEL_CUDA_DEQUANT=0" "quantized-prefill MLXCEL_DEQUANT_ROWS=0" \
+    "qmv-4x4 MLXCEL_CUDA_QMV=4x4"
   ;;
 llama-8b-bf16 | qwen3-30b-a3b)
   model "$what$([ "$what" = qwen3-30b-a3b ] && echo -4bit)"
   passes "default MLXCEL_NOTHING=1"
+  ;;
+graphs)
+  # MLX's CUDA-graph batching (ops and MB per graph, or no graphs), with the async_eval
+  # back-pressure that hides whether decode waits on the host or the device: with one graph
+  # per token (g1000) async_eval no longer waits for the device, so the dispatch share is pure
+  # host time.
+  model llama-8b-4bit
+  g1000="MLX_MAX_OPS_PER_BUFFER=1000 MLX_MAX_MB_PER_BUFFER=1000000"
+  MLXLM_CONFIGS=("g1000 $g1000" "no-graphs MLX_USE_CUDA_GRAPHS=0")
+  passes "default MLXCEL_NOTHING=1" "g1000 $g1000" \
+    "g100 MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=4000" \
+    "no-graphs MLX_USE_CUDA_GRAPHS=0" "qmv-4x4 MLXCEL_CUDA_QMV=4x4" "qmv-4x4-g1000 MLXCEL_CUDA_QMV=4x4 $g1000"
   ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes.
@@ -80,5 +99,5 @@ final)
     passes "default MLXCEL_NOTHING=1"
   done
   ;;
-*) echo "usage: gpu_probe.sh kernels | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | final" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | final" >&2; exit 2 ;;
 esac

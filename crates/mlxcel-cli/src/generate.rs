@@ -394,6 +394,9 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
         "decode_s": stats.decode_seconds,
         "decode_graph_s": stats.decode_graph_seconds,
         "decode_dispatch_s": stats.decode_dispatch_seconds,
+        "decode_step_arrays": stats.decode_step_census.iter().map(|(_, n)| n).sum::<usize>(),
+        "decode_step_census": stats.decode_step_census.iter()
+            .map(|(name, n)| format!("{name} {n}")).collect::<Vec<_>>(),
         "decode_tps": stats.decode_tokens_per_second(),
         "peak_mlx_bytes": mlxcel_core::memory::peak_bytes().unwrap_or(0),
         "vmhwm_bytes": vmhwm,

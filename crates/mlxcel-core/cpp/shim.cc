@@ -9,8 +9,11 @@
 #include <stdexcept>
 #include <thread>
 #include <algorithm>
+#include <map>
 #include <unordered_map>
+#include <unordered_set>
 
+#include "mlx/primitives.h"
 #include "mlxcel-core/src/ffi.rs.h"
 
 namespace mlxcel {
@@ -272,6 +275,28 @@ Ptr array_vec_get(const ArrayVec& v, size_t index) {
 }
 void eval_all(const ArrayVec& v) { mx::eval(v.items); }
 void async_eval_all(const ArrayVec& v) { mx::async_eval(v.items); }
+
+// "Name count" lines, one per primitive kind, over the arrays `eval` of `v` would compute (not yet
+// evaluated or scheduled); a multi-output primitive counts once. Diagnoses per-step host cost.
+rust::String graph_census(const ArrayVec& v) {
+  std::unordered_set<std::uintptr_t> seen;
+  std::map<std::string, size_t> counts;
+  std::vector<array> todo(v.items.begin(), v.items.end());
+  while (!todo.empty()) {
+    array a = std::move(todo.back());
+    todo.pop_back();
+    if (!seen.insert(a.id()).second || a.status() != array::Status::unscheduled ||
+        !a.has_primitive()) {
+      continue;
+    }
+    for (auto& s : a.siblings()) seen.insert(s.id());
+    counts[a.primitive().name()] += 1;
+    for (auto& in : a.inputs()) todo.push_back(in);
+  }
+  std::string out;
+  for (auto& [name, n] : counts) out += name + " " + std::to_string(n) + "\n";
+  return rust::String(out);
+}
 
 Ptr unary_op(rust::Str name, const array& a) { return wrap(lookup(UNARY_OPS, name, "unary")(a)); }
 Ptr binary_op(rust::Str name, const array& a, const array& b) {

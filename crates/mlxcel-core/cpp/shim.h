@@ -62,6 +62,7 @@ size_t array_vec_len(const ArrayVec& v);
 Ptr array_vec_get(const ArrayVec& v, size_t index);
 void eval_all(const ArrayVec& v);
 void async_eval_all(const ArrayVec& v);
+rust::String graph_census(const ArrayVec& v);
 
 Ptr unary_op(rust::Str name, const array& a);
 Ptr binary_op(rust::Str name, const array& a, const array& b);

@@ -271,3 +271,22 @@ pub fn async_eval_all<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result
     let list = ArrayList::new(arrays)?;
     Ok(bridge::async_eval_all(list.as_ref())?)
 }
+
+/// How many arrays of each primitive kind evaluating `arrays` would compute (those not yet
+/// evaluated or scheduled), most frequent first. MLX's per-array host cost makes this count the
+/// main driver of a GPU decode step's time.
+pub fn graph_census<'a>(
+    arrays: impl IntoIterator<Item = &'a Array>,
+) -> Result<Vec<(String, usize)>> {
+    let list = ArrayList::new(arrays)?;
+    let text = bridge::graph_census(list.as_ref())?;
+    let mut counts: Vec<(String, usize)> = text
+        .lines()
+        .filter_map(|line| {
+            let (name, n) = line.rsplit_once(' ')?;
+            Some((name.to_string(), n.parse().ok()?))
+        })
+        .collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    Ok(counts)
+}

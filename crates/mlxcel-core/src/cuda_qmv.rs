@@ -8,15 +8,12 @@
 //! or `0` to keep MLX's kernel. Only rows of activations up to [`MAX_ROWS`] take this path (the
 //! kernel re-reads the weights per row; prefill stays on MLX's GEMM).
 
-use std::cell::RefCell;
-use std::collections::HashMap;
-
-use crate::kernel::{Kernel, KernelBackend, KernelOutput};
+use crate::kernel::{cuda_kernel, KernelOutput};
 use crate::ops::{QuantMode, QuantSpec};
 use crate::{Array, Dtype, Result};
 
 const SOURCE: &str = include_str!("../kernels/cuda/qmv.cu");
-const HEADER: &str = include_str!("../kernels/cuda/qmv_header.cuh");
+pub(crate) const HEADER: &str = include_str!("../kernels/cuda/qmv_header.cuh");
 /// Part of every kernel name: MLX caches compiled kernels by name, so a changed source needs a
 /// new one.
 const SOURCE_VERSION: &str = "v1";
@@ -36,10 +33,6 @@ fn launch_shape() -> Option<(i32, i32)> {
             ((1..=32).contains(&nw) && (1..=nw * 32).contains(&rpw)).then_some((nw, rpw))
         }
     })
-}
-
-thread_local! {
-    static KERNELS: RefCell<HashMap<String, Kernel>> = RefCell::new(HashMap::new());
 }
 
 /// Whether `x @ dequantize(w)^T` runs on this kernel: CUDA build with the GPU as default device,
@@ -87,34 +80,26 @@ pub(crate) fn qmv(
     // Float32 outputs need the exact nibble arithmetic; half precision takes the faster form
     // whose ~2e-5 relative error is far below its own rounding.
     let fast = i32::from(spec.bits == 4 && dtype != Dtype::Float32);
-    KERNELS.with(|cache| {
-        let mut cache = cache.borrow_mut();
-        if !cache.contains_key(&name) {
-            let kernel = Kernel::new(
-                KernelBackend::Cuda,
-                &name,
-                &["w", "scales", "biases", "x"],
-                &["out"],
-                SOURCE,
-                HEADER,
-            )?;
-            cache.insert(name.clone(), kernel);
-        }
-        let kernel = &cache[&name];
-        let blocks = (n + rpw - 1) / rpw;
-        let out = kernel.call(
-            &[weight.clone(), scales.clone(), biases.clone(), x.clone()],
-            &[KernelOutput { shape, dtype }],
-            [blocks * nw * 32, rows, 1],
-            [nw * 32, 1, 1],
-            &[
-                ("BITS", spec.bits),
-                ("NW", nw),
-                ("RPW", rpw),
-                ("NOALLOC", 1),
-                ("FAST", fast),
-            ],
-        )?;
-        Ok(out.into_iter().next().expect("one output"))
-    })
+    let kernel = cuda_kernel(
+        &name,
+        &["w", "scales", "biases", "x"],
+        &["out"],
+        SOURCE,
+        HEADER,
+    )?;
+    let blocks = (n + rpw - 1) / rpw;
+    let out = kernel.call(
+        &[weight.clone(), scales.clone(), biases.clone(), x.clone()],
+        &[KernelOutput { shape, dtype }],
+        [blocks * nw * 32, rows, 1],
+        [nw * 32, 1, 1],
+        &[
+            ("BITS", spec.bits),
+            ("NW", nw),
+            ("RPW", rpw),
+            ("NOALLOC", 1),
+            ("FAST", fast),
+        ],
+    )?;
+    Ok(out.into_iter().next().expect("one output"))
 }

@@ -106,6 +106,7 @@ pub(crate) mod bridge {
         fn array_vec_get(v: &ArrayVec, index: usize) -> Result<UniquePtr<MlxArray>>;
         fn eval_all(v: &ArrayVec) -> Result<()>;
         fn async_eval_all(v: &ArrayVec) -> Result<()>;
+        fn graph_census(v: &ArrayVec) -> Result<String>;
 
         // ---- table-driven families (names from ops.table) ----
         fn unary_op(name: &str, a: &MlxArray) -> Result<UniquePtr<MlxArray>>;

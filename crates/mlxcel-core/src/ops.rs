@@ -439,6 +439,12 @@ pub fn dequantize(
     spec: QuantSpec,
     dtype: Option<Dtype>,
 ) -> Result<Array> {
+    if let Some(d) = dtype {
+        if crate::cuda_dequant::applies(weight, scales, biases, spec, d)? {
+            let biases = biases.expect("applies() requires biases");
+            return crate::cuda_dequant::dequantize(weight, scales, biases, spec, d);
+        }
+    }
     let out = dtype.map_or(-1, |d| d.repr);
     // SAFETY: `biases` is null or borrowed for the call's duration.
     Ok(wrap(unsafe {
@@ -779,7 +785,7 @@ pub fn where_(cond: &Array, x: &Array, y: &Array) -> Result<Array> {
     Ok(wrap(bridge::where_(cond.as_ref(), x.as_ref(), y.as_ref())?))
 }
 
-pub use crate::array::{async_eval_all, eval_all};
+pub use crate::array::{async_eval_all, eval_all, graph_census};
 
 /// Explicit-key random numbers (reproducible with `--seed`).
 pub mod random {

@@ -34,6 +34,11 @@ pub struct LoadOptions {
     /// loading. Default: `MLXCEL_WARM_UP` (`0` or `1`), else on when MLX's default device is
     /// a GPU.
     pub warm_up: Option<bool>,
+    /// Fuse q/k/v and gate/up projections into one layer each at load (when stored alike).
+    /// Default: `MLXCEL_FUSE_PROJECTIONS` (`0` or `1`), else on when MLX's default device is a
+    /// GPU, where each array and kernel launch of a decode step costs host time and decode is
+    /// bound by it. On the CPU the layers stay as stored, mapped from the file without a copy.
+    pub fuse_projections: Option<bool>,
 }
 
 /// One decode step on scratch caches, evaluated and dropped: compiles the kernels a decode
@@ -226,18 +231,20 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         crate::memory::available_memory()?,
     )?;
     let stats = Rc::new(RefCell::new(mlxcel_stream::StreamStats::default()));
+    let gpu = mlxcel_core::default_device()? == Device::Gpu;
+    let switch = |name: &str| std::env::var(name).ok().map(|v| v.trim() != "0");
     let build = BuildOptions {
         quant,
         dtype,
         materialization,
         stream: plan.as_ref().map(|p| p.setup(stats.clone())),
+        fuse_projections: options
+            .fuse_projections
+            .or(switch("MLXCEL_FUSE_PROJECTIONS"))
+            .unwrap_or(gpu),
     };
     let model = load_config_backed(model_type, &config, weights, &build).map_err(model_err)?;
-    let gpu = mlxcel_core::default_device()? == Device::Gpu;
-    let warm_up_env = std::env::var("MLXCEL_WARM_UP")
-        .ok()
-        .map(|v| v.trim() != "0");
-    if options.warm_up.or(warm_up_env).unwrap_or(gpu) {
+    if options.warm_up.or(switch("MLXCEL_WARM_UP")).unwrap_or(gpu) {
         warm_up(&model).map_err(model_err)?;
     }
     let (tokenizer, chat_template) = if options.skip_tokenizer {

@@ -43,6 +43,9 @@ pub struct GenerationStats {
     /// Part of `decode_seconds` spent in MLX's `async_eval` of each step: encoding its
     /// kernels, and waiting whenever MLX throttles the host to the device's pace.
     pub decode_dispatch_seconds: f64,
+    /// Arrays of each primitive kind in one queued decode step (greedy decoding), most frequent
+    /// first: MLX spends host time on every one, so on a GPU this count sets decode speed.
+    pub decode_step_census: Vec<(String, usize)>,
     pub finish: FinishReason,
 }
 
@@ -121,6 +124,7 @@ pub fn generate_text(
     let mut generated = Vec::new();
     let mut finish = FinishReason::Length;
     let (mut graph_seconds, mut dispatch_seconds) = (0.0, 0.0);
+    let mut census = Vec::new();
     // Greedy decoding picks tokens on the device and queues each step before reading the token
     // it feeds (as mlx-lm does), so the host builds the next graph while the device computes.
     let device_argmax = |logits: &Array| -> Result<Array> {
@@ -142,6 +146,9 @@ pub fn generate_text(
                 if generated.len() + 1 < request.max_new_tokens {
                     let built = Instant::now();
                     let next = device_argmax(&session.step_pending(&current)?)?;
+                    if census.is_empty() {
+                        census = mlxcel_core::ops::graph_census([&next])?;
+                    }
                     let queued = Instant::now();
                     mlxcel_core::ops::async_eval_all([&next])?;
                     graph_seconds += (queued - built).as_secs_f64();
@@ -196,6 +203,7 @@ pub fn generate_text(
         decode_seconds: decode_start.elapsed().as_secs_f64(),
         decode_graph_seconds: graph_seconds,
         decode_dispatch_seconds: dispatch_seconds,
+        decode_step_census: census,
         finish,
     };
     Ok((generated, stats))

@@ -106,6 +106,10 @@ pub struct BuildOptions {
     pub materialization: Materialization,
     /// Stream the routed experts of the layers this covers instead of loading them.
     pub stream: Option<crate::weights::ExpertStreamSetup>,
+    /// Fuse linear layers that read the same input (q/k/v, gate/up) into one at load, when
+    /// they share a storage format. Saves arrays and kernel launches per decode step (what
+    /// bounds decode on a GPU) at the cost of one copy of those weights while loading.
+    pub fuse_projections: bool,
 }
 
 /// Builds one architecture from a sanitised config and its weights: deserialise the args (a
@@ -138,7 +142,8 @@ pub fn build_architecture<M: Architecture>(
     M::sanitize(&args, &mut weights)?;
     drop_unused_buffers(&mut weights);
     let mut w = ModelWeights::new(weights, options.quant.clone(), options.dtype)
-        .with_stream(options.stream.clone());
+        .with_stream(options.stream.clone())
+        .with_fused_projections(options.fuse_projections);
     let model = M::build(&args, &mut w)?;
     let kept = w.finish(name)?;
     options.materialization.apply(kept.iter())?;

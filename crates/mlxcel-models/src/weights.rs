@@ -19,6 +19,7 @@ pub struct ModelWeights {
     used: BTreeSet<String>,
     kept: Vec<Array>,
     stream: Option<ExpertStreamSetup>,
+    fuse_projections: bool,
 }
 
 /// Where and how routed experts stream from disk (see `mlxcel_stream`).
@@ -43,7 +44,15 @@ impl ModelWeights {
             used: BTreeSet::new(),
             kept: Vec::new(),
             stream: None,
+            fuse_projections: false,
         }
+    }
+
+    /// Fuse linear layers that read the same input where [`ModelWeights::linear_group`] is
+    /// asked to (see `BuildOptions::fuse_projections`).
+    pub fn with_fused_projections(mut self, fuse: bool) -> ModelWeights {
+        self.fuse_projections = fuse;
+        self
     }
 
     /// Streams the routed experts of the layers `setup`'s manifest covers.
@@ -244,6 +253,36 @@ impl ModelWeights {
         let weight =
             self.matmul_weight(&format!("{prefix}.weight"), &[out_features, in_features])?;
         Ok(Linear::Dense { weight, bias })
+    }
+
+    /// Linear layers `prefixes` that read the same input, each mapping `in_features` to its
+    /// entry of `out_features`: one fused layer (outputs side by side, in order) when fusing is
+    /// on and they share a storage format, else the layers as stored.
+    pub fn linear_group(
+        &mut self,
+        prefixes: &[&str],
+        in_features: i32,
+        out_features: &[i32],
+        bias: bool,
+    ) -> Result<Vec<Linear>> {
+        let kept_before = self.kept.len();
+        let parts = prefixes
+            .iter()
+            .zip(out_features)
+            .map(|(prefix, &out)| self.linear(prefix, in_features, out, bias))
+            .collect::<Result<Vec<_>>>()?;
+        if !self.fuse_projections {
+            return Ok(parts);
+        }
+        match Linear::concat_outputs(&parts)? {
+            Some(fused) => {
+                // Materialise the fused planes instead of the parts, which are then dropped.
+                self.kept.truncate(kept_before);
+                self.kept.extend(fused.arrays().into_iter().cloned());
+                Ok(vec![fused])
+            }
+            None => Ok(parts),
+        }
     }
 
     /// A linear layer whose bias is used when the checkpoint has one.

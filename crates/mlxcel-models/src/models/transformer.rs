@@ -172,11 +172,23 @@ fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, prefix: &str, intermediate: i32
             hidden: intermediate,
         }
     } else {
-        Mlp::Gated {
-            gate: w.linear(&format!("{prefix}.gate_proj"), h, intermediate, b)?,
-            up: w.linear(&format!("{prefix}.up_proj"), h, intermediate, b)?,
-            down,
-            act: spec.act,
+        let names = [format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")];
+        let mut layers =
+            w.linear_group(&[&names[0], &names[1]], h, &[intermediate, intermediate], b)?;
+        match (layers.pop(), layers.pop()) {
+            (Some(gate_up), None) => Mlp::FusedGated {
+                gate_up,
+                down,
+                act: spec.act,
+                hidden: intermediate,
+            },
+            (Some(up), Some(gate)) => Mlp::Gated {
+                gate,
+                up,
+                down,
+                act: spec.act,
+            },
+            _ => unreachable!("linear_group returns one layer or all of them"),
         }
     })
 }
@@ -212,10 +224,17 @@ impl Decoder {
                     spec.qkv_bias,
                 )?)
             } else {
-                QkvProjection::Separate {
-                    q: w.linear(&format!("{a}.q_proj"), h, q_dim, spec.qkv_bias)?,
-                    k: w.linear(&format!("{a}.k_proj"), h, kv_dim, spec.qkv_bias)?,
-                    v: w.linear(&format!("{a}.v_proj"), h, kv_dim, spec.qkv_bias)?,
+                let names = ["q_proj", "k_proj", "v_proj"].map(|n| format!("{a}.{n}"));
+                let mut layers = w.linear_group(
+                    &[&names[0], &names[1], &names[2]],
+                    h,
+                    &[q_dim, kv_dim, kv_dim],
+                    spec.qkv_bias,
+                )?;
+                match (layers.pop(), layers.pop(), layers.pop()) {
+                    (Some(qkv), None, None) => QkvProjection::Fused(qkv),
+                    (Some(v), Some(k), Some(q)) => QkvProjection::Separate { q, k, v },
+                    _ => unreachable!("linear_group returns one layer or all of them"),
                 }
             };
             let qk_norm = match spec.qk_norm {

@@ -66,30 +66,7 @@ impl Attention {
         let shape = x.shape();
         let (b, l) = (shape[0], shape[1]);
         let c = &self.cfg;
-        let (mut q, mut k, v) = match &self.qkv {
-            QkvProjection::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
-            QkvProjection::Fused(qkv) => {
-                let parts = qkv.forward(x)?.split_at(
-                    &[
-                        c.n_heads * c.head_dim,
-                        (c.n_heads + c.n_kv_heads) * c.head_dim,
-                    ],
-                    -1,
-                )?;
-                (parts[0].clone(), parts[1].clone(), parts[2].clone())
-            }
-        };
-        if let QkNorm::Full { q: qn, k: kn } = &self.qk_norm {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
-        }
-        let heads = |t: &Array, n: i32| -> Result<Array> {
-            Ok(t.reshape(&[b, l, n, c.head_dim])?
-                .transpose(&[0, 2, 1, 3])?)
-        };
-        let mut q = heads(&q, c.n_heads)?;
-        let mut k = heads(&k, c.n_kv_heads)?;
-        let v = heads(&v, c.n_kv_heads)?;
+        let (mut q, mut k, v) = self.project_heads(x, b, l)?;
         if let QkNorm::PerHead { q: qn, k: kn } = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -111,10 +88,63 @@ impl Attention {
             }
             Some(cap) => softcapped_attention(&q, &keys, &values, c.scale, cap, &mask)?,
         };
-        let out = out
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[b, l, c.n_heads * c.head_dim])?;
+        let out = if l == 1 {
+            // [B, H, 1, D] has the memory order of [B, 1, H, D]: no transpose node needed.
+            out.reshape(&[b, 1, c.n_heads * c.head_dim])?
+        } else {
+            out.transpose(&[0, 2, 1, 3])?
+                .reshape(&[b, l, c.n_heads * c.head_dim])?
+        };
         self.o.forward(&out)
+    }
+
+    /// Queries, keys and values of `x` `[B, L, hidden]` as `[B, heads, L, head_dim]`, with
+    /// full-width qk-norm applied. Decode steps (`L == 1`) reshape straight to the head layout,
+    /// and a fused projection is split into heads after one reshape: on a GPU, MLX spends host
+    /// time on every array of a decode step, so each one saved counts.
+    fn project_heads(&self, x: &Array, b: i32, l: i32) -> Result<(Array, Array, Array)> {
+        let c = &self.cfg;
+        let d = c.head_dim;
+        let heads = |t: &Array, n: i32| -> Result<Array> {
+            Ok(if l == 1 {
+                t.reshape(&[b, n, 1, d])?
+            } else {
+                t.reshape(&[b, l, n, d])?.transpose(&[0, 2, 1, 3])?
+            })
+        };
+        match (&self.qkv, &self.qk_norm) {
+            (QkvProjection::Fused(qkv), QkNorm::None | QkNorm::PerHead { .. }) => {
+                let all = heads(&qkv.forward(x)?, c.n_heads + 2 * c.n_kv_heads)?;
+                let (nq, nk) = (c.n_heads, c.n_kv_heads);
+                Ok((
+                    all.slice_axis(1, 0, nq)?,
+                    all.slice_axis(1, nq, nq + nk)?,
+                    all.slice_axis(1, nq + nk, nq + 2 * nk)?,
+                ))
+            }
+            _ => {
+                let (mut q, mut k, v) = match &self.qkv {
+                    QkvProjection::Separate { q, k, v } => {
+                        (q.forward(x)?, k.forward(x)?, v.forward(x)?)
+                    }
+                    QkvProjection::Fused(qkv) => {
+                        let parts = qkv
+                            .forward(x)?
+                            .split_at(&[c.n_heads * d, (c.n_heads + c.n_kv_heads) * d], -1)?;
+                        (parts[0].clone(), parts[1].clone(), parts[2].clone())
+                    }
+                };
+                if let QkNorm::Full { q: qn, k: kn } = &self.qk_norm {
+                    q = qn.forward(&q)?;
+                    k = kn.forward(&k)?;
+                }
+                Ok((
+                    heads(&q, c.n_heads)?,
+                    heads(&k, c.n_kv_heads)?,
+                    heads(&v, c.n_kv_heads)?,
+                ))
+            }
+        }
     }
 }
 

@@ -94,6 +94,94 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// One layer computing `parts` side by side (outputs concatenated in order), when they
+    /// share a storage format: all dense in one dtype, or all quantized with one mode, bit
+    /// width, group size and scale dtype; and all with or all without a bias. `None` otherwise
+    /// (mixed-precision checkpoints keep their layers apart).
+    pub fn concat_outputs(parts: &[Linear]) -> Result<Option<Linear>> {
+        let cat = |arrays: Vec<&Array>| -> Result<Array> {
+            let owned: Vec<Array> = arrays.into_iter().cloned().collect();
+            Ok(ops::concatenate(&owned, 0)?)
+        };
+        let with_bias = parts.iter().filter(|p| p.bias().is_some()).count();
+        if parts.len() < 2 || (with_bias != 0 && with_bias != parts.len()) {
+            return Ok(None);
+        }
+        let bias = match with_bias {
+            0 => None,
+            _ => Some(cat(parts.iter().filter_map(Linear::bias).collect())?),
+        };
+        let dense: Option<Vec<&Array>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Dense { weight, .. } => Some(weight),
+                Linear::Quantized { .. } => None,
+            })
+            .collect();
+        if let Some(weights) = dense {
+            let dtype = weights[0].dtype()?;
+            for w in &weights {
+                if w.dtype()? != dtype || w.dim(1)? != weights[0].dim(1)? {
+                    return Ok(None);
+                }
+            }
+            return Ok(Some(Linear::Dense {
+                weight: cat(weights)?,
+                bias,
+            }));
+        }
+        let quantized: Option<Vec<&QuantizedWeight>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Quantized { weight, .. } => Some(weight),
+                Linear::Dense { .. } => None,
+            })
+            .collect();
+        let Some(qs) = quantized else {
+            return Ok(None);
+        };
+        let first = qs[0];
+        for q in &qs {
+            let same = q.spec == first.spec
+                && q.weight.ndim() == 2
+                && q.weight.dim(1)? == first.weight.dim(1)?
+                && q.scales.dtype()? == first.scales.dtype()?
+                && q.biases.is_some() == first.biases.is_some();
+            if !same {
+                return Ok(None);
+            }
+        }
+        let planes = |pick: fn(&QuantizedWeight) -> Option<&Array>| -> Result<Option<Array>> {
+            let arrays: Option<Vec<&Array>> = qs.iter().map(|q| pick(q)).collect();
+            arrays.map(cat).transpose()
+        };
+        Ok(Some(Linear::Quantized {
+            weight: QuantizedWeight {
+                weight: cat(qs.iter().map(|q| &q.weight).collect())?,
+                scales: cat(qs.iter().map(|q| &q.scales).collect())?,
+                biases: planes(|q| q.biases.as_ref())?,
+                spec: first.spec,
+            },
+            bias,
+        }))
+    }
+
+    pub fn bias(&self) -> Option<&Array> {
+        match self {
+            Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
+        }
+    }
+
+    /// The arrays this layer holds.
+    pub fn arrays(&self) -> Vec<&Array> {
+        match self {
+            Linear::Dense { weight, bias } => std::iter::once(weight).chain(bias).collect(),
+            Linear::Quantized { weight, bias } => weight.arrays().into_iter().chain(bias).collect(),
+        }
+    }
+}
+
 /// A token embedding table `[vocab, dim]`.
 #[derive(Debug, Clone)]
 pub enum Embedding {

@@ -1,0 +1,116 @@
+//! q/k/v and gate/up projections fused into one layer each at load (`fuse_projections`, the GPU
+//! default) must compute what the layers as stored compute, must actually fuse where the
+//! layers share a format, and must leave layers of different formats apart.
+
+use mlxcel_core::Array;
+use mlxcel_loading::{load_model, LanguageModel, LoadOptions, Loaded};
+use mlxcel_models::generate::greedy;
+use mlxcel_tests::{logits_for, max_abs_diff, model_dir, reference};
+
+fn load(name: &str, fuse: bool) -> Loaded {
+    load_model(
+        model_dir(name),
+        &LoadOptions {
+            skip_tokenizer: true,
+            fuse_projections: Some(fuse),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// Matmul arrays (dense or quantized) in the graph of one decode step after `prompt`.
+fn matmuls_per_step(loaded: &Loaded, prompt: &[u32]) -> usize {
+    let ids: Vec<i32> = prompt.iter().map(|t| *t as i32).collect();
+    let mut caches = loaded.model.make_caches();
+    let prefill = Array::from_slice(&ids, &[1, ids.len() as i32]).unwrap();
+    loaded
+        .model
+        .forward(&prefill, &mut caches)
+        .unwrap()
+        .eval()
+        .unwrap();
+    let step = Array::from_slice(&ids[..1], &[1, 1]).unwrap();
+    let logits = loaded.model.forward(&step, &mut caches).unwrap();
+    mlxcel_core::ops::graph_census([&logits])
+        .unwrap()
+        .iter()
+        .filter(|(name, _)| name.contains("Matmul") || name == "MlxcelCpuLinear")
+        .map(|(_, n)| n)
+        .sum()
+}
+
+#[test]
+fn fused_projections_compute_what_the_stored_layers_compute() {
+    // (fixture, matmuls per decode step the fusion must save)
+    for (name, saved) in [
+        ("llama", 3),             // dense f32: q/k/v -> 1 and gate/up -> 1, per layer (x1)
+        ("qwen2", 3),             // q/k/v with biases
+        ("qwen3", 3),             // per-head qk-norm after the fused split
+        ("olmoe", 2),             // full-width qk-norm; MoE layers (q/k/v only)
+        ("gemma", 3),             // GELU gate
+        ("phi3", 0),              // stored fused already
+        ("llama-affine4-g64", 3), // quantized planes concatenated
+        ("llama-mxfp4", 3),       // no biases plane
+        ("qwen3-affine4-g64", 3),
+    ] {
+        let r = reference(name);
+        let config = std::fs::read_to_string(model_dir(name).join("config.json")).unwrap();
+        let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+        let layers = config["num_hidden_layers"]
+            .as_u64()
+            .expect("num_hidden_layers") as usize;
+        let fused = load(name, true);
+        let stored = load(name, false);
+        let got = logits_for(&fused.model, &r.prompt_ids);
+        let want = logits_for(&stored.model, &r.prompt_ids);
+        let (diff, at) = max_abs_diff(&got, &want);
+        assert!(
+            diff <= 1e-5,
+            "{name}: fused logits differ by {diff:.2e} at {at}"
+        );
+        let out = greedy(
+            &fused.model,
+            &r.prompt_ids,
+            r.greedy_ids.len(),
+            None,
+            |_| false,
+        )
+        .unwrap();
+        assert_eq!(
+            out, r.greedy_ids,
+            "{name}: greedy ids against the reference"
+        );
+        let (f, s) = (
+            matmuls_per_step(&fused, &r.prompt_ids),
+            matmuls_per_step(&stored, &r.prompt_ids),
+        );
+        assert_eq!(
+            s - f,
+            saved * layers,
+            "{name}: {s} matmuls stored, {f} fused"
+        );
+    }
+}
+
+#[test]
+fn layers_stored_in_different_formats_stay_apart() {
+    // Mixed precision: layer 0 stores all projections at 3 bits (q/k/v and gate/up fuse);
+    // layer 1 stores v_proj at 6 bits (q/k/v stay apart) and gate/up at 3 (they fuse).
+    let name = "llama-mixed_3_6";
+    let r = reference(name);
+    let fused = load(name, true);
+    let stored = load(name, false);
+    let got = logits_for(&fused.model, &r.prompt_ids);
+    let want = logits_for(&stored.model, &r.prompt_ids);
+    let (diff, at) = max_abs_diff(&got, &want);
+    assert!(
+        diff <= 1e-5,
+        "{name}: fused logits differ by {diff:.2e} at {at}"
+    );
+    let (f, s) = (
+        matmuls_per_step(&fused, &r.prompt_ids),
+        matmuls_per_step(&stored, &r.prompt_ids),
+    );
+    assert_eq!(s - f, 2 + 1 + 1, "{name}: {s} matmuls stored, {f} fused");
+}
