@@ -26,6 +26,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cpu_linear.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_linear_kernels.inc");
     println!("cargo:rerun-if-changed=cpp/cpu_attention.cc");
+    println!("cargo:rerun-if-changed=cpp/cuda_compile.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_kernels.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
@@ -55,6 +56,7 @@ fn main() {
         .file("cpp/shim.cc")
         .file("cpp/cpu_linear.cc")
         .file("cpp/cpu_attention.cc")
+        .file("cpp/cuda_compile.cc")
         .include(&include)
         .include(&out)
         .flag_if_supported("-std=c++20")
@@ -75,6 +77,8 @@ fn main() {
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
     if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
         println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags");
+        // dlsym for the CUDA entry points (cpp/cuda_compile.cc); part of libc on newer glibc.
+        println!("cargo:rustc-link-lib=dylib=dl");
     }
     // Exposed to dependents as DEP_MLX_LIB_DIR / DEP_MLX_INCLUDE_DIR.
     println!("cargo:lib_dir={}", lib.display());

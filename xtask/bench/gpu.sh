@@ -21,11 +21,11 @@ what=${2:-all}
 
 if [ "$mode" = stage ]; then
   root=$(cd "$here/../.." && pwd)
-  (cd "$root" && cargo build --release -p mlxcel-cli)
+  (cd "$root" && cargo build --release -p mlxcel-cli && cargo build --release -p mlxcel-core --example cuda_kernels)
   mkdir -p "$root/.device/run"
-  cp "$root/target/release/mlxcel" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" \
-     "$here/mlx_lm_bench.py" "$here/make_random_model.py" "$here/cuda/qmv_test.py" \
-     "$here/cuda/prefill_probe.py" "$here/cuda/dequant_test.py" "$root/crates/mlxcel-core/kernels/cuda/"* "$root/.device/run/"
+  cp "$root/target/release/mlxcel" "$root/target/release/examples/cuda_kernels" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" \
+     "$here/mlx_lm_bench.py" "$here/make_random_model.py" \
+     "$here/cuda/prefill_probe.py" "$root/.device/run/"
   grep -qx '/.device/' "$root/.git/info/exclude" 2>/dev/null || \
     grep -qx '/.device/' "$root/.gitignore" || echo '/.device/' >> "$root/.git/info/exclude"
   du -sh "$root/.device/run"

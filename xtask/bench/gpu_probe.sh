@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Kernel-level and warm end-to-end probes on the GPU machine (after unpack.sh; staged into
 # .device/run by `gpu.sh stage`):
-#   gpu_probe.sh kernels     qmv_test.py (mlxcel's CUDA decode GEMV against MLX's) and
-#                            prefill_probe.py (quantized vs dequantize+dense prefill matmuls)
+#   gpu_probe.sh kernels     the cuda_kernels example (mlxcel's CUDA dequantize and GEMV against
+#                            MLX's) and prefill_probe.py (quantized vs dequantize+dense matmuls)
+#   gpu_probe.sh all         kernels check, llama-8b configurations, bf16 and MoE shapes
 #   gpu_probe.sh graphs      MLX CUDA-graph batching settings (and decode host vs device time)
 #   gpu_probe.sh llama-8b    warm mlxcel configurations vs mlx-lm on the 8B 4-bit shape
 #   gpu_probe.sh llama-8b-bf16   the same on the unquantized bf16 8B shape
@@ -65,15 +66,24 @@ passes() {
 
 case $what in
 kernels)
-  timeout 170 python3 "$here/qmv_test.py" --quick
-  timeout 170 python3 "$here/dequant_test.py"
+  timeout 170 "$here/cuda_kernels"
   timeout 120 python3 "$here/prefill_probe.py"
   ;;
 llama-8b)
   model llama-8b-4bit
   CENSUS=1 passes "default MLXCEL_NOTHING=1" "unfused MLXCEL_FUSE_PROJECTIONS=0" \
-    "mlx-dequantize MLXCEL_CUDA_DEQUANT=0" "quantized-prefill MLXCEL_DEQUANT_ROWS=0" \
-    "qmv-4x4 MLXCEL_CUDA_QMV=4x4"
+    "mlx-dequantize MLXCEL_CUDA_DEQUANT=0" "qmv-4x4 MLXCEL_CUDA_QMV=4x4"
+  ;;
+all)
+  # One device session: the kernel checks, the 8B 4-bit configurations, then mlxcel's
+  # defaults against mlx-lm on the bf16 and MoE shapes.
+  timeout 170 "$here/cuda_kernels" | grep -v "max|ours"
+  "$0" llama-8b
+  for shape in llama-8b-bf16 qwen3-30b-a3b-4bit; do
+    echo "== $shape"
+    model $shape
+    passes "default MLXCEL_NOTHING=1"
+  done
   ;;
 llama-8b-bf16 | qwen3-30b-a3b)
   model "$what$([ "$what" = qwen3-30b-a3b ] && echo -4bit)"
@@ -99,5 +109,5 @@ final)
     passes "default MLXCEL_NOTHING=1"
   done
   ;;
-*) echo "usage: gpu_probe.sh kernels | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | final" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | final" >&2; exit 2 ;;
 esac

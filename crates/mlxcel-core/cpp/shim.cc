@@ -525,19 +525,16 @@ std::unique_ptr<CustomKernel> custom_kernel_new(rust::Str backend, rust::Str nam
   return k;
 }
 
-std::unique_ptr<ArrayVec> custom_kernel_call(const CustomKernel& kernel, const ArrayVec& inputs,
-                                             rust::Slice<const int32_t> output_shapes,
-                                             rust::Slice<const int32_t> output_ndims,
-                                             rust::Slice<const Dtype> output_dtypes,
-                                             rust::Slice<const int32_t> grid,
-                                             rust::Slice<const int32_t> threadgroup,
-                                             const rust::Vec<rust::String>& template_names,
-                                             rust::Slice<const int32_t> template_values) {
+namespace {
+// Output shapes (concatenated, split by `ndims`) and dtypes of a custom kernel call.
+std::pair<std::vector<mx::Shape>, std::vector<mx::Dtype>> kernel_outputs(
+    rust::Slice<const int32_t> output_shapes, rust::Slice<const int32_t> output_ndims,
+    rust::Slice<const Dtype> output_dtypes, rust::Slice<const int32_t> grid,
+    rust::Slice<const int32_t> threadgroup) {
   if (grid.size() != 3 || threadgroup.size() != 3) {
     throw std::invalid_argument("mlxcel: grid and threadgroup need three dimensions");
   }
-  if (output_ndims.size() != output_dtypes.size() ||
-      template_names.size() != template_values.size()) {
+  if (output_ndims.size() != output_dtypes.size()) {
     throw std::invalid_argument("mlxcel: custom kernel argument lists differ in length");
   }
   std::vector<mx::Shape> shapes;
@@ -551,6 +548,23 @@ std::unique_ptr<ArrayVec> custom_kernel_call(const CustomKernel& kernel, const A
   }
   std::vector<mx::Dtype> dtypes;
   for (auto d : output_dtypes) dtypes.push_back(to_mlx(d));
+  return {std::move(shapes), std::move(dtypes)};
+}
+}  // namespace
+
+std::unique_ptr<ArrayVec> custom_kernel_call(const CustomKernel& kernel, const ArrayVec& inputs,
+                                             rust::Slice<const int32_t> output_shapes,
+                                             rust::Slice<const int32_t> output_ndims,
+                                             rust::Slice<const Dtype> output_dtypes,
+                                             rust::Slice<const int32_t> grid,
+                                             rust::Slice<const int32_t> threadgroup,
+                                             const rust::Vec<rust::String>& template_names,
+                                             rust::Slice<const int32_t> template_values) {
+  auto [shapes, dtypes] =
+      kernel_outputs(output_shapes, output_ndims, output_dtypes, grid, threadgroup);
+  if (template_names.size() != template_values.size()) {
+    throw std::invalid_argument("mlxcel: custom kernel argument lists differ in length");
+  }
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs;
   for (size_t i = 0; i < template_names.size(); ++i) {
     targs.emplace_back(std::string(template_names[i]), int(template_values[i]));
@@ -558,6 +572,29 @@ std::unique_ptr<ArrayVec> custom_kernel_call(const CustomKernel& kernel, const A
   return wrap_vec(kernel.fn(inputs.items, shapes, dtypes, {grid[0], grid[1], grid[2]},
                             {threadgroup[0], threadgroup[1], threadgroup[2]}, targs, std::nullopt,
                             false, {}));
+}
+
+std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image) {
+  auto b = std::make_unique<CudaBinary>();
+  b->image.assign(reinterpret_cast<const char*>(image.data()), image.size());
+  return b;
+}
+
+std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, rust::Str kernel,
+                                           const ArrayVec& inputs,
+                                           rust::Slice<const int32_t> output_shapes,
+                                           rust::Slice<const int32_t> output_ndims,
+                                           rust::Slice<const Dtype> output_dtypes,
+                                           rust::Slice<const int32_t> scalars,
+                                           rust::Slice<const int32_t> grid,
+                                           rust::Slice<const int32_t> threadgroup) {
+  auto [shapes, dtypes] =
+      kernel_outputs(output_shapes, output_ndims, output_dtypes, grid, threadgroup);
+  std::vector<mx::fast::ScalarArg> args(scalars.begin(), scalars.end());
+  return wrap_vec(mx::fast::precompiled_cuda_kernel(
+      str(kernel), binary.image, inputs.items, shapes, dtypes, args, {grid[0], grid[1], grid[2]},
+      {threadgroup[0], threadgroup[1], threadgroup[2]}, /*shared_memory=*/0,
+      /*init_value=*/std::nullopt, /*ensure_row_contiguous=*/true));
 }
 
 }  // namespace mlxcel

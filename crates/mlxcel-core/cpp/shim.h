@@ -27,6 +27,11 @@ struct CustomKernel {
   mlx::core::fast::CustomKernelFunction fn;
 };
 
+// A compiled CUDA module image (cubin) holding `extern "C"` kernels (see cuda_compile.cc).
+struct CudaBinary {
+  std::string image;
+};
+
 using Ptr = std::unique_ptr<array>;
 
 rust::String mlx_version();
@@ -148,6 +153,17 @@ std::unique_ptr<CustomKernel> custom_kernel_new(rust::Str backend, rust::Str nam
                                                 const rust::Vec<rust::String>& input_names,
                                                 const rust::Vec<rust::String>& output_names,
                                                 rust::Str source, rust::Str header);
+int32_t cuda_device_arch();
+rust::Vec<uint8_t> cuda_compile(rust::Str source, rust::Str name, int32_t arch);
+std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image);
+std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, rust::Str kernel,
+                                           const ArrayVec& inputs,
+                                           rust::Slice<const int32_t> output_shapes,
+                                           rust::Slice<const int32_t> output_ndims,
+                                           rust::Slice<const Dtype> output_dtypes,
+                                           rust::Slice<const int32_t> scalars,
+                                           rust::Slice<const int32_t> grid,
+                                           rust::Slice<const int32_t> threadgroup);
 std::unique_ptr<ArrayVec> custom_kernel_call(const CustomKernel& kernel, const ArrayVec& inputs,
                                              rust::Slice<const int32_t> output_shapes,
                                              rust::Slice<const int32_t> output_ndims,

@@ -57,6 +57,7 @@ pub(crate) mod bridge {
         type ArrayVec;
         /// A compiled custom kernel (`mlx::core::fast::metal_kernel` / `cuda_kernel`).
         type CustomKernel;
+        type CudaBinary;
 
         // ---- library, devices, memory ----
         fn mlx_version() -> Result<String>;
@@ -369,6 +370,22 @@ pub(crate) mod bridge {
             source: &str,
             header: &str,
         ) -> Result<UniquePtr<CustomKernel>>;
+        // mlxcel's own CUDA kernels: compiled with the process's NVRTC, launched precompiled.
+        fn cuda_device_arch() -> Result<i32>;
+        fn cuda_compile(source: &str, name: &str, arch: i32) -> Result<Vec<u8>>;
+        fn cuda_binary_new(image: &[u8]) -> Result<UniquePtr<CudaBinary>>;
+        #[allow(clippy::too_many_arguments)]
+        fn cuda_binary_call(
+            binary: &CudaBinary,
+            kernel: &str,
+            inputs: &ArrayVec,
+            output_shapes: &[i32],
+            output_ndims: &[i32],
+            output_dtypes: &[Dtype],
+            scalars: &[i32],
+            grid: &[i32],
+            threadgroup: &[i32],
+        ) -> Result<UniquePtr<ArrayVec>>;
         fn custom_kernel_call(
             kernel: &CustomKernel,
             inputs: &ArrayVec,
@@ -382,3 +399,8 @@ pub(crate) mod bridge {
         ) -> Result<UniquePtr<ArrayVec>>;
     }
 }
+
+// SAFETY: a `CudaBinary` is an immutable byte string (a compiled module image) after creation;
+// C++ only reads it.
+unsafe impl Send for bridge::CudaBinary {}
+unsafe impl Sync for bridge::CudaBinary {}

@@ -88,35 +88,3 @@ impl Kernel {
         ArrayList::from_raw(out).into_vec()
     }
 }
-
-thread_local! {
-    static CUDA_KERNELS: std::cell::RefCell<std::collections::HashMap<String, std::rc::Rc<Kernel>>> =
-        Default::default();
-}
-
-/// mlxcel's CUDA kernel `name` (body `source`, helpers `header`), created on first use in this
-/// thread and reused: building one is cheap, but MLX compiles a kernel once per name, so a
-/// changed source needs a new name.
-pub(crate) fn cuda_kernel(
-    name: &str,
-    inputs: &[&str],
-    outputs: &[&str],
-    source: &str,
-    header: &str,
-) -> Result<std::rc::Rc<Kernel>> {
-    CUDA_KERNELS.with(|cache| {
-        if let Some(k) = cache.borrow().get(name) {
-            return Ok(k.clone());
-        }
-        let k = std::rc::Rc::new(Kernel::new(
-            KernelBackend::Cuda,
-            name,
-            inputs,
-            outputs,
-            source,
-            header,
-        )?);
-        cache.borrow_mut().insert(name.to_string(), k.clone());
-        Ok(k)
-    })
-}

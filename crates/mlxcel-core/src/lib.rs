@@ -14,8 +14,7 @@
 //! `MLX_DIR`, an importable Python `mlx`, or the `mlx-cpu` wheel from PyPI.
 
 mod array;
-mod cuda_dequant;
-mod cuda_qmv;
+pub mod cuda_kernels;
 mod device;
 mod dtype;
 mod error;

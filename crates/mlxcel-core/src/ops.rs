@@ -440,9 +440,9 @@ pub fn dequantize(
     dtype: Option<Dtype>,
 ) -> Result<Array> {
     if let Some(d) = dtype {
-        if crate::cuda_dequant::applies(weight, scales, biases, spec, d)? {
-            let biases = biases.expect("applies() requires biases");
-            return crate::cuda_dequant::dequantize(weight, scales, biases, spec, d);
+        if crate::cuda_kernels::dequant_applies(weight, scales, biases, spec, d)? {
+            let biases = biases.expect("dequant_applies() requires biases");
+            return crate::cuda_kernels::dequantize(weight, scales, biases, spec, d);
         }
     }
     let out = dtype.map_or(-1, |d| d.repr);
@@ -554,8 +554,8 @@ pub fn quantized_matmul(
     spec: QuantSpec,
 ) -> Result<Array> {
     if let Some(b) = biases {
-        if transpose && crate::cuda_qmv::applies(x, weight, scales, spec)? {
-            return crate::cuda_qmv::qmv(x, weight, scales, b, spec);
+        if transpose && crate::cuda_kernels::qmv_applies(x, weight, scales, biases, spec)? {
+            return crate::cuda_kernels::qmv(x, weight, scales, b, spec);
         }
         if transpose
             && cpu_kernel_reads(spec)

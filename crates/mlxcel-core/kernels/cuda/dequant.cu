@@ -1,14 +1,14 @@
-// dequant.cu: kernel BODY for mx.fast.cuda_kernel / mlx::core::fast::cuda_kernel (MLX pastes it
-// into a generated __global__ function; helpers come from qmv_header.cuh).
+// dequant.cu: mlxcel's dequantization, `dequant<...>`, called by the `extern "C"` entry points
+// crates/mlxcel-core/src/cuda_kernels.rs generates (helpers: qmv_header.cuh).
 //
 //   out[n, k] = scales[n, k/gs] * q[n, k] + biases[n, k/gs]      (float32 math, one rounding)
 //
-// Inputs, in this order and with these names:
+// Arguments, in this order:
 //   w      uint32 [N, K*BITS/32]  MLX affine packing, element j of a word at bits BITS*j..
 //   scales T      [N, K/gs]
 //   biases T      [N, K/gs]
-// Output:
 //   out    T      [N, K]
+//   n_rows, words_per_row, groups_per_row: N, K*BITS/32 and K/gs
 // Integer template arg: BITS (4 or 8).
 // Launch: threadgroup (256, 1, 1), grid (N*K*BITS/128, 1, 1) in threads: one thread per 16
 // bytes of packed weights (32 elements at 4 bits, 16 at 8), which never straddle a group (gs
@@ -18,42 +18,45 @@
 // dequantize moves ~1.1 TB/s on an H200; this one reads each 16-byte chunk in one load and
 // writes its outputs in 16-byte stores, so it runs at the copy bandwidth.
 
-constexpr int DQ_EPW = 32 / BITS;   // elements per uint32
-constexpr int DQ_EPC = 4 * DQ_EPW;  // elements per 16-byte chunk
-static_assert(BITS == 4 || BITS == 8, "dequant: BITS must be 4 or 8");
+template <int BITS, typename T>
+__device__ __forceinline__ void dequant(const uint32_t* w, const T* scales, const T* biases,
+                                        T* out, int n_rows, int words_per_row,
+                                        int groups_per_row) {
+  constexpr int DQ_EPW = 32 / BITS;   // elements per uint32
+  constexpr int DQ_EPC = 4 * DQ_EPW;  // elements per 16-byte chunk
+  static_assert(BITS == 4 || BITS == 8, "dequant: BITS must be 4 or 8");
 
-const int words_per_row = w_shape[1];
-const size_t n_chunks = (size_t)w_shape[0] * (size_t)(words_per_row / 4);
-const size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-if (c >= n_chunks) {
-  return;
-}
-const int chunks_per_row = words_per_row / 4;
-const int groups_per_row = scales_shape[1];
-const int k_len = words_per_row * DQ_EPW;
-const int group_size = k_len / groups_per_row;
-const size_t n = c / (size_t)chunks_per_row;
-const int first = (int)(c - n * (size_t)chunks_per_row) * DQ_EPC;
-const size_t g = n * (size_t)groups_per_row + (size_t)(first / group_size);
-const float scale = qmv_to_float(scales[g]);
-const float bias = qmv_to_float(biases[g]);
-
-const uint4 chunk = *reinterpret_cast<const uint4*>(w + c * 4);
-const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-// The outputs gathered in registers, then written as whole 16-byte stores.
-constexpr int DQ_STORES = (int)(DQ_EPC * sizeof(*out) / 16);
-uint4 packed[DQ_STORES];
-auto* vals = reinterpret_cast<decltype(out)>(packed);
-#pragma unroll
-for (int i = 0; i < 4; ++i) {
-#pragma unroll
-  for (int j = 0; j < DQ_EPW; ++j) {
-    const float q = (float)((words[i] >> (BITS * j)) & ((1u << BITS) - 1u));
-    qmv_store(vals + i * DQ_EPW + j, fmaf(scale, q, bias));
+  const size_t n_chunks = (size_t)n_rows * (size_t)(words_per_row / 4);
+  const size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= n_chunks) {
+    return;
   }
-}
-uint4* dst = reinterpret_cast<uint4*>(out + n * (size_t)k_len + first);
+  const int chunks_per_row = words_per_row / 4;
+  const int k_len = words_per_row * DQ_EPW;
+  const int group_size = k_len / groups_per_row;
+  const size_t n = c / (size_t)chunks_per_row;
+  const int first = (int)(c - n * (size_t)chunks_per_row) * DQ_EPC;
+  const size_t g = n * (size_t)groups_per_row + (size_t)(first / group_size);
+  const float scale = qmv_to_float(scales[g]);
+  const float bias = qmv_to_float(biases[g]);
+
+  const uint4 chunk = *reinterpret_cast<const uint4*>(w + c * 4);
+  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+  // The outputs gathered in registers, then written as whole 16-byte stores.
+  constexpr int DQ_STORES = (int)(DQ_EPC * sizeof(T) / 16);
+  uint4 packed[DQ_STORES];
+  T* vals = reinterpret_cast<T*>(packed);
 #pragma unroll
-for (int i = 0; i < DQ_STORES; ++i) {
-  dst[i] = packed[i];
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < DQ_EPW; ++j) {
+      const float q = (float)((words[i] >> (BITS * j)) & ((1u << BITS) - 1u));
+      qmv_store(vals + i * DQ_EPW + j, fmaf(scale, q, bias));
+    }
+  }
+  uint4* dst = reinterpret_cast<uint4*>(out + n * (size_t)k_len + first);
+#pragma unroll
+  for (int i = 0; i < DQ_STORES; ++i) {
+    dst[i] = packed[i];
+  }
 }

@@ -1,28 +1,23 @@
-// qmv_header.cuh: helpers for the `qmv` custom kernel (qmv.cu).
-//
-// Passed as `header` to mx.fast.cuda_kernel / mlx::core::fast::cuda_kernel. MLX pastes it
-// after its own default header (mlx/backend/cuda/device/utils.cuh, which brings in
-// cuda_bf16.h / cuda_fp16.h) and before `namespace mlx::core::cu { __global__ ... }`, so
-// everything here lives in the global namespace; the `qmv_` prefix keeps it clear of the
-// names MLX defines in mlx::core::cu.
+// qmv_header.cuh: helpers for the `qmv` kernel (qmv.cu) and `dequant` (dequant.cu), after
+// prelude.cuh in the module mlxcel compiles (see prelude.cuh).
 
 // ---- scalar conversions (overloads pick the type from the generated signature) ----------
 
-__device__ __forceinline__ float qmv_to_float(__nv_bfloat16 v) {
-  return __bfloat162float(v);
+__device__ __forceinline__ float qmv_to_float(mlxcel_bf16 v) {
+  return mlxcel_bf16_bits_to_float(v.bits);
 }
-__device__ __forceinline__ float qmv_to_float(__half v) {
-  return __half2float(v);
+__device__ __forceinline__ float qmv_to_float(mlxcel_f16 v) {
+  return mlxcel_f16_bits_to_float(v.bits);
 }
 __device__ __forceinline__ float qmv_to_float(float v) {
   return v;
 }
 
-__device__ __forceinline__ void qmv_store(__nv_bfloat16* p, float v) {
-  *p = __float2bfloat16(v);  // round to nearest even
+__device__ __forceinline__ void qmv_store(mlxcel_bf16* p, float v) {
+  p->bits = mlxcel_float_to_bf16_bits(v);
 }
-__device__ __forceinline__ void qmv_store(__half* p, float v) {
-  *p = __float2half(v);
+__device__ __forceinline__ void qmv_store(mlxcel_f16* p, float v) {
+  p->bits = mlxcel_float_to_f16_bits(v);
 }
 __device__ __forceinline__ void qmv_store(float* p, float v) {
   *p = v;
@@ -69,7 +64,7 @@ __device__ __forceinline__ void qmv_load_words(const void* p, uint32_t (&u)[W]) 
 
 // N consecutive activations as floats (element 2i is the low half of word i).
 template <int N>
-__device__ __forceinline__ void qmv_load_x(const __nv_bfloat16* p, float (&xf)[N]) {
+__device__ __forceinline__ void qmv_load_x(const mlxcel_bf16* p, float (&xf)[N]) {
   uint32_t u[N / 2];
   qmv_load_words<N / 2>(p, u);
 #pragma unroll
@@ -79,13 +74,13 @@ __device__ __forceinline__ void qmv_load_x(const __nv_bfloat16* p, float (&xf)[N
   }
 }
 template <int N>
-__device__ __forceinline__ void qmv_load_x(const __half* p, float (&xf)[N]) {
+__device__ __forceinline__ void qmv_load_x(const mlxcel_f16* p, float (&xf)[N]) {
   uint32_t u[N / 2];
   qmv_load_words<N / 2>(p, u);
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
-    xf[2 * i] = __half2float(__ushort_as_half((unsigned short)(u[i] & 0xFFFFu)));
-    xf[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(u[i] >> 16)));
+    xf[2 * i] = mlxcel_f16_bits_to_float((unsigned short)(u[i] & 0xFFFFu));
+    xf[2 * i + 1] = mlxcel_f16_bits_to_float((unsigned short)(u[i] >> 16));
   }
 }
 template <int N>

@@ -1,0 +1,202 @@
+//! Checks and times mlxcel's CUDA kernels (`mlxcel_core::cuda_kernels`) against MLX's own ops,
+//! on the GPU machine (`xtask/bench/gpu.sh stage` ships it; see xtask/bench/cuda/README.md):
+//!
+//!     cuda_kernels            correctness on assorted shapes, then timings on Llama-8B shapes
+//!     cuda_kernels --source   print the generated module source (to compile-check with NVRTC)
+//!
+//! Reference: MLX's `dequantize` and `quantized_matmul` on the same planes. The dequantized
+//! values must be bit-equal (both compute `scale * q + bias` in float32 and round once); the GEMV
+//! must agree within the output dtype's rounding over K terms. The last line is
+//! `CUDA_KERNELS ok` or `CUDA_KERNELS fail <why>`.
+
+use std::time::Instant;
+
+use mlxcel_core::ops::{self, QuantMode, QuantSpec};
+use mlxcel_core::{cuda_kernels, Array, Dtype};
+
+type R<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn random(shape: &[i32], dtype: Dtype, seed: u64) -> R<Array> {
+    let n: usize = shape.iter().map(|&d| d as usize).product();
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+        })
+        .collect();
+    Ok(Array::from_slice(&values, shape)?.astype(dtype)?)
+}
+
+fn max_abs(a: &Array, b: &Array) -> R<(f32, f32)> {
+    let a = a.astype(Dtype::Float32)?.to_vec::<f32>()?;
+    let b = b.astype(Dtype::Float32)?.to_vec::<f32>()?;
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
+    let scale = b.iter().map(|y| y.abs()).fold(0.0, f32::max);
+    Ok((diff, scale))
+}
+
+/// Median seconds per call of `f` over 5 repetitions of `iters` calls evaluated together.
+fn time(iters: usize, f: &dyn Fn() -> R<Array>) -> R<f64> {
+    ops::eval_all(&(0..3).map(|_| f()).collect::<R<Vec<_>>>()?)?;
+    let mut per = Vec::new();
+    for _ in 0..5 {
+        let start = Instant::now();
+        let outs = (0..iters).map(|_| f()).collect::<R<Vec<_>>>()?;
+        ops::eval_all(&outs)?;
+        per.push(start.elapsed().as_secs_f64() / iters as f64);
+    }
+    per.sort_by(f64::total_cmp);
+    Ok(per[2])
+}
+
+fn check() -> R<Vec<String>> {
+    let mut failures = Vec::new();
+    let dtypes = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
+    for (n, k) in [(64, 256), (1001, 384), (4096, 4096), (1024, 4096)] {
+        for bits in [4, 8] {
+            for group_size in [32, 64, 128] {
+                for dtype in dtypes {
+                    let spec = QuantSpec {
+                        mode: QuantMode::Affine,
+                        group_size,
+                        bits,
+                    };
+                    let w = random(&[n, k], dtype, (n * k + bits + group_size) as u64)?;
+                    let q = w.quantize(spec)?;
+                    let (wq, scales) = (q.weight, q.scales);
+                    let biases = q.biases.expect("affine has biases");
+                    let ours = cuda_kernels::dequantize(&wq, &scales, &biases, spec, dtype)?;
+                    let mlx = ops::dequantize(&wq, &scales, Some(&biases), spec, Some(dtype))?;
+                    let (diff, _) = max_abs(&ours, &mlx)?;
+                    let label =
+                        format!("dequant {n}x{k} {bits}-bit g{group_size} {}", dtype.name());
+                    println!("{label}: max|ours - MLX| {diff:.3e}");
+                    if diff != 0.0 {
+                        failures.push(label);
+                    }
+                    for rows in [1, 3] {
+                        let x = random(&[rows, k], dtype, 99)?;
+                        let ours = cuda_kernels::qmv(&x, &wq, &scales, &biases, spec)?;
+                        let mlx =
+                            ops::quantized_matmul(&x, &wq, &scales, Some(&biases), true, spec)?;
+                        let (diff, scale) = max_abs(&ours, &mlx)?;
+                        // Both round to the output dtype once, after float32 sums in different
+                        // orders: allow a few units in its last place.
+                        let ulp = match dtype {
+                            Dtype::Bfloat16 => 2f32.powi(-8),
+                            Dtype::Float16 => 2f32.powi(-11),
+                            _ => 2f32.powi(-20),
+                        };
+                        let label = format!(
+                            "qmv {rows}x{k} @ {n}x{k} {bits}-bit g{group_size} {}",
+                            dtype.name()
+                        );
+                        println!("{label}: max|ours - MLX| {diff:.3e} (output scale {scale:.2})");
+                        if diff > 4.0 * ulp * scale.max(1.0) {
+                            failures.push(label);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(failures)
+}
+
+fn speed() -> R<()> {
+    let spec = QuantSpec {
+        mode: QuantMode::Affine,
+        group_size: 64,
+        bits: 4,
+    };
+    for (n, k) in [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)] {
+        let w = random(&[n, k], Dtype::Bfloat16, 7)?;
+        let q = w.quantize(spec)?;
+        let (wq, scales) = (q.weight, q.scales);
+        let biases = q.biases.expect("affine has biases");
+        let x1 = random(&[1, k], Dtype::Bfloat16, 8)?;
+        let x512 = random(&[512, k], Dtype::Bfloat16, 9)?;
+        ops::eval_all(&[
+            wq.clone(),
+            scales.clone(),
+            biases.clone(),
+            x1.clone(),
+            x512.clone(),
+        ])?;
+        let bf16 = Dtype::Bfloat16;
+        let ours_dq = time(50, &|| {
+            Ok(cuda_kernels::dequantize(&wq, &scales, &biases, spec, bf16)?)
+        })?;
+        let mlx_dq = time(50, &|| {
+            Ok(ops::dequantize(
+                &wq,
+                &scales,
+                Some(&biases),
+                spec,
+                Some(bf16),
+            )?)
+        })?;
+        let ours_mv = time(200, &|| {
+            Ok(cuda_kernels::qmv(&x1, &wq, &scales, &biases, spec)?)
+        })?;
+        let mlx_mv = time(200, &|| {
+            Ok(ops::quantized_matmul(
+                &x1,
+                &wq,
+                &scales,
+                Some(&biases),
+                true,
+                spec,
+            )?)
+        })?;
+        let gemm = time(30, &|| {
+            let dense = cuda_kernels::dequantize(&wq, &scales, &biases, spec, bf16)?;
+            Ok(x512.matmul(&dense.t()?)?)
+        })?;
+        let moved = (wq.nbytes() + scales.nbytes() + biases.nbytes() + (n * k * 2) as usize) as f64;
+        println!(
+            "{n}x{k} 4-bit g64: dequantize {:.0} us ({:.2} TB/s) vs MLX {:.0} us; GEMV {:.1} us \
+             vs MLX {:.1} us; 512-row prefill matmul (ours + GEMM) {:.0} us",
+            ours_dq * 1e6,
+            moved / ours_dq / 1e12,
+            mlx_dq * 1e6,
+            ours_mv * 1e6,
+            mlx_mv * 1e6,
+            gemm * 1e6
+        );
+    }
+    Ok(())
+}
+
+fn main() -> R<()> {
+    if std::env::args().any(|a| a == "--source") {
+        print!("{}", cuda_kernels::module_source());
+        return Ok(());
+    }
+    // ops::dequantize must be MLX's here, the reference.
+    std::env::set_var("MLXCEL_CUDA_DEQUANT", "0");
+    let started = Instant::now();
+    let result = check().and_then(|failures| {
+        println!(
+            "checks took {:.1} s (first use compiles or loads the module)",
+            started.elapsed().as_secs_f64()
+        );
+        speed()?;
+        Ok(failures)
+    });
+    match result {
+        Ok(f) if f.is_empty() => println!("CUDA_KERNELS ok"),
+        Ok(f) => println!("CUDA_KERNELS fail {}", f.join("; ")),
+        Err(e) => println!("CUDA_KERNELS fail {e}"),
+    }
+    Ok(())
+}
