@@ -532,14 +532,19 @@ fn is_cpu_kernel_float(dtype: Dtype) -> bool {
 
 /// `x @ weight^T` for a dense weight `[out, in]` (a linear layer), on mlxcel's CPU kernel where
 /// it applies (float32 activations on the CPU, float weights read as stored), else MLX's matmul.
-pub fn linear(x: &Array, weight: &Array) -> Result<Array> {
+/// `weight_t`, when the caller keeps one, is `weight.t()` made once: on a GPU every array of a
+/// decode step costs MLX host time, and a fresh transpose per call is one more.
+pub fn linear(x: &Array, weight: &Array, weight_t: Option<&Array>) -> Result<Array> {
     if on_cpu_kernel_path(x, weight)? && is_cpu_kernel_float(weight.dtype()?) {
         // SAFETY: null optional pointers.
         return Ok(wrap(unsafe {
             bridge::cpu_linear(x.as_ref(), weight.as_ref(), ptr::null(), ptr::null(), 0, 0)?
         }));
     }
-    x.matmul(&weight.t()?)
+    match weight_t {
+        Some(t) => x.matmul(t),
+        None => x.matmul(&weight.t()?),
+    }
 }
 
 /// `x @ dequantize(w).T` (when `transpose`) without materialising the dense matrix. On the CPU

@@ -117,7 +117,7 @@ fn dense_rows_match_float64_reference() {
             let (w, wv) = random_matrix(n, k, 300 + seed, dtype);
             let (x, xv) = random_matrix(m, k, 400 + seed, Dtype::Float32);
             let (want, bound) = reference(&xv, &wv, m, k, n);
-            let got = ops::linear(&x, &w).unwrap();
+            let got = ops::linear(&x, &w, None).unwrap();
             check(
                 &format!("dense {dtype} m{m} k{k} n{n}"),
                 &got,
@@ -158,7 +158,7 @@ fn large_layers_split_over_threads_and_keep_batch_dims() {
 
         let (wd, wdv) = random_matrix(n, k, 9, Dtype::Bfloat16);
         let (want, bound) = reference(&xv, &wdv, 2 * rows, k, n);
-        let got = ops::linear(&x, &wd).unwrap();
+        let got = ops::linear(&x, &wd, None).unwrap();
         check(&format!("threaded dense rows {rows}"), &got, &want, &bound);
     }
 }
@@ -167,7 +167,7 @@ fn large_layers_split_over_threads_and_keep_batch_dims() {
 fn mismatched_shapes_are_errors_not_aborts() {
     let (x, _) = random_matrix(2, 64, 1, Dtype::Float32);
     let (w, _) = random_matrix(8, 32, 2, Dtype::Float32);
-    let err = ops::linear(&x, &w).unwrap_err().to_string();
+    let err = ops::linear(&x, &w, None).unwrap_err().to_string();
     assert!(err.contains("32 columns, x has 64"), "{err}");
 }
 

@@ -252,7 +252,7 @@ impl ModelWeights {
         }
         let weight =
             self.matmul_weight(&format!("{prefix}.weight"), &[out_features, in_features])?;
-        Ok(Linear::Dense { weight, bias })
+        Linear::dense(weight, bias)
     }
 
     /// Linear layers `prefixes` that read the same input, each mapping `in_features` to its

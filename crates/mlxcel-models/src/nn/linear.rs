@@ -60,6 +60,8 @@ fn dequantize_experts_for(rows: usize, experts: usize) -> bool {
 pub enum Linear {
     Dense {
         weight: Array,
+        /// `weight.t()`, made once (see `ops::linear`); build with [`Linear::dense`].
+        weight_t: Array,
         bias: Option<Array>,
     },
     Quantized {
@@ -69,11 +71,23 @@ pub enum Linear {
 }
 
 impl Linear {
+    pub fn dense(weight: Array, bias: Option<Array>) -> Result<Linear> {
+        Ok(Linear::Dense {
+            weight_t: weight.t()?,
+            weight,
+            bias,
+        })
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (y, bias) = match self {
-            Linear::Dense { weight, bias } => {
+            Linear::Dense {
+                weight,
+                weight_t,
+                bias,
+            } => {
                 super::calibration::observe(weight, x);
-                (ops::linear(x, weight)?, bias)
+                (ops::linear(x, weight, Some(weight_t))?, bias)
             }
             Linear::Quantized { weight, bias } => {
                 let rows = x.size() / x.dim(-1)?.max(1) as usize;
@@ -126,10 +140,7 @@ impl Linear {
                     return Ok(None);
                 }
             }
-            return Ok(Some(Linear::Dense {
-                weight: cat(weights)?,
-                bias,
-            }));
+            return Ok(Some(Linear::dense(cat(weights)?, bias)?));
         }
         let quantized: Option<Vec<&QuantizedWeight>> = parts
             .iter()
@@ -176,7 +187,7 @@ impl Linear {
     /// The arrays this layer holds.
     pub fn arrays(&self) -> Vec<&Array> {
         match self {
-            Linear::Dense { weight, bias } => std::iter::once(weight).chain(bias).collect(),
+            Linear::Dense { weight, bias, .. } => std::iter::once(weight).chain(bias).collect(),
             Linear::Quantized { weight, bias } => weight.arrays().into_iter().chain(bias).collect(),
         }
     }
@@ -233,7 +244,7 @@ impl Embedding {
     /// The table used as an output projection (tied embeddings): `x @ table^T`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense { table, .. } => Ok(ops::linear(x, table)?),
+            Embedding::Dense { table, .. } => Ok(ops::linear(x, table, None)?),
             Embedding::Quantized { table: q, .. } => Ok(q.matmul_t(x)?),
         }
     }
