@@ -262,11 +262,24 @@ impl SwitchLinear {
     /// against it) → `[.., 1, out]`. `sorted` promises `experts` is non-decreasing, which lets MLX
     /// run each expert's rows as one block.
     pub fn forward(&self, x: &Array, experts: &Array, sorted: bool) -> Result<Array> {
+        self.forward_rows(x, None, experts, sorted)
+    }
+
+    /// [`SwitchLinear::forward`] with the row of `x` each product reads given as `rows` (shaped
+    /// like `experts`); `None` lets MLX derive it from `x`'s batch shape, which it does with
+    /// three arrays per call.
+    pub fn forward_rows(
+        &self,
+        x: &Array,
+        rows: Option<&Array>,
+        experts: &Array,
+        sorted: bool,
+    ) -> Result<Array> {
         match self {
             SwitchLinear::Dense(w) => {
                 super::calibration::observe(w, x);
                 let wt = w.transpose(&[0, 2, 1])?;
-                Ok(ops::gather_mm(x, &wt, None, Some(experts), sorted)?)
+                Ok(ops::gather_mm(x, &wt, rows, Some(experts), sorted)?)
             }
             SwitchLinear::Quantized(q)
                 if sorted
@@ -275,14 +288,14 @@ impl SwitchLinear {
                 // Prefill with several rows per expert on average: dequantize the stack once and
                 // use the dense gathered GEMM (see `dequantize_rows_threshold`).
                 let w = q.dequantize(x.dtype()?)?.transpose(&[0, 2, 1])?;
-                Ok(ops::gather_mm(x, &w, None, Some(experts), sorted)?)
+                Ok(ops::gather_mm(x, &w, rows, Some(experts), sorted)?)
             }
             SwitchLinear::Quantized(q) => Ok(ops::gather_qmm(
                 x,
                 &q.weight,
                 &q.scales,
                 q.biases.as_ref(),
-                None,
+                rows,
                 Some(experts),
                 true,
                 q.spec,

@@ -64,8 +64,20 @@ impl SwitchGlu {
         if t * k < SORT_FROM_PAIRS {
             // Decode-sized: each token's row broadcast over its k experts, no sorting.
             let xs = x.reshape(&[t, 1, 1, d])?;
-            let g = self.gate.forward(&xs, ids, false)?;
-            let u = self.up.forward(&xs, ids, false)?;
+            // The token row each (token, expert) product of gate and up reads, built once for
+            // both (MLX would build it in each: on a GPU every array of a decode step costs host
+            // time). mlxcel's CPU kernel reads that layout from the shapes instead.
+            let rows = if mlxcel_core::ops::cpu_kernels_active()? {
+                None
+            } else {
+                Some(
+                    mlxcel_core::ops::arange(0.0, t as f64, 1.0, Dtype::Uint32)?
+                        .reshape(&[t, 1])?
+                        .broadcast_to(&[t, k])?,
+                )
+            };
+            let g = self.gate.forward_rows(&xs, rows.as_ref(), ids, false)?;
+            let u = self.up.forward_rows(&xs, rows.as_ref(), ids, false)?;
             let h = self.act.gated(&g, &u)?;
             let y = self.down.forward(&h, ids, false)?;
             return Ok(y.reshape(&[t, k, d])?);
