@@ -156,3 +156,37 @@ pub fn max_abs_diff(got: &[f32], want: &[f32]) -> (f32, usize) {
             }
         })
 }
+
+/// Loads fixture `name` with default options (no tokenizer) and checks it against its
+/// reference: prefill logits within `tolerance`, greedy ids equal. For test binaries that set a
+/// process-wide switch first (kernel paths, dequantized prefill).
+pub fn assert_matches_reference(name: &str, tolerance: f32) {
+    use mlxcel_loading::{load_model, LoadOptions};
+    let r = reference(name);
+    let loaded = load_model(
+        model_dir(name),
+        &LoadOptions {
+            skip_tokenizer: true,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let got = logits_for(&loaded.model, &r.prompt_ids);
+    let (diff, at) = max_abs_diff(&got, &r.logits);
+    assert!(
+        diff <= tolerance,
+        "{name}: prefill logits differ by {diff:.2e} at {at}"
+    );
+    let out = mlxcel_models::generate::greedy(
+        &loaded.model,
+        &r.prompt_ids,
+        r.greedy_ids.len(),
+        None,
+        |_| false,
+    )
+    .unwrap();
+    assert_eq!(
+        out, r.greedy_ids,
+        "{name}: greedy ids against the reference"
+    );
+}
