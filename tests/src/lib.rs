@@ -177,14 +177,14 @@ pub fn assert_matches_reference(name: &str, tolerance: f32) {
         diff <= tolerance,
         "{name}: prefill logits differ by {diff:.2e} at {at}"
     );
-    let out = mlxcel_models::generate::greedy(
-        &loaded.model,
-        &r.prompt_ids,
-        r.greedy_ids.len(),
-        None,
-        |_| false,
-    )
-    .unwrap();
+    assert_greedy_ids(&loaded.model, &r, name);
+}
+
+/// Greedy decoding of `model` from the reference's prompt gives the reference's ids.
+pub fn assert_greedy_ids(model: &mlxcel_models::LoadedModel, r: &Reference, name: &str) {
+    let out =
+        mlxcel_models::generate::greedy(model, &r.prompt_ids, r.greedy_ids.len(), None, |_| false)
+            .unwrap();
     assert_eq!(
         out, r.greedy_ids,
         "{name}: greedy ids against the reference"

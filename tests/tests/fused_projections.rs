@@ -4,8 +4,7 @@
 
 use mlxcel_core::Array;
 use mlxcel_loading::{load_model, LanguageModel, LoadOptions, Loaded};
-use mlxcel_models::generate::greedy;
-use mlxcel_tests::{logits_for, max_abs_diff, model_dir, reference};
+use mlxcel_tests::{assert_greedy_ids, logits_for, max_abs_diff, model_dir, reference};
 
 fn load(name: &str, fuse: bool) -> Loaded {
     load_model(
@@ -53,18 +52,7 @@ fn fused_against_stored(name: &str) -> usize {
         diff <= 1e-5,
         "{name}: fused logits differ by {diff:.2e} at {at}"
     );
-    let out = greedy(
-        &fused.model,
-        &r.prompt_ids,
-        r.greedy_ids.len(),
-        None,
-        |_| false,
-    )
-    .unwrap();
-    assert_eq!(
-        out, r.greedy_ids,
-        "{name}: greedy ids against the reference"
-    );
+    assert_greedy_ids(&fused.model, &r, name);
     let (f, s) = (
         matmuls_per_step(&fused, &r.prompt_ids),
         matmuls_per_step(&stored, &r.prompt_ids),
