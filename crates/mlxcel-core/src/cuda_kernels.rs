@@ -90,6 +90,30 @@ impl Entry {
     }
 }
 
+/// Which kernel, as calls name it: cheap to hash, so a call finds its compiled image without
+/// building any source text (that happens once per kernel, in [`binary`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum KernelId {
+    Dequant {
+        bits: i32,
+        dtype: Dtype,
+    },
+    Qmv {
+        bits: i32,
+        dtype: Dtype,
+        shape: (i32, i32),
+    },
+}
+
+impl KernelId {
+    fn entry(self) -> Entry {
+        match self {
+            KernelId::Dequant { bits, dtype } => dequant_entry(bits, dtype),
+            KernelId::Qmv { bits, dtype, shape } => qmv_entry(bits, dtype, shape),
+        }
+    }
+}
+
 fn dequant_entry(bits: i32, dtype: Dtype) -> Entry {
     let (name, t) = (
         format!("mlxcel_dequant_b{bits}_{}", dtype.name()),
@@ -145,17 +169,20 @@ fn fingerprint(text: &str) -> u64 {
     })
 }
 
-type Binaries = HashMap<String, std::result::Result<&'static CudaBinary, String>>;
+/// A loaded kernel: its compiled image and `extern "C"` name, kept for the life of the process
+/// (like MLX's own loaded kernels), or why it could not be built.
+type Loaded = std::result::Result<(&'static CudaBinary, &'static str), String>;
 
-/// The compiled image of `entry` for this process's GPU: from memory, from the disk cache, or
-/// compiled now (and cached on disk for the next process).
-fn binary(entry: &Entry) -> Result<&'static CudaBinary> {
-    static BINARIES: OnceLock<Mutex<Binaries>> = OnceLock::new();
+/// The compiled image and entry-point name of `id` for this process's GPU: from memory, from
+/// the disk cache, or compiled now (and cached on disk for the next process).
+fn binary(id: KernelId) -> Result<(&'static CudaBinary, &'static str)> {
+    static BINARIES: OnceLock<Mutex<HashMap<KernelId, Loaded>>> = OnceLock::new();
     let mut binaries = BINARIES
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    let built = binaries.entry(entry.name.clone()).or_insert_with(|| {
+    let built = binaries.entry(id).or_insert_with(|| {
+        let entry = id.entry();
         let build = || -> Result<&'static CudaBinary> {
             let arch = bridge::cuda_device_arch()?;
             let source = entry.source();
@@ -175,16 +202,16 @@ fn binary(entry: &Entry) -> Result<&'static CudaBinary> {
                 }
             };
             let binary = bridge::cuda_binary_new(&image)?;
-            // Kept for the life of the process, like MLX's own loaded kernels.
             Box::leak(Box::new(binary))
                 .as_ref()
                 .ok_or_else(|| Error::Invalid("null CUDA module".into()))
         };
-        build().map_err(|e| e.to_string())
+        match build() {
+            Ok(binary) => Ok((binary, &*entry.name.leak())),
+            Err(e) => Err(format!("mlxcel's CUDA kernel {}: {e}", entry.name)),
+        }
     });
-    built
-        .clone()
-        .map_err(|why| Error::Invalid(format!("mlxcel's CUDA kernel {}: {why}", entry.name)))
+    built.clone().map_err(Error::Invalid)
 }
 
 /// Best effort (a cache): a temporary file renamed into place, so a reader never sees half.
@@ -207,7 +234,7 @@ fn on_gpu() -> Result<bool> {
 }
 
 fn call(
-    entry: &Entry,
+    id: KernelId,
     inputs: &[Array],
     shape: Vec<i32>,
     dtype: Dtype,
@@ -215,11 +242,12 @@ fn call(
     grid: [i32; 3],
     threadgroup: [i32; 3],
 ) -> Result<Array> {
+    let (binary, name) = binary(id)?;
     let list = ArrayList::new(inputs)?;
     let ndims = [shape.len() as i32];
     let out = bridge::cuda_binary_call(
-        binary(entry)?,
-        &entry.name,
+        binary,
+        name,
         list.as_ref(),
         &shape,
         &ndims,
@@ -288,7 +316,10 @@ pub fn dequantize(
     let chunks = n * (words / 4);
     let threads = (chunks + DEQUANT_THREADS - 1) / DEQUANT_THREADS * DEQUANT_THREADS;
     call(
-        &dequant_entry(spec.bits, dtype),
+        KernelId::Dequant {
+            bits: spec.bits,
+            dtype,
+        },
         &[weight.clone(), scales.clone(), biases.clone()],
         vec![n, words * 32 / spec.bits],
         dtype,
@@ -339,7 +370,11 @@ pub fn qmv(
     *shape.last_mut().expect("x has a last dimension") = n;
     let blocks = (n + rpw - 1) / rpw;
     call(
-        &qmv_entry(spec.bits, dtype, (nw, rpw)),
+        KernelId::Qmv {
+            bits: spec.bits,
+            dtype,
+            shape: (nw, rpw),
+        },
         &[weight.clone(), scales.clone(), biases.clone(), x.clone()],
         shape,
         dtype,
