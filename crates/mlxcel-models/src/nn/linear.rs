@@ -163,15 +163,13 @@ impl Linear {
                 return Ok(None);
             }
         }
-        let planes = |pick: fn(&QuantizedWeight) -> Option<&Array>| -> Result<Option<Array>> {
-            let arrays: Option<Vec<&Array>> = qs.iter().map(|q| pick(q)).collect();
-            arrays.map(cat).transpose()
-        };
+        // All or none have a biases plane (checked above).
+        let biases: Option<Vec<&Array>> = qs.iter().map(|q| q.biases.as_ref()).collect();
         Ok(Some(Linear::Quantized {
             weight: QuantizedWeight {
                 weight: cat(qs.iter().map(|q| &q.weight).collect())?,
                 scales: cat(qs.iter().map(|q| &q.scales).collect())?,
-                biases: planes(|q| q.biases.as_ref())?,
+                biases: biases.map(cat).transpose()?,
                 spec: first.spec,
             },
             bias,
