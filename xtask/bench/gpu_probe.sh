@@ -8,6 +8,8 @@
 #   gpu_probe.sh llama-8b    warm mlxcel configurations vs mlx-lm on the 8B 4-bit shape
 #   gpu_probe.sh llama-8b-bf16   the same on the unquantized bf16 8B shape
 #   gpu_probe.sh qwen3-30b-a3b   the same on the 30B-A3B MoE shape (4-bit)
+#   gpu_probe.sh fold        the kernel checks, then the 8B 4-bit shape with the GEMV's folded
+#                            ops on and off (greedy ids of both, then speed against mlx-lm)
 # Each engine runs once to fill MLX's kernel cache, then RUNS (default 2) measured passes;
 # prompt 512 ids, 128 new tokens, EOS ignored. Every process generates twice (`--repeat 2`):
 # run 1 pays first-use costs in the process (GPU kernel modules, first touch of the weights),
@@ -101,6 +103,16 @@ graphs)
     "g100 MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=4000" \
     "no-graphs MLX_USE_CUDA_GRAPHS=0" "qmv-4x4 MLXCEL_CUDA_QMV=4x4" "qmv-4x4-g1000 MLXCEL_CUDA_QMV=4x4 $g1000"
   ;;
+fold)
+  timeout 200 "$here/cuda_kernels" | grep -v "max|ours - MLX| [0-9.e+-]* (output" | grep -v "^dequant"
+  model llama-8b-4bit
+  for f in 1 0; do
+    echo -n "  greedy ids, MLXCEL_CUDA_QMV_FOLD=$f: "
+    MLXCEL_CUDA_QMV_FOLD=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 24 \
+      --ignore-eos --print-ids --quiet 2>&1 | tail -1
+  done
+  CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0"
+  ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes.
   for shape in llama-8b-4bit llama-8b-bf16 qwen3-30b-a3b-4bit; do
@@ -109,5 +121,5 @@ final)
     passes "default MLXCEL_NOTHING=1"
   done
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | final" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | final" >&2; exit 2 ;;
 esac

@@ -6,6 +6,8 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,13 @@ struct CustomKernel {
 // A compiled CUDA module image (cubin) holding `extern "C"` kernels (see cuda_compile.cc).
 struct CudaBinary {
   std::string image;
+  // MLX keeps a loaded module for the process, keyed by kernel name, and copies the image
+  // passed with each call into that call's graph node. Once a call has been evaluated (so MLX
+  // has loaded the module), later calls pass an empty image instead: 10-40 KB less to copy per
+  // call, dozens of calls per decode step. `last_call` is the newest call's output until then.
+  mutable std::mutex mutex;
+  mutable std::optional<mlx::core::array> last_call;
+  mutable bool loaded = false;
 };
 
 using Ptr = std::unique_ptr<array>;

@@ -83,29 +83,112 @@ fn check() -> R<Vec<String>> {
                     if diff != 0.0 {
                         failures.push(label);
                     }
+                    if group_size == 64 {
+                        failures.extend(check_folds(&wq, &scales, &biases, spec, dtype)?);
+                    }
                     for rows in [1, 3] {
                         let x = random(&[rows, k], dtype, 99)?;
                         let ours = cuda_kernels::qmv(&x, &wq, &scales, &biases, spec)?;
                         let mlx =
                             ops::quantized_matmul(&x, &wq, &scales, Some(&biases), true, spec)?;
-                        let (diff, scale) = max_abs(&ours, &mlx)?;
-                        // Both round to the output dtype once, after float32 sums in different
-                        // orders: allow a few units in its last place.
-                        let ulp = match dtype {
-                            Dtype::Bfloat16 => 2f32.powi(-8),
-                            Dtype::Float16 => 2f32.powi(-11),
-                            _ => 2f32.powi(-20),
-                        };
                         let label = format!(
                             "qmv {rows}x{k} @ {n}x{k} {bits}-bit g{group_size} {}",
                             dtype.name()
                         );
-                        println!("{label}: max|ours - MLX| {diff:.3e} (output scale {scale:.2})");
-                        if diff > 4.0 * ulp * scale.max(1.0) {
+                        // Both round to the output dtype once, after float32 sums in different
+                        // orders: allow a few units in its last place.
+                        if !close(&label, &ours, &mlx, dtype, 4.0)? {
                             failures.push(label);
                         }
                     }
                 }
+            }
+        }
+    }
+    Ok(failures)
+}
+
+/// Whether `ours` is within `ulps` units in the last place of `dtype` (relative to the output's
+/// scale) of `mlx`; prints the difference.
+fn close(label: &str, ours: &Array, mlx: &Array, dtype: Dtype, ulps: f32) -> R<bool> {
+    let (diff, scale) = max_abs(ours, mlx)?;
+    let ulp = match dtype {
+        Dtype::Bfloat16 => 2f32.powi(-8),
+        Dtype::Float16 => 2f32.powi(-11),
+        _ => 2f32.powi(-20),
+    };
+    println!("{label}: max|ours - MLX| {diff:.3e} (output scale {scale:.2})");
+    Ok(diff <= ulps * ulp * scale.max(1.0))
+}
+
+/// The GEMV with its folded ops (RMSNorm or silu-gate before, residual after) against MLX's
+/// `rms_norm` / compiled gate, `quantized_matmul` and `add` one by one. The folded ops round
+/// where MLX's do, but their float math differs in the last bit now and then (e.g. a fast
+/// `exp`), which moves single activations by one unit: a looser bound than the plain GEMV's.
+fn check_folds(
+    wq: &Array,
+    scales: &Array,
+    biases: &Array,
+    spec: QuantSpec,
+    dtype: Dtype,
+) -> R<Vec<String>> {
+    let mut failures = Vec::new();
+    let (n, k) = (wq.dim(0)?, wq.dim(1)? * 32 / spec.bits);
+    let mlx_matmul = |x: &Array| ops::quantized_matmul(x, wq, scales, Some(biases), true, spec);
+    for rows in [1, 3] {
+        let x = random(&[rows, k], dtype, 5)?.mul_scalar(3.0)?;
+        let gate_up = random(&[rows, 2 * k], dtype, 6)?.mul_scalar(4.0)?;
+        let norm_w = random(&[k], dtype, 7)?.add_scalar(1.0)?;
+        let res = random(&[rows, n], dtype, 8)?.mul_scalar(10.0)?;
+        let eps = 1e-5;
+        let normed = x.rms_norm(Some(&norm_w), eps)?;
+        let halves = gate_up.split_at(&[k], -1)?;
+        let gated = ops::gated_activation(ops::GatedActivation::Silu, &halves[0], &halves[1])?;
+        let rms = cuda_kernels::GemvInput::RmsNorm {
+            weight: &norm_w,
+            eps,
+        };
+        let cases = [
+            ("rmsnorm", &x, rms, None, mlx_matmul(&normed)?),
+            (
+                "rmsnorm+residual",
+                &x,
+                rms,
+                Some(&res),
+                res.add(&mlx_matmul(&normed)?)?,
+            ),
+            (
+                "silugate",
+                &gate_up,
+                cuda_kernels::GemvInput::SiluGated,
+                None,
+                mlx_matmul(&gated)?,
+            ),
+            (
+                "silugate+residual",
+                &gate_up,
+                cuda_kernels::GemvInput::SiluGated,
+                Some(&res),
+                res.add(&mlx_matmul(&gated)?)?,
+            ),
+            (
+                "residual",
+                &x,
+                cuda_kernels::GemvInput::Plain,
+                Some(&res),
+                res.add(&mlx_matmul(&x)?)?,
+            ),
+        ];
+        for (what, input, fold, residual, mlx) in cases {
+            let ours = cuda_kernels::gemv(input, wq, scales, biases, spec, fold, residual)?;
+            let label = format!(
+                "qmv {what} {rows}x{k} @ {n}x{k} {}-bit g{} {}",
+                spec.bits,
+                spec.group_size,
+                dtype.name()
+            );
+            if !close(&label, &ours, &mlx, dtype, 8.0)? {
+                failures.push(label);
             }
         }
     }
@@ -158,6 +241,39 @@ fn speed() -> R<()> {
                 spec,
             )?)
         })?;
+        // The folded variants: what decode runs for a block's first projection (RMSNorm in)
+        // and its down projection (silu-gate in, residual out).
+        let norm_w = random(&[k], Dtype::Bfloat16, 10)?;
+        let gate_up = random(&[1, 2 * k], Dtype::Bfloat16, 11)?;
+        let res = random(&[1, n], Dtype::Bfloat16, 12)?;
+        ops::eval_all(&[norm_w.clone(), gate_up.clone(), res.clone()])?;
+        let rms = cuda_kernels::GemvInput::RmsNorm {
+            weight: &norm_w,
+            eps: 1e-5,
+        };
+        let ours_norm = time(200, &|| {
+            Ok(cuda_kernels::gemv(
+                &x1, &wq, &scales, &biases, spec, rms, None,
+            )?)
+        })?;
+        let ours_gate = time(200, &|| {
+            let gated = cuda_kernels::GemvInput::SiluGated;
+            Ok(cuda_kernels::gemv(
+                &gate_up,
+                &wq,
+                &scales,
+                &biases,
+                spec,
+                gated,
+                Some(&res),
+            )?)
+        })?;
+        println!(
+            "{n}x{k} 4-bit g64 folded GEMVs: rmsnorm in {:.1} us, silu-gate in + residual out \
+             {:.1} us",
+            ours_norm * 1e6,
+            ours_gate * 1e6
+        );
         let gemm = time(30, &|| {
             let dense = cuda_kernels::dequantize(&wq, &scales, &biases, spec, bf16)?;
             Ok(x512.matmul(&dense.t()?)?)
@@ -182,8 +298,10 @@ fn main() -> R<()> {
         print!("{}", cuda_kernels::module_source());
         return Ok(());
     }
-    // ops::dequantize must be MLX's here, the reference.
+    // ops::dequantize and ops::quantized_matmul must be MLX's here, the references (the
+    // cuda_kernels functions called directly stay mlxcel's).
     std::env::set_var("MLXCEL_CUDA_DEQUANT", "0");
+    std::env::set_var("MLXCEL_CUDA_QMV", "0");
     let started = Instant::now();
     let result = check().and_then(|failures| {
         println!(

@@ -9,7 +9,10 @@
 //!   16-byte loads and folds scale and bias per group, and its launches cost MLX less host
 //!   time (decode on the 8B 4-bit shape: 188-222 against 155-171 tok/s with MLX's). On by
 //!   default with 4 warps x 4 rows per block; `MLXCEL_CUDA_QMV=0` keeps MLX's, `NWxRPW` picks
-//!   another launch shape (an unreadable value keeps the default).
+//!   another launch shape (an unreadable value keeps the default). It can fold in the ops
+//!   around it ([`GemvInput`], a residual add): decode on a GPU is bound by MLX's host time per
+//!   graph node, and a transformer block's RMSNorms, gate activation and residual adds are four
+//!   nodes of about twenty. `MLXCEL_CUDA_QMV_FOLD=0` keeps them separate.
 //!
 //! Each is compiled with the NVRTC that MLX's CUDA build loads into the process, at its first use
 //! on a machine: the cubin is cached under [`crate::cache_dir`]`/cuda/`, keyed by the source and
@@ -44,6 +47,13 @@ fn switch(name: &str) -> Option<String> {
         .map(|v| v.trim().to_ascii_lowercase())
 }
 
+/// Whether GEMVs may fold their neighbouring ops in (`MLXCEL_CUDA_QMV_FOLD=0`: never, for
+/// comparisons; the GEMV itself stays on).
+fn folding_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| switch("MLXCEL_CUDA_QMV_FOLD").is_none_or(|v| v != "0"))
+}
+
 fn dequant_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| switch("MLXCEL_CUDA_DEQUANT").is_none_or(|v| v != "0"))
@@ -75,7 +85,8 @@ fn type_name(dtype: Dtype) -> &'static str {
 }
 
 /// One compiled kernel: its `extern "C"` name and the source of a module holding just it (one
-/// module per kernel keeps the image small: MLX copies it into every call's graph node).
+/// module per kernel keeps each image small: it is loaded at the kernel's first call, and the
+/// calls until that one has been evaluated carry the image, see `CudaBinary` in shim.h).
 struct Entry {
     name: String,
     /// `qmv.cu` or `dequant.cu`.
@@ -102,14 +113,29 @@ enum KernelId {
         bits: i32,
         dtype: Dtype,
         shape: (i32, i32),
+        fold: GemvFold,
     },
+}
+
+/// Which neighbouring ops a GEMV kernel folds in (`PRE` and `RES` of qmv.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct GemvFold {
+    /// 0: plain input, 1: RMSNorm of the input, 2: `silu(gate) * up` of a `[gate | up]` input.
+    pre: i32,
+    /// Adds a residual to the output.
+    residual: bool,
 }
 
 impl KernelId {
     fn entry(self) -> Entry {
         match self {
             KernelId::Dequant { bits, dtype } => dequant_entry(bits, dtype),
-            KernelId::Qmv { bits, dtype, shape } => qmv_entry(bits, dtype, shape),
+            KernelId::Qmv {
+                bits,
+                dtype,
+                shape,
+                fold,
+            } => qmv_entry(bits, dtype, shape, fold),
         }
     }
 }
@@ -131,16 +157,44 @@ fn dequant_entry(bits: i32, dtype: Dtype) -> Entry {
     }
 }
 
-fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32)) -> Entry {
+fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), fold: GemvFold) -> Entry {
     let (t, threads) = (type_name(dtype), nw * 32);
-    let name = format!("mlxcel_qmv_b{bits}_{}_{nw}x{rpw}", dtype.name());
+    let GemvFold { pre, residual } = fold;
+    let res = i32::from(residual);
+    let name = format!(
+        "mlxcel_qmv_b{bits}_{}_{nw}x{rpw}{}{}",
+        dtype.name(),
+        ["", "_rmsnorm", "_silugate"][pre as usize],
+        if residual { "_residual" } else { "" }
+    );
     // Float32 outputs need the exact nibble arithmetic (FAST=0); see qmv_header.cuh.
     let fast = i32::from(bits == 4 && dtype != Dtype::Float32);
+    // Inputs in call order (w, scales, biases, x, then the norm weight and residual when
+    // folded), the output, then the integer scalars (eps travels as its float bits).
+    let aux = if pre == 1 {
+        format!("const {t}* aux, ")
+    } else {
+        String::new()
+    };
+    let res_arg = if residual {
+        format!("const {t}* res, ")
+    } else {
+        String::new()
+    };
+    let eps_arg = if pre == 1 { ", int eps_bits" } else { "" };
     let wrapper = format!(
         "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const uint32_t* w, \
-         const {t}* scales, const {t}* biases, const {t}* x, {t}* out, int n_rows, \
-         int words_per_row, int groups_per_row) {{ qmv<{bits}, {nw}, {rpw}, 1, {fast}, {t}>(w, \
-         scales, biases, x, out, n_rows, words_per_row, groups_per_row); }}\n"
+         const {t}* scales, const {t}* biases, const {t}* x, {aux}{res_arg}{t}* out, \
+         int n_rows, int words_per_row, int groups_per_row{eps_arg}) {{ \
+         qmv<{bits}, {nw}, {rpw}, 1, {fast}, {pre}, {res}, {t}>(w, scales, biases, x, {}, {}, \
+         out, n_rows, words_per_row, groups_per_row, {}); }}\n",
+        if pre == 1 { "aux" } else { "nullptr" },
+        if residual { "res" } else { "nullptr" },
+        if pre == 1 {
+            "__int_as_float(eps_bits)"
+        } else {
+            "0.0f"
+        },
     );
     Entry {
         name,
@@ -156,7 +210,12 @@ pub fn module_source() -> String {
     for bits in BITS {
         for dtype in DTYPES {
             src += &dequant_entry(bits, dtype).wrapper;
-            src += &qmv_entry(bits, dtype, qmv_shape().unwrap_or(DEFAULT_QMV_SHAPE)).wrapper;
+            for pre in 0..3 {
+                for residual in [false, true] {
+                    let (shape, fold) = (qmv_launch_shape(), GemvFold { pre, residual });
+                    src += &qmv_entry(bits, dtype, shape, fold).wrapper;
+                }
+            }
         }
     }
     src
@@ -329,6 +388,33 @@ pub fn dequantize(
     )
 }
 
+/// What the GEMV does to its activations before the product (`PRE` of qmv.cu): folding the op
+/// that would precede it saves a kernel and, in decode, the MLX host time of a graph node.
+#[derive(Debug, Clone, Copy)]
+pub enum GemvInput<'a> {
+    /// The activations as they are.
+    Plain,
+    /// `fast::rms_norm(x, weight, eps)`: the pre-norm of the block the layer opens.
+    RmsNorm { weight: &'a Array, eps: f32 },
+    /// `silu(gate) * up` of `x = [gate | up]` (a fused gate/up projection's output).
+    SiluGated,
+}
+
+impl GemvInput<'_> {
+    fn pre(&self) -> i32 {
+        match self {
+            GemvInput::Plain => 0,
+            GemvInput::RmsNorm { .. } => 1,
+            GemvInput::SiluGated => 2,
+        }
+    }
+}
+
+/// The GEMV's launch shape: `MLXCEL_CUDA_QMV`'s, else the default.
+fn qmv_launch_shape() -> (i32, i32) {
+    qmv_shape().unwrap_or(DEFAULT_QMV_SHAPE)
+}
+
 /// Whether `x @ dequantize(w)^T` runs on mlxcel's GEMV: enabled, at most [`QMV_MAX_ROWS`] rows of
 /// row-contiguous activations in the scales' dtype.
 pub(crate) fn qmv_applies(
@@ -338,16 +424,47 @@ pub(crate) fn qmv_applies(
     biases: Option<&Array>,
     spec: QuantSpec,
 ) -> Result<bool> {
-    if qmv_shape().is_none() || !on_gpu()? {
+    gemv_applies(x, weight, scales, biases, spec, GemvInput::Plain, None)
+}
+
+/// Whether [`gemv`] takes these operands: the GEMV is enabled and on a GPU, the matrix is affine
+/// 4/8-bit (see `affine_matrix`), `x` holds at most [`QMV_MAX_ROWS`] rows of `K` activations
+/// (`2K` for [`GemvInput::SiluGated`]) in the scales' dtype, a norm weight is `[K]` and a
+/// residual has the output's shape, both in that dtype.
+pub fn gemv_applies(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    spec: QuantSpec,
+    input: GemvInput<'_>,
+    residual: Option<&Array>,
+) -> Result<bool> {
+    let folds = input.pre() != 0 || residual.is_some();
+    if qmv_shape().is_none() || (folds && !folding_enabled()) || !on_gpu()? {
         return Ok(false);
     }
     let dtype = x.dtype()?;
-    let k = x.dim(-1)? as usize;
-    Ok(
-        k > 0
-            && x.size() / k <= QMV_MAX_ROWS
-            && affine_matrix(weight, scales, biases, spec, dtype)?,
-    )
+    if !affine_matrix(weight, scales, biases, spec, dtype)? {
+        return Ok(false);
+    }
+    let k = weight.dim(1)? * 32 / spec.bits;
+    let row = x.dim(-1)?;
+    let rows = x.size() / row.max(1) as usize;
+    let row_ok = match input {
+        GemvInput::Plain => row == k,
+        GemvInput::RmsNorm { weight: w, .. } => row == k && w.shape() == [k] && w.dtype()? == dtype,
+        GemvInput::SiluGated => row == 2 * k,
+    };
+    let residual_ok = match residual {
+        None => true,
+        Some(r) => {
+            let mut out = x.shape();
+            *out.last_mut().expect("x has a last dimension") = weight.dim(0)?;
+            r.shape() == out && r.dtype()? == dtype
+        }
+    };
+    Ok(row_ok && residual_ok && rows <= QMV_MAX_ROWS)
 }
 
 /// `x @ dequantize(w)^T` on mlxcel's GEMV (see `qmv_applies`; `ops::quantized_matmul` picks it
@@ -359,26 +476,51 @@ pub fn qmv(
     biases: &Array,
     spec: QuantSpec,
 ) -> Result<Array> {
-    let (nw, rpw) = qmv_shape().unwrap_or(DEFAULT_QMV_SHAPE);
+    gemv(x, weight, scales, biases, spec, GemvInput::Plain, None)
+}
+
+/// `input(x) @ dequantize(w)^T (+ residual)` as one kernel (see [`gemv_applies`] for what it
+/// takes). Uses the `MLXCEL_CUDA_QMV` launch shape, else 4x4.
+pub fn gemv(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: &Array,
+    spec: QuantSpec,
+    input: GemvInput<'_>,
+    residual: Option<&Array>,
+) -> Result<Array> {
+    let (nw, rpw) = qmv_launch_shape();
     let dtype = x.dtype()?;
-    let k = x.dim(-1)?;
-    let rows = (x.size() / k as usize) as i32;
+    let rows = (x.size() / x.dim(-1)? as usize) as i32;
     let [n, words, groups] = matrix_scalars(weight, scales)?;
     // The kernel reads x as [rows, K] whatever its leading dimensions, so neither x nor the
     // output is reshaped: every extra graph node costs MLX dispatch time in decode.
     let mut shape = x.shape();
     *shape.last_mut().expect("x has a last dimension") = n;
     let blocks = (n + rpw - 1) / rpw;
+    let mut inputs = vec![weight.clone(), scales.clone(), biases.clone(), x.clone()];
+    let mut scalars = vec![n, words, groups];
+    if let GemvInput::RmsNorm { weight: w, eps } = input {
+        inputs.push(w.clone());
+        scalars.push(eps.to_bits() as i32);
+    }
+    inputs.extend(residual.cloned());
+    let fold = GemvFold {
+        pre: input.pre(),
+        residual: residual.is_some(),
+    };
     call(
         KernelId::Qmv {
             bits: spec.bits,
             dtype,
             shape: (nw, rpw),
+            fold,
         },
-        &[weight.clone(), scales.clone(), biases.clone(), x.clone()],
+        &inputs,
         shape,
         dtype,
-        &[n, words, groups],
+        &scalars,
         [blocks * nw * 32, rows, 1],
         [nw * 32, 1, 1],
     )

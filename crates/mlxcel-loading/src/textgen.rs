@@ -146,7 +146,9 @@ pub fn generate_text(
                 if generated.len() + 1 < request.max_new_tokens {
                     let built = Instant::now();
                     let next = device_argmax(&session.step_pending(&current)?)?;
-                    if census.is_empty() {
+                    // The second step's graph: the first one also grows the KV caches after
+                    // a prompt of a multiple of their growth step, which others rarely do.
+                    if census.is_empty() && !generated.is_empty() {
                         census = mlxcel_core::ops::graph_census([&next])?;
                     }
                     let queued = Instant::now();

@@ -1,6 +1,7 @@
 //! [`QuantizedWeight`]: the planes of one quantized matrix (or stack of expert matrices) and the
 //! checks that make a malformed layout an error naming the tensor.
 
+use mlxcel_core::cuda_kernels::{self, GemvInput};
 use mlxcel_core::ops::{self, QuantMode, QuantSpec};
 use mlxcel_core::{Array, Dtype};
 
@@ -155,6 +156,25 @@ impl QuantizedWeight {
             true,
             self.spec,
         )
+    }
+
+    /// `input(x) @ W^T (+ residual)` as one mlxcel CUDA kernel when it takes these operands
+    /// (decode rows of affine 4/8-bit weights on a GPU, see `cuda_kernels::gemv_applies`), else
+    /// `None`, for the caller to run the ops one by one.
+    pub fn fused_gemv(
+        &self,
+        x: &Array,
+        input: GemvInput<'_>,
+        residual: Option<&Array>,
+    ) -> mlxcel_core::Result<Option<Array>> {
+        let Some(biases) = &self.biases else {
+            return Ok(None);
+        };
+        let (w, s, spec) = (&self.weight, &self.scales, self.spec);
+        if !cuda_kernels::gemv_applies(x, w, s, Some(biases), spec, input, residual)? {
+            return Ok(None);
+        }
+        cuda_kernels::gemv(x, w, s, biases, spec, input, residual).map(Some)
     }
 
     /// The dense matrix, in `dtype`.

@@ -1,19 +1,31 @@
 // qmv.cu: mlxcel's decode GEMV, `qmv<...>`, called by the `extern "C"` entry points
 // crates/mlxcel-core/src/cuda_kernels.rs generates (helpers: qmv_header.cuh).
 //
-//   out[m, n] = sum_k x[m, k] * (scale[n, k/gs] * q[n, k] + bias[n, k/gs])
+//   out[m, n] = sum_k in(x)[m, k] * (scale[n, k/gs] * q[n, k] + bias[n, k/gs])  (+ res[m, n])
+//
+// with the activations prepared on load by PRE (the op that would otherwise run before the
+// product as its own kernel and graph node; decode on a GPU is bound by MLX's host time per
+// node, so every node folded in here is host time saved):
+//   PRE 0  in(x) = x                                          x [M, K]
+//   PRE 1  in(x) = w * rms_norm(x) (MLX's fast::rms_norm)     x [M, K], aux = w [K], eps
+//   PRE 2  in(x) = silu(g) * u, g = x[:, :K], u = x[:, K:]    x [M, 2K] (a fused gate|up output)
+// and RES 1 adds a residual after the product (the residual add of a pre-norm block). Each
+// folded op rounds to T where MLX's kernel would, so results match the unfused ops closely.
 //
 // Arguments, in this order:
 //   w      uint32 [N, K*BITS/32]  MLX affine packing, element j of a word at bits BITS*j..
 //   scales T      [N, K/gs]
 //   biases T      [N, K/gs]
-//   x      T      [M, K]          (row-contiguous; M = rows of activations, 1 for decode)
+//   x      T      [M, K] or [M, 2K] (PRE 2) (row-contiguous; M = rows of activations)
+//   aux    T      [K] (PRE 1; else unused)
+//   res    T      [M, N] (RES 1; else unused)
 //   out    T      [M, N]          (any shape with M*N elements; dtype = x's dtype)
-//   n_rows, words_per_row, groups_per_row: N, K*BITS/32 and K/gs
+//   n_rows, words_per_row, groups_per_row: N, K*BITS/32 and K/gs; eps (PRE 1)
 // Integer template args: BITS (4 or 8), NW (warps per block), RPW (output rows per block),
 //   NOALLOC (1: weights read with ld.global.nc.L1::no_allocate, 0: plain ld.global.nc),
 //   FAST (4 bits only; 1: two elements per LOP3 with a ~2e-5 relative perturbation, see
-//   qmv_header.cuh; use 0 for float32 outputs or when bit-faithful float math is wanted).
+//   qmv_header.cuh; use 0 for float32 outputs or when bit-faithful float math is wanted),
+//   PRE and RES as above.
 // Launch: threadgroup (NW*32, 1, 1), grid (ceil(N/RPW) * NW*32, M, 1)  (grid is in threads).
 // N, K and the group size are arguments, so one compiled kernel serves every matrix of a model; gs must be a power of two >= 32 (MLX: 32, 64,
 // 128). K must be a multiple of 32 and x 16-byte aligned (true for MLX-allocated rows).
@@ -22,12 +34,67 @@
 // 16-byte chunks of packed weights (32 elements at 4 bits), so each warp reads 512 contiguous
 // bytes of every row per step. A chunk never straddles a quantization group. Each thread
 // converts its x chunk to float once and reuses it for all RPW rows; partial sums are reduced
-// with warp shuffles and then across warps through a tiny shared array. No atomics.
+// with warp shuffles and then across warps through a tiny shared array. No atomics. PRE 1 has
+// every block compute its row's sum of squares first (K values from L2: cheap next to the
+// weights it streams).
 
-template <int BITS, int NW, int RPW, int NOALLOC, int FAST, typename T>
+// N activations starting at element `k` of row `xrow`, prepared as PRE says.
+template <int PRE, int N, typename T>
+__device__ __forceinline__ void qmv_input(const T* xrow, const T* aux, int k, int k_len,
+                                          float inv_rms, float (&xf)[N]) {
+  qmv_load_x(xrow + k, xf);
+  if constexpr (PRE == 1) {
+    float wf[N];
+    qmv_load_x(aux + k, wf);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      xf[j] = qmv_round(xrow, wf[j] * qmv_round(xrow, xf[j] * inv_rms));
+    }
+  } else if constexpr (PRE == 2) {
+    float uf[N];
+    qmv_load_x(xrow + k_len + k, uf);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float g = xf[j];
+      const float sig = qmv_round(xrow, 1.0f / (1.0f + __expf(-g)));
+      xf[j] = qmv_round(xrow, qmv_round(xrow, g * sig) * uf[j]);
+    }
+  }
+}
+
+// 1 / sqrt(mean(x^2) + eps) over a row of k_len activations, in every thread of the block.
+template <int NW, typename T>
+__device__ __forceinline__ float qmv_inv_rms(const T* xrow, int k_len, float eps) {
+  __shared__ float qmv_ss[NW];
+  float ss = 0.0f;
+  for (int k = threadIdx.x * 8; k < k_len; k += NW * 32 * 8) {
+    float f[8];
+    qmv_load_x(xrow + k, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      ss = fmaf(f[j], f[j], ss);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    qmv_ss[threadIdx.x >> 5] = ss;
+  }
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < NW; ++i) {
+    total += qmv_ss[i];
+  }
+  return rsqrtf(total / (float)k_len + eps);
+}
+
+template <int BITS, int NW, int RPW, int NOALLOC, int FAST, int PRE, int RES, typename T>
 __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T* biases,
-                                    const T* x, T* out, int n_rows, int words_per_row,
-                                    int groups_per_row) {
+                                    const T* x, const T* aux, const T* res, T* out, int n_rows,
+                                    int words_per_row, int groups_per_row, float eps) {
   constexpr int QMV_EPW = 32 / BITS;     // elements per uint32
   constexpr int QMV_EPC = 4 * QMV_EPW;   // elements per 16-byte chunk
   constexpr int QMV_NT = NW * 32;        // threads per block
@@ -37,6 +104,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
   static_assert(BITS == 4 || BITS == 8, "qmv: BITS must be 4 or 8");
   static_assert(NW >= 1 && NW <= 32, "qmv: NW must be in 1..32");
   static_assert(RPW >= 1 && RPW <= QMV_NT, "qmv: RPW must be in 1..NW*32");
+  static_assert(PRE >= 0 && PRE <= 2 && (RES == 0 || RES == 1), "qmv: PRE 0..2, RES 0/1");
 
   const int k_len = words_per_row * QMV_EPW;
   const int chunks_per_row = words_per_row / 4;
@@ -56,7 +124,8 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
     wbase[r] = (size_t)n * (size_t)words_per_row;
     gbase[r] = n * groups_per_row;
   }
-  const auto* xrow = x + (size_t)m * (size_t)k_len;
+  const auto* xrow = x + (size_t)m * (size_t)(PRE == 2 ? 2 * k_len : k_len);
+  const float inv_rms = (PRE == 1) ? qmv_inv_rms<NW>(xrow, k_len, eps) : 1.0f;
 
   float acc[RPW];
 #pragma unroll
@@ -88,11 +157,10 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
     }
     float xsum = 0.0f;
     float xhi = 0.0f;  // FAST: sum of the activations of elements 4..7 of every word
-    const auto* xc = xrow + (size_t)c * QMV_EPC;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       float xf[QMV_EPW];
-      qmv_load_x(xc + k * QMV_EPW, xf);
+      qmv_input<PRE>(xrow, aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms, xf);
       qmv_add_sums<QMV_FAST>(xf, xsum, xhi);
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
@@ -133,7 +201,12 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
     }
     const int n = row0 + tid;
     if (n < n_rows) {
-      qmv_store(out + (size_t)m * (size_t)n_rows + n, s);
+      const size_t at = (size_t)m * (size_t)n_rows + n;
+      if constexpr (RES == 1) {
+        // MLX rounds the product, then the sum.
+        s = qmv_round(out, s) + qmv_to_float(res[at]);
+      }
+      qmv_store(out + at, s);
     }
   }
 }

@@ -23,6 +23,17 @@ __device__ __forceinline__ void qmv_store(float* p, float v) {
   *p = v;
 }
 
+// v rounded to T's precision (the pointer only picks the type), as an op returning T would.
+__device__ __forceinline__ float qmv_round(const mlxcel_bf16*, float v) {
+  return mlxcel_bf16_bits_to_float(mlxcel_float_to_bf16_bits(v));
+}
+__device__ __forceinline__ float qmv_round(const mlxcel_f16*, float v) {
+  return mlxcel_f16_bits_to_float(mlxcel_float_to_f16_bits(v));
+}
+__device__ __forceinline__ float qmv_round(const float*, float v) {
+  return v;
+}
+
 // ---- loads -------------------------------------------------------------------------------
 
 // 16 bytes of packed weights through the read-only path. NOALLOC=1 adds L1::no_allocate so the

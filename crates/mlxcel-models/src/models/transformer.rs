@@ -10,8 +10,8 @@ use mlxcel_core::Array;
 use crate::cache::KvCache;
 use crate::model::{LanguageModel, LayerKind};
 use crate::nn::{
-    Activation, Attention, AttentionConfig, Embedding, Linear, Mlp, Norm, NormKind, QkNorm,
-    QkvProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
+    Activation, Attention, AttentionConfig, Embedding, Linear, LinearInput, Mlp, Norm, NormKind,
+    QkNorm, QkvProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -97,6 +97,20 @@ struct MoeBlock {
 }
 
 impl FeedForward {
+    /// `residual + self(norm(x))` (see [`Mlp::forward_fused`]).
+    fn forward_fused(&self, x: &Array, norm: &Norm, residual: Option<&Array>) -> Result<Array> {
+        match self {
+            FeedForward::Dense(mlp) => mlp.forward_fused(x, Some(norm), residual),
+            FeedForward::Moe(_) => {
+                let y = self.forward(&norm.forward(x)?)?;
+                Ok(match residual {
+                    Some(r) => r.add(&y)?,
+                    None => y,
+                })
+            }
+        }
+    }
+
     fn forward(&self, x: &Array) -> Result<Array> {
         match self {
             FeedForward::Dense(mlp) => mlp.forward(x),
@@ -349,18 +363,19 @@ impl Decoder {
             h = h.mul_scalar(s)?;
         }
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let mut r = layer.attn.forward(&layer.input_norm.forward(&h)?, cache)?;
-            let ffn_in;
+            let input_norm = Some(&layer.input_norm);
             if let Some((pre, post)) = &layer.ffn_norms {
-                r = layer.post_attn_norm.forward(&r)?;
-                h = h.add(&r)?;
+                // Sandwich norms sit between each block and its residual add.
+                let r = layer.attn.forward(&h, input_norm, None, cache)?;
+                h = h.add(&layer.post_attn_norm.forward(&r)?)?;
                 let f = layer.ffn.forward(&pre.forward(&h)?)?;
-                ffn_in = post.forward(&f)?;
+                h = h.add(&post.forward(&f)?)?;
             } else {
-                h = h.add(&r)?;
-                ffn_in = layer.ffn.forward(&layer.post_attn_norm.forward(&h)?)?;
+                h = layer.attn.forward(&h, input_norm, Some(&h), cache)?;
+                h = layer
+                    .ffn
+                    .forward_fused(&h, &layer.post_attn_norm, Some(&h))?;
             }
-            h = h.add(&ffn_in)?;
         }
         let h = if last_only {
             let n = h.dim(1)?;
@@ -368,10 +383,9 @@ impl Decoder {
         } else {
             h
         };
-        let h = self.norm.forward(&h)?;
         let mut logits = match &self.lm_head {
-            Some(head) => head.forward(&h)?,
-            None => self.embed.as_linear(&h)?,
+            Some(head) => head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?,
+            None => self.embed.as_linear(&self.norm.forward(&h)?)?,
         };
         if let Some(cap) = self.final_softcap {
             logits = logits.mul_scalar(1.0 / cap)?.tanh()?.mul_scalar(cap)?;

@@ -5,7 +5,7 @@
 use mlxcel_core::ops::{self, AttentionMask};
 use mlxcel_core::Array;
 
-use super::{Linear, Norm, RotaryEmbedding};
+use super::{Linear, LinearInput, Norm, RotaryEmbedding};
 use crate::cache::{KvCache, Mask};
 use crate::Result;
 
@@ -61,12 +61,20 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// `x` `[B, L, hidden]` → `[B, L, hidden]`, reading and extending `cache`.
-    pub fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
+    /// `residual + attention(norm(x))` for `x` `[B, L, hidden]`, reading and extending
+    /// `cache`; the norm folds into the qkv projection and the residual add into the output
+    /// projection where [`Linear::forward_fused`] can.
+    pub fn forward(
+        &self,
+        x: &Array,
+        norm: Option<&Norm>,
+        residual: Option<&Array>,
+        cache: &mut KvCache,
+    ) -> Result<Array> {
         let shape = x.shape();
         let (b, l) = (shape[0], shape[1]);
         let c = &self.cfg;
-        let (mut q, mut k, v) = self.project_heads(x, b, l)?;
+        let (mut q, mut k, v) = self.project_heads(x, norm, b, l)?;
         if let QkNorm::PerHead { q: qn, k: kn } = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -95,15 +103,22 @@ impl Attention {
             out.transpose(&[0, 2, 1, 3])?
                 .reshape(&[b, l, c.n_heads * c.head_dim])?
         };
-        self.o.forward(&out)
+        self.o.forward_fused(&out, LinearInput::Plain, residual)
     }
 
     /// Queries, keys and values of `x` `[B, L, hidden]` as `[B, heads, L, head_dim]`, with
     /// full-width qk-norm applied. Decode steps (`L == 1`) reshape straight to the head layout,
     /// and a fused projection is split into heads after one reshape: on a GPU, MLX spends host
     /// time on every array of a decode step, so each one saved counts.
-    fn project_heads(&self, x: &Array, b: i32, l: i32) -> Result<(Array, Array, Array)> {
+    fn project_heads(
+        &self,
+        x: &Array,
+        norm: Option<&Norm>,
+        b: i32,
+        l: i32,
+    ) -> Result<(Array, Array, Array)> {
         let c = &self.cfg;
+        let input = norm.map_or(LinearInput::Plain, LinearInput::Normed);
         let d = c.head_dim;
         let heads = |t: &Array, n: i32| -> Result<Array> {
             Ok(if l == 1 {
@@ -114,7 +129,10 @@ impl Attention {
         };
         match (&self.qkv, &self.qk_norm) {
             (QkvProjection::Fused(qkv), QkNorm::None | QkNorm::PerHead { .. }) => {
-                let all = heads(&qkv.forward(x)?, c.n_heads + 2 * c.n_kv_heads)?;
+                let all = heads(
+                    &qkv.forward_fused(x, input, None)?,
+                    c.n_heads + 2 * c.n_kv_heads,
+                )?;
                 let (nq, nk) = (c.n_heads, c.n_kv_heads);
                 Ok((
                     all.slice_axis(1, 0, nq)?,
@@ -125,11 +143,15 @@ impl Attention {
             _ => {
                 let (mut q, mut k, v) = match &self.qkv {
                     QkvProjection::Separate { q, k, v } => {
-                        (q.forward(x)?, k.forward(x)?, v.forward(x)?)
+                        let x = match norm {
+                            Some(n) => n.forward(x)?,
+                            None => x.clone(),
+                        };
+                        (q.forward(&x)?, k.forward(&x)?, v.forward(&x)?)
                     }
                     QkvProjection::Fused(qkv) => {
                         let parts = qkv
-                            .forward(x)?
+                            .forward_fused(x, input, None)?
                             .split_at(&[c.n_heads * d, (c.n_heads + c.n_kv_heads) * d], -1)?;
                         (parts[0].clone(), parts[1].clone(), parts[2].clone())
                     }

@@ -2,7 +2,7 @@
 
 use mlxcel_core::Array;
 
-use super::Linear;
+use super::{Linear, LinearInput, Norm};
 use crate::Result;
 
 /// Activation functions by their config names.
@@ -87,6 +87,24 @@ pub enum Mlp {
 
 impl Mlp {
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        self.forward_fused(x, None, None)
+    }
+
+    /// `residual + self(norm(x))`, folding the norm into the first projection and the residual
+    /// add into the last where [`Linear::forward_fused`] can.
+    pub fn forward_fused(
+        &self,
+        x: &Array,
+        norm: Option<&Norm>,
+        residual: Option<&Array>,
+    ) -> Result<Array> {
+        let input = norm.map_or(LinearInput::Plain, LinearInput::Normed);
+        let normed = || -> Result<Array> {
+            Ok(match norm {
+                Some(n) => n.forward(x)?,
+                None => x.clone(),
+            })
+        };
         match self {
             Mlp::Gated {
                 gate,
@@ -94,8 +112,9 @@ impl Mlp {
                 down,
                 act,
             } => {
-                let h = act.gated(&gate.forward(x)?, &up.forward(x)?)?;
-                down.forward(&h)
+                let x = normed()?;
+                let h = act.gated(&gate.forward(&x)?, &up.forward(&x)?)?;
+                down.forward_fused(&h, LinearInput::Plain, residual)
             }
             Mlp::FusedGated {
                 gate_up,
@@ -103,12 +122,14 @@ impl Mlp {
                 act,
                 hidden,
             } => {
-                let gu = gate_up.forward(x)?;
-                let parts = gu.split_at(&[*hidden], -1)?;
-                let h = act.gated(&parts[0], &parts[1])?;
-                down.forward(&h)
+                let gu = gate_up.forward_fused(x, input, None)?;
+                debug_assert_eq!(gu.dim(-1)?, 2 * hidden);
+                down.forward_fused(&gu, LinearInput::Gated(*act), residual)
             }
-            Mlp::Plain { up, down, act } => down.forward(&act.apply(&up.forward(x)?)?),
+            Mlp::Plain { up, down, act } => {
+                let h = act.apply(&up.forward_fused(x, input, None)?)?;
+                down.forward_fused(&h, LinearInput::Plain, residual)
+            }
         }
     }
 }

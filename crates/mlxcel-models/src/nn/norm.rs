@@ -45,6 +45,15 @@ impl Norm {
         })
     }
 
+    /// The weight and epsilon of an RMSNorm (Gemma's `1 + w` already folded in), `None` for a
+    /// LayerNorm: what a GEMV kernel needs to apply the norm itself.
+    pub fn rms_parts(&self) -> Option<(&Array, f32)> {
+        match self.kind {
+            NormKind::Rms | NormKind::RmsOffset => Some((&self.weight, self.eps)),
+            NormKind::Layer => None,
+        }
+    }
+
     /// The arrays created at load (the folded `1 + w`), for materialisation.
     pub fn arrays(&self) -> Vec<&Array> {
         vec![&self.weight]
