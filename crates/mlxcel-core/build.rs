@@ -27,6 +27,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cpu_linear_kernels.inc");
     println!("cargo:rerun-if-changed=cpp/cpu_attention.cc");
     println!("cargo:rerun-if-changed=cpp/cuda_compile.cc");
+    println!("cargo:rerun-if-changed=cpp/cuda_launch.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_kernels.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
@@ -57,6 +58,7 @@ fn main() {
         .file("cpp/cpu_linear.cc")
         .file("cpp/cpu_attention.cc")
         .file("cpp/cuda_compile.cc")
+        .file("cpp/cuda_launch.cc")
         .include(&include)
         .include(&out)
         .flag_if_supported("-std=c++20")

@@ -9,7 +9,8 @@
 #   gpu_probe.sh llama-8b-bf16   the same on the unquantized bf16 8B shape
 #   gpu_probe.sh qwen3-30b-a3b   the same on the 30B-A3B MoE shape (4-bit)
 #   gpu_probe.sh fold        the kernel checks, then the 8B 4-bit shape with the GEMV's folded
-#                            ops on and off (greedy ids of both, then speed against mlx-lm)
+#                            ops on and off (greedy ids of both), then speed against mlx-lm
+#                            (also with kernels launched through MLX's precompiled_cuda_kernel)
 # Each engine runs once to fill MLX's kernel cache, then RUNS (default 2) measured passes;
 # prompt 512 ids, 128 new tokens, EOS ignored. Every process generates twice (`--repeat 2`):
 # run 1 pays first-use costs in the process (GPU kernel modules, first touch of the weights),
@@ -111,7 +112,8 @@ fold)
     MLXCEL_CUDA_QMV_FOLD=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 24 \
       --ignore-eos --print-ids --quiet 2>&1 | tail -1
   done
-  CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0"
+  CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0" \
+    "mlx-launch MLXCEL_CUDA_LAUNCH=mlx"
   ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes.

@@ -574,14 +574,14 @@ std::unique_ptr<ArrayVec> custom_kernel_call(const CustomKernel& kernel, const A
                             false, {}));
 }
 
-std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image) {
+std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image, rust::Str kernel) {
   auto b = std::make_unique<CudaBinary>();
   b->image.assign(reinterpret_cast<const char*>(image.data()), image.size());
+  b->kernel = str(kernel);
   return b;
 }
 
-std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, rust::Str kernel,
-                                           const ArrayVec& inputs,
+std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, const ArrayVec& inputs,
                                            rust::Slice<const int32_t> output_shapes,
                                            rust::Slice<const int32_t> output_ndims,
                                            rust::Slice<const Dtype> output_dtypes,
@@ -590,22 +590,17 @@ std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, rust::Str k
                                            rust::Slice<const int32_t> threadgroup) {
   auto [shapes, dtypes] =
       kernel_outputs(output_shapes, output_ndims, output_dtypes, grid, threadgroup);
-  std::vector<mx::fast::ScalarArg> args(scalars.begin(), scalars.end());
-  static const std::string no_image;
-  std::lock_guard<std::mutex> lock(binary.mutex);
-  if (!binary.loaded && binary.last_call &&
-      binary.last_call->status() != mx::array::Status::unscheduled) {
-    binary.loaded = true;
-    binary.last_call.reset();
+  std::vector<int32_t> ints(scalars.begin(), scalars.end());
+  std::array<int32_t, 3> g{grid[0], grid[1], grid[2]};
+  std::array<int32_t, 3> t{threadgroup[0], threadgroup[1], threadgroup[2]};
+  if (auto out = launch_cuda_binary(binary, inputs.items, shapes, dtypes, ints, g, t)) {
+    return wrap_vec(std::move(*out));
   }
-  auto out = mx::fast::precompiled_cuda_kernel(
-      str(kernel), binary.loaded ? no_image : binary.image, inputs.items, shapes, dtypes, args,
+  std::vector<mx::fast::ScalarArg> args(ints.begin(), ints.end());
+  return wrap_vec(mx::fast::precompiled_cuda_kernel(
+      binary.kernel, binary.image, inputs.items, shapes, dtypes, args,
       {grid[0], grid[1], grid[2]}, {threadgroup[0], threadgroup[1], threadgroup[2]},
-      /*shared_memory=*/0, /*init_value=*/std::nullopt, /*ensure_row_contiguous=*/true);
-  if (!binary.loaded) {
-    binary.last_call = out.at(0);
-  }
-  return wrap_vec(std::move(out));
+      /*shared_memory=*/0, /*init_value=*/std::nullopt, /*ensure_row_contiguous=*/true));
 }
 
 }  // namespace mlxcel

@@ -29,16 +29,15 @@ struct CustomKernel {
   mlx::core::fast::CustomKernelFunction fn;
 };
 
-// A compiled CUDA module image (cubin) holding `extern "C"` kernels (see cuda_compile.cc).
+// A compiled CUDA module image (cubin) holding one `extern "C"` kernel (see cuda_compile.cc) and
+// the gather kernels of kernels/cuda/gather.cu; launched by cuda_launch.cc.
 struct CudaBinary {
   std::string image;
-  // MLX keeps a loaded module for the process, keyed by kernel name, and copies the image
-  // passed with each call into that call's graph node. Once a call has been evaluated (so MLX
-  // has loaded the module), later calls pass an empty image instead: 10-40 KB less to copy per
-  // call, dozens of calls per decode step. `last_call` is the newest call's output until then.
+  std::string kernel;
+  // Loaded at the first call, then fixed: the kernel and mlxcel_gather_{1,2,4,8}.
   mutable std::mutex mutex;
-  mutable std::optional<mlx::core::array> last_call;
-  mutable bool loaded = false;
+  mutable void* function = nullptr;
+  mutable void* gather[4] = {};
 };
 
 using Ptr = std::unique_ptr<array>;
@@ -164,8 +163,15 @@ std::unique_ptr<CustomKernel> custom_kernel_new(rust::Str backend, rust::Str nam
                                                 rust::Str source, rust::Str header);
 int32_t cuda_device_arch();
 rust::Vec<uint8_t> cuda_compile(rust::Str source, rust::Str name, int32_t arch);
-std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image);
-std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, rust::Str kernel,
+std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image, rust::Str kernel);
+// The outputs of `binary`'s kernel as mlxcel's own primitive (cuda_launch.cc), or nullopt when
+// MLX's CUDA entry points it needs are not in the process.
+std::optional<std::vector<mlx::core::array>> launch_cuda_binary(
+    const CudaBinary& binary, const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::Shape> output_shapes,
+    const std::vector<mlx::core::Dtype>& output_dtypes, const std::vector<int32_t>& scalars,
+    const std::array<int32_t, 3>& grid, const std::array<int32_t, 3>& threadgroup);
+std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary,
                                            const ArrayVec& inputs,
                                            rust::Slice<const int32_t> output_shapes,
                                            rust::Slice<const int32_t> output_ndims,

@@ -179,6 +179,17 @@ fn check_folds(
                 res.add(&mlx_matmul(&x)?)?,
             ),
         ];
+        // Not row-contiguous: the launcher copies it first (gather.cu).
+        let x_t = random(&[k, rows], dtype, 9)?.t()?;
+        let ours = cuda_kernels::qmv(&x_t, wq, scales, biases, spec)?;
+        let label = format!(
+            "qmv transposed x {rows}x{k} @ {n}x{k} {}-bit {}",
+            spec.bits,
+            dtype.name()
+        );
+        if !close(&label, &ours, &mlx_matmul(&x_t)?, dtype, 4.0)? {
+            failures.push(label);
+        }
         for (what, input, fold, residual, mlx) in cases {
             let ours = cuda_kernels::gemv(input, wq, scales, biases, spec, fold, residual)?;
             let label = format!(

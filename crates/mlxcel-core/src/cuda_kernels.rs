@@ -16,10 +16,11 @@
 //!
 //! Each is compiled with the NVRTC that MLX's CUDA build loads into the process, at its first use
 //! on a machine: the cubin is cached under [`crate::cache_dir`]`/cuda/`, keyed by the source and
-//! the GPU architecture, so later processes only load it. Calls go through MLX's
-//! `fast::precompiled_cuda_kernel`, which neither recompiles per process nor rebuilds the source
-//! per call as `fast::cuda_kernel` does (MLX 0.32.4 spends 1-2 s per kernel and process on the
-//! former, and host time in every decode step on the latter).
+//! the GPU architecture, so later processes only load it (MLX's `fast::cuda_kernel` recompiles
+//! per process, 1-2 s per kernel, and rebuilds the source per call). Calls become graph nodes of
+//! an mlxcel primitive (cpp/cuda_launch.cc) that costs MLX little host time per call; without
+//! the MLX CUDA entry points it needs, or with `MLXCEL_CUDA_LAUNCH=mlx`, they go through MLX's
+//! `fast::precompiled_cuda_kernel`, which copies and hashes the whole module image per call.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -33,6 +34,8 @@ const PRELUDE: &str = include_str!("../kernels/cuda/prelude.cuh");
 const HEADER: &str = include_str!("../kernels/cuda/qmv_header.cuh");
 const QMV: &str = include_str!("../kernels/cuda/qmv.cu");
 const DEQUANT: &str = include_str!("../kernels/cuda/dequant.cu");
+/// In every module: the launcher's copy of an input that is not row-contiguous.
+const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
 /// Up to this many rows of activations take the GEMV (decode, small speculative batches).
 pub const QMV_MAX_ROWS: usize = 4;
 const DEQUANT_THREADS: i32 = 256;
@@ -84,9 +87,8 @@ fn type_name(dtype: Dtype) -> &'static str {
     }
 }
 
-/// One compiled kernel: its `extern "C"` name and the source of a module holding just it (one
-/// module per kernel keeps each image small: it is loaded at the kernel's first call, and the
-/// calls until that one has been evaluated carry the image, see `CudaBinary` in shim.h).
+/// One compiled kernel: its `extern "C"` name and the source of a module holding just it (and the
+/// launcher's gather kernels), loaded at the kernel's first call.
 struct Entry {
     name: String,
     /// `qmv.cu` or `dequant.cu`.
@@ -97,7 +99,7 @@ struct Entry {
 
 impl Entry {
     fn source(&self) -> String {
-        [PRELUDE, HEADER, self.kernel, &self.wrapper].join("\n")
+        [PRELUDE, HEADER, self.kernel, GATHER, &self.wrapper].join("\n")
     }
 }
 
@@ -206,7 +208,7 @@ fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), fold: GemvFold) -> 
 /// Every kernel of this build in one source (public so it can be compile-checked with NVRTC off
 /// the GPU machine: `cargo run -p mlxcel-core --example cuda_kernels -- --source`).
 pub fn module_source() -> String {
-    let mut src = [PRELUDE, HEADER, QMV, DEQUANT].join("\n");
+    let mut src = [PRELUDE, HEADER, QMV, DEQUANT, GATHER].join("\n");
     for bits in BITS {
         for dtype in DTYPES {
             src += &dequant_entry(bits, dtype).wrapper;
@@ -228,13 +230,13 @@ fn fingerprint(text: &str) -> u64 {
     })
 }
 
-/// A loaded kernel: its compiled image and `extern "C"` name, kept for the life of the process
-/// (like MLX's own loaded kernels), or why it could not be built.
-type Loaded = std::result::Result<(&'static CudaBinary, &'static str), String>;
+/// A kernel's compiled module, kept for the life of the process (like MLX's own loaded kernels),
+/// or why it could not be built.
+type Loaded = std::result::Result<&'static CudaBinary, String>;
 
-/// The compiled image and entry-point name of `id` for this process's GPU: from memory, from
-/// the disk cache, or compiled now (and cached on disk for the next process).
-fn binary(id: KernelId) -> Result<(&'static CudaBinary, &'static str)> {
+/// The compiled module of `id` for this process's GPU: from memory, from the disk cache, or
+/// compiled now (and cached on disk for the next process).
+fn binary(id: KernelId) -> Result<&'static CudaBinary> {
     static BINARIES: OnceLock<Mutex<HashMap<KernelId, Loaded>>> = OnceLock::new();
     let mut binaries = BINARIES
         .get_or_init(Default::default)
@@ -260,15 +262,12 @@ fn binary(id: KernelId) -> Result<(&'static CudaBinary, &'static str)> {
                     image
                 }
             };
-            let binary = bridge::cuda_binary_new(&image)?;
+            let binary = bridge::cuda_binary_new(&image, &entry.name)?;
             Box::leak(Box::new(binary))
                 .as_ref()
                 .ok_or_else(|| Error::Invalid("null CUDA module".into()))
         };
-        match build() {
-            Ok(binary) => Ok((binary, &*entry.name.leak())),
-            Err(e) => Err(format!("mlxcel's CUDA kernel {}: {e}", entry.name)),
-        }
+        build().map_err(|e| format!("mlxcel's CUDA kernel {}: {e}", entry.name))
     });
     built.clone().map_err(Error::Invalid)
 }
@@ -301,12 +300,11 @@ fn call(
     grid: [i32; 3],
     threadgroup: [i32; 3],
 ) -> Result<Array> {
-    let (binary, name) = binary(id)?;
+    let binary = binary(id)?;
     let list = ArrayList::new(inputs)?;
     let ndims = [shape.len() as i32];
     let out = bridge::cuda_binary_call(
         binary,
-        name,
         list.as_ref(),
         &shape,
         &ndims,

@@ -373,11 +373,10 @@ pub(crate) mod bridge {
         // mlxcel's own CUDA kernels: compiled with the process's NVRTC, launched precompiled.
         fn cuda_device_arch() -> Result<i32>;
         fn cuda_compile(source: &str, name: &str, arch: i32) -> Result<Vec<u8>>;
-        fn cuda_binary_new(image: &[u8]) -> Result<UniquePtr<CudaBinary>>;
+        fn cuda_binary_new(image: &[u8], kernel: &str) -> Result<UniquePtr<CudaBinary>>;
         #[allow(clippy::too_many_arguments)]
         fn cuda_binary_call(
             binary: &CudaBinary,
-            kernel: &str,
             inputs: &ArrayVec,
             output_shapes: &[i32],
             output_ndims: &[i32],
@@ -400,7 +399,7 @@ pub(crate) mod bridge {
     }
 }
 
-// SAFETY: a `CudaBinary` is an immutable byte string (a compiled module image) after creation;
-// C++ only reads it.
+// SAFETY: a `CudaBinary` is a compiled module image and kernel name, immutable after creation,
+// plus the loaded functions, which C++ sets once under the struct's own mutex.
 unsafe impl Send for bridge::CudaBinary {}
 unsafe impl Sync for bridge::CudaBinary {}

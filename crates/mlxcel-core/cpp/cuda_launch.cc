@@ -1,0 +1,279 @@
+// Launches mlxcel's compiled CUDA kernels as nodes of MLX's CUDA graphs through a primitive of
+// mlxcel's own (`MlxcelKernel`), instead of `fast::precompiled_cuda_kernel`.
+//
+// Why: every `precompiled_cuda_kernel` call in MLX 0.32.4 copies the module image (10-40 KB)
+// into the new primitive and hashes all of it into the kernel's name, and its evaluation then
+// rebuilds that name and looks the module up by it. An 8B model's decode step makes ~130 such
+// calls, and decode on a GPU is bound by host time per graph node. Here a call stores a pointer
+// to the loaded kernel and its launch shape; evaluation allocates the outputs and adds one
+// kernel node.
+//
+// How: the primitive uses the same entry points of MLX's CUDA backend as MLX's custom kernels
+// (`cu::get_command_encoder`, `CommandEncoder::set_input_array` / `set_output_array` /
+// `add_kernel_node_raw` / `add_completed_handler`). mlxcel builds against the mlx-cpu wheel,
+// whose headers cannot be compiled without CUDA and whose library does not export them, so they
+// are looked up in the process by their mangled names (MLX 0.32.4; a member function takes the
+// encoder as its first argument). When any is missing (another MLX build), or with
+// MLXCEL_CUDA_LAUNCH=mlx, calls go through `fast::precompiled_cuda_kernel` as before.
+// Modules are loaded with the driver API (MLX's CUDA build links libcuda) at the kernel's first
+// call, while the graph is built: a failure there is an error for the caller, not an exception
+// inside MLX's evaluation (which aborts the process).
+#include "mlxcel-core/cpp/shim.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "mlx/primitives.h"
+#include "mlxcel-core/src/ffi.rs.h"
+
+namespace mlxcel {
+
+namespace mx = mlx::core;
+
+namespace {
+
+// CUDA's dim3: the same layout, hence the same calling convention when passed by value.
+struct Dim3 {
+  unsigned int x, y, z;
+};
+using CUfunction = void*;
+using CUmodule = void*;
+using CUcontext = void*;
+using CUdevice = int;
+constexpr int CUDA_ERROR_NOT_INITIALIZED = 3;
+
+struct LaunchApi {
+  // MLX's CUDA backend.
+  void* (*command_encoder)(mx::Stream);
+  void (*set_input)(void* encoder, const mx::array&);
+  void (*set_output)(void* encoder, const mx::array&);
+  void (*add_kernel)(void* encoder, CUfunction, Dim3 grid, Dim3 block, Dim3 cluster,
+                     uint32_t shared_bytes, void** params);
+  void (*add_completed_handler)(void* encoder, std::function<void()>);
+  // The driver.
+  int (*init)(unsigned int);
+  int (*ctx_get_current)(CUcontext*);
+  int (*ctx_set_current)(CUcontext);
+  int (*device_get)(CUdevice*, int);
+  int (*primary_ctx_retain)(CUcontext*, CUdevice);
+  int (*module_load_data)(CUmodule*, const void*);
+  int (*module_get_function)(CUfunction*, CUmodule, const char*);
+  int (*get_error_string)(int, const char**);
+};
+
+// The entry points when all are in the process (and MLXCEL_CUDA_LAUNCH is not `mlx`), else null.
+const LaunchApi* launch_api() {
+  static const LaunchApi* api = []() -> const LaunchApi* {
+    const char* choice = std::getenv("MLXCEL_CUDA_LAUNCH");
+    if (choice != nullptr && std::string(choice) == "mlx") {
+      return nullptr;
+    }
+    static LaunchApi a;
+    bool found = true;
+    auto get = [&found](auto& slot, const char* symbol) {
+      void* p = dlsym(RTLD_DEFAULT, symbol);
+      found = found && p != nullptr;
+      slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(p);
+    };
+    get(a.command_encoder, "_ZN3mlx4core2cu19get_command_encoderENS0_6StreamE");
+    get(a.set_input, "_ZN3mlx4core2cu14CommandEncoder15set_input_arrayERKNS0_5arrayE");
+    get(a.set_output, "_ZN3mlx4core2cu14CommandEncoder16set_output_arrayERKNS0_5arrayE");
+    get(a.add_kernel,
+        "_ZN3mlx4core2cu14CommandEncoder19add_kernel_node_rawEP9CUfunc_st4dim3S5_S5_jPPv");
+    get(a.add_completed_handler,
+        "_ZN3mlx4core2cu14CommandEncoder21add_completed_handlerESt8functionIFvvEE");
+    get(a.init, "cuInit");
+    get(a.ctx_get_current, "cuCtxGetCurrent");
+    get(a.ctx_set_current, "cuCtxSetCurrent");
+    get(a.device_get, "cuDeviceGet");
+    get(a.primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+    get(a.module_load_data, "cuModuleLoadData");
+    get(a.module_get_function, "cuModuleGetFunction");
+    get(a.get_error_string, "cuGetErrorString");
+    return found ? &a : nullptr;
+  }();
+  return api;
+}
+
+void check(const LaunchApi& api, int status, const std::string& what) {
+  if (status != 0) {
+    const char* text = nullptr;
+    api.get_error_string(status, &text);
+    throw std::runtime_error("mlxcel: " + what + " failed: " +
+                             (text != nullptr ? text : std::to_string(status)));
+  }
+}
+
+// Loads `binary`'s module into the current context (MLX's: the device's primary context), once.
+void load(const LaunchApi& api, const CudaBinary& binary) {
+  std::lock_guard<std::mutex> lock(binary.mutex);
+  if (binary.function != nullptr) {
+    return;
+  }
+  CUcontext context = nullptr;
+  int status = api.ctx_get_current(&context);
+  if (status == CUDA_ERROR_NOT_INITIALIZED) {
+    check(api, api.init(0), "cuInit");
+    status = api.ctx_get_current(&context);
+  }
+  check(api, status, "cuCtxGetCurrent");
+  if (context == nullptr) {
+    CUdevice device = 0;
+    check(api, api.device_get(&device, 0), "cuDeviceGet");
+    check(api, api.primary_ctx_retain(&context, device), "cuDevicePrimaryCtxRetain");
+    check(api, api.ctx_set_current(context), "cuCtxSetCurrent");
+  }
+  CUmodule module = nullptr;
+  check(api, api.module_load_data(&module, binary.image.data()),
+        "loading the module of " + binary.kernel);
+  auto function = [&](const std::string& name) {
+    CUfunction f = nullptr;
+    check(api, api.module_get_function(&f, module, name.c_str()), "finding kernel " + name);
+    return f;
+  };
+  for (int i = 0; i < 4; ++i) {
+    binary.gather[i] = function("mlxcel_gather_" + std::to_string(1 << i));
+  }
+  binary.function = function(binary.kernel);
+}
+
+// The device address of `a`'s first element: MLX's CUDA buffers begin with their device pointer
+// (`cu::CudaBuffer::data`) and an array's offset is in bytes (see `gpu_ptr` in MLX's
+// backend/cuda/utils.h).
+void* device_pointer(const mx::array& a) {
+  return static_cast<char*>(*static_cast<void* const*>(a.buffer().ptr())) + a.offset();
+}
+
+constexpr int MAX_GATHER_DIMS = 8;
+constexpr unsigned int GATHER_THREADS = 256;
+
+// Matches `mlxcel_layout` in kernels/cuda/gather.cu.
+struct GatherLayout {
+  long long shape[MAX_GATHER_DIMS];
+  long long strides[MAX_GATHER_DIMS];
+  int ndim;
+};
+
+class MlxcelKernel : public mx::Primitive {
+ public:
+  MlxcelKernel(mx::Stream stream, const CudaBinary& binary, Dim3 blocks, Dim3 threads,
+               std::vector<int32_t> scalars)
+      : mx::Primitive(stream),
+        binary_(binary),
+        blocks_(blocks),
+        threads_(threads),
+        scalars_(std::move(scalars)) {}
+
+  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlxcel: CUDA kernel " + binary_.kernel + " scheduled on the CPU");
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const LaunchApi& api = *launch_api();
+    void* encoder = api.command_encoder(stream());
+    std::vector<mx::array> args;
+    args.reserve(inputs.size());
+    for (const auto& in : inputs) {
+      args.push_back(in.flags().row_contiguous ? in : row_contiguous_copy(api, encoder, in));
+    }
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    // Kernel parameters: pointers to each argument's value (the graph node copies them).
+    std::vector<void*> addresses;
+    addresses.reserve(args.size() + outputs.size());
+    for (const auto& a : args) {
+      api.set_input(encoder, a);
+      addresses.push_back(device_pointer(a));
+    }
+    for (const auto& out : outputs) {
+      api.set_output(encoder, out);
+      addresses.push_back(device_pointer(out));
+    }
+    std::vector<void*> params;
+    params.reserve(addresses.size() + scalars_.size());
+    for (auto& address : addresses) {
+      params.push_back(&address);
+    }
+    for (auto& scalar : scalars_) {
+      params.push_back(&scalar);
+    }
+    api.add_kernel(encoder, binary_.function, blocks_, threads_, Dim3{1, 1, 1}, 0, params.data());
+  }
+
+  const char* name() const override { return "MlxcelKernel"; }
+
+ private:
+  // `in` copied to a fresh row-contiguous array by the module's gather kernel; the copy lives
+  // until the graph has run.
+  mx::array row_contiguous_copy(const LaunchApi& api, void* encoder, const mx::array& in) {
+    mx::array copy(in.shape(), in.dtype(), nullptr, {});
+    copy.set_data(mx::allocator::malloc(copy.nbytes()));
+    GatherLayout layout{};
+    layout.ndim = static_cast<int>(in.ndim());
+    for (int d = 0; d < layout.ndim; ++d) {
+      layout.shape[d] = in.shape(d);
+      layout.strides[d] = in.strides()[d];
+    }
+    void* source = device_pointer(in);
+    void* target = device_pointer(copy);
+    long long n = static_cast<long long>(in.size());
+    void* params[] = {&source, &target, &n, &layout};
+    int which = in.itemsize() == 1 ? 0 : in.itemsize() == 2 ? 1 : in.itemsize() == 4 ? 2 : 3;
+    unsigned int blocks = static_cast<unsigned int>((n + GATHER_THREADS - 1) / GATHER_THREADS);
+    api.set_input(encoder, in);
+    api.set_output(encoder, copy);
+    api.add_kernel(encoder, binary_.gather[which], Dim3{blocks, 1, 1}, Dim3{GATHER_THREADS, 1, 1},
+                   Dim3{1, 1, 1}, 0, params);
+    api.add_completed_handler(encoder, [copy]() {});
+    return copy;
+  }
+
+  const CudaBinary& binary_;
+  Dim3 blocks_;
+  Dim3 threads_;
+  std::vector<int32_t> scalars_;
+};
+
+}  // namespace
+
+std::optional<std::vector<mx::array>> launch_cuda_binary(
+    const CudaBinary& binary, const std::vector<mx::array>& inputs,
+    std::vector<mx::Shape> output_shapes, const std::vector<mx::Dtype>& output_dtypes,
+    const std::vector<int32_t>& scalars, const std::array<int32_t, 3>& grid,
+    const std::array<int32_t, 3>& threadgroup) {
+  const LaunchApi* api = launch_api();
+  if (api == nullptr) {
+    return std::nullopt;
+  }
+  load(*api, binary);
+  // What evaluation relies on, checked now (an exception there would abort the process).
+  for (const auto& in : inputs) {
+    if (in.size() == 0 || in.ndim() > MAX_GATHER_DIMS ||
+        (in.itemsize() != 1 && in.itemsize() != 2 && in.itemsize() != 4 && in.itemsize() != 8)) {
+      throw std::invalid_argument("mlxcel: kernel " + binary.kernel +
+                                  " takes non-empty inputs of at most 8 dimensions");
+    }
+  }
+  Dim3 threads{}, blocks{};
+  unsigned int* t[] = {&threads.x, &threads.y, &threads.z};
+  unsigned int* b[] = {&blocks.x, &blocks.y, &blocks.z};
+  for (int i = 0; i < 3; ++i) {
+    if (grid[i] <= 0 || threadgroup[i] <= 0) {
+      throw std::invalid_argument("mlxcel: kernel " + binary.kernel + " launched on an empty grid");
+    }
+    *t[i] = static_cast<unsigned int>(threadgroup[i]);
+    *b[i] = static_cast<unsigned int>((grid[i] + threadgroup[i] - 1) / threadgroup[i]);
+  }
+  auto primitive = std::make_shared<MlxcelKernel>(mx::default_stream(mx::default_device()), binary,
+                                                   blocks, threads, scalars);
+  return mx::array::make_arrays(std::move(output_shapes), output_dtypes, primitive, inputs);
+}
+
+}  // namespace mlxcel
