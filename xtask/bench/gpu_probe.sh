@@ -113,7 +113,7 @@ fold)
       --ignore-eos --print-ids --quiet 2>&1 | tail -1
   done
   CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0" \
-    "mlx-launch MLXCEL_CUDA_LAUNCH=mlx"
+    "fold-4x8 MLXCEL_CUDA_QMV_FOLD_SHAPE=4x8" "mlx-launch MLXCEL_CUDA_LAUNCH=mlx"
   ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes.

@@ -10,7 +10,8 @@
 //
 // How: the primitive uses the same entry points of MLX's CUDA backend as MLX's custom kernels
 // (`cu::get_command_encoder`, `CommandEncoder::set_input_array` / `set_output_array` /
-// `add_kernel_node_raw` / `add_completed_handler`). mlxcel builds against the mlx-cpu wheel,
+// `add_kernel_node_raw` / `add_completed_handler`, and `malloc_async`, which the library keeps
+// local: it is found through the library's ELF symbol table). mlxcel builds against the mlx-cpu wheel,
 // whose headers cannot be compiled without CUDA and whose library does not export them, so they
 // are looked up in the process by their mangled names (MLX 0.32.4; a member function takes the
 // encoder as its first argument). When any is missing (another MLX build), or with
@@ -21,8 +22,14 @@
 #include "mlxcel-core/cpp/shim.h"
 
 #include <dlfcn.h>
+#include <elf.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -56,6 +63,10 @@ struct LaunchApi {
   void (*add_kernel)(void* encoder, CUfunction, Dim3 grid, Dim3 block, Dim3 cluster,
                      uint32_t shared_bytes, void** params);
   void (*add_completed_handler)(void* encoder, std::function<void()>);
+  // Stream-ordered device memory, as MLX's kernels allocate their outputs (`allocator::malloc`
+  // hands out managed memory, which a kernel's first write migrates page by page: prefill's
+  // dequantized layers ran at a seventh of their speed in it).
+  mx::allocator::Data (*malloc_async)(size_t, mx::cu::CommandEncoder&);
   // The driver.
   int (*init)(unsigned int);
   int (*ctx_get_current)(CUcontext*);
@@ -66,6 +77,55 @@ struct LaunchApi {
   int (*module_get_function)(CUfunction*, CUmodule, const char*);
   int (*get_error_string)(int, const char**);
 };
+
+// The address of `symbol`, a function local to the shared library that defines `anchor` (not
+// exported, so not visible to dlsym), from the library's ELF symbol table; null if absent (e.g. a
+// stripped library).
+void* local_symbol(const void* anchor, const char* symbol) {
+  Dl_info info{};
+  if (dladdr(anchor, &info) == 0 || info.dli_fname == nullptr) {
+    return nullptr;
+  }
+  int fd = open(info.dli_fname, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return nullptr;
+  }
+  struct stat st {};
+  void* map = fstat(fd, &st) == 0 ? mmap(nullptr, st.st_size, PROT_READ, MAP_PRIVATE, fd, 0)
+                                  : MAP_FAILED;
+  close(fd);
+  if (map == MAP_FAILED) {
+    return nullptr;
+  }
+  void* found = nullptr;
+  const auto* base = static_cast<const char*>(map);
+  const auto size = static_cast<size_t>(st.st_size);
+  const auto* header = reinterpret_cast<const Elf64_Ehdr*>(base);
+  const bool elf64 = size >= sizeof(Elf64_Ehdr) && header->e_ident[EI_CLASS] == ELFCLASS64 &&
+                     header->e_shoff + size_t(header->e_shnum) * sizeof(Elf64_Shdr) <= size;
+  const auto* sections = elf64 ? reinterpret_cast<const Elf64_Shdr*>(base + header->e_shoff)
+                               : nullptr;
+  for (int i = 0; elf64 && found == nullptr && i < header->e_shnum; ++i) {
+    const Elf64_Shdr& table = sections[i];
+    if (table.sh_type != SHT_SYMTAB || table.sh_link >= header->e_shnum ||
+        table.sh_offset + table.sh_size > size) {
+      continue;
+    }
+    const Elf64_Shdr& names = sections[table.sh_link];
+    const auto* symbols = reinterpret_cast<const Elf64_Sym*>(base + table.sh_offset);
+    for (size_t j = 0; j < table.sh_size / sizeof(Elf64_Sym); ++j) {
+      const Elf64_Sym& sym = symbols[j];
+      if (ELF64_ST_TYPE(sym.st_info) == STT_FUNC && sym.st_name < names.sh_size &&
+          names.sh_offset + names.sh_size <= size &&
+          std::strcmp(base + names.sh_offset + sym.st_name, symbol) == 0) {
+        found = static_cast<char*>(info.dli_fbase) + sym.st_value;
+        break;
+      }
+    }
+  }
+  munmap(map, size);
+  return found;
+}
 
 // The entry points when all are in the process (and MLXCEL_CUDA_LAUNCH is not `mlx`), else null.
 const LaunchApi* launch_api() {
@@ -88,6 +148,12 @@ const LaunchApi* launch_api() {
         "_ZN3mlx4core2cu14CommandEncoder19add_kernel_node_rawEP9CUfunc_st4dim3S5_S5_jPPv");
     get(a.add_completed_handler,
         "_ZN3mlx4core2cu14CommandEncoder21add_completed_handlerESt8functionIFvvEE");
+    a.malloc_async = reinterpret_cast<decltype(a.malloc_async)>(
+        a.command_encoder == nullptr
+            ? nullptr
+            : local_symbol(reinterpret_cast<const void*>(a.command_encoder),
+                           "_ZN3mlx4core2cu12malloc_asyncEmRNS1_14CommandEncoderE"));
+    found = found && a.malloc_async != nullptr;
     get(a.init, "cuInit");
     get(a.ctx_get_current, "cuCtxGetCurrent");
     get(a.ctx_set_current, "cuCtxSetCurrent");
@@ -179,11 +245,12 @@ class MlxcelKernel : public mx::Primitive {
     void* encoder = api.command_encoder(stream());
     std::vector<mx::array> args;
     args.reserve(inputs.size());
+    auto& enc = *static_cast<mx::cu::CommandEncoder*>(encoder);
     for (const auto& in : inputs) {
       args.push_back(in.flags().row_contiguous ? in : row_contiguous_copy(api, encoder, in));
     }
     for (auto& out : outputs) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
+      out.set_data(api.malloc_async(out.nbytes(), enc));
     }
     // Kernel parameters: pointers to each argument's value (the graph node copies them).
     std::vector<void*> addresses;
@@ -214,7 +281,7 @@ class MlxcelKernel : public mx::Primitive {
   // until the graph has run.
   mx::array row_contiguous_copy(const LaunchApi& api, void* encoder, const mx::array& in) {
     mx::array copy(in.shape(), in.dtype(), nullptr, {});
-    copy.set_data(mx::allocator::malloc(copy.nbytes()));
+    copy.set_data(api.malloc_async(copy.nbytes(), *static_cast<mx::cu::CommandEncoder*>(encoder)));
     GatherLayout layout{};
     layout.ndim = static_cast<int>(in.ndim());
     for (int d = 0; d < layout.ndim; ++d) {

@@ -262,29 +262,35 @@ fn speed() -> R<()> {
             weight: &norm_w,
             eps: 1e-5,
         };
-        let ours_norm = time(200, &|| {
-            Ok(cuda_kernels::gemv(
-                &x1, &wq, &scales, &biases, spec, rms, None,
-            )?)
-        })?;
-        let ours_gate = time(200, &|| {
-            let gated = cuda_kernels::GemvInput::SiluGated;
-            Ok(cuda_kernels::gemv(
-                &gate_up,
-                &wq,
-                &scales,
-                &biases,
-                spec,
-                gated,
-                Some(&res),
-            )?)
-        })?;
-        println!(
-            "{n}x{k} 4-bit g64 folded GEMVs: rmsnorm in {:.1} us, silu-gate in + residual out \
-             {:.1} us",
-            ours_norm * 1e6,
-            ours_gate * 1e6
-        );
+        let gated = cuda_kernels::GemvInput::SiluGated;
+        let mut line = format!("{n}x{k} 4-bit g64 folded GEMVs (rmsnorm in / silu-gate in + residual out), by warps x rows per block:");
+        for shape in [(4, 4), (4, 8), (8, 8), (8, 16), (16, 16)] {
+            let norm_in = time(200, &|| {
+                Ok(cuda_kernels::gemv_shaped(
+                    &x1, &wq, &scales, &biases, spec, rms, None, shape,
+                )?)
+            })?;
+            let gate_in = time(200, &|| {
+                Ok(cuda_kernels::gemv_shaped(
+                    &gate_up,
+                    &wq,
+                    &scales,
+                    &biases,
+                    spec,
+                    gated,
+                    Some(&res),
+                    shape,
+                )?)
+            })?;
+            line += &format!(
+                " {}x{} {:.1}/{:.1} us",
+                shape.0,
+                shape.1,
+                norm_in * 1e6,
+                gate_in * 1e6
+            );
+        }
+        println!("{line}");
         let gemm = time(30, &|| {
             let dense = cuda_kernels::dequantize(&wq, &scales, &biases, spec, bf16)?;
             Ok(x512.matmul(&dense.t()?)?)

@@ -41,6 +41,8 @@ pub const QMV_MAX_ROWS: usize = 4;
 const DEQUANT_THREADS: i32 = 256;
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
 const DEFAULT_QMV_SHAPE: (i32, i32) = (4, 4);
+/// The same for GEMVs that normalise or gate their input (see `folded_launch_shape`).
+const DEFAULT_FOLDED_SHAPE: (i32, i32) = (8, 16);
 const BITS: [i32; 2] = [4, 8];
 const DTYPES: [Dtype; 3] = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
 
@@ -65,17 +67,10 @@ fn dequant_enabled() -> bool {
 /// The GEMV's launch shape (warps per block, rows per block), `None` when switched off.
 fn qmv_shape() -> Option<(i32, i32)> {
     static SHAPE: OnceLock<Option<(i32, i32)>> = OnceLock::new();
-    *SHAPE.get_or_init(|| {
-        let parse = |v: &str| {
-            let (nw, rpw) = v.split_once('x')?;
-            let (nw, rpw): (i32, i32) = (nw.parse().ok()?, rpw.parse().ok()?);
-            ((1..=32).contains(&nw) && (1..=nw * 32).contains(&rpw)).then_some((nw, rpw))
-        };
-        match switch("MLXCEL_CUDA_QMV").as_deref() {
-            Some("0") => None,
-            Some(v) => Some(parse(v).unwrap_or(DEFAULT_QMV_SHAPE)),
-            None => Some(DEFAULT_QMV_SHAPE),
-        }
+    *SHAPE.get_or_init(|| match switch("MLXCEL_CUDA_QMV").as_deref() {
+        Some("0") => None,
+        Some(v) => Some(parse_shape(v).unwrap_or(DEFAULT_QMV_SHAPE)),
+        None => Some(DEFAULT_QMV_SHAPE),
     })
 }
 
@@ -214,7 +209,11 @@ pub fn module_source() -> String {
             src += &dequant_entry(bits, dtype).wrapper;
             for pre in 0..3 {
                 for residual in [false, true] {
-                    let (shape, fold) = (qmv_launch_shape(), GemvFold { pre, residual });
+                    let shape = match pre {
+                        0 => qmv_launch_shape(),
+                        _ => folded_launch_shape(),
+                    };
+                    let fold = GemvFold { pre, residual };
                     src += &qmv_entry(bits, dtype, shape, fold).wrapper;
                 }
             }
@@ -413,6 +412,25 @@ fn qmv_launch_shape() -> (i32, i32) {
     qmv_shape().unwrap_or(DEFAULT_QMV_SHAPE)
 }
 
+/// `NWxRPW` (warps per block, rows per block) from `value`, if valid.
+fn parse_shape(value: &str) -> Option<(i32, i32)> {
+    let (nw, rpw) = value.split_once('x')?;
+    let (nw, rpw): (i32, i32) = (nw.parse().ok()?, rpw.parse().ok()?);
+    ((1..=32).contains(&nw) && (1..=nw * 32).contains(&rpw)).then_some((nw, rpw))
+}
+
+/// The launch shape of GEMVs with a folded input op: every block prepares the whole activation
+/// row (normalises it, or gates it), so more rows per block spread that work over more output
+/// rows. `MLXCEL_CUDA_QMV_FOLD_SHAPE=NWxRPW` picks another.
+fn folded_launch_shape() -> (i32, i32) {
+    static SHAPE: OnceLock<(i32, i32)> = OnceLock::new();
+    *SHAPE.get_or_init(|| {
+        switch("MLXCEL_CUDA_QMV_FOLD_SHAPE")
+            .and_then(|v| parse_shape(&v))
+            .unwrap_or(DEFAULT_FOLDED_SHAPE)
+    })
+}
+
 /// Whether `x @ dequantize(w)^T` runs on mlxcel's GEMV: enabled, at most [`QMV_MAX_ROWS`] rows of
 /// row-contiguous activations in the scales' dtype.
 pub(crate) fn qmv_applies(
@@ -478,7 +496,7 @@ pub fn qmv(
 }
 
 /// `input(x) @ dequantize(w)^T (+ residual)` as one kernel (see [`gemv_applies`] for what it
-/// takes). Uses the `MLXCEL_CUDA_QMV` launch shape, else 4x4.
+/// takes), launched in the default shapes (see `MLXCEL_CUDA_QMV`, `MLXCEL_CUDA_QMV_FOLD_SHAPE`).
 pub fn gemv(
     x: &Array,
     weight: &Array,
@@ -488,7 +506,25 @@ pub fn gemv(
     input: GemvInput<'_>,
     residual: Option<&Array>,
 ) -> Result<Array> {
-    let (nw, rpw) = qmv_launch_shape();
+    let shape = match input {
+        GemvInput::Plain => qmv_launch_shape(),
+        _ => folded_launch_shape(),
+    };
+    gemv_shaped(x, weight, scales, biases, spec, input, residual, shape)
+}
+
+/// [`gemv`] launched with `(warps, rows)` per block (for measuring launch shapes).
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_shaped(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: &Array,
+    spec: QuantSpec,
+    input: GemvInput<'_>,
+    residual: Option<&Array>,
+    (nw, rpw): (i32, i32),
+) -> Result<Array> {
     let dtype = x.dtype()?;
     let rows = (x.size() / x.dim(-1)? as usize) as i32;
     let [n, words, groups] = matrix_scalars(weight, scales)?;

@@ -56,7 +56,7 @@ __device__ __forceinline__ void qmv_input(const T* xrow, const T* aux, int k, in
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const float g = xf[j];
-      const float sig = qmv_round(xrow, 1.0f / (1.0f + __expf(-g)));
+      const float sig = qmv_round(xrow, __fdividef(1.0f, 1.0f + __expf(-g)));
       xf[j] = qmv_round(xrow, qmv_round(xrow, g * sig) * uf[j]);
     }
   }

@@ -23,9 +23,13 @@ __device__ __forceinline__ void qmv_store(float* p, float v) {
   *p = v;
 }
 
-// v rounded to T's precision (the pointer only picks the type), as an op returning T would.
+// v rounded to T's precision (the pointer only picks the type), as an op returning T would;
+// one conversion instruction each way (sm_80+), since the GEMV's folded ops round every
+// activation of every block.
 __device__ __forceinline__ float qmv_round(const mlxcel_bf16*, float v) {
-  return mlxcel_bf16_bits_to_float(mlxcel_float_to_bf16_bits(v));
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return mlxcel_bf16_bits_to_float(h);
 }
 __device__ __forceinline__ float qmv_round(const mlxcel_f16*, float v) {
   return mlxcel_f16_bits_to_float(mlxcel_float_to_f16_bits(v));
