@@ -10,7 +10,6 @@
 #   gpu_probe.sh qwen3-30b-a3b   the same on the 30B-A3B MoE shape (4-bit)
 #   gpu_probe.sh fold        the kernel checks, then the 8B 4-bit shape with the GEMV's folded
 #                            ops on and off (greedy ids of both), then speed against mlx-lm
-#                            (also with kernels launched through MLX's precompiled_cuda_kernel)
 # Each engine runs once to fill MLX's kernel cache, then RUNS (default 2) measured passes;
 # prompt 512 ids, 128 new tokens, EOS ignored. Every process generates twice (`--repeat 2`):
 # run 1 pays first-use costs in the process (GPU kernel modules, first touch of the weights),
@@ -112,12 +111,11 @@ fold)
     MLXCEL_CUDA_QMV_FOLD=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 24 \
       --ignore-eos --print-ids --quiet 2>&1 | tail -1
   done
-  CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0" \
-    "fold-4x8 MLXCEL_CUDA_QMV_FOLD_SHAPE=4x8" "mlx-launch MLXCEL_CUDA_LAUNCH=mlx"
+  CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0"
   ;;
 final)
-  # mlxcel's defaults against mlx-lm on the three shapes.
-  for shape in llama-8b-4bit llama-8b-bf16 qwen3-30b-a3b-4bit; do
+  # mlxcel's defaults against mlx-lm on the three shapes (SHAPES: a subset).
+  for shape in ${SHAPES:-llama-8b-4bit llama-8b-bf16 qwen3-30b-a3b-4bit}; do
     echo "== $shape"
     model $shape
     passes "default MLXCEL_NOTHING=1"

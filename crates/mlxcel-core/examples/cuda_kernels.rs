@@ -264,6 +264,17 @@ fn speed() -> R<()> {
         };
         let gated = cuda_kernels::GemvInput::SiluGated;
         let mut line = format!("{n}x{k} 4-bit g64 folded GEMVs (rmsnorm in / silu-gate in + residual out), by warps x rows per block:");
+        let mut plain = format!("{n}x{k} 4-bit g64 plain GEMV by warps x rows per block:");
+        for shape in [(2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16)] {
+            let t = time(200, &|| {
+                let input = cuda_kernels::GemvInput::Plain;
+                Ok(cuda_kernels::gemv_shaped(
+                    &x1, &wq, &scales, &biases, spec, input, None, shape,
+                )?)
+            })?;
+            plain += &format!(" {}x{} {:.1} us", shape.0, shape.1, t * 1e6);
+        }
+        println!("{plain}");
         for shape in [(4, 4), (4, 8), (8, 8), (8, 16), (16, 16)] {
             let norm_in = time(200, &|| {
                 Ok(cuda_kernels::gemv_shaped(

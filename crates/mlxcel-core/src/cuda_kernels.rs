@@ -41,8 +41,13 @@ pub const QMV_MAX_ROWS: usize = 4;
 const DEQUANT_THREADS: i32 = 256;
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
 const DEFAULT_QMV_SHAPE: (i32, i32) = (4, 4);
-/// The same for GEMVs that normalise or gate their input (see `folded_launch_shape`).
-const DEFAULT_FOLDED_SHAPE: (i32, i32) = (8, 16);
+/// The same for GEMVs that normalise or gate their input (see `folded_launch_shape`), measured
+/// on an H200 against 4x4 .. 16x16 (docs/bench/gpu-h200-session4-fold.txt): RMSNorm in, on
+/// Llama-8B's qkv (6144x4096) and gate/up (28672x4096): 11.3 and 35.4 us at 4x8 against 11.8
+/// and 31.6 for the plain GEMV; silu-gate in + residual out on its down projection
+/// (4096x14336): 22.8 us at 16x16 against 16.9 plain (and 29 at 4x8).
+const RMSNORM_FOLDED_SHAPE: (i32, i32) = (4, 8);
+const GATED_FOLDED_SHAPE: (i32, i32) = (16, 16);
 const BITS: [i32; 2] = [4, 8];
 const DTYPES: [Dtype; 3] = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
 
@@ -211,7 +216,8 @@ pub fn module_source() -> String {
                 for residual in [false, true] {
                     let shape = match pre {
                         0 => qmv_launch_shape(),
-                        _ => folded_launch_shape(),
+                        1 => RMSNORM_FOLDED_SHAPE,
+                        _ => GATED_FOLDED_SHAPE,
                     };
                     let fold = GemvFold { pre, residual };
                     src += &qmv_entry(bits, dtype, shape, fold).wrapper;
@@ -421,13 +427,15 @@ fn parse_shape(value: &str) -> Option<(i32, i32)> {
 
 /// The launch shape of GEMVs with a folded input op: every block prepares the whole activation
 /// row (normalises it, or gates it), so more rows per block spread that work over more output
-/// rows. `MLXCEL_CUDA_QMV_FOLD_SHAPE=NWxRPW` picks another.
-fn folded_launch_shape() -> (i32, i32) {
-    static SHAPE: OnceLock<(i32, i32)> = OnceLock::new();
-    *SHAPE.get_or_init(|| {
-        switch("MLXCEL_CUDA_QMV_FOLD_SHAPE")
-            .and_then(|v| parse_shape(&v))
-            .unwrap_or(DEFAULT_FOLDED_SHAPE)
+/// rows, at the cost of fewer blocks. `MLXCEL_CUDA_QMV_FOLD_SHAPE=NWxRPW` sets one for both.
+fn folded_launch_shape(input: GemvInput<'_>) -> (i32, i32) {
+    static SHAPE: OnceLock<Option<(i32, i32)>> = OnceLock::new();
+    let set =
+        *SHAPE.get_or_init(|| switch("MLXCEL_CUDA_QMV_FOLD_SHAPE").and_then(|v| parse_shape(&v)));
+    set.unwrap_or(match input {
+        GemvInput::Plain => qmv_launch_shape(),
+        GemvInput::RmsNorm { .. } => RMSNORM_FOLDED_SHAPE,
+        GemvInput::SiluGated => GATED_FOLDED_SHAPE,
     })
 }
 
@@ -508,7 +516,7 @@ pub fn gemv(
 ) -> Result<Array> {
     let shape = match input {
         GemvInput::Plain => qmv_launch_shape(),
-        _ => folded_launch_shape(),
+        _ => folded_launch_shape(input),
     };
     gemv_shaped(x, weight, scales, biases, spec, input, residual, shape)
 }

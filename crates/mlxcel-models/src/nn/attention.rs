@@ -133,12 +133,13 @@ impl Attention {
                     &qkv.forward_fused(x, input, None)?,
                     c.n_heads + 2 * c.n_kv_heads,
                 )?;
+                // One split node rather than three slices.
                 let (nq, nk) = (c.n_heads, c.n_kv_heads);
-                Ok((
-                    all.slice_axis(1, 0, nq)?,
-                    all.slice_axis(1, nq, nq + nk)?,
-                    all.slice_axis(1, nq + nk, nq + 2 * nk)?,
-                ))
+                let mut parts = all.split_at(&[nq, nq + nk], 1)?.into_iter();
+                match (parts.next(), parts.next(), parts.next()) {
+                    (Some(q), Some(k), Some(v)) => Ok((q, k, v)),
+                    _ => unreachable!("a split at two indices has three parts"),
+                }
             }
             _ => {
                 let (mut q, mut k, v) = match &self.qkv {
