@@ -38,6 +38,7 @@ const DEQUANT: &str = include_str!("../kernels/cuda/dequant.cu");
 const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
 /// Up to this many rows of activations take the GEMV (decode, small speculative batches).
 pub const QMV_MAX_ROWS: usize = 4;
+/// The dequantize kernel's block size (`DQ_THREADS` in dequant.cu: its shared staging is sized by it).
 const DEQUANT_THREADS: i32 = 256;
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
 const DEFAULT_QMV_SHAPE: (i32, i32) = (4, 4);
