@@ -8,8 +8,6 @@
 #   gpu_probe.sh llama-8b    warm mlxcel configurations vs mlx-lm on the 8B 4-bit shape
 #   gpu_probe.sh llama-8b-bf16   the same on the unquantized bf16 8B shape
 #   gpu_probe.sh qwen3-30b-a3b   the same on the 30B-A3B MoE shape (4-bit)
-#   gpu_probe.sh stream      the 8B 4-bit shape with prefill dequantizations on the second
-#                            stream and inline (greedy ids of both, then speed against mlx-lm)
 #   gpu_probe.sh fold        the kernel checks, then the 8B 4-bit shape with the GEMV's folded
 #                            ops on and off (greedy ids of both), then speed against mlx-lm
 # Each engine runs once to fill MLX's kernel cache, then RUNS (default 2) measured passes;
@@ -115,17 +113,6 @@ fold)
   done
   CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0"
   ;;
-stream)
-  # Prefill dequantizations on a second stream (overlapping the GEMMs) against inline ones:
-  # greedy ids of both (the first comes from prefill alone), then speed.
-  model llama-8b-4bit
-  for f in 1 0; do
-    echo -n "  greedy ids, MLXCEL_DEQUANT_STREAM=$f: "
-    MLXCEL_DEQUANT_STREAM=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 8 \
-      --ignore-eos --print-ids --quiet 2>&1 | tail -1
-  done
-  passes "default MLXCEL_NOTHING=1" "one-stream MLXCEL_DEQUANT_STREAM=0"
-  ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes (SHAPES: a subset).
   for shape in ${SHAPES:-llama-8b-4bit llama-8b-bf16 qwen3-30b-a3b-4bit}; do
@@ -134,5 +121,5 @@ final)
     passes "default MLXCEL_NOTHING=1"
   done
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | stream | final" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | final" >&2; exit 2 ;;
 esac

@@ -310,17 +310,11 @@ class MlxcelKernel : public mx::Primitive {
 
 }  // namespace
 
-mx::Stream kernel_stream(bool side) {
-  // The second stream is created once, on the default (GPU) device, at its first use.
-  static const mx::Stream side_stream = mx::new_stream(mx::default_device());
-  return side ? side_stream : mx::default_stream(mx::default_device());
-}
-
 std::optional<std::vector<mx::array>> launch_cuda_binary(
     const CudaBinary& binary, const std::vector<mx::array>& inputs,
     std::vector<mx::Shape> output_shapes, const std::vector<mx::Dtype>& output_dtypes,
     const std::vector<int32_t>& scalars, const std::array<int32_t, 3>& grid,
-    const std::array<int32_t, 3>& threadgroup, bool side_stream) {
+    const std::array<int32_t, 3>& threadgroup) {
   const LaunchApi* api = launch_api();
   if (api == nullptr) {
     return std::nullopt;
@@ -344,8 +338,8 @@ std::optional<std::vector<mx::array>> launch_cuda_binary(
     *t[i] = static_cast<unsigned int>(threadgroup[i]);
     *b[i] = static_cast<unsigned int>((grid[i] + threadgroup[i] - 1) / threadgroup[i]);
   }
-  auto primitive =
-      std::make_shared<MlxcelKernel>(kernel_stream(side_stream), binary, blocks, threads, scalars);
+  auto primitive = std::make_shared<MlxcelKernel>(mx::default_stream(mx::default_device()), binary,
+                                                   blocks, threads, scalars);
   return mx::array::make_arrays(std::move(output_shapes), output_dtypes, primitive, inputs);
 }
 

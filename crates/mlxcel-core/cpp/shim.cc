@@ -581,12 +581,7 @@ std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image, ru
   return b;
 }
 
-std::unique_ptr<ArrayVec> depends(const ArrayVec& inputs, const ArrayVec& dependencies) {
-  return wrap_vec(mx::depends(inputs.items, dependencies.items));
-}
-
-std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, bool side_stream,
-                                           const ArrayVec& inputs,
+std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, const ArrayVec& inputs,
                                            rust::Slice<const int32_t> output_shapes,
                                            rust::Slice<const int32_t> output_ndims,
                                            rust::Slice<const Dtype> output_dtypes,
@@ -598,15 +593,14 @@ std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, bool side_s
   std::vector<int32_t> ints(scalars.begin(), scalars.end());
   std::array<int32_t, 3> g{grid[0], grid[1], grid[2]};
   std::array<int32_t, 3> t{threadgroup[0], threadgroup[1], threadgroup[2]};
-  if (auto out = launch_cuda_binary(binary, inputs.items, shapes, dtypes, ints, g, t, side_stream)) {
+  if (auto out = launch_cuda_binary(binary, inputs.items, shapes, dtypes, ints, g, t)) {
     return wrap_vec(std::move(*out));
   }
   std::vector<mx::fast::ScalarArg> args(ints.begin(), ints.end());
   return wrap_vec(mx::fast::precompiled_cuda_kernel(
       binary.kernel, binary.image, inputs.items, shapes, dtypes, args,
       {grid[0], grid[1], grid[2]}, {threadgroup[0], threadgroup[1], threadgroup[2]},
-      /*shared_memory=*/0, /*init_value=*/std::nullopt, /*ensure_row_contiguous=*/true,
-      kernel_stream(side_stream)));
+      /*shared_memory=*/0, /*init_value=*/std::nullopt, /*ensure_row_contiguous=*/true));
 }
 
 }  // namespace mlxcel

@@ -164,19 +164,14 @@ std::unique_ptr<CustomKernel> custom_kernel_new(rust::Str backend, rust::Str nam
 int32_t cuda_device_arch();
 rust::Vec<uint8_t> cuda_compile(rust::Str source, rust::Str name, int32_t arch);
 std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image, rust::Str kernel);
-// The stream mlxcel's kernels run on: the default device's default stream, or (side) a second
-// stream of that device, created once (cuda_launch.cc).
-mlx::core::Stream kernel_stream(bool side);
 // The outputs of `binary`'s kernel as mlxcel's own primitive (cuda_launch.cc), or nullopt when
 // MLX's CUDA entry points it needs are not in the process.
 std::optional<std::vector<mlx::core::array>> launch_cuda_binary(
     const CudaBinary& binary, const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::Shape> output_shapes,
     const std::vector<mlx::core::Dtype>& output_dtypes, const std::vector<int32_t>& scalars,
-    const std::array<int32_t, 3>& grid, const std::array<int32_t, 3>& threadgroup,
-    bool side_stream);
-std::unique_ptr<ArrayVec> depends(const ArrayVec& inputs, const ArrayVec& dependencies);
-std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, bool side_stream,
+    const std::array<int32_t, 3>& grid, const std::array<int32_t, 3>& threadgroup);
+std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary,
                                            const ArrayVec& inputs,
                                            rust::Slice<const int32_t> output_shapes,
                                            rust::Slice<const int32_t> output_ndims,

@@ -81,17 +81,7 @@ fn check() -> R<Vec<String>> {
                         format!("dequant {n}x{k} {bits}-bit g{group_size} {}", dtype.name());
                     println!("{label}: max|ours - MLX| {diff:.3e}");
                     if diff != 0.0 {
-                        failures.push(label.clone());
-                    }
-                    // On the second stream, after an array of the main one (and read back
-                    // through the main one: `max_abs` casts there).
-                    let after = random(&[4, 4], dtype, 3)?.mul_scalar(2.0)?;
-                    let ahead =
-                        cuda_kernels::dequantize_ahead(&wq, &scales, &biases, spec, dtype, &after)?;
-                    let (diff, _) = max_abs(&ahead, &mlx)?;
-                    if diff != 0.0 {
-                        println!("{label} on the second stream: max|ours - MLX| {diff:.3e}");
-                        failures.push(format!("{label} on the second stream"));
+                        failures.push(label);
                     }
                     if group_size == 64 {
                         failures.extend(check_folds(&wq, &scales, &biases, spec, dtype)?);

@@ -65,13 +65,6 @@ fn folding_enabled() -> bool {
     *ON.get_or_init(|| switch("MLXCEL_CUDA_QMV_FOLD").is_none_or(|v| v != "0"))
 }
 
-/// Whether prefill dequantizations may run on a second GPU stream (`MLXCEL_DEQUANT_STREAM=0`:
-/// never), see [`dequantize_ahead`].
-pub fn dequant_stream_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| switch("MLXCEL_DEQUANT_STREAM").is_none_or(|v| v != "0"))
-}
-
 fn dequant_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| switch("MLXCEL_CUDA_DEQUANT").is_none_or(|v| v != "0"))
@@ -304,10 +297,8 @@ fn on_gpu() -> Result<bool> {
     Ok(cfg!(target_os = "linux") && crate::default_device()? == crate::Device::Gpu)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn call(
     id: KernelId,
-    side_stream: bool,
     inputs: &[Array],
     shape: Vec<i32>,
     dtype: Dtype,
@@ -320,7 +311,6 @@ fn call(
     let ndims = [shape.len() as i32];
     let out = bridge::cuda_binary_call(
         binary,
-        side_stream,
         list.as_ref(),
         &shape,
         &ndims,
@@ -366,7 +356,7 @@ fn matrix_scalars(weight: &Array, scales: &Array) -> Result<[i32; 3]> {
 }
 
 /// Whether dequantizing `weight` to `dtype` runs on mlxcel's kernel.
-pub fn dequant_applies(
+pub(crate) fn dequant_applies(
     weight: &Array,
     scales: &Array,
     biases: Option<&Array>,
@@ -385,40 +375,7 @@ pub fn dequantize(
     spec: QuantSpec,
     dtype: Dtype,
 ) -> Result<Array> {
-    let planes = [weight.clone(), scales.clone(), biases.clone()];
-    dequantize_planes(planes, spec, dtype, false)
-}
-
-/// [`dequantize`] on a second GPU stream, started once `after` has been computed. Prefill runs
-/// quantized layers as dequantize + dense GEMM, and dequantizing (memory-bound) then overlaps
-/// the main stream's GEMMs (compute-bound) instead of running between them: a decoder block
-/// passes its input, so every projection of the block is dequantized while its first GEMMs
-/// run, and at most one block's dense copies exist at a time.
-pub fn dequantize_ahead(
-    weight: &Array,
-    scales: &Array,
-    biases: &Array,
-    spec: QuantSpec,
-    dtype: Dtype,
-    after: &Array,
-) -> Result<Array> {
-    let planes = ArrayList::new(&[weight.clone(), scales.clone(), biases.clone()])?;
-    let waits = ArrayList::new(std::slice::from_ref(after))?;
-    let gated =
-        ArrayList::from_raw(bridge::depends(planes.as_ref(), waits.as_ref())?).into_vec()?;
-    let planes: [Array; 3] = gated
-        .try_into()
-        .map_err(|_| Error::Invalid("depends returned another number of arrays".into()))?;
-    dequantize_planes(planes, spec, dtype, true)
-}
-
-fn dequantize_planes(
-    [weight, scales, biases]: [Array; 3],
-    spec: QuantSpec,
-    dtype: Dtype,
-    side_stream: bool,
-) -> Result<Array> {
-    let [n, words, groups] = matrix_scalars(&weight, &scales)?;
+    let [n, words, groups] = matrix_scalars(weight, scales)?;
     let chunks = n * (words / 4);
     let threads = (chunks + DEQUANT_THREADS - 1) / DEQUANT_THREADS * DEQUANT_THREADS;
     call(
@@ -426,8 +383,7 @@ fn dequantize_planes(
             bits: spec.bits,
             dtype,
         },
-        side_stream,
-        &[weight, scales, biases],
+        &[weight.clone(), scales.clone(), biases.clone()],
         vec![n, words * 32 / spec.bits],
         dtype,
         &[n, words, groups],
@@ -604,7 +560,6 @@ pub fn gemv_shaped(
             shape: (nw, rpw),
             fold,
         },
-        false,
         &inputs,
         shape,
         dtype,

@@ -162,8 +162,6 @@ pub(crate) mod bridge {
         fn concatenate(arrays: &ArrayVec, axis: i32) -> Result<UniquePtr<MlxArray>>;
         fn stack(arrays: &ArrayVec, axis: i32) -> Result<UniquePtr<MlxArray>>;
         fn split_at(a: &MlxArray, indices: &[i32], axis: i32) -> Result<UniquePtr<ArrayVec>>;
-        /// `inputs` unchanged, computed only once `dependencies` are.
-        fn depends(inputs: &ArrayVec, dependencies: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
         fn split_equal(a: &MlxArray, parts: i32, axis: i32) -> Result<UniquePtr<ArrayVec>>;
         fn take(a: &MlxArray, indices: &MlxArray, axis: i32) -> Result<UniquePtr<MlxArray>>;
         fn take_along_axis(
@@ -379,7 +377,6 @@ pub(crate) mod bridge {
         #[allow(clippy::too_many_arguments)]
         fn cuda_binary_call(
             binary: &CudaBinary,
-            side_stream: bool,
             inputs: &ArrayVec,
             output_shapes: &[i32],
             output_ndims: &[i32],

@@ -188,21 +188,6 @@ impl QuantizedWeight {
         )
     }
 
-    /// [`Self::dequantize`] on a second GPU stream once `after` has been computed, when
-    /// mlxcel's CUDA kernel takes this weight (see `cuda_kernels::dequantize_ahead`); otherwise
-    /// the same as `dequantize`.
-    pub fn dequantize_after(&self, dtype: Dtype, after: &Array) -> mlxcel_core::Result<Array> {
-        if let Some(biases) = &self.biases {
-            let (w, s, spec) = (&self.weight, &self.scales, self.spec);
-            if cuda_kernels::dequant_stream_enabled()
-                && cuda_kernels::dequant_applies(w, s, Some(biases), spec, dtype)?
-            {
-                return cuda_kernels::dequantize_ahead(w, s, biases, spec, dtype, after);
-            }
-        }
-        self.dequantize(dtype)
-    }
-
     /// Casts the float planes (scales and biases of affine) to `dtype`; fp modes keep their
     /// byte scales.
     pub fn with_float_dtype(self, dtype: Dtype) -> mlxcel_core::Result<QuantizedWeight> {

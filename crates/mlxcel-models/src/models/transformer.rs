@@ -10,9 +10,8 @@ use mlxcel_core::Array;
 use crate::cache::KvCache;
 use crate::model::{LanguageModel, LayerKind};
 use crate::nn::{
-    Activation, Attention, AttentionConfig, DequantAhead, Embedding, Linear, LinearInput, Mlp,
-    Norm, NormKind, QkNorm, QkvProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router,
-    RouterScoring,
+    Activation, Attention, AttentionConfig, Embedding, Linear, LinearInput, Mlp, Norm, NormKind,
+    QkNorm, QkvProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -364,7 +363,6 @@ impl Decoder {
             h = h.mul_scalar(s)?;
         }
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let _dequant_ahead = DequantAhead::after(&h);
             let input_norm = Some(&layer.input_norm);
             if let Some((pre, post)) = &layer.ffn_norms {
                 // Sandwich norms sit between each block and its residual add.

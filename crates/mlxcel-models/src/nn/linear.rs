@@ -57,36 +57,6 @@ fn dequantize_experts_for(rows: usize, experts: usize) -> bool {
     dequant_policy().experts && dequantize_for(rows) && rows >= 4 * experts
 }
 
-thread_local! {
-    /// What prefill dequantizations wait for before running on the second GPU stream (set by
-    /// [`DequantAhead`]).
-    static DEQUANT_AFTER: std::cell::RefCell<Option<Array>> = const { std::cell::RefCell::new(None) };
-}
-
-/// While alive, quantized layers that run as dequantize + dense GEMM (prefill on a GPU)
-/// dequantize on a second GPU stream as soon as `after` is computed, overlapping the GEMMs
-/// before them (see `cuda_kernels::dequantize_ahead`). A decoder block holds one for its input,
-/// so its projections are dequantized while its first GEMMs run and no more than one block's
-/// dense copies exist at once. Scopes nest; dropping one restores the enclosing one.
-pub struct DequantAhead {
-    enclosing: Option<Array>,
-}
-
-impl DequantAhead {
-    pub fn after(after: &Array) -> DequantAhead {
-        DequantAhead {
-            enclosing: DEQUANT_AFTER.with(|d| d.replace(Some(after.clone()))),
-        }
-    }
-}
-
-impl Drop for DequantAhead {
-    fn drop(&mut self) {
-        let enclosing = self.enclosing.take();
-        DEQUANT_AFTER.with(|d| *d.borrow_mut() = enclosing);
-    }
-}
-
 /// `y = x W^T + b` with `W` `[out, in]`.
 #[derive(Debug, Clone)]
 pub enum Linear {
@@ -126,11 +96,7 @@ impl Linear {
                 if dequantize_for(rows) {
                     // Many rows (prefill): one dense GEMM on the dequantized layer beats the
                     // quantized kernels by far on GPUs; the dense copy is transient.
-                    let dtype = x.dtype()?;
-                    let w = match DEQUANT_AFTER.with(|d| d.borrow().clone()) {
-                        Some(after) => weight.dequantize_after(dtype, &after)?,
-                        None => weight.dequantize(dtype)?,
-                    };
+                    let w = weight.dequantize(x.dtype()?)?;
                     (x.matmul(&w.t()?)?, bias)
                 } else {
                     (weight.matmul_t(x)?, bias)

@@ -10,9 +10,7 @@ mod norm;
 mod rope;
 
 pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
-pub use linear::{
-    dequantize_rows_threshold, DequantAhead, Embedding, Linear, LinearInput, SwitchLinear,
-};
+pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
 pub use mlp::{Activation, Mlp};
 pub use moe::{RoutedExperts, Router, RouterScoring, StreamedGlu, SwitchGlu};
 pub use norm::{Norm, NormKind};
