@@ -6,7 +6,7 @@
 // Why not `fast::cuda_kernel`: MLX 0.32.4 recompiles such kernels with NVRTC in every process
 // (1-2 s at the first call, measured on an H200) and regenerates their source on every call
 // (host time in each decode step). mlxcel compiles once per machine (the image is cached on disk
-// by the Rust side) and launches through `fast::precompiled_cuda_kernel`.
+// by the Rust side) and launches it through its own primitive (cuda_launch.cc).
 #include "mlxcel-core/cpp/shim.h"
 
 #include <dlfcn.h>

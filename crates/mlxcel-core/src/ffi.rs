@@ -370,7 +370,8 @@ pub(crate) mod bridge {
             source: &str,
             header: &str,
         ) -> Result<UniquePtr<CustomKernel>>;
-        // mlxcel's own CUDA kernels: compiled with the process's NVRTC, launched precompiled.
+        // mlxcel's own CUDA kernels: compiled with the process's NVRTC, launched as nodes of
+        // an mlxcel primitive (cpp/cuda_launch.cc).
         fn cuda_device_arch() -> Result<i32>;
         fn cuda_compile(source: &str, name: &str, arch: i32) -> Result<Vec<u8>>;
         fn cuda_binary_new(image: &[u8], kernel: &str) -> Result<UniquePtr<CudaBinary>>;
