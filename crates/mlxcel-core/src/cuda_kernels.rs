@@ -42,7 +42,7 @@ pub const QMV_MAX_ROWS: usize = 4;
 const DEQUANT_THREADS: i32 = 256;
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
 const DEFAULT_QMV_SHAPE: (i32, i32) = (4, 4);
-/// The same for GEMVs that normalise or gate their input (see `folded_launch_shape`), measured
+/// The same for GEMVs that normalise or gate their input (see `gemv_launch_shape`), measured
 /// on an H200 against 4x4 .. 16x16 (docs/bench/gpu-h200-session4-fold.txt): RMSNorm in, on
 /// Llama-8B's qkv (6144x4096) and gate/up (28672x4096): 11.3 and 35.4 us at 4x8 against 11.8
 /// and 31.6 for the plain GEMV; silu-gate in + residual out on its down projection
@@ -215,13 +215,8 @@ pub fn module_source() -> String {
             src += &dequant_entry(bits, dtype).wrapper;
             for pre in 0..3 {
                 for residual in [false, true] {
-                    let shape = match pre {
-                        0 => qmv_launch_shape(),
-                        1 => RMSNORM_FOLDED_SHAPE,
-                        _ => GATED_FOLDED_SHAPE,
-                    };
                     let fold = GemvFold { pre, residual };
-                    src += &qmv_entry(bits, dtype, shape, fold).wrapper;
+                    src += &qmv_entry(bits, dtype, gemv_launch_shape(pre), fold).wrapper;
                 }
             }
         }
@@ -426,17 +421,21 @@ fn parse_shape(value: &str) -> Option<(i32, i32)> {
     ((1..=32).contains(&nw) && (1..=nw * 32).contains(&rpw)).then_some((nw, rpw))
 }
 
-/// The launch shape of GEMVs with a folded input op: every block prepares the whole activation
-/// row (normalises it, or gates it), so more rows per block spread that work over more output
-/// rows, at the cost of fewer blocks. `MLXCEL_CUDA_QMV_FOLD_SHAPE=NWxRPW` sets one for both.
-fn folded_launch_shape(input: GemvInput<'_>) -> (i32, i32) {
+/// The launch shape of a GEMV whose input op is `pre` (`GemvInput::pre`): a plain input takes
+/// [`qmv_launch_shape`]; a folded one (RMSNorm, gate) has every block prepare the whole
+/// activation row, so more rows per block spread that work over more output rows, at the cost
+/// of fewer blocks. `MLXCEL_CUDA_QMV_FOLD_SHAPE=NWxRPW` sets one for both folded inputs.
+fn gemv_launch_shape(pre: i32) -> (i32, i32) {
     static SHAPE: OnceLock<Option<(i32, i32)>> = OnceLock::new();
+    if pre == 0 {
+        return qmv_launch_shape();
+    }
     let set =
         *SHAPE.get_or_init(|| switch("MLXCEL_CUDA_QMV_FOLD_SHAPE").and_then(|v| parse_shape(&v)));
-    set.unwrap_or(match input {
-        GemvInput::Plain => qmv_launch_shape(),
-        GemvInput::RmsNorm { .. } => RMSNORM_FOLDED_SHAPE,
-        GemvInput::SiluGated => GATED_FOLDED_SHAPE,
+    set.unwrap_or(if pre == 1 {
+        RMSNORM_FOLDED_SHAPE
+    } else {
+        GATED_FOLDED_SHAPE
     })
 }
 
@@ -515,10 +514,7 @@ pub fn gemv(
     input: GemvInput<'_>,
     residual: Option<&Array>,
 ) -> Result<Array> {
-    let shape = match input {
-        GemvInput::Plain => qmv_launch_shape(),
-        _ => folded_launch_shape(input),
-    };
+    let shape = gemv_launch_shape(input.pre());
     gemv_shaped(x, weight, scales, biases, spec, input, residual, shape)
 }
 
