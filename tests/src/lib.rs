@@ -181,7 +181,7 @@ pub fn assert_matches_reference(name: &str, tolerance: f32) {
 }
 
 /// Greedy decoding of `model` from the reference's prompt gives the reference's ids.
-pub fn assert_greedy_ids(model: &mlxcel_models::LoadedModel, r: &Reference, name: &str) {
+pub fn assert_greedy_ids(model: &dyn mlxcel_models::LanguageModel, r: &Reference, name: &str) {
     let out =
         mlxcel_models::generate::greedy(model, &r.prompt_ids, r.greedy_ids.len(), None, |_| false)
             .unwrap();

@@ -8,8 +8,8 @@ use mlxcel_core::{Device, Dtype, Materialization, WeightMap};
 use mlxcel_models::config::sanitize_config_json;
 use mlxcel_models::detection::{detect_kind, get_model_type};
 use mlxcel_models::{
-    load_config_backed, model_load_policy, BuildOptions, DirectoryRoute, LoadedModel, ModelKind,
-    ModelType,
+    load_config_backed, model_load_policy, BuildOptions, DirectoryRoute, GenerationModel,
+    LoadedModel, ModelKind, ModelType,
 };
 use mlxcel_quant::QuantConfig;
 use serde_json::Value;
@@ -43,7 +43,7 @@ pub struct LoadOptions {
 
 /// One decode step on scratch caches, evaluated and dropped: compiles the kernels a decode
 /// step uses (MLX's GPU backends JIT-compile them on first use).
-fn warm_up(model: &LoadedModel) -> mlxcel_models::Result<()> {
+fn warm_up(model: &GenerationModel) -> mlxcel_models::Result<()> {
     use mlxcel_models::LanguageModel;
     let mut caches = model.make_caches();
     let token = mlxcel_core::Array::from_slice(&[0i32], &[1, 1])?;
@@ -53,7 +53,8 @@ fn warm_up(model: &LoadedModel) -> mlxcel_models::Result<()> {
 
 /// A loaded generation model with what was learned on the way.
 pub struct Loaded {
-    pub model: LoadedModel,
+    /// The generation model (the loaded model of kind `Generation`).
+    pub model: GenerationModel,
     pub tokenizer: Option<Tokenizer>,
     pub model_type: ModelType,
     /// The sanitised `config.json`.
@@ -234,6 +235,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     let gpu = mlxcel_core::default_device()? == Device::Gpu;
     let switch = |name: &str| std::env::var(name).ok().map(|v| v.trim() != "0");
     let build = BuildOptions {
+        prefix: String::new(),
         quant,
         dtype,
         materialization,
@@ -243,7 +245,9 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
             .or(switch("MLXCEL_FUSE_PROJECTIONS"))
             .unwrap_or(gpu),
     };
-    let model = load_config_backed(model_type, &config, weights, &build).map_err(model_err)?;
+    let model = load_config_backed(model_type, &config, weights, &build)
+        .and_then(LoadedModel::into_generation)
+        .map_err(model_err)?;
     if options.warm_up.or(switch("MLXCEL_WARM_UP")).unwrap_or(gpu) {
         warm_up(&model).map_err(model_err)?;
     }

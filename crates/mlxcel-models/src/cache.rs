@@ -1,7 +1,15 @@
-//! Per-layer key/value caches and the attention masks that go with them.
+//! Per-layer caches and the attention masks that go with them. Each layer of a model picks its
+//! cache kind (the model's [`crate::model::LayerKind`] schedule says which):
 //!
-//! - [`KvCache::Standard`] keeps every position, growing its buffers in steps.
-//! - [`KvCache::Rotating`] serves a sliding-window layer. It never drops a row that a query of
+//! - [`LayerCache::Standard`] keeps every position's keys and values, growing its buffers in steps.
+//! - [`LayerCache::Latent`] keeps multi-head latent attention's compressed `(latent, k_pe)` pair
+//!   per position (DeepSeek V2/V3): one shared "head" of `kv_lora_rank + rope` features instead
+//!   of `2 · kv_heads · head_dim`. Same growth, masks and rewinding as a standard cache.
+//! - [`LayerCache::State`] holds a recurrent layer's fixed-size state (a convolution window and
+//!   a scan state, for state-space mixers): it cannot be cut back to an earlier position, only
+//!   replaced by a snapshot.
+//! - [`LayerCache::Shared`] holds nothing: the layer reads the cache of an earlier layer.
+//! - [`LayerCache::Rotating`] serves a sliding-window layer. It never drops a row that a query of
 //!   the current chunk still attends to: a chunk of `L` tokens sees the `window - 1` rows before
 //!   it plus its own `L` rows, and only after the chunk is the buffer trimmed back to `window`
 //!   rows. (Seed 003 describes the silent bug this avoids: a ring exactly `window` wide fed
@@ -63,10 +71,33 @@ pub struct RotatingCache {
     offset: usize,
 }
 
+/// The fixed-size state of a recurrent layer (state-space mixers): whatever arrays the mixer
+/// keeps, and how many positions they summarise.
+#[derive(Debug, Clone, Default)]
+pub struct StateCache {
+    pub arrays: Vec<Option<Array>>,
+    offset: usize,
+}
+
+impl StateCache {
+    /// Records that the state now summarises `positions` more tokens.
+    pub fn advance(&mut self, positions: usize) {
+        self.offset += positions;
+    }
+}
+
+/// One layer's cache.
 #[derive(Debug, Clone)]
-pub enum KvCache {
+pub enum LayerCache {
     Standard(StandardCache),
     Rotating(RotatingCache),
+    Latent(StandardCache),
+    State(StateCache),
+    /// Reads layer `source`'s cache (KV sharing); its own offset follows the model's.
+    Shared {
+        source: usize,
+        offset: usize,
+    },
 }
 
 fn rows(a: &Option<Array>) -> Result<usize> {
@@ -76,13 +107,26 @@ fn rows(a: &Option<Array>) -> Result<usize> {
     })
 }
 
-impl KvCache {
-    pub fn standard() -> KvCache {
-        KvCache::Standard(StandardCache::default())
+impl LayerCache {
+    pub fn standard() -> LayerCache {
+        LayerCache::Standard(StandardCache::default())
     }
 
-    pub fn rotating(window: usize) -> KvCache {
-        KvCache::Rotating(RotatingCache {
+    /// The compressed cache of multi-head latent attention.
+    pub fn latent() -> LayerCache {
+        LayerCache::Latent(StandardCache::default())
+    }
+
+    pub fn state() -> LayerCache {
+        LayerCache::State(StateCache::default())
+    }
+
+    pub fn shared(source: usize) -> LayerCache {
+        LayerCache::Shared { source, offset: 0 }
+    }
+
+    pub fn rotating(window: usize) -> LayerCache {
+        LayerCache::Rotating(RotatingCache {
             window,
             keys: None,
             values: None,
@@ -94,9 +138,28 @@ impl KvCache {
     /// Positions processed so far.
     pub fn offset(&self) -> usize {
         match self {
-            KvCache::Standard(c) => c.offset,
-            KvCache::Rotating(c) => c.offset,
+            LayerCache::Standard(c) | LayerCache::Latent(c) => c.offset,
+            LayerCache::Rotating(c) => c.offset,
+            LayerCache::State(c) => c.offset,
+            LayerCache::Shared { offset, .. } => *offset,
         }
+    }
+
+    fn kind_name(&self) -> &'static str {
+        match self {
+            LayerCache::Standard(_) => "standard KV",
+            LayerCache::Rotating(_) => "rotating KV",
+            LayerCache::Latent(_) => "latent KV",
+            LayerCache::State(_) => "state",
+            LayerCache::Shared { .. } => "shared",
+        }
+    }
+
+    fn wrong_kind(&self, wanted: &str) -> crate::ModelError {
+        crate::ModelError::Runtime(format!(
+            "a {wanted} layer was given a {} cache (caches must come from the model's make_caches)",
+            self.kind_name()
+        ))
     }
 
     /// Appends `k`, `v` (`[B, H, L, D]`) and returns the keys, values and mask the `L` new queries
@@ -109,36 +172,63 @@ impl KvCache {
         window: Option<usize>,
     ) -> Result<(Array, Array, Mask)> {
         match self {
-            KvCache::Standard(c) => c.update(k, v, window),
-            KvCache::Rotating(c) => c.update(k, v),
+            LayerCache::Standard(c) => c.update(k, v, window),
+            LayerCache::Rotating(c) => c.update(k, v),
+            _ => Err(self.wrong_kind("key/value attention")),
         }
     }
 
-    /// Whether the cache can be cut back to its first `position` tokens: a standard cache
-    /// always can; a ring only while it still holds every row the token at `position` attends to.
-    pub fn can_rewind(&self, position: usize) -> bool {
+    /// Appends multi-head latent attention's normalised latent `[B, 1, L, rank]` and roped key
+    /// part `[B, 1, L, rope]`; returns every cached pair and the mask of the `L` new queries.
+    pub fn update_latent(&mut self, latent: &Array, k_pe: &Array) -> Result<(Array, Array, Mask)> {
         match self {
-            KvCache::Standard(c) => position <= c.offset,
-            KvCache::Rotating(c) => {
+            LayerCache::Latent(c) => c.update(latent, k_pe, None),
+            _ => Err(self.wrong_kind("latent attention")),
+        }
+    }
+
+    /// The earliest position the cache can be cut back to: 0 for caches that keep every
+    /// position; for a ring, the first position whose window it still holds in full; for a
+    /// recurrent state, only its current position (a state cannot be un-applied).
+    pub fn rewind_floor(&self) -> usize {
+        match self {
+            LayerCache::Standard(_) | LayerCache::Latent(_) | LayerCache::Shared { .. } => 0,
+            LayerCache::Rotating(c) => {
                 let held = rows(&c.keys).unwrap_or(0);
                 let oldest = c.offset - held;
-                position <= c.offset && oldest <= position.saturating_sub(c.window - 1)
+                if oldest == 0 {
+                    0
+                } else {
+                    oldest + c.window - 1
+                }
             }
+            LayerCache::State(c) => c.offset,
         }
     }
 
-    /// Cuts the cache back to its first `position` tokens (see [`KvCache::can_rewind`]).
+    /// Whether the cache can be cut back to its first `position` tokens (see
+    /// [`LayerCache::rewind_floor`]).
+    pub fn can_rewind(&self, position: usize) -> bool {
+        self.rewind_floor() <= position && position <= self.offset()
+    }
+
+    /// Cuts the cache back to its first `position` tokens (see [`LayerCache::can_rewind`]).
     pub fn rewind(&mut self, position: usize) -> Result<()> {
         if !self.can_rewind(position) {
-            return Err(crate::ModelError::Config(format!(
-                "cache cannot rewind from {} to {position}",
-                self.offset()
+            return Err(crate::ModelError::Runtime(format!(
+                "a {} cache at position {} cannot rewind to {position} (earliest: {})",
+                self.kind_name(),
+                self.offset(),
+                self.rewind_floor()
             )));
         }
         match self {
             // Rows past the offset are overwritten by the next update.
-            KvCache::Standard(c) => c.offset = position,
-            KvCache::Rotating(c) => {
+            LayerCache::Standard(c) | LayerCache::Latent(c) => c.offset = position,
+            // `can_rewind` allowed only the current position.
+            LayerCache::State(_) => {}
+            LayerCache::Shared { offset, .. } => *offset = position,
+            LayerCache::Rotating(c) => {
                 let held = rows(&c.keys)?;
                 let keep = (position - (c.offset - held)) as i32;
                 let cut = |buf: &Option<Array>| -> Result<Option<Array>> {
@@ -158,11 +248,20 @@ impl KvCache {
 
     /// Bytes held by the cache buffers.
     pub fn nbytes(&self) -> usize {
-        let (k, v) = match self {
-            KvCache::Standard(c) => (&c.keys, &c.values),
-            KvCache::Rotating(c) => (&c.keys, &c.values),
+        let planes: Vec<&Option<Array>> = match self {
+            LayerCache::Standard(c) | LayerCache::Latent(c) => vec![&c.keys, &c.values],
+            LayerCache::Rotating(c) => vec![&c.keys, &c.values],
+            LayerCache::State(c) => c.arrays.iter().collect(),
+            LayerCache::Shared { .. } => vec![],
         };
-        k.as_ref().map_or(0, Array::nbytes) + v.as_ref().map_or(0, Array::nbytes)
+        planes.into_iter().flatten().map(Array::nbytes).sum()
+    }
+
+    /// Moves a shared cache's position along with its source layer's.
+    pub fn follow(&mut self, positions: usize) {
+        if let LayerCache::Shared { offset, .. } = self {
+            *offset += positions;
+        }
     }
 }
 
@@ -303,7 +402,7 @@ mod tests {
     fn rotating_cache_keeps_every_row_a_chunk_needs() {
         let w = 8;
         for chunk in [1usize, 3, 8, 16, 64] {
-            let mut cache = KvCache::rotating(w);
+            let mut cache = LayerCache::rotating(w);
             let total = 70;
             let mut pos = 0;
             while pos < total {
@@ -343,12 +442,12 @@ mod tests {
 
     #[test]
     fn rewinding() {
-        let mut standard = KvCache::standard();
+        let mut standard = LayerCache::standard();
         standard.update(&keys(0, 10), &keys(0, 10), None).unwrap();
         standard.rewind(4).unwrap();
         let (k, _, _) = standard.update(&keys(4, 1), &keys(4, 1), None).unwrap();
         assert_eq!(rows_of(&k), vec![0., 1., 2., 3., 4.]);
-        let mut ring = KvCache::rotating(4);
+        let mut ring = LayerCache::rotating(4);
         ring.update(&keys(0, 6), &keys(0, 6), None).unwrap();
         // Holds positions 2..6: the token at 5 needs 2..5, the token at 4 would need 1..4.
         assert!(ring.can_rewind(5) && !ring.can_rewind(4));
@@ -360,7 +459,7 @@ mod tests {
 
     #[test]
     fn standard_cache_grows_and_masks() {
-        let mut cache = KvCache::standard();
+        let mut cache = LayerCache::standard();
         let (k, _, mask) = cache.update(&keys(0, 5), &keys(0, 5), None).unwrap();
         assert_eq!(rows_of(&k), vec![0., 1., 2., 3., 4.]);
         assert!(matches!(mask, Mask::Causal));

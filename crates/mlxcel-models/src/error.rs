@@ -7,6 +7,10 @@ pub enum ModelError {
     /// `config.json` lacks a field or holds a value the architecture cannot use.
     #[error("config.json: {0}")]
     Config(String),
+    /// A request the model cannot serve (an empty prompt, a token id outside the vocabulary, a
+    /// cache of the wrong kind): a problem with the call, not with the checkpoint.
+    #[error("{0}")]
+    Runtime(String),
     /// A tensor the architecture needs is not in the checkpoint.
     #[error("missing tensor `{0}`")]
     MissingTensor(String),

@@ -2,7 +2,7 @@
 
 use mlxcel_core::{Array, Dtype};
 
-use crate::cache::KvCache;
+use crate::cache::LayerCache;
 use crate::model::LanguageModel;
 use crate::{ModelError, Result};
 
@@ -11,12 +11,13 @@ use crate::{ModelError, Result};
 pub fn prefill(
     model: &dyn LanguageModel,
     tokens: &[u32],
-    caches: &mut [KvCache],
+    caches: &mut [LayerCache],
     chunk: Option<usize>,
 ) -> Result<Array> {
     if tokens.is_empty() {
-        return Err(ModelError::Config("cannot prefill an empty prompt".into()));
+        return Err(ModelError::Runtime("cannot prefill an empty prompt".into()));
     }
+    check_token_ids(tokens, model.vocab_size())?;
     let step = chunk.unwrap_or(tokens.len()).max(1);
     let mut last = None;
     for piece in tokens.chunks(step) {
@@ -27,7 +28,19 @@ pub fn prefill(
         row.eval()?;
         last = Some(row);
     }
-    last.ok_or_else(|| ModelError::Config("empty prompt".into()))
+    last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))
+}
+
+/// An error naming the first id at or above the vocabulary size (an out-of-range id would read
+/// outside the embedding table).
+pub fn check_token_ids(tokens: &[u32], vocab: usize) -> Result<()> {
+    match tokens.iter().position(|&t| t as usize >= vocab) {
+        Some(i) => Err(ModelError::Runtime(format!(
+            "token id {} at position {i} is outside the vocabulary (size {vocab})",
+            tokens[i]
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// The index of the largest logit.
@@ -64,7 +77,7 @@ pub fn greedy(
 /// longer holds the rows the resumed position needs.
 pub struct Session<'m> {
     model: &'m dyn LanguageModel,
-    caches: Vec<KvCache>,
+    caches: Vec<LayerCache>,
     tokens: Vec<u32>,
 }
 
@@ -82,7 +95,7 @@ impl<'m> Session<'m> {
         &self.tokens
     }
 
-    pub fn caches(&self) -> &[KvCache] {
+    pub fn caches(&self) -> &[LayerCache] {
         &self.caches
     }
 

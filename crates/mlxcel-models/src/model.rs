@@ -1,49 +1,111 @@
-//! The traits every architecture implements, and the layer schedule that decides caches.
+//! The traits every architecture implements, and the per-layer cache schedule.
 
-use mlxcel_core::{Array, WeightMap};
+use mlxcel_core::{Array, Dtype, WeightMap};
+use mlxcel_quant::QuantConfig;
 use serde::de::DeserializeOwned;
 
-use crate::cache::KvCache;
+use crate::cache::LayerCache;
 use crate::weights::ModelWeights;
 use crate::Result;
 
-/// What kind of state a layer keeps between tokens.
+/// What one layer keeps between tokens, with the widths that size it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerKind {
-    /// Attention over every previous position.
-    GlobalAttention,
-    /// Attention over the last `window` positions (including the current one).
-    SlidingAttention { window: usize },
+    /// Keys and values of every previous position.
+    GlobalAttention { kv_heads: i32, head_dim: i32 },
+    /// Keys and values of the last `window` positions (including the current one).
+    SlidingAttention {
+        window: usize,
+        kv_heads: i32,
+        head_dim: i32,
+    },
+    /// Multi-head latent attention: the compressed latent and the shared rope key per position.
+    LatentAttention { latent: i32, rope: i32 },
 }
 
-/// A loaded text model: token ids in, next-token logits out.
-pub trait LanguageModel {
-    /// `tokens` `[B, L]` (int32) → logits `[B, L, vocab]`, extending `caches` (one per layer,
-    /// from [`LanguageModel::make_caches`]).
-    fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array>;
+impl LayerKind {
+    /// Cache bytes one position costs this layer in `dtype`.
+    pub fn bytes_per_token(&self, dtype: Dtype) -> u64 {
+        let features = match *self {
+            LayerKind::GlobalAttention { kv_heads, head_dim }
+            | LayerKind::SlidingAttention {
+                kv_heads, head_dim, ..
+            } => 2 * kv_heads as u64 * head_dim as u64,
+            LayerKind::LatentAttention { latent, rope } => latent as u64 + rope as u64,
+        };
+        features * dtype.size_of() as u64
+    }
 
-    /// Like [`LanguageModel::forward`] but only the last position's logits `[B, 1, vocab]`
-    /// (prefill and decoding need no others).
-    fn forward_last(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array> {
-        let logits = self.forward(tokens, caches)?;
-        let n = logits.dim(1)?;
-        Ok(logits.slice_axis(1, n - 1, n)?)
+    /// Positions this layer's cache holds after `context` tokens processed in chunks of
+    /// `chunk`: all of them, or a ring's window plus one chunk.
+    pub fn rows_held(&self, context: u64, chunk: u64) -> u64 {
+        match *self {
+            LayerKind::SlidingAttention { window, .. } => context.min(window as u64 + chunk),
+            _ => context,
+        }
+    }
+
+    /// A fresh cache for this layer.
+    pub fn new_cache(&self) -> LayerCache {
+        match *self {
+            LayerKind::GlobalAttention { .. } => LayerCache::standard(),
+            LayerKind::SlidingAttention { window, .. } => LayerCache::rotating(window),
+            LayerKind::LatentAttention { .. } => LayerCache::latent(),
+        }
+    }
+}
+
+/// A loaded text model: token ids (or input embeddings) in, next-token logits out. The forward
+/// pass is split in three so other towers can feed the decoder: [`LanguageModel::embed`]
+/// (ids → hidden states), [`LanguageModel::forward_embeddings`] (hidden states → logits).
+pub trait LanguageModel {
+    /// Token ids `[B, L]` (int32) → input hidden states `[B, L, hidden]`, scaled as the
+    /// architecture scales its embeddings.
+    fn embed(&self, tokens: &Array) -> Result<Array>;
+
+    /// Input hidden states `[B, L, hidden]` → logits `[B, L, vocab]` (or `[B, 1, vocab]` for
+    /// the last position only when `last_only`: prefill needs no others, and the output head is
+    /// a large share of a prompt's compute), extending `caches` (one per layer, from
+    /// [`LanguageModel::make_caches`]). `positions` `[L]` (int32) gives the rotary position of
+    /// each input row; `None` continues from the caches' offset.
+    fn forward_embeddings(
+        &self,
+        embeddings: &Array,
+        positions: Option<&Array>,
+        caches: &mut [LayerCache],
+        last_only: bool,
+    ) -> Result<Array>;
+
+    /// `tokens` `[B, L]` (int32) → logits `[B, L, vocab]`.
+    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {
+        self.forward_embeddings(&self.embed(tokens)?, None, caches, false)
+    }
+
+    /// Like [`LanguageModel::forward`] but only the last position's logits `[B, 1, vocab]`.
+    fn forward_last(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {
+        self.forward_embeddings(&self.embed(tokens)?, None, caches, true)
     }
 
     fn vocab_size(&self) -> usize;
 
-    /// One entry per layer.
+    /// One entry per layer: what its cache holds.
     fn layer_schedule(&self) -> Vec<LayerKind>;
 
-    /// Fresh caches: rings for sliding-window layers, growing buffers for global ones.
-    fn make_caches(&self) -> Vec<KvCache> {
+    /// Fresh caches, one per layer, of the kinds [`LanguageModel::layer_schedule`] names.
+    fn make_caches(&self) -> Vec<LayerCache> {
         self.layer_schedule()
-            .into_iter()
-            .map(|kind| match kind {
-                LayerKind::GlobalAttention => KvCache::standard(),
-                LayerKind::SlidingAttention { window } => KvCache::rotating(window),
-            })
+            .iter()
+            .map(LayerKind::new_cache)
             .collect()
+    }
+
+    /// Cache bytes one more position of context costs, over all layers (windowed layers
+    /// included at full size: an upper bound once a ring is full).
+    fn cache_bytes_per_token(&self, dtype: Dtype) -> u64 {
+        self.layer_schedule()
+            .iter()
+            .map(|k| k.bytes_per_token(dtype))
+            .sum()
     }
 }
 
@@ -53,10 +115,22 @@ pub trait Architecture: LanguageModel + Sized {
     /// Deserialised from the sanitised `config.json`.
     type Args: DeserializeOwned;
 
-    /// Rewrites checkpoint quirks in place before construction.
-    fn sanitize(_args: &Self::Args, _weights: &mut WeightMap) -> Result<()> {
+    /// Rewrites the checkpoint's spellings into the canonical layout the builder reads (fused
+    /// projections split, per-expert tensors stacked, module names unified) before
+    /// construction. `quant` is the checkpoint's quantization, for rewrites of packed tensors.
+    fn sanitize(
+        _args: &Self::Args,
+        _weights: &mut WeightMap,
+        _quant: Option<&QuantConfig>,
+    ) -> Result<()> {
         Ok(())
     }
 
+    /// The per-layer cache schedule the config implies, without building the model (memory
+    /// estimates).
+    fn cache_schedule(args: &Self::Args) -> Result<Vec<LayerKind>>;
+
+    /// Builds the model; `weights` is scoped at the model's root (`""` for a text checkpoint,
+    /// e.g. `language_model` inside a vision-language one).
     fn build(args: &Self::Args, weights: &mut ModelWeights) -> Result<Self>;
 }

@@ -7,7 +7,7 @@ use mlxcel_core::{Dtype, Materialization, WeightMap};
 use mlxcel_quant::QuantConfig;
 use serde_json::Value;
 
-use crate::cache::KvCache;
+use crate::cache::LayerCache;
 use crate::model::{Architecture, LanguageModel, LayerKind};
 use crate::sanitize::drop_unused_buffers;
 use crate::weights::ModelWeights;
@@ -16,27 +16,35 @@ use crate::{ModelError, Result};
 /// The registry: one row per model type.
 ///
 /// - `names`: the `model_type` strings of `config.json` that map to it;
-/// - `kind`: generation, embedding or reranker;
+/// - `kind`: generation, embedding or reranker (each kind gets its own loaded-model enum);
 /// - `dir`: how a model folder is loaded (`ConfigBacked`, `Nonstandard`, `Vlm`, `Mistral3Dynamic`);
-/// - `weights`: how it is built from preloaded weights, e.g. after fusing a LoRA adapter
-///   (`ConfigBacked`, `LlamaFamily`, `Special`, `None`);
+/// - `weights`: how it is built from weights already in memory (`ConfigBacked`: from a
+///   `WeightMap` through the generated loader, which is what fused adapters and surgery need);
 /// - `model`: the architecture type;
-/// - `adapter`: `None` when adapters are supported, else the message explaining why not.
+/// - `adapter`: `None` when the type itself does not rule adapters out, else why it does (see
+///   [`adapter_support`]: this build loads no adapters at all yet).
 #[macro_export]
 macro_rules! for_each_model_registration {
     ($callback:ident) => {
         $callback! {
-            Llama { names: ["llama", "mistral"], kind: Generation, dir: ConfigBacked, weights: LlamaFamily, model: $crate::models::llama::Model, adapter: None },
+            Llama { names: ["llama", "mistral"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::llama::Model, adapter: None },
             Qwen2 { names: ["qwen2"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::qwen2::Model, adapter: None },
             Qwen3 { names: ["qwen3"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::qwen3::Model, adapter: None },
             Gemma { names: ["gemma"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::gemma::Model, adapter: None },
             Gemma2 { names: ["gemma2"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::gemma2::Model, adapter: None },
             Gemma3Text { names: ["gemma3_text"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::gemma3_text::Model, adapter: None },
             Phi3 { names: ["phi3"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::phi3::Model, adapter: None },
-            Mixtral { names: ["mixtral"], kind: Generation, dir: ConfigBacked, weights: Special, model: $crate::models::mixtral::Model, adapter: Some("LoRA on mixture-of-experts layers is not supported: adapters would have to target every expert") },
-            Qwen2Moe { names: ["qwen2_moe"], kind: Generation, dir: ConfigBacked, weights: Special, model: $crate::models::qwen2_moe::Model, adapter: Some("LoRA on mixture-of-experts layers is not supported: adapters would have to target every expert") },
-            Qwen3Moe { names: ["qwen3_moe"], kind: Generation, dir: ConfigBacked, weights: Special, model: $crate::models::qwen3_moe::Model, adapter: Some("LoRA on mixture-of-experts layers is not supported: adapters would have to target every expert") },
-            OlMoe { names: ["olmoe"], kind: Generation, dir: ConfigBacked, weights: Special, model: $crate::models::olmoe::Model, adapter: Some("LoRA on mixture-of-experts layers is not supported: adapters would have to target every expert") },
+            Cohere { names: ["cohere"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::cohere::Model, adapter: None },
+            Granite { names: ["granite"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::granite::Model, adapter: None },
+            Glm4 { names: ["glm4"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::glm4::Model, adapter: None },
+            Exaone4 { names: ["exaone4"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::exaone4::Model, adapter: None },
+            Starcoder2 { names: ["starcoder2"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::starcoder2::Model, adapter: None },
+            Mixtral { names: ["mixtral"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::mixtral::Model, adapter: None },
+            Qwen2Moe { names: ["qwen2_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::qwen2_moe::Model, adapter: None },
+            Qwen3Moe { names: ["qwen3_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::qwen3_moe::Model, adapter: None },
+            OlMoe { names: ["olmoe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::olmoe::Model, adapter: None },
+            DeepseekV2 { names: ["deepseek_v2"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::deepseek::V2Model, adapter: None },
+            DeepseekV3 { names: ["deepseek_v3"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::deepseek::V3Model, adapter: None },
         }
     };
 }
@@ -62,13 +70,28 @@ pub enum DirectoryRoute {
     Mistral3Dynamic,
 }
 
-/// How a model is built from weights already in memory (LoRA fusing).
+/// How a model is built from weights already in memory (fused adapters, surgery).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightRoute {
+    /// Through [`load_config_backed`], from a `WeightMap` of any origin.
     ConfigBacked,
-    LlamaFamily,
-    Special,
+    /// No route: the type can only be loaded from its folder.
     None,
+}
+
+/// Whether this build can load adapters (LoRA): not yet, for any type.
+pub const ADAPTERS_AVAILABLE: bool = false;
+
+/// Whether adapters can be applied to `model_type`: the registry row's reason when the type rules
+/// them out, else whether this build loads adapters at all.
+pub fn adapter_support(model_type: ModelType) -> std::result::Result<(), String> {
+    if let Some(reason) = model_type.descriptor().adapter_unsupported {
+        return Err(reason.to_string());
+    }
+    if !ADAPTERS_AVAILABLE {
+        return Err("this build does not load adapters yet".to_string());
+    }
+    Ok(())
 }
 
 /// The routing facts of one model type.
@@ -101,6 +124,8 @@ pub struct ModelLoadPolicy {
 
 /// How to build a model: the checkpoint's tensors, quantization and compute dtype.
 pub struct BuildOptions {
+    /// The scope the model's tensors live under (`""` for a text checkpoint).
+    pub prefix: String,
     pub quant: Option<QuantConfig>,
     pub dtype: Dtype,
     pub materialization: Materialization,
@@ -121,10 +146,10 @@ pub fn build_architecture<M: Architecture>(
     mut weights: WeightMap,
     options: &BuildOptions,
 ) -> Result<M> {
-    let args: M::Args =
-        serde_json::from_value(config.clone()).map_err(|e| ModelError::Config(e.to_string()))?;
+    let args: M::Args = parse_args(config)?;
+    M::sanitize(&args, &mut weights, options.quant.as_ref())?;
     if let Some(stream) = &options.stream {
-        // Streamed experts stay on disk: drop them before the sanitiser would stack them.
+        // Streamed experts stay on disk: drop their (still lazy, never evaluated) stacks.
         for layer in &stream.manifest.layers {
             let covered: Vec<String> = weights
                 .names()
@@ -139,15 +164,71 @@ pub fn build_architecture<M: Architecture>(
             }
         }
     }
-    M::sanitize(&args, &mut weights)?;
     drop_unused_buffers(&mut weights);
     let mut w = ModelWeights::new(weights, options.quant.clone(), options.dtype)
         .with_stream(options.stream.clone())
         .with_fused_projections(options.fuse_projections);
-    let model = M::build(&args, &mut w)?;
+    let model = M::build(&args, &mut w.scope(&options.prefix))?;
     let kept = w.finish(name)?;
     options.materialization.apply(kept.iter())?;
     Ok(model)
+}
+
+/// Deserialises an architecture's args from the sanitised config; the error names the field.
+fn parse_args<A: serde::de::DeserializeOwned>(config: &Value) -> Result<A> {
+    serde_json::from_value(config.clone()).map_err(|e| ModelError::Config(e.to_string()))
+}
+
+/// Collects the registry rows of kind `Generation` and generates [`GenerationModel`] over them
+/// (rows of other kinds get their own kind's enum when those kinds land).
+macro_rules! generation_models {
+    (@rows [$($v:ident: $m:ty,)*]) => {
+        /// A loaded text-generation model of any registered generation type.
+        pub enum GenerationModel { $($v(Box<$m>)),* }
+
+        impl GenerationModel {
+            pub fn model_type(&self) -> ModelType {
+                match self { $(GenerationModel::$v(_) => ModelType::$v),* }
+            }
+        }
+
+        impl std::fmt::Debug for GenerationModel {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "GenerationModel({})", self.model_type().name())
+            }
+        }
+
+        impl LanguageModel for GenerationModel {
+            fn embed(&self, tokens: &mlxcel_core::Array) -> Result<mlxcel_core::Array> {
+                match self { $(GenerationModel::$v(m) => m.embed(tokens)),* }
+            }
+            fn forward_embeddings(&self, embeddings: &mlxcel_core::Array, positions: Option<&mlxcel_core::Array>, caches: &mut [LayerCache], last_only: bool) -> Result<mlxcel_core::Array> {
+                match self { $(GenerationModel::$v(m) => m.forward_embeddings(embeddings, positions, caches, last_only)),* }
+            }
+            fn vocab_size(&self) -> usize {
+                match self { $(GenerationModel::$v(m) => m.vocab_size()),* }
+            }
+            fn layer_schedule(&self) -> Vec<LayerKind> {
+                match self { $(GenerationModel::$v(m) => m.layer_schedule()),* }
+            }
+        }
+
+        fn build_generation(model_type: ModelType, config: &Value, weights: WeightMap, options: &BuildOptions) -> Result<LoadedModel> {
+            match model_type {
+                $(ModelType::$v => Ok(LoadedModel::Generation(GenerationModel::$v(Box::new(
+                    build_architecture::<$m>(stringify!($v), config, weights, options)?
+                ))))),*,
+                #[allow(unreachable_patterns)]
+                other => Err(ModelError::Unsupported(format!("{} is not a generation model", other.name()))),
+            }
+        }
+    };
+    (@rows [$($acc:tt)*] $v:ident { kind: Generation, model: $m:ty }, $($rest:tt)*) => {
+        generation_models!(@rows [$($acc)* $v: $m,] $($rest)*);
+    };
+    (@rows [$($acc:tt)*] $v:ident { kind: $other:ident, model: $m:ty }, $($rest:tt)*) => {
+        generation_models!(@rows [$($acc)*] $($rest)*);
+    };
 }
 
 macro_rules! define_registry {
@@ -189,30 +270,12 @@ macro_rules! define_registry {
             }
         ),*];
 
-        /// A loaded model of any registered type.
-        pub enum LoadedModel { $($variant(Box<$model>)),* }
+        generation_models!(@rows [] $($variant { kind: $kind, model: $model },)*);
 
-        impl LoadedModel {
-            pub fn model_type(&self) -> ModelType {
-                match self { $(LoadedModel::$variant(_) => ModelType::$variant),* }
-            }
-        }
-
-        impl LanguageModel for LoadedModel {
-            fn forward(&self, tokens: &mlxcel_core::Array, caches: &mut [KvCache]) -> Result<mlxcel_core::Array> {
-                match self { $(LoadedModel::$variant(m) => m.forward(tokens, caches)),* }
-            }
-            fn forward_last(&self, tokens: &mlxcel_core::Array, caches: &mut [KvCache]) -> Result<mlxcel_core::Array> {
-                match self { $(LoadedModel::$variant(m) => m.forward_last(tokens, caches)),* }
-            }
-            fn vocab_size(&self) -> usize {
-                match self { $(LoadedModel::$variant(m) => m.vocab_size()),* }
-            }
-            fn layer_schedule(&self) -> Vec<LayerKind> {
-                match self { $(LoadedModel::$variant(m) => m.layer_schedule()),* }
-            }
-            fn make_caches(&self) -> Vec<KvCache> {
-                match self { $(LoadedModel::$variant(m) => m.make_caches()),* }
+        /// The per-layer cache schedule `model_type`'s config implies (no weights needed).
+        pub fn cache_schedule(model_type: ModelType, config: &Value) -> Result<Vec<LayerKind>> {
+            match model_type {
+                $(ModelType::$variant => <$model as Architecture>::cache_schedule(&parse_args(config)?)),*
             }
         }
 
@@ -221,9 +284,9 @@ macro_rules! define_registry {
         pub fn sanitized_weights(model_type: ModelType, config: &Value, mut weights: WeightMap) -> Result<WeightMap> {
             match model_type {
                 $(ModelType::$variant => {
-                    let args: <$model as Architecture>::Args = serde_json::from_value(config.clone())
-                        .map_err(|e| ModelError::Config(e.to_string()))?;
-                    <$model as Architecture>::sanitize(&args, &mut weights)?;
+                    let args: <$model as Architecture>::Args = parse_args(config)?;
+                    let quant = QuantConfig::from_config(config)?;
+                    <$model as Architecture>::sanitize(&args, &mut weights, quant.as_ref())?;
                 }),*
             }
             Ok(weights)
@@ -238,16 +301,53 @@ macro_rules! define_registry {
                     model_type.name(), descriptor.directory_route
                 )));
             }
-            match model_type {
-                $(ModelType::$variant => Ok(LoadedModel::$variant(Box::new(
-                    build_architecture::<$model>(stringify!($variant), config, weights, options)?
-                )))),*
+            match descriptor.kind {
+                ModelKind::Generation => build_generation(model_type, config, weights, options),
+                kind => Err(ModelError::Unsupported(format!(
+                    "{} is a {kind:?} model, which this build cannot load yet", model_type.name()
+                ))),
             }
         }
     };
 }
 
 for_each_model_registration!(define_registry);
+
+/// A loaded model, by kind: each kind has its own trait, so an encoder is never forced through
+/// [`LanguageModel`]. (Embedding and reranker variants arrive with their kinds.)
+#[derive(Debug)]
+pub enum LoadedModel {
+    /// Token ids (or input embeddings) in, next-token logits out.
+    Generation(GenerationModel),
+}
+
+impl LoadedModel {
+    pub fn model_type(&self) -> ModelType {
+        match self {
+            LoadedModel::Generation(m) => m.model_type(),
+        }
+    }
+
+    pub fn kind(&self) -> ModelKind {
+        match self {
+            LoadedModel::Generation(_) => ModelKind::Generation,
+        }
+    }
+
+    /// The model as a text generator, or an error naming its kind.
+    pub fn generation(&self) -> Result<&GenerationModel> {
+        match self {
+            LoadedModel::Generation(m) => Ok(m),
+        }
+    }
+
+    /// Like [`LoadedModel::generation`], by value.
+    pub fn into_generation(self) -> Result<GenerationModel> {
+        match self {
+            LoadedModel::Generation(m) => Ok(m),
+        }
+    }
+}
 
 /// The routing decisions for `model_type`, from its registry row.
 pub fn model_load_policy(model_type: ModelType) -> ModelLoadPolicy {

@@ -57,6 +57,55 @@ pub fn stack_mlp_experts(map: &mut WeightMap, layers: usize, experts: usize) -> 
     Ok(())
 }
 
+/// Splits a fused projection `{from}` into consecutive row blocks `(to, rows)`, for every plane
+/// stored (`weight`, quantized `scales`/`biases`, `bias`): output rows are independent, so
+/// quantized planes split along the same rows. A checkpoint without `{from}.weight` is left as
+/// it is (already split).
+pub fn split_rows(map: &mut WeightMap, from: &str, parts: &[(&str, i32)]) -> Result<()> {
+    if !map.contains(&format!("{from}.weight")) {
+        return Ok(());
+    }
+    let total: i32 = parts.iter().map(|(_, rows)| rows).sum();
+    let mut cuts = Vec::with_capacity(parts.len());
+    let mut at = 0;
+    for (_, rows) in &parts[..parts.len() - 1] {
+        at += rows;
+        cuts.push(at);
+    }
+    for plane in ["weight", "scales", "biases", "bias"] {
+        let name = format!("{from}.{plane}");
+        if !map.contains(&name) {
+            continue;
+        }
+        let fused = map.take(&name)?;
+        if fused.dim(0)? != total {
+            return Err(ModelError::Shape {
+                tensor: name,
+                found: fused.shape(),
+                expected: vec![total],
+            });
+        }
+        for ((to, _), piece) in parts.iter().zip(fused.split_at(&cuts, 0)?) {
+            map.insert(format!("{to}.{plane}"), piece)?;
+        }
+    }
+    Ok(())
+}
+
+/// Renames the norms and modules of each layer from `pairs` (`from` → `to`, applied in order, so
+/// a name may be freed before it is reused).
+pub fn rename_in_layers(map: &mut WeightMap, layers: usize, pairs: &[(&str, &str)]) -> Result<()> {
+    for i in 0..layers {
+        for (from, to) in pairs {
+            map.rename_prefix(
+                &format!("model.layers.{i}.{from}."),
+                &format!("model.layers.{i}.{to}."),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Drops buffers no inference path reads (rotary frequency caches some exporters save).
 pub fn drop_unused_buffers(map: &mut WeightMap) {
     let names: Vec<String> = map

@@ -3,6 +3,11 @@
 //! quantization overrides, bit widths inferred from shapes), casts float tensors to the compute
 //! dtype, records every array the model keeps (for the materialisation policy), and at the end
 //! refuses tensors nobody used.
+//!
+//! Names are relative to the current scope: model code opens scopes the way the checkpoint nests
+//! modules (`w.scope("model").scope("layers").scope(i)`, then `w.linear("self_attn.q_proj", ..)`),
+//! so the same builder serves a decoder at the checkpoint root and one mounted under a prefix
+//! (`language_model.` in a vision-language checkpoint).
 
 use std::collections::BTreeSet;
 
@@ -20,6 +25,33 @@ pub struct ModelWeights {
     kept: Vec<Array>,
     stream: Option<ExpertStreamSetup>,
     fuse_projections: bool,
+    /// The open scopes, outermost first.
+    scope: Vec<String>,
+}
+
+/// A scope opened by [`ModelWeights::scope`]: dereferences to the weights with names resolved
+/// under it, and closes when dropped.
+pub struct Scoped<'w> {
+    weights: &'w mut ModelWeights,
+}
+
+impl std::ops::Deref for Scoped<'_> {
+    type Target = ModelWeights;
+    fn deref(&self) -> &ModelWeights {
+        self.weights
+    }
+}
+
+impl std::ops::DerefMut for Scoped<'_> {
+    fn deref_mut(&mut self) -> &mut ModelWeights {
+        self.weights
+    }
+}
+
+impl Drop for Scoped<'_> {
+    fn drop(&mut self) {
+        self.weights.scope.pop();
+    }
 }
 
 /// Where and how routed experts stream from disk (see `mlxcel_stream`).
@@ -45,7 +77,26 @@ impl ModelWeights {
             kept: Vec::new(),
             stream: None,
             fuse_projections: false,
+            scope: Vec::new(),
         }
+    }
+
+    /// Opens scope `name` (a module name or a layer index; `""` opens nothing new): names
+    /// passed while it is open resolve to `{scope}.{name}`.
+    pub fn scope(&mut self, name: impl std::fmt::Display) -> Scoped<'_> {
+        self.scope.push(name.to_string());
+        Scoped { weights: self }
+    }
+
+    /// The checkpoint name of `name` under the open scopes.
+    pub fn path(&self, name: &str) -> String {
+        self.scope
+            .iter()
+            .map(String::as_str)
+            .chain(std::iter::once(name))
+            .filter(|p| !p.is_empty())
+            .collect::<Vec<_>>()
+            .join(".")
     }
 
     /// Fuse linear layers that read the same input where [`ModelWeights::linear_group`] is
@@ -65,8 +116,9 @@ impl ModelWeights {
         self.dtype
     }
 
+    /// Whether the checkpoint has tensor `name` (under the open scopes).
     pub fn contains(&self, name: &str) -> bool {
-        self.map.contains(name)
+        self.map.contains(&self.path(name))
     }
 
     fn fetch(&mut self, name: &str) -> Result<Array> {
@@ -113,6 +165,11 @@ impl ModelWeights {
 
     /// A float tensor of exactly `shape`, in the compute dtype.
     pub fn tensor(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        let name = self.path(name);
+        self.tensor_at(&name, shape)
+    }
+
+    fn tensor_at(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
         self.check_shape(name, shape)?;
         let a = self.fetch_float(name)?;
         Ok(self.keep(a))
@@ -131,7 +188,7 @@ impl ModelWeights {
             let a = self.fetch(name)?;
             return Ok(self.keep(a));
         }
-        self.tensor(name, shape)
+        self.tensor_at(name, shape)
     }
 
     /// Whether linear layers run on mlxcel's CPU kernel (float32 compute on MLX's CPU backend),
@@ -142,8 +199,13 @@ impl ModelWeights {
 
     /// [`ModelWeights::tensor`] when present, `None` when the checkpoint lacks it.
     pub fn optional(&mut self, name: &str, shape: &[i32]) -> Result<Option<Array>> {
+        let name = self.path(name);
+        self.optional_at(&name, shape)
+    }
+
+    fn optional_at(&mut self, name: &str, shape: &[i32]) -> Result<Option<Array>> {
         if self.map.contains(name) {
-            self.tensor(name, shape).map(Some)
+            self.tensor_at(name, shape).map(Some)
         } else {
             Ok(None)
         }
@@ -242,8 +304,19 @@ impl ModelWeights {
         out_features: i32,
         bias: bool,
     ) -> Result<Linear> {
+        let prefix = self.path(prefix);
+        self.linear_at(&prefix, in_features, out_features, bias)
+    }
+
+    fn linear_at(
+        &mut self,
+        prefix: &str,
+        in_features: i32,
+        out_features: i32,
+        bias: bool,
+    ) -> Result<Linear> {
         let bias = if bias {
-            Some(self.tensor(&format!("{prefix}.bias"), &[out_features])?)
+            Some(self.tensor_at(&format!("{prefix}.bias"), &[out_features])?)
         } else {
             None
         };
@@ -292,12 +365,13 @@ impl ModelWeights {
         in_features: i32,
         out_features: i32,
     ) -> Result<Linear> {
-        let has_bias = self.map.contains(&format!("{prefix}.bias"));
+        let has_bias = self.contains(&format!("{prefix}.bias"));
         self.linear(prefix, in_features, out_features, has_bias)
     }
 
     /// An embedding table `[vocab, dim]`, dense or quantized.
     pub fn embedding(&mut self, prefix: &str, vocab: i32, dim: i32) -> Result<Embedding> {
+        let prefix = &self.path(prefix);
         if let Some(q) = self.quantized(prefix, &[vocab], dim)? {
             return Ok(Embedding::Quantized {
                 table: q,
@@ -319,14 +393,38 @@ impl ModelWeights {
         in_features: i32,
         out_features: i32,
     ) -> Result<SwitchLinear> {
+        let prefix = self.path(prefix);
+        self.switch_linear_at(&prefix, experts, in_features, out_features)
+    }
+
+    fn switch_linear_at(
+        &mut self,
+        prefix: &str,
+        experts: i32,
+        in_features: i32,
+        out_features: i32,
+    ) -> Result<SwitchLinear> {
         if let Some(q) = self.quantized(prefix, &[experts, out_features], in_features)? {
             return Ok(SwitchLinear::Quantized(q));
         }
-        let w = self.tensor(
+        let w = self.tensor_at(
             &format!("{prefix}.weight"),
             &[experts, out_features, in_features],
         )?;
         Ok(SwitchLinear::Dense(w))
+    }
+
+    /// A stack of per-head matrices `shape` = `[heads, out, in]` as a dense array in the
+    /// compute dtype: dequantized at load when stored quantized (small per-head projections
+    /// such as latent attention's `embed_q`, which run as batched matmuls).
+    pub fn dense_stack(&mut self, prefix: &str, shape: &[i32]) -> Result<Array> {
+        let prefix = self.path(prefix);
+        let (out, inp) = shape.split_at(shape.len() - 1);
+        if let Some(q) = self.quantized(&prefix, out, inp[0])? {
+            let dense = q.dequantize(self.dtype)?;
+            return Ok(self.keep(dense));
+        }
+        self.tensor_at(&format!("{prefix}.weight"), shape)
     }
 
     /// A normalisation layer `prefix.weight` (and `prefix.bias` for LayerNorm when present).
@@ -337,9 +435,10 @@ impl ModelWeights {
         dim: i32,
         eps: f32,
     ) -> Result<crate::nn::Norm> {
-        let weight = self.tensor(&format!("{prefix}.weight"), &[dim])?;
+        let prefix = self.path(prefix);
+        let weight = self.tensor_at(&format!("{prefix}.weight"), &[dim])?;
         let bias = match kind {
-            crate::nn::NormKind::Layer => self.optional(&format!("{prefix}.bias"), &[dim])?,
+            crate::nn::NormKind::Layer => self.optional_at(&format!("{prefix}.bias"), &[dim])?,
             _ => None,
         };
         let norm = crate::nn::Norm::new(kind, weight, bias, eps)?;
@@ -364,6 +463,7 @@ impl ModelWeights {
         act: crate::nn::Activation,
     ) -> Result<crate::nn::RoutedExperts> {
         use crate::nn::{RoutedExperts, StreamedGlu, SwitchGlu};
+        let prefix = &self.path(prefix);
         let s = format!("{prefix}.switch_mlp");
         let entry = self
             .stream
@@ -371,14 +471,19 @@ impl ModelWeights {
             .and_then(|st| st.manifest.layer(prefix).cloned());
         let (Some(entry), Some(setup)) = (entry, self.stream.clone()) else {
             return Ok(RoutedExperts::Resident(SwitchGlu {
-                gate: self.switch_linear(
+                gate: self.switch_linear_at(
                     &format!("{s}.gate_proj"),
                     experts,
                     hidden,
                     intermediate,
                 )?,
-                up: self.switch_linear(&format!("{s}.up_proj"), experts, hidden, intermediate)?,
-                down: self.switch_linear(
+                up: self.switch_linear_at(
+                    &format!("{s}.up_proj"),
+                    experts,
+                    hidden,
+                    intermediate,
+                )?,
+                down: self.switch_linear_at(
                     &format!("{s}.down_proj"),
                     experts,
                     intermediate,

@@ -123,14 +123,14 @@ impl CommonArgs {
     }
 }
 
-/// The plain llama-shaped spec of `c`: RMSNorm, separate bias-free projections, dense gated
-/// MLPs, global attention, rope on every layer. Architectures adjust the fields that differ.
+/// The plain llama-shaped spec of `c`: pre-norm blocks, RMSNorm, bias-free projections, dense
+/// gated MLPs, global attention, rope on every layer. Architectures adjust the values that differ.
 pub fn base_spec(
     c: &CommonArgs,
     tie_default: bool,
     act_default: &str,
 ) -> Result<super::transformer::DecoderSpec> {
-    use super::transformer::{DecoderSpec, FfnSpec, QkNormSpec};
+    use super::transformer::{BlockTopology, DecoderSpec, FfnSpec, MixerSpec, QkNormSpec};
     let n = c.num_hidden_layers;
     let intermediate = c.intermediate()?;
     Ok(DecoderSpec {
@@ -144,18 +144,18 @@ pub fn base_spec(
         qkv_bias: false,
         o_bias: false,
         mlp_bias: false,
-        fused_qkv: false,
-        fused_gate_up: false,
         qk_norm: QkNormSpec::None,
         attn_scale: 1.0 / (c.head_dim() as f32).sqrt(),
         attn_softcap: None,
         act: c.activation(act_default)?,
-        rope: vec![c.rope(); n],
+        topology: BlockTopology::PreNorm,
+        mixers: vec![MixerSpec::Attention; n],
+        rope: vec![Some(c.rope()); n],
         windows: vec![None; n],
         ffn: vec![FfnSpec::Dense { intermediate }; n],
-        ffn_prefix: "mlp",
-        sandwich_norms: false,
         embed_scale: None,
+        residual_scale: None,
+        logit_scale: None,
         final_softcap: None,
         tie_word_embeddings: c.tie_word_embeddings.unwrap_or(tie_default),
     })
@@ -192,14 +192,19 @@ impl MoeArgs {
         normalize: bool,
         shared_intermediate: Option<i32>,
     ) {
-        use super::transformer::{FfnSpec, MoeSpec};
+        // `shared_intermediate`: a sigmoid-gated shared expert of that width (Qwen2-MoE).
+        use super::transformer::{FfnSpec, MoeSpec, SharedExpertSpec};
         let moe = MoeSpec {
-            experts: self.num_experts,
-            top_k: self.num_experts_per_tok,
-            intermediate: expert_intermediate,
-            scoring: crate::nn::RouterScoring::Softmax,
-            normalize,
-            shared_intermediate,
+            shared: shared_intermediate.map(|intermediate| SharedExpertSpec {
+                intermediate,
+                gated: true,
+            }),
+            ..MoeSpec::softmax(
+                self.num_experts,
+                self.num_experts_per_tok,
+                expert_intermediate,
+                normalize,
+            )
         };
         let step = self.decoder_sparse_step;
         for (i, ffn) in spec.ffn.iter_mut().enumerate() {

@@ -3,10 +3,8 @@
 use serde::Deserialize;
 
 use super::common::{base_spec, CommonArgs};
-use super::transformer::{Decoder, DecoderSpec, Transformer};
-use crate::model::Architecture;
+use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, Transformer};
 use crate::nn::{Activation, NormKind};
-use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -47,7 +45,7 @@ pub struct GemmaArgs {
 /// optional soft-capping of attention scores and final logits.
 pub(crate) fn sandwich_spec(c: &CommonArgs, g: &GemmaArgs) -> Result<DecoderSpec> {
     let mut spec = gemma_spec(c, g.hidden_activation.as_deref())?;
-    spec.sandwich_norms = true;
+    spec.topology = BlockTopology::Sandwich;
     spec.attn_scale = g
         .query_pre_attn_scalar
         .unwrap_or(c.head_dim() as f64)
@@ -59,11 +57,10 @@ pub(crate) fn sandwich_spec(c: &CommonArgs, g: &GemmaArgs) -> Result<DecoderSpec
 
 pub type Model = Transformer<Args>;
 
-impl Architecture for Model {
-    type Args = Args;
-
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+impl DecoderArgs for Args {
+    fn spec(&self) -> Result<DecoderSpec> {
+        let args = self;
         let spec = gemma_spec(&args.common, args.hidden_activation.as_deref())?;
-        Ok(Transformer::new(Decoder::build(&spec, w)?))
+        Ok(spec)
     }
 }

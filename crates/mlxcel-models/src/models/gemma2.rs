@@ -5,9 +5,7 @@ use serde::Deserialize;
 
 use super::common::CommonArgs;
 use super::gemma::{sandwich_spec, GemmaArgs};
-use super::transformer::{Decoder, Transformer};
-use crate::model::Architecture;
-use crate::weights::ModelWeights;
+use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::Result;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -20,14 +18,13 @@ pub struct Args {
 
 pub type Model = Transformer<Args>;
 
-impl Architecture for Model {
-    type Args = Args;
-
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+impl DecoderArgs for Args {
+    fn spec(&self) -> Result<DecoderSpec> {
+        let args = self;
         let c = &args.common;
         let mut spec = sandwich_spec(c, &args.gemma)?;
         // Without `layer_types`: even layers slide, odd layers are global.
         spec.windows = c.windows(|i| i % 2 == 0)?;
-        Ok(Transformer::new(Decoder::build(&spec, w)?))
+        Ok(spec)
     }
 }

@@ -6,9 +6,7 @@ use serde::Deserialize;
 
 use super::common::CommonArgs;
 use super::gemma::{sandwich_spec, GemmaArgs};
-use super::transformer::{Decoder, QkNormSpec, Transformer};
-use crate::model::Architecture;
-use crate::weights::ModelWeights;
+use super::transformer::{DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::Result;
 
 fn default_pattern() -> usize {
@@ -33,21 +31,20 @@ pub struct Args {
 
 pub type Model = Transformer<Args>;
 
-impl Architecture for Model {
-    type Args = Args;
-
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+impl DecoderArgs for Args {
+    fn spec(&self) -> Result<DecoderSpec> {
+        let args = self;
         let c = &args.common;
         let mut spec = sandwich_spec(c, &args.gemma)?;
         spec.qk_norm = QkNormSpec::PerHead;
         let pattern = args.sliding_window_pattern.max(1);
         spec.windows = c.windows(|i| (i + 1) % pattern != 0)?;
         for (rope, window) in spec.rope.iter_mut().zip(&spec.windows) {
-            if window.is_some() {
+            if let (Some(rope), Some(_)) = (rope, window) {
                 rope.base = args.rope_local_base_freq;
                 rope.scaling = None;
             }
         }
-        Ok(Transformer::new(Decoder::build(&spec, w)?))
+        Ok(spec)
     }
 }

@@ -1,14 +1,13 @@
 //! Mixtral: llama attention, every feed-forward block a softmax-routed mixture of experts
-//! (`block_sparse_moe`, experts `w1`/`w3`/`w2` = gate/up/down, top-k weights renormalised).
+//! (`block_sparse_moe`, renamed `mlp` at load; experts `w1`/`w3`/`w2` = gate/up/down, top-k weights renormalised).
 
 use mlxcel_core::WeightMap;
+use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
 use super::common::{base_spec, CommonArgs, MoeArgs};
-use super::transformer::{Decoder, Transformer};
-use crate::model::Architecture;
+use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::sanitize::stack_experts;
-use crate::weights::ModelWeights;
 use crate::Result;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -21,14 +20,19 @@ pub struct Args {
 
 pub type Model = Transformer<Args>;
 
-impl Architecture for Model {
-    type Args = Args;
-
-    fn sanitize(args: &Args, weights: &mut WeightMap) -> Result<()> {
+impl DecoderArgs for Args {
+    fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        let args = self;
         for i in 0..args.common.num_hidden_layers {
+            // The canonical feed-forward scope is `mlp` (MLX conversions keep Mixtral's name).
+            let layer = format!("model.layers.{i}");
+            weights.rename_prefix(
+                &format!("{layer}.block_sparse_moe."),
+                &format!("{layer}.mlp."),
+            )?;
             stack_experts(
                 weights,
-                &format!("model.layers.{i}.block_sparse_moe"),
+                &format!("{layer}.mlp"),
                 "experts",
                 args.moe.num_experts as usize,
                 &[("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")],
@@ -37,13 +41,13 @@ impl Architecture for Model {
         Ok(())
     }
 
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+    fn spec(&self) -> Result<DecoderSpec> {
+        let args = self;
         let c = &args.common;
         let mut spec = base_spec(c, false, "silu")?;
         // Mixtral always renormalises the kept weights.
         args.moe.apply(&mut spec, c.intermediate()?, true, None);
-        spec.ffn_prefix = "block_sparse_moe";
         spec.windows = c.windows(|_| c.sliding_window.is_some())?;
-        Ok(Transformer::new(Decoder::build(&spec, w)?))
+        Ok(spec)
     }
 }

@@ -2,13 +2,12 @@
 //! softmax-routed mixture of experts on every layer.
 
 use mlxcel_core::WeightMap;
+use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
 use super::common::{base_spec, CommonArgs, MoeArgs};
-use super::transformer::{Decoder, QkNormSpec, Transformer};
-use crate::model::Architecture;
+use super::transformer::{DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::sanitize::stack_mlp_experts;
-use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -25,10 +24,9 @@ pub struct Args {
 
 pub type Model = Transformer<Args>;
 
-impl Architecture for Model {
-    type Args = Args;
-
-    fn sanitize(args: &Args, weights: &mut WeightMap) -> Result<()> {
+impl DecoderArgs for Args {
+    fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        let args = self;
         stack_mlp_experts(
             weights,
             args.common.num_hidden_layers,
@@ -36,7 +34,8 @@ impl Architecture for Model {
         )
     }
 
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+    fn spec(&self) -> Result<DecoderSpec> {
+        let args = self;
         if let Some(clip) = args.clip_qkv {
             return Err(ModelError::Unsupported(format!("olmoe clip_qkv = {clip}")));
         }
@@ -48,6 +47,6 @@ impl Architecture for Model {
         // OLMoE's experts are `intermediate_size` wide and every layer is sparse.
         args.moe
             .apply(&mut spec, c.intermediate()?, args.moe.norm_topk_prob, None);
-        Ok(Transformer::new(Decoder::build(&spec, w)?))
+        Ok(spec)
     }
 }

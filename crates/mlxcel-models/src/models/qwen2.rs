@@ -4,9 +4,7 @@
 use serde::Deserialize;
 
 use super::common::{base_spec, CommonArgs};
-use super::transformer::{Decoder, Transformer};
-use crate::model::Architecture;
-use crate::weights::ModelWeights;
+use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::Result;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -21,10 +19,9 @@ pub struct Args {
 
 pub type Model = Transformer<Args>;
 
-impl Architecture for Model {
-    type Args = Args;
-
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+impl DecoderArgs for Args {
+    fn spec(&self) -> Result<DecoderSpec> {
+        let args = self;
         let c = &args.common;
         let mut spec = base_spec(c, false, "silu")?;
         spec.qkv_bias = true;
@@ -34,6 +31,6 @@ impl Architecture for Model {
         } else {
             vec![None; c.num_hidden_layers]
         };
-        Ok(Transformer::new(Decoder::build(&spec, w)?))
+        Ok(spec)
     }
 }

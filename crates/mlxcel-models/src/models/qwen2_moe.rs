@@ -3,13 +3,12 @@
 //! which layers are sparse.
 
 use mlxcel_core::WeightMap;
+use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
 use super::common::{base_spec, CommonArgs, MoeArgs};
-use super::transformer::{Decoder, Transformer};
-use crate::model::Architecture;
+use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::sanitize::stack_mlp_experts;
-use crate::weights::ModelWeights;
 use crate::Result;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -24,10 +23,9 @@ pub struct Args {
 
 pub type Model = Transformer<Args>;
 
-impl Architecture for Model {
-    type Args = Args;
-
-    fn sanitize(args: &Args, weights: &mut WeightMap) -> Result<()> {
+impl DecoderArgs for Args {
+    fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        let args = self;
         stack_mlp_experts(
             weights,
             args.common.num_hidden_layers,
@@ -35,7 +33,8 @@ impl Architecture for Model {
         )
     }
 
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+    fn spec(&self) -> Result<DecoderSpec> {
+        let args = self;
         let c = &args.common;
         let mut spec = base_spec(c, false, "silu")?;
         spec.qkv_bias = true;
@@ -46,6 +45,6 @@ impl Architecture for Model {
             moe.norm_topk_prob,
             args.shared_expert_intermediate_size,
         );
-        Ok(Transformer::new(Decoder::build(&spec, w)?))
+        Ok(spec)
     }
 }

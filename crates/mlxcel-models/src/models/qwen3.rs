@@ -3,9 +3,7 @@
 use serde::Deserialize;
 
 use super::common::{base_spec, CommonArgs};
-use super::transformer::{Decoder, QkNormSpec, Transformer};
-use crate::model::Architecture;
-use crate::weights::ModelWeights;
+use super::transformer::{DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::Result;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -20,10 +18,9 @@ pub struct Args {
 
 pub type Model = Transformer<Args>;
 
-impl Architecture for Model {
-    type Args = Args;
-
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+impl DecoderArgs for Args {
+    fn spec(&self) -> Result<DecoderSpec> {
+        let args = self;
         let c = &args.common;
         let mut spec = base_spec(c, true, "silu")?;
         spec.qkv_bias = args.attention_bias;
@@ -32,6 +29,6 @@ impl Architecture for Model {
         if args.use_sliding_window {
             spec.windows = c.windows(|_| true)?;
         }
-        Ok(Transformer::new(Decoder::build(&spec, w)?))
+        Ok(spec)
     }
 }

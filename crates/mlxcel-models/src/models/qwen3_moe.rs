@@ -2,13 +2,12 @@
 //! `norm_topk_prob` renormalisation.
 
 use mlxcel_core::WeightMap;
+use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
 use super::common::{base_spec, CommonArgs, MoeArgs};
-use super::transformer::{Decoder, QkNormSpec, Transformer};
-use crate::model::Architecture;
+use super::transformer::{DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::sanitize::stack_mlp_experts;
-use crate::weights::ModelWeights;
 use crate::Result;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -23,10 +22,9 @@ pub struct Args {
 
 pub type Model = Transformer<Args>;
 
-impl Architecture for Model {
-    type Args = Args;
-
-    fn sanitize(args: &Args, weights: &mut WeightMap) -> Result<()> {
+impl DecoderArgs for Args {
+    fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        let args = self;
         stack_mlp_experts(
             weights,
             args.common.num_hidden_layers,
@@ -34,7 +32,8 @@ impl Architecture for Model {
         )
     }
 
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+    fn spec(&self) -> Result<DecoderSpec> {
+        let args = self;
         let c = &args.common;
         let mut spec = base_spec(c, false, "silu")?;
         spec.qkv_bias = args.attention_bias;
@@ -46,6 +45,6 @@ impl Architecture for Model {
             args.moe.norm_topk_prob,
             None,
         );
-        Ok(Transformer::new(Decoder::build(&spec, w)?))
+        Ok(spec)
     }
 }

@@ -1,27 +1,51 @@
-//! The pre-norm decoder most text architectures are variations of. An architecture file turns
-//! its `ModelArgs` into a [`DecoderSpec`] (which norms, which attention options, which layers
-//! are sliding, which feed-forward blocks are mixtures of experts) and [`Decoder`] does the rest:
-//! tensor names follow the HF/mlx-lm layout (`model.layers.{i}.self_attn.q_proj`, ...).
+//! The decoder most text architectures are compositions of. An architecture file turns its
+//! `ModelArgs` into a [`DecoderSpec`] — values, not switches: which token mixer each layer runs
+//! (attention or latent attention), its rope and window, which feed-forward block (dense, plain,
+//! mixture of experts), where the norms sit (the block topology) and the scalings — and
+//! [`Decoder`] builds and runs it.
+//!
+//! The decoder reads the canonical layout under its scope: `model.embed_tokens`,
+//! `model.layers.{i}.{self_attn,mlp}.*`, the topology's norms, `model.norm`, `lm_head`.
+//! Architectures whose checkpoints spell things otherwise (fused projections, `ffn`/`block_sparse_moe`
+//! prefixes, other norm names, per-expert tensors) rewrite them in their `sanitize`.
+//!
+//! The forward pass is split into [`Decoder::embed`] (ids → hidden states), the body and
+//! [`Decoder::head`], so other towers can feed it input embeddings and explicit positions.
 
 use std::marker::PhantomData;
 
-use mlxcel_core::Array;
+use mlxcel_core::{Array, WeightMap};
+use mlxcel_quant::QuantConfig;
+use serde::de::DeserializeOwned;
 
-use crate::cache::KvCache;
-use crate::model::{LanguageModel, LayerKind};
+use crate::cache::LayerCache;
+use crate::model::{Architecture, LanguageModel, LayerKind};
 use crate::nn::{
-    Activation, Attention, AttentionConfig, Embedding, Linear, LinearInput, Mlp, Norm, NormKind,
-    QkNorm, QkvProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
+    Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
+    Linear, LinearInput, Mlp, Norm, NormKind, QkNorm, QkvProjection, QueryProjection, RopeConfig,
+    RotaryEmbedding, RoutedExperts, Router, RouterScoring,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
-/// Which query/key normalisation a layer applies.
+/// Which query/key normalisation an attention layer applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QkNormSpec {
     None,
+    /// Over each head's features, one weight shared by all heads (`[head_dim]`).
     PerHead,
+    /// Over each head's features, a weight per head (`[heads, head_dim]`).
+    PerHeadWeights,
+    /// Over the whole projection, before splitting heads.
     Full,
+}
+
+/// A shared expert next to the routed ones (`mlp.shared_expert`), optionally scaled by
+/// `sigmoid(mlp.shared_expert_gate(x))`.
+#[derive(Debug, Clone, Copy)]
+pub struct SharedExpertSpec {
+    pub intermediate: i32,
+    pub gated: bool,
 }
 
 /// A mixture-of-experts feed-forward block.
@@ -32,14 +56,77 @@ pub struct MoeSpec {
     pub intermediate: i32,
     pub scoring: RouterScoring,
     pub normalize: bool,
-    /// A shared expert of this intermediate size, gated by `sigmoid(shared_expert_gate(x))`.
-    pub shared_intermediate: Option<i32>,
+    pub shared: Option<SharedExpertSpec>,
+    pub group_limit: Option<GroupLimit>,
+    /// The router has an `e_score_correction_bias` added when choosing experts.
+    pub correction_bias: bool,
+    /// Multiplies the routing weights (`routed_scaling_factor`).
+    pub weight_scale: f32,
+}
+
+impl MoeSpec {
+    /// Softmax routing over `experts`, top `top_k`, no shared expert or group limit.
+    pub fn softmax(experts: i32, top_k: i32, intermediate: i32, normalize: bool) -> MoeSpec {
+        MoeSpec {
+            experts,
+            top_k,
+            intermediate,
+            scoring: RouterScoring::Softmax,
+            normalize,
+            shared: None,
+            group_limit: None,
+            correction_bias: false,
+            weight_scale: 1.0,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
 pub enum FfnSpec {
-    Dense { intermediate: i32 },
+    /// `down(act(gate(x)) * up(x))`.
+    Dense {
+        intermediate: i32,
+    },
+    /// `down(act(up(x)))`.
+    Plain {
+        intermediate: i32,
+    },
     Moe(MoeSpec),
+}
+
+/// Multi-head latent attention's shape.
+#[derive(Debug, Clone)]
+pub struct LatentSpec {
+    pub dims: LatentDims,
+    /// Queries through a low-rank bottleneck of this width (`q_a_proj`/`q_b_proj`), else one
+    /// `q_proj`.
+    pub q_lora_rank: Option<i32>,
+    pub bias: bool,
+    pub scale: f32,
+    pub rope: RopeConfig,
+}
+
+/// The token mixer of one layer.
+#[derive(Debug, Clone)]
+pub enum MixerSpec {
+    /// Grouped-query attention with the spec's heads, qk-norm and scale, and the layer's rope
+    /// and window.
+    Attention,
+    Latent(LatentSpec),
+}
+
+/// Where a block's norms sit, and the canonical names they are read under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockTopology {
+    /// `h += mixer(input_layernorm(h)); h += ffn(post_attention_layernorm(h))`.
+    PreNorm,
+    /// Gemma 2/3: `h += post_attention_layernorm(mixer(input_layernorm(h)));
+    /// h += post_feedforward_layernorm(ffn(pre_feedforward_layernorm(h)))`.
+    Sandwich,
+    /// EXAONE 4: `h += post_attention_layernorm(mixer(h)); h += post_feedforward_layernorm(ffn(h))`.
+    PostNorm,
+    /// Cohere, Phi-2: `x = input_layernorm(h); h += mixer(x) + ffn(x)`.
+    Parallel,
 }
 
 /// Everything that distinguishes one decoder architecture from another.
@@ -55,31 +142,96 @@ pub struct DecoderSpec {
     pub qkv_bias: bool,
     pub o_bias: bool,
     pub mlp_bias: bool,
-    pub fused_qkv: bool,
-    pub fused_gate_up: bool,
     pub qk_norm: QkNormSpec,
     pub attn_scale: f32,
     pub attn_softcap: Option<f32>,
     pub act: Activation,
-    /// Per layer: rotary embedding.
-    pub rope: Vec<RopeConfig>,
+    pub topology: BlockTopology,
+    /// Per layer: token mixer.
+    pub mixers: Vec<MixerSpec>,
+    /// Per layer: rotary embedding of attention layers, `None` for no positional encoding.
+    pub rope: Vec<Option<RopeConfig>>,
     /// Per layer: sliding window (keys per query), `None` for global attention.
     pub windows: Vec<Option<usize>>,
     /// Per layer: feed-forward block.
     pub ffn: Vec<FfnSpec>,
-    /// Name of the feed-forward module (`mlp`, or `block_sparse_moe` for mixtral).
-    pub ffn_prefix: &'static str,
-    /// Gemma 2/3: norms after attention and around the feed-forward block.
-    pub sandwich_norms: bool,
-    /// Multiplies the embeddings (Gemma: `sqrt(hidden)`).
+    /// Multiplies the embeddings (Gemma: `sqrt(hidden)`, Granite: `embedding_multiplier`).
     pub embed_scale: Option<f64>,
+    /// Multiplies each block's output before its residual add (Granite's `residual_multiplier`).
+    pub residual_scale: Option<f64>,
+    /// Multiplies the logits (Cohere's `logit_scale`, Granite's `1 / logits_scaling`).
+    pub logit_scale: Option<f64>,
     pub final_softcap: Option<f64>,
     pub tie_word_embeddings: bool,
 }
 
 impl DecoderSpec {
     pub fn layers(&self) -> usize {
-        self.windows.len()
+        self.mixers.len()
+    }
+
+    /// What each layer's cache holds.
+    pub fn layer_schedule(&self) -> Vec<LayerKind> {
+        self.mixers
+            .iter()
+            .zip(&self.windows)
+            .map(|(mixer, window)| match (mixer, window) {
+                (MixerSpec::Latent(l), _) => LayerKind::LatentAttention {
+                    latent: l.dims.kv_lora_rank,
+                    rope: l.dims.qk_rope,
+                },
+                (MixerSpec::Attention, Some(w)) => LayerKind::SlidingAttention {
+                    window: *w,
+                    kv_heads: self.kv_heads,
+                    head_dim: self.head_dim,
+                },
+                (MixerSpec::Attention, None) => LayerKind::GlobalAttention {
+                    kv_heads: self.kv_heads,
+                    head_dim: self.head_dim,
+                },
+            })
+            .collect()
+    }
+
+    fn check(&self) -> Result<()> {
+        let n = self.layers();
+        if self.rope.len() != n || self.ffn.len() != n || self.windows.len() != n {
+            return Err(ModelError::Config(format!(
+                "internal: {n} layers but {} rope, {} window and {} ffn entries",
+                self.rope.len(),
+                self.windows.len(),
+                self.ffn.len()
+            )));
+        }
+        if self.kv_heads <= 0 || self.heads <= 0 || self.heads % self.kv_heads != 0 {
+            return Err(ModelError::Config(format!(
+                "num_attention_heads {} is not a positive multiple of num_key_value_heads {}",
+                self.heads, self.kv_heads
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+enum Mixer {
+    Attention(Attention),
+    Latent(Box<LatentAttention>),
+}
+
+impl Mixer {
+    fn forward(
+        &self,
+        x: &Array,
+        norm: Option<&Norm>,
+        residual: Option<&Array>,
+        cache: &mut LayerCache,
+        positions: Option<&Array>,
+    ) -> Result<Array> {
+        match self {
+            Mixer::Attention(a) => a.forward(x, norm, residual, cache, positions),
+            Mixer::Latent(a) => a.forward(x, norm, residual, cache, positions),
+        }
     }
 }
 
@@ -93,16 +245,26 @@ enum FeedForward {
 struct MoeBlock {
     router: Router,
     experts: RoutedExperts,
-    shared: Option<(Mlp, Linear)>,
+    /// The shared expert and its optional sigmoid gate.
+    shared: Option<(Mlp, Option<Linear>)>,
 }
 
 impl FeedForward {
     /// `residual + self(norm(x))` (see [`Mlp::forward_fused`]).
-    fn forward_fused(&self, x: &Array, norm: &Norm, residual: Option<&Array>) -> Result<Array> {
+    fn forward_fused(
+        &self,
+        x: &Array,
+        norm: Option<&Norm>,
+        residual: Option<&Array>,
+    ) -> Result<Array> {
         match self {
-            FeedForward::Dense(mlp) => mlp.forward_fused(x, Some(norm), residual),
-            FeedForward::Moe(_) => {
-                let y = self.forward(&norm.forward(x)?)?;
+            FeedForward::Dense(mlp) => mlp.forward_fused(x, norm, residual),
+            FeedForward::Moe(moe) => {
+                let x = match norm {
+                    Some(n) => n.forward(x)?,
+                    None => x.clone(),
+                };
+                let y = moe.forward(&x)?;
                 Ok(match residual {
                     Some(r) => r.add(&y)?,
                     None => y,
@@ -112,216 +274,368 @@ impl FeedForward {
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
-        match self {
-            FeedForward::Dense(mlp) => mlp.forward(x),
-            FeedForward::Moe(moe) => {
-                let MoeBlock {
-                    router,
-                    experts,
-                    shared,
-                } = moe.as_ref();
-                let shape = x.shape();
-                let d = shape[shape.len() - 1];
-                let flat = x.reshape(&[-1, d])?;
-                let (ids, weights) = router.route(&flat)?;
-                let shared_out = match shared {
-                    Some((mlp, gate)) => {
-                        let s = mlp
-                            .forward(&flat)?
-                            .multiply(&gate.forward(&flat)?.sigmoid()?)?;
-                        // Streamed experts are read from disk next: let the shared expert, which
-                        // does not depend on them, compute meanwhile.
-                        if experts.is_streamed() {
-                            mlxcel_core::ops::async_eval_all([&s])?;
-                        }
-                        Some(s)
-                    }
-                    None => None,
-                };
-                let mut y = experts.combine(&flat, &ids, &weights)?;
-                if let Some(s) = shared_out {
-                    y = y.add(&s)?;
-                }
-                Ok(y.reshape(&shape)?)
-            }
-        }
+        self.forward_fused(x, None, None)
     }
 }
 
+impl MoeBlock {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let shape = x.shape();
+        let d = shape[shape.len() - 1];
+        let flat = x.reshape(&[-1, d])?;
+        let (ids, weights) = self.router.route(&flat)?;
+        let shared_out = match &self.shared {
+            Some((mlp, gate)) => {
+                let mut s = mlp.forward(&flat)?;
+                if let Some(gate) = gate {
+                    s = s.multiply(&gate.forward(&flat)?.sigmoid()?)?;
+                }
+                // Streamed experts are read from disk next: let the shared expert, which does
+                // not depend on them, compute meanwhile.
+                if self.experts.is_streamed() {
+                    mlxcel_core::ops::async_eval_all([&s])?;
+                }
+                Some(s)
+            }
+            None => None,
+        };
+        let mut y = self.experts.combine(&flat, &ids, &weights)?;
+        if let Some(s) = shared_out {
+            y = y.add(&s)?;
+        }
+        Ok(y.reshape(&shape)?)
+    }
+}
+
+/// A block's norms, by topology.
 #[derive(Debug)]
-struct Layer {
-    input_norm: Norm,
-    attn: Attention,
-    post_attn_norm: Norm,
-    /// Sandwich norms: (pre-ffn, post-ffn).
-    ffn_norms: Option<(Norm, Norm)>,
+enum BlockNorms {
+    PreNorm {
+        mixer_in: Norm,
+        ffn_in: Norm,
+    },
+    Sandwich {
+        mixer_in: Norm,
+        mixer_out: Norm,
+        ffn_in: Norm,
+        ffn_out: Norm,
+    },
+    PostNorm {
+        mixer_out: Norm,
+        ffn_out: Norm,
+    },
+    Parallel {
+        input: Norm,
+    },
+}
+
+#[derive(Debug)]
+struct Block {
+    norms: BlockNorms,
+    mixer: Mixer,
     ffn: FeedForward,
+}
+
+/// `h + scale · y` (`h + y` without a scale).
+fn add_scaled(h: &Array, y: &Array, scale: Option<f64>) -> Result<Array> {
+    Ok(match scale {
+        Some(s) => h.add(&y.mul_scalar(s)?)?,
+        None => h.add(y)?,
+    })
+}
+
+impl Block {
+    fn forward(
+        &self,
+        h: &Array,
+        cache: &mut LayerCache,
+        positions: Option<&Array>,
+        residual_scale: Option<f64>,
+    ) -> Result<Array> {
+        let (mixer, ffn) = (&self.mixer, &self.ffn);
+        match (&self.norms, residual_scale) {
+            (BlockNorms::PreNorm { mixer_in, ffn_in }, None) => {
+                // The norms fold into the first projections and the residual adds into the
+                // last ones where the kernels can.
+                let h = mixer.forward(h, Some(mixer_in), Some(h), cache, positions)?;
+                ffn.forward_fused(&h, Some(ffn_in), Some(&h))
+            }
+            (BlockNorms::PreNorm { mixer_in, ffn_in }, Some(s)) => {
+                let r = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                let h = add_scaled(h, &r, Some(s))?;
+                add_scaled(&h, &ffn.forward_fused(&h, Some(ffn_in), None)?, Some(s))
+            }
+            (
+                BlockNorms::Sandwich {
+                    mixer_in,
+                    mixer_out,
+                    ffn_in,
+                    ffn_out,
+                },
+                s,
+            ) => {
+                let r = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                let h = add_scaled(h, &mixer_out.forward(&r)?, s)?;
+                let f = ffn.forward(&ffn_in.forward(&h)?)?;
+                add_scaled(&h, &ffn_out.forward(&f)?, s)
+            }
+            (BlockNorms::PostNorm { mixer_out, ffn_out }, s) => {
+                let r = mixer.forward(h, None, None, cache, positions)?;
+                let h = add_scaled(h, &mixer_out.forward(&r)?, s)?;
+                let f = ffn.forward(&h)?;
+                add_scaled(&h, &ffn_out.forward(&f)?, s)
+            }
+            (BlockNorms::Parallel { input }, s) => {
+                let x = input.forward(h)?;
+                let a = mixer.forward(&x, None, None, cache, positions)?;
+                let f = ffn.forward(&x)?;
+                add_scaled(h, &a.add(&f)?, s)
+            }
+        }
+    }
 }
 
 /// A decoder built from a [`DecoderSpec`].
 #[derive(Debug)]
 pub struct Decoder {
     embed: Embedding,
-    layers: Vec<Layer>,
+    blocks: Vec<Block>,
     norm: Norm,
     lm_head: Option<Linear>,
     embed_scale: Option<f64>,
+    residual_scale: Option<f64>,
+    logit_scale: Option<f64>,
     final_softcap: Option<f64>,
     vocab: usize,
-    windows: Vec<Option<usize>>,
+    schedule: Vec<LayerKind>,
 }
 
 fn norm(w: &mut ModelWeights, spec: &DecoderSpec, name: &str, dim: i32) -> Result<Norm> {
     w.norm(name, spec.norm, dim, spec.eps)
 }
 
-fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, prefix: &str, intermediate: i32) -> Result<Mlp> {
-    let (h, b) = (spec.hidden, spec.mlp_bias);
-    let down = w.linear(&format!("{prefix}.down_proj"), intermediate, h, b)?;
-    Ok(if spec.fused_gate_up {
-        Mlp::FusedGated {
-            gate_up: w.linear(&format!("{prefix}.gate_up_proj"), h, 2 * intermediate, b)?,
+/// The dense MLP under the open scope: `gate_proj`/`up_proj`/`down_proj` (`Plain`: `up_proj`
+/// and `down_proj` only).
+fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, intermediate: i32, gated: bool) -> Result<Mlp> {
+    let (h, b, act) = (spec.hidden, spec.mlp_bias, spec.act);
+    if !gated {
+        return Ok(Mlp::Plain {
+            up: w.linear("up_proj", h, intermediate, b)?,
+            down: w.linear("down_proj", intermediate, h, b)?,
+            act,
+        });
+    }
+    let mut layers = w.linear_group(
+        &["gate_proj", "up_proj"],
+        h,
+        &[intermediate, intermediate],
+        b,
+    )?;
+    let down = w.linear("down_proj", intermediate, h, b)?;
+    Ok(match (layers.pop(), layers.pop()) {
+        (Some(gate_up), None) => Mlp::FusedGated {
+            gate_up,
             down,
-            act: spec.act,
+            act,
             hidden: intermediate,
+        },
+        (Some(up), Some(gate)) => Mlp::Gated {
+            gate,
+            up,
+            down,
+            act,
+        },
+        _ => unreachable!("linear_group returns one layer or all of them"),
+    })
+}
+
+/// Grouped-query attention under the open scope (`self_attn`).
+fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<Attention> {
+    let (h, hd) = (spec.hidden, spec.head_dim);
+    let (q_dim, kv_dim) = (spec.heads * hd, spec.kv_heads * hd);
+    let mut layers = w.linear_group(
+        &["q_proj", "k_proj", "v_proj"],
+        h,
+        &[q_dim, kv_dim, kv_dim],
+        spec.qkv_bias,
+    )?;
+    let qkv = match (layers.pop(), layers.pop(), layers.pop()) {
+        (Some(qkv), None, None) => QkvProjection::Fused(qkv),
+        (Some(v), Some(k), Some(q)) => QkvProjection::Separate { q, k, v },
+        _ => unreachable!("linear_group returns one layer or all of them"),
+    };
+    let qk_norm = match spec.qk_norm {
+        QkNormSpec::None => QkNorm::None,
+        QkNormSpec::PerHead => QkNorm::PerHead {
+            q: norm(w, spec, "q_norm", hd)?,
+            k: norm(w, spec, "k_norm", hd)?,
+        },
+        QkNormSpec::PerHeadWeights => {
+            let per_head = |w: &mut ModelWeights, name: &str, heads: i32| -> Result<Norm> {
+                let weight = w
+                    .tensor(&format!("{name}.weight"), &[heads, hd])?
+                    .reshape(&[heads, 1, hd])?;
+                Norm::new(spec.norm, weight, None, spec.eps)
+            };
+            QkNorm::PerHeadWeights {
+                q: per_head(w, "q_norm", spec.heads)?,
+                k: per_head(w, "k_norm", spec.kv_heads)?,
+            }
         }
-    } else {
-        let names = [format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")];
-        let mut layers =
-            w.linear_group(&[&names[0], &names[1]], h, &[intermediate, intermediate], b)?;
-        match (layers.pop(), layers.pop()) {
-            (Some(gate_up), None) => Mlp::FusedGated {
-                gate_up,
-                down,
-                act: spec.act,
-                hidden: intermediate,
-            },
-            (Some(up), Some(gate)) => Mlp::Gated {
-                gate,
-                up,
-                down,
-                act: spec.act,
-            },
-            _ => unreachable!("linear_group returns one layer or all of them"),
+        QkNormSpec::Full => QkNorm::Full {
+            q: norm(w, spec, "q_norm", q_dim)?,
+            k: norm(w, spec, "k_norm", kv_dim)?,
+        },
+    };
+    let rope = match &spec.rope[layer] {
+        Some(cfg) => {
+            let rope = RotaryEmbedding::new(cfg)?;
+            w.keep_all(rope.arrays());
+            Some(rope)
+        }
+        None => None,
+    };
+    Ok(Attention {
+        qkv,
+        o: w.linear("o_proj", q_dim, h, spec.o_bias)?,
+        qk_norm,
+        rope,
+        cfg: AttentionConfig {
+            n_heads: spec.heads,
+            n_kv_heads: spec.kv_heads,
+            head_dim: hd,
+            scale: spec.attn_scale,
+            softcap: spec.attn_softcap,
+            window: spec.windows[layer],
+        },
+    })
+}
+
+/// Multi-head latent attention under the open scope (`self_attn`).
+fn latent_attention(
+    w: &mut ModelWeights,
+    spec: &DecoderSpec,
+    l: &LatentSpec,
+) -> Result<LatentAttention> {
+    let d = l.dims;
+    let h = spec.hidden;
+    let q_width = d.heads * (d.qk_nope + d.qk_rope);
+    let q = match l.q_lora_rank {
+        Some(rank) => QueryProjection::LowRank {
+            a: w.linear("q_a_proj", h, rank, l.bias)?,
+            norm: w.norm("q_a_layernorm", NormKind::Rms, rank, spec.eps)?,
+            b: w.linear("q_b_proj", rank, q_width, false)?,
+        },
+        None => QueryProjection::Direct(w.linear("q_proj", h, q_width, false)?),
+    };
+    let rope = RotaryEmbedding::new(&l.rope)?;
+    w.keep_all(rope.arrays());
+    Ok(LatentAttention {
+        q,
+        kv_a: w.linear("kv_a_proj_with_mqa", h, d.kv_lora_rank + d.qk_rope, l.bias)?,
+        kv_a_norm: w.norm("kv_a_layernorm", NormKind::Rms, d.kv_lora_rank, spec.eps)?,
+        embed_q: w.dense_stack("embed_q", &[d.heads, d.kv_lora_rank, d.qk_nope])?,
+        unembed_out: w.dense_stack("unembed_out", &[d.heads, d.v_head, d.kv_lora_rank])?,
+        o: w.linear("o_proj", d.heads * d.v_head, h, l.bias)?,
+        rope,
+        dims: d,
+        scale: l.scale,
+    })
+}
+
+/// The feed-forward block under the open scope (`mlp`).
+fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Result<FeedForward> {
+    let h = spec.hidden;
+    Ok(match ffn {
+        FfnSpec::Dense { intermediate } => FeedForward::Dense(mlp(w, spec, *intermediate, true)?),
+        FfnSpec::Plain { intermediate } => FeedForward::Dense(mlp(w, spec, *intermediate, false)?),
+        FfnSpec::Moe(m) => {
+            let correction_bias = if m.correction_bias {
+                let b = w.tensor("gate.e_score_correction_bias", &[m.experts])?;
+                Some(b.astype(mlxcel_core::Dtype::Float32)?)
+            } else {
+                None
+            };
+            let router = Router {
+                correction_bias,
+                group_limit: m.group_limit,
+                weight_scale: m.weight_scale,
+                ..Router::top_k(
+                    w.linear("gate", h, m.experts, false)?,
+                    m.top_k,
+                    m.scoring,
+                    m.normalize,
+                )
+            };
+            let experts = w.routed_experts("", m.experts, h, m.intermediate, spec.act)?;
+            let shared = match m.shared {
+                Some(s) => {
+                    let gate = if s.gated {
+                        Some(w.linear("shared_expert_gate", h, 1, false)?)
+                    } else {
+                        None
+                    };
+                    let mlp = mlp(&mut w.scope("shared_expert"), spec, s.intermediate, true)?;
+                    Some((mlp, gate))
+                }
+                None => None,
+            };
+            FeedForward::Moe(Box::new(MoeBlock {
+                router,
+                experts,
+                shared,
+            }))
         }
     })
 }
 
 impl Decoder {
+    /// Builds the decoder from the weights under `w`'s open scope (`model.*` and `lm_head`).
     pub fn build(spec: &DecoderSpec, w: &mut ModelWeights) -> Result<Decoder> {
-        let n = spec.layers();
-        if spec.rope.len() != n || spec.ffn.len() != n {
-            return Err(ModelError::Config(format!(
-                "internal: {n} layers but {} rope and {} ffn entries",
-                spec.rope.len(),
-                spec.ffn.len()
-            )));
+        spec.check()?;
+        let h = spec.hidden;
+        let mut body = w.scope("model");
+        let embed = body.embedding("embed_tokens", spec.vocab, h)?;
+        let mut blocks = Vec::with_capacity(spec.layers());
+        {
+            let mut layers = body.scope("layers");
+            for i in 0..spec.layers() {
+                let mut l = layers.scope(i);
+                let mixer = {
+                    let mut a = l.scope("self_attn");
+                    match &spec.mixers[i] {
+                        MixerSpec::Attention => Mixer::Attention(attention(&mut a, spec, i)?),
+                        MixerSpec::Latent(m) => {
+                            Mixer::Latent(Box::new(latent_attention(&mut a, spec, m)?))
+                        }
+                    }
+                };
+                let ffn = feed_forward(&mut l.scope("mlp"), spec, &spec.ffn[i])?;
+                let mut n = |name: &str| norm(&mut l, spec, name, h);
+                let norms = match spec.topology {
+                    BlockTopology::PreNorm => BlockNorms::PreNorm {
+                        mixer_in: n("input_layernorm")?,
+                        ffn_in: n("post_attention_layernorm")?,
+                    },
+                    BlockTopology::Sandwich => BlockNorms::Sandwich {
+                        mixer_in: n("input_layernorm")?,
+                        mixer_out: n("post_attention_layernorm")?,
+                        ffn_in: n("pre_feedforward_layernorm")?,
+                        ffn_out: n("post_feedforward_layernorm")?,
+                    },
+                    BlockTopology::PostNorm => BlockNorms::PostNorm {
+                        mixer_out: n("post_attention_layernorm")?,
+                        ffn_out: n("post_feedforward_layernorm")?,
+                    },
+                    BlockTopology::Parallel => BlockNorms::Parallel {
+                        input: n("input_layernorm")?,
+                    },
+                };
+                blocks.push(Block { norms, mixer, ffn });
+            }
         }
-        if spec.heads % spec.kv_heads != 0 {
-            return Err(ModelError::Config(format!(
-                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
-                spec.heads, spec.kv_heads
-            )));
-        }
-        let (h, hd) = (spec.hidden, spec.head_dim);
-        let (q_dim, kv_dim) = (spec.heads * hd, spec.kv_heads * hd);
-        let embed = w.embedding("model.embed_tokens", spec.vocab, h)?;
-        let mut layers = Vec::with_capacity(n);
-        for i in 0..n {
-            let p = format!("model.layers.{i}");
-            let a = format!("{p}.self_attn");
-            let qkv = if spec.fused_qkv {
-                QkvProjection::Fused(w.linear(
-                    &format!("{a}.qkv_proj"),
-                    h,
-                    q_dim + 2 * kv_dim,
-                    spec.qkv_bias,
-                )?)
-            } else {
-                let names = ["q_proj", "k_proj", "v_proj"].map(|n| format!("{a}.{n}"));
-                let mut layers = w.linear_group(
-                    &[&names[0], &names[1], &names[2]],
-                    h,
-                    &[q_dim, kv_dim, kv_dim],
-                    spec.qkv_bias,
-                )?;
-                match (layers.pop(), layers.pop(), layers.pop()) {
-                    (Some(qkv), None, None) => QkvProjection::Fused(qkv),
-                    (Some(v), Some(k), Some(q)) => QkvProjection::Separate { q, k, v },
-                    _ => unreachable!("linear_group returns one layer or all of them"),
-                }
-            };
-            let qk_norm = match spec.qk_norm {
-                QkNormSpec::None => QkNorm::None,
-                QkNormSpec::PerHead => QkNorm::PerHead {
-                    q: norm(w, spec, &format!("{a}.q_norm"), hd)?,
-                    k: norm(w, spec, &format!("{a}.k_norm"), hd)?,
-                },
-                QkNormSpec::Full => QkNorm::Full {
-                    q: norm(w, spec, &format!("{a}.q_norm"), q_dim)?,
-                    k: norm(w, spec, &format!("{a}.k_norm"), kv_dim)?,
-                },
-            };
-            let rope = RotaryEmbedding::new(&spec.rope[i])?;
-            w.keep_all(rope.arrays());
-            let attn = Attention {
-                qkv,
-                o: w.linear(&format!("{a}.o_proj"), q_dim, h, spec.o_bias)?,
-                qk_norm,
-                rope: Some(rope),
-                cfg: AttentionConfig {
-                    n_heads: spec.heads,
-                    n_kv_heads: spec.kv_heads,
-                    head_dim: hd,
-                    scale: spec.attn_scale,
-                    softcap: spec.attn_softcap,
-                    window: spec.windows[i],
-                },
-            };
-            let f = format!("{p}.{}", spec.ffn_prefix);
-            let ffn = match &spec.ffn[i] {
-                FfnSpec::Dense { intermediate } => {
-                    FeedForward::Dense(mlp(w, spec, &f, *intermediate)?)
-                }
-                FfnSpec::Moe(m) => {
-                    let router = Router {
-                        gate: w.linear(&format!("{f}.gate"), h, m.experts, false)?,
-                        top_k: m.top_k,
-                        scoring: m.scoring,
-                        normalize: m.normalize,
-                    };
-                    let experts = w.routed_experts(&f, m.experts, h, m.intermediate, spec.act)?;
-                    let shared = match m.shared_intermediate {
-                        Some(si) => Some((
-                            mlp(w, spec, &format!("{f}.shared_expert"), si)?,
-                            w.linear(&format!("{f}.shared_expert_gate"), h, 1, false)?,
-                        )),
-                        None => None,
-                    };
-                    FeedForward::Moe(Box::new(MoeBlock {
-                        router,
-                        experts,
-                        shared,
-                    }))
-                }
-            };
-            let ffn_norms = if spec.sandwich_norms {
-                Some((
-                    norm(w, spec, &format!("{p}.pre_feedforward_layernorm"), h)?,
-                    norm(w, spec, &format!("{p}.post_feedforward_layernorm"), h)?,
-                ))
-            } else {
-                None
-            };
-            layers.push(Layer {
-                input_norm: norm(w, spec, &format!("{p}.input_layernorm"), h)?,
-                attn,
-                post_attn_norm: norm(w, spec, &format!("{p}.post_attention_layernorm"), h)?,
-                ffn_norms,
-                ffn,
-            });
-        }
-        let final_norm = norm(w, spec, "model.norm", h)?;
+        let final_norm = norm(&mut body, spec, "norm", h)?;
+        drop(body);
         // Tied heads reuse the embedding table (no second copy); an untied config without
         // `lm_head.weight` is an error naming the tensor.
         let lm_head = if spec.tie_word_embeddings && !w.contains("lm_head.weight") {
@@ -331,62 +645,63 @@ impl Decoder {
         };
         Ok(Decoder {
             embed,
-            layers,
+            blocks,
             norm: final_norm,
             lm_head,
             embed_scale: spec.embed_scale,
+            residual_scale: spec.residual_scale,
+            logit_scale: spec.logit_scale,
             final_softcap: spec.final_softcap,
             vocab: spec.vocab as usize,
-            windows: spec.windows.clone(),
+            schedule: spec.layer_schedule(),
         })
     }
 
-    /// Logits `[B, L, vocab]` for every position, or `[B, 1, vocab]` for the last one only
-    /// (`last_only`: prefill needs just the next token's logits, and the output head is a large
-    /// share of a prompt's compute).
-    pub fn forward(
+    /// Token ids `[B, L]` → input hidden states `[B, L, hidden]`.
+    pub fn embed(&self, tokens: &Array) -> Result<Array> {
+        let h = self.embed.forward(tokens)?;
+        Ok(match self.embed_scale {
+            // In the activation dtype, as transformers rounds the normaliser.
+            Some(s) => h.mul_scalar(s)?,
+            None => h,
+        })
+    }
+
+    /// Hidden states `[B, L, hidden]` through every block, extending `caches`.
+    pub fn body(
         &self,
-        tokens: &Array,
-        caches: &mut [KvCache],
-        last_only: bool,
+        mut h: Array,
+        positions: Option<&Array>,
+        caches: &mut [LayerCache],
     ) -> Result<Array> {
-        if caches.len() != self.layers.len() {
-            return Err(ModelError::Config(format!(
+        if caches.len() != self.blocks.len() {
+            return Err(ModelError::Runtime(format!(
                 "{} caches for {} layers",
                 caches.len(),
-                self.layers.len()
+                self.blocks.len()
             )));
         }
-        let mut h = self.embed.forward(tokens)?;
-        if let Some(s) = self.embed_scale {
-            // In the activation dtype, as transformers rounds the normaliser.
-            h = h.mul_scalar(s)?;
+        for (block, cache) in self.blocks.iter().zip(caches.iter_mut()) {
+            h = block.forward(&h, cache, positions, self.residual_scale)?;
         }
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let input_norm = Some(&layer.input_norm);
-            if let Some((pre, post)) = &layer.ffn_norms {
-                // Sandwich norms sit between each block and its residual add.
-                let r = layer.attn.forward(&h, input_norm, None, cache)?;
-                h = h.add(&layer.post_attn_norm.forward(&r)?)?;
-                let f = layer.ffn.forward(&pre.forward(&h)?)?;
-                h = h.add(&post.forward(&f)?)?;
-            } else {
-                h = layer.attn.forward(&h, input_norm, Some(&h), cache)?;
-                h = layer
-                    .ffn
-                    .forward_fused(&h, &layer.post_attn_norm, Some(&h))?;
-            }
-        }
+        Ok(h)
+    }
+
+    /// Final norm and output head: logits for every position of `h`, or for the last one only.
+    pub fn head(&self, h: &Array, last_only: bool) -> Result<Array> {
         let h = if last_only {
             let n = h.dim(1)?;
             h.slice_axis(1, n - 1, n)?
         } else {
-            h
+            h.clone()
         };
         let mut logits = match &self.lm_head {
             Some(head) => head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?,
             None => self.embed.as_linear(&self.norm.forward(&h)?)?,
         };
+        if let Some(s) = self.logit_scale {
+            logits = logits.mul_scalar(s)?;
+        }
         if let Some(cap) = self.final_softcap {
             logits = logits.mul_scalar(1.0 / cap)?.tanh()?.mul_scalar(cap)?;
         }
@@ -398,18 +713,23 @@ impl Decoder {
     }
 
     pub fn layer_schedule(&self) -> Vec<LayerKind> {
-        self.windows
-            .iter()
-            .map(|w| match w {
-                Some(window) => LayerKind::SlidingAttention { window: *window },
-                None => LayerKind::GlobalAttention,
-            })
-            .collect()
+        self.schedule.clone()
     }
 }
 
-/// A decoder architecture: `A` is the architecture's `ModelArgs`, which selects the
-/// [`crate::model::Architecture`] implementation (its sanitiser and its spec).
+/// Implemented by each decoder architecture's `ModelArgs`: the spec its config implies and the
+/// rewrites its checkpoints need. [`Transformer`] turns it into an [`Architecture`].
+pub trait DecoderArgs: DeserializeOwned {
+    fn spec(&self) -> Result<DecoderSpec>;
+
+    /// See [`Architecture::sanitize`].
+    fn sanitize(&self, _weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A decoder architecture: `A` is the architecture's `ModelArgs`, which selects its spec and
+/// sanitiser.
 #[derive(Debug)]
 pub struct Transformer<A> {
     pub decoder: Decoder,
@@ -426,12 +746,19 @@ impl<A> Transformer<A> {
 }
 
 impl<A> LanguageModel for Transformer<A> {
-    fn forward(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array> {
-        self.decoder.forward(tokens, caches, false)
+    fn embed(&self, tokens: &Array) -> Result<Array> {
+        self.decoder.embed(tokens)
     }
 
-    fn forward_last(&self, tokens: &Array, caches: &mut [KvCache]) -> Result<Array> {
-        self.decoder.forward(tokens, caches, true)
+    fn forward_embeddings(
+        &self,
+        embeddings: &Array,
+        positions: Option<&Array>,
+        caches: &mut [LayerCache],
+        last_only: bool,
+    ) -> Result<Array> {
+        let h = self.decoder.body(embeddings.clone(), positions, caches)?;
+        self.decoder.head(&h, last_only)
     }
 
     fn vocab_size(&self) -> usize {
@@ -440,5 +767,21 @@ impl<A> LanguageModel for Transformer<A> {
 
     fn layer_schedule(&self) -> Vec<LayerKind> {
         self.decoder.layer_schedule()
+    }
+}
+
+impl<A: DecoderArgs> Architecture for Transformer<A> {
+    type Args = A;
+
+    fn sanitize(args: &A, weights: &mut WeightMap, quant: Option<&QuantConfig>) -> Result<()> {
+        args.sanitize(weights, quant)
+    }
+
+    fn cache_schedule(args: &A) -> Result<Vec<LayerKind>> {
+        Ok(args.spec()?.layer_schedule())
+    }
+
+    fn build(args: &A, w: &mut ModelWeights) -> Result<Self> {
+        Ok(Transformer::new(Decoder::build(&args.spec()?, w)?))
     }
 }

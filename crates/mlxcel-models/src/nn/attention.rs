@@ -6,7 +6,7 @@ use mlxcel_core::ops::{self, AttentionMask};
 use mlxcel_core::Array;
 
 use super::{Linear, LinearInput, Norm, RotaryEmbedding};
-use crate::cache::{KvCache, Mask};
+use crate::cache::{LayerCache, Mask};
 use crate::Result;
 
 /// How queries, keys and values are projected.
@@ -27,6 +27,12 @@ pub enum QkNorm {
     None,
     /// Over each head's `head_dim` features (qwen3, gemma3).
     PerHead {
+        q: Norm,
+        k: Norm,
+    },
+    /// Over each head's `head_dim` features with a weight per head (`[heads, head_dim]`,
+    /// Cohere's `use_qk_norm`).
+    PerHeadWeights {
         q: Norm,
         k: Norm,
     },
@@ -69,20 +75,27 @@ impl Attention {
         x: &Array,
         norm: Option<&Norm>,
         residual: Option<&Array>,
-        cache: &mut KvCache,
+        cache: &mut LayerCache,
+        positions: Option<&Array>,
     ) -> Result<Array> {
         let shape = x.shape();
         let (b, l) = (shape[0], shape[1]);
         let c = &self.cfg;
         let (mut q, mut k, v) = self.project_heads(x, norm, b, l)?;
-        if let QkNorm::PerHead { q: qn, k: kn } = &self.qk_norm {
+        if let QkNorm::PerHead { q: qn, k: kn } | QkNorm::PerHeadWeights { q: qn, k: kn } =
+            &self.qk_norm
+        {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
         if let Some(rope) = &self.rope {
-            let offset = cache.offset();
-            q = rope.forward(&q, offset)?;
-            k = rope.forward(&k, offset)?;
+            (q, k) = match positions {
+                Some(p) => (rope.forward_at(&q, p)?, rope.forward_at(&k, p)?),
+                None => {
+                    let offset = cache.offset();
+                    (rope.forward(&q, offset)?, rope.forward(&k, offset)?)
+                }
+            };
         }
         let (keys, values, mask) = cache.update(&k, &v, c.window)?;
         let out = match c.softcap {
@@ -94,7 +107,7 @@ impl Attention {
                 };
                 ops::scaled_dot_product_attention(&q, &keys, &values, c.scale, m, None)?
             }
-            Some(cap) => softcapped_attention(&q, &keys, &values, c.scale, cap, &mask)?,
+            Some(cap) => manual_attention(&q, &keys, &values, c.scale, Some(cap), &mask)?,
         };
         let out = if l == 1 {
             // [B, H, 1, D] has the memory order of [B, 1, H, D]: no transpose node needed.
@@ -128,7 +141,10 @@ impl Attention {
             })
         };
         match (&self.qkv, &self.qk_norm) {
-            (QkvProjection::Fused(qkv), QkNorm::None | QkNorm::PerHead { .. }) => {
+            (
+                QkvProjection::Fused(qkv),
+                QkNorm::None | QkNorm::PerHead { .. } | QkNorm::PerHeadWeights { .. },
+            ) => {
                 let all = heads(
                     &qkv.forward_fused(x, input, None)?,
                     c.n_heads + 2 * c.n_kv_heads,
@@ -171,18 +187,21 @@ impl Attention {
     }
 }
 
-/// Attention with tanh soft-capping of the scores, which the fused kernel does not offer.
-fn softcapped_attention(
+/// Attention as separate ops: for what the fused kernel does not offer (tanh soft-capping of
+/// the scores, values narrower or wider than the keys). `q` `[B, Hq, L, D]`, `k` `[B, Hk, S, D]`,
+/// `v` `[B, Hk, S, Dv]` → `[B, Hq, L, Dv]`.
+pub(crate) fn manual_attention(
     q: &Array,
     k: &Array,
     v: &Array,
     scale: f32,
-    cap: f32,
+    softcap: Option<f32>,
     mask: &Mask,
 ) -> Result<Array> {
     let (qs, ks) = (q.shape(), k.shape());
     let (b, hq, l, d) = (qs[0], qs[1], qs[2], qs[3]);
     let (hk, s) = (ks[1], ks[2]);
+    let dv = v.dim(-1)?;
     let rep = hq / hk;
     // Group query heads by their shared kv head: [B, Hk, rep, L, D] against [B, Hk, 1, S, D].
     let q = q.reshape(&[b, hk, rep, l, d])?;
@@ -191,10 +210,13 @@ fn softcapped_attention(
     let scores = q
         .mul_scalar(scale as f64)?
         .matmul(&k.transpose(&[0, 1, 2, 4, 3])?)?;
-    let scores = scores
-        .mul_scalar(1.0 / cap as f64)?
-        .tanh()?
-        .mul_scalar(cap as f64)?;
+    let scores = match softcap {
+        Some(cap) => scores
+            .mul_scalar(1.0 / cap as f64)?
+            .tanh()?
+            .mul_scalar(cap as f64)?,
+        None => scores,
+    };
     let keep = match mask {
         Mask::None => None,
         Mask::Causal => {
@@ -210,5 +232,5 @@ fn softcapped_attention(
         None => scores,
     };
     let probs = scores.softmax(&[-1], true)?;
-    Ok(probs.matmul(&v)?.reshape(&[b, hq, l, d])?)
+    Ok(probs.matmul(&v)?.reshape(&[b, hq, l, dv])?)
 }

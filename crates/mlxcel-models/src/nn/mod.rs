@@ -4,6 +4,7 @@
 mod attention;
 pub mod calibration;
 mod linear;
+mod mla;
 mod mlp;
 mod moe;
 mod norm;
@@ -11,7 +12,10 @@ mod rope;
 
 pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
+pub use mla::{LatentAttention, LatentDims, QueryProjection};
 pub use mlp::{Activation, Mlp};
-pub use moe::{RoutedExperts, Router, RouterScoring, StreamedGlu, SwitchGlu};
+pub use moe::{
+    GroupLimit, GroupScore, RoutedExperts, Router, RouterScoring, StreamedGlu, SwitchGlu,
+};
 pub use norm::{Norm, NormKind};
 pub use rope::{RopeConfig, RotaryEmbedding};

@@ -16,6 +16,24 @@ pub enum RouterScoring {
     Sigmoid,
 }
 
+/// How a group of experts is scored when routing is limited to the best groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupScore {
+    /// The group's best expert score (DeepSeek V2's `group_limited_greedy`).
+    Max,
+    /// The sum of the group's two best scores (DeepSeek V3).
+    TopTwoSum,
+}
+
+/// Group-limited routing: experts are split into `groups` equal groups, and only experts of the
+/// `keep` best groups can be chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupLimit {
+    pub groups: i32,
+    pub keep: i32,
+    pub score: GroupScore,
+}
+
 #[derive(Debug, Clone)]
 pub struct Router {
     pub gate: Linear,
@@ -23,9 +41,29 @@ pub struct Router {
     pub scoring: RouterScoring,
     /// Renormalise the kept weights to sum to one (`norm_topk_prob`).
     pub normalize: bool,
+    /// Added to the scores when choosing experts, not to the weights (DeepSeek V3's
+    /// `e_score_correction_bias`), `[experts]` float32.
+    pub correction_bias: Option<Array>,
+    pub group_limit: Option<GroupLimit>,
+    /// Multiplies the final weights (`routed_scaling_factor`).
+    pub weight_scale: f32,
 }
 
 impl Router {
+    /// A router choosing the top `top_k` experts by `scoring`, with no group limit, correction
+    /// bias or weight scale.
+    pub fn top_k(gate: Linear, top_k: i32, scoring: RouterScoring, normalize: bool) -> Router {
+        Router {
+            gate,
+            top_k,
+            scoring,
+            normalize,
+            correction_bias: None,
+            group_limit: None,
+            weight_scale: 1.0,
+        }
+    }
+
     /// `x` `[T, D]` → (expert ids `[T, k]` uint32, weights `[T, k]` in x's dtype).
     pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
         let logits = self.gate.forward(x)?.astype(Dtype::Float32)?;
@@ -33,16 +71,68 @@ impl Router {
             RouterScoring::Softmax => logits.softmax(&[-1], true)?,
             RouterScoring::Sigmoid => logits.sigmoid()?,
         };
+        let mut choice = match &self.correction_bias {
+            Some(bias) => scores.add(bias)?,
+            None => scores.clone(),
+        };
+        if let Some(limit) = self.group_limit {
+            choice = limit.mask(&choice)?;
+        }
         let k = self.top_k;
-        let ids = scores
+        let ids = choice
             .negative()?
             .argpartition(k - 1, -1)?
             .slice_axis(-1, 0, k)?;
         let mut weights = scores.take_along_axis(&ids, -1)?;
         if self.normalize {
-            weights = weights.divide(&weights.sum(&[-1], true)?)?;
+            // The epsilon transformers adds for sigmoid routers; negligible for softmax ones.
+            let sum = weights.sum(&[-1], true)?;
+            weights = if self.scoring == RouterScoring::Sigmoid {
+                weights.divide(&sum.add_scalar(1e-20)?)?
+            } else {
+                weights.divide(&sum)?
+            };
+        }
+        if self.weight_scale != 1.0 {
+            weights = weights.mul_scalar(self.weight_scale as f64)?;
         }
         Ok((ids.astype(Dtype::Uint32)?, weights.astype(x.dtype()?)?))
+    }
+}
+
+impl GroupLimit {
+    /// `choice` `[T, E]` with the experts outside the `keep` best groups set to -inf.
+    fn mask(&self, choice: &Array) -> Result<Array> {
+        let shape = choice.shape();
+        let (t, e) = (shape[0], shape[1]);
+        if self.keep >= self.groups {
+            return Ok(choice.clone());
+        }
+        let grouped = choice.reshape(&[t, self.groups, e / self.groups])?;
+        let group_scores = match self.score {
+            GroupScore::Max => grouped.max(&[-1], false)?,
+            GroupScore::TopTwoSum => {
+                let best = grouped
+                    .negative()?
+                    .argpartition(1, -1)?
+                    .slice_axis(-1, 0, 2)?;
+                grouped.take_along_axis(&best, -1)?.sum(&[-1], false)?
+            }
+        };
+        // The keep-th best group score; groups scoring at least that stay.
+        let order = group_scores.negative()?.argpartition(self.keep - 1, -1)?;
+        let threshold =
+            group_scores.take_along_axis(&order.slice_axis(-1, self.keep - 1, self.keep)?, -1)?;
+        let kept = group_scores
+            .greater_equal(&threshold)?
+            .reshape(&[t, self.groups, 1])?
+            .broadcast_to(&[t, self.groups, e / self.groups])?
+            .reshape(&[t, e])?;
+        Ok(mlxcel_core::ops::where_(
+            &kept,
+            choice,
+            &choice.scalar_like(f64::NEG_INFINITY)?,
+        )?)
     }
 }
 

@@ -39,6 +39,19 @@ impl Norm {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if self.weight.ndim() > 1 {
+            // A weight per head (`[heads, 1, head_dim]` against `[B, heads, L, head_dim]`): the
+            // fused kernels take one vector, so normalise first and scale after.
+            let y = match self.kind {
+                NormKind::Rms | NormKind::RmsOffset => x.rms_norm(None, self.eps)?,
+                NormKind::Layer => x.layer_norm(None, None, self.eps)?,
+            };
+            let y = y.multiply(&self.weight)?;
+            return Ok(match &self.bias {
+                Some(b) => y.add(b)?,
+                None => y,
+            });
+        }
         Ok(match self.kind {
             NormKind::Rms | NormKind::RmsOffset => x.rms_norm(Some(&self.weight), self.eps)?,
             NormKind::Layer => x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps)?,
@@ -48,6 +61,9 @@ impl Norm {
     /// The weight and epsilon of an RMSNorm (Gemma's `1 + w` already folded in), `None` for a
     /// LayerNorm: what a GEMV kernel needs to apply the norm itself.
     pub fn rms_parts(&self) -> Option<(&Array, f32)> {
+        if self.weight.ndim() > 1 {
+            return None;
+        }
         match self.kind {
             NormKind::Rms | NormKind::RmsOffset => Some((&self.weight, self.eps)),
             NormKind::Layer => None,

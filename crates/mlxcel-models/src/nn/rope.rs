@@ -314,6 +314,93 @@ impl RotaryEmbedding {
         )?)
     }
 
+    /// Applies the rotation at explicit positions `positions` (`[L]` or `[B, L]`, integers)
+    /// instead of consecutive positions from an offset: what M-RoPE sections and inputs merged
+    /// from other towers need. Computed with element-wise ops (MLX's fused rope takes only an
+    /// offset); equals [`RotaryEmbedding::forward`] at `offset..offset + L`.
+    pub fn forward_at(&self, x: &Array, positions: &Array) -> Result<Array> {
+        let (periods, scale, attention_factor) = match &self.scaling {
+            Scaling::Fixed {
+                freqs,
+                scale,
+                attention_factor,
+            } => (freqs.clone(), *scale, *attention_factor),
+            _ => {
+                return Err(ModelError::Unsupported(
+                    "explicit position ids with dynamic or longrope rope scaling".into(),
+                ))
+            }
+        };
+        let dtype = x.dtype()?;
+        let half = self.dims / 2;
+        let inv_freq = match periods {
+            Some(p) => p.astype(mlxcel_core::Dtype::Float32)?.reciprocal()?,
+            None => {
+                let inv: Vec<f32> = default_inv_freq(self.base, self.dims)
+                    .into_iter()
+                    .map(|f| f as f32)
+                    .collect();
+                Array::from_slice(&inv, &[half])?
+            }
+        };
+        let pos = positions.astype(mlxcel_core::Dtype::Float32)?;
+        let pos = match pos.ndim() {
+            1 => pos.reshape(&[1, 1, -1, 1])?,
+            2 => pos.reshape(&[pos.dim(0)?, 1, -1, 1])?,
+            n => {
+                return Err(ModelError::Runtime(format!(
+                    "position ids must be [L] or [B, L], got {n} dimensions"
+                )))
+            }
+        };
+        if pos.dim(2)? != x.dim(-2)? {
+            return Err(ModelError::Runtime(format!(
+                "{} position ids for {} input rows",
+                pos.dim(2)?,
+                x.dim(-2)?
+            )));
+        }
+        let angles = pos
+            .mul_scalar(scale as f64)?
+            .multiply(&inv_freq.reshape(&[1, 1, 1, half])?)?;
+        let (cos, sin) = (angles.cos()?.astype(dtype)?, angles.sin()?.astype(dtype)?);
+        let head_dim = x.dim(-1)?;
+        let (rot, pass) = if self.dims == head_dim {
+            (x.clone(), None)
+        } else {
+            let parts = x.split_at(&[self.dims], -1)?;
+            (parts[0].clone(), Some(parts[1].clone()))
+        };
+        let rotated = if self.traditional {
+            // Interleaved pairs (x0, x1), (x2, x3), ...
+            let mut shape = rot.shape();
+            let last = shape.len() - 1;
+            shape[last] = half;
+            shape.push(2);
+            let pairs = rot.reshape(&shape)?;
+            let x1 = pairs.slice_axis(-1, 0, 1)?.squeeze(&[-1])?;
+            let x2 = pairs.slice_axis(-1, 1, 2)?.squeeze(&[-1])?;
+            let a = x1.multiply(&cos)?.subtract(&x2.multiply(&sin)?)?;
+            let b = x1.multiply(&sin)?.add(&x2.multiply(&cos)?)?;
+            mlxcel_core::ops::stack(&[a, b], -1)?.reshape(&rot.shape())?
+        } else {
+            let parts = rot.split_at(&[half], -1)?;
+            let (x1, x2) = (&parts[0], &parts[1]);
+            let a = x1.multiply(&cos)?.subtract(&x2.multiply(&sin)?)?;
+            let b = x2.multiply(&cos)?.add(&x1.multiply(&sin)?)?;
+            mlxcel_core::ops::concatenate(&[a, b], -1)?
+        };
+        let rotated = if attention_factor == 1.0 {
+            rotated
+        } else {
+            rotated.mul_scalar(attention_factor)?
+        };
+        Ok(match pass {
+            Some(p) => mlxcel_core::ops::concatenate(&[rotated, p], -1)?,
+            None => rotated,
+        })
+    }
+
     /// The arrays built at load (frequency tables).
     pub fn arrays(&self) -> Vec<&Array> {
         match &self.scaling {

@@ -1,0 +1,57 @@
+//! StarCoder2: LayerNorms with biases, biases on every projection (`use_bias`), a plain
+//! (non-gated) MLP `c_fc` → GELU-tanh → `c_proj` (renamed `up_proj`/`down_proj` at load), tied
+//! embeddings, optional sliding window on every layer.
+
+use mlxcel_core::WeightMap;
+use mlxcel_quant::QuantConfig;
+use serde::Deserialize;
+
+use super::common::{base_spec, CommonArgs};
+use super::transformer::{DecoderArgs, DecoderSpec, FfnSpec, Transformer};
+use crate::nn::NormKind;
+use crate::sanitize::rename_in_layers;
+use crate::Result;
+
+fn default_norm_epsilon() -> f32 {
+    1e-5
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Args {
+    #[serde(flatten)]
+    pub common: CommonArgs,
+    #[serde(default = "default_norm_epsilon")]
+    pub norm_epsilon: f32,
+    #[serde(default = "yes")]
+    pub use_bias: bool,
+}
+
+pub type Model = Transformer<Args>;
+
+impl DecoderArgs for Args {
+    fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        rename_in_layers(
+            weights,
+            self.common.num_hidden_layers,
+            &[("mlp.c_fc", "mlp.up_proj"), ("mlp.c_proj", "mlp.down_proj")],
+        )
+    }
+
+    fn spec(&self) -> Result<DecoderSpec> {
+        let c = &self.common;
+        let mut spec = base_spec(c, true, "gelu_pytorch_tanh")?;
+        spec.norm = NormKind::Layer;
+        spec.eps = self.norm_epsilon;
+        spec.qkv_bias = self.use_bias;
+        spec.o_bias = self.use_bias;
+        spec.mlp_bias = self.use_bias;
+        let intermediate = c.intermediate()?;
+        spec.ffn = vec![FfnSpec::Plain { intermediate }; c.num_hidden_layers];
+        spec.windows = c.windows(|_| c.sliding_window.is_some())?;
+        Ok(spec)
+    }
+}

@@ -1,0 +1,130 @@
+//! Multi-head latent attention (DeepSeek V2/V3): keys and values are compressed into one
+//! `kv_lora_rank`-wide latent per position plus a small roped key part shared by all heads, and
+//! that pair is what the cache keeps ([`LayerCache::Latent`]). The per-head key and value
+//! up-projections (`kv_b_proj`, split into `embed_q` and `unembed_out`) are absorbed into the
+//! query and the output instead of expanding the cache: `q_nope · (W_uk c)` = `(q_nope W_uk) · c`,
+//! so attention runs against the latents directly.
+
+use mlxcel_core::ops;
+use mlxcel_core::{Array, Dtype};
+
+use super::{Linear, LinearInput, Norm, RotaryEmbedding};
+use crate::cache::{LayerCache, Mask};
+use crate::Result;
+
+/// How queries are projected: directly, or through a low-rank bottleneck with its own norm.
+#[derive(Debug, Clone)]
+pub enum QueryProjection {
+    Direct(Linear),
+    LowRank { a: Linear, norm: Norm, b: Linear },
+}
+
+/// The dimensions of one latent attention layer.
+#[derive(Debug, Clone, Copy)]
+pub struct LatentDims {
+    pub heads: i32,
+    pub kv_lora_rank: i32,
+    pub qk_nope: i32,
+    pub qk_rope: i32,
+    pub v_head: i32,
+}
+
+#[derive(Debug, Clone)]
+pub struct LatentAttention {
+    pub q: QueryProjection,
+    /// hidden → `[latent | k_pe]`.
+    pub kv_a: Linear,
+    pub kv_a_norm: Norm,
+    /// `[heads, kv_lora_rank, qk_nope]`: maps a head's non-rotary query into latent space.
+    pub embed_q: Array,
+    /// `[heads, v_head, kv_lora_rank]`: maps a head's attended latent to its value space.
+    pub unembed_out: Array,
+    pub o: Linear,
+    pub rope: RotaryEmbedding,
+    pub dims: LatentDims,
+    pub scale: f32,
+}
+
+impl LatentAttention {
+    /// `residual + attention(norm(x))` for `x` `[B, L, hidden]`, extending the latent `cache`.
+    pub fn forward(
+        &self,
+        x: &Array,
+        norm: Option<&Norm>,
+        residual: Option<&Array>,
+        cache: &mut LayerCache,
+        positions: Option<&Array>,
+    ) -> Result<Array> {
+        let shape = x.shape();
+        let (b, l) = (shape[0], shape[1]);
+        let d = self.dims;
+        let input = norm.map_or(LinearInput::Plain, LinearInput::Normed);
+        let q = match &self.q {
+            QueryProjection::Direct(q) => q.forward_fused(x, input, None)?,
+            QueryProjection::LowRank { a, norm, b } => {
+                b.forward(&norm.forward(&a.forward_fused(x, input, None)?)?)?
+            }
+        };
+        let q = q
+            .reshape(&[b, l, d.heads, d.qk_nope + d.qk_rope])?
+            .transpose(&[0, 2, 1, 3])?;
+        let q_parts = q.split_at(&[d.qk_nope], -1)?;
+        let (q_nope, q_pe) = (&q_parts[0], &q_parts[1]);
+        let kv = self.kv_a.forward_fused(x, input, None)?;
+        let kv_parts = kv.split_at(&[d.kv_lora_rank], -1)?;
+        let latent = self
+            .kv_a_norm
+            .forward(&kv_parts[0])?
+            .reshape(&[b, 1, l, d.kv_lora_rank])?;
+        let k_pe = kv_parts[1].reshape(&[b, 1, l, d.qk_rope])?;
+        let (q_pe, k_pe) = match positions {
+            Some(p) => (
+                self.rope.forward_at(q_pe, p)?,
+                self.rope.forward_at(&k_pe, p)?,
+            ),
+            None => {
+                let offset = cache.offset();
+                (
+                    self.rope.forward(q_pe, offset)?,
+                    self.rope.forward(&k_pe, offset)?,
+                )
+            }
+        };
+        let (latents, k_pes, mask) = cache.update_latent(&latent, &k_pe)?;
+        // Scores of every head against the shared latents: the absorbed non-rotary part plus
+        // the rotary part, [B, H, L, S].
+        let q_latent = q_nope.matmul(&self.embed_q.transpose(&[0, 2, 1])?)?;
+        let scores = q_latent
+            .matmul(&latents.transpose(&[0, 1, 3, 2])?)?
+            .add(&q_pe.matmul(&k_pes.transpose(&[0, 1, 3, 2])?)?)?
+            .mul_scalar(self.scale as f64)?;
+        let s = latents.dim(2)?;
+        let keep = match mask {
+            Mask::None => None,
+            Mask::Causal => {
+                match Mask::window((s - l) as usize, l as usize, 0, s as usize, None)? {
+                    Mask::Array(a) => Some(a),
+                    _ => None,
+                }
+            }
+            Mask::Array(a) => Some(a),
+        };
+        let scores = match keep {
+            Some(m) => ops::where_(&m, &scores, &scores.scalar_like(f64::NEG_INFINITY)?)?,
+            None => scores,
+        };
+        let dtype = x.dtype()?;
+        let probs = scores
+            .astype(Dtype::Float32)?
+            .softmax(&[-1], true)?
+            .astype(dtype)?;
+        // [B, H, L, rank] → each head's values [B, H, L, v].
+        let out = probs
+            .matmul(&latents)?
+            .matmul(&self.unembed_out.transpose(&[0, 2, 1])?)?;
+        let out = out
+            .transpose(&[0, 2, 1, 3])?
+            .reshape(&[b, l, d.heads * d.v_head])?;
+        self.o.forward_fused(&out, LinearInput::Plain, residual)
+    }
+}
