@@ -187,9 +187,10 @@ fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
         gib(est.weight_bytes())
     );
     println!(
-        "kv cache         {:>23} ({:.3} GiB, {context} tokens)",
+        "kv cache         {:>23} ({:.3} GiB, {context} tokens, {} bytes per token)",
         est.kv_cache,
-        gib(est.kv_cache)
+        gib(est.kv_cache),
+        est.kv_bytes_per_token
     );
     println!(
         "transient        {:>23} ({:.3} GiB)",

@@ -117,10 +117,10 @@ pub fn print_registry() {
             format!("{:?}", d.kind),
             format!("{:?}", d.directory_route),
             format!("{:?}", d.weight_route),
-            if d.adapter_unsupported.is_some() {
-                "no"
-            } else {
+            if mlxcel_models::adapter_support(d.model_type).is_ok() {
                 "yes"
+            } else {
+                "no"
             },
             d.architecture_path()
         );

@@ -41,6 +41,9 @@ pub struct MemoryEstimate {
     /// Bytes by (role, stored dtype) as loaded (float tensors at the compute dtype).
     pub weights: BTreeMap<(String, String), u64>,
     pub kv_cache: u64,
+    /// Cache bytes one more position costs over all layers, as the model's layer schedule says
+    /// (latent attention keeps far less than `2 · kv_heads · head_dim` per layer).
+    pub kv_bytes_per_token: u64,
     pub transient: u64,
     /// Slot arenas of streamed routed experts (0 when experts are resident).
     pub expert_arena: u64,
@@ -118,27 +121,37 @@ pub fn estimate(
             .entry((tensor_role(name).to_string(), label))
             .or_default() += bytes;
     }
-    let layers = num(config, "num_hidden_layers").unwrap_or(0);
     let heads = num(config, "num_attention_heads").unwrap_or(1).max(1);
-    let kv_heads = num(config, "num_key_value_heads").unwrap_or(heads);
     let hidden = num(config, "hidden_size").unwrap_or(0);
-    let head_dim = num(config, "head_dim").unwrap_or(hidden / heads);
-    let per_token = 2 * kv_heads * head_dim * dtype.size_of() as u64;
-    // Every layer is counted at the full context: an upper bound for sliding-window layers,
-    // whose rings hold at most window + chunk rows.
-    let rows = context;
+    // The model's own cache schedule: what each layer keeps per position, and how many
+    // positions (sliding-window rings hold at most window + chunk rows).
+    let model_type = mlxcel_models::detection::get_model_type(config, false)?;
+    let schedule = mlxcel_models::cache_schedule(model_type, config)?;
+    let kv_bytes_per_token: u64 = schedule.iter().map(|k| k.bytes_per_token(dtype)).sum();
     // Growth happens in steps of 256 positions.
-    let rows = rows.div_ceil(256) * 256;
-    let kv_cache = layers * rows * per_token;
+    let rows = context.saturating_add(255) / 256 * 256;
+    let kv_cache = schedule
+        .iter()
+        .map(|k| {
+            k.bytes_per_token(dtype)
+                .saturating_mul(k.rows_held(rows, chunk))
+        })
+        .fold(0u64, u64::saturating_add);
     let vocab = num(config, "vocab_size").unwrap_or(0);
     let inter = num(config, "intermediate_size")
         .unwrap_or(4 * hidden)
         .max(num(config, "moe_intermediate_size").unwrap_or(0));
     let f = dtype.size_of() as u64;
     // Logits of one chunk (f32), a few activations of the widest layer, attention scores.
-    let transient = chunk * vocab * 4
-        + 4 * chunk * inter.max(hidden) * f
-        + heads * chunk * rows.min(context) * f;
+    let transient = chunk
+        .saturating_mul(vocab * 4)
+        .saturating_add(4 * chunk * inter.max(hidden) * f)
+        .saturating_add(
+            heads
+                .saturating_mul(chunk)
+                .saturating_mul(context)
+                .saturating_mul(f),
+        );
     let device = mlxcel_core::default_device()?;
     let available = available_memory()?;
     // Streamed routed experts are not resident: the arena holds them instead.
@@ -151,6 +164,7 @@ pub fn estimate(
     Ok(MemoryEstimate {
         weights: by_role,
         kv_cache,
+        kv_bytes_per_token,
         transient,
         expert_arena,
         device,
