@@ -70,7 +70,7 @@ fn fused_projections_compute_what_the_stored_layers_compute() {
         ("qwen3", 3),             // per-head qk-norm after the fused split
         ("olmoe", 2),             // full-width qk-norm; MoE layers (q/k/v only)
         ("gemma", 3),             // GELU gate
-        ("phi3", 0),              // stored fused already
+        ("phi3", 3),              // stored fused, split at load, fused back
         ("llama-affine4-g64", 3), // quantized planes concatenated
         ("llama-mxfp4", 3),       // no biases plane
         ("qwen3-affine4-g64", 3),

@@ -458,6 +458,42 @@ mod tests {
     }
 
     #[test]
+    fn every_kind_says_how_far_it_can_rewind() {
+        // A latent cache keeps every position: any prefix can be reused.
+        let mut latent = LayerCache::latent();
+        let (l, pe, mask) = latent.update_latent(&keys(0, 6), &keys(0, 6)).unwrap();
+        assert_eq!(rows_of(&l), rows_of(&pe));
+        assert!(matches!(mask, Mask::Causal));
+        assert_eq!(latent.rewind_floor(), 0);
+        latent.rewind(2).unwrap();
+        let (l, _, _) = latent.update_latent(&keys(2, 1), &keys(2, 1)).unwrap();
+        assert_eq!(rows_of(&l), vec![0., 1., 2.]);
+        // ...and refuses to be used as a key/value cache.
+        assert!(latent.update(&keys(3, 1), &keys(3, 1), None).is_err());
+        // A recurrent state can only stay where it is.
+        let mut state = LayerCache::state();
+        if let LayerCache::State(s) = &mut state {
+            s.arrays = vec![Some(keys(0, 4))];
+            s.advance(4);
+        }
+        assert_eq!(state.rewind_floor(), 4);
+        assert!(state.can_rewind(4) && !state.can_rewind(3));
+        assert!(state.rewind(2).is_err());
+        assert_eq!(state.nbytes(), 16);
+        assert!(state.update(&keys(4, 1), &keys(4, 1), None).is_err());
+        // A shared cache holds nothing and follows its source's position.
+        let mut shared = LayerCache::shared(0);
+        shared.follow(5);
+        assert_eq!((shared.offset(), shared.nbytes()), (5, 0));
+        shared.rewind(3).unwrap();
+        assert_eq!(shared.offset(), 3);
+        // A ring's floor is the first position whose whole window it still holds.
+        let mut ring = LayerCache::rotating(4);
+        ring.update(&keys(0, 10), &keys(0, 10), None).unwrap();
+        assert_eq!(ring.rewind_floor(), 6 + 4 - 1);
+    }
+
+    #[test]
     fn standard_cache_grows_and_masks() {
         let mut cache = LayerCache::standard();
         let (k, _, mask) = cache.update(&keys(0, 5), &keys(0, 5), None).unwrap();
