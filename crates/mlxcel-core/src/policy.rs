@@ -526,6 +526,27 @@ mod tests {
     }
 
     #[test]
+    fn install_sets_the_current_policy_and_refuses_bad_thread_counts() {
+        // Only fields no other test of this binary depends on.
+        let policy = RuntimePolicy {
+            weight_materialization: Materialization::Lazy,
+            cuda_launch: CudaLaunch::Mlx,
+            ..RuntimePolicy::default()
+        };
+        install(&policy).unwrap();
+        assert_eq!(current(), policy);
+        let bad = RuntimePolicy {
+            cpu_threads: Some(65),
+            ..RuntimePolicy::default()
+        };
+        let e = install(&bad).unwrap_err();
+        assert!(e.to_string().contains("cpu_threads = 65"), "{e}");
+        assert_eq!(current(), policy);
+        install(&RuntimePolicy::default()).unwrap();
+        assert_eq!(current(), RuntimePolicy::default());
+    }
+
+    #[test]
     fn the_first_bad_variable_is_reported_and_good_ones_combine() {
         let p = parse(&[
             ("MLXCEL_CPU_KERNELS", "0"),
