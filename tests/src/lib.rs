@@ -158,15 +158,25 @@ pub fn max_abs_diff(got: &[f32], want: &[f32]) -> (f32, usize) {
 }
 
 /// Loads fixture `name` with default options (no tokenizer) and checks it against its
-/// reference: prefill logits within `tolerance`, greedy ids equal. For test binaries that set a
-/// process-wide switch first (kernel paths, dequantized prefill).
+/// reference: prefill logits within `tolerance`, greedy ids equal.
 pub fn assert_matches_reference(name: &str, tolerance: f32) {
+    assert_matches_reference_with(name, tolerance, None);
+}
+
+/// [`assert_matches_reference`] loading under `policy` (`None`: the environment's), for tests
+/// that switch a kernel path (kernel paths, dequantized prefill).
+pub fn assert_matches_reference_with(
+    name: &str,
+    tolerance: f32,
+    policy: Option<mlxcel_core::RuntimePolicy>,
+) {
     use mlxcel_loading::{load_model, LoadOptions};
     let r = reference(name);
     let loaded = load_model(
         model_dir(name),
         &LoadOptions {
             skip_tokenizer: true,
+            policy,
             ..Default::default()
         },
     )

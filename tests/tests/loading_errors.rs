@@ -247,3 +247,94 @@ fn hub_style_configs_load() {
     )
     .unwrap();
 }
+
+/// A runtime policy parsed from `pairs` as `RuntimePolicy::from_env` parses the environment.
+fn policy_from(pairs: &[(&str, &str)]) -> mlxcel_core::Result<mlxcel_core::RuntimePolicy> {
+    mlxcel_core::RuntimePolicy::from_vars(|name| {
+        pairs
+            .iter()
+            .find(|(var, _)| *var == name)
+            .map(|(_, value)| value.to_string())
+    })
+}
+
+/// Loads the llama fixture under the policy of `pairs`, failing as `load_model` does when
+/// `LoadOptions::policy` is `None` and the environment holds an invalid variable.
+fn load_under(pairs: &[(&str, &str)]) -> mlxcel_loading::Result<mlxcel_loading::Loaded> {
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        policy: Some(policy_from(pairs)?),
+        ..Default::default()
+    };
+    load_model(mlxcel_tests::model_dir("llama"), &options)
+}
+
+#[test]
+fn an_invalid_runtime_variable_is_a_load_error_naming_it() {
+    for (var, value, expected) in [
+        (
+            "MLXCEL_DEQUANT_ROWS",
+            "lots",
+            "MLXCEL_DEQUANT_ROWS=lots: expected a number of rows (0 = never)",
+        ),
+        (
+            "MLXCEL_WEIGHT_MATERIALIZATION",
+            "sometimes",
+            "MLXCEL_WEIGHT_MATERIALIZATION=sometimes: expected `eager` or `lazy`",
+        ),
+        (
+            "MLXCEL_CPU_KERNELS",
+            "yes",
+            "MLXCEL_CPU_KERNELS=yes: expected 1 (on) or 0 (off)",
+        ),
+    ] {
+        match load_under(&[(var, value)]) {
+            Ok(_) => panic!("{var}={value} should fail the load"),
+            Err(e) => assert_eq!(e.to_string(), expected),
+        }
+    }
+    // Valid values load (load-level switches only: the installed policy is process-wide and
+    // other tests of this binary load concurrently).
+    let loaded = load_under(&[
+        ("MLXCEL_WEIGHT_MATERIALIZATION", "lazy"),
+        ("MLXCEL_FUSE_PROJECTIONS", "0"),
+        ("MLXCEL_WARM_UP", "0"),
+    ])
+    .unwrap();
+    assert_eq!(loaded.model_type, mlxcel_loading::ModelType::Llama);
+}
+
+#[test]
+fn load_options_overrides_win_over_the_policy() {
+    let policy = policy_from(&[
+        ("MLXCEL_WEIGHT_MATERIALIZATION", "lazy"),
+        ("MLXCEL_FUSE_PROJECTIONS", "1"),
+        ("MLXCEL_EXPERT_STREAM", "0"),
+        ("MLXCEL_DEQUANT_ROWS", "7"),
+    ])
+    .unwrap();
+    let options = LoadOptions {
+        policy: Some(policy),
+        materialization: Some(mlxcel_core::Materialization::Eager),
+        fuse_projections: Some(false),
+        warm_up: Some(true),
+        stream: Some(mlxcel_stream::StreamConfig {
+            mode: mlxcel_stream::StreamMode::On,
+            arena_bytes: Some(1 << 20),
+            policy: mlxcel_stream::CachePolicy::Lru,
+        }),
+        ..Default::default()
+    };
+    let got = options.runtime_policy().unwrap();
+    assert_eq!(
+        got.weight_materialization,
+        mlxcel_core::Materialization::Eager
+    );
+    assert_eq!(got.fuse_projections, Some(false));
+    assert_eq!(got.warm_up, Some(true));
+    assert_eq!(got.expert_stream, mlxcel_stream::StreamMode::On);
+    assert_eq!(got.expert_arena_bytes, Some(1 << 20));
+    assert_eq!(got.expert_cache_policy, mlxcel_stream::CachePolicy::Lru);
+    // Fields without an override keep the policy's.
+    assert_eq!(got.dequant_rows, Some(7));
+}

@@ -145,6 +145,8 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
     }
     let options = LoadOptions {
         skip_tokenizer: !need_tokenizer,
+        // Parsed and installed once in `main`.
+        policy: Some(mlxcel_core::policy::current()),
         ..Default::default()
     };
     let loaded = load_model(&model, &options)?;

@@ -73,6 +73,9 @@ fn main() -> anyhow::Result<()> {
         println!("default device: {}", mlxcel_core::default_device()?);
         return Ok(());
     }
+    // The runtime variables (`MLXCEL_*`), parsed once and strictly: an invalid value is an
+    // error naming the variable. Loads take the installed policy.
+    mlxcel_core::policy::install(&mlxcel_core::RuntimePolicy::from_env()?)?;
     match cli.command {
         None => println!("mlxcel {}: run `mlxcel --help`", env!("CARGO_PKG_VERSION")),
         Some(Command::Logits {
@@ -125,6 +128,7 @@ fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Resul
 fn logits(model: &std::path::Path, ids: &[u32], out: &std::path::Path) -> anyhow::Result<()> {
     let options = LoadOptions {
         skip_tokenizer: true,
+        policy: Some(mlxcel_core::policy::current()),
         ..Default::default()
     };
     let loaded = load_model(model, &options)?;

@@ -97,3 +97,22 @@ fn logits_writes_npy_and_bad_input_is_an_error() {
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/model"));
 }
+
+#[test]
+fn an_invalid_runtime_variable_is_an_error_naming_it() {
+    let out = mlxcel()
+        .args(["logits", "--prompt-ids", "1,2", "--out"])
+        .arg(std::env::temp_dir().join("mlxcel-never-written.npy"))
+        .arg("--model")
+        .arg(fixture("llama"))
+        .env("MLXCEL_CUDA_QMV", "banana")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("MLXCEL_CUDA_QMV=banana: expected 0, 1 or a launch shape NWxRPW"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -158,11 +158,13 @@ class Pool {
   bool stop_ = false;
 };
 
-int pool_threads() {
-  if (const char* v = std::getenv("MLXCEL_CPU_THREADS")) {
-    int n = std::atoi(v);
-    if (n > 0) return std::min(n, 64);
-  }
+// Threads the policy asks for (MLXCEL_CPU_THREADS, set through `set_cpu_threads`); 0: default.
+std::mutex pool_mu;
+int requested_threads = 0;
+Pool* started_pool = nullptr;
+
+int pool_threads(int requested) {
+  if (requested > 0) return std::min(requested, 64);
   unsigned hw = std::thread::hardware_concurrency();
   return int(std::clamp(hw, 1u, 16u));
 }
@@ -170,11 +172,31 @@ int pool_threads() {
 Pool& pool() {
   // Leaked on purpose: joining threads during static destruction at process exit can deadlock
   // with MLX's own scheduler teardown.
-  static Pool* p = new Pool(pool_threads());
+  static Pool* p = [] {
+    std::lock_guard<std::mutex> lock(pool_mu);
+    started_pool = new Pool(pool_threads(requested_threads));
+    return started_pool;
+  }();
   return *p;
 }
 
 }  // namespace
+
+void set_cpu_threads(int32_t threads) {
+  if (threads < 0 || threads > 64) {
+    throw std::invalid_argument("mlxcel: CPU kernel threads must be 0 (default) to 64, got " +
+                                std::to_string(threads));
+  }
+  std::lock_guard<std::mutex> lock(pool_mu);
+  if (started_pool != nullptr && started_pool->threads() != pool_threads(threads)) {
+    throw std::runtime_error("mlxcel: the CPU kernel's thread pool already runs " +
+                             std::to_string(started_pool->threads()) +
+                             " threads and cannot change to " +
+                             std::to_string(pool_threads(threads)) +
+                             " (MLXCEL_CPU_THREADS: it is sized once per process, at its first use)");
+  }
+  requested_threads = threads;
+}
 
 // Shared with the other CPU kernels (cpu_kernels.h).
 void parallel_for(int tasks, const std::function<void(int)>& fn) { pool().run(tasks, fn); }

@@ -28,6 +28,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -127,13 +128,12 @@ void* local_symbol(const void* anchor, const char* symbol) {
   return found;
 }
 
-// The entry points when all are in the process (and MLXCEL_CUDA_LAUNCH is not `mlx`), else null.
-const LaunchApi* launch_api() {
+// Set by `set_cuda_launch_mlx` (the runtime policy's MLXCEL_CUDA_LAUNCH=mlx).
+std::atomic<bool> launch_through_mlx{false};
+
+// The entry points when all are in the process, else null.
+const LaunchApi* resolved_launch_api() {
   static const LaunchApi* api = []() -> const LaunchApi* {
-    const char* choice = std::getenv("MLXCEL_CUDA_LAUNCH");
-    if (choice != nullptr && std::string(choice) == "mlx") {
-      return nullptr;
-    }
     static LaunchApi a;
     bool found = true;
     auto get = [&found](auto& slot, const char* symbol) {
@@ -165,6 +165,15 @@ const LaunchApi* launch_api() {
     return found ? &a : nullptr;
   }();
   return api;
+}
+
+// The entry points for new launches: null when not all are in the process or the policy
+// launches through MLX.
+const LaunchApi* launch_api() {
+  if (launch_through_mlx.load(std::memory_order_relaxed)) {
+    return nullptr;
+  }
+  return resolved_launch_api();
 }
 
 void check(const LaunchApi& api, int status, const std::string& what) {
@@ -241,7 +250,8 @@ class MlxcelKernel : public mx::Primitive {
   }
 
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const LaunchApi& api = *launch_api();
+    // Created only when the entry points were found (see launch_cuda_binary).
+    const LaunchApi& api = *resolved_launch_api();
     void* encoder = api.command_encoder(stream());
     std::vector<mx::array> args;
     args.reserve(inputs.size());
@@ -309,6 +319,10 @@ class MlxcelKernel : public mx::Primitive {
 };
 
 }  // namespace
+
+void set_cuda_launch_mlx(bool through_mlx) {
+  launch_through_mlx.store(through_mlx, std::memory_order_relaxed);
+}
 
 std::optional<std::vector<mx::array>> launch_cuda_binary(
     const CudaBinary& binary, const std::vector<mx::array>& inputs,

@@ -161,6 +161,11 @@ std::unique_ptr<CustomKernel> custom_kernel_new(rust::Str backend, rust::Str nam
                                                 const rust::Vec<rust::String>& input_names,
                                                 const rust::Vec<rust::String>& output_names,
                                                 rust::Str source, rust::Str header);
+// The runtime policy's values for the C++ kernels (set by mlxcel_core::policy::install).
+// Threads of the CPU kernel's pool (0: default), before its first use (cpu_linear.cc).
+void set_cpu_threads(int32_t threads);
+// Launch mlxcel's CUDA kernels through MLX's precompiled_cuda_kernel (cuda_launch.cc).
+void set_cuda_launch_mlx(bool through_mlx);
 int32_t cuda_device_arch();
 rust::Vec<uint8_t> cuda_compile(rust::Str source, rust::Str name, int32_t arch);
 std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image, rust::Str kernel);

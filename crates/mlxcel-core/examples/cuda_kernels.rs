@@ -12,6 +12,7 @@
 use std::time::Instant;
 
 use mlxcel_core::ops::{self, QuantMode, QuantSpec};
+use mlxcel_core::policy::{self, RuntimePolicy};
 use mlxcel_core::{cuda_kernels, Array, Dtype};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
@@ -322,14 +323,20 @@ fn speed() -> R<()> {
 }
 
 fn main() -> R<()> {
+    // The `MLXCEL_*` runtime variables (launch shapes for `--source`, for instance).
+    let policy = RuntimePolicy::from_env()?;
+    policy::install(&policy)?;
     if std::env::args().any(|a| a == "--source") {
         print!("{}", cuda_kernels::module_source());
         return Ok(());
     }
     // ops::dequantize and ops::quantized_matmul must be MLX's here, the references (the
     // cuda_kernels functions called directly stay mlxcel's).
-    std::env::set_var("MLXCEL_CUDA_DEQUANT", "0");
-    std::env::set_var("MLXCEL_CUDA_QMV", "0");
+    policy::install(&RuntimePolicy {
+        cuda_dequant: false,
+        cuda_qmv: None,
+        ..policy
+    })?;
     let started = Instant::now();
     let result = check().and_then(|failures| {
         println!(

@@ -9,7 +9,7 @@
 //!   16-byte loads and folds scale and bias per group, and its launches cost MLX less host
 //!   time (decode on the 8B 4-bit shape: 188-222 against 155-171 tok/s with MLX's). On by
 //!   default with 4 warps x 4 rows per block; `MLXCEL_CUDA_QMV=0` keeps MLX's, `NWxRPW` picks
-//!   another launch shape (an unreadable value keeps the default). It can fold in the ops
+//!   another launch shape (an unreadable value is an error, see [`crate::policy`]). It can fold in the ops
 //!   around it ([`GemvInput`], a residual add): decode on a GPU is bound by MLX's host time per
 //!   graph node, and a transformer block's RMSNorms, gate activation and residual adds are four
 //!   nodes of about twenty. `MLXCEL_CUDA_QMV_FOLD=0` keeps them separate.
@@ -24,6 +24,8 @@
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
+
+use crate::policy::LaunchShape;
 
 use crate::array::ArrayList;
 use crate::ffi::bridge::{self, CudaBinary};
@@ -41,7 +43,7 @@ pub const QMV_MAX_ROWS: usize = 4;
 /// The dequantize kernel's block size (`DQ_THREADS` in dequant.cu: its shared staging is sized by it).
 const DEQUANT_THREADS: i32 = 256;
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
-const DEFAULT_QMV_SHAPE: (i32, i32) = (4, 4);
+const DEFAULT_QMV_SHAPE: (i32, i32) = crate::policy::DEFAULT_QMV_SHAPE.pair();
 /// The same for GEMVs that normalise or gate their input (see `gemv_launch_shape`), measured
 /// on an H200 against 4x4 .. 16x16 (docs/bench/gpu-h200-session4-fold.txt): RMSNorm in, on
 /// Llama-8B's qkv (6144x4096) and gate/up (28672x4096): 11.3 and 35.4 us at 4x8 against 11.8
@@ -52,32 +54,20 @@ const GATED_FOLDED_SHAPE: (i32, i32) = (16, 16);
 const BITS: [i32; 2] = [4, 8];
 const DTYPES: [Dtype; 3] = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
 
-fn switch(name: &str) -> Option<String> {
-    std::env::var(name)
-        .ok()
-        .map(|v| v.trim().to_ascii_lowercase())
-}
-
 /// Whether GEMVs may fold their neighbouring ops in (`MLXCEL_CUDA_QMV_FOLD=0`: never, for
 /// comparisons; the GEMV itself stays on).
 fn folding_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| switch("MLXCEL_CUDA_QMV_FOLD").is_none_or(|v| v != "0"))
+    crate::policy::with(|p| p.cuda_qmv_fold)
 }
 
 fn dequant_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| switch("MLXCEL_CUDA_DEQUANT").is_none_or(|v| v != "0"))
+    crate::policy::with(|p| p.cuda_dequant)
 }
 
-/// The GEMV's launch shape (warps per block, rows per block), `None` when switched off.
+/// The GEMV's launch shape (warps per block, rows per block), `None` when switched off
+/// (`MLXCEL_CUDA_QMV`, through the installed [`crate::policy`]).
 fn qmv_shape() -> Option<(i32, i32)> {
-    static SHAPE: OnceLock<Option<(i32, i32)>> = OnceLock::new();
-    *SHAPE.get_or_init(|| match switch("MLXCEL_CUDA_QMV").as_deref() {
-        Some("0") => None,
-        Some(v) => Some(parse_shape(v).unwrap_or(DEFAULT_QMV_SHAPE)),
-        None => Some(DEFAULT_QMV_SHAPE),
-    })
+    crate::policy::with(|p| p.cuda_qmv.map(LaunchShape::pair))
 }
 
 fn type_name(dtype: Dtype) -> &'static str {
@@ -415,23 +405,15 @@ fn qmv_launch_shape() -> (i32, i32) {
 }
 
 /// `NWxRPW` (warps per block, rows per block) from `value`, if valid.
-fn parse_shape(value: &str) -> Option<(i32, i32)> {
-    let (nw, rpw) = value.split_once('x')?;
-    let (nw, rpw): (i32, i32) = (nw.parse().ok()?, rpw.parse().ok()?);
-    ((1..=32).contains(&nw) && (1..=nw * 32).contains(&rpw)).then_some((nw, rpw))
-}
-
 /// The launch shape of a GEMV whose input op is `pre` (`GemvInput::pre`): a plain input takes
 /// [`qmv_launch_shape`]; a folded one (RMSNorm, gate) has every block prepare the whole
 /// activation row, so more rows per block spread that work over more output rows, at the cost
 /// of fewer blocks. `MLXCEL_CUDA_QMV_FOLD_SHAPE=NWxRPW` sets one for both folded inputs.
 fn gemv_launch_shape(pre: i32) -> (i32, i32) {
-    static SHAPE: OnceLock<Option<(i32, i32)>> = OnceLock::new();
     if pre == 0 {
         return qmv_launch_shape();
     }
-    let set =
-        *SHAPE.get_or_init(|| switch("MLXCEL_CUDA_QMV_FOLD_SHAPE").and_then(|v| parse_shape(&v)));
+    let set = crate::policy::with(|p| p.cuda_qmv_fold_shape.map(LaunchShape::pair));
     set.unwrap_or(if pre == 1 {
         RMSNORM_FOLDED_SHAPE
     } else {
@@ -619,10 +601,11 @@ mod tests {
 
     #[test]
     fn launch_shapes_parse_or_are_refused() {
-        assert_eq!(parse_shape("4x8"), Some((4, 8)));
-        assert_eq!(parse_shape("16x16"), Some((16, 16)));
+        let parse = |v| LaunchShape::parse(v).map(LaunchShape::pair);
+        assert_eq!(parse("4x8"), Some((4, 8)));
+        assert_eq!(parse("16x16"), Some((16, 16)));
         for bad in ["", "4", "0x4", "4x0", "33x4", "1x33", "4x8x2", "ax4"] {
-            assert_eq!(parse_shape(bad), None, "{bad}");
+            assert_eq!(parse(bad), None, "{bad}");
         }
     }
 }

@@ -11,6 +11,14 @@ pub enum Error {
     /// A call was made with arguments the bridge refuses before reaching MLX.
     #[error("{0}")]
     Invalid(String),
+    /// A runtime variable (`MLXCEL_*`) holds a value that is not one of its documented forms
+    /// (see [`crate::policy::RuntimePolicy`]).
+    #[error("{var}={value}: expected {expected}")]
+    Policy {
+        var: String,
+        value: String,
+        expected: String,
+    },
     /// Host data and array element types disagree.
     #[error("dtype mismatch: array is {array}, requested {requested}")]
     DtypeMismatch {

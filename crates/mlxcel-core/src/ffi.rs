@@ -372,6 +372,9 @@ pub(crate) mod bridge {
         ) -> Result<UniquePtr<CustomKernel>>;
         // mlxcel's own CUDA kernels: compiled with the process's NVRTC, launched as nodes of
         // an mlxcel primitive (cpp/cuda_launch.cc).
+        // The runtime policy's values for the C++ kernels (see `policy::install`).
+        fn set_cpu_threads(threads: i32) -> Result<()>;
+        fn set_cuda_launch_mlx(through_mlx: bool) -> Result<()>;
         fn cuda_device_arch() -> Result<i32>;
         fn cuda_compile(source: &str, name: &str, arch: i32) -> Result<Vec<u8>>;
         fn cuda_binary_new(image: &[u8], kernel: &str) -> Result<UniquePtr<CudaBinary>>;

@@ -22,12 +22,14 @@ mod ffi;
 pub mod kernel;
 pub mod memory;
 pub mod ops;
+pub mod policy;
 pub mod weights;
 
 pub use array::{Array, HostElement};
 pub use device::{default_device, set_default_device, Device};
 pub use dtype::Dtype;
 pub use error::{Error, Result};
+pub use policy::RuntimePolicy;
 pub use weights::{Materialization, TensorInfo, WeightMap};
 
 /// The version string of the MLX library this process is running against (which may differ from

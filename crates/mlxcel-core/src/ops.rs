@@ -505,9 +505,9 @@ pub fn gated_activation_as(
 /// the CPU: on unless `MLXCEL_CPU_KERNELS=0` (which keeps MLX's kernels, for comparisons).
 /// MLX's Linux CPU backend runs quantized matmuls as a scalar loop and dense ones through a
 /// reference BLAS; the mlxcel kernel is vectorised and multi-threaded (`MLXCEL_CPU_THREADS`).
+/// Read from the installed [`crate::policy`].
 pub fn cpu_kernels_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("MLXCEL_CPU_KERNELS").map_or(true, |v| v.trim() != "0"))
+    crate::policy::with(|p| p.cpu_kernels)
 }
 
 /// Whether mlxcel's CPU kernels are in use now: enabled and MLX's default device is the CPU.

@@ -159,11 +159,9 @@ fn open_shard(path: &Path) -> Result<Arc<MmapMut>> {
 /// it: on MLX's CPU backend (which computes on host memory) unless `MLXCEL_ZERO_COPY=0`.
 /// Loading then costs no copy of the weights; the pages are faulted in (read from the page
 /// cache) while loading, so the first forward pass does not pay for them.
+/// The switch is read from the installed [`crate::policy`].
 pub fn zero_copy_enabled() -> bool {
-    static DISABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let disabled =
-        *DISABLED.get_or_init(|| std::env::var("MLXCEL_ZERO_COPY").is_ok_and(|v| v.trim() == "0"));
-    !disabled && crate::default_device().ok() == Some(crate::Device::Cpu)
+    crate::policy::with(|p| p.zero_copy) && crate::default_device().ok() == Some(crate::Device::Cpu)
 }
 
 impl WeightMap {
@@ -568,19 +566,11 @@ impl Materialization {
     /// The environment switch that selects the policy.
     pub const ENV: &'static str = "MLXCEL_WEIGHT_MATERIALIZATION";
 
-    /// Reads `MLXCEL_WEIGHT_MATERIALIZATION` (`eager` or `lazy`; unset means eager).
+    /// Reads `MLXCEL_WEIGHT_MATERIALIZATION` (`eager` or `lazy`; unset means eager) through
+    /// [`RuntimePolicy::from_env`](crate::policy::RuntimePolicy::from_env), which parses (and
+    /// checks) every runtime variable.
     pub fn from_env() -> Result<Materialization> {
-        match std::env::var(Self::ENV) {
-            Err(_) => Ok(Materialization::Eager),
-            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
-                "" | "eager" => Ok(Materialization::Eager),
-                "lazy" => Ok(Materialization::Lazy),
-                other => Err(Error::Invalid(format!(
-                    "{}={other}: expected `eager` or `lazy`",
-                    Self::ENV
-                ))),
-            },
-        }
+        Ok(crate::policy::RuntimePolicy::from_env()?.weight_materialization)
     }
 
     /// Applies the policy to the arrays a model kept.

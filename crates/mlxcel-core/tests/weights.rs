@@ -242,18 +242,22 @@ fn fp8_tensors_are_exposed_as_bytes() {
 
 #[test]
 fn materialization_policy_from_env() {
-    // One test owns the variable to avoid races between tests of this binary.
-    std::env::remove_var(Materialization::ENV);
-    assert_eq!(Materialization::from_env().unwrap(), Materialization::Eager);
-    std::env::set_var(Materialization::ENV, "lazy");
-    assert_eq!(Materialization::from_env().unwrap(), Materialization::Lazy);
-    std::env::set_var(Materialization::ENV, "sometimes");
-    let msg = Materialization::from_env().unwrap_err().to_string();
+    // Parsed as `RuntimePolicy::from_env` parses the environment, without touching it.
+    let from = |value: Option<&str>| {
+        mlxcel_core::RuntimePolicy::from_vars(|name| {
+            (name == Materialization::ENV)
+                .then(|| value.map(str::to_string))
+                .flatten()
+        })
+        .map(|p| p.weight_materialization)
+    };
+    assert_eq!(from(None).unwrap(), Materialization::Eager);
+    assert_eq!(from(Some("lazy")).unwrap(), Materialization::Lazy);
+    let msg = from(Some("sometimes")).unwrap_err().to_string();
     assert!(
         msg.contains("MLXCEL_WEIGHT_MATERIALIZATION=sometimes"),
         "{msg}"
     );
-    std::env::remove_var(Materialization::ENV);
     let a = arr(&[1., 2.], &[2]).exp().unwrap();
     Materialization::Eager.apply([&a]).unwrap();
     Materialization::Lazy.apply([&a]).unwrap();

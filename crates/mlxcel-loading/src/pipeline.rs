@@ -4,7 +4,7 @@ use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
-use mlxcel_core::{Device, Dtype, Materialization, WeightMap};
+use mlxcel_core::{Device, Dtype, Materialization, RuntimePolicy, WeightMap};
 use mlxcel_models::config::sanitize_config_json;
 use mlxcel_models::detection::{detect_kind, get_model_type};
 use mlxcel_models::{
@@ -19,26 +19,61 @@ use crate::tokenizer::{load_tokenizer, Tokenizer};
 use crate::{LoadError, Result};
 
 /// Choices a caller may make; the defaults suit most uses.
+///
+/// The per-field overrides (`materialization`, `stream`, `warm_up`, `fuse_projections`) win
+/// over the corresponding fields of the runtime policy.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
     /// Compute dtype of float weights; default: [`compute_dtype`].
     pub dtype: Option<Dtype>,
-    /// Default: `MLXCEL_WEIGHT_MATERIALIZATION` (eager unless set to `lazy`).
+    /// Default: the policy's (`MLXCEL_WEIGHT_MATERIALIZATION`: eager unless `lazy`).
     pub materialization: Option<Materialization>,
     /// Skip the tokenizer (logits-only use).
     pub skip_tokenizer: bool,
-    /// Expert streaming switches; default: from `MLXCEL_EXPERT_*`.
+    /// Expert streaming switches; default: the policy's (`MLXCEL_EXPERT_*`).
     pub stream: Option<mlxcel_stream::StreamConfig>,
     /// Run one throwaway decode step at the end of loading so GPU kernels (MLX's JIT and
     /// mlxcel's custom kernels) are compiled before the first request; its time counts as
-    /// loading. Default: `MLXCEL_WARM_UP` (`0` or `1`), else on when MLX's default device is
-    /// a GPU.
+    /// loading. Default: the policy's (`MLXCEL_WARM_UP`, `0` or `1`), else on when MLX's
+    /// default device is a GPU.
     pub warm_up: Option<bool>,
     /// Fuse q/k/v and gate/up projections into one layer each at load (when stored alike).
-    /// Default: `MLXCEL_FUSE_PROJECTIONS` (`0` or `1`), else on when MLX's default device is a
-    /// GPU, where each array and kernel launch of a decode step costs host time and decode is
-    /// bound by it. On the CPU the layers stay as stored, mapped from the file without a copy.
+    /// Default: the policy's (`MLXCEL_FUSE_PROJECTIONS`, `0` or `1`), else on when MLX's
+    /// default device is a GPU, where each array and kernel launch of a decode step costs host
+    /// time and decode is bound by it. On the CPU the layers stay as stored, mapped from the
+    /// file without a copy.
     pub fuse_projections: Option<bool>,
+    /// The runtime switches (see [`RuntimePolicy`]); `None`: [`RuntimePolicy::from_env`], parsed
+    /// once here (an invalid variable is a load error naming it). [`load_model`] installs it
+    /// (with the overrides above applied) as the process-wide policy before building the model
+    /// ([`mlxcel_core::policy::install`]), so the last load's policy is the one layers read.
+    pub policy: Option<RuntimePolicy>,
+}
+
+impl LoadOptions {
+    /// The runtime policy a load uses: [`LoadOptions::policy`] (else the environment's) with
+    /// this struct's per-field overrides applied.
+    pub fn runtime_policy(&self) -> Result<RuntimePolicy> {
+        let mut policy = match &self.policy {
+            Some(p) => p.clone(),
+            None => RuntimePolicy::from_env()?,
+        };
+        if let Some(m) = self.materialization {
+            policy.weight_materialization = m;
+        }
+        if let Some(stream) = &self.stream {
+            policy.expert_stream = stream.mode;
+            policy.expert_arena_bytes = stream.arena_bytes;
+            policy.expert_cache_policy = stream.policy;
+        }
+        if let Some(w) = self.warm_up {
+            policy.warm_up = Some(w);
+        }
+        if let Some(f) = self.fuse_projections {
+            policy.fuse_projections = Some(f);
+        }
+        Ok(policy)
+    }
 }
 
 /// One decode step on scratch caches, evaluated and dropped: compiles the kernels a decode
@@ -170,6 +205,9 @@ fn has_vision_weights(weights: &WeightMap) -> bool {
 /// Loads a generation model and its tokenizer from a folder (or a file in it).
 pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loaded> {
     let started = std::time::Instant::now();
+    // First, so that every layer and kernel (weight mapping included) sees it.
+    let runtime = options.runtime_policy()?;
+    mlxcel_core::policy::install(&runtime)?;
     let folder = resolve_model_dir(path)?;
     let config = read_config(&folder)?;
     let model_err = |source| LoadError::Model {
@@ -217,14 +255,8 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         Some(d) => d,
         None => compute_dtype(&config)?,
     };
-    let materialization = match options.materialization {
-        Some(m) => m,
-        None => Materialization::from_env()?,
-    };
-    let stream_config = match &options.stream {
-        Some(c) => c.clone(),
-        None => mlxcel_stream::StreamConfig::from_env()?,
-    };
+    let materialization = runtime.weight_materialization;
+    let stream_config = mlxcel_stream::StreamConfig::from_policy(&runtime);
     let plan = crate::stream::plan(
         &folder,
         &config,
@@ -233,22 +265,18 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     )?;
     let stats = Rc::new(RefCell::new(mlxcel_stream::StreamStats::default()));
     let gpu = mlxcel_core::default_device()? == Device::Gpu;
-    let switch = |name: &str| std::env::var(name).ok().map(|v| v.trim() != "0");
     let build = BuildOptions {
         prefix: String::new(),
         quant,
         dtype,
         materialization,
         stream: plan.as_ref().map(|p| p.setup(stats.clone())),
-        fuse_projections: options
-            .fuse_projections
-            .or(switch("MLXCEL_FUSE_PROJECTIONS"))
-            .unwrap_or(gpu),
+        fuse_projections: runtime.fuse_projections.unwrap_or(gpu),
     };
     let model = load_config_backed(model_type, &config, weights, &build)
         .and_then(LoadedModel::into_generation)
         .map_err(model_err)?;
-    if options.warm_up.or(switch("MLXCEL_WARM_UP")).unwrap_or(gpu) {
+    if runtime.warm_up.unwrap_or(gpu) {
         warm_up(&model).map_err(model_err)?;
     }
     let (tokenizer, chat_template) = if options.skip_tokenizer {

@@ -15,24 +15,8 @@ use mlxcel_core::{ops, Array, Dtype};
 use crate::manifest::LayerEntry;
 use crate::{Result, StreamError};
 
-/// Which resident expert gives up its slot on a miss.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CachePolicy {
-    /// Least recently used.
-    Lru,
-    /// Least frequently used over the run; recency breaks ties.
-    Lfu,
-}
-
-impl CachePolicy {
-    pub fn from_name(name: &str) -> Option<CachePolicy> {
-        match name.to_ascii_lowercase().as_str() {
-            "lru" => Some(CachePolicy::Lru),
-            "lfu" => Some(CachePolicy::Lfu),
-            _ => None,
-        }
-    }
-}
+/// Which resident expert gives up its slot on a miss (defined with the runtime policy).
+pub use mlxcel_core::policy::CachePolicy;
 
 /// Counters shared by every layer of a model.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -125,13 +109,10 @@ impl SlotMap {
     }
 }
 
-/// How many reads run at once (`MLXCEL_EXPERT_READ_THREADS`, default 4).
+/// How many reads run at once (`MLXCEL_EXPERT_READ_THREADS` of the installed
+/// [`mlxcel_core::policy`], default 4).
 fn read_threads() -> usize {
-    std::env::var("MLXCEL_EXPERT_READ_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(4)
+    mlxcel_core::policy::with(|p| p.expert_read_threads).max(1)
 }
 
 /// One MoE layer's streamed experts.

@@ -6,7 +6,7 @@
 //!   manifest with offsets, sizes and SHA-256s), its writer and its checks;
 //! - [`arena`]: per MoE layer a slot arena of fixed capacity, the LRU/LFU cache policy, and
 //!   bounded parallel `pread`s of missing experts;
-//! - [`StreamConfig`]: the `MLXCEL_EXPERT_*` switches.
+//! - [`StreamConfig`]: the `MLXCEL_EXPERT_*` switches (from [`mlxcel_core::RuntimePolicy`]).
 //!
 //! External per-layer-embedding row storage is the other half of this crate's charter and is
 //! not built yet.
@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 
 pub use arena::{CachePolicy, LayerStream, SlotMap, StreamStats};
 pub use manifest::{Manifest, STREAM_DIR};
+/// When to stream (`MLXCEL_EXPERT_STREAM`).
+pub use mlxcel_core::policy::StreamMode;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
@@ -46,18 +48,7 @@ impl StreamError {
 
 pub type Result<T, E = StreamError> = std::result::Result<T, E>;
 
-/// When to stream (`MLXCEL_EXPERT_STREAM`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamMode {
-    /// Stream when a prepared layout exists and the routed experts exceed half of the memory
-    /// available.
-    Auto,
-    /// Always stream (the prepared layout must exist).
-    On,
-    Off,
-}
-
-/// The streaming switches, from the environment or set by a caller.
+/// The streaming switches, from the runtime policy or set by a caller.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StreamConfig {
     pub mode: StreamMode,
@@ -79,35 +70,21 @@ impl Default for StreamConfig {
 }
 
 impl StreamConfig {
+    /// The policy's `MLXCEL_EXPERT_*` switches.
+    pub fn from_policy(policy: &mlxcel_core::RuntimePolicy) -> StreamConfig {
+        StreamConfig {
+            mode: policy.expert_stream,
+            arena_bytes: policy.expert_arena_bytes,
+            policy: policy.expert_cache_policy,
+        }
+    }
+
+    /// [`StreamConfig::from_policy`] of [`RuntimePolicy::from_env`](mlxcel_core::RuntimePolicy::from_env)
+    /// (which parses, and checks, every runtime variable).
     pub fn from_env() -> Result<StreamConfig> {
-        let mut c = StreamConfig::default();
-        if let Ok(v) = std::env::var("MLXCEL_EXPERT_STREAM") {
-            c.mode = match v.trim() {
-                "" | "auto" => StreamMode::Auto,
-                "1" | "on" => StreamMode::On,
-                "0" | "off" => StreamMode::Off,
-                other => {
-                    return Err(StreamError::Config(format!(
-                        "MLXCEL_EXPERT_STREAM={other}: expected auto, 1 or 0"
-                    )))
-                }
-            };
-        }
-        if let Ok(v) = std::env::var("MLXCEL_EXPERT_ARENA_BYTES") {
-            c.arena_bytes = Some(v.trim().parse().map_err(|_| {
-                StreamError::Config(format!(
-                    "MLXCEL_EXPERT_ARENA_BYTES={v}: expected a byte count"
-                ))
-            })?);
-        }
-        if let Ok(v) = std::env::var("MLXCEL_EXPERT_CACHE_POLICY") {
-            c.policy = CachePolicy::from_name(&v).ok_or_else(|| {
-                StreamError::Config(format!(
-                    "MLXCEL_EXPERT_CACHE_POLICY={v}: expected lru or lfu"
-                ))
-            })?;
-        }
-        Ok(c)
+        Ok(StreamConfig::from_policy(
+            &mlxcel_core::RuntimePolicy::from_env()?,
+        ))
     }
 
     /// Slots per layer for `manifest` given `available` bytes of memory (leaving room for the

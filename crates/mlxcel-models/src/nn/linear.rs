@@ -15,7 +15,8 @@ use crate::Result;
 /// a layer costs about as much as a quantized GEMM over ~150 rows, hence 256.
 const GPU_DEQUANT_ROWS: usize = 256;
 
-/// When quantized layers are dequantized and run as dense GEMMs, read once per process.
+/// When quantized layers are dequantized and run as dense GEMMs, from the installed runtime
+/// policy (`MLXCEL_DEQUANT_ROWS`, see [`mlxcel_core::policy`]).
 struct DequantPolicy {
     /// From this many rows of activations (0 = never).
     rows: usize,
@@ -25,18 +26,20 @@ struct DequantPolicy {
     experts: bool,
 }
 
-fn dequant_policy() -> &'static DequantPolicy {
-    static POLICY: std::sync::OnceLock<DequantPolicy> = std::sync::OnceLock::new();
-    POLICY.get_or_init(|| {
-        let set = std::env::var("MLXCEL_DEQUANT_ROWS")
-            .ok()
-            .and_then(|v| v.trim().parse().ok());
-        let gpu = mlxcel_core::default_device().ok() == Some(mlxcel_core::Device::Gpu);
-        DequantPolicy {
-            rows: set.unwrap_or(if gpu { GPU_DEQUANT_ROWS } else { 0 }),
-            experts: std::env::var_os("MLXCEL_DEQUANT_ROWS").is_some(),
+fn dequant_policy() -> DequantPolicy {
+    match mlxcel_core::policy::with(|p| p.dequant_rows) {
+        Some(rows) => DequantPolicy {
+            rows,
+            experts: true,
+        },
+        None => {
+            let gpu = mlxcel_core::default_device().ok() == Some(mlxcel_core::Device::Gpu);
+            DequantPolicy {
+                rows: if gpu { GPU_DEQUANT_ROWS } else { 0 },
+                experts: false,
+            }
         }
-    })
+    }
 }
 
 /// From how many rows of activations a quantized linear layer is dequantized and run as a

@@ -1,0 +1,563 @@
+//! The runtime switches (`MLXCEL_*` environment variables), parsed once and strictly into a
+//! [`RuntimePolicy`].
+//!
+//! [`RuntimePolicy::from_env`] is the only place that reads them: a value that is not one of
+//! the documented forms is an [`Error::Policy`] naming the variable, the value and what is
+//! expected (an empty value counts as unset). [`RuntimePolicy::from_vars`] parses from any
+//! lookup (tests, configuration files).
+//!
+//! Layers and kernels deep below the model code read the values of one process-wide installed
+//! policy ([`install`], [`current`]); the loading pipeline installs the policy of its
+//! `LoadOptions` before building a model. Until something is installed, [`current`] is
+//! [`RuntimePolicy::default`] (the environment is not consulted).
+
+use std::sync::RwLock;
+
+use crate::{Error, Materialization, Result};
+
+/// When routed experts stream from disk (`MLXCEL_EXPERT_STREAM`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamMode {
+    /// Stream when a prepared layout exists and the routed experts exceed half of the memory
+    /// available.
+    Auto,
+    /// Always stream (the prepared layout must exist).
+    On,
+    Off,
+}
+
+/// Which resident expert gives up its slot on a miss (`MLXCEL_EXPERT_CACHE_POLICY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CachePolicy {
+    /// Least recently used.
+    Lru,
+    /// Least frequently used over the run; recency breaks ties.
+    Lfu,
+}
+
+impl CachePolicy {
+    /// `lru` or `lfu` (any case).
+    pub fn from_name(name: &str) -> Option<CachePolicy> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "lru" => Some(CachePolicy::Lru),
+            "lfu" => Some(CachePolicy::Lfu),
+            _ => None,
+        }
+    }
+}
+
+/// How mlxcel's CUDA kernels are launched (`MLXCEL_CUDA_LAUNCH`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaLaunch {
+    /// mlxcel's own graph-node primitive (cpp/cuda_launch.cc), when MLX's entry points exist.
+    Mlxcel,
+    /// MLX's `fast::precompiled_cuda_kernel`.
+    Mlx,
+}
+
+/// A CUDA GEMV launch shape: warps per block and rows per block (`NWxRPW`, e.g. `4x4`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LaunchShape {
+    pub warps: i32,
+    pub rows: i32,
+}
+
+impl LaunchShape {
+    /// A shape the GEMV kernel supports: 1-32 warps, 1 to 32 rows per warp in total.
+    pub const fn new(warps: i32, rows: i32) -> Option<LaunchShape> {
+        if warps >= 1 && warps <= 32 && rows >= 1 && rows <= warps * 32 {
+            Some(LaunchShape { warps, rows })
+        } else {
+            None
+        }
+    }
+
+    /// `NWxRPW`, e.g. `4x8`.
+    pub fn parse(value: &str) -> Option<LaunchShape> {
+        let (nw, rpw) = value.trim().split_once(['x', 'X'])?;
+        LaunchShape::new(nw.parse().ok()?, rpw.parse().ok()?)
+    }
+
+    /// `(warps, rows)`.
+    pub const fn pair(self) -> (i32, i32) {
+        (self.warps, self.rows)
+    }
+}
+
+/// One typed field per runtime switch; see the README's table for what each does.
+/// `Option` fields left `None` take a default that depends on MLX's device when used.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuntimePolicy {
+    /// `MLXCEL_WEIGHT_MATERIALIZATION`: `eager` (default) or `lazy`.
+    pub weight_materialization: Materialization,
+    /// `MLXCEL_EXPERT_STREAM`: `auto` (default), `1`/`on`, `0`/`off`.
+    pub expert_stream: StreamMode,
+    /// `MLXCEL_EXPERT_ARENA_BYTES`: total bytes of the expert slot arenas; `None`: half of the
+    /// available memory.
+    pub expert_arena_bytes: Option<u64>,
+    /// `MLXCEL_EXPERT_CACHE_POLICY`: `lfu` (default) or `lru`.
+    pub expert_cache_policy: CachePolicy,
+    /// `MLXCEL_EXPERT_READ_THREADS`: parallel reads of missing experts (default 4, at least 1).
+    pub expert_read_threads: usize,
+    /// `MLXCEL_DEQUANT_ROWS`: from this many activation rows quantized layers run as
+    /// dequantize + dense GEMM (0 = never; setting it also covers routed experts). `None`:
+    /// 256 on a GPU, never on the CPU.
+    pub dequant_rows: Option<usize>,
+    /// `MLXCEL_WARM_UP`: one throwaway decode step at load. `None`: on for a GPU.
+    pub warm_up: Option<bool>,
+    /// `MLXCEL_CPU_KERNELS`: mlxcel's CPU linear kernel instead of MLX's (default on).
+    pub cpu_kernels: bool,
+    /// `MLXCEL_CPU_THREADS`: threads of mlxcel's CPU kernel (1-64). `None`: all cores, at
+    /// most 16. Takes effect when the kernel's thread pool starts (its first use).
+    pub cpu_threads: Option<usize>,
+    /// `MLXCEL_ZERO_COPY`: arrays borrow the mapped checkpoint on the CPU (default on).
+    pub zero_copy: bool,
+    /// `MLXCEL_CUDA_QMV`: the launch shape of mlxcel's CUDA decode GEMV (default 4x4); `None`
+    /// (`0`): MLX's quantized GEMV.
+    pub cuda_qmv: Option<LaunchShape>,
+    /// `MLXCEL_CUDA_QMV_FOLD`: fold RMSNorm, gate and residual add into the GEMV (default on).
+    pub cuda_qmv_fold: bool,
+    /// `MLXCEL_CUDA_QMV_FOLD_SHAPE`: the launch shape of folding GEMVs. `None`: 4x8 after an
+    /// RMSNorm, 16x16 after a gate.
+    pub cuda_qmv_fold_shape: Option<LaunchShape>,
+    /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
+    pub cuda_launch: CudaLaunch,
+    /// `MLXCEL_CUDA_DEQUANT`: mlxcel's CUDA dequantize kernel for GPU prefill (default on).
+    pub cuda_dequant: bool,
+    /// `MLXCEL_FUSE_PROJECTIONS`: fuse q/k/v and gate/up projections at load. `None`: on for a
+    /// GPU, off on the CPU.
+    pub fuse_projections: Option<bool>,
+}
+
+/// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
+pub const DEFAULT_QMV_SHAPE: LaunchShape = LaunchShape { warps: 4, rows: 4 };
+
+impl RuntimePolicy {
+    /// Today's defaults (every variable unset).
+    pub const DEFAULT: RuntimePolicy = RuntimePolicy {
+        weight_materialization: Materialization::Eager,
+        expert_stream: StreamMode::Auto,
+        expert_arena_bytes: None,
+        expert_cache_policy: CachePolicy::Lfu,
+        expert_read_threads: 4,
+        dequant_rows: None,
+        warm_up: None,
+        cpu_kernels: true,
+        cpu_threads: None,
+        zero_copy: true,
+        cuda_qmv: Some(DEFAULT_QMV_SHAPE),
+        cuda_qmv_fold: true,
+        cuda_qmv_fold_shape: None,
+        cuda_launch: CudaLaunch::Mlxcel,
+        cuda_dequant: true,
+        fuse_projections: None,
+    };
+
+    /// Every runtime variable this policy reads.
+    pub const VARIABLES: [&'static str; 16] = [
+        "MLXCEL_WEIGHT_MATERIALIZATION",
+        "MLXCEL_EXPERT_STREAM",
+        "MLXCEL_EXPERT_ARENA_BYTES",
+        "MLXCEL_EXPERT_CACHE_POLICY",
+        "MLXCEL_EXPERT_READ_THREADS",
+        "MLXCEL_DEQUANT_ROWS",
+        "MLXCEL_WARM_UP",
+        "MLXCEL_CPU_KERNELS",
+        "MLXCEL_CPU_THREADS",
+        "MLXCEL_ZERO_COPY",
+        "MLXCEL_CUDA_QMV",
+        "MLXCEL_CUDA_QMV_FOLD",
+        "MLXCEL_CUDA_QMV_FOLD_SHAPE",
+        "MLXCEL_CUDA_LAUNCH",
+        "MLXCEL_CUDA_DEQUANT",
+        "MLXCEL_FUSE_PROJECTIONS",
+    ];
+
+    /// Parses the process environment (the only reader of these variables). A variable that is
+    /// set but not valid Unicode is an error naming it too.
+    pub fn from_env() -> Result<RuntimePolicy> {
+        let mut bad = None;
+        let policy = RuntimePolicy::from_vars(|name| match std::env::var(name) {
+            Ok(v) => Some(v),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(v)) => {
+                bad.get_or_insert_with(|| Error::Policy {
+                    var: name.to_string(),
+                    value: v.to_string_lossy().into_owned(),
+                    expected: "valid UTF-8".to_string(),
+                });
+                None
+            }
+        });
+        match bad {
+            Some(e) => Err(e),
+            None => policy,
+        }
+    }
+
+    /// Parses the variables `lookup` returns (`None`: unset). An empty or blank value counts as
+    /// unset; words are matched in any case.
+    pub fn from_vars(mut lookup: impl FnMut(&str) -> Option<String>) -> Result<RuntimePolicy> {
+        let mut p = RuntimePolicy::DEFAULT;
+        let mut get = |var: &'static str| -> Option<Var> {
+            lookup(var)
+                .filter(|v| !v.trim().is_empty())
+                .map(|raw| Var { name: var, raw })
+        };
+        if let Some(v) = get("MLXCEL_WEIGHT_MATERIALIZATION") {
+            p.weight_materialization = match v.word().as_str() {
+                "eager" => Materialization::Eager,
+                "lazy" => Materialization::Lazy,
+                _ => return Err(v.error("`eager` or `lazy`")),
+            };
+        }
+        if let Some(v) = get("MLXCEL_EXPERT_STREAM") {
+            p.expert_stream = match v.word().as_str() {
+                "auto" => StreamMode::Auto,
+                "1" | "on" => StreamMode::On,
+                "0" | "off" => StreamMode::Off,
+                _ => return Err(v.error("auto, 1 (on) or 0 (off)")),
+            };
+        }
+        if let Some(v) = get("MLXCEL_EXPERT_ARENA_BYTES") {
+            p.expert_arena_bytes = Some(v.number("a byte count")?);
+        }
+        if let Some(v) = get("MLXCEL_EXPERT_CACHE_POLICY") {
+            p.expert_cache_policy =
+                CachePolicy::from_name(&v.raw).ok_or_else(|| v.error("lfu or lru"))?;
+        }
+        if let Some(v) = get("MLXCEL_EXPERT_READ_THREADS") {
+            p.expert_read_threads = v.in_range("a number of threads, at least 1", 1, usize::MAX)?;
+        }
+        if let Some(v) = get("MLXCEL_DEQUANT_ROWS") {
+            p.dequant_rows = Some(v.number("a number of rows (0 = never)")?);
+        }
+        if let Some(v) = get("MLXCEL_WARM_UP") {
+            p.warm_up = Some(v.switch()?);
+        }
+        if let Some(v) = get("MLXCEL_CPU_KERNELS") {
+            p.cpu_kernels = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CPU_THREADS") {
+            p.cpu_threads = Some(v.in_range("a number of threads from 1 to 64", 1, 64)?);
+        }
+        if let Some(v) = get("MLXCEL_ZERO_COPY") {
+            p.zero_copy = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_QMV") {
+            p.cuda_qmv = match v.word().as_str() {
+                "0" => None,
+                "1" => Some(DEFAULT_QMV_SHAPE),
+                _ => Some(v.shape("0, 1 or a launch shape NWxRPW such as 4x4")?),
+            };
+        }
+        if let Some(v) = get("MLXCEL_CUDA_QMV_FOLD") {
+            p.cuda_qmv_fold = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_QMV_FOLD_SHAPE") {
+            p.cuda_qmv_fold_shape = Some(v.shape("a launch shape NWxRPW such as 4x8")?);
+        }
+        if let Some(v) = get("MLXCEL_CUDA_LAUNCH") {
+            p.cuda_launch = match v.word().as_str() {
+                "mlxcel" => CudaLaunch::Mlxcel,
+                "mlx" => CudaLaunch::Mlx,
+                _ => return Err(v.error("`mlx` or `mlxcel`")),
+            };
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DEQUANT") {
+            p.cuda_dequant = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_FUSE_PROJECTIONS") {
+            p.fuse_projections = Some(v.switch()?);
+        }
+        Ok(p)
+    }
+}
+
+impl Default for RuntimePolicy {
+    fn default() -> Self {
+        RuntimePolicy::DEFAULT
+    }
+}
+
+/// One set variable being parsed.
+struct Var {
+    name: &'static str,
+    raw: String,
+}
+
+impl Var {
+    fn word(&self) -> String {
+        self.raw.trim().to_ascii_lowercase()
+    }
+
+    fn error(&self, expected: &str) -> Error {
+        Error::Policy {
+            var: self.name.to_string(),
+            value: self.raw.clone(),
+            expected: expected.to_string(),
+        }
+    }
+
+    fn switch(&self) -> Result<bool> {
+        match self.word().as_str() {
+            "1" => Ok(true),
+            "0" => Ok(false),
+            _ => Err(self.error("1 (on) or 0 (off)")),
+        }
+    }
+
+    /// A decimal number (digits only).
+    fn number<T: std::str::FromStr>(&self, expected: &str) -> Result<T> {
+        let t = self.raw.trim();
+        if !t.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(self.error(expected));
+        }
+        t.parse().map_err(|_| self.error(expected))
+    }
+
+    fn in_range(&self, expected: &str, min: usize, max: usize) -> Result<usize> {
+        let n: usize = self.number(expected)?;
+        if (min..=max).contains(&n) {
+            Ok(n)
+        } else {
+            Err(self.error(expected))
+        }
+    }
+
+    fn shape(&self, expected: &str) -> Result<LaunchShape> {
+        LaunchShape::parse(&self.raw).ok_or_else(|| {
+            self.error(&format!(
+                "{expected} (1 to 32 warps NW, 1 to 32*NW rows RPW)"
+            ))
+        })
+    }
+}
+
+static INSTALLED: RwLock<RuntimePolicy> = RwLock::new(RuntimePolicy::DEFAULT);
+
+/// Makes `policy` the process-wide one that layers and kernels read, and hands its values to
+/// the C++ kernels (CPU threads, CUDA launch path). Fails when the CPU kernel's thread pool is
+/// already running with another thread count.
+pub fn install(policy: &RuntimePolicy) -> Result<()> {
+    // Validated by `from_vars`; a policy built in code is checked here.
+    let threads = match policy.cpu_threads {
+        None => 0,
+        Some(n @ 1..=64) => n as i32,
+        Some(n) => {
+            return Err(Error::Invalid(format!(
+                "RuntimePolicy::cpu_threads = {n}: expected 1 to 64 threads"
+            )))
+        }
+    };
+    crate::ffi::bridge::set_cpu_threads(threads)?;
+    crate::ffi::bridge::set_cuda_launch_mlx(policy.cuda_launch == CudaLaunch::Mlx)?;
+    let mut installed = INSTALLED.write().unwrap_or_else(|e| e.into_inner());
+    *installed = policy.clone();
+    Ok(())
+}
+
+/// The installed policy ([`RuntimePolicy::default`] until [`install`] is called).
+pub fn current() -> RuntimePolicy {
+    with(RuntimePolicy::clone)
+}
+
+/// Reads the installed policy without copying it.
+pub fn with<R>(f: impl FnOnce(&RuntimePolicy) -> R) -> R {
+    let installed = INSTALLED.read().unwrap_or_else(|e| e.into_inner());
+    f(&installed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn parse(pairs: &[(&str, &str)]) -> Result<RuntimePolicy> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        RuntimePolicy::from_vars(|name| map.get(name).cloned())
+    }
+
+    fn one(var: &str, value: &str) -> RuntimePolicy {
+        parse(&[(var, value)]).unwrap_or_else(|e| panic!("{var}={value}: {e}"))
+    }
+
+    fn rejects(var: &str, value: &str) {
+        match parse(&[(var, value)]) {
+            Err(e @ Error::Policy { .. }) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.starts_with(&format!("{var}={value}: expected ")),
+                    "{msg}"
+                );
+                if let Error::Policy { var: named, .. } = e {
+                    assert_eq!(named, var);
+                }
+            }
+            other => panic!("{var}={value}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn unset_and_blank_are_the_defaults() {
+        assert_eq!(parse(&[]).unwrap(), RuntimePolicy::default());
+        for var in RuntimePolicy::VARIABLES {
+            assert_eq!(one(var, ""), RuntimePolicy::default(), "{var}");
+            assert_eq!(one(var, "  "), RuntimePolicy::default(), "{var}");
+        }
+    }
+
+    #[test]
+    fn every_variable_rejects_garbage_naming_itself() {
+        for var in RuntimePolicy::VARIABLES {
+            rejects(var, "banana");
+        }
+    }
+
+    #[test]
+    fn materialization() {
+        let v = "MLXCEL_WEIGHT_MATERIALIZATION";
+        assert_eq!(
+            one(v, "eager").weight_materialization,
+            Materialization::Eager
+        );
+        assert_eq!(one(v, "LAZY").weight_materialization, Materialization::Lazy);
+        rejects(v, "sometimes");
+    }
+
+    #[test]
+    fn expert_streaming() {
+        let v = "MLXCEL_EXPERT_STREAM";
+        assert_eq!(one(v, "auto").expert_stream, StreamMode::Auto);
+        for on in ["1", "on", "ON"] {
+            assert_eq!(one(v, on).expert_stream, StreamMode::On);
+        }
+        for off in ["0", "off"] {
+            assert_eq!(one(v, off).expert_stream, StreamMode::Off);
+        }
+        rejects(v, "2");
+        let v = "MLXCEL_EXPERT_ARENA_BYTES";
+        assert_eq!(one(v, "1048576").expert_arena_bytes, Some(1 << 20));
+        assert_eq!(one(v, " 0 ").expert_arena_bytes, Some(0));
+        for bad in ["-1", "1.5", "1G", "+3", "99999999999999999999999"] {
+            rejects(v, bad);
+        }
+        let v = "MLXCEL_EXPERT_CACHE_POLICY";
+        assert_eq!(one(v, "lru").expert_cache_policy, CachePolicy::Lru);
+        assert_eq!(one(v, "LFU").expert_cache_policy, CachePolicy::Lfu);
+        rejects(v, "fifo");
+        let v = "MLXCEL_EXPERT_READ_THREADS";
+        assert_eq!(one(v, "8").expert_read_threads, 8);
+        assert_eq!(one(v, "1").expert_read_threads, 1);
+        rejects(v, "0");
+        rejects(v, "-2");
+    }
+
+    #[test]
+    fn dequant_rows() {
+        let v = "MLXCEL_DEQUANT_ROWS";
+        assert_eq!(one(v, "2").dequant_rows, Some(2));
+        assert_eq!(one(v, "0").dequant_rows, Some(0));
+        rejects(v, "many");
+        rejects(v, "-5");
+    }
+
+    #[test]
+    fn switches() {
+        type Get = fn(&RuntimePolicy) -> Option<bool>;
+        let cases: [(&str, Get); 6] = [
+            ("MLXCEL_WARM_UP", |p| p.warm_up),
+            ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
+            ("MLXCEL_ZERO_COPY", |p| Some(p.zero_copy)),
+            ("MLXCEL_CUDA_QMV_FOLD", |p| Some(p.cuda_qmv_fold)),
+            ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
+            ("MLXCEL_FUSE_PROJECTIONS", |p| p.fuse_projections),
+        ];
+        for (var, get) in cases {
+            assert_eq!(get(&one(var, "1")), Some(true), "{var}");
+            assert_eq!(get(&one(var, " 0 ")), Some(false), "{var}");
+            for bad in ["yes", "2", "true", "off"] {
+                rejects(var, bad);
+            }
+        }
+    }
+
+    #[test]
+    fn cpu_threads() {
+        let v = "MLXCEL_CPU_THREADS";
+        assert_eq!(one(v, "1").cpu_threads, Some(1));
+        assert_eq!(one(v, "64").cpu_threads, Some(64));
+        for bad in ["0", "65", "four", "-1"] {
+            rejects(v, bad);
+        }
+    }
+
+    #[test]
+    fn cuda_launch_shapes() {
+        let v = "MLXCEL_CUDA_QMV";
+        assert_eq!(one(v, "0").cuda_qmv, None);
+        assert_eq!(one(v, "1").cuda_qmv, Some(DEFAULT_QMV_SHAPE));
+        assert_eq!(one(v, "8x16").cuda_qmv, LaunchShape::new(8, 16));
+        assert_eq!(one(v, "32x1024").cuda_qmv, LaunchShape::new(32, 1024));
+        for bad in ["0x4", "4x0", "33x1", "4x129", "4", "x4", "4x4x4", "-4x4"] {
+            rejects(v, bad);
+        }
+        let msg = parse(&[(v, "banana")]).unwrap_err().to_string();
+        assert!(
+            msg.contains(
+                "MLXCEL_CUDA_QMV=banana: expected 0, 1 or a launch shape NWxRPW such as 4x4"
+            ),
+            "{msg}"
+        );
+        let v = "MLXCEL_CUDA_QMV_FOLD_SHAPE";
+        assert_eq!(
+            one(v, "16x16").cuda_qmv_fold_shape,
+            LaunchShape::new(16, 16)
+        );
+        rejects(v, "0");
+        rejects(v, "64x64");
+        let v = "MLXCEL_CUDA_LAUNCH";
+        assert_eq!(one(v, "mlx").cuda_launch, CudaLaunch::Mlx);
+        assert_eq!(one(v, "MLXCEL").cuda_launch, CudaLaunch::Mlxcel);
+        rejects(v, "1");
+    }
+
+    #[test]
+    fn install_sets_the_current_policy_and_refuses_bad_thread_counts() {
+        // Only fields no other test of this binary depends on.
+        let policy = RuntimePolicy {
+            weight_materialization: Materialization::Lazy,
+            cuda_launch: CudaLaunch::Mlx,
+            ..RuntimePolicy::default()
+        };
+        install(&policy).unwrap();
+        assert_eq!(current(), policy);
+        let bad = RuntimePolicy {
+            cpu_threads: Some(65),
+            ..RuntimePolicy::default()
+        };
+        let e = install(&bad).unwrap_err();
+        assert!(e.to_string().contains("cpu_threads = 65"), "{e}");
+        assert_eq!(current(), policy);
+        install(&RuntimePolicy::default()).unwrap();
+        assert_eq!(current(), RuntimePolicy::default());
+    }
+
+    #[test]
+    fn the_first_bad_variable_is_reported_and_good_ones_combine() {
+        let p = parse(&[
+            ("MLXCEL_CPU_KERNELS", "0"),
+            ("MLXCEL_DEQUANT_ROWS", "2"),
+            ("MLXCEL_CUDA_QMV", "4x8"),
+        ])
+        .unwrap();
+        assert!(!p.cpu_kernels);
+        assert_eq!(p.dequant_rows, Some(2));
+        assert_eq!(p.cuda_qmv, LaunchShape::new(4, 8));
+        let e = parse(&[("MLXCEL_CPU_KERNELS", "0"), ("MLXCEL_ZERO_COPY", "nope")]).unwrap_err();
+        assert!(e.to_string().starts_with("MLXCEL_ZERO_COPY=nope"), "{e}");
+    }
+}
