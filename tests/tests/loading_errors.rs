@@ -52,8 +52,13 @@ fn unknown_model_type() {
     assert_eq!(
         err,
         format!(
-            "{}: unsupported: model_type `llamazing` is not a supported architecture (supported: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, mixtral, qwen2_moe, qwen3_moe, olmoe)",
-            dir.path().display()
+            "{}: unsupported: model_type `llamazing` is not a supported architecture (supported: {})",
+            dir.path().display(),
+            mlxcel_models::DESCRIPTORS
+                .iter()
+                .flat_map(|d| d.names.iter().copied())
+                .collect::<Vec<_>>()
+                .join(", ")
         )
     );
 }
