@@ -1,5 +1,6 @@
 //! Build script of `mlxcel-core`: locates MLX's C++ library, generates the op table, compiles the
-//! C++ shim through `cxx`, and links `libmlx` with a RUNPATH.
+//! C++ shim through `cxx`, and links `libmlx` so that any binary depending on any mlxcel crate
+//! finds it at run time without a build script of its own (see [`LinkMode`]).
 //!
 //! MLX is found in this order (see README "Getting MLX"):
 //! 1. `MLX_DIR`: a folder holding `mlx/lib/libmlx.{so,dylib}` and `mlx/include`;
@@ -20,6 +21,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=MLX_DIR");
     println!("cargo:rerun-if-env-changed=MLXCEL_CACHE_DIR");
     println!("cargo:rerun-if-env-changed=MLXCEL_PYTHON");
+    println!("cargo:rerun-if-env-changed=MLXCEL_LINK");
+    println!("cargo:rerun-if-env-changed=DOCS_RS");
     println!("cargo:rerun-if-changed=ops.table");
     println!("cargo:rerun-if-changed=cpp/shim.h");
     println!("cargo:rerun-if-changed=cpp/shim.cc");
@@ -31,6 +34,13 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cpu_kernels.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    if env::var_os("DOCS_RS").is_some() {
+        // Documentation builds neither compile the C++ shim nor link: no MLX needed.
+        generate_op_table(&out);
+        println!("cargo:rustc-env=MLXCEL_MLX_LIB_DIR=");
+        return;
+    }
     let root = match locate_mlx() {
         Ok(root) => root,
         Err(why) => {
@@ -46,7 +56,6 @@ fn main() {
     let lib = root.join("mlx").join("lib");
     check_version(&include);
 
-    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     generate_op_table(&out);
 
     let mut build = cxx_build::bridge("src/ffi.rs");
@@ -72,13 +81,27 @@ fn main() {
     }
     build.compile("mlxcel_shim");
 
-    println!("cargo:rustc-link-search=native={}", lib.display());
-    println!("cargo:rustc-link-lib=dylib=mlx");
-    // RUNPATH (not RPATH): LD_LIBRARY_PATH still wins, which is how the same binary picks up the
-    // CUDA wheel's libmlx.so on a GPU machine.
-    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
-    if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
-        println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags");
+    let linux = env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux");
+    match LinkMode::from_env(linux) {
+        LinkMode::Path => {
+            let link_dir = link_by_path(&root, &out).unwrap_or_else(|why| {
+                eprintln!("mlxcel-core: preparing libmlx for linking by path: {why}");
+                std::process::exit(1);
+            });
+            println!("cargo:rustc-link-search=native={}", link_dir.display());
+            println!("cargo:rustc-link-lib=dylib=mlx");
+        }
+        LinkMode::Name => {
+            println!("cargo:rustc-link-search=native={}", lib.display());
+            println!("cargo:rustc-link-lib=dylib=mlx");
+            // This crate's own tests and examples: a RUNPATH (LD_LIBRARY_PATH still wins).
+            println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+            if linux {
+                println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags");
+            }
+        }
+    }
+    if linux {
         // dlsym for the CUDA entry points (cpp/cuda_compile.cc); part of libc on newer glibc.
         println!("cargo:rustc-link-lib=dylib=dl");
     }
@@ -86,6 +109,123 @@ fn main() {
     println!("cargo:lib_dir={}", lib.display());
     println!("cargo:include_dir={}", include.display());
     println!("cargo:rustc-env=MLXCEL_MLX_LIB_DIR={}", lib.display());
+}
+
+/// How binaries record their dependency on `libmlx` (`MLXCEL_LINK`).
+///
+/// Cargo passes a dependency's link *libraries* on to every binary that uses it, but not its
+/// link *arguments* (a RUNPATH), so a program depending on an mlxcel crate could not find
+/// `libmlx.so` at run time without a build script of its own.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LinkMode {
+    /// Default on Linux: binaries record `libmlx` by absolute path. The build links a copy of
+    /// the library without its SONAME (kept beside MLX's other folders through symlinks, so its
+    /// own `$ORIGIN` RPATH still finds its BLAS) through a one-line linker script; the linker
+    /// then records the copy's path as the dependency. Nothing to set at run time.
+    Path,
+    /// `MLXCEL_LINK=name` (and macOS): binaries record `libmlx.so` by name and find it through
+    /// `LD_LIBRARY_PATH` or a RUNPATH of their own. For relocatable binaries (library beside the
+    /// executable, `-C link-arg=-Wl,-rpath,$ORIGIN/mlx/lib`) and for swapping in the CUDA build
+    /// of the same MLX version with `LD_LIBRARY_PATH`.
+    Name,
+}
+
+impl LinkMode {
+    fn from_env(linux: bool) -> LinkMode {
+        match env::var("MLXCEL_LINK").as_deref() {
+            Ok("name") => LinkMode::Name,
+            Ok("path") | Ok("") | Err(_) if linux => LinkMode::Path,
+            Ok("path") | Ok("") | Err(_) => LinkMode::Name,
+            Ok(other) => {
+                eprintln!("mlxcel-core: MLXCEL_LINK={other}: expected `path` or `name`");
+                std::process::exit(1);
+            }
+        }
+    }
+}
+
+/// Prepares `out/mlx-link/`: a mirror of the MLX installation at `root` (symlinks) whose
+/// `mlx/lib/libmlx.so` is a copy without `DT_SONAME`, and `ld/libmlx.so`, a linker script naming
+/// that copy by absolute path. Returns the folder to search for `-lmlx`.
+fn link_by_path(root: &Path, out: &Path) -> Result<PathBuf, String> {
+    let mirror = out.join("mlx-link");
+    let _ = fs::remove_dir_all(&mirror);
+    let lib_dir = mirror.join("mlx").join("lib");
+    fs::create_dir_all(&lib_dir).map_err(|e| format!("{}: {e}", lib_dir.display()))?;
+    let link = |from: &Path, to: &Path| -> Result<(), String> {
+        std::os::unix::fs::symlink(from, to).map_err(|e| format!("{}: {e}", to.display()))
+    };
+    let entries = |dir: &Path| -> Result<Vec<PathBuf>, String> {
+        Ok(fs::read_dir(dir)
+            .map_err(|e| format!("{}: {e}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect())
+    };
+    // Everything beside `mlx/` (e.g. `mlx_cpu.libs/`), beside `mlx/lib/`, and in `mlx/lib/`
+    // except libmlx itself, so relative RPATHs resolve as in the original installation.
+    for (from, to) in [
+        (root.to_path_buf(), mirror.clone()),
+        (root.join("mlx"), mirror.join("mlx")),
+        (root.join("mlx").join("lib"), lib_dir.clone()),
+    ] {
+        for entry in entries(&from)? {
+            let name = entry.file_name().unwrap_or_default();
+            if to.join(name).exists() || name == "libmlx.so" {
+                continue;
+            }
+            link(&entry, &to.join(name))?;
+        }
+    }
+    let original = root.join("mlx").join("lib").join("libmlx.so");
+    let mut bytes = fs::read(&original).map_err(|e| format!("{}: {e}", original.display()))?;
+    remove_soname(&mut bytes).map_err(|e| format!("{}: {e}", original.display()))?;
+    let copy = lib_dir.join("libmlx.so");
+    fs::write(&copy, bytes).map_err(|e| format!("{}: {e}", copy.display()))?;
+    let ld = mirror.join("ld");
+    fs::create_dir_all(&ld).map_err(|e| format!("{}: {e}", ld.display()))?;
+    fs::write(ld.join("libmlx.so"), format!("INPUT({})\n", copy.display()))
+        .map_err(|e| format!("{}: {e}", ld.display()))?;
+    Ok(ld)
+}
+
+/// Removes the `DT_SONAME` entry from a 64-bit little-endian ELF shared object's dynamic
+/// section (the following entries move up; the section keeps its size and terminator).
+fn remove_soname(elf: &mut [u8]) -> Result<(), String> {
+    const PT_DYNAMIC: u32 = 2;
+    const DT_NULL: u64 = 0;
+    const DT_SONAME: u64 = 14;
+    let u16_at = |b: &[u8], o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
+    let u32_at = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap_or([0; 4]));
+    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
+    if elf.len() < 64 || &elf[..4] != b"\x7fELF" || elf[4] != 2 || elf[5] != 1 {
+        return Err("not a 64-bit little-endian ELF file".into());
+    }
+    let (phoff, phentsize, phnum) = (u64_at(elf, 32) as usize, u16_at(elf, 54), u16_at(elf, 56));
+    let dynamic = (0..phnum)
+        .map(|i| phoff + i * phentsize)
+        .find(|&h| h + 56 <= elf.len() && u32_at(elf, h) == PT_DYNAMIC)
+        .ok_or("no dynamic section")?;
+    let (start, size) = (
+        u64_at(elf, dynamic + 8) as usize,
+        u64_at(elf, dynamic + 32) as usize,
+    );
+    if start + size > elf.len() {
+        return Err("dynamic section past the end of the file".into());
+    }
+    let count = size / 16;
+    let tag = |b: &[u8], i: usize| u64_at(b, start + i * 16);
+    let Some(soname) = (0..count).find(|&i| tag(elf, i) == DT_SONAME) else {
+        return Ok(());
+    };
+    let end = (0..count)
+        .find(|&i| tag(elf, i) == DT_NULL)
+        .unwrap_or(count - 1);
+    elf.copy_within(
+        start + (soname + 1) * 16..start + (end + 1) * 16,
+        start + soname * 16,
+    );
+    elf[start + end * 16..start + (end + 1) * 16].fill(0);
+    Ok(())
 }
 
 fn has_mlx(root: &Path) -> bool {

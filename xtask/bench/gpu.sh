@@ -21,7 +21,8 @@ what=${2:-all}
 
 if [ "$mode" = stage ]; then
   root=$(cd "$here/../.." && pwd)
-  (cd "$root" && cargo build --release -p mlxcel-cli && cargo build --release -p mlxcel-core --example cuda_kernels)
+  # Binaries that record libmlx by name, so LD_LIBRARY_PATH selects the CUDA build on the GPU machine.
+  (cd "$root" && MLXCEL_LINK=name cargo build --release -p mlxcel-cli && MLXCEL_LINK=name cargo build --release -p mlxcel-core --example cuda_kernels)
   mkdir -p "$root/.device/run"
   cp "$root/target/release/mlxcel" "$root/target/release/examples/cuda_kernels" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" \
      "$here/mlx_lm_bench.py" "$here/make_random_model.py" \
