@@ -129,7 +129,7 @@ pub fn reference(name: &str) -> Reference {
 }
 
 /// All-position logits `[len, vocab]` (row-major) of one forward pass over `ids` with fresh caches.
-pub fn logits_for(model: &dyn mlxcel_models::LanguageModel, ids: &[u32]) -> Vec<f32> {
+pub fn logits_for(model: &dyn mlxcel_arch::LanguageModel, ids: &[u32]) -> Vec<f32> {
     let input: Vec<i32> = ids.iter().map(|t| *t as i32).collect();
     let tokens =
         mlxcel_core::Array::from_slice(&input, &[1, input.len() as i32]).expect("token array");
@@ -191,9 +191,9 @@ pub fn assert_matches_reference_with(
 }
 
 /// Greedy decoding of `model` from the reference's prompt gives the reference's ids.
-pub fn assert_greedy_ids(model: &dyn mlxcel_models::LanguageModel, r: &Reference, name: &str) {
+pub fn assert_greedy_ids(model: &dyn mlxcel_arch::LanguageModel, r: &Reference, name: &str) {
     let out =
-        mlxcel_models::generate::greedy(model, &r.prompt_ids, r.greedy_ids.len(), None, |_| false)
+        mlxcel_arch::generate::greedy(model, &r.prompt_ids, r.greedy_ids.len(), None, |_| false)
             .unwrap();
     assert_eq!(
         out, r.greedy_ids,

@@ -13,7 +13,7 @@ fn dequantized_prefill_matches_the_quantized_reference() {
         ..RuntimePolicy::default()
     };
     mlxcel_core::policy::install(&policy).unwrap();
-    assert_eq!(mlxcel_models::nn::dequantize_rows_threshold(), 2);
+    assert_eq!(mlxcel_arch::nn::dequantize_rows_threshold(), 2);
     for name in [
         "llama-affine4-g64",
         "llama-mxfp4",
@@ -24,6 +24,6 @@ fn dequantized_prefill_matches_the_quantized_reference() {
         "mixtral-affine4-g32",
     ] {
         assert_matches_reference_with(name, 1e-3, Some(policy.clone()));
-        assert_eq!(mlxcel_models::nn::dequantize_rows_threshold(), 2);
+        assert_eq!(mlxcel_arch::nn::dequantize_rows_threshold(), 2);
     }
 }

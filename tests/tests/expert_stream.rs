@@ -5,9 +5,9 @@
 use std::fs;
 use std::path::Path;
 
+use mlxcel_arch::generate::greedy;
 use mlxcel_loading::stream::prepare_expert_stream;
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
-use mlxcel_models::generate::greedy;
 use mlxcel_stream::{manifest, CachePolicy, StreamConfig, StreamMode};
 use mlxcel_tests::{copy_fixture, logits_for, reference};
 

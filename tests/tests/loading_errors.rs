@@ -54,7 +54,7 @@ fn unknown_model_type() {
         format!(
             "{}: unsupported: model_type `llamazing` is not a supported architecture (supported: {})",
             dir.path().display(),
-            mlxcel_models::DESCRIPTORS
+            mlxcel_arch::DESCRIPTORS
                 .iter()
                 .flat_map(|d| d.names.iter().copied())
                 .collect::<Vec<_>>()

@@ -9,9 +9,9 @@
 //! as a float32 engine can be — and its distance to transformers' f32 logits ≤ that bound + e_ref
 //! (the triangle inequality). Where e_ref ≤ 5e-5 this is the plain 1e-4 + e_ref.
 
+use mlxcel_arch::generate::greedy;
+use mlxcel_arch::ModelType;
 use mlxcel_loading::{load_model, LanguageModel, LoadOptions};
-use mlxcel_models::generate::greedy;
-use mlxcel_models::ModelType;
 use mlxcel_tests::{fixture_index, logits_for, max_abs_diff, model_dir, reference};
 
 fn check(name: &str, quantized: bool) {

@@ -4,11 +4,11 @@
 //! a decoder mounted under a tensor prefix, the model's own cache size per token, and runtime
 //! errors that are not reported as config problems.
 
+use mlxcel_arch::config::sanitize_config_json;
+use mlxcel_arch::generate::{greedy, prefill};
+use mlxcel_arch::{load_config_backed, BuildOptions, LoadedModel, ModelType};
 use mlxcel_core::{Array, Dtype, Materialization, WeightMap};
 use mlxcel_loading::{load_model, LanguageModel, LoadOptions};
-use mlxcel_models::config::sanitize_config_json;
-use mlxcel_models::generate::{greedy, prefill};
-use mlxcel_models::{load_config_backed, BuildOptions, LoadedModel, ModelType};
 use mlxcel_tests::{copy_fixture, logits_for, max_abs_diff, model_dir, reference};
 use serde_json::Value;
 
@@ -296,6 +296,6 @@ fn runtime_errors_are_not_config_errors() {
 #[test]
 fn the_registry_claims_no_adapters_this_build_cannot_load() {
     for t in ModelType::ALL {
-        assert!(mlxcel_models::adapter_support(*t).is_err(), "{}", t.name());
+        assert!(mlxcel_arch::adapter_support(*t).is_err(), "{}", t.name());
     }
 }

@@ -3,13 +3,13 @@
 //! dequantized in float32 (`tests/fixtures/real/smollm2/`). Skips, saying so, when the model has
 //! not been fetched (CI fetches it first).
 
+use mlxcel_arch::generate::Session;
+use mlxcel_arch::sampling::SamplingParams;
 use mlxcel_core::Array;
 use mlxcel_loading::{
     generate_text, load_model, GenerateRequest, LanguageModel, LoadOptions, Loaded, Message,
     StreamDecoder,
 };
-use mlxcel_models::generate::Session;
-use mlxcel_models::sampling::SamplingParams;
 use mlxcel_tests::fixtures_dir;
 use serde_json::Value;
 

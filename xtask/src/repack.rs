@@ -678,7 +678,7 @@ fn first_row(w: &Array, k: i32) -> mlxcel_core::Result<Vec<f32>> {
 /// channel, keyed by the module path repack writes (`switch_mlp` for experts: one vector for all
 /// experts of a layer, from every token routed to any of them).
 ///
-/// Attribution works through the calibration hook of `mlxcel_models::nn::calibration`: each
+/// Attribution works through the calibration hook of `mlxcel_arch::nn::calibration`: each
 /// forward reports the weight array it multiplies; the weight is matched to a checkpoint tensor
 /// by shape and the exact values of its first row (load-time transforms that change a linear's
 /// weight — none in the float loaders — would leave it unmatched, so it gets no importance).
@@ -756,7 +756,7 @@ pub fn calibrate(model: &Path, prompts: &[String]) -> Result<BTreeMap<String, Ve
         }
     });
     let model_ref = &loaded.model;
-    mlxcel_models::nn::calibration::with_linear_observer(observer, || -> Result<()> {
+    mlxcel_arch::nn::calibration::with_linear_observer(observer, || -> Result<()> {
         for p in prompts {
             let ids: Vec<i32> = tokenizer
                 .encode(p, false)?

@@ -5,13 +5,13 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use mlxcel_arch::generate::Session;
+use mlxcel_arch::sampling::SamplingParams;
 use mlxcel_loading::memory::estimate;
 use mlxcel_loading::{
     generate_text, load_model, GenerateRequest, GenerationStats, LanguageModel, LoadOptions,
     Loaded, Message,
 };
-use mlxcel_models::generate::Session;
-use mlxcel_models::sampling::SamplingParams;
 
 /// Flags shared by `generate` and `chat`.
 #[derive(Args, Debug, Clone)]
@@ -271,6 +271,7 @@ fn request(flags: &RunFlags, loaded: &Loaded) -> GenerateRequest {
         stop: flags.stop.clone(),
         eos_token_ids: loaded.eos_token_ids.clone(),
         prefill_chunk: flags.prefill_chunk,
+        cancel: None,
     }
 }
 

@@ -3,11 +3,11 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use mlxcel_arch::detection::{detect_kind, get_model_type};
+use mlxcel_arch::{model_load_policy, DESCRIPTORS};
 use mlxcel_core::WeightMap;
 use mlxcel_loading::memory::tensor_role as role;
 use mlxcel_loading::{read_config, resolve_model_dir};
-use mlxcel_models::detection::{detect_kind, get_model_type};
-use mlxcel_models::{model_load_policy, DESCRIPTORS};
 use mlxcel_quant::infer_quantization_bits;
 
 #[derive(Default)]
@@ -117,7 +117,7 @@ pub fn print_registry() {
             format!("{:?}", d.kind),
             format!("{:?}", d.directory_route),
             format!("{:?}", d.weight_route),
-            if mlxcel_models::adapter_support(d.model_type).is_ok() {
+            if mlxcel_arch::adapter_support(d.model_type).is_ok() {
                 "yes"
             } else {
                 "no"

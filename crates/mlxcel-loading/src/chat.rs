@@ -19,11 +19,27 @@ pub struct Message {
 }
 
 impl Message {
+    /// A message of `role` (`system`, `user`, `assistant`, ...).
     pub fn new(role: &str, content: &str) -> Message {
         Message {
             role: role.to_string(),
             content: content.to_string(),
         }
+    }
+
+    /// A `user` message.
+    pub fn user(content: &str) -> Message {
+        Message::new("user", content)
+    }
+
+    /// A `system` message.
+    pub fn system(content: &str) -> Message {
+        Message::new("system", content)
+    }
+
+    /// An `assistant` message.
+    pub fn assistant(content: &str) -> Message {
+        Message::new("assistant", content)
     }
 }
 

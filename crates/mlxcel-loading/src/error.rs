@@ -9,13 +9,13 @@ pub enum LoadError {
     Model {
         folder: PathBuf,
         #[source]
-        source: mlxcel_models::ModelError,
+        source: mlxcel_arch::ModelError,
     },
     #[error("{0}")]
     Unsupported(String),
     /// A model failed while running (generation).
     #[error(transparent)]
-    Run(#[from] mlxcel_models::ModelError),
+    Run(#[from] mlxcel_arch::ModelError),
     #[error(transparent)]
     Core(#[from] mlxcel_core::Error),
     #[error(transparent)]

@@ -22,8 +22,8 @@ mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
 pub use error::{LoadError, Result};
+pub use mlxcel_arch::{LanguageModel, LoadedModel, ModelType};
 pub use mlxcel_core::RuntimePolicy;
-pub use mlxcel_models::{LanguageModel, LoadedModel, ModelType};
 pub use pipeline::{
     compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, Loaded,
 };

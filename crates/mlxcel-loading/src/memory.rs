@@ -125,8 +125,8 @@ pub fn estimate(
     let hidden = num(config, "hidden_size").unwrap_or(0);
     // The model's own cache schedule: what each layer keeps per position, and how many
     // positions (sliding-window rings hold at most window + chunk rows).
-    let model_type = mlxcel_models::detection::get_model_type(config, false)?;
-    let schedule = mlxcel_models::cache_schedule(model_type, config)?;
+    let model_type = mlxcel_arch::detection::get_model_type(config, false)?;
+    let schedule = mlxcel_arch::cache_schedule(model_type, config)?;
     let kv_bytes_per_token: u64 = schedule.iter().map(|k| k.bytes_per_token(dtype)).sum();
     // Growth happens in steps of 256 positions.
     let rows = context.saturating_add(255) / 256 * 256;

@@ -4,13 +4,13 @@ use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
-use mlxcel_core::{Device, Dtype, Materialization, RuntimePolicy, WeightMap};
-use mlxcel_models::config::sanitize_config_json;
-use mlxcel_models::detection::{detect_kind, get_model_type};
-use mlxcel_models::{
+use mlxcel_arch::config::sanitize_config_json;
+use mlxcel_arch::detection::{detect_kind, get_model_type};
+use mlxcel_arch::{
     load_config_backed, model_load_policy, BuildOptions, DirectoryRoute, GenerationModel,
     LoadedModel, ModelKind, ModelType,
 };
+use mlxcel_core::{Device, Dtype, Materialization, RuntimePolicy, WeightMap};
 use mlxcel_quant::QuantConfig;
 use serde_json::Value;
 
@@ -78,8 +78,8 @@ impl LoadOptions {
 
 /// One decode step on scratch caches, evaluated and dropped: compiles the kernels a decode
 /// step uses (MLX's GPU backends JIT-compile them on first use).
-fn warm_up(model: &GenerationModel) -> mlxcel_models::Result<()> {
-    use mlxcel_models::LanguageModel;
+fn warm_up(model: &GenerationModel) -> mlxcel_arch::Result<()> {
+    use mlxcel_arch::LanguageModel;
     let mut caches = model.make_caches();
     let token = mlxcel_core::Array::from_slice(&[0i32], &[1, 1])?;
     model.forward_last(&token, &mut caches)?.eval()?;

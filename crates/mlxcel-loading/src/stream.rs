@@ -4,10 +4,10 @@ use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
+use mlxcel_arch::detection::get_model_type;
+use mlxcel_arch::sanitized_weights;
+use mlxcel_arch::weights::ExpertStreamSetup;
 use mlxcel_core::WeightMap;
-use mlxcel_models::detection::get_model_type;
-use mlxcel_models::sanitized_weights;
-use mlxcel_models::weights::ExpertStreamSetup;
 use mlxcel_stream::{manifest, Manifest, StreamConfig, StreamMode, StreamStats};
 use serde_json::Value;
 

@@ -3,15 +3,17 @@
 
 use std::time::Instant;
 
+use mlxcel_arch::generate::Session;
+use mlxcel_arch::sampling::{Sampler, SamplingParams};
 use mlxcel_core::{Array, Dtype};
-use mlxcel_models::generate::Session;
-use mlxcel_models::sampling::{Sampler, SamplingParams};
 
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::Result;
 
-/// What to generate.
-#[derive(Debug, Clone, Default)]
+/// What to generate. The default generates up to [`GenerateRequest::DEFAULT_MAX_NEW_TOKENS`]
+/// greedy tokens and knows no end-of-sequence ids: take those from the model with
+/// [`GenerateRequest::for_model`].
+#[derive(Debug, Clone)]
 pub struct GenerateRequest {
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
@@ -20,13 +22,48 @@ pub struct GenerateRequest {
     /// Generation ends at any of these tokens (not emitted).
     pub eos_token_ids: Vec<u32>,
     pub prefill_chunk: Option<usize>,
+    /// Set from another thread to stop generation after the current token
+    /// ([`FinishReason::Cancelled`]).
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
+impl GenerateRequest {
+    /// The token budget of [`GenerateRequest::default`].
+    pub const DEFAULT_MAX_NEW_TOKENS: usize = 256;
+
+    /// Greedy generation stopping at `loaded`'s end-of-sequence ids.
+    pub fn for_model(loaded: &crate::Loaded) -> GenerateRequest {
+        GenerateRequest {
+            eos_token_ids: loaded.eos_token_ids.clone(),
+            ..GenerateRequest::default()
+        }
+    }
+}
+
+impl Default for GenerateRequest {
+    fn default() -> Self {
+        GenerateRequest {
+            max_new_tokens: Self::DEFAULT_MAX_NEW_TOKENS,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            eos_token_ids: Vec::new(),
+            prefill_chunk: None,
+            cancel: None,
+        }
+    }
+}
+
+/// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
+    /// An end-of-sequence token (not emitted).
     Eos,
+    /// A stop string (not emitted).
     Stop,
+    /// `max_new_tokens` were generated.
     Length,
+    /// The request's cancel flag was set.
+    Cancelled,
 }
 
 /// Measurements of one generation.
@@ -140,7 +177,17 @@ pub fn generate_text(
     } else {
         None
     };
+    let cancelled = || {
+        request
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+    };
     while generated.len() < request.max_new_tokens {
+        if cancelled() {
+            finish = FinishReason::Cancelled;
+            break;
+        }
         let token = match pending.take() {
             Some(current) => {
                 if generated.len() + 1 < request.max_new_tokens {
@@ -188,7 +235,7 @@ pub fn generate_text(
             logits = session.step(token)?;
         }
     }
-    if finish != FinishReason::Stop {
+    if !matches!(finish, FinishReason::Stop | FinishReason::Cancelled) {
         if let Some(d) = decoder.as_mut() {
             let (text, _) = stop.push(&d.flush()?);
             let rest = format!("{text}{}", stop.pending);

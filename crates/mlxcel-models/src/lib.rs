@@ -1,29 +1,899 @@
 //! # mlxcel-models
 //!
-//! Owns the model side: [`ModelType`] and detection from `config.json`
-//! ([`detection`]), config sanitising ([`config::sanitize_config_json`]), the
-//! [`for_each_model_registration!`] registry, per-architecture `ModelArgs` and model code
-//! ([`models`]), the [`LanguageModel`] trait, [`LoadedModel`], and per-layer caches ([`cache`]).
-//! The seams are described in this crate's README.
+//! Load a model folder (HuggingFace safetensors or an MLX-quantized checkpoint) and run it on
+//! Apple's MLX — on Metal, CUDA or the CPU — from one crate:
+//!
+//! ```no_run
+//! use mlxcel_models::{Message, Model};
+//!
+//! let model = Model::load("~/.cache/mlxcel/models/SmolLM2-135M-Instruct-4bit").build()?;
+//! let mut chat = model.session();
+//! let reply = chat.generate(vec![Message::user("What is the capital of France?")], Default::default())?;
+//! for piece in reply {
+//!     print!("{}", piece?.text);
+//! }
+//! # Ok::<(), mlxcel_models::Error>(())
+//! ```
+//!
+//! ## Threads
+//!
+//! A [`Model`] is a cheap, cloneable handle that is `Send + Sync`: share it with `Arc`-free
+//! clones across threads, move it into `std::thread::spawn` or `tokio::task::spawn_blocking`.
+//! MLX's arrays and its lazily evaluated graphs are not safe to use from several threads at once,
+//! so all MLX state of a model — its weights, the caches of its sessions — lives on one worker
+//! thread that the handle talks to over a channel. Requests from several threads are served in
+//! the order they arrive, one at a time; a [`Session`] keeps its conversation's caches on the
+//! worker between requests, so a follow-up reuses the common prefix.
+//!
+//! ## Streaming and cancellation
+//!
+//! [`Model::generate`] and [`Session::generate`] return a [`TokenStream`]: an iterator of
+//! [`Piece`]s (and, with the `async` feature, a `futures_core::Stream` through
+//! [`TokenStream::into_async`]). [`TokenStream::cancel`] (or a [`CancelHandle`] taken from it, or
+//! dropping the stream) stops generation after the current token; [`TokenStream::finish`] gives
+//! the statistics once it has ended.
+//!
+//! ## Lower layers
+//!
+//! The loading pipeline ([`loading`], crate `mlxcel-loading`) and the model layer ([`arch`],
+//! crate `mlxcel-arch`: the registry, architectures, caches, `LanguageModel`) are re-exported for
+//! programs that need them; their types are single-threaded.
 
-pub mod cache;
-pub mod config;
-pub mod detection;
-mod error;
-pub mod generate;
-pub mod model;
-pub mod models;
-pub mod nn;
-pub mod registry;
-pub mod sampling;
-pub mod sanitize;
-pub mod weights;
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex};
 
-pub use cache::{LayerCache, Mask};
-pub use error::{ModelError, Result};
-pub use model::{Architecture, LanguageModel, LayerKind};
-pub use registry::{
-    adapter_support, cache_schedule, load_config_backed, model_load_policy, sanitized_weights,
-    BuildOptions, DirectoryRoute, GenerationModel, LoadedModel, ModelKind, ModelLoadPolicy,
-    ModelType, StaticModelDescriptor, WeightRoute, ADAPTERS_AVAILABLE, DESCRIPTORS,
-};
+use mlxcel_arch::generate::{Session as ArchSession, SessionState};
+use mlxcel_arch::sampling::SamplingParams;
+use mlxcel_arch::LanguageModel;
+use mlxcel_loading::{generate_text, GenerateRequest, LoadOptions, Loaded};
+
+pub use mlxcel_arch as arch;
+pub use mlxcel_core::{Device, Dtype, RuntimePolicy};
+pub use mlxcel_loading as loading;
+pub use mlxcel_loading::{FinishReason, GenerationStats, Message, ModelType};
+
+/// Errors of the high-level API.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Loading the model folder failed (the message names the file, tensor or field).
+    #[error(transparent)]
+    Load(#[from] mlxcel_loading::LoadError),
+    /// Running the model failed.
+    #[error(transparent)]
+    Model(#[from] mlxcel_arch::ModelError),
+    /// MLX itself reported an error.
+    #[error(transparent)]
+    Mlx(#[from] mlxcel_core::Error),
+    /// A request the model cannot serve (bad ids, no chat template, ...).
+    #[error("{0}")]
+    Invalid(String),
+    /// The model's worker thread stopped (it panicked, or the process is shutting down).
+    #[error("the model's worker thread has stopped")]
+    WorkerGone,
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What to feed the model.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// A conversation, rendered with the model's chat template (generation prompt appended) and
+    /// encoded without adding special tokens (the template writes them).
+    Messages(Vec<Message>),
+    /// Raw text for completion, encoded with the tokenizer's special-token post-processing.
+    Text(String),
+    /// Token ids as they are.
+    Ids(Vec<u32>),
+}
+
+impl From<Vec<Message>> for Prompt {
+    fn from(messages: Vec<Message>) -> Prompt {
+        Prompt::Messages(messages)
+    }
+}
+
+impl From<&str> for Prompt {
+    fn from(text: &str) -> Prompt {
+        Prompt::Text(text.to_string())
+    }
+}
+
+impl From<Vec<u32>> for Prompt {
+    fn from(ids: Vec<u32>) -> Prompt {
+        Prompt::Ids(ids)
+    }
+}
+
+/// How tokens are chosen. The default is greedy decoding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// 0 picks the most likely token (greedy); higher values flatten the distribution.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probabilities reach `top_p` (1: all).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one (0: none).
+    pub min_p: f32,
+    /// Divide the logits of recently seen tokens by this (1: off).
+    pub repetition_penalty: f32,
+    /// Seed of the sampler's random numbers.
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        let p = SamplingParams::default();
+        Sampling {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repetition_penalty: p.repetition_penalty,
+            seed: p.seed,
+        }
+    }
+}
+
+impl Sampling {
+    fn params(&self) -> Result<SamplingParams> {
+        let finite = |name: &str, v: f32, ok: bool, want: &str| {
+            if v.is_finite() && ok {
+                Ok(())
+            } else {
+                Err(Error::Invalid(format!("sampling {name} = {v}: {want}")))
+            }
+        };
+        finite(
+            "temperature",
+            self.temperature,
+            self.temperature >= 0.0,
+            "must be 0 or more",
+        )?;
+        finite(
+            "top_p",
+            self.top_p,
+            self.top_p > 0.0 && self.top_p <= 1.0,
+            "must be in (0, 1]",
+        )?;
+        finite(
+            "min_p",
+            self.min_p,
+            (0.0..=1.0).contains(&self.min_p),
+            "must be in [0, 1]",
+        )?;
+        finite(
+            "repetition_penalty",
+            self.repetition_penalty,
+            self.repetition_penalty > 0.0,
+            "must be positive",
+        )?;
+        Ok(SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            ..SamplingParams::default()
+        })
+    }
+}
+
+/// Options of one generation. The defaults come from the model: its end-of-sequence ids end
+/// generation, and at most [`Generation::DEFAULT_MAX_NEW_TOKENS`] tokens (never past the
+/// model's context) are generated.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Generation {
+    /// Most tokens to generate; `None`: [`Generation::DEFAULT_MAX_NEW_TOKENS`], capped by the
+    /// room left in the model's context.
+    pub max_new_tokens: Option<usize>,
+    pub sampling: Sampling,
+    /// Generation ends before the first occurrence of any of these strings.
+    pub stop: Vec<String>,
+    /// Extra ids that end generation, besides the model's end-of-sequence ids.
+    pub extra_eos_token_ids: Vec<u32>,
+    /// Prefill the prompt in chunks of this many tokens (bounds memory for long prompts).
+    pub prefill_chunk: Option<usize>,
+}
+
+impl Generation {
+    /// The token budget when none is given.
+    pub const DEFAULT_MAX_NEW_TOKENS: usize = 512;
+}
+
+/// Facts about a loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub model_type: ModelType,
+    pub folder: PathBuf,
+    pub dtype: Dtype,
+    pub vocab_size: usize,
+    /// Ids that end generation (from `config.json`, `generation_config.json` and the tokenizer).
+    pub eos_token_ids: Vec<u32>,
+    /// `max_position_embeddings`, when the config states it.
+    pub context_length: Option<usize>,
+    pub has_tokenizer: bool,
+    pub has_chat_template: bool,
+    pub load_seconds: f64,
+}
+
+/// Builds a [`Model`]: `Model::load(path).dtype(..).build()`.
+#[derive(Debug, Clone)]
+pub struct ModelBuilder {
+    path: PathBuf,
+    options: LoadOptions,
+    device: Option<Device>,
+}
+
+impl ModelBuilder {
+    /// Computes in `dtype` instead of the checkpoint's (the CPU computes in float32 by default).
+    pub fn dtype(mut self, dtype: Dtype) -> Self {
+        self.options.dtype = Some(dtype);
+        self
+    }
+
+    /// Runs on `device` (MLX's default device otherwise: the GPU where there is one).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// Runtime switches (kernels, fusion, expert streaming). The default is
+    /// [`RuntimePolicy::default`]; the `MLXCEL_*` environment variables are read only through
+    /// [`ModelBuilder::policy_from_env`].
+    pub fn policy(mut self, policy: RuntimePolicy) -> Self {
+        self.options.policy = Some(policy);
+        self
+    }
+
+    /// Reads the runtime switches from the `MLXCEL_*` environment variables (an invalid value
+    /// is an error naming the variable).
+    pub fn policy_from_env(mut self) -> Result<Self> {
+        self.options.policy = Some(RuntimePolicy::from_env()?);
+        Ok(self)
+    }
+
+    /// Skips the tokenizer and chat template (ids and logits only).
+    pub fn without_tokenizer(mut self) -> Self {
+        self.options.skip_tokenizer = true;
+        self
+    }
+
+    /// The lower-level options, for what the builder does not cover.
+    pub fn options(mut self, options: LoadOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Starts the model's worker thread and loads the model there.
+    pub fn build(self) -> Result<Model> {
+        let (jobs, inbox) = channel::<Job>();
+        let (ready_tx, ready_rx) = channel::<Result<Ready>>();
+        let ModelBuilder {
+            path,
+            options,
+            device,
+        } = self;
+        let worker = std::thread::Builder::new()
+            .name("mlxcel-model".into())
+            .spawn(move || {
+                let loaded = (|| -> Result<Worker> {
+                    if let Some(d) = device {
+                        mlxcel_core::set_default_device(d)?;
+                    }
+                    let loaded = mlxcel_loading::load_model(expand_home(&path), &options)?;
+                    Ok(Worker {
+                        loaded,
+                        sessions: HashMap::new(),
+                    })
+                })();
+                let mut worker = match loaded {
+                    Ok(w) => w,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok(Ready {
+                    info: worker.info(),
+                    tokenizer: worker.loaded.tokenizer.take().map(Arc::new),
+                    template: worker.loaded.chat_template.take().map(Arc::new),
+                }));
+                // Jobs until every handle is dropped.
+                while let Ok(job) = inbox.recv() {
+                    job(&mut worker);
+                }
+            })
+            .map_err(|e| Error::Invalid(format!("cannot start the model thread: {e}")))?;
+        let ready = ready_rx.recv().map_err(|_| Error::WorkerGone)??;
+        Ok(Model {
+            shared: Arc::new(Shared {
+                jobs: Mutex::new(jobs),
+                info: ready.info,
+                tokenizer: ready.tokenizer,
+                template: ready.template,
+                next_session: AtomicU64::new(1),
+                worker: Mutex::new(Some(worker)),
+            }),
+        })
+    }
+}
+
+fn expand_home(path: &std::path::Path) -> PathBuf {
+    match (path.strip_prefix("~"), std::env::var_os("HOME")) {
+        (Ok(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => path.to_path_buf(),
+    }
+}
+
+struct Ready {
+    info: ModelInfo,
+    tokenizer: Option<Arc<mlxcel_loading::Tokenizer>>,
+    template: Option<Arc<mlxcel_loading::ChatTemplate>>,
+}
+
+/// The worker thread's state: the model and the parked conversations.
+struct Worker {
+    loaded: Loaded,
+    sessions: HashMap<u64, SessionState>,
+}
+
+impl Worker {
+    fn info(&self) -> ModelInfo {
+        let l = &self.loaded;
+        ModelInfo {
+            model_type: l.model_type,
+            folder: l.folder.clone(),
+            dtype: l.dtype,
+            vocab_size: l.model.vocab_size(),
+            eos_token_ids: l.eos_token_ids.clone(),
+            context_length: l
+                .config
+                .get("max_position_embeddings")
+                .and_then(|v| v.as_u64())
+                .map(|v| v as usize),
+            has_tokenizer: l.tokenizer.is_some(),
+            has_chat_template: l.chat_template.is_some(),
+            load_seconds: l.load_seconds,
+        }
+    }
+}
+
+type Job = Box<dyn FnOnce(&mut Worker) + Send>;
+
+struct Shared {
+    // A `Mutex` keeps `Shared: Sync` on every toolchain the crate supports.
+    jobs: Mutex<Sender<Job>>,
+    info: ModelInfo,
+    tokenizer: Option<Arc<mlxcel_loading::Tokenizer>>,
+    template: Option<Arc<mlxcel_loading::ChatTemplate>>,
+    next_session: AtomicU64,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker's loop; wait so the weights are freed on return.
+        let (closed, _) = channel::<Job>();
+        if let Ok(mut jobs) = self.jobs.lock() {
+            *jobs = closed;
+        }
+        if let Some(handle) = self.worker.lock().ok().and_then(|mut w| w.take()) {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// A loaded model: a cloneable, `Send + Sync` handle to the thread that owns it (see the crate
+/// documentation for why).
+#[derive(Clone)]
+pub struct Model {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("model_type", &self.shared.info.model_type)
+            .field("folder", &self.shared.info.folder)
+            .finish()
+    }
+}
+
+impl Model {
+    /// A builder loading the model folder at `path` (a leading `~` is the home folder).
+    pub fn load(path: impl Into<PathBuf>) -> ModelBuilder {
+        ModelBuilder {
+            path: path.into(),
+            options: LoadOptions {
+                policy: Some(RuntimePolicy::default()),
+                ..LoadOptions::default()
+            },
+            device: None,
+        }
+    }
+
+    /// What was loaded.
+    pub fn info(&self) -> &ModelInfo {
+        &self.shared.info
+    }
+
+    /// Runs `job` on the worker thread and waits for its result.
+    fn run<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let (tx, rx) = channel();
+        self.submit(Box::new(move |w| {
+            let _ = tx.send(job(w));
+        }))?;
+        rx.recv().map_err(|_| Error::WorkerGone)?
+    }
+
+    fn submit(&self, job: Job) -> Result<()> {
+        self.shared
+            .jobs
+            .lock()
+            .map_err(|_| Error::WorkerGone)?
+            .send(job)
+            .map_err(|_| Error::WorkerGone)
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        mlxcel_arch::generate::check_token_ids(ids, self.shared.info.vocab_size)?;
+        Ok(())
+    }
+
+    /// Token ids of `text` (`add_special_tokens`: the tokenizer's BOS/EOS post-processing; a
+    /// rendered chat template already contains its special tokens, encode it without).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        Ok(self.tokenizer()?.encode(text, add_special_tokens)?)
+    }
+
+    /// The text of `ids` (special tokens skipped).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        Ok(self.tokenizer()?.decode(ids, true)?)
+    }
+
+    fn tokenizer(&self) -> Result<&mlxcel_loading::Tokenizer> {
+        self.shared
+            .tokenizer
+            .as_deref()
+            .ok_or_else(|| Error::Invalid("the model was loaded without a tokenizer".to_string()))
+    }
+
+    /// `messages` rendered with the model's chat template, ending with the assistant's turn.
+    pub fn chat_text(&self, messages: &[Message]) -> Result<String> {
+        let template = self.shared.template.as_deref().ok_or_else(|| {
+            Error::Invalid(format!(
+                "{} has no chat template",
+                self.shared.info.folder.display()
+            ))
+        })?;
+        Ok(template.render(messages, true)?)
+    }
+
+    /// The token ids a prompt stands for.
+    pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let ids = match prompt {
+            Prompt::Messages(m) => self.encode(&self.chat_text(m)?, false)?,
+            Prompt::Text(t) => self.encode(t, true)?,
+            Prompt::Ids(ids) => ids.clone(),
+        };
+        if ids.is_empty() {
+            return Err(Error::Invalid("the prompt is empty".to_string()));
+        }
+        self.check_ids(&ids)?;
+        Ok(ids)
+    }
+
+    /// Next-token logits after `ids` (one forward pass with fresh caches): `vocab_size` values.
+    pub fn logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            return Err(Error::Invalid("no token ids".to_string()));
+        }
+        self.check_ids(ids)?;
+        let ids = ids.to_vec();
+        self.run(move |w| {
+            let model = &w.loaded.model;
+            let mut caches = model.make_caches();
+            let row = mlxcel_arch::generate::prefill(model, &ids, &mut caches, None)?;
+            Ok(row.astype(Dtype::Float32)?.to_vec::<f32>()?)
+        })
+    }
+
+    /// Generates from `prompt` with fresh caches (see [`Session::generate`] to keep a
+    /// conversation's caches between requests).
+    pub fn generate(&self, prompt: impl Into<Prompt>, options: Generation) -> Result<TokenStream> {
+        self.stream(None, prompt.into(), options)
+    }
+
+    /// A new conversation whose caches persist between its requests.
+    pub fn session(&self) -> Session {
+        Session {
+            model: self.clone(),
+            id: self.shared.next_session.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    fn stream(
+        &self,
+        session: Option<u64>,
+        prompt: Prompt,
+        options: Generation,
+    ) -> Result<TokenStream> {
+        let ids = self.prompt_ids(&prompt)?;
+        let info = &self.shared.info;
+        let room = info
+            .context_length
+            .map(|c| c.saturating_sub(ids.len()))
+            .unwrap_or(usize::MAX);
+        let max_new_tokens = match options.max_new_tokens {
+            Some(n) if n > room => {
+                return Err(Error::Invalid(format!(
+                    "max_new_tokens {n} with a {}-token prompt exceeds the model's context of {}",
+                    ids.len(),
+                    info.context_length.unwrap_or(0)
+                )))
+            }
+            Some(n) => n,
+            None => Generation::DEFAULT_MAX_NEW_TOKENS.min(room),
+        };
+        if options.prefill_chunk == Some(0) {
+            return Err(Error::Invalid("prefill_chunk must be positive".to_string()));
+        }
+        let cancel = Arc::new(AtomicBool::new(false));
+        let mut eos_token_ids = info.eos_token_ids.clone();
+        eos_token_ids.extend(&options.extra_eos_token_ids);
+        let request = GenerateRequest {
+            max_new_tokens,
+            sampling: options.sampling.params()?,
+            stop: options.stop,
+            eos_token_ids,
+            prefill_chunk: options.prefill_chunk,
+            cancel: Some(cancel.clone()),
+        };
+        let queue = Arc::new(Queue::default());
+        let feed = queue.clone();
+        self.submit(Box::new(move |w: &mut Worker| {
+            let Worker { loaded, sessions } = w;
+            let state = match session {
+                Some(id) => sessions
+                    .remove(&id)
+                    .unwrap_or_else(|| SessionState::new(&loaded.model)),
+                None => SessionState::new(&loaded.model),
+            };
+            let mut s = ArchSession::resume(&loaded.model, state);
+            let pieces = std::cell::RefCell::new(Vec::<u32>::new());
+            let result = generate_text(
+                &mut s,
+                loaded.tokenizer.as_ref(),
+                &ids,
+                &request,
+                |text| {
+                    let tokens = std::mem::take(&mut *pieces.borrow_mut());
+                    feed.push(Event::Piece(Piece {
+                        text: text.to_string(),
+                        tokens,
+                    }));
+                },
+                |token| {
+                    if loaded.tokenizer.is_none() {
+                        feed.push(Event::Piece(Piece {
+                            text: String::new(),
+                            tokens: vec![token],
+                        }));
+                    } else {
+                        pieces.borrow_mut().push(token);
+                    }
+                },
+            );
+            let rest = pieces.into_inner();
+            if !rest.is_empty() {
+                feed.push(Event::Piece(Piece {
+                    text: String::new(),
+                    tokens: rest,
+                }));
+            }
+            if let Some(id) = session {
+                sessions.insert(id, s.into_state());
+            }
+            feed.push(match result {
+                Ok((_, stats)) => Event::Done(Box::new(stats)),
+                Err(e) => Event::Failed(Error::Load(e)),
+            });
+        }))?;
+        Ok(TokenStream {
+            queue,
+            cancel,
+            stats: None,
+            ended: false,
+        })
+    }
+}
+
+/// One conversation of a [`Model`]: its caches stay on the model's worker between requests, so
+/// a request that starts with the previous one's tokens (the usual chat turn) prefills only
+/// what is new. `Send`, so it can move to another thread with its handle.
+#[derive(Debug)]
+pub struct Session {
+    model: Model,
+    id: u64,
+}
+
+impl Session {
+    /// Generates from `prompt`, reusing the longest prefix the conversation's caches hold
+    /// ([`GenerationStats::reused_tokens`] says how much). The reply's tokens join the caches.
+    pub fn generate(
+        &mut self,
+        prompt: impl Into<Prompt>,
+        options: Generation,
+    ) -> Result<TokenStream> {
+        self.model.stream(Some(self.id), prompt.into(), options)
+    }
+
+    /// The model this conversation runs on.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let id = self.id;
+        let _ = self.model.submit(Box::new(move |w| {
+            w.sessions.remove(&id);
+        }));
+    }
+}
+
+/// A piece of generated output: text that is final (never a split UTF-8 character, never the
+/// start of a stop string) and the token ids it came from. Models loaded without a tokenizer
+/// give one id per piece and no text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    pub text: String,
+    pub tokens: Vec<u32>,
+}
+
+enum Event {
+    Piece(Piece),
+    Done(Box<GenerationStats>),
+    Failed(Error),
+}
+
+/// Events from the worker, readable blocking (iterator) or with a waker (async stream).
+#[derive(Default)]
+struct Queue {
+    state: Mutex<QueueState>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct QueueState {
+    events: VecDeque<Event>,
+    waker: Option<std::task::Waker>,
+}
+
+impl Queue {
+    fn push(&self, event: Event) {
+        if let Ok(mut s) = self.state.lock() {
+            s.events.push_back(event);
+            if let Some(w) = s.waker.take() {
+                w.wake();
+            }
+        }
+        self.ready.notify_all();
+    }
+
+    fn pop_blocking(&self) -> Option<Event> {
+        let mut s = self.state.lock().ok()?;
+        loop {
+            if let Some(e) = s.events.pop_front() {
+                return Some(e);
+            }
+            s = self.ready.wait(s).ok()?;
+        }
+    }
+}
+
+/// Stops a generation from anywhere; see [`TokenStream::cancel_handle`].
+#[derive(Debug, Clone)]
+pub struct CancelHandle(Arc<AtomicBool>);
+
+impl CancelHandle {
+    /// Stops the generation after the token being computed.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The output of one generation, as it is produced: iterate for [`Piece`]s; an error ends the
+/// iteration. Dropping the stream cancels the generation.
+pub struct TokenStream {
+    queue: Arc<Queue>,
+    cancel: Arc<AtomicBool>,
+    stats: Option<GenerationStats>,
+    ended: bool,
+}
+
+impl std::fmt::Debug for TokenStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenStream")
+            .field("ended", &self.ended)
+            .finish()
+    }
+}
+
+impl TokenStream {
+    /// Stops the generation after the token being computed.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+
+    /// A handle that cancels this generation from another thread.
+    pub fn cancel_handle(&self) -> CancelHandle {
+        CancelHandle(self.cancel.clone())
+    }
+
+    /// Reads the rest of the output; returns all of its text and the statistics.
+    pub fn finish(mut self) -> Result<(String, GenerationStats)> {
+        let mut text = String::new();
+        for piece in self.by_ref() {
+            text.push_str(&piece?.text);
+        }
+        self.stats
+            .take()
+            .map(|s| (text, s))
+            .ok_or(Error::WorkerGone)
+    }
+
+    /// The statistics, once the stream has ended.
+    pub fn stats(&self) -> Option<&GenerationStats> {
+        self.stats.as_ref()
+    }
+
+    fn handle(&mut self, event: Event) -> Option<Result<Piece>> {
+        match event {
+            Event::Piece(p) => Some(Ok(p)),
+            Event::Done(stats) => {
+                self.stats = Some(*stats);
+                self.ended = true;
+                None
+            }
+            Event::Failed(e) => {
+                self.ended = true;
+                Some(Err(e))
+            }
+        }
+    }
+
+    /// The same stream as a `futures_core::Stream` (feature `async`), for async runtimes: it
+    /// never blocks, the worker wakes the task when a piece is ready.
+    #[cfg(feature = "async")]
+    pub fn into_async(self) -> AsyncTokenStream {
+        AsyncTokenStream { inner: self }
+    }
+}
+
+impl Iterator for TokenStream {
+    type Item = Result<Piece>;
+
+    fn next(&mut self) -> Option<Result<Piece>> {
+        if self.ended {
+            return None;
+        }
+        match self.queue.pop_blocking() {
+            Some(event) => self.handle(event),
+            None => {
+                self.ended = true;
+                Some(Err(Error::WorkerGone))
+            }
+        }
+    }
+}
+
+impl Drop for TokenStream {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.cancel();
+        }
+    }
+}
+
+/// [`TokenStream`] as a `futures_core::Stream` (feature `async`).
+#[cfg(feature = "async")]
+#[derive(Debug)]
+pub struct AsyncTokenStream {
+    inner: TokenStream,
+}
+
+#[cfg(feature = "async")]
+impl AsyncTokenStream {
+    /// See [`TokenStream::cancel`].
+    pub fn cancel(&self) {
+        self.inner.cancel();
+    }
+
+    /// See [`TokenStream::stats`].
+    pub fn stats(&self) -> Option<&GenerationStats> {
+        self.inner.stats()
+    }
+}
+
+#[cfg(feature = "async")]
+impl futures_core::Stream for AsyncTokenStream {
+    type Item = Result<Piece>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Piece>>> {
+        use std::task::Poll;
+        let inner = &mut self.inner;
+        if inner.ended {
+            return Poll::Ready(None);
+        }
+        let event = {
+            let Ok(mut s) = inner.queue.state.lock() else {
+                inner.ended = true;
+                return Poll::Ready(Some(Err(Error::WorkerGone)));
+            };
+            match s.events.pop_front() {
+                Some(e) => e,
+                None => {
+                    s.waker = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
+            }
+        };
+        Poll::Ready(inner.handle(event))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+    fn assert_send<T: Send>() {}
+
+    #[test]
+    fn handles_cross_threads() {
+        assert_send_sync::<Model>();
+        assert_send::<Session>();
+        assert_send::<TokenStream>();
+        assert_send_sync::<CancelHandle>();
+    }
+
+    #[test]
+    fn sampling_values_are_range_checked() {
+        let bad = [
+            Sampling {
+                temperature: -1.0,
+                ..Sampling::default()
+            },
+            Sampling {
+                top_p: 2.0,
+                ..Sampling::default()
+            },
+            Sampling {
+                min_p: f32::NAN,
+                ..Sampling::default()
+            },
+            Sampling {
+                repetition_penalty: 0.0,
+                ..Sampling::default()
+            },
+        ];
+        for s in bad {
+            assert!(s.params().is_err(), "{s:?}");
+        }
+        assert!(Sampling::default().params().is_ok());
+    }
+}

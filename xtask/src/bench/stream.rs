@@ -6,9 +6,9 @@
 use std::path::Path;
 
 use anyhow::Result;
+use mlxcel_arch::generate::Session;
 use mlxcel_loading::stream::prepare_expert_stream;
 use mlxcel_loading::{generate_text, load_model, GenerateRequest, LoadOptions};
-use mlxcel_models::generate::Session;
 use mlxcel_stream::{manifest, CachePolicy, StreamConfig, StreamMode};
 
 /// Runs the comparison on the MoE checkpoint in `model`; returns the Markdown table.

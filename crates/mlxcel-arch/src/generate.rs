@@ -81,12 +81,50 @@ pub struct Session<'m> {
     tokens: Vec<u32>,
 }
 
-impl<'m> Session<'m> {
-    pub fn new(model: &'m dyn LanguageModel) -> Session<'m> {
-        Session {
-            model,
+/// What a [`Session`] holds besides the model: its caches and the tokens they hold. Kept apart
+/// from the model so an owner of both (a worker thread serving many conversations of one model)
+/// can park a conversation and resume it later with [`Session::resume`].
+#[derive(Debug, Clone)]
+pub struct SessionState {
+    caches: Vec<LayerCache>,
+    tokens: Vec<u32>,
+}
+
+impl SessionState {
+    /// Fresh state for `model`.
+    pub fn new(model: &dyn LanguageModel) -> SessionState {
+        SessionState {
             caches: model.make_caches(),
             tokens: Vec::new(),
+        }
+    }
+
+    /// The tokens the caches hold.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
+impl<'m> Session<'m> {
+    pub fn new(model: &'m dyn LanguageModel) -> Session<'m> {
+        Session::resume(model, SessionState::new(model))
+    }
+
+    /// Continues a conversation of `model` from a parked state (which must come from the
+    /// same model).
+    pub fn resume(model: &'m dyn LanguageModel, state: SessionState) -> Session<'m> {
+        Session {
+            model,
+            caches: state.caches,
+            tokens: state.tokens,
+        }
+    }
+
+    /// Parks the conversation (see [`Session::resume`]).
+    pub fn into_state(self) -> SessionState {
+        SessionState {
+            caches: self.caches,
+            tokens: self.tokens,
         }
     }
 

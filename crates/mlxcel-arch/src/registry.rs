@@ -107,11 +107,11 @@ pub struct StaticModelDescriptor {
 }
 
 impl StaticModelDescriptor {
-    /// The architecture's Rust path, e.g. `mlxcel_models::models::llama::Model`.
+    /// The architecture's Rust path, e.g. `mlxcel_arch::models::llama::Model`.
     pub fn architecture_path(&self) -> String {
         self.architecture
             .replace(' ', "")
-            .replace("$crate", "mlxcel_models")
+            .replace("$crate", "mlxcel_arch")
     }
 }
 

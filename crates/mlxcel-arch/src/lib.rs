@@ -1,0 +1,29 @@
+//! # mlxcel-arch
+//!
+//! Owns the model side: [`ModelType`] and detection from `config.json`
+//! ([`detection`]), config sanitising ([`config::sanitize_config_json`]), the
+//! [`for_each_model_registration!`] registry, per-architecture `ModelArgs` and model code
+//! ([`models`]), the [`LanguageModel`] trait, [`LoadedModel`], and per-layer caches ([`cache`]).
+//! The seams are described in this crate's README.
+
+pub mod cache;
+pub mod config;
+pub mod detection;
+mod error;
+pub mod generate;
+pub mod model;
+pub mod models;
+pub mod nn;
+pub mod registry;
+pub mod sampling;
+pub mod sanitize;
+pub mod weights;
+
+pub use cache::{LayerCache, Mask};
+pub use error::{ModelError, Result};
+pub use model::{Architecture, LanguageModel, LayerKind};
+pub use registry::{
+    adapter_support, cache_schedule, load_config_backed, model_load_policy, sanitized_weights,
+    BuildOptions, DirectoryRoute, GenerationModel, LoadedModel, ModelKind, ModelLoadPolicy,
+    ModelType, StaticModelDescriptor, WeightRoute, ADAPTERS_AVAILABLE, DESCRIPTORS,
+};
