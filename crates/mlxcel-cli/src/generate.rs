@@ -10,7 +10,6 @@ use mlxcel_loading::{
     generate_text, load_model, GenerateRequest, GenerationStats, LanguageModel, LoadOptions,
     Loaded, Message,
 };
-use mlxcel_models::generate::Session;
 use mlxcel_models::sampling::SamplingParams;
 
 /// Flags shared by `generate` and `chat`.
@@ -345,7 +344,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         req.eos_token_ids.clear();
     }
     for _ in 0..flags.repeat.max(1) {
-        let mut session = Session::new(&loaded.model);
+        let mut session = loaded.session();
         let (ids, stats) = generate_text(
             &mut session,
             tokenizer,
@@ -419,7 +418,7 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
     if let Some(system) = &flags.system {
         messages.push(Message::new("system", system));
     }
-    let mut session = Session::new(&loaded.model);
+    let mut session = loaded.session();
     let stdin = std::io::stdin();
     let interactive = std::io::IsTerminal::is_terminal(&stdin);
     loop {

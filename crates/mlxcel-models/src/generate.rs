@@ -79,6 +79,8 @@ pub struct Session<'m> {
     model: &'m dyn LanguageModel,
     caches: Vec<LayerCache>,
     tokens: Vec<u32>,
+    /// The checkpoint files the model's weights are mapped from, checked before each request.
+    mapped: Option<mlxcel_core::MappedFiles>,
 }
 
 impl<'m> Session<'m> {
@@ -87,6 +89,24 @@ impl<'m> Session<'m> {
             model,
             caches: model.make_caches(),
             tokens: Vec::new(),
+            mapped: None,
+        }
+    }
+
+    /// Checks `files` (the mapped checkpoint) are unchanged before each request
+    /// ([`Session::check_files`]).
+    pub fn with_mapped_files(mut self, files: mlxcel_core::MappedFiles) -> Session<'m> {
+        self.mapped = Some(files);
+        self
+    }
+
+    /// An error naming a mapped checkpoint file that was modified, truncated or replaced since
+    /// the model was loaded (reading its pages could fault); see
+    /// [`mlxcel_core::MappedFiles`] for the window this leaves.
+    pub fn check_files(&self) -> Result<()> {
+        match &self.mapped {
+            Some(files) => Ok(files.check_unchanged()?),
+            None => Ok(()),
         }
     }
 
