@@ -273,3 +273,64 @@ fn a_layout_older_than_the_checkpoint_experts_is_stale() {
     verify_expert_stream(dir.path()).unwrap();
     generate(dir.path(), &again).unwrap();
 }
+
+/// What checking each read costs: a streamed greedy decode with top-k slots (a miss on most
+/// expert uses) with and without `MLXCEL_EXPERT_VERIFY`, and xxh3 against `pread` throughput.
+/// `cargo test -p mlxcel-tests --test expert_stream_integrity -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn verification_cost() {
+    use std::os::unix::fs::FileExt;
+    use std::time::Instant;
+    let (dir, manifest) = prepared();
+    let r = reference(FIXTURE);
+    let prompt = &r.prompt_ids;
+    let tokens = 256;
+    let mut best = [f64::MAX; 2];
+    for round in 0..6 {
+        for (i, verify) in ["0", "1"].iter().enumerate() {
+            std::env::set_var("MLXCEL_EXPERT_VERIFY", verify);
+            let loaded = load(dir.path(), &manifest).unwrap();
+            let started = Instant::now();
+            greedy(&loaded.model, prompt, tokens, None, |_| false).unwrap();
+            let s = started.elapsed().as_secs_f64();
+            best[i] = best[i].min(s);
+            if round == 0 {
+                let (_, stats) = loaded.expert_stream.as_ref().unwrap();
+                eprintln!("verify={verify}: {:?}", stats.borrow());
+            }
+        }
+    }
+    std::env::remove_var("MLXCEL_EXPERT_VERIFY");
+    eprintln!(
+        "streamed decode of {tokens} tokens (best of 6): unchecked {:.1} ms, checked {:.1} ms ({:+.1}%)",
+        best[0] * 1e3,
+        best[1] * 1e3,
+        (best[1] / best[0] - 1.0) * 100.0
+    );
+    // Throughput on one layer file: pread of each expert vs xxh3 of it.
+    let layer = &manifest.layers[0];
+    let file = fs::File::open(blob_path(dir.path(), &manifest, 0)).unwrap();
+    let mut buf = vec![0u8; layer.read_len() as usize];
+    let reps = 20_000;
+    let started = Instant::now();
+    for i in 0..reps {
+        let e = (i % layer.experts) as u64;
+        file.read_exact_at(&mut buf, e * layer.expert_stride)
+            .unwrap();
+    }
+    let read = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let mut acc = 0u64;
+    for _ in 0..reps {
+        acc ^= xxhash_rust::xxh3::xxh3_64(std::hint::black_box(&buf));
+    }
+    let hash = started.elapsed().as_secs_f64();
+    let gb = (reps * buf.len()) as f64 / 1e9;
+    eprintln!(
+        "{} KiB expert reads: pread (page cache) {:.1} GB/s, xxh3 {:.1} GB/s [{acc:x}]",
+        buf.len() / 1024,
+        gb / read,
+        gb / hash
+    );
+}
