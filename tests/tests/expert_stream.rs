@@ -6,7 +6,7 @@ use std::fs;
 use std::path::Path;
 
 use mlxcel_arch::generate::greedy;
-use mlxcel_loading::stream::prepare_expert_stream;
+use mlxcel_loading::stream::{prepare_expert_stream, verify_expert_stream};
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
 use mlxcel_stream::{manifest, CachePolicy, StreamConfig, StreamMode};
 use mlxcel_tests::{copy_fixture, logits_for, reference};
@@ -26,7 +26,7 @@ fn load(dir: &Path, stream: StreamConfig) -> Loaded {
 fn check(name: &str) {
     let dir = copy_fixture(name);
     let manifest = prepare_expert_stream(dir.path(), |_, _| {}).unwrap();
-    assert_eq!(manifest::verify(dir.path()).unwrap(), manifest);
+    assert_eq!(verify_expert_stream(dir.path()).unwrap(), manifest);
     let r = reference(name);
     let off = StreamConfig {
         mode: StreamMode::Off,
@@ -122,16 +122,19 @@ fn tampered_layouts_are_refused() {
         original.replace(&first_file, "../config.json"),
     )
     .unwrap();
-    let err = manifest::verify(dir.path()).unwrap_err().to_string();
+    let err = verify_expert_stream(dir.path()).unwrap_err().to_string();
     assert!(err.contains("points outside the stream folder"), "{err}");
     fs::write(&manifest_path, &original).unwrap();
-    // A flipped byte: the hash check catches it; a truncated file: the size check.
+    // A flipped byte: the expert's hash catches it; a truncated file: the size check.
     let path = stream_dir.join(&first_file);
     let mut bytes = fs::read(&path).unwrap();
     bytes[100] ^= 0xff;
     fs::write(&path, &bytes).unwrap();
-    let err = manifest::verify(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("sha256") && err.contains(&first_file), "{err}");
+    let err = verify_expert_stream(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("expert 0") && err.contains(&first_file),
+        "{err}"
+    );
     fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
     let err = manifest::open(dir.path()).unwrap_err().to_string();
     assert!(err.contains("size") && err.contains(&first_file), "{err}");

@@ -79,6 +79,8 @@ pub struct Session<'m> {
     model: &'m dyn LanguageModel,
     caches: Vec<LayerCache>,
     tokens: Vec<u32>,
+    /// The checkpoint files the model's weights are mapped from, checked before each request.
+    mapped: Option<mlxcel_core::MappedFiles>,
 }
 
 /// What a [`Session`] holds besides the model: its caches and the tokens they hold. Kept apart
@@ -117,6 +119,24 @@ impl<'m> Session<'m> {
             model,
             caches: state.caches,
             tokens: state.tokens,
+            mapped: None,
+        }
+    }
+
+    /// Checks `files` (the mapped checkpoint) are unchanged before each request
+    /// ([`Session::check_files`]).
+    pub fn with_mapped_files(mut self, files: mlxcel_core::MappedFiles) -> Session<'m> {
+        self.mapped = Some(files);
+        self
+    }
+
+    /// An error naming a mapped checkpoint file that was modified, truncated or replaced since
+    /// the model was loaded (reading its pages could fault); see
+    /// [`mlxcel_core::MappedFiles`] for the window this leaves.
+    pub fn check_files(&self) -> Result<()> {
+        match &self.mapped {
+            Some(files) => Ok(files.check_unchanged()?),
+            None => Ok(()),
         }
     }
 

@@ -149,6 +149,11 @@ pub fn build_architecture<M: Architecture>(
     let args: M::Args = parse_args(config)?;
     M::sanitize(&args, &mut weights, options.quant.as_ref())?;
     if let Some(stream) = &options.stream {
+        // Every field of each layer's manifest entry against the sanitised checkpoint's
+        // headers (no tensor bytes read), before the stacks are dropped.
+        for layer in &stream.manifest.layers {
+            mlxcel_stream::manifest::check_layout(layer, &weights)?;
+        }
         // Streamed experts stay on disk: drop their (still lazy, never evaluated) stacks.
         for layer in &stream.manifest.layers {
             let covered: Vec<String> = weights

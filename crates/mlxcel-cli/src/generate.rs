@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use mlxcel_arch::generate::Session;
 use mlxcel_arch::sampling::SamplingParams;
 use mlxcel_loading::memory::estimate;
 use mlxcel_loading::{
@@ -348,7 +347,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         req.eos_token_ids.clear();
     }
     for _ in 0..flags.repeat.max(1) {
-        let mut session = Session::new(&loaded.model);
+        let mut session = loaded.session();
         let (ids, stats) = generate_text(
             &mut session,
             tokenizer,
@@ -422,7 +421,7 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
     if let Some(system) = &flags.system {
         messages.push(Message::new("system", system));
     }
-    let mut session = Session::new(&loaded.model);
+    let mut session = loaded.session();
     let stdin = std::io::stdin();
     let interactive = std::io::IsTerminal::is_terminal(&stdin);
     loop {

@@ -106,7 +106,7 @@ fn main() -> anyhow::Result<()> {
 fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Result<()> {
     let folder = mlxcel_loading::resolve_model_dir(model)?;
     let manifest = if verify {
-        mlxcel_stream::manifest::verify(&folder)?
+        mlxcel_loading::stream::verify_expert_stream(&folder)?
     } else {
         mlxcel_loading::stream::prepare_expert_stream(&folder, |done, total| {
             eprint!("\r[prepare-expert-stream] layer {done}/{total}");

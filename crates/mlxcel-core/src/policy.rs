@@ -99,6 +99,9 @@ pub struct RuntimePolicy {
     pub expert_cache_policy: CachePolicy,
     /// `MLXCEL_EXPERT_READ_THREADS`: parallel reads of missing experts (default 4, at least 1).
     pub expert_read_threads: usize,
+    /// `MLXCEL_EXPERT_VERIFY`: check each expert read from disk against its hash in the
+    /// manifest (default on; `0` only to measure what the check costs).
+    pub expert_verify: bool,
     /// `MLXCEL_DEQUANT_ROWS`: from this many activation rows quantized layers run as
     /// dequantize + dense GEMM (0 = never; setting it also covers routed experts). `None`:
     /// 256 on a GPU, never on the CPU.
@@ -140,6 +143,7 @@ impl RuntimePolicy {
         expert_arena_bytes: None,
         expert_cache_policy: CachePolicy::Lfu,
         expert_read_threads: 4,
+        expert_verify: true,
         dequant_rows: None,
         warm_up: None,
         cpu_kernels: true,
@@ -154,12 +158,13 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 16] = [
+    pub const VARIABLES: [&'static str; 17] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
         "MLXCEL_EXPERT_CACHE_POLICY",
         "MLXCEL_EXPERT_READ_THREADS",
+        "MLXCEL_EXPERT_VERIFY",
         "MLXCEL_DEQUANT_ROWS",
         "MLXCEL_WARM_UP",
         "MLXCEL_CPU_KERNELS",
@@ -228,6 +233,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_EXPERT_READ_THREADS") {
             p.expert_read_threads = v.in_range("a number of threads, at least 1", 1, usize::MAX)?;
+        }
+        if let Some(v) = get("MLXCEL_EXPERT_VERIFY") {
+            p.expert_verify = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_DEQUANT_ROWS") {
             p.dequant_rows = Some(v.number("a number of rows (0 = never)")?);

@@ -63,6 +63,8 @@ struct Entry {
 
 struct Shard {
     path: PathBuf,
+    /// The file's identity when it was mapped (see [`MappedFiles`]).
+    stamp: FileStamp,
     /// Private copy-on-write mapping: arrays may borrow from it (see [`zero_copy_enabled`]),
     /// and a write through one (MLX reusing an input buffer) could never reach the file.
     map: Arc<MmapMut>,
@@ -146,13 +148,78 @@ fn diagnose_header(bytes: &[u8]) -> Option<String> {
     None
 }
 
-fn open_shard(path: &Path) -> Result<Arc<MmapMut>> {
+/// What identifies a file's contents cheaply: size, modification time and inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    size: u64,
+    mtime: (i64, i64),
+    inode: (u64, u64),
+}
+
+impl FileStamp {
+    fn of(meta: &std::fs::Metadata) -> FileStamp {
+        use std::os::unix::fs::MetadataExt;
+        FileStamp {
+            size: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            inode: (meta.dev(), meta.ino()),
+        }
+    }
+}
+
+/// The files a [`WeightMap`] mapped, with each one's (size, mtime, inode) at open.
+///
+/// The checkpoint is memory-mapped and model arrays may borrow the mapping: if another process
+/// truncates or rewrites a mapped file, touching its pages faults (`SIGBUS`) or reads the new
+/// bytes. [`MappedFiles::check_unchanged`] turns that into an error naming the file; callers run
+/// it before each request. It cannot close the window in which a file is truncated *during* a
+/// forward pass (after the check, while pages are read): that still faults, and nothing short of
+/// copying the weights out of the mapping prevents it.
+#[derive(Debug, Clone, Default)]
+pub struct MappedFiles {
+    files: Vec<(PathBuf, FileStamp)>,
+}
+
+impl MappedFiles {
+    /// The mapped files' paths.
+    pub fn paths(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|(p, _)| p.as_path())
+    }
+
+    /// An error naming the first mapped file whose size, mtime or inode differs from when it was
+    /// opened (or that is gone).
+    pub fn check_unchanged(&self) -> Result<()> {
+        for (path, then) in &self.files {
+            let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+            let now = FileStamp::of(&meta);
+            if now != *then {
+                let what = if now.size != then.size {
+                    format!("its size went from {} to {} bytes", then.size, now.size)
+                } else if now.inode != then.inode {
+                    "it was replaced by another file".to_string()
+                } else {
+                    "it was modified".to_string()
+                };
+                return Err(Error::checkpoint(
+                    path,
+                    format!(
+                        "the checkpoint file changed while the model is loaded ({what}); reload the model"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn open_shard(path: &Path) -> Result<(Arc<MmapMut>, FileStamp)> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let stamp = FileStamp::of(&file.metadata().map_err(|e| Error::io(path, e))?);
     // SAFETY: private mapping (our writes never reach the file). If another process truncates
     // the file while it is mapped, reads fault; checkpoints are not modified in place while a
     // model loads.
     let map = unsafe { MmapOptions::new().map_copy(&file) }.map_err(|e| Error::io(path, e))?;
-    Ok(Arc::new(map))
+    Ok((Arc::new(map), stamp))
 }
 
 /// Whether [`WeightMap::get`] hands out arrays that borrow the mapped file instead of copying
@@ -230,7 +297,7 @@ impl WeightMap {
         let mut shards = Vec::with_capacity(files.len());
         let mut entries: BTreeMap<String, Entry> = BTreeMap::new();
         for (shard, path) in files.into_iter().enumerate() {
-            let map = open_shard(&path)?;
+            let (map, stamp) = open_shard(&path)?;
             let parsed = SafeTensors::deserialize(&map).map_err(|e| {
                 let detail = diagnose_header(&map).unwrap_or_else(|| e.to_string());
                 Error::checkpoint(&path, format!("not a valid safetensors file: {detail}"))
@@ -304,7 +371,7 @@ impl WeightMap {
                     },
                 );
             }
-            shards.push(Shard { path, map });
+            shards.push(Shard { path, stamp, map });
         }
         if let Some(index) = &index {
             if let Some((name, file)) = index.iter().find(|(name, _)| !entries.contains_key(*name))
@@ -324,6 +391,28 @@ impl WeightMap {
 
     pub fn folder(&self) -> &Path {
         &self.folder
+    }
+
+    /// The mapped shard files, in the order they were opened.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.shards.iter().map(|s| s.path.as_path())
+    }
+
+    /// The mapped files and their identity at open, to check before each request (see
+    /// [`MappedFiles`]).
+    pub fn mapped_files(&self) -> MappedFiles {
+        MappedFiles {
+            files: self
+                .shards
+                .iter()
+                .map(|s| (s.path.clone(), s.stamp))
+                .collect(),
+        }
+    }
+
+    /// [`MappedFiles::check_unchanged`] for this map's files.
+    pub fn check_unchanged(&self) -> Result<()> {
+        self.mapped_files().check_unchanged()
     }
 
     pub fn len(&self) -> usize {

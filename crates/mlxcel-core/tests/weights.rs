@@ -333,3 +333,63 @@ fn cpu_arrays_borrow_the_mapped_file_and_outlive_the_map() {
         "the checkpoint file changed"
     );
 }
+
+#[test]
+fn mapped_files_that_change_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    write(&path, &[("a", arr(&[1., 2., 3., 4.], &[4]))]);
+    let map = WeightMap::open(dir.path()).unwrap();
+    let files = map.mapped_files();
+    assert_eq!(files.paths().collect::<Vec<_>>(), vec![path.as_path()]);
+    map.check_unchanged().unwrap();
+    let original = fs::read(&path).unwrap();
+
+    // Rewritten in place with the same size (a later mtime).
+    let mut changed = original.clone();
+    let last = changed.len() - 1;
+    changed[last] ^= 0x01;
+    fs::write(&path, &changed).unwrap();
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+    fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let err = files.check_unchanged().unwrap_err().to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("modified"),
+        "{err}"
+    );
+
+    // Truncated.
+    fs::write(&path, &original[..original.len() / 2]).unwrap();
+    let err = map.check_unchanged().unwrap_err().to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("size"),
+        "{err}"
+    );
+
+    // Replaced by another file (same bytes, other inode).
+    let fresh = WeightMap::open(dir.path());
+    assert!(fresh.is_err(), "the truncated file is refused at open");
+    fs::write(&path, &original).unwrap();
+    let reopened = WeightMap::open(dir.path()).unwrap();
+    reopened.check_unchanged().unwrap();
+    let other = dir.path().join("other");
+    fs::write(&other, &original).unwrap();
+    let stamp = fs::metadata(&path).unwrap().modified().unwrap();
+    fs::File::options()
+        .write(true)
+        .open(&other)
+        .unwrap()
+        .set_modified(stamp)
+        .unwrap();
+    fs::rename(&other, &path).unwrap();
+    let err = reopened.check_unchanged().unwrap_err().to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("replaced"),
+        "{err}"
+    );
+}

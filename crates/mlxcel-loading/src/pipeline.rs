@@ -106,6 +106,21 @@ pub struct Loaded {
         crate::stream::StreamPlan,
         Rc<RefCell<mlxcel_stream::StreamStats>>,
     )>,
+    /// The checkpoint files the weights are mapped from, with their identity at load.
+    pub mapped: mlxcel_core::MappedFiles,
+}
+
+impl Loaded {
+    /// A new session on the model that checks, before each request, that the mapped
+    /// checkpoint files are unchanged (see [`mlxcel_core::MappedFiles`]).
+    pub fn session(&self) -> mlxcel_arch::generate::Session<'_> {
+        mlxcel_arch::generate::Session::new(&self.model).with_mapped_files(self.mapped.clone())
+    }
+
+    /// An error naming a mapped checkpoint file changed since load.
+    pub fn check_unchanged(&self) -> Result<()> {
+        Ok(self.mapped.check_unchanged()?)
+    }
 }
 
 fn ids_of(value: Option<&Value>) -> Vec<u32> {
@@ -233,6 +248,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         }
     }
     let mut weights = WeightMap::open(&folder)?;
+    let mapped = weights.mapped_files();
     let model_type = get_model_type(&config, has_vision_weights(&weights)).map_err(model_err)?;
     let policy = model_load_policy(model_type);
     if policy.directory_route != DirectoryRoute::ConfigBacked {
@@ -296,5 +312,6 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         chat_template,
         load_seconds: started.elapsed().as_secs_f64(),
         expert_stream: plan.map(|p| (p, stats)),
+        mapped,
     })
 }

@@ -87,6 +87,13 @@ pub fn plan(
     if stream.mode == StreamMode::Auto && manifest.total_expert_bytes() <= available / 2 {
         return Ok(None);
     }
+    // A layout made from other expert weights than the checkpoint's now would serve them
+    // silently: the shards' size, mtime and header are compared every time (cheap); when one
+    // differs, the source tensors' bytes decide (as after copying the folder).
+    if manifest::check_sources_cheap(folder, &manifest)?.is_some() {
+        let weights = sanitized(folder, config)?;
+        manifest::check_source_tensors(folder, &weights, &manifest)?;
+    }
     let top_k = config
         .get("num_experts_per_tok")
         .and_then(Value::as_u64)
@@ -106,6 +113,20 @@ pub fn plan(
     }))
 }
 
+/// The checkpoint of `folder`, sanitised into the stacked `switch_mlp` layout the stream
+/// files are cut from.
+fn sanitized(folder: &Path, config: &Value) -> Result<WeightMap> {
+    let model_type = get_model_type(config, false).map_err(|source| LoadError::Model {
+        folder: folder.to_path_buf(),
+        source,
+    })?;
+    let weights = WeightMap::open(folder)?;
+    sanitized_weights(model_type, config, weights).map_err(|source| LoadError::Model {
+        folder: folder.to_path_buf(),
+        source,
+    })
+}
+
 /// Writes the expert-stream layout of the MoE model in `folder` (see `mlxcel_stream::manifest`).
 pub fn prepare_expert_stream(
     folder: &Path,
@@ -113,15 +134,16 @@ pub fn prepare_expert_stream(
 ) -> Result<Manifest> {
     let folder = crate::resolve_model_dir(folder)?;
     let config = crate::read_config(&folder)?;
-    let model_type = get_model_type(&config, false).map_err(|source| LoadError::Model {
-        folder: folder.clone(),
-        source,
-    })?;
-    let weights = WeightMap::open(&folder)?;
-    let weights =
-        sanitized_weights(model_type, &config, weights).map_err(|source| LoadError::Model {
-            folder: folder.clone(),
-            source,
-        })?;
+    let weights = sanitized(&folder, &config)?;
     Ok(manifest::prepare(&folder, &weights, progress)?)
+}
+
+/// Checks the expert-stream layout of the model in `folder` in full (what
+/// `prepare-expert-stream --verify` runs): every manifest field against the checkpoint's
+/// tensors, the source tensors' bytes, every file's SHA-256 and every expert's hash.
+pub fn verify_expert_stream(folder: &Path) -> Result<Manifest> {
+    let folder = crate::resolve_model_dir(folder)?;
+    let config = crate::read_config(&folder)?;
+    let weights = sanitized(&folder, &config)?;
+    Ok(manifest::verify(&folder, &weights)?)
 }

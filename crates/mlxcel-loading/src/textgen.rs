@@ -148,6 +148,7 @@ pub fn generate_text(
     mut on_text: impl FnMut(&str),
     mut on_token: impl FnMut(u32),
 ) -> Result<(Vec<u32>, GenerationStats)> {
+    session.check_files()?;
     let start = Instant::now();
     let (reused, mut logits) = session.prefill(prompt, request.prefill_chunk)?;
     let prefill_seconds = start.elapsed().as_secs_f64();

@@ -568,7 +568,8 @@ impl Model {
                     .unwrap_or_else(|| SessionState::new(&loaded.model)),
                 None => SessionState::new(&loaded.model),
             };
-            let mut s = ArchSession::resume(&loaded.model, state);
+            let mut s =
+                ArchSession::resume(&loaded.model, state).with_mapped_files(loaded.mapped.clone());
             let pieces = std::cell::RefCell::new(Vec::<u32>::new());
             let result = generate_text(
                 &mut s,

@@ -11,8 +11,9 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use mlxcel_core::{ops, Array, Dtype};
+use xxhash_rust::xxh3::xxh3_64;
 
-use crate::manifest::LayerEntry;
+use crate::manifest::{parse_hash, LayerEntry};
 use crate::{Result, StreamError};
 
 /// Which resident expert gives up its slot on a miss (defined with the runtime policy).
@@ -115,11 +116,20 @@ fn read_threads() -> usize {
     mlxcel_core::policy::with(|p| p.expert_read_threads).max(1)
 }
 
+/// Whether each expert read from disk is checked against its xxh3 in the manifest
+/// (`MLXCEL_EXPERT_VERIFY` of the installed [`mlxcel_core::policy`]; off only to measure what
+/// the check costs).
+fn verify_reads() -> bool {
+    mlxcel_core::policy::with(|p| p.expert_verify)
+}
+
 /// One MoE layer's streamed experts.
 pub struct LayerStream {
     entry: LayerEntry,
     path: PathBuf,
     file: File,
+    /// Per expert the xxh3-64 its bytes must have; `None` when reads are not checked.
+    hashes: Option<Vec<u64>>,
     slots: SlotMap,
     /// One array per plane, `[capacity, ..plane shape]`, in manifest order.
     arena: Vec<Array>,
@@ -149,6 +159,19 @@ impl LayerStream {
     ) -> Result<LayerStream> {
         let path = dir.join(&entry.file);
         let file = File::open(&path).map_err(|e| StreamError::io(&path, e))?;
+        let hashes = entry
+            .expert_xxh3
+            .iter()
+            .map(|h| parse_hash(h))
+            .collect::<Option<Vec<u64>>>()
+            .filter(|h| h.len() == entry.experts)
+            .ok_or_else(|| StreamError::Layout {
+                path: path.clone(),
+                message: format!(
+                    "layer `{}`: the manifest has no valid per-expert hashes",
+                    entry.prefix
+                ),
+            })?;
         let arena = entry
             .planes
             .iter()
@@ -163,6 +186,7 @@ impl LayerStream {
             entry: entry.clone(),
             path,
             file,
+            hashes: verify_reads().then_some(hashes),
             slots: SlotMap::new(capacity, policy),
             arena,
             float_dtype,
@@ -244,32 +268,33 @@ impl LayerStream {
         Ok(slots)
     }
 
-    /// Reads the blobs of `loads` concurrently, at most [`read_threads`] at a time.
+    /// Reads the blobs of `loads` concurrently, at most [`read_threads`] at a time, each
+    /// checked against its expert's hash in the manifest before it can reach a slot.
     fn read(&self, loads: &[(usize, usize)]) -> Result<Vec<Vec<u8>>> {
         let stride = self.entry.expert_stride;
-        let len = self.entry.expert_bytes().max(
-            self.entry
-                .planes
-                .iter()
-                .map(|p| p.offset + p.nbytes)
-                .max()
-                .unwrap_or(0),
-        );
+        let len = self.entry.read_len() as usize;
         let threads = read_threads().min(loads.len()).max(1);
+        let per_thread = loads.len().div_ceil(threads);
         let mut out: Vec<Vec<u8>> = vec![Vec::new(); loads.len()];
-        let results: Vec<std::io::Result<()>> = std::thread::scope(|scope| {
-            let chunks: Vec<_> = out
-                .chunks_mut(loads.len().div_ceil(threads))
-                .zip(loads.chunks(loads.len().div_ceil(threads)))
-                .collect();
-            let handles: Vec<_> = chunks
-                .into_iter()
+        let hashes = self.hashes.as_deref();
+        let (path, prefix) = (&self.path, &self.entry.prefix);
+        let results: Vec<Result<()>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = out
+                .chunks_mut(per_thread)
+                .zip(loads.chunks(per_thread))
                 .map(|(bufs, jobs)| {
                     let file = &self.file;
-                    scope.spawn(move || -> std::io::Result<()> {
+                    scope.spawn(move || -> Result<()> {
                         for (buf, (expert, _)) in bufs.iter_mut().zip(jobs) {
-                            *buf = vec![0u8; len as usize];
-                            file.read_exact_at(buf, *expert as u64 * stride)?;
+                            *buf = vec![0u8; len];
+                            file.read_exact_at(buf, *expert as u64 * stride)
+                                .map_err(|e| StreamError::io(path, e))?;
+                            if let Some(want) = hashes.and_then(|h| h.get(*expert)) {
+                                let got = xxh3_64(buf);
+                                if got != *want {
+                                    return Err(corrupt(path, prefix, *expert, got, *want));
+                                }
+                            }
                         }
                         Ok(())
                     })
@@ -278,15 +303,29 @@ impl LayerStream {
             handles
                 .into_iter()
                 .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(std::io::Error::other("read thread panicked")))
+                    h.join().unwrap_or_else(|_| {
+                        Err(StreamError::io(
+                            &self.path,
+                            std::io::Error::other("read thread panicked"),
+                        ))
+                    })
                 })
                 .collect()
         });
         for r in results {
-            r.map_err(|e| StreamError::io(&self.path, e))?;
+            r?;
         }
         Ok(out)
+    }
+}
+
+/// The error for an expert whose bytes read from disk do not hash to the manifest's value.
+fn corrupt(path: &Path, prefix: &str, expert: usize, got: u64, want: u64) -> StreamError {
+    StreamError::Layout {
+        path: path.to_path_buf(),
+        message: format!(
+            "expert {expert} of layer `{prefix}` read from disk has xxh3 {got:016x}, the manifest says {want:016x}: the stream file is corrupt or was changed; rerun `mlxcel prepare-expert-stream`"
+        ),
     }
 }
 

@@ -3,9 +3,10 @@
 //! Owns what keeps huge models off memory: routed-expert streaming from disk.
 //!
 //! - [`manifest`]: the prepared layout (one page-aligned blob per expert per MoE layer, a
-//!   manifest with offsets, sizes and SHA-256s), its writer and its checks;
+//!   manifest with offsets, sizes, SHA-256s, per-expert xxh3s and source identity), its writer and
+//!   its checks;
 //! - [`arena`]: per MoE layer a slot arena of fixed capacity, the LRU/LFU cache policy, and
-//!   bounded parallel `pread`s of missing experts;
+//!   bounded parallel `pread`s of missing experts, each checked against its hash;
 //! - [`StreamConfig`]: the `MLXCEL_EXPERT_*` switches (from [`mlxcel_core::RuntimePolicy`]).
 //!
 //! External per-layer-embedding row storage is the other half of this crate's charter and is
