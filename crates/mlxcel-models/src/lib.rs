@@ -560,6 +560,7 @@ impl Model {
         };
         let queue = Arc::new(Queue::default());
         let feed = queue.clone();
+        let tokenizer = self.shared.tokenizer.clone();
         self.submit(Box::new(move |w: &mut Worker| {
             let Worker { loaded, sessions } = w;
             let state = match session {
@@ -573,7 +574,7 @@ impl Model {
             let pieces = std::cell::RefCell::new(Vec::<u32>::new());
             let result = generate_text(
                 &mut s,
-                loaded.tokenizer.as_ref(),
+                tokenizer.as_deref(),
                 &ids,
                 &request,
                 |text| {
@@ -584,7 +585,7 @@ impl Model {
                     }));
                 },
                 |token| {
-                    if loaded.tokenizer.is_none() {
+                    if tokenizer.is_none() {
                         feed.push(Event::Piece(Piece {
                             text: String::new(),
                             tokens: vec![token],
