@@ -52,7 +52,7 @@ fn unknown_model_type() {
     assert_eq!(
         err,
         format!(
-            "{}: unsupported: model_type `llamazing` is not a supported architecture (supported: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, mixtral, qwen2_moe, qwen3_moe, olmoe)",
+            "{}: unsupported: model_type `llamazing` is not a supported architecture (supported: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, cohere, granite, glm4, exaone4, starcoder2, mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3)",
             dir.path().display()
         )
     );
