@@ -151,14 +151,12 @@ fn mutate_bytes(bytes: &mut Vec<u8>, rng: &mut StdRng, header: usize) {
         }
         _ => {
             // A number in the header replaced by a large one.
-            let text = String::from_utf8_lossy(&bytes[..header.min(bytes.len())]).into_owned();
-            if let Some(pos) = text.find(|c: char| c.is_ascii_digit()) {
+            let end = header.min(bytes.len());
+            if let Some(pos) = bytes[..end].iter().position(u8::is_ascii_digit) {
                 let digits = rng.gen_range(1..20);
-                let big: String = (0..digits)
-                    .map(|_| char::from(b'1' + rng.gen_range(0..9)))
-                    .collect();
-                let mut out = text[..pos].as_bytes().to_vec();
-                out.extend_from_slice(big.as_bytes());
+                let big: Vec<u8> = (0..digits).map(|_| b'1' + rng.gen_range(0..9)).collect();
+                let mut out = bytes[..pos].to_vec();
+                out.extend_from_slice(&big);
                 out.extend_from_slice(&bytes[pos + 1..]);
                 *bytes = out;
             }

@@ -244,7 +244,7 @@ impl ChatTemplate {
             ));
         }
         for (i, m) in messages.iter().enumerate() {
-            if !self.roles.iter().any(|r| *r == m.role) {
+            if !self.roles.contains(&m.role) {
                 return Err(LoadError::Unsupported(format!(
                     "messages[{i}].role = {:?}: must be one of {} (the roles {} handles)",
                     m.role,
