@@ -123,7 +123,8 @@ fn out_of_range_flags_name_the_flag() {
         let out = mlxcel()
             .args(["generate", "--model"])
             .arg(&model)
-            .args(["--prompt-ids", "1,2", "--print-ids", flag, value])
+            .args(["--prompt-ids", "1,2", "--print-ids"])
+            .arg(format!("{flag}={value}"))
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
