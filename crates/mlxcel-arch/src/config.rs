@@ -8,8 +8,8 @@ use serde_json::{Map, Value};
 
 /// Normalises a raw `config.json` (see the module docs). Applied before deserialising.
 ///
-/// - tagged floats `{"__float__": "Infinity"}` become numbers (`±f64::MAX` for infinities,
-///   `null` for NaN);
+/// - tagged floats `{"__float__": "Infinity"}` become numbers (`±f64::MAX` for infinities;
+///   NaN stays the string `"NaN"`, which validation refuses where a number is needed);
 /// - keys whose value is `null` are removed, so architecture defaults apply;
 /// - `rope_parameters` (flat, or per layer type `{"full_attention": .., "sliding_attention": ..}`)
 ///   fills in `rope_theta`, `rope_scaling` (when not the default rope), `rope_local_base_freq`
@@ -36,8 +36,15 @@ fn untag_floats(value: &mut Value) {
                     *value = match tag.as_str() {
                         "Infinity" | "inf" => Value::from(f64::MAX),
                         "-Infinity" | "-inf" => Value::from(f64::MIN),
-                        "NaN" | "nan" => Value::Null,
-                        other => other.parse::<f64>().map(Value::from).unwrap_or(Value::Null),
+                        // NaN (and an unreadable tag) stays a string: a key that must be a
+                        // number then fails validation naming it, instead of silently taking
+                        // its default.
+                        other => other
+                            .parse::<f64>()
+                            .ok()
+                            .filter(|v| v.is_finite())
+                            .map(Value::from)
+                            .unwrap_or_else(|| Value::String(other.to_string())),
                     };
                     return;
                 }

@@ -78,10 +78,15 @@ pub fn is_text_only(config: &Value, has_vision_weights: bool) -> bool {
 
 /// Maps `config.json` to a registered model type.
 pub fn get_model_type(config: &Value, has_vision_weights: bool) -> Result<ModelType> {
-    let model_type = config
-        .get("model_type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ModelError::Config("missing field `model_type`".into()))?;
+    let model_type = match config.get("model_type") {
+        Some(Value::String(t)) => t.as_str(),
+        Some(other) => {
+            return Err(ModelError::Config(format!(
+                "model_type = {other}: wrong type: must be a string"
+            )))
+        }
+        None => return Err(ModelError::Config("missing field `model_type`".into())),
+    };
     if let Some(t) = ModelType::from_model_type(model_type) {
         return Ok(t);
     }

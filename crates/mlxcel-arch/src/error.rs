@@ -21,6 +21,14 @@ pub enum ModelError {
         found: Vec<i32>,
         expected: Vec<i32>,
     },
+    /// A tensor is stored with a dtype its role cannot have (a norm weight or scale stored as
+    /// integers).
+    #[error("tensor `{tensor}` has dtype {found}, expected {expected}")]
+    Dtype {
+        tensor: String,
+        found: String,
+        expected: String,
+    },
     /// The checkpoint holds tensors the architecture does not use (a wrong model type, or a
     /// checkpoint for another variant): loading them silently would hide the mismatch.
     #[error("unexpected tensors not used by {model}: {}{}", names.iter().take(8).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "), if names.len() > 8 { format!(" and {} more", names.len() - 8) } else { String::new() })]

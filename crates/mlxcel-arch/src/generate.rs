@@ -18,6 +18,11 @@ pub fn prefill(
         return Err(ModelError::Runtime("cannot prefill an empty prompt".into()));
     }
     check_token_ids(tokens, model.vocab_size())?;
+    if chunk == Some(0) {
+        return Err(ModelError::Runtime(
+            "prefill chunk = 0: must be at least 1 token".into(),
+        ));
+    }
     let step = chunk.unwrap_or(tokens.len()).max(1);
     let mut last = None;
     for piece in tokens.chunks(step) {
@@ -43,6 +48,23 @@ pub fn check_token_ids(tokens: &[u32], vocab: usize) -> Result<()> {
     }
 }
 
+/// An error naming `at` when `logits` hold a NaN (one reduction, read as a scalar): a NaN in a
+/// weight or an overflow would otherwise decode as token 0 forever.
+pub fn check_logits(logits: &Array, at: impl FnOnce() -> String) -> Result<()> {
+    let nan = logits
+        .reshape(&[-1])?
+        .isnan()?
+        .any(&[0], false)?
+        .astype(Dtype::Int32)?;
+    if nan.to_vec::<i32>()?.first().copied().unwrap_or(0) != 0 {
+        return Err(ModelError::Runtime(format!(
+            "the model produced NaN logits at {}: the checkpoint's weights (or the config's scales) give non-finite activations",
+            at()
+        )));
+    }
+    Ok(())
+}
+
 /// The index of the largest logit.
 pub fn argmax_token(logits: &Array) -> Result<u32> {
     let idx = logits.argmax(-1, false)?.astype(Dtype::Uint32)?;
@@ -60,7 +82,8 @@ pub fn greedy(
     let mut caches = model.make_caches();
     let mut logits = prefill(model, prompt, &mut caches, chunk)?;
     let mut out = Vec::with_capacity(max_new);
-    for _ in 0..max_new {
+    for step in 0..max_new {
+        check_logits(&logits, || format!("generation step {step}"))?;
         let token = argmax_token(&logits)?;
         out.push(token);
         if stop(token) || out.len() == max_new {
@@ -178,6 +201,12 @@ impl<'m> Session<'m> {
         }
         self.tokens.truncate(reuse);
         let logits = prefill(self.model, &prompt[reuse..], &mut self.caches, chunk)?;
+        check_logits(&logits, || {
+            format!(
+                "generation step 0 (the logits after the {}-token prompt)",
+                prompt.len()
+            )
+        })?;
         self.tokens.extend_from_slice(&prompt[reuse..]);
         Ok((reuse, logits))
     }
@@ -201,6 +230,10 @@ impl<'m> Session<'m> {
     /// Feeds one generated token; returns the logits for the next.
     pub fn step(&mut self, token: u32) -> Result<Array> {
         let logits = prefill(self.model, &[token], &mut self.caches, None)?;
+        let position = self.tokens.len();
+        check_logits(&logits, || {
+            format!("position {position} (after token {token})")
+        })?;
         self.tokens.push(token);
         Ok(logits)
     }

@@ -17,6 +17,7 @@ pub mod nn;
 pub mod registry;
 pub mod sampling;
 pub mod sanitize;
+pub mod validate;
 pub mod weights;
 
 pub use cache::{LayerCache, Mask};

@@ -180,8 +180,16 @@ pub fn build_architecture<M: Architecture>(
 }
 
 /// Deserialises an architecture's args from the sanitised config; the error names the field.
+/// Every architecture's config passes [`crate::validate::validate_config`] here first (types
+/// and ranges of the known keys); a remaining serde error names the key it is about.
 fn parse_args<A: serde::de::DeserializeOwned>(config: &Value) -> Result<A> {
-    serde_json::from_value(config.clone()).map_err(|e| ModelError::Config(e.to_string()))
+    crate::validate::validate_config(config)?;
+    serde_json::from_value(config.clone()).map_err(|e| {
+        ModelError::Config(crate::validate::locate_serde_error::<A>(
+            config,
+            &e.to_string(),
+        ))
+    })
 }
 
 /// Collects the registry rows of kind `Generation` and generates [`GenerationModel`] over them

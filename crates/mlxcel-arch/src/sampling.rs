@@ -35,6 +35,58 @@ impl Default for SamplingParams {
     }
 }
 
+/// A sampling parameter out of range: `field` is the [`SamplingParams`] field (a CLI turns it
+/// into its flag), `value` as given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamError {
+    pub field: &'static str,
+    pub value: String,
+    pub reason: &'static str,
+}
+
+impl std::fmt::Display for ParamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} = {}: {}", self.field, self.value, self.reason)
+    }
+}
+
+impl std::error::Error for ParamError {}
+
+impl SamplingParams {
+    /// Checks every parameter's range: temperature ≥ 0 and finite, top_p in (0, 1], min_p in
+    /// [0, 1], repetition_penalty > 0 and finite (top_k is unsigned: 0 turns it off).
+    pub fn validate(&self) -> Result<(), ParamError> {
+        let bad = |field, value: f32, reason| {
+            Err(ParamError {
+                field,
+                value: value.to_string(),
+                reason,
+            })
+        };
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(
+                "temperature",
+                self.temperature,
+                "must be finite and at least 0 (0 = greedy)",
+            );
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "must be in (0, 1] (1 = off)");
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return bad("min_p", self.min_p, "must be in [0, 1] (0 = off)");
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "must be finite and greater than 0 (1 = off)",
+            );
+        }
+        Ok(())
+    }
+}
+
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,

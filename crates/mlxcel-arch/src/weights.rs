@@ -169,8 +169,22 @@ impl ModelWeights {
         self.tensor_at(&name, shape)
     }
 
+    /// An error naming `name` unless it is stored as floats (a float tensor relabelled as an
+    /// integer dtype of the same size would otherwise be read as garbage numbers).
+    fn check_float(&self, name: &str) -> Result<()> {
+        match self.map.info(name) {
+            Some(info) if !info.dtype.is_float() => Err(ModelError::Dtype {
+                tensor: name.to_string(),
+                found: info.stored_dtype.clone(),
+                expected: "a float dtype (F32, F16 or BF16)".to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     fn tensor_at(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
         self.check_shape(name, shape)?;
+        self.check_float(name)?;
         let a = self.fetch_float(name)?;
         Ok(self.keep(a))
     }
@@ -258,8 +272,16 @@ impl ModelWeights {
                 w.fetch_float(name)
             }
         };
+        // Affine scales and every biases plane are floats; the fp4/fp8 modes store scales as
+        // bytes.
+        if mode == QuantMode::Affine {
+            self.check_float(&scales_name)?;
+        }
         let scales = plane(self, &scales_name)?;
         let biases_name = format!("{prefix}.biases");
+        if self.map.contains(&biases_name) {
+            self.check_float(&biases_name)?;
+        }
         let biases = if self.map.contains(&biases_name) {
             Some(plane(self, &biases_name)?)
         } else {

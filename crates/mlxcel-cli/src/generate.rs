@@ -110,7 +110,22 @@ fn sampling(flags: &RunFlags) -> SamplingParams {
     }
 }
 
+/// Range checks of the flags, before anything is loaded; the error names the flag.
+fn check_flags(flags: &RunFlags) -> anyhow::Result<()> {
+    if let Err(e) = sampling(flags).validate() {
+        bail!("--{} {}: {}", e.field.replace('_', "-"), e.value, e.reason);
+    }
+    if flags.prefill_chunk == Some(0) {
+        bail!("--prefill-chunk 0: must be at least 1 token");
+    }
+    if flags.max_context == Some(0) {
+        bail!("--max-context 0: must be at least 1 token");
+    }
+    Ok(())
+}
+
 fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>> {
+    check_flags(flags)?;
     let model = match &flags.model {
         Some(m) => m.clone(),
         None => default_model()?,

@@ -90,6 +90,9 @@ fn main() -> anyhow::Result<()> {
         }) => {
             inspect::run(&model)?;
             if estimate_memory {
+                if max_context == 0 {
+                    bail!("--max-context 0: must be at least 1 token");
+                }
                 generate::estimate_for(&model, max_context)?;
             }
         }
@@ -144,6 +147,13 @@ fn logits(model: &std::path::Path, ids: &[u32], out: &std::path::Path) -> anyhow
         .forward(&tokens, &mut caches)?
         .astype(mlxcel_core::Dtype::Float32)?;
     let values = logits.to_vec::<f32>()?;
+    if let Some(i) = values.iter().position(|v| v.is_nan()) {
+        bail!(
+            "the model produced NaN logits at prompt position {} (token {}): the checkpoint's weights give non-finite activations",
+            i / vocab.max(1),
+            ids.get(i / vocab.max(1)).copied().unwrap_or(0)
+        );
+    }
     npy::write_f32(out, &[ids.len(), vocab], &values)
         .with_context(|| format!("writing {}", out.display()))?;
     eprintln!(

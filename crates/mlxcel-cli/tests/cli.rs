@@ -116,3 +116,61 @@ fn an_invalid_runtime_variable_is_an_error_naming_it() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// Out-of-range flags fail before loading, with an error naming the flag and its value.
+#[test]
+fn out_of_range_flags_name_the_flag() {
+    let model = fixture("llama");
+    for (flag, value, expected) in [
+        ("--top-p", "2", "--top-p 2: must be in (0, 1]"),
+        ("--top-p", "0", "--top-p 0: must be in (0, 1]"),
+        ("--temperature", "-1", "--temperature -1: must be finite"),
+        ("--temperature", "NaN", "--temperature NaN: must be finite"),
+        ("--min-p", "1.5", "--min-p 1.5: must be in [0, 1]"),
+        (
+            "--repetition-penalty",
+            "0",
+            "--repetition-penalty 0: must be finite",
+        ),
+        (
+            "--prefill-chunk",
+            "0",
+            "--prefill-chunk 0: must be at least 1",
+        ),
+        ("--max-context", "0", "--max-context 0: must be at least 1"),
+    ] {
+        let out = mlxcel()
+            .args(["generate", "--model"])
+            .arg(&model)
+            .args(["--prompt-ids", "1,2", "--print-ids"])
+            .arg(format!("{flag}={value}"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value} should fail");
+        assert!(
+            out.status.code().is_some(),
+            "{flag} {value}: killed by a signal"
+        );
+        assert!(stderr.contains(expected), "{flag} {value}: {stderr}");
+    }
+}
+
+/// A huge --max-context reports that the run does not fit instead of wrapping around.
+#[test]
+fn huge_max_context_does_not_fit() {
+    let out = mlxcel()
+        .args(["generate", "--model"])
+        .arg(fixture("llama"))
+        .args(["--prompt-ids", "1", "--estimate-memory", "--max-context"])
+        .arg(u64::MAX.to_string())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("does NOT fit"), "{stdout}");
+}

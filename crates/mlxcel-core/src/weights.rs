@@ -212,6 +212,69 @@ impl MappedFiles {
     }
 }
 
+/// `name`, a file a checkpoint names (an index's shard, a tokenizer, a chat template), as a
+/// path inside `folder`: relative, without `..`, and resolving (symlinks followed) inside the
+/// folder. A Hugging Face hub snapshot (`…/snapshots/<rev>/`) may also link into its
+/// repository's `blobs/`, as the hub cache lays files out. Anything else is an error naming the
+/// path, so a checkpoint cannot make mlxcel read files elsewhere.
+pub fn confined_path(folder: &Path, name: &str) -> Result<PathBuf> {
+    use std::path::Component;
+    let named = Path::new(name);
+    let plain = !name.is_empty()
+        && named
+            .components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
+    let joined = folder.join(named);
+    if !plain {
+        return Err(Error::checkpoint(
+            &joined,
+            format!("`{name}` is outside the model folder (absolute or with `..`): refused"),
+        ));
+    }
+    let root = folder.canonicalize().map_err(|e| Error::io(folder, e))?;
+    let real = joined.canonicalize().map_err(|e| Error::io(&joined, e))?;
+    let hub_blobs = (root.parent().and_then(Path::file_name) == Some("snapshots".as_ref()))
+        .then(|| {
+            root.parent()
+                .and_then(Path::parent)
+                .map(|r| r.join("blobs"))
+        })
+        .flatten();
+    if real.starts_with(&root) || hub_blobs.is_some_and(|b| real.starts_with(b)) {
+        Ok(real)
+    } else {
+        Err(Error::checkpoint(
+            &joined,
+            format!(
+                "`{name}` resolves to {}, outside the model folder: refused",
+                real.display()
+            ),
+        ))
+    }
+}
+
+/// The tensor of a safetensors header whose data lies past the end of the file (the crate's
+/// error does not name it).
+fn tensor_past_end(bytes: &[u8]) -> Option<String> {
+    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value =
+        serde_json::from_slice(bytes.get(8..8usize.checked_add(len)?)?).ok()?;
+    let data = bytes.len().saturating_sub(8 + len) as u64;
+    for (name, value) in header.as_object()? {
+        let Some(offsets) = value.get("data_offsets").and_then(|o| o.as_array()) else {
+            continue;
+        };
+        let end = offsets.get(1).and_then(|e| e.as_u64()).unwrap_or(0);
+        let start = offsets.first().and_then(|e| e.as_u64()).unwrap_or(0);
+        if end > data || start > end {
+            return Some(format!(
+                "tensor `{name}` has data_offsets [{start}, {end}] past the end of the data ({data} bytes): the file is truncated or its header is wrong"
+            ));
+        }
+    }
+    None
+}
+
 fn open_shard(path: &Path) -> Result<(Arc<MmapMut>, FileStamp)> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
     let stamp = FileStamp::of(&file.metadata().map_err(|e| Error::io(path, e))?);
@@ -252,6 +315,28 @@ impl WeightMap {
             files.sort();
             files.dedup();
             for f in &files {
+                let lexical_escape = Path::new(f).is_absolute()
+                    || Path::new(f)
+                        .components()
+                        .any(|c| !matches!(c, std::path::Component::Normal(_)));
+                if !lexical_escape && !folder.join(f).exists() {
+                    // Reported as missing below.
+                } else {
+                    confined_path(&folder, f).map_err(|e| match e {
+                        Error::Io { .. } | Error::Checkpoint { .. } => {
+                            let tensor =
+                                index.iter().find(|(_, v)| *v == f).map(|(k, _)| k.as_str());
+                            Error::checkpoint(
+                                &index_path,
+                                format!(
+                                    "shard `{f}` named by the index (e.g. for tensor `{}`): {e}",
+                                    tensor.unwrap_or("?")
+                                ),
+                            )
+                        }
+                        other => other,
+                    })?;
+                }
                 if !folder.join(f).is_file() {
                     let tensor = index.iter().find(|(_, v)| *v == f).map(|(k, _)| k.as_str());
                     return Err(Error::checkpoint(
@@ -285,6 +370,18 @@ impl WeightMap {
                 files.retain(is_model);
             }
             files.sort();
+            // Shards found by listing may be links: they too must resolve inside the folder.
+            let files = files
+                .into_iter()
+                .map(|p| {
+                    let name = p
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .unwrap_or_default()
+                        .to_string();
+                    confined_path(&folder, &name).map(|_| p)
+                })
+                .collect::<Result<Vec<_>>>()?;
             (files, None)
         };
         if files.is_empty() {
@@ -299,7 +396,9 @@ impl WeightMap {
         for (shard, path) in files.into_iter().enumerate() {
             let (map, stamp) = open_shard(&path)?;
             let parsed = SafeTensors::deserialize(&map).map_err(|e| {
-                let detail = diagnose_header(&map).unwrap_or_else(|| e.to_string());
+                let detail = diagnose_header(&map)
+                    .or_else(|| tensor_past_end(&map))
+                    .unwrap_or_else(|| e.to_string());
                 Error::checkpoint(&path, format!("not a valid safetensors file: {detail}"))
             })?;
             let (header_len, _) = SafeTensors::read_metadata(&map)

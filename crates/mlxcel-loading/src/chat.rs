@@ -48,6 +48,63 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Where the template came from, for error messages.
+    origin: String,
+    /// Roles the template may be given: the usual four plus any it names as a string literal.
+    roles: Vec<String>,
+}
+
+/// Roles every template is assumed to handle.
+pub const STANDARD_ROLES: &[&str] = &["system", "user", "assistant", "tool"];
+
+/// Minijinja instructions a render may run: real templates need a few thousand per message, a
+/// looping one runs out quickly (well under a second).
+const BASE_FUEL: u64 = 20_000_000;
+const FUEL_PER_MESSAGE: u64 = 100_000;
+
+/// Bytes a render may write: 1 MiB plus eight times the messages' text.
+const BASE_OUTPUT: usize = 1 << 20;
+
+/// A writer that refuses to grow past `limit` bytes (stops a runaway template quickly).
+struct Bounded {
+    out: Vec<u8>,
+    limit: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len().saturating_add(buf.len()) > self.limit {
+            self.overflowed = true;
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Roles named as quoted literals in a template's source (`'developer'`, `"ipython"`).
+fn literal_roles(source: &str) -> Vec<String> {
+    let mut roles: Vec<String> = STANDARD_ROLES.iter().map(|r| r.to_string()).collect();
+    for quote in ['\'', '"'] {
+        for (i, piece) in source.split(quote).enumerate() {
+            if i % 2 == 1
+                && !piece.is_empty()
+                && piece.len() <= 32
+                && piece
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+                && !roles.iter().any(|r| r == piece)
+            {
+                roles.push(piece.to_string());
+            }
+        }
+    }
+    roles
 }
 
 fn token_text(config: &Value, key: &str) -> String {
@@ -141,25 +198,43 @@ impl ChatTemplate {
             env,
             bos_token: token_text(tokenizer_config, "bos_token"),
             eos_token: token_text(tokenizer_config, "eos_token"),
+            origin: "chat template".to_string(),
+            roles: literal_roles(source),
         })
+    }
+
+    fn named(source: &str, tokenizer_config: &Value, origin: String) -> Result<ChatTemplate> {
+        let mut t = ChatTemplate::new(source, tokenizer_config)
+            .map_err(|e| LoadError::Unsupported(format!("{origin}: {e}")))?;
+        t.origin = origin;
+        Ok(t)
     }
 
     /// The model folder's template, or `None` when it ships none.
     pub fn load(folder: &Path) -> Result<Option<ChatTemplate>> {
         let config_path = folder.join("tokenizer_config.json");
-        let config: Value = match std::fs::read_to_string(&config_path) {
-            Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| LoadError::file(&config_path, format!("invalid JSON: {e}")))?,
-            Err(_) => Value::Null,
+        let config: Value = if config_path.exists() {
+            let path = mlxcel_core::weights::confined_path(folder, "tokenizer_config.json")?;
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| LoadError::file(&path, e.to_string()))?;
+            serde_json::from_str(&text)
+                .map_err(|e| LoadError::file(&config_path, format!("invalid JSON: {e}")))?
+        } else {
+            Value::Null
         };
         let jinja = folder.join("chat_template.jinja");
-        let source = if jinja.is_file() {
-            Some(
-                std::fs::read_to_string(&jinja)
-                    .map_err(|e| LoadError::file(&jinja, e.to_string()))?,
+        let (source, origin) = if jinja.exists() {
+            let path = mlxcel_core::weights::confined_path(folder, "chat_template.jinja")?;
+            (
+                Some(
+                    std::fs::read_to_string(&path)
+                        .map_err(|e| LoadError::file(&jinja, e.to_string()))?,
+                ),
+                jinja.display().to_string(),
             )
         } else {
-            match config.get("chat_template") {
+            let origin = format!("{}: chat_template", config_path.display());
+            let source = match config.get("chat_template") {
                 Some(Value::String(s)) => Some(s.clone()),
                 // A list of named templates: the one called "default".
                 Some(Value::Array(list)) => list
@@ -168,25 +243,84 @@ impl ChatTemplate {
                     .and_then(|t| t.get("template").and_then(Value::as_str))
                     .map(str::to_string),
                 _ => None,
-            }
+            };
+            (source, origin)
         };
-        source.map(|s| ChatTemplate::new(&s, &config)).transpose()
+        source
+            .map(|s| ChatTemplate::named(&s, &config, origin))
+            .transpose()
+    }
+
+    /// Checks a conversation before rendering: at least one message, each with a role the
+    /// template handles (see [`STANDARD_ROLES`]).
+    pub fn check_messages(&self, messages: &[Message]) -> Result<()> {
+        if messages.is_empty() {
+            return Err(LoadError::Unsupported(
+                "messages: the conversation is empty (at least one message is needed)".into(),
+            ));
+        }
+        for (i, m) in messages.iter().enumerate() {
+            if !self.roles.contains(&m.role) {
+                return Err(LoadError::Unsupported(format!(
+                    "messages[{i}].role = {:?}: must be one of {} (the roles {} handles)",
+                    m.role,
+                    self.roles.join(", "),
+                    self.origin
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Renders `messages`; `add_generation_prompt` opens the assistant's turn.
+    ///
+    /// The render is bounded: it may run [`BASE_FUEL`] (plus some per message) template
+    /// instructions and write 1 MiB plus eight times the messages' text; a template past either
+    /// bound fails with an error naming it instead of running away.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        let template = self
-            .env
+        self.check_messages(messages)?;
+        let origin = &self.origin;
+        let mut env = self.env.clone();
+        env.set_fuel(Some(BASE_FUEL.saturating_add(
+            FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64),
+        )));
+        let template = env
             .get_template("chat")
-            .map_err(|e| LoadError::Unsupported(format!("chat template: {e}")))?;
-        template
-            .render(minijinja::context! {
+            .map_err(|e| LoadError::Unsupported(format!("{origin}: {e}")))?;
+        let text: usize = messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len())
+            .fold(0, usize::saturating_add);
+        let limit = BASE_OUTPUT.saturating_add(text.saturating_mul(8));
+        let mut out = Bounded {
+            out: Vec::new(),
+            limit,
+            overflowed: false,
+        };
+        let rendered = template.render_captured_to(
+            minijinja::context! {
                 messages => messages,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
-            })
-            .map_err(|e| LoadError::Unsupported(format!("chat template failed: {e}")))
+            },
+            &mut out,
+        );
+        match rendered {
+            Ok(_) => String::from_utf8(out.out).map_err(|_| {
+                LoadError::Unsupported(format!("{origin}: rendered text is not UTF-8"))
+            }),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(LoadError::Unsupported(format!(
+                "{origin}: the template ran too long (over {} instructions): it loops or is far too complex",
+                BASE_FUEL
+            ))),
+            Err(_) if out.overflowed => {
+                Err(LoadError::Unsupported(format!(
+                    "{origin}: the template's output exceeds {limit} bytes: it loops or repeats text"
+                )))
+            }
+            Err(e) => Err(LoadError::Unsupported(format!("{origin} failed: {e}"))),
+        }
     }
 }
 
@@ -216,7 +350,7 @@ mod tests {
         assert!(err.contains("bad role tool"), "{err}");
         let date = ChatTemplate::new("{{ strftime_now('%Y-%m-%d') }}", &config)
             .unwrap()
-            .render(&[], false)
+            .render(&[Message::new("user", "x")], false)
             .unwrap();
         assert_eq!(date.len(), 10);
         assert!(date.starts_with("20"), "{date}");

@@ -54,11 +54,15 @@ pub struct MemoryEstimate {
 
 impl MemoryEstimate {
     pub fn weight_bytes(&self) -> u64 {
-        self.weights.values().sum()
+        self.weights.values().fold(0, |a, b| a.saturating_add(*b))
     }
 
+    /// All of it (saturating: a huge context reports "does not fit", never wraps).
     pub fn total(&self) -> u64 {
-        self.weight_bytes() + self.kv_cache + self.transient + self.expert_arena
+        self.weight_bytes()
+            .saturating_add(self.kv_cache)
+            .saturating_add(self.transient)
+            .saturating_add(self.expert_arena)
     }
 
     /// Whether the run fits, leaving 10% of the device for the system and MLX's allocator.
@@ -104,7 +108,9 @@ pub fn estimate(
     let weights = WeightMap::open(folder)?;
     let mut by_role: BTreeMap<(String, String), u64> = BTreeMap::new();
     for name in weights.names() {
-        let info = weights.info(name).expect("listed name");
+        let Some(info) = weights.info(name) else {
+            continue;
+        };
         // Float tensors are held at the compute dtype; packed planes as stored.
         let quantized_plane = name.ends_with(".scales")
             || name.ends_with(".biases")
@@ -117,9 +123,10 @@ pub fn estimate(
         } else {
             (info.stored_dtype.to_lowercase(), info.nbytes() as u64)
         };
-        *by_role
+        let slot = by_role
             .entry((tensor_role(name).to_string(), label))
-            .or_default() += bytes;
+            .or_default();
+        *slot = slot.saturating_add(bytes);
     }
     let heads = num(config, "num_attention_heads").unwrap_or(1).max(1);
     let hidden = num(config, "hidden_size").unwrap_or(0);
@@ -139,13 +146,18 @@ pub fn estimate(
         .fold(0u64, u64::saturating_add);
     let vocab = num(config, "vocab_size").unwrap_or(0);
     let inter = num(config, "intermediate_size")
-        .unwrap_or(4 * hidden)
+        .unwrap_or(hidden.saturating_mul(4))
         .max(num(config, "moe_intermediate_size").unwrap_or(0));
     let f = dtype.size_of() as u64;
     // Logits of one chunk (f32), a few activations of the widest layer, attention scores.
     let transient = chunk
-        .saturating_mul(vocab * 4)
-        .saturating_add(4 * chunk * inter.max(hidden) * f)
+        .saturating_mul(vocab.saturating_mul(4))
+        .saturating_add(
+            chunk
+                .saturating_mul(4)
+                .saturating_mul(inter.max(hidden))
+                .saturating_mul(f),
+        )
         .saturating_add(
             heads
                 .saturating_mul(chunk)

@@ -171,10 +171,32 @@ pub fn resolve_model_dir(path: impl AsRef<Path>) -> Result<PathBuf> {
     } else {
         path
     };
-    if !folder.is_dir() {
-        return Err(LoadError::file(path, "no such model folder"));
+    match std::fs::metadata(folder) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(LoadError::file(path, "not a folder")),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            return Err(LoadError::file(folder, "permission denied"))
+        }
+        Err(_) => return Err(LoadError::file(path, "no such model folder")),
     }
-    if !folder.join("config.json").is_file() {
+    // Listing the folder tells a folder we may not read from one without config.json.
+    if let Err(e) = std::fs::read_dir(folder) {
+        return Err(LoadError::file(
+            folder,
+            if e.kind() == std::io::ErrorKind::PermissionDenied {
+                "permission denied (cannot list the model folder)".to_string()
+            } else {
+                e.to_string()
+            },
+        ));
+    }
+    let config = folder.join("config.json");
+    if let Err(e) = std::fs::metadata(&config) {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            return Err(LoadError::file(&config, "permission denied"));
+        }
+    }
+    if !config.is_file() {
         return Err(LoadError::file(
             folder,
             "not a model folder: no config.json",
@@ -185,7 +207,7 @@ pub fn resolve_model_dir(path: impl AsRef<Path>) -> Result<PathBuf> {
 
 /// Reads and sanitises `config.json`.
 pub fn read_config(folder: &Path) -> Result<Value> {
-    let path = folder.join("config.json");
+    let path = mlxcel_core::weights::confined_path(folder, "config.json")?;
     let text = std::fs::read_to_string(&path).map_err(|e| LoadError::file(&path, e.to_string()))?;
     let raw: Value = serde_json::from_str(&text)
         .map_err(|e| LoadError::file(&path, format!("invalid JSON: {e}")))?;

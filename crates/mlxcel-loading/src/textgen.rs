@@ -38,6 +38,21 @@ impl GenerateRequest {
             ..GenerateRequest::default()
         }
     }
+
+    /// Checks the request's ranges (sampling parameters, a positive prefill chunk); the error
+    /// names the parameter and its value.
+    pub fn validate(&self) -> Result<()> {
+        let invalid = |m: String| crate::LoadError::from(mlxcel_arch::ModelError::Runtime(m));
+        self.sampling
+            .validate()
+            .map_err(|e| invalid(e.to_string()))?;
+        if self.prefill_chunk == Some(0) {
+            return Err(invalid(
+                "prefill_chunk = 0: must be at least 1 token".to_string(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for GenerateRequest {
@@ -137,6 +152,12 @@ impl StopFilter<'_> {
     }
 }
 
+fn nan_error(step: usize) -> crate::LoadError {
+    crate::LoadError::from(mlxcel_arch::ModelError::Runtime(format!(
+        "the model produced NaN logits at generation step {step}: the checkpoint's weights (or the config's scales) give non-finite activations"
+    )))
+}
+
 /// Generates a reply to `prompt` (token ids) in `session`, calling `on_text` with each piece of
 /// text as it becomes final and `on_token` with each generated id. Returns the generated ids
 /// (without EOS) and the measurements.
@@ -149,6 +170,7 @@ pub fn generate_text(
     mut on_token: impl FnMut(u32),
 ) -> Result<(Vec<u32>, GenerationStats)> {
     session.check_files()?;
+    request.validate()?;
     let start = Instant::now();
     let (reused, mut logits) = session.prefill(prompt, request.prefill_chunk)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
@@ -165,15 +187,24 @@ pub fn generate_text(
     let mut census = Vec::new();
     // Greedy decoding picks tokens on the device and queues each step before reading the token
     // it feeds (as mlx-lm does), so the host builds the next graph while the device computes.
-    let device_argmax = |logits: &Array| -> Result<Array> {
-        Ok(logits
+    // With each token comes a flag: whether its logits held a NaN (one reduction, evaluated in
+    // the same batch and read with the token), so bad weights stop generation with an error
+    // instead of decoding token 0 forever.
+    let device_argmax = |logits: &Array| -> Result<(Array, Array)> {
+        let token = logits
             .argmax(-1, false)?
             .astype(Dtype::Int32)?
-            .reshape(&[1, 1])?)
+            .reshape(&[1, 1])?;
+        let nan = logits
+            .reshape(&[-1])?
+            .isnan()?
+            .any(&[0], false)?
+            .astype(Dtype::Int32)?;
+        Ok((token, nan))
     };
     let mut pending = if sampler.is_greedy() {
         let first = device_argmax(&logits)?;
-        mlxcel_core::ops::async_eval_all([&first])?;
+        mlxcel_core::ops::async_eval_all([&first.0, &first.1])?;
         Some(first)
     } else {
         None
@@ -190,22 +221,29 @@ pub fn generate_text(
             break;
         }
         let token = match pending.take() {
-            Some(current) => {
+            Some((current, nan)) => {
                 if generated.len() + 1 < request.max_new_tokens {
                     let built = Instant::now();
                     let next = device_argmax(&session.step_pending(&current)?)?;
                     // The second step's graph: the first one also grows the KV caches after
                     // a prompt of a multiple of their growth step, which others rarely do.
                     if census.is_empty() && !generated.is_empty() {
-                        census = mlxcel_core::ops::graph_census([&next])?;
+                        census = mlxcel_core::ops::graph_census([&next.0])?;
                     }
                     let queued = Instant::now();
-                    mlxcel_core::ops::async_eval_all([&next])?;
+                    mlxcel_core::ops::async_eval_all([&next.0, &next.1])?;
                     graph_seconds += (queued - built).as_secs_f64();
                     dispatch_seconds += queued.elapsed().as_secs_f64();
                     pending = Some(next);
                 }
-                let token = current.to_vec::<i32>()?[0] as u32;
+                if nan.to_vec::<i32>()?.first().copied().unwrap_or(0) != 0 {
+                    return Err(nan_error(generated.len()));
+                }
+                let token = current
+                    .to_vec::<i32>()?
+                    .first()
+                    .copied()
+                    .ok_or_else(|| nan_error(generated.len()))? as u32;
                 if pending.is_some() {
                     session.record_token(token);
                 }
@@ -213,6 +251,9 @@ pub fn generate_text(
             }
             None => {
                 let row = logits.astype(Dtype::Float32)?.to_vec::<f32>()?;
+                if row.iter().any(|v| v.is_nan()) {
+                    return Err(nan_error(generated.len()));
+                }
                 sampler.sample(&row, session.tokens())
             }
         };

@@ -39,8 +39,9 @@ impl Tokenizer {
 
 pub fn load_tokenizer(folder: &Path) -> Result<Tokenizer> {
     let path = folder.join("tokenizer.json");
-    if path.is_file() {
-        let inner = tokenizers::Tokenizer::from_file(&path)
+    if path.exists() {
+        let real = mlxcel_core::weights::confined_path(folder, "tokenizer.json")?;
+        let inner = tokenizers::Tokenizer::from_file(&real)
             .map_err(|e| LoadError::file(&path, format!("invalid tokenizer: {e}")))?;
         return Ok(Tokenizer { inner, path });
     }

@@ -140,39 +140,9 @@ impl Default for Sampling {
 }
 
 impl Sampling {
+    /// The sampler's parameters, range-checked (the error names the field and its value).
     fn params(&self) -> Result<SamplingParams> {
-        let finite = |name: &str, v: f32, ok: bool, want: &str| {
-            if v.is_finite() && ok {
-                Ok(())
-            } else {
-                Err(Error::Invalid(format!("sampling {name} = {v}: {want}")))
-            }
-        };
-        finite(
-            "temperature",
-            self.temperature,
-            self.temperature >= 0.0,
-            "must be 0 or more",
-        )?;
-        finite(
-            "top_p",
-            self.top_p,
-            self.top_p > 0.0 && self.top_p <= 1.0,
-            "must be in (0, 1]",
-        )?;
-        finite(
-            "min_p",
-            self.min_p,
-            (0.0..=1.0).contains(&self.min_p),
-            "must be in [0, 1]",
-        )?;
-        finite(
-            "repetition_penalty",
-            self.repetition_penalty,
-            self.repetition_penalty > 0.0,
-            "must be positive",
-        )?;
-        Ok(SamplingParams {
+        let params = SamplingParams {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
@@ -180,7 +150,11 @@ impl Sampling {
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
             ..SamplingParams::default()
-        })
+        };
+        params
+            .validate()
+            .map_err(|e| Error::Invalid(format!("sampling {e}")))?;
+        Ok(params)
     }
 }
 

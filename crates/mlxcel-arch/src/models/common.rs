@@ -115,9 +115,10 @@ impl CommonArgs {
             .map(|s| match (s, self.sliding_window) {
                 (false, _) => Ok(None),
                 (true, Some(w)) if w > 0 => Ok(Some(w)),
-                (true, _) => Err(ModelError::Config(
-                    "a sliding layer needs a positive `sliding_window`".into(),
-                )),
+                (true, w) => Err(ModelError::Config(format!(
+                    "sliding_window = {}: a sliding layer needs a positive `sliding_window`",
+                    w.map_or("(absent)".to_string(), |w| w.to_string())
+                ))),
             })
             .collect()
     }

@@ -131,8 +131,9 @@ pub struct GgufTensorInfo {
 }
 
 impl GgufTensorInfo {
+    /// Elements (saturating: [`GgufFile::open`] refuses tensors whose count overflows).
     pub fn numel(&self) -> u64 {
-        self.ne.iter().product()
+        self.ne.iter().fold(1u64, |a, d| a.saturating_mul(*d))
     }
 
     /// The shape in PyTorch (row-major, slowest axis first) order.
@@ -432,7 +433,9 @@ impl GgufFile {
                 ),
             ));
         }
-        let nbytes = numel / block * info.ggml_type.type_size() as u64;
+        let nbytes = (numel / block)
+            .checked_mul(info.ggml_type.type_size() as u64)
+            .ok_or_else(|| GgufError::tensor(&self.path, &info.name, "byte size overflows"))?;
         let start = self.data_offset.checked_add(info.offset);
         let end = start.and_then(|s| s.checked_add(nbytes));
         match (start, end) {
