@@ -96,8 +96,7 @@ impl StreamConfig {
         let per_slot_all_layers: u64 = manifest
             .layers
             .iter()
-            .map(|l| l.expert_stride)
-            .sum::<u64>()
+            .fold(0u64, |acc, l| acc.saturating_add(l.expert_stride))
             .max(1);
         let max_experts = manifest.layers.iter().map(|l| l.experts).max().unwrap_or(0);
         ((budget / per_slot_all_layers) as usize)

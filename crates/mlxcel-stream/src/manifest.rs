@@ -97,7 +97,9 @@ pub struct LayerEntry {
 impl LayerEntry {
     /// Bytes of one expert's planes (without padding).
     pub fn expert_bytes(&self) -> u64 {
-        self.planes.iter().map(|p| p.nbytes).sum()
+        self.planes
+            .iter()
+            .fold(0u64, |acc, p| acc.saturating_add(p.nbytes))
     }
 
     /// Bytes read per expert: up to the end of its last plane.
@@ -144,8 +146,8 @@ impl Manifest {
     pub fn total_expert_bytes(&self) -> u64 {
         self.layers
             .iter()
-            .map(|l| l.expert_bytes() * l.experts as u64)
-            .sum()
+            .map(|l| l.expert_bytes().saturating_mul(l.experts as u64))
+            .fold(0u64, u64::saturating_add)
     }
 }
 
