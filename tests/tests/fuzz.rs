@@ -252,35 +252,33 @@ fn fuzz_gguf_reader() {
 
 #[test]
 fn fuzz_expert_stream_manifest_parser() {
+    // A real layout, prepared from an MoE fixture, mutated field by field: parsing and the
+    // structural checks `manifest::open` runs at load must refuse, never panic.
     let mut rng = StdRng::seed_from_u64(0x3a41);
-    let manifest = json!({"version": 1, "layers": [{
-        "prefix": "model.layers.0.mlp", "file": "layer0.bin", "size": 4096, "experts": 2,
-        "expert_stride": 2048, "sha256": "00",
-        "planes": [{"name": "gate_proj.weight", "dtype": "float32", "shape": [4, 8], "offset": 0, "nbytes": 128}]
-    }]});
-    assert!(serde_json::from_value::<mlxcel_stream::Manifest>(manifest.clone()).is_ok());
-    for i in 0..2000 {
+    let dir = mlxcel_tests::copy_fixture("qwen3_moe");
+    mlxcel_loading::stream::prepare_expert_stream(dir.path(), |_, _| {}).unwrap();
+    let path = dir
+        .path()
+        .join(mlxcel_stream::manifest::STREAM_DIR)
+        .join(mlxcel_stream::manifest::MANIFEST);
+    let manifest: Value = serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    assert!(mlxcel_stream::manifest::open(dir.path()).unwrap().is_some());
+    for i in 0..500 {
         let mut m = manifest.clone();
-        if let Some(layer) = m["layers"][0].as_object_mut() {
-            let mut wrapped = Value::Object(layer.clone());
-            mutate_config(&mut wrapped, &mut rng);
-            *layer = wrapped.as_object().cloned().unwrap_or_default();
-        }
-        if let Some(plane) = m
-            .pointer_mut("/layers/0/planes/0")
-            .filter(|_| rng.gen_bool(0.3))
-        {
-            mutate_config(plane, &mut rng);
+        for pointer in ["/layers/0", "/layers/0/planes/0", "/sources/0", ""] {
+            if let Some(v) = m.pointer_mut(pointer).filter(|_| rng.gen_bool(0.4)) {
+                mutate_config(v, &mut rng);
+            }
         }
         let mut text = m.to_string().into_bytes();
         if rng.gen_bool(0.2) {
             let len = text.len();
             mutate_bytes(&mut text, &mut rng, len);
         }
+        fs::write(&path, &text).unwrap();
         no_panic(&format!("manifest #{i}"), || {
-            let text = String::from_utf8_lossy(&text);
-            serde_json::from_str::<mlxcel_stream::Manifest>(&text).map(|m| {
-                let _ = m.layers.len();
+            mlxcel_stream::manifest::open(dir.path()).map(|m| {
+                let _ = m.map(|(_, m)| m.total_expert_bytes());
             })
         });
     }

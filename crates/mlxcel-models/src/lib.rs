@@ -29,7 +29,7 @@
 //!
 //! [`Model::generate`] and [`Session::generate`] return a [`TokenStream`]: an iterator of
 //! [`Piece`]s (and, with the `async` feature, a `futures_core::Stream` through
-//! [`TokenStream::into_async`]). [`TokenStream::cancel`] (or a [`CancelHandle`] taken from it, or
+//! `TokenStream::into_async`). [`TokenStream::cancel`] (or a [`CancelHandle`] taken from it, or
 //! dropping the stream) stops generation after the current token; [`TokenStream::finish`] gives
 //! the statistics once it has ended.
 //!
@@ -38,6 +38,8 @@
 //! The loading pipeline ([`loading`], crate `mlxcel-loading`) and the model layer ([`arch`],
 //! crate `mlxcel-arch`: the registry, architectures, caches, `LanguageModel`) are re-exported for
 //! programs that need them; their types are single-threaded.
+
+#![warn(missing_docs)]
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -166,6 +168,7 @@ pub struct Generation {
     /// Most tokens to generate; `None`: [`Generation::DEFAULT_MAX_NEW_TOKENS`], capped by the
     /// room left in the model's context.
     pub max_new_tokens: Option<usize>,
+    /// How tokens are chosen (greedy by default).
     pub sampling: Sampling,
     /// Generation ends before the first occurrence of any of these strings.
     pub stop: Vec<String>,
@@ -183,16 +186,23 @@ impl Generation {
 /// Facts about a loaded model.
 #[derive(Debug, Clone)]
 pub struct ModelInfo {
+    /// The registered architecture `config.json`'s `model_type` selected.
     pub model_type: ModelType,
+    /// The model folder it was loaded from.
     pub folder: PathBuf,
+    /// The dtype it computes in.
     pub dtype: Dtype,
+    /// Logits per position; token ids must be below it.
     pub vocab_size: usize,
     /// Ids that end generation (from `config.json`, `generation_config.json` and the tokenizer).
     pub eos_token_ids: Vec<u32>,
     /// `max_position_embeddings`, when the config states it.
     pub context_length: Option<usize>,
+    /// Whether text can be encoded and decoded (not when built `without_tokenizer`).
     pub has_tokenizer: bool,
+    /// Whether [`Model::chat_text`] and [`Prompt::Messages`] can be used.
     pub has_chat_template: bool,
+    /// Seconds the load took on the worker thread.
     pub load_seconds: f64,
 }
 
@@ -633,7 +643,9 @@ impl Drop for Session {
 /// give one id per piece and no text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Piece {
+    /// Text made final by this piece (may be empty while a character or stop string is pending).
     pub text: String,
+    /// The generated token ids this piece accounts for.
     pub tokens: Vec<u32>,
 }
 
