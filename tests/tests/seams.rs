@@ -280,6 +280,17 @@ fn runtime_errors_are_not_config_errors() {
         outside.contains(&format!("token id {vocab} at position 1")) && !outside.contains("config"),
         "{outside}"
     );
+    // The raw forward pass refuses ids outside the table instead of reading past it.
+    let err = model
+        .forward(&ids(&[1, vocab + 7]), &mut model.make_caches())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("token id {} at position 1", vocab + 7)),
+        "{err}"
+    );
+    let negative = Array::from_slice(&[-1i32], &[1, 1]).unwrap();
+    assert!(model.forward(&negative, &mut model.make_caches()).is_err());
     // A cache of the wrong kind is refused by name.
     let latent = load_model(model_dir("deepseek_v2"), &options()).unwrap();
     let err = latent

@@ -234,6 +234,7 @@ rust::Vec<int32_t> array_shape(const array& a) {
 Dtype array_dtype(const array& a) { return from_mlx(a.dtype()); }
 size_t array_size(const array& a) { return a.size(); }
 size_t array_nbytes(const array& a) { return a.nbytes(); }
+bool array_is_available(const array& a) { return a.is_available(); }
 
 void array_copy_to_host(const array& a, rust::Slice<uint8_t> out) {
   // Wait for the array itself first: adding an op here would queue behind work scheduled after

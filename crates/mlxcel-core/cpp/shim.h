@@ -65,6 +65,7 @@ rust::Vec<int32_t> array_shape(const array& a);
 Dtype array_dtype(const array& a);
 size_t array_size(const array& a);
 size_t array_nbytes(const array& a);
+bool array_is_available(const array& a);
 void array_copy_to_host(const array& a, rust::Slice<uint8_t> out);
 void array_eval(const array& a);
 double array_item_f64(const array& a);

@@ -166,6 +166,12 @@ impl Array {
         bridge::array_nbytes(self.as_ref()).unwrap_or(0)
     }
 
+    /// Whether the array's data is already computed, so reading it waits for nothing (arrays
+    /// made from host data, or evaluated ones); `false` for pending graph nodes.
+    pub fn is_available(&self) -> bool {
+        bridge::array_is_available(self.as_ref()).unwrap_or(false)
+    }
+
     /// Computes the array (and everything it depends on).
     pub fn eval(&self) -> Result<()> {
         Ok(bridge::array_eval(self.as_ref())?)

@@ -97,6 +97,7 @@ pub(crate) mod bridge {
         fn array_dtype(a: &MlxArray) -> Result<Dtype>;
         fn array_size(a: &MlxArray) -> Result<usize>;
         fn array_nbytes(a: &MlxArray) -> Result<usize>;
+        fn array_is_available(a: &MlxArray) -> Result<bool>;
         fn array_copy_to_host(a: &MlxArray, out: &mut [u8]) -> Result<()>;
         fn array_eval(a: &MlxArray) -> Result<()>;
         fn array_item_f64(a: &MlxArray) -> Result<f64>;
