@@ -211,12 +211,8 @@ impl ModelWeights {
         Ok(self.dtype == Dtype::Float32 && mlxcel_core::ops::cpu_kernels_active()?)
     }
 
-    /// [`ModelWeights::tensor`] when present, `None` when the checkpoint lacks it.
-    pub fn optional(&mut self, name: &str, shape: &[i32]) -> Result<Option<Array>> {
-        let name = self.path(name);
-        self.optional_at(&name, shape)
-    }
-
+    /// The tensor at checkpoint name `name` when present (see [`ModelWeights::tensor`]),
+    /// `None` when the checkpoint lacks it.
     fn optional_at(&mut self, name: &str, shape: &[i32]) -> Result<Option<Array>> {
         if self.map.contains(name) {
             self.tensor_at(name, shape).map(Some)
@@ -380,17 +376,6 @@ impl ModelWeights {
         }
     }
 
-    /// A linear layer whose bias is used when the checkpoint has one.
-    pub fn linear_maybe_bias(
-        &mut self,
-        prefix: &str,
-        in_features: i32,
-        out_features: i32,
-    ) -> Result<Linear> {
-        let has_bias = self.contains(&format!("{prefix}.bias"));
-        self.linear(prefix, in_features, out_features, has_bias)
-    }
-
     /// An embedding table `[vocab, dim]`, dense or quantized.
     pub fn embedding(&mut self, prefix: &str, vocab: i32, dim: i32) -> Result<Embedding> {
         let prefix = &self.path(prefix);
@@ -407,18 +392,8 @@ impl ModelWeights {
         })
     }
 
-    /// A stack of `experts` linear layers `[experts, out, in]` (MoE), dense or quantized.
-    pub fn switch_linear(
-        &mut self,
-        prefix: &str,
-        experts: i32,
-        in_features: i32,
-        out_features: i32,
-    ) -> Result<SwitchLinear> {
-        let prefix = self.path(prefix);
-        self.switch_linear_at(&prefix, experts, in_features, out_features)
-    }
-
+    /// A stack of `experts` linear layers `[experts, out, in]` (MoE) at checkpoint name
+    /// `prefix`, dense or quantized.
     fn switch_linear_at(
         &mut self,
         prefix: &str,
