@@ -37,6 +37,7 @@ impl std::fmt::Debug for Array {
 
 /// Host element types an [`Array`] can be created from and copied into.
 pub trait HostElement: Copy + Default + 'static {
+    /// The MLX dtype with this type's layout.
     const DTYPE: Dtype;
 }
 
@@ -131,11 +132,13 @@ impl Array {
         Array::scalar(value, self.dtype()?)
     }
 
+    /// The dimensions, outermost first (empty for a scalar).
     pub fn shape(&self) -> Vec<i32> {
         // Reading the shape of a live array does not throw.
         bridge::array_shape(self.as_ref()).unwrap_or_default()
     }
 
+    /// Number of dimensions.
     pub fn ndim(&self) -> usize {
         self.shape().len()
     }
@@ -153,6 +156,7 @@ impl Array {
         Ok(shape[i as usize])
     }
 
+    /// The element type.
     pub fn dtype(&self) -> Result<Dtype> {
         Ok(bridge::array_dtype(self.as_ref())?)
     }
@@ -162,6 +166,7 @@ impl Array {
         bridge::array_size(self.as_ref()).unwrap_or(0)
     }
 
+    /// Bytes of the elements (`size() * dtype.size_of()`; packed sub-byte data counts its storage).
     pub fn nbytes(&self) -> usize {
         bridge::array_nbytes(self.as_ref()).unwrap_or(0)
     }

@@ -6,6 +6,8 @@
 //! ([`gguf`]), recipes ([`recipe`]), importance-weighted affine quantization
 //! ([`importance`]) and fp8-block → mxfp8 requantization ([`fp8`]).
 
+#![warn(missing_docs)]
+
 mod config;
 pub mod fp8;
 pub mod importance;

@@ -12,6 +12,8 @@
 //! External per-layer-embedding row storage is the other half of this crate's charter and is
 //! not built yet.
 
+#![warn(missing_docs)]
+
 pub mod arena;
 pub mod manifest;
 
