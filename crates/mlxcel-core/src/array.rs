@@ -12,6 +12,17 @@ use crate::{Dtype, Error, Result};
 /// `Array` is neither `Send` nor `Sync`: MLX's graph nodes share state between clones without
 /// synchronisation, so evaluating clones of one graph from two threads at once is a data race.
 /// Move host data (`Vec<T>`) between threads instead.
+///
+/// ```
+/// use mlxcel_core::{Array, Dtype};
+///
+/// let a = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+/// let b = a.add_scalar(0.5)?;
+/// assert_eq!(b.shape(), vec![2, 2]);
+/// assert_eq!(b.dtype()?, Dtype::Float32);
+/// assert_eq!(b.to_vec::<f32>()?, vec![1.5, 2.5, 3.5, 4.5]);
+/// # Ok::<(), mlxcel_core::Error>(())
+/// ```
 pub struct Array {
     raw: UniquePtr<MlxArray>,
 }

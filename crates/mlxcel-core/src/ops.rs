@@ -90,7 +90,8 @@ pub struct QuantSpec {
     /// Elements of the last axis that share one scale (and bias): 32, 64 or 128 for affine, fixed
     /// by the fp modes.
     pub group_size: i32,
-    /// Bits per stored element (1–8 for affine, fixed by the fp modes).
+    /// Bits per stored element (affine: up to 8, as the MLX build supports; fixed by the fp
+    /// modes).
     pub bits: i32,
 }
 

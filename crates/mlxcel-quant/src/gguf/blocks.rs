@@ -208,10 +208,15 @@ fn decode_q6_k(b: &[u8], out: &mut Vec<f32>) {
 /// `scales` and `biases` `[rows, cols/group_size]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AffinePlanes {
+    /// Bits per element: 4 (`Q4_0`, `Q4_1`) or 8 (`Q8_0`).
     pub bits: i32,
+    /// Elements per scale: 32, the ggml block size.
     pub group_size: i32,
+    /// Packed elements, row-major.
     pub weight: Vec<u32>,
+    /// One scale per group, row-major.
     pub scales: Vec<f16>,
+    /// One bias per group (`w = scale * q + bias`), row-major.
     pub biases: Vec<f16>,
 }
 
@@ -228,7 +233,12 @@ pub enum RepackError {
     /// The type has no exact MLX affine equivalent.
     NotAffine,
     /// A derived bias does not fit in float16 (a scale beyond f16 range / 128).
-    BiasOverflow { block: usize, scale: f32 },
+    BiasOverflow {
+        /// Index of the offending block in the tensor.
+        block: usize,
+        /// Its scale.
+        scale: f32,
+    },
 }
 
 /// Repacks whole blocks of a `Q4_0`, `Q4_1` or `Q8_0` tensor into MLX affine planes without
