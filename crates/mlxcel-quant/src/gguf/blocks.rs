@@ -17,14 +17,14 @@
 //!
 //! | type | bytes | layout |
 //! |---|---|---|
-//! | Q4_0 | 18 | d, qs[16] |
-//! | Q4_1 | 20 | d, m, qs[16] |
-//! | Q5_0 | 22 | d, qh u32, qs[16] |
-//! | Q5_1 | 24 | d, m, qh u32, qs[16] |
-//! | Q8_0 | 34 | d, qs[32] i8 |
-//! | Q4_K | 144 | d, dmin, scales[12], qs[128] |
-//! | Q5_K | 176 | d, dmin, scales[12], qh[32], qs[128] |
-//! | Q6_K | 210 | ql[128], qh[64], scales[16] i8, d |
+//! | Q4_0 | 18 | `d, qs[16]` |
+//! | Q4_1 | 20 | `d, m, qs[16]` |
+//! | Q5_0 | 22 | `d, qh u32, qs[16]` |
+//! | Q5_1 | 24 | `d, m, qh u32, qs[16]` |
+//! | Q8_0 | 34 | `d, qs[32] i8` |
+//! | Q4_K | 144 | `d, dmin, scales[12], qs[128]` |
+//! | Q5_K | 176 | `d, dmin, scales[12], qh[32], qs[128]` |
+//! | Q6_K | 210 | `ql[128], qh[64], scales[16] i8, d` |
 //!
 //! In the 32-element types, byte `j` of `qs` holds element `j` in its low nibble and element
 //! `j + 16` in its high nibble.
