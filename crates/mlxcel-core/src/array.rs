@@ -12,6 +12,17 @@ use crate::{Dtype, Error, Result};
 /// `Array` is neither `Send` nor `Sync`: MLX's graph nodes share state between clones without
 /// synchronisation, so evaluating clones of one graph from two threads at once is a data race.
 /// Move host data (`Vec<T>`) between threads instead.
+///
+/// ```
+/// use mlxcel_core::{Array, Dtype};
+///
+/// let a = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+/// let b = a.add_scalar(0.5)?;
+/// assert_eq!(b.shape(), vec![2, 2]);
+/// assert_eq!(b.dtype()?, Dtype::Float32);
+/// assert_eq!(b.to_vec::<f32>()?, vec![1.5, 2.5, 3.5, 4.5]);
+/// # Ok::<(), mlxcel_core::Error>(())
+/// ```
 pub struct Array {
     raw: UniquePtr<MlxArray>,
 }
@@ -37,6 +48,7 @@ impl std::fmt::Debug for Array {
 
 /// Host element types an [`Array`] can be created from and copied into.
 pub trait HostElement: Copy + Default + 'static {
+    /// The MLX dtype with this type's layout.
     const DTYPE: Dtype;
 }
 
@@ -131,11 +143,13 @@ impl Array {
         Array::scalar(value, self.dtype()?)
     }
 
+    /// The dimensions, outermost first (empty for a scalar).
     pub fn shape(&self) -> Vec<i32> {
         // Reading the shape of a live array does not throw.
         bridge::array_shape(self.as_ref()).unwrap_or_default()
     }
 
+    /// Number of dimensions.
     pub fn ndim(&self) -> usize {
         self.shape().len()
     }
@@ -153,6 +167,7 @@ impl Array {
         Ok(shape[i as usize])
     }
 
+    /// The element type.
     pub fn dtype(&self) -> Result<Dtype> {
         Ok(bridge::array_dtype(self.as_ref())?)
     }
@@ -162,6 +177,7 @@ impl Array {
         bridge::array_size(self.as_ref()).unwrap_or(0)
     }
 
+    /// Bytes of the elements (`size() * dtype.size_of()`; packed sub-byte data counts its storage).
     pub fn nbytes(&self) -> usize {
         bridge::array_nbytes(self.as_ref()).unwrap_or(0)
     }

@@ -384,7 +384,12 @@ pub enum GemvInput<'a> {
     /// The activations as they are.
     Plain,
     /// `fast::rms_norm(x, weight, eps)`: the pre-norm of the block the layer opens.
-    RmsNorm { weight: &'a Array, eps: f32 },
+    RmsNorm {
+        /// The norm's weight, `[K]` in the scales' dtype.
+        weight: &'a Array,
+        /// Added to the mean square before the reciprocal square root.
+        eps: f32,
+    },
     /// `silu(gate) * up` of `x = [gate | up]` (a fused gate/up projection's output).
     SiluGated,
 }

@@ -6,7 +6,9 @@ use crate::Result;
 /// A compute device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Device {
+    /// The host CPU (MLX's CPU backend).
     Cpu,
+    /// The GPU of MLX's Metal (macOS) or CUDA (Linux) backend.
     Gpu,
 }
 
@@ -30,6 +32,7 @@ impl Device {
         Ok((bytes > 0).then_some(bytes))
     }
 
+    /// The lower-case name (`"cpu"`, `"gpu"`), as `Display` prints it.
     pub fn name(self) -> &'static str {
         match self {
             Device::Cpu => "cpu",

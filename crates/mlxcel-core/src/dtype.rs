@@ -14,6 +14,7 @@ impl Dtype {
         }
     }
 
+    /// Whether the dtype is a real floating-point type (f16, bf16, f32, f64).
     pub fn is_float(self) -> bool {
         matches!(
             self,

@@ -15,31 +15,49 @@ pub enum Error {
     /// (see [`crate::policy::RuntimePolicy`]).
     #[error("{var}={value}: expected {expected}")]
     Policy {
+        /// The variable's name.
         var: String,
+        /// The value it holds.
         value: String,
+        /// The forms it accepts.
         expected: String,
     },
     /// Host data and array element types disagree.
     #[error("dtype mismatch: array is {array}, requested {requested}")]
     DtypeMismatch {
+        /// The array's element type.
         array: crate::Dtype,
+        /// The host type's element type.
         requested: crate::Dtype,
     },
     /// A file could not be opened, mapped or read.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// The OS error.
         #[source]
         source: std::io::Error,
     },
     /// A checkpoint file or tensor is malformed.
     #[error("{path}: {message}")]
-    Checkpoint { path: PathBuf, message: String },
+    Checkpoint {
+        /// The file (or checkpoint folder).
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
     /// A tensor was asked for that no file defines.
     #[error("tensor `{name}` is not in the checkpoint at {folder}")]
-    MissingTensor { name: String, folder: PathBuf },
+    MissingTensor {
+        /// The tensor's name.
+        name: String,
+        /// The checkpoint folder searched.
+        folder: PathBuf,
+    },
 }
 
+/// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl From<cxx::Exception> for Error {

@@ -22,19 +22,33 @@ pub(crate) mod bridge {
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     #[repr(i32)]
     enum Dtype {
+        /// `bool`, one byte per element.
         Bool,
+        /// `u8`.
         Uint8,
+        /// `u16`.
         Uint16,
+        /// `u32` (also the word type of packed quantized weights).
         Uint32,
+        /// `u64`.
         Uint64,
+        /// `i8`.
         Int8,
+        /// `i16`.
         Int16,
+        /// `i32`.
         Int32,
+        /// `i64`.
         Int64,
+        /// IEEE half precision ([`half::f16`]).
         Float16,
+        /// bfloat16 ([`half::bf16`]): f32's exponent range with a 7-bit mantissa.
         Bfloat16,
+        /// `f32`.
         Float32,
+        /// `f64` (CPU only in MLX).
         Float64,
+        /// Two `f32`s (real, imaginary); no host element type maps to it.
         Complex64,
     }
 
@@ -42,7 +56,9 @@ pub(crate) mod bridge {
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     #[repr(i32)]
     enum DeviceKind {
+        /// The host CPU.
         Cpu,
+        /// The GPU (Metal or CUDA backend).
         Gpu,
     }
 

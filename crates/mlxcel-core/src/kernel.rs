@@ -11,7 +11,9 @@ use crate::{Array, Dtype, Error, Result};
 /// Which GPU language the kernel source is written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelBackend {
+    /// Metal Shading Language (Apple GPUs).
     Metal,
+    /// CUDA C++ (NVIDIA GPUs, compiled with NVRTC).
     Cuda,
 }
 
@@ -20,10 +22,19 @@ pub struct Kernel {
     raw: UniquePtr<CustomKernel>,
 }
 
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The compiled kernel is opaque (a C++ object); MLX keeps its source and name.
+        f.debug_struct("Kernel").finish_non_exhaustive()
+    }
+}
+
 /// One output of a kernel call.
 #[derive(Debug, Clone)]
 pub struct KernelOutput {
+    /// The output's shape.
     pub shape: Vec<i32>,
+    /// The output's element type.
     pub dtype: Dtype,
 }
 

@@ -13,6 +13,8 @@
 //! MLX itself is located at build time (see the crate's `build.rs` and the workspace README):
 //! `MLX_DIR`, an importable Python `mlx`, or the `mlx-cpu` wheel from PyPI.
 
+#![warn(missing_docs)]
+
 mod array;
 pub mod cuda_kernels;
 mod device;

@@ -13,6 +13,7 @@ pub fn peak_bytes() -> Result<usize> {
     Ok(bridge::peak_memory()?)
 }
 
+/// Restarts [`peak_bytes`] from the current [`active_bytes`].
 pub fn reset_peak() -> Result<()> {
     Ok(bridge::reset_peak_memory()?)
 }

@@ -40,6 +40,16 @@ impl QuantMode {
         }
     }
 
+    /// Parses the mode string MLX and mlx-lm's `config.json` use (the inverse of
+    /// [`QuantMode::name`]); `None` for an unknown mode.
+    ///
+    /// ```
+    /// use mlxcel_core::ops::QuantMode;
+    ///
+    /// assert_eq!(QuantMode::from_name("mxfp4"), Some(QuantMode::Mxfp4));
+    /// assert_eq!(QuantMode::Mxfp4.fixed_layout(), Some((32, 4)));
+    /// assert_eq!(QuantMode::from_name("int4"), None);
+    /// ```
     pub fn from_name(name: &str) -> Option<QuantMode> {
         Some(match name {
             "affine" => QuantMode::Affine,
@@ -75,12 +85,18 @@ impl std::fmt::Display for QuantMode {
 /// How a matrix is quantized: the parameters every quantized op takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct QuantSpec {
+    /// The format.
     pub mode: QuantMode,
+    /// Elements of the last axis that share one scale (and bias): 32, 64 or 128 for affine, fixed
+    /// by the fp modes.
     pub group_size: i32,
+    /// Bits per stored element (affine: up to 8, as the MLX build supports; fixed by the fp
+    /// modes).
     pub bits: i32,
 }
 
 impl QuantSpec {
+    /// An affine spec with the given group size and bit width.
     pub fn affine(group_size: i32, bits: i32) -> QuantSpec {
         QuantSpec {
             mode: QuantMode::Affine,
@@ -102,7 +118,11 @@ impl QuantSpec {
 /// The planes `quantize` produces.
 #[derive(Debug, Clone)]
 pub struct Quantized {
+    /// The packed elements: `uint32` words, `[.., rows, cols * bits / 32]` for a `[.., rows, cols]`
+    /// input.
     pub weight: Array,
+    /// One scale per group, `[.., rows, cols / group_size]` (the input's dtype for affine, `uint8`
+    /// E8M0/E4M3 codes for the fp modes).
     pub scales: Array,
     /// Present for affine only.
     pub biases: Option<Array>,
@@ -111,6 +131,7 @@ pub struct Quantized {
 /// How `scaled_dot_product_attention` masks scores.
 #[derive(Debug, Clone, Copy)]
 pub enum AttentionMask<'a> {
+    /// No mask: every query sees every key.
     None,
     /// Causal, aligned to the end: query i sees keys up to `kv_len - q_len + i`.
     Causal,
@@ -135,6 +156,7 @@ pub struct Rope<'a> {
 }
 
 impl Array {
+    /// Converts the elements to `dtype` (a no-op when the dtype already matches).
     pub fn astype(&self, dtype: Dtype) -> Result<Array> {
         Ok(wrap(bridge::astype(self.as_ref(), dtype)?))
     }
@@ -168,15 +190,19 @@ impl Array {
         self.transpose(&axes)
     }
 
+    /// Broadcasts to `shape` with NumPy rules (a view, no copy); an error when the shapes are
+    /// incompatible or `shape` has a negative dimension.
     pub fn broadcast_to(&self, shape: &[i32]) -> Result<Array> {
         check_shape(shape)?;
         Ok(wrap(bridge::broadcast_to(self.as_ref(), shape)?))
     }
 
+    /// Inserts size-1 axes at `axes` (positions in the result).
     pub fn expand_dims(&self, axes: &[i32]) -> Result<Array> {
         Ok(wrap(bridge::expand_dims(self.as_ref(), axes)?))
     }
 
+    /// Removes the size-1 axes `axes`; an error when one of them is not of size 1.
     pub fn squeeze(&self, axes: &[i32]) -> Result<Array> {
         Ok(wrap(bridge::squeeze(self.as_ref(), axes)?))
     }
@@ -265,6 +291,8 @@ impl Array {
         Ok(wrap(bridge::take(self.as_ref(), indices.as_ref(), axis)?))
     }
 
+    /// Picks, along `axis`, the elements `indices` names (same rank as `self`, broadcast on the
+    /// other axes); the result has the shape of `indices` on `axis`.
     pub fn take_along_axis(&self, indices: &Array, axis: i32) -> Result<Array> {
         Ok(wrap(bridge::take_along_axis(
             self.as_ref(),
@@ -273,6 +301,8 @@ impl Array {
         )?))
     }
 
+    /// A copy of `self` with `values` written at `indices` along `axis` (the inverse of
+    /// [`Array::take_along_axis`]).
     pub fn put_along_axis(&self, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
         Ok(wrap(bridge::put_along_axis(
             self.as_ref(),
@@ -298,10 +328,12 @@ impl Array {
         Ok(wrap(bridge::softmax(self.as_ref(), axes, precise)?))
     }
 
+    /// Index (`uint32`) of the largest element along `axis`; `keepdims` keeps the axis as size 1.
     pub fn argmax(&self, axis: i32, keepdims: bool) -> Result<Array> {
         Ok(wrap(bridge::argmax(self.as_ref(), axis, keepdims)?))
     }
 
+    /// Index (`uint32`) of the smallest element along `axis`; `keepdims` keeps the axis as size 1.
     pub fn argmin(&self, axis: i32, keepdims: bool) -> Result<Array> {
         Ok(wrap(bridge::argmin(self.as_ref(), axis, keepdims)?))
     }
@@ -316,14 +348,18 @@ impl Array {
         Ok(wrap(bridge::topk(self.as_ref(), k, axis)?))
     }
 
+    /// The elements sorted ascending along `axis`.
     pub fn sort(&self, axis: i32) -> Result<Array> {
         Ok(wrap(bridge::sort(self.as_ref(), axis)?))
     }
 
+    /// Indices (`uint32`) that sort `axis` ascending.
     pub fn argsort(&self, axis: i32) -> Result<Array> {
         Ok(wrap(bridge::argsort(self.as_ref(), axis)?))
     }
 
+    /// Cumulative sum along `axis`; `reverse` sums from the end, `inclusive` includes each
+    /// element in its own sum (`false`: shifted by one, starting at 0).
     pub fn cumsum(&self, axis: i32, reverse: bool, inclusive: bool) -> Result<Array> {
         Ok(wrap(bridge::cumsum(
             self.as_ref(),
@@ -463,6 +499,7 @@ pub fn dequantize(
 /// Activations of gated MLPs, `act(gate) * up`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GatedActivation {
+    /// SiLU (`x * sigmoid(x)`), as in SwiGLU.
     Silu,
     /// The tanh approximation of GELU.
     GeluTanh,
@@ -754,16 +791,19 @@ pub fn scaled_dot_product_attention(
     }))
 }
 
+/// An array of `shape` filled with zeros.
 pub fn zeros(shape: &[i32], dtype: Dtype) -> Result<Array> {
     check_shape(shape)?;
     Ok(wrap(bridge::zeros(shape, dtype)?))
 }
 
+/// An array of `shape` filled with ones.
 pub fn ones(shape: &[i32], dtype: Dtype) -> Result<Array> {
     check_shape(shape)?;
     Ok(wrap(bridge::ones(shape, dtype)?))
 }
 
+/// An array of `shape` filled with `value` converted to `dtype`.
 pub fn full(shape: &[i32], value: f64, dtype: Dtype) -> Result<Array> {
     check_shape(shape)?;
     let v = Array::scalar(value, dtype)?;
@@ -775,11 +815,13 @@ pub fn arange(start: f64, stop: f64, step: f64, dtype: Dtype) -> Result<Array> {
     Ok(wrap(bridge::arange(start, stop, step, dtype)?))
 }
 
+/// Joins `arrays` along the existing `axis` (the other axes must match).
 pub fn concatenate(arrays: &[Array], axis: i32) -> Result<Array> {
     let list = ArrayList::new(arrays)?;
     Ok(wrap(bridge::concatenate(list.as_ref(), axis)?))
 }
 
+/// Joins same-shaped `arrays` along a new `axis`.
 pub fn stack(arrays: &[Array], axis: i32) -> Result<Array> {
     let list = ArrayList::new(arrays)?;
     Ok(wrap(bridge::stack(list.as_ref(), axis)?))

@@ -23,6 +23,7 @@ pub enum StreamMode {
     Auto,
     /// Always stream (the prepared layout must exist).
     On,
+    /// Never stream: every expert is loaded into memory.
     Off,
 }
 
@@ -58,7 +59,9 @@ pub enum CudaLaunch {
 /// A CUDA GEMV launch shape: warps per block and rows per block (`NWxRPW`, e.g. `4x4`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LaunchShape {
+    /// Warps per thread block (1-32).
     pub warps: i32,
+    /// Output rows each block computes.
     pub rows: i32,
 }
 

@@ -40,16 +40,19 @@ pub struct TensorInfo {
     pub dtype: Dtype,
     /// The safetensors dtype tag as written in the file (`"BF16"`, `"F8_E4M3"`, ...).
     pub stored_dtype: String,
+    /// The dimensions as stored, outermost first.
     pub shape: Vec<i32>,
     /// The shard file, `None` for tensors inserted by a sanitiser.
     pub file: Option<PathBuf>,
 }
 
 impl TensorInfo {
+    /// Number of elements (the product of `shape`).
     pub fn numel(&self) -> usize {
         self.shape.iter().map(|d| *d as usize).product()
     }
 
+    /// Bytes of the data as an [`Array`] of `dtype` (`numel * dtype.size_of()`).
     pub fn nbytes(&self) -> usize {
         self.numel() * self.dtype.size_of()
     }
@@ -488,6 +491,7 @@ impl WeightMap {
         })
     }
 
+    /// The checkpoint folder the map was opened from (or created for).
     pub fn folder(&self) -> &Path {
         &self.folder
     }
@@ -514,14 +518,17 @@ impl WeightMap {
         self.mapped_files().check_unchanged()
     }
 
+    /// Number of tensors.
     pub fn len(&self) -> usize {
         self.entries.len()
     }
 
+    /// Whether the map holds no tensor.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 
+    /// Whether a tensor of that name exists.
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)
     }
@@ -531,6 +538,7 @@ impl WeightMap {
         self.entries.keys().map(String::as_str)
     }
 
+    /// The tensor's dtype, shape and file, without reading its data; `None` when absent.
     pub fn info(&self, name: &str) -> Option<&TensorInfo> {
         self.entries.get(name).map(|e| &e.info)
     }

@@ -12,10 +12,15 @@ use crate::{QuantError, QuantMode, Result};
 /// How one module is stored, as the config declares it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TensorQuant {
+    /// Left unquantized (`false` in the config): a plain float weight.
     Dense,
+    /// Quantized with these parameters.
     Quantized {
+        /// The format.
         mode: QuantMode,
+        /// Elements per scale along the input axis.
         group_size: i32,
+        /// Bits per element.
         bits: i32,
     },
 }
@@ -23,9 +28,13 @@ pub enum TensorQuant {
 /// The checkpoint-wide quantization defaults and per-module overrides.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuantConfig {
+    /// The default format (`mode`; `affine` when absent).
     pub mode: QuantMode,
+    /// The default group size (`group_size`; 64 when absent, fixed by the fp modes).
     pub group_size: i32,
+    /// The default bit width (`bits`; 4 when absent, fixed by the fp modes).
     pub bits: i32,
+    /// Per-module settings keyed by module path (without `.weight`), overriding the defaults.
     pub overrides: BTreeMap<String, TensorQuant>,
 }
 

@@ -14,7 +14,9 @@ use crate::{QuantConfig, QuantError, QuantMode, QuantSpec, Result};
 /// The block size of a vendor FP8 checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockFp8 {
+    /// Output rows per scale block (`weight_block_size[0]`).
     pub block_out: usize,
+    /// Input columns per scale block (`weight_block_size[1]`).
     pub block_in: usize,
 }
 

@@ -33,26 +33,42 @@ use crate::{QuantError, QuantMode, QuantSpec, Result};
 /// What a tensor does, from its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Role {
+    /// The token embedding table (`embed_tokens`, `wte`).
     Embedding,
+    /// The output projection to the vocabulary.
     LmHead,
+    /// Attention query projection (`q_proj`).
     AttnQ,
+    /// Attention key projection (`k_proj`).
     AttnK,
+    /// Attention value projection (`v_proj`).
     AttnV,
+    /// Attention output projection (`o_proj`, `out_proj`, `dense`).
     AttnO,
     /// Other attention projections (fused qkv, MLA down/up projections).
     AttnOther,
+    /// The MLP of a dense (non-MoE) layer.
     DenseMlp,
+    /// An MoE router (`mlp.gate`, `router`) or a shared expert's gate.
     Router,
+    /// An MoE block's always-active shared expert.
     SharedExpert,
+    /// Routed experts' gate projection (`gate_proj`, `w1`).
     ExpertGate,
+    /// Routed experts' up projection (`up_proj`, `w3`).
     ExpertUp,
+    /// Routed experts' down projection (`down_proj`, `w2`).
     ExpertDown,
+    /// A normalisation layer's weight (never quantized).
     Norm,
+    /// A multi-token-prediction block (by name, or a layer past `num_hidden_layers`).
     Mtp,
+    /// Anything else.
     Other,
 }
 
 impl Role {
+    /// Every role, in declaration order.
     pub const ALL: [Role; 16] = [
         Role::Embedding,
         Role::LmHead,
@@ -94,6 +110,7 @@ impl Role {
         }
     }
 
+    /// Whether the role is a routed expert projection (gate, up or down).
     pub fn is_routed_expert(self) -> bool {
         matches!(self, Role::ExpertGate | Role::ExpertUp | Role::ExpertDown)
     }
@@ -184,12 +201,29 @@ pub fn layer_index(name: &str) -> Option<usize> {
 /// A storage format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Format {
+    /// Kept in the source float dtype.
     Dense,
+    /// Quantized with this spec.
     Quantized(QuantSpec),
 }
 
 impl Format {
-    /// Parses `dense`, `affine{bits}[-g{group}]`, `mxfp4`, `mxfp8`, `nvfp4`.
+    /// Parses `dense`, `affine{bits}[-g{group}]`, `mxfp4`, `mxfp8`, `nvfp4`. A
+    /// [`QuantError::Config`] names the format when it is unknown or MLX cannot store it.
+    ///
+    /// ```
+    /// use mlxcel_quant::{Format, QuantMode, QuantSpec};
+    ///
+    /// let f = Format::parse("affine8")?;
+    /// assert_eq!(f, Format::Quantized(QuantSpec::affine(64, 8)));
+    /// assert_eq!(f.name(), "affine8-g64");
+    /// assert_eq!(
+    ///     Format::parse("mxfp4")?,
+    ///     Format::Quantized(QuantSpec::fixed(QuantMode::Mxfp4).unwrap())
+    /// );
+    /// assert!(Format::parse("affine7-g64").is_err());
+    /// # Ok::<(), mlxcel_quant::QuantError>(())
+    /// ```
     pub fn parse(name: &str) -> Result<Format> {
         let bad = |message: String| QuantError::Config {
             field: "recipe format".into(),
@@ -225,6 +259,7 @@ impl Format {
         Ok(Format::Quantized(spec))
     }
 
+    /// The name [`Format::parse`] reads back: `dense`, `affine{bits}-g{group}`, `mxfp4`, ...
     pub fn name(&self) -> String {
         match self {
             Format::Dense => "dense".into(),
@@ -329,7 +364,10 @@ impl ModelLayout {
 /// write for it (`None`: no per-module entry, the defaults apply).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
+    /// The format the module is stored in.
     pub format: Format,
+    /// The module's entry in `config.json`'s `quantization` block (`{group_size, bits, mode}`);
+    /// `None` when the module is dense or the checkpoint-wide defaults describe it.
     pub config_entry: Option<Value>,
     /// The recipe chose a quantized format the module's rows cannot hold (not a whole number
     /// of groups), so it stays dense.
@@ -340,7 +378,9 @@ pub struct Decision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SparseEdge {
+    /// The first layer holding routed experts.
     First,
+    /// The last layer holding routed experts.
     Last,
     /// The first or the last.
     Edge,
@@ -353,16 +393,22 @@ pub struct Rule {
     pub roles: Vec<Role>,
     /// Inclusive layer range.
     pub layers: Option<(usize, usize)>,
+    /// Only modules of the first/last sparse layer.
     pub sparse: Option<SparseEdge>,
+    /// Only modules whose path contains this substring.
     pub name_contains: Option<String>,
+    /// The format of the modules the rule matches.
     pub format: Format,
 }
 
 /// An ordered list of rules with a default format.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RuleSet {
+    /// The recipe's name (reports, `config.json`).
     pub name: String,
+    /// The format of modules no rule matches.
     pub default: Format,
+    /// The rules, in order: the first that matches wins.
     pub rules: Vec<Rule>,
 }
 
@@ -549,10 +595,14 @@ pub enum Recipe {
     Uniform(QuantSpec),
     /// mlx-lm's `mixed_{low}_{high}` recipes.
     Mixed {
+        /// Bit width of most modules.
         low: i32,
+        /// Bit width of `lm_head` and the "use more bits" layers' `v_proj`/`down_proj`.
         high: i32,
+        /// Group size (64).
         group: i32,
     },
+    /// Ordered rules (`moe-role` or a YAML recipe).
     Rules(RuleSet),
 }
 

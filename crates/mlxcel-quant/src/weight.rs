@@ -11,9 +11,13 @@ use crate::{QuantError, Result};
 /// (uint32), `scales` `[.., out, in / group_size]`, and `biases` like scales for affine.
 #[derive(Debug, Clone)]
 pub struct QuantizedWeight {
+    /// Packed elements, `uint32` `[.., out, in * bits / 32]`.
     pub weight: Array,
+    /// One scale per group, `[.., out, in / group_size]`.
     pub scales: Array,
+    /// One bias per group, shaped like `scales`; present for affine only.
     pub biases: Option<Array>,
+    /// Mode, group size and bit width of the planes.
     pub spec: QuantSpec,
 }
 

@@ -22,13 +22,18 @@ pub use mlxcel_core::policy::CachePolicy;
 /// Counters shared by every layer of a model.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StreamStats {
+    /// Experts requested that were already resident.
     pub hits: u64,
+    /// Experts requested that had to be read from disk.
     pub misses: u64,
+    /// Bytes read from stream files.
     pub bytes_read: u64,
+    /// Wall-clock seconds spent in those reads (parallel reads counted once).
     pub read_seconds: f64,
 }
 
 impl StreamStats {
+    /// `hits / (hits + misses)`, 0 before any request.
     pub fn hit_rate(&self) -> f64 {
         self.hits as f64 / (self.hits + self.misses).max(1) as f64
     }
@@ -46,6 +51,20 @@ pub struct SlotMap {
 }
 
 impl SlotMap {
+    /// `capacity` empty slots, evicting by `policy`.
+    ///
+    /// ```
+    /// use mlxcel_stream::{CachePolicy, SlotMap};
+    ///
+    /// let mut slots = SlotMap::new(2, CachePolicy::from_name("lru").unwrap());
+    /// // Experts 7 and 3 fill the two free slots: both must be loaded.
+    /// let (placed, loads) = slots.plan(&[7, 3]);
+    /// assert_eq!(loads, vec![(7, placed[0]), (3, placed[1])]);
+    /// // 7 is resident: a hit, nothing to load.
+    /// assert_eq!(slots.plan(&[7]), (vec![placed[0]], vec![]));
+    /// // 5 evicts 3, the least recently used.
+    /// assert_eq!(slots.plan(&[5]), (vec![placed[1]], vec![(5, placed[1])]));
+    /// ```
     pub fn new(capacity: usize, policy: CachePolicy) -> SlotMap {
         SlotMap {
             policy,
@@ -57,6 +76,7 @@ impl SlotMap {
         }
     }
 
+    /// Number of slots.
     pub fn capacity(&self) -> usize {
         self.occupant.len()
     }
@@ -137,6 +157,18 @@ pub struct LayerStream {
     stats: Rc<RefCell<StreamStats>>,
 }
 
+impl std::fmt::Debug for LayerStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The arena arrays, hashes and file handle say little; name the layer and its sizes.
+        f.debug_struct("LayerStream")
+            .field("path", &self.path)
+            .field("experts", &self.entry.experts)
+            .field("capacity", &self.capacity())
+            .field("float_dtype", &self.float_dtype)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The dtype a plane is held in: its file dtype, or `float_dtype` for float planes.
 fn held_dtype(stored: &str, float_dtype: Dtype) -> Dtype {
     match Dtype::from_name(stored) {
@@ -194,10 +226,12 @@ impl LayerStream {
         })
     }
 
+    /// Number of arena slots (experts resident at once).
     pub fn capacity(&self) -> usize {
         self.slots.capacity()
     }
 
+    /// The layer's manifest entry.
     pub fn entry(&self) -> &LayerEntry {
         &self.entry
     }

@@ -12,6 +12,8 @@
 //! External per-layer-embedding row storage is the other half of this crate's charter and is
 //! not built yet.
 
+#![warn(missing_docs)]
+
 pub mod arena;
 pub mod manifest;
 
@@ -22,18 +24,32 @@ pub use manifest::{Manifest, STREAM_DIR};
 /// When to stream (`MLXCEL_EXPERT_STREAM`).
 pub use mlxcel_core::policy::StreamMode;
 
+/// Errors of expert streaming; each names the file at fault where there is one.
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
+    /// A stream file, manifest or checkpoint shard could not be opened, read or written.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// The OS error.
         #[source]
         source: std::io::Error,
     },
+    /// The prepared layout is malformed, stale (the checkpoint changed since it was prepared)
+    /// or corrupt (a hash mismatch), or a request does not fit it (more experts than slots, an
+    /// expert out of range). The message says which, and how to remake the layout.
     #[error("{path}: {message}")]
-    Layout { path: PathBuf, message: String },
+    Layout {
+        /// The manifest, stream file or checkpoint file concerned.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A streaming setting is invalid or cannot be honoured; the message says which.
     #[error("{0}")]
     Config(String),
+    /// MLX or checkpoint I/O failed underneath.
     #[error(transparent)]
     Core(#[from] mlxcel_core::Error),
 }
@@ -47,11 +63,13 @@ impl StreamError {
     }
 }
 
+/// `Result` with this crate's [`StreamError`].
 pub type Result<T, E = StreamError> = std::result::Result<T, E>;
 
 /// The streaming switches, from the runtime policy or set by a caller.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StreamConfig {
+    /// When to stream (`MLXCEL_EXPERT_STREAM`).
     pub mode: StreamMode,
     /// Total bytes for all layers' arenas (`MLXCEL_EXPERT_ARENA_BYTES`); `None`: sized from
     /// available memory.

@@ -29,6 +29,7 @@ use crate::{Result, StreamError};
 
 /// The folder inside a model folder that holds the prepared layout.
 pub const STREAM_DIR: &str = "expert-stream";
+/// The manifest's file name inside [`STREAM_DIR`].
 pub const MANIFEST: &str = "manifest.json";
 /// Expert blobs start on page boundaries so a read maps to whole pages.
 pub const PAGE: u64 = 4096;
@@ -48,6 +49,7 @@ const PLANES: [&str; 3] = ["weight", "scales", "biases"];
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceTensor {
+    /// The tensor's name in the (sanitised) checkpoint.
     pub tensor: String,
     /// The safetensors file (relative to the model folder) holding it; `None` when the
     /// sanitiser built it (e.g. stacking per-expert tensors).
@@ -66,12 +68,15 @@ pub struct SourceTensor {
 pub struct PlaneEntry {
     /// `gate_proj.weight`, `down_proj.scales`, ...
     pub name: String,
+    /// The MLX dtype name of the plane (`bfloat16`, `uint32`, ...), as `Dtype::name` writes it.
     pub dtype: String,
     /// Shape of one expert's plane (the stacked tensor without its leading expert axis).
     pub shape: Vec<i32>,
     /// Byte offset inside the expert's blob.
     pub offset: u64,
+    /// Bytes of one expert's plane.
     pub nbytes: u64,
+    /// The checkpoint tensor the plane was cut from.
     pub source: SourceTensor,
 }
 
@@ -83,14 +88,18 @@ pub struct LayerEntry {
     pub prefix: String,
     /// File name inside the stream folder.
     pub file: String,
+    /// The file's size in bytes (`experts * expert_stride`).
     pub size: u64,
+    /// SHA-256 (hex) of the whole file, checked by [`verify`].
     pub sha256: String,
+    /// Number of routed experts in the layer (blobs in the file).
     pub experts: usize,
     /// Bytes from one expert's blob to the next (a multiple of [`PAGE`]).
     pub expert_stride: u64,
     /// Per expert, xxh3-64 (hex) of its first [`LayerEntry::read_len`] bytes: what a read into
     /// an arena slot is checked against.
     pub expert_xxh3: Vec<String>,
+    /// The planes of an expert's blob, in blob order (the same for every expert).
     pub planes: Vec<PlaneEntry>,
 }
 
@@ -111,6 +120,7 @@ impl LayerEntry {
             .unwrap_or(0)
     }
 
+    /// The plane named `name` (`gate_proj.weight`, ...), if the layer has it.
     pub fn plane(&self, name: &str) -> Option<&PlaneEntry> {
         self.planes.iter().find(|p| p.name == name)
     }
@@ -122,6 +132,7 @@ impl LayerEntry {
 pub struct SourceFile {
     /// Relative to the model folder.
     pub file: String,
+    /// Its size in bytes.
     pub size: u64,
     /// Modification time, nanoseconds since the epoch.
     pub mtime_ns: u64,
@@ -129,15 +140,21 @@ pub struct SourceFile {
     pub header_xxh3: String,
 }
 
+/// The prepared layout's `manifest.json`: every MoE layer's stream file and the checkpoint it
+/// was made from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
+    /// The layout version ([`VERSION`]); other versions are refused at [`open`].
     pub version: u32,
+    /// The checkpoint shards the layout was prepared from, to detect a changed checkpoint.
     pub sources: Vec<SourceFile>,
+    /// One entry per MoE layer, in layer order.
     pub layers: Vec<LayerEntry>,
 }
 
 impl Manifest {
+    /// The layer whose feed-forward module is `prefix` (`model.layers.3.mlp`), if streamed.
     pub fn layer(&self, prefix: &str) -> Option<&LayerEntry> {
         self.layers.iter().find(|l| l.prefix == prefix)
     }

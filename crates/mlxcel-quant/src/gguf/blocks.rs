@@ -17,14 +17,14 @@
 //!
 //! | type | bytes | layout |
 //! |---|---|---|
-//! | Q4_0 | 18 | d, qs[16] |
-//! | Q4_1 | 20 | d, m, qs[16] |
-//! | Q5_0 | 22 | d, qh u32, qs[16] |
-//! | Q5_1 | 24 | d, m, qh u32, qs[16] |
-//! | Q8_0 | 34 | d, qs[32] i8 |
-//! | Q4_K | 144 | d, dmin, scales[12], qs[128] |
-//! | Q5_K | 176 | d, dmin, scales[12], qh[32], qs[128] |
-//! | Q6_K | 210 | ql[128], qh[64], scales[16] i8, d |
+//! | Q4_0 | 18 | `d, qs[16]` |
+//! | Q4_1 | 20 | `d, m, qs[16]` |
+//! | Q5_0 | 22 | `d, qh u32, qs[16]` |
+//! | Q5_1 | 24 | `d, m, qh u32, qs[16]` |
+//! | Q8_0 | 34 | `d, qs[32] i8` |
+//! | Q4_K | 144 | `d, dmin, scales[12], qs[128]` |
+//! | Q5_K | 176 | `d, dmin, scales[12], qh[32], qs[128]` |
+//! | Q6_K | 210 | `ql[128], qh[64], scales[16] i8, d` |
 //!
 //! In the 32-element types, byte `j` of `qs` holds element `j` in its low nibble and element
 //! `j + 16` in its high nibble.
@@ -208,10 +208,15 @@ fn decode_q6_k(b: &[u8], out: &mut Vec<f32>) {
 /// `scales` and `biases` `[rows, cols/group_size]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AffinePlanes {
+    /// Bits per element: 4 (`Q4_0`, `Q4_1`) or 8 (`Q8_0`).
     pub bits: i32,
+    /// Elements per scale: 32, the ggml block size.
     pub group_size: i32,
+    /// Packed elements, row-major.
     pub weight: Vec<u32>,
+    /// One scale per group, row-major.
     pub scales: Vec<f16>,
+    /// One bias per group (`w = scale * q + bias`), row-major.
     pub biases: Vec<f16>,
 }
 
@@ -228,7 +233,12 @@ pub enum RepackError {
     /// The type has no exact MLX affine equivalent.
     NotAffine,
     /// A derived bias does not fit in float16 (a scale beyond f16 range / 128).
-    BiasOverflow { block: usize, scale: f32 },
+    BiasOverflow {
+        /// Index of the offending block in the tensor.
+        block: usize,
+        /// Its scale.
+        scale: f32,
+    },
 }
 
 /// Repacks whole blocks of a `Q4_0`, `Q4_1` or `Q8_0` tensor into MLX affine planes without

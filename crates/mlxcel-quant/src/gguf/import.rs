@@ -16,8 +16,11 @@ use super::GgufError;
 /// How one GGUF tensor was imported.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorImport {
+    /// The tensor's name in the GGUF (`blk.3.attn_q.weight`).
     pub gguf_name: String,
+    /// The name it was written under (`model.layers.3.self_attn.q_proj.weight`).
     pub hf_name: String,
+    /// Its type in the GGUF.
     pub ggml_type: GgmlType,
     /// `Some((bits, group_size))` when repacked losslessly into MLX affine planes.
     pub affine: Option<(i32, i32)>,
@@ -28,6 +31,7 @@ pub struct TensorImport {
 /// What [`import_gguf`] wrote.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImportReport {
+    /// Every tensor imported, in GGUF order.
     pub tensors: Vec<TensorImport>,
     /// The `config.json` written.
     pub config: Value,

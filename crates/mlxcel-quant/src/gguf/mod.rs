@@ -27,45 +27,72 @@ pub use types::GgmlType;
 /// tensor or metadata key.
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
+    /// The file could not be opened, mapped or read.
     #[error("{path}: {source}")]
     Io {
+        /// The GGUF file.
         path: PathBuf,
+        /// The OS error.
         #[source]
         source: std::io::Error,
     },
     /// The header is malformed or truncated.
     #[error("{path}: {message}")]
-    Format { path: PathBuf, message: String },
-    #[error("{path}: tensor `{tensor}`: {message}")]
-    Tensor {
+    Format {
+        /// The GGUF file.
         path: PathBuf,
-        tensor: String,
+        /// What is wrong with the header.
         message: String,
     },
+    /// A tensor's info or data is inconsistent (shape, offset, size out of the file).
+    #[error("{path}: tensor `{tensor}`: {message}")]
+    Tensor {
+        /// The GGUF file.
+        path: PathBuf,
+        /// The tensor's GGUF name.
+        tensor: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A tensor's type id is not one GGUF has defined.
     #[error("{path}: tensor `{tensor}` has ggml type id {type_id}, which is not a known type")]
     UnknownType {
+        /// The GGUF file.
         path: PathBuf,
+        /// The tensor's GGUF name.
         tensor: String,
+        /// The id stored in the file.
         type_id: u32,
     },
+    /// A tensor's type is known but cannot be imported.
     #[error(
         "{path}: tensor `{tensor}` is {ggml_type}, which cannot be imported (supported: F32, F16, \
          BF16, Q4_0, Q4_1, Q8_0 losslessly; Q5_0, Q5_1, Q4_K, Q5_K, Q6_K dequantized to float32)"
     )]
     UnsupportedType {
+        /// The GGUF file.
         path: PathBuf,
+        /// The tensor's GGUF name.
         tensor: String,
+        /// Its type.
         ggml_type: GgmlType,
     },
+    /// A metadata key the import needs is missing or has the wrong type or value.
     #[error("{path}: metadata `{key}`: {message}")]
     Metadata {
+        /// The GGUF file.
         path: PathBuf,
+        /// The metadata key (`llama.block_count`, `tokenizer.ggml.tokens`, ...).
         key: String,
+        /// What is wrong with it.
         message: String,
     },
+    /// MLX failed converting a tensor, or writing the imported checkpoint failed.
     #[error("{path}: {source}")]
     Mlx {
+        /// The GGUF file being imported, or the `model.safetensors` being written.
         path: PathBuf,
+        /// The underlying error.
         #[source]
         source: mlxcel_core::Error,
     },

@@ -25,18 +25,31 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 /// One metadata value.
 #[derive(Debug, Clone, PartialEq)]
 pub enum MetaValue {
+    /// GGUF type 0.
     U8(u8),
+    /// GGUF type 1.
     I8(i8),
+    /// GGUF type 2.
     U16(u16),
+    /// GGUF type 3.
     I16(i16),
+    /// GGUF type 4.
     U32(u32),
+    /// GGUF type 5.
     I32(i32),
+    /// GGUF type 6.
     F32(f32),
+    /// GGUF type 7 (one byte, 0 or 1).
     Bool(bool),
+    /// GGUF type 8: a length-prefixed UTF-8 string.
     String(String),
+    /// GGUF type 9: values of one element type (token lists, merges, scores).
     Array(Vec<MetaValue>),
+    /// GGUF type 10.
     U64(u64),
+    /// GGUF type 11.
     I64(i64),
+    /// GGUF type 12.
     F64(f64),
 }
 
@@ -96,6 +109,7 @@ impl MetaValue {
         }
     }
 
+    /// The value of a `Bool`; `None` for other types.
     pub fn as_bool(&self) -> Option<bool> {
         match *self {
             MetaValue::Bool(v) => Some(v),
@@ -103,6 +117,7 @@ impl MetaValue {
         }
     }
 
+    /// The value of a `String`; `None` for other types.
     pub fn as_str(&self) -> Option<&str> {
         match self {
             MetaValue::String(s) => Some(s),
@@ -110,6 +125,7 @@ impl MetaValue {
         }
     }
 
+    /// The elements of an `Array`; `None` for other types.
     pub fn as_array(&self) -> Option<&[MetaValue]> {
         match self {
             MetaValue::Array(v) => Some(v),
@@ -121,10 +137,12 @@ impl MetaValue {
 /// A tensor's entry in the GGUF header.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GgufTensorInfo {
+    /// The tensor's name (`blk.0.attn_q.weight`, `token_embd.weight`, ...).
     pub name: String,
     /// GGUF dimension order: `ne[0]` is the fastest-varying (innermost) axis, the reverse of
     /// PyTorch's; a PyTorch `[out, in]` matrix has `ne = [in, out]`.
     pub ne: Vec<u64>,
+    /// How the data is stored.
     pub ggml_type: GgmlType,
     /// Offset of the tensor's bytes from the start of the data section.
     pub offset: u64,
@@ -388,12 +406,15 @@ impl GgufFile {
         Ok(file)
     }
 
+    /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
     }
+    /// The GGUF format version (2 or 3).
     pub fn version(&self) -> u32 {
         self.version
     }
+    /// Alignment of tensor data in bytes (`general.alignment`, 32 by default).
     pub fn alignment(&self) -> u64 {
         self.alignment
     }
@@ -401,15 +422,19 @@ impl GgufFile {
     pub fn data_offset(&self) -> u64 {
         self.data_offset
     }
+    /// Every metadata key-value pair, by key.
     pub fn metadata(&self) -> &BTreeMap<String, MetaValue> {
         &self.metadata
     }
+    /// One metadata value (`general.architecture`, `llama.block_count`, ...).
     pub fn get(&self, key: &str) -> Option<&MetaValue> {
         self.metadata.get(key)
     }
+    /// The tensor infos, in header order.
     pub fn tensors(&self) -> &[GgufTensorInfo] {
         &self.tensors
     }
+    /// The info of the tensor named `name`, if any.
     pub fn tensor(&self, name: &str) -> Option<&GgufTensorInfo> {
         self.tensors.iter().find(|t| t.name == name)
     }

@@ -16,11 +16,16 @@ use super::GgufError;
 /// The tokenizer files rebuilt from a GGUF, and the ids the model configs need.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenizerFiles {
+    /// The contents of `tokenizer.json` (HF `tokenizers` format).
     pub tokenizer: Value,
+    /// The contents of `tokenizer_config.json` (special tokens, chat template when the GGUF
+    /// carries one).
     pub tokenizer_config: Value,
+    /// `tokenizer.ggml.bos_token_id`, when set.
     pub bos_id: Option<u64>,
     /// `eos_token_id`, then `eot_token_id`/`eom_token_id` when they differ.
     pub eos_ids: Vec<u64>,
+    /// `tokenizer.ggml.padding_token_id`, when set.
     pub pad_id: Option<u64>,
 }
 

@@ -4,37 +4,69 @@
 /// type is reported by name; which ones can be imported is decided in [`super::blocks`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgmlType {
+    /// 32-bit float.
     F32,
+    /// IEEE half precision.
     F16,
+    /// 4-bit, blocks of 32 with an f16 scale (`w = d * (q - 8)`).
     Q4_0,
+    /// 4-bit, blocks of 32 with an f16 scale and minimum (`w = d * q + m`).
     Q4_1,
+    /// 5-bit, blocks of 32 with an f16 scale.
     Q5_0,
+    /// 5-bit, blocks of 32 with an f16 scale and minimum.
     Q5_1,
+    /// 8-bit, blocks of 32 with an f16 scale (`w = d * q`).
     Q8_0,
+    /// 8-bit, blocks of 32 with a scale and the block sum (an activation format).
     Q8_1,
+    /// `Q2_K`: 2-bit k-quant, super-blocks of 256.
     Q2K,
+    /// `Q3_K`: 3-bit k-quant, super-blocks of 256.
     Q3K,
+    /// `Q4_K`: 4-bit k-quant, super-blocks of 256 with 6-bit sub-block scales and minimums.
     Q4K,
+    /// `Q5_K`: 5-bit k-quant, super-blocks of 256.
     Q5K,
+    /// `Q6_K`: 6-bit k-quant, super-blocks of 256 with 8-bit sub-block scales.
     Q6K,
+    /// `Q8_K`: 8-bit k-quant (an intermediate format for dot products).
     Q8K,
+    /// `IQ2_XXS`: 2.06 bits per weight, lattice codebook.
     Iq2Xxs,
+    /// `IQ2_XS`: 2.31 bits per weight, lattice codebook.
     Iq2Xs,
+    /// `IQ3_XXS`: 3.06 bits per weight, lattice codebook.
     Iq3Xxs,
+    /// `IQ1_S`: 1.56 bits per weight.
     Iq1S,
+    /// `IQ4_NL`: 4-bit non-linear codebook, blocks of 32.
     Iq4Nl,
+    /// `IQ3_S`: 3.44 bits per weight, lattice codebook.
     Iq3S,
+    /// `IQ2_S`: 2.5 bits per weight, lattice codebook.
     Iq2S,
+    /// `IQ4_XS`: 4-bit non-linear codebook, super-blocks of 256.
     Iq4Xs,
+    /// 8-bit integer.
     I8,
+    /// 16-bit integer.
     I16,
+    /// 32-bit integer.
     I32,
+    /// 64-bit integer.
     I64,
+    /// 64-bit float.
     F64,
+    /// `IQ1_M`: 1.75 bits per weight.
     Iq1M,
+    /// bfloat16.
     Bf16,
+    /// `TQ1_0`: ternary, 1.69 bits per weight.
     Tq1_0,
+    /// `TQ2_0`: ternary, 2 bits per weight.
     Tq2_0,
+    /// `MXFP4`: OCP microscaling FP4 (E2M1), blocks of 32 with an E8M0 scale.
     Mxfp4,
 }
 
@@ -85,6 +117,7 @@ impl GgmlType {
         TABLE.iter().find(|r| r.1 == id).map(|r| r.0)
     }
 
+    /// The type's id as stored in a GGUF tensor info (the inverse of [`GgmlType::from_id`]).
     pub fn id(self) -> u32 {
         self.row().1
     }
