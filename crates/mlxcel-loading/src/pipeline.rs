@@ -45,7 +45,8 @@ pub struct LoadOptions {
     pub fuse_projections: Option<bool>,
     /// The runtime switches (see [`RuntimePolicy`]). `None` reads them from the `MLXCEL_*`
     /// environment variables ([`RuntimePolicy::from_env`]), parsed once here (an invalid
-    /// variable is a load error naming it); `Some` ignores the environment. [`load_model`] installs it
+    /// variable is a load error naming it); `Some` is used as given instead of the environment
+    /// (the per-field overrides above still apply). [`load_model`] installs it
     /// (with the overrides above applied) as the process-wide policy before building the model
     /// ([`mlxcel_core::policy::install`]), so the last load's policy is the one layers read.
     pub policy: Option<RuntimePolicy>,

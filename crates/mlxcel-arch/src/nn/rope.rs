@@ -18,8 +18,8 @@ pub struct RopeConfig {
     pub head_dim: i32,
     /// Rotated dims (partial rotary: `head_dim * partial_rotary_factor`).
     pub dims: i32,
-    /// Rotate interleaved pairs `(x0, x1), (x2, x3), ..` instead of the two halves
-    /// (`rope_traditional`; false for Hugging Face checkpoints).
+    /// Rotate interleaved pairs `(x0, x1), (x2, x3), ..` instead of the two halves (set by
+    /// Cohere, GLM-4 and DeepSeek; false for most checkpoints).
     pub traditional: bool,
     /// `rope_scaling` as written (already sanitised), or `None`.
     pub scaling: Option<Value>,
