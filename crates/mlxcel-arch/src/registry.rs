@@ -1,7 +1,8 @@
-//! The model registry. [`for_each_model_registration!`] is the one list of supported model
-//! types; `ModelType`, the static descriptors, `model_load_policy()`, `LoadedModel` with its
-//! `LanguageModel` delegation and the config-backed loader are all generated from it. Adding a
-//! text architecture is one model file and one row here.
+//! The model registry. [`for_each_model_registration!`](crate::for_each_model_registration) is
+//! the one list of supported model types; `ModelType`, the static descriptors,
+//! `model_load_policy()`, `LoadedModel` with its `LanguageModel` delegation and the
+//! config-backed loader are all generated from it. Adding a text architecture is one model file
+//! and one row here.
 
 use mlxcel_core::{Dtype, Materialization, WeightMap};
 use mlxcel_quant::QuantConfig;
@@ -269,10 +270,11 @@ macro_rules! generation_models {
 }
 
 /// Generates [`ModelType`], [`DESCRIPTORS`], [`GenerationModel`] and the per-type dispatch
-/// functions from the rows of [`for_each_model_registration!`].
+/// functions from the rows of [`for_each_model_registration!`](crate::for_each_model_registration).
 macro_rules! define_registry {
     ($( $variant:ident { names: [$($name:literal),+], kind: $kind:ident, dir: $dir:ident, weights: $weights:ident, model: $model:ty, adapter: $adapter:expr } ),* $(,)?) => {
-        /// Every registered model type: one variant per row of [`for_each_model_registration!`].
+        /// Every registered model type: one variant per row of
+        /// [`for_each_model_registration!`](crate::for_each_model_registration).
         ///
         /// ```
         /// use mlxcel_arch::ModelType;

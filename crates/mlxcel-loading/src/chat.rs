@@ -278,7 +278,8 @@ impl ChatTemplate {
     }
 
     /// Checks a conversation before rendering: at least one message, each with a role the
-    /// template handles (see [`STANDARD_ROLES`]).
+    /// template handles (`system`, `user`, `assistant`, `tool`, and any role the template names
+    /// as a string literal). An error is a [`LoadError::Unsupported`] naming the message.
     pub fn check_messages(&self, messages: &[Message]) -> Result<()> {
         if messages.is_empty() {
             return Err(LoadError::Unsupported(

@@ -43,8 +43,8 @@ fn dequant_policy() -> DequantPolicy {
 }
 
 /// From how many rows of activations a quantized linear layer is dequantized and run as a
-/// dense GEMM: `MLXCEL_DEQUANT_ROWS` (0 = never), else [`GPU_DEQUANT_ROWS`] on a GPU and never
-/// on the CPU (mlxcel's CPU kernel reads quantized weights directly).
+/// dense GEMM: `MLXCEL_DEQUANT_ROWS` (0 = never), else 256 on a GPU and never on the CPU
+/// (mlxcel's CPU kernel reads quantized weights directly).
 pub fn dequantize_rows_threshold() -> usize {
     dequant_policy().rows
 }
