@@ -54,6 +54,8 @@ impl Mask {
 /// Growth step of standard caches, in positions.
 const STEP: i32 = 256;
 
+/// Keys and values of every position, `[B, H, S, D]` buffers grown in steps of 256 positions
+/// (also the `(latent, k_pe)` pair of [`LayerCache::Latent`]).
 #[derive(Debug, Clone, Default)]
 pub struct StandardCache {
     keys: Option<Array>,
@@ -61,6 +63,8 @@ pub struct StandardCache {
     offset: usize,
 }
 
+/// Keys and values of a sliding-window layer: a ring of `window` rows (plus, during a chunk,
+/// that chunk's rows; see the module docs).
 #[derive(Debug, Clone)]
 pub struct RotatingCache {
     window: usize,
@@ -75,6 +79,7 @@ pub struct RotatingCache {
 /// keeps, and how many positions they summarise.
 #[derive(Debug, Clone, Default)]
 pub struct StateCache {
+    /// The mixer's state arrays, in the mixer's own order (`None` before the first token).
     pub arrays: Vec<Option<Array>>,
     offset: usize,
 }
@@ -89,13 +94,19 @@ impl StateCache {
 /// One layer's cache.
 #[derive(Debug, Clone)]
 pub enum LayerCache {
+    /// Every position's keys and values (global attention).
     Standard(StandardCache),
+    /// A sliding-window ring (sliding-window attention).
     Rotating(RotatingCache),
+    /// Multi-head latent attention's compressed latent and rope key per position.
     Latent(StandardCache),
+    /// A recurrent layer's fixed-size state.
     State(StateCache),
     /// Reads layer `source`'s cache (KV sharing); its own offset follows the model's.
     Shared {
+        /// Index of the layer whose cache this one reads.
         source: usize,
+        /// Positions processed so far.
         offset: usize,
     },
 }
@@ -108,6 +119,7 @@ fn rows(a: &Option<Array>) -> Result<usize> {
 }
 
 impl LayerCache {
+    /// An empty cache that keeps every position (global attention).
     pub fn standard() -> LayerCache {
         LayerCache::Standard(StandardCache::default())
     }
@@ -117,14 +129,17 @@ impl LayerCache {
         LayerCache::Latent(StandardCache::default())
     }
 
+    /// An empty recurrent state.
     pub fn state() -> LayerCache {
         LayerCache::State(StateCache::default())
     }
 
+    /// A cache that reads layer `source`'s cache instead of holding its own.
     pub fn shared(source: usize) -> LayerCache {
         LayerCache::Shared { source, offset: 0 }
     }
 
+    /// An empty sliding-window ring keeping the last `window` positions.
     pub fn rotating(window: usize) -> LayerCache {
         LayerCache::Rotating(RotatingCache {
             window,

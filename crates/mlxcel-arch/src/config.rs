@@ -17,6 +17,25 @@ use serde_json::{Map, Value};
 /// - `num_local_experts` and `num_experts`, `dtype` and `torch_dtype` fill each other in.
 ///
 /// Nested `text_config` objects are sanitised the same way.
+///
+/// ```
+/// use mlxcel_arch::config::sanitize_config_json;
+/// use serde_json::json;
+///
+/// // A transformers 5 config: rope in `rope_parameters`, a null key, `dtype`.
+/// let raw = json!({
+///     "model_type": "llama",
+///     "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0},
+///     "sliding_window": null,
+///     "dtype": "bfloat16",
+/// });
+/// let config = sanitize_config_json(raw);
+/// assert_eq!(config["rope_theta"], 500000.0);
+/// assert_eq!(config["rope_scaling"]["rope_type"], "llama3");
+/// assert_eq!(config["rope_scaling"]["factor"], 8.0);
+/// assert!(config.get("sliding_window").is_none()); // the architecture default applies
+/// assert_eq!(config["torch_dtype"], "bfloat16");
+/// ```
 pub fn sanitize_config_json(mut config: Value) -> Value {
     untag_floats(&mut config);
     if let Value::Object(obj) = &mut config {

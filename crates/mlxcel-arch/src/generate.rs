@@ -130,7 +130,19 @@ impl SessionState {
     }
 }
 
+impl std::fmt::Debug for Session<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("vocab_size", &self.model.vocab_size())
+            .field("layers", &self.caches.len())
+            .field("tokens", &self.tokens.len())
+            .field("mapped_files", &self.mapped.is_some())
+            .finish()
+    }
+}
+
 impl<'m> Session<'m> {
+    /// A fresh conversation of `model`: empty caches, no tokens.
     pub fn new(model: &'m dyn LanguageModel) -> Session<'m> {
         Session::resume(model, SessionState::new(model))
     }
@@ -176,6 +188,7 @@ impl<'m> Session<'m> {
         &self.tokens
     }
 
+    /// The per-layer caches, one per layer of the model.
     pub fn caches(&self) -> &[LayerCache] {
         &self.caches
     }

@@ -6,6 +6,8 @@
 //! ([`models`]), the [`LanguageModel`] trait, [`LoadedModel`], and per-layer caches ([`cache`]).
 //! The seams are described in this crate's README.
 
+#![warn(missing_docs)]
+
 pub mod cache;
 pub mod config;
 pub mod detection;

@@ -12,15 +12,28 @@ use crate::Result;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerKind {
     /// Keys and values of every previous position.
-    GlobalAttention { kv_heads: i32, head_dim: i32 },
+    GlobalAttention {
+        /// Key/value heads (`num_key_value_heads`).
+        kv_heads: i32,
+        /// Width of one head.
+        head_dim: i32,
+    },
     /// Keys and values of the last `window` positions (including the current one).
     SlidingAttention {
+        /// Positions kept (`sliding_window`).
         window: usize,
+        /// Key/value heads (`num_key_value_heads`).
         kv_heads: i32,
+        /// Width of one head.
         head_dim: i32,
     },
     /// Multi-head latent attention: the compressed latent and the shared rope key per position.
-    LatentAttention { latent: i32, rope: i32 },
+    LatentAttention {
+        /// Width of the compressed key/value latent (`kv_lora_rank`).
+        latent: i32,
+        /// Width of the shared rotary key (`qk_rope_head_dim`).
+        rope: i32,
+    },
 }
 
 impl LayerKind {
@@ -58,6 +71,22 @@ impl LayerKind {
 /// A loaded text model: token ids (or input embeddings) in, next-token logits out. The forward
 /// pass is split in three so other towers can feed the decoder: [`LanguageModel::embed`]
 /// (ids → hidden states), [`LanguageModel::forward_embeddings`] (hidden states → logits).
+///
+/// Typical use, with a checkpoint loaded through `mlxcel_loading::load_model` (a
+/// [`crate::GenerationModel`] implements this trait):
+///
+/// ```no_run
+/// use mlxcel_arch::{LanguageModel, LoadedModel};
+/// use mlxcel_core::Array;
+///
+/// fn next_token(loaded: &LoadedModel, prompt: &[i32]) -> mlxcel_arch::Result<u32> {
+///     let model = loaded.generation()?;
+///     let mut caches = model.make_caches(); // one per layer
+///     let tokens = Array::from_slice(prompt, &[1, prompt.len() as i32])?; // [B = 1, L]
+///     let logits = model.forward_last(&tokens, &mut caches)?; // [1, 1, vocab]
+///     mlxcel_arch::generate::argmax_token(&logits.reshape(&[-1])?)
+/// }
+/// ```
 pub trait LanguageModel {
     /// Token ids `[B, L]` (int32) → input hidden states `[B, L, hidden]`, scaled as the
     /// architecture scales its embeddings.
@@ -86,6 +115,7 @@ pub trait LanguageModel {
         self.forward_embeddings(&self.embed(tokens)?, None, caches, true)
     }
 
+    /// Rows of the output head: the size of the last logits axis (token ids must be below it).
     fn vocab_size(&self) -> usize;
 
     /// One entry per layer: what its cache holds.

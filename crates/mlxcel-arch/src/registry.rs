@@ -1,7 +1,8 @@
-//! The model registry. [`for_each_model_registration!`] is the one list of supported model
-//! types; `ModelType`, the static descriptors, `model_load_policy()`, `LoadedModel` with its
-//! `LanguageModel` delegation and the config-backed loader are all generated from it. Adding a
-//! text architecture is one model file and one row here.
+//! The model registry. [`for_each_model_registration!`](crate::for_each_model_registration) is
+//! the one list of supported model types; `ModelType`, the static descriptors,
+//! `model_load_policy()`, `LoadedModel` with its `LanguageModel` delegation and the
+//! config-backed loader are all generated from it. Adding a text architecture is one model file
+//! and one row here.
 
 use mlxcel_core::{Dtype, Materialization, WeightMap};
 use mlxcel_quant::QuantConfig;
@@ -52,8 +53,11 @@ macro_rules! for_each_model_registration {
 /// What a checkpoint is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelKind {
+    /// A decoder: token ids in, next-token logits out ([`GenerationModel`]).
     Generation,
+    /// An encoder producing one vector per input (not loadable in this build).
     Embedding,
+    /// A cross-encoder scoring query/document pairs (not loadable in this build).
     Reranker,
 }
 
@@ -97,12 +101,20 @@ pub fn adapter_support(model_type: ModelType) -> std::result::Result<(), String>
 /// The routing facts of one model type.
 #[derive(Debug, Clone, Copy)]
 pub struct StaticModelDescriptor {
+    /// The registry row this describes.
     pub model_type: ModelType,
+    /// The `config.json` `model_type` strings that map to this type (e.g. `["llama", "mistral"]`).
     pub names: &'static [&'static str],
+    /// What the checkpoint is for (generation, embedding, reranker).
     pub kind: ModelKind,
+    /// How a model folder of this type is loaded.
     pub directory_route: DirectoryRoute,
+    /// How it is built from weights already in memory.
     pub weight_route: WeightRoute,
+    /// The architecture type as written in the registry row (`stringify!`'d, with `$crate`);
+    /// see [`StaticModelDescriptor::architecture_path`] for the readable path.
     pub architecture: &'static str,
+    /// `Some(reason)` when the type itself rules adapters out (see [`adapter_support`]).
     pub adapter_unsupported: Option<&'static str>,
 }
 
@@ -118,16 +130,23 @@ impl StaticModelDescriptor {
 /// The routing decisions for a detected model type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModelLoadPolicy {
+    /// How a model folder is loaded.
     pub directory_route: DirectoryRoute,
+    /// How the model is built from weights already in memory.
     pub weight_route: WeightRoute,
 }
 
 /// How to build a model: the checkpoint's tensors, quantization and compute dtype.
+#[derive(Debug)]
 pub struct BuildOptions {
     /// The scope the model's tensors live under (`""` for a text checkpoint).
     pub prefix: String,
+    /// The checkpoint's quantization (`quantization` / `quantization_config` in `config.json`);
+    /// `None` for a dense checkpoint.
     pub quant: Option<QuantConfig>,
+    /// The compute dtype: floating-point weights are cast to it and activations run in it.
     pub dtype: Dtype,
+    /// When the kept tensors are evaluated (eagerly after building, or left lazy).
     pub materialization: Materialization,
     /// Stream the routed experts of the layers this covers instead of loading them.
     pub stream: Option<crate::weights::ExpertStreamSetup>,
@@ -196,10 +215,16 @@ fn parse_args<A: serde::de::DeserializeOwned>(config: &Value) -> Result<A> {
 /// (rows of other kinds get their own kind's enum when those kinds land).
 macro_rules! generation_models {
     (@rows [$($v:ident: $m:ty,)*]) => {
-        /// A loaded text-generation model of any registered generation type.
-        pub enum GenerationModel { $($v(Box<$m>)),* }
+        /// A loaded text-generation model of any registered generation type, one variant per
+        /// registry row of kind `Generation`; it implements [`LanguageModel`] by delegating to
+        /// the architecture.
+        pub enum GenerationModel { $(
+            #[doc = concat!("A [`ModelType::", stringify!($v), "`] model.")]
+            $v(Box<$m>)
+        ),* }
 
         impl GenerationModel {
+            /// The registry type of the loaded architecture.
             pub fn model_type(&self) -> ModelType {
                 match self { $(GenerationModel::$v(_) => ModelType::$v),* }
             }
@@ -244,15 +269,35 @@ macro_rules! generation_models {
     };
 }
 
+/// Generates [`ModelType`], [`DESCRIPTORS`], [`GenerationModel`] and the per-type dispatch
+/// functions from the rows of [`for_each_model_registration!`](crate::for_each_model_registration).
 macro_rules! define_registry {
     ($( $variant:ident { names: [$($name:literal),+], kind: $kind:ident, dir: $dir:ident, weights: $weights:ident, model: $model:ty, adapter: $adapter:expr } ),* $(,)?) => {
-        /// Every registered model type.
+        /// Every registered model type: one variant per row of
+        /// [`for_each_model_registration!`](crate::for_each_model_registration).
+        ///
+        /// ```
+        /// use mlxcel_arch::ModelType;
+        ///
+        /// // `config.json` `model_type` strings map to registry rows (several may share one).
+        /// assert_eq!(ModelType::from_model_type("llama"), Some(ModelType::Llama));
+        /// assert_eq!(ModelType::from_model_type("mistral"), Some(ModelType::Llama));
+        /// assert_eq!(ModelType::from_model_type("not-a-model"), None);
+        /// assert_eq!(ModelType::Llama.name(), "Llama");
+        /// assert!(ModelType::Llama.descriptor().names.contains(&"llama"));
+        /// ```
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        pub enum ModelType { $($variant),* }
+        pub enum ModelType { $(
+            #[doc = concat!("`", stringify!($variant), "`: `config.json` `model_type`", $(" `", $name, "`",)+ ".")]
+            $variant
+        ),* }
 
         impl ModelType {
+            /// Every registered type, in registry order (the order of [`DESCRIPTORS`]).
             pub const ALL: &'static [ModelType] = &[$(ModelType::$variant),*];
 
+            /// The variant's name (e.g. `"Llama"`), used in logs and error messages; not the
+            /// `config.json` string (see [`StaticModelDescriptor::names`]).
             pub fn name(self) -> &'static str {
                 match self { $(ModelType::$variant => stringify!($variant)),* }
             }
@@ -265,6 +310,7 @@ macro_rules! define_registry {
                 }
             }
 
+            /// This type's registry row: names, kind and routes.
             pub fn descriptor(self) -> &'static StaticModelDescriptor {
                 &DESCRIPTORS[self as usize]
             }
@@ -335,12 +381,14 @@ pub enum LoadedModel {
 }
 
 impl LoadedModel {
+    /// The registry type of the loaded model.
     pub fn model_type(&self) -> ModelType {
         match self {
             LoadedModel::Generation(m) => m.model_type(),
         }
     }
 
+    /// What the loaded model is for.
     pub fn kind(&self) -> ModelKind {
         match self {
             LoadedModel::Generation(_) => ModelKind::Generation,

@@ -17,7 +17,9 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// CTRL-style penalty on tokens seen in the last `repetition_context` tokens (1: off).
     pub repetition_penalty: f32,
+    /// How many of the most recent tokens the repetition penalty looks at (default 64).
     pub repetition_context: usize,
+    /// Seed of the random generator: the same seed, params and logits give the same tokens.
     pub seed: u64,
 }
 
@@ -39,8 +41,11 @@ impl Default for SamplingParams {
 /// into its flag), `value` as given.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParamError {
+    /// The [`SamplingParams`] field name (e.g. `"top_p"`).
     pub field: &'static str,
+    /// The value given, as text.
     pub value: String,
+    /// The allowed range (e.g. `"must be in (0, 1] (1 = off)"`).
     pub reason: &'static str,
 }
 
@@ -87,12 +92,17 @@ impl SamplingParams {
     }
 }
 
+/// Picks tokens from logits per [`SamplingParams`], holding the seeded random generator so a
+/// run's choices are reproducible.
+#[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
 }
 
 impl Sampler {
+    /// A sampler seeded from `params.seed` (the params are not validated here: see
+    /// [`SamplingParams::validate`]).
     pub fn new(params: SamplingParams) -> Sampler {
         let rng = StdRng::seed_from_u64(params.seed);
         Sampler { params, rng }

@@ -17,6 +17,8 @@ use mlxcel_quant::{QuantConfig, QuantMode, QuantizedWeight, TensorQuant};
 use crate::nn::{Embedding, Linear, SwitchLinear};
 use crate::{ModelError, Result};
 
+/// A checkpoint's tensors as model code consumes them: name lookup under scopes, shape checks,
+/// dense or quantized layer construction, and a record of what was used (see the module docs).
 pub struct ModelWeights {
     map: WeightMap,
     quant: Option<QuantConfig>,
@@ -31,6 +33,7 @@ pub struct ModelWeights {
 
 /// A scope opened by [`ModelWeights::scope`]: dereferences to the weights with names resolved
 /// under it, and closes when dropped.
+#[derive(Debug)]
 pub struct Scoped<'w> {
     weights: &'w mut ModelWeights,
 }
@@ -55,15 +58,33 @@ impl Drop for Scoped<'_> {
 }
 
 /// Where and how routed experts stream from disk (see `mlxcel_stream`).
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct ExpertStreamSetup {
     /// The prepared `expert-stream` folder.
     pub dir: std::path::PathBuf,
+    /// The folder's manifest: which layers stream, and where each expert's bytes lie.
     pub manifest: mlxcel_stream::Manifest,
+    /// Experts kept resident per streamed layer (the slot arena's size).
     pub slots_per_layer: usize,
+    /// Which resident expert gives up its slot on a miss.
     pub policy: mlxcel_stream::CachePolicy,
     /// Counters shared by all layers, read by the caller after a run.
     pub stats: std::rc::Rc<std::cell::RefCell<mlxcel_stream::StreamStats>>,
+}
+
+impl std::fmt::Debug for ModelWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelWeights")
+            .field("tensors", &self.map.names().count())
+            .field("used", &self.used.len())
+            .field("kept", &self.kept.len())
+            .field("quant", &self.quant)
+            .field("dtype", &self.dtype)
+            .field("stream", &self.stream.is_some())
+            .field("fuse_projections", &self.fuse_projections)
+            .field("scope", &self.scope)
+            .finish()
+    }
 }
 
 impl ModelWeights {
@@ -112,6 +133,7 @@ impl ModelWeights {
         self
     }
 
+    /// The compute dtype float tensors are cast to.
     pub fn dtype(&self) -> Dtype {
         self.dtype
     }

@@ -14,7 +14,9 @@ use crate::{LoadError, Result};
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
+    /// `system`, `user`, `assistant`, `tool`, or another role the template names.
     pub role: String,
+    /// The message text.
     pub content: String,
 }
 
@@ -44,6 +46,10 @@ impl Message {
 }
 
 /// A loaded chat template with the special tokens it may reference.
+///
+/// [`ChatTemplate::render`] produces the full prompt text including the model's special tokens
+/// (BOS, turn markers), so the result must be encoded WITHOUT adding special tokens:
+/// `tokenizer.encode(&text, false)` (see [`crate::Tokenizer`]).
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
@@ -179,8 +185,26 @@ fn strftime_now(format: String) -> String {
     out
 }
 
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let source_len = self
+            .env
+            .get_template("chat")
+            .map(|t| t.source().len())
+            .unwrap_or(0);
+        f.debug_struct("ChatTemplate")
+            .field("origin", &self.origin)
+            .field("source_len", &source_len)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .field("roles", &self.roles)
+            .finish()
+    }
+}
+
 impl ChatTemplate {
-    /// Builds a template from its source and the tokenizer config (for `bos_token`/`eos_token`).
+    /// Builds a template from its source and the tokenizer config (for `bos_token`/`eos_token`);
+    /// a template that does not parse is a [`LoadError::Unsupported`].
     pub fn new(source: &str, tokenizer_config: &Value) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
@@ -210,7 +234,9 @@ impl ChatTemplate {
         Ok(t)
     }
 
-    /// The model folder's template, or `None` when it ships none.
+    /// The model folder's template, or `None` when it ships none: `chat_template.jinja` when
+    /// present, else `tokenizer_config.json`'s `chat_template` (a string, or the entry named
+    /// `default` of a list).
     pub fn load(folder: &Path) -> Result<Option<ChatTemplate>> {
         let config_path = folder.join("tokenizer_config.json");
         let config: Value = if config_path.exists() {
@@ -252,7 +278,8 @@ impl ChatTemplate {
     }
 
     /// Checks a conversation before rendering: at least one message, each with a role the
-    /// template handles (see [`STANDARD_ROLES`]).
+    /// template handles (`system`, `user`, `assistant`, `tool`, and any role the template names
+    /// as a string literal). An error is a [`LoadError::Unsupported`] naming the message.
     pub fn check_messages(&self, messages: &[Message]) -> Result<()> {
         if messages.is_empty() {
             return Err(LoadError::Unsupported(
@@ -274,7 +301,11 @@ impl ChatTemplate {
 
     /// Renders `messages`; `add_generation_prompt` opens the assistant's turn.
     ///
-    /// The render is bounded: it may run [`BASE_FUEL`] (plus some per message) template
+    /// The text already contains the model's special tokens (BOS, turn markers): encode it
+    /// WITHOUT adding special tokens, `tokenizer.encode(&text, false)`, or the prompt gets a
+    /// second BOS.
+    ///
+    /// The render is bounded: it may run 20,000,000 (plus 100,000 per message) template
     /// instructions and write 1 MiB plus eight times the messages' text; a template past either
     /// bound fails with an error naming it instead of running away.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {

@@ -12,6 +12,8 @@
 //!                                                                  └─ load_tokenizer
 //! ```
 
+#![warn(missing_docs)]
+
 mod chat;
 mod error;
 pub mod memory;

@@ -40,19 +40,25 @@ pub fn tensor_role(name: &str) -> &'static str {
 pub struct MemoryEstimate {
     /// Bytes by (role, stored dtype) as loaded (float tensors at the compute dtype).
     pub weights: BTreeMap<(String, String), u64>,
+    /// KV-cache bytes for the requested context (rounded up to the caches' 256-position growth
+    /// step; sliding-window layers count their window plus one chunk).
     pub kv_cache: u64,
     /// Cache bytes one more position costs over all layers, as the model's layer schedule says
     /// (latent attention keeps far less than `2 · kv_heads · head_dim` per layer).
     pub kv_bytes_per_token: u64,
+    /// Allowance for transient buffers of one prefill chunk: its logits, the widest layer's
+    /// activations and attention scores.
     pub transient: u64,
     /// Slot arenas of streamed routed experts (0 when experts are resident).
     pub expert_arena: u64,
+    /// The device the run uses (MLX's default device).
     pub device: Device,
     /// The device's (or, for the CPU, the system's) memory.
     pub available: Option<u64>,
 }
 
 impl MemoryEstimate {
+    /// Bytes of all weights.
     pub fn weight_bytes(&self) -> u64 {
         self.weights.values().fold(0, |a, b| a.saturating_add(*b))
     }

@@ -43,8 +43,10 @@ pub struct LoadOptions {
     /// time and decode is bound by it. On the CPU the layers stay as stored, mapped from the
     /// file without a copy.
     pub fuse_projections: Option<bool>,
-    /// The runtime switches (see [`RuntimePolicy`]); `None`: [`RuntimePolicy::from_env`], parsed
-    /// once here (an invalid variable is a load error naming it). [`load_model`] installs it
+    /// The runtime switches (see [`RuntimePolicy`]). `None` reads them from the `MLXCEL_*`
+    /// environment variables ([`RuntimePolicy::from_env`]), parsed once here (an invalid
+    /// variable is a load error naming it); `Some` is used as given instead of the environment
+    /// (the per-field overrides above still apply). [`load_model`] installs it
     /// (with the overrides above applied) as the process-wide policy before building the model
     /// ([`mlxcel_core::policy::install`]), so the last load's policy is the one layers read.
     pub policy: Option<RuntimePolicy>,
@@ -86,20 +88,27 @@ fn warm_up(model: &GenerationModel) -> mlxcel_arch::Result<()> {
     Ok(())
 }
 
-/// A loaded generation model with what was learned on the way.
+/// A loaded generation model with what was learned on the way (from [`load_model`]).
+#[derive(Debug)]
 pub struct Loaded {
     /// The generation model (the loaded model of kind `Generation`).
     pub model: GenerationModel,
+    /// The model's tokenizer; `None` with [`LoadOptions::skip_tokenizer`].
     pub tokenizer: Option<Tokenizer>,
+    /// The registered type `config.json`'s `model_type` mapped to.
     pub model_type: ModelType,
     /// The sanitised `config.json`.
     pub config: Value,
+    /// The model folder (resolved from the path given to [`load_model`]).
     pub folder: PathBuf,
+    /// The compute dtype float weights were cast to.
     pub dtype: Dtype,
     /// Ids that end generation: `eos_token_id` of `config.json` and `generation_config.json`
     /// (a number or a list) and the tokenizer's `eos_token`.
     pub eos_token_ids: Vec<u32>,
+    /// The model's chat template, `None` when it ships none (or the tokenizer was skipped).
     pub chat_template: Option<ChatTemplate>,
+    /// Wall time of [`load_model`], warm-up included.
     pub load_seconds: f64,
     /// Set when routed experts stream from disk: the arena and its counters.
     pub expert_stream: Option<(
@@ -240,6 +249,40 @@ fn has_vision_weights(weights: &WeightMap) -> bool {
 }
 
 /// Loads a generation model and its tokenizer from a folder (or a file in it).
+///
+/// Installs the runtime policy first ([`LoadOptions::policy`], else the `MLXCEL_*` environment
+/// variables), then reads and sanitises `config.json`, maps `model_type` to a registered
+/// [`ModelType`], builds the model from the safetensors, and loads the tokenizer, chat template
+/// and end-of-sequence ids. Errors name the file, config key or tensor at fault: a missing or
+/// invalid file is [`LoadError::File`], a checkpoint the architecture cannot use
+/// [`LoadError::Model`], an unsupported kind or type [`LoadError::Unsupported`].
+///
+/// ```no_run
+/// use mlxcel_loading::{generate_text, load_model, GenerateRequest, LoadOptions, Message};
+///
+/// # fn main() -> mlxcel_loading::Result<()> {
+/// let loaded = load_model("models/Qwen3-0.6B", &LoadOptions::default())?;
+/// let tokenizer = loaded.tokenizer.as_ref().expect("not skipped");
+/// let template = loaded.chat_template.as_ref().expect("the model ships one");
+///
+/// // The rendered template holds the special tokens: encode without adding more.
+/// let text = template.render(&[Message::user("Hello!")], true)?;
+/// let prompt = tokenizer.encode(&text, false)?;
+///
+/// let mut session = loaded.session();
+/// let request = GenerateRequest::for_model(&loaded);
+/// let (_ids, stats) = generate_text(
+///     &mut session,
+///     Some(tokenizer),
+///     &prompt,
+///     &request,
+///     |piece| print!("{piece}"),
+///     |_id| {},
+/// )?;
+/// println!("\n{:.1} tokens/s ({:?})", stats.decode_tokens_per_second(), stats.finish);
+/// # Ok(())
+/// # }
+/// ```
 pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loaded> {
     let started = std::time::Instant::now();
     // First, so that every layer and kernel (weight mapping included) sees it.

@@ -16,9 +16,13 @@ use crate::{LoadError, Result};
 /// The decision to stream, and its arena.
 #[derive(Debug, Clone)]
 pub struct StreamPlan {
+    /// The prepared `expert-stream` folder.
     pub dir: PathBuf,
+    /// Its manifest: the streamed layers and where each expert's bytes lie.
     pub manifest: Manifest,
+    /// Experts kept resident per streamed layer, sized from the arena budget.
     pub slots_per_layer: usize,
+    /// The streaming switches the plan was made under (mode, arena budget, eviction policy).
     pub config: StreamConfig,
 }
 
@@ -52,6 +56,7 @@ impl StreamPlan {
         )
     }
 
+    /// What the model builder needs to stream the experts, sharing `stats` across layers.
     pub fn setup(&self, stats: Rc<RefCell<StreamStats>>) -> ExpertStreamSetup {
         ExpertStreamSetup {
             dir: self.dir.clone(),

@@ -15,12 +15,16 @@ use crate::Result;
 /// [`GenerateRequest::for_model`].
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
+    /// Most tokens to generate (EOS excluded).
     pub max_new_tokens: usize,
+    /// Temperature, top-k/p, min-p, repetition penalty and seed; the default is greedy.
     pub sampling: SamplingParams,
     /// Generation ends before the first occurrence of any of these in the output.
     pub stop: Vec<String>,
     /// Generation ends at any of these tokens (not emitted).
     pub eos_token_ids: Vec<u32>,
+    /// Prefill the prompt in chunks of this many positions (bounds prefill memory); `None`:
+    /// all at once. Must be positive.
     pub prefill_chunk: Option<usize>,
     /// Set from another thread to stop generation after the current token
     /// ([`FinishReason::Cancelled`]).
@@ -84,11 +88,15 @@ pub enum FinishReason {
 /// Measurements of one generation.
 #[derive(Debug, Clone)]
 pub struct GenerationStats {
+    /// Tokens in the prompt.
     pub prompt_tokens: usize,
     /// Leading prompt tokens served from the caches of the previous turn.
     pub reused_tokens: usize,
+    /// Time to prefill the prompt (the non-reused part) and produce the first logits.
     pub prefill_seconds: f64,
+    /// Tokens generated (EOS excluded).
     pub generated_tokens: usize,
+    /// Time spent decoding after prefill.
     pub decode_seconds: f64,
     /// Part of `decode_seconds` the host spent building step graphs (greedy decoding).
     pub decode_graph_seconds: f64,
@@ -98,10 +106,12 @@ pub struct GenerationStats {
     /// Arrays of each primitive kind in one queued decode step (greedy decoding), most frequent
     /// first: MLX spends host time on every one, so on a GPU this count sets decode speed.
     pub decode_step_census: Vec<(String, usize)>,
+    /// Why generation ended.
     pub finish: FinishReason,
 }
 
 impl GenerationStats {
+    /// Prefilled (non-reused) prompt tokens per second.
     pub fn prefill_tokens_per_second(&self) -> f64 {
         (self.prompt_tokens - self.reused_tokens) as f64 / self.prefill_seconds.max(1e-9)
     }

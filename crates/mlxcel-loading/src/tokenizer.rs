@@ -5,15 +5,33 @@ use std::path::{Path, PathBuf};
 
 use crate::{LoadError, Result};
 
-/// A model's tokenizer.
+/// A model's tokenizer (its `tokenizer.json`), from [`load_tokenizer`].
+///
+/// Special tokens: [`Tokenizer::encode`] with `add_special_tokens = true` adds what the
+/// tokenizer's post-processor adds (a BOS token, for many models). A prompt rendered by a chat
+/// template ([`crate::ChatTemplate::render`]) already contains every special token the model
+/// expects, so it must be encoded WITHOUT adding special tokens, `encode(&text, false)`;
+/// encoding it with `true` would add a second BOS. Plain text prompts (no template) are usually
+/// encoded with `true`.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The `tokenizer.json` it was read from (named in errors).
     pub path: PathBuf,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("path", &self.path)
+            .field("vocab_size", &self.vocab_size())
+            .finish()
+    }
 }
 
 impl Tokenizer {
     /// Token ids of `text`, with the tokenizer's special-token post-processing when
-    /// `add_special_tokens`.
+    /// `add_special_tokens`. Pass `false` for text rendered by a chat template (it already
+    /// holds the special tokens; see [`Tokenizer`]). An error names `tokenizer.json`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self
             .inner
@@ -22,21 +40,27 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The text of `ids`, leaving out special tokens (BOS, EOS, turn markers) when
+    /// `skip_special_tokens`. For text streamed token by token use [`StreamDecoder`].
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         self.inner
             .decode(ids, skip_special_tokens)
             .map_err(|e| LoadError::file(&self.path, format!("decoding failed: {e}")))
     }
 
+    /// The id of `token` (e.g. `"<|im_end|>"`), `None` when not in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
 
+    /// Vocabulary size, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
 }
 
+/// Reads `folder`'s `tokenizer.json`. A folder with only a SentencePiece `tokenizer.model` or a
+/// `*.tiktoken` file, or none at all, is a [`LoadError::File`] saying what to provide.
 pub fn load_tokenizer(folder: &Path) -> Result<Tokenizer> {
     let path = folder.join("tokenizer.json");
     if path.exists() {
@@ -71,6 +95,7 @@ pub fn load_tokenizer(folder: &Path) -> Result<Tokenizer> {
 /// Incremental detokenisation for streaming: text is released only once it no longer ends in
 /// a partial UTF-8 sequence (byte-level BPE splits Korean and emoji characters across tokens),
 /// and a token's text is computed in the context of the one before it (leading-space rules).
+#[derive(Debug)]
 pub struct StreamDecoder<'t> {
     tokenizer: &'t Tokenizer,
     ids: Vec<u32>,
@@ -80,6 +105,7 @@ pub struct StreamDecoder<'t> {
 }
 
 impl<'t> StreamDecoder<'t> {
+    /// A decoder over `tokenizer`, leaving out special tokens when `skip_special_tokens`.
     pub fn new(tokenizer: &'t Tokenizer, skip_special_tokens: bool) -> StreamDecoder<'t> {
         StreamDecoder {
             tokenizer,

@@ -18,46 +18,73 @@ fn default_eps() -> f32 {
 /// Fields read by `#[serde(flatten)]` into each architecture's `ModelArgs`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CommonArgs {
+    /// `hidden_size`: the model width (required).
     pub hidden_size: i32,
+    /// `num_hidden_layers`: decoder layers (required).
     pub num_hidden_layers: usize,
+    /// `num_attention_heads`: query heads per layer (required).
     pub num_attention_heads: i32,
+    /// `vocab_size`: rows of the embedding table and the output head (required).
     pub vocab_size: i32,
+    /// `intermediate_size`: the dense MLP width; required by architectures with dense MLPs
+    /// (see [`CommonArgs::intermediate`]).
     #[serde(default)]
     pub intermediate_size: Option<i32>,
+    /// `num_key_value_heads`: key/value heads (grouped-query attention); default
+    /// `num_attention_heads`.
     #[serde(default)]
     pub num_key_value_heads: Option<i32>,
+    /// `head_dim`: width of one head; default `hidden_size / num_attention_heads`.
     #[serde(default)]
     pub head_dim: Option<i32>,
+    /// `rms_norm_eps`: the norms' epsilon; default `1e-6`.
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f32,
+    /// `rope_theta` (or `rope_parameters.rope_theta`, after sanitising): the rotary base;
+    /// default `10000`.
     #[serde(default = "default_rope_theta")]
     pub rope_theta: f64,
+    /// `rope_scaling`: the rotary scaling object (`rope_type` `linear`, `dynamic`, `llama3`,
+    /// `yarn`, `longrope`, ...); absent for plain rope.
     #[serde(default)]
     pub rope_scaling: Option<Value>,
+    /// `partial_rotary_factor`: the share of each head's features that is rotated; default 1.
     #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
+    /// `max_position_embeddings`: the trained context length (read by dynamic and longrope
+    /// scaling).
     #[serde(default)]
     pub max_position_embeddings: Option<i64>,
+    /// `tie_word_embeddings`: reuse the embedding table as the output head; the default is the
+    /// architecture's (see [`base_spec`]).
     #[serde(default)]
     pub tie_word_embeddings: Option<bool>,
+    /// `hidden_act`: the MLP activation (`silu`, `gelu_pytorch_tanh`, ...); the default is the
+    /// architecture's.
     #[serde(default)]
     pub hidden_act: Option<String>,
+    /// `sliding_window`: keys per query on sliding-window layers; absent means none slide.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// `layer_types`: per layer `"full_attention"` or `"sliding_attention"`; overrides the
+    /// architecture's own sliding pattern when present.
     #[serde(default)]
     pub layer_types: Option<Vec<String>>,
 }
 
 impl CommonArgs {
+    /// `num_key_value_heads`, else `num_attention_heads`.
     pub fn kv_heads(&self) -> i32 {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
 
+    /// `head_dim`, else `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> i32 {
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 
+    /// `intermediate_size`, or a [`ModelError::Config`] naming it when absent.
     pub fn intermediate(&self) -> Result<i32> {
         self.intermediate_size
             .ok_or_else(|| ModelError::Config("missing field `intermediate_size`".into()))
@@ -170,14 +197,20 @@ fn one() -> usize {
 /// arrives as `num_experts` after sanitising).
 #[derive(Debug, Clone, Deserialize)]
 pub struct MoeArgs {
+    /// `num_experts` (or `num_local_experts`): routed experts per MoE layer (required).
     pub num_experts: i32,
+    /// `num_experts_per_tok`: experts each token is routed to (required).
     pub num_experts_per_tok: i32,
+    /// `moe_intermediate_size`: width of one routed expert; default `intermediate_size`.
     #[serde(default)]
     pub moe_intermediate_size: Option<i32>,
+    /// `norm_topk_prob`: renormalise the kept routing weights to sum to one; default false.
     #[serde(default)]
     pub norm_topk_prob: bool,
+    /// `decoder_sparse_step`: every this-many-th layer is an MoE layer; default 1 (all).
     #[serde(default = "one")]
     pub decoder_sparse_step: usize,
+    /// `mlp_only_layers`: layer indices that keep a dense MLP; default none.
     #[serde(default)]
     pub mlp_only_layers: Vec<usize>,
 }

@@ -40,39 +40,62 @@ fn yes() -> bool {
 /// The config fields of both versions.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// `kv_lora_rank`: width of the compressed key/value latent that is cached (required).
     pub kv_lora_rank: i32,
+    /// `q_lora_rank`: width of the query bottleneck; absent/null: queries are projected
+    /// directly.
     #[serde(default)]
     pub q_lora_rank: Option<i32>,
+    /// `qk_nope_head_dim`: per-head query/key features without rope (required).
     pub qk_nope_head_dim: i32,
+    /// `qk_rope_head_dim`: per-head query/key features with rope (required).
     pub qk_rope_head_dim: i32,
+    /// `v_head_dim`: per-head value width (required).
     pub v_head_dim: i32,
+    /// `n_routed_experts`: routed experts per MoE layer; absent: every layer is dense.
     #[serde(default)]
     pub n_routed_experts: Option<i32>,
+    /// `n_shared_experts`: shared (ungated) experts per MoE layer, run as one MLP of
+    /// `n_shared_experts * moe_intermediate_size`; absent: none.
     #[serde(default)]
     pub n_shared_experts: Option<i32>,
+    /// `num_experts_per_tok`: experts per token (required with `n_routed_experts`).
     #[serde(default)]
     pub num_experts_per_tok: Option<i32>,
+    /// `moe_intermediate_size`: width of one expert (required with `n_routed_experts`).
     #[serde(default)]
     pub moe_intermediate_size: Option<i32>,
+    /// `first_k_dense_replace`: the first this-many layers keep a dense MLP; default 0.
     #[serde(default)]
     pub first_k_dense_replace: usize,
+    /// `moe_layer_freq`: after those, every this-many-th layer is MoE; default 1.
     #[serde(default = "one_usize")]
     pub moe_layer_freq: usize,
+    /// `routed_scaling_factor`: multiplies the routing weights; default 1.
     #[serde(default = "one_f64")]
     pub routed_scaling_factor: f64,
+    /// `n_group`: expert groups for group-limited routing (divides `n_routed_experts`);
+    /// default 1.
     #[serde(default = "one_i32")]
     pub n_group: i32,
+    /// `topk_group`: groups a token may route to; default 1.
     #[serde(default = "one_i32")]
     pub topk_group: i32,
+    /// `topk_method`: V2's `"group_limited_greedy"` turns on group-limited routing (else
+    /// greedy); V3 always limits by group.
     #[serde(default)]
     pub topk_method: Option<String>,
+    /// `norm_topk_prob`: V3 renormalises the kept weights to sum to one (V2 never does);
+    /// default false.
     #[serde(default)]
     pub norm_topk_prob: bool,
+    /// `attention_bias`: biases on the attention projections; default false.
     #[serde(default)]
     pub attention_bias: bool,
-    /// V3: rope over interleaved pairs (V2 always interleaves).
+    /// `rope_interleave` (V3): rope over interleaved pairs (V2 always interleaves).
     #[serde(default = "yes")]
     pub rope_interleave: bool,
 }
@@ -87,7 +110,9 @@ pub struct V2Args(pub Args);
 #[serde(transparent)]
 pub struct V3Args(pub Args);
 
+/// The DeepSeek V2 decoder.
 pub type V2Model = Transformer<V2Args>;
+/// The DeepSeek V3 decoder.
 pub type V3Model = Transformer<V3Args>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

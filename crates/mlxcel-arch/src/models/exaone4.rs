@@ -10,16 +10,19 @@ use super::common::{base_spec, CommonArgs};
 use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::{ModelError, Result};
 
+/// The `config.json` keys of EXAONE 4 (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
-    /// A string of `L` (local, sliding) and `G` (global) repeated over the layers, or an
+    /// `sliding_window_pattern`, used when `layer_types` is absent: a string of `L` (local, sliding) and `G` (global) repeated over the layers, or an
     /// integer `p` (every `p`-th layer global).
     #[serde(default)]
     pub sliding_window_pattern: Option<Value>,
 }
 
+/// The EXAONE 4 decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl Args {

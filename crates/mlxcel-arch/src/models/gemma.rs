@@ -7,10 +7,14 @@ use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, Transformer};
 use crate::nn::{Activation, NormKind};
 use crate::{ModelError, Result};
 
+/// The `config.json` keys of Gemma (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// `hidden_activation`: the MLP activation, preferred over `hidden_act`; default
+    /// `gelu_pytorch_tanh`.
     #[serde(default)]
     pub hidden_activation: Option<String>,
 }
@@ -31,12 +35,18 @@ pub(crate) fn gemma_spec(c: &CommonArgs, hidden_activation: Option<&str>) -> Res
 /// The Gemma 2/3 config fields beyond [`CommonArgs`].
 #[derive(Debug, Clone, Deserialize)]
 pub struct GemmaArgs {
+    /// `hidden_activation`: the MLP activation, preferred over `hidden_act`; default
+    /// `gelu_pytorch_tanh`.
     #[serde(default)]
     pub hidden_activation: Option<String>,
+    /// `query_pre_attn_scalar`: attention scores are scaled by its `-1/2` power; default
+    /// `head_dim`.
     #[serde(default)]
     pub query_pre_attn_scalar: Option<f64>,
+    /// `attn_logit_softcapping`: `tanh(s / cap) * cap` on attention scores; absent: off.
     #[serde(default)]
     pub attn_logit_softcapping: Option<f64>,
+    /// `final_logit_softcapping`: the same on the output logits; absent: off.
     #[serde(default)]
     pub final_logit_softcapping: Option<f64>,
 }
@@ -55,6 +65,7 @@ pub(crate) fn sandwich_spec(c: &CommonArgs, g: &GemmaArgs) -> Result<DecoderSpec
     Ok(spec)
 }
 
+/// The Gemma decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

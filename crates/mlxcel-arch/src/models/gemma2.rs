@@ -8,14 +8,18 @@ use super::gemma::{sandwich_spec, GemmaArgs};
 use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::Result;
 
+/// The `config.json` keys of Gemma 2 (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// The Gemma 2/3 keys (soft-capping, query scale, activation).
     #[serde(flatten)]
     pub gemma: GemmaArgs,
 }
 
+/// The Gemma 2 decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

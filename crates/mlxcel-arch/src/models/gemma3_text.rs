@@ -17,18 +17,25 @@ fn default_local_base() -> f64 {
     10000.0
 }
 
+/// The `config.json` keys of Gemma 3 (text) (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// The Gemma 2/3 keys (soft-capping, query scale, activation).
     #[serde(flatten)]
     pub gemma: GemmaArgs,
+    /// `sliding_window_pattern`, used when `layer_types` is absent: every this-many-th layer is
+    /// global, the others slide; default 6.
     #[serde(default = "default_pattern")]
     pub sliding_window_pattern: usize,
+    /// `rope_local_base_freq`: the (unscaled) rope base of sliding layers; default `10000`.
     #[serde(default = "default_local_base")]
     pub rope_local_base_freq: f64,
 }
 
+/// The Gemma 3 (text) decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

@@ -12,14 +12,18 @@ use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, Transformer};
 use crate::sanitize::{rename_in_layers, split_rows};
 use crate::Result;
 
+/// The `config.json` keys of GLM-4 (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// `attention_bias`: biases on the q/k/v projections; default false.
     #[serde(default)]
     pub attention_bias: bool,
 }
 
+/// The GLM-4 decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

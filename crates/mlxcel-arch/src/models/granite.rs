@@ -12,24 +12,33 @@ fn one() -> f64 {
     1.0
 }
 
+/// The `config.json` keys of Granite (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// `embedding_multiplier`: multiplies the input embeddings; default 1.
     #[serde(default = "one")]
     pub embedding_multiplier: f64,
+    /// `residual_multiplier`: multiplies each block's output before its residual add; default 1.
     #[serde(default = "one")]
     pub residual_multiplier: f64,
+    /// `attention_multiplier`: the attention score scale (instead of `1/sqrt(head_dim)`); default 1.
     #[serde(default = "one")]
     pub attention_multiplier: f64,
+    /// `logits_scaling`: divides the output logits (finite, non-zero); default 1.
     #[serde(default = "one")]
     pub logits_scaling: f64,
+    /// `attention_bias`: biases on the q/k/v and output projections; default false.
     #[serde(default)]
     pub attention_bias: bool,
+    /// `mlp_bias`: biases on the MLP projections; default false.
     #[serde(default)]
     pub mlp_bias: bool,
 }
 
+/// The Granite decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

@@ -7,16 +7,21 @@ use super::common::{base_spec, CommonArgs};
 use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::Result;
 
+/// The `config.json` keys of Llama / Mistral (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// `attention_bias`: biases on the q/k/v and output projections; default false.
     #[serde(default)]
     pub attention_bias: bool,
+    /// `mlp_bias`: biases on the MLP projections; default false.
     #[serde(default)]
     pub mlp_bias: bool,
 }
 
+/// The Llama / Mistral decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

@@ -10,14 +10,18 @@ use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::sanitize::stack_experts;
 use crate::Result;
 
+/// The `config.json` keys of Mixtral (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// The mixture-of-experts keys (`num_experts`, `num_experts_per_tok`, ...).
     #[serde(flatten)]
     pub moe: MoeArgs,
 }
 
+/// The Mixtral decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

@@ -10,18 +10,24 @@ use super::transformer::{DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::sanitize::stack_mlp_experts;
 use crate::{ModelError, Result};
 
+/// The `config.json` keys of OLMoE (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// The mixture-of-experts keys (`num_experts`, `num_experts_per_tok`, ...).
     #[serde(flatten)]
     pub moe: MoeArgs,
+    /// `clip_qkv`: clamp q/k/v to `±clip`; not supported (a set value is an error).
     #[serde(default)]
     pub clip_qkv: Option<f64>,
+    /// `attention_bias`: biases on the q/k/v and output projections; default false.
     #[serde(default)]
     pub attention_bias: bool,
 }
 
+/// The OLMoE decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

@@ -10,14 +10,19 @@ use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::sanitize::split_rows;
 use crate::Result;
 
+/// The `config.json` keys of Phi-3 (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// `original_max_position_embeddings`: the pre-training context longrope scaling needs,
+    /// when the config keeps it at the top level rather than in `rope_scaling`.
     #[serde(default)]
     pub original_max_position_embeddings: Option<i64>,
 }
 
+/// The Phi-3 decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

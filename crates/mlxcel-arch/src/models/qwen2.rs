@@ -7,16 +7,22 @@ use super::common::{base_spec, CommonArgs};
 use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::Result;
 
+/// The `config.json` keys of Qwen2 (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// `use_sliding_window`: enable `sliding_window` (ignored otherwise); default false.
     #[serde(default)]
     pub use_sliding_window: bool,
+    /// `max_window_layers`: with `use_sliding_window`, layers from this index up slide; default
+    /// `num_hidden_layers` (none).
     #[serde(default)]
     pub max_window_layers: Option<usize>,
 }
 
+/// The Qwen2 decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

@@ -11,16 +11,22 @@ use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::sanitize::stack_mlp_experts;
 use crate::Result;
 
+/// The `config.json` keys of Qwen2-MoE (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// The mixture-of-experts keys (`num_experts`, `num_experts_per_tok`, ...).
     #[serde(flatten)]
     pub moe: MoeArgs,
+    /// `shared_expert_intermediate_size`: width of the sigmoid-gated shared expert; absent: no
+    /// shared expert.
     #[serde(default)]
     pub shared_expert_intermediate_size: Option<i32>,
 }
 
+/// The Qwen2-MoE decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

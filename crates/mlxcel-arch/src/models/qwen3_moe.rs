@@ -10,16 +10,21 @@ use super::transformer::{DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::sanitize::stack_mlp_experts;
 use crate::Result;
 
+/// The `config.json` keys of Qwen3-MoE (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// The mixture-of-experts keys (`num_experts`, `num_experts_per_tok`, ...).
     #[serde(flatten)]
     pub moe: MoeArgs,
+    /// `attention_bias`: biases on the q/k/v and output projections; default false.
     #[serde(default)]
     pub attention_bias: bool,
 }
 
+/// The Qwen3-MoE decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

@@ -20,16 +20,21 @@ fn yes() -> bool {
     true
 }
 
+/// The `config.json` keys of StarCoder2 (read after [`crate::config::sanitize_config_json`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, `num_hidden_layers`, rope, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
+    /// `norm_epsilon`: the LayerNorms' epsilon; default `1e-5`.
     #[serde(default = "default_norm_epsilon")]
     pub norm_epsilon: f32,
+    /// `use_bias`: biases on every projection; default true.
     #[serde(default = "yes")]
     pub use_bias: bool,
 }
 
+/// The StarCoder2 decoder: the shared [`Transformer`] configured by [`Args`].
 pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {

@@ -31,6 +31,7 @@ use crate::{ModelError, Result};
 /// Which query/key normalisation an attention layer applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QkNormSpec {
+    /// No query/key normalisation.
     None,
     /// Over each head's features, one weight shared by all heads (`[head_dim]`).
     PerHead,
@@ -44,19 +45,29 @@ pub enum QkNormSpec {
 /// `sigmoid(mlp.shared_expert_gate(x))`.
 #[derive(Debug, Clone, Copy)]
 pub struct SharedExpertSpec {
+    /// The shared expert's MLP width (`shared_expert_intermediate_size`; DeepSeek:
+    /// `n_shared_experts * moe_intermediate_size`).
     pub intermediate: i32,
+    /// Scale its output by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE); ungated for DeepSeek.
     pub gated: bool,
 }
 
 /// A mixture-of-experts feed-forward block.
 #[derive(Debug, Clone)]
 pub struct MoeSpec {
+    /// Routed experts in the layer.
     pub experts: i32,
+    /// Experts per token.
     pub top_k: i32,
+    /// Width of one routed expert.
     pub intermediate: i32,
+    /// How router logits become weights.
     pub scoring: RouterScoring,
+    /// Renormalise the kept weights to sum to one.
     pub normalize: bool,
+    /// A shared expert run for every token, if any.
     pub shared: Option<SharedExpertSpec>,
+    /// Group-limited routing, if any.
     pub group_limit: Option<GroupLimit>,
     /// The router has an `e_score_correction_bias` added when choosing experts.
     pub correction_bias: bool,
@@ -81,28 +92,36 @@ impl MoeSpec {
     }
 }
 
+/// The feed-forward block of one layer.
 #[derive(Debug, Clone)]
 pub enum FfnSpec {
     /// `down(act(gate(x)) * up(x))`.
     Dense {
+        /// The MLP width.
         intermediate: i32,
     },
     /// `down(act(up(x)))`.
     Plain {
+        /// The MLP width.
         intermediate: i32,
     },
+    /// A mixture of experts (`mlp.gate` router, `mlp.switch_mlp.*` experts).
     Moe(MoeSpec),
 }
 
 /// Multi-head latent attention's shape.
 #[derive(Debug, Clone)]
 pub struct LatentSpec {
+    /// Heads and per-head widths.
     pub dims: LatentDims,
     /// Queries through a low-rank bottleneck of this width (`q_a_proj`/`q_b_proj`), else one
     /// `q_proj`.
     pub q_lora_rank: Option<i32>,
+    /// Biases on the attention projections (`attention_bias`).
     pub bias: bool,
+    /// Multiplies the attention scores.
     pub scale: f32,
+    /// The rope of the `qk_rope_head_dim` features.
     pub rope: RopeConfig,
 }
 
@@ -112,6 +131,7 @@ pub enum MixerSpec {
     /// Grouped-query attention with the spec's heads, qk-norm and scale, and the layer's rope
     /// and window.
     Attention,
+    /// Multi-head latent attention (DeepSeek V2/V3).
     Latent(LatentSpec),
 }
 
@@ -132,20 +152,35 @@ pub enum BlockTopology {
 /// Everything that distinguishes one decoder architecture from another.
 #[derive(Debug, Clone)]
 pub struct DecoderSpec {
+    /// Vocabulary size: rows of the embedding table and the output head.
     pub vocab: i32,
+    /// Model width.
     pub hidden: i32,
+    /// Query heads.
     pub heads: i32,
+    /// Key/value heads.
     pub kv_heads: i32,
+    /// Width of one head.
     pub head_dim: i32,
+    /// The kind of every norm of the model.
     pub norm: NormKind,
+    /// The norms' epsilon.
     pub eps: f32,
+    /// Biases on the q/k/v projections.
     pub qkv_bias: bool,
+    /// A bias on the attention output projection.
     pub o_bias: bool,
+    /// Biases on the MLP projections.
     pub mlp_bias: bool,
+    /// Query/key normalisation.
     pub qk_norm: QkNormSpec,
+    /// Multiplies the attention scores (`1/sqrt(head_dim)` unless the architecture says).
     pub attn_scale: f32,
+    /// Soft-cap of the attention scores (Gemma 2's `attn_logit_softcapping`).
     pub attn_softcap: Option<f32>,
+    /// The MLP activation.
     pub act: Activation,
+    /// Where each block's norms sit.
     pub topology: BlockTopology,
     /// Per layer: token mixer.
     pub mixers: Vec<MixerSpec>,
@@ -161,11 +196,14 @@ pub struct DecoderSpec {
     pub residual_scale: Option<f64>,
     /// Multiplies the logits (Cohere's `logit_scale`, Granite's `1 / logits_scaling`).
     pub logit_scale: Option<f64>,
+    /// Soft-cap of the output logits (Gemma 2's `final_logit_softcapping`).
     pub final_softcap: Option<f64>,
+    /// The output head is the embedding table (no `lm_head` tensor).
     pub tie_word_embeddings: bool,
 }
 
 impl DecoderSpec {
+    /// Number of layers.
     pub fn layers(&self) -> usize {
         self.mixers.len()
     }
@@ -741,10 +779,12 @@ impl Decoder {
         Ok(logits)
     }
 
+    /// The vocabulary size (rows of the output head).
     pub fn vocab_size(&self) -> usize {
         self.vocab
     }
 
+    /// What each layer's cache holds.
     pub fn layer_schedule(&self) -> Vec<LayerKind> {
         self.schedule.clone()
     }
@@ -753,6 +793,8 @@ impl Decoder {
 /// Implemented by each decoder architecture's `ModelArgs`: the spec its config implies and the
 /// rewrites its checkpoints need. [`Transformer`] turns it into an [`Architecture`].
 pub trait DecoderArgs: DeserializeOwned {
+    /// The decoder this config describes; a [`ModelError::Config`] names a key with an unusable
+    /// value, [`ModelError::Unsupported`] a feature this build lacks.
     fn spec(&self) -> Result<DecoderSpec>;
 
     /// See [`Architecture::sanitize`].
@@ -765,11 +807,13 @@ pub trait DecoderArgs: DeserializeOwned {
 /// sanitiser.
 #[derive(Debug)]
 pub struct Transformer<A> {
+    /// The built decoder.
     pub decoder: Decoder,
     _args: PhantomData<fn() -> A>,
 }
 
 impl<A> Transformer<A> {
+    /// Wraps a built decoder.
     pub fn new(decoder: Decoder) -> Self {
         Transformer {
             decoder,

@@ -12,9 +12,13 @@ use crate::Result;
 /// How queries, keys and values are projected.
 #[derive(Debug, Clone)]
 pub enum QkvProjection {
+    /// `q_proj`, `k_proj`, `v_proj` as separate layers.
     Separate {
+        /// hidden → `n_heads * head_dim`.
         q: Linear,
+        /// hidden → `n_kv_heads * head_dim`.
         k: Linear,
+        /// hidden → `n_kv_heads * head_dim`.
         v: Linear,
     },
     /// One `qkv_proj` whose output is `[q | k | v]`.
@@ -24,21 +28,28 @@ pub enum QkvProjection {
 /// Normalisation of queries and keys before rope.
 #[derive(Debug, Clone)]
 pub enum QkNorm {
+    /// No query/key normalisation.
     None,
     /// Over each head's `head_dim` features (qwen3, gemma3).
     PerHead {
+        /// Query norm.
         q: Norm,
+        /// Key norm.
         k: Norm,
     },
     /// Over each head's `head_dim` features with a weight per head (`[heads, head_dim]`,
     /// Cohere's `use_qk_norm`).
     PerHeadWeights {
+        /// Query norm.
         q: Norm,
+        /// Key norm.
         k: Norm,
     },
     /// Over the whole projection, before splitting heads (olmoe).
     Full {
+        /// Query norm.
         q: Norm,
+        /// Key norm.
         k: Norm,
     },
 }
@@ -46,8 +57,11 @@ pub enum QkNorm {
 /// Shape and behaviour of one attention layer.
 #[derive(Debug, Clone)]
 pub struct AttentionConfig {
+    /// Query heads (`num_attention_heads`).
     pub n_heads: i32,
+    /// Key/value heads (`num_key_value_heads`); divides `n_heads` (grouped-query attention).
     pub n_kv_heads: i32,
+    /// Width of one head (`head_dim`, else `hidden_size / num_attention_heads`).
     pub head_dim: i32,
     /// Multiplies `q k^T`.
     pub scale: f32,
@@ -57,12 +71,19 @@ pub struct AttentionConfig {
     pub window: Option<usize>,
 }
 
+/// One (grouped-query) self-attention layer: projections, optional q/k norms, rope, and the
+/// output projection `o_proj`.
 #[derive(Debug, Clone)]
 pub struct Attention {
+    /// The query/key/value projections.
     pub qkv: QkvProjection,
+    /// `o_proj`: `n_heads * head_dim` → hidden.
     pub o: Linear,
+    /// Normalisation of queries and keys before rope.
     pub qk_norm: QkNorm,
+    /// The rotary embedding, `None` for layers without positions (NoPE layers).
     pub rope: Option<RotaryEmbedding>,
+    /// Heads, widths, scale, soft-cap and window.
     pub cfg: AttentionConfig,
 }
 

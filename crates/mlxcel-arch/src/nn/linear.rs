@@ -43,8 +43,8 @@ fn dequant_policy() -> DequantPolicy {
 }
 
 /// From how many rows of activations a quantized linear layer is dequantized and run as a
-/// dense GEMM: `MLXCEL_DEQUANT_ROWS` (0 = never), else [`GPU_DEQUANT_ROWS`] on a GPU and never
-/// on the CPU (mlxcel's CPU kernel reads quantized weights directly).
+/// dense GEMM: `MLXCEL_DEQUANT_ROWS` (0 = never), else 256 on a GPU and never on the CPU
+/// (mlxcel's CPU kernel reads quantized weights directly).
 pub fn dequantize_rows_threshold() -> usize {
     dequant_policy().rows
 }
@@ -63,19 +63,26 @@ fn dequantize_experts_for(rows: usize, experts: usize) -> bool {
 /// `y = x W^T + b` with `W` `[out, in]`.
 #[derive(Debug, Clone)]
 pub enum Linear {
+    /// A floating-point weight in the compute dtype.
     Dense {
+        /// `[out, in]`.
         weight: Array,
         /// `weight.t()`, made once (see `ops::linear`); build with [`Linear::dense`].
         weight_t: Array,
+        /// `[out]`, when the layer has one.
         bias: Option<Array>,
     },
+    /// A quantized weight (packed planes with scales and, for affine modes, biases).
     Quantized {
+        /// The packed `[out, in]` weight.
         weight: QuantizedWeight,
+        /// `[out]`, when the layer has one.
         bias: Option<Array>,
     },
 }
 
 impl Linear {
+    /// A dense layer from `weight` `[out, in]` and an optional `bias` `[out]`.
     pub fn dense(weight: Array, bias: Option<Array>) -> Result<Linear> {
         Ok(Linear::Dense {
             weight_t: weight.t()?,
@@ -84,6 +91,7 @@ impl Linear {
         })
     }
 
+    /// `x` `[.., in]` → `[.., out]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (y, bias) = match self {
             Linear::Dense {
@@ -116,6 +124,7 @@ impl Linear {
 /// What [`Linear::forward_fused`] applies to its input before the product.
 #[derive(Debug, Clone, Copy)]
 pub enum LinearInput<'a> {
+    /// The input as given.
     Plain,
     /// The pre-norm of the block the layer opens.
     Normed(&'a Norm),
@@ -231,6 +240,7 @@ impl Linear {
         }))
     }
 
+    /// The bias `[out]`, if any.
     pub fn bias(&self) -> Option<&Array> {
         match self {
             Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
@@ -252,10 +262,17 @@ pub enum Embedding {
     /// `table` may be stored in half precision while the model computes in `dtype` (mlxcel's
     /// CPU kernel reads half-precision tables directly when they serve as output heads); the
     /// rows looked up are cast to `dtype`.
-    Dense { table: Array, dtype: Dtype },
+    Dense {
+        /// `[vocab, dim]`.
+        table: Array,
+        /// The compute dtype rows are cast to.
+        dtype: Dtype,
+    },
     /// Rows are dequantized to `dtype` (the table's scales may be stored in half precision).
     Quantized {
+        /// The packed `[vocab, dim]` table.
         table: QuantizedWeight,
+        /// The compute dtype rows are dequantized to.
         dtype: Dtype,
     },
 }
@@ -306,7 +323,9 @@ impl Embedding {
 /// A stack of per-expert linear layers `[experts, out, in]`, applied with gathered matmuls.
 #[derive(Debug, Clone)]
 pub enum SwitchLinear {
+    /// `[experts, out, in]` in the compute dtype.
     Dense(Array),
+    /// `[experts, out, in]` packed.
     Quantized(QuantizedWeight),
 }
 

@@ -15,33 +15,58 @@ use crate::Result;
 /// How queries are projected: directly, or through a low-rank bottleneck with its own norm.
 #[derive(Debug, Clone)]
 pub enum QueryProjection {
+    /// `q_proj`: hidden → `heads * (qk_nope + qk_rope)` (no `q_lora_rank` in the config).
     Direct(Linear),
-    LowRank { a: Linear, norm: Norm, b: Linear },
+    /// `q_a_proj` → `q_a_layernorm` → `q_b_proj` (`q_lora_rank` set).
+    LowRank {
+        /// `q_a_proj`: hidden → `q_lora_rank`.
+        a: Linear,
+        /// `q_a_layernorm`.
+        norm: Norm,
+        /// `q_b_proj`: `q_lora_rank` → `heads * (qk_nope + qk_rope)`.
+        b: Linear,
+    },
 }
 
 /// The dimensions of one latent attention layer.
 #[derive(Debug, Clone, Copy)]
 pub struct LatentDims {
+    /// Query heads (`num_attention_heads`).
     pub heads: i32,
+    /// Width of the compressed key/value latent (`kv_lora_rank`).
     pub kv_lora_rank: i32,
+    /// Per-head query/key features without rope (`qk_nope_head_dim`).
     pub qk_nope: i32,
+    /// Per-head query/key features with rope, the key part shared by all heads
+    /// (`qk_rope_head_dim`).
     pub qk_rope: i32,
+    /// Per-head value width (`v_head_dim`).
     pub v_head: i32,
 }
 
+/// Multi-head latent attention (DeepSeek V2/V3): keys and values are cached as one compressed
+/// latent per position plus a shared rope key, and attention runs in latent space (the
+/// per-head key/value up-projections are absorbed into `embed_q` and `unembed_out`).
 #[derive(Debug, Clone)]
 pub struct LatentAttention {
+    /// The query projection.
     pub q: QueryProjection,
     /// hidden → `[latent | k_pe]`.
     pub kv_a: Linear,
+    /// `kv_a_layernorm`, over the latent part.
     pub kv_a_norm: Norm,
     /// `[heads, kv_lora_rank, qk_nope]`: maps a head's non-rotary query into latent space.
     pub embed_q: Array,
     /// `[heads, v_head, kv_lora_rank]`: maps a head's attended latent to its value space.
     pub unembed_out: Array,
+    /// `o_proj`: `heads * v_head` → hidden.
     pub o: Linear,
+    /// The rotary embedding of the `qk_rope` features.
     pub rope: RotaryEmbedding,
+    /// The layer's widths.
     pub dims: LatentDims,
+    /// Multiplies the attention scores (`1/sqrt(qk_nope + qk_rope)`, times the YaRN mscale²
+    /// when scaled).
     pub scale: f32,
 }
 

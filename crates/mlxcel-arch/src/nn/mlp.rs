@@ -14,10 +14,12 @@ pub enum Activation {
     GeluTanh,
     /// `gelu`: the exact erf form.
     Gelu,
+    /// `relu`.
     Relu,
 }
 
 impl Activation {
+    /// The activation a config's `hidden_act` / `hidden_activation` names, `None` when unknown.
     pub fn from_name(name: &str) -> Option<Activation> {
         Some(match name {
             "silu" | "swish" => Activation::Silu,
@@ -41,6 +43,7 @@ impl Activation {
         Ok(gated_activation(kind, gate, up)?)
     }
 
+    /// The activation applied element-wise to `x` (any shape).
     pub fn apply(self, x: &Array) -> Result<Array> {
         Ok(match self {
             Activation::Silu => x.multiply(&x.sigmoid()?)?,
@@ -65,27 +68,41 @@ impl Activation {
 /// (`gate_up_proj`, gate first).
 #[derive(Debug, Clone)]
 pub enum Mlp {
+    /// Separate `gate_proj`, `up_proj`, `down_proj`.
     Gated {
+        /// hidden → intermediate.
         gate: Linear,
+        /// hidden → intermediate.
         up: Linear,
+        /// intermediate → hidden.
         down: Linear,
+        /// Applied to the gate.
         act: Activation,
     },
+    /// One `gate_up_proj` whose output is `[gate | up]`.
     FusedGated {
+        /// model width → `[gate | up]`, `2 * hidden` wide.
         gate_up: Linear,
+        /// intermediate → model hidden.
         down: Linear,
+        /// Applied to the gate.
         act: Activation,
+        /// The intermediate width (where `gate_up`'s output splits).
         hidden: i32,
     },
     /// `down(act(up(x)))`.
     Plain {
+        /// `up_proj` (`c_fc`): hidden → intermediate.
         up: Linear,
+        /// `down_proj` (`c_proj`): intermediate → hidden.
         down: Linear,
+        /// Applied between the two.
         act: Activation,
     },
 }
 
 impl Mlp {
+    /// `x` `[.., hidden]` → `[.., hidden]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         self.forward_fused(x, None, None)
     }

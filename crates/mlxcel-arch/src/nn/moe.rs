@@ -29,21 +29,30 @@ pub enum GroupScore {
 /// `keep` best groups can be chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupLimit {
+    /// Number of expert groups (`n_group`).
     pub groups: i32,
+    /// Groups a token may route to (`topk_group`).
     pub keep: i32,
+    /// How a group is scored.
     pub score: GroupScore,
 }
 
+/// A mixture-of-experts router: the `gate` projection's logits → each token's `top_k` experts and
+/// their weights.
 #[derive(Debug, Clone)]
 pub struct Router {
+    /// The router projection: hidden → experts.
     pub gate: Linear,
+    /// Experts per token (`num_experts_per_tok`).
     pub top_k: i32,
+    /// How logits become expert weights.
     pub scoring: RouterScoring,
     /// Renormalise the kept weights to sum to one (`norm_topk_prob`).
     pub normalize: bool,
     /// Added to the scores when choosing experts, not to the weights (DeepSeek V3's
     /// `e_score_correction_bias`), `[experts]` float32.
     pub correction_bias: Option<Array>,
+    /// Group-limited routing (`n_group` / `topk_group`), `None` when all experts compete.
     pub group_limit: Option<GroupLimit>,
     /// Multiplies the final weights (`routed_scaling_factor`).
     pub weight_scale: f32,
@@ -139,9 +148,13 @@ impl GroupLimit {
 /// The experts' gated MLP: `down(act(gate(x)) * up(x))` with per-row expert choice.
 #[derive(Debug, Clone)]
 pub struct SwitchGlu {
+    /// `switch_mlp.gate_proj`: `[experts, intermediate, hidden]`.
     pub gate: SwitchLinear,
+    /// `switch_mlp.up_proj`: `[experts, intermediate, hidden]`.
     pub up: SwitchLinear,
+    /// `switch_mlp.down_proj`: `[experts, hidden, intermediate]`.
     pub down: SwitchLinear,
+    /// Applied to the gate.
     pub act: Activation,
 }
 
@@ -197,9 +210,11 @@ const SORT_FROM_PAIRS: i32 = 64;
 /// chunk for all rows routed to it), and each projection runs as one gathered matmul with slot
 /// indices into the arena.
 pub struct StreamedGlu {
+    /// The layer's expert stream: its manifest entry, slot arena and statistics.
     pub layer: std::cell::RefCell<mlxcel_stream::LayerStream>,
     /// Per projection (gate, up, down): the quantization, `None` for dense expert weights.
     pub specs: [Option<mlxcel_core::ops::QuantSpec>; 3],
+    /// Applied to the gate.
     pub act: Activation,
 }
 
@@ -297,7 +312,9 @@ impl StreamedGlu {
 /// A mixture-of-experts layer's routed experts: resident in memory or streamed from disk.
 #[derive(Debug)]
 pub enum RoutedExperts {
+    /// All experts' weights in memory.
     Resident(SwitchGlu),
+    /// Experts loaded from the expert-stream folder into slots on demand.
     Streamed(Box<StreamedGlu>),
 }
 
@@ -311,6 +328,7 @@ impl RoutedExperts {
         Ok(y.multiply(&weights.expand_dims(&[-1])?)?.sum(&[1], false)?)
     }
 
+    /// Whether the experts stream from disk.
     pub fn is_streamed(&self) -> bool {
         matches!(self, RoutedExperts::Streamed(_))
     }

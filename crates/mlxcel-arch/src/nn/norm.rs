@@ -15,6 +15,7 @@ pub enum NormKind {
     Layer,
 }
 
+/// A normalisation layer over the last axis (`[.., dim]` → `[.., dim]`).
 #[derive(Debug, Clone)]
 pub struct Norm {
     kind: NormKind,
@@ -24,6 +25,9 @@ pub struct Norm {
 }
 
 impl Norm {
+    /// A norm of `kind` with `weight` `[dim]` (and `bias` `[dim]` for a LayerNorm); `eps` from
+    /// the config (`rms_norm_eps` / `layer_norm_eps`). For [`NormKind::RmsOffset`] the `1 + w`
+    /// is folded in here.
     pub fn new(kind: NormKind, weight: Array, bias: Option<Array>, eps: f32) -> Result<Norm> {
         // Fold Gemma's `1 + w` into the stored weight once, at load.
         let weight = match kind {
@@ -38,6 +42,7 @@ impl Norm {
         })
     }
 
+    /// Normalises `x` `[.., dim]` over its last axis.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         if self.weight.ndim() > 1 {
             // A weight per head (`[heads, 1, head_dim]` against `[B, heads, L, head_dim]`): the

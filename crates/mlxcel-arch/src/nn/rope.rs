@@ -11,13 +11,19 @@ use crate::{ModelError, Result};
 /// What a config says about rotary embeddings, gathered from the architecture's args.
 #[derive(Debug, Clone)]
 pub struct RopeConfig {
+    /// The base of the frequencies (`rope_theta`; `rope_local_base_freq` for Gemma 3's local
+    /// layers).
     pub base: f64,
+    /// Width of one attention head.
     pub head_dim: i32,
     /// Rotated dims (partial rotary: `head_dim * partial_rotary_factor`).
     pub dims: i32,
+    /// Rotate interleaved pairs `(x0, x1), (x2, x3), ..` instead of the two halves (set by
+    /// Cohere, GLM-4 and DeepSeek; false for most checkpoints).
     pub traditional: bool,
     /// `rope_scaling` as written (already sanitised), or `None`.
     pub scaling: Option<Value>,
+    /// `max_position_embeddings` (dynamic NTK and longrope scaling read it).
     pub max_position_embeddings: Option<i64>,
 }
 
@@ -85,6 +91,9 @@ fn factor_list(v: &Value, key: &str, len: i32) -> Result<Vec<f64>> {
 }
 
 impl RotaryEmbedding {
+    /// Builds the frequencies for `cfg`, including the `rope_scaling` type (`linear`,
+    /// `dynamic`, `llama3`, `yarn`, `longrope`, ...): a malformed scaling is a
+    /// [`crate::ModelError::Config`] error, an unknown type [`crate::ModelError::Unsupported`].
     pub fn new(cfg: &RopeConfig) -> Result<RotaryEmbedding> {
         let dims = cfg.dims;
         let base = cfg.base;
