@@ -89,7 +89,7 @@ fn main() {
                 std::process::exit(1);
             });
             println!("cargo:rustc-link-search=native={}", link_dir.display());
-            println!("cargo:rustc-link-lib=dylib=mlx");
+            println!("cargo:rustc-link-lib=dylib={LINKER_SCRIPT_LIB}");
         }
         LinkMode::Name => {
             println!("cargo:rustc-link-search=native={}", lib.display());
@@ -144,9 +144,15 @@ impl LinkMode {
     }
 }
 
+/// The library name the linker script is found under (`-lmlxcel_mlx`). Not `mlx`: cargo puts
+/// link-search folders on `LD_LIBRARY_PATH` when it runs binaries and tests, and a text file
+/// named `libmlx.so` there would shadow the real library for other programs they start (Python's
+/// `mlx`, for one).
+const LINKER_SCRIPT_LIB: &str = "mlxcel_mlx";
+
 /// Prepares `out/mlx-link/`: a mirror of the MLX installation at `root` (symlinks) whose
-/// `mlx/lib/libmlx.so` is a copy without `DT_SONAME`, and `ld/libmlx.so`, a linker script naming
-/// that copy by absolute path. Returns the folder to search for `-lmlx`.
+/// `mlx/lib/libmlx.so` is a copy without `DT_SONAME`, and `ld/libmlxcel_mlx.so`, a linker
+/// script naming that copy by absolute path. Returns the folder to search for the script.
 fn link_by_path(root: &Path, out: &Path) -> Result<PathBuf, String> {
     let mirror = out.join("mlx-link");
     let _ = fs::remove_dir_all(&mirror);
@@ -183,7 +189,8 @@ fn link_by_path(root: &Path, out: &Path) -> Result<PathBuf, String> {
     fs::write(&copy, bytes).map_err(|e| format!("{}: {e}", copy.display()))?;
     let ld = mirror.join("ld");
     fs::create_dir_all(&ld).map_err(|e| format!("{}: {e}", ld.display()))?;
-    fs::write(ld.join("libmlx.so"), format!("INPUT({})\n", copy.display()))
+    let script = ld.join(format!("lib{LINKER_SCRIPT_LIB}.so"));
+    fs::write(&script, format!("INPUT({})\n", copy.display()))
         .map_err(|e| format!("{}: {e}", ld.display()))?;
     Ok(ld)
 }

@@ -65,7 +65,19 @@ enum Command {
     },
 }
 
+/// Output piped into a program that stops reading (`mlxcel arch | head`) ends mlxcel quietly, as
+/// it ends `cat`: Rust ignores SIGPIPE, which would turn the closed pipe into a panic in
+/// `println!`.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: resetting a signal's disposition to its default at startup, before any threads.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> anyhow::Result<()> {
+    restore_sigpipe();
     let cli = Cli::parse();
     if cli.version {
         println!("mlxcel {}", env!("CARGO_PKG_VERSION"));
