@@ -5,7 +5,8 @@
 //! MLX is found in this order (see README "Getting MLX"):
 //! 1. `MLX_DIR`: a folder holding `mlx/lib/libmlx.{so,dylib}` and `mlx/include`;
 //! 2. an importable Python `mlx` (a namespace package: every entry of `mlx.__path__` is tried);
-//! 3. the `mlx-cpu` wheel from PyPI, pip-downloaded (no deps) and unpacked into a cache folder
+//! 3. the `mlx-cpu` wheel from PyPI, pip-downloaded (no deps; never when `CARGO_NET_OFFLINE=true`
+//!    or `MLXCEL_OFFLINE=1`) and unpacked into a cache folder
 //!    (`MLXCEL_CACHE_DIR`, else `$HOME/.cache/mlxcel`), keeping `mlx/` and `mlx_cpu.libs/` side by
 //!    side because `libmlx.so` finds its BLAS through `$ORIGIN/../../mlx_cpu.libs`.
 
@@ -23,6 +24,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=MLXCEL_PYTHON");
     println!("cargo:rerun-if-env-changed=MLXCEL_LINK");
     println!("cargo:rerun-if-env-changed=DOCS_RS");
+    println!("cargo:rerun-if-env-changed=CARGO_NET_OFFLINE");
+    println!("cargo:rerun-if-env-changed=MLXCEL_OFFLINE");
     println!("cargo:rerun-if-changed=ops.table");
     println!("cargo:rerun-if-changed=cpp/shim.h");
     println!("cargo:rerun-if-changed=cpp/shim.cc");
@@ -290,6 +293,16 @@ fn download_wheel(python: &str) -> Result<PathBuf, String> {
     let root = cache.join(format!("mlx-cpu-{MLX_VERSION}"));
     if has_mlx(&root) {
         return Ok(root);
+    }
+    // Offline builds never reach for the network (`CARGO_NET_OFFLINE=true`, as cargo's own
+    // setting is spelled in the environment, or `MLXCEL_OFFLINE=1`).
+    let offline = env::var("CARGO_NET_OFFLINE").is_ok_and(|v| v == "true")
+        || env::var("MLXCEL_OFFLINE").is_ok_and(|v| v == "1");
+    if offline {
+        return Err(format!(
+            "offline build and no MLX in {}, MLX_DIR or Python: it would be downloaded from PyPI",
+            root.display()
+        ));
     }
     let download = cache.join(format!("mlx-cpu-{MLX_VERSION}-download"));
     let _ = fs::remove_dir_all(&download);
