@@ -389,3 +389,84 @@ fn smollm2_over_http() {
     let server = start(&model, ServerConfig::default());
     check_chat(&model, server.addr(), 24);
 }
+
+/// Reads the gauge `name` from `/metrics`.
+fn gauge(addr: SocketAddr, name: &str) -> f64 {
+    let r = http(addr, "GET", "/metrics", &[], "");
+    r.body
+        .lines()
+        .find(|l| l.starts_with(&format!("{name} ")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing from\n{}", r.body))
+}
+
+#[test]
+fn smollm2_queue_full_and_disconnect_cancels() {
+    let folder = mlxcel_core::cache_dir()
+        .unwrap_or_default()
+        .join("models/SmolLM2-135M-Instruct-4bit");
+    if !folder.join("config.json").is_file() {
+        println!(
+            "skip: {} missing (run `cargo xtask fetch-models`)",
+            folder.display()
+        );
+        return;
+    }
+    let model = Model::load(&folder).build().expect("SmolLM2 loads");
+    let server = start(
+        &model,
+        ServerConfig {
+            max_queue: 0,
+            ..ServerConfig::default()
+        },
+    );
+    let addr = server.addr();
+    // A long streamed generation: wait for its first chunk, then it is in flight.
+    let body = json!({
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 4000, "stream": true, "temperature": 0.8, "seed": 1,
+    })
+    .to_string();
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: ") {
+        let n = s.read(&mut buf).expect("the stream starts");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(gauge(addr, "mlxcel_requests_in_flight"), 1.0);
+    // No room to wait: 429.
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Hello", "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "queue_full");
+    // The client goes away: its generation stops long before 4000 tokens.
+    drop(s);
+    let t = std::time::Instant::now();
+    while gauge(addr, "mlxcel_requests_in_flight") > 0.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the generation went on after its client disconnected"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(gauge(addr, "mlxcel_completion_tokens_total"), 0.0);
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Hello", "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
