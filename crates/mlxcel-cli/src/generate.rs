@@ -89,7 +89,7 @@ pub struct GenerateFlags {
     pub repeat: usize,
 }
 
-fn default_model() -> anyhow::Result<PathBuf> {
+pub fn default_model() -> anyhow::Result<PathBuf> {
     let cache = mlxcel_core::cache_dir().context("neither MLXCEL_CACHE_DIR nor HOME is set")?;
     let path = cache.join("models/SmolLM2-135M-Instruct-4bit");
     if !path.join("config.json").is_file() {

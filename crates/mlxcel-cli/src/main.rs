@@ -54,6 +54,26 @@ enum Command {
     Generate(generate::GenerateFlags),
     /// Interactive chat keeping the session (and its caches) between turns.
     Chat(generate::RunFlags),
+    /// Serve the model over an OpenAI-compatible HTTP API, with a web chat page at `/`.
+    Serve {
+        /// Model folder (default: the SmolLM2 that `cargo xtask fetch-models` installs).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Address to listen on (loopback by default; 0.0.0.0 exposes it to the network).
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Require `Authorization: Bearer KEY` on every endpoint but /health and the page.
+        #[arg(long)]
+        api_key: Option<String>,
+        /// Requests that may wait while one is generated (one more gets a 429).
+        #[arg(long, default_value_t = 16)]
+        max_queue: usize,
+        /// Conversations whose caches are kept for prefix reuse.
+        #[arg(long, default_value_t = 4)]
+        sessions: usize,
+    },
     /// Write (or with --verify, check) the expert-stream layout of an MoE model, so its routed
     /// experts can stream from disk.
     PrepareExpertStream {
@@ -111,6 +131,37 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Arch) => inspect::print_registry(),
         Some(Command::Generate(flags)) => generate::generate(flags)?,
         Some(Command::Chat(flags)) => generate::chat(flags)?,
+        Some(Command::Serve {
+            model,
+            host,
+            port,
+            api_key,
+            max_queue,
+            sessions,
+        }) => {
+            let model = match model {
+                Some(m) => m,
+                None => generate::default_model()?,
+            };
+            let loaded = mlxcel_models::Model::load(&model)
+                .policy(mlxcel_core::policy::current())
+                .build()?;
+            let config = mlxcel_server::ServerConfig {
+                api_key,
+                max_queue,
+                sessions: sessions.max(1),
+                ..Default::default()
+            };
+            let info = loaded.info();
+            eprintln!(
+                "[serve] {} ({}) loaded in {:.2}s; listening on http://{host}:{port}/ (chat page at /, API at /v1)",
+                info.folder.display(),
+                info.model_type.name(),
+                info.load_seconds
+            );
+            mlxcel_server::run(loaded, config, (host.as_str(), port))
+                .with_context(|| format!("serving on {host}:{port}"))?;
+        }
         Some(Command::PrepareExpertStream { model, verify }) => {
             prepare_expert_stream(&model, verify)?
         }

@@ -623,6 +623,19 @@ impl Session {
         self.model.stream(Some(self.id), prompt.into(), options)
     }
 
+    /// The token ids the conversation's caches hold (empty before its first request): a prompt
+    /// starting with them is prefilled only past them. It waits for the worker, so it reflects
+    /// every request submitted before it, including one still generating or being cancelled.
+    pub fn cached_tokens(&self) -> Result<Vec<u32>> {
+        let id = self.id;
+        self.model.run(move |w| {
+            Ok(w.sessions
+                .get(&id)
+                .map(|s| s.tokens().to_vec())
+                .unwrap_or_default())
+        })
+    }
+
     /// The model this conversation runs on.
     pub fn model(&self) -> &Model {
         &self.model

@@ -1,0 +1,566 @@
+//! OpenAI request parsing and validation, and the JSON errors the server answers with.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use mlxcel_models::{Message, Sampling};
+use serde_json::{json, Map, Value};
+
+/// An error answered as OpenAI's `{"error": {...}}` JSON.
+#[derive(Debug, Clone)]
+pub(crate) struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// A 400 naming the request field `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param: Some(param.into()),
+            code: None,
+        }
+    }
+
+    /// An error with no request field to name.
+    pub fn other(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body().to_string();
+        (
+            self.status,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response()
+    }
+}
+
+/// What a request asks the model for.
+#[derive(Debug, Clone)]
+pub(crate) enum Input {
+    Chat(Vec<Message>),
+    Text(String),
+}
+
+/// A validated request of either endpoint.
+#[derive(Debug, Clone)]
+pub(crate) struct Request {
+    pub input: Input,
+    pub max_tokens: Option<usize>,
+    /// The field `max_tokens` came from (`max_tokens` or `max_completion_tokens`).
+    pub max_field: &'static str,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Fields both endpoints implement.
+const COMMON: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "min_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "user",
+    "stream",
+    "stream_options",
+    "repetition_penalty",
+];
+
+/// OpenAI fields the server does not implement: refused unless absent, null or neutral.
+const UNSUPPORTED: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "audio",
+    "modalities",
+    "prediction",
+    "reasoning_effort",
+    "service_tier",
+    "store",
+    "metadata",
+    "web_search_options",
+    "echo",
+    "suffix",
+    "best_of",
+];
+
+/// A value that asks for nothing (`null`, `false`, `0`, `1` for `best_of`, empty, text format).
+fn neutral(field: &str, v: &Value) -> bool {
+    match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::Number(n) => {
+            n.as_f64() == Some(0.0) || (field == "best_of" && n.as_f64() == Some(1.0))
+        }
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => {
+            o.is_empty()
+                || (field == "response_format"
+                    && o.len() == 1
+                    && o.get("type").and_then(Value::as_str) == Some("text"))
+        }
+        Value::String(s) => field == "tool_choice" && s == "none",
+        _ => false,
+    }
+}
+
+/// Parses a request body of `/v1/chat/completions` (`chat`) or `/v1/completions`.
+pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::other(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!("the request body is not valid JSON: {e}"),
+        )
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::other(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "the request body must be a JSON object",
+        ));
+    };
+    let own: &[&str] = if chat {
+        &["messages", "max_completion_tokens"]
+    } else {
+        &["prompt"]
+    };
+    for (key, v) in &obj {
+        if COMMON.contains(&key.as_str()) || own.contains(&key.as_str()) {
+            continue;
+        }
+        if UNSUPPORTED.contains(&key.as_str()) {
+            if neutral(key, v) {
+                continue;
+            }
+            return Err(ApiError::invalid(
+                key.as_str(),
+                format!("`{key}` is not supported by this server"),
+            ));
+        }
+        return Err(ApiError::invalid(
+            key.as_str(),
+            format!("Unrecognized request argument supplied: {key}"),
+        ));
+    }
+    let field = |name: &str| obj.get(name).filter(|v| !v.is_null());
+
+    let input = if chat {
+        Input::Chat(messages(field("messages"))?)
+    } else {
+        Input::Text(prompt(field("prompt"))?)
+    };
+    if let Some(v) = field("model") {
+        if !v.is_string() {
+            return Err(ApiError::invalid("model", "`model` must be a string"));
+        }
+    }
+    if let Some(v) = field("user") {
+        if !v.is_string() {
+            return Err(ApiError::invalid("user", "`user` must be a string"));
+        }
+    }
+    if let Some(v) = field("n") {
+        if v.as_u64() != Some(1) {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` must be 1 (one choice per request), not {v}"),
+            ));
+        }
+    }
+    let max_name = if chat && field("max_completion_tokens").is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let max_tokens = match field(max_name) {
+        None => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+            _ => {
+                return Err(ApiError::invalid(
+                    max_name,
+                    format!("`{max_name}` must be a positive integer, not {v}"),
+                ))
+            }
+        },
+    };
+
+    let mut sampling = Sampling::default();
+    if let Some(t) = number(
+        field("temperature"),
+        "temperature",
+        |x| (0.0..=2.0).contains(&x),
+        "between 0 and 2",
+    )? {
+        sampling.temperature = t;
+    }
+    if let Some(p) = number(
+        field("top_p"),
+        "top_p",
+        |x| x > 0.0 && x <= 1.0,
+        "in (0, 1]",
+    )? {
+        sampling.top_p = p;
+    }
+    if let Some(p) = number(
+        field("min_p"),
+        "min_p",
+        |x| (0.0..=1.0).contains(&x),
+        "between 0 and 1",
+    )? {
+        sampling.min_p = p;
+    }
+    if let Some(p) = number(
+        field("repetition_penalty"),
+        "repetition_penalty",
+        |x| x > 0.0,
+        "positive",
+    )? {
+        sampling.repetition_penalty = p;
+    }
+    if let Some(v) = field("top_k") {
+        sampling.top_k = match v.as_i64() {
+            // -1 (llama.cpp, vLLM) and 0 both mean no top-k cut.
+            Some(-1) => 0,
+            Some(k) if k >= 0 => usize::try_from(k).unwrap_or(usize::MAX),
+            _ => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("`top_k` must be a non-negative integer, not {v}"),
+                ))
+            }
+        };
+    }
+    if let Some(v) = field("seed") {
+        sampling.seed = match (v.as_u64(), v.as_i64()) {
+            (Some(s), _) => s,
+            (None, Some(s)) => s as u64,
+            _ => {
+                return Err(ApiError::invalid(
+                    "seed",
+                    format!("`seed` must be an integer, not {v}"),
+                ))
+            }
+        };
+    }
+
+    let stop = match field("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            let mut stop = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                match item.as_str() {
+                    Some(s) => stop.push(s.to_string()),
+                    None => {
+                        return Err(ApiError::invalid(
+                            format!("stop[{i}]"),
+                            "`stop` must be a string or a list of strings",
+                        ))
+                    }
+                }
+            }
+            stop
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop",
+                "`stop` must be a string or a list of strings",
+            ))
+        }
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+
+    let stream = match field("stream") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "stream",
+                format!("`stream` must be a boolean, not {v}"),
+            ))
+        }
+    };
+    let include_usage = match field("stream_options") {
+        None => false,
+        Some(Value::Object(o)) => {
+            for key in o.keys() {
+                if key != "include_usage" {
+                    return Err(ApiError::invalid(
+                        format!("stream_options.{key}"),
+                        format!("Unrecognized request argument supplied: stream_options.{key}"),
+                    ));
+                }
+            }
+            match o.get("include_usage") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "stream_options.include_usage",
+                        "`stream_options.include_usage` must be a boolean",
+                    ))
+                }
+            }
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "`stream_options` must be an object",
+            ))
+        }
+    };
+
+    Ok(Request {
+        input,
+        max_tokens,
+        max_field: max_name,
+        sampling,
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+/// A finite number accepted by `ok` (`what` says the range in the error).
+fn number(
+    v: Option<&Value>,
+    name: &str,
+    ok: impl Fn(f64) -> bool,
+    what: &str,
+) -> Result<Option<f32>, ApiError> {
+    let Some(v) = v else { return Ok(None) };
+    match v.as_f64() {
+        Some(x) if x.is_finite() && ok(x) => Ok(Some(x as f32)),
+        _ => Err(ApiError::invalid(
+            name,
+            format!("`{name}` must be a number {what}, not {v}"),
+        )),
+    }
+}
+
+fn messages(v: Option<&Value>) -> Result<Vec<Message>, ApiError> {
+    let Some(v) = v else {
+        return Err(ApiError::invalid("messages", "`messages` is required"));
+    };
+    let Some(items) = v.as_array().filter(|a| !a.is_empty()) else {
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` must be a non-empty list of messages",
+        ));
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let Some(m) = item.as_object() else {
+            return Err(ApiError::invalid(
+                format!("messages[{i}]"),
+                "a message must be an object",
+            ));
+        };
+        out.push(message(i, m)?);
+    }
+    Ok(out)
+}
+
+fn message(i: usize, m: &Map<String, Value>) -> Result<Message, ApiError> {
+    for (key, v) in m {
+        match key.as_str() {
+            "role" | "content" | "name" | "tool_call_id" => {}
+            "tool_calls" | "function_call" | "audio" | "refusal" if neutral(key, v) => {}
+            _ => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].{key}"),
+                    format!("`messages[{i}].{key}` is not supported by this server"),
+                ))
+            }
+        }
+    }
+    let role = match m.get("role").and_then(Value::as_str) {
+        Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
+        Some("developer") => "system",
+        _ => {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].role"),
+                "`role` must be one of system, developer, user, assistant, tool",
+            ))
+        }
+    };
+    let content = match m.get("content") {
+        None | Some(Value::Null) if role == "assistant" => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, part) in parts.iter().enumerate() {
+                let ty = part.get("type").and_then(Value::as_str);
+                match (ty, part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => texts.push(t),
+                    (Some("text"), None) => {
+                        return Err(ApiError::invalid(
+                            format!("messages[{i}].content[{j}].text"),
+                            "a text part needs a string `text`",
+                        ))
+                    }
+                    _ => {
+                        return Err(ApiError::invalid(
+                            format!("messages[{i}].content[{j}].type"),
+                            "only content parts of type `text` are supported",
+                        ))
+                    }
+                }
+            }
+            texts.join("\n")
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].content"),
+                "`content` must be a string or a list of text parts",
+            ))
+        }
+    };
+    Ok(Message::new(role, &content))
+}
+
+fn prompt(v: Option<&Value>) -> Result<String, ApiError> {
+    match v {
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].as_str().is_some_and(|s| !s.is_empty()) => {
+            Ok(a[0].as_str().unwrap_or_default().to_string())
+        }
+        Some(Value::Array(a)) if a.len() > 1 => Err(ApiError::invalid(
+            "prompt",
+            "only one prompt per request is supported",
+        )),
+        None => Err(ApiError::invalid("prompt", "`prompt` is required")),
+        Some(_) => Err(ApiError::invalid(
+            "prompt",
+            "`prompt` must be a non-empty string",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param(body: &str, chat: bool) -> Option<String> {
+        parse(body.as_bytes(), chat).err().and_then(|e| e.param)
+    }
+
+    #[test]
+    fn refusals_name_the_field() {
+        let m = r#""messages":[{"role":"user","content":"hi"}]"#;
+        assert_eq!(
+            param(&format!("{{{m},\"n\":2}}"), true).as_deref(),
+            Some("n")
+        );
+        assert_eq!(
+            param(
+                &format!("{{{m},\"tools\":[{{\"type\":\"function\"}}]}}"),
+                true
+            )
+            .as_deref(),
+            Some("tools")
+        );
+        assert_eq!(
+            param(&format!("{{{m},\"temperature\":-1}}"), true).as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(
+            param(
+                &format!("{{{m},\"response_format\":{{\"type\":\"json_object\"}}}}"),
+                true
+            )
+            .as_deref(),
+            Some("response_format")
+        );
+        assert_eq!(
+            param(&format!("{{{m},\"bogus\":1}}"), true).as_deref(),
+            Some("bogus")
+        );
+        assert_eq!(
+            param(r#"{"messages":[]}"#, true).as_deref(),
+            Some("messages")
+        );
+        assert_eq!(
+            param(
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+                true
+            )
+            .as_deref(),
+            Some("messages[0].content[0].type")
+        );
+        assert_eq!(
+            param(r#"{"prompt":"a","stop":[1]}"#, false).as_deref(),
+            Some("stop[0]")
+        );
+        assert!(parse(b"{not json", true).is_err());
+        assert!(parse(b"[]", true).is_err());
+    }
+
+    #[test]
+    fn accepts_openai_shapes() {
+        let r = parse(
+            br#"{"model":"x","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
+                 "max_completion_tokens":5,"temperature":0.5,"top_p":0.9,"top_k":-1,"seed":-3,"stop":"x","n":1,"user":"u",
+                 "logprobs":false,"tools":null,"stream":true,"stream_options":{"include_usage":true}}"#,
+            true,
+        )
+        .map_err(|e| e.message)
+        .unwrap();
+        assert_eq!(r.max_tokens, Some(5));
+        assert_eq!(r.stop, vec!["x".to_string()]);
+        assert!(r.stream && r.include_usage);
+        assert_eq!(r.sampling.top_k, 0);
+        match r.input {
+            Input::Chat(m) => assert_eq!(m[1].content, "a\nb"),
+            Input::Text(_) => panic!("chat expected"),
+        }
+    }
+}

@@ -1,0 +1,847 @@
+//! # mlxcel-server
+//!
+//! An OpenAI-compatible HTTP server for a model loaded by [`mlxcel_models`], with a web chat
+//! page. It is what `mlxcel serve` runs:
+//!
+//! ```no_run
+//! use mlxcel_models::Model;
+//! use mlxcel_server::{ServerConfig, spawn};
+//!
+//! let model = Model::load("~/.cache/mlxcel/models/SmolLM2-135M-Instruct-4bit").build()?;
+//! let server = spawn(model, ServerConfig::default(), "127.0.0.1:0")?;
+//! println!("listening on http://{}", server.addr());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Endpoints: `GET /` (the chat page), `GET /health`, `GET /v1/models`,
+//! `POST /v1/chat/completions`, `POST /v1/completions` (both streamed as server-sent events
+//! with `"stream": true`) and `GET /metrics` (Prometheus text).
+//!
+//! Requests run one at a time on the model's worker; the others wait in a bounded queue (a
+//! request past [`ServerConfig::max_queue`] waiting ones gets a 429). A small pool of
+//! [`mlxcel_models::Session`]s keeps the caches of recent conversations: each request goes to
+//! the session whose cached tokens share the longest prefix with its prompt, so a follow-up
+//! chat turn prefills only its new tokens (`usage.prompt_tokens_details.cached_tokens`).
+//! A client that disconnects cancels its generation.
+//!
+//! The server uses only the `mlxcel-models` facade.
+
+#![warn(missing_docs)]
+
+mod api;
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use api::{ApiError, Input, Request};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use mlxcel_models::{
+    AsyncTokenStream, FinishReason, Generation, GenerationStats, Model, Prompt, Session,
+};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, Mutex, OwnedMutexGuard};
+
+/// The chat page served at `GET /`.
+const PAGE: &str = include_str!("page.html");
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// When set, every endpoint but `/health` and the page at `/` needs
+    /// `Authorization: Bearer KEY` (401 otherwise).
+    pub api_key: Option<String>,
+    /// Requests that may wait while one runs; one more gets a 429.
+    pub max_queue: usize,
+    /// Largest request body in bytes (413 past it).
+    pub body_limit: usize,
+    /// Conversations whose caches are kept for prefix reuse.
+    pub sessions: usize,
+    /// The model's id in `/v1/models` and responses (default: the model folder's name).
+    pub model_name: Option<String>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            api_key: None,
+            max_queue: 16,
+            body_limit: 4 << 20,
+            sessions: 4,
+            model_name: None,
+        }
+    }
+}
+
+/// A server running on its own thread (see [`spawn`]); dropping it stops the server.
+#[derive(Debug)]
+pub struct ServerHandle {
+    addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl ServerHandle {
+    /// The address it listens on (the real port when bound to port 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Binds `addr` and serves `model` on a new thread with its own runtime; returns once it
+/// listens.
+pub fn spawn(
+    model: Model,
+    config: ServerConfig,
+    addr: impl std::net::ToSocketAddrs,
+) -> std::io::Result<ServerHandle> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    let runtime = runtime()?;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let app = router(model, config);
+    std::thread::Builder::new()
+        .name("mlxcel-server".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                    return;
+                };
+                let _ = axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = rx.await;
+                    })
+                    .await;
+            });
+        })?;
+    Ok(ServerHandle {
+        addr,
+        shutdown: Some(tx),
+    })
+}
+
+/// Binds `addr` and serves `model` on the calling thread until the process ends.
+pub fn run(
+    model: Model,
+    config: ServerConfig,
+    addr: impl std::net::ToSocketAddrs,
+) -> std::io::Result<()> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    let app = router(model, config);
+    runtime()?.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        axum::serve(listener, app).await
+    })
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("mlxcel-http")
+        .enable_io()
+        .build()
+}
+
+/// Counters for `/metrics`.
+#[derive(Default)]
+struct Metrics {
+    chat_requests: AtomicU64,
+    completion_requests: AtomicU64,
+    rejected_queue_full: AtomicU64,
+    prompt_tokens: AtomicU64,
+    completion_tokens: AtomicU64,
+    reused_tokens: AtomicU64,
+    /// f64 bits.
+    last_prefill_tps: AtomicU64,
+    last_decode_tps: AtomicU64,
+    /// Admitted requests not finished yet (waiting or running).
+    pending: AtomicUsize,
+    running: AtomicUsize,
+}
+
+/// One kept conversation.
+struct Slot {
+    session: Session,
+    tokens: Vec<u32>,
+    last_used: u64,
+}
+
+struct Pool {
+    slots: Vec<Slot>,
+    clock: u64,
+}
+
+struct AppState {
+    model: Model,
+    config: ServerConfig,
+    name: String,
+    pool: Arc<Mutex<Pool>>,
+    metrics: Metrics,
+    next_id: AtomicU64,
+}
+
+type Shared = Arc<AppState>;
+
+fn router(model: Model, config: ServerConfig) -> Router {
+    let name = config.model_name.clone().unwrap_or_else(|| {
+        model
+            .info()
+            .folder
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".to_string())
+    });
+    let slots = (0..config.sessions.max(1))
+        .map(|_| Slot {
+            session: model.session(),
+            tokens: Vec::new(),
+            last_used: 0,
+        })
+        .collect();
+    let state = Arc::new(AppState {
+        model,
+        config,
+        name,
+        pool: Arc::new(Mutex::new(Pool { slots, clock: 0 })),
+        metrics: Metrics::default(),
+        next_id: AtomicU64::new(1),
+    });
+    Router::new()
+        .route("/", get(page))
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+impl AppState {
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(key) = &self.config.api_key else {
+            return Ok(());
+        };
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .unwrap_or("");
+        // Compare in time independent of where the strings differ.
+        let same = given.len() == key.len()
+            && given
+                .bytes()
+                .zip(key.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        if same {
+            Ok(())
+        } else {
+            Err(ApiError::other(
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                "missing or wrong API key: send `Authorization: Bearer KEY`",
+            )
+            .code("invalid_api_key"))
+        }
+    }
+}
+
+async fn page() -> Html<&'static str> {
+    Html(PAGE)
+}
+
+async fn health() -> Response {
+    json_response(StatusCode::OK, &json!({"status": "ok"}))
+}
+
+async fn not_found() -> ApiError {
+    ApiError::other(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "no such endpoint",
+    )
+}
+
+fn json_response(status: StatusCode, body: &Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn models(State(s): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
+    s.authorize(&headers)?;
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"object": "list", "data": [{
+            "id": s.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "mlxcel",
+        }]}),
+    ))
+}
+
+async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
+    s.authorize(&headers)?;
+    let m = &s.metrics;
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let pending = m.pending.load(Ordering::Relaxed);
+    let running = m.running.load(Ordering::Relaxed);
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, lines: &[(&str, String)]| {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (labels, value) in lines {
+            out.push_str(&format!("{name}{labels} {value}\n"));
+        }
+    };
+    metric(
+        "mlxcel_requests_total",
+        "counter",
+        "Generation requests accepted, by endpoint.",
+        &[
+            ("{endpoint=\"chat\"}", get(&m.chat_requests).to_string()),
+            (
+                "{endpoint=\"completions\"}",
+                get(&m.completion_requests).to_string(),
+            ),
+        ],
+    );
+    metric(
+        "mlxcel_requests_rejected_total",
+        "counter",
+        "Requests refused with 429 because the queue was full.",
+        &[("", get(&m.rejected_queue_full).to_string())],
+    );
+    metric(
+        "mlxcel_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of finished generations.",
+        &[("", get(&m.prompt_tokens).to_string())],
+    );
+    metric(
+        "mlxcel_completion_tokens_total",
+        "counter",
+        "Generated tokens.",
+        &[("", get(&m.completion_tokens).to_string())],
+    );
+    metric(
+        "mlxcel_reused_prompt_tokens_total",
+        "counter",
+        "Prompt tokens served from the prefix cache instead of prefilled.",
+        &[("", get(&m.reused_tokens).to_string())],
+    );
+    metric(
+        "mlxcel_last_prefill_tokens_per_second",
+        "gauge",
+        "Prefill speed of the last generation.",
+        &[("", f64::from_bits(get(&m.last_prefill_tps)).to_string())],
+    );
+    metric(
+        "mlxcel_last_decode_tokens_per_second",
+        "gauge",
+        "Decode speed of the last generation.",
+        &[("", f64::from_bits(get(&m.last_decode_tps)).to_string())],
+    );
+    metric(
+        "mlxcel_queue_depth",
+        "gauge",
+        "Requests waiting for the model.",
+        &[("", pending.saturating_sub(running).to_string())],
+    );
+    metric(
+        "mlxcel_requests_in_flight",
+        "gauge",
+        "Requests being generated.",
+        &[("", running.to_string())],
+    );
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response())
+}
+
+async fn chat_completions(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    handle(s, headers, body, true).await
+}
+
+async fn completions(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    handle(s, headers, body, false).await
+}
+
+/// What the generating task tells the response.
+enum Event {
+    Text(String),
+    Done(Box<GenerationStats>),
+    Failed(String),
+}
+
+/// Decrements a counter when dropped.
+struct Count<'a>(&'a AtomicUsize);
+
+impl Drop for Count<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn handle(
+    s: Shared,
+    headers: HeaderMap,
+    body: Body,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    s.authorize(&headers)?;
+    let body = read_body(body, s.config.body_limit).await?;
+    let request = api::parse(&body, chat)?;
+    let (prompt, field) = match request.input.clone() {
+        Input::Chat(messages) => (Prompt::Messages(messages), "messages"),
+        Input::Text(text) => (Prompt::Text(text), "prompt"),
+    };
+    let model = s.model.clone();
+    let ids = tokio::task::spawn_blocking(move || model.prompt_ids(&prompt))
+        .await
+        .map_err(|e| internal(format!("tokenizing failed: {e}")))?
+        .map_err(|e| ApiError::invalid(field, e.to_string()))?;
+    if let Some(context) = s.model.info().context_length {
+        let room = context.saturating_sub(ids.len());
+        if room == 0 {
+            return Err(ApiError::invalid(
+                field,
+                format!(
+                    "the prompt has {} tokens; the model's context is {context}",
+                    ids.len()
+                ),
+            )
+            .code("context_length_exceeded"));
+        }
+        if let Some(n) = request.max_tokens.filter(|&n| n > room) {
+            return Err(ApiError::invalid(
+                request.max_field,
+                format!(
+                    "{} {n} with a {}-token prompt exceeds the model's context of {context}",
+                    request.max_field,
+                    ids.len()
+                ),
+            )
+            .code("context_length_exceeded"));
+        }
+    }
+    let counter = if chat {
+        &s.metrics.chat_requests
+    } else {
+        &s.metrics.completion_requests
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+
+    // Admission: one running plus `max_queue` waiting.
+    let before = s.metrics.pending.fetch_add(1, Ordering::Relaxed);
+    if before > s.config.max_queue {
+        s.metrics.pending.fetch_sub(1, Ordering::Relaxed);
+        s.metrics
+            .rejected_queue_full
+            .fetch_add(1, Ordering::Relaxed);
+        return Err(ApiError::other(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            format!(
+                "the server is busy: {} requests are already waiting",
+                s.config.max_queue
+            ),
+        )
+        .code("queue_full"));
+    }
+
+    let options = Generation {
+        max_new_tokens: request.max_tokens,
+        sampling: request.sampling.clone(),
+        stop: request.stop.clone(),
+        ..Generation::default()
+    };
+    let (tx, rx) = mpsc::channel::<Event>(64);
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<Result<(), ApiError>>();
+    tokio::spawn(drive(s.clone(), ids, options, tx, started_tx));
+    // The task answers once generation started (or failed to).
+    started_rx
+        .await
+        .map_err(|_| internal("the generation task stopped"))??;
+
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let meta = Meta {
+        id: if chat {
+            format!("chatcmpl-{id}")
+        } else {
+            format!("cmpl-{id}")
+        },
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        model: s.name.clone(),
+        chat,
+    };
+    if request.stream {
+        Ok(stream_response(meta, request, rx))
+    } else {
+        collect_response(meta, rx).await
+    }
+}
+
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        ApiError::other(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("the request body could not be read within the {limit}-byte limit: {e}"),
+        )
+        .code("request_too_large")
+    })
+}
+
+fn internal(message: impl Into<String>) -> ApiError {
+    ApiError::other(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+}
+
+/// Runs one generation: waits its turn, picks the session sharing the longest prefix, forwards
+/// the pieces to `tx` and cancels when the response is gone.
+async fn drive(
+    s: Shared,
+    ids: Vec<u32>,
+    options: Generation,
+    tx: mpsc::Sender<Event>,
+    started: tokio::sync::oneshot::Sender<Result<(), ApiError>>,
+) {
+    let _pending = Count(&s.metrics.pending);
+    let mut pool = s.pool.clone().lock_owned().await;
+    if tx.is_closed() {
+        return;
+    }
+    s.metrics.running.fetch_add(1, Ordering::Relaxed);
+    let _running = Count(&s.metrics.running);
+
+    let index = pick(&pool, &ids);
+    pool.clock += 1;
+    let clock = pool.clock;
+    let slot = &mut pool.slots[index];
+    slot.last_used = clock;
+    // Unknown until the generation has ended.
+    slot.tokens.clear();
+    let stream = match slot.session.generate(Prompt::Ids(ids), options) {
+        Ok(stream) => stream.into_async(),
+        Err(e) => {
+            let _ = started.send(Err(match e {
+                mlxcel_models::Error::Invalid(m) => {
+                    ApiError::other(StatusCode::BAD_REQUEST, "invalid_request_error", m)
+                }
+                e => internal(e.to_string()),
+            }));
+            refresh(pool, index).await;
+            return;
+        }
+    };
+    let _ = started.send(Ok(()));
+    forward(&s, stream, &tx).await;
+    refresh(pool, index).await;
+}
+
+/// The slot whose cached tokens share the longest prefix with `ids`; the least recently used
+/// one when none shares any.
+fn pick(pool: &Pool, ids: &[u32]) -> usize {
+    let shared = |t: &[u32]| t.iter().zip(ids).take_while(|(a, b)| a == b).count();
+    let mut best = 0;
+    let mut best_len = 0;
+    for (i, slot) in pool.slots.iter().enumerate() {
+        let len = shared(&slot.tokens);
+        if len > best_len {
+            best = i;
+            best_len = len;
+        }
+    }
+    if best_len == 0 {
+        best = pool
+            .slots
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, s)| s.last_used)
+            .map(|(i, _)| i)
+            .unwrap_or(0);
+    }
+    best
+}
+
+/// Reads the session's tokens back from the worker (after the generation, cancelled or not,
+/// has ended there), then releases the pool.
+async fn refresh(mut pool: OwnedMutexGuard<Pool>, index: usize) {
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Some(slot) = pool.slots.get_mut(index) {
+            slot.tokens = slot.session.cached_tokens().unwrap_or_default();
+        }
+        drop(pool);
+    })
+    .await;
+}
+
+async fn forward(s: &AppState, mut stream: AsyncTokenStream, tx: &mpsc::Sender<Event>) {
+    use futures_core::Stream;
+    loop {
+        let next = tokio::select! {
+            next = std::future::poll_fn(|cx| Pin::new(&mut stream).poll_next(cx)) => next,
+            _ = tx.closed() => {
+                stream.cancel();
+                return;
+            }
+        };
+        match next {
+            Some(Ok(piece)) => {
+                if piece.text.is_empty() {
+                    continue;
+                }
+                if tx.send(Event::Text(piece.text)).await.is_err() {
+                    stream.cancel();
+                    return;
+                }
+            }
+            Some(Err(e)) => {
+                let _ = tx.send(Event::Failed(e.to_string())).await;
+                return;
+            }
+            None => {
+                let Some(stats) = stream.stats().cloned() else {
+                    let _ = tx
+                        .send(Event::Failed(
+                            "the generation ended without statistics".into(),
+                        ))
+                        .await;
+                    return;
+                };
+                let m = &s.metrics;
+                m.prompt_tokens
+                    .fetch_add(stats.prompt_tokens as u64, Ordering::Relaxed);
+                m.completion_tokens
+                    .fetch_add(stats.generated_tokens as u64, Ordering::Relaxed);
+                m.reused_tokens
+                    .fetch_add(stats.reused_tokens as u64, Ordering::Relaxed);
+                m.last_prefill_tps.store(
+                    stats.prefill_tokens_per_second().to_bits(),
+                    Ordering::Relaxed,
+                );
+                m.last_decode_tps.store(
+                    stats.decode_tokens_per_second().to_bits(),
+                    Ordering::Relaxed,
+                );
+                let _ = tx.send(Event::Done(Box::new(stats))).await;
+                return;
+            }
+        }
+    }
+}
+
+/// What every response and chunk repeats.
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+}
+
+fn finish_reason(stats: &GenerationStats) -> &'static str {
+    match stats.finish {
+        FinishReason::Length => "length",
+        FinishReason::Eos | FinishReason::Stop | FinishReason::Cancelled => "stop",
+    }
+}
+
+fn usage(stats: &GenerationStats) -> Value {
+    json!({
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.reused_tokens},
+    })
+}
+
+async fn collect_response(meta: Meta, mut rx: mpsc::Receiver<Event>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let stats = loop {
+        match rx.recv().await {
+            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Done(stats)) => break stats,
+            Some(Event::Failed(e)) => return Err(internal(e)),
+            None => return Err(internal("the generation stopped")),
+        }
+    };
+    let choice = if meta.chat {
+        json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": null,
+            "finish_reason": finish_reason(&stats),
+        })
+    } else {
+        json!({
+            "index": 0,
+            "text": text,
+            "logprobs": null,
+            "finish_reason": finish_reason(&stats),
+        })
+    };
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({
+            "id": meta.id,
+            "object": if meta.chat { "chat.completion" } else { "text_completion" },
+            "created": meta.created,
+            "model": meta.model,
+            "choices": [choice],
+            "usage": usage(&stats),
+        }),
+    ))
+}
+
+impl Meta {
+    /// One streamed chunk with `choices` (and `usage`: null when usage was asked for).
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> Bytes {
+        let mut chunk = json!({
+            "id": self.id,
+            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if let (Some(u), Some(obj)) = (usage, chunk.as_object_mut()) {
+            obj.insert("usage".into(), u);
+        }
+        Bytes::from(format!("data: {chunk}\n\n"))
+    }
+
+    fn delta(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+        if self.chat {
+            let mut delta = serde_json::Map::new();
+            if role {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}])
+        } else {
+            json!([{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}])
+        }
+    }
+}
+
+/// The body of a streamed response: SSE chunks read from the generating task.
+struct SseBody {
+    rx: mpsc::Receiver<Event>,
+    meta: Meta,
+    include_usage: bool,
+    /// Chunks ready to send, in order.
+    queue: std::collections::VecDeque<Bytes>,
+    done: bool,
+}
+
+impl futures_core::Stream for SseBody {
+    type Item = Result<Bytes, std::convert::Infallible>;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        loop {
+            if let Some(b) = this.queue.pop_front() {
+                return Poll::Ready(Some(Ok(b)));
+            }
+            if this.done {
+                return Poll::Ready(None);
+            }
+            let usage_null = this.include_usage.then_some(Value::Null);
+            match this.rx.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Event::Text(t))) => {
+                    let c = this
+                        .meta
+                        .chunk(this.meta.delta(Some(&t), false, None), usage_null);
+                    this.queue.push_back(c);
+                }
+                Poll::Ready(Some(Event::Done(stats))) => {
+                    let finish = finish_reason(&stats);
+                    let c = this
+                        .meta
+                        .chunk(this.meta.delta(None, false, Some(finish)), usage_null);
+                    this.queue.push_back(c);
+                    if this.include_usage {
+                        let c = this.meta.chunk(json!([]), Some(usage(&stats)));
+                        this.queue.push_back(c);
+                    }
+                    this.queue
+                        .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    this.done = true;
+                }
+                Poll::Ready(Some(Event::Failed(e))) => {
+                    let err = internal(e).body();
+                    this.queue
+                        .push_back(Bytes::from(format!("data: {err}\n\n")));
+                    this.queue
+                        .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    this.done = true;
+                }
+                Poll::Ready(None) => {
+                    let err = internal("the generation stopped").body();
+                    this.queue
+                        .push_back(Bytes::from(format!("data: {err}\n\n")));
+                    this.done = true;
+                }
+            }
+        }
+    }
+}
+
+fn stream_response(meta: Meta, request: Request, rx: mpsc::Receiver<Event>) -> Response {
+    let mut queue = std::collections::VecDeque::new();
+    if meta.chat {
+        let usage_null = request.include_usage.then_some(Value::Null);
+        queue.push_back(meta.chunk(meta.delta(Some(""), true, None), usage_null));
+    }
+    let body = SseBody {
+        rx,
+        meta,
+        include_usage: request.include_usage,
+        queue,
+        done: false,
+    };
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
