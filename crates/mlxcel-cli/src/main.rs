@@ -1,6 +1,7 @@
 //! `mlxcel`: the command-line interface. Argument parsing and printing only; everything else goes
 //! through the library crates' public API.
 
+mod embed;
 mod generate;
 mod inspect;
 mod npy;
@@ -52,6 +53,8 @@ enum Command {
     Arch,
     /// Generate text from a prompt; text to stdout, statistics to stderr.
     Generate(generate::GenerateFlags),
+    /// Embed texts with an embedding model (one vector per text, in input order).
+    Embed(embed::EmbedFlags),
     /// Interactive chat keeping the session (and its caches) between turns.
     Chat(generate::RunFlags),
     /// Write (or with --verify, check) the expert-stream layout of an MoE model, so its routed
@@ -111,6 +114,7 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Arch) => inspect::print_registry(),
         Some(Command::Generate(flags)) => generate::generate(flags)?,
         Some(Command::Chat(flags)) => generate::chat(flags)?,
+        Some(Command::Embed(flags)) => embed::run(flags)?,
         Some(Command::PrepareExpertStream { model, verify }) => {
             prepare_expert_stream(&model, verify)?
         }
