@@ -260,3 +260,37 @@ fn minilm_matches_sentence_transformers() {
         assert!(diff <= 1e-4, "sentence {i}: mean_pooled max |Δ| {diff:.2e}");
     }
 }
+
+/// The facade: an `Embedder` handle on its worker thread, usable from another thread, giving
+/// what the pipeline gives; `Model::load` on an encoder folder points at it.
+#[test]
+fn facade_embedder_runs_on_its_worker() {
+    use mlxcel_models::{Embedder, Model};
+    let embedder = Embedder::load(model_dir("modernbert")).build().unwrap();
+    assert_eq!(embedder.info().dimensions, 64);
+    assert!(embedder.info().normalized);
+    let texts = ["one text", "and another, longer text than the first"];
+    let handle = embedder.clone();
+    let got = std::thread::spawn(move || handle.embed(&texts))
+        .join()
+        .unwrap()
+        .unwrap();
+    let want = load("modernbert")
+        .embed(&texts, &EmbedOptions::default())
+        .unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert!(max_abs_diff(g, w).0 <= 1e-6);
+    }
+    let cut = Embedder::load(model_dir("modernbert"))
+        .dimensions(32)
+        .build()
+        .unwrap()
+        .embed(&texts)
+        .unwrap();
+    assert_eq!(cut[0].len(), 32);
+    let err = Model::load(model_dir("modernbert"))
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("Embedder"), "{err}");
+}
