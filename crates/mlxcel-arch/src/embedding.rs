@@ -226,3 +226,63 @@ pub fn split_heads(x: &Array, heads: i32) -> Result<Array> {
     let d = x.dim(2)? / heads;
     Ok(x.reshape(&[b, l, heads, d])?.transpose(&[0, 2, 1, 3])?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two rows, the second padded after two tokens; hidden values `[B, L, 2]`.
+    fn pooled(mode: Pooling) -> Vec<f32> {
+        let h: Vec<f32> = vec![
+            1.0, 10.0, 2.0, 20.0, 3.0, 30.0, // row 0: three tokens
+            4.0, -1.0, 6.0, -3.0, 99.0, 99.0, // row 1: two tokens + padding
+        ];
+        let hidden = Array::from_slice(&h, &[2, 3, 2]).unwrap();
+        let mask = Array::from_slice(&[1i32, 1, 1, 1, 1, 0], &[2, 3]).unwrap();
+        mode.pool(&hidden, &mask).unwrap().to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn pooling_modes_ignore_padding() {
+        assert_eq!(pooled(Pooling::Mean), vec![2.0, 20.0, 5.0, -2.0]);
+        assert_eq!(pooled(Pooling::Cls), vec![1.0, 10.0, 4.0, -1.0]);
+        assert_eq!(pooled(Pooling::Max), vec![3.0, 30.0, 6.0, -1.0]);
+        assert_eq!(pooled(Pooling::LastToken), vec![3.0, 30.0, 6.0, -3.0]);
+        // Weights 1, 2, 3 over the real tokens: (1 + 4 + 9) / 6, (4 + 12) / 3.
+        let w = pooled(Pooling::WeightedMean);
+        let want = [14.0 / 6.0, 140.0 / 6.0, 16.0 / 3.0, -7.0 / 3.0];
+        for (g, e) in w.iter().zip(want) {
+            assert!((g - e).abs() < 1e-5, "{w:?}");
+        }
+        let s = pooled(Pooling::MeanSqrtLen);
+        assert!((s[0] - 6.0 / 3f32.sqrt()).abs() < 1e-5, "{s:?}");
+    }
+
+    #[test]
+    fn truncation_renormalises_and_checks_its_range() {
+        let x = Array::from_slice(&[3.0f32, 4.0, 12.0], &[1, 3]).unwrap();
+        let t = truncate_dimensions(&x, 2, true)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        assert!(
+            (t[0] - 0.6).abs() < 1e-6 && (t[1] - 0.8).abs() < 1e-6,
+            "{t:?}"
+        );
+        assert!(truncate_dimensions(&x, 0, true).is_err());
+        assert!(truncate_dimensions(&x, 4, true).is_err());
+    }
+
+    #[test]
+    fn window_mask_keeps_near_real_keys() {
+        let mask = Array::from_slice(&[1i32, 1, 1, 0], &[1, 4]).unwrap();
+        let m = attention_mask(&mask, Dtype::Float32, Some(1))
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        let keep: Vec<bool> = m.iter().map(|v| *v == 0.0).collect();
+        // Query 0 sees keys 0, 1; query 2 sees 1, 2 (key 3 is padding).
+        assert_eq!(&keep[0..4], &[true, true, false, false]);
+        assert_eq!(&keep[8..12], &[false, true, true, false]);
+    }
+}
