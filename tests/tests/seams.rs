@@ -227,6 +227,7 @@ fn a_decoder_builds_under_any_tensor_prefix() {
         };
         let model = match load_config_backed(model_type, &config, weights, &build) {
             Ok(LoadedModel::Generation(m)) => m,
+            Ok(other) => panic!("{name}: loaded as {:?}", other.kind()),
             Err(e) => panic!("{name}: {e}"),
         };
         let r = reference(name);

@@ -11,6 +11,7 @@
 pub mod cache;
 pub mod config;
 pub mod detection;
+pub mod embedding;
 mod error;
 pub mod generate;
 pub mod model;
@@ -23,10 +24,12 @@ pub mod validate;
 pub mod weights;
 
 pub use cache::{LayerCache, Mask};
+pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{ModelError, Result};
 pub use model::{Architecture, LanguageModel, LayerKind};
 pub use registry::{
     adapter_support, cache_schedule, load_config_backed, model_load_policy, sanitized_weights,
-    BuildOptions, DirectoryRoute, GenerationModel, LoadedModel, ModelKind, ModelLoadPolicy,
-    ModelType, StaticModelDescriptor, WeightRoute, ADAPTERS_AVAILABLE, DESCRIPTORS,
+    BuildOptions, DirectoryRoute, EmbeddingModelEnum, GenerationModel, LoadedModel, ModelKind,
+    ModelLoadPolicy, ModelType, StaticModelDescriptor, WeightRoute, ADAPTERS_AVAILABLE,
+    DESCRIPTORS,
 };

@@ -140,8 +140,9 @@ pub trait LanguageModel {
 }
 
 /// How a config-backed architecture is built: its `ModelArgs`, its checkpoint quirks, its
-/// construction from named tensors.
-pub trait Architecture: LanguageModel + Sized {
+/// construction from named tensors. Each kind adds its own trait on top ([`LanguageModel`] for
+/// generation, [`crate::EmbeddingModel`] for encoders, which return no cache schedule).
+pub trait Architecture: Sized {
     /// Deserialised from the sanitised `config.json`.
     type Args: DeserializeOwned;
 

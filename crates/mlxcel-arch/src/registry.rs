@@ -9,6 +9,7 @@ use mlxcel_quant::QuantConfig;
 use serde_json::Value;
 
 use crate::cache::LayerCache;
+use crate::embedding::EmbeddingModel;
 use crate::model::{Architecture, LanguageModel, LayerKind};
 use crate::sanitize::drop_unused_buffers;
 use crate::weights::ModelWeights;
@@ -46,6 +47,9 @@ macro_rules! for_each_model_registration {
             OlMoe { names: ["olmoe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::olmoe::Model, adapter: None },
             DeepseekV2 { names: ["deepseek_v2"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::deepseek::V2Model, adapter: None },
             DeepseekV3 { names: ["deepseek_v3"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::deepseek::V3Model, adapter: None },
+            Bert { names: ["bert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
+            XlmRoberta { names: ["xlm-roberta"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
+            ModernBert { names: ["modernbert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Model, adapter: Some("encoders take no adapters") },
         }
     };
 }
@@ -55,7 +59,7 @@ macro_rules! for_each_model_registration {
 pub enum ModelKind {
     /// A decoder: token ids in, next-token logits out ([`GenerationModel`]).
     Generation,
-    /// An encoder producing one vector per input (not loadable in this build).
+    /// An encoder producing one vector per input ([`EmbeddingModelEnum`]).
     Embedding,
     /// A cross-encoder scoring query/document pairs (not loadable in this build).
     Reranker,
@@ -269,6 +273,63 @@ macro_rules! generation_models {
     };
 }
 
+/// Collects the registry rows of kind `Embedding` and generates [`EmbeddingModelEnum`] over
+/// them, the same way `generation_models!` does for `Generation` rows.
+macro_rules! embedding_models {
+    (@rows [$($v:ident: $m:ty,)*]) => {
+        /// A loaded encoder of any registered embedding type, one variant per registry row of
+        /// kind `Embedding`; it implements [`EmbeddingModel`] by delegating to the architecture.
+        pub enum EmbeddingModelEnum { $(
+            #[doc = concat!("A [`ModelType::", stringify!($v), "`] encoder.")]
+            $v(Box<$m>)
+        ),* }
+
+        impl EmbeddingModelEnum {
+            /// The registry type of the loaded encoder.
+            pub fn model_type(&self) -> ModelType {
+                match self { $(EmbeddingModelEnum::$v(_) => ModelType::$v),* }
+            }
+        }
+
+        impl std::fmt::Debug for EmbeddingModelEnum {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "EmbeddingModelEnum({})", self.model_type().name())
+            }
+        }
+
+        impl EmbeddingModel for EmbeddingModelEnum {
+            fn hidden_states(&self, ids: &mlxcel_core::Array, mask: &mlxcel_core::Array) -> Result<mlxcel_core::Array> {
+                match self { $(EmbeddingModelEnum::$v(m) => m.hidden_states(ids, mask)),* }
+            }
+            fn hidden_size(&self) -> usize {
+                match self { $(EmbeddingModelEnum::$v(m) => m.hidden_size()),* }
+            }
+            fn vocab_size(&self) -> usize {
+                match self { $(EmbeddingModelEnum::$v(m) => m.vocab_size()),* }
+            }
+            fn max_tokens(&self) -> Option<usize> {
+                match self { $(EmbeddingModelEnum::$v(m) => m.max_tokens()),* }
+            }
+        }
+
+        fn build_embedding(model_type: ModelType, config: &Value, weights: WeightMap, options: &BuildOptions) -> Result<LoadedModel> {
+            match model_type {
+                $(ModelType::$v => Ok(LoadedModel::Embedding(EmbeddingModelEnum::$v(Box::new(
+                    build_architecture::<$m>(stringify!($v), config, weights, options)?
+                ))))),*,
+                #[allow(unreachable_patterns)]
+                other => Err(ModelError::Unsupported(format!("{} is not an embedding model", other.name()))),
+            }
+        }
+    };
+    (@rows [$($acc:tt)*] $v:ident { kind: Embedding, model: $m:ty }, $($rest:tt)*) => {
+        embedding_models!(@rows [$($acc)* $v: $m,] $($rest)*);
+    };
+    (@rows [$($acc:tt)*] $v:ident { kind: $other:ident, model: $m:ty }, $($rest:tt)*) => {
+        embedding_models!(@rows [$($acc)*] $($rest)*);
+    };
+}
+
 /// Generates [`ModelType`], [`DESCRIPTORS`], [`GenerationModel`] and the per-type dispatch
 /// functions from the rows of [`for_each_model_registration!`](crate::for_each_model_registration).
 macro_rules! define_registry {
@@ -330,6 +391,7 @@ macro_rules! define_registry {
         ),*];
 
         generation_models!(@rows [] $($variant { kind: $kind, model: $model },)*);
+        embedding_models!(@rows [] $($variant { kind: $kind, model: $model },)*);
 
         /// The per-layer cache schedule `model_type`'s config implies (no weights needed).
         pub fn cache_schedule(model_type: ModelType, config: &Value) -> Result<Vec<LayerKind>> {
@@ -362,6 +424,7 @@ macro_rules! define_registry {
             }
             match descriptor.kind {
                 ModelKind::Generation => build_generation(model_type, config, weights, options),
+                ModelKind::Embedding => build_embedding(model_type, config, weights, options),
                 kind => Err(ModelError::Unsupported(format!(
                     "{} is a {kind:?} model, which this build cannot load yet", model_type.name()
                 ))),
@@ -373,11 +436,13 @@ macro_rules! define_registry {
 for_each_model_registration!(define_registry);
 
 /// A loaded model, by kind: each kind has its own trait, so an encoder is never forced through
-/// [`LanguageModel`]. (Embedding and reranker variants arrive with their kinds.)
+/// [`LanguageModel`]. (A reranker variant arrives with its kind.)
 #[derive(Debug)]
 pub enum LoadedModel {
     /// Token ids (or input embeddings) in, next-token logits out.
     Generation(GenerationModel),
+    /// Token ids and an attention mask in, hidden states (and pooled embeddings) out.
+    Embedding(EmbeddingModelEnum),
 }
 
 impl LoadedModel {
@@ -385,6 +450,7 @@ impl LoadedModel {
     pub fn model_type(&self) -> ModelType {
         match self {
             LoadedModel::Generation(m) => m.model_type(),
+            LoadedModel::Embedding(m) => m.model_type(),
         }
     }
 
@@ -392,13 +458,23 @@ impl LoadedModel {
     pub fn kind(&self) -> ModelKind {
         match self {
             LoadedModel::Generation(_) => ModelKind::Generation,
+            LoadedModel::Embedding(_) => ModelKind::Embedding,
         }
+    }
+
+    fn wrong_kind(&self, wanted: &str) -> ModelError {
+        ModelError::Unsupported(format!(
+            "{} is a {:?} model, not {wanted}",
+            self.model_type().name(),
+            self.kind()
+        ))
     }
 
     /// The model as a text generator, or an error naming its kind.
     pub fn generation(&self) -> Result<&GenerationModel> {
         match self {
             LoadedModel::Generation(m) => Ok(m),
+            other => Err(other.wrong_kind("a generation model")),
         }
     }
 
@@ -406,6 +482,23 @@ impl LoadedModel {
     pub fn into_generation(self) -> Result<GenerationModel> {
         match self {
             LoadedModel::Generation(m) => Ok(m),
+            other => Err(other.wrong_kind("a generation model")),
+        }
+    }
+
+    /// The model as an encoder, or an error naming its kind.
+    pub fn embedding(&self) -> Result<&EmbeddingModelEnum> {
+        match self {
+            LoadedModel::Embedding(m) => Ok(m),
+            other => Err(other.wrong_kind("an embedding model")),
+        }
+    }
+
+    /// Like [`LoadedModel::embedding`], by value.
+    pub fn into_embedding(self) -> Result<EmbeddingModelEnum> {
+        match self {
+            LoadedModel::Embedding(m) => Ok(m),
+            other => Err(other.wrong_kind("an embedding model")),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! `mlxcel`: the command-line interface. Argument parsing and printing only; everything else goes
 //! through the library crates' public API.
 
+mod embed;
 mod generate;
 mod inspect;
 mod npy;
@@ -52,6 +53,8 @@ enum Command {
     Arch,
     /// Generate text from a prompt; text to stdout, statistics to stderr.
     Generate(generate::GenerateFlags),
+    /// Embed texts with an embedding model (one vector per text, in input order).
+    Embed(embed::EmbedFlags),
     /// Interactive chat keeping the session (and its caches) between turns.
     Chat(generate::RunFlags),
     /// Serve the model over an OpenAI-compatible HTTP API, with a web chat page at `/`.
@@ -162,6 +165,7 @@ fn main() -> anyhow::Result<()> {
             mlxcel_server::run(loaded, config, (host.as_str(), port))
                 .with_context(|| format!("serving on {host}:{port}"))?;
         }
+        Some(Command::Embed(flags)) => embed::run(flags)?,
         Some(Command::PrepareExpertStream { model, verify }) => {
             prepare_expert_stream(&model, verify)?
         }

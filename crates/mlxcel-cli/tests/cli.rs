@@ -174,3 +174,51 @@ fn huge_max_context_does_not_fit() {
     );
     assert!(stdout.contains("does NOT fit"), "{stdout}");
 }
+
+#[test]
+fn embed_prints_one_json_line_per_text_in_order() {
+    let out = mlxcel()
+        .args(["embed", "--model"])
+        .arg(fixture("bert"))
+        .args(["--text", "first text", "--text", "x", "--dimensions", "8"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["index"], i);
+        let v: Vec<f64> = l["embedding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(v.len(), 8);
+        let norm: f64 = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+    }
+    // No texts, and npy without --out, are errors saying what to give.
+    let out = mlxcel()
+        .args(["embed", "--model"])
+        .arg(fixture("bert"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no texts"));
+    let out = mlxcel()
+        .args(["embed", "--model"])
+        .arg(fixture("bert"))
+        .args(["--text", "a", "--format", "npy"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--out"));
+}

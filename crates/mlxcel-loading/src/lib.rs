@@ -6,7 +6,8 @@
 //!
 //! ```text
 //! path ─ resolve_model_dir ─ config.json ─ sanitize_config_json ─ detect_kind
-//!   ├─ Embedding / Reranker: their loaders (not in this build: a clear error)
+//!   ├─ Embedding: load_embedding_model ─ encoder + sentence-transformers head + tokenizer
+//!   ├─ Reranker: not in this build (a clear error)
 //!   └─ Generation ─ get_model_type ─ model_load_policy ─ directory route
 //!        └─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
 //!                                                                  └─ load_tokenizer
@@ -15,6 +16,7 @@
 #![warn(missing_docs)]
 
 mod chat;
+mod embed;
 mod error;
 pub mod memory;
 mod pipeline;
@@ -23,6 +25,7 @@ mod textgen;
 mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
+pub use embed::{load_embedding_model, EmbedOptions, EmbeddingHead, EmbeddingLoaded, Overflow};
 pub use error::{LoadError, Result};
 pub use mlxcel_arch::{LanguageModel, LoadedModel, ModelType};
 pub use mlxcel_core::RuntimePolicy;

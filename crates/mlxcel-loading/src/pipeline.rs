@@ -301,15 +301,17 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
                 .get("model_type")
                 .and_then(Value::as_str)
                 .unwrap_or("?");
-            let what = if kind == ModelKind::Embedding {
-                "an embedding"
+            return Err(LoadError::Unsupported(if kind == ModelKind::Embedding {
+                format!(
+                    "{}: model_type `{model_type}` is an embedding checkpoint: load it with `load_embedding_model` (`mlxcel_models::Embedder`, `mlxcel embed`)",
+                    folder.display()
+                )
             } else {
-                "a reranker"
-            };
-            return Err(LoadError::Unsupported(format!(
-                "{}: model_type `{model_type}` is {what} checkpoint; its loader is not in this build yet",
-                folder.display()
-            )));
+                format!(
+                    "{}: model_type `{model_type}` is a reranker checkpoint; its loader is not in this build yet",
+                    folder.display()
+                )
+            }));
         }
     }
     let mut weights = WeightMap::open(&folder)?;

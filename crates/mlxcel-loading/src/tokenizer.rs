@@ -48,6 +48,31 @@ impl Tokenizer {
             .map_err(|e| LoadError::file(&self.path, format!("decoding failed: {e}")))
     }
 
+    /// Sets what encoders need: no padding (batches are padded by the caller), and truncation
+    /// to `max_tokens` (special tokens included) when given, else none. Replaces whatever
+    /// `tokenizer.json` asks for (all-MiniLM-L6-v2's pads every text to 128).
+    pub fn set_encoder_limits(&mut self, max_tokens: Option<usize>) -> Result<()> {
+        self.inner.with_padding(None);
+        let truncation = max_tokens.map(|max_length| tokenizers::TruncationParams {
+            max_length,
+            ..Default::default()
+        });
+        self.inner
+            .with_truncation(truncation)
+            .map_err(|e| LoadError::file(&self.path, format!("cannot set truncation: {e}")))?;
+        Ok(())
+    }
+
+    /// Like [`Tokenizer::encode`], also telling whether the tokenizer's truncation dropped
+    /// tokens (see [`Tokenizer::set_encoder_limits`]).
+    pub fn encode_checked(&self, text: &str, add_special_tokens: bool) -> Result<(Vec<u32>, bool)> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| LoadError::file(&self.path, format!("encoding failed: {e}")))?;
+        Ok((enc.get_ids().to_vec(), !enc.get_overflowing().is_empty()))
+    }
+
     /// The id of `token` (e.g. `"<|im_end|>"`), `None` when not in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)

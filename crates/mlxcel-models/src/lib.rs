@@ -33,6 +33,12 @@
 //! dropping the stream) stops generation after the current token; [`TokenStream::finish`] gives
 //! the statistics once it has ended.
 //!
+//! ## Embeddings
+//!
+//! [`Embedder`] loads an embedding checkpoint (BERT, XLM-RoBERTa, ModernBERT, with its
+//! sentence-transformers modules) on a worker thread the same way; `embed(&[&str])` returns one
+//! vector per text, in input order. [`Model::load`] on such a folder is an error pointing here.
+//!
 //! ## Lower layers
 //!
 //! The loading pipeline ([`loading`], crate `mlxcel-loading`) and the model layer ([`arch`],
@@ -40,6 +46,8 @@
 //! programs that need them; their types are single-threaded.
 
 #![warn(missing_docs)]
+
+mod embedder;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -52,10 +60,11 @@ use mlxcel_arch::sampling::SamplingParams;
 use mlxcel_arch::LanguageModel;
 use mlxcel_loading::{generate_text, GenerateRequest, LoadOptions, Loaded};
 
+pub use embedder::{Embedder, EmbedderBuilder, EmbedderInfo, Overflow};
 pub use mlxcel_arch as arch;
 pub use mlxcel_core::{Device, Dtype, RuntimePolicy};
 pub use mlxcel_loading as loading;
-pub use mlxcel_loading::{FinishReason, GenerationStats, Message, ModelType};
+pub use mlxcel_loading::{EmbedOptions, FinishReason, GenerationStats, Message, ModelType};
 
 /// Errors of the high-level API.
 #[derive(Debug, thiserror::Error)]

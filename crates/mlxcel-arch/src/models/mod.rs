@@ -4,6 +4,7 @@
 pub mod common;
 pub mod transformer;
 
+pub mod bert;
 pub mod cohere;
 pub mod deepseek;
 pub mod exaone4;
@@ -14,6 +15,7 @@ pub mod glm4;
 pub mod granite;
 pub mod llama;
 pub mod mixtral;
+pub mod modernbert;
 pub mod olmoe;
 pub mod phi3;
 pub mod qwen2;

@@ -1,0 +1,516 @@
+//! The embedding pipeline: an encoder checkpoint with its sentence-transformers modules
+//! (`modules.json`: Transformer → Pooling → Dense… → Normalize), batched and padded inference,
+//! Matryoshka truncation.
+//!
+//! Without a `modules.json` the pipeline is **mean pooling over the real tokens, then L2
+//! normalisation** (what most embedding checkpoints use).
+
+use std::path::{Path, PathBuf};
+
+use mlxcel_arch::detection::{detect_kind, get_model_type};
+use mlxcel_arch::embedding::{normalize, truncate_dimensions, DenseActivation, DenseLayer};
+use mlxcel_arch::weights::ModelWeights;
+use mlxcel_arch::{
+    load_config_backed, BuildOptions, EmbeddingModel, EmbeddingModelEnum, LoadedModel, ModelKind,
+    ModelType, Pooling,
+};
+use mlxcel_core::{Array, Dtype, WeightMap};
+use mlxcel_quant::QuantConfig;
+use serde_json::Value;
+
+use crate::pipeline::{compute_dtype, read_config, resolve_model_dir, LoadOptions};
+use crate::tokenizer::{load_tokenizer, Tokenizer};
+use crate::{LoadError, Result};
+
+/// What to do with a text longer than the model's limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Overflow {
+    /// Keep the first tokens (the tokenizer's truncation keeps its special tokens) and print a
+    /// warning to stderr.
+    #[default]
+    TruncateWithWarning,
+    /// Truncate silently.
+    Truncate,
+    /// Refuse the request with an error naming the text.
+    Refuse,
+}
+
+/// Per-request choices for [`EmbeddingLoaded::embed`].
+#[derive(Debug, Clone)]
+pub struct EmbedOptions {
+    /// Matryoshka truncation: keep the first `dimensions` values (re-normalised when the
+    /// pipeline normalises). `None` keeps them all.
+    pub dimensions: Option<usize>,
+    /// Texts longer than the limit ([`EmbeddingLoaded::max_tokens`]).
+    pub overflow: Overflow,
+    /// Texts per forward pass (texts are sorted by length first, so padding stays small).
+    pub batch_size: usize,
+    /// A prompt of `config_sentence_transformers.json` by name (`"query"`, ...), prepended to
+    /// every text; `None` uses its `default_prompt_name` (if any).
+    pub prompt_name: Option<String>,
+}
+
+impl Default for EmbedOptions {
+    fn default() -> Self {
+        EmbedOptions {
+            dimensions: None,
+            overflow: Overflow::default(),
+            batch_size: 32,
+            prompt_name: None,
+        }
+    }
+}
+
+/// The modules after the encoder, from the sentence-transformers files (or the default).
+#[derive(Debug)]
+pub struct EmbeddingHead {
+    /// Pooling modes, concatenated in sentence-transformers' order when several are on.
+    pub pooling: Vec<Pooling>,
+    /// `Dense` modules, in order.
+    pub dense: Vec<DenseLayer>,
+    /// Whether a `Normalize` module ends the pipeline.
+    pub normalize: bool,
+    /// `sentence_bert_config.json` `max_seq_length`, when given.
+    pub max_seq_length: Option<usize>,
+    /// `config_sentence_transformers.json` `prompts`.
+    pub prompts: Vec<(String, String)>,
+    /// `config_sentence_transformers.json` `default_prompt_name`.
+    pub default_prompt_name: Option<String>,
+    /// Whether `modules.json` was present (else the documented default).
+    pub from_modules_json: bool,
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| LoadError::file(path, e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| LoadError::file(path, format!("invalid JSON: {e}")))
+}
+
+fn confined(folder: &Path, name: &str) -> Result<PathBuf> {
+    Ok(mlxcel_core::weights::confined_path(folder, name)?)
+}
+
+fn pooling_modes(path: &Path, cfg: &Value) -> Result<Vec<Pooling>> {
+    let flag = |k: &str| cfg.get(k).and_then(Value::as_bool).unwrap_or(false);
+    // sentence-transformers' concatenation order.
+    let mut modes = Vec::new();
+    for (key, mode) in [
+        ("pooling_mode_cls_token", Pooling::Cls),
+        ("pooling_mode_max_tokens", Pooling::Max),
+        ("pooling_mode_mean_tokens", Pooling::Mean),
+        ("pooling_mode_mean_sqrt_len_tokens", Pooling::MeanSqrtLen),
+        ("pooling_mode_weightedmean_tokens", Pooling::WeightedMean),
+        ("pooling_mode_lasttoken", Pooling::LastToken),
+    ] {
+        if flag(key) {
+            modes.push(mode);
+        }
+    }
+    if let Some(name) = cfg.get("pooling_mode").and_then(Value::as_str) {
+        let mode = match name {
+            "mean" => Pooling::Mean,
+            "cls" => Pooling::Cls,
+            "max" => Pooling::Max,
+            "lasttoken" | "last_token" | "last-token" => Pooling::LastToken,
+            "weightedmean" | "weighted_mean" | "weighted-mean" => Pooling::WeightedMean,
+            "mean_sqrt_len_tokens" => Pooling::MeanSqrtLen,
+            other => {
+                return Err(LoadError::file(
+                    path,
+                    format!("pooling_mode `{other}` is not supported"),
+                ))
+            }
+        };
+        if !modes.contains(&mode) {
+            modes.push(mode);
+        }
+    }
+    if modes.is_empty() {
+        return Err(LoadError::file(path, "no pooling mode is switched on"));
+    }
+    if cfg.get("include_prompt").and_then(Value::as_bool) == Some(false) {
+        return Err(LoadError::file(
+            path,
+            "include_prompt = false (pooling without the prompt tokens) is not supported",
+        ));
+    }
+    Ok(modes)
+}
+
+fn dense_layer(folder: &Path, dtype: Dtype) -> Result<DenseLayer> {
+    let cfg_path = folder.join("config.json");
+    let cfg = read_json(&cfg_path)?;
+    let int = |k: &str| -> Result<i32> {
+        cfg.get(k)
+            .and_then(Value::as_u64)
+            .map(|v| v as i32)
+            .ok_or_else(|| LoadError::file(&cfg_path, format!("missing or invalid `{k}`")))
+    };
+    let (inp, out) = (int("in_features")?, int("out_features")?);
+    let bias = cfg.get("bias").and_then(Value::as_bool).unwrap_or(true);
+    let activation = match cfg.get("activation_function").and_then(Value::as_str) {
+        None => None,
+        Some(name) => DenseActivation::from_torch_name(name).map_err(|e| LoadError::Model {
+            folder: folder.to_path_buf(),
+            source: e,
+        })?,
+    };
+    if !folder.join("model.safetensors").is_file() {
+        return Err(LoadError::file(
+            folder,
+            "Dense module without model.safetensors (pytorch_model.bin is not read)",
+        ));
+    }
+    let map = WeightMap::open(folder)?;
+    let model_err = |source| LoadError::Model {
+        folder: folder.to_path_buf(),
+        source,
+    };
+    let mut w = ModelWeights::new(map, None, dtype);
+    let linear = w.linear("linear", inp, out, bias).map_err(model_err)?;
+    let kept = w.finish("Dense").map_err(model_err)?;
+    for a in &kept {
+        a.eval()?;
+    }
+    Ok(DenseLayer { linear, activation })
+}
+
+impl EmbeddingHead {
+    /// Reads the sentence-transformers modules of `folder` (see the module docs for the default
+    /// without `modules.json`); Dense weights are loaded in `dtype`.
+    pub fn load(folder: &Path, dtype: Dtype) -> Result<EmbeddingHead> {
+        let mut head = EmbeddingHead {
+            pooling: vec![Pooling::Mean],
+            dense: Vec::new(),
+            normalize: true,
+            max_seq_length: None,
+            prompts: Vec::new(),
+            default_prompt_name: None,
+            from_modules_json: false,
+        };
+        let sbert = folder.join("sentence_bert_config.json");
+        if sbert.is_file() {
+            let cfg = read_json(&confined(folder, "sentence_bert_config.json")?)?;
+            head.max_seq_length = cfg
+                .get("max_seq_length")
+                .and_then(Value::as_u64)
+                .map(|v| v as usize);
+        }
+        let st = folder.join("config_sentence_transformers.json");
+        if st.is_file() {
+            let cfg = read_json(&confined(folder, "config_sentence_transformers.json")?)?;
+            if let Some(p) = cfg.get("prompts").and_then(Value::as_object) {
+                head.prompts = p
+                    .iter()
+                    .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string())))
+                    .collect();
+            }
+            head.default_prompt_name = cfg
+                .get("default_prompt_name")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+        }
+        if !folder.join("modules.json").is_file() {
+            return Ok(head);
+        }
+        let modules_path = confined(folder, "modules.json")?;
+        let modules = read_json(&modules_path)?;
+        let list = modules
+            .as_array()
+            .ok_or_else(|| LoadError::file(&modules_path, "expected a list of modules"))?;
+        head.from_modules_json = true;
+        head.normalize = false;
+        let mut pooled = false;
+        for (i, m) in list.iter().enumerate() {
+            let kind = m.get("type").and_then(Value::as_str).ok_or_else(|| {
+                LoadError::file(&modules_path, format!("module {i}: missing `type`"))
+            })?;
+            let sub = m.get("path").and_then(Value::as_str).unwrap_or("");
+            let short = kind.rsplit('.').next().unwrap_or(kind);
+            match short {
+                "Transformer" => {}
+                "Pooling" => {
+                    let path = confined(folder, &format!("{sub}/config.json"))?;
+                    head.pooling = pooling_modes(&path, &read_json(&path)?)?;
+                    pooled = true;
+                }
+                "Dense" => head
+                    .dense
+                    .push(dense_layer(&confined(folder, sub)?, dtype)?),
+                "Normalize" => head.normalize = true,
+                other => {
+                    return Err(LoadError::file(
+                        &modules_path,
+                        format!("module {i}: `{other}` is not supported"),
+                    ))
+                }
+            }
+        }
+        if !pooled {
+            return Err(LoadError::file(&modules_path, "no Pooling module"));
+        }
+        Ok(head)
+    }
+
+    /// Hidden states `[B, L, H]` and their mask `[B, L]` → embeddings `[B, D]` (float32).
+    pub fn apply(&self, hidden: &Array, mask: &Array) -> Result<Array> {
+        let parts = self
+            .pooling
+            .iter()
+            .map(|p| p.pool(hidden, mask))
+            .collect::<mlxcel_arch::Result<Vec<_>>>()?;
+        let mut x = if parts.len() == 1 {
+            parts[0].clone()
+        } else {
+            mlxcel_core::ops::concatenate(&parts, -1)?
+        };
+        for d in &self.dense {
+            x = d.forward(&x)?.astype(Dtype::Float32)?;
+        }
+        if self.normalize {
+            x = normalize(&x)?;
+        }
+        Ok(x)
+    }
+}
+
+/// A loaded embedding model (from [`load_embedding_model`]).
+#[derive(Debug)]
+pub struct EmbeddingLoaded {
+    /// The encoder.
+    pub model: EmbeddingModelEnum,
+    /// Pooling, Dense, Normalize.
+    pub head: EmbeddingHead,
+    /// The tokenizer, set to no padding and truncation at [`EmbeddingLoaded::max_tokens`].
+    pub tokenizer: Tokenizer,
+    /// The registered encoder type.
+    pub model_type: ModelType,
+    /// The sanitised `config.json`.
+    pub config: Value,
+    /// The model folder.
+    pub folder: PathBuf,
+    /// The compute dtype.
+    pub dtype: Dtype,
+    /// The most tokens per text (special tokens included): `max_seq_length` of
+    /// `sentence_bert_config.json` within the model's position limit.
+    pub max_tokens: Option<usize>,
+    /// The id batches are padded with (`pad_token_id`, else 0).
+    pub pad_id: u32,
+    /// Wall time of the load.
+    pub load_seconds: f64,
+    /// The checkpoint files the weights are mapped from.
+    pub mapped: mlxcel_core::MappedFiles,
+}
+
+/// Loads an embedding checkpoint (an encoder of kind `Embedding`: `bert`, `xlm-roberta`,
+/// `modernbert`) with its tokenizer and sentence-transformers modules. A checkpoint of another
+/// kind is refused naming it.
+///
+/// ```no_run
+/// use mlxcel_loading::{load_embedding_model, EmbedOptions, LoadOptions};
+///
+/// # fn main() -> mlxcel_loading::Result<()> {
+/// let model = load_embedding_model("models/all-MiniLM-L6-v2", &LoadOptions::default())?;
+/// let vectors = model.embed(&["A cat.", "A dog."], &EmbedOptions::default())?;
+/// assert_eq!(vectors[0].len(), 384);
+/// # Ok(())
+/// # }
+/// ```
+pub fn load_embedding_model(
+    path: impl AsRef<Path>,
+    options: &LoadOptions,
+) -> Result<EmbeddingLoaded> {
+    let started = std::time::Instant::now();
+    let runtime = options.runtime_policy()?;
+    mlxcel_core::policy::install(&runtime)?;
+    let folder = resolve_model_dir(path)?;
+    let config = read_config(&folder)?;
+    let kind = detect_kind(&config, folder.join("modules.json").is_file());
+    if kind != ModelKind::Embedding {
+        return Err(LoadError::Unsupported(format!(
+            "{}: a {kind:?} checkpoint, not an embedding model",
+            folder.display()
+        )));
+    }
+    let model_err = |source| LoadError::Model {
+        folder: folder.clone(),
+        source,
+    };
+    let model_type = get_model_type(&config, false).map_err(model_err)?;
+    if model_type.descriptor().kind != ModelKind::Embedding {
+        return Err(LoadError::Unsupported(format!(
+            "{}: {} is registered as a {:?} model; its embedding form is not supported yet",
+            folder.display(),
+            model_type.name(),
+            model_type.descriptor().kind
+        )));
+    }
+    let weights = WeightMap::open(&folder)?;
+    let mapped = weights.mapped_files();
+    let dtype = match options.dtype {
+        Some(d) => d,
+        None => compute_dtype(&config)?,
+    };
+    let build = BuildOptions {
+        prefix: String::new(),
+        quant: QuantConfig::from_config(&config)?,
+        dtype,
+        materialization: runtime.weight_materialization,
+        stream: None,
+        fuse_projections: false,
+    };
+    let model = load_config_backed(model_type, &config, weights, &build)
+        .and_then(LoadedModel::into_embedding)
+        .map_err(model_err)?;
+    let head = EmbeddingHead::load(&folder, dtype)?;
+    let max_tokens = match (head.max_seq_length, model.max_tokens()) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    let mut tokenizer = load_tokenizer(&folder)?;
+    tokenizer.set_encoder_limits(max_tokens)?;
+    let pad_id = config
+        .get("pad_token_id")
+        .and_then(Value::as_u64)
+        .map(|v| v as u32)
+        .unwrap_or(0);
+    Ok(EmbeddingLoaded {
+        model,
+        head,
+        tokenizer,
+        model_type,
+        config,
+        folder,
+        dtype,
+        max_tokens,
+        pad_id,
+        load_seconds: started.elapsed().as_secs_f64(),
+        mapped,
+    })
+}
+
+impl EmbeddingLoaded {
+    /// Width of the vectors [`EmbeddingLoaded::embed`] returns before Matryoshka truncation.
+    pub fn dimensions(&self) -> Result<usize> {
+        let probe = self.embed_ids(&[vec![self.pad_id]], None, 1)?;
+        Ok(probe.first().map_or(0, Vec::len))
+    }
+
+    /// Token ids of `text` as the model sees it (prompt prepended, special tokens added,
+    /// truncated at the limit), and whether it was truncated.
+    pub fn tokenize(&self, text: &str, options: &EmbedOptions) -> Result<(Vec<u32>, bool)> {
+        let prompt_name = options
+            .prompt_name
+            .as_ref()
+            .or(self.head.default_prompt_name.as_ref());
+        let prompt = match prompt_name {
+            None => "",
+            Some(name) => self
+                .head
+                .prompts
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+                .ok_or_else(|| {
+                    LoadError::Unsupported(format!(
+                        "no prompt `{name}` in config_sentence_transformers.json (has: {})",
+                        self.head
+                            .prompts
+                            .iter()
+                            .map(|(k, _)| k.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ))
+                })?,
+        };
+        if prompt.is_empty() {
+            self.tokenizer.encode_checked(text, true)
+        } else {
+            self.tokenizer
+                .encode_checked(&format!("{prompt}{text}"), true)
+        }
+    }
+
+    /// One vector per text, in input order (see [`EmbedOptions`]).
+    pub fn embed(&self, texts: &[&str], options: &EmbedOptions) -> Result<Vec<Vec<f32>>> {
+        let mut all = Vec::with_capacity(texts.len());
+        for (i, text) in texts.iter().enumerate() {
+            let (ids, truncated) = self.tokenize(text, options)?;
+            if truncated {
+                let limit = self.max_tokens.unwrap_or(0);
+                let preview: String = text.chars().take(40).collect();
+                match options.overflow {
+                    Overflow::Refuse => {
+                        return Err(LoadError::Unsupported(format!(
+                            "text {i} (\"{preview}…\") is longer than the model's limit of {limit} tokens"
+                        )))
+                    }
+                    Overflow::TruncateWithWarning => eprintln!(
+                        "warning: text {i} (\"{preview}…\") truncated to the model's limit of {limit} tokens"
+                    ),
+                    Overflow::Truncate => {}
+                }
+            }
+            all.push(ids);
+        }
+        self.embed_ids(&all, options.dimensions, options.batch_size)
+    }
+
+    /// One vector per id list (special tokens already in place), in input order: sorted by
+    /// length, padded per batch of `batch_size` with an attention mask, Matryoshka-truncated to
+    /// `dimensions` (re-normalised when the pipeline normalises).
+    pub fn embed_ids(
+        &self,
+        ids: &[Vec<u32>],
+        dimensions: Option<usize>,
+        batch_size: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.model.vocab_size();
+        for (i, row) in ids.iter().enumerate() {
+            if row.is_empty() {
+                return Err(LoadError::Unsupported(format!("input {i} has no tokens")));
+            }
+            if let Some(max) = self.max_tokens {
+                if row.len() > max {
+                    return Err(LoadError::Unsupported(format!(
+                        "input {i} has {} tokens, more than the model's limit of {max}",
+                        row.len()
+                    )));
+                }
+            }
+            if let Some(&bad) = row.iter().find(|&&t| t as usize >= vocab) {
+                return Err(LoadError::Unsupported(format!(
+                    "input {i}: token id {bad} is not below the vocabulary size {vocab}"
+                )));
+            }
+        }
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(ids[i].len()));
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); ids.len()];
+        for chunk in order.chunks(batch_size.max(1)) {
+            let width = chunk.iter().map(|&i| ids[i].len()).max().unwrap_or(0);
+            let mut tok = Vec::with_capacity(chunk.len() * width);
+            let mut mask = Vec::with_capacity(chunk.len() * width);
+            for &i in chunk {
+                let row = &ids[i];
+                tok.extend(row.iter().map(|&t| t as i32));
+                tok.extend(std::iter::repeat_n(self.pad_id as i32, width - row.len()));
+                mask.extend(std::iter::repeat_n(1i32, row.len()));
+                mask.extend(std::iter::repeat_n(0i32, width - row.len()));
+            }
+            let shape = [chunk.len() as i32, width as i32];
+            let tok = Array::from_slice(&tok, &shape)?;
+            let mask = Array::from_slice(&mask, &shape)?;
+            let hidden = self.model.hidden_states(&tok, &mask)?;
+            let mut emb = self.head.apply(&hidden, &mask)?;
+            if let Some(d) = dimensions {
+                emb = truncate_dimensions(&emb, d, self.head.normalize)?;
+            }
+            let d = emb.dim(-1)? as usize;
+            let values = emb.astype(Dtype::Float32)?.to_vec::<f32>()?;
+            for (row, &i) in chunk.iter().enumerate() {
+                out[i] = values[row * d..(row + 1) * d].to_vec();
+            }
+        }
+        Ok(out)
+    }
+}
