@@ -1,4 +1,4 @@
-//! A llama-architecture GGUF → an MLX checkpoint folder.
+//! A llama/qwen2/qwen3-architecture GGUF → an MLX checkpoint folder.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -62,6 +62,8 @@ pub fn hf_tensor_name(gguf: &str) -> Option<String> {
                 "ffn_down" => "mlp.down_proj",
                 "attn_norm" => "input_layernorm",
                 "ffn_norm" => "post_attention_layernorm",
+                "attn_q_norm" => "self_attn.q_norm",
+                "attn_k_norm" => "self_attn.k_norm",
                 _ => return None,
             };
             format!("model.layers.{layer}.{path}")
@@ -94,8 +96,12 @@ pub fn unpermute_rope_rows<T: Copy>(data: &[T], rows: usize, n_head: usize) -> O
     Some(out)
 }
 
-/// The llama hyper-parameters read from `llama.*` metadata.
+/// The GGUF architectures [`import_gguf`] reads (`general.architecture`).
+pub const SUPPORTED_ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
+/// The hyper-parameters read from `<arch>.*` metadata.
 struct LlamaParams {
+    arch: String,
     n_layer: u64,
     n_embd: u64,
     n_ff: u64,
@@ -144,14 +150,17 @@ fn llama_params(g: &GgufFile) -> Result<LlamaParams, GgufError> {
         .get(arch_key)
         .and_then(|v| v.as_str())
         .ok_or_else(|| GgufError::metadata(g.path(), arch_key, "missing or not a string"))?;
-    if arch != "llama" {
+    if !SUPPORTED_ARCHITECTURES.contains(&arch) {
         return Err(GgufError::metadata(
             g.path(),
             arch_key,
-            format!("architecture `{arch}` cannot be imported yet (only `llama`)"),
+            format!(
+                "architecture `{arch}` cannot be imported yet (supported: {})",
+                SUPPORTED_ARCHITECTURES.join(", ")
+            ),
         ));
     }
-    let k = |s: &str| format!("llama.{s}");
+    let k = |s: &str| format!("{arch}.{s}");
     let u = |s: &str| -> Result<u64, GgufError> {
         let key = k(s);
         required(g, &key, meta_u64(g, &key)?)
@@ -173,6 +182,7 @@ fn llama_params(g: &GgufFile) -> Result<LlamaParams, GgufError> {
         }
     };
     Ok(LlamaParams {
+        arch: arch.to_string(),
         n_layer: u("block_count")?,
         n_embd: u("embedding_length")?,
         n_ff: u("feed_forward_length")?,
@@ -219,8 +229,11 @@ fn convert_tensor(
     let cols = info.ne[0] as usize;
     let rows = (info.numel() as usize).checked_div(cols).unwrap_or(0);
 
-    // Q and K projections (weights and biases) come rope-permuted.
-    let permute_heads = if name.contains(".attn_q.") {
+    // llama's Q and K projections (weights and biases) come rope-permuted; llama.cpp's
+    // converter leaves qwen2/qwen3 (NeoX-style rope) as they are.
+    let permute_heads = if params.arch != "llama" {
+        None
+    } else if name.contains(".attn_q.") {
         Some(params.n_head)
     } else if name.contains(".attn_k.") {
         Some(params.n_head_kv)
@@ -396,7 +409,7 @@ fn write_json(path: &Path, value: &Value) -> Result<(), GgufError> {
     std::fs::write(path, text).map_err(|e| GgufError::io(path, e))
 }
 
-/// Imports the llama GGUF at `gguf_path` into `out_dir` (created if missing): `config.json`,
+/// Imports the llama, qwen2 or qwen3 GGUF at `gguf_path` into `out_dir` (created if missing): `config.json`,
 /// `model.safetensors` (metadata `{"format": "mlx"}`), `tokenizer.json`,
 /// `tokenizer_config.json` and `generation_config.json`. `progress(done, total, tensor)` is
 /// called after each tensor.
@@ -430,7 +443,7 @@ pub fn import_gguf(
     let embed = g
         .tensor("token_embd.weight")
         .ok_or_else(|| GgufError::tensor(g.path(), "token_embd.weight", "missing from the file"))?;
-    let vocab_size = match meta_u64(&g, "llama.vocab_size")? {
+    let vocab_size = match meta_u64(&g, &format!("{}.vocab_size", params.arch))? {
         Some(v) => v,
         None => embed.ne.get(1).copied().unwrap_or(0),
     };
@@ -447,8 +460,13 @@ pub fn import_gguf(
     let tok = build_tokenizer_files(&g, params.n_ctx)?;
 
     let mut config = Map::new();
-    config.insert("architectures".into(), json!(["LlamaForCausalLM"]));
-    config.insert("model_type".into(), json!("llama"));
+    let architecture = match params.arch.as_str() {
+        "qwen2" => "Qwen2ForCausalLM",
+        "qwen3" => "Qwen3ForCausalLM",
+        _ => "LlamaForCausalLM",
+    };
+    config.insert("architectures".into(), json!([architecture]));
+    config.insert("model_type".into(), json!(params.arch));
     config.insert("hidden_size".into(), json!(params.n_embd));
     config.insert("intermediate_size".into(), json!(params.n_ff));
     config.insert("num_attention_heads".into(), json!(params.n_head));
@@ -764,9 +782,9 @@ mod tests {
     fn unsupported_type_and_architecture_are_named() {
         use crate::gguf::reader::tests::{build, string_value, write};
         let arch = |a: &str| vec![("general.architecture", 8u32, string_value(a))];
-        let f = write(&build(&arch("qwen2"), &[], 32));
+        let f = write(&build(&arch("mamba"), &[], 32));
         let e = import_gguf(f.path(), Path::new("/nonexistent"), &mut |_, _, _| {}).unwrap_err();
-        assert!(e.to_string().contains("`qwen2`"), "{e}");
+        assert!(e.to_string().contains("`mamba`"), "{e}");
 
         let mut kvs = arch("llama");
         for k in [

@@ -4,7 +4,7 @@
 //!   infos, `general.alignment`), with errors that name the file and the tensor at fault.
 //! - [`blocks`]: ggml block decoding, and the exact repacking of `Q4_0`/`Q4_1`/`Q8_0` blocks
 //!   into MLX affine planes.
-//! - [`import_gguf`]: a llama-architecture GGUF → `config.json` (with mlx-lm's `quantization`
+//! - [`import_gguf`]: a llama, qwen2 or qwen3 GGUF → `config.json` (with mlx-lm's `quantization`
 //!   block), `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
 //!   `generation_config.json`. `Q4_0`/`Q4_1`/`Q8_0` tensors are imported losslessly as MLX affine
 //!   4/8-bit with group size 32; F32/F16/BF16 pass through; `Q5_0`/`Q5_1`/K-quants are stored
@@ -18,7 +18,10 @@ mod types;
 
 use std::path::{Path, PathBuf};
 
-pub use import::{hf_tensor_name, import_gguf, unpermute_rope_rows, ImportReport, TensorImport};
+pub use import::{
+    hf_tensor_name, import_gguf, unpermute_rope_rows, ImportReport, TensorImport,
+    SUPPORTED_ARCHITECTURES,
+};
 pub use reader::{GgufFile, GgufTensorInfo, MetaValue};
 pub use tokenizer::{build_tokenizer_files, TokenizerFiles};
 pub use types::GgmlType;
