@@ -127,7 +127,7 @@ fn check_flags(flags: &RunFlags) -> anyhow::Result<()> {
 fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>> {
     check_flags(flags)?;
     let model = match &flags.model {
-        Some(m) => m.clone(),
+        Some(m) => crate::convert::resolve_gguf(m, flags.quiet)?,
         None => default_model()?,
     };
     if flags.estimate_memory || !flags.force {

@@ -1,6 +1,7 @@
 //! `mlxcel`: the command-line interface. Argument parsing and printing only; everything else goes
 //! through the library crates' public API.
 
+mod convert;
 mod embed;
 mod generate;
 mod inspect;
@@ -51,6 +52,9 @@ enum Command {
     },
     /// Print the model registry.
     Arch,
+    /// Convert a GGUF (--gguf FILE), or quantize a float HuggingFace checkpoint (--hf DIR -q),
+    /// into an MLX checkpoint folder.
+    Convert(convert::ConvertFlags),
     /// Generate text from a prompt; text to stdout, statistics to stderr.
     Generate(generate::GenerateFlags),
     /// Embed texts with an embedding model (one vector per text, in input order).
@@ -132,6 +136,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Some(Command::Arch) => inspect::print_registry(),
+        Some(Command::Convert(flags)) => convert::run(flags)?,
         Some(Command::Generate(flags)) => generate::generate(flags)?,
         Some(Command::Chat(flags)) => generate::chat(flags)?,
         Some(Command::Serve {

@@ -20,6 +20,7 @@ mod embed;
 mod error;
 pub mod memory;
 mod pipeline;
+pub mod repack;
 pub mod stream;
 mod textgen;
 mod tokenizer;

@@ -9,8 +9,10 @@
 //!   `generation_config.json`. `Q4_0`/`Q4_1`/`Q8_0` tensors are imported losslessly as MLX affine
 //!   4/8-bit with group size 32; F32/F16/BF16 pass through; `Q5_0`/`Q5_1`/K-quants are stored
 //!   dense in float32 (exact decodes, not re-quantized); other types are an error naming them.
+//! - [`convert_gguf_cached`]: the same import, once per file content, into a cache folder.
 
 pub mod blocks;
+mod cache;
 mod import;
 mod reader;
 mod tokenizer;
@@ -18,6 +20,7 @@ mod types;
 
 use std::path::{Path, PathBuf};
 
+pub use cache::{convert_gguf_cached, gguf_cache_key, CachedConversion};
 pub use import::{
     hf_tensor_name, import_gguf, unpermute_rope_rows, ImportReport, TensorImport,
     SUPPORTED_ARCHITECTURES,
