@@ -111,15 +111,22 @@ fn q8_0_gguf_is_exact_against_its_dequantized_weights() {
     assert_eq!(quantized, 15, "7 linears × 2 layers + the embedding");
     let original = WeightMap::open(mlxcel_tests::model_dir("qwen3")).unwrap();
     for (name, arr) in &dense {
-        let want = original.get_as(name, Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+        let want = original
+            .get_as(name, Dtype::Float32)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
         let got = arr.to_vec::<f32>().unwrap();
         let bound = want.iter().fold(0f32, |m, v| m.max(v.abs())) * 0.57 / 127.0;
         let (diff, at) = max_abs_diff(&got, &want);
-        assert!(diff <= bound, "{name}: |Δ| {diff:.2e} at {at} > {bound:.2e}");
+        assert!(
+            diff <= bound,
+            "{name}: |Δ| {diff:.2e} at {at} > {bound:.2e}"
+        );
     }
     let d = tempfile::tempdir().unwrap();
     let tensors: Vec<(String, Array)> = dense.into_iter().collect();
-    mlxcel_core::weights::save_safetensors(&d.path().join("model.safetensors"), &tensors, None)
+    mlxcel_core::weights::save_safetensors(d.path().join("model.safetensors"), &tensors, None)
         .unwrap();
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(q.path().join("config.json")).unwrap())

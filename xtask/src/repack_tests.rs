@@ -4,7 +4,15 @@
 //! models' logits.
 
 use super::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use mlxcel_core::{Array, Dtype, WeightMap};
+use mlxcel_loading::LanguageModel;
 use mlxcel_loading::{load_model, LoadOptions};
+use mlxcel_quant::recipe::{ModelLayout, Role};
+use mlxcel_quant::{QuantMode, QuantSpec};
+use serde_json::{json, Value};
 use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {

@@ -57,7 +57,10 @@ fn check_out(out: &Path) -> anyhow::Result<()> {
             .next()
             .is_none();
         if !empty {
-            bail!("{}: the output folder exists and is not empty", out.display());
+            bail!(
+                "{}: the output folder exists and is not empty",
+                out.display()
+            );
         }
     }
     Ok(())
@@ -68,15 +71,18 @@ pub fn run(flags: ConvertFlags) -> anyhow::Result<()> {
     match (&flags.gguf, &flags.hf) {
         (Some(gguf), None) => {
             if flags.quantize || flags.recipe.is_some() || flags.bits.is_some() {
-                bail!("--gguf imports the file's own quantization: -q/--bits/--recipe apply to --hf");
+                bail!(
+                    "--gguf imports the file's own quantization: -q/--bits/--recipe apply to --hf"
+                );
             }
             check_out(&flags.out)?;
             let bar = progress_bar(flags.quiet);
-            let report = mlxcel_quant::gguf::import_gguf(gguf, &flags.out, &mut |done, total, name| {
-                bar.set_length(total as u64);
-                bar.set_position(done as u64);
-                bar.set_message(name.to_string());
-            })?;
+            let report =
+                mlxcel_quant::gguf::import_gguf(gguf, &flags.out, &mut |done, total, name| {
+                    bar.set_length(total as u64);
+                    bar.set_position(done as u64);
+                    bar.set_message(name.to_string());
+                })?;
             bar.finish_and_clear();
             if !flags.quiet {
                 let affine = report.tensors.iter().filter(|t| t.affine.is_some()).count();
@@ -91,7 +97,9 @@ pub fn run(flags: ConvertFlags) -> anyhow::Result<()> {
         }
         (None, Some(hf)) => {
             if !flags.quantize {
-                bail!("--hf needs -q (with --bits/--group-size or --recipe): nothing else to convert");
+                bail!(
+                    "--hf needs -q (with --bits/--group-size or --recipe): nothing else to convert"
+                );
             }
             let recipe = match (&flags.recipe, flags.bits, flags.group_size) {
                 (Some(r), _, _) => r.clone(),

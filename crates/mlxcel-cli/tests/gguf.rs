@@ -14,8 +14,13 @@ fn fixtures() -> PathBuf {
 
 /// The prompt and greedy ids of a fixture's reference (int32 tensors in reference.safetensors).
 fn reference_ids(name: &str) -> (Vec<i32>, Vec<i32>) {
-    let bytes = std::fs::read(fixtures().join("models").join(name).join("reference.safetensors"))
-        .unwrap();
+    let bytes = std::fs::read(
+        fixtures()
+            .join("models")
+            .join(name)
+            .join("reference.safetensors"),
+    )
+    .unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     let read = |key: &str| -> Vec<i32> {
@@ -51,7 +56,10 @@ fn generate_from_a_gguf_converts_once_and_reuses_the_cache() {
     let first = run();
     let err = String::from_utf8_lossy(&first.stderr);
     assert!(first.status.success(), "{err}");
-    assert!(err.contains("converted"), "first run says it converts: {err}");
+    assert!(
+        err.contains("converted"),
+        "first run says it converts: {err}"
+    );
     assert_eq!(String::from_utf8_lossy(&first.stdout).trim(), join(&greedy));
     let entries = || -> Vec<PathBuf> {
         std::fs::read_dir(cache.path().join("gguf"))
@@ -70,7 +78,10 @@ fn generate_from_a_gguf_converts_once_and_reuses_the_cache() {
     let err = String::from_utf8_lossy(&second.stderr);
     assert!(second.status.success(), "{err}");
     assert!(!err.contains("converted"), "second run reuses: {err}");
-    assert_eq!(String::from_utf8_lossy(&second.stdout).trim(), join(&greedy));
+    assert_eq!(
+        String::from_utf8_lossy(&second.stdout).trim(),
+        join(&greedy)
+    );
     assert_eq!(entries(), folders);
     let again = std::fs::metadata(folders[0].join("model.safetensors"))
         .unwrap()

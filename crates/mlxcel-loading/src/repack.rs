@@ -22,10 +22,10 @@ use std::io::IsTerminal;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use crate::LanguageModel;
 use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use mlxcel_core::{Array, Dtype, WeightMap};
-use crate::LanguageModel;
 use mlxcel_quant::importance::quantize_weighted;
 use mlxcel_quant::recipe::{ModelLayout, Role};
 use mlxcel_quant::{Format, QuantMode, QuantSpec, Recipe};
@@ -838,4 +838,3 @@ pub fn read_prompts(path: Option<&Path>) -> Result<Vec<String>> {
         }
     }
 }
-
