@@ -15,12 +15,14 @@
 
 #![warn(missing_docs)]
 
+pub mod adapter;
 mod chat;
 mod embed;
 mod error;
 pub mod memory;
 mod pipeline;
 pub mod stream;
+pub mod surgery;
 mod textgen;
 mod tokenizer;
 
