@@ -310,7 +310,7 @@ fn runtime_errors_are_not_config_errors() {
 fn the_registry_claims_adapters_only_where_fused_adapters_load() {
     // Fused LoRA adapters load on every generation type (dense checkpoints; quantized bases and
     // expert adapters are refused when applied); encoders take none.
-    assert!(mlxcel_arch::ADAPTERS_AVAILABLE);
+    const { assert!(mlxcel_arch::ADAPTERS_AVAILABLE) };
     for t in ModelType::ALL {
         let generation = t.descriptor().kind == mlxcel_arch::ModelKind::Generation;
         assert_eq!(
