@@ -45,6 +45,10 @@ pub enum ModelError {
         /// The unused tensor names.
         names: Vec<String>,
     },
+    /// A load-time edit of the weights (surgery, a fused adapter) failed; the message names the
+    /// rule or adapter file and the tensor. Nothing of the edit was applied.
+    #[error("{0}")]
+    Transform(String),
     /// Something this build does not support, with the reason.
     #[error("unsupported: {0}")]
     Unsupported(String),

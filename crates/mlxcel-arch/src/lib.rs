@@ -30,6 +30,6 @@ pub use model::{Architecture, LanguageModel, LayerKind};
 pub use registry::{
     adapter_support, cache_schedule, load_config_backed, model_load_policy, sanitized_weights,
     BuildOptions, DirectoryRoute, EmbeddingModelEnum, GenerationModel, LoadedModel, ModelKind,
-    ModelLoadPolicy, ModelType, StaticModelDescriptor, WeightRoute, ADAPTERS_AVAILABLE,
-    DESCRIPTORS,
+    ModelLoadPolicy, ModelType, StaticModelDescriptor, WeightRoute, WeightTransform,
+    WeightTransformFn, ADAPTERS_AVAILABLE, DESCRIPTORS,
 };

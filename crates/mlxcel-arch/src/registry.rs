@@ -24,7 +24,7 @@ use crate::{ModelError, Result};
 ///   `WeightMap` through the generated loader, which is what fused adapters and surgery need);
 /// - `model`: the architecture type;
 /// - `adapter`: `None` when the type itself does not rule adapters out, else why it does (see
-///   [`adapter_support`]: this build loads no adapters at all yet).
+///   [`adapter_support`]: fused LoRA adapters on dense checkpoints).
 #[macro_export]
 macro_rules! for_each_model_registration {
     ($callback:ident) => {
@@ -87,8 +87,10 @@ pub enum WeightRoute {
     None,
 }
 
-/// Whether this build can load adapters (LoRA): not yet, for any type.
-pub const ADAPTERS_AVAILABLE: bool = false;
+/// Whether this build can load adapters: LoRA adapters (mlx-lm or PEFT) fused into dense
+/// checkpoints at load (`mlxcel_loading::LoadOptions::adapter`). Runtime (unfused) adapters,
+/// quantized bases, DoRA and adapters on MoE experts are refused when the adapter is applied.
+pub const ADAPTERS_AVAILABLE: bool = true;
 
 /// Whether adapters can be applied to `model_type`: the registry row's reason when the type rules
 /// them out, else whether this build loads adapters at all.
@@ -158,6 +160,23 @@ pub struct BuildOptions {
     /// they share a storage format. Saves arrays and kernel launches per decode step (what
     /// bounds decode on a GPU) at the cost of one copy of those weights while loading.
     pub fuse_projections: bool,
+    /// An edit of the sanitised tensors before construction (surgery, fused adapters).
+    pub transform: Option<WeightTransform>,
+}
+
+/// The signature of a [`WeightTransform`].
+pub type WeightTransformFn = dyn Fn(&mut WeightMap) -> Result<()>;
+
+/// A load-time edit of the checkpoint's tensors (weight surgery, fused adapters), run by
+/// [`build_architecture`] on the sanitised [`WeightMap`] before the model is constructed.
+/// It must leave the map untouched when it fails.
+#[derive(Clone)]
+pub struct WeightTransform(pub std::rc::Rc<WeightTransformFn>);
+
+impl std::fmt::Debug for WeightTransform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WeightTransform(..)")
+    }
 }
 
 /// Builds one architecture from a sanitised config and its weights: deserialise the args (a
@@ -171,6 +190,9 @@ pub fn build_architecture<M: Architecture>(
 ) -> Result<M> {
     let args: M::Args = parse_args(config)?;
     M::sanitize(&args, &mut weights, options.quant.as_ref())?;
+    if let Some(transform) = &options.transform {
+        (transform.0)(&mut weights)?;
+    }
     if let Some(stream) = &options.stream {
         // Every field of each layer's manifest entry against the sanitised checkpoint's
         // headers (no tensor bytes read), before the stacks are dropped.

@@ -18,6 +18,12 @@ pub struct RunFlags {
     /// Model folder (default: the SmolLM2 that `cargo xtask fetch-models` installs).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`); see the README.
+    #[arg(long, value_name = "FILE")]
+    pub surgery: Option<PathBuf>,
+    /// LoRA adapter folder (mlx-lm or PEFT) fused into the dense base weights at load.
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     /// System message (with --messages, --user or in chat).
     #[arg(long)]
     pub system: Option<String>,
@@ -161,6 +167,8 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
         skip_tokenizer: !need_tokenizer,
         // Parsed and installed once in `main`.
         policy: Some(mlxcel_core::policy::current()),
+        surgery: flags.surgery.clone(),
+        adapter: flags.adapter.clone(),
         ..Default::default()
     };
     let loaded = load_model(&model, &options)?;
@@ -171,6 +179,9 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
             loaded.model_type.name(),
             loaded.load_seconds
         );
+        for line in &loaded.surgery_applied {
+            eprintln!("[{line}]");
+        }
     }
     if let (false, Some((plan, _))) = (flags.quiet, &loaded.expert_stream) {
         eprintln!("{}", plan.describe());

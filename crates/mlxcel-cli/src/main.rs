@@ -39,6 +39,12 @@ enum Command {
         prompt_ids: Vec<u32>,
         #[arg(long)]
         out: PathBuf,
+        /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`).
+        #[arg(long, value_name = "FILE")]
+        surgery: Option<PathBuf>,
+        /// LoRA adapter folder fused into the dense base weights at load.
+        #[arg(long, value_name = "DIR")]
+        adapter: Option<PathBuf>,
     },
     /// Describe a checkpoint: type, routes, parameters, dtype and quantization mix by role, bytes.
     Inspect {
@@ -121,7 +127,9 @@ fn main() -> anyhow::Result<()> {
             model,
             prompt_ids,
             out,
-        }) => logits(&model, &prompt_ids, &out)?,
+            surgery,
+            adapter,
+        }) => logits(&model, &prompt_ids, &out, surgery, adapter)?,
         Some(Command::Inspect {
             model,
             estimate_memory,
@@ -200,10 +208,18 @@ fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Resul
     Ok(())
 }
 
-fn logits(model: &std::path::Path, ids: &[u32], out: &std::path::Path) -> anyhow::Result<()> {
+fn logits(
+    model: &std::path::Path,
+    ids: &[u32],
+    out: &std::path::Path,
+    surgery: Option<PathBuf>,
+    adapter: Option<PathBuf>,
+) -> anyhow::Result<()> {
     let options = LoadOptions {
         skip_tokenizer: true,
         policy: Some(mlxcel_core::policy::current()),
+        surgery,
+        adapter,
         ..Default::default()
     };
     let loaded = load_model(model, &options)?;

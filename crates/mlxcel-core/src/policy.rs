@@ -133,6 +133,9 @@ pub struct RuntimePolicy {
     /// `MLXCEL_FUSE_PROJECTIONS`: fuse q/k/v and gate/up projections at load. `None`: on for a
     /// GPU, off on the CPU.
     pub fuse_projections: Option<bool>,
+    /// `MLXCEL_SURGERY`: a weight-surgery YAML file applied at load when the caller gives none
+    /// (`mlxcel_loading::LoadOptions::surgery`); it must exist.
+    pub surgery: Option<std::path::PathBuf>,
 }
 
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
@@ -158,10 +161,11 @@ impl RuntimePolicy {
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
         fuse_projections: None,
+        surgery: None,
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 17] = [
+    pub const VARIABLES: [&'static str; 18] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -179,6 +183,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
         "MLXCEL_FUSE_PROJECTIONS",
+        "MLXCEL_SURGERY",
     ];
 
     /// Parses the process environment (the only reader of these variables). A variable that is
@@ -280,6 +285,13 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_FUSE_PROJECTIONS") {
             p.fuse_projections = Some(v.switch()?);
+        }
+        if let Some(v) = get("MLXCEL_SURGERY") {
+            let path = std::path::PathBuf::from(v.raw.trim());
+            if !path.is_file() {
+                return Err(v.error("the path of an existing surgery YAML file"));
+            }
+            p.surgery = Some(path);
         }
         Ok(p)
     }

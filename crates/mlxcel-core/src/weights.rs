@@ -393,7 +393,24 @@ impl WeightMap {
                 "no *.safetensors files in the folder",
             ));
         }
+        Self::from_files(folder, files, index)
+    }
 
+    /// Opens one safetensors file (an adapter's, a surgery rule's) as a map rooted at its folder.
+    pub fn open_file(path: impl AsRef<Path>) -> Result<WeightMap> {
+        let path = path.as_ref().to_path_buf();
+        if !path.is_file() {
+            return Err(Error::checkpoint(&path, "no such safetensors file"));
+        }
+        let folder = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        Self::from_files(folder, vec![path], None)
+    }
+
+    fn from_files(
+        folder: PathBuf,
+        files: Vec<PathBuf>,
+        index: Option<BTreeMap<String, String>>,
+    ) -> Result<WeightMap> {
         let mut shards = Vec::with_capacity(files.len());
         let mut entries: BTreeMap<String, Entry> = BTreeMap::new();
         for (shard, path) in files.into_iter().enumerate() {

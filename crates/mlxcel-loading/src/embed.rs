@@ -357,6 +357,7 @@ pub fn load_embedding_model(
         materialization: runtime.weight_materialization,
         stream: None,
         fuse_projections: false,
+        transform: None,
     };
     let model = load_config_backed(model_type, &config, weights, &build)
         .and_then(LoadedModel::into_embedding)

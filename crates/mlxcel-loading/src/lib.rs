@@ -15,6 +15,7 @@
 
 #![warn(missing_docs)]
 
+pub mod adapter;
 mod chat;
 mod embed;
 mod error;
@@ -22,6 +23,7 @@ pub mod memory;
 mod pipeline;
 pub mod repack;
 pub mod stream;
+pub mod surgery;
 mod textgen;
 mod tokenizer;
 

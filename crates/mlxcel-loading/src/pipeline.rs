@@ -50,6 +50,13 @@ pub struct LoadOptions {
     /// (with the overrides above applied) as the process-wide policy before building the model
     /// ([`mlxcel_core::policy::install`]), so the last load's policy is the one layers read.
     pub policy: Option<RuntimePolicy>,
+    /// A weight-surgery YAML file (see [`crate::surgery`]): edits applied in order to the
+    /// sanitised tensors before the model is built, after any [`LoadOptions::adapter`].
+    /// Default: the policy's (`MLXCEL_SURGERY`).
+    pub surgery: Option<PathBuf>,
+    /// A LoRA adapter folder (mlx-lm or PEFT, see [`crate::adapter`]) fused into the dense
+    /// base weights before the model is built.
+    pub adapter: Option<PathBuf>,
 }
 
 impl LoadOptions {
@@ -117,6 +124,9 @@ pub struct Loaded {
     )>,
     /// The checkpoint files the weights are mapped from, with their identity at load.
     pub mapped: mlxcel_core::MappedFiles,
+    /// What the load-time weight edits did, one line each: the fused adapter, then each
+    /// surgery rule. Empty without [`LoadOptions::adapter`] / [`LoadOptions::surgery`].
+    pub surgery_applied: Vec<String>,
 }
 
 impl Loaded {
@@ -314,6 +324,18 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
             }));
         }
     }
+    // Read (and check) the edit files before touching the checkpoint.
+    let surgery = options
+        .surgery
+        .as_ref()
+        .or(runtime.surgery.as_ref())
+        .map(crate::surgery::Surgery::load)
+        .transpose()?;
+    let adapter = options
+        .adapter
+        .as_ref()
+        .map(crate::adapter::Adapter::load)
+        .transpose()?;
     let mut weights = WeightMap::open(&folder)?;
     let mapped = weights.mapped_files();
     let model_type = get_model_type(&config, has_vision_weights(&weights)).map_err(model_err)?;
@@ -333,6 +355,36 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
             block,
         )?),
         None => QuantConfig::from_config(&config)?,
+    };
+    if let Some(a) = &adapter {
+        mlxcel_arch::adapter_support(model_type).map_err(|reason| {
+            LoadError::Unsupported(format!(
+                "{}: adapter {} cannot be applied to {}: {reason}",
+                folder.display(),
+                a.dir().display(),
+                model_type.name()
+            ))
+        })?;
+    }
+    let applied = Rc::new(RefCell::new(Vec::new()));
+    let transform = if surgery.is_some() || adapter.is_some() {
+        let applied = applied.clone();
+        let quantized = quant.is_some();
+        Some(mlxcel_arch::WeightTransform(Rc::new(
+            move |w: &mut WeightMap| -> mlxcel_arch::Result<()> {
+                let mut log = Vec::new();
+                if let Some(a) = &adapter {
+                    log.push(a.fuse(w, quantized)?);
+                }
+                if let Some(s) = &surgery {
+                    log.extend(s.apply(w)?);
+                }
+                *applied.borrow_mut() = log;
+                Ok(())
+            },
+        )))
+    } else {
+        None
     };
     let dtype = match options.dtype {
         Some(d) => d,
@@ -355,6 +407,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         materialization,
         stream: plan.as_ref().map(|p| p.setup(stats.clone())),
         fuse_projections: runtime.fuse_projections.unwrap_or(gpu),
+        transform,
     };
     let model = load_config_backed(model_type, &config, weights, &build)
         .and_then(LoadedModel::into_generation)
@@ -380,5 +433,6 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         load_seconds: started.elapsed().as_secs_f64(),
         expert_stream: plan.map(|p| (p, stats)),
         mapped,
+        surgery_applied: applied.take(),
     })
 }

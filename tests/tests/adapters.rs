@@ -1,0 +1,197 @@
+//! Fused LoRA adapters (`LoadOptions::adapter`): an mlx-lm adapter made by mlx-lm itself
+//! (`tests/fixtures/make_adapters.py`) against mlx-lm's float32 CPU logits with the adapter
+//! (≤ 1e-4); the same A/B in PEFT's layout must give the same fused model; mismatched adapters
+//! are refused naming the file and tensor.
+
+use std::path::{Path, PathBuf};
+
+use mlxcel_core::{Array, Dtype, RuntimePolicy};
+use mlxcel_loading::{load_model, LoadOptions, Loaded};
+use mlxcel_tests::{fixtures_dir, logits_for, max_abs_diff, model_dir};
+use safetensors::SafeTensors;
+
+fn adapter_dir(name: &str) -> PathBuf {
+    fixtures_dir().join("adapters").join(name)
+}
+
+fn load(model: &Path, adapter: &Path) -> mlxcel_loading::Result<Loaded> {
+    load_model(
+        model,
+        &LoadOptions {
+            skip_tokenizer: true,
+            policy: Some(RuntimePolicy::default()),
+            adapter: Some(adapter.to_path_buf()),
+            ..Default::default()
+        },
+    )
+}
+
+fn mlx_lm_reference() -> (Vec<u32>, Vec<f32>) {
+    let bytes = std::fs::read(adapter_dir("llama-lora-mlx").join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let ids = st
+        .tensor("prompt_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let logits = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (ids, logits)
+}
+
+#[test]
+fn mlx_lm_adapter_matches_mlx_lm() {
+    let (ids, want) = mlx_lm_reference();
+    let loaded = load(&model_dir("llama"), &adapter_dir("llama-lora-mlx")).unwrap();
+    assert_eq!(
+        loaded.surgery_applied.len(),
+        1,
+        "{:?}",
+        loaded.surgery_applied
+    );
+    assert!(
+        loaded.surgery_applied[0].contains("fused into 8 tensors"),
+        "{:?}",
+        loaded.surgery_applied
+    );
+    let got = logits_for(&loaded.model, &ids);
+    let (diff, at) = max_abs_diff(&got, &want);
+    assert!(diff <= 1e-4, "fused vs mlx-lm: max |Δ| {diff} at {at}");
+    // The adapter matters: the base model is far from the reference.
+    let base = load_model(
+        model_dir("llama"),
+        &LoadOptions {
+            skip_tokenizer: true,
+            policy: Some(RuntimePolicy::default()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (moved, _) = max_abs_diff(&logits_for(&base.model, &ids), &want);
+    assert!(
+        moved > 1e-2,
+        "the adapter barely changes the logits ({moved})"
+    );
+}
+
+#[test]
+fn peft_layout_gives_the_same_fused_model() {
+    let (ids, want) = mlx_lm_reference();
+    let mlx = load(&model_dir("llama"), &adapter_dir("llama-lora-mlx")).unwrap();
+    let peft = load(&model_dir("llama"), &adapter_dir("llama-lora-peft")).unwrap();
+    assert!(peft.surgery_applied[0].contains("PEFT"));
+    let a = logits_for(&mlx.model, &ids);
+    let b = logits_for(&peft.model, &ids);
+    let (diff, at) = max_abs_diff(&a, &b);
+    assert!(
+        diff <= 1e-5,
+        "PEFT vs mlx-lm layout: max |Δ| {diff} at {at}"
+    );
+    let (diff, _) = max_abs_diff(&b, &want);
+    assert!(diff <= 1e-4, "PEFT vs mlx-lm reference: {diff}");
+}
+
+/// An mlx-lm adapter folder holding `tensors`.
+fn write_adapter(dir: &Path, tensors: &[(&str, &[i32])], config: &str) {
+    std::fs::write(dir.join("adapter_config.json"), config).unwrap();
+    let key = mlxcel_core::ops::random::key(1).unwrap();
+    let tensors: Vec<(String, Array)> = tensors
+        .iter()
+        .map(|(n, s)| {
+            (
+                n.to_string(),
+                mlxcel_core::ops::random::uniform(s, Dtype::Float32, &key).unwrap(),
+            )
+        })
+        .collect();
+    mlxcel_core::weights::save_safetensors(dir.join("adapters.safetensors"), &tensors, None)
+        .unwrap();
+}
+
+const MLX_CONFIG: &str = r#"{"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}"#;
+
+fn error(model: &str, adapter: &Path) -> String {
+    match load(&model_dir(model), adapter) {
+        Ok(_) => panic!("adapter {} accepted on {model}", adapter.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn mismatched_adapters_are_refused_naming_file_and_tensor() {
+    // Wrong input width for q_proj (an adapter for another model).
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            ("model.layers.0.self_attn.q_proj.lora_a", &[32, 4]),
+            ("model.layers.0.self_attn.q_proj.lora_b", &[4, 64]),
+        ],
+        MLX_CONFIG,
+    );
+    let msg = error("llama", tmp.path());
+    for p in [
+        "adapters.safetensors",
+        "model.layers.0.self_attn.q_proj.lora_a",
+        "[64, 64]",
+    ] {
+        assert!(msg.contains(p), "`{p}` not in: {msg}");
+    }
+
+    // A module the model does not have.
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            ("model.layers.7.self_attn.q_proj.lora_a", &[64, 4]),
+            ("model.layers.7.self_attn.q_proj.lora_b", &[4, 64]),
+        ],
+        MLX_CONFIG,
+    );
+    let msg = error("llama", tmp.path());
+    assert!(
+        msg.contains("model.layers.7.self_attn.q_proj.weight") && msg.contains("does not have"),
+        "{msg}"
+    );
+
+    // A lone A.
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[("model.layers.0.self_attn.q_proj.lora_a", &[64, 4])],
+        MLX_CONFIG,
+    );
+    let msg = error("llama", tmp.path());
+    assert!(msg.contains("has no B tensor"), "{msg}");
+
+    // DoRA.
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[("model.layers.0.self_attn.q_proj.lora_a", &[64, 4])],
+        &MLX_CONFIG.replace("\"lora\"", "\"dora\""),
+    );
+    let msg = error("llama", tmp.path());
+    assert!(
+        msg.contains("DoRA") && msg.contains("adapter_config.json"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn quantized_base_is_refused() {
+    let msg = error("llama-affine4-g64", &adapter_dir("llama-lora-mlx"));
+    assert!(
+        msg.contains("quantized")
+            && msg.contains("runtime")
+            && msg.contains("adapters.safetensors"),
+        "{msg}"
+    );
+}
