@@ -195,3 +195,36 @@ fn quantized_base_is_refused() {
         "{msg}"
     );
 }
+
+/// The facade's `ModelBuilder::adapter` fuses the same adapter as `LoadOptions::adapter`: the
+/// same next-token logits, listed in `ModelInfo::weight_edits`, different from the base model.
+#[test]
+fn facade_adapter_matches_the_library_path() {
+    let (ids, _) = mlx_lm_reference();
+    let loaded = load(&model_dir("llama"), &adapter_dir("llama-lora-mlx")).unwrap();
+    let model = mlxcel_models::Model::load(model_dir("llama"))
+        .without_tokenizer()
+        .adapter(adapter_dir("llama-lora-mlx"))
+        .build()
+        .unwrap();
+    let all = logits_for(&loaded.model, &ids);
+    let want = &all[all.len() - model.info().vocab_size..];
+    assert_eq!(model.info().weight_edits, loaded.surgery_applied);
+    let got = model.logits(&ids).unwrap();
+    let (diff, at) = max_abs_diff(&got, want);
+    assert!(
+        diff <= 1e-6,
+        "facade vs library adapter: max |Δ| {diff} at {at}"
+    );
+
+    let base = mlxcel_models::Model::load(model_dir("llama"))
+        .without_tokenizer()
+        .build()
+        .unwrap();
+    assert!(base.info().weight_edits.is_empty());
+    let (moved, _) = max_abs_diff(&base.logits(&ids).unwrap(), want);
+    assert!(
+        moved > 1e-2,
+        "the adapter barely changes the logits ({moved})"
+    );
+}

@@ -213,6 +213,10 @@ pub struct ModelInfo {
     pub has_chat_template: bool,
     /// Seconds the load took on the worker thread.
     pub load_seconds: f64,
+    /// What the load-time weight edits did, one line each: the fused LoRA adapter
+    /// ([`ModelBuilder::adapter`]), then each surgery rule ([`ModelBuilder::surgery`], or the
+    /// `MLXCEL_SURGERY` file with [`ModelBuilder::policy_from_env`]). Empty when none applied.
+    pub weight_edits: Vec<String>,
 }
 
 /// Builds a [`Model`]: `Model::load(path).dtype(..).build()`.
@@ -249,6 +253,24 @@ impl ModelBuilder {
     pub fn policy_from_env(mut self) -> Result<Self> {
         self.options.policy = Some(RuntimePolicy::from_env()?);
         Ok(self)
+    }
+
+    /// Fuses the LoRA adapter folder at `path` (mlx-lm's `adapters.safetensors` +
+    /// `adapter_config.json`, or PEFT's `adapter_model.safetensors` + `adapter_config.json`)
+    /// into the dense weights at load time. An adapter that does not match the model is a load
+    /// error naming the tensor. [`ModelInfo::weight_edits`] lists what was fused.
+    pub fn adapter(mut self, path: impl Into<PathBuf>) -> Self {
+        self.options.adapter = Some(expand_home(&path.into()));
+        self
+    }
+
+    /// Applies the weight-surgery YAML file at `path` (scale, add, prune, replace,
+    /// interpolate; see `mlxcel_loading::surgery`) to the weights at load time, after any
+    /// [`ModelBuilder::adapter`]. A rule that matches nothing is a load error.
+    /// [`ModelInfo::weight_edits`] lists what each rule did.
+    pub fn surgery(mut self, path: impl Into<PathBuf>) -> Self {
+        self.options.surgery = Some(expand_home(&path.into()));
+        self
     }
 
     /// Skips the tokenizer and chat template (ids and logits only).
@@ -353,6 +375,7 @@ impl Worker {
             has_tokenizer: l.tokenizer.is_some(),
             has_chat_template: l.chat_template.is_some(),
             load_seconds: l.load_seconds,
+            weight_edits: l.surgery_applied.clone(),
         }
     }
 }
