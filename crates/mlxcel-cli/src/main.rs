@@ -86,6 +86,12 @@ enum Command {
         /// Conversations whose caches are kept for prefix reuse.
         #[arg(long, default_value_t = 4)]
         sessions: usize,
+        /// LoRA adapter folder fused into the dense base weights at load.
+        #[arg(long, value_name = "DIR")]
+        adapter: Option<PathBuf>,
+        /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`).
+        #[arg(long, value_name = "FILE")]
+        surgery: Option<PathBuf>,
     },
     /// Write (or with --verify, check) the expert-stream layout of an MoE model, so its routed
     /// experts can stream from disk.
@@ -154,14 +160,25 @@ fn main() -> anyhow::Result<()> {
             api_key,
             max_queue,
             sessions,
+            adapter,
+            surgery,
         }) => {
             let model = match model {
                 Some(m) => m,
                 None => generate::default_model()?,
             };
-            let loaded = mlxcel_models::Model::load(&model)
-                .policy(mlxcel_core::policy::current())
-                .build()?;
+            let mut builder =
+                mlxcel_models::Model::load(&model).policy(mlxcel_core::policy::current());
+            if let Some(a) = adapter {
+                builder = builder.adapter(a);
+            }
+            if let Some(s) = surgery {
+                builder = builder.surgery(s);
+            }
+            let loaded = builder.build()?;
+            for edit in &loaded.info().weight_edits {
+                eprintln!("[serve] {edit}");
+            }
             let config = mlxcel_server::ServerConfig {
                 api_key,
                 max_queue,
