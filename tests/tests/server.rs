@@ -470,3 +470,133 @@ fn smollm2_queue_full_and_disconnect_cancels() {
     );
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// `POST /v1/embeddings` with the bert fixture as the embedding model: the vectors equal
+/// `Embedder::embed` (order kept), `dimensions` truncates, bad requests are 400s naming the field,
+/// and a server without an embedding model says none is loaded.
+#[test]
+fn embeddings_endpoint_matches_embedder() {
+    use mlxcel_models::Embedder;
+    let model = fixture_model();
+    let embedder = Embedder::load(mlxcel_tests::model_dir("bert"))
+        .build()
+        .expect("the bert fixture loads");
+    let server = start(
+        &model,
+        ServerConfig {
+            embedder: Some(embedder.clone()),
+            ..ServerConfig::default()
+        },
+    );
+    let addr = server.addr();
+    let texts = [
+        "The quick brown fox.",
+        "hello",
+        "Embeddings keep their order, even long ones.",
+    ];
+    let want = embedder.embed(&texts).expect("Embedder::embed");
+    let check = |got: &Value, want: &[Vec<f32>]| {
+        let data = got["data"].as_array().expect("data");
+        assert_eq!(data.len(), want.len());
+        for (i, (d, w)) in data.iter().zip(want).enumerate() {
+            assert_eq!(d["object"], "embedding");
+            assert_eq!(d["index"], i);
+            let v: Vec<f32> = d["embedding"]
+                .as_array()
+                .expect("embedding")
+                .iter()
+                .map(|x| x.as_f64().expect("number") as f32)
+                .collect();
+            assert_eq!(v.len(), w.len());
+            let diff = v
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff <= 1e-6, "input {i}: max |Δ| {diff}");
+        }
+    };
+
+    let r = post(
+        addr,
+        "/v1/embeddings",
+        &json!({"model": "bert", "input": texts, "encoding_format": "float"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    assert_eq!(j["object"], "list");
+    assert_eq!(j["model"], "bert");
+    check(&j, &want);
+    let tokens = j["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    assert!(tokens >= texts.len() as u64 * 3, "{tokens}");
+    assert_eq!(j["usage"]["total_tokens"], tokens);
+
+    // A single string; the reverse order comes back reversed.
+    let r = post(addr, "/v1/embeddings", &json!({"input": "hello"}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    check(&r.json(), &want[1..2]);
+    let reversed: Vec<&str> = texts.iter().rev().copied().collect();
+    let r = post(addr, "/v1/embeddings", &json!({"input": reversed}));
+    let want_rev: Vec<Vec<f32>> = want.iter().rev().cloned().collect();
+    check(&r.json(), &want_rev);
+
+    // Matryoshka truncation.
+    let width = embedder.info().dimensions;
+    let d = (width / 2).max(1);
+    let opts = mlxcel_models::EmbedOptions {
+        dimensions: Some(d),
+        ..embedder.options().clone()
+    };
+    let want_d = embedder.embed_with(&texts, &opts).expect("embed_with");
+    let r = post(
+        addr,
+        "/v1/embeddings",
+        &json!({"input": texts, "dimensions": d}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    check(&r.json(), &want_d);
+
+    // Bad requests name the field.
+    for (body, param) in [
+        (
+            json!({"input": "x", "encoding_format": "base64"}),
+            "encoding_format",
+        ),
+        (json!({"model": "bert"}), "input"),
+        (json!({"input": []}), "input"),
+        (json!({"input": 3}), "input"),
+        (json!({"input": ["a", [1, 2]]}), "input[1]"),
+        (json!({"input": ["a", ""]}), "input[1]"),
+        (json!({"input": "x", "dimensions": 0}), "dimensions"),
+        (json!({"input": "x", "dimensions": width + 1}), "dimensions"),
+        (json!({"input": "x", "dimensions": "8"}), "dimensions"),
+        (json!({"input": "x", "model": 5}), "model"),
+        (json!({"input": "x", "bogus": 1}), "bogus"),
+    ] {
+        let r = post(addr, "/v1/embeddings", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{body}: {}", r.body);
+    }
+    let r = http(addr, "POST", "/v1/embeddings", &[], "{not json");
+    assert_eq!(r.status, 400, "{}", r.body);
+
+    // Listed in /v1/models.
+    let r = http(addr, "GET", "/v1/models", &[], "");
+    let ids: Vec<String> = r.json()["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .filter_map(|m| m["id"].as_str().map(str::to_string))
+        .collect();
+    assert!(ids.contains(&"bert".to_string()), "{ids:?}");
+
+    // Without an embedding model.
+    let plain = start(&model, ServerConfig::default());
+    let r = post(plain.addr(), "/v1/embeddings", &json!({"input": "hello"}));
+    assert_eq!(r.status, 404, "{}", r.body);
+    let msg = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(msg.contains("no embedding model is loaded"), "{msg}");
+}

@@ -92,6 +92,9 @@ enum Command {
         /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`).
         #[arg(long, value_name = "FILE")]
         surgery: Option<PathBuf>,
+        /// Embedding model folder (BERT, XLM-RoBERTa, ModernBERT) served at /v1/embeddings.
+        #[arg(long, value_name = "DIR")]
+        embedding_model: Option<PathBuf>,
     },
     /// Write (or with --verify, check) the expert-stream layout of an MoE model, so its routed
     /// experts can stream from disk.
@@ -162,6 +165,7 @@ fn main() -> anyhow::Result<()> {
             sessions,
             adapter,
             surgery,
+            embedding_model,
         }) => {
             let model = match model {
                 Some(m) => m,
@@ -179,7 +183,27 @@ fn main() -> anyhow::Result<()> {
             for edit in &loaded.info().weight_edits {
                 eprintln!("[serve] {edit}");
             }
+            let embedder = match embedding_model {
+                Some(dir) => {
+                    let e = mlxcel_models::Embedder::load(&dir)
+                        .policy(mlxcel_core::policy::current())
+                        .build()
+                        .with_context(|| {
+                            format!("loading the embedding model {}", dir.display())
+                        })?;
+                    eprintln!(
+                        "[serve] embeddings: {} ({}, {} dimensions) loaded in {:.2}s",
+                        e.info().folder.display(),
+                        e.info().model_type.name(),
+                        e.info().dimensions,
+                        e.info().load_seconds
+                    );
+                    Some(e)
+                }
+                None => None,
+            };
             let config = mlxcel_server::ServerConfig {
+                embedder,
                 api_key,
                 max_queue,
                 sessions: sessions.max(1),

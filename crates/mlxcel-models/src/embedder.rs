@@ -238,6 +238,30 @@ impl Embedder {
         rx.recv().map_err(|_| Error::WorkerGone)?
     }
 
+    /// How many tokens the model sees for each text under `options` (prompt prepended,
+    /// special tokens added, truncated at the limit), in input order: what an embedding call
+    /// costs, for usage reports.
+    pub fn token_counts(&self, texts: &[&str], options: &EmbedOptions) -> Result<Vec<usize>> {
+        let texts: Vec<String> = texts.iter().map(|t| t.to_string()).collect();
+        let options = options.clone();
+        let (tx, rx) = channel();
+        let job: Job = Box::new(move |l| {
+            let counts = texts
+                .iter()
+                .map(|t| l.tokenize(t, &options).map(|(ids, _)| ids.len()))
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(Error::from);
+            let _ = tx.send(counts);
+        });
+        self.shared
+            .jobs
+            .lock()
+            .map_err(|_| Error::WorkerGone)?
+            .send(job)
+            .map_err(|_| Error::WorkerGone)?;
+        rx.recv().map_err(|_| Error::WorkerGone)?
+    }
+
     /// The builder's per-call options (see [`Embedder::embed_with`] to change them).
     pub fn options(&self) -> &EmbedOptions {
         &self.shared.options

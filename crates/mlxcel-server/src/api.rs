@@ -564,3 +564,106 @@ mod tests {
         }
     }
 }
+
+/// A validated `POST /v1/embeddings` request.
+#[derive(Debug, Clone)]
+pub(crate) struct EmbeddingRequest {
+    pub input: Vec<String>,
+    pub dimensions: Option<usize>,
+}
+
+/// Parses OpenAI's embeddings request: `input` (a string or a list of strings), `model`
+/// (any string; one embedding model is served), `dimensions`, `encoding_format` ("float"),
+/// `user` (ignored).
+pub(crate) fn parse_embeddings(body: &[u8]) -> Result<EmbeddingRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid("body", format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::invalid("body", "the body must be a JSON object"));
+    };
+    for key in obj.keys() {
+        if !matches!(
+            key.as_str(),
+            "input" | "model" | "dimensions" | "encoding_format" | "user"
+        ) {
+            return Err(ApiError::invalid(
+                key.as_str(),
+                format!("unknown field `{key}`"),
+            ));
+        }
+    }
+    let input = match obj.get("input") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("input", "`input` is required"));
+        }
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return Err(ApiError::invalid(
+                    "input",
+                    "`input` must not be an empty list",
+                ));
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    _ => Err(ApiError::invalid(
+                        format!("input[{i}]"),
+                        format!("`input[{i}]` must be a string (token-id input is not supported)"),
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "input",
+                "`input` must be a string or a list of strings",
+            ))
+        }
+    };
+    for (i, text) in input.iter().enumerate() {
+        if text.is_empty() {
+            return Err(ApiError::invalid(
+                format!("input[{i}]"),
+                format!("`input[{i}]` is an empty string"),
+            ));
+        }
+    }
+    match obj.get("model") {
+        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        Some(_) => return Err(ApiError::invalid("model", "`model` must be a string")),
+    }
+    match obj.get("encoding_format") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(f)) if f == "float" => {}
+        Some(Value::String(f)) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                format!("`encoding_format` \"{f}\" is not supported: only \"float\""),
+            ))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                "`encoding_format` must be the string \"float\"",
+            ))
+        }
+    }
+    let dimensions = match obj.get("dimensions") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n > 0 => Some(usize::try_from(n).map_err(|_| {
+                ApiError::invalid("dimensions", format!("`dimensions` {n} is too large"))
+            })?),
+            _ => {
+                return Err(ApiError::invalid(
+                    "dimensions",
+                    format!("`dimensions` must be a positive integer, not {v}"),
+                ))
+            }
+        },
+    };
+    Ok(EmbeddingRequest { input, dimensions })
+}

@@ -15,7 +15,8 @@
 //!
 //! Endpoints: `GET /` (the chat page), `GET /health`, `GET /v1/models`,
 //! `POST /v1/chat/completions`, `POST /v1/completions` (both streamed as server-sent events
-//! with `"stream": true`) and `GET /metrics` (Prometheus text).
+//! with `"stream": true`), `POST /v1/embeddings` (when [`ServerConfig::embedder`] holds an
+//! [`Embedder`]; float vectors only) and `GET /metrics` (Prometheus text).
 //!
 //! Requests run one at a time on the model's worker; the others wait in a bounded queue (a
 //! request past [`ServerConfig::max_queue`] waiting ones gets a 429). A small pool of
@@ -36,7 +37,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use api::{ApiError, Input, Request};
+use api::{ApiError, EmbeddingRequest, Input, Request};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -44,7 +45,7 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use mlxcel_models::{
-    AsyncTokenStream, FinishReason, Generation, GenerationStats, Model, Prompt, Session,
+    AsyncTokenStream, Embedder, FinishReason, Generation, GenerationStats, Model, Prompt, Session,
 };
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Mutex, OwnedMutexGuard};
@@ -66,6 +67,9 @@ pub struct ServerConfig {
     pub sessions: usize,
     /// The model's id in `/v1/models` and responses (default: the model folder's name).
     pub model_name: Option<String>,
+    /// An embedding model served at `POST /v1/embeddings` (and listed in `/v1/models` under
+    /// its folder's name). Without one that endpoint answers 404 saying none is loaded.
+    pub embedder: Option<Embedder>,
 }
 
 impl Default for ServerConfig {
@@ -76,6 +80,7 @@ impl Default for ServerConfig {
             body_limit: 4 << 20,
             sessions: 4,
             model_name: None,
+            embedder: None,
         }
     }
 }
@@ -191,6 +196,8 @@ struct AppState {
     model: Model,
     config: ServerConfig,
     name: String,
+    /// The embedding model's id (when [`ServerConfig::embedder`] is set).
+    embedder_name: String,
     pool: Arc<Mutex<Pool>>,
     metrics: Metrics,
     next_id: AtomicU64,
@@ -207,6 +214,12 @@ fn router(model: Model, config: ServerConfig) -> Router {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".to_string())
     });
+    let embedder_name = config
+        .embedder
+        .as_ref()
+        .and_then(|e| e.info().folder.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "embedding-model".to_string());
     let slots = (0..config.sessions.max(1))
         .map(|_| Slot {
             session: model.session(),
@@ -218,6 +231,7 @@ fn router(model: Model, config: ServerConfig) -> Router {
         model,
         config,
         name,
+        embedder_name,
         pool: Arc::new(Mutex::new(Pool { slots, clock: 0 })),
         metrics: Metrics::default(),
         next_id: AtomicU64::new(1),
@@ -229,6 +243,7 @@ fn router(model: Model, config: ServerConfig) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .fallback(not_found)
         .with_state(state)
 }
@@ -291,14 +306,74 @@ fn json_response(status: StatusCode, body: &Value) -> Response {
 
 async fn models(State(s): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
     s.authorize(&headers)?;
+    let entry = |id: &str| json!({"id": id, "object": "model", "created": 0, "owned_by": "mlxcel"});
+    let mut data = vec![entry(&s.name)];
+    if s.config.embedder.is_some() {
+        data.push(entry(&s.embedder_name));
+    }
     Ok(json_response(
         StatusCode::OK,
-        &json!({"object": "list", "data": [{
-            "id": s.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "mlxcel",
-        }]}),
+        &json!({"object": "list", "data": data}),
+    ))
+}
+
+/// `POST /v1/embeddings`: one vector per input text, in input order.
+async fn embeddings(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    s.authorize(&headers)?;
+    let body = read_body(body, s.config.body_limit).await?;
+    let Some(embedder) = s.config.embedder.clone() else {
+        return Err(ApiError::other(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "no embedding model is loaded: start the server with an embedding model \
+             (`mlxcel serve --embedding-model DIR`)",
+        )
+        .code("model_not_found"));
+    };
+    let EmbeddingRequest { input, dimensions } = api::parse_embeddings(&body)?;
+    let width = embedder.info().dimensions;
+    let mut options = embedder.options().clone();
+    if let Some(d) = dimensions {
+        if d > width {
+            return Err(ApiError::invalid(
+                "dimensions",
+                format!("`dimensions` {d} exceeds the model's {width}"),
+            ));
+        }
+        options.dimensions = Some(d);
+    }
+    let (vectors, counts) = tokio::task::spawn_blocking(move || {
+        let texts: Vec<&str> = input.iter().map(String::as_str).collect();
+        let counts = embedder.token_counts(&texts, &options)?;
+        let vectors = embedder.embed_with(&texts, &options)?;
+        Ok::<_, mlxcel_models::Error>((vectors, counts))
+    })
+    .await
+    .map_err(|e| internal(format!("the embedding task failed: {e}")))?
+    .map_err(|e| match e {
+        mlxcel_models::Error::Invalid(_) | mlxcel_models::Error::Load(_) => {
+            ApiError::invalid("input", e.to_string())
+        }
+        e => internal(e.to_string()),
+    })?;
+    let tokens: usize = counts.iter().sum();
+    let data: Vec<Value> = vectors
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| json!({"object": "embedding", "index": i, "embedding": v}))
+        .collect();
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({
+            "object": "list",
+            "data": data,
+            "model": s.embedder_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }),
     ))
 }
 
