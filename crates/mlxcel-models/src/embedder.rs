@@ -2,12 +2,12 @@
 //! sentence-transformers modules) on a worker thread, like [`crate::Model`].
 
 use std::path::PathBuf;
-use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use mlxcel_loading::{load_embedding_model, EmbedOptions, EmbeddingLoaded, LoadOptions};
 
-use crate::{expand_home, Device, Dtype, Error, ModelType, Result, RuntimePolicy};
+use crate::worker::Worker;
+use crate::{expand_home, Device, Dtype, ModelType, Result, RuntimePolicy};
 
 pub use mlxcel_loading::Overflow;
 
@@ -89,80 +89,40 @@ impl EmbedderBuilder {
 
     /// Starts the worker thread and loads the model there.
     pub fn build(self) -> Result<Embedder> {
-        let (jobs, inbox) = channel::<Job>();
-        let (ready_tx, ready_rx) = channel::<Result<EmbedderInfo>>();
         let EmbedderBuilder {
             path,
             options,
             device,
             embed,
         } = self;
-        let worker = std::thread::Builder::new()
-            .name("mlxcel-embedder".into())
-            .spawn(move || {
-                let loaded = (|| -> Result<(EmbeddingLoaded, EmbedderInfo)> {
-                    if let Some(d) = device {
-                        mlxcel_core::set_default_device(d)?;
-                    }
-                    let l = load_embedding_model(expand_home(&path), &options)?;
-                    let info = EmbedderInfo {
-                        model_type: l.model_type,
-                        folder: l.folder.clone(),
-                        dtype: l.dtype,
-                        dimensions: l.dimensions()?,
-                        max_tokens: l.max_tokens,
-                        from_modules_json: l.head.from_modules_json,
-                        normalized: l.head.normalize,
-                        load_seconds: l.load_seconds,
-                    };
-                    Ok((l, info))
-                })();
-                let loaded = match loaded {
-                    Ok((l, info)) => {
-                        let _ = ready_tx.send(Ok(info));
-                        l
-                    }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                while let Ok(job) = inbox.recv() {
-                    job(&loaded);
-                }
-            })
-            .map_err(|e| Error::Invalid(format!("cannot start the embedder thread: {e}")))?;
-        let info = ready_rx.recv().map_err(|_| Error::WorkerGone)??;
+        let (worker, info) = Worker::start("mlxcel-embedder", device, move || {
+            let l = load_embedding_model(expand_home(&path), &options)?;
+            let info = EmbedderInfo {
+                model_type: l.model_type,
+                folder: l.folder.clone(),
+                dtype: l.dtype,
+                dimensions: l.dimensions()?,
+                max_tokens: l.max_tokens,
+                from_modules_json: l.head.from_modules_json,
+                normalized: l.head.normalize,
+                load_seconds: l.load_seconds,
+            };
+            Ok((l, info))
+        })?;
         Ok(Embedder {
             shared: Arc::new(Shared {
-                jobs: Mutex::new(jobs),
+                worker,
                 info,
                 options: embed,
-                worker: Mutex::new(Some(worker)),
             }),
         })
     }
 }
 
-type Job = Box<dyn FnOnce(&EmbeddingLoaded) + Send>;
-
 struct Shared {
-    jobs: Mutex<Sender<Job>>,
+    worker: Worker<EmbeddingLoaded>,
     info: EmbedderInfo,
     options: EmbedOptions,
-    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        let (closed, _) = channel::<Job>();
-        if let Ok(mut jobs) = self.jobs.lock() {
-            *jobs = closed;
-        }
-        if let Some(handle) = self.worker.lock().ok().and_then(|mut w| w.take()) {
-            let _ = handle.join();
-        }
-    }
 }
 
 /// A loaded embedding model: a cloneable, `Send + Sync` handle to the thread that owns it.
@@ -224,18 +184,10 @@ impl Embedder {
     pub fn embed_with(&self, texts: &[&str], options: &EmbedOptions) -> Result<Vec<Vec<f32>>> {
         let texts: Vec<String> = texts.iter().map(|t| t.to_string()).collect();
         let options = options.clone();
-        let (tx, rx) = channel();
-        let job: Job = Box::new(move |l| {
+        self.shared.worker.run(move |l| {
             let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-            let _ = tx.send(l.embed(&refs, &options).map_err(Error::from));
-        });
-        self.shared
-            .jobs
-            .lock()
-            .map_err(|_| Error::WorkerGone)?
-            .send(job)
-            .map_err(|_| Error::WorkerGone)?;
-        rx.recv().map_err(|_| Error::WorkerGone)?
+            Ok(l.embed(&refs, &options)?)
+        })
     }
 
     /// How many tokens the model sees for each text under `options` (prompt prepended,
@@ -244,22 +196,12 @@ impl Embedder {
     pub fn token_counts(&self, texts: &[&str], options: &EmbedOptions) -> Result<Vec<usize>> {
         let texts: Vec<String> = texts.iter().map(|t| t.to_string()).collect();
         let options = options.clone();
-        let (tx, rx) = channel();
-        let job: Job = Box::new(move |l| {
-            let counts = texts
+        self.shared.worker.run(move |l| {
+            Ok(texts
                 .iter()
                 .map(|t| l.tokenize(t, &options).map(|(ids, _)| ids.len()))
-                .collect::<std::result::Result<Vec<_>, _>>()
-                .map_err(Error::from);
-            let _ = tx.send(counts);
-        });
-        self.shared
-            .jobs
-            .lock()
-            .map_err(|_| Error::WorkerGone)?
-            .send(job)
-            .map_err(|_| Error::WorkerGone)?;
-        rx.recv().map_err(|_| Error::WorkerGone)?
+                .collect::<std::result::Result<Vec<_>, _>>()?)
+        })
     }
 
     /// The builder's per-call options (see [`Embedder::embed_with`] to change them).

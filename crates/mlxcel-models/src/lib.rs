@@ -48,17 +48,19 @@
 #![warn(missing_docs)]
 
 mod embedder;
+mod worker;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 
 use mlxcel_arch::generate::{Session as ArchSession, SessionState};
 use mlxcel_arch::sampling::SamplingParams;
 use mlxcel_arch::LanguageModel;
 use mlxcel_loading::{generate_text, GenerateRequest, LoadOptions, Loaded};
+
+use worker::Worker;
 
 pub use embedder::{Embedder, EmbedderBuilder, EmbedderInfo, Overflow};
 pub use mlxcel_arch as arch;
@@ -287,53 +289,30 @@ impl ModelBuilder {
 
     /// Starts the model's worker thread and loads the model there.
     pub fn build(self) -> Result<Model> {
-        let (jobs, inbox) = channel::<Job>();
-        let (ready_tx, ready_rx) = channel::<Result<Ready>>();
         let ModelBuilder {
             path,
             options,
             device,
         } = self;
-        let worker = std::thread::Builder::new()
-            .name("mlxcel-model".into())
-            .spawn(move || {
-                let loaded = (|| -> Result<Worker> {
-                    if let Some(d) = device {
-                        mlxcel_core::set_default_device(d)?;
-                    }
-                    let loaded = mlxcel_loading::load_model(expand_home(&path), &options)?;
-                    Ok(Worker {
-                        loaded,
-                        sessions: HashMap::new(),
-                    })
-                })();
-                let mut worker = match loaded {
-                    Ok(w) => w,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                let _ = ready_tx.send(Ok(Ready {
-                    info: worker.info(),
-                    tokenizer: worker.loaded.tokenizer.take().map(Arc::new),
-                    template: worker.loaded.chat_template.take().map(Arc::new),
-                }));
-                // Jobs until every handle is dropped.
-                while let Ok(job) = inbox.recv() {
-                    job(&mut worker);
-                }
-            })
-            .map_err(|e| Error::Invalid(format!("cannot start the model thread: {e}")))?;
-        let ready = ready_rx.recv().map_err(|_| Error::WorkerGone)??;
+        let (worker, ready) = Worker::start("mlxcel-model", device, move || {
+            let mut state = ModelState {
+                loaded: mlxcel_loading::load_model(expand_home(&path), &options)?,
+                sessions: HashMap::new(),
+            };
+            let ready = Ready {
+                info: state.info(),
+                tokenizer: state.loaded.tokenizer.take().map(Arc::new),
+                template: state.loaded.chat_template.take().map(Arc::new),
+            };
+            Ok((state, ready))
+        })?;
         Ok(Model {
             shared: Arc::new(Shared {
-                jobs: Mutex::new(jobs),
+                worker,
                 info: ready.info,
                 tokenizer: ready.tokenizer,
                 template: ready.template,
                 next_session: AtomicU64::new(1),
-                worker: Mutex::new(Some(worker)),
             }),
         })
     }
@@ -353,12 +332,12 @@ struct Ready {
 }
 
 /// The worker thread's state: the model and the parked conversations.
-struct Worker {
+struct ModelState {
     loaded: Loaded,
     sessions: HashMap<u64, SessionState>,
 }
 
-impl Worker {
+impl ModelState {
     fn info(&self) -> ModelInfo {
         let l = &self.loaded;
         ModelInfo {
@@ -380,29 +359,12 @@ impl Worker {
     }
 }
 
-type Job = Box<dyn FnOnce(&mut Worker) + Send>;
-
 struct Shared {
-    // A `Mutex` keeps `Shared: Sync` on every toolchain the crate supports.
-    jobs: Mutex<Sender<Job>>,
+    worker: Worker<ModelState>,
     info: ModelInfo,
     tokenizer: Option<Arc<mlxcel_loading::Tokenizer>>,
     template: Option<Arc<mlxcel_loading::ChatTemplate>>,
     next_session: AtomicU64,
-    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        // Closing the channel ends the worker's loop; wait so the weights are freed on return.
-        let (closed, _) = channel::<Job>();
-        if let Ok(mut jobs) = self.jobs.lock() {
-            *jobs = closed;
-        }
-        if let Some(handle) = self.worker.lock().ok().and_then(|mut w| w.take()) {
-            let _ = handle.join();
-        }
-    }
 }
 
 /// A loaded model: a cloneable, `Send + Sync` handle to the thread that owns it (see the crate
@@ -437,27 +399,6 @@ impl Model {
     /// What was loaded.
     pub fn info(&self) -> &ModelInfo {
         &self.shared.info
-    }
-
-    /// Runs `job` on the worker thread and waits for its result.
-    fn run<T: Send + 'static>(
-        &self,
-        job: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
-    ) -> Result<T> {
-        let (tx, rx) = channel();
-        self.submit(Box::new(move |w| {
-            let _ = tx.send(job(w));
-        }))?;
-        rx.recv().map_err(|_| Error::WorkerGone)?
-    }
-
-    fn submit(&self, job: Job) -> Result<()> {
-        self.shared
-            .jobs
-            .lock()
-            .map_err(|_| Error::WorkerGone)?
-            .send(job)
-            .map_err(|_| Error::WorkerGone)
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<()> {
@@ -515,7 +456,7 @@ impl Model {
         }
         self.check_ids(ids)?;
         let ids = ids.to_vec();
-        self.run(move |w| {
+        self.shared.worker.run(move |w| {
             let model = &w.loaded.model;
             let mut caches = model.make_caches();
             let row = mlxcel_arch::generate::prefill(model, &ids, &mut caches, None)?;
@@ -577,55 +518,57 @@ impl Model {
         let queue = Arc::new(Queue::default());
         let feed = queue.clone();
         let tokenizer = self.shared.tokenizer.clone();
-        self.submit(Box::new(move |w: &mut Worker| {
-            let Worker { loaded, sessions } = w;
-            let state = match session {
-                Some(id) => sessions
-                    .remove(&id)
-                    .unwrap_or_else(|| SessionState::new(&loaded.model)),
-                None => SessionState::new(&loaded.model),
-            };
-            let mut s =
-                ArchSession::resume(&loaded.model, state).with_mapped_files(loaded.mapped.clone());
-            let pieces = std::cell::RefCell::new(Vec::<u32>::new());
-            let result = generate_text(
-                &mut s,
-                tokenizer.as_deref(),
-                &ids,
-                &request,
-                |text| {
-                    let tokens = std::mem::take(&mut *pieces.borrow_mut());
-                    feed.push(Event::Piece(Piece {
-                        text: text.to_string(),
-                        tokens,
-                    }));
-                },
-                |token| {
-                    if tokenizer.is_none() {
+        self.shared
+            .worker
+            .submit(Box::new(move |w: &mut ModelState| {
+                let ModelState { loaded, sessions } = w;
+                let state = match session {
+                    Some(id) => sessions
+                        .remove(&id)
+                        .unwrap_or_else(|| SessionState::new(&loaded.model)),
+                    None => SessionState::new(&loaded.model),
+                };
+                let mut s = ArchSession::resume(&loaded.model, state)
+                    .with_mapped_files(loaded.mapped.clone());
+                let pieces = std::cell::RefCell::new(Vec::<u32>::new());
+                let result = generate_text(
+                    &mut s,
+                    tokenizer.as_deref(),
+                    &ids,
+                    &request,
+                    |text| {
+                        let tokens = std::mem::take(&mut *pieces.borrow_mut());
                         feed.push(Event::Piece(Piece {
-                            text: String::new(),
-                            tokens: vec![token],
+                            text: text.to_string(),
+                            tokens,
                         }));
-                    } else {
-                        pieces.borrow_mut().push(token);
-                    }
-                },
-            );
-            let rest = pieces.into_inner();
-            if !rest.is_empty() {
-                feed.push(Event::Piece(Piece {
-                    text: String::new(),
-                    tokens: rest,
-                }));
-            }
-            if let Some(id) = session {
-                sessions.insert(id, s.into_state());
-            }
-            feed.push(match result {
-                Ok((_, stats)) => Event::Done(Box::new(stats)),
-                Err(e) => Event::Failed(Error::Load(e)),
-            });
-        }))?;
+                    },
+                    |token| {
+                        if tokenizer.is_none() {
+                            feed.push(Event::Piece(Piece {
+                                text: String::new(),
+                                tokens: vec![token],
+                            }));
+                        } else {
+                            pieces.borrow_mut().push(token);
+                        }
+                    },
+                );
+                let rest = pieces.into_inner();
+                if !rest.is_empty() {
+                    feed.push(Event::Piece(Piece {
+                        text: String::new(),
+                        tokens: rest,
+                    }));
+                }
+                if let Some(id) = session {
+                    sessions.insert(id, s.into_state());
+                }
+                feed.push(match result {
+                    Ok((_, stats)) => Event::Done(Box::new(stats)),
+                    Err(e) => Event::Failed(Error::Load(e)),
+                });
+            }))?;
         Ok(TokenStream {
             queue,
             cancel,
@@ -660,7 +603,7 @@ impl Session {
     /// every request submitted before it, including one still generating or being cancelled.
     pub fn cached_tokens(&self) -> Result<Vec<u32>> {
         let id = self.id;
-        self.model.run(move |w| {
+        self.model.shared.worker.run(move |w| {
             Ok(w.sessions
                 .get(&id)
                 .map(|s| s.tokens().to_vec())
@@ -677,7 +620,7 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         let id = self.id;
-        let _ = self.model.submit(Box::new(move |w| {
+        let _ = self.model.shared.worker.submit(Box::new(move |w| {
             w.sessions.remove(&id);
         }));
     }
