@@ -49,6 +49,28 @@ impl Mask {
             &[l as i32, s as i32],
         )?))
     }
+
+    /// `scores` `[.., L, S]` with every position this mask hides set to -inf, for attention
+    /// computed as separate ops (the fused kernel takes the mask itself). A causal mask is
+    /// aligned to the end of the keys.
+    pub fn hide(&self, scores: &Array) -> Result<Array> {
+        let keep = match self {
+            Mask::None => return Ok(scores.clone()),
+            Mask::Causal => {
+                let (l, s) = (scores.dim(-2)? as usize, scores.dim(-1)? as usize);
+                match Mask::window(s - l, l, 0, s, None)? {
+                    Mask::Array(a) => a,
+                    _ => return Ok(scores.clone()),
+                }
+            }
+            Mask::Array(a) => a.clone(),
+        };
+        Ok(ops::where_(
+            &keep,
+            scores,
+            &scores.scalar_like(f64::NEG_INFINITY)?,
+        )?)
+    }
 }
 
 /// Growth step of standard caches, in positions.

@@ -110,13 +110,9 @@ impl Attention {
             k = kn.forward(&k)?;
         }
         if let Some(rope) = &self.rope {
-            (q, k) = match positions {
-                Some(p) => (rope.forward_at(&q, p)?, rope.forward_at(&k, p)?),
-                None => {
-                    let offset = cache.offset();
-                    (rope.forward(&q, offset)?, rope.forward(&k, offset)?)
-                }
-            };
+            let offset = cache.offset();
+            q = rope.rotate(&q, positions, offset)?;
+            k = rope.rotate(&k, positions, offset)?;
         }
         let (keys, values, mask) = cache.update(&k, &v, c.window)?;
         let out = match c.softcap {
@@ -221,7 +217,7 @@ pub(crate) fn manual_attention(
 ) -> Result<Array> {
     let (qs, ks) = (q.shape(), k.shape());
     let (b, hq, l, d) = (qs[0], qs[1], qs[2], qs[3]);
-    let (hk, s) = (ks[1], ks[2]);
+    let hk = ks[1];
     let dv = v.dim(-1)?;
     let rep = hq / hk;
     // Group query heads by their shared kv head: [B, Hk, rep, L, D] against [B, Hk, 1, S, D].
@@ -238,20 +234,7 @@ pub(crate) fn manual_attention(
             .mul_scalar(cap as f64)?,
         None => scores,
     };
-    let keep = match mask {
-        Mask::None => None,
-        Mask::Causal => {
-            match Mask::window(s as usize - l as usize, l as usize, 0, s as usize, None)? {
-                Mask::Array(a) => Some(a),
-                _ => None,
-            }
-        }
-        Mask::Array(a) => Some(a.clone()),
-    };
-    let scores = match keep {
-        Some(m) => ops::where_(&m, &scores, &scores.scalar_like(f64::NEG_INFINITY)?)?,
-        None => scores,
-    };
+    let scores = mask.hide(&scores)?;
     let probs = scores.softmax(&[-1], true)?;
     Ok(probs.matmul(&v)?.reshape(&[b, hq, l, dv])?)
 }

@@ -5,11 +5,10 @@
 //! query and the output instead of expanding the cache: `q_nope · (W_uk c)` = `(q_nope W_uk) · c`,
 //! so attention runs against the latents directly.
 
-use mlxcel_core::ops;
 use mlxcel_core::{Array, Dtype};
 
 use super::{Linear, LinearInput, Norm, RotaryEmbedding};
-use crate::cache::{LayerCache, Mask};
+use crate::cache::LayerCache;
 use crate::Result;
 
 /// How queries are projected: directly, or through a low-rank bottleneck with its own norm.
@@ -102,19 +101,9 @@ impl LatentAttention {
             .forward(&kv_parts[0])?
             .reshape(&[b, 1, l, d.kv_lora_rank])?;
         let k_pe = kv_parts[1].reshape(&[b, 1, l, d.qk_rope])?;
-        let (q_pe, k_pe) = match positions {
-            Some(p) => (
-                self.rope.forward_at(q_pe, p)?,
-                self.rope.forward_at(&k_pe, p)?,
-            ),
-            None => {
-                let offset = cache.offset();
-                (
-                    self.rope.forward(q_pe, offset)?,
-                    self.rope.forward(&k_pe, offset)?,
-                )
-            }
-        };
+        let offset = cache.offset();
+        let q_pe = self.rope.rotate(q_pe, positions, offset)?;
+        let k_pe = self.rope.rotate(&k_pe, positions, offset)?;
         let (latents, k_pes, mask) = cache.update_latent(&latent, &k_pe)?;
         // Scores of every head against the shared latents: the absorbed non-rotary part plus
         // the rotary part, [B, H, L, S].
@@ -123,21 +112,7 @@ impl LatentAttention {
             .matmul(&latents.transpose(&[0, 1, 3, 2])?)?
             .add(&q_pe.matmul(&k_pes.transpose(&[0, 1, 3, 2])?)?)?
             .mul_scalar(self.scale as f64)?;
-        let s = latents.dim(2)?;
-        let keep = match mask {
-            Mask::None => None,
-            Mask::Causal => {
-                match Mask::window((s - l) as usize, l as usize, 0, s as usize, None)? {
-                    Mask::Array(a) => Some(a),
-                    _ => None,
-                }
-            }
-            Mask::Array(a) => Some(a),
-        };
-        let scores = match keep {
-            Some(m) => ops::where_(&m, &scores, &scores.scalar_like(f64::NEG_INFINITY)?)?,
-            None => scores,
-        };
+        let scores = mask.hide(&scores)?;
         let dtype = x.dtype()?;
         let probs = scores
             .astype(Dtype::Float32)?

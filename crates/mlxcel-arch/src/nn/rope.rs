@@ -323,6 +323,15 @@ impl RotaryEmbedding {
         )?)
     }
 
+    /// Rotates `x` at the explicit `positions` when given (see [`RotaryEmbedding::forward_at`]),
+    /// else at consecutive positions from `offset` (see [`RotaryEmbedding::forward`]).
+    pub fn rotate(&self, x: &Array, positions: Option<&Array>, offset: usize) -> Result<Array> {
+        match positions {
+            Some(p) => self.forward_at(x, p),
+            None => self.forward(x, offset),
+        }
+    }
+
     /// Applies the rotation at explicit positions `positions` (`[L]` or `[B, L]`, integers)
     /// instead of consecutive positions from an offset: what M-RoPE sections and inputs merged
     /// from other towers need. Computed with element-wise ops (MLX's fused rope takes only an
