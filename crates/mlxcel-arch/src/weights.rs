@@ -439,7 +439,10 @@ impl ModelWeights {
     pub fn dense_stack(&mut self, prefix: &str, shape: &[i32]) -> Result<Array> {
         let prefix = self.path(prefix);
         let (out, inp) = shape.split_at(shape.len() - 1);
+        let kept_before = self.kept.len();
         if let Some(q) = self.quantized(&prefix, out, inp[0])? {
+            // Only the dense copy is kept: materialising the packed planes too would hold both.
+            self.kept.truncate(kept_before);
             let dense = q.dequantize(self.dtype)?;
             return Ok(self.keep(dense));
         }
