@@ -182,3 +182,78 @@ fn the_stats_line_reports_the_snapshot_prefix_as_reused() {
         generate_text(&mut fresh, None, &second, &request, |_| {}, |_| {}).unwrap();
     assert_eq!(ids, fresh_ids);
 }
+
+/// mlx-lm's Jamba renormalises the top-k routing weights; transformers (the reference) keeps
+/// the top-k of the softmax over all experts unnormalised. mlxcel follows transformers, so its
+/// logits sit far from mlx-lm's (`models/jamba/mlx_lm_logits.safetensors`, see
+/// `generate.py --stage mlx-lm-diffs`).
+#[test]
+fn jamba_follows_transformers_where_mlx_lm_renormalises_the_routing() {
+    let loaded = load("jamba");
+    let r = reference("jamba");
+    let got = mlxcel_tests::logits_for(&loaded.model, &r.prompt_ids);
+    let bytes = std::fs::read(model_dir("jamba").join("mlx_lm_logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mlx_lm: Vec<f32> = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let (to_transformers, _) = max_abs_diff(&got, &r.logits);
+    let (to_mlx_lm, _) = max_abs_diff(&got, &mlx_lm);
+    assert!(to_transformers < 1e-3, "{to_transformers:.2e}");
+    assert!(
+        to_mlx_lm > 1.0,
+        "mlx-lm's routing now matches? {to_mlx_lm:.3}"
+    );
+}
+
+/// The chunked scans equal the one-shot scan: the state (and the logits) after a prompt
+/// prefilled in chunks of 1, 3 or 16 match one pass, for every recurrent layer kind (Mamba-1,
+/// Mamba-2 with one and two groups, Jamba's Mamba layers).
+#[test]
+fn chunked_prefill_leaves_the_same_state_as_one_pass() {
+    for name in ["mamba", "falcon_mamba", "mamba2", "jamba", "bamba"] {
+        let loaded = load(name);
+        let model = &loaded.model;
+        let prompt = reference(name).prompt_ids;
+        let run = |chunk| {
+            let mut caches = model.make_caches();
+            let logits = mlxcel_arch::generate::prefill(model, &prompt, &mut caches, chunk)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            let states: Vec<Vec<f32>> = caches
+                .iter()
+                .filter_map(|c| match c {
+                    LayerCache::State(s) => Some(s.arrays.iter().flatten().flat_map(|a| {
+                        a.astype(mlxcel_core::Dtype::Float32)
+                            .unwrap()
+                            .to_vec::<f32>()
+                            .unwrap()
+                    })),
+                    _ => None,
+                })
+                .map(Iterator::collect)
+                .collect();
+            assert!(!states.is_empty(), "{name}: no state caches");
+            (logits, states)
+        };
+        let (logits, states) = run(None);
+        for chunk in [1, 3, 16] {
+            let (l, s) = run(Some(chunk));
+            let (d, _) = max_abs_diff(&l, &logits);
+            assert!(d <= 1e-4, "{name}: chunk {chunk}: logits differ by {d:.2e}");
+            for (layer, (a, b)) in s.iter().zip(&states).enumerate() {
+                let (d, _) = max_abs_diff(a, b);
+                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(
+                    d <= 1e-5 * scale.max(1.0),
+                    "{name}: chunk {chunk}: state of recurrent layer {layer} differs by {d:.2e} (max |state| {scale:.2})"
+                );
+            }
+        }
+    }
+}
