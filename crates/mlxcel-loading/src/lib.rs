@@ -9,7 +9,8 @@
 //!   ├─ Embedding: load_embedding_model ─ encoder + sentence-transformers head + tokenizer
 //!   ├─ Reranker: not in this build (a clear error)
 //!   └─ Generation ─ get_model_type ─ model_load_policy ─ directory route
-//!        └─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
+//!        ├─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
+//!        └─ Nonstandard: load_nonstandard (a named loader per family) ──────┤
 //!                                                                  └─ load_tokenizer
 //! ```
 
