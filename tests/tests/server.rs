@@ -267,15 +267,14 @@ fn fixture_model_over_http() {
     for (extra, param) in [
         (json!({"n": 2}), "n"),
         (
-            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
-            "tools",
+            json!({"tools": [{"type": "function", "function": {"name": "f g"}}]}),
+            "tools[0].function.name",
         ),
         (json!({"temperature": -1}), "temperature"),
         (
             json!({"response_format": {"type": "json_object"}}),
             "response_format",
         ),
-        (json!({"logprobs": true}), "logprobs"),
         (json!({"max_tokens": 100000}), "max_tokens"),
         (
             json!({"messages": [{"role": "wizard", "content": "x"}]}),
@@ -599,4 +598,247 @@ fn embeddings_endpoint_matches_embedder() {
         .unwrap_or_default()
         .to_string();
     assert!(msg.contains("no embedding model is loaded"), "{msg}");
+}
+
+/// Log-softmax of the next-token logits of a full forward pass over `ids` (fresh caches).
+fn reference_logprobs(model: &Model, ids: &[u32]) -> Vec<f32> {
+    let row = model.logits(ids).expect("Model::logits");
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_z = f64::from(max)
+        + row
+            .iter()
+            .map(|v| f64::from(v - max).exp())
+            .sum::<f64>()
+            .ln();
+    row.iter().map(|v| (f64::from(*v) - log_z) as f32).collect()
+}
+
+/// `logprobs`/`top_logprobs` on both endpoints, streamed and not: each generated token's
+/// logprob and its top alternatives equal the log-softmax of a full forward pass over the
+/// prompt and the tokens before it.
+#[test]
+fn logprobs_match_full_forward_log_softmax() {
+    let model = fixture_model();
+    let server = start(&model, ServerConfig::default());
+    let addr = server.addr();
+    let vocab = model.token_bytes().expect("token bytes");
+    let top = 3usize;
+    let messages = vec![Message::user("Tell me about cats.")];
+    let prompt = model
+        .prompt_ids(&mlxcel_models::Prompt::Messages(messages.clone()))
+        .expect("prompt ids");
+    // The generated ids, from the facade (its logprobs are checked below too).
+    let pieces: Vec<mlxcel_models::Piece> = model
+        .generate(
+            messages,
+            Generation {
+                max_new_tokens: Some(8),
+                logprobs: Some(top),
+                ..Generation::default()
+            },
+        )
+        .expect("generate")
+        .collect::<Result<_, _>>()
+        .expect("pieces");
+    let ids: Vec<u32> = pieces.iter().flat_map(|p| p.tokens.clone()).collect();
+    let facade: Vec<_> = pieces.iter().flat_map(|p| p.logprobs.clone()).collect();
+    assert_eq!(facade.len(), ids.len(), "one logprob per token");
+    assert!(!ids.is_empty());
+
+    // The expected (token bytes, logprob, top [(bytes, logprob)]) per step.
+    let mut context = prompt.clone();
+    let mut worst = 0f32;
+    let mut expected = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        let lp = reference_logprobs(&model, &context);
+        let mut order: Vec<usize> = (0..lp.len()).collect();
+        order.sort_by(|a, b| lp[*b].total_cmp(&lp[*a]));
+        let want_top: Vec<usize> = order[..top].to_vec();
+        assert_eq!(facade[i].token, *id);
+        worst = worst.max((facade[i].logprob - lp[*id as usize]).abs());
+        let got_top: Vec<usize> = facade[i].top.iter().map(|(t, _)| *t as usize).collect();
+        assert_eq!(got_top, want_top, "step {i}: facade top ids");
+        for (t, l) in &facade[i].top {
+            worst = worst.max((l - lp[*t as usize]).abs());
+        }
+        expected.push((
+            *id,
+            lp[*id as usize],
+            want_top.iter().map(|t| (*t, lp[*t])).collect::<Vec<_>>(),
+        ));
+        context.push(*id);
+    }
+    assert!(
+        worst < 1e-4,
+        "facade logprobs vs full forward: max |Δ| {worst}"
+    );
+    println!("facade logprobs vs full-forward log-softmax: max |Δ| {worst:e}");
+
+    let bytes_of = |v: &Value| -> Vec<u8> {
+        v.as_array()
+            .expect("bytes")
+            .iter()
+            .map(|b| b.as_u64().expect("byte") as u8)
+            .collect()
+    };
+    let check_chat = |content: &[Value]| {
+        assert_eq!(content.len(), expected.len(), "{content:?}");
+        let mut worst = 0f32;
+        for (entry, (id, lp, tops)) in content.iter().zip(&expected) {
+            assert_eq!(bytes_of(&entry["bytes"]), vocab[*id as usize].bytes);
+            assert_eq!(
+                entry["token"].as_str(),
+                Some(String::from_utf8_lossy(&vocab[*id as usize].bytes).as_ref())
+            );
+            worst = worst.max((entry["logprob"].as_f64().expect("logprob") as f32 - lp).abs());
+            let got = entry["top_logprobs"].as_array().expect("top_logprobs");
+            assert_eq!(got.len(), tops.len());
+            for (g, (t, l)) in got.iter().zip(tops) {
+                assert_eq!(bytes_of(&g["bytes"]), vocab[*t].bytes);
+                worst = worst.max((g["logprob"].as_f64().expect("logprob") as f32 - l).abs());
+            }
+        }
+        assert!(worst < 1e-4, "server chat logprobs: max |Δ| {worst}");
+    };
+
+    let request = json!({
+        "messages": [{"role": "user", "content": "Tell me about cats."}],
+        "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": top,
+    });
+    let r = post(addr, "/v1/chat/completions", &request);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    check_chat(
+        j["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .expect("content"),
+    );
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let r = post(addr, "/v1/chat/completions", &streamed);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let content: Vec<Value> = r
+        .events()
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    check_chat(&content);
+
+    // Without logprobs: null.
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    );
+    assert_eq!(r.json()["choices"][0]["logprobs"], Value::Null);
+
+    // Legacy completions: `logprobs: N` gives tokens, token_logprobs, top_logprobs.
+    let text_prompt = "Once upon a time";
+    let prompt = model.encode(text_prompt, true).expect("encode");
+    let (ids, _) = {
+        let pieces: Vec<mlxcel_models::Piece> = model
+            .generate(
+                text_prompt,
+                Generation {
+                    max_new_tokens: Some(6),
+                    ..Generation::default()
+                },
+            )
+            .expect("generate")
+            .collect::<Result<_, _>>()
+            .expect("pieces");
+        (
+            pieces
+                .iter()
+                .flat_map(|p| p.tokens.clone())
+                .collect::<Vec<u32>>(),
+            (),
+        )
+    };
+    for stream in [false, true] {
+        let r = post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": text_prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2, "stream": stream}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let choices: Vec<Value> = if stream {
+            r.events()
+                .iter()
+                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                .map(|c| c["choices"][0]["logprobs"].clone())
+                .filter(|l| !l.is_null())
+                .collect()
+        } else {
+            vec![r.json()["choices"][0]["logprobs"].clone()]
+        };
+        let tokens: Vec<String> = choices
+            .iter()
+            .flat_map(|l| l["tokens"].as_array().cloned().unwrap_or_default())
+            .map(|t| t.as_str().unwrap_or_default().to_string())
+            .collect();
+        let lps: Vec<f32> = choices
+            .iter()
+            .flat_map(|l| l["token_logprobs"].as_array().cloned().unwrap_or_default())
+            .map(|v| v.as_f64().unwrap_or(f64::NAN) as f32)
+            .collect();
+        let offsets: Vec<u64> = choices
+            .iter()
+            .flat_map(|l| l["text_offset"].as_array().cloned().unwrap_or_default())
+            .map(|v| v.as_u64().unwrap_or(u64::MAX))
+            .collect();
+        assert_eq!(tokens.len(), ids.len(), "stream {stream}");
+        let mut context = prompt.clone();
+        let mut offset = 0u64;
+        for (i, id) in ids.iter().enumerate() {
+            let lp = reference_logprobs(&model, &context);
+            assert_eq!(
+                tokens[i],
+                String::from_utf8_lossy(&vocab[*id as usize].bytes)
+            );
+            assert!(
+                (lps[i] - lp[*id as usize]).abs() < 1e-4,
+                "step {i}: {} vs {}",
+                lps[i],
+                lp[*id as usize]
+            );
+            assert_eq!(offsets[i], offset);
+            offset += vocab[*id as usize].bytes.len() as u64;
+            context.push(*id);
+        }
+        let top = choices[0]["top_logprobs"][0]
+            .as_object()
+            .expect("top_logprobs");
+        assert_eq!(top.len(), 2, "{top:?}");
+    }
+
+    // Bad values name the field.
+    for (body, param) in [
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}),
+            "top_logprobs",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}),
+            "logprobs",
+        ),
+    ] {
+        let r = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param);
+    }
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "logprobs": 6}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "logprobs");
 }

@@ -11,13 +11,25 @@ use serde_json::Value;
 
 use crate::{LoadError, Result};
 
-/// One chat message.
+/// One chat message, as HF chat templates read it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     /// `system`, `user`, `assistant`, `tool`, or another role the template names.
     pub role: String,
     /// The message text.
     pub content: String,
+    /// The tool calls an assistant message made, in OpenAI's shape
+    /// (`{"id", "type": "function", "function": {"name", "arguments"}}`) with `arguments` as a
+    /// JSON object, which is what templates expect (`tool_call.arguments | tojson`). Absent from
+    /// the template's view when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<Value>,
+    /// A `tool` message: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message: the tool's name (or a participant's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -26,6 +38,9 @@ impl Message {
         Message {
             role: role.to_string(),
             content: content.to_string(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
         }
     }
 
@@ -309,6 +324,27 @@ impl ChatTemplate {
     /// instructions and write 1 MiB plus eight times the messages' text; a template past either
     /// bound fails with an error naming it instead of running away.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Whether the template reads the `tools` variable (tool declarations), as tool-calling
+    /// models' templates do.
+    pub fn takes_tools(&self) -> bool {
+        self.env
+            .get_template("chat")
+            .is_ok_and(|t| t.undeclared_variables(false).contains("tools"))
+    }
+
+    /// [`ChatTemplate::render`] with tool declarations: `tools` is given to the template as
+    /// HF's `apply_chat_template(tools=...)` gives it (a list of OpenAI-style
+    /// `{"type": "function", "function": {"name", "description", "parameters"}}` objects; `None`
+    /// leaves the variable none).
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         self.check_messages(messages)?;
         let origin = &self.origin;
         let mut env = self.env.clone();
@@ -318,10 +354,18 @@ impl ChatTemplate {
         let template = env
             .get_template("chat")
             .map_err(|e| LoadError::Unsupported(format!("{origin}: {e}")))?;
+        let tools_text = tools.map_or(0, |t| t.iter().map(|v| v.to_string().len()).sum());
         let text: usize = messages
             .iter()
-            .map(|m| m.content.len() + m.role.len())
-            .fold(0, usize::saturating_add);
+            .map(|m| {
+                m.content.len()
+                    + m.role.len()
+                    + m.tool_calls
+                        .iter()
+                        .map(|c| c.to_string().len())
+                        .sum::<usize>()
+            })
+            .fold(tools_text, usize::saturating_add);
         let limit = BASE_OUTPUT.saturating_add(text.saturating_mul(8));
         let mut out = Bounded {
             out: Vec::new(),
@@ -331,6 +375,7 @@ impl ChatTemplate {
         let rendered = template.render_captured_to(
             minijinja::context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,

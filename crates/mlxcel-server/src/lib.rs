@@ -30,6 +30,8 @@
 #![warn(missing_docs)]
 
 mod api;
+mod logprobs;
+mod tools;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -37,15 +39,17 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use api::{ApiError, EmbeddingRequest, Input, Request};
+use api::{ApiError, EmbeddingRequest, Input, Request, ToolChoice};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use logprobs::Vocab;
 use mlxcel_models::{
     AsyncTokenStream, Embedder, FinishReason, Generation, GenerationStats, Model, Prompt, Session,
+    TokenLogprob,
 };
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Mutex, OwnedMutexGuard};
@@ -471,7 +475,8 @@ async fn completions(
 
 /// What the generating task tells the response.
 enum Event {
-    Text(String),
+    /// Text made final, and the logprobs of the tokens it came from (when asked for).
+    Piece(String, Vec<TokenLogprob>),
     Done(Box<GenerationStats>),
     Failed(String),
 }
@@ -495,6 +500,15 @@ async fn handle(
     let body = read_body(body, s.config.body_limit).await?;
     let request = api::parse(&body, chat)?;
     let (prompt, field) = match request.input.clone() {
+        Input::Chat(messages) if !request.tools.is_empty() => {
+            let tools = request.tools.clone();
+            let prompt = if s.model.template_takes_tools() {
+                Prompt::MessagesWithTools { messages, tools }
+            } else {
+                Prompt::Messages(tools::described_in_system(messages, &tools))
+            };
+            (prompt, "messages")
+        }
         Input::Chat(messages) => (Prompt::Messages(messages), "messages"),
         Input::Text(text) => (Prompt::Text(text), "prompt"),
     };
@@ -552,10 +566,19 @@ async fn handle(
         .code("queue_full"));
     }
 
+    let vocab = match request.logprobs {
+        Some(_) => Some(Vocab(
+            s.model
+                .token_bytes()
+                .map_err(|e| ApiError::invalid("logprobs", e.to_string()))?,
+        )),
+        None => None,
+    };
     let options = Generation {
         max_new_tokens: request.max_tokens,
         sampling: request.sampling.clone(),
         stop: request.stop.clone(),
+        logprobs: request.logprobs,
         ..Generation::default()
     };
     let (tx, rx) = mpsc::channel::<Event>(64);
@@ -579,6 +602,9 @@ async fn handle(
             .unwrap_or(0),
         model: s.name.clone(),
         chat,
+        vocab,
+        tool_names: (request.tool_choice != ToolChoice::None && !request.tools.is_empty())
+            .then(|| request.tool_names()),
     };
     if request.stream {
         Ok(stream_response(meta, request, rx))
@@ -693,10 +719,14 @@ async fn forward(s: &AppState, mut stream: AsyncTokenStream, tx: &mpsc::Sender<E
         };
         match next {
             Some(Ok(piece)) => {
-                if piece.text.is_empty() {
+                if piece.text.is_empty() && piece.logprobs.is_empty() {
                     continue;
                 }
-                if tx.send(Event::Text(piece.text)).await.is_err() {
+                if tx
+                    .send(Event::Piece(piece.text, piece.logprobs))
+                    .await
+                    .is_err()
+                {
                     stream.cancel();
                     return;
                 }
@@ -742,13 +772,33 @@ struct Meta {
     created: u64,
     model: String,
     chat: bool,
+    /// Set when the request asked for logprobs.
+    vocab: Option<Vocab>,
+    /// The declared tools' names, when the output is to be read for tool calls.
+    tool_names: Option<Vec<String>>,
 }
 
-fn finish_reason(stats: &GenerationStats) -> &'static str {
+/// `finish_reason`: `tool_calls` when the reply made calls and ended by itself.
+fn finish_reason(stats: &GenerationStats, called: bool) -> &'static str {
     match stats.finish {
         FinishReason::Length => "length",
+        FinishReason::Eos | FinishReason::Stop if called => "tool_calls",
         FinishReason::Eos | FinishReason::Stop | FinishReason::Cancelled => "stop",
     }
+}
+
+/// OpenAI's `tool_calls` entry for the `index`-th call of a response; `delta` adds the index
+/// (streamed chunks carry it).
+fn tool_call_json(meta: &Meta, index: usize, call: &tools::ToolCall, delta: bool) -> Value {
+    let mut v = json!({
+        "id": format!("call_{}_{index}", meta.id),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    });
+    if delta {
+        v["index"] = json!(index);
+    }
+    v
 }
 
 fn usage(stats: &GenerationStats) -> Value {
@@ -762,27 +812,58 @@ fn usage(stats: &GenerationStats) -> Value {
 
 async fn collect_response(meta: Meta, mut rx: mpsc::Receiver<Event>) -> Result<Response, ApiError> {
     let mut text = String::new();
+    let mut lps = Vec::new();
     let stats = loop {
         match rx.recv().await {
-            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Piece(t, l)) => {
+                text.push_str(&t);
+                lps.extend(l);
+            }
             Some(Event::Done(stats)) => break stats,
             Some(Event::Failed(e)) => return Err(internal(e)),
             None => return Err(internal("the generation stopped")),
         }
     };
+    let logprobs = meta.logprobs(&lps, &mut 0);
     let choice = if meta.chat {
+        let mut message = json!({"role": "assistant", "content": text});
+        let mut called = false;
+        if let Some(names) = &meta.tool_names {
+            let mut parser = tools::ToolCallParser::new(names.clone());
+            let mut outputs = parser.push(&text);
+            outputs.extend(parser.finish());
+            let mut content = String::new();
+            let mut calls = Vec::new();
+            for o in outputs {
+                match o {
+                    tools::Output::Text(t) => content.push_str(&t),
+                    tools::Output::Call(c) => {
+                        calls.push(tool_call_json(&meta, calls.len(), &c, false))
+                    }
+                }
+            }
+            if !calls.is_empty() {
+                called = true;
+                message["content"] = if content.trim().is_empty() {
+                    Value::Null
+                } else {
+                    json!(content)
+                };
+                message["tool_calls"] = Value::Array(calls);
+            }
+        }
         json!({
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": null,
-            "finish_reason": finish_reason(&stats),
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(&stats, called),
         })
     } else {
         json!({
             "index": 0,
             "text": text,
-            "logprobs": null,
-            "finish_reason": finish_reason(&stats),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(&stats, false),
         })
     };
     Ok(json_response(
@@ -814,7 +895,23 @@ impl Meta {
         Bytes::from(format!("data: {chunk}\n\n"))
     }
 
-    fn delta(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+    /// The `logprobs` of a choice for `tokens` (null unless asked for); `offset`: see
+    /// [`Vocab::completion`].
+    fn logprobs(&self, tokens: &[TokenLogprob], offset: &mut usize) -> Value {
+        match &self.vocab {
+            None => Value::Null,
+            Some(v) if self.chat => v.chat(tokens),
+            Some(v) => v.completion(tokens, offset),
+        }
+    }
+
+    fn delta(
+        &self,
+        text: Option<&str>,
+        role: bool,
+        finish: Option<&str>,
+        logprobs: Value,
+    ) -> Value {
         if self.chat {
             let mut delta = serde_json::Map::new();
             if role {
@@ -823,9 +920,9 @@ impl Meta {
             if let Some(t) = text {
                 delta.insert("content".into(), json!(t));
             }
-            json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}])
+            json!([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
         } else {
-            json!([{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}])
+            json!([{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}])
         }
     }
 }
@@ -838,6 +935,42 @@ struct SseBody {
     /// Chunks ready to send, in order.
     queue: std::collections::VecDeque<Bytes>,
     done: bool,
+    /// Bytes of completion text sent so far (the legacy logprobs' `text_offset`).
+    offset: usize,
+    /// Reads tool calls out of the text (when the request declared tools).
+    tools: Option<tools::ToolCallParser>,
+    /// Tool calls sent so far.
+    calls: usize,
+}
+
+impl SseBody {
+    /// Queues the chunks for `outputs` of the tool-call parser (the first text chunk carries
+    /// `logprobs`).
+    fn queue_outputs(&mut self, outputs: Vec<tools::Output>, mut logprobs: Value) {
+        let usage_null = self.include_usage.then_some(Value::Null);
+        for o in outputs {
+            let lp = std::mem::take(&mut logprobs);
+            let chunk = match o {
+                tools::Output::Text(t) => self.meta.chunk(
+                    self.meta.delta(Some(&t), false, None, lp),
+                    usage_null.clone(),
+                ),
+                tools::Output::Call(c) => {
+                    let call = tool_call_json(&self.meta, self.calls, &c, true);
+                    self.calls += 1;
+                    let choices = json!([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": lp, "finish_reason": null}]);
+                    self.meta.chunk(choices, usage_null.clone())
+                }
+            };
+            self.queue.push_back(chunk);
+        }
+        if !logprobs.is_null() {
+            let chunk = self
+                .meta
+                .chunk(self.meta.delta(None, false, None, logprobs), usage_null);
+            self.queue.push_back(chunk);
+        }
+    }
 }
 
 impl futures_core::Stream for SseBody {
@@ -859,17 +992,23 @@ impl futures_core::Stream for SseBody {
             let usage_null = this.include_usage.then_some(Value::Null);
             match this.rx.poll_recv(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Event::Text(t))) => {
-                    let c = this
-                        .meta
-                        .chunk(this.meta.delta(Some(&t), false, None), usage_null);
-                    this.queue.push_back(c);
+                Poll::Ready(Some(Event::Piece(t, lps))) => {
+                    let logprobs = this.meta.logprobs(&lps, &mut this.offset);
+                    let outputs = match this.tools.as_mut() {
+                        Some(parser) => parser.push(&t),
+                        None => vec![tools::Output::Text(t)],
+                    };
+                    this.queue_outputs(outputs, logprobs);
                 }
                 Poll::Ready(Some(Event::Done(stats))) => {
-                    let finish = finish_reason(&stats);
-                    let c = this
-                        .meta
-                        .chunk(this.meta.delta(None, false, Some(finish)), usage_null);
+                    if let Some(outputs) = this.tools.as_mut().map(|p| p.finish()) {
+                        this.queue_outputs(outputs, Value::Null);
+                    }
+                    let finish = finish_reason(&stats, this.calls > 0);
+                    let c = this.meta.chunk(
+                        this.meta.delta(None, false, Some(finish), Value::Null),
+                        usage_null,
+                    );
                     this.queue.push_back(c);
                     if this.include_usage {
                         let c = this.meta.chunk(json!([]), Some(usage(&stats)));
@@ -902,14 +1041,18 @@ fn stream_response(meta: Meta, request: Request, rx: mpsc::Receiver<Event>) -> R
     let mut queue = std::collections::VecDeque::new();
     if meta.chat {
         let usage_null = request.include_usage.then_some(Value::Null);
-        queue.push_back(meta.chunk(meta.delta(Some(""), true, None), usage_null));
+        queue.push_back(meta.chunk(meta.delta(Some(""), true, None, Value::Null), usage_null));
     }
+    let parser = meta.tool_names.clone().map(tools::ToolCallParser::new);
     let body = SseBody {
         rx,
         meta,
         include_usage: request.include_usage,
+        tools: parser,
+        calls: 0,
         queue,
         done: false,
+        offset: 0,
     };
     (
         [
