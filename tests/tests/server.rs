@@ -842,3 +842,32 @@ fn logprobs_match_full_forward_log_softmax() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.json()["error"]["param"], "logprobs");
 }
+
+/// Tool declarations and tool-call history reach chat templates as transformers gives them:
+/// two tool-calling templates (Hermes/Qwen and Llama 3.1 style) render the cases of
+/// `fixtures/chat_tools/golden.json` to exactly the text `apply_chat_template(tools=...)` gave.
+#[test]
+fn chat_templates_given_tools_match_transformers() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/chat_tools");
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("golden.json")).expect("golden.json"),
+    )
+    .expect("golden JSON");
+    let config = json!({"bos_token": golden["bos_token"], "eos_token": "<|im_end|>"});
+    let cases = golden["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 6);
+    for case in cases {
+        let name = format!("{} / {}", case["template"], case["case"]);
+        let source = std::fs::read_to_string(dir.join(case["template"].as_str().unwrap_or("")))
+            .expect("template");
+        let template = mlxcel_loading::ChatTemplate::new(&source, &config).expect("parses");
+        assert!(template.takes_tools(), "{name}");
+        let messages: Vec<Message> =
+            serde_json::from_value(case["messages"].clone()).expect("messages");
+        let tools = case["tools"].as_array().cloned();
+        let got = template
+            .render_with_tools(&messages, tools.as_deref(), true)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(got, case["text"].as_str().unwrap_or_default(), "{name}");
+    }
+}

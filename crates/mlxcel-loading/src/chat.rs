@@ -200,6 +200,91 @@ fn strftime_now(format: String) -> String {
     out
 }
 
+/// Python's `json.dumps` separators (`", "` and `": "`), as HF's `tojson` writes them.
+struct PythonFormatter;
+
+impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        writer.write_all(b": ")
+    }
+}
+
+/// `tojson` as transformers defines it for chat templates: `json.dumps(x, ensure_ascii=False,
+/// indent=indent)` with keys in their given order and no HTML escaping (minijinja's own
+/// filter writes compact JSON with `<`, `>`, `&`, `'` escaped, which changes the prompt).
+fn python_tojson(
+    value: &JinjaValue,
+    indent: Option<JinjaValue>,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<JinjaValue, JinjaError> {
+    let indent = match indent {
+        Some(i) => Some(i),
+        None => kwargs.get::<Option<JinjaValue>>("indent")?,
+    };
+    // Other keyword arguments (`ensure_ascii`, `sort_keys`, `separators`) are not used by
+    // real templates; refuse them rather than ignore them.
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(usize::try_from(v).map_err(|_| {
+            JinjaError::new(
+                ErrorKind::InvalidOperation,
+                "tojson: indent must be an integer",
+            )
+        })?),
+    };
+    let mut out = Vec::new();
+    let written = match indent {
+        // Python's indented form uses "," at line ends and ": ", as serde's pretty printer.
+        Some(n) => {
+            let pad = " ".repeat(n);
+            let formatter = serde_json::ser::PrettyFormatter::with_indent(pad.as_bytes());
+            serde::Serialize::serialize(
+                value,
+                &mut serde_json::Serializer::with_formatter(&mut out, formatter),
+            )
+        }
+        None => serde::Serialize::serialize(
+            value,
+            &mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter),
+        ),
+    };
+    written.map_err(|e| {
+        JinjaError::new(ErrorKind::InvalidOperation, "tojson: cannot serialize").with_source(e)
+    })?;
+    let text = String::from_utf8(out)
+        .map_err(|_| JinjaError::new(ErrorKind::InvalidOperation, "tojson: output is not UTF-8"))?;
+    Ok(JinjaValue::from_safe_string(text))
+}
+
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let source_len = self
@@ -231,6 +316,7 @@ impl ChatTemplate {
             },
         );
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", python_tojson);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| LoadError::Unsupported(format!("chat template does not parse: {e}")))?;
         Ok(ChatTemplate {
