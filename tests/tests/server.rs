@@ -272,8 +272,8 @@ fn fixture_model_over_http() {
         ),
         (json!({"temperature": -1}), "temperature"),
         (
-            json!({"response_format": {"type": "json_object"}}),
-            "response_format",
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "a+"}}}}),
+            "response_format.json_schema.schema/pattern",
         ),
         (json!({"max_tokens": 100000}), "max_tokens"),
         (
@@ -870,4 +870,376 @@ fn chat_templates_given_tools_match_transformers() {
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(got, case["text"].as_str().unwrap_or_default(), "{name}");
     }
+}
+
+/// An independent JSON-schema check of the subset the server enforces (type, properties,
+/// required, additionalProperties: false, items, minItems/maxItems, minLength/maxLength, enum,
+/// const, anyOf, local `$ref`); returns what fails.
+fn schema_violation(root: &Value, schema: &Value, v: &Value) -> Option<String> {
+    if let Some(r) = schema.get("$ref").and_then(Value::as_str) {
+        let target = root
+            .pointer(r.trim_start_matches('#'))
+            .expect("$ref target");
+        return schema_violation(root, target, v);
+    }
+    if let Some(options) = schema.get("anyOf").and_then(Value::as_array) {
+        if options
+            .iter()
+            .all(|o| schema_violation(root, o, v).is_some())
+        {
+            return Some(format!("{v} matches no anyOf option"));
+        }
+    }
+    if let Some(values) = schema.get("enum").and_then(Value::as_array) {
+        if !values.contains(v) {
+            return Some(format!("{v} not in enum"));
+        }
+    }
+    if let Some(c) = schema.get("const") {
+        if c != v {
+            return Some(format!("{v} is not the const {c}"));
+        }
+    }
+    let types: Vec<&str> = match schema.get("type") {
+        Some(Value::String(t)) => vec![t.as_str()],
+        Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let type_ok = |t: &str| match t {
+        "object" => v.is_object(),
+        "array" => v.is_array(),
+        "string" => v.is_string(),
+        "integer" => v.is_i64() || v.is_u64(),
+        "number" => v.is_number(),
+        "boolean" => v.is_boolean(),
+        "null" => v.is_null(),
+        _ => false,
+    };
+    if !types.is_empty() && !types.iter().any(|t| type_ok(t)) {
+        return Some(format!("{v} is not of type {types:?}"));
+    }
+    let count = |k: &str| schema.get(k).and_then(Value::as_u64);
+    match v {
+        Value::Object(o) => {
+            let props = schema.get("properties").and_then(Value::as_object);
+            for r in schema
+                .get("required")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                if !o.contains_key(r.as_str().unwrap_or("")) {
+                    return Some(format!("{v} lacks required {r}"));
+                }
+            }
+            for (k, x) in o {
+                match props.and_then(|p| p.get(k)) {
+                    Some(s) => {
+                        if let Some(e) = schema_violation(root, s, x) {
+                            return Some(e);
+                        }
+                    }
+                    None if schema.get("additionalProperties") == Some(&Value::Bool(false)) => {
+                        return Some(format!("{v} has the undeclared key {k}"))
+                    }
+                    None => {}
+                }
+            }
+        }
+        Value::Array(items) => {
+            if count("minItems").is_some_and(|n| (items.len() as u64) < n)
+                || count("maxItems").is_some_and(|n| (items.len() as u64) > n)
+            {
+                return Some(format!("{v}: item count out of range"));
+            }
+            if let Some(s) = schema.get("items") {
+                for x in items {
+                    if let Some(e) = schema_violation(root, s, x) {
+                        return Some(e);
+                    }
+                }
+            }
+        }
+        Value::String(s) => {
+            let n = s.chars().count() as u64;
+            if count("minLength").is_some_and(|m| n < m)
+                || count("maxLength").is_some_and(|m| n > m)
+            {
+                return Some(format!("{v}: length out of range"));
+            }
+        }
+        _ => {}
+    }
+    None
+}
+
+/// Schemas the constrained-output tests use.
+fn test_schemas() -> Vec<Value> {
+    vec![
+        json!({"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer"},
+            "ok": {"type": "boolean"},
+        }, "required": ["name", "age", "ok"], "additionalProperties": false}),
+        json!({"type": "object", "properties": {
+            "color": {"type": "string", "enum": ["red", "green", "blue"]},
+            "scores": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
+            "note": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}]},
+        }, "required": ["color", "scores", "note"]}),
+        json!({"$defs": {"point": {"type": "object", "properties": {
+                "x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}},
+            "type": "object",
+            "properties": {"points": {"type": "array", "items": {"$ref": "#/$defs/point"}, "maxItems": 2},
+                           "label": {"type": ["string", "null"], "maxLength": 5}},
+            "required": ["points", "label"]}),
+    ]
+}
+
+/// Sends chat requests with `response_format` json_schema (and json_object) at several seeds:
+/// every reply parses and validates. Returns how many replies ended by themselves.
+fn check_json_output(addr: SocketAddr, max_tokens: usize, seeds: &[u64]) -> usize {
+    let mut closed = 0;
+    for (i, schema) in test_schemas().iter().enumerate() {
+        for &seed in seeds {
+            let body = json!({
+                "messages": [{"role": "user", "content": "Reply with JSON describing a person."}],
+                "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+                "response_format": {"type": "json_schema", "json_schema": {"name": format!("s{i}"), "schema": schema, "strict": true}},
+            });
+            let r = post(addr, "/v1/chat/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let j = r.json();
+            let text = j["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default();
+            let v: Value = serde_json::from_str(text)
+                .unwrap_or_else(|e| panic!("schema {i} seed {seed}: {text:?} does not parse: {e}"));
+            if let Some(e) = schema_violation(schema, schema, &v) {
+                panic!("schema {i} seed {seed}: {text} violates the schema: {e}");
+            }
+            closed += usize::from(j["choices"][0]["finish_reason"] == "stop");
+        }
+    }
+    for &seed in seeds {
+        let body = json!({
+            "messages": [{"role": "user", "content": "JSON please."}],
+            "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+            "response_format": {"type": "json_object"}, "stream": true,
+        });
+        let r = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let text: String = r
+            .events()
+            .iter()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .filter_map(|c| {
+                c["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .collect();
+        let v: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("json_object seed {seed}: {text:?}: {e}"));
+        assert!(v.is_object(), "{text}");
+    }
+    closed
+}
+
+/// `response_format` on the random-weight fixture: the model's own choices are noise, so every
+/// structural token comes from the grammar's mask and the budget closes the JSON in time.
+#[test]
+fn json_schema_output_parses_and_validates() {
+    let model = fixture_model();
+    let server = start(&model, ServerConfig::default());
+    let addr = server.addr();
+    let t = std::time::Instant::now();
+    check_json_output(addr, 48, &[1, 2, 3]);
+    println!("fixture: 12 constrained replies in {:.2?}", t.elapsed());
+
+    // Refusals name the schema keyword; a budget too small for any valid output is refused.
+    for (format, param) in [
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}}}),
+            "response_format.json_schema.schema/properties/a/format",
+        ),
+        (
+            json!({"type": "json_schema", "json_schema": {"schema": {"oneOf": [{"type": "null"}]}}}),
+            "response_format.json_schema.schema/oneOf",
+        ),
+        (json!({"type": "xml"}), "response_format.type"),
+    ] {
+        let r = post(
+            addr,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "x"}], "response_format": format}),
+        );
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+    }
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": test_schemas()[0]}}}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "max_tokens");
+}
+
+/// `tool_choice` forcing a call: the reply is a `tool_calls` entry (finish_reason `tool_calls`)
+/// whose arguments validate against the function's parameters, streamed as `tool_calls`
+/// deltas; tool history in OpenAI's shape is accepted.
+#[test]
+fn forced_tool_calls_come_back_as_tool_calls() {
+    // The llama fixture with the Hermes tool template and room for its long system prompt
+    // (rotary positions: the context length is only a config number).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fixture = mlxcel_tests::model_dir("llama");
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(fixture.join(f), dir.path().join(f)).expect("copy");
+    }
+    let mut config: Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).expect("config"))
+            .expect("json");
+    config["max_position_embeddings"] = json!(4096);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).expect("write");
+    let mut tok: Value = serde_json::from_slice(
+        &std::fs::read(fixture.join("tokenizer_config.json")).expect("tokenizer_config"),
+    )
+    .expect("json");
+    tok["chat_template"] = json!(std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/chat_tools/hermes_tools.jinja")
+    )
+    .expect("template"));
+    std::fs::write(dir.path().join("tokenizer_config.json"), tok.to_string()).expect("write");
+    let model = Model::load(dir.path())
+        .build()
+        .expect("the fixture copy loads");
+    assert!(model.template_takes_tools());
+    let server = start(&model, ServerConfig::default());
+    let addr = server.addr();
+    let weather = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": weather}},
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+    ]);
+    let messages = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "{\"temp\": 21}"},
+        {"role": "user", "content": "And in Rome?"},
+    ]);
+    for seed in [1u64, 2, 3] {
+        for choice in [
+            json!("required"),
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+        ] {
+            let body = json!({"messages": messages, "tools": tools, "tool_choice": choice,
+                              "max_tokens": 150, "temperature": 1.0, "seed": seed});
+            let r = post(addr, "/v1/chat/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let j = r.json();
+            let choice0 = &j["choices"][0];
+            assert_eq!(choice0["finish_reason"], "tool_calls", "{}", r.body);
+            let calls = choice0["message"]["tool_calls"]
+                .as_array()
+                .expect("tool_calls");
+            assert_eq!(calls.len(), 1, "{}", r.body);
+            assert_eq!(calls[0]["type"], "function");
+            assert!(calls[0]["id"]
+                .as_str()
+                .is_some_and(|id| id.starts_with("call_")));
+            let name = calls[0]["function"]["name"].as_str().expect("name");
+            let args: Value = serde_json::from_str(
+                calls[0]["function"]["arguments"]
+                    .as_str()
+                    .expect("arguments"),
+            )
+            .expect("arguments parse");
+            if name == "get_weather" {
+                assert_eq!(schema_violation(&weather, &weather, &args), None, "{args}");
+            } else {
+                assert_eq!(name, "now", "{}", r.body);
+                assert!(
+                    choice["type"] != "function",
+                    "the named function was forced"
+                );
+            }
+            // Streamed: the same call as tool_calls deltas.
+            let mut streamed = body.clone();
+            streamed["stream"] = json!(true);
+            let r = post(addr, "/v1/chat/completions", &streamed);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let chunks: Vec<Value> = r
+                .events()
+                .iter()
+                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                .collect();
+            let deltas: Vec<&Value> = chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+                .flatten()
+                .collect();
+            assert_eq!(deltas.len(), 1, "{}", r.body);
+            assert_eq!(deltas[0]["index"], 0);
+            assert_eq!(
+                deltas[0]["function"], calls[0]["function"],
+                "streamed vs not"
+            );
+            assert!(chunks
+                .iter()
+                .any(|c| c["choices"][0]["finish_reason"] == "tool_calls"));
+        }
+    }
+    // tool_choice naming an undeclared function; tool_choice none leaves the text alone.
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "tool_choice");
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "tools": tools, "tool_choice": "none", "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.json()["choices"][0]["message"]["tool_calls"].is_null());
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "not json"}}]}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "messages[0].tool_calls[0]");
+}
+
+/// SmolLM2 (when fetched) under `response_format`: valid JSON, and mostly closed by the model
+/// itself rather than by the budget.
+#[test]
+fn smollm2_json_schema_output() {
+    let folder = mlxcel_core::cache_dir()
+        .unwrap_or_default()
+        .join("models/SmolLM2-135M-Instruct-4bit");
+    if !folder.join("config.json").is_file() {
+        println!(
+            "skip: {} missing (run `cargo xtask fetch-models`)",
+            folder.display()
+        );
+        return;
+    }
+    let model = Model::load(&folder).build().expect("SmolLM2 loads");
+    let server = start(&model, ServerConfig::default());
+    let t = std::time::Instant::now();
+    let closed = check_json_output(server.addr(), 64, &[1, 2]);
+    println!(
+        "SmolLM2: 8 constrained replies in {:.2?}, {closed}/6 schema replies ended by EOS",
+        t.elapsed()
+    );
 }

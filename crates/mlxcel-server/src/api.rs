@@ -3,6 +3,8 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use mlxcel_models::{Message, Sampling};
+
+use crate::grammar::Grammar;
 use serde_json::{json, Map, Value};
 
 /// An error answered as OpenAI's `{"error": {...}}` JSON.
@@ -89,6 +91,8 @@ pub(crate) struct Request {
     /// Declared tools (`tools`), as given: `{"type": "function", "function": {...}}`.
     pub tools: Vec<Value>,
     pub tool_choice: ToolChoice,
+    /// `response_format` `json_object` / `json_schema`: the grammar the output must follow.
+    pub json: Option<Grammar>,
 }
 
 /// `tool_choice`.
@@ -135,8 +139,6 @@ const COMMON: &[&str] = &[
 const UNSUPPORTED: &[&str] = &[
     "functions",
     "function_call",
-    "parallel_tool_calls",
-    "response_format",
     "logit_bias",
     "presence_penalty",
     "frequency_penalty",
@@ -197,9 +199,10 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
             "tools",
             "tool_choice",
             "parallel_tool_calls",
+            "response_format",
         ]
     } else {
-        &["prompt", "logprobs"]
+        &["prompt", "logprobs", "response_format"]
     };
     for (key, v) in &obj {
         if COMMON.contains(&key.as_str()) || own.contains(&key.as_str()) {
@@ -421,7 +424,16 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
         }
     }
 
+    let json = response_format(field("response_format"))?;
+    if json.is_some() && matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::invalid(
+            "response_format",
+            "`response_format` and a `tool_choice` that forces a call cannot both shape the output",
+        ));
+    }
+
     Ok(Request {
+        json,
         tools,
         tool_choice,
         logprobs,
@@ -543,6 +555,55 @@ fn tools(
         }
     }
     Ok((list, choice))
+}
+
+/// `response_format`: `{"type": "text"}`, `{"type": "json_object"}` or
+/// `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`.
+fn response_format(v: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
+    let Some(v) = v else { return Ok(None) };
+    let Some(obj) = v.as_object() else {
+        return Err(ApiError::invalid(
+            "response_format",
+            "`response_format` must be an object",
+        ));
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::any_object())),
+        Some("json_schema") => {
+            let Some(spec) = obj.get("json_schema").and_then(Value::as_object) else {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema",
+                    "`json_schema` must be an object with a `schema`",
+                ));
+            };
+            for key in spec.keys() {
+                if !matches!(key.as_str(), "name" | "schema" | "strict" | "description") {
+                    return Err(ApiError::invalid(
+                        format!("response_format.json_schema.{key}"),
+                        format!("Unrecognized argument: response_format.json_schema.{key}"),
+                    ));
+                }
+            }
+            let schema = spec
+                .get("schema")
+                .cloned()
+                .unwrap_or(json!({"type": "object"}));
+            Grammar::compile(&schema).map(Some).map_err(|e| {
+                ApiError::invalid(
+                    format!("response_format.json_schema.schema{}", e.path),
+                    format!(
+                        "response_format.json_schema.schema{}: {}",
+                        e.path, e.message
+                    ),
+                )
+            })
+        }
+        _ => Err(ApiError::invalid(
+            "response_format.type",
+            "`response_format.type` must be text, json_object or json_schema",
+        )),
+    }
 }
 
 /// Chat's `logprobs` (a boolean) and `top_logprobs` (0 to 20, only with `logprobs`).
@@ -781,11 +842,11 @@ mod tests {
         );
         assert_eq!(
             param(
-                &format!("{{{m},\"response_format\":{{\"type\":\"json_object\"}}}}"),
+                &format!("{{{m},\"response_format\":{{\"type\":\"json_schema\",\"json_schema\":{{\"schema\":{{\"type\":\"string\",\"pattern\":\"x\"}}}}}}}}"),
                 true
             )
             .as_deref(),
-            Some("response_format")
+            Some("response_format.json_schema.schema/pattern")
         );
         assert_eq!(
             param(&format!("{{{m},\"bogus\":1}}"), true).as_deref(),

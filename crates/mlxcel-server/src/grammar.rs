@@ -44,10 +44,22 @@ pub(crate) struct Prop {
 #[derive(Debug, Clone)]
 pub(crate) enum Node {
     /// Declared keys only (`props`), or any keys with values of `free` (no `properties`).
-    Object { props: Vec<Prop>, free: Option<NodeId> },
-    Array { items: NodeId, min: u32, max: u32 },
-    String { min: u32, max: u32 },
-    Number { integer: bool },
+    Object {
+        props: Vec<Prop>,
+        free: Option<NodeId>,
+    },
+    Array {
+        items: NodeId,
+        min: u32,
+        max: u32,
+    },
+    String {
+        min: u32,
+        max: u32,
+    },
+    Number {
+        integer: bool,
+    },
     /// One of these JSON texts exactly (`enum`, `const`, `true`/`false`, `null`).
     Literals(Vec<Vec<u8>>),
     AnyOf(Vec<NodeId>),
@@ -218,7 +230,9 @@ impl Compiler<'_> {
             if !known {
                 return Err(err(
                     key,
-                    format!("the JSON-schema keyword `{key}` is not supported for constrained output"),
+                    format!(
+                        "the JSON-schema keyword `{key}` is not supported for constrained output"
+                    ),
                 ));
             }
         }
@@ -239,13 +253,19 @@ impl Compiler<'_> {
                 }
             }
             if texts.is_empty() {
-                return Err(err("enum", "no value of `enum`/`const` matches `type`".into()));
+                return Err(err(
+                    "enum",
+                    "no value of `enum`/`const` matches `type`".into(),
+                ));
             }
             return Ok(self.push(Node::Literals(texts)));
         }
         if let Some(any) = obj.get("anyOf") {
             let Some(items) = any.as_array().filter(|a| !a.is_empty()) else {
-                return Err(err("anyOf", "`anyOf` must be a non-empty list of schemas".into()));
+                return Err(err(
+                    "anyOf",
+                    "`anyOf` must be a non-empty list of schemas".into(),
+                ));
             };
             if obj.contains_key("type") {
                 return Err(err(
@@ -267,9 +287,17 @@ impl Compiler<'_> {
             Some(Value::String(t)) => vec![t.as_str()],
             Some(Value::Array(list)) if !list.is_empty() => list
                 .iter()
-                .map(|t| t.as_str().ok_or_else(|| err("type", "`type` entries must be strings".into())))
+                .map(|t| {
+                    t.as_str()
+                        .ok_or_else(|| err("type", "`type` entries must be strings".into()))
+                })
                 .collect::<Result<_, _>>()?,
-            Some(_) => return Err(err("type", "`type` must be a string or a list of them".into())),
+            Some(_) => {
+                return Err(err(
+                    "type",
+                    "`type` must be a string or a list of them".into(),
+                ))
+            }
         };
         let mut options = Vec::new();
         for t in types {
@@ -322,14 +350,20 @@ impl Compiler<'_> {
             None => Vec::new(),
             Some(Value::Array(r)) => r
                 .iter()
-                .map(|v| v.as_str().ok_or_else(|| err("required", "`required` must list strings")))
+                .map(|v| {
+                    v.as_str()
+                        .ok_or_else(|| err("required", "`required` must list strings"))
+                })
                 .collect::<Result<_, _>>()?,
             Some(_) => return Err(err("required", "`required` must be a list of strings")),
         };
         let node = match obj.get("properties") {
             Some(Value::Object(props)) => {
                 if props.len() > 64 {
-                    return Err(err("properties", "at most 64 properties per object are supported"));
+                    return Err(err(
+                        "properties",
+                        "at most 64 properties per object are supported",
+                    ));
                 }
                 for r in &required {
                     if !props.contains_key(*r) {
@@ -389,7 +423,10 @@ impl Compiler<'_> {
             min: 0,
             max: u32::MAX,
         });
-        let string = self.push(Node::String { min: 0, max: u32::MAX });
+        let string = self.push(Node::String {
+            min: 0,
+            max: u32::MAX,
+        });
         let number = self.push(Node::Number { integer: false });
         let literals = self.push(Node::Literals(vec![
             b"true".to_vec(),
@@ -413,7 +450,9 @@ impl Compiler<'_> {
             return Ok(*id);
         }
         let Some(pointer) = text.strip_prefix('#') else {
-            return Err(err(format!("only local references (`#/$defs/...`) are supported, not `{text}`")));
+            return Err(err(format!(
+                "only local references (`#/$defs/...`) are supported, not `{text}`"
+            )));
         };
         let target = self
             .root_schema
@@ -481,7 +520,10 @@ enum NumPhase {
 
 impl NumPhase {
     fn complete(self) -> bool {
-        matches!(self, NumPhase::Zero | NumPhase::Int | NumPhase::Frac | NumPhase::Exp)
+        matches!(
+            self,
+            NumPhase::Zero | NumPhase::Int | NumPhase::Frac | NumPhase::Exp
+        )
     }
 }
 
@@ -526,15 +568,43 @@ enum Frame {
     /// A value of `node` is due, after `ws` whitespace bytes so far.
     Value { node: NodeId, ws: u8 },
     /// Inside one of `node`'s literals: those in `alive` match the `pos` bytes read.
-    Lit { node: NodeId, alive: Vec<u16>, pos: u16 },
+    Lit {
+        node: NodeId,
+        alive: Vec<u16>,
+        pos: u16,
+    },
     /// Inside a string (the opening quote read); `len` characters so far.
-    Str { min: u32, max: u32, len: u32, esc: Esc, cont: u8 },
-    Num { integer: bool, phase: NumPhase, digits: u8 },
+    Str {
+        min: u32,
+        max: u32,
+        len: u32,
+        esc: Esc,
+        cont: u8,
+    },
+    Num {
+        integer: bool,
+        phase: NumPhase,
+        digits: u8,
+    },
     /// Inside an object key of `node`: the unseen props in `alive` match `pos` bytes (the
     /// opening quote is byte 0).
-    Key { node: NodeId, alive: Vec<u16>, pos: u16 },
-    Obj { node: NodeId, seen: u64, state: ObjState, ws: u8 },
-    Arr { node: NodeId, count: u32, state: ArrState, ws: u8 },
+    Key {
+        node: NodeId,
+        alive: Vec<u16>,
+        pos: u16,
+    },
+    Obj {
+        node: NodeId,
+        seen: u64,
+        state: ObjState,
+        ws: u8,
+    },
+    Arr {
+        node: NodeId,
+        count: u32,
+        state: ArrState,
+        ws: u8,
+    },
 }
 
 type Stack = Vec<Frame>;
@@ -550,21 +620,16 @@ fn is_ws(b: u8) -> bool {
 }
 
 impl Machine {
-    /// Whether no parse is left (the bytes so far are not a prefix of valid JSON).
-    pub fn is_dead(&self) -> bool {
-        self.stacks.is_empty()
-    }
-
     /// Whether the bytes so far are a complete value.
     pub fn is_complete(&self) -> bool {
         self.stacks.iter().any(|s| {
             s.is_empty()
-                || (s.len() == 1
-                    && matches!(s[0], Frame::Num { phase, .. } if phase.complete()))
+                || (s.len() == 1 && matches!(s[0], Frame::Num { phase, .. } if phase.complete()))
         })
     }
 
     /// Whether the value is complete and nothing can follow it.
+    #[cfg(test)]
     pub fn is_closed(&self) -> bool {
         self.stacks.iter().all(Vec::is_empty)
     }
@@ -605,12 +670,16 @@ impl Machine {
     }
 }
 
-/// Bytes to finish one stack: each frame's own rest, innermost first.
+/// Bytes to finish one stack exactly: each frame's own rest, innermost first. Exactness
+/// matters: following the cheapest byte must lower the count by one, or a budget kept by it
+/// could lead to a state with no allowed token.
 fn stack_min(g: &Grammar, stack: &[Frame]) -> usize {
+    let add = |a: usize, b: usize| a.saturating_add(b).min(UNREACHABLE);
     let mut total = 0usize;
-    for (depth, frame) in stack.iter().enumerate().rev() {
-        let top = depth + 1 == stack.len();
-        let own = match frame {
+    let mut depth = stack.len();
+    while depth > 0 {
+        depth -= 1;
+        let own = match &stack[depth] {
             Frame::Value { node, .. } => g.min_len[*node],
             Frame::Lit { node, alive, pos } => match &g.nodes[*node] {
                 Node::Literals(l) => alive
@@ -621,58 +690,84 @@ fn stack_min(g: &Grammar, stack: &[Frame]) -> usize {
                 _ => UNREACHABLE,
             },
             Frame::Str {
-                min, len, esc, cont, ..
+                min,
+                len,
+                esc,
+                cont,
+                ..
             } => {
-                let esc = match esc {
-                    Esc::None => 0,
-                    Esc::Start => 1,
-                    Esc::Hex(n) => *n as usize,
+                let (esc_bytes, pending_char) = match esc {
+                    Esc::None => (0, 0),
+                    Esc::Start => (1, 1),
+                    Esc::Hex(n) => (*n as usize, 1),
                 };
-                *cont as usize + esc + (*min).saturating_sub(*len) as usize + 1
+                let chars = (*min as usize).saturating_sub(*len as usize + pending_char);
+                *cont as usize + esc_bytes + chars + 1
             }
             Frame::Num { phase, .. } => usize::from(!phase.complete()),
-            Frame::Key { node, alive, pos } => match &g.nodes[*node] {
-                Node::Object { props, .. } => alive
+            // A declared key and its value, then what its object still needs without it (the
+            // object frame below is counted here and skipped).
+            Frame::Key { node, alive, pos } => {
+                let Some(Frame::Obj { seen, .. }) = depth.checked_sub(1).map(|d| &stack[d]) else {
+                    return UNREACHABLE;
+                };
+                let Node::Object { props, .. } = &g.nodes[*node] else {
+                    return UNREACHABLE;
+                };
+                depth -= 1;
+                alive
                     .iter()
                     .map(|i| {
                         let p = &props[*i as usize];
-                        p.key.len() - *pos as usize + 1 + g.min_len[p.value]
+                        let rest = object_after(g, props, seen | (1 << i));
+                        add(p.key.len() - *pos as usize + 1 + g.min_len[p.value], rest)
                     })
                     .min()
-                    .unwrap_or(UNREACHABLE),
-                _ => UNREACHABLE,
-            },
+                    .unwrap_or(UNREACHABLE)
+            }
             Frame::Obj {
                 node, seen, state, ..
             } => {
                 let Node::Object { props, free } = &g.nodes[*node] else {
                     return UNREACHABLE;
                 };
-                // Required props not seen yet, each with a comma, then `}`.
+                let free_len = free.map_or(UNREACHABLE, |f| g.min_len[f]);
                 let missing: Vec<&Prop> = props
                     .iter()
                     .enumerate()
                     .filter(|(i, p)| p.required && seen & (1 << i) == 0)
                     .map(|(_, p)| p)
                     .collect();
-                let rest: usize = missing
-                    .iter()
-                    .map(|p| p.key.len() + 1 + g.min_len[p.value] + 1)
-                    .sum::<usize>()
+                let cost = |p: &Prop| p.key.len() + 1 + g.min_len[p.value];
+                // The missing props, comma-separated, then `}`.
+                let first_keys = missing.iter().map(|p| cost(p)).fold(0, add)
+                    + missing.len().saturating_sub(1)
                     + 1;
                 match state {
-                    ObjState::First => rest,
-                    ObjState::Key => rest.max(2 + 1 + free.map_or(UNREACHABLE, |f| g.min_len[f]).min(
-                        props.iter().enumerate().filter(|(i, _)| seen & (1 << i) == 0).map(|(_, p)| p.key.len() + 1 + g.min_len[p.value] + 1).min().unwrap_or(UNREACHABLE),
-                    )),
-                    ObjState::InKey | ObjState::InValue | ObjState::After => rest,
+                    ObjState::First if missing.is_empty() => 1,
+                    ObjState::First => first_keys,
+                    // After a comma some key must come.
+                    ObjState::Key if missing.is_empty() => {
+                        let declared = props
+                            .iter()
+                            .enumerate()
+                            .filter(|(i, _)| seen & (1 << i) == 0)
+                            .map(|(_, p)| cost(p))
+                            .min()
+                            .unwrap_or(UNREACHABLE);
+                        add(declared.min(add(3, free_len)), 1)
+                    }
+                    ObjState::Key => first_keys,
+                    // A free key is being read (a declared one is counted by its Key frame).
+                    ObjState::InKey => add(1 + free_len, object_after(g, props, *seen)),
                     ObjState::Colon(p) => {
                         let value = match *p {
-                            FREE => free.map_or(UNREACHABLE, |f| g.min_len[f]),
+                            FREE => free_len,
                             i => g.min_len[props[i as usize].value],
                         };
-                        1 + value + rest
+                        add(1 + value, object_after(g, props, *seen))
                     }
+                    ObjState::InValue | ObjState::After => object_after(g, props, *seen),
                 }
             }
             Frame::Arr {
@@ -681,16 +776,35 @@ fn stack_min(g: &Grammar, stack: &[Frame]) -> usize {
                 let Node::Array { items, min, .. } = &g.nodes[*node] else {
                     return UNREACHABLE;
                 };
-                let done = *count + u32::from(*state == ArrState::InValue);
-                let need = min.saturating_sub(done) as usize;
-                need * (g.min_len[*items] + 1) + 1
+                let item = g.min_len[*items];
+                match state {
+                    ArrState::First if *min == 0 => 1,
+                    ArrState::First => add(
+                        item.saturating_mul(*min as usize).min(UNREACHABLE),
+                        *min as usize,
+                    ),
+                    ArrState::InValue | ArrState::After => {
+                        let done = *count + u32::from(*state == ArrState::InValue);
+                        let need = min.saturating_sub(done) as usize;
+                        add(need.saturating_mul(item + 1).min(UNREACHABLE), 1)
+                    }
+                }
             }
         };
-        // A frame below the top waits on the one above, whose rest was counted.
-        let _ = top;
-        total = total.saturating_add(own).min(UNREACHABLE);
+        total = add(total, own);
     }
     total
+}
+
+/// Bytes an object still needs after a value, with the props in `seen` done: `,` and each
+/// missing required prop, then `}`.
+fn object_after(g: &Grammar, props: &[Prop], seen: u64) -> usize {
+    props
+        .iter()
+        .enumerate()
+        .filter(|(i, p)| p.required && seen & (1 << i) == 0)
+        .map(|(_, p)| 1 + p.key.len() + 1 + g.min_len[p.value])
+        .fold(1usize, |a, b| a.saturating_add(b).min(UNREACHABLE))
 }
 
 /// Follows `b` from `stack`, pushing every resulting stack to `out`.
@@ -711,7 +825,9 @@ fn step(g: &Grammar, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
             start_value(g, stack, node, b, out);
         }
         Frame::Lit { node, alive, pos } => {
-            let Node::Literals(lits) = &g.nodes[node] else { return };
+            let Node::Literals(lits) = &g.nodes[node] else {
+                return;
+            };
             let alive: Vec<u16> = alive
                 .into_iter()
                 .filter(|i| lits[*i as usize].get(pos as usize) == Some(&b))
@@ -772,8 +888,14 @@ fn step(g: &Grammar, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
                             s.2 += 1;
                             true
                         }
-                        0xC2..=0xDF | 0xE0..=0xEF | 0xF0..=0xF4 => {
-                            s.4 = if b >= 0xF0 { 3 } else if b >= 0xE0 { 2 } else { 1 };
+                        0xC2..=0xF4 => {
+                            s.4 = if b >= 0xF0 {
+                                3
+                            } else if b >= 0xE0 {
+                                2
+                            } else {
+                                1
+                            };
                             s.2 += 1;
                             true
                         }
@@ -801,13 +923,17 @@ fn step(g: &Grammar, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
             let next = match (phase, b) {
                 (NumPhase::Sign, b'0') => Some((NumPhase::Zero, 1)),
                 (NumPhase::Sign, _) if digit => Some((NumPhase::Int, 1)),
-                (NumPhase::Int, _) if digit && digits < MAX_DIGITS => Some((NumPhase::Int, digits + 1)),
+                (NumPhase::Int, _) if digit && digits < MAX_DIGITS => {
+                    Some((NumPhase::Int, digits + 1))
+                }
                 (NumPhase::Zero | NumPhase::Int, b'.') if !integer => Some((NumPhase::Dot, 0)),
                 (NumPhase::Zero | NumPhase::Int | NumPhase::Frac, b'e' | b'E') if !integer => {
                     Some((NumPhase::E, 0))
                 }
                 (NumPhase::Dot, _) if digit => Some((NumPhase::Frac, 1)),
-                (NumPhase::Frac, _) if digit && digits < MAX_DIGITS => Some((NumPhase::Frac, digits + 1)),
+                (NumPhase::Frac, _) if digit && digits < MAX_DIGITS => {
+                    Some((NumPhase::Frac, digits + 1))
+                }
                 (NumPhase::E, b'+' | b'-') => Some((NumPhase::ESign, 0)),
                 (NumPhase::E | NumPhase::ESign, _) if digit => Some((NumPhase::Exp, 1)),
                 (NumPhase::Exp, _) if digit && digits < 3 => Some((NumPhase::Exp, digits + 1)),
@@ -834,7 +960,9 @@ fn step(g: &Grammar, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
             }
         }
         Frame::Key { node, alive, pos } => {
-            let Node::Object { props, .. } = &g.nodes[node] else { return };
+            let Node::Object { props, .. } = &g.nodes[node] else {
+                return;
+            };
             let alive: Vec<u16> = alive
                 .into_iter()
                 .filter(|i| props[*i as usize].key.get(pos as usize) == Some(&b))
@@ -856,7 +984,9 @@ fn step(g: &Grammar, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
             state,
             ws,
         } => {
-            let Node::Object { props, free } = &g.nodes[node] else { return };
+            let Node::Object { props, free } = &g.nodes[node] else {
+                return;
+            };
             let again = |state, ws| Frame::Obj {
                 node,
                 seen,
@@ -869,12 +999,10 @@ fn step(g: &Grammar, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
                 .all(|(i, p)| !p.required || seen & (1 << i) != 0);
             match (state, b) {
                 (ObjState::First | ObjState::Key | ObjState::Colon(_) | ObjState::After, _)
-                    if is_ws(b) =>
+                    if is_ws(b) && ws < MAX_WS =>
                 {
-                    if ws < MAX_WS {
-                        stack.push(again(state, ws + 1));
-                        out.push(stack);
-                    }
+                    stack.push(again(state, ws + 1));
+                    out.push(stack);
                 }
                 (ObjState::First | ObjState::After, b'}') if required_done => {
                     complete(g, stack, None, out);
@@ -933,7 +1061,9 @@ fn step(g: &Grammar, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
             state,
             ws,
         } => {
-            let Node::Array { items, min, max } = &g.nodes[node] else { return };
+            let Node::Array { items, min, max } = &g.nodes[node] else {
+                return;
+            };
             let again = |count, state, ws| Frame::Arr {
                 node,
                 count,
@@ -941,18 +1071,19 @@ fn step(g: &Grammar, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
                 ws,
             };
             match (state, b) {
-                (ArrState::First | ArrState::After, _) if is_ws(b) => {
-                    if ws < MAX_WS {
-                        stack.push(again(count, state, ws + 1));
-                        out.push(stack);
-                    }
+                (ArrState::First | ArrState::After, _) if is_ws(b) && ws < MAX_WS => {
+                    stack.push(again(count, state, ws + 1));
+                    out.push(stack);
                 }
                 (ArrState::First | ArrState::After, b']') if count >= *min => {
                     complete(g, stack, None, out);
                 }
                 (ArrState::After, b',') if count < *max => {
                     stack.push(again(count, ArrState::InValue, 0));
-                    stack.push(Frame::Value { node: *items, ws: 0 });
+                    stack.push(Frame::Value {
+                        node: *items,
+                        ws: 0,
+                    });
                     out.push(stack);
                 }
                 (ArrState::First, _) if *max > 0 => {
@@ -1138,18 +1269,36 @@ mod tests {
             "required": ["name", "age"],
         });
         assert!(accepts(&s, r#"{"name":"Bob","age":42}"#));
-        assert!(accepts(&s, "{ \"age\": -0, \"name\": \"\\u00e9\\n\" , \"score\": 1.5e-3}"));
-        assert!(accepts(&s, r#"{"name":"é","age":1,"tags":["bc","a"],"ok":false,"none":null}"#));
+        assert!(accepts(
+            &s,
+            "{ \"age\": -0, \"name\": \"\\u00e9\\n\" , \"score\": 1.5e-3}"
+        ));
+        assert!(accepts(
+            &s,
+            r#"{"name":"é","age":1,"tags":["bc","a"],"ok":false,"none":null}"#
+        ));
         assert!(!accepts(&s, r#"{"name":"Bob"}"#), "age is required");
         assert!(!accepts(&s, r#"{"name":"Bobby!","age":1}"#), "maxLength");
         assert!(!accepts(&s, r#"{"name":"B","age":1.5}"#), "integer");
         assert!(!accepts(&s, r#"{"name":"B","age":01}"#), "leading zero");
-        assert!(!accepts(&s, r#"{"name":"B","age":1,"tags":["a","a","a"]}"#), "maxItems");
+        assert!(
+            !accepts(&s, r#"{"name":"B","age":1,"tags":["a","a","a"]}"#),
+            "maxItems"
+        );
         assert!(!accepts(&s, r#"{"name":"B","age":1,"tags":["x"]}"#), "enum");
-        assert!(!accepts(&s, r#"{"name":"B","age":1,"extra":1}"#), "undeclared key");
-        assert!(!accepts(&s, r#"{"name":"B","name":"C","age":1}"#), "repeated key");
+        assert!(
+            !accepts(&s, r#"{"name":"B","age":1,"extra":1}"#),
+            "undeclared key"
+        );
+        assert!(
+            !accepts(&s, r#"{"name":"B","name":"C","age":1}"#),
+            "repeated key"
+        );
         assert!(!accepts(&s, r#"{"name":"B","age":1}x"#), "trailing bytes");
-        assert!(!accepts(&s, "{\"name\":\"a\tb\",\"age\":1}"), "raw control character");
+        assert!(
+            !accepts(&s, "{\"name\":\"a\tb\",\"age\":1}"),
+            "raw control character"
+        );
     }
 
     #[test]
@@ -1177,16 +1326,82 @@ mod tests {
 
     #[test]
     fn unsupported_keywords_are_named() {
-        let e = Grammar::compile(&json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}))
-            .unwrap_err();
+        let e = Grammar::compile(
+            &json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}),
+        )
+        .unwrap_err();
         assert_eq!(e.path, "/properties/a/pattern");
         assert!(e.message.contains("`pattern`"), "{}", e.message);
         let e = Grammar::compile(&json!({"oneOf": []})).unwrap_err();
         assert_eq!(e.path, "/oneOf");
         let e = Grammar::compile(&json!({"$ref": "#/$defs/missing"})).unwrap_err();
         assert_eq!(e.path, "/$ref");
-        let e = Grammar::compile(&json!({"type": "object", "properties": {}, "required": ["x"]})).unwrap_err();
+        let e = Grammar::compile(&json!({"type": "object", "properties": {}, "required": ["x"]}))
+            .unwrap_err();
         assert_eq!(e.path, "/required");
+    }
+
+    /// From states reached by several texts, some byte always lowers `min_to_finish` by one,
+    /// and following such bytes completes the value in exactly that many bytes.
+    #[test]
+    fn min_to_finish_is_consistent() {
+        let schemas = [
+            json!({"type": "object", "properties": {
+                "name": {"type": "string", "minLength": 2},
+                "n": {"type": "integer"},
+                "tags": {"type": "array", "items": {"enum": ["xy", 12, null]}, "minItems": 2},
+                "sub": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}]},
+            }, "required": ["name", "tags", "sub"]}),
+            json!({"type": "object"}),
+            json!({"type": "array", "items": {"type": "number"}, "minItems": 1}),
+        ];
+        let prefixes: [&[&str]; 3] = [
+            &[
+                "",
+                "{",
+                "{\"",
+                "{\"na",
+                "{\"name\"",
+                "{\"name\":",
+                "{\"name\":\"\\u00",
+                "{\"name\":\"é",
+                "{\"name\":\"ab\",",
+                "{\"tags\":[1",
+                "{\"tags\":[12,",
+                "{\"sub\":{",
+                "{\"n\":-",
+            ],
+            &["", "{", "{\"k\"", "{\"k\":[", "{\"k\":{\"z\":1"],
+            &["", "[", "[1", "[1.", "[1e"],
+        ];
+        for (schema, texts) in schemas.iter().zip(prefixes) {
+            let g = Grammar::compile(schema).unwrap();
+            for text in texts {
+                let mut m = g.start();
+                assert!(m.feed(&g, text.as_bytes()), "{schema} / {text:?}");
+                let mut out = text.to_string().into_bytes();
+                let mut left = m.min_to_finish(&g);
+                let start = left;
+                while !(m.is_complete() && left == 0) {
+                    let next = (0..=255u8).find_map(|b| {
+                        let mut n = m.clone();
+                        (n.feed(&g, &[b]) && n.min_to_finish(&g) + 1 == left).then_some((b, n))
+                    });
+                    let (b, n) = next.unwrap_or_else(|| {
+                        panic!(
+                            "{schema} / {text:?}: stuck at {:?} with {left} to go",
+                            String::from_utf8_lossy(&out)
+                        )
+                    });
+                    out.push(b);
+                    m = n;
+                    left -= 1;
+                }
+                let done = String::from_utf8(out).unwrap();
+                assert_eq!(done.len(), text.len() + start, "{done}");
+                serde_json::from_str::<Value>(&done).unwrap_or_else(|e| panic!("{done}: {e}"));
+            }
+        }
     }
 
     #[test]

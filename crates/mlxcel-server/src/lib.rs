@@ -30,6 +30,8 @@
 #![warn(missing_docs)]
 
 mod api;
+mod constraint;
+mod grammar;
 mod logprobs;
 mod tools;
 
@@ -49,7 +51,7 @@ use axum::Router;
 use logprobs::Vocab;
 use mlxcel_models::{
     AsyncTokenStream, Embedder, FinishReason, Generation, GenerationStats, Model, Prompt, Session,
-    TokenLogprob,
+    SharedLogitsProcessor, TokenLogprob,
 };
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Mutex, OwnedMutexGuard};
@@ -203,6 +205,8 @@ struct AppState {
     /// The embedding model's id (when [`ServerConfig::embedder`] is set).
     embedder_name: String,
     pool: Arc<Mutex<Pool>>,
+    /// The token trie for constrained decoding, built on first use.
+    vocabulary: std::sync::OnceLock<Arc<constraint::Vocabulary>>,
     metrics: Metrics,
     next_id: AtomicU64,
 }
@@ -237,6 +241,7 @@ fn router(model: Model, config: ServerConfig) -> Router {
         name,
         embedder_name,
         pool: Arc::new(Mutex::new(Pool { slots, clock: 0 })),
+        vocabulary: std::sync::OnceLock::new(),
         metrics: Metrics::default(),
         next_id: AtomicU64::new(1),
     });
@@ -253,6 +258,25 @@ fn router(model: Model, config: ServerConfig) -> Router {
 }
 
 impl AppState {
+    /// The vocabulary trie for constrained decoding (built once, off the async threads).
+    async fn vocabulary(self: &Arc<Self>) -> Result<Arc<constraint::Vocabulary>, ApiError> {
+        if let Some(v) = self.vocabulary.get() {
+            return Ok(v.clone());
+        }
+        let model = self.model.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            let bytes = model.token_bytes()?;
+            Ok::<_, mlxcel_models::Error>(constraint::Vocabulary::new(
+                bytes,
+                model.info().eos_token_ids.clone(),
+            ))
+        })
+        .await
+        .map_err(|e| internal(format!("building the vocabulary failed: {e}")))?
+        .map_err(|e| ApiError::invalid("response_format", e.to_string()))?;
+        Ok(self.vocabulary.get_or_init(|| Arc::new(built)).clone())
+    }
+
     fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         let Some(key) = &self.config.api_key else {
             return Ok(());
@@ -566,6 +590,41 @@ async fn handle(
         .code("queue_full"));
     }
 
+    // The output's shape: a JSON schema, or a forced tool call.
+    let shape = match (&request.json, &request.tool_choice) {
+        (Some(g), _) => Some(constraint::Shape::json(g.clone())),
+        (None, ToolChoice::Required) => Some(tools::forced_call(&request.tools, None)?),
+        (None, ToolChoice::Named(n)) => Some(tools::forced_call(&request.tools, Some(n))?),
+        (None, _) => None,
+    };
+    let logits_processor = match shape {
+        None => None,
+        Some(shape) => {
+            let room = s
+                .model
+                .info()
+                .context_length
+                .map_or(usize::MAX, |c| c.saturating_sub(ids.len()));
+            let budget = request
+                .max_tokens
+                .unwrap_or(Generation::DEFAULT_MAX_NEW_TOKENS.min(room));
+            let need = shape.min_bytes();
+            if need > budget {
+                return Err(ApiError::invalid(
+                    request.max_field,
+                    format!(
+                        "the shortest output the requested format allows takes {need} tokens; \
+                         {} is {budget}",
+                        request.max_field
+                    ),
+                ));
+            }
+            let vocabulary = s.vocabulary().await?;
+            Some(SharedLogitsProcessor::new(constraint::JsonConstraint::new(
+                shape, vocabulary, budget,
+            )))
+        }
+    };
     let vocab = match request.logprobs {
         Some(_) => Some(Vocab(
             s.model
@@ -579,6 +638,7 @@ async fn handle(
         sampling: request.sampling.clone(),
         stop: request.stop.clone(),
         logprobs: request.logprobs,
+        logits_processor,
         ..Generation::default()
     };
     let (tx, rx) = mpsc::channel::<Event>(64);

@@ -14,6 +14,10 @@
 use mlxcel_models::Message;
 use serde_json::Value;
 
+use crate::api::ApiError;
+use crate::constraint::Shape;
+use crate::grammar::Grammar;
+
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 /// Markers that may open a reply made only of calls.
@@ -239,6 +243,50 @@ pub(crate) fn described_in_system(messages: Vec<Message>, tools: &[Value]) -> Ve
         out.push(m);
     }
     out
+}
+
+/// What a forced call (`tool_choice` `required` or a named function) must look like:
+/// `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, the arguments following the
+/// function's `parameters` schema. A schema the grammar cannot enforce is an error naming it.
+pub(crate) fn forced_call(tools: &[Value], only: Option<&str>) -> Result<Shape, ApiError> {
+    let mut options = Vec::new();
+    for (i, tool) in tools.iter().enumerate() {
+        let function = &tool["function"];
+        let Some(name) = function["name"].as_str() else {
+            continue;
+        };
+        if only.is_some_and(|o| o != name) {
+            continue;
+        }
+        let parameters = match &function["parameters"] {
+            Value::Null => serde_json::json!({"type": "object"}),
+            p => p.clone(),
+        };
+        // Checked on its own first, so an error names the tool's own schema path.
+        if let Err(e) = Grammar::compile(&parameters) {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].function.parameters{}", e.path),
+                format!("tools[{i}].function.parameters{}: {}", e.path, e.message),
+            ));
+        }
+        options.push(serde_json::json!({
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": parameters},
+            "required": ["name", "arguments"],
+        }));
+    }
+    let schema = serde_json::json!({"anyOf": options});
+    let grammar = Grammar::compile(&schema).map_err(|e| {
+        ApiError::invalid(
+            "tools",
+            format!("the tools' schemas cannot be combined: {}", e.message),
+        )
+    })?;
+    Ok(Shape {
+        grammar: std::sync::Arc::new(grammar),
+        prefix: format!("{OPEN}\n").into_bytes(),
+        suffix: format!("\n{CLOSE}").into_bytes(),
+    })
 }
 
 #[cfg(test)]
