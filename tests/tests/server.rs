@@ -558,7 +558,7 @@ fn embeddings_endpoint_matches_embedder() {
     // Bad requests name the field.
     for (body, param) in [
         (
-            json!({"input": "x", "encoding_format": "base64"}),
+            json!({"input": "x", "encoding_format": "hex"}),
             "encoding_format",
         ),
         (json!({"model": "bert"}), "input"),
@@ -1086,13 +1086,10 @@ fn json_schema_output_parses_and_validates() {
     assert_eq!(r.json()["error"]["param"], "max_tokens");
 }
 
-/// `tool_choice` forcing a call: the reply is a `tool_calls` entry (finish_reason `tool_calls`)
-/// whose arguments validate against the function's parameters, streamed as `tool_calls`
-/// deltas; tool history in OpenAI's shape is accepted.
-#[test]
-fn forced_tool_calls_come_back_as_tool_calls() {
-    // The llama fixture with the Hermes tool template and room for its long system prompt
-    // (rotary positions: the context length is only a config number).
+/// The llama fixture with the Hermes tool template (`fixtures/chat_tools/hermes_tools.jinja`)
+/// and room for its long system prompt (rotary positions: the context length is only a config
+/// number), in a temporary folder.
+fn tool_template_fixture() -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().expect("tempdir");
     let fixture = mlxcel_tests::model_dir("llama");
     for f in ["model.safetensors", "tokenizer.json"] {
@@ -1116,6 +1113,15 @@ fn forced_tool_calls_come_back_as_tool_calls() {
     let model = Model::load(dir.path())
         .build()
         .expect("the fixture copy loads");
+    (dir, model)
+}
+
+/// `tool_choice` forcing a call: the reply is a `tool_calls` entry (finish_reason `tool_calls`)
+/// whose arguments validate against the function's parameters, streamed as `tool_calls`
+/// deltas; tool history in OpenAI's shape is accepted.
+#[test]
+fn forced_tool_calls_come_back_as_tool_calls() {
+    let (_dir, model) = tool_template_fixture();
     assert!(model.template_takes_tools());
     let server = start(&model, ServerConfig::default());
     let addr = server.addr();
@@ -1242,4 +1248,82 @@ fn smollm2_json_schema_output() {
         "SmolLM2: 8 constrained replies in {:.2?}, {closed}/6 schema replies ended by EOS",
         t.elapsed()
     );
+}
+
+/// The official `openai` Python client (PyPI `openai`, see `.ci/run`) against the server on the
+/// llama fixture (Hermes tool template) with the bert fixture for embeddings and an API key:
+/// `tests/openai_client.py` checks chat and completions (greedy text equal to
+/// `Model::generate`, streamed and not, usage), embeddings (equal to `Embedder::embed`),
+/// logprobs, tool calls, `json_schema` output (a pydantic model through the client's `parse`),
+/// and errors. Python is `$MLXCEL_PYTHON` or `python3`; skipped when it cannot import `openai`.
+#[test]
+fn openai_python_client() {
+    let python = std::env::var("MLXCEL_PYTHON").unwrap_or_else(|_| "python3".into());
+    let importable = std::process::Command::new(&python)
+        .args(["-c", "import openai, pydantic"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !importable {
+        println!(
+            "skip: `{python}` cannot import `openai` (pip install openai, or set MLXCEL_PYTHON)"
+        );
+        return;
+    }
+    let (_dir, model) = tool_template_fixture();
+    let embedder = mlxcel_models::Embedder::load(mlxcel_tests::model_dir("bert"))
+        .build()
+        .expect("the bert fixture loads");
+    let server = start(
+        &model,
+        ServerConfig {
+            api_key: Some("sekret".into()),
+            embedder: Some(embedder.clone()),
+            model_name: Some("llama".into()),
+            ..ServerConfig::default()
+        },
+    );
+    let greedy = |prompt: mlxcel_models::Prompt, n: usize| {
+        model
+            .generate(
+                prompt,
+                Generation {
+                    max_new_tokens: Some(n),
+                    ..Generation::default()
+                },
+            )
+            .and_then(|s| s.finish())
+            .expect("Model::generate")
+            .0
+    };
+    let chat_prompt = "Tell me about the weather.";
+    let inputs = ["first text", "the second one"];
+    let expect = json!({
+        "api_key": "sekret",
+        "model": "llama",
+        "embedding_model": "bert",
+        "chat_prompt": chat_prompt,
+        "chat_greedy": greedy(mlxcel_models::Prompt::Messages(vec![Message::user(chat_prompt)]), 8),
+        "completion_prompt": "Once upon a time",
+        "completion_greedy": greedy(mlxcel_models::Prompt::Text("Once upon a time".into()), 6),
+        "embedding_inputs": inputs,
+        "embeddings": embedder.embed(&inputs).expect("embed"),
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("expect.json");
+    std::fs::write(&path, expect.to_string()).expect("write");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("openai_client.py");
+    let out = std::process::Command::new(&python)
+        .arg(&script)
+        .arg(format!("http://{}", server.addr()))
+        .arg(&path)
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "openai_client.py failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("ok: openai"), "{stdout}");
 }

@@ -898,10 +898,14 @@ mod tests {
 pub(crate) struct EmbeddingRequest {
     pub input: Vec<String>,
     pub dimensions: Option<usize>,
+    /// `encoding_format` "base64": each vector as base64 of its little-endian float32 bytes
+    /// (what the `openai` Python client asks for by default).
+    pub base64: bool,
 }
 
 /// Parses OpenAI's embeddings request: `input` (a string or a list of strings), `model`
-/// (any string; one embedding model is served), `dimensions`, `encoding_format` ("float"),
+/// (any string; one embedding model is served), `dimensions`, `encoding_format` ("float" or
+/// "base64"),
 /// `user` (ignored).
 pub(crate) fn parse_embeddings(body: &[u8]) -> Result<EmbeddingRequest, ApiError> {
     let value: Value = serde_json::from_slice(body)
@@ -963,22 +967,23 @@ pub(crate) fn parse_embeddings(body: &[u8]) -> Result<EmbeddingRequest, ApiError
         None | Some(Value::Null) | Some(Value::String(_)) => {}
         Some(_) => return Err(ApiError::invalid("model", "`model` must be a string")),
     }
-    match obj.get("encoding_format") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(f)) if f == "float" => {}
+    let base64 = match obj.get("encoding_format") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(f)) if f == "float" => false,
+        Some(Value::String(f)) if f == "base64" => true,
         Some(Value::String(f)) => {
             return Err(ApiError::invalid(
                 "encoding_format",
-                format!("`encoding_format` \"{f}\" is not supported: only \"float\""),
+                format!("`encoding_format` \"{f}\" is not supported: \"float\" or \"base64\""),
             ))
         }
         Some(_) => {
             return Err(ApiError::invalid(
                 "encoding_format",
-                "`encoding_format` must be the string \"float\"",
+                "`encoding_format` must be the string \"float\" or \"base64\"",
             ))
         }
-    }
+    };
     let dimensions = match obj.get("dimensions") {
         None | Some(Value::Null) => None,
         Some(v) => match v.as_u64() {
@@ -993,5 +998,45 @@ pub(crate) fn parse_embeddings(body: &[u8]) -> Result<EmbeddingRequest, ApiError
             }
         },
     };
-    Ok(EmbeddingRequest { input, dimensions })
+    Ok(EmbeddingRequest {
+        input,
+        dimensions,
+        base64,
+    })
+}
+
+/// Standard base64 (with padding) of `bytes`.
+pub(crate) fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod base64_tests {
+    #[test]
+    fn rfc4648_vectors() {
+        for (plain, coded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(super::base64(plain.as_bytes()), coded);
+        }
+    }
 }

@@ -96,7 +96,8 @@ impl Shape {
         }
     }
 
-    /// Fewest bytes (so tokens) any allowed output takes.
+    /// Fewest bytes (so tokens) any allowed output takes, not counting the end-of-sequence
+    /// token.
     pub fn min_bytes(&self) -> usize {
         self.prefix.len() + self.grammar.start().min_to_finish(&self.grammar) + self.suffix.len()
     }
@@ -182,7 +183,8 @@ pub(crate) struct JsonConstraint {
     cursor: Cursor,
     /// Generated tokens already read into `cursor`.
     consumed: usize,
-    /// The generation's `max_new_tokens`.
+    /// The generation's `max_new_tokens`. The output is closed one token before it, so the
+    /// end-of-sequence token still fits and the reply ends as `stop`, not `length`.
     budget: usize,
 }
 
@@ -243,7 +245,8 @@ impl LogitsProcessor for JsonConstraint {
             }
         }
         self.consumed = generated.len();
-        let left = self.budget.saturating_sub(generated.len() + 1);
+        // After this token: `left` tokens, one of them kept for the end-of-sequence token.
+        let left = self.budget.saturating_sub(generated.len() + 2);
         let mut keep = vec![false; logits.len()];
         for id in self.allowed(left) {
             if let Some(k) = keep.get_mut(id as usize) {
@@ -335,7 +338,7 @@ mod tests {
             "a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a", "b"]});
         let g = Grammar::compile(&schema).unwrap();
         // The model wants "x" and spaces forever: the budget closes it.
-        for budget in [14, 16, 40] {
+        for budget in [15, 16, 40] {
             let text = run(Shape::json(g.clone()), &tokens, &[13, 9, 4], budget);
             let v: serde_json::Value =
                 serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));

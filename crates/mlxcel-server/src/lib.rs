@@ -362,7 +362,11 @@ async fn embeddings(
         )
         .code("model_not_found"));
     };
-    let EmbeddingRequest { input, dimensions } = api::parse_embeddings(&body)?;
+    let EmbeddingRequest {
+        input,
+        dimensions,
+        base64,
+    } = api::parse_embeddings(&body)?;
     let width = embedder.info().dimensions;
     let mut options = embedder.options().clone();
     if let Some(d) = dimensions {
@@ -392,7 +396,15 @@ async fn embeddings(
     let data: Vec<Value> = vectors
         .into_iter()
         .enumerate()
-        .map(|(i, v)| json!({"object": "embedding", "index": i, "embedding": v}))
+        .map(|(i, v)| {
+            let embedding = if base64 {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(api::base64(&bytes))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
         .collect();
     Ok(json_response(
         StatusCode::OK,
@@ -608,7 +620,8 @@ async fn handle(
             let budget = request
                 .max_tokens
                 .unwrap_or(Generation::DEFAULT_MAX_NEW_TOKENS.min(room));
-            let need = shape.min_bytes();
+            // The shortest output and its end-of-sequence token.
+            let need = shape.min_bytes() + 1;
             if need > budget {
                 return Err(ApiError::invalid(
                     request.max_field,
