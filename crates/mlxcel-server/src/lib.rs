@@ -16,7 +16,12 @@
 //! Endpoints: `GET /` (the chat page), `GET /health`, `GET /v1/models`,
 //! `POST /v1/chat/completions`, `POST /v1/completions` (both streamed as server-sent events
 //! with `"stream": true`), `POST /v1/embeddings` (when [`ServerConfig::embedder`] holds an
-//! [`Embedder`]; float vectors only) and `GET /metrics` (Prometheus text).
+//! [`Embedder`]; float or base64 vectors) and `GET /metrics` (Prometheus text).
+//!
+//! Chat requests may ask for `logprobs`, declare `tools` (passed to the chat template; calls in
+//! the reply come back as `tool_calls`, see the `tools` module) and set `response_format`
+//! (`json_object` / `json_schema`, enforced by constrained decoding: the `grammar` and
+//! `constraint` modules).
 //!
 //! Requests run one at a time on the model's worker; the others wait in a bounded queue (a
 //! request past [`ServerConfig::max_queue`] waiting ones gets a 429). A small pool of
