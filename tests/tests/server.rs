@@ -1327,3 +1327,195 @@ fn openai_python_client() {
     );
     assert!(stdout.contains("ok: openai"), "{stdout}");
 }
+
+/// Resident memory of this process in KiB (Linux), `None` elsewhere.
+fn rss_kib() -> Option<u64> {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// One load-test request: what was sent and whether its answer was well-formed.
+fn load_request(addr: SocketAddr, kind: u32, seed: u64) -> Result<&'static str, String> {
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": format!("Request {seed}: tell a story.")}],
+                              "max_tokens": 6 + seed % 12, "temperature": 0.7, "seed": seed});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        body.to_string()
+    };
+    let (body, expect) = match kind {
+        // Streamed chat, read to the end.
+        0..=4 => (
+            chat(json!({"stream": true, "stream_options": {"include_usage": true}})),
+            "stream",
+        ),
+        // Streamed chat whose client goes away after the first bytes.
+        5..=6 => (
+            chat(json!({"stream": true, "max_tokens": 200})),
+            "disconnect",
+        ),
+        7 => (
+            json!({"prompt": format!("Once {seed}"), "max_tokens": 8, "logprobs": 2}).to_string(),
+            "completion",
+        ),
+        8 => (
+            chat(
+                json!({"max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {"schema": test_schemas()[0]}}}),
+            ),
+            "json",
+        ),
+        // Malformed: broken JSON, a bad field, a body over the limit.
+        9 => ("{\"messages\": [".to_string(), "error"),
+        10 => (chat(json!({"temperature": "hot"})), "error"),
+        _ => (chat(json!({"pad": "x".repeat(70_000)})), "error"),
+    };
+    let path = if expect == "completion" {
+        "/v1/completions"
+    } else {
+        "/v1/chat/completions"
+    };
+    if expect == "disconnect" {
+        let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))
+            .map_err(|e| e.to_string())?;
+        write!(s, "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len())
+            .map_err(|e| e.to_string())?;
+        let mut buf = [0u8; 64];
+        let n = s.read(&mut buf).map_err(|e| e.to_string())?;
+        let head = String::from_utf8_lossy(&buf[..n]).to_string();
+        // 200 (then dropped mid-stream) or a 429 when the queue is full.
+        return if head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.1 429") {
+            Ok("disconnect")
+        } else {
+            Err(format!("disconnect: {head}"))
+        };
+    }
+    let r = http(addr, "POST", path, &[], &body);
+    if r.status != 200 {
+        let e: Value = serde_json::from_str(&r.body)
+            .map_err(|_| format!("{} non-JSON error: {}", r.status, r.body))?;
+        if e["error"]["message"].as_str().is_none() {
+            return Err(format!("error without a message: {}", r.body));
+        }
+        return match (expect, r.status) {
+            ("error", 400 | 413) | (_, 429) => Ok("error"),
+            _ => Err(format!("{expect}: {} {}", r.status, r.body)),
+        };
+    }
+    match expect {
+        "stream" => {
+            let events = r.events();
+            if events.last().map(String::as_str) != Some("[DONE]") {
+                return Err(format!("stream without [DONE]: {}", r.body));
+            }
+            for e in &events[..events.len() - 1] {
+                let c: Value = serde_json::from_str(e).map_err(|_| format!("bad chunk {e}"))?;
+                if c.get("error").is_some() {
+                    return Err(format!("stream error: {e}"));
+                }
+            }
+        }
+        "json" => {
+            let text = r.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            serde_json::from_str::<Value>(&text).map_err(|e| format!("{text:?}: {e}"))?;
+        }
+        "completion" => {
+            if r.json()["choices"][0]["logprobs"]["tokens"]
+                .as_array()
+                .is_none()
+            {
+                return Err(format!("completion without logprobs: {}", r.body));
+            }
+        }
+        _ => return Err(format!("{expect} answered 200: {}", r.body)),
+    }
+    Ok(expect)
+}
+
+/// 200 requests from 16 concurrent clients on loopback — streamed chats (some dropped after
+/// the first bytes), completions with logprobs, constrained JSON, malformed and oversized
+/// bodies: every answer is complete or a JSON error, nothing is left in flight, and memory
+/// after the second hundred is within 64 MiB of memory after the first.
+#[test]
+fn load_test_with_disconnects_and_bad_requests() {
+    use rand::{Rng, SeedableRng};
+    let model = fixture_model();
+    let server = start(
+        &model,
+        ServerConfig {
+            max_queue: 24,
+            body_limit: 64 << 10,
+            ..ServerConfig::default()
+        },
+    );
+    let addr = server.addr();
+    let t = std::time::Instant::now();
+    let mut rss = Vec::new();
+    let mut counts = std::collections::BTreeMap::new();
+    for round in 0..2u64 {
+        let results: Vec<Result<&'static str, String>> = std::thread::scope(|scope| {
+            let clients: Vec<_> = (0..16u64)
+                .map(|c| {
+                    scope.spawn(move || {
+                        let mut rng = rand::rngs::StdRng::seed_from_u64(round * 100 + c);
+                        (0..100 / 16 + u64::from(c < 100 % 16))
+                            .map(|i| {
+                                load_request(addr, rng.gen_range(0..12), round * 1000 + c * 50 + i)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            clients
+                .into_iter()
+                .flat_map(|h| h.join().expect("client thread"))
+                .collect()
+        });
+        assert_eq!(results.len(), 100);
+        for r in results {
+            match r {
+                Ok(kind) => *counts.entry(kind).or_insert(0) += 1,
+                Err(e) => panic!("round {round}: {e}"),
+            }
+        }
+        // Dropped streams end on the worker; then nothing is left in flight.
+        let wait = std::time::Instant::now();
+        while gauge(addr, "mlxcel_requests_in_flight") > 0.0
+            || gauge(addr, "mlxcel_queue_depth") > 0.0
+        {
+            assert!(
+                wait.elapsed() < Duration::from_secs(30),
+                "requests left in flight"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        rss.extend(rss_kib());
+    }
+    let r = http(addr, "GET", "/health", &[], "");
+    assert_eq!(r.status, 200);
+    println!(
+        "load test: {counts:?} in {:.2?}, RSS after each hundred {rss:?} KiB",
+        t.elapsed()
+    );
+    assert!(
+        counts.get("stream").copied().unwrap_or(0) > 50,
+        "{counts:?}"
+    );
+    assert!(
+        counts.get("disconnect").copied().unwrap_or(0) > 10,
+        "{counts:?}"
+    );
+    if let [first, second] = rss[..] {
+        assert!(
+            second < first + 64 * 1024,
+            "RSS grew from {first} to {second} KiB"
+        );
+    }
+}
