@@ -236,6 +236,27 @@ impl Generation {
     pub const DEFAULT_MAX_NEW_TOKENS: usize = 512;
 }
 
+/// MLX's allocator counters (all models of the process share one allocator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes held by live arrays (weights, caches, computations in flight).
+    pub active_bytes: usize,
+    /// The most [`MemoryStats::active_bytes`] has been since the process started.
+    pub peak_bytes: usize,
+    /// Freed bytes MLX keeps cached for reuse.
+    pub cache_bytes: usize,
+}
+
+/// MLX's memory use now. It only reads the allocator's counters, so it may be called from any
+/// thread, also while a model's worker is generating.
+pub fn memory_stats() -> Result<MemoryStats> {
+    Ok(MemoryStats {
+        active_bytes: mlxcel_core::memory::active_bytes()?,
+        peak_bytes: mlxcel_core::memory::peak_bytes()?,
+        cache_bytes: mlxcel_core::memory::cache_bytes()?,
+    })
+}
+
 /// Facts about a loaded model.
 #[derive(Debug, Clone)]
 pub struct ModelInfo {

@@ -483,6 +483,26 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Result<Response
         "Decode speed of the last generation.",
         &[("", f64::from_bits(get(&m.last_decode_tps)).to_string())],
     );
+    if let Ok(mem) = mlxcel_models::memory_stats() {
+        metric(
+            "mlxcel_memory_active_bytes",
+            "gauge",
+            "Bytes MLX holds in live arrays (weights, caches, work in flight).",
+            &[("", mem.active_bytes.to_string())],
+        );
+        metric(
+            "mlxcel_memory_peak_bytes",
+            "gauge",
+            "The most bytes MLX has held in live arrays.",
+            &[("", mem.peak_bytes.to_string())],
+        );
+        metric(
+            "mlxcel_memory_cache_bytes",
+            "gauge",
+            "Freed bytes MLX keeps cached for reuse.",
+            &[("", mem.cache_bytes.to_string())],
+        );
+    }
     metric(
         "mlxcel_queue_depth",
         "gauge",
