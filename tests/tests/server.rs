@@ -1522,3 +1522,62 @@ fn load_test_with_disconnects_and_bad_requests() {
         );
     }
 }
+
+/// The chat page in a real browser: headless Chromium (`$MLXCEL_CHROMIUM` or `chromium` on
+/// the PATH; Debian's `chromium` package) driven over the DevTools protocol by
+/// `tests/browser_chat.py` types a message, presses Enter, and gets the streamed greedy reply
+/// `Model::generate` gives, with the live figures; the screenshot is saved as
+/// `chat-page.png` in Cargo's test temp folder. Skipped without Chromium or Python.
+#[test]
+fn chat_page_in_headless_chromium() {
+    let chromium = std::env::var("MLXCEL_CHROMIUM").unwrap_or_else(|_| "chromium".into());
+    let found = std::process::Command::new(&chromium)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        println!("skip: `{chromium}` not found (apt-get install chromium, or set MLXCEL_CHROMIUM)");
+        return;
+    }
+    let python = std::env::var("MLXCEL_PYTHON").unwrap_or_else(|_| "python3".into());
+    let model = fixture_model();
+    let server = start(&model, ServerConfig::default());
+    let message = "Hello there, how are you?";
+    let max_tokens = 12;
+    let reply = model
+        .generate(
+            vec![Message::user(message)],
+            Generation {
+                max_new_tokens: Some(max_tokens),
+                ..Generation::default()
+            },
+        )
+        .and_then(|s| s.finish())
+        .expect("Model::generate")
+        .0;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let expect = dir.path().join("expect.json");
+    std::fs::write(
+        &expect,
+        json!({"message": message, "reply": reply, "max_tokens": max_tokens}).to_string(),
+    )
+    .expect("write");
+    let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-page.png");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("browser_chat.py");
+    let out = std::process::Command::new(&python)
+        .arg(&script)
+        .arg(&chromium)
+        .arg(format!("http://{}/", server.addr()))
+        .arg(&expect)
+        .arg(&shot)
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "browser_chat.py failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(shot.is_file(), "no screenshot at {}", shot.display());
+}
