@@ -415,6 +415,45 @@ mod tests {
     }
 
     #[test]
+    fn tools_described_for_templates_without_them() {
+        let tools = vec![
+            serde_json::json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
+        ];
+        let mut assistant = Message::assistant("");
+        assistant.tool_calls = vec![
+            serde_json::json!({"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}),
+        ];
+        let out = described_in_system(
+            vec![Message::system("Be nice."), Message::user("hi"), assistant],
+            &tools,
+        );
+        assert_eq!(out.len(), 3);
+        assert!(
+            out[0].content.starts_with("Be nice.\n\n"),
+            "{}",
+            out[0].content
+        );
+        assert!(
+            out[0].content.contains(
+                "<tools>\n{\"name\":\"f\",\"parameters\":{\"type\":\"object\"}}\n</tools>"
+            ),
+            "{}",
+            out[0].content
+        );
+        assert!(out[0].content.contains("<tool_call>"));
+        // An earlier call is written in the format the model is told to use, and parses back.
+        assert_eq!(
+            out[2].content,
+            "<tool_call>{\"name\":\"f\",\"arguments\":{\"a\":1}}</tool_call>"
+        );
+        assert!(out[2].tool_calls.is_empty());
+        assert_eq!(run(&[], &[&out[2].content]), vec![call("f", r#"{"a":1}"#)]);
+        // No system message: one is opened.
+        let out = described_in_system(vec![Message::user("hi")], &tools);
+        assert_eq!((out[0].role.as_str(), out.len()), ("system", 2));
+    }
+
+    #[test]
     fn mistral_lists() {
         let reply = "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"x\": 1}}, {\"name\": \"b\", \"arguments\": {}}]";
         assert_eq!(
