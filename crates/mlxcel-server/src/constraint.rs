@@ -62,7 +62,7 @@ impl Vocabulary {
 }
 
 /// Where the output is: a fixed prefix, the JSON value, a fixed suffix, or done.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Stage {
     Prefix(usize),
     Json,
@@ -71,7 +71,7 @@ enum Stage {
 }
 
 /// The output so far, as the constraint sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Cursor {
     stage: Stage,
     machine: Machine,
@@ -186,7 +186,13 @@ pub(crate) struct JsonConstraint {
     /// The generation's `max_new_tokens`. The output is closed one token before it, so the
     /// end-of-sequence token still fits and the reply ends as `stop`, not `length`.
     budget: usize,
+    /// The tokens that can continue from recent states, each with the bytes that finish the
+    /// output after it: inside a long string every step is the same state.
+    cache: std::collections::HashMap<Cursor, Arc<Vec<(u32, usize)>>>,
 }
+
+/// States whose continuations [`JsonConstraint`] keeps (each up to a vocabulary's worth).
+const CACHED_STATES: usize = 16;
 
 impl JsonConstraint {
     pub fn new(shape: Shape, vocab: Arc<Vocabulary>, budget: usize) -> JsonConstraint {
@@ -197,15 +203,38 @@ impl JsonConstraint {
             cursor,
             consumed: 0,
             budget,
+            cache: std::collections::HashMap::new(),
         }
     }
 
     /// Tokens allowed next, given that at most `left` more may follow the one picked.
-    fn allowed(&self, left: usize) -> Vec<u32> {
+    fn allowed(&mut self, left: usize) -> Vec<u32> {
         let mut out = Vec::new();
         if self.shape.done(&self.cursor) {
             out.extend_from_slice(self.vocab.eos());
         }
+        let next = match self.cache.get(&self.cursor) {
+            Some(next) => next.clone(),
+            None => {
+                let next = Arc::new(self.continuations());
+                if self.cache.len() >= CACHED_STATES {
+                    self.cache.clear();
+                }
+                self.cache.insert(self.cursor.clone(), next.clone());
+                next
+            }
+        };
+        out.extend(
+            next.iter()
+                .filter(|(_, finish)| *finish <= left)
+                .map(|(t, _)| *t),
+        );
+        out
+    }
+
+    /// Every token that can continue the output, with the bytes that finish it after that token.
+    fn continuations(&self) -> Vec<(u32, usize)> {
+        let mut out = Vec::new();
         // Depth-first over the trie, one cursor per level.
         let mut todo: Vec<(u32, Cursor)> = vec![(0, self.cursor.clone())];
         while let Some((node, cursor)) = todo.pop() {
@@ -215,8 +244,9 @@ impl JsonConstraint {
                     continue;
                 }
                 let ends = &self.vocab.ends[child as usize];
-                if !ends.is_empty() && self.shape.to_finish(&c) <= left {
-                    out.extend_from_slice(ends);
+                if !ends.is_empty() {
+                    let finish = self.shape.to_finish(&c);
+                    out.extend(ends.iter().map(|t| (*t, finish)));
                 }
                 if !self.vocab.children[child as usize].is_empty() {
                     todo.push((child, c));

@@ -610,7 +610,7 @@ enum Frame {
 type Stack = Vec<Frame>;
 
 /// A parse in progress: every stack that the bytes so far allow (see the module docs).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Machine {
     stacks: Vec<Stack>,
 }
@@ -904,10 +904,13 @@ fn step(g: &Grammar, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
                 }
             };
             if ok && s.2 <= max {
+                // Without a maximum, lengths past the minimum behave alike: one state for
+                // them keeps the states of a long string equal (the mask cache hits).
+                let len = if max == u32::MAX { s.2.min(min) } else { s.2 };
                 stack.push(Frame::Str {
                     min: s.0,
                     max: s.1,
-                    len: s.2,
+                    len,
                     esc: s.3,
                     cont: s.4,
                 });
@@ -1190,7 +1193,6 @@ fn literal_advanced(
 
 /// The frame that was on top of `stack` finished (`key`: the prop it was the key of).
 fn complete(g: &Grammar, mut stack: Stack, key: Option<u16>, out: &mut Vec<Stack>) {
-    let _ = g;
     match stack.pop() {
         None => out.push(stack),
         Some(Frame::Obj {
@@ -1231,9 +1233,16 @@ fn complete(g: &Grammar, mut stack: Stack, key: Option<u16>, out: &mut Vec<Stack
             state: ArrState::InValue,
             ..
         }) => {
+            // As for string lengths: counts past the minimum of an unbounded array are alike.
+            let count = match &g.nodes[node] {
+                Node::Array {
+                    min, max: u32::MAX, ..
+                } => (count + 1).min(*min),
+                _ => count + 1,
+            };
             stack.push(Frame::Arr {
                 node,
-                count: count + 1,
+                count,
                 state: ArrState::After,
                 ws: 0,
             });
