@@ -1058,6 +1058,22 @@ fn json_schema_output_parses_and_validates() {
     let t = std::time::Instant::now();
     check_json_output(addr, 48, &[1, 2, 3]);
     println!("fixture: 12 constrained replies in {:.2?}", t.elapsed());
+    // The completions endpoint takes `response_format` too.
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Data:", "max_tokens": 30, "temperature": 1.0, "seed": 4,
+                "response_format": {"type": "json_object"}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let text = r.json()["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        serde_json::from_str::<Value>(&text).is_ok_and(|v| v.is_object()),
+        "{text:?}"
+    );
 
     // Refusals name the schema keyword; a budget too small for any valid output is refused.
     for (format, param) in [
