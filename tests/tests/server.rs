@@ -324,6 +324,9 @@ fn fixture_model_over_http() {
     assert!(value("mlxcel_last_decode_tokens_per_second") >= 0.0);
     assert!(value("mlxcel_last_prefill_tokens_per_second") > 0.0);
     assert_eq!(value("mlxcel_queue_depth"), 0.0);
+    // The conversations served stay in the prefix cache's KV caches.
+    assert!(value("mlxcel_kv_cache_tokens") > 0.0);
+    assert_eq!(value("mlxcel_kv_cache_sessions"), 4.0);
     // The weights alone are live arrays.
     assert!(value("mlxcel_memory_active_bytes") > 0.0);
     assert!(value("mlxcel_memory_peak_bytes") >= value("mlxcel_memory_active_bytes"));

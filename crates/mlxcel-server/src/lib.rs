@@ -189,6 +189,8 @@ struct Metrics {
     /// Admitted requests not finished yet (waiting or running).
     pending: AtomicUsize,
     running: AtomicUsize,
+    /// Tokens the prefix cache's sessions hold in their KV caches (updated after each request).
+    cached_tokens: AtomicUsize,
 }
 
 /// One kept conversation.
@@ -515,6 +517,18 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Result<Response
         "Requests being generated.",
         &[("", running.to_string())],
     );
+    metric(
+        "mlxcel_kv_cache_tokens",
+        "gauge",
+        "Tokens held in the KV caches of the prefix cache's sessions.",
+        &[("", m.cached_tokens.load(Ordering::Relaxed).to_string())],
+    );
+    metric(
+        "mlxcel_kv_cache_sessions",
+        "gauge",
+        "Sessions of the prefix cache (--sessions).",
+        &[("", s.config.sessions.max(1).to_string())],
+    );
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response())
 }
 
@@ -759,13 +773,13 @@ async fn drive(
                 }
                 e => internal(e.to_string()),
             }));
-            refresh(pool, index).await;
+            refresh(&s, pool, index).await;
             return;
         }
     };
     let _ = started.send(Ok(()));
     forward(&s, stream, &tx).await;
-    refresh(pool, index).await;
+    refresh(&s, pool, index).await;
 }
 
 /// The slot whose cached tokens share the longest prefix with `ids`; the least recently used
@@ -795,11 +809,14 @@ fn pick(pool: &Pool, ids: &[u32]) -> usize {
 
 /// Reads the session's tokens back from the worker (after the generation, cancelled or not,
 /// has ended there), then releases the pool.
-async fn refresh(mut pool: OwnedMutexGuard<Pool>, index: usize) {
+async fn refresh(s: &Shared, mut pool: OwnedMutexGuard<Pool>, index: usize) {
+    let s = s.clone();
     let _ = tokio::task::spawn_blocking(move || {
         if let Some(slot) = pool.slots.get_mut(index) {
             slot.tokens = slot.session.cached_tokens().unwrap_or_default();
         }
+        let held = pool.slots.iter().map(|slot| slot.tokens.len()).sum();
+        s.metrics.cached_tokens.store(held, Ordering::Relaxed);
         drop(pool);
     })
     .await;
