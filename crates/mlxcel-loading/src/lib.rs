@@ -36,5 +36,8 @@ pub use mlxcel_core::RuntimePolicy;
 pub use pipeline::{
     compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, Loaded,
 };
-pub use textgen::{generate_text, FinishReason, GenerateRequest, GenerationStats};
-pub use tokenizer::{load_tokenizer, StreamDecoder, Tokenizer};
+pub use textgen::{
+    generate_text, generate_text_with, FinishReason, GenerateRequest, GenerationStats,
+    LogitsProcessor, StepHooks, TokenLogprob,
+};
+pub use tokenizer::{load_tokenizer, StreamDecoder, TokenBytes, Tokenizer};
