@@ -257,3 +257,39 @@ fn chunked_prefill_leaves_the_same_state_as_one_pass() {
         }
     }
 }
+
+/// A state-space config or checkpoint that cannot work is refused naming the key or tensor.
+#[test]
+fn bad_state_space_checkpoints_are_refused_by_name() {
+    let edit = |name: &str, key: &str, value: serde_json::Value| -> String {
+        let dir = mlxcel_tests::copy_fixture(name);
+        let path = dir.path().join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config[key] = value;
+        std::fs::write(&path, config.to_string()).unwrap();
+        let options = LoadOptions {
+            skip_tokenizer: true,
+            ..Default::default()
+        };
+        load_model(dir.path(), &options)
+            .expect_err("loaded")
+            .to_string()
+    };
+    // 8 heads cannot be split into 3 groups of B/C.
+    let err = edit("mamba2", "n_groups", 3.into());
+    assert!(err.contains("n_groups 3"), "{err}");
+    // A state size the tensors do not have: the first tensor of that shape is named.
+    let err = edit("mamba", "state_size", 8.into());
+    assert!(err.contains("mixer.A_log` has shape [128, 16]"), "{err}");
+    let err = edit("mamba", "time_step_rank", "big".into());
+    assert!(err.contains("time_step_rank = \"big\""), "{err}");
+    let err = edit("jamba", "mamba_d_conv", 0.into());
+    assert!(err.contains("mamba_d_conv = 0"), "{err}");
+    // A convolution of another width than the checkpoint's.
+    let err = edit("mamba2", "conv_kernel", 3.into());
+    assert!(
+        err.contains("conv1d.weight` has shape [160, 1, 4]"),
+        "{err}"
+    );
+}

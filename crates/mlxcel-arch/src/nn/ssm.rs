@@ -35,6 +35,15 @@ fn softplus(x: &Array) -> Result<Array> {
         .add(&x.abs()?.negative()?.exp()?.log1p()?)?)
 }
 
+/// `a` with axes `i` and `j` (negative: from the end) exchanged.
+fn swap_axes(a: &Array, i: i32, j: i32) -> Result<Array> {
+    let n = a.ndim() as i32;
+    let (i, j) = (i.rem_euclid(n), j.rem_euclid(n));
+    let mut perm: Vec<i32> = (0..n).collect();
+    perm.swap(i as usize, j as usize);
+    Ok(a.transpose(&perm)?)
+}
+
 /// The state arrays of a state-space layer's cache: `(window, state)`, `None` before the first
 /// token.
 fn read_state(cache: &LayerCache) -> Result<(Option<Array>, Option<Array>)> {
@@ -83,13 +92,21 @@ impl CausalConv {
             None => ops::zeros(&[b, k - 1, c], x.dtype()?)?,
         };
         let padded = ops::concatenate(&[window, x.clone()], 1)?;
-        let mut y = match &self.bias {
-            Some(bias) => bias.clone(),
-            None => x.scalar_like(0.0)?,
+        let mut y = if l == 1 {
+            // One position (decode): the window and the weight line up tap for tap.
+            padded.multiply(&self.weight)?.sum(&[1], true)?
+        } else {
+            let mut y = padded
+                .slice_axis(1, 0, l)?
+                .multiply(&self.weight.slice_axis(0, 0, 1)?)?;
+            for tap in 1..k {
+                let w = self.weight.slice_axis(0, tap, tap + 1)?;
+                y = padded.slice_axis(1, tap, tap + l)?.multiply(&w)?.add(&y)?;
+            }
+            y
         };
-        for tap in 0..k {
-            let w = self.weight.slice_axis(0, tap, tap + 1)?;
-            y = padded.slice_axis(1, tap, tap + l)?.multiply(&w)?.add(&y)?;
+        if let Some(bias) = &self.bias {
+            y = y.add(bias)?;
         }
         let new_window = padded.slice_axis(1, l, l + k - 1)?;
         Ok((silu(&y)?, new_window))
@@ -346,24 +363,16 @@ fn segment_sum(x: &Array) -> Result<Array> {
     )?)
 }
 
-impl Mamba2Mixer {
-    /// `B` or `C` `[B, L, groups, state]` repeated for the heads of each group →
-    /// `[B, L, heads, state]`.
-    fn per_head(&self, m: &Array) -> Result<Array> {
-        let d = &self.dims;
-        if d.groups == d.heads {
-            return Ok(m.clone());
-        }
-        let (b, l) = (m.dim(0)?, m.dim(1)?);
-        let rep = d.heads / d.groups;
-        Ok(m.expand_dims(&[3])?
-            .broadcast_to(&[b, l, d.groups, rep, d.state])?
-            .reshape(&[b, l, d.heads, d.state])?)
-    }
+/// Positions per SSD chunk on the CPU path at most: the result does not depend on the chunk,
+/// the in-chunk work grows with it (`L · Q` per head) and the chunk-to-chunk recurrence with
+/// `(L / Q)²`, tiny either way; checkpoints' `chunk_size` (256) is tuned for GPU kernels.
+const SSD_CHUNK_MAX: i32 = 64;
 
+impl Mamba2Mixer {
     /// The chunked SSD scan of `x` `[B, L, H, P]`, `dt` `[B, L, H]` (softplus'd), `bm`, `cm`
-    /// `[B, L, H, N]` (float32) from `h0` `[B, H, P, N]`: `y` `[B, L, H, P]` (without the skip
-    /// term) and the last state.
+    /// `[B, L, G, N]` (float32, one per group of `R = H / G` heads) from `h0` `[B, H, P, N]`:
+    /// `y` `[B, L, H, P]` (without the skip term) and the last state. `C·Bᵀ` is computed once
+    /// per group, not per head.
     fn ssd(
         &self,
         x: &Array,
@@ -374,8 +383,9 @@ impl Mamba2Mixer {
     ) -> Result<(Array, Array)> {
         let d = &self.dims;
         let (b, l) = (x.dim(0)?, x.dim(1)?);
-        let (h, p, n) = (d.heads, d.head_dim, d.state);
-        let q = d.chunk.min(l).max(1);
+        let (h, p, n, g) = (d.heads, d.head_dim, d.state, d.groups);
+        let r = h / g;
+        let q = d.chunk.min(SSD_CHUNK_MAX).min(l).max(1);
         let pad = (q - l % q) % q;
         let chunks = (l + pad) / q;
         let padded = |a: &Array| -> Result<Array> {
@@ -391,31 +401,39 @@ impl Mamba2Mixer {
         };
         let xdt = x.multiply(&dt.expand_dims(&[-1])?)?;
         let adt = dt.multiply(&self.a)?;
-        // [B, c, Q, H, ·]
-        let xdt = padded(&xdt)?.reshape(&[b, chunks, q, h, p])?;
-        let bm = padded(bm)?.reshape(&[b, chunks, q, h, n])?;
-        let cm = padded(cm)?.reshape(&[b, chunks, q, h, n])?;
+        // [B, c, G, Q, N] and [B, c, G, R, Q, P]
+        let in_chunks = |a: &Array, heads: i32, width: i32| -> Result<Array> {
+            Ok(padded(a)?
+                .reshape(&[b, chunks, q, heads, width])?
+                .transpose(&[0, 1, 3, 2, 4])?)
+        };
+        let b_g = in_chunks(bm, g, n)?;
+        let c_g = in_chunks(cm, g, n)?;
+        let x_h = in_chunks(&xdt, h, p)?.reshape(&[b, chunks, g, r, q, p])?;
         // [B, H, c, Q]
         let adt = padded(&adt)?
             .reshape(&[b, chunks, q, h])?
             .transpose(&[0, 3, 1, 2])?;
         let a_cum = adt.cumsum(-1, false, true)?;
+        // Per head and chunk, [B, c, G, R, ·] views of [B, H, c, ·].
+        let by_head = |a: &Array| -> Result<Array> {
+            let mut shape = vec![b, chunks, g, r];
+            shape.extend_from_slice(&a.shape()[3..]);
+            Ok(swap_axes(a, 1, 2)?.reshape(&shape)?)
+        };
         // Within each chunk: y_diag[l] = Σ_{s≤l} (C_l·B_s) e^{Σ_{s<k≤l} A dt_k} x_s dt_s.
-        let decay = segment_sum(&adt)?.exp()?; // [B, H, c, Q(l), Q(s)]
-        let c_h = cm.transpose(&[0, 1, 3, 2, 4])?; // [B, c, H, Q, N]
-        let b_h = bm.transpose(&[0, 1, 3, 2, 4])?; // [B, c, H, Q, N]
-        let x_h = xdt.transpose(&[0, 1, 3, 2, 4])?; // [B, c, H, Q, P]
-        let scores = c_h
-            .matmul(&b_h.transpose(&[0, 1, 2, 4, 3])?)?
-            .multiply(&decay.transpose(&[0, 2, 1, 3, 4])?)?;
-        let y_diag = scores.matmul(&x_h)?; // [B, c, H, Q, P]
-                                           // Each chunk's state from its own inputs: Σ_s e^{A_cum[last] - A_cum[s]} x_s B_s^T.
+        let decay = by_head(&segment_sum(&adt)?.exp()?)?; // [B, c, G, R, Q(l), Q(s)]
+        let cb = c_g.matmul(&swap_axes(&b_g, -1, -2)?)?.expand_dims(&[3])?; // [B, c, G, 1, Q, Q]
+        let y_diag = cb.multiply(&decay)?.matmul(&x_h)?; // [B, c, G, R, Q, P]
+                                                         // Each chunk's state from its own inputs: Σ_s e^{A_cum[last] - A_cum[s]} x_s B_s^T.
         let last = a_cum.slice_axis(-1, q - 1, q)?;
-        let to_end = last.subtract(&a_cum)?.exp()?.transpose(&[0, 2, 1, 3])?; // [B, c, H, Q]
-        let b_decayed = b_h.multiply(&to_end.expand_dims(&[-1])?)?;
-        let states = x_h.transpose(&[0, 1, 2, 4, 3])?.matmul(&b_decayed)?; // [B, c, H, P, N]
-                                                                           // Between chunks: the state entering chunk i is Σ_{j≤i} e^{Σ A over chunks j..i-1} s_j,
-                                                                           // with s_0 the initial state.
+        let to_end = by_head(&last.subtract(&a_cum)?.exp()?)?.expand_dims(&[-1])?; // [B, c, G, R, Q, 1]
+        let b_decayed = b_g.expand_dims(&[3])?.multiply(&to_end)?; // [B, c, G, R, Q, N]
+        let states = swap_axes(&x_h, -1, -2)?
+            .matmul(&b_decayed)?
+            .reshape(&[b, chunks, h, p, n])?;
+        // Between chunks: the state entering chunk i is Σ_{j≤i} e^{Σ A over chunks j..i-1} s_j,
+        // with s_0 the initial state.
         let states = ops::concatenate(&[h0.expand_dims(&[1])?, states], 1)?; // [B, c+1, H, P, N]
         let chunk_totals = ops::concatenate(
             &[
@@ -433,14 +451,20 @@ impl Mamba2Mixer {
             .reshape(&[b, h, chunks + 1, p, n])?
             .transpose(&[0, 2, 1, 3, 4])?; // [B, c+1, H, P, N]
         let final_state = entering.slice_axis(1, chunks, chunks + 1)?.squeeze(&[1])?;
-        let entering = entering.slice_axis(1, 0, chunks)?;
-        // Contribution of the entering state: C_l · state, decayed by e^{A_cum[l]}.
-        let from_start = a_cum.exp()?.transpose(&[0, 2, 1, 3])?.expand_dims(&[-1])?; // [B, c, H, Q, 1]
-        let y_off = c_h
-            .matmul(&entering.transpose(&[0, 1, 2, 4, 3])?)?
-            .multiply(&from_start)?; // [B, c, H, Q, P]
+        // Contribution of the entering state: C_l · state, decayed by e^{A_cum[l]}, with one
+        // product per group over its heads' channels.
+        let entering = entering
+            .slice_axis(1, 0, chunks)?
+            .reshape(&[b, chunks, g, r * p, n])?;
+        let from_start = by_head(&a_cum.exp()?)?.expand_dims(&[-1])?; // [B, c, G, R, Q, 1]
+        let y_off = c_g
+            .matmul(&swap_axes(&entering, -1, -2)?)? // [B, c, G, Q, R·P]
+            .reshape(&[b, chunks, g, q, r, p])?
+            .transpose(&[0, 1, 2, 4, 3, 5])?
+            .multiply(&from_start)?; // [B, c, G, R, Q, P]
         let y = y_diag
             .add(&y_off)?
+            .reshape(&[b, chunks, h, q, p])?
             .transpose(&[0, 1, 3, 2, 4])?
             .reshape(&[b, chunks * q, h, p])?
             .slice_axis(1, 0, l)?;
@@ -448,7 +472,7 @@ impl Mamba2Mixer {
     }
 
     /// One decode step of the recurrence: `x` `[B, 1, H, P]`, `dt` `[B, 1, H]`, `bm`, `cm`
-    /// `[B, 1, H, N]` from `h0` `[B, H, P, N]`.
+    /// `[B, 1, G, N]` from `h0` `[B, H, P, N]`, computed per group of heads.
     fn step(
         &self,
         x: &Array,
@@ -457,20 +481,22 @@ impl Mamba2Mixer {
         cm: &Array,
         h0: &Array,
     ) -> Result<(Array, Array)> {
-        let (x, dt, bm, cm) = (
-            x.squeeze(&[1])?,
-            dt.squeeze(&[1])?,
-            bm.squeeze(&[1])?,
-            cm.squeeze(&[1])?,
-        );
-        let decay = dt.multiply(&self.a)?.exp()?.expand_dims(&[-1, -2])?; // [B, H, 1, 1]
+        let d = &self.dims;
+        let b = x.dim(0)?;
+        let (h, p, n, g) = (d.heads, d.head_dim, d.state, d.groups);
+        let r = h / g;
+        let dt = dt.reshape(&[b, g, r, 1, 1])?;
+        let decay = dt.multiply(&self.a.reshape(&[g, r, 1, 1])?)?.exp()?; // [B, G, R, 1, 1]
         let input = x
-            .multiply(&dt.expand_dims(&[-1])?)?
-            .expand_dims(&[-1])?
-            .multiply(&bm.expand_dims(&[2])?)?; // [B, H, P, N]
-        let state = h0.multiply(&decay)?.add(&input)?;
-        let y = state.matmul(&cm.expand_dims(&[-1])?)?.squeeze(&[-1])?; // [B, H, P]
-        Ok((y.expand_dims(&[1])?, state))
+            .reshape(&[b, g, r, p, 1])?
+            .multiply(&dt)?
+            .multiply(&bm.reshape(&[b, g, 1, 1, n])?)?; // [B, G, R, P, N]
+        let state = h0
+            .reshape(&[b, g, r, p, n])?
+            .multiply(&decay)?
+            .add(&input)?;
+        let y = state.matmul(&cm.reshape(&[b, g, 1, n, 1])?)?; // [B, G, R, P, 1]
+        Ok((y.reshape(&[b, 1, h, p])?, state.reshape(&[b, h, p, n])?))
     }
 
     /// `residual + out_proj(mixer(norm(x)))` for `x` `[B, L, hidden]`, continuing from and
@@ -498,11 +524,13 @@ impl Mamba2Mixer {
         let parts = xbc.split_at(&[d.inner, d.inner + gn], -1)?;
         let f32 = |a: &Array| a.astype(Dtype::Float32);
         let xs = f32(&parts[0])?.reshape(&[b, l, d.heads, d.head_dim])?;
-        let bm = self.per_head(&f32(&parts[1])?.reshape(&[b, l, d.groups, d.state])?)?;
-        let cm = self.per_head(&f32(&parts[2])?.reshape(&[b, l, d.groups, d.state])?)?;
+        let bm = f32(&parts[1])?.reshape(&[b, l, d.groups, d.state])?;
+        let cm = f32(&parts[2])?.reshape(&[b, l, d.groups, d.state])?;
         let mut dt = softplus(&f32(dt)?.add(&self.dt_bias)?)?;
         let (lo, hi) = self.dt_limit;
-        if lo > 0.0 || hi.is_finite() {
+        // dt is a softplus (≥ 0): a lower limit ≤ 0 never binds, nor does an upper one of 1e30
+        // (configs' stand-in for transformers' default `inf`, which JSON cannot hold).
+        if lo > 0.0 || hi < 1e30 {
             let lo = Array::scalar(lo, Dtype::Float32)?;
             let hi = Array::scalar(hi.min(f32::MAX as f64), Dtype::Float32)?;
             dt = dt.clip(Some(&lo), Some(&hi))?;
