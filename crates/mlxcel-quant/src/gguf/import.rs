@@ -7,7 +7,7 @@ use half::f16;
 use mlxcel_core::{Array, Dtype};
 use serde_json::{json, Map, Value};
 
-use super::blocks::{self, AffinePlanes, RepackError};
+use super::blocks::{self, AffinePlanes, MlxMapping, RepackError, Requantized};
 use super::reader::{GgufFile, GgufTensorInfo};
 use super::tokenizer::build_tokenizer_files;
 use super::types::GgmlType;
@@ -26,6 +26,8 @@ pub struct TensorImport {
     pub affine: Option<(i32, i32)>,
     /// Whether the rows were un-permuted (llama.cpp's rope permutation of `attn_q`/`attn_k`).
     pub unpermuted: bool,
+    /// Set when the type has no exact MLX form and was re-quantized: the error it added.
+    pub requantized: Option<Requantized>,
 }
 
 /// What [`import_gguf`] wrote.
@@ -284,6 +286,7 @@ fn convert_tensor(
         ggml_type: info.ggml_type,
         affine: None,
         unpermuted: heads.is_some(),
+        requantized: None,
     };
 
     let ty = info.ggml_type;
@@ -300,7 +303,12 @@ fn convert_tensor(
                 Array::from_bytes(&data, &shape, dtype).map_err(mlx)?,
             )]
         }
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if info.ne.len() == 2 => {
+        _ if info.ne.len() == 2
+            && matches!(
+                blocks::mlx_mapping(ty),
+                MlxMapping::Lossless { .. } | MlxMapping::Requantized { .. }
+            ) =>
+        {
             let planes = blocks::repack_affine(ty, bytes).map_err(|e| match e {
                 RepackError::NotAffine => GgufError::UnsupportedType {
                     path: path.to_path_buf(),
@@ -319,6 +327,8 @@ fn convert_tensor(
                 weight,
                 scales,
                 biases,
+                f32_scales,
+                requantized,
             } = planes;
             let words = cols * bits as usize / 32;
             let groups = cols / group_size as usize;
@@ -331,22 +341,25 @@ fn convert_tensor(
                 .unwrap_or(&hf_name)
                 .to_string();
             record.affine = Some((bits, group_size));
+            record.requantized = requantized;
+            let groups = to_i32(g, name, groups as u64)?;
+            // Float16 holds the scales of the types that allow it exactly (see `blocks`).
+            let plane = |v: &[f32]| -> Result<Array, GgufError> {
+                if f32_scales {
+                    Array::from_slice::<f32>(v, &[r, groups]).map_err(mlx)
+                } else {
+                    let h: Vec<f16> = v.iter().map(|x| f16::from_f32(*x)).collect();
+                    Array::from_slice::<f16>(&h, &[r, groups]).map_err(mlx)
+                }
+            };
             vec![
                 (
                     format!("{module}.weight"),
                     Array::from_slice::<u32>(&weight, &[r, to_i32(g, name, words as u64)?])
                         .map_err(mlx)?,
                 ),
-                (
-                    format!("{module}.scales"),
-                    Array::from_slice::<f16>(&scales, &[r, to_i32(g, name, groups as u64)?])
-                        .map_err(mlx)?,
-                ),
-                (
-                    format!("{module}.biases"),
-                    Array::from_slice::<f16>(&biases, &[r, to_i32(g, name, groups as u64)?])
-                        .map_err(mlx)?,
-                ),
+                (format!("{module}.scales"), plane(&scales)?),
+                (format!("{module}.biases"), plane(&biases)?),
             ]
         }
         _ => {
@@ -610,6 +623,7 @@ mod tests {
             ggml_type: GgmlType::Q4_1,
             affine,
             unpermuted: false,
+            requantized: None,
         };
         let q = quantization_block(&[
             rec("model.embed_tokens.weight", Some((8, 32))),
@@ -729,8 +743,10 @@ mod tests {
         assert_eq!(c["tie_word_embeddings"], true);
         assert_eq!(
             c["quantization"],
-            json!({"group_size": 32, "bits": 4, "mode": "affine",
-                   "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"}})
+            // Two 8-bit tensors (Q8_0 embedding, Q6_K v_proj) and two 4-bit: the tie goes to 8.
+            json!({"group_size": 32, "bits": 8, "mode": "affine",
+                   "model.layers.0.self_attn.q_proj": {"group_size": 32, "bits": 4, "mode": "affine"},
+                   "model.layers.0.mlp.up_proj": {"group_size": 32, "bits": 4, "mode": "affine"}})
         );
         assert_eq!(c["quantization_config"], c["quantization"]);
 
@@ -756,14 +772,39 @@ mod tests {
         let k = k.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
         assert_eq!(k[32], 64.0); // HF row 1 = GGUF row 2
         assert_eq!(k[8 * 32], 32.0); // HF row 8 = GGUF row 1
-                                     // v_proj (Q6_K) is stored dense in float32.
-        let v = w.get("model.layers.0.self_attn.v_proj.weight").unwrap();
-        assert_eq!(v.dtype().unwrap(), Dtype::Float32);
+                                     // v_proj (Q6_K) is re-quantized to affine 8-bit with float32 scales,
+                                     // its error recorded.
+        let v = report
+            .tensors
+            .iter()
+            .find(|t| t.gguf_name == "blk.0.attn_v.weight")
+            .unwrap();
+        assert_eq!(v.affine, Some((8, 32)));
+        let err = v.requantized.expect("Q6_K is re-quantized");
+        let pre = "model.layers.0.self_attn.v_proj";
         assert_eq!(
-            v.to_vec::<f32>().unwrap(),
-            blocks::dequantize(GgmlType::Q6K, &v_bytes).unwrap()
+            w.get(&format!("{pre}.scales")).unwrap().dtype().unwrap(),
+            Dtype::Float32
         );
-        assert!(!w.contains("model.layers.0.self_attn.v_proj.scales"));
+        let dq = mlxcel_core::ops::dequantize(
+            &w.get(&format!("{pre}.weight")).unwrap(),
+            &w.get(&format!("{pre}.scales")).unwrap(),
+            Some(&w.get(&format!("{pre}.biases")).unwrap()),
+            mlxcel_core::ops::QuantSpec::affine(32, 8),
+            Some(Dtype::Float32),
+        )
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+        let exact = blocks::dequantize(GgmlType::Q6K, &v_bytes).unwrap();
+        let diff = dq
+            .iter()
+            .zip(&exact)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff > 0.0 && diff <= err.max_abs_error * 1.0001,
+            "{diff} vs {err:?}"
+        );
 
         let tok = tokenizers::Tokenizer::from_file(out.path().join("tokenizer.json")).unwrap();
         assert_eq!(
@@ -805,13 +846,13 @@ mod tests {
             6,
             1e-6f32.to_le_bytes().to_vec(),
         ));
-        let tensors = vec![("blk.0.ffn_up.weight", vec![256, 1], 10, vec![0u8; 84])];
+        let tensors = vec![("blk.0.ffn_up.weight", vec![256, 1], 16, vec![0u8; 66])];
         let f = write(&build(&kvs, &tensors, 32));
         let out = tempfile::tempdir().unwrap();
         let e = import_gguf(f.path(), out.path(), &mut |_, _, _| {}).unwrap_err();
         let msg = e.to_string();
         assert!(
-            msg.contains("blk.0.ffn_up.weight") && msg.contains("Q2_K"),
+            msg.contains("blk.0.ffn_up.weight") && msg.contains("IQ2_XXS"),
             "{msg}"
         );
     }
