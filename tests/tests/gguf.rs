@@ -49,6 +49,75 @@ fn f32_ggufs_match_transformers() {
     }
 }
 
+/// GGUFs written by llama.cpp's own `convert_hf_to_gguf.py` (make_gguf.py `--stage arches`)
+/// from the tiny fixtures: the import undoes llama.cpp's layout (Gemma's `1 + w` norms, stacked
+/// experts, fused Phi-3 projections, llama's permuted q/k for Mistral) and maps the metadata
+/// (softcaps, sliding windows and patterns, experts, partial rotary), so the logits match the
+/// transformers reference of the model the GGUF came from.
+///
+/// Mistral is converted by llama.cpp as a `llama` GGUF, which has no sliding window: the
+/// fixture's window of 8 is lost in the file (llama.cpp itself attends to everything). So the
+/// first 8 positions, where the window changes nothing, must match transformers, and the later
+/// ones differ (pinned, so a change in either side is seen).
+#[test]
+fn llama_cpp_converted_architectures_match_transformers() {
+    let window = 8;
+    let dir = convert("mistral");
+    let loaded = load_model(dir.path(), &options()).unwrap();
+    let r = reference("mistral");
+    let got = logits_for(&loaded.model, &r.prompt_ids);
+    assert!(r.prompt_ids.len() > window);
+    let inside = window * r.vocab;
+    let scale = r.logits.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let rel_inside = max_abs_diff(&got[..inside], &r.logits[..inside]).0 / scale;
+    let rel_after = max_abs_diff(&got[inside..], &r.logits[inside..]).0 / scale;
+    eprintln!(
+        "mistral: relative logit error {rel_inside:.2e} within the window, {rel_after:.2e} after"
+    );
+    assert!(
+        rel_inside <= 1e-4,
+        "mistral within the window: {rel_inside:.2e}"
+    );
+    assert!(rel_after > 1e-2, "mistral past the window: {rel_after:.2e}");
+
+    for name in ["qwen2_moe", "qwen3_moe", "gemma", "gemma3_text", "phi3"] {
+        let dir = convert(name);
+        let loaded = load_model(dir.path(), &options()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let r = reference(name);
+        let rel = relative_diff(&logits_for(&loaded.model, &r.prompt_ids), &r);
+        eprintln!("{name}: relative logit error {rel:.2e}");
+        assert!(rel <= 1e-4, "{name}: relative logit error {rel:.2e}");
+        assert_greedy_ids(&loaded.model, &r, name);
+    }
+}
+
+/// llama.cpp's Gemma 2 converter drops `lm_head` (real Gemma 2 models tie it): the GGUF of the
+/// gemma2 fixture (untied) has the embedding as its head, so its reference is transformers' run
+/// of the fixture with the head tied (`gguf/gemma2-tied.safetensors`). Softcaps, the sliding
+/// window on layer 0, the sandwich norms stored as `1 + w` and the attention scale all count.
+#[test]
+fn llama_cpp_converted_gemma2_matches_transformers_with_its_tied_head() {
+    let bytes = std::fs::read(fixtures_dir().join("gguf/gemma2-tied.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let read = |n: &str| st.tensor(n).unwrap().data().to_vec();
+    let ids: Vec<u32> = read("prompt_ids")
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u32)
+        .collect();
+    let want: Vec<f32> = read("logits")
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert!(ids.len() > 8, "the prompt passes the sliding window");
+    let dir = convert("gemma2");
+    let loaded = load_model(dir.path(), &options()).unwrap();
+    let got = logits_for(&loaded.model, &ids);
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let rel = max_abs_diff(&got, &want).0 / scale;
+    eprintln!("gemma2 (tied head): relative logit error {rel:.2e}");
+    assert!(rel <= 1e-4, "gemma2: relative logit error {rel:.2e}");
+}
+
 #[test]
 fn converted_folder_is_a_full_checkpoint() {
     let dir = convert("qwen3");

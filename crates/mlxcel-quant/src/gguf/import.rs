@@ -7,6 +7,7 @@ use half::f16;
 use mlxcel_core::{Array, Dtype};
 use serde_json::{json, Map, Value};
 
+use super::arch::{meta_f64, meta_u64, Arch, ArchParams};
 use super::blocks::{self, AffinePlanes, MlxMapping, RepackError, Requantized};
 use super::reader::{GgufFile, GgufTensorInfo};
 use super::tokenizer::build_tokenizer_files;
@@ -42,36 +43,7 @@ pub struct ImportReport {
 /// The HF llama name of a GGUF tensor (`blk.3.attn_q.weight` →
 /// `model.layers.3.self_attn.q_proj.weight`), or `None` for names without one.
 pub fn hf_tensor_name(gguf: &str) -> Option<String> {
-    let (stem, suffix) = gguf.rsplit_once('.')?;
-    if suffix != "weight" && suffix != "bias" {
-        return None;
-    }
-    let module = match stem {
-        "token_embd" => "model.embed_tokens".to_string(),
-        "output_norm" => "model.norm".to_string(),
-        "output" => "lm_head".to_string(),
-        _ => {
-            let rest = stem.strip_prefix("blk.")?;
-            let (layer, part) = rest.split_once('.')?;
-            let layer: u32 = layer.parse().ok()?;
-            let path = match part {
-                "attn_q" => "self_attn.q_proj",
-                "attn_k" => "self_attn.k_proj",
-                "attn_v" => "self_attn.v_proj",
-                "attn_output" => "self_attn.o_proj",
-                "ffn_gate" => "mlp.gate_proj",
-                "ffn_up" => "mlp.up_proj",
-                "ffn_down" => "mlp.down_proj",
-                "attn_norm" => "input_layernorm",
-                "ffn_norm" => "post_attention_layernorm",
-                "attn_q_norm" => "self_attn.q_norm",
-                "attn_k_norm" => "self_attn.k_norm",
-                _ => return None,
-            };
-            format!("model.layers.{layer}.{path}")
-        }
-    };
-    Some(format!("{module}.{suffix}"))
+    Arch::find("llama")?.hf_name(gguf)
 }
 
 /// Undoes llama.cpp's rope permutation of Q/K projection rows.
@@ -98,12 +70,15 @@ pub fn unpermute_rope_rows<T: Copy>(data: &[T], rows: usize, n_head: usize) -> O
     Some(out)
 }
 
-/// The GGUF architectures [`import_gguf`] reads (`general.architecture`).
-pub const SUPPORTED_ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+/// The GGUF architectures [`import_gguf`] reads (`general.architecture`); the `arch` module
+/// docs say what each needs undone.
+pub const SUPPORTED_ARCHITECTURES: [&str; 9] = [
+    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "gemma3", "phi3",
+];
 
 /// The hyper-parameters read from `<arch>.*` metadata.
 struct LlamaParams {
-    arch: String,
+    arch: &'static Arch,
     n_layer: u64,
     n_embd: u64,
     n_ff: u64,
@@ -116,53 +91,27 @@ struct LlamaParams {
     rope_scaling: Option<Value>,
 }
 
-fn meta_u64(g: &GgufFile, key: &str) -> Result<Option<u64>, GgufError> {
-    match g.get(key) {
-        None => Ok(None),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-            GgufError::metadata(
-                g.path(),
-                key,
-                format!("expected an unsigned integer, found {}", v.type_name()),
-            )
-        }),
-    }
-}
-
-fn meta_f64(g: &GgufFile, key: &str) -> Result<Option<f64>, GgufError> {
-    match g.get(key) {
-        None => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-            GgufError::metadata(
-                g.path(),
-                key,
-                format!("expected a float, found {}", v.type_name()),
-            )
-        }),
-    }
-}
-
 fn required<T>(g: &GgufFile, key: &str, v: Option<T>) -> Result<T, GgufError> {
     v.ok_or_else(|| GgufError::metadata(g.path(), key, "missing"))
 }
 
 fn llama_params(g: &GgufFile) -> Result<LlamaParams, GgufError> {
     let arch_key = "general.architecture";
-    let arch = g
+    let name = g
         .get(arch_key)
         .and_then(|v| v.as_str())
         .ok_or_else(|| GgufError::metadata(g.path(), arch_key, "missing or not a string"))?;
-    if !SUPPORTED_ARCHITECTURES.contains(&arch) {
-        return Err(GgufError::metadata(
+    let arch = Arch::find(name).ok_or_else(|| {
+        GgufError::metadata(
             g.path(),
             arch_key,
             format!(
-                "architecture `{arch}` cannot be imported yet (supported: {})",
+                "architecture `{name}` cannot be imported yet (supported: {})",
                 SUPPORTED_ARCHITECTURES.join(", ")
             ),
-        ));
-    }
-    let k = |s: &str| format!("{arch}.{s}");
+        )
+    })?;
+    let k = |s: &str| format!("{name}.{s}");
     let u = |s: &str| -> Result<u64, GgufError> {
         let key = k(s);
         required(g, &key, meta_u64(g, &key)?)
@@ -184,7 +133,7 @@ fn llama_params(g: &GgufFile) -> Result<LlamaParams, GgufError> {
         }
     };
     Ok(LlamaParams {
-        arch: arch.to_string(),
+        arch,
         n_layer: u("block_count")?,
         n_embd: u("embedding_length")?,
         n_ff: u("feed_forward_length")?,
@@ -219,8 +168,12 @@ fn convert_tensor(
 ) -> Result<Converted, GgufError> {
     let path = g.path();
     let name = &info.name;
-    let hf_name = hf_tensor_name(name).ok_or_else(|| {
-        GgufError::tensor(path, name, "no HF llama name is known for this tensor")
+    let hf_name = params.arch.hf_name(name).ok_or_else(|| {
+        GgufError::tensor(
+            path,
+            name,
+            format!("no HF name is known for this {} tensor", params.arch.gguf),
+        )
     })?;
     let bytes = g.tensor_data(info)?;
     let shape: Vec<i32> = info
@@ -229,11 +182,12 @@ fn convert_tensor(
         .map(|d| to_i32(g, name, *d))
         .collect::<Result<_, _>>()?;
     let cols = info.ne[0] as usize;
+    // Stacked experts (`[experts, out, in]`) are `experts · out` rows of `in`.
     let rows = (info.numel() as usize).checked_div(cols).unwrap_or(0);
 
     // llama's Q and K projections (weights and biases) come rope-permuted; llama.cpp's
     // converter leaves qwen2/qwen3 (NeoX-style rope) as they are.
-    let permute_heads = if params.arch != "llama" {
+    let permute_heads = if !params.arch.rope_permuted {
         None
     } else if name.contains(".attn_q.") {
         Some(params.n_head)
@@ -297,13 +251,23 @@ fn convert_tensor(
                 GgmlType::F16 => Dtype::Float16,
                 _ => Dtype::Bfloat16,
             };
-            let data = apply(bytes, perm_rows)?;
-            vec![(
-                hf_name,
-                Array::from_bytes(&data, &shape, dtype).map_err(mlx)?,
-            )]
+            if params.arch.offset_norm(&hf_name) {
+                // Stored as 1 + w: written back as w in float32.
+                let values = blocks::dequantize(ty, bytes).unwrap_or_default();
+                let values: Vec<f32> = values.iter().map(|v| v - 1.0).collect();
+                vec![(
+                    hf_name,
+                    Array::from_slice::<f32>(&values, &shape).map_err(mlx)?,
+                )]
+            } else {
+                let data = apply(bytes, perm_rows)?;
+                vec![(
+                    hf_name,
+                    Array::from_bytes(&data, &shape, dtype).map_err(mlx)?,
+                )]
+            }
         }
-        _ if info.ne.len() == 2
+        _ if info.ne.len() >= 2
             && matches!(
                 blocks::mlx_mapping(ty),
                 MlxMapping::Lossless { .. } | MlxMapping::Requantized { .. }
@@ -335,7 +299,9 @@ fn convert_tensor(
             let weight = permute_vec(weight, rows, heads, path, name)?;
             let scales = permute_vec(scales, rows, heads, path, name)?;
             let biases = permute_vec(biases, rows, heads, path, name)?;
-            let r = shape[0];
+            // The planes keep the leading axes (`[out]`, or `[experts, out]`) and replace the
+            // last: `in` elements become `words` words and `groups` scales.
+            let lead = &shape[..shape.len() - 1];
             let module = hf_name
                 .strip_suffix(".weight")
                 .unwrap_or(&hf_name)
@@ -345,18 +311,22 @@ fn convert_tensor(
             let groups = to_i32(g, name, groups as u64)?;
             // Float16 holds the scales of the types that allow it exactly (see `blocks`).
             let plane = |v: &[f32]| -> Result<Array, GgufError> {
+                let shape: Vec<i32> = lead.iter().copied().chain([groups]).collect();
                 if f32_scales {
-                    Array::from_slice::<f32>(v, &[r, groups]).map_err(mlx)
+                    Array::from_slice::<f32>(v, &shape).map_err(mlx)
                 } else {
                     let h: Vec<f16> = v.iter().map(|x| f16::from_f32(*x)).collect();
-                    Array::from_slice::<f16>(&h, &[r, groups]).map_err(mlx)
+                    Array::from_slice::<f16>(&h, &shape).map_err(mlx)
                 }
             };
             vec![
                 (
                     format!("{module}.weight"),
-                    Array::from_slice::<u32>(&weight, &[r, to_i32(g, name, words as u64)?])
-                        .map_err(mlx)?,
+                    Array::from_slice::<u32>(&weight, &{
+                        let words = to_i32(g, name, words as u64)?;
+                        lead.iter().copied().chain([words]).collect::<Vec<_>>()
+                    })
+                    .map_err(mlx)?,
                 ),
                 (format!("{module}.scales"), plane(&scales)?),
                 (format!("{module}.biases"), plane(&biases)?),
@@ -369,7 +339,10 @@ fn convert_tensor(
                     tensor: name.clone(),
                     ggml_type: ty,
                 })?;
-            let values = permute_vec(values, perm_rows, heads, path, name)?;
+            let mut values = permute_vec(values, perm_rows, heads, path, name)?;
+            if params.arch.offset_norm(&hf_name) {
+                values.iter_mut().for_each(|v| *v -= 1.0);
+            }
             vec![(
                 hf_name,
                 Array::from_slice::<f32>(&values, &shape).map_err(mlx)?,
@@ -456,7 +429,7 @@ pub fn import_gguf(
     let embed = g
         .tensor("token_embd.weight")
         .ok_or_else(|| GgufError::tensor(g.path(), "token_embd.weight", "missing from the file"))?;
-    let vocab_size = match meta_u64(&g, &format!("{}.vocab_size", params.arch))? {
+    let vocab_size = match meta_u64(&g, &format!("{}.vocab_size", params.arch.gguf))? {
         Some(v) => v,
         None => embed.ne.get(1).copied().unwrap_or(0),
     };
@@ -473,13 +446,8 @@ pub fn import_gguf(
     let tok = build_tokenizer_files(&g, params.n_ctx)?;
 
     let mut config = Map::new();
-    let architecture = match params.arch.as_str() {
-        "qwen2" => "Qwen2ForCausalLM",
-        "qwen3" => "Qwen3ForCausalLM",
-        _ => "LlamaForCausalLM",
-    };
-    config.insert("architectures".into(), json!([architecture]));
-    config.insert("model_type".into(), json!(params.arch));
+    config.insert("architectures".into(), json!([params.arch.class]));
+    config.insert("model_type".into(), json!(params.arch.model_type));
     config.insert("hidden_size".into(), json!(params.n_embd));
     config.insert("intermediate_size".into(), json!(params.n_ff));
     config.insert("num_attention_heads".into(), json!(params.n_head));
@@ -510,6 +478,21 @@ pub fn import_gguf(
     if !tok.eos_ids.is_empty() {
         config.insert("eos_token_id".into(), one_or_many(&tok.eos_ids));
     }
+    let head_dim = params
+        .head_dim
+        .unwrap_or(params.n_embd / params.n_head.max(1));
+    params.arch.config_extras(
+        &g,
+        &ArchParams {
+            n_layer: params.n_layer,
+            n_embd: params.n_embd,
+            n_ff: params.n_ff,
+            n_head: params.n_head,
+            n_ctx: params.n_ctx,
+            head_dim,
+        },
+        &mut config,
+    )?;
     if let Some(q) = quantization_block(&records) {
         config.insert("quantization".into(), q.clone());
         config.insert("quantization_config".into(), q);

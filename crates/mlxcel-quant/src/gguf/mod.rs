@@ -13,6 +13,7 @@
 //!   to float32; other types are an error naming the tensor and type.
 //! - [`convert_gguf_cached`]: the same import, once per file content, into a cache folder.
 
+mod arch;
 pub mod blocks;
 mod cache;
 mod import;
