@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::import::import_gguf;
+use super::import::{import_gguf, ImportReport};
 use super::GgufError;
 
 /// Hex digits of the sha256 that name a cached conversion.
@@ -29,12 +29,14 @@ pub fn gguf_cache_key(path: &Path) -> Result<String, GgufError> {
 }
 
 /// Where [`convert_gguf_cached`] put the converted checkpoint.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct CachedConversion {
     /// The MLX checkpoint folder (`<cache_root>/gguf/<sha256 prefix>/`).
     pub folder: PathBuf,
     /// Whether it was converted by this call (`false`: an earlier conversion was reused).
     pub converted: bool,
+    /// What this call's conversion wrote (`None` when an earlier one was reused).
+    pub report: Option<ImportReport>,
 }
 
 /// Converts `gguf_path` into `<cache_root>/gguf/<first 16 hex digits of its sha256>/` unless
@@ -53,6 +55,7 @@ pub fn convert_gguf_cached(
         return Ok(CachedConversion {
             folder,
             converted: false,
+            report: None,
         });
     }
     std::fs::create_dir_all(&parent).map_err(|e| GgufError::io(&parent, e))?;
@@ -60,12 +63,14 @@ pub fn convert_gguf_cached(
     if staging.exists() {
         std::fs::remove_dir_all(&staging).map_err(|e| GgufError::io(&staging, e))?;
     }
-    let result = import_gguf(gguf_path, &staging, progress);
-    if let Err(e) = result {
-        // Best effort: the staging folder is only ever ours.
-        let _ = std::fs::remove_dir_all(&staging);
-        return Err(e);
-    }
+    let report = match import_gguf(gguf_path, &staging, progress) {
+        Ok(report) => report,
+        Err(e) => {
+            // Best effort: the staging folder is only ever ours.
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
     if folder.exists() {
         // A stale partial layout (no config.json) from an older version: replace it.
         std::fs::remove_dir_all(&folder).map_err(|e| GgufError::io(&folder, e))?;
@@ -74,5 +79,6 @@ pub fn convert_gguf_cached(
     Ok(CachedConversion {
         folder,
         converted: true,
+        report: Some(report),
     })
 }

@@ -40,6 +40,35 @@ pub struct ImportReport {
     pub config: Value,
 }
 
+impl ImportReport {
+    /// One line per GGUF type that had to be re-quantized (no exact MLX form): the MLX format,
+    /// how many tensors, and the largest weight error (absolute, and relative to that tensor's
+    /// max |w|). Empty when every tensor was imported exactly.
+    pub fn requantization_notes(&self) -> Vec<String> {
+        let mut by_type: BTreeMap<&str, (i32, usize, f32, f32)> = BTreeMap::new();
+        for t in &self.tensors {
+            if let (Some(err), Some((bits, _))) = (t.requantized, t.affine) {
+                let e = by_type
+                    .entry(t.ggml_type.name())
+                    .or_insert((bits, 0, 0.0, 0.0));
+                e.1 += 1;
+                e.2 = e.2.max(err.max_abs_error);
+                e.3 = e.3.max(err.relative());
+            }
+        }
+        by_type
+            .into_iter()
+            .map(|(ty, (bits, n, abs, rel))| {
+                format!(
+                    "{ty}: {n} tensors re-quantized to MLX affine {bits}-bit, group 32 (no exact \
+                     MLX form): max |Δw| {abs:.2e}, at most {:.3}% of a tensor's max |w|",
+                    rel * 100.0
+                )
+            })
+            .collect()
+    }
+}
+
 /// The HF llama name of a GGUF tensor (`blk.3.attn_q.weight` →
 /// `model.layers.3.self_attn.q_proj.weight`), or `None` for names without one.
 pub fn hf_tensor_name(gguf: &str) -> Option<String> {

@@ -77,7 +77,7 @@ pub enum GgufError {
     #[error(
         "{path}: tensor `{tensor}` is {ggml_type}, which cannot be imported (supported: F32, F16, \
          BF16 as they are; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K losslessly as MLX affine; \
-         Q2_K, Q3_K, Q6_K re-quantized to MLX affine 4/5/8-bit; no IQ, TQ or MXFP4 types)"
+         Q2_K, Q3_K, Q6_K re-quantized to MLX affine 8-bit; no IQ, TQ or MXFP4 types)"
     )]
     UnsupportedType {
         /// The GGUF file.
