@@ -367,3 +367,38 @@ fn requantized_k_types_report_their_error() {
         );
     }
 }
+
+/// `gguf/tokenizer-<pre>.gguf`: the shared BPE vocabulary under each `tokenizer.ggml.pre`
+/// llama.cpp splits differently (its legacy `default`, `gpt2`, `llama-bpe`, `qwen2`, `smollm`);
+/// the rebuilt `tokenizer.json` must give llama.cpp's ids (`gguf/tokenizers.json`, from
+/// llama-cpp-python 0.3.36) on English, Korean, emoji (ZWJ, flags), code, whitespace runs,
+/// ChatML special tokens and a long text.
+#[test]
+fn rebuilt_tokenizers_match_llama_cpp_ids() {
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures_dir().join("gguf/tokenizers.json")).unwrap(),
+    )
+    .unwrap();
+    let texts = golden["texts"].as_array().unwrap();
+    let pres = golden["ids"].as_object().unwrap();
+    assert_eq!(pres.len(), 5);
+    for (pre, per_text) in pres {
+        let g = mlxcel_quant::gguf::GgufFile::open(
+            fixtures_dir().join(format!("gguf/tokenizer-{pre}.gguf")),
+        )
+        .unwrap();
+        let files = mlxcel_quant::gguf::build_tokenizer_files(&g, 256).unwrap();
+        let tok = tokenizers::Tokenizer::from_bytes(files.tokenizer.to_string()).unwrap();
+        for (text, want) in texts.iter().zip(per_text.as_array().unwrap()) {
+            let text = text.as_str().unwrap();
+            let want: Vec<u32> = want
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            let got = tok.encode(text, false).unwrap().get_ids().to_vec();
+            assert_eq!(got, want, "pre `{pre}`: {text:?}");
+        }
+    }
+}

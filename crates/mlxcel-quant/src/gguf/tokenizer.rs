@@ -2,9 +2,9 @@
 //!
 //! Supported: `tokenizer.ggml.model = "gpt2"` (byte-level BPE: `tokens`, `merges`,
 //! `token_type`). Control tokens (type 3) become special added tokens, user-defined ones
-//! (type 4) plain added tokens. The pre-tokenizer follows `tokenizer.ggml.pre`: `gpt2`/`default`
-//! is GPT-2's byte-level regex; `smollm` splits digits individually first, as SmolLM's own
-//! `tokenizer.json` and llama.cpp do. Anything else is an error naming the value.
+//! (type 4) plain added tokens. The pre-tokenizer is llama.cpp's for `tokenizer.ggml.pre`
+//! (`default`, `gpt2`, `smollm`, `llama-bpe`/`llama3`, `qwen2`; see [`pre_tokenizer_regexes`]),
+//! written as a sequence of HF `Split`s; anything else is an error naming the value.
 
 use std::collections::HashSet;
 
@@ -98,6 +98,48 @@ fn flag(g: &GgufFile, key: &str) -> Result<Option<bool>, GgufError> {
     }
 }
 
+/// GPT-2's split (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_GPT2`).
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+
+/// The `tokenizer.ggml.pre` values [`pre_tokenizer_regexes`] knows.
+const KNOWN_PRE_TOKENIZERS: [&str; 9] = [
+    "gpt-2",
+    "default",
+    "gpt2",
+    "smollm",
+    "llama-bpe",
+    "llama3",
+    "llama-v3",
+    "qwen2",
+    "deepseek-r1-qwen",
+];
+
+/// llama.cpp's pre-tokenizer for `tokenizer.ggml.pre` (`llm_tokenizer_bpe` in llama-vocab.cpp):
+/// its regexes in order, and whether a piece that is itself a token skips the merges
+/// (`ignore_merges`). Llama 3 and Qwen 2 use their `tokenizer.json` regexes (llama.cpp spells
+/// the case-insensitive contractions out by hand; the `tokenizers` regex engine reads `(?i:)`).
+fn pre_tokenizer_regexes(pre: &str) -> Option<(Vec<&'static str>, bool)> {
+    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    Some(match pre {
+        // The regexes llama.cpp falls back to for GGUFs older than `tokenizer.ggml.pre`.
+        "default" => (
+            vec![
+                r"[\p{P}\$\+<=>\^~\|]+",
+                GPT2_SPLIT,
+                r"\p{N}+",
+                "[0-9][0-9][0-9]",
+            ],
+            false,
+        ),
+        "gpt-2" | "gpt2" => (vec![GPT2_SPLIT], false),
+        "smollm" => (vec![r"\p{N}", GPT2_SPLIT], false),
+        "llama-bpe" | "llama3" | "llama-v3" => (vec![LLAMA3], true),
+        "qwen2" | "deepseek-r1-qwen" => (vec![QWEN2], false),
+        _ => return None,
+    })
+}
+
 fn byte_level(add_prefix_space: bool, trim_offsets: bool) -> Value {
     json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space,
            "trim_offsets": trim_offsets, "use_regex": true})
@@ -143,21 +185,28 @@ pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles,
     let pre_key = "tokenizer.ggml.pre";
     let pre = g.get(pre_key).and_then(|v| v.as_str()).unwrap_or("default");
     let add_space = flag(g, "tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
-    let byte_level_pre = byte_level(add_space, true);
-    let pre_tokenizer = match pre {
-        "default" | "gpt2" => byte_level_pre,
-        "smollm" => json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": true},
-            byte_level_pre,
-        ]}),
-        other => {
-            return Err(GgufError::metadata(
-                path,
-                pre_key,
-                format!("pre-tokenizer `{other}` is not known (supported: default, gpt2, smollm)"),
-            ))
-        }
-    };
+    let (regexes, ignore_merges) = pre_tokenizer_regexes(pre).ok_or_else(|| {
+        GgufError::metadata(
+            path,
+            pre_key,
+            format!(
+                "pre-tokenizer `{pre}` is not known (supported: {})",
+                KNOWN_PRE_TOKENIZERS.join(", ")
+            ),
+        )
+    })?;
+    // llama.cpp applies its regexes one after the other, each splitting the pieces the previous
+    // left and keeping the text between matches as pieces too: HF's `Split` with `Isolated`.
+    let mut pretokenizers: Vec<Value> = regexes
+        .iter()
+        .map(|r| {
+            json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated",
+                   "invert": false})
+        })
+        .collect();
+    pretokenizers.push(json!({"type": "ByteLevel", "add_prefix_space": add_space,
+                              "trim_offsets": true, "use_regex": false}));
+    let pre_tokenizer = json!({"type": "Sequence", "pretokenizers": pretokenizers});
 
     // Tokens are stored in the byte alphabet already; one that is not (a raw-text control token
     // written by some converters) is spelled through it so the BPE vocabulary stays consistent.
@@ -273,7 +322,7 @@ pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles,
             "end_of_word_suffix": null,
             "fuse_unk": false,
             "byte_fallback": false,
-            "ignore_merges": false,
+            "ignore_merges": ignore_merges,
             "vocab": vocab,
             "merges": merges,
         },
