@@ -29,6 +29,8 @@ pub struct TokenizerFiles {
     pub pad_id: Option<u64>,
 }
 
+const TOKEN_NORMAL: i64 = 1;
+const TOKEN_UNKNOWN: i64 = 2;
 const TOKEN_CONTROL: i64 = 3;
 const TOKEN_USER_DEFINED: i64 = 4;
 
@@ -145,43 +147,29 @@ fn byte_level(add_prefix_space: bool, trim_offsets: bool) -> Value {
            "trim_offsets": trim_offsets, "use_regex": true})
 }
 
-/// Builds `tokenizer.json` and `tokenizer_config.json` for a byte-level BPE GGUF.
-pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles, GgufError> {
+/// The model-specific pieces of `tokenizer.json`.
+struct Parts {
+    normalizer: Value,
+    pre_tokenizer: Value,
+    decoder: Value,
+    /// The post-processor when no BOS/EOS is added.
+    post_processor: Value,
+    model: Value,
+    /// Whether a control token is matched literally in text (an added special token).
+    literal: fn(&str) -> bool,
+}
+
+fn in_byte_alphabet(tok: &str) -> bool {
+    let alphabet = byte_alphabet();
+    tok.chars().all(|c| alphabet.contains(&c))
+}
+
+/// Byte-level BPE (`gpt2`): the GGUF's merges, llama.cpp's pre-tokenizer regexes.
+fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<Parts, GgufError> {
     let path = g.path();
-    let model_key = "tokenizer.ggml.model";
-    let model = g
-        .get(model_key)
-        .and_then(|v| v.as_str())
-        .ok_or_else(|| GgufError::metadata(path, model_key, "missing or not a string"))?;
-    if model != "gpt2" {
-        return Err(GgufError::metadata(
-            path,
-            model_key,
-            format!("tokenizer model `{model}` cannot be rebuilt yet (only byte-level BPE `gpt2`)"),
-        ));
-    }
-    let tokens_key = "tokenizer.ggml.tokens";
-    let tokens = string_array(g, tokens_key)?
-        .ok_or_else(|| GgufError::metadata(path, tokens_key, "missing"))?;
     let merges_key = "tokenizer.ggml.merges";
     let merges = string_array(g, merges_key)?
         .ok_or_else(|| GgufError::metadata(path, merges_key, "missing"))?;
-    let types_key = "tokenizer.ggml.token_type";
-    let token_types: Vec<i64> = match g.get(types_key) {
-        None => vec![1; tokens.len()],
-        Some(v) => v
-            .as_array()
-            .filter(|a| a.len() == tokens.len())
-            .and_then(|a| a.iter().map(|t| t.as_i64()).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| {
-                GgufError::metadata(
-                    path,
-                    types_key,
-                    format!("expected {} integers, one per token", tokens.len()),
-                )
-            })?,
-    };
-
     let pre_key = "tokenizer.ggml.pre";
     let pre = g.get(pre_key).and_then(|v| v.as_str()).unwrap_or("default");
     let add_space = flag(g, "tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
@@ -233,11 +221,153 @@ pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles,
         })
         .collect::<Result<Vec<_>, _>>()?;
 
+    Ok(Parts {
+        normalizer: Value::Null,
+        pre_tokenizer,
+        decoder: byte_level(true, true),
+        post_processor: byte_level(true, false),
+        model: json!({
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+            "byte_fallback": false, "ignore_merges": ignore_merges, "vocab": vocab,
+            "merges": merges,
+        }),
+        literal: in_byte_alphabet,
+    })
+}
+
+/// SentencePiece (`llama`), as llama.cpp's `llm_tokenizer_spm` runs it: spaces are `▁`, a `▁`
+/// is prepended to every run of text when `add_space_prefix` (default on; llama.cpp also
+/// prepends after each special token, which HF's per-segment `Prepend` normaliser does too),
+/// adjacent pieces merge highest score first, and characters outside the vocabulary fall back
+/// to `<0xXX>` byte tokens. As a BPE: every split of a normal token into two vocabulary pieces
+/// is a merge, ranked by the token's score (then by the pieces' ids, as transformers'
+/// SentencePiece extractor orders them).
+fn sentencepiece(g: &GgufFile, tokens: &[&str], types: &[i64]) -> Result<Parts, GgufError> {
+    let path = g.path();
+    let scores_key = "tokenizer.ggml.scores";
+    let scores: Vec<f64> = g
+        .get(scores_key)
+        .and_then(|v| v.as_array())
+        .filter(|a| a.len() == tokens.len())
+        .and_then(|a| a.iter().map(|s| s.as_f64()).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| {
+            GgufError::metadata(
+                path,
+                scores_key,
+                format!("expected {} floats, one per token", tokens.len()),
+            )
+        })?;
+    let mut vocab = Map::new();
+    let mut ids = std::collections::HashMap::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        vocab.insert(tok.to_string(), json!(id));
+        ids.entry(*tok).or_insert(id);
+    }
+    let mut merges: Vec<(f64, usize, usize, usize)> = Vec::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        if types[id] != TOKEN_NORMAL {
+            continue;
+        }
+        for (at, _) in tok.char_indices().skip(1) {
+            let (l, r) = tok.split_at(at);
+            if let (Some(&li), Some(&ri)) = (ids.get(l), ids.get(r)) {
+                merges.push((scores[id], id, li, ri));
+            }
+        }
+    }
+    // Score descending; a stable order after that: the token's id, then the pieces' ids.
+    merges.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then(a.1.cmp(&b.1))
+            .then((a.2, a.3).cmp(&(b.2, b.3)))
+    });
+    let merges: Vec<Value> = merges
+        .iter()
+        .map(|(_, _, l, r)| json!([tokens[*l], tokens[*r]]))
+        .collect();
+    let unk = id_field(g, "tokenizer.ggml.unknown_token_id", tokens.len())?
+        .map(|i| tokens[i as usize].to_string());
+    let add_space = flag(g, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+    let replace_space =
+        json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let normalizer = if add_space {
+        json!({"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u{2581}"}, replace_space]})
+    } else {
+        replace_space
+    };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if add_space {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    Ok(Parts {
+        normalizer,
+        pre_tokenizer: Value::Null,
+        decoder: json!({"type": "Sequence", "decoders": decoders}),
+        post_processor: Value::Null,
+        model: json!({
+            "type": "BPE", "dropout": null, "unk_token": unk,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
+            "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": merges,
+        }),
+        literal: |_| true,
+    })
+}
+
+/// Builds `tokenizer.json` and `tokenizer_config.json` for a byte-level BPE (`gpt2`) or
+/// SentencePiece (`llama`) GGUF.
+pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles, GgufError> {
+    let path = g.path();
+    let model_key = "tokenizer.ggml.model";
+    let model = g
+        .get(model_key)
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| GgufError::metadata(path, model_key, "missing or not a string"))?;
+    if model != "gpt2" && model != "llama" {
+        return Err(GgufError::metadata(
+            path,
+            model_key,
+            format!(
+                "tokenizer model `{model}` cannot be rebuilt yet (only byte-level BPE `gpt2` and \
+                 SentencePiece `llama`)"
+            ),
+        ));
+    }
+    let tokens_key = "tokenizer.ggml.tokens";
+    let tokens = string_array(g, tokens_key)?
+        .ok_or_else(|| GgufError::metadata(path, tokens_key, "missing"))?;
+    let types_key = "tokenizer.ggml.token_type";
+    let token_types: Vec<i64> = match g.get(types_key) {
+        None => vec![1; tokens.len()],
+        Some(v) => v
+            .as_array()
+            .filter(|a| a.len() == tokens.len())
+            .and_then(|a| a.iter().map(|t| t.as_i64()).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| {
+                GgufError::metadata(
+                    path,
+                    types_key,
+                    format!("expected {} integers, one per token", tokens.len()),
+                )
+            })?,
+    };
+
+    let parts = if model == "gpt2" {
+        byte_level_bpe(g, &tokens)?
+    } else {
+        sentencepiece(g, &tokens, &token_types)?
+    };
+
     let mut added = Vec::new();
     let mut added_decoder = Map::new();
     for (id, (tok, ty)) in tokens.iter().zip(&token_types).enumerate() {
         let special = match *ty {
-            TOKEN_CONTROL if tok.chars().all(|c| in_alphabet.contains(&c)) => true,
+            TOKEN_CONTROL | TOKEN_UNKNOWN if (parts.literal)(tok) => true,
             TOKEN_USER_DEFINED => false,
             _ => continue,
         };
@@ -302,7 +432,7 @@ pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles,
         json!({"type": "TemplateProcessing", "single": single, "pair": pair,
                "special_tokens": specials})
     } else {
-        byte_level(true, false)
+        parts.post_processor.clone()
     };
 
     let tokenizer = json!({
@@ -310,22 +440,11 @@ pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles,
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
+        "normalizer": parts.normalizer,
+        "pre_tokenizer": parts.pre_tokenizer,
         "post_processor": post_processor,
-        "decoder": byte_level(true, true),
-        "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": null,
-            "continuing_subword_prefix": null,
-            "end_of_word_suffix": null,
-            "fuse_unk": false,
-            "byte_fallback": false,
-            "ignore_merges": ignore_merges,
-            "vocab": vocab,
-            "merges": merges,
-        },
+        "decoder": parts.decoder,
+        "model": parts.model,
     });
 
     let mut cfg = Map::new();
