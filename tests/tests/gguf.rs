@@ -80,7 +80,14 @@ fn llama_cpp_converted_architectures_match_transformers() {
     );
     assert!(rel_after > 1e-2, "mistral past the window: {rel_after:.2e}");
 
-    for name in ["qwen2_moe", "qwen3_moe", "gemma", "gemma3_text", "phi3"] {
+    for name in [
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "gemma",
+        "gemma3_text",
+        "phi3",
+    ] {
         let dir = convert(name);
         let loaded = load_model(dir.path(), &options()).unwrap_or_else(|e| panic!("{name}: {e}"));
         let r = reference(name);

@@ -15,6 +15,9 @@
 //!   (default 2 for gemma2, 6 for gemma3: every n-th layer is global), as llama.cpp reads it.
 //! - **phi3**: fused `attn_qkv` and `ffn_up` (gate and up stacked) are HF's `qkv_proj` and
 //!   `gate_up_proj` already; a rotary dimension below the head size is `partial_rotary_factor`.
+//! - **llama with experts** (`<arch>.expert_count` set: how llama.cpp writes Mixtral): HF's
+//!   `mixtral`, the stacked experts as mlx-lm's `block_sparse_moe.switch_mlp.*` and the router
+//!   `ffn_gate_inp` as `block_sparse_moe.gate`; q/k un-permuted as for llama.
 //! - **qwen2moe, qwen3moe**: experts are stacked `[experts, out, in]` tensors
 //!   (`ffn_{gate,up,down}_exps`), written as mlx-lm's `mlp.switch_mlp.*`; the router is
 //!   `ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_*_shexp` and its gate `ffn_gate_inp_shexp`.
@@ -77,6 +80,19 @@ const MOE_PARTS: &[(&str, &str)] = &[
     ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
 ];
 
+const MIXTRAL_PARTS: &[(&str, &str)] = &[
+    ("ffn_gate_inp", "block_sparse_moe.gate"),
+    ("ffn_gate_exps", "block_sparse_moe.switch_mlp.gate_proj"),
+    ("ffn_up_exps", "block_sparse_moe.switch_mlp.up_proj"),
+    ("ffn_down_exps", "block_sparse_moe.switch_mlp.down_proj"),
+];
+
+/// A `llama` GGUF with experts: Mixtral.
+const MIXTRAL: Arch = Arch {
+    rope_permuted: true,
+    ..arch("llama", "mixtral", "MixtralForCausalLM", MIXTRAL_PARTS)
+};
+
 const fn arch(
     gguf: &'static str,
     model_type: &'static str,
@@ -124,6 +140,15 @@ impl Arch {
         ARCHES.iter().find(|a| a.gguf == name)
     }
 
+    /// The architecture of `g`, named `name`: [`Arch::find`], except that a `llama` file with
+    /// experts is Mixtral.
+    pub fn of_file(g: &GgufFile, name: &str) -> Result<Option<&'static Arch>, GgufError> {
+        if name == "llama" && meta_u64(g, "llama.expert_count")?.is_some_and(|n| n > 0) {
+            return Ok(Some(&MIXTRAL));
+        }
+        Ok(Arch::find(name))
+    }
+
     /// The HF name of a GGUF tensor (`blk.3.attn_q.weight` →
     /// `model.layers.3.self_attn.q_proj.weight`), or `None` for names without one.
     pub fn hf_name(&self, gguf: &str) -> Option<String> {
@@ -166,8 +191,20 @@ impl Arch {
         let k = |s: &str| format!("{}.{s}", self.gguf);
         let f64_key = |s: &str| meta_f64(g, &k(s));
         let u64_key = |s: &str| meta_u64(g, &k(s));
-        match self.gguf {
-            "gemma" | "gemma2" | "gemma3" => {
+        match self.model_type {
+            "mixtral" => {
+                let need = |s: &str| -> Result<u64, GgufError> {
+                    let key = k(s);
+                    meta_u64(g, &key)?.ok_or_else(|| GgufError::metadata(g.path(), &key, "missing"))
+                };
+                config.insert("num_local_experts".into(), json!(need("expert_count")?));
+                config.insert(
+                    "num_experts_per_tok".into(),
+                    json!(need("expert_used_count")?),
+                );
+                config.insert("sliding_window".into(), Value::Null);
+            }
+            "gemma" | "gemma2" | "gemma3_text" => {
                 config.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
                 config.insert("hidden_act".into(), json!("gelu_pytorch_tanh"));
                 if self.gguf == "gemma" {
@@ -220,7 +257,7 @@ impl Arch {
                 let original = u64_key("rope.scaling.original_context_length")?.unwrap_or(p.n_ctx);
                 config.insert("original_max_position_embeddings".into(), json!(original));
             }
-            "qwen2moe" | "qwen3moe" => {
+            "qwen2_moe" | "qwen3_moe" => {
                 let need = |s: &str| -> Result<u64, GgufError> {
                     let key = k(s);
                     meta_u64(g, &key)?.ok_or_else(|| GgufError::metadata(g.path(), &key, "missing"))

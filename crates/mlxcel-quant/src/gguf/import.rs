@@ -130,7 +130,7 @@ fn llama_params(g: &GgufFile) -> Result<LlamaParams, GgufError> {
         .get(arch_key)
         .and_then(|v| v.as_str())
         .ok_or_else(|| GgufError::metadata(g.path(), arch_key, "missing or not a string"))?;
-    let arch = Arch::find(name).ok_or_else(|| {
+    let arch = Arch::of_file(g, name)?.ok_or_else(|| {
         GgufError::metadata(
             g.path(),
             arch_key,
