@@ -156,10 +156,11 @@ fn converted_folder_is_a_full_checkpoint() {
 /// f32 reference logits the bound is only a sanity check: this random tiny model (init range
 /// 0.4, so saturated activations) turns that rounding into ~5e-2 relative logit error, so
 /// 0.15 fails only on gross errors (a wrong scale, a dropped plane: errors of O(1)).
-#[test]
-fn q8_0_gguf_is_exact_against_its_dequantized_weights() {
-    let q = convert("qwen3-q8_0");
-    let w = WeightMap::open(q.path()).unwrap();
+/// The affine 8-bit (group 32) folder `q` with every quantized tensor dequantized exactly and
+/// written back densely in f32 (config without `quantization`): the dense weights, how many were
+/// quantized, and the folder.
+fn dequantized_copy(q: &std::path::Path) -> (HashMap<String, Array>, usize, tempfile::TempDir) {
+    let w = WeightMap::open(q).unwrap();
     let mut dense: HashMap<String, Array> = HashMap::new();
     let mut quantized = 0;
     for name in w.names().map(str::to_string).collect::<Vec<_>>() {
@@ -184,6 +185,24 @@ fn q8_0_gguf_is_exact_against_its_dequantized_weights() {
         };
         dense.insert(name, arr);
     }
+    let d = tempfile::tempdir().unwrap();
+    let tensors: Vec<(String, Array)> = dense.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    mlxcel_core::weights::save_safetensors(d.path().join("model.safetensors"), &tensors, None)
+        .unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(q.join("config.json")).unwrap()).unwrap();
+    let obj = config.as_object_mut().unwrap();
+    obj.remove("quantization");
+    obj.remove("quantization_config");
+    obj.insert("torch_dtype".into(), "float32".into());
+    std::fs::write(d.path().join("config.json"), config.to_string()).unwrap();
+    (dense, quantized, d)
+}
+
+#[test]
+fn q8_0_gguf_is_exact_against_its_dequantized_weights() {
+    let q = convert("qwen3-q8_0");
+    let (dense, quantized, d) = dequantized_copy(q.path());
     assert_eq!(quantized, 15, "7 linears × 2 layers + the embedding");
     let original = WeightMap::open(mlxcel_tests::model_dir("qwen3")).unwrap();
     for (name, arr) in &dense {
@@ -200,18 +219,6 @@ fn q8_0_gguf_is_exact_against_its_dequantized_weights() {
             "{name}: |Δ| {diff:.2e} at {at} > {bound:.2e}"
         );
     }
-    let d = tempfile::tempdir().unwrap();
-    let tensors: Vec<(String, Array)> = dense.into_iter().collect();
-    mlxcel_core::weights::save_safetensors(d.path().join("model.safetensors"), &tensors, None)
-        .unwrap();
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(q.path().join("config.json")).unwrap())
-            .unwrap();
-    let obj = config.as_object_mut().unwrap();
-    obj.remove("quantization");
-    obj.remove("quantization_config");
-    obj.insert("torch_dtype".into(), "float32".into());
-    std::fs::write(d.path().join("config.json"), config.to_string()).unwrap();
 
     let r = reference("qwen3");
     let qm = load_model(q.path(), &options()).unwrap();
@@ -409,4 +416,65 @@ fn rebuilt_tokenizers_match_llama_cpp_ids() {
             assert_eq!(got, want, "pre `{pre}`: {text:?}");
         }
     }
+}
+
+/// Quantized stacked experts (`qwen3_moe-q8_0.gguf`, every matrix Q8_0 by llama.cpp): each
+/// `[experts, out, in]` tensor becomes `switch_mlp` planes `[experts, out, in/4]` whose MLX
+/// dequantization equals the GGUF's decode value for value, and the quantized folder gives the
+/// logits of its own dequantized copy (only the kernels differ). (Against the f32 reference the
+/// error is 2.4e-1: Q8_0 rounding flips some top-2 expert choices on this random model.)
+#[test]
+fn quantized_stacked_experts_keep_their_layout() {
+    use mlxcel_quant::gguf::{blocks, GgmlType, GgufFile};
+    let out = convert("qwen3_moe-q8_0");
+    let g = GgufFile::open(gguf("qwen3_moe-q8_0")).unwrap();
+    let w = WeightMap::open(out.path()).unwrap();
+    let mut checked = 0;
+    for layer in 0..2 {
+        for (part, hf) in [
+            ("ffn_gate_exps", "gate_proj"),
+            ("ffn_up_exps", "up_proj"),
+            ("ffn_down_exps", "down_proj"),
+        ] {
+            let info = g.tensor(&format!("blk.{layer}.{part}.weight")).unwrap();
+            assert_eq!(info.ggml_type, GgmlType::Q8_0);
+            let want = blocks::dequantize(GgmlType::Q8_0, g.tensor_data(info).unwrap()).unwrap();
+            let pre = format!("model.layers.{layer}.mlp.switch_mlp.{hf}");
+            let q = w.get(&format!("{pre}.weight")).unwrap();
+            let (e, o, i) = (info.ne[2] as i32, info.ne[1] as i32, info.ne[0] as i32);
+            assert_eq!(q.shape(), vec![e, o, i / 4]);
+            let f = |s: &str| w.get_as(&format!("{pre}.{s}"), Dtype::Float32).unwrap();
+            let got = ops::dequantize(
+                &q,
+                &f("scales"),
+                Some(&f("biases")),
+                ops::QuantSpec::affine(32, 8),
+                Some(Dtype::Float32),
+            )
+            .unwrap();
+            assert_eq!(got.shape(), vec![e, o, i]);
+            assert_eq!(got.to_vec::<f32>().unwrap(), want, "{pre}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 6);
+    let (_, quantized, dense) = dequantized_copy(out.path());
+    assert_eq!(
+        quantized,
+        4 * 2 + 3 * 2 + 2,
+        "attention, experts, embedding and head"
+    );
+    let r = reference("qwen3_moe");
+    let ql = logits_for(
+        &load_model(out.path(), &options()).unwrap().model,
+        &r.prompt_ids,
+    );
+    let dl = logits_for(
+        &load_model(dense.path(), &options()).unwrap().model,
+        &r.prompt_ids,
+    );
+    let scale = dl.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let rel = max_abs_diff(&ql, &dl).0 / scale;
+    eprintln!("qwen3_moe Q8_0: quantized vs dequantized relative logit error {rel:.2e}");
+    assert!(rel <= 1e-4, "qwen3_moe Q8_0: {rel:.2e}");
 }
