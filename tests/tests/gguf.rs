@@ -82,6 +82,7 @@ fn llama_cpp_converted_architectures_match_transformers() {
 
     for name in [
         "mixtral",
+        "deepseek_v2",
         "qwen2_moe",
         "qwen3_moe",
         "gemma",

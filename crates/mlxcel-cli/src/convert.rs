@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 #[derive(Args, Debug)]
 pub struct ConvertFlags {
     /// A llama.cpp GGUF file to import (llama/mistral/mixtral, qwen2, qwen3, qwen2moe, qwen3moe, gemma,
-    /// gemma2, gemma3, phi3; F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K losslessly,
+    /// gemma2, gemma3, phi3, deepseek2; F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K losslessly,
     /// Q2_K/Q3_K/Q6_K re-quantized to 8-bit with the error printed).
     #[arg(long, conflicts_with = "hf")]
     pub gguf: Option<PathBuf>,

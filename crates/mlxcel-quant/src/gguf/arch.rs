@@ -18,6 +18,11 @@
 //! - **llama with experts** (`<arch>.expert_count` set: how llama.cpp writes Mixtral): HF's
 //!   `mixtral`, the stacked experts as mlx-lm's `block_sparse_moe.switch_mlp.*` and the router
 //!   `ffn_gate_inp` as `block_sparse_moe.gate`; q/k un-permuted as for llama.
+//! - **deepseek2** (multi-head latent attention): llama.cpp splits each layer's `kv_b_proj`
+//!   `[heads·(nope + v), kv_lora]` into `attn_k_b` (`[heads, kv_lora, nope]`, transposed per head)
+//!   and `attn_v_b` (`[heads, v, kv_lora]`); the two are joined back ([`join_kv_b`]) in float32.
+//!   Head sizes come from `attention.key_length_mla`/`value_length_mla` (older files: `key_length`/
+//!   `value_length`), the router from `expert_*` keys; experts as mlx-lm's `switch_mlp`.
 //! - **qwen2moe, qwen3moe**: experts are stacked `[experts, out, in]` tensors
 //!   (`ffn_{gate,up,down}_exps`), written as mlx-lm's `mlp.switch_mlp.*`; the router is
 //!   `ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_*_shexp` and its gate `ffn_gate_inp_shexp`.
@@ -93,6 +98,24 @@ const MIXTRAL: Arch = Arch {
     ..arch("llama", "mixtral", "MixtralForCausalLM", MIXTRAL_PARTS)
 };
 
+const DEEPSEEK2_PARTS: &[(&str, &str)] = &[
+    ("attn_q_a", "self_attn.q_a_proj"),
+    ("attn_q_a_norm", "self_attn.q_a_layernorm"),
+    ("attn_q_b", "self_attn.q_b_proj"),
+    ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
+    ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
+    ("attn_kv_b", "self_attn.kv_b_proj"),
+    ("attn_k_b", "self_attn.k_b_proj"),
+    ("attn_v_b", "self_attn.v_b_proj"),
+    ("ffn_gate_inp", "mlp.gate"),
+    ("ffn_gate_exps", "mlp.switch_mlp.gate_proj"),
+    ("ffn_up_exps", "mlp.switch_mlp.up_proj"),
+    ("ffn_down_exps", "mlp.switch_mlp.down_proj"),
+    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"),
+    ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
+];
+
 const fn arch(
     gguf: &'static str,
     model_type: &'static str,
@@ -132,7 +155,43 @@ pub(crate) const ARCHES: &[Arch] = &[
         ..arch("gemma3", "gemma3_text", "Gemma3ForCausalLM", GEMMA2_PARTS)
     },
     arch("phi3", "phi3", "Phi3ForCausalLM", PHI3_PARTS),
+    arch(
+        "deepseek2",
+        "deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        DEEPSEEK2_PARTS,
+    ),
 ];
+
+/// Whether `hf_name` is one half of a split DeepSeek `kv_b_proj`, kept dense for [`join_kv_b`].
+pub(crate) fn is_split_kv_b(hf_name: &str) -> bool {
+    hf_name.ends_with("self_attn.k_b_proj.weight") || hf_name.ends_with("self_attn.v_b_proj.weight")
+}
+
+/// Joins every layer's `k_b_proj` `[heads, kv_lora, nope]` and `v_b_proj` `[heads, v, kv_lora]`
+/// (dense f32 values with their shapes) back into HF's `kv_b_proj` `[heads·(nope + v), kv_lora]`:
+/// per head, the transposed `k_b` rows, then the `v_b` rows.
+pub(crate) fn join_kv_b(
+    k_b: (&[f32], &[i32]),
+    v_b: (&[f32], &[i32]),
+) -> Option<(Vec<f32>, [i32; 2])> {
+    let (&[heads, lora, nope], &[vh, v, vlora]) = (k_b.1, v_b.1) else {
+        return None;
+    };
+    if heads != vh || lora != vlora {
+        return None;
+    }
+    let (heads, lora, nope, v) = (heads as usize, lora as usize, nope as usize, v as usize);
+    let mut out = Vec::with_capacity(heads * (nope + v) * lora);
+    for h in 0..heads {
+        let k = &k_b.0[h * lora * nope..(h + 1) * lora * nope];
+        for n in 0..nope {
+            out.extend((0..lora).map(|l| k[l * nope + n]));
+        }
+        out.extend_from_slice(&v_b.0[h * v * lora..(h + 1) * v * lora]);
+    }
+    Some((out, [(heads * (nope + v)) as i32, lora as i32]))
+}
 
 impl Arch {
     /// The architecture named by `general.architecture`, or `None`.
@@ -245,6 +304,82 @@ impl Arch {
                     let local = f64_key("rope.freq_base_swa")?.unwrap_or(10000.0);
                     config.insert("rope_local_base_freq".into(), json!(local));
                 }
+            }
+            "deepseek_v2" => {
+                let need = |s: &str| -> Result<u64, GgufError> {
+                    let key = k(s);
+                    meta_u64(g, &key)?.ok_or_else(|| GgufError::metadata(g.path(), &key, "missing"))
+                };
+                let rope = need("rope.dimension_count")?;
+                let kv_lora = need("attention.kv_lora_rank")?;
+                // MLA files (llama.cpp's absorbed layout) carry the per-head sizes under `_mla`.
+                let (key_len, value_len) = match u64_key("attention.key_length_mla")? {
+                    Some(kl) => (kl, need("attention.value_length_mla")?),
+                    None => (
+                        need("attention.key_length")?,
+                        need("attention.value_length")?,
+                    ),
+                };
+                let nope = key_len.checked_sub(rope).ok_or_else(|| {
+                    GgufError::metadata(
+                        g.path(),
+                        &k("rope.dimension_count"),
+                        "exceeds the key length",
+                    )
+                })?;
+                config.insert("num_key_value_heads".into(), json!(p.n_head));
+                config.insert("kv_lora_rank".into(), json!(kv_lora));
+                config.insert(
+                    "q_lora_rank".into(),
+                    json!(u64_key("attention.q_lora_rank")?),
+                );
+                config.insert("qk_rope_head_dim".into(), json!(rope));
+                config.insert("qk_nope_head_dim".into(), json!(nope));
+                config.insert("v_head_dim".into(), json!(value_len));
+                config.insert("head_dim".into(), json!(rope));
+                config.insert("n_routed_experts".into(), json!(need("expert_count")?));
+                config.insert(
+                    "n_shared_experts".into(),
+                    json!(u64_key("expert_shared_count")?.unwrap_or(0)),
+                );
+                config.insert(
+                    "num_experts_per_tok".into(),
+                    json!(need("expert_used_count")?),
+                );
+                config.insert(
+                    "moe_intermediate_size".into(),
+                    json!(need("expert_feed_forward_length")?),
+                );
+                config.insert(
+                    "first_k_dense_replace".into(),
+                    json!(u64_key("leading_dense_block_count")?.unwrap_or(0)),
+                );
+                config.insert("moe_layer_freq".into(), json!(1));
+                config.insert(
+                    "routed_scaling_factor".into(),
+                    json!(f64_key("expert_weights_scale")?.unwrap_or(1.0)),
+                );
+                let groups = u64_key("expert_group_count")?.unwrap_or(1);
+                config.insert("n_group".into(), json!(groups));
+                config.insert(
+                    "topk_group".into(),
+                    json!(u64_key("expert_group_used_count")?.unwrap_or(1)),
+                );
+                config.insert(
+                    "topk_method".into(),
+                    json!(if groups > 1 {
+                        "group_limited_greedy"
+                    } else {
+                        "greedy"
+                    }),
+                );
+                let norm = match g.get(&k("expert_weights_norm")) {
+                    None => false,
+                    Some(v) => v.as_bool().ok_or_else(|| {
+                        GgufError::metadata(g.path(), &k("expert_weights_norm"), "not a bool")
+                    })?,
+                };
+                config.insert("norm_topk_prob".into(), json!(norm));
             }
             "phi3" => {
                 let rot = u64_key("rope.dimension_count")?.unwrap_or(p.head_dim);

@@ -7,7 +7,7 @@ use half::f16;
 use mlxcel_core::{Array, Dtype};
 use serde_json::{json, Map, Value};
 
-use super::arch::{meta_f64, meta_u64, Arch, ArchParams};
+use super::arch::{is_split_kv_b, join_kv_b, meta_f64, meta_u64, Arch, ArchParams};
 use super::blocks::{self, AffinePlanes, MlxMapping, RepackError, Requantized};
 use super::reader::{GgufFile, GgufTensorInfo};
 use super::tokenizer::build_tokenizer_files;
@@ -101,8 +101,17 @@ pub fn unpermute_rope_rows<T: Copy>(data: &[T], rows: usize, n_head: usize) -> O
 
 /// The GGUF architectures [`import_gguf`] reads (`general.architecture`); the `arch` module
 /// docs say what each needs undone.
-pub const SUPPORTED_ARCHITECTURES: [&str; 9] = [
-    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "gemma3", "phi3",
+pub const SUPPORTED_ARCHITECTURES: [&str; 10] = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen2moe",
+    "qwen3moe",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "deepseek2",
 ];
 
 /// The hyper-parameters read from `<arch>.*` metadata.
@@ -297,6 +306,7 @@ fn convert_tensor(
             }
         }
         _ if info.ne.len() >= 2
+            && !is_split_kv_b(&hf_name)
             && matches!(
                 blocks::mlx_mapping(ty),
                 MlxMapping::Lossless { .. } | MlxMapping::Requantized { .. }
@@ -381,6 +391,46 @@ fn convert_tensor(
     Ok(Converted { arrays, record })
 }
 
+/// Replaces each layer's `self_attn.k_b_proj`/`v_b_proj` pair (DeepSeek MLA, split by llama.cpp)
+/// with the `kv_b_proj` they came from.
+fn join_split_kv_b(g: &GgufFile, tensors: &mut Vec<(String, Array)>) -> Result<(), GgufError> {
+    let path = g.path();
+    let mlx = |e: mlxcel_core::Error| GgufError::mlx(path, e);
+    let k_names: Vec<String> = tensors
+        .iter()
+        .map(|(n, _)| n.clone())
+        .filter(|n| n.ends_with("self_attn.k_b_proj.weight"))
+        .collect();
+    for k_name in k_names {
+        let prefix = k_name.trim_end_matches("k_b_proj.weight");
+        let v_name = format!("{prefix}v_b_proj.weight");
+        let take = |tensors: &mut Vec<(String, Array)>, name: &str| {
+            let at = tensors.iter().position(|(n, _)| n == name)?;
+            Some(tensors.remove(at).1)
+        };
+        let k = take(tensors, &k_name);
+        let v = take(tensors, &v_name)
+            .ok_or_else(|| GgufError::format(path, format!("`{k_name}` has no `{v_name}`")))?;
+        let k = k.ok_or_else(|| GgufError::format(path, format!("`{k_name}` vanished")))?;
+        let f32s = |a: &Array| a.astype(Dtype::Float32)?.to_vec::<f32>();
+        let (kv, kshape) = (f32s(&k).map_err(mlx)?, k.shape());
+        let (vv, vshape) = (f32s(&v).map_err(mlx)?, v.shape());
+        let (joined, shape) = join_kv_b((&kv, &kshape), (&vv, &vshape)).ok_or_else(|| {
+            GgufError::format(
+                path,
+                format!(
+                    "`{k_name}` {kshape:?} and `{v_name}` {vshape:?} do not join into kv_b_proj"
+                ),
+            )
+        })?;
+        tensors.push((
+            format!("{prefix}kv_b_proj.weight"),
+            Array::from_slice::<f32>(&joined, &shape).map_err(mlx)?,
+        ));
+    }
+    Ok(())
+}
+
 /// The `quantization` block mlx-lm writes: the most common `(bits, group_size)` as the default,
 /// and an entry per module path whose width differs. `None` when nothing is quantized.
 fn quantization_block(records: &[TensorImport]) -> Option<Value> {
@@ -446,6 +496,7 @@ pub fn import_gguf(
         records.push(c.record);
         progress(i + 1, total, &info.name);
     }
+    join_split_kv_b(&g, &mut tensors)?;
     let mut seen = HashMap::new();
     for (name, _) in &tensors {
         if seen.insert(name.clone(), ()).is_some() {
