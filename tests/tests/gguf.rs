@@ -479,3 +479,27 @@ fn quantized_stacked_experts_keep_their_layout() {
     eprintln!("qwen3_moe Q8_0: quantized vs dequantized relative logit error {rel:.2e}");
     assert!(rel <= 1e-4, "qwen3_moe Q8_0: {rel:.2e}");
 }
+
+/// A cached conversion is reused only when it was written by this importer: one stamped by
+/// another version (or not at all, as before the stamp) is converted again.
+#[test]
+fn cached_conversions_of_another_importer_are_redone() {
+    use mlxcel_quant::gguf::{convert_gguf_cached, IMPORT_FORMAT};
+    let cache = tempfile::tempdir().unwrap();
+    let run = || convert_gguf_cached(&gguf("qwen3"), cache.path(), &mut |_, _, _| {}).unwrap();
+    let first = run();
+    assert!(first.converted && first.report.is_some());
+    let stamp = first.folder.join(".mlxcel-import");
+    assert_eq!(
+        std::fs::read_to_string(&stamp).unwrap().trim(),
+        IMPORT_FORMAT
+    );
+    assert!(!run().converted, "same importer: reused");
+    std::fs::write(&stamp, "mlxcel-gguf-import 1\n").unwrap();
+    assert!(run().converted, "another importer's conversion is redone");
+    std::fs::remove_file(&stamp).unwrap();
+    let again = run();
+    assert!(again.converted, "an unstamped conversion is redone");
+    assert_eq!(again.folder, first.folder);
+    assert!(!run().converted);
+}

@@ -11,6 +11,14 @@ use super::GgufError;
 /// Hex digits of the sha256 that name a cached conversion.
 const KEY_LEN: usize = 16;
 
+/// The importer's output format, stamped into each cached conversion (`.mlxcel-import`): a
+/// conversion written by an importer with another stamp (older mapping, tokenizer or quant
+/// handling) is converted again rather than reused. Raise it when the written checkpoint of some
+/// GGUF changes.
+pub const IMPORT_FORMAT: &str = "mlxcel-gguf-import 2";
+
+const STAMP: &str = ".mlxcel-import";
+
 /// The first 16 hex digits of the sha256 of the file at `path`.
 pub fn gguf_cache_key(path: &Path) -> Result<String, GgufError> {
     let mut file = std::fs::File::open(path).map_err(|e| GgufError::io(path, e))?;
@@ -40,7 +48,8 @@ pub struct CachedConversion {
 }
 
 /// Converts `gguf_path` into `<cache_root>/gguf/<first 16 hex digits of its sha256>/` unless
-/// that folder already holds a finished conversion, which is reused. The import is written to
+/// that folder already holds a finished conversion by this importer ([`IMPORT_FORMAT`]), which is
+/// reused. The import is written to
 /// a temporary sibling and renamed into place, so an interrupted conversion is never reused.
 /// `progress(done, total, tensor)` is called after each tensor of a conversion.
 pub fn convert_gguf_cached(
@@ -51,7 +60,11 @@ pub fn convert_gguf_cached(
     let key = gguf_cache_key(gguf_path)?;
     let parent = cache_root.join("gguf");
     let folder = parent.join(&key);
-    if folder.join("config.json").is_file() && folder.join("model.safetensors").is_file() {
+    let stamp = std::fs::read_to_string(folder.join(STAMP)).unwrap_or_default();
+    if stamp.trim() == IMPORT_FORMAT
+        && folder.join("config.json").is_file()
+        && folder.join("model.safetensors").is_file()
+    {
         return Ok(CachedConversion {
             folder,
             converted: false,
@@ -71,8 +84,13 @@ pub fn convert_gguf_cached(
             return Err(e);
         }
     };
+    let stamp_path = staging.join(STAMP);
+    if let Err(e) = std::fs::write(&stamp_path, format!("{IMPORT_FORMAT}\n")) {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(GgufError::io(&stamp_path, e));
+    }
     if folder.exists() {
-        // A stale partial layout (no config.json) from an older version: replace it.
+        // A conversion by another importer version, or a stale partial layout: replace it.
         std::fs::remove_dir_all(&folder).map_err(|e| GgufError::io(&folder, e))?;
     }
     std::fs::rename(&staging, &folder).map_err(|e| GgufError::io(&folder, e))?;

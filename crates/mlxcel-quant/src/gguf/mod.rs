@@ -23,7 +23,7 @@ mod types;
 
 use std::path::{Path, PathBuf};
 
-pub use cache::{convert_gguf_cached, gguf_cache_key, CachedConversion};
+pub use cache::{convert_gguf_cached, gguf_cache_key, CachedConversion, IMPORT_FORMAT};
 pub use import::{
     hf_tensor_name, import_gguf, unpermute_rope_rows, ImportReport, TensorImport,
     SUPPORTED_ARCHITECTURES,
