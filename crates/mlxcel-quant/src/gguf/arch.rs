@@ -456,3 +456,83 @@ pub(crate) fn meta_f64(g: &GgufFile, key: &str) -> Result<Option<f64>, GgufError
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_each_architecture() {
+        let name = |arch: &str, gguf: &str| Arch::find(arch).unwrap().hf_name(gguf);
+        let layer = |s: &str| Some(format!("model.layers.1.{s}"));
+        assert_eq!(
+            name("gemma2", "blk.1.ffn_norm.weight"),
+            layer("pre_feedforward_layernorm.weight")
+        );
+        assert_eq!(
+            name("gemma", "blk.1.ffn_norm.weight"),
+            layer("post_attention_layernorm.weight")
+        );
+        assert_eq!(
+            name("gemma3", "blk.1.post_ffw_norm.weight"),
+            layer("post_feedforward_layernorm.weight")
+        );
+        assert_eq!(
+            name("phi3", "blk.1.ffn_up.weight"),
+            layer("mlp.gate_up_proj.weight")
+        );
+        assert_eq!(
+            name("llama", "blk.1.ffn_up.weight"),
+            layer("mlp.up_proj.weight")
+        );
+        assert_eq!(
+            name("qwen2moe", "blk.1.ffn_gate_inp_shexp.weight"),
+            layer("mlp.shared_expert_gate.weight")
+        );
+        assert_eq!(
+            name("qwen3moe", "blk.1.ffn_down_exps.weight"),
+            layer("mlp.switch_mlp.down_proj.weight")
+        );
+        assert_eq!(
+            name("deepseek2", "blk.1.ffn_up_shexp.weight"),
+            layer("mlp.shared_experts.up_proj.weight")
+        );
+        assert_eq!(
+            MIXTRAL.hf_name("blk.1.ffn_gate_inp.weight"),
+            layer("block_sparse_moe.gate.weight")
+        );
+        assert_eq!(name("qwen3", "blk.1.ffn_gate_exps.weight"), None);
+        assert!(Arch::find("gemma3")
+            .unwrap()
+            .offset_norm("model.norm.weight"));
+        assert!(!Arch::find("llama")
+            .unwrap()
+            .offset_norm("model.norm.weight"));
+    }
+
+    #[test]
+    fn kv_b_joins_transposed_k_then_v_per_head() {
+        // 2 heads, kv_lora 3, nope 2, v 1. k_b[h][l][n] = 100h + 10l + n; v_b[h][0][l] = -(10h + l).
+        let k: Vec<f32> = (0..2)
+            .flat_map(|h| {
+                (0..3).flat_map(move |l| (0..2).map(move |n| (100 * h + 10 * l + n) as f32))
+            })
+            .collect();
+        let v: Vec<f32> = (0..2)
+            .flat_map(|h| (0..3).map(move |l| -((10 * h + l) as f32)))
+            .collect();
+        let (out, shape) = join_kv_b((&k, &[2, 3, 2]), (&v, &[2, 1, 3])).unwrap();
+        assert_eq!(shape, [6, 3]);
+        #[rustfmt::skip]
+        let want = [
+            0.0, 10.0, 20.0,     // head 0, nope 0: k_b[0][l][0]
+            1.0, 11.0, 21.0,     // head 0, nope 1
+            -0.0, -1.0, -2.0,    // head 0, v
+            100.0, 110.0, 120.0, // head 1, nope 0
+            101.0, 111.0, 121.0,
+            -10.0, -11.0, -12.0,
+        ];
+        assert_eq!(out, want);
+        assert!(join_kv_b((&k, &[2, 3, 2]), (&v, &[1, 2, 3])).is_none());
+    }
+}
