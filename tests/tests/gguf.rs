@@ -386,7 +386,8 @@ fn requantized_k_types_report_their_error() {
 /// `gguf/tokenizer-<pre>.gguf`: the shared BPE vocabulary under each `tokenizer.ggml.pre`
 /// llama.cpp splits differently (its legacy `default`, `gpt-2`, `llama-bpe`, `qwen2`, `smollm`),
 /// and `tokenizer-spm.gguf`, a SentencePiece (`llama`) vocabulary with byte fallback written by
-/// llama.cpp's converter; the rebuilt `tokenizer.json` must give llama.cpp's ids (`gguf/tokenizers.json`, from
+/// llama.cpp's converter (and `tokenizer-spm-no-prefix.gguf`, the same with
+/// `add_space_prefix = false` as Gemma's files have); the rebuilt `tokenizer.json` must give llama.cpp's ids (`gguf/tokenizers.json`, from
 /// llama-cpp-python 0.3.36) on English, Korean, emoji (ZWJ, flags), code, whitespace runs,
 /// ChatML special tokens and a long text.
 #[test]
@@ -397,7 +398,7 @@ fn rebuilt_tokenizers_match_llama_cpp_ids() {
     .unwrap();
     let texts = golden["texts"].as_array().unwrap();
     let pres = golden["ids"].as_object().unwrap();
-    assert_eq!(pres.len(), 6);
+    assert_eq!(pres.len(), 7);
     for (pre, per_text) in pres {
         let g = mlxcel_quant::gguf::GgufFile::open(
             fixtures_dir().join(format!("gguf/tokenizer-{pre}.gguf")),
