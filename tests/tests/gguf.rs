@@ -126,6 +126,41 @@ fn llama_cpp_converted_gemma2_matches_transformers_with_its_tied_head() {
     assert!(rel <= 1e-4, "gemma2: relative logit error {rel:.2e}");
 }
 
+/// Llama 3's rope scaling reaches a GGUF only as the factor table `rope_freqs.weight` (llama.cpp's
+/// converter, make_gguf.py `--stage arches`, on the `llama-rope-llama3` fixture: factor 8,
+/// frequency factors 1 and 4, 64 original positions of 256). The import recovers the fixture's
+/// own `rope_scaling` from the table, so the logits match transformers; without it they do not.
+#[test]
+fn llama3_rope_factors_become_rope_scaling_again() {
+    let name = "llama-rope-llama3";
+    let dir = convert(name);
+    let config_path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(mlxcel_tests::model_dir(name).join("config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["rope_scaling"], fixture["rope_scaling"]);
+
+    let r = reference(name);
+    let loaded = load_model(dir.path(), &options()).unwrap();
+    let rel = relative_diff(&logits_for(&loaded.model, &r.prompt_ids), &r);
+    eprintln!("{name}: relative logit error {rel:.2e}");
+    assert!(rel <= 1e-4, "{name}: relative logit error {rel:.2e}");
+    assert_greedy_ids(&loaded.model, &r, name);
+
+    config["rope_scaling"] = serde_json::Value::Null;
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let unscaled = load_model(dir.path(), &options()).unwrap();
+    let rel_unscaled = relative_diff(&logits_for(&unscaled.model, &r.prompt_ids), &r);
+    eprintln!("{name} without rope scaling: relative logit error {rel_unscaled:.2e}");
+    assert!(
+        rel_unscaled > 1e-2,
+        "{name} without rope scaling: {rel_unscaled:.2e}"
+    );
+}
+
 #[test]
 fn converted_folder_is_a_full_checkpoint() {
     let dir = convert("qwen3");

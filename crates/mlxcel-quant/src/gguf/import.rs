@@ -10,6 +10,7 @@ use serde_json::{json, Map, Value};
 use super::arch::{is_split_kv_b, join_kv_b, meta_f64, meta_u64, Arch, ArchParams};
 use super::blocks::{self, AffinePlanes, MlxMapping, RepackError, Requantized};
 use super::reader::{GgufFile, GgufTensorInfo};
+use super::rope_freqs::{reconstruct_llama3, ROPE_FREQS};
 use super::tokenizer::build_tokenizer_files;
 use super::types::GgmlType;
 use super::GgufError;
@@ -170,20 +171,46 @@ fn llama_params(g: &GgufFile) -> Result<LlamaParams, GgufError> {
             ))
         }
     };
+    let n_embd = u("embedding_length")?;
+    let n_ctx = u("context_length")?;
+    let rope_theta = meta_f64(g, &k("rope.freq_base"))?.unwrap_or(10000.0);
+    let head_dim = meta_u64(g, &k("attention.key_length"))?;
+    let rope_scaling = match (rope_scaling, g.tensor(ROPE_FREQS)) {
+        (scaling, None) => scaling,
+        (None, Some(info)) => {
+            let original_ctx = meta_u64(g, &k("rope.scaling.original_context_length"))?;
+            let dim = head_dim.unwrap_or(n_embd / n_head.max(1));
+            let factors =
+                blocks::dequantize(info.ggml_type, g.tensor_data(info)?).ok_or_else(|| {
+                    GgufError::tensor(g.path(), ROPE_FREQS, "its type cannot be decoded")
+                })?;
+            let p = reconstruct_llama3(&factors, rope_theta, dim, n_ctx, original_ctx).map_err(
+                |e| GgufError::tensor(g.path(), ROPE_FREQS, format!("llama3 rope factors: {e}")),
+            )?;
+            Some(p.to_json())
+        }
+        (Some(_), Some(_)) => {
+            return Err(GgufError::tensor(
+                g.path(),
+                ROPE_FREQS,
+                "rope frequency factors on top of `rope.scaling.type` are not supported",
+            ))
+        }
+    };
     Ok(LlamaParams {
         arch,
         n_layer: u("block_count")?,
-        n_embd: u("embedding_length")?,
+        n_embd,
         n_ff: u("feed_forward_length")?,
         n_head,
         n_head_kv: meta_u64(g, &k("attention.head_count_kv"))?.unwrap_or(n_head),
-        n_ctx: u("context_length")?,
+        n_ctx,
         rms_eps: {
             let key = k("attention.layer_norm_rms_epsilon");
             required(g, &key, meta_f64(g, &key)?)?
         },
-        rope_theta: meta_f64(g, &k("rope.freq_base"))?.unwrap_or(10000.0),
-        head_dim: meta_u64(g, &k("attention.key_length"))?,
+        rope_theta,
+        head_dim,
         rope_scaling,
     })
 }
@@ -491,6 +518,11 @@ pub fn import_gguf(
     let mut tensors: Vec<(String, Array)> = Vec::new();
     let mut records = Vec::with_capacity(total);
     for (i, info) in g.tensors().iter().enumerate() {
+        // Already turned back into `rope_scaling` by `llama_params`.
+        if info.name == ROPE_FREQS {
+            progress(i + 1, total, &info.name);
+            continue;
+        }
         let c = convert_tensor(&g, info, &params)?;
         tensors.extend(c.arrays);
         records.push(c.record);

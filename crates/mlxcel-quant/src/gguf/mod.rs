@@ -10,7 +10,9 @@
 //!   block), `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
 //!   `generation_config.json`. Block-quantized matrices become MLX affine planes (group 32) as
 //!   [`blocks::mlx_mapping`] says; F32/F16/BF16 pass through; 1-D quantized tensors are decoded
-//!   to float32; other types are an error naming the tensor and type.
+//!   to float32; other types are an error naming the tensor and type. Llama 3's rope scaling,
+//!   which llama.cpp stores as the `rope_freqs.weight` factor table, is turned back into
+//!   `rope_scaling` (`rope_freqs` module).
 //! - [`convert_gguf_cached`]: the same import, once per file content, into a cache folder.
 
 mod arch;
@@ -18,6 +20,7 @@ pub mod blocks;
 mod cache;
 mod import;
 mod reader;
+mod rope_freqs;
 mod tokenizer;
 mod types;
 
