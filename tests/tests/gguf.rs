@@ -161,6 +161,33 @@ fn llama3_rope_factors_become_rope_scaling_again() {
     );
 }
 
+/// A factor table no llama3 parameters reproduce (the fixture's one smoothed factor, 2.44226,
+/// moved by 1e-5 relative) is refused naming the tensor, and nothing is written.
+#[test]
+fn perturbed_llama3_rope_factors_are_refused() {
+    let mut bytes = std::fs::read(gguf("llama-rope-llama3")).unwrap();
+    let smoothed = 2.442_259_6f32.to_le_bytes();
+    let at: Vec<usize> = bytes
+        .windows(4)
+        .enumerate()
+        .filter(|(_, w)| *w == smoothed)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(at.len(), 1, "the smoothed factor occurs once in the file");
+    bytes[at[0]..at[0] + 4].copy_from_slice(&(2.442_259_6f32 * (1.0 + 1e-5)).to_le_bytes());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("perturbed.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    let out = dir.path().join("out");
+    let err = import_gguf(&path, &out, &mut |_, _, _| {}).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("rope_freqs.weight") && msg.contains("reproduces"),
+        "{msg}"
+    );
+    assert!(!out.join("config.json").exists());
+}
+
 #[test]
 fn converted_folder_is_a_full_checkpoint() {
     let dir = convert("qwen3");
