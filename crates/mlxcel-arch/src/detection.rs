@@ -76,6 +76,35 @@ pub fn is_text_only(config: &Value, has_vision_weights: bool) -> bool {
     no_vision_config || !has_vision_weights
 }
 
+/// Maps the config of a cross-encoder (kind `Reranker`, see [`detect_kind`]) to its registered
+/// type, by the `*ForSequenceClassification` entry of `architectures` (a cross-encoder shares its
+/// backbone's `model_type`). An architecture without a reranker row is refused naming it.
+pub fn get_reranker_type(config: &Value) -> Result<ModelType> {
+    let archs = architectures(config);
+    let Some(arch) = archs
+        .iter()
+        .find(|a| a.ends_with("ForSequenceClassification"))
+    else {
+        return Err(ModelError::Unsupported(format!(
+            "architectures = {archs:?}: not a cross-encoder (no `*ForSequenceClassification` entry)"
+        )));
+    };
+    match ModelType::from_model_type(arch) {
+        Some(t) if t.descriptor().kind == ModelKind::Reranker => Ok(t),
+        _ => {
+            let supported: Vec<&str> = DESCRIPTORS
+                .iter()
+                .filter(|d| d.kind == ModelKind::Reranker)
+                .flat_map(|d| d.names.iter().copied())
+                .collect();
+            Err(ModelError::Unsupported(format!(
+                "architecture `{arch}` is not a supported reranker (supported: {})",
+                supported.join(", ")
+            )))
+        }
+    }
+}
+
 /// Maps `config.json` to a registered model type.
 pub fn get_model_type(config: &Value, has_vision_weights: bool) -> Result<ModelType> {
     let model_type = match config.get("model_type") {

@@ -6,6 +6,7 @@ mod embed;
 mod generate;
 mod inspect;
 mod npy;
+mod rerank;
 
 use std::path::PathBuf;
 
@@ -65,6 +66,8 @@ enum Command {
     Generate(generate::GenerateFlags),
     /// Embed texts with an embedding model (one vector per text, in input order).
     Embed(embed::EmbedFlags),
+    /// Score documents against a query with a cross-encoder (JSON lines, in input order).
+    Rerank(rerank::RerankFlags),
     /// Interactive chat keeping the session (and its caches) between turns.
     Chat(generate::RunFlags),
     /// Serve the model over an OpenAI-compatible HTTP API, with a web chat page at `/`.
@@ -220,6 +223,7 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("serving on {host}:{port}"))?;
         }
         Some(Command::Embed(flags)) => embed::run(flags)?,
+        Some(Command::Rerank(flags)) => rerank::run(flags)?,
         Some(Command::PrepareExpertStream { model, verify }) => {
             prepare_expert_stream(&model, verify)?
         }

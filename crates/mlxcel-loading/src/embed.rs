@@ -80,12 +80,12 @@ pub struct EmbeddingHead {
     pub from_modules_json: bool,
 }
 
-fn read_json(path: &Path) -> Result<Value> {
+pub(crate) fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|e| LoadError::file(path, e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| LoadError::file(path, format!("invalid JSON: {e}")))
 }
 
-fn confined(folder: &Path, name: &str) -> Result<PathBuf> {
+pub(crate) fn confined(folder: &Path, name: &str) -> Result<PathBuf> {
     Ok(mlxcel_core::weights::confined_path(folder, name)?)
 }
 
@@ -273,6 +273,117 @@ impl EmbeddingHead {
     }
 }
 
+/// Builds an encoder-style checkpoint of `model_type` (an embedding or reranker row) from
+/// `folder`'s weights: the model, its compute dtype and the mapped files.
+pub(crate) fn build_task_model(
+    folder: &Path,
+    config: &Value,
+    model_type: ModelType,
+    options: &LoadOptions,
+    runtime: &mlxcel_core::RuntimePolicy,
+) -> Result<(LoadedModel, Dtype, mlxcel_core::MappedFiles)> {
+    let weights = WeightMap::open(folder)?;
+    let mapped = weights.mapped_files();
+    let dtype = match options.dtype {
+        Some(d) => d,
+        None => compute_dtype(config)?,
+    };
+    let build = BuildOptions {
+        prefix: String::new(),
+        quant: QuantConfig::from_config(config)?,
+        dtype,
+        materialization: runtime.weight_materialization,
+        stream: None,
+        fuse_projections: false,
+        transform: None,
+    };
+    let model = load_config_backed(model_type, config, weights, &build).map_err(|source| {
+        LoadError::Model {
+            folder: folder.to_path_buf(),
+            source,
+        }
+    })?;
+    Ok((model, dtype, mapped))
+}
+
+/// Checks token rows before a forward pass: none empty, none over `max_tokens`, every id below
+/// `vocab`; the error names the row.
+pub(crate) fn check_rows(rows: &[Vec<u32>], max_tokens: Option<usize>, vocab: usize) -> Result<()> {
+    for (i, row) in rows.iter().enumerate() {
+        if row.is_empty() {
+            return Err(LoadError::Unsupported(format!("input {i} has no tokens")));
+        }
+        if let Some(max) = max_tokens {
+            if row.len() > max {
+                return Err(LoadError::Unsupported(format!(
+                    "input {i} has {} tokens, more than the model's limit of {max}",
+                    row.len()
+                )));
+            }
+        }
+        if let Some(&bad) = row.iter().find(|&&t| t as usize >= vocab) {
+            return Err(LoadError::Unsupported(format!(
+                "input {i}: token id {bad} is not below the vocabulary size {vocab}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What `overflow` says to do with input `i` (`text`), which the tokenizer truncated to `limit`
+/// tokens: an error, a warning on stderr, or nothing.
+pub(crate) fn overflowed(
+    i: usize,
+    text: &str,
+    limit: Option<usize>,
+    overflow: Overflow,
+) -> Result<()> {
+    let limit = limit.unwrap_or(0);
+    let preview: String = text.chars().take(40).collect();
+    match overflow {
+        Overflow::Refuse => {
+            return Err(LoadError::Unsupported(format!(
+                "text {i} (\"{preview}…\") is longer than the model's limit of {limit} tokens"
+            )))
+        }
+        Overflow::TruncateWithWarning => eprintln!(
+            "warning: text {i} (\"{preview}…\") truncated to the model's limit of {limit} tokens"
+        ),
+        Overflow::Truncate => {}
+    }
+    Ok(())
+}
+
+/// Indices `0..lengths.len()` in batches of at most `batch_size`, longest first (so each batch
+/// pads little); callers put the results back in input order by index.
+pub(crate) fn length_sorted_batches(lengths: &[usize], batch_size: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    order
+        .chunks(batch_size.max(1))
+        .map(<[usize]>::to_vec)
+        .collect()
+}
+
+/// `rows` right-padded with `pad` to the longest: ids and attention mask (1 = token), both
+/// `[rows, longest]` int32.
+pub(crate) fn padded(rows: &[&[u32]], pad: u32) -> Result<(Array, Array)> {
+    let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let mut tok = Vec::with_capacity(rows.len() * width);
+    let mut mask = Vec::with_capacity(rows.len() * width);
+    for row in rows {
+        tok.extend(row.iter().map(|&t| t as i32));
+        tok.extend(std::iter::repeat_n(pad as i32, width - row.len()));
+        mask.extend(std::iter::repeat_n(1i32, row.len()));
+        mask.extend(std::iter::repeat_n(0i32, width - row.len()));
+    }
+    let shape = [rows.len() as i32, width as i32];
+    Ok((
+        Array::from_slice(&tok, &shape)?,
+        Array::from_slice(&mask, &shape)?,
+    ))
+}
+
 /// A loaded embedding model (from [`load_embedding_model`]).
 #[derive(Debug)]
 pub struct EmbeddingLoaded {
@@ -344,24 +455,8 @@ pub fn load_embedding_model(
             model_type.descriptor().kind
         )));
     }
-    let weights = WeightMap::open(&folder)?;
-    let mapped = weights.mapped_files();
-    let dtype = match options.dtype {
-        Some(d) => d,
-        None => compute_dtype(&config)?,
-    };
-    let build = BuildOptions {
-        prefix: String::new(),
-        quant: QuantConfig::from_config(&config)?,
-        dtype,
-        materialization: runtime.weight_materialization,
-        stream: None,
-        fuse_projections: false,
-        transform: None,
-    };
-    let model = load_config_backed(model_type, &config, weights, &build)
-        .and_then(LoadedModel::into_embedding)
-        .map_err(model_err)?;
+    let (model, dtype, mapped) = build_task_model(&folder, &config, model_type, options, &runtime)?;
+    let model = model.into_embedding().map_err(model_err)?;
     let head = EmbeddingHead::load(&folder, dtype)?;
     let max_tokens = match (head.max_seq_length, model.max_tokens()) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -437,19 +532,7 @@ impl EmbeddingLoaded {
         for (i, text) in texts.iter().enumerate() {
             let (ids, truncated) = self.tokenize(text, options)?;
             if truncated {
-                let limit = self.max_tokens.unwrap_or(0);
-                let preview: String = text.chars().take(40).collect();
-                match options.overflow {
-                    Overflow::Refuse => {
-                        return Err(LoadError::Unsupported(format!(
-                            "text {i} (\"{preview}…\") is longer than the model's limit of {limit} tokens"
-                        )))
-                    }
-                    Overflow::TruncateWithWarning => eprintln!(
-                        "warning: text {i} (\"{preview}…\") truncated to the model's limit of {limit} tokens"
-                    ),
-                    Overflow::Truncate => {}
-                }
+                overflowed(i, text, self.max_tokens, options.overflow)?;
             }
             all.push(ids);
         }
@@ -465,42 +548,12 @@ impl EmbeddingLoaded {
         dimensions: Option<usize>,
         batch_size: usize,
     ) -> Result<Vec<Vec<f32>>> {
-        let vocab = self.model.vocab_size();
-        for (i, row) in ids.iter().enumerate() {
-            if row.is_empty() {
-                return Err(LoadError::Unsupported(format!("input {i} has no tokens")));
-            }
-            if let Some(max) = self.max_tokens {
-                if row.len() > max {
-                    return Err(LoadError::Unsupported(format!(
-                        "input {i} has {} tokens, more than the model's limit of {max}",
-                        row.len()
-                    )));
-                }
-            }
-            if let Some(&bad) = row.iter().find(|&&t| t as usize >= vocab) {
-                return Err(LoadError::Unsupported(format!(
-                    "input {i}: token id {bad} is not below the vocabulary size {vocab}"
-                )));
-            }
-        }
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(ids[i].len()));
+        check_rows(ids, self.max_tokens, self.model.vocab_size())?;
         let mut out: Vec<Vec<f32>> = vec![Vec::new(); ids.len()];
-        for chunk in order.chunks(batch_size.max(1)) {
-            let width = chunk.iter().map(|&i| ids[i].len()).max().unwrap_or(0);
-            let mut tok = Vec::with_capacity(chunk.len() * width);
-            let mut mask = Vec::with_capacity(chunk.len() * width);
-            for &i in chunk {
-                let row = &ids[i];
-                tok.extend(row.iter().map(|&t| t as i32));
-                tok.extend(std::iter::repeat_n(self.pad_id as i32, width - row.len()));
-                mask.extend(std::iter::repeat_n(1i32, row.len()));
-                mask.extend(std::iter::repeat_n(0i32, width - row.len()));
-            }
-            let shape = [chunk.len() as i32, width as i32];
-            let tok = Array::from_slice(&tok, &shape)?;
-            let mask = Array::from_slice(&mask, &shape)?;
+        let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
+        for chunk in length_sorted_batches(&lengths, batch_size) {
+            let rows: Vec<&[u32]> = chunk.iter().map(|&i| ids[i].as_slice()).collect();
+            let (tok, mask) = padded(&rows, self.pad_id)?;
             let hidden = self.model.hidden_states(&tok, &mask)?;
             let mut emb = self.head.apply(&hidden, &mask)?;
             if let Some(d) = dimensions {

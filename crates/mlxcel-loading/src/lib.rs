@@ -7,7 +7,7 @@
 //! ```text
 //! path ─ resolve_model_dir ─ config.json ─ sanitize_config_json ─ detect_kind
 //!   ├─ Embedding: load_embedding_model ─ encoder + sentence-transformers head + tokenizer
-//!   ├─ Reranker: not in this build (a clear error)
+//!   ├─ Reranker: load_reranker_model ─ cross-encoder + pair template + score activation
 //!   └─ Generation ─ get_model_type ─ model_load_policy ─ directory route
 //!        └─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
 //!                                                                  └─ load_tokenizer
@@ -22,6 +22,7 @@ mod error;
 pub mod memory;
 mod pipeline;
 pub mod repack;
+mod rerank;
 pub mod stream;
 pub mod surgery;
 mod textgen;
@@ -34,6 +35,9 @@ pub use mlxcel_arch::{LanguageModel, LoadedModel, ModelType};
 pub use mlxcel_core::RuntimePolicy;
 pub use pipeline::{
     compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, Loaded,
+};
+pub use rerank::{
+    load_reranker_model, EncodedPair, RerankOptions, RerankerLoaded, ScoreActivation,
 };
 pub use textgen::{generate_text, FinishReason, GenerateRequest, GenerationStats};
 pub use tokenizer::{load_tokenizer, StreamDecoder, Tokenizer};

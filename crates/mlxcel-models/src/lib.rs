@@ -39,6 +39,12 @@
 //! sentence-transformers modules) on a worker thread the same way; `embed(&[&str])` returns one
 //! vector per text, in input order. [`Model::load`] on such a folder is an error pointing here.
 //!
+//! ## Reranking
+//!
+//! [`Reranker`] loads a cross-encoder (`BertForSequenceClassification`,
+//! `XLMRobertaForSequenceClassification`, `ModernBertForSequenceClassification`) the same way;
+//! `score(query, &[&str])` returns one relevance score per document, in input order.
+//!
 //! ## Lower layers
 //!
 //! The loading pipeline ([`loading`], crate `mlxcel-loading`) and the model layer ([`arch`],
@@ -48,6 +54,7 @@
 #![warn(missing_docs)]
 
 mod embedder;
+mod reranker;
 mod worker;
 
 use std::collections::{HashMap, VecDeque};
@@ -66,7 +73,10 @@ pub use embedder::{Embedder, EmbedderBuilder, EmbedderInfo, Overflow};
 pub use mlxcel_arch as arch;
 pub use mlxcel_core::{Device, Dtype, RuntimePolicy};
 pub use mlxcel_loading as loading;
-pub use mlxcel_loading::{EmbedOptions, FinishReason, GenerationStats, Message, ModelType};
+pub use mlxcel_loading::{
+    EmbedOptions, FinishReason, GenerationStats, Message, ModelType, RerankOptions, ScoreActivation,
+};
+pub use reranker::{Reranker, RerankerBuilder, RerankerInfo};
 
 /// Errors of the high-level API.
 #[derive(Debug, thiserror::Error)]
