@@ -52,10 +52,14 @@ pub fn detect_kind(config: &Value, has_sentence_transformers_modules: bool) -> M
         .get("model_type")
         .and_then(Value::as_str)
         .unwrap_or("");
-    let causal_lm = archs
-        .iter()
-        .any(|a| a.ends_with("ForCausalLM") || a.ends_with("ForConditionalGeneration"));
-    if ENCODER_TYPES.contains(&model_type) || (has_sentence_transformers_modules && !causal_lm) {
+    // A sentence-transformers folder embeds even when its config names a causal LM
+    // (Qwen3-Embedding keeps `Qwen3ForCausalLM`); so does a decoder configured bidirectional
+    // (EmbeddingGemma's `use_bidirectional_attention`).
+    let bidirectional = config
+        .get("use_bidirectional_attention")
+        .and_then(Value::as_bool)
+        == Some(true);
+    if ENCODER_TYPES.contains(&model_type) || has_sentence_transformers_modules || bidirectional {
         return ModelKind::Embedding;
     }
     ModelKind::Generation

@@ -11,8 +11,8 @@ use mlxcel_arch::detection::{detect_kind, get_model_type};
 use mlxcel_arch::embedding::{normalize, truncate_dimensions, DenseActivation, DenseLayer};
 use mlxcel_arch::weights::ModelWeights;
 use mlxcel_arch::{
-    load_config_backed, BuildOptions, EmbeddingModel, EmbeddingModelEnum, LoadedModel, ModelKind,
-    ModelType, Pooling,
+    load_config_backed, BuildOptions, EmbeddingModel, EmbeddingModelEnum, GenerationModel,
+    LanguageModel, LoadedModel, ModelKind, ModelType, Pooling,
 };
 use mlxcel_core::{Array, Dtype, WeightMap};
 use mlxcel_quant::QuantConfig;
@@ -273,16 +273,142 @@ impl EmbeddingHead {
     }
 }
 
+/// The network under an embedding head: a bidirectional encoder (BERT, XLM-RoBERTa,
+/// ModernBERT), or a decoder read causally (Qwen3-Embedding and other decoder-based embedders
+/// of a registered generation type). Rows are right-padded, so under causal attention a real
+/// token never sees padding, and last-token pooling finds the last real token.
+#[derive(Debug)]
+pub enum EmbeddingBackbone {
+    /// An encoder of kind `Embedding`.
+    Encoder(EmbeddingModelEnum),
+    /// A decoder of kind `Generation`: its final-norm hidden states, no output head.
+    Decoder {
+        /// The decoder.
+        model: GenerationModel,
+        /// `hidden_size`.
+        hidden: usize,
+        /// `max_position_embeddings`, when given.
+        max_positions: Option<usize>,
+    },
+}
+
+impl EmbeddingModel for EmbeddingBackbone {
+    fn hidden_states(&self, ids: &Array, mask: &Array) -> mlxcel_arch::Result<Array> {
+        match self {
+            EmbeddingBackbone::Encoder(m) => m.hidden_states(ids, mask),
+            EmbeddingBackbone::Decoder { model, .. } => {
+                // Causal attention keeps padding out of real rows only when it comes last.
+                let b = mask.dim(0)? as usize;
+                let keep = mask.astype(Dtype::Int32)?.to_vec::<i32>()?;
+                let l = keep.len() / b.max(1);
+                for (r, row) in keep.chunks(l.max(1)).enumerate() {
+                    if row.windows(2).any(|w| w[0] == 0 && w[1] != 0) {
+                        return Err(mlxcel_arch::ModelError::Runtime(format!(
+                            "row {r} of the attention mask is not right-padded (a decoder embedder needs the padding after the tokens)"
+                        )));
+                    }
+                }
+                let mut caches = model.make_caches();
+                let x = model.embed(&ids.astype(Dtype::Int32)?)?;
+                model.final_hidden_states(&x, &mut caches)
+            }
+        }
+    }
+
+    fn hidden_size(&self) -> usize {
+        match self {
+            EmbeddingBackbone::Encoder(m) => m.hidden_size(),
+            EmbeddingBackbone::Decoder { hidden, .. } => *hidden,
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        match self {
+            EmbeddingBackbone::Encoder(m) => m.vocab_size(),
+            EmbeddingBackbone::Decoder { model, .. } => model.vocab_size(),
+        }
+    }
+
+    fn max_tokens(&self) -> Option<usize> {
+        match self {
+            EmbeddingBackbone::Encoder(m) => m.max_tokens(),
+            EmbeddingBackbone::Decoder { max_positions, .. } => *max_positions,
+        }
+    }
+}
+
+/// Builds a decoder of a generation type as an embedding backbone. Decoder embedders are often
+/// saved from the bare decoder (`Qwen3Model`: no `model.` prefix, no `lm_head`): the prefix is
+/// restored, and the output head, never used here, is dropped and tied to the embedding table
+/// so a checkpoint without one still loads. A bidirectional decoder
+/// (`use_bidirectional_attention`, EmbeddingGemma) is refused: this build attends causally.
+fn decoder_backbone(
+    folder: &Path,
+    config: &Value,
+    model_type: ModelType,
+    options: &LoadOptions,
+    runtime: &mlxcel_core::RuntimePolicy,
+) -> Result<(EmbeddingBackbone, Dtype, mlxcel_core::MappedFiles)> {
+    if config
+        .get("use_bidirectional_attention")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        return Err(LoadError::Unsupported(format!(
+            "{}: use_bidirectional_attention = true ({} with bidirectional attention, as in EmbeddingGemma) is not supported yet",
+            folder.display(),
+            model_type.name()
+        )));
+    }
+    let mut config = config.clone();
+    config["tie_word_embeddings"] = Value::Bool(true);
+    let (model, dtype, mapped) =
+        build_task_model(folder, &config, model_type, options, runtime, |weights| {
+            if !weights.names().any(|n| n.starts_with("model.")) {
+                weights.rename_prefix("", "model.")?;
+            }
+            let heads: Vec<String> = weights
+                .names()
+                .filter(|n| n.starts_with("lm_head."))
+                .map(str::to_string)
+                .collect();
+            for n in heads {
+                weights.remove(&n);
+            }
+            Ok(())
+        })?;
+    let model = model.into_generation().map_err(|source| LoadError::Model {
+        folder: folder.to_path_buf(),
+        source,
+    })?;
+    let int = |k: &str| config.get(k).and_then(Value::as_u64).map(|v| v as usize);
+    let hidden = int("hidden_size").ok_or_else(|| {
+        LoadError::file(
+            folder.join("config.json"),
+            "missing or invalid `hidden_size`",
+        )
+    })?;
+    let backbone = EmbeddingBackbone::Decoder {
+        model,
+        hidden,
+        max_positions: int("max_position_embeddings"),
+    };
+    Ok((backbone, dtype, mapped))
+}
+
 /// Builds an encoder-style checkpoint of `model_type` (an embedding or reranker row) from
-/// `folder`'s weights: the model, its compute dtype and the mapped files.
+/// `folder`'s weights (first rewritten by `prepare`): the model, its compute dtype and the
+/// mapped files.
 pub(crate) fn build_task_model(
     folder: &Path,
     config: &Value,
     model_type: ModelType,
     options: &LoadOptions,
     runtime: &mlxcel_core::RuntimePolicy,
+    prepare: impl FnOnce(&mut WeightMap) -> Result<()>,
 ) -> Result<(LoadedModel, Dtype, mlxcel_core::MappedFiles)> {
-    let weights = WeightMap::open(folder)?;
+    let mut weights = WeightMap::open(folder)?;
+    prepare(&mut weights)?;
     let mapped = weights.mapped_files();
     let dtype = match options.dtype {
         Some(d) => d,
@@ -387,8 +513,8 @@ pub(crate) fn padded(rows: &[&[u32]], pad: u32) -> Result<(Array, Array)> {
 /// A loaded embedding model (from [`load_embedding_model`]).
 #[derive(Debug)]
 pub struct EmbeddingLoaded {
-    /// The encoder.
-    pub model: EmbeddingModelEnum,
+    /// The encoder (or a decoder read causally).
+    pub model: EmbeddingBackbone,
     /// Pooling, Dense, Normalize.
     pub head: EmbeddingHead,
     /// The tokenizer, set to no padding and truncation at [`EmbeddingLoaded::max_tokens`].
@@ -412,9 +538,11 @@ pub struct EmbeddingLoaded {
     pub mapped: mlxcel_core::MappedFiles,
 }
 
-/// Loads an embedding checkpoint (an encoder of kind `Embedding`: `bert`, `xlm-roberta`,
-/// `modernbert`) with its tokenizer and sentence-transformers modules. A checkpoint of another
-/// kind is refused naming it.
+/// Loads an embedding checkpoint with its tokenizer and sentence-transformers modules: an
+/// encoder of kind `Embedding` (`bert`, `xlm-roberta`, `modernbert`), or a decoder of a
+/// registered generation type in a sentence-transformers folder (Qwen3-Embedding: `qwen3` with
+/// last-token pooling), read causally (see [`EmbeddingBackbone`]). A checkpoint of another kind
+/// is refused naming it.
 ///
 /// ```no_run
 /// use mlxcel_loading::{load_embedding_model, EmbedOptions, LoadOptions};
@@ -447,16 +575,22 @@ pub fn load_embedding_model(
         source,
     };
     let model_type = get_model_type(&config, false).map_err(model_err)?;
-    if model_type.descriptor().kind != ModelKind::Embedding {
-        return Err(LoadError::Unsupported(format!(
-            "{}: {} is registered as a {:?} model; its embedding form is not supported yet",
-            folder.display(),
-            model_type.name(),
-            model_type.descriptor().kind
-        )));
-    }
-    let (model, dtype, mapped) = build_task_model(&folder, &config, model_type, options, &runtime)?;
-    let model = model.into_embedding().map_err(model_err)?;
+    let (model, dtype, mapped) = match model_type.descriptor().kind {
+        ModelKind::Embedding => {
+            let (model, dtype, mapped) =
+                build_task_model(&folder, &config, model_type, options, &runtime, |_| Ok(()))?;
+            let model = model.into_embedding().map_err(model_err)?;
+            (EmbeddingBackbone::Encoder(model), dtype, mapped)
+        }
+        ModelKind::Generation => decoder_backbone(&folder, &config, model_type, options, &runtime)?,
+        ModelKind::Reranker => {
+            return Err(LoadError::Unsupported(format!(
+                "{}: {} is a cross-encoder, not an embedding model",
+                folder.display(),
+                model_type.name()
+            )))
+        }
+    };
     let head = EmbeddingHead::load(&folder, dtype)?;
     let max_tokens = match (head.max_seq_length, model.max_tokens()) {
         (Some(a), Some(b)) => Some(a.min(b)),

@@ -29,7 +29,9 @@ mod textgen;
 mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
-pub use embed::{load_embedding_model, EmbedOptions, EmbeddingHead, EmbeddingLoaded, Overflow};
+pub use embed::{
+    load_embedding_model, EmbedOptions, EmbeddingBackbone, EmbeddingHead, EmbeddingLoaded, Overflow,
+};
 pub use error::{LoadError, Result};
 pub use mlxcel_arch::{LanguageModel, LoadedModel, ModelType};
 pub use mlxcel_core::RuntimePolicy;

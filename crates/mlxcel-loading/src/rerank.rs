@@ -225,7 +225,8 @@ pub fn load_reranker_model(
         source,
     };
     let model_type = get_reranker_type(&config).map_err(model_err)?;
-    let (model, dtype, mapped) = build_task_model(&folder, &config, model_type, options, &runtime)?;
+    let (model, dtype, mapped) =
+        build_task_model(&folder, &config, model_type, options, &runtime, |_| Ok(()))?;
     let model = model.into_reranker().map_err(model_err)?;
     if model.num_labels() != 1 {
         return Err(LoadError::Unsupported(format!(
