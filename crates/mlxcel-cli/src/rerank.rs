@@ -6,13 +6,22 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use mlxcel_loading::{load_reranker_model, LoadOptions, Overflow, RerankOptions};
+use mlxcel_loading::{
+    load_generative_reranker, load_reranker_model, LoadOptions, Overflow, RerankOptions,
+};
 
 #[derive(Args)]
 pub struct RerankFlags {
-    /// The cross-encoder folder (BERT, XLM-RoBERTa, ModernBERT `*ForSequenceClassification`).
+    /// The cross-encoder folder (BERT, XLM-RoBERTa, ModernBERT `*ForSequenceClassification`), or
+    /// with --generative a generator scored the Qwen3-Reranker way.
     #[arg(long)]
     model: PathBuf,
+    /// The model is a generative reranker (Qwen3-Reranker: yes/no logits in its prompt).
+    #[arg(long)]
+    generative: bool,
+    /// The `<Instruct>` line of a generative reranker's prompt (default: the model card's).
+    #[arg(long, requires = "generative")]
+    instruction: Option<String>,
     /// The query every document is scored against.
     #[arg(long)]
     query: String,
@@ -50,7 +59,11 @@ pub fn run(flags: RerankFlags) -> anyhow::Result<()> {
         policy: Some(mlxcel_core::policy::current()),
         ..Default::default()
     };
-    let model = load_reranker_model(&flags.model, &options)?;
+    let model = if flags.generative {
+        load_generative_reranker(&flags.model, &options)?
+    } else {
+        load_reranker_model(&flags.model, &options)?
+    };
     let rerank = RerankOptions {
         overflow: if flags.refuse_overlong {
             Overflow::Refuse
@@ -58,6 +71,7 @@ pub fn run(flags: RerankFlags) -> anyhow::Result<()> {
             Overflow::TruncateWithWarning
         },
         batch_size: flags.batch_size.max(1),
+        instruction: flags.instruction.clone(),
     };
     let refs: Vec<&str> = documents.iter().map(String::as_str).collect();
     let started = std::time::Instant::now();

@@ -39,7 +39,9 @@ pub use pipeline::{
     compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, Loaded,
 };
 pub use rerank::{
-    load_reranker_model, EncodedPair, RerankOptions, RerankerLoaded, ScoreActivation,
+    load_generative_reranker, load_reranker_model, EncodedPair, GenerativeScorer, RerankOptions,
+    RerankerBackbone, RerankerLoaded, ScoreActivation, QWEN3_RERANKER_INSTRUCTION,
+    QWEN3_RERANKER_MAX_LENGTH, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX,
 };
 pub use textgen::{generate_text, FinishReason, GenerateRequest, GenerationStats};
 pub use tokenizer::{load_tokenizer, StreamDecoder, Tokenizer};

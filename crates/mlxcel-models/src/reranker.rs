@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use mlxcel_loading::{
-    load_reranker_model, LoadOptions, RerankOptions, RerankerLoaded, ScoreActivation,
+    load_generative_reranker, load_reranker_model, LoadOptions, RerankOptions, RerankerLoaded,
+    ScoreActivation,
 };
 
 use crate::worker::Worker;
@@ -23,8 +24,11 @@ pub struct RerankerInfo {
     /// The most tokens per query/document pair (longer pairs are truncated or refused, see
     /// [`Overflow`]).
     pub max_tokens: Option<usize>,
-    /// What turns a logit into a score (sentence-transformers' `CrossEncoder` convention).
+    /// What turns a logit into a score (sentence-transformers' `CrossEncoder` convention;
+    /// sigmoid of yes − no for a generative reranker).
     pub activation: ScoreActivation,
+    /// Whether it is a generative (yes/no) reranker.
+    pub generative: bool,
     /// Seconds the load took on the worker thread.
     pub load_seconds: f64,
 }
@@ -36,9 +40,24 @@ pub struct RerankerBuilder {
     options: LoadOptions,
     device: Option<Device>,
     rerank: RerankOptions,
+    generative: bool,
 }
 
 impl RerankerBuilder {
+    /// Loads the folder as a generative reranker (a generator scored the Qwen3-Reranker way,
+    /// yes/no at the last position; see `mlxcel_loading::load_generative_reranker`): its config
+    /// is a generator's, so this must be asked for.
+    pub fn generative(mut self) -> Self {
+        self.generative = true;
+        self
+    }
+
+    /// The `<Instruct>` line of a generative reranker's prompt (default: the model card's).
+    pub fn instruction(mut self, instruction: impl Into<String>) -> Self {
+        self.rerank.instruction = Some(instruction.into());
+        self
+    }
+
     /// Computes in `dtype` (the CPU computes in float32 by default).
     pub fn dtype(mut self, dtype: Dtype) -> Self {
         self.options.dtype = Some(dtype);
@@ -77,15 +96,22 @@ impl RerankerBuilder {
             options,
             device,
             rerank,
+            generative,
         } = self;
         let (worker, info) = Worker::start("mlxcel-reranker", device, move || {
-            let l = load_reranker_model(expand_home(&path), &options)?;
+            let path = expand_home(&path);
+            let l = if generative {
+                load_generative_reranker(path, &options)?
+            } else {
+                load_reranker_model(path, &options)?
+            };
             let info = RerankerInfo {
                 model_type: l.model_type,
                 folder: l.folder.clone(),
                 dtype: l.dtype,
                 max_tokens: l.max_tokens,
                 activation: l.activation,
+                generative: matches!(l.model, mlxcel_loading::RerankerBackbone::Generative(_)),
                 load_seconds: l.load_seconds,
             };
             Ok((l, info))
@@ -149,6 +175,7 @@ impl Reranker {
             },
             device: None,
             rerank: RerankOptions::default(),
+            generative: false,
         }
     }
 
@@ -184,10 +211,14 @@ impl Reranker {
     pub fn token_counts(&self, query: &str, documents: &[&str]) -> Result<Vec<usize>> {
         let query = query.to_string();
         let documents: Vec<String> = documents.iter().map(|d| d.to_string()).collect();
+        let options = self.shared.options.clone();
         self.shared.worker.run(move |l| {
             Ok(documents
                 .iter()
-                .map(|d| l.tokenize_pair(&query, d).map(|(p, _)| p.ids.len()))
+                .map(|d| {
+                    l.tokenize_pair_with(&query, d, options.instruction.as_deref())
+                        .map(|(p, _)| p.ids.len())
+                })
                 .collect::<std::result::Result<Vec<_>, _>>()?)
         })
     }
