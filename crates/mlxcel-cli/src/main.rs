@@ -98,6 +98,12 @@ enum Command {
         /// Embedding model folder (BERT, XLM-RoBERTa, ModernBERT) served at /v1/embeddings.
         #[arg(long, value_name = "DIR")]
         embedding_model: Option<PathBuf>,
+        /// Reranker folder (a cross-encoder) served at /v1/rerank.
+        #[arg(long, value_name = "DIR")]
+        reranker_model: Option<PathBuf>,
+        /// The --reranker-model is a generative reranker (Qwen3-Reranker, yes/no scoring).
+        #[arg(long, requires = "reranker_model")]
+        generative_reranker: bool,
     },
     /// Write (or with --verify, check) the expert-stream layout of an MoE model, so its routed
     /// experts can stream from disk.
@@ -169,6 +175,8 @@ fn main() -> anyhow::Result<()> {
             adapter,
             surgery,
             embedding_model,
+            reranker_model,
+            generative_reranker,
         }) => {
             let model = match model {
                 Some(m) => m,
@@ -205,8 +213,13 @@ fn main() -> anyhow::Result<()> {
                 }
                 None => None,
             };
+            let reranker = match reranker_model {
+                Some(dir) => Some(load_reranker(&dir, generative_reranker)?),
+                None => None,
+            };
             let config = mlxcel_server::ServerConfig {
                 embedder,
+                reranker,
                 api_key,
                 max_queue,
                 sessions: sessions.max(1),
@@ -229,6 +242,27 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn load_reranker(
+    dir: &std::path::Path,
+    generative: bool,
+) -> anyhow::Result<mlxcel_models::Reranker> {
+    let mut builder = mlxcel_models::Reranker::load(dir).policy(mlxcel_core::policy::current());
+    if generative {
+        builder = builder.generative();
+    }
+    let r = builder
+        .build()
+        .with_context(|| format!("loading the reranker {}", dir.display()))?;
+    eprintln!(
+        "[serve] reranker: {} ({}, {:?}) loaded in {:.2}s",
+        r.info().folder.display(),
+        r.info().model_type.name(),
+        r.info().activation,
+        r.info().load_seconds
+    );
+    Ok(r)
 }
 
 fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Result<()> {
