@@ -387,3 +387,68 @@ fn bidirectional_decoders_are_refused_by_name() {
         .to_string();
     assert!(err.contains("use_bidirectional_attention"), "{err}");
 }
+
+/// The real all-MiniLM-L6-v2 on 281 varied sentences (English variants, Korean, emoji, accents,
+/// texts truncated at 256 tokens) against sentence-transformers' `encode` (batches of 32):
+/// token ids identical to the HF tokenizer's, cosine ≥ 0.99999 and max |Δ| ≤ 1e-4 per sentence.
+/// Skipped, saying so, when `cargo xtask fetch-models` has not run.
+#[test]
+fn minilm_many_sentences_match_sentence_transformers() {
+    let cache = mlxcel_core::cache_dir().unwrap_or_default();
+    let folder = cache.join("models/all-MiniLM-L6-v2");
+    if !folder.join("config.json").is_file() {
+        println!(
+            "skip: {} missing (run `cargo xtask fetch-models`)",
+            folder.display()
+        );
+        return;
+    }
+    let model = load_embedding_model(&folder, &LoadOptions::default()).unwrap();
+    let dir = fixtures_dir().join("real/minilm");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("many.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("many.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let want = f32s(&st, "normalized");
+    let sentences = reference["sentences"].as_array().unwrap();
+    assert!(sentences.len() >= 250, "{}", sentences.len());
+    let texts: Vec<&str> = sentences
+        .iter()
+        .map(|s| s["text"].as_str().unwrap())
+        .collect();
+    let options = EmbedOptions {
+        overflow: Overflow::Truncate,
+        ..EmbedOptions::default()
+    };
+    let mut truncated = 0;
+    for (s, t) in sentences.iter().zip(&texts) {
+        let ids: Vec<u32> = s["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let (got, cut) = model.tokenize(t, &options).unwrap();
+        assert_eq!(got, ids, "token ids of {t:?}");
+        truncated += cut as usize;
+    }
+    assert_eq!(truncated as u64, reference["truncated"].as_u64().unwrap());
+    let got = model.embed(&texts, &options).unwrap();
+    let d = 384;
+    let (mut worst, mut worst_cos) = (0f32, 1f64);
+    for (i, g) in got.iter().enumerate() {
+        let w = &want[i * d..(i + 1) * d];
+        let (diff, _) = max_abs_diff(g, w);
+        let cos = cosine(g, w);
+        assert!(
+            cos >= 0.99999 && diff <= 1e-4,
+            "sentence {i}: cosine {cos}, max |Δ| {diff:.2e}"
+        );
+        worst = worst.max(diff);
+        worst_cos = worst_cos.min(cos);
+    }
+    eprintln!(
+        "minilm: {} sentences ({truncated} truncated), max |Δ| {worst:.2e}, min cosine {worst_cos:.8}",
+        texts.len()
+    );
+}
