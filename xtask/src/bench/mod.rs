@@ -487,7 +487,11 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     if args.embeddings {
         let bin = mlxcel_binary(&p)?;
-        let py = python(&p)?;
+        // With MLXCEL_BENCH_ST_PYTHON set the bench venv is not needed (nor made).
+        let py = match std::env::var_os("MLXCEL_BENCH_ST_PYTHON") {
+            Some(py) => PathBuf::from(py),
+            None => python(&p)?,
+        };
         let table = embed::run(
             &p.root,
             &p.bench,
