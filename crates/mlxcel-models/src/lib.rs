@@ -35,15 +35,16 @@
 //!
 //! ## Embeddings
 //!
-//! [`Embedder`] loads an embedding checkpoint (BERT, XLM-RoBERTa, ModernBERT, with its
-//! sentence-transformers modules) on a worker thread the same way; `embed(&[&str])` returns one
+//! [`Embedder`] loads an embedding checkpoint (BERT, XLM-RoBERTa, ModernBERT, or a decoder
+//! embedder such as Qwen3-Embedding, with its sentence-transformers modules) on a worker thread the same way; `embed(&[&str])` returns one
 //! vector per text, in input order. [`Model::load`] on such a folder is an error pointing here.
 //!
 //! ## Reranking
 //!
 //! [`Reranker`] loads a cross-encoder (`BertForSequenceClassification`,
 //! `XLMRobertaForSequenceClassification`, `ModernBertForSequenceClassification`) the same way;
-//! `score(query, &[&str])` returns one relevance score per document, in input order.
+//! `score(query, &[&str])` returns one relevance score per document, in input order;
+//! `Reranker::load(dir).generative()` scores with a generator the Qwen3-Reranker way.
 //!
 //! ## Lower layers
 //!
