@@ -9,7 +9,8 @@
 //!   ├─ Embedding: load_embedding_model ─ encoder + sentence-transformers head + tokenizer
 //!   ├─ Reranker: load_reranker_model ─ cross-encoder + pair template + score activation
 //!   └─ Generation ─ get_model_type ─ model_load_policy ─ directory route
-//!        └─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
+//!        ├─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
+//!        └─ Nonstandard: load_nonstandard (a named loader per family) ──────┤
 //!                                                                  └─ load_tokenizer
 //! ```
 
@@ -43,5 +44,8 @@ pub use rerank::{
     RerankerBackbone, RerankerLoaded, ScoreActivation, QWEN3_RERANKER_INSTRUCTION,
     QWEN3_RERANKER_MAX_LENGTH, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX,
 };
-pub use textgen::{generate_text, FinishReason, GenerateRequest, GenerationStats};
-pub use tokenizer::{load_tokenizer, StreamDecoder, Tokenizer};
+pub use textgen::{
+    generate_text, generate_text_with, FinishReason, GenerateRequest, GenerationStats,
+    LogitsProcessor, StepHooks, TokenLogprob,
+};
+pub use tokenizer::{load_tokenizer, StreamDecoder, TokenBytes, Tokenizer};

@@ -1,5 +1,5 @@
 //! Building blocks shared by the architectures: linear layers (dense or quantized), embeddings,
-//! norms, rotary embeddings, attention, MLPs and mixture-of-experts layers.
+//! norms, rotary embeddings, attention, MLPs, mixture-of-experts layers and state-space mixers.
 
 mod attention;
 pub mod calibration;
@@ -9,6 +9,7 @@ mod mlp;
 mod moe;
 mod norm;
 mod rope;
+pub mod ssm;
 
 pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
@@ -19,3 +20,4 @@ pub use moe::{
 };
 pub use norm::{Norm, NormKind};
 pub use rope::{RopeConfig, RotaryEmbedding};
+pub use ssm::{Mamba2Mixer, MambaMixer};
