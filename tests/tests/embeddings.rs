@@ -294,3 +294,161 @@ fn facade_embedder_runs_on_its_worker() {
         .to_string();
     assert!(err.contains("Embedder"), "{err}");
 }
+
+/// A decoder embedder in Qwen3-Embedding's layout (config `Qwen3ForCausalLM`, weights saved
+/// from the bare decoder, tokenizer appending `<|endoftext|>`, last-token pooling, a `Dense`
+/// layer with tanh, `Normalize`, `max_seq_length` and instruction prompts) against
+/// sentence-transformers, which pads on the left: token ids (Korean, emoji, truncated long
+/// text, prompt), vectors without and with the `query` prompt, in batches of 1, 4 and 8.
+#[test]
+fn qwen3_embedding_matches_sentence_transformers() {
+    let model = load("qwen3-embedding");
+    assert!(matches!(
+        model.model,
+        mlxcel_loading::EmbeddingBackbone::Decoder { .. }
+    ));
+    assert_eq!(model.head.pooling, vec![mlxcel_arch::Pooling::LastToken]);
+    assert_eq!(model.head.dense.len(), 1);
+    assert!(model.head.normalize);
+    assert_eq!(model.max_tokens, Some(40));
+    let dir = model_dir("qwen3-embedding");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let texts: Vec<&str> = reference["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let query = EmbedOptions {
+        prompt_name: Some("query".into()),
+        overflow: Overflow::Truncate,
+        ..EmbedOptions::default()
+    };
+    let plain = EmbedOptions {
+        overflow: Overflow::Truncate,
+        ..EmbedOptions::default()
+    };
+    for (key, options) in [("ids", &plain), ("query_ids", &query)] {
+        for (i, t) in texts.iter().enumerate() {
+            let want: Vec<u32> = reference[key][i]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(model.tokenize(t, options).unwrap().0, want, "{key} {i}");
+        }
+    }
+    let d = 32;
+    let mut worst = 0f32;
+    for (name, options) in [("plain", plain), ("query", query)] {
+        let want = f32s(&st, name);
+        for batch in [1, 4, 8] {
+            let options = EmbedOptions {
+                batch_size: batch,
+                ..options.clone()
+            };
+            let got = model.embed(&texts, &options).unwrap();
+            for (i, g) in got.iter().enumerate() {
+                assert_eq!(g.len(), d);
+                let w = &want[i * d..(i + 1) * d];
+                let (diff, _) = max_abs_diff(g, w);
+                worst = worst.max(diff);
+                assert!(
+                    diff <= 1e-4 && cosine(g, w) >= 0.99999,
+                    "{name} text {i} batch {batch}: max |Δ| {diff:.2e}"
+                );
+            }
+        }
+    }
+    eprintln!("qwen3-embedding: max |Δ| {worst:.2e} over both prompts and batch sizes");
+    // A generator without sentence-transformers modules stays a generator.
+    let err = load_embedding_model(model_dir("qwen3"), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not an embedding model"), "{err}");
+}
+
+/// A decoder configured bidirectional (EmbeddingGemma) is an embedding checkpoint, but this
+/// build attends causally: refused by name rather than run with the wrong mask.
+#[test]
+fn bidirectional_decoders_are_refused_by_name() {
+    let dir = mlxcel_tests::copy_fixture("qwen3-embedding");
+    let path = dir.path().join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["use_bidirectional_attention"] = Value::Bool(true);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let err = load_embedding_model(dir.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("use_bidirectional_attention"), "{err}");
+}
+
+/// The real all-MiniLM-L6-v2 on 281 varied sentences (English variants, Korean, emoji, accents,
+/// texts truncated at 256 tokens) against sentence-transformers' `encode` (batches of 32):
+/// token ids identical to the HF tokenizer's, cosine ≥ 0.99999 and max |Δ| ≤ 1e-4 per sentence.
+/// Skipped, saying so, when `cargo xtask fetch-models` has not run.
+#[test]
+fn minilm_many_sentences_match_sentence_transformers() {
+    let cache = mlxcel_core::cache_dir().unwrap_or_default();
+    let folder = cache.join("models/all-MiniLM-L6-v2");
+    if !folder.join("config.json").is_file() {
+        println!(
+            "skip: {} missing (run `cargo xtask fetch-models`)",
+            folder.display()
+        );
+        return;
+    }
+    let model = load_embedding_model(&folder, &LoadOptions::default()).unwrap();
+    let dir = fixtures_dir().join("real/minilm");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("many.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("many.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let want = f32s(&st, "normalized");
+    let sentences = reference["sentences"].as_array().unwrap();
+    assert!(sentences.len() >= 250, "{}", sentences.len());
+    let texts: Vec<&str> = sentences
+        .iter()
+        .map(|s| s["text"].as_str().unwrap())
+        .collect();
+    let options = EmbedOptions {
+        overflow: Overflow::Truncate,
+        ..EmbedOptions::default()
+    };
+    let mut truncated = 0;
+    for (s, t) in sentences.iter().zip(&texts) {
+        let ids: Vec<u32> = s["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let (got, cut) = model.tokenize(t, &options).unwrap();
+        assert_eq!(got, ids, "token ids of {t:?}");
+        truncated += cut as usize;
+    }
+    assert_eq!(truncated as u64, reference["truncated"].as_u64().unwrap());
+    let got = model.embed(&texts, &options).unwrap();
+    let d = 384;
+    let (mut worst, mut worst_cos) = (0f32, 1f64);
+    for (i, g) in got.iter().enumerate() {
+        let w = &want[i * d..(i + 1) * d];
+        let (diff, _) = max_abs_diff(g, w);
+        let cos = cosine(g, w);
+        assert!(
+            cos >= 0.99999 && diff <= 1e-4,
+            "sentence {i}: cosine {cos}, max |Δ| {diff:.2e}"
+        );
+        worst = worst.max(diff);
+        worst_cos = worst_cos.min(cos);
+    }
+    eprintln!(
+        "minilm: {} sentences ({truncated} truncated), max |Δ| {worst:.2e}, min cosine {worst_cos:.8}",
+        texts.len()
+    );
+}

@@ -177,7 +177,12 @@ fn embedding_and_vlm_checkpoints_are_not_mistaken_for_text_models() {
             serde_json::json!(["LlamaForSequenceClassification"]),
         );
     });
-    assert!(load_error(dir.path()).contains("a reranker checkpoint"));
+    let err = load_error(dir.path());
+    assert!(
+        err.contains("a cross-encoder (reranker) checkpoint")
+            && err.contains("load_reranker_model"),
+        "{err}"
+    );
     edit_config(dir.path(), |c| {
         c.insert("model_type".into(), "gemma3".into());
         c.insert(

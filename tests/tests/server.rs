@@ -1600,3 +1600,122 @@ fn chat_page_in_headless_chromium() {
     );
     assert!(shot.is_file(), "no screenshot at {}", shot.display());
 }
+
+/// `POST /v1/rerank` (Cohere/Jina style) with the bert cross-encoder fixture: relevance scores
+/// equal sentence-transformers' (the fixture's reference), best first, `top_n` and
+/// `return_documents` honoured, `{"text": ..}` documents accepted, bad requests are 400s naming
+/// the field, and a server without a reranker says none is loaded.
+#[test]
+fn rerank_endpoint_matches_sentence_transformers() {
+    use mlxcel_models::Reranker;
+    let model = fixture_model();
+    let reranker = Reranker::load(mlxcel_tests::model_dir("bert-reranker"))
+        .overflow(mlxcel_models::Overflow::Truncate)
+        .build()
+        .expect("the bert-reranker fixture loads");
+    let server = start(
+        &model,
+        ServerConfig {
+            reranker: Some(reranker),
+            ..ServerConfig::default()
+        },
+    );
+    let addr = server.addr();
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(mlxcel_tests::model_dir("bert-reranker").join("reference.json"))
+            .expect("reference.json"),
+    )
+    .expect("valid JSON");
+    // The first three pairs share the query.
+    let pairs = &reference["pairs"].as_array().expect("pairs")[..3];
+    let query = pairs[0]["query"].as_str().expect("query");
+    let docs: Vec<&str> = pairs
+        .iter()
+        .map(|p| p["document"].as_str().expect("document"))
+        .collect();
+    let want: Vec<f64> = pairs
+        .iter()
+        .map(|p| p["score"].as_f64().expect("score"))
+        .collect();
+
+    let r = post(
+        addr,
+        "/v1/rerank",
+        &json!({"model": "bert-reranker", "query": query, "documents": docs}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    assert_eq!(j["model"], "bert-reranker");
+    let results = j["results"].as_array().expect("results");
+    assert_eq!(results.len(), 3);
+    let mut previous = f64::INFINITY;
+    for res in results {
+        let i = res["index"].as_u64().expect("index") as usize;
+        let s = res["relevance_score"].as_f64().expect("relevance_score");
+        assert!(
+            (s - want[i]).abs() <= 1e-4,
+            "document {i}: {s} vs {}",
+            want[i]
+        );
+        assert!(s <= previous, "best first");
+        previous = s;
+        assert!(res.get("document").is_none());
+    }
+    assert!(j["usage"]["total_tokens"].as_u64().expect("tokens") > 0);
+
+    // top_n, return_documents, {"text": ...} documents.
+    let objects: Vec<Value> = docs.iter().map(|d| json!({"text": d})).collect();
+    let r = post(
+        addr,
+        "/v1/rerank",
+        &json!({"query": query, "documents": objects, "top_n": 1, "return_documents": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let results = r.json()["results"].as_array().expect("results").clone();
+    assert_eq!(results.len(), 1);
+    let best = (0..3)
+        .max_by(|&a, &b| want[a].total_cmp(&want[b]))
+        .expect("best");
+    assert_eq!(results[0]["index"], best);
+    assert_eq!(results[0]["document"]["text"], docs[best]);
+
+    for (body, param) in [
+        (json!({"documents": ["a"]}), "query"),
+        (json!({"query": 1, "documents": ["a"]}), "query"),
+        (json!({"query": "q"}), "documents"),
+        (json!({"query": "q", "documents": []}), "documents"),
+        (json!({"query": "q", "documents": ["a", 3]}), "documents[1]"),
+        (
+            json!({"query": "q", "documents": ["a", ""]}),
+            "documents[1]",
+        ),
+        (
+            json!({"query": "q", "documents": ["a"], "top_n": 0}),
+            "top_n",
+        ),
+        (
+            json!({"query": "q", "documents": ["a"], "return_documents": "yes"}),
+            "return_documents",
+        ),
+        (
+            json!({"query": "q", "documents": ["a"], "bogus": 1}),
+            "bogus",
+        ),
+    ] {
+        let r = post(addr, "/v1/rerank", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{body}: {}", r.body);
+    }
+
+    let r = http(addr, "GET", "/v1/models", &[], "");
+    assert!(r.body.contains("bert-reranker"), "{}", r.body);
+
+    let plain = start(&model, ServerConfig::default());
+    let r = post(
+        plain.addr(),
+        "/v1/rerank",
+        &json!({"query": "q", "documents": ["a"]}),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(r.body.contains("no reranker is loaded"), "{}", r.body);
+}

@@ -52,10 +52,14 @@ pub fn detect_kind(config: &Value, has_sentence_transformers_modules: bool) -> M
         .get("model_type")
         .and_then(Value::as_str)
         .unwrap_or("");
-    let causal_lm = archs
-        .iter()
-        .any(|a| a.ends_with("ForCausalLM") || a.ends_with("ForConditionalGeneration"));
-    if ENCODER_TYPES.contains(&model_type) || (has_sentence_transformers_modules && !causal_lm) {
+    // A sentence-transformers folder embeds even when its config names a causal LM
+    // (Qwen3-Embedding keeps `Qwen3ForCausalLM`); so does a decoder configured bidirectional
+    // (EmbeddingGemma's `use_bidirectional_attention`).
+    let bidirectional = config
+        .get("use_bidirectional_attention")
+        .and_then(Value::as_bool)
+        == Some(true);
+    if ENCODER_TYPES.contains(&model_type) || has_sentence_transformers_modules || bidirectional {
         return ModelKind::Embedding;
     }
     ModelKind::Generation
@@ -74,6 +78,35 @@ pub fn is_text_only(config: &Value, has_vision_weights: bool) -> bool {
         Some(_) => false,
     };
     no_vision_config || !has_vision_weights
+}
+
+/// Maps the config of a cross-encoder (kind `Reranker`, see [`detect_kind`]) to its registered
+/// type, by the `*ForSequenceClassification` entry of `architectures` (a cross-encoder shares its
+/// backbone's `model_type`). An architecture without a reranker row is refused naming it.
+pub fn get_reranker_type(config: &Value) -> Result<ModelType> {
+    let archs = architectures(config);
+    let Some(arch) = archs
+        .iter()
+        .find(|a| a.ends_with("ForSequenceClassification"))
+    else {
+        return Err(ModelError::Unsupported(format!(
+            "architectures = {archs:?}: not a cross-encoder (no `*ForSequenceClassification` entry)"
+        )));
+    };
+    match ModelType::from_model_type(arch) {
+        Some(t) if t.descriptor().kind == ModelKind::Reranker => Ok(t),
+        _ => {
+            let supported: Vec<&str> = DESCRIPTORS
+                .iter()
+                .filter(|d| d.kind == ModelKind::Reranker)
+                .flat_map(|d| d.names.iter().copied())
+                .collect();
+            Err(ModelError::Unsupported(format!(
+                "architecture `{arch}` is not a supported reranker (supported: {})",
+                supported.join(", ")
+            )))
+        }
+    }
 }
 
 /// Maps `config.json` to a registered model type.

@@ -19,6 +19,7 @@ pub mod models;
 pub mod nn;
 pub mod nonstandard;
 pub mod registry;
+pub mod rerank;
 pub mod sampling;
 pub mod sanitize;
 pub mod validate;
@@ -32,6 +33,7 @@ pub use nonstandard::load_nonstandard;
 pub use registry::{
     adapter_support, cache_schedule, load_config_backed, model_load_policy, sanitized_weights,
     BuildOptions, DirectoryRoute, EmbeddingModelEnum, GenerationModel, LoadedModel, ModelKind,
-    ModelLoadPolicy, ModelType, StaticModelDescriptor, WeightRoute, WeightTransform,
-    WeightTransformFn, ADAPTERS_AVAILABLE, DESCRIPTORS,
+    ModelLoadPolicy, ModelType, RerankerModelEnum, StaticModelDescriptor, WeightRoute,
+    WeightTransform, WeightTransformFn, ADAPTERS_AVAILABLE, DESCRIPTORS,
 };
+pub use rerank::RerankerModel;

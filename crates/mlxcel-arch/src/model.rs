@@ -142,6 +142,17 @@ pub trait LanguageModel {
         self.forward_embeddings(&self.embed(tokens)?, None, caches, true)
     }
 
+    /// Input hidden states `[B, L, hidden]` → the hidden states after the final norm
+    /// `[B, L, hidden]` (no output head), under causal attention over `caches` (fresh ones for a
+    /// whole text): what a decoder-based embedder (Qwen3-Embedding) pools. The default says the
+    /// architecture does not expose them.
+    fn final_hidden_states(&self, embeddings: &Array, caches: &mut [LayerCache]) -> Result<Array> {
+        let _ = (embeddings, caches);
+        Err(crate::ModelError::Unsupported(
+            "this architecture does not expose its final hidden states (decoder embedding)".into(),
+        ))
+    }
+
     /// Rows of the output head: the size of the last logits axis (token ids must be below it).
     fn vocab_size(&self) -> usize;
 

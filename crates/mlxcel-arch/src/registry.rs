@@ -11,13 +11,16 @@ use serde_json::Value;
 use crate::cache::LayerCache;
 use crate::embedding::EmbeddingModel;
 use crate::model::{Architecture, LanguageModel, LayerKind};
+use crate::rerank::RerankerModel;
 use crate::sanitize::drop_unused_buffers;
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
 /// The registry: one row per model type.
 ///
-/// - `names`: the `model_type` strings of `config.json` that map to it;
+/// - `names`: the `model_type` strings of `config.json` that map to it; for a `Reranker` row the
+///   `architectures` entry instead (a cross-encoder shares its backbone's `model_type`, and
+///   [`crate::detection::get_reranker_type`] selects it by architecture);
 /// - `kind`: generation, embedding or reranker (each kind gets its own loaded-model enum);
 /// - `dir`: how a model folder is loaded (`ConfigBacked`, `Nonstandard`, `Vlm`, `Mistral3Dynamic`);
 /// - `weights`: how it is built from weights already in memory (`ConfigBacked`: from a
@@ -54,6 +57,9 @@ macro_rules! for_each_model_registration {
             Bert { names: ["bert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             XlmRoberta { names: ["xlm-roberta"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             ModernBert { names: ["modernbert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Model, adapter: Some("encoders take no adapters") },
+            BertReranker { names: ["BertForSequenceClassification"], kind: Reranker, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Classifier, adapter: Some("cross-encoders take no adapters") },
+            XlmRobertaReranker { names: ["XLMRobertaForSequenceClassification"], kind: Reranker, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Classifier, adapter: Some("cross-encoders take no adapters") },
+            ModernBertReranker { names: ["ModernBertForSequenceClassification"], kind: Reranker, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Classifier, adapter: Some("cross-encoders take no adapters") },
         }
     };
 }
@@ -65,7 +71,7 @@ pub enum ModelKind {
     Generation,
     /// An encoder producing one vector per input ([`EmbeddingModelEnum`]).
     Embedding,
-    /// A cross-encoder scoring query/document pairs (not loadable in this build).
+    /// A cross-encoder scoring query/document pairs ([`RerankerModelEnum`]).
     Reranker,
 }
 
@@ -273,6 +279,9 @@ macro_rules! generation_models {
             fn forward_embeddings(&self, embeddings: &mlxcel_core::Array, positions: Option<&mlxcel_core::Array>, caches: &mut [LayerCache], last_only: bool) -> Result<mlxcel_core::Array> {
                 match self { $(GenerationModel::$v(m) => m.forward_embeddings(embeddings, positions, caches, last_only)),* }
             }
+            fn final_hidden_states(&self, embeddings: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
+                match self { $(GenerationModel::$v(m) => m.final_hidden_states(embeddings, caches)),* }
+            }
             fn vocab_size(&self) -> usize {
                 match self { $(GenerationModel::$v(m) => m.vocab_size()),* }
             }
@@ -356,6 +365,66 @@ macro_rules! embedding_models {
     };
 }
 
+/// Collects the registry rows of kind `Reranker` and generates [`RerankerModelEnum`] over them,
+/// the same way `embedding_models!` does for `Embedding` rows.
+macro_rules! reranker_models {
+    (@rows [$($v:ident: $m:ty,)*]) => {
+        /// A loaded cross-encoder of any registered reranker type, one variant per registry row
+        /// of kind `Reranker`; it implements [`RerankerModel`] by delegating to the architecture.
+        pub enum RerankerModelEnum { $(
+            #[doc = concat!("A [`ModelType::", stringify!($v), "`] cross-encoder.")]
+            $v(Box<$m>)
+        ),* }
+
+        impl RerankerModelEnum {
+            /// The registry type of the loaded cross-encoder.
+            pub fn model_type(&self) -> ModelType {
+                match self { $(RerankerModelEnum::$v(_) => ModelType::$v),* }
+            }
+        }
+
+        impl std::fmt::Debug for RerankerModelEnum {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "RerankerModelEnum({})", self.model_type().name())
+            }
+        }
+
+        impl RerankerModel for RerankerModelEnum {
+            fn logits(&self, ids: &mlxcel_core::Array, type_ids: &mlxcel_core::Array, mask: &mlxcel_core::Array) -> Result<mlxcel_core::Array> {
+                match self { $(RerankerModelEnum::$v(m) => m.logits(ids, type_ids, mask)),* }
+            }
+            fn num_labels(&self) -> usize {
+                match self { $(RerankerModelEnum::$v(m) => m.num_labels()),* }
+            }
+            fn uses_token_types(&self) -> bool {
+                match self { $(RerankerModelEnum::$v(m) => m.uses_token_types()),* }
+            }
+            fn vocab_size(&self) -> usize {
+                match self { $(RerankerModelEnum::$v(m) => m.vocab_size()),* }
+            }
+            fn max_tokens(&self) -> Option<usize> {
+                match self { $(RerankerModelEnum::$v(m) => m.max_tokens()),* }
+            }
+        }
+
+        fn build_reranker(model_type: ModelType, config: &Value, weights: WeightMap, options: &BuildOptions) -> Result<LoadedModel> {
+            match model_type {
+                $(ModelType::$v => Ok(LoadedModel::Reranker(RerankerModelEnum::$v(Box::new(
+                    build_architecture::<$m>(stringify!($v), config, weights, options)?
+                ))))),*,
+                #[allow(unreachable_patterns)]
+                other => Err(ModelError::Unsupported(format!("{} is not a reranker", other.name()))),
+            }
+        }
+    };
+    (@rows [$($acc:tt)*] $v:ident { kind: Reranker, model: $m:ty }, $($rest:tt)*) => {
+        reranker_models!(@rows [$($acc)* $v: $m,] $($rest)*);
+    };
+    (@rows [$($acc:tt)*] $v:ident { kind: $other:ident, model: $m:ty }, $($rest:tt)*) => {
+        reranker_models!(@rows [$($acc)*] $($rest)*);
+    };
+}
+
 /// Generates [`ModelType`], [`DESCRIPTORS`], [`GenerationModel`] and the per-type dispatch
 /// functions from the rows of [`for_each_model_registration!`](crate::for_each_model_registration).
 macro_rules! define_registry {
@@ -418,6 +487,7 @@ macro_rules! define_registry {
 
         generation_models!(@rows [] $($variant { kind: $kind, model: $model },)*);
         embedding_models!(@rows [] $($variant { kind: $kind, model: $model },)*);
+        reranker_models!(@rows [] $($variant { kind: $kind, model: $model },)*);
 
         /// The per-layer cache schedule `model_type`'s config implies (no weights needed).
         pub fn cache_schedule(model_type: ModelType, config: &Value) -> Result<Vec<LayerKind>> {
@@ -451,9 +521,7 @@ macro_rules! define_registry {
             match descriptor.kind {
                 ModelKind::Generation => build_generation(model_type, config, weights, options),
                 ModelKind::Embedding => build_embedding(model_type, config, weights, options),
-                kind => Err(ModelError::Unsupported(format!(
-                    "{} is a {kind:?} model, which this build cannot load yet", model_type.name()
-                ))),
+                ModelKind::Reranker => build_reranker(model_type, config, weights, options),
             }
         }
     };
@@ -462,13 +530,15 @@ macro_rules! define_registry {
 for_each_model_registration!(define_registry);
 
 /// A loaded model, by kind: each kind has its own trait, so an encoder is never forced through
-/// [`LanguageModel`]. (A reranker variant arrives with its kind.)
+/// [`LanguageModel`].
 #[derive(Debug)]
 pub enum LoadedModel {
     /// Token ids (or input embeddings) in, next-token logits out.
     Generation(GenerationModel),
     /// Token ids and an attention mask in, hidden states (and pooled embeddings) out.
     Embedding(EmbeddingModelEnum),
+    /// Query/document pairs (ids, token types, mask) in, relevance logits out.
+    Reranker(RerankerModelEnum),
 }
 
 impl LoadedModel {
@@ -477,6 +547,7 @@ impl LoadedModel {
         match self {
             LoadedModel::Generation(m) => m.model_type(),
             LoadedModel::Embedding(m) => m.model_type(),
+            LoadedModel::Reranker(m) => m.model_type(),
         }
     }
 
@@ -485,6 +556,7 @@ impl LoadedModel {
         match self {
             LoadedModel::Generation(_) => ModelKind::Generation,
             LoadedModel::Embedding(_) => ModelKind::Embedding,
+            LoadedModel::Reranker(_) => ModelKind::Reranker,
         }
     }
 
@@ -525,6 +597,14 @@ impl LoadedModel {
         match self {
             LoadedModel::Embedding(m) => Ok(m),
             other => Err(other.wrong_kind("an embedding model")),
+        }
+    }
+
+    /// The model as a cross-encoder, by value, or an error naming its kind.
+    pub fn into_reranker(self) -> Result<RerankerModelEnum> {
+        match self {
+            LoadedModel::Reranker(m) => Ok(m),
+            other => Err(other.wrong_kind("a reranker")),
         }
     }
 }

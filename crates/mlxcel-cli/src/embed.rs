@@ -46,6 +46,10 @@ pub struct EmbedFlags {
     /// Output file (stdout for jsonl when absent).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Also print one JSON line of measurements on stderr (texts, tokens, embed_s, load_s;
+    /// what `cargo xtask bench --embeddings` reads).
+    #[arg(long)]
+    stats_json: bool,
 }
 
 fn lines(reader: impl BufRead, what: &str) -> anyhow::Result<Vec<String>> {
@@ -94,6 +98,7 @@ pub fn run(flags: EmbedFlags) -> anyhow::Result<()> {
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     let started = std::time::Instant::now();
     let vectors = model.embed(&refs, &embed)?;
+    let embed_s = started.elapsed().as_secs_f64();
     let width = vectors.first().map_or(0, Vec::len);
     match flags.format {
         Format::Npy => {
@@ -123,8 +128,21 @@ pub fn run(flags: EmbedFlags) -> anyhow::Result<()> {
         model.model_type.name(),
         vectors.len(),
         width,
-        started.elapsed().as_secs_f64(),
+        embed_s,
         model.load_seconds
     );
+    if flags.stats_json {
+        let mut tokens = 0;
+        for t in &refs {
+            tokens += model.tokenize(t, &embed)?.0.len();
+        }
+        let line = serde_json::json!({
+            "texts": vectors.len(),
+            "tokens": tokens,
+            "embed_s": embed_s,
+            "load_s": model.load_seconds,
+        });
+        eprintln!("{line}");
+    }
     Ok(())
 }

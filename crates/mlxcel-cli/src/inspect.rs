@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use mlxcel_arch::detection::{detect_kind, get_model_type};
+use mlxcel_arch::detection::{detect_kind, get_model_type, get_reranker_type};
 use mlxcel_arch::{model_load_policy, DESCRIPTORS};
 use mlxcel_core::WeightMap;
 use mlxcel_loading::memory::tensor_role as role;
@@ -24,7 +24,13 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
     let weights = WeightMap::open(&folder)?;
     println!("model     {}", folder.display());
     println!("kind      {kind:?}");
-    match get_model_type(&config, false) {
+    // A cross-encoder shares its backbone's model_type: its row is found by architecture.
+    let model_type = if kind == mlxcel_arch::ModelKind::Reranker {
+        get_reranker_type(&config)
+    } else {
+        get_model_type(&config, false)
+    };
+    match model_type {
         Ok(t) => {
             let p = model_load_policy(t);
             println!(

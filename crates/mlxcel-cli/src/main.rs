@@ -6,6 +6,7 @@ mod embed;
 mod generate;
 mod inspect;
 mod npy;
+mod rerank;
 
 use std::path::PathBuf;
 
@@ -65,6 +66,8 @@ enum Command {
     Generate(generate::GenerateFlags),
     /// Embed texts with an embedding model (one vector per text, in input order).
     Embed(embed::EmbedFlags),
+    /// Score documents against a query with a cross-encoder (JSON lines, in input order).
+    Rerank(rerank::RerankFlags),
     /// Interactive chat keeping the session (and its caches) between turns.
     Chat(generate::RunFlags),
     /// Serve the model over an OpenAI-compatible HTTP API, with a web chat page at `/`.
@@ -95,6 +98,12 @@ enum Command {
         /// Embedding model folder (BERT, XLM-RoBERTa, ModernBERT) served at /v1/embeddings.
         #[arg(long, value_name = "DIR")]
         embedding_model: Option<PathBuf>,
+        /// Reranker folder (a cross-encoder) served at /v1/rerank.
+        #[arg(long, value_name = "DIR")]
+        reranker_model: Option<PathBuf>,
+        /// The --reranker-model is a generative reranker (Qwen3-Reranker, yes/no scoring).
+        #[arg(long, requires = "reranker_model")]
+        generative_reranker: bool,
     },
     /// Write (or with --verify, check) the expert-stream layout of an MoE model, so its routed
     /// experts can stream from disk.
@@ -191,6 +200,8 @@ fn run() -> anyhow::Result<()> {
             adapter,
             surgery,
             embedding_model,
+            reranker_model,
+            generative_reranker,
         }) => {
             let model = match model {
                 // A .gguf is converted once into the cache, as for generate/chat.
@@ -228,8 +239,13 @@ fn run() -> anyhow::Result<()> {
                 }
                 None => None,
             };
+            let reranker = match reranker_model {
+                Some(dir) => Some(load_reranker(&dir, generative_reranker)?),
+                None => None,
+            };
             let config = mlxcel_server::ServerConfig {
                 embedder,
+                reranker,
                 api_key,
                 max_queue,
                 sessions: sessions.max(1),
@@ -246,11 +262,33 @@ fn run() -> anyhow::Result<()> {
                 .with_context(|| format!("serving on {host}:{port}"))?;
         }
         Some(Command::Embed(flags)) => embed::run(flags)?,
+        Some(Command::Rerank(flags)) => rerank::run(flags)?,
         Some(Command::PrepareExpertStream { model, verify }) => {
             prepare_expert_stream(&model, verify)?
         }
     }
     Ok(())
+}
+
+fn load_reranker(
+    dir: &std::path::Path,
+    generative: bool,
+) -> anyhow::Result<mlxcel_models::Reranker> {
+    let mut builder = mlxcel_models::Reranker::load(dir).policy(mlxcel_core::policy::current());
+    if generative {
+        builder = builder.generative();
+    }
+    let r = builder
+        .build()
+        .with_context(|| format!("loading the reranker {}", dir.display()))?;
+    eprintln!(
+        "[serve] reranker: {} ({}, {:?}) loaded in {:.2}s",
+        r.info().folder.display(),
+        r.info().model_type.name(),
+        r.info().activation,
+        r.info().load_seconds
+    );
+    Ok(r)
 }
 
 fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Result<()> {

@@ -252,3 +252,63 @@ fn a_bad_checkpoint_is_reported_once_on_one_line() {
     assert!(stderr.starts_with("error: "), "{stderr}");
     assert!(!stderr.contains("backtrace"), "{stderr}");
 }
+
+/// `mlxcel rerank` prints the reference scores (sentence-transformers' `CrossEncoder`) in input
+/// order, and best first with `--sorted`.
+#[test]
+fn rerank_prints_reference_scores_in_input_order_or_sorted() {
+    let dir = fixture("bert-reranker");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    // The first three pairs share the query.
+    let pairs = &reference["pairs"].as_array().unwrap()[..3];
+    let query = pairs[0]["query"].as_str().unwrap();
+    let run = |sorted: bool| -> Vec<serde_json::Value> {
+        let mut cmd = mlxcel();
+        cmd.args(["rerank", "--model"])
+            .arg(&dir)
+            .args(["--query", query]);
+        for p in pairs {
+            assert_eq!(p["query"], query);
+            cmd.args(["--document", p["document"].as_str().unwrap()]);
+        }
+        if sorted {
+            cmd.arg("--sorted");
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let lines = run(false);
+    assert_eq!(lines.len(), 3);
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["index"], i);
+        let (got, want) = (
+            l["score"].as_f64().unwrap(),
+            pairs[i]["score"].as_f64().unwrap(),
+        );
+        assert!((got - want).abs() <= 1e-4, "document {i}: {got} vs {want}");
+    }
+    let sorted = run(true);
+    let scores: Vec<f64> = sorted
+        .iter()
+        .map(|l| l["score"].as_f64().unwrap())
+        .collect();
+    assert!(scores.windows(2).all(|w| w[0] >= w[1]), "{scores:?}");
+    let out = mlxcel()
+        .args(["rerank", "--model"])
+        .arg(&dir)
+        .args(["--query", "q"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no documents"));
+}

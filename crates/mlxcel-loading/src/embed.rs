@@ -11,8 +11,8 @@ use mlxcel_arch::detection::{detect_kind, get_model_type};
 use mlxcel_arch::embedding::{normalize, truncate_dimensions, DenseActivation, DenseLayer};
 use mlxcel_arch::weights::ModelWeights;
 use mlxcel_arch::{
-    load_config_backed, BuildOptions, EmbeddingModel, EmbeddingModelEnum, LoadedModel, ModelKind,
-    ModelType, Pooling,
+    load_config_backed, BuildOptions, EmbeddingModel, EmbeddingModelEnum, GenerationModel,
+    LanguageModel, LoadedModel, ModelKind, ModelType, Pooling,
 };
 use mlxcel_core::{Array, Dtype, WeightMap};
 use mlxcel_quant::QuantConfig;
@@ -80,12 +80,12 @@ pub struct EmbeddingHead {
     pub from_modules_json: bool,
 }
 
-fn read_json(path: &Path) -> Result<Value> {
+pub(crate) fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|e| LoadError::file(path, e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| LoadError::file(path, format!("invalid JSON: {e}")))
 }
 
-fn confined(folder: &Path, name: &str) -> Result<PathBuf> {
+pub(crate) fn confined(folder: &Path, name: &str) -> Result<PathBuf> {
     Ok(mlxcel_core::weights::confined_path(folder, name)?)
 }
 
@@ -273,11 +273,248 @@ impl EmbeddingHead {
     }
 }
 
+/// The network under an embedding head: a bidirectional encoder (BERT, XLM-RoBERTa,
+/// ModernBERT), or a decoder read causally (Qwen3-Embedding and other decoder-based embedders
+/// of a registered generation type). Rows are right-padded, so under causal attention a real
+/// token never sees padding, and last-token pooling finds the last real token.
+#[derive(Debug)]
+pub enum EmbeddingBackbone {
+    /// An encoder of kind `Embedding`.
+    Encoder(EmbeddingModelEnum),
+    /// A decoder of kind `Generation`: its final-norm hidden states, no output head.
+    Decoder {
+        /// The decoder.
+        model: GenerationModel,
+        /// `hidden_size`.
+        hidden: usize,
+        /// `max_position_embeddings`, when given.
+        max_positions: Option<usize>,
+    },
+}
+
+impl EmbeddingModel for EmbeddingBackbone {
+    fn hidden_states(&self, ids: &Array, mask: &Array) -> mlxcel_arch::Result<Array> {
+        match self {
+            EmbeddingBackbone::Encoder(m) => m.hidden_states(ids, mask),
+            EmbeddingBackbone::Decoder { model, .. } => {
+                // Causal attention keeps padding out of real rows only when it comes last.
+                let b = mask.dim(0)? as usize;
+                let keep = mask.astype(Dtype::Int32)?.to_vec::<i32>()?;
+                let l = keep.len() / b.max(1);
+                for (r, row) in keep.chunks(l.max(1)).enumerate() {
+                    if row.windows(2).any(|w| w[0] == 0 && w[1] != 0) {
+                        return Err(mlxcel_arch::ModelError::Runtime(format!(
+                            "row {r} of the attention mask is not right-padded (a decoder embedder needs the padding after the tokens)"
+                        )));
+                    }
+                }
+                let mut caches = model.make_caches();
+                let x = model.embed(&ids.astype(Dtype::Int32)?)?;
+                model.final_hidden_states(&x, &mut caches)
+            }
+        }
+    }
+
+    fn hidden_size(&self) -> usize {
+        match self {
+            EmbeddingBackbone::Encoder(m) => m.hidden_size(),
+            EmbeddingBackbone::Decoder { hidden, .. } => *hidden,
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        match self {
+            EmbeddingBackbone::Encoder(m) => m.vocab_size(),
+            EmbeddingBackbone::Decoder { model, .. } => model.vocab_size(),
+        }
+    }
+
+    fn max_tokens(&self) -> Option<usize> {
+        match self {
+            EmbeddingBackbone::Encoder(m) => m.max_tokens(),
+            EmbeddingBackbone::Decoder { max_positions, .. } => *max_positions,
+        }
+    }
+}
+
+/// Builds a decoder of a generation type as an embedding backbone. Decoder embedders are often
+/// saved from the bare decoder (`Qwen3Model`: no `model.` prefix, no `lm_head`): the prefix is
+/// restored, and the output head, never used here, is dropped and tied to the embedding table
+/// so a checkpoint without one still loads. A bidirectional decoder
+/// (`use_bidirectional_attention`, EmbeddingGemma) is refused: this build attends causally.
+fn decoder_backbone(
+    folder: &Path,
+    config: &Value,
+    model_type: ModelType,
+    options: &LoadOptions,
+    runtime: &mlxcel_core::RuntimePolicy,
+) -> Result<(EmbeddingBackbone, Dtype, mlxcel_core::MappedFiles)> {
+    if config
+        .get("use_bidirectional_attention")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        return Err(LoadError::Unsupported(format!(
+            "{}: use_bidirectional_attention = true ({} with bidirectional attention, as in EmbeddingGemma) is not supported yet",
+            folder.display(),
+            model_type.name()
+        )));
+    }
+    let mut config = config.clone();
+    config["tie_word_embeddings"] = Value::Bool(true);
+    let (model, dtype, mapped) =
+        build_task_model(folder, &config, model_type, options, runtime, |weights| {
+            if !weights.names().any(|n| n.starts_with("model.")) {
+                weights.rename_prefix("", "model.")?;
+            }
+            let heads: Vec<String> = weights
+                .names()
+                .filter(|n| n.starts_with("lm_head."))
+                .map(str::to_string)
+                .collect();
+            for n in heads {
+                weights.remove(&n);
+            }
+            Ok(())
+        })?;
+    let model = model.into_generation().map_err(|source| LoadError::Model {
+        folder: folder.to_path_buf(),
+        source,
+    })?;
+    let int = |k: &str| config.get(k).and_then(Value::as_u64).map(|v| v as usize);
+    let hidden = int("hidden_size").ok_or_else(|| {
+        LoadError::file(
+            folder.join("config.json"),
+            "missing or invalid `hidden_size`",
+        )
+    })?;
+    let backbone = EmbeddingBackbone::Decoder {
+        model,
+        hidden,
+        max_positions: int("max_position_embeddings"),
+    };
+    Ok((backbone, dtype, mapped))
+}
+
+/// Builds an encoder-style checkpoint of `model_type` (an embedding or reranker row) from
+/// `folder`'s weights (first rewritten by `prepare`): the model, its compute dtype and the
+/// mapped files.
+pub(crate) fn build_task_model(
+    folder: &Path,
+    config: &Value,
+    model_type: ModelType,
+    options: &LoadOptions,
+    runtime: &mlxcel_core::RuntimePolicy,
+    prepare: impl FnOnce(&mut WeightMap) -> Result<()>,
+) -> Result<(LoadedModel, Dtype, mlxcel_core::MappedFiles)> {
+    let mut weights = WeightMap::open(folder)?;
+    prepare(&mut weights)?;
+    let mapped = weights.mapped_files();
+    let dtype = match options.dtype {
+        Some(d) => d,
+        None => compute_dtype(config)?,
+    };
+    let build = BuildOptions {
+        prefix: String::new(),
+        quant: QuantConfig::from_config(config)?,
+        dtype,
+        materialization: runtime.weight_materialization,
+        stream: None,
+        fuse_projections: false,
+        transform: None,
+    };
+    let model = load_config_backed(model_type, config, weights, &build).map_err(|source| {
+        LoadError::Model {
+            folder: folder.to_path_buf(),
+            source,
+        }
+    })?;
+    Ok((model, dtype, mapped))
+}
+
+/// Checks token rows before a forward pass: none empty, none over `max_tokens`, every id below
+/// `vocab`; the error names the row.
+pub(crate) fn check_rows(rows: &[Vec<u32>], max_tokens: Option<usize>, vocab: usize) -> Result<()> {
+    for (i, row) in rows.iter().enumerate() {
+        if row.is_empty() {
+            return Err(LoadError::Unsupported(format!("input {i} has no tokens")));
+        }
+        if let Some(max) = max_tokens {
+            if row.len() > max {
+                return Err(LoadError::Unsupported(format!(
+                    "input {i} has {} tokens, more than the model's limit of {max}",
+                    row.len()
+                )));
+            }
+        }
+        if let Some(&bad) = row.iter().find(|&&t| t as usize >= vocab) {
+            return Err(LoadError::Unsupported(format!(
+                "input {i}: token id {bad} is not below the vocabulary size {vocab}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What `overflow` says to do with input `i` (`text`), which the tokenizer truncated to `limit`
+/// tokens: an error, a warning on stderr, or nothing.
+pub(crate) fn overflowed(
+    i: usize,
+    text: &str,
+    limit: Option<usize>,
+    overflow: Overflow,
+) -> Result<()> {
+    let limit = limit.unwrap_or(0);
+    let preview: String = text.chars().take(40).collect();
+    match overflow {
+        Overflow::Refuse => {
+            return Err(LoadError::Unsupported(format!(
+                "text {i} (\"{preview}…\") is longer than the model's limit of {limit} tokens"
+            )))
+        }
+        Overflow::TruncateWithWarning => eprintln!(
+            "warning: text {i} (\"{preview}…\") truncated to the model's limit of {limit} tokens"
+        ),
+        Overflow::Truncate => {}
+    }
+    Ok(())
+}
+
+/// Indices `0..lengths.len()` in batches of at most `batch_size`, longest first (so each batch
+/// pads little); callers put the results back in input order by index.
+pub(crate) fn length_sorted_batches(lengths: &[usize], batch_size: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    order
+        .chunks(batch_size.max(1))
+        .map(<[usize]>::to_vec)
+        .collect()
+}
+
+/// `rows` right-padded with `pad` to the longest: ids and attention mask (1 = token), both
+/// `[rows, longest]` int32.
+pub(crate) fn padded(rows: &[&[u32]], pad: u32) -> Result<(Array, Array)> {
+    let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let mut tok = Vec::with_capacity(rows.len() * width);
+    let mut mask = Vec::with_capacity(rows.len() * width);
+    for row in rows {
+        tok.extend(row.iter().map(|&t| t as i32));
+        tok.extend(std::iter::repeat_n(pad as i32, width - row.len()));
+        mask.extend(std::iter::repeat_n(1i32, row.len()));
+        mask.extend(std::iter::repeat_n(0i32, width - row.len()));
+    }
+    let shape = [rows.len() as i32, width as i32];
+    Ok((
+        Array::from_slice(&tok, &shape)?,
+        Array::from_slice(&mask, &shape)?,
+    ))
+}
+
 /// A loaded embedding model (from [`load_embedding_model`]).
 #[derive(Debug)]
 pub struct EmbeddingLoaded {
-    /// The encoder.
-    pub model: EmbeddingModelEnum,
+    /// The encoder (or a decoder read causally).
+    pub model: EmbeddingBackbone,
     /// Pooling, Dense, Normalize.
     pub head: EmbeddingHead,
     /// The tokenizer, set to no padding and truncation at [`EmbeddingLoaded::max_tokens`].
@@ -301,9 +538,11 @@ pub struct EmbeddingLoaded {
     pub mapped: mlxcel_core::MappedFiles,
 }
 
-/// Loads an embedding checkpoint (an encoder of kind `Embedding`: `bert`, `xlm-roberta`,
-/// `modernbert`) with its tokenizer and sentence-transformers modules. A checkpoint of another
-/// kind is refused naming it.
+/// Loads an embedding checkpoint with its tokenizer and sentence-transformers modules: an
+/// encoder of kind `Embedding` (`bert`, `xlm-roberta`, `modernbert`), or a decoder of a
+/// registered generation type in a sentence-transformers folder (Qwen3-Embedding: `qwen3` with
+/// last-token pooling), read causally (see [`EmbeddingBackbone`]). A checkpoint of another kind
+/// is refused naming it.
 ///
 /// ```no_run
 /// use mlxcel_loading::{load_embedding_model, EmbedOptions, LoadOptions};
@@ -336,32 +575,22 @@ pub fn load_embedding_model(
         source,
     };
     let model_type = get_model_type(&config, false).map_err(model_err)?;
-    if model_type.descriptor().kind != ModelKind::Embedding {
-        return Err(LoadError::Unsupported(format!(
-            "{}: {} is registered as a {:?} model; its embedding form is not supported yet",
-            folder.display(),
-            model_type.name(),
-            model_type.descriptor().kind
-        )));
-    }
-    let weights = WeightMap::open(&folder)?;
-    let mapped = weights.mapped_files();
-    let dtype = match options.dtype {
-        Some(d) => d,
-        None => compute_dtype(&config)?,
+    let (model, dtype, mapped) = match model_type.descriptor().kind {
+        ModelKind::Embedding => {
+            let (model, dtype, mapped) =
+                build_task_model(&folder, &config, model_type, options, &runtime, |_| Ok(()))?;
+            let model = model.into_embedding().map_err(model_err)?;
+            (EmbeddingBackbone::Encoder(model), dtype, mapped)
+        }
+        ModelKind::Generation => decoder_backbone(&folder, &config, model_type, options, &runtime)?,
+        ModelKind::Reranker => {
+            return Err(LoadError::Unsupported(format!(
+                "{}: {} is a cross-encoder, not an embedding model",
+                folder.display(),
+                model_type.name()
+            )))
+        }
     };
-    let build = BuildOptions {
-        prefix: String::new(),
-        quant: QuantConfig::from_config(&config)?,
-        dtype,
-        materialization: runtime.weight_materialization,
-        stream: None,
-        fuse_projections: false,
-        transform: None,
-    };
-    let model = load_config_backed(model_type, &config, weights, &build)
-        .and_then(LoadedModel::into_embedding)
-        .map_err(model_err)?;
     let head = EmbeddingHead::load(&folder, dtype)?;
     let max_tokens = match (head.max_seq_length, model.max_tokens()) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -437,19 +666,7 @@ impl EmbeddingLoaded {
         for (i, text) in texts.iter().enumerate() {
             let (ids, truncated) = self.tokenize(text, options)?;
             if truncated {
-                let limit = self.max_tokens.unwrap_or(0);
-                let preview: String = text.chars().take(40).collect();
-                match options.overflow {
-                    Overflow::Refuse => {
-                        return Err(LoadError::Unsupported(format!(
-                            "text {i} (\"{preview}…\") is longer than the model's limit of {limit} tokens"
-                        )))
-                    }
-                    Overflow::TruncateWithWarning => eprintln!(
-                        "warning: text {i} (\"{preview}…\") truncated to the model's limit of {limit} tokens"
-                    ),
-                    Overflow::Truncate => {}
-                }
+                overflowed(i, text, self.max_tokens, options.overflow)?;
             }
             all.push(ids);
         }
@@ -465,42 +682,12 @@ impl EmbeddingLoaded {
         dimensions: Option<usize>,
         batch_size: usize,
     ) -> Result<Vec<Vec<f32>>> {
-        let vocab = self.model.vocab_size();
-        for (i, row) in ids.iter().enumerate() {
-            if row.is_empty() {
-                return Err(LoadError::Unsupported(format!("input {i} has no tokens")));
-            }
-            if let Some(max) = self.max_tokens {
-                if row.len() > max {
-                    return Err(LoadError::Unsupported(format!(
-                        "input {i} has {} tokens, more than the model's limit of {max}",
-                        row.len()
-                    )));
-                }
-            }
-            if let Some(&bad) = row.iter().find(|&&t| t as usize >= vocab) {
-                return Err(LoadError::Unsupported(format!(
-                    "input {i}: token id {bad} is not below the vocabulary size {vocab}"
-                )));
-            }
-        }
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(ids[i].len()));
+        check_rows(ids, self.max_tokens, self.model.vocab_size())?;
         let mut out: Vec<Vec<f32>> = vec![Vec::new(); ids.len()];
-        for chunk in order.chunks(batch_size.max(1)) {
-            let width = chunk.iter().map(|&i| ids[i].len()).max().unwrap_or(0);
-            let mut tok = Vec::with_capacity(chunk.len() * width);
-            let mut mask = Vec::with_capacity(chunk.len() * width);
-            for &i in chunk {
-                let row = &ids[i];
-                tok.extend(row.iter().map(|&t| t as i32));
-                tok.extend(std::iter::repeat_n(self.pad_id as i32, width - row.len()));
-                mask.extend(std::iter::repeat_n(1i32, row.len()));
-                mask.extend(std::iter::repeat_n(0i32, width - row.len()));
-            }
-            let shape = [chunk.len() as i32, width as i32];
-            let tok = Array::from_slice(&tok, &shape)?;
-            let mask = Array::from_slice(&mask, &shape)?;
+        let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
+        for chunk in length_sorted_batches(&lengths, batch_size) {
+            let rows: Vec<&[u32]> = chunk.iter().map(|&i| ids[i].as_slice()).collect();
+            let (tok, mask) = padded(&rows, self.pad_id)?;
             let hidden = self.model.hidden_states(&tok, &mask)?;
             let mut emb = self.head.apply(&hidden, &mask)?;
             if let Some(d) = dimensions {

@@ -7,7 +7,7 @@
 //! ```text
 //! path ─ resolve_model_dir ─ config.json ─ sanitize_config_json ─ detect_kind
 //!   ├─ Embedding: load_embedding_model ─ encoder + sentence-transformers head + tokenizer
-//!   ├─ Reranker: not in this build (a clear error)
+//!   ├─ Reranker: load_reranker_model ─ cross-encoder + pair template + score activation
 //!   └─ Generation ─ get_model_type ─ model_load_policy ─ directory route
 //!        ├─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
 //!        └─ Nonstandard: load_nonstandard (a named loader per family) ──────┤
@@ -23,18 +23,26 @@ mod error;
 pub mod memory;
 mod pipeline;
 pub mod repack;
+mod rerank;
 pub mod stream;
 pub mod surgery;
 mod textgen;
 mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
-pub use embed::{load_embedding_model, EmbedOptions, EmbeddingHead, EmbeddingLoaded, Overflow};
+pub use embed::{
+    load_embedding_model, EmbedOptions, EmbeddingBackbone, EmbeddingHead, EmbeddingLoaded, Overflow,
+};
 pub use error::{LoadError, Result};
 pub use mlxcel_arch::{LanguageModel, LoadedModel, ModelType};
 pub use mlxcel_core::RuntimePolicy;
 pub use pipeline::{
     compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, Loaded,
+};
+pub use rerank::{
+    load_generative_reranker, load_reranker_model, EncodedPair, GenerativeScorer, RerankOptions,
+    RerankerBackbone, RerankerLoaded, ScoreActivation, QWEN3_RERANKER_INSTRUCTION,
+    QWEN3_RERANKER_MAX_LENGTH, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX,
 };
 pub use textgen::{
     generate_text, generate_text_with, FinishReason, GenerateRequest, GenerationStats,

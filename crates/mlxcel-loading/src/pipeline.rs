@@ -318,7 +318,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
                 )
             } else {
                 format!(
-                    "{}: model_type `{model_type}` is a reranker checkpoint; its loader is not in this build yet",
+                    "{}: model_type `{model_type}` is a cross-encoder (reranker) checkpoint: load it with `load_reranker_model` (`mlxcel_models::Reranker`, `mlxcel rerank`)",
                     folder.display()
                 )
             }));

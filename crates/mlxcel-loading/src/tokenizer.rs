@@ -73,6 +73,27 @@ impl Tokenizer {
         Ok((enc.get_ids().to_vec(), !enc.get_overflowing().is_empty()))
     }
 
+    /// A pair (`first`, `second`: a query and a document) through the tokenizer's pair template
+    /// (e.g. `[CLS] first [SEP] second [SEP]`), special tokens added: the ids, the token-type
+    /// ids the template assigns (0 for the first part, 1 for the second, where it has types), and
+    /// whether truncation (longest part first, see [`Tokenizer::set_encoder_limits`]) dropped
+    /// tokens.
+    pub fn encode_pair_checked(
+        &self,
+        first: &str,
+        second: &str,
+    ) -> Result<(Vec<u32>, Vec<u32>, bool)> {
+        let enc = self
+            .inner
+            .encode((first, second), true)
+            .map_err(|e| LoadError::file(&self.path, format!("encoding a pair failed: {e}")))?;
+        Ok((
+            enc.get_ids().to_vec(),
+            enc.get_type_ids().to_vec(),
+            !enc.get_overflowing().is_empty(),
+        ))
+    }
+
     /// The id of `token` (e.g. `"<|im_end|>"`), `None` when not in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)

@@ -1,5 +1,6 @@
-//! [`Embedder`]: an embedding model (BERT, XLM-RoBERTa, ModernBERT checkpoints, with their
-//! sentence-transformers modules) on a worker thread, like [`crate::Model`].
+//! [`Embedder`]: an embedding model (BERT, XLM-RoBERTa, ModernBERT checkpoints, or a decoder
+//! embedder such as Qwen3-Embedding, with their sentence-transformers modules) on a worker
+//! thread, like [`crate::Model`].
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -35,9 +35,16 @@
 //!
 //! ## Embeddings
 //!
-//! [`Embedder`] loads an embedding checkpoint (BERT, XLM-RoBERTa, ModernBERT, with its
-//! sentence-transformers modules) on a worker thread the same way; `embed(&[&str])` returns one
+//! [`Embedder`] loads an embedding checkpoint (BERT, XLM-RoBERTa, ModernBERT, or a decoder
+//! embedder such as Qwen3-Embedding, with its sentence-transformers modules) on a worker thread the same way; `embed(&[&str])` returns one
 //! vector per text, in input order. [`Model::load`] on such a folder is an error pointing here.
+//!
+//! ## Reranking
+//!
+//! [`Reranker`] loads a cross-encoder (`BertForSequenceClassification`,
+//! `XLMRobertaForSequenceClassification`, `ModernBertForSequenceClassification`) the same way;
+//! `score(query, &[&str])` returns one relevance score per document, in input order;
+//! `Reranker::load(dir).generative()` scores with a generator the Qwen3-Reranker way.
 //!
 //! ## Lower layers
 //!
@@ -48,6 +55,7 @@
 #![warn(missing_docs)]
 
 mod embedder;
+mod reranker;
 mod worker;
 
 use std::collections::{HashMap, VecDeque};
@@ -67,9 +75,10 @@ pub use mlxcel_arch as arch;
 pub use mlxcel_core::{Device, Dtype, RuntimePolicy};
 pub use mlxcel_loading as loading;
 pub use mlxcel_loading::{
-    EmbedOptions, FinishReason, GenerationStats, LogitsProcessor, Message, ModelType, TokenBytes,
-    TokenLogprob,
+    EmbedOptions, FinishReason, GenerationStats, LogitsProcessor, Message, ModelType,
+    RerankOptions, ScoreActivation, TokenBytes, TokenLogprob,
 };
+pub use reranker::{Reranker, RerankerBuilder, RerankerInfo};
 
 /// Errors of the high-level API.
 #[derive(Debug, thiserror::Error)]

@@ -1040,3 +1040,113 @@ mod base64_tests {
         }
     }
 }
+
+/// A validated `POST /v1/rerank` request.
+#[derive(Debug, Clone)]
+pub(crate) struct RerankRequest {
+    pub query: String,
+    pub documents: Vec<String>,
+    pub top_n: Option<usize>,
+    pub return_documents: bool,
+}
+
+/// Parses a Cohere/Jina-style rerank request: `query` (a string), `documents` (a list of
+/// strings or of `{"text": ...}` objects), `model` (any string; one reranker is served),
+/// `top_n` (a positive integer), `return_documents` (a boolean, default false).
+pub(crate) fn parse_rerank(body: &[u8]) -> Result<RerankRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid("body", format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::invalid("body", "the body must be a JSON object"));
+    };
+    for key in obj.keys() {
+        if !matches!(
+            key.as_str(),
+            "query" | "documents" | "model" | "top_n" | "return_documents"
+        ) {
+            return Err(ApiError::invalid(
+                key.as_str(),
+                format!("unknown field `{key}`"),
+            ));
+        }
+    }
+    let query = match obj.get("query") {
+        Some(Value::String(q)) if !q.is_empty() => q.clone(),
+        Some(Value::String(_)) => return Err(ApiError::invalid("query", "`query` is empty")),
+        None | Some(Value::Null) => return Err(ApiError::invalid("query", "`query` is required")),
+        Some(_) => return Err(ApiError::invalid("query", "`query` must be a string")),
+    };
+    let documents = match obj.get("documents") {
+        Some(Value::Array(items)) if !items.is_empty() => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let text = match v {
+                    Value::String(s) => Some(s.as_str()),
+                    Value::Object(o) => o.get("text").and_then(Value::as_str),
+                    _ => None,
+                };
+                match text {
+                    Some(t) if !t.is_empty() => Ok(t.to_string()),
+                    Some(_) => Err(ApiError::invalid(
+                        format!("documents[{i}]"),
+                        format!("`documents[{i}]` is empty"),
+                    )),
+                    None => Err(ApiError::invalid(
+                        format!("documents[{i}]"),
+                        format!(
+                            "`documents[{i}]` must be a string or an object with a string `text`"
+                        ),
+                    )),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid(
+                "documents",
+                "`documents` must not be an empty list",
+            ))
+        }
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("documents", "`documents` is required"))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "documents",
+                "`documents` must be a list of strings or of {\"text\": ...} objects",
+            ))
+        }
+    };
+    match obj.get("model") {
+        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        Some(_) => return Err(ApiError::invalid("model", "`model` must be a string")),
+    }
+    let top_n = match obj.get("top_n") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n > 0 => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+            _ => {
+                return Err(ApiError::invalid(
+                    "top_n",
+                    format!("`top_n` must be a positive integer, not {v}"),
+                ))
+            }
+        },
+    };
+    let return_documents = match obj.get("return_documents") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "return_documents",
+                "`return_documents` must be a boolean",
+            ))
+        }
+    };
+    Ok(RerankRequest {
+        query,
+        documents,
+        top_n,
+        return_documents,
+    })
+}

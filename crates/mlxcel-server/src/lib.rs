@@ -16,7 +16,9 @@
 //! Endpoints: `GET /` (the chat page), `GET /health`, `GET /v1/models`,
 //! `POST /v1/chat/completions`, `POST /v1/completions` (both streamed as server-sent events
 //! with `"stream": true`), `POST /v1/embeddings` (when [`ServerConfig::embedder`] holds an
-//! [`Embedder`]; float or base64 vectors) and `GET /metrics` (Prometheus text).
+//! [`Embedder`]; float or base64 vectors), `POST /v1/rerank` (Cohere/Jina style, when
+//! [`ServerConfig::reranker`] holds a [`mlxcel_models::Reranker`]) and `GET /metrics`
+//! (Prometheus text).
 //!
 //! Chat requests may ask for `logprobs`, declare `tools` (passed to the chat template; calls in
 //! the reply come back as `tool_calls`, see the `tools` module) and set `response_format`
@@ -46,7 +48,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use api::{ApiError, EmbeddingRequest, Input, Request, ToolChoice};
+use api::{ApiError, EmbeddingRequest, Input, Request, RerankRequest, ToolChoice};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -81,6 +83,9 @@ pub struct ServerConfig {
     /// An embedding model served at `POST /v1/embeddings` (and listed in `/v1/models` under
     /// its folder's name). Without one that endpoint answers 404 saying none is loaded.
     pub embedder: Option<Embedder>,
+    /// A reranker served at `POST /v1/rerank` (and listed in `/v1/models` under its folder's
+    /// name). Without one that endpoint answers 404 saying none is loaded.
+    pub reranker: Option<mlxcel_models::Reranker>,
 }
 
 impl Default for ServerConfig {
@@ -92,6 +97,7 @@ impl Default for ServerConfig {
             sessions: 4,
             model_name: None,
             embedder: None,
+            reranker: None,
         }
     }
 }
@@ -211,6 +217,8 @@ struct AppState {
     name: String,
     /// The embedding model's id (when [`ServerConfig::embedder`] is set).
     embedder_name: String,
+    /// The reranker's id (when [`ServerConfig::reranker`] is set).
+    reranker_name: String,
     pool: Arc<Mutex<Pool>>,
     /// The token trie for constrained decoding, built on first use.
     vocabulary: std::sync::OnceLock<Arc<constraint::Vocabulary>>,
@@ -235,6 +243,12 @@ fn router(model: Model, config: ServerConfig) -> Router {
         .and_then(|e| e.info().folder.file_name())
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "embedding-model".to_string());
+    let reranker_name = config
+        .reranker
+        .as_ref()
+        .and_then(|r| r.info().folder.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "reranker".to_string());
     let slots = (0..config.sessions.max(1))
         .map(|_| Slot {
             session: model.session(),
@@ -247,6 +261,7 @@ fn router(model: Model, config: ServerConfig) -> Router {
         config,
         name,
         embedder_name,
+        reranker_name,
         pool: Arc::new(Mutex::new(Pool { slots, clock: 0 })),
         vocabulary: std::sync::OnceLock::new(),
         metrics: Metrics::default(),
@@ -260,6 +275,7 @@ fn router(model: Model, config: ServerConfig) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
+        .route("/v1/rerank", post(rerank))
         .fallback(not_found)
         .with_state(state)
 }
@@ -346,6 +362,9 @@ async fn models(State(s): State<Shared>, headers: HeaderMap) -> Result<Response,
     if s.config.embedder.is_some() {
         data.push(entry(&s.embedder_name));
     }
+    if s.config.reranker.is_some() {
+        data.push(entry(&s.reranker_name));
+    }
     Ok(json_response(
         StatusCode::OK,
         &json!({"object": "list", "data": data}),
@@ -419,6 +438,69 @@ async fn embeddings(
             "object": "list",
             "data": data,
             "model": s.embedder_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }),
+    ))
+}
+
+/// `POST /v1/rerank` (Cohere/Jina style): the documents scored against the query, best first,
+/// at most `top_n`, each with its input `index` and `relevance_score` (and the `document` when
+/// `return_documents`).
+async fn rerank(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    s.authorize(&headers)?;
+    let body = read_body(body, s.config.body_limit).await?;
+    let Some(reranker) = s.config.reranker.clone() else {
+        return Err(ApiError::other(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "no reranker is loaded: start the server with one (`mlxcel serve --reranker-model DIR`)",
+        )
+        .code("model_not_found"));
+    };
+    let RerankRequest {
+        query,
+        documents,
+        top_n,
+        return_documents,
+    } = api::parse_rerank(&body)?;
+    let (scores, counts, documents) = tokio::task::spawn_blocking(move || {
+        let docs: Vec<&str> = documents.iter().map(String::as_str).collect();
+        let counts = reranker.token_counts(&query, &docs)?;
+        let scores = reranker.score(&query, &docs)?;
+        Ok::<_, mlxcel_models::Error>((scores, counts, documents))
+    })
+    .await
+    .map_err(|e| internal(format!("the rerank task failed: {e}")))?
+    .map_err(|e| match e {
+        mlxcel_models::Error::Invalid(_) | mlxcel_models::Error::Load(_) => {
+            ApiError::invalid("documents", e.to_string())
+        }
+        e => internal(e.to_string()),
+    })?;
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+    order.truncate(top_n.unwrap_or(order.len()));
+    let results: Vec<Value> = order
+        .into_iter()
+        .map(|i| {
+            let mut r = json!({"index": i, "relevance_score": scores[i]});
+            if return_documents {
+                r["document"] = json!({"text": documents[i]});
+            }
+            r
+        })
+        .collect();
+    let tokens: usize = counts.iter().sum();
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({
+            "object": "list",
+            "model": s.reranker_name,
+            "results": results,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }),
     ))

@@ -6,6 +6,7 @@
 //! mlx-lm loads it, and float32 compute (what mlxcel does on the CPU). Runs alternate between the
 //! engines; the table reports medians and ratios mlxcel / mlx-lm. See docs/performance.md.
 
+mod embed;
 mod proc;
 mod stats;
 mod stream;
@@ -42,6 +43,11 @@ pub struct BenchArgs {
     /// arenas (writes target/bench/expert_stream.md).
     #[arg(long)]
     expert_stream: bool,
+    /// Instead of the plan: sentences/s of `mlxcel embed` against sentence-transformers (torch,
+    /// CPU) on all-MiniLM-L6-v2, batches of 32 (writes target/bench/embeddings.md; installs
+    /// torch into the bench venv on first use).
+    #[arg(long)]
+    embeddings: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -501,6 +507,26 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         let prompt = prompt_ids(32, 32000, 7);
         let table = stream::compare_policies(&model, &prompt, 16)?;
         let out = p.bench.join("expert_stream.md");
+        std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+        println!("{table}");
+        return Ok(());
+    }
+    if args.embeddings {
+        let bin = mlxcel_binary(&p)?;
+        // With MLXCEL_BENCH_ST_PYTHON set the bench venv is not needed (nor made).
+        let py = match std::env::var_os("MLXCEL_BENCH_ST_PYTHON") {
+            Some(py) => PathBuf::from(py),
+            None => python(&p)?,
+        };
+        let table = embed::run(
+            &p.root,
+            &p.bench,
+            &p.logs,
+            &bin,
+            &py,
+            args.runs.unwrap_or(3),
+        )?;
+        let out = p.bench.join("embeddings.md");
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");
         return Ok(());

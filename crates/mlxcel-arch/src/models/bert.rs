@@ -1,6 +1,8 @@
 //! BERT and XLM-RoBERTa encoders (`BertModel`, `XLMRobertaModel`): learned absolute positions
-//! (XLM-R's start at `pad_token_id + 1` and skip padding), token-type embeddings (type 0),
-//! post-LN blocks with biased projections, bidirectional attention under a padding mask.
+//! (XLM-R's start at `pad_token_id + 1` and skip padding), token-type embeddings (type 0 when
+//! embedding), post-LN blocks with biased projections, bidirectional attention under a padding
+//! mask; and their cross-encoders ([`Classifier`]: `BertForSequenceClassification`,
+//! `XLMRobertaForSequenceClassification`).
 
 use mlxcel_core::ops;
 use mlxcel_core::{Array, Dtype, WeightMap};
@@ -10,6 +12,7 @@ use serde::Deserialize;
 use crate::embedding::{attention_mask, bidirectional_attention, split_heads, EmbeddingModel};
 use crate::model::{Architecture, LayerKind};
 use crate::nn::{Activation, Embedding, Linear, Norm, NormKind};
+use crate::rerank::{Labels, RerankerModel};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
@@ -97,6 +100,7 @@ pub struct Model {
     hidden: i32,
     vocab: i32,
     max_positions: i32,
+    type_vocab: i32,
 }
 
 impl Model {
@@ -118,16 +122,23 @@ impl Model {
     }
 }
 
-impl EmbeddingModel for Model {
-    fn hidden_states(&self, ids: &Array, mask: &Array) -> Result<Array> {
+impl Model {
+    /// Hidden states `[B, L, hidden]`; `type_ids` `[B, L]` select the token-type embeddings
+    /// (all type 0 when `None`).
+    fn encode(&self, ids: &Array, type_ids: Option<&Array>, mask: &Array) -> Result<Array> {
         let ids = ids.astype(Dtype::Int32)?;
         let positions = self.position_ids(&ids)?;
-        let zeros = Array::from_slice(&[0i32], &[1, 1])?;
+        let types = match type_ids {
+            Some(t) => self.token_types.forward(&t.astype(Dtype::Int32)?)?,
+            None => self
+                .token_types
+                .forward(&Array::from_slice(&[0i32], &[1, 1])?)?,
+        };
         let mut x = self
             .words
             .forward(&ids)?
             .add(&self.positions.forward(&positions)?)?
-            .add(&self.token_types.forward(&zeros)?)?;
+            .add(&types)?;
         x = self.embed_norm.forward(&x)?;
         let mask = attention_mask(mask, x.dtype()?, None)?;
         for layer in &self.layers {
@@ -144,6 +155,12 @@ impl EmbeddingModel for Model {
                 .forward(&layer.output.forward(&h)?.add(&x)?)?;
         }
         Ok(x)
+    }
+}
+
+impl EmbeddingModel for Model {
+    fn hidden_states(&self, ids: &Array, mask: &Array) -> Result<Array> {
+        self.encode(ids, None, mask)
     }
 
     fn hidden_size(&self) -> usize {
@@ -187,28 +204,31 @@ pub(crate) fn strip_task_heads(
     Ok(())
 }
 
+/// Checks the position scheme, strips the task model's prefix and drops the MLM/NSP heads,
+/// registered buffers and `also_dropped`.
+fn sanitize_encoder(args: &Args, weights: &mut WeightMap, also_dropped: &[&str]) -> Result<()> {
+    if let Some(p) = &args.position_embedding_type {
+        if p != "absolute" {
+            return Err(ModelError::Unsupported(format!(
+                "position_embedding_type `{p}` (only `absolute` is supported)"
+            )));
+        }
+    }
+    let mut dropped = vec![
+        "cls.",
+        "lm_head.",
+        "embeddings.position_ids",
+        "embeddings.token_type_ids",
+    ];
+    dropped.extend_from_slice(also_dropped);
+    strip_task_heads(weights, &["bert.", "roberta."], &dropped)
+}
+
 impl Architecture for Model {
     type Args = Args;
 
     fn sanitize(args: &Args, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
-        if let Some(p) = &args.position_embedding_type {
-            if p != "absolute" {
-                return Err(ModelError::Unsupported(format!(
-                    "position_embedding_type `{p}` (only `absolute` is supported)"
-                )));
-            }
-        }
-        strip_task_heads(
-            weights,
-            &["bert.", "roberta."],
-            &[
-                "pooler.",
-                "cls.",
-                "lm_head.",
-                "embeddings.position_ids",
-                "embeddings.token_type_ids",
-            ],
-        )
+        sanitize_encoder(args, weights, &["pooler."])
     }
 
     fn cache_schedule(_args: &Args) -> Result<Vec<LayerKind>> {
@@ -261,6 +281,89 @@ impl Architecture for Model {
             hidden: h,
             vocab: args.vocab_size,
             max_positions: args.max_position_embeddings,
+            type_vocab: args.type_vocab_size,
+        })
+    }
+}
+
+/// The `config.json` keys of a BERT / XLM-RoBERTa cross-encoder: the encoder's and the labels.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ClassifierArgs {
+    /// The encoder.
+    #[serde(flatten)]
+    pub encoder: Args,
+    /// `id2label` / `num_labels`.
+    #[serde(flatten)]
+    pub labels: Labels,
+}
+
+/// A BERT / XLM-RoBERTa cross-encoder: the encoder, then a `tanh` dense layer on the first
+/// token and a linear classifier. BERT names them `pooler.dense` and `classifier`, XLM-RoBERTa
+/// `classifier.dense` and `classifier.out_proj` (transformers' `RobertaClassificationHead`).
+#[derive(Debug)]
+pub struct Classifier {
+    encoder: Model,
+    pooler: Linear,
+    classifier: Linear,
+    labels: i32,
+}
+
+impl RerankerModel for Classifier {
+    fn logits(&self, ids: &Array, type_ids: &Array, mask: &Array) -> Result<Array> {
+        let types = self.uses_token_types().then_some(type_ids);
+        let h = self.encoder.encode(ids, types, mask)?;
+        let first = h.slice_axis(1, 0, 1)?.squeeze(&[1])?;
+        let pooled = self.pooler.forward(&first)?.tanh()?;
+        self.classifier.forward(&pooled)
+    }
+
+    fn num_labels(&self) -> usize {
+        self.labels as usize
+    }
+
+    fn uses_token_types(&self) -> bool {
+        self.encoder.type_vocab > 1
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.encoder.vocab_size()
+    }
+
+    fn max_tokens(&self) -> Option<usize> {
+        self.encoder.max_tokens()
+    }
+}
+
+impl Architecture for Classifier {
+    type Args = ClassifierArgs;
+
+    fn sanitize(
+        args: &ClassifierArgs,
+        weights: &mut WeightMap,
+        _quant: Option<&QuantConfig>,
+    ) -> Result<()> {
+        // The pooler (BERT) and the classification head stay.
+        sanitize_encoder(&args.encoder, weights, &[])
+    }
+
+    fn cache_schedule(_args: &ClassifierArgs) -> Result<Vec<LayerKind>> {
+        Ok(Vec::new())
+    }
+
+    fn build(args: &ClassifierArgs, w: &mut ModelWeights) -> Result<Classifier> {
+        let encoder = <Model as Architecture>::build(&args.encoder, w)?;
+        let h = args.encoder.hidden_size;
+        let labels = args.labels.count() as i32;
+        let (pooler, classifier) = if args.encoder.roberta() {
+            ("classifier.dense", "classifier.out_proj")
+        } else {
+            ("pooler.dense", "classifier")
+        };
+        Ok(Classifier {
+            encoder,
+            pooler: w.linear(pooler, h, h, true)?,
+            classifier: w.linear(classifier, h, labels, true)?,
+            labels,
         })
     }
 }

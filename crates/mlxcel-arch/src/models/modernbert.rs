@@ -2,16 +2,19 @@
 //! attention norm in layer 0, a fused `Wqkv`, GeGLU `Wi` (first half through the activation
 //! times the second half), rotary positions with a global and a local base, global attention
 //! every `global_attn_every_n_layers` layers and a sliding window `|i - j| <= local_attention / 2`
-//! on the others, and a `final_norm`.
+//! on the others, and a `final_norm`. Its cross-encoder ([`Classifier`],
+//! `ModernBertForSequenceClassification`) pools (first token or masked mean), then a dense +
+//! activation + LayerNorm head and a linear classifier.
 
 use mlxcel_core::{Array, Dtype, WeightMap};
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::embedding::{attention_mask, bidirectional_attention, EmbeddingModel};
+use crate::embedding::{attention_mask, bidirectional_attention, EmbeddingModel, Pooling};
 use crate::model::{Architecture, LayerKind};
 use crate::nn::{Activation, Embedding, Linear, Norm, NormKind, RopeConfig, RotaryEmbedding};
+use crate::rerank::{Labels, RerankerModel};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
@@ -267,6 +270,118 @@ impl Architecture for Model {
             hidden: h,
             vocab: args.vocab_size,
             max_positions: args.max_position_embeddings,
+        })
+    }
+}
+
+fn cls() -> String {
+    "cls".to_string()
+}
+
+/// The `config.json` keys of a ModernBERT cross-encoder: the encoder's, the head's and the
+/// labels.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ClassifierArgs {
+    /// The encoder.
+    #[serde(flatten)]
+    pub encoder: Args,
+    /// `cls` (first token) or `mean` (over the real tokens); default `cls`.
+    #[serde(default = "cls")]
+    pub classifier_pooling: String,
+    /// The head's activation; default `gelu`.
+    #[serde(default = "gelu")]
+    pub classifier_activation: String,
+    /// A bias on the head's dense layer; default false.
+    #[serde(default)]
+    pub classifier_bias: bool,
+    /// `id2label` / `num_labels`.
+    #[serde(flatten)]
+    pub labels: Labels,
+}
+
+/// A ModernBERT cross-encoder (see the module docs): transformers'
+/// `ModernBertForSequenceClassification`, `head` = `norm(act(dense(pooled)))`.
+#[derive(Debug)]
+pub struct Classifier {
+    encoder: Model,
+    pooling: Pooling,
+    dense: Linear,
+    act: Activation,
+    norm: Norm,
+    classifier: Linear,
+    labels: i32,
+}
+
+impl RerankerModel for Classifier {
+    fn logits(&self, ids: &Array, _type_ids: &Array, mask: &Array) -> Result<Array> {
+        let h = self.encoder.hidden_states(ids, mask)?;
+        let pooled = self.pooling.pool(&h, mask)?.astype(h.dtype()?)?;
+        let x = self
+            .norm
+            .forward(&self.act.apply(&self.dense.forward(&pooled)?)?)?;
+        self.classifier.forward(&x)
+    }
+
+    fn num_labels(&self) -> usize {
+        self.labels as usize
+    }
+
+    fn uses_token_types(&self) -> bool {
+        false
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.encoder.vocab_size()
+    }
+
+    fn max_tokens(&self) -> Option<usize> {
+        self.encoder.max_tokens()
+    }
+}
+
+impl Architecture for Classifier {
+    type Args = ClassifierArgs;
+
+    fn sanitize(
+        _args: &ClassifierArgs,
+        weights: &mut WeightMap,
+        _quant: Option<&QuantConfig>,
+    ) -> Result<()> {
+        // `head.` is the classification head here, not the MLM head.
+        super::bert::strip_task_heads(weights, &["model."], &["decoder."])
+    }
+
+    fn cache_schedule(_args: &ClassifierArgs) -> Result<Vec<LayerKind>> {
+        Ok(Vec::new())
+    }
+
+    fn build(args: &ClassifierArgs, w: &mut ModelWeights) -> Result<Classifier> {
+        let pooling = match args.classifier_pooling.as_str() {
+            "cls" => Pooling::Cls,
+            "mean" => Pooling::Mean,
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "classifier_pooling `{other}` (expected `cls` or `mean`)"
+                )))
+            }
+        };
+        let act = Activation::from_name(&args.classifier_activation).ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "classifier_activation `{}`",
+                args.classifier_activation
+            ))
+        })?;
+        let encoder = <Model as Architecture>::build(&args.encoder, w)?;
+        let h = args.encoder.hidden_size;
+        let labels = args.labels.count() as i32;
+        Ok(Classifier {
+            encoder,
+            pooling,
+            dense: w.linear("head.dense", h, h, args.classifier_bias)?,
+            act,
+            norm: w.norm("head.norm", NormKind::Layer, h, args.encoder.norm_eps)?,
+            classifier: w.linear("classifier", h, labels, true)?,
+            labels,
         })
     }
 }

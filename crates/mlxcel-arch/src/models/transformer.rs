@@ -1049,6 +1049,11 @@ impl<A> LanguageModel for Transformer<A> {
         self.decoder.head(&h, last_only)
     }
 
+    fn final_hidden_states(&self, embeddings: &Array, caches: &mut [LayerCache]) -> Result<Array> {
+        let h = self.decoder.body(embeddings.clone(), None, caches)?;
+        self.decoder.norm.forward(&h)
+    }
+
     fn vocab_size(&self) -> usize {
         self.decoder.vocab_size()
     }
