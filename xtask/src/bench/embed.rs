@@ -3,9 +3,9 @@
 //! the same texts (a seeded mix of short and long sentences) in batches of 32, in the same run.
 //!
 //! The sentence-transformers side runs `xtask/bench/st_embed_bench.py` with
-//! `MLXCEL_BENCH_ST_PYTHON`, else the bench venv (`target/bench/venv`), into which torch (the
-//! CPU wheel from PyTorch's package index), transformers and sentence-transformers are installed
-//! on demand the first time (several hundred MB; it says so). Runs alternate between the engines;
+//! `MLXCEL_BENCH_ST_PYTHON`, else the bench venv (`target/bench/venv`), into which torch (from
+//! PyPI), transformers and sentence-transformers are installed on demand the first time (a few GB
+//! with torch's CUDA libraries; it says so). Runs alternate between the engines;
 //! the table reports medians and the ratio mlxcel / sentence-transformers.
 
 use std::path::{Path, PathBuf};
@@ -24,7 +24,6 @@ const ST_PINS: [&str; 3] = [
     "tokenizers==0.23.3",
 ];
 const TORCH_PIN: &str = "torch==2.15.0";
-const TORCH_CPU_INDEX: &str = "https://download.pytorch.org/whl/cpu";
 const BATCH: usize = 32;
 const TEXTS: usize = 1024;
 
@@ -126,8 +125,8 @@ fn st_python(venv_python: &Path) -> Result<PathBuf> {
         return Ok(venv_python.to_path_buf());
     }
     eprintln!(
-        "bench: installing {TORCH_PIN} (CPU wheel, {TORCH_CPU_INDEX}) and {} into the bench venv \
-         (a one-time download of several hundred MB; set MLXCEL_BENCH_ST_PYTHON to use another Python)",
+        "bench: installing {TORCH_PIN} and {} from PyPI into the bench venv \
+         (a one-time download of a few GB; set MLXCEL_BENCH_ST_PYTHON to use another Python)",
         ST_PINS.join(" ")
     );
     let pip = |args: &[&str]| -> Result<()> {
@@ -142,7 +141,9 @@ fn st_python(venv_python: &Path) -> Result<PathBuf> {
         }
         Ok(())
     };
-    pip(&[TORCH_PIN, "--index-url", TORCH_CPU_INDEX])?;
+    // From PyPI like every other package (the only Python registry this project uses); its
+    // Linux wheel brings CUDA libraries it does not need here, which only costs disk.
+    pip(&[TORCH_PIN])?;
     pip(&ST_PINS)?;
     if !check() {
         bail!("torch / sentence-transformers still not importable after installing them");
