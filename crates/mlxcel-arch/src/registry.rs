@@ -162,6 +162,9 @@ pub struct BuildOptions {
     pub fuse_projections: bool,
     /// An edit of the sanitised tensors before construction (surgery, fused adapters).
     pub transform: Option<WeightTransform>,
+    /// LoRA adapters kept unfused, attached to the linear layers they name (see
+    /// [`crate::nn::lora`]).
+    pub runtime_adapters: Option<crate::nn::lora::RuntimeAdapters>,
 }
 
 /// The signature of a [`WeightTransform`].
@@ -217,7 +220,8 @@ pub fn build_architecture<M: Architecture>(
     drop_unused_buffers(&mut weights);
     let mut w = ModelWeights::new(weights, options.quant.clone(), options.dtype)
         .with_stream(options.stream.clone())
-        .with_fused_projections(options.fuse_projections);
+        .with_fused_projections(options.fuse_projections)
+        .with_runtime_adapters(options.runtime_adapters.clone());
     let model = M::build(&args, &mut w.scope(&options.prefix))?;
     let kept = w.finish(name)?;
     options.materialization.apply(kept.iter())?;

@@ -10,13 +10,19 @@
 //!   `adapter_model.safetensors` with `base_model.model.<module>.lora_A.weight` `[r, in]` and
 //!   `.lora_B.weight` `[out, r]`: `ΔW = B · A`, scale `lora_alpha / r` (`/ √r` with rsLoRA).
 //!
-//! Not yet: runtime (unfused) adapters, quantized bases, DoRA, adapters on MoE experts.
+//! The pairs are fused into the weights ([`Adapter::fuse`]; on a quantized layer only when asked:
+//! dequantize, add, requantize with the layer's own mode, bits and group size) or kept unfused as
+//! runtime adapters ([`Adapter::runtime_pairs`], see [`mlxcel_arch::nn::lora`]).
+//!
+//! Not yet: DoRA, adapters on MoE experts, embeddings.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use mlxcel_arch::nn::lora::LoraPair;
 use mlxcel_arch::ModelError;
-use mlxcel_core::{Dtype, WeightMap};
+use mlxcel_core::{Array, Dtype, WeightMap};
+use mlxcel_quant::{QuantConfig, QuantizedWeight, TensorQuant};
 use serde_json::Value;
 
 use crate::{LoadError, Result};
@@ -203,81 +209,74 @@ impl Adapter {
         self.scale
     }
 
-    /// Fuses the adapter into `weights` (sanitised tensor names): `W += scale · ΔW` for every
-    /// adapted module, in `W`'s dtype. Every delta is computed and checked first; `weights`
-    /// changes only when all fit. `quantized`: the checkpoint is quantized (refused).
-    pub fn fuse(&self, weights: &mut WeightMap, quantized: bool) -> mlxcel_arch::Result<String> {
-        let file = self.file.display().to_string();
-        let fail = |msg: String| ModelError::Transform(format!("adapter {file}: {msg}"));
-        let core = |e: mlxcel_core::Error| fail(e.to_string());
-        if quantized {
-            return Err(fail(
-                "the base checkpoint is quantized: adapters can only be fused into dense weights, and runtime (unfused) adapters are not available yet".into(),
+    /// The adapter file and `pair`'s tensors, for messages.
+    fn origin(&self, pair: &Pair) -> String {
+        format!(
+            "adapter {} tensors `{}` / `{}`",
+            self.file.display(),
+            pair.a,
+            pair.b
+        )
+    }
+
+    /// `pair` as `A` `[r, in]` and `B` `[out, r]` (PEFT's orientation, whatever the layout) in
+    /// `dtype`, contiguous; an error when they are not matrices agreeing on the rank.
+    fn low_rank(&self, pair: &Pair, dtype: Dtype) -> std::result::Result<(Array, Array), String> {
+        let core = |e: mlxcel_core::Error| e.to_string();
+        let a = self.tensors.get(&pair.a).map_err(core)?;
+        let b = self.tensors.get(&pair.b).map_err(core)?;
+        let (sa, sb) = (a.shape(), b.shape());
+        if sa.len() != 2 || sb.len() != 2 {
+            return Err(format!(
+                "tensors `{}` {sa:?} / `{}` {sb:?} are not matrices (adapters on MoE experts are not supported yet)",
+                pair.a, pair.b
             ));
         }
-        let mut staged = Vec::with_capacity(self.pairs.len());
-        for pair in &self.pairs {
-            let target = format!("{}.weight", pair.module);
-            let Some(info) = weights.info(&target) else {
-                return Err(fail(format!(
-                    "tensor `{}` adapts `{target}`, which the model does not have (an adapter for another architecture?)",
-                    pair.a
-                )));
-            };
-            if weights.contains(&format!("{}.scales", pair.module)) || !info.dtype.is_float() {
-                return Err(fail(format!(
-                    "`{target}` is quantized: adapters can only be fused into dense weights, and runtime adapters are not available yet"
-                )));
-            }
-            let base_shape = info.shape.clone();
-            let a = self.tensors.get(&pair.a).map_err(core)?;
-            let b = self.tensors.get(&pair.b).map_err(core)?;
-            let (sa, sb) = (a.shape(), b.shape());
-            if sa.len() != 2 || sb.len() != 2 {
-                return Err(fail(format!(
-                    "tensors `{}` {sa:?} / `{}` {sb:?} are not matrices (adapters on MoE experts are not supported yet)",
-                    pair.a, pair.b
-                )));
-            }
-            // (out, in) of the delta, and whether the rank axes agree.
-            let (out_dim, in_dim, rank_ok) = match self.format {
-                AdapterFormat::MlxLm => (sb[1], sa[0], sa[1] == sb[0]),
-                AdapterFormat::Peft => (sb[0], sa[1], sa[0] == sb[1]),
-            };
-            if !rank_ok {
-                return Err(fail(format!(
-                    "tensors `{}` {sa:?} and `{}` {sb:?} disagree on the rank",
-                    pair.a, pair.b
-                )));
-            }
-            if base_shape != [out_dim, in_dim] {
-                return Err(fail(format!(
-                    "tensors `{}` {sa:?} / `{}` {sb:?} give a delta of shape [{out_dim}, {in_dim}], but `{target}` is {base_shape:?} (an adapter for another model?)",
-                    pair.a, pair.b
-                )));
-            }
-            let a = a.astype(Dtype::Float32).map_err(core)?;
-            let b = b.astype(Dtype::Float32).map_err(core)?;
-            let delta = match self.format {
-                AdapterFormat::MlxLm => b.t().and_then(|bt| bt.matmul(&a.t()?)),
-                AdapterFormat::Peft => b.matmul(&a),
-            }
-            .and_then(|d| d.mul_scalar(self.scale))
-            .map_err(core)?;
-            let w = weights.get(&target).map_err(core)?;
-            let fused = w
-                .astype(Dtype::Float32)
-                .and_then(|w32| w32.add(&delta))
-                .and_then(|f| f.astype(info.dtype))
-                .map_err(core)?;
-            staged.push((target, fused));
+        let (a, b, rank_ok) = match self.format {
+            AdapterFormat::MlxLm => (a.t().map_err(core)?, b.t().map_err(core)?, sa[1] == sb[0]),
+            AdapterFormat::Peft => (a, b, sa[0] == sb[1]),
+        };
+        if !rank_ok {
+            return Err(format!(
+                "tensors `{}` {sa:?} and `{}` {sb:?} disagree on the rank",
+                pair.a, pair.b
+            ));
         }
-        let n = staged.len();
-        for (name, array) in staged {
-            weights.insert(name, array)?;
-        }
-        Ok(format!(
-            "adapter {} ({}, rank {}, scale {}): fused into {n} tensor{}",
+        let cast = |x: Array| x.astype(dtype).and_then(|x| x.contiguous()).map_err(core);
+        Ok((cast(a)?, cast(b)?))
+    }
+
+    /// The adapter's low-rank pairs by module, in `dtype`, for runtime use
+    /// ([`mlxcel_arch::nn::lora`]): shapes are checked against each linear layer when the model
+    /// is built. Errors name the adapter file and tensors.
+    pub fn runtime_pairs(&self, dtype: Dtype) -> Result<Vec<(String, LoraPair)>> {
+        self.pairs
+            .iter()
+            .map(|pair| {
+                let (a, b) = self
+                    .low_rank(pair, dtype)
+                    .map_err(|msg| LoadError::file(&self.file, msg))?;
+                Ok((
+                    pair.module.clone(),
+                    LoraPair {
+                        a,
+                        b,
+                        origin: self.origin(pair),
+                    },
+                ))
+            })
+            .collect()
+    }
+
+    /// How many linear layers the adapter changes.
+    pub fn modules(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// One line for the load report: folder, layout, rank and scale.
+    pub fn describe(&self) -> String {
+        format!(
+            "adapter {} ({}, rank {}, scale {})",
             self.dir.display(),
             match self.format {
                 AdapterFormat::MlxLm => "mlx-lm",
@@ -287,6 +286,147 @@ impl Adapter {
                 .map(|r| r.to_string())
                 .unwrap_or_else(|| "?".into()),
             self.scale,
+        )
+    }
+
+    /// Fuses the adapter into `weights` (sanitised tensor names): `W += scale · ΔW` for every
+    /// adapted module, in `W`'s dtype. A quantized layer (one with `.scales`; its mode, group
+    /// size and bits from `quant`) is refused unless `requantize`: then it is dequantized, the
+    /// delta added in float32, and quantized again with the layer's own mode, bits and group
+    /// size (mlx-lm's `fuse` without `--dequantize`). Every result is computed and checked
+    /// first; `weights` changes only when all fit.
+    pub fn fuse(
+        &self,
+        weights: &mut WeightMap,
+        quant: Option<&QuantConfig>,
+        requantize: bool,
+    ) -> mlxcel_arch::Result<String> {
+        let file = self.file.display().to_string();
+        let fail = |msg: String| ModelError::Transform(format!("adapter {file}: {msg}"));
+        let core = |e: mlxcel_core::Error| fail(e.to_string());
+        let mut staged = Vec::with_capacity(self.pairs.len());
+        let mut requantized = std::collections::BTreeSet::new();
+        for pair in &self.pairs {
+            let target = format!("{}.weight", pair.module);
+            let Some(info) = weights.info(&target) else {
+                return Err(fail(format!(
+                    "tensor `{}` adapts `{target}`, which the model does not have (an adapter for another architecture?)",
+                    pair.a
+                )));
+            };
+            let info = info.clone();
+            let scales_name = format!("{}.scales", pair.module);
+            let packed = if weights.contains(&scales_name) || !info.dtype.is_float() {
+                if !requantize {
+                    return Err(fail(format!(
+                        "`{target}` is quantized: fusing needs dequantize-add-requantize (`--lora-fuse`, `LoadOptions::lora_fuse`), or keep the adapter unfused"
+                    )));
+                }
+                let spec = match quant.map(|q| q.for_module(&pair.module)) {
+                    Some(TensorQuant::Quantized {
+                        mode,
+                        group_size,
+                        bits,
+                    }) => (mode, group_size, bits),
+                    _ => {
+                        return Err(fail(format!(
+                            "`{target}` has `{scales_name}` but config.json does not quantize it"
+                        )))
+                    }
+                };
+                let biases_name = format!("{}.biases", pair.module);
+                let biases = if weights.contains(&biases_name) {
+                    Some(weights.get(&biases_name).map_err(core)?)
+                } else {
+                    None
+                };
+                let q = QuantizedWeight::new(
+                    &target,
+                    weights.get(&target).map_err(core)?,
+                    weights.get(&scales_name).map_err(core)?,
+                    biases,
+                    spec.0,
+                    spec.1,
+                    spec.2,
+                )
+                .map_err(|e| fail(e.to_string()))?;
+                Some(q)
+            } else {
+                None
+            };
+            let (a, b) = self.low_rank(pair, Dtype::Float32).map_err(fail)?;
+            let (out_dim, in_dim) = (b.shape()[0], a.shape()[1]);
+            let base_shape = match &packed {
+                Some(q) => vec![q.weight.dim(0).map_err(core)?, q.in_features()],
+                None => info.shape.clone(),
+            };
+            if base_shape != [out_dim, in_dim] {
+                return Err(fail(format!(
+                    "tensors `{}` {:?} / `{}` {:?} give a delta of shape [{out_dim}, {in_dim}], but `{target}` is {base_shape:?} (an adapter for another model?)",
+                    pair.a,
+                    self.tensors.info(&pair.a).map(|i| i.shape.clone()).unwrap_or_default(),
+                    pair.b,
+                    self.tensors.info(&pair.b).map(|i| i.shape.clone()).unwrap_or_default(),
+                )));
+            }
+            let delta = b
+                .matmul(&a)
+                .and_then(|d| d.mul_scalar(self.scale))
+                .map_err(core)?;
+            match packed {
+                None => {
+                    let w = weights.get(&target).map_err(core)?;
+                    let fused = w
+                        .astype(Dtype::Float32)
+                        .and_then(|w32| w32.add(&delta))
+                        .and_then(|f| f.astype(info.dtype))
+                        .map_err(core)?;
+                    staged.push((target, fused));
+                }
+                Some(q) => {
+                    let scales_dtype = q.scales.dtype().map_err(core)?;
+                    let fused = q
+                        .dequantize(Dtype::Float32)
+                        .and_then(|w| w.add(&delta))
+                        .and_then(|w| w.quantize(q.spec))
+                        .map_err(core)?;
+                    // Affine scales and biases go back to the dtype they were stored in.
+                    let restore = |a: Array| -> mlxcel_arch::Result<Array> {
+                        if a.dtype().map_err(core)?.is_float() {
+                            a.astype(scales_dtype).map_err(core)
+                        } else {
+                            Ok(a)
+                        }
+                    };
+                    staged.push((target, fused.weight));
+                    staged.push((scales_name, restore(fused.scales)?));
+                    if let Some(biases) = fused.biases {
+                        staged.push((format!("{}.biases", pair.module), restore(biases)?));
+                    }
+                    requantized.insert(format!(
+                        "{} {}-bit g{}",
+                        q.spec.mode.name(),
+                        q.spec.bits,
+                        q.spec.group_size
+                    ));
+                }
+            }
+        }
+        let n = self.pairs.len();
+        for (name, array) in staged {
+            weights.insert(name, array)?;
+        }
+        let how = if requantized.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (dequantized, added and requantized at the layers' own {})",
+                requantized.into_iter().collect::<Vec<_>>().join(", ")
+            )
+        };
+        Ok(format!(
+            "{}: fused into {n} layer{}{how}",
+            self.describe(),
             if n == 1 { "" } else { "s" }
         ))
     }

@@ -358,6 +358,7 @@ pub fn load_embedding_model(
         stream: None,
         fuse_projections: false,
         transform: None,
+        runtime_adapters: None,
     };
     let model = load_config_backed(model_type, &config, weights, &build)
         .and_then(LoadedModel::into_embedding)

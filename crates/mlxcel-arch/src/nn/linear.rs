@@ -5,6 +5,7 @@ use mlxcel_core::ops;
 use mlxcel_core::{Array, Dtype};
 use mlxcel_quant::QuantizedWeight;
 
+use super::lora::LoraLayer;
 use super::{Activation, Norm};
 use crate::Result;
 
@@ -79,6 +80,14 @@ pub enum Linear {
         /// `[out]`, when the layer has one.
         bias: Option<Array>,
     },
+    /// A layer with runtime LoRA adapters over its unchanged base (see [`super::lora`]): with
+    /// no adapter active it runs exactly `base`.
+    Adapted {
+        /// The dense or quantized layer as the checkpoint stores it.
+        base: Box<Linear>,
+        /// The low-rank terms of the registered adapters.
+        lora: Box<LoraLayer>,
+    },
 }
 
 impl Linear {
@@ -94,6 +103,7 @@ impl Linear {
     /// `x` `[.., in]` → `[.., out]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (y, bias) = match self {
+            Linear::Adapted { base, lora } => return lora.add_to(x, base.forward(x)?),
             Linear::Dense {
                 weight,
                 weight_t,
@@ -144,6 +154,11 @@ impl Linear {
         input: LinearInput<'_>,
         residual: Option<&Array>,
     ) -> Result<Array> {
+        if let Linear::Adapted { base, lora } = self {
+            if !lora.is_active()? {
+                return base.forward_fused(x, input, residual);
+            }
+        }
         if let Linear::Quantized { weight, bias: None } = self {
             let kernel_input = match input {
                 LinearInput::Plain => Some(GemvInput::Plain),
@@ -176,7 +191,8 @@ impl Linear {
     /// One layer computing `parts` side by side (outputs concatenated in order), when they
     /// share a storage format: all dense in one dtype, or all quantized with one mode, bit
     /// width, group size and scale dtype; and all with or all without a bias. `None` otherwise
-    /// (mixed-precision checkpoints keep their layers apart).
+    /// (mixed-precision checkpoints keep their layers apart, and so do layers with runtime
+    /// adapters).
     pub fn concat_outputs(parts: &[Linear]) -> Result<Option<Linear>> {
         let cat = |arrays: Vec<&Array>| -> Result<Array> {
             let owned: Vec<Array> = arrays.into_iter().cloned().collect();
@@ -194,7 +210,7 @@ impl Linear {
             .iter()
             .map(|p| match p {
                 Linear::Dense { weight, .. } => Some(weight),
-                Linear::Quantized { .. } => None,
+                _ => None,
             })
             .collect();
         if let Some(weights) = dense {
@@ -210,7 +226,7 @@ impl Linear {
             .iter()
             .map(|p| match p {
                 Linear::Quantized { weight, .. } => Some(weight),
-                Linear::Dense { .. } => None,
+                _ => None,
             })
             .collect();
         let Some(qs) = quantized else {
@@ -244,6 +260,7 @@ impl Linear {
     pub fn bias(&self) -> Option<&Array> {
         match self {
             Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
+            Linear::Adapted { base, .. } => base.bias(),
         }
     }
 
@@ -252,6 +269,9 @@ impl Linear {
         match self {
             Linear::Dense { weight, bias, .. } => std::iter::once(weight).chain(bias).collect(),
             Linear::Quantized { weight, bias } => weight.arrays().into_iter().chain(bias).collect(),
+            Linear::Adapted { base, lora } => {
+                base.arrays().into_iter().chain(lora.arrays()).collect()
+            }
         }
     }
 }
