@@ -304,3 +304,71 @@ fn bad_selections_and_mismatched_runtime_adapters_are_refused() {
         "{msg}"
     );
 }
+
+/// Greedy ids of one generation.
+fn greedy(stream: mlxcel_models::Result<mlxcel_models::TokenStream>) -> Vec<u32> {
+    stream
+        .unwrap()
+        .flat_map(|piece| piece.unwrap().tokens)
+        .collect()
+}
+
+/// The facade: adapters registered with `ModelBuilder::runtime_adapter`, chosen per request
+/// (`Generation::adapters`, `Model::logits_with_adapters`); one session switching adapters
+/// between two requests gets each adapter's own output (its caches are not reused across mixes).
+#[test]
+fn facade_selects_adapters_per_request() {
+    use mlxcel_models::{AdapterMix, Generation, Model, Prompt};
+    let (ids, want_a) = reference(&adapter_dir("llama-lora-mlx").join("reference.safetensors"));
+    let (_, want_b) = reference(&adapter_dir("llama-lora-mlx-b").join("reference.safetensors"));
+    let model = Model::load(model_dir("llama"))
+        .without_tokenizer()
+        .runtime_adapter("a", adapter_dir("llama-lora-mlx"))
+        .runtime_adapter("b", adapter_dir("llama-lora-mlx-b"))
+        .build()
+        .unwrap();
+    assert_eq!(model.info().adapters, ["a", "b"]);
+    assert_eq!(model.info().default_adapters, AdapterMix::none());
+    let vocab = model.info().vocab_size;
+    let last = |all: &[f32]| all[all.len() - vocab..].to_vec();
+    for (name, want) in [("a", &want_a), ("b", &want_b)] {
+        let got = model
+            .logits_with_adapters(&ids, &AdapterMix::single(name))
+            .unwrap();
+        assert_close(&got, &last(want), 1e-4, &format!("facade {name}"));
+    }
+    let base = Model::load(model_dir("llama"))
+        .without_tokenizer()
+        .build()
+        .unwrap();
+    assert_eq!(
+        model.logits(&ids).unwrap(),
+        base.logits(&ids).unwrap(),
+        "no adapter by default"
+    );
+
+    let request = |mix: &str| Generation {
+        max_new_tokens: Some(8),
+        adapters: Some(AdapterMix::single(mix)),
+        ..Generation::default()
+    };
+    let fresh_a = greedy(model.generate(Prompt::Ids(ids.clone()), request("a")));
+    let fresh_b = greedy(model.generate(Prompt::Ids(ids.clone()), request("b")));
+    assert_ne!(fresh_a, fresh_b, "the adapters give the same greedy ids");
+    let mut session = model.session();
+    assert_eq!(
+        greedy(session.generate(Prompt::Ids(ids.clone()), request("a"))),
+        fresh_a
+    );
+    assert_eq!(
+        greedy(session.generate(Prompt::Ids(ids.clone()), request("b"))),
+        fresh_b,
+        "the second request reused caches of the first adapter"
+    );
+
+    let err = model
+        .logits_with_adapters(&ids, &AdapterMix::single("c"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no runtime adapter named `c`"), "{err}");
+}

@@ -87,9 +87,9 @@ pub enum WeightRoute {
     None,
 }
 
-/// Whether this build can load adapters: LoRA adapters (mlx-lm or PEFT) fused into dense
-/// checkpoints at load (`mlxcel_loading::LoadOptions::adapter`). Runtime (unfused) adapters,
-/// quantized bases, DoRA and adapters on MoE experts are refused when the adapter is applied.
+/// Whether this build can load adapters: LoRA adapters (mlx-lm or PEFT) fused at load
+/// (`mlxcel_loading::LoadOptions::adapter`) or kept unfused ([`crate::nn::lora`]). DoRA and
+/// adapters on MoE experts are refused when the adapter is read or applied.
 pub const ADAPTERS_AVAILABLE: bool = true;
 
 /// Whether adapters can be applied to `model_type`: the registry row's reason when the type rules

@@ -42,9 +42,13 @@ enum Command {
         /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`).
         #[arg(long, value_name = "FILE")]
         surgery: Option<PathBuf>,
-        /// LoRA adapter folder fused into the dense base weights at load.
+        /// LoRA adapter folder: fused into dense base weights at load; over a quantized base
+        /// kept unfused (runtime) unless --lora-fuse.
         #[arg(long, value_name = "DIR")]
         adapter: Option<PathBuf>,
+        /// Fuse --adapter into a quantized base too (dequantize, add, requantize).
+        #[arg(long, requires = "adapter")]
+        lora_fuse: bool,
     },
     /// Describe a checkpoint: type, routes, parameters, dtype and quantization mix by role, bytes.
     Inspect {
@@ -86,9 +90,15 @@ enum Command {
         /// Conversations whose caches are kept for prefix reuse.
         #[arg(long, default_value_t = 4)]
         sessions: usize,
-        /// LoRA adapter folder fused into the dense base weights at load.
-        #[arg(long, value_name = "DIR")]
-        adapter: Option<PathBuf>,
+        /// LoRA adapters, repeatable. `NAME=DIR`: a runtime adapter, kept unfused and selected
+        /// per request (`"model": "NAME"` or the `adapter` field; see the README). `DIR`: one
+        /// adapter applied to every request (fused into a dense base; over a quantized base
+        /// kept unfused unless --lora-fuse).
+        #[arg(long, value_name = "[NAME=]DIR")]
+        adapter: Vec<String>,
+        /// Fuse the unnamed --adapter into a quantized base too (dequantize, add, requantize).
+        #[arg(long)]
+        lora_fuse: bool,
         /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`).
         #[arg(long, value_name = "FILE")]
         surgery: Option<PathBuf>,
@@ -138,7 +148,8 @@ fn main() -> anyhow::Result<()> {
             out,
             surgery,
             adapter,
-        }) => logits(&model, &prompt_ids, &out, surgery, adapter)?,
+            lora_fuse,
+        }) => logits(&model, &prompt_ids, &out, surgery, adapter, lora_fuse)?,
         Some(Command::Inspect {
             model,
             estimate_memory,
@@ -164,6 +175,7 @@ fn main() -> anyhow::Result<()> {
             max_queue,
             sessions,
             adapter,
+            lora_fuse,
             surgery,
             embedding_model,
         }) => {
@@ -173,8 +185,25 @@ fn main() -> anyhow::Result<()> {
             };
             let mut builder =
                 mlxcel_models::Model::load(&model).policy(mlxcel_core::policy::current());
-            if let Some(a) = adapter {
-                builder = builder.adapter(a);
+            let mut fused = None;
+            for spec in adapter {
+                match spec.split_once('=') {
+                    Some((name, dir)) if !name.is_empty() && !name.contains('/') => {
+                        builder = builder.runtime_adapter(name, dir);
+                    }
+                    _ if fused.is_some() => {
+                        bail!("--adapter {spec}: only one unnamed adapter (DIR); name the others (NAME=DIR)")
+                    }
+                    _ => fused = Some(spec),
+                }
+            }
+            if let Some(dir) = fused {
+                builder = builder.adapter(dir);
+            } else if lora_fuse {
+                bail!("--lora-fuse applies to an unnamed --adapter DIR");
+            }
+            if lora_fuse {
+                builder = builder.lora_fuse();
             }
             if let Some(s) = surgery {
                 builder = builder.surgery(s);
@@ -255,12 +284,14 @@ fn logits(
     out: &std::path::Path,
     surgery: Option<PathBuf>,
     adapter: Option<PathBuf>,
+    lora_fuse: bool,
 ) -> anyhow::Result<()> {
     let options = LoadOptions {
         skip_tokenizer: true,
         policy: Some(mlxcel_core::policy::current()),
         surgery,
         adapter,
+        lora_fuse,
         ..Default::default()
     };
     let loaded = load_model(model, &options)?;
