@@ -171,16 +171,37 @@ fn mismatched_adapters_are_refused_naming_file_and_tensor() {
     let msg = error("llama", tmp.path());
     assert!(msg.contains("has no B tensor"), "{msg}");
 
-    // DoRA.
+    // DoRA without its magnitude vector.
     let tmp = tempfile::tempdir().unwrap();
     write_adapter(
         tmp.path(),
-        &[("model.layers.0.self_attn.q_proj.lora_a", &[64, 4])],
+        &[
+            ("model.layers.0.self_attn.q_proj.lora_a", &[64, 4]),
+            ("model.layers.0.self_attn.q_proj.lora_b", &[4, 64]),
+        ],
         &MLX_CONFIG.replace("\"lora\"", "\"dora\""),
     );
     let msg = error("llama", tmp.path());
     assert!(
-        msg.contains("DoRA") && msg.contains("adapter_config.json"),
+        msg.contains("DoRA module `model.layers.0.self_attn.q_proj` has no magnitude tensor")
+            && msg.contains("adapters.safetensors"),
+        "{msg}"
+    );
+
+    // A magnitude of the wrong length.
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            ("model.layers.0.self_attn.q_proj.lora_a", &[64, 4]),
+            ("model.layers.0.self_attn.q_proj.lora_b", &[4, 64]),
+            ("model.layers.0.self_attn.q_proj.m", &[32]),
+        ],
+        &MLX_CONFIG.replace("\"lora\"", "\"dora\""),
+    );
+    let msg = error("llama", tmp.path());
+    assert!(
+        msg.contains("magnitude `model.layers.0.self_attn.q_proj.m` has shape [32], expected [64]"),
         "{msg}"
     );
 }

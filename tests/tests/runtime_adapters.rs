@@ -372,3 +372,94 @@ fn facade_selects_adapters_per_request() {
         .to_string();
     assert!(err.contains("no runtime adapter named `c`"), "{err}");
 }
+
+/// The logits of `ids` with `adapter` fused at load and kept unfused (runtime, selected).
+fn fused_and_runtime(adapter: &str, ids: &[u32]) -> (Vec<f32>, Vec<f32>, Vec<String>) {
+    let fused = load_model(
+        model_dir("llama"),
+        &LoadOptions {
+            adapter: Some(adapter_dir(adapter)),
+            ..options()
+        },
+    )
+    .unwrap();
+    let runtime = load_model(
+        model_dir("llama"),
+        &LoadOptions {
+            runtime_adapters: vec![("x".into(), adapter_dir(adapter))],
+            ..options()
+        },
+    )
+    .unwrap();
+    runtime.select_adapters(&AdapterMix::single("x")).unwrap();
+    (
+        logits_for(&fused.model, ids),
+        logits_for(&runtime.model, ids),
+        fused.surgery_applied,
+    )
+}
+
+/// DoRA in mlx-lm's layout (`fine_tune_type: dora`, magnitude `m`), fused and at runtime,
+/// against mlx-lm's `DoRALinear` (≤ 1e-4).
+#[test]
+fn mlx_lm_dora_matches_mlx_lm() {
+    let (ids, want) = reference(&adapter_dir("llama-dora-mlx").join("reference.safetensors"));
+    let (fused, runtime, report) = fused_and_runtime("llama-dora-mlx", &ids);
+    assert!(report[0].contains("mlx-lm DoRA"), "{report:?}");
+    assert_close(&fused, &want, 1e-4, "mlx-lm DoRA fused vs mlx-lm");
+    assert_close(&runtime, &want, 1e-4, "mlx-lm DoRA runtime vs mlx-lm");
+}
+
+/// PEFT adapters made by peft on the transformers model (per-module `rank_pattern` and
+/// `alpha_pattern`; and the same with `use_dora`), fused and at runtime, against transformers'
+/// logits after peft's `merge_and_unload` (≤ 2e-4).
+#[test]
+fn peft_adapters_match_transformers_merge_and_unload() {
+    for name in ["llama-lora-peft-hf", "llama-dora-peft-hf"] {
+        let (ids, want) = reference(&adapter_dir(name).join("reference.safetensors"));
+        let (fused, runtime, _) = fused_and_runtime(name, &ids);
+        assert_close(
+            &fused,
+            &want,
+            2e-4,
+            &format!("{name} fused vs transformers"),
+        );
+        assert_close(
+            &runtime,
+            &want,
+            2e-4,
+            &format!("{name} runtime vs transformers"),
+        );
+    }
+}
+
+/// A DoRA adapter rescales whole output rows, so it is never blended; alone, weight 0 is still
+/// the base exactly.
+#[test]
+fn dora_is_not_blended() {
+    let (ids, _) = reference(&adapter_dir("llama-dora-mlx").join("reference.safetensors"));
+    let loaded = load_model(
+        model_dir("llama"),
+        &LoadOptions {
+            runtime_adapters: vec![
+                ("d".into(), adapter_dir("llama-dora-mlx")),
+                ("a".into(), adapter_dir("llama-lora-mlx")),
+            ],
+            ..options()
+        },
+    )
+    .unwrap();
+    let msg = loaded
+        .select_adapters(&AdapterMix::blend([("d", 1.0), ("a", 0.5)]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("`d` is DoRA") && msg.contains("blended"),
+        "{msg}"
+    );
+    let base = logits_for(&loaded.model, &ids);
+    loaded
+        .select_adapters(&AdapterMix::blend([("d", 0.0), ("a", 0.0)]))
+        .unwrap();
+    assert_eq!(logits_for(&loaded.model, &ids), base);
+}

@@ -1,20 +1,25 @@
-//! LoRA adapters fused into the base weights at load ([`crate::LoadOptions::adapter`],
-//! `mlxcel generate --adapter DIR`): `W' = W + scale · ΔW` on the sanitised checkpoint, before
-//! the model is built.
+//! LoRA and DoRA adapters, fused into the base weights at load ([`crate::LoadOptions::adapter`],
+//! `mlxcel generate --adapter DIR`: `W' = W + scale · ΔW` on the sanitised checkpoint, before the
+//! model is built) or kept unfused ([`crate::LoadOptions::runtime_adapters`]).
 //!
 //! Two formats are read:
-//! - mlx-lm: `adapter_config.json` with `fine_tune_type: "lora"` and
+//! - mlx-lm: `adapter_config.json` with `fine_tune_type: "lora"` (or `"dora"`) and
 //!   `lora_parameters: {rank, scale, ...}`; `adapters.safetensors` with `<module>.lora_a`
 //!   `[in, r]` and `<module>.lora_b` `[r, out]`: `ΔW = (lora_a · lora_b)ᵀ`.
 //! - PEFT: `adapter_config.json` with `r`, `lora_alpha` (and `use_rslora`);
 //!   `adapter_model.safetensors` with `base_model.model.<module>.lora_A.weight` `[r, in]` and
-//!   `.lora_B.weight` `[out, r]`: `ΔW = B · A`, scale `lora_alpha / r` (`/ √r` with rsLoRA).
+//!   `.lora_B.weight` `[out, r]`: `ΔW = B · A`, scale `lora_alpha / r` (`/ √r` with rsLoRA;
+//!   `rank_pattern` / `alpha_pattern` override `r` / `lora_alpha` per module, matched as PEFT
+//!   does: the exact module name, else a regex matching a dotted suffix).
+//!
+//! DoRA (mlx-lm's `<module>.m`, PEFT's `use_dora` with `<module>.lora_magnitude_vector`, both
+//! `[out]`): `W' = m / ‖W + scale · ΔW‖ ⊙ (W + scale · ΔW)`, the norm taken per output row.
 //!
 //! The pairs are fused into the weights ([`Adapter::fuse`]; on a quantized layer only when asked:
 //! dequantize, add, requantize with the layer's own mode, bits and group size) or kept unfused as
 //! runtime adapters ([`Adapter::runtime_pairs`], see [`mlxcel_arch::nn::lora`]).
 //!
-//! Not yet: DoRA, adapters on MoE experts, embeddings.
+//! Not yet: adapters on MoE experts, embeddings.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -42,9 +47,21 @@ struct Pair {
     module: String,
     a: String,
     b: String,
+    /// DoRA's magnitude vector `[out]` (mlx-lm's `m`, PEFT's `lora_magnitude_vector`).
+    magnitude: Option<String>,
+    /// This module's LoRA scale (PEFT's `rank_pattern` / `alpha_pattern` may change it).
+    scale: f64,
 }
 
-/// A LoRA adapter read from its folder, ready to fuse.
+/// The tensors of one module while grouping.
+#[derive(Default)]
+struct Group {
+    a: Option<String>,
+    b: Option<String>,
+    magnitude: Option<String>,
+}
+
+/// A LoRA or DoRA adapter read from its folder, ready to fuse or attach at runtime.
 #[derive(Debug, Clone)]
 pub struct Adapter {
     dir: PathBuf,
@@ -52,12 +69,32 @@ pub struct Adapter {
     format: AdapterFormat,
     scale: f64,
     rank: Option<i64>,
+    dora: bool,
     pairs: Vec<Pair>,
     tensors: WeightMap,
 }
 
 fn num(config: &Value, key: &str) -> Option<f64> {
     config.get(key).and_then(Value::as_f64)
+}
+
+/// PEFT's per-module override in `pattern` (`rank_pattern`, `alpha_pattern`) for `module`: an
+/// exact name, else a key matching a dotted suffix of it as a regex (PEFT's `get_pattern_key`).
+fn pattern_value(pattern: Option<&Value>, module: &str) -> Result<Option<f64>, String> {
+    let Some(Value::Object(map)) = pattern else {
+        return Ok(None);
+    };
+    if let Some(v) = map.get(module) {
+        return Ok(v.as_f64());
+    }
+    for (key, v) in map {
+        let re = regex::Regex::new(&format!("^(.*\\.)?({key})$"))
+            .map_err(|e| format!("pattern `{key}` is not a valid regex: {e}"))?;
+        if re.is_match(module) {
+            return Ok(v.as_f64());
+        }
+    }
+    Ok(None)
 }
 
 impl Adapter {
@@ -75,16 +112,15 @@ impl Adapter {
             .map_err(|e| LoadError::file(&config_path, format!("invalid JSON: {e}")))?;
         let bad = |msg: String| LoadError::file(&config_path, msg);
         let mlx = config.get("fine_tune_type").is_some() || config.get("lora_parameters").is_some();
-        let (format, file, scale, rank) = if mlx {
-            match config.get("fine_tune_type").and_then(Value::as_str) {
-                Some("lora") | None => {}
-                Some("dora") => return Err(bad("DoRA adapters are not supported yet".into())),
-                Some(other) => {
-                    return Err(bad(format!(
-                        "`fine_tune_type` is `{other}`: only `lora` adapters can be fused"
-                    )))
-                }
-            }
+        // (format, file, scale, rank, dora, PEFT's lora_alpha and rsLoRA for per-module scales)
+        let (format, file, scale, rank, dora, peft) = if mlx {
+            let dora = match config.get("fine_tune_type").and_then(Value::as_str) {
+                Some("lora") | None => false,
+                Some("dora") => true,
+                Some(other) => return Err(bad(format!(
+                    "`fine_tune_type` is `{other}`: only `lora` and `dora` adapters are supported"
+                ))),
+            };
             let params = config
                 .get("lora_parameters")
                 .ok_or_else(|| bad("no `lora_parameters`".into()))?;
@@ -96,18 +132,18 @@ impl Adapter {
                 dir.join("adapters.safetensors"),
                 scale,
                 rank,
+                dora,
+                None,
             )
         } else {
             if let Some(t) = config.get("peft_type").and_then(Value::as_str) {
                 if t != "LORA" {
                     return Err(bad(format!(
-                        "`peft_type` is `{t}`: only LORA adapters can be fused"
+                        "`peft_type` is `{t}`: only LORA adapters (with or without DoRA) are supported"
                     )));
                 }
             }
-            if config.get("use_dora").and_then(Value::as_bool) == Some(true) {
-                return Err(bad("DoRA adapters are not supported yet".into()));
-            }
+            let dora = config.get("use_dora").and_then(Value::as_bool) == Some(true);
             let r = num(&config, "r")
                 .filter(|r| *r > 0.0)
                 .ok_or_else(|| bad("`r` is missing or not a positive number (neither an mlx-lm nor a PEFT adapter config?)".into()))?;
@@ -122,63 +158,100 @@ impl Adapter {
                     "PyTorch pickle adapters are not read: convert to adapter_model.safetensors",
                 ));
             }
-            (AdapterFormat::Peft, file, scale, Some(r as i64))
+            (
+                AdapterFormat::Peft,
+                file,
+                scale,
+                Some(r as i64),
+                dora,
+                Some((r, alpha, rslora)),
+            )
         };
         if !scale.is_finite() {
             return Err(bad("the LoRA scale is not finite".into()));
         }
         let tensors = WeightMap::open_file(&file)?;
-        // Group the tensors into (A, B) pairs by module.
-        let mut groups: BTreeMap<String, (Option<String>, Option<String>)> = BTreeMap::new();
+        // Group the tensors into (A, B, magnitude) by module.
+        let (a_suffix, b_suffix, m_suffix, what) = match format {
+            AdapterFormat::MlxLm => (".lora_a", ".lora_b", ".m", "`lora_a`/`lora_b`/`m`"),
+            AdapterFormat::Peft => (
+                ".lora_A.weight",
+                ".lora_B.weight",
+                ".lora_magnitude_vector",
+                "`lora_A`/`lora_B` weight or `lora_magnitude_vector`",
+            ),
+        };
+        let mut groups: BTreeMap<String, Group> = BTreeMap::new();
         for name in tensors.names() {
-            let (module, is_a) = match format {
-                AdapterFormat::MlxLm => {
-                    if let Some(m) = name.strip_suffix(".lora_a") {
-                        (m.to_string(), true)
-                    } else if let Some(m) = name.strip_suffix(".lora_b") {
-                        (m.to_string(), false)
+            let rest = match format {
+                AdapterFormat::MlxLm => name,
+                AdapterFormat::Peft => name.strip_prefix("base_model.model.").unwrap_or(name),
+            };
+            let (module, slot) = if let Some(m) = rest.strip_suffix(a_suffix) {
+                (m, 0)
+            } else if let Some(m) = rest.strip_suffix(b_suffix) {
+                (m, 1)
+            } else if let Some(m) = rest.strip_suffix(m_suffix).filter(|_| dora) {
+                (m, 2)
+            } else {
+                return Err(LoadError::file(
+                    &file,
+                    format!("tensor `{name}` is not a LoRA {what} tensor (modules_to_save and embedding adapters are not supported yet)"),
+                ));
+            };
+            let group = groups.entry(module.to_string()).or_default();
+            let entry = match slot {
+                0 => &mut group.a,
+                1 => &mut group.b,
+                _ => &mut group.magnitude,
+            };
+            *entry = Some(name.to_string());
+        }
+        let mut pairs = Vec::with_capacity(groups.len());
+        for (module, group) in groups {
+            let (Some(a), Some(b)) = (group.a.clone(), group.b.clone()) else {
+                return Err(LoadError::file(
+                    &file,
+                    format!(
+                        "module `{module}` has no {} tensor",
+                        if group.a.is_some() { "B" } else { "A" }
+                    ),
+                ));
+            };
+            if dora && group.magnitude.is_none() {
+                return Err(LoadError::file(
+                    &file,
+                    format!(
+                        "DoRA module `{module}` has no magnitude tensor (`{module}{m_suffix}`)"
+                    ),
+                ));
+            }
+            let scale = match peft {
+                None => scale,
+                Some((r, alpha, rslora)) => {
+                    let r = pattern_value(config.get("rank_pattern"), &module)
+                        .map_err(|e| bad(format!("`rank_pattern`: {e}")))?
+                        .unwrap_or(r);
+                    let alpha = pattern_value(config.get("alpha_pattern"), &module)
+                        .map_err(|e| bad(format!("`alpha_pattern`: {e}")))?
+                        .unwrap_or(alpha);
+                    if rslora {
+                        alpha / r.sqrt()
                     } else {
-                        return Err(LoadError::file(
-                            &file,
-                            format!("tensor `{name}` is not a LoRA `lora_a`/`lora_b` tensor (only LoRA adapters are supported)"),
-                        ));
-                    }
-                }
-                AdapterFormat::Peft => {
-                    let rest = name.strip_prefix("base_model.model.").unwrap_or(name);
-                    if let Some(m) = rest.strip_suffix(".lora_A.weight") {
-                        (m.to_string(), true)
-                    } else if let Some(m) = rest.strip_suffix(".lora_B.weight") {
-                        (m.to_string(), false)
-                    } else {
-                        return Err(LoadError::file(
-                            &file,
-                            format!("tensor `{name}` is not a LoRA `lora_A`/`lora_B` weight (DoRA, modules_to_save and embedding adapters are not supported yet)"),
-                        ));
+                        alpha / r
                     }
                 }
             };
-            let entry = groups.entry(module).or_default();
-            if is_a {
-                entry.0 = Some(name.to_string());
-            } else {
-                entry.1 = Some(name.to_string());
+            if !scale.is_finite() {
+                return Err(bad(format!("the LoRA scale of `{module}` is not finite")));
             }
-        }
-        let mut pairs = Vec::with_capacity(groups.len());
-        for (module, (a, b)) in groups {
-            match (a, b) {
-                (Some(a), Some(b)) => pairs.push(Pair { module, a, b }),
-                (a, _) => {
-                    return Err(LoadError::file(
-                        &file,
-                        format!(
-                            "module `{module}` has no {} tensor",
-                            if a.is_some() { "B" } else { "A" }
-                        ),
-                    ))
-                }
-            }
+            pairs.push(Pair {
+                module,
+                a,
+                b,
+                magnitude: group.magnitude,
+                scale,
+            });
         }
         if pairs.is_empty() {
             return Err(LoadError::file(&file, "the adapter holds no LoRA tensors"));
@@ -189,6 +262,7 @@ impl Adapter {
             format,
             scale,
             rank,
+            dora,
             pairs,
             tensors,
         })
@@ -204,9 +278,31 @@ impl Adapter {
         self.format
     }
 
-    /// The LoRA scale (mlx-lm's `scale`; PEFT's `lora_alpha / r`).
+    /// The LoRA scale (mlx-lm's `scale`; PEFT's `lora_alpha / r`, which `rank_pattern` and
+    /// `alpha_pattern` may override per module).
     pub fn scale(&self) -> f64 {
         self.scale
+    }
+
+    /// Whether it is a DoRA adapter (mlx-lm `fine_tune_type: dora`, PEFT `use_dora`).
+    pub fn is_dora(&self) -> bool {
+        self.dora
+    }
+
+    /// DoRA's magnitude `[out]` of `pair` in float32, checked against `out`.
+    fn magnitude(&self, pair: &Pair, out: i32) -> std::result::Result<Option<Array>, String> {
+        let Some(name) = &pair.magnitude else {
+            return Ok(None);
+        };
+        let m = self.tensors.get(name).map_err(|e| e.to_string())?;
+        if m.shape() != [out] {
+            return Err(format!(
+                "magnitude `{name}` has shape {:?}, expected [{out}] (the rows of `{}`)",
+                m.shape(),
+                pair.b
+            ));
+        }
+        Ok(Some(m.astype(Dtype::Float32).map_err(|e| e.to_string())?))
     }
 
     /// The adapter file and `pair`'s tensors, for messages.
@@ -253,14 +349,16 @@ impl Adapter {
         self.pairs
             .iter()
             .map(|pair| {
-                let (a, b) = self
-                    .low_rank(pair, dtype)
-                    .map_err(|msg| LoadError::file(&self.file, msg))?;
+                let bad = |msg| LoadError::file(&self.file, msg);
+                let (a, b) = self.low_rank(pair, dtype).map_err(bad)?;
+                let magnitude = self.magnitude(pair, b.shape()[0]).map_err(bad)?;
                 Ok((
                     pair.module.clone(),
                     LoraPair {
                         a,
                         b,
+                        scale: pair.scale,
+                        magnitude,
                         origin: self.origin(pair),
                     },
                 ))
@@ -276,12 +374,13 @@ impl Adapter {
     /// One line for the load report: folder, layout, rank and scale.
     pub fn describe(&self) -> String {
         format!(
-            "adapter {} ({}, rank {}, scale {})",
+            "adapter {} ({}{}, rank {}, scale {})",
             self.dir.display(),
             match self.format {
                 AdapterFormat::MlxLm => "mlx-lm",
                 AdapterFormat::Peft => "PEFT",
             },
+            if self.dora { " DoRA" } else { "" },
             self.rank
                 .map(|r| r.to_string())
                 .unwrap_or_else(|| "?".into()),
@@ -290,7 +389,7 @@ impl Adapter {
     }
 
     /// Fuses the adapter into `weights` (sanitised tensor names): `W += scale · ΔW` for every
-    /// adapted module, in `W`'s dtype. A quantized layer (one with `.scales`; its mode, group
+    /// adapted module, in `W`'s dtype; for DoRA then `W = m / ‖W‖ ⊙ W` row by row. A quantized layer (one with `.scales`; its mode, group
     /// size and bits from `quant`) is refused unless `requantize`: then it is dequantized, the
     /// delta added in float32, and quantized again with the layer's own mode, bits and group
     /// size (mlx-lm's `fuse` without `--dequantize`). Every result is computed and checked
@@ -371,14 +470,26 @@ impl Adapter {
             }
             let delta = b
                 .matmul(&a)
-                .and_then(|d| d.mul_scalar(self.scale))
+                .and_then(|d| d.mul_scalar(pair.scale))
                 .map_err(core)?;
+            let magnitude = self.magnitude(pair, out_dim).map_err(fail)?;
+            // W + scale·ΔW in float32, then DoRA's per-row magnitude.
+            let adapt = |w32: Array| -> mlxcel_core::Result<Array> {
+                let w = w32.add(&delta)?;
+                match &magnitude {
+                    None => Ok(w),
+                    Some(m) => {
+                        let norm = w.square()?.sum(&[1], true)?.sqrt()?;
+                        w.multiply(&m.expand_dims(&[1])?.divide(&norm)?)
+                    }
+                }
+            };
             match packed {
                 None => {
                     let w = weights.get(&target).map_err(core)?;
                     let fused = w
                         .astype(Dtype::Float32)
-                        .and_then(|w32| w32.add(&delta))
+                        .and_then(adapt)
                         .and_then(|f| f.astype(info.dtype))
                         .map_err(core)?;
                     staged.push((target, fused));
@@ -387,7 +498,7 @@ impl Adapter {
                     let scales_dtype = q.scales.dtype().map_err(core)?;
                     let fused = q
                         .dequantize(Dtype::Float32)
-                        .and_then(|w| w.add(&delta))
+                        .and_then(adapt)
                         .and_then(|w| w.quantize(q.spec))
                         .map_err(core)?;
                     // Affine scales and biases go back to the dtype they were stored in.

@@ -534,7 +534,7 @@ fn runtime_adapters_for(
     let set = AdapterSet::new(
         adapters
             .iter()
-            .map(|(name, a)| (name.clone(), a.scale()))
+            .map(|(name, a)| (name.clone(), a.is_dora()))
             .collect(),
     )
     .map_err(|e| LoadError::Unsupported(e.to_string()))?;

@@ -102,31 +102,44 @@ impl Linear {
 
     /// `x` `[.., in]` → `[.., out]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let (y, bias) = match self {
-            Linear::Adapted { base, lora } => return lora.add_to(x, base.forward(x)?),
+        let y = self.product(x)?;
+        Ok(match self.bias() {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+
+    /// `x·Wᵀ` without the bias (a DoRA rescaling applies before the bias).
+    fn product(&self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Linear::Adapted { base, lora } => return lora.apply(base, x, base.product(x)?),
             Linear::Dense {
-                weight,
-                weight_t,
-                bias,
+                weight, weight_t, ..
             } => {
                 super::calibration::observe(weight, x);
-                (ops::linear(x, weight, Some(weight_t))?, bias)
+                ops::linear(x, weight, Some(weight_t))?
             }
-            Linear::Quantized { weight, bias } => {
+            Linear::Quantized { weight, .. } => {
                 let rows = x.size() / x.dim(-1)?.max(1) as usize;
                 if dequantize_for(rows) {
                     // Many rows (prefill): one dense GEMM on the dequantized layer beats the
                     // quantized kernels by far on GPUs; the dense copy is transient.
                     let w = weight.dequantize(x.dtype()?)?;
-                    (x.matmul(&w.t()?)?, bias)
+                    x.matmul(&w.t()?)?
                 } else {
-                    (weight.matmul_t(x)?, bias)
+                    weight.matmul_t(x)?
                 }
             }
-        };
-        Ok(match bias {
-            Some(b) => y.add(b)?,
-            None => y,
+        })
+    }
+
+    /// The weight `[out, in]` as a dense array in `dtype` (dequantized when quantized; the
+    /// base's for an adapted layer).
+    pub fn dense_weight(&self, dtype: Dtype) -> Result<Array> {
+        Ok(match self {
+            Linear::Dense { weight, .. } => weight.astype(dtype)?,
+            Linear::Quantized { weight, .. } => weight.dequantize(dtype)?,
+            Linear::Adapted { base, .. } => base.dense_weight(dtype)?,
         })
     }
 }
@@ -155,7 +168,7 @@ impl Linear {
         residual: Option<&Array>,
     ) -> Result<Array> {
         if let Linear::Adapted { base, lora } = self {
-            if !lora.is_active()? {
+            if !lora.is_active(base)? {
                 return base.forward_fused(x, input, residual);
             }
         }

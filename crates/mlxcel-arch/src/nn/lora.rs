@@ -1,7 +1,9 @@
 //! Runtime (unfused) LoRA adapters: an adapted linear layer computes
-//! `y = x·Wᵀ + Σᵢ cᵢ·(x·Aᵢᵀ)·Bᵢᵀ` over its unchanged (possibly quantized) base, where the sum runs
-//! over the adapters of the model's active [`AdapterMix`] and `cᵢ` is the adapter's own scale
-//! times its weight in the mix.
+//! `y = x·Wᵀ + Σᵢ cᵢ·(x·Aᵢᵀ)·Bᵢᵀ (+ bias)` over its unchanged (possibly quantized) base, where the
+//! sum runs over the adapters of the model's active [`AdapterMix`] and `cᵢ` is the layer's LoRA
+//! scale times the adapter's weight in the mix. A DoRA adapter (a magnitude vector `m`) also
+//! rescales each output row: `y = m / ‖W + c·B·A‖ ⊙ (x·Wᵀ + c·(x·Aᵀ)·Bᵀ) (+ bias)`, as mlx-lm's
+//! `DoRALinear` and PEFT's `use_dora` do; it cannot be blended with other adapters.
 //!
 //! Several adapters are registered on one model ([`AdapterSet`], shared by every adapted layer);
 //! selecting another mix ([`AdapterSet::select`]) costs no reload: each layer rebuilds its
@@ -15,11 +17,13 @@ use std::rc::Rc;
 
 use mlxcel_core::{ops, Array};
 
+use super::Linear;
 use crate::{ModelError, Result};
 
 /// Which registered adapters a request runs with: `(name, weight)` pairs, each adding
 /// `weight × scale` times its low-rank term (the adapter's own scale: mlx-lm's `scale`, PEFT's
-/// `lora_alpha / r`). Empty: the base model. Weight 1 is the adapter as trained; 0 turns it off.
+/// `lora_alpha / r` or its per-module pattern). Empty: the base model. Weight 1 is the adapter
+/// as trained; 0 turns it off.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AdapterMix {
     /// `(adapter name, weight)`, in any order; a name may appear once.
@@ -81,8 +85,9 @@ impl std::fmt::Display for AdapterMix {
 #[derive(Debug)]
 pub struct AdapterSet {
     names: Vec<String>,
-    scales: Vec<f64>,
-    /// `(adapter index, weight × scale)` of the adapters that contribute.
+    /// Which adapters are DoRA (a magnitude rescaling; never blended).
+    dora: Vec<bool>,
+    /// `(adapter index, weight)` of the adapters that contribute.
     active: RefCell<Vec<(usize, f64)>>,
     mix: RefCell<AdapterMix>,
     /// Bumped by every selection; layers rebuild their combined pair when it moved.
@@ -90,23 +95,23 @@ pub struct AdapterSet {
 }
 
 impl AdapterSet {
-    /// Adapters `(name, scale)`, indexed in this order by [`RuntimeAdapters::modules`]; none
-    /// active. Names must be distinct.
-    pub fn new(adapters: Vec<(String, f64)>) -> Result<Rc<AdapterSet>> {
+    /// Adapters `(name, is DoRA)`, indexed in this order by [`RuntimeAdapters::modules`];
+    /// none active. Names must be distinct.
+    pub fn new(adapters: Vec<(String, bool)>) -> Result<Rc<AdapterSet>> {
         let mut names = Vec::with_capacity(adapters.len());
-        let mut scales = Vec::with_capacity(adapters.len());
-        for (name, scale) in adapters {
+        let mut dora = Vec::with_capacity(adapters.len());
+        for (name, is_dora) in adapters {
             if names.contains(&name) {
                 return Err(ModelError::Runtime(format!(
                     "two runtime adapters are named `{name}`"
                 )));
             }
             names.push(name);
-            scales.push(scale);
+            dora.push(is_dora);
         }
         Ok(Rc::new(AdapterSet {
             names,
-            scales,
+            dora,
             active: RefCell::new(Vec::new()),
             mix: RefCell::new(AdapterMix::none()),
             version: Cell::new(0),
@@ -152,7 +157,15 @@ impl AdapterSet {
                 )));
             }
             if *weight != 0.0 {
-                active.push((index, *weight as f64 * self.scales[index]));
+                active.push((index, *weight as f64));
+            }
+        }
+        if active.len() > 1 {
+            if let Some(&(i, _)) = active.iter().find(|(i, _)| self.dora[*i]) {
+                return Err(ModelError::Runtime(format!(
+                    "adapter `{}` is DoRA: it rescales the layers' outputs and cannot be blended with other adapters",
+                    self.names[i]
+                )));
             }
         }
         *self.active.borrow_mut() = active;
@@ -169,6 +182,10 @@ pub struct LoraPair {
     pub a: Array,
     /// `B` `[out, r]` (PEFT's `lora_B`; mlx-lm's `lora_b` transposed).
     pub b: Array,
+    /// This layer's LoRA scale (weight 1 adds `scale·(x·Aᵀ)·Bᵀ`).
+    pub scale: f64,
+    /// DoRA's magnitude `[out]`, in float32.
+    pub magnitude: Option<Array>,
     /// Where it came from, for errors (the adapter file and tensor names).
     pub origin: String,
 }
@@ -200,6 +217,8 @@ struct Combined {
     a: Array,
     /// `[out, Σr]`: their `B`s side by side, each times its coefficient.
     b: Array,
+    /// DoRA: `m / ‖W + c·B·A‖` per output row, in the compute dtype.
+    rescale: Option<Array>,
 }
 
 /// The low-rank terms of one adapted linear layer.
@@ -226,13 +245,14 @@ impl LoraLayer {
         self.pairs
             .iter()
             .flatten()
-            .flat_map(|p| [&p.a, &p.b])
+            .flat_map(|p| [Some(&p.a), Some(&p.b), p.magnitude.as_ref()])
+            .flatten()
             .collect()
     }
 
     /// The combined pair under the set's current mix, `None` when no active adapter touches
-    /// this layer.
-    fn combined(&self) -> Result<Option<Rc<Combined>>> {
+    /// this layer. `base` is the layer's own weight (read for DoRA's norm).
+    fn combined(&self, base: &Linear) -> Result<Option<Rc<Combined>>> {
         let version = self.set.version.get();
         if let Some((v, c)) = &*self.combined.borrow() {
             if *v == version {
@@ -244,7 +264,7 @@ impl LoraLayer {
             .active
             .borrow()
             .iter()
-            .filter_map(|&(i, c)| self.pairs[i].as_ref().map(|p| (p, c)))
+            .filter_map(|&(i, w)| self.pairs[i].as_ref().map(|p| (p, w * p.scale)))
             .collect();
         let combined = if active.is_empty() {
             None
@@ -259,27 +279,47 @@ impl LoraLayer {
                 let a: Vec<Array> = active.iter().map(|(p, _)| p.a.clone()).collect();
                 (ops::concatenate(&a, 0)?, ops::concatenate(&scaled, 1)?)
             };
+            let rescale = match (active.len(), &active[0].0.magnitude) {
+                (1, Some(m)) => {
+                    // ‖W + c·B·A‖ per output row, in float32 (a quantized base dequantized).
+                    let dtype = a.dtype()?;
+                    let f32 = mlxcel_core::Dtype::Float32;
+                    let adapted = base
+                        .dense_weight(f32)?
+                        .add(&b.astype(f32)?.matmul(&a.astype(f32)?)?)?;
+                    let norm = adapted.square()?.sum(&[1], false)?.sqrt()?;
+                    let r = m.divide(&norm)?.astype(dtype)?;
+                    r.eval()?;
+                    Some(r)
+                }
+                _ => None,
+            };
             // Evaluated once here, not on every forward pass.
             a.eval()?;
             b.eval()?;
-            Some(Rc::new(Combined { a, b }))
+            Some(Rc::new(Combined { a, b, rescale }))
         };
         *self.combined.borrow_mut() = Some((version, combined.clone()));
         Ok(combined)
     }
 
-    /// Whether an active adapter touches this layer.
-    pub fn is_active(&self) -> Result<bool> {
-        Ok(self.combined()?.is_some())
+    /// Whether an active adapter touches this layer (`base`: the layer it adapts).
+    pub fn is_active(&self, base: &Linear) -> Result<bool> {
+        Ok(self.combined(base)?.is_some())
     }
 
-    /// `y + Σᵢ cᵢ·(x·Aᵢᵀ)·Bᵢᵀ` (`y` unchanged when nothing is active here).
-    pub fn add_to(&self, x: &Array, y: Array) -> Result<Array> {
-        match self.combined()? {
+    /// `y + Σᵢ cᵢ·(x·Aᵢᵀ)·Bᵢᵀ` with `y = x·Wᵀ` the base's product without its bias, rescaled
+    /// per row for DoRA (`y` unchanged when nothing is active here).
+    pub fn apply(&self, base: &Linear, x: &Array, y: Array) -> Result<Array> {
+        match self.combined(base)? {
             None => Ok(y),
             Some(c) => {
                 let low = ops::linear(x, &c.a, None)?;
-                Ok(y.add(&ops::linear(&low, &c.b, None)?)?)
+                let y = y.add(&ops::linear(&low, &c.b, None)?)?;
+                match &c.rescale {
+                    Some(r) => Ok(y.multiply(r)?),
+                    None => Ok(y),
+                }
             }
         }
     }
