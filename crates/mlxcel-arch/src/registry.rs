@@ -88,8 +88,8 @@ pub enum WeightRoute {
 }
 
 /// Whether this build can load adapters: LoRA adapters (mlx-lm or PEFT) fused at load
-/// (`mlxcel_loading::LoadOptions::adapter`) or kept unfused ([`crate::nn::lora`]). DoRA and
-/// adapters on MoE experts are refused when the adapter is read or applied.
+/// (`mlxcel_loading::LoadOptions::adapter`) or kept unfused ([`crate::nn::lora`]), LoRA or DoRA,
+/// on linear layers and stacked MoE experts.
 pub const ADAPTERS_AVAILABLE: bool = true;
 
 /// Whether adapters can be applied to `model_type`: the registry row's reason when the type rules

@@ -391,32 +391,59 @@ impl ModelWeights {
         in_features: i32,
         out_features: i32,
     ) -> Result<Linear> {
+        match self.take_adapters(prefix, &[], in_features, out_features)? {
+            None => Ok(base),
+            Some(lora) => Ok(Linear::Adapted {
+                base: Box::new(base),
+                lora: Box::new(lora),
+            }),
+        }
+    }
+
+    /// The runtime adapters' terms for module `prefix` (`stack`: the leading expert axis of a
+    /// stacked layer, empty for a plain one), shapes checked: `A` `[..stack, r, in]`, `B`
+    /// `[..stack, out, r]`. `None` when no adapter names it.
+    fn take_adapters(
+        &mut self,
+        prefix: &str,
+        stack: &[i32],
+        in_features: i32,
+        out_features: i32,
+    ) -> Result<Option<LoraLayer>> {
         let Some(lora) = self.lora.as_mut() else {
-            return Ok(base);
+            return Ok(None);
         };
         let Some(pairs) = lora.modules.remove(prefix) else {
-            return Ok(base);
+            return Ok(None);
         };
         let set = lora.set.clone();
         for pair in pairs.iter().flatten() {
             let (a, b) = (pair.a.shape(), pair.b.shape());
-            let fits = a.len() == 2
-                && b.len() == 2
-                && a[0] == b[1]
-                && a[1] == in_features
-                && b[0] == out_features;
+            let n = stack.len();
+            let fits = a.len() == n + 2
+                && b.len() == n + 2
+                && a[..n] == *stack
+                && b[..n] == *stack
+                && a[n] == b[n + 1]
+                && a[n + 1] == in_features
+                && b[n] == out_features;
             if !fits {
                 return Err(ModelError::Transform(format!(
-                    "{}: low-rank pair A {a:?} / B {b:?} does not fit `{prefix}` ({in_features} → {out_features}; an adapter for another model?)",
+                    "{}: low-rank pair A {a:?} / B {b:?} does not fit `{prefix}` ({}{in_features} → {out_features}; an adapter for another model?)",
+                    pair.origin,
+                    if n == 0 { String::new() } else { format!("{stack:?} experts, ") }
+                )));
+            }
+            if n > 0 && pair.magnitude.is_some() {
+                return Err(ModelError::Unsupported(format!(
+                    "{}: DoRA on the expert stack `{prefix}` (mlx-lm does not define it either)",
                     pair.origin
                 )));
             }
             self.kept.extend([pair.a.clone(), pair.b.clone()]);
+            self.kept.extend(pair.magnitude.clone());
         }
-        Ok(Linear::Adapted {
-            base: Box::new(base),
-            lora: Box::new(LoraLayer::new(set, pairs)),
-        })
+        Ok(Some(LoraLayer::new(set, pairs)))
     }
 
     /// Linear layers `prefixes` that read the same input, each mapping `in_features` to its
@@ -474,14 +501,20 @@ impl ModelWeights {
         in_features: i32,
         out_features: i32,
     ) -> Result<SwitchLinear> {
-        if let Some(q) = self.quantized(prefix, &[experts, out_features], in_features)? {
-            return Ok(SwitchLinear::Quantized(q));
+        let base = match self.quantized(prefix, &[experts, out_features], in_features)? {
+            Some(q) => SwitchLinear::Quantized(q),
+            None => SwitchLinear::Dense(self.tensor_at(
+                &format!("{prefix}.weight"),
+                &[experts, out_features, in_features],
+            )?),
+        };
+        match self.take_adapters(prefix, &[experts], in_features, out_features)? {
+            None => Ok(base),
+            Some(lora) => Ok(SwitchLinear::Adapted {
+                base: Box::new(base),
+                lora: Box::new(lora),
+            }),
         }
-        let w = self.tensor_at(
-            &format!("{prefix}.weight"),
-            &[experts, out_features, in_features],
-        )?;
-        Ok(SwitchLinear::Dense(w))
     }
 
     /// A stack of per-head matrices `shape` = `[heads, out, in]` as a dense array in the

@@ -19,7 +19,10 @@
 //! dequantize, add, requantize with the layer's own mode, bits and group size) or kept unfused as
 //! runtime adapters ([`Adapter::runtime_pairs`], see [`mlxcel_arch::nn::lora`]).
 //!
-//! Not yet: adapters on MoE experts, embeddings.
+//! Stacked MoE experts take mlx-lm's `LoRASwitchLinear` layout: `lora_a` `[E, r, in]`, `lora_b`
+//! `[E, out, r]`, `ΔW[e] = lora_b[e] · lora_a[e]`.
+//!
+//! Not yet: adapters on embeddings.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -117,9 +120,11 @@ impl Adapter {
             let dora = match config.get("fine_tune_type").and_then(Value::as_str) {
                 Some("lora") | None => false,
                 Some("dora") => true,
-                Some(other) => return Err(bad(format!(
+                Some(other) => {
+                    return Err(bad(format!(
                     "`fine_tune_type` is `{other}`: only `lora` and `dora` adapters are supported"
-                ))),
+                )))
+                }
             };
             let params = config
                 .get("lora_parameters")
@@ -322,15 +327,22 @@ impl Adapter {
         let a = self.tensors.get(&pair.a).map_err(core)?;
         let b = self.tensors.get(&pair.b).map_err(core)?;
         let (sa, sb) = (a.shape(), b.shape());
-        if sa.len() != 2 || sb.len() != 2 {
-            return Err(format!(
-                "tensors `{}` {sa:?} / `{}` {sb:?} are not matrices (adapters on MoE experts are not supported yet)",
-                pair.a, pair.b
-            ));
-        }
-        let (a, b, rank_ok) = match self.format {
-            AdapterFormat::MlxLm => (a.t().map_err(core)?, b.t().map_err(core)?, sa[1] == sb[0]),
-            AdapterFormat::Peft => (a, b, sa[0] == sb[1]),
+        let (a, b, rank_ok) = match (self.format, sa.len(), sb.len()) {
+            (AdapterFormat::MlxLm, 2, 2) => {
+                (a.t().map_err(core)?, b.t().map_err(core)?, sa[1] == sb[0])
+            }
+            // mlx-lm's `LoRASwitchLinear` on stacked experts: `lora_a` `[E, r, in]`, `lora_b`
+            // `[E, out, r]`, already in `A`/`B` orientation per expert.
+            (AdapterFormat::MlxLm, 3, 3) if !self.dora => {
+                (a, b, sa[1] == sb[2] && sa[0] == sb[0])
+            }
+            (AdapterFormat::Peft, 2, 2) => (a, b, sa[0] == sb[1]),
+            _ => {
+                return Err(format!(
+                    "tensors `{}` {sa:?} / `{}` {sb:?} are neither matrices nor (mlx-lm LoRA) expert stacks",
+                    pair.a, pair.b
+                ))
+            }
         };
         if !rank_ok {
             return Err(format!(
@@ -454,14 +466,21 @@ impl Adapter {
                 None
             };
             let (a, b) = self.low_rank(pair, Dtype::Float32).map_err(fail)?;
-            let (out_dim, in_dim) = (b.shape()[0], a.shape()[1]);
+            // `[.., out, in]` of the delta `B·A` (a leading expert axis for stacks).
+            let mut delta_shape = b.shape();
+            let out_dim = delta_shape[delta_shape.len() - 2];
+            *delta_shape.last_mut().expect("a matrix") = *a.shape().last().expect("a matrix");
             let base_shape = match &packed {
-                Some(q) => vec![q.weight.dim(0).map_err(core)?, q.in_features()],
+                Some(q) => {
+                    let mut s = q.weight.shape();
+                    *s.last_mut().expect("a matrix") = q.in_features();
+                    s
+                }
                 None => info.shape.clone(),
             };
-            if base_shape != [out_dim, in_dim] {
+            if base_shape != delta_shape {
                 return Err(fail(format!(
-                    "tensors `{}` {:?} / `{}` {:?} give a delta of shape [{out_dim}, {in_dim}], but `{target}` is {base_shape:?} (an adapter for another model?)",
+                    "tensors `{}` {:?} / `{}` {:?} give a delta of shape {delta_shape:?}, but `{target}` is {base_shape:?} (an adapter for another model?)",
                     pair.a,
                     self.tensors.info(&pair.a).map(|i| i.shape.clone()).unwrap_or_default(),
                     pair.b,

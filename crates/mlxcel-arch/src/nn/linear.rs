@@ -360,6 +360,14 @@ pub enum SwitchLinear {
     Dense(Array),
     /// `[experts, out, in]` packed.
     Quantized(QuantizedWeight),
+    /// A stack with runtime LoRA adapters over its unchanged base (mlx-lm's
+    /// `LoRASwitchLinear`; see [`super::lora`]).
+    Adapted {
+        /// The dense or quantized stack as the checkpoint stores it.
+        base: Box<SwitchLinear>,
+        /// Per-expert low-rank terms of the registered adapters.
+        lora: Box<LoraLayer>,
+    },
 }
 
 impl SwitchLinear {
@@ -381,6 +389,10 @@ impl SwitchLinear {
         sorted: bool,
     ) -> Result<Array> {
         match self {
+            SwitchLinear::Adapted { base, lora } => {
+                let y = base.forward_rows(x, rows, experts, sorted)?;
+                lora.apply_experts(x, rows, experts, sorted, y)
+            }
             SwitchLinear::Dense(w) => {
                 super::calibration::observe(w, x);
                 let wt = w.transpose(&[0, 2, 1])?;

@@ -213,9 +213,11 @@ impl std::fmt::Debug for RuntimeAdapters {
 /// The combined low-rank pair of one layer under one mix.
 #[derive(Debug)]
 struct Combined {
-    /// `[Σr, in]`: the active adapters' `A`s stacked.
+    /// `[Σr, in]`: the active adapters' `A`s stacked (for expert stacks `[E, in, Σr]`, the
+    /// layout `gather_mm` takes).
     a: Array,
-    /// `[out, Σr]`: their `B`s side by side, each times its coefficient.
+    /// `[out, Σr]`: their `B`s side by side, each times its coefficient (expert stacks:
+    /// `[E, Σr, out]`).
     b: Array,
     /// DoRA: `m / ‖W + c·B·A‖` per output row, in the compute dtype.
     rescale: Option<Array>,
@@ -251,8 +253,8 @@ impl LoraLayer {
     }
 
     /// The combined pair under the set's current mix, `None` when no active adapter touches
-    /// this layer. `base` is the layer's own weight (read for DoRA's norm).
-    fn combined(&self, base: &Linear) -> Result<Option<Rc<Combined>>> {
+    /// this layer. `base_weight` gives the layer's own weight in float32 (read for DoRA's norm).
+    fn combined(&self, base_weight: &dyn Fn() -> Result<Array>) -> Result<Option<Rc<Combined>>> {
         let version = self.set.version.get();
         if let Some((v, c)) = &*self.combined.borrow() {
             if *v == version {
@@ -273,26 +275,31 @@ impl LoraLayer {
                 .iter()
                 .map(|(p, c)| p.b.mul_scalar(*c))
                 .collect::<mlxcel_core::Result<Vec<_>>>()?;
+            // Along the rank axis: -2 of `A` `[.., r, in]`, -1 of `B` `[.., out, r]`.
             let (a, b) = if active.len() == 1 {
                 (active[0].0.a.clone(), scaled[0].contiguous()?)
             } else {
                 let a: Vec<Array> = active.iter().map(|(p, _)| p.a.clone()).collect();
-                (ops::concatenate(&a, 0)?, ops::concatenate(&scaled, 1)?)
+                (ops::concatenate(&a, -2)?, ops::concatenate(&scaled, -1)?)
             };
             let rescale = match (active.len(), &active[0].0.magnitude) {
                 (1, Some(m)) => {
                     // ‖W + c·B·A‖ per output row, in float32 (a quantized base dequantized).
                     let dtype = a.dtype()?;
                     let f32 = mlxcel_core::Dtype::Float32;
-                    let adapted = base
-                        .dense_weight(f32)?
-                        .add(&b.astype(f32)?.matmul(&a.astype(f32)?)?)?;
+                    let adapted = base_weight()?.add(&b.astype(f32)?.matmul(&a.astype(f32)?)?)?;
                     let norm = adapted.square()?.sum(&[1], false)?.sqrt()?;
                     let r = m.divide(&norm)?.astype(dtype)?;
                     r.eval()?;
                     Some(r)
                 }
                 _ => None,
+            };
+            let (a, b) = if a.ndim() == 3 {
+                let t = |x: &Array| x.transpose(&[0, 2, 1]).and_then(|t| t.contiguous());
+                (t(&a)?, t(&b)?)
+            } else {
+                (a, b)
             };
             // Evaluated once here, not on every forward pass.
             a.eval()?;
@@ -305,13 +312,15 @@ impl LoraLayer {
 
     /// Whether an active adapter touches this layer (`base`: the layer it adapts).
     pub fn is_active(&self, base: &Linear) -> Result<bool> {
-        Ok(self.combined(base)?.is_some())
+        Ok(self
+            .combined(&|| base.dense_weight(mlxcel_core::Dtype::Float32))?
+            .is_some())
     }
 
     /// `y + Σᵢ cᵢ·(x·Aᵢᵀ)·Bᵢᵀ` with `y = x·Wᵀ` the base's product without its bias, rescaled
     /// per row for DoRA (`y` unchanged when nothing is active here).
     pub fn apply(&self, base: &Linear, x: &Array, y: Array) -> Result<Array> {
-        match self.combined(base)? {
+        match self.combined(&|| base.dense_weight(mlxcel_core::Dtype::Float32))? {
             None => Ok(y),
             Some(c) => {
                 let low = ops::linear(x, &c.a, None)?;
@@ -320,6 +329,30 @@ impl LoraLayer {
                     Some(r) => Ok(y.multiply(r)?),
                     None => Ok(y),
                 }
+            }
+        }
+    }
+
+    /// For a stack of experts (mlx-lm's `LoRASwitchLinear`: `A` `[E, r, in]`, `B`
+    /// `[E, out, r]`): `y + Σᵢ cᵢ·(x·A[e]ᵀ)·B[e]ᵀ` for the expert `e` of each row, through the
+    /// same gathered products as the base ([`super::SwitchLinear::forward_rows`]'s arguments).
+    pub fn apply_experts(
+        &self,
+        x: &Array,
+        rows: Option<&Array>,
+        experts: &Array,
+        sorted: bool,
+        y: Array,
+    ) -> Result<Array> {
+        let no_dora = || -> Result<Array> {
+            Err(ModelError::Unsupported("DoRA on expert stacks".to_string()))
+        };
+        match self.combined(&no_dora)? {
+            None => Ok(y),
+            Some(c) => {
+                let z = ops::gather_mm(x, &c.a, rows, Some(experts), sorted)?;
+                let z = ops::gather_mm(&z, &c.b, None, Some(experts), sorted)?;
+                Ok(y.add(&z)?)
             }
         }
     }
