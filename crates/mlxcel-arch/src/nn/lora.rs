@@ -213,11 +213,11 @@ impl std::fmt::Debug for RuntimeAdapters {
 /// The combined low-rank pair of one layer under one mix.
 #[derive(Debug)]
 struct Combined {
-    /// `[Σr, in]`: the active adapters' `A`s stacked (for expert stacks `[E, in, Σr]`, the
-    /// layout `gather_mm` takes).
+    /// `Aᵀ` `[in, Σr]`: the active adapters' `A`s stacked along the rank, transposed for a
+    /// plain product (expert stacks: `[E, in, Σr]`, the layout `gather_mm` takes).
     a: Array,
-    /// `[out, Σr]`: their `B`s side by side, each times its coefficient (expert stacks:
-    /// `[E, Σr, out]`).
+    /// `Bᵀ` `[Σr, out]`: their `B`s side by side, each times its coefficient, transposed
+    /// (expert stacks: `[E, Σr, out]`).
     b: Array,
     /// DoRA: `m / ‖W + c·B·A‖` per output row, in the compute dtype.
     rescale: Option<Array>,
@@ -295,12 +295,12 @@ impl LoraLayer {
                 }
                 _ => None,
             };
-            let (a, b) = if a.ndim() == 3 {
-                let t = |x: &Array| x.transpose(&[0, 2, 1]).and_then(|t| t.contiguous());
-                (t(&a)?, t(&b)?)
-            } else {
-                (a, b)
+            // Transposed once here: the products below then take them as stored.
+            let t = |x: &Array| match x.ndim() {
+                3 => x.transpose(&[0, 2, 1]).and_then(|t| t.contiguous()),
+                _ => x.t().and_then(|t| t.contiguous()),
             };
+            let (a, b) = (t(&a)?, t(&b)?);
             // Evaluated once here, not on every forward pass.
             a.eval()?;
             b.eval()?;
@@ -323,8 +323,10 @@ impl LoraLayer {
         match self.combined(&|| base.dense_weight(mlxcel_core::Dtype::Float32))? {
             None => Ok(y),
             Some(c) => {
-                let low = ops::linear(x, &c.a, None)?;
-                let y = y.add(&ops::linear(&low, &c.b, None)?)?;
+                // Three graph nodes per layer: a decode step on the CPU is bound by their count
+                // as much as by the arithmetic (a few percent of the base layer's). `addmm`
+                // would be one fewer on paper but flattens and broadcasts batched inputs.
+                let y = y.add(&x.matmul(&c.a)?.matmul(&c.b)?)?;
                 match &c.rescale {
                     Some(r) => Ok(y.multiply(r)?),
                     None => Ok(y),
