@@ -323,10 +323,20 @@ impl LoraLayer {
         match self.combined(&|| base.dense_weight(mlxcel_core::Dtype::Float32))? {
             None => Ok(y),
             Some(c) => {
-                // Three graph nodes per layer: a decode step on the CPU is bound by their count
-                // as much as by the arithmetic (a few percent of the base layer's). `addmm`
-                // would be one fewer on paper but flattens and broadcasts batched inputs.
-                let y = y.add(&x.matmul(&c.a)?.matmul(&c.b)?)?;
+                // Few graph nodes per layer: a decode step on the CPU is bound by their count as
+                // much as by the arithmetic (a few percent of the base layer's). A batched
+                // product flattens and unflattens its input, so `[1, .., 1, T, in]` goes in as
+                // the matrix `[T, in]` and the `[T, out]` result broadcasts into `y`. (`addmm`
+                // would flatten and broadcast too.)
+                let shape = x.shape();
+                let rows = shape[..shape.len() - 1].iter().product::<i32>();
+                let single_batch = shape.len() > 2 && rows == shape[shape.len() - 2];
+                let x2 = if single_batch {
+                    x.reshape(&[rows, shape[shape.len() - 1]])?
+                } else {
+                    x.clone()
+                };
+                let y = y.add(&x2.matmul(&c.a)?.matmul(&c.b)?)?;
                 match &c.rescale {
                     Some(r) => Ok(y.multiply(r)?),
                     None => Ok(y),
