@@ -59,6 +59,15 @@ enum Command {
         /// Context length for --estimate-memory's KV cache.
         #[arg(long, default_value_t = 4096)]
         max_context: u64,
+        /// Also load with this weight-surgery YAML and report each rule's edit.
+        #[arg(long, value_name = "FILE")]
+        surgery: Option<PathBuf>,
+        /// Also load with this LoRA adapter and report how it was applied.
+        #[arg(long, value_name = "DIR")]
+        adapter: Option<PathBuf>,
+        /// With --adapter: fuse into a quantized base (dequantize, add, requantize).
+        #[arg(long, requires = "adapter")]
+        lora_fuse: bool,
     },
     /// Print the model registry.
     Arch,
@@ -154,8 +163,14 @@ fn main() -> anyhow::Result<()> {
             model,
             estimate_memory,
             max_context,
+            surgery,
+            adapter,
+            lora_fuse,
         }) => {
             inspect::run(&model)?;
+            if surgery.is_some() || adapter.is_some() {
+                inspect::edits(&model, surgery, adapter, lora_fuse)?;
+            }
             if estimate_memory {
                 if max_context == 0 {
                     bail!("--max-context 0: must be at least 1 token");
