@@ -447,7 +447,8 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         }
         other => other,
     };
-    let lora = runtime_adapters_for(&runtime_adapters, dtype, &mut report)?;
+    // The unfused `adapter`, when it is one, is first and already reported.
+    let lora = runtime_adapters_for(&runtime_adapters, dtype, report.len(), &mut report)?;
     if let Some(r) = &lora {
         r.set.select(&initial_mix).map_err(model_err)?;
     }
@@ -522,10 +523,12 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
 }
 
 /// The runtime adapters `adapters` as the model builder takes them (each module's pairs in the
-/// adapters' order), with one report line each; `None` when there are none.
+/// adapters' order), with one report line each past the first `already_reported`; `None` when
+/// there are none.
 fn runtime_adapters_for(
     adapters: &[(String, crate::adapter::Adapter)],
     dtype: Dtype,
+    already_reported: usize,
     report: &mut Vec<String>,
 ) -> Result<Option<RuntimeAdapters>> {
     if adapters.is_empty() {
@@ -545,7 +548,7 @@ fn runtime_adapters_for(
                 .entry(module)
                 .or_insert_with(|| vec![None; adapters.len()])[i] = Some(pair);
         }
-        if name != LoadOptions::DEFAULT_ADAPTER || report.is_empty() {
+        if i >= already_reported {
             report.push(format!(
                 "runtime adapter `{name}`: {}, on {} linear layers",
                 adapter.describe(),
