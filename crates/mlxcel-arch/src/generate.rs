@@ -94,14 +94,50 @@ pub fn greedy(
     Ok(out)
 }
 
+/// How a [`Session`] keeps snapshots of its recurrent layers' state (state-space mixers), which
+/// cannot be cut back to an earlier position like a key/value cache: a later prompt that
+/// diverges at token `t` resumes from the last snapshot at or before `t` instead of prefilling
+/// from the start. Models without recurrent layers take no snapshots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotPolicy {
+    /// A snapshot is taken whenever prefill crosses a multiple of this many positions (the
+    /// prefill of a model with recurrent layers is split there, whatever its chunk size).
+    pub interval: usize,
+    /// At most this many are kept (0: none). When one more is taken, the snapshot closest to
+    /// its predecessor is dropped, so they stay spread over the conversation.
+    pub max_snapshots: usize,
+}
+
+impl Default for SnapshotPolicy {
+    /// A snapshot every 256 positions, at most 16 (a few MB of state for a 3B Mamba).
+    fn default() -> SnapshotPolicy {
+        SnapshotPolicy {
+            interval: 256,
+            max_snapshots: 16,
+        }
+    }
+}
+
+/// The recurrent layers' caches after the first `position` tokens (`None` for the other
+/// layers, which rewind instead).
+#[derive(Debug, Clone)]
+struct StateSnapshot {
+    position: usize,
+    states: Vec<Option<LayerCache>>,
+}
+
 /// A conversation's model state: the caches and the tokens they hold. A new request reuses the
 /// longest common prefix with what the caches hold (rewinding them to the first differing token)
-/// instead of starting over, and falls back to a full prefill only when a sliding-window ring no
-/// longer holds the rows the resumed position needs.
+/// instead of starting over. Recurrent layers cannot rewind: for them the session resumes from
+/// the last [`SnapshotPolicy`] snapshot within the common prefix. It falls back to a full
+/// prefill only when no such point exists (or a sliding-window ring no longer holds the rows
+/// the resumed position needs).
 pub struct Session<'m> {
     model: &'m dyn LanguageModel,
     caches: Vec<LayerCache>,
     tokens: Vec<u32>,
+    snapshots: Vec<StateSnapshot>,
+    policy: SnapshotPolicy,
     /// The checkpoint files the model's weights are mapped from, checked before each request.
     mapped: Option<mlxcel_core::MappedFiles>,
 }
@@ -113,6 +149,8 @@ pub struct Session<'m> {
 pub struct SessionState {
     caches: Vec<LayerCache>,
     tokens: Vec<u32>,
+    snapshots: Vec<StateSnapshot>,
+    policy: SnapshotPolicy,
 }
 
 impl SessionState {
@@ -121,6 +159,8 @@ impl SessionState {
         SessionState {
             caches: model.make_caches(),
             tokens: Vec::new(),
+            snapshots: Vec::new(),
+            policy: SnapshotPolicy::default(),
         }
     }
 
@@ -136,6 +176,7 @@ impl std::fmt::Debug for Session<'_> {
             .field("vocab_size", &self.model.vocab_size())
             .field("layers", &self.caches.len())
             .field("tokens", &self.tokens.len())
+            .field("snapshots", &self.snapshot_positions())
             .field("mapped_files", &self.mapped.is_some())
             .finish()
     }
@@ -154,8 +195,23 @@ impl<'m> Session<'m> {
             model,
             caches: state.caches,
             tokens: state.tokens,
+            snapshots: state.snapshots,
+            policy: state.policy,
             mapped: None,
         }
+    }
+
+    /// Keeps recurrent-state snapshots by `policy` instead of the default (existing snapshots
+    /// beyond its `max_snapshots` are dropped).
+    pub fn with_snapshots(mut self, policy: SnapshotPolicy) -> Session<'m> {
+        self.policy = policy;
+        self.thin_snapshots();
+        self
+    }
+
+    /// The positions of the recurrent-state snapshots held, in order.
+    pub fn snapshot_positions(&self) -> Vec<usize> {
+        self.snapshots.iter().map(|s| s.position).collect()
     }
 
     /// Checks `files` (the mapped checkpoint) are unchanged before each request
@@ -180,6 +236,8 @@ impl<'m> Session<'m> {
         SessionState {
             caches: self.caches,
             tokens: self.tokens,
+            snapshots: self.snapshots,
+            policy: self.policy,
         }
     }
 
@@ -209,11 +267,12 @@ impl<'m> Session<'m> {
                 c.rewind(reuse)?;
             }
         } else {
-            reuse = 0;
-            self.caches = self.model.make_caches();
+            reuse = self.restore_snapshot(reuse)?;
         }
+        // Snapshots past the resumed position hold tokens the new prompt may not share.
+        self.snapshots.retain(|s| s.position <= reuse);
         self.tokens.truncate(reuse);
-        let logits = prefill(self.model, &prompt[reuse..], &mut self.caches, chunk)?;
+        let logits = self.prefill_with_snapshots(&prompt[reuse..], reuse, chunk)?;
         check_logits(&logits, || {
             format!(
                 "generation step 0 (the logits after the {}-token prompt)",
@@ -222,6 +281,108 @@ impl<'m> Session<'m> {
         })?;
         self.tokens.extend_from_slice(&prompt[reuse..]);
         Ok((reuse, logits))
+    }
+
+    /// Puts the caches back to the last snapshot at or before `position` whose position every
+    /// non-recurrent cache can still rewind to; returns the position resumed from (0, with
+    /// fresh caches, when there is none).
+    fn restore_snapshot(&mut self, position: usize) -> Result<usize> {
+        let usable = self.snapshots.iter().rev().find(|s| {
+            s.position > 0
+                && s.position <= position
+                && self
+                    .caches
+                    .iter()
+                    .zip(&s.states)
+                    .all(|(c, state)| state.is_some() || c.can_rewind(s.position))
+        });
+        let Some(snapshot) = usable.cloned() else {
+            self.caches = self.model.make_caches();
+            return Ok(0);
+        };
+        for (cache, state) in self.caches.iter_mut().zip(snapshot.states) {
+            match state {
+                Some(state) => *cache = state,
+                None => cache.rewind(snapshot.position)?,
+            }
+        }
+        Ok(snapshot.position)
+    }
+
+    /// Prefills `tokens` (continuing at position `start`) in chunks of `chunk`. With recurrent
+    /// layers and snapshots on, the prompt is also split at every multiple of the snapshot
+    /// interval, where the recurrent layers' state is kept.
+    fn prefill_with_snapshots(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        chunk: Option<usize>,
+    ) -> Result<Array> {
+        let recurrent = self
+            .caches
+            .iter()
+            .any(|c| matches!(c, LayerCache::State(_)));
+        let interval = self.policy.interval;
+        if !recurrent || self.policy.max_snapshots == 0 || interval == 0 {
+            return prefill(self.model, tokens, &mut self.caches, chunk);
+        }
+        let mut pos = start;
+        let mut last = None;
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            let boundary = (pos / interval + 1) * interval;
+            let (piece, tail) = rest.split_at((boundary - pos).min(rest.len()));
+            last = Some(prefill(self.model, piece, &mut self.caches, chunk)?);
+            pos += piece.len();
+            rest = tail;
+            if pos == boundary {
+                self.take_snapshot(pos)?;
+            }
+        }
+        last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))
+    }
+
+    /// Records the recurrent layers' state after `position` tokens.
+    fn take_snapshot(&mut self, position: usize) -> Result<()> {
+        let states: Vec<Option<LayerCache>> = self
+            .caches
+            .iter()
+            .map(|c| matches!(c, LayerCache::State(_)).then(|| c.clone()))
+            .collect();
+        // Evaluated now, so a snapshot holds its arrays and not the graph that made them.
+        let arrays: Vec<&Array> = states
+            .iter()
+            .flatten()
+            .flat_map(|c| match c {
+                LayerCache::State(s) => s.arrays.iter().flatten().collect::<Vec<_>>(),
+                _ => Vec::new(),
+            })
+            .collect();
+        mlxcel_core::ops::eval_all(arrays)?;
+        self.snapshots.retain(|s| s.position != position);
+        self.snapshots.push(StateSnapshot { position, states });
+        self.snapshots.sort_by_key(|s| s.position);
+        self.thin_snapshots();
+        Ok(())
+    }
+
+    /// Drops snapshots beyond the policy's maximum, each time the one closest to its
+    /// predecessor (the newest is always kept).
+    fn thin_snapshots(&mut self) {
+        while self.snapshots.len() > self.policy.max_snapshots {
+            let n = self.snapshots.len();
+            let closest = (0..n.saturating_sub(1))
+                .min_by_key(|&i| {
+                    let before = if i == 0 {
+                        0
+                    } else {
+                        self.snapshots[i - 1].position
+                    };
+                    self.snapshots[i].position - before
+                })
+                .unwrap_or(0);
+            self.snapshots.remove(closest);
+        }
     }
 
     /// Feeds a token the device is still computing (`[1, 1]` int32) and returns the next

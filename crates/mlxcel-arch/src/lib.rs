@@ -17,6 +17,7 @@ pub mod generate;
 pub mod model;
 pub mod models;
 pub mod nn;
+pub mod nonstandard;
 pub mod registry;
 pub mod sampling;
 pub mod sanitize;
@@ -27,6 +28,7 @@ pub use cache::{LayerCache, Mask};
 pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{ModelError, Result};
 pub use model::{Architecture, LanguageModel, LayerKind};
+pub use nonstandard::load_nonstandard;
 pub use registry::{
     adapter_support, cache_schedule, load_config_backed, model_load_policy, sanitized_weights,
     BuildOptions, DirectoryRoute, EmbeddingModelEnum, GenerationModel, LoadedModel, ModelKind,

@@ -34,6 +34,14 @@ pub enum LayerKind {
         /// Width of the shared rotary key (`qk_rope_head_dim`).
         rope: i32,
     },
+    /// A recurrent (state-space) layer: a fixed-size convolution window and scan state, whatever
+    /// the context length.
+    Recurrent {
+        /// Elements of the convolution window (`(kernel - 1) · channels`).
+        window: u64,
+        /// Elements of the scan state (float32 whatever the compute dtype).
+        state: u64,
+    },
 }
 
 impl LayerKind {
@@ -45,8 +53,26 @@ impl LayerKind {
                 kv_heads, head_dim, ..
             } => 2 * kv_heads as u64 * head_dim as u64,
             LayerKind::LatentAttention { latent, rope } => latent as u64 + rope as u64,
+            LayerKind::Recurrent { .. } => 0,
         };
         features * dtype.size_of() as u64
+    }
+
+    /// Cache bytes this layer holds whatever the context (a recurrent layer's window in `dtype`
+    /// and its float32 state); 0 for attention layers.
+    pub fn fixed_bytes(&self, dtype: Dtype) -> u64 {
+        match *self {
+            LayerKind::Recurrent { window, state } => {
+                window * dtype.size_of() as u64 + state * Dtype::Float32.size_of() as u64
+            }
+            _ => 0,
+        }
+    }
+
+    /// Whether the layer's cache is a recurrent state, which cannot be cut back to an earlier
+    /// position (prefix reuse restores a snapshot instead).
+    pub fn is_recurrent(&self) -> bool {
+        matches!(self, LayerKind::Recurrent { .. })
     }
 
     /// Positions this layer's cache holds after `context` tokens processed in chunks of
@@ -64,6 +90,7 @@ impl LayerKind {
             LayerKind::GlobalAttention { .. } => LayerCache::standard(),
             LayerKind::SlidingAttention { window, .. } => LayerCache::rotating(window),
             LayerKind::LatentAttention { .. } => LayerCache::latent(),
+            LayerKind::Recurrent { .. } => LayerCache::state(),
         }
     }
 }

@@ -47,6 +47,10 @@ macro_rules! for_each_model_registration {
             OlMoe { names: ["olmoe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::olmoe::Model, adapter: None },
             DeepseekV2 { names: ["deepseek_v2"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::deepseek::V2Model, adapter: None },
             DeepseekV3 { names: ["deepseek_v3"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::deepseek::V3Model, adapter: None },
+            Mamba { names: ["mamba", "falcon_mamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba::Model, adapter: None },
+            Mamba2 { names: ["mamba2"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba2::Model, adapter: None },
+            Jamba { names: ["jamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::jamba::Model, adapter: None },
+            Bamba { names: ["bamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::bamba::Model, adapter: None },
             Bert { names: ["bert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             XlmRoberta { names: ["xlm-roberta"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             ModernBert { names: ["modernbert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Model, adapter: Some("encoders take no adapters") },
@@ -70,7 +74,7 @@ pub enum ModelKind {
 pub enum DirectoryRoute {
     /// `config.json` → `ModelArgs` → build from the safetensors (the generated loader).
     ConfigBacked,
-    /// A family-specific directory loader.
+    /// A family-specific directory loader, named per family ([`crate::nonstandard`]).
     Nonstandard,
     /// Vision encoder + text decoder.
     Vlm,

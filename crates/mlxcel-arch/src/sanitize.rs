@@ -117,3 +117,22 @@ pub fn drop_unused_buffers(map: &mut WeightMap) {
         map.remove(&n);
     }
 }
+
+/// Brings depthwise convolution weights (`*.conv1d.weight`) stored in MLX's `[channels, kernel,
+/// 1]` layout (mlx-lm conversions of state-space models) to PyTorch's `[channels, 1, kernel]`,
+/// the layout the builders read. PyTorch-layout checkpoints are left as they are.
+pub fn conv_weights_to_torch_layout(map: &mut WeightMap) -> Result<()> {
+    let names: Vec<String> = map
+        .names()
+        .filter(|n| n.ends_with(".conv1d.weight"))
+        .map(str::to_string)
+        .collect();
+    for name in names {
+        let shape = map.info(&name).map(|i| i.shape.clone()).unwrap_or_default();
+        if shape.len() == 3 && shape[2] == 1 && shape[1] > 1 {
+            let w = map.take(&name)?;
+            map.insert(name, w.transpose(&[0, 2, 1])?)?;
+        }
+    }
+    Ok(())
+}

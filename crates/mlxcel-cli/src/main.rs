@@ -137,8 +137,33 @@ fn restore_sigpipe() {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     restore_sigpipe();
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", error_chain(&error));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes on one line each, leaving out a cause whose text the message
+/// before it already contains: library errors often display their source inline (a folder
+/// followed by the tensor at fault) and also expose it as the source.
+fn error_chain(error: &anyhow::Error) -> String {
+    let mut shown = error.to_string();
+    for cause in error.chain().skip(1) {
+        let text = cause.to_string();
+        if !shown.contains(&text) {
+            shown.push_str("\n  caused by: ");
+            shown.push_str(&text);
+        }
+    }
+    shown
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if cli.version {
         println!("mlxcel {}", env!("CARGO_PKG_VERSION"));

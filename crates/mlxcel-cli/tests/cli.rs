@@ -280,3 +280,33 @@ fn inspect_reports_the_edits_applied() {
         "{stderr}"
     );
 }
+
+/// A checkpoint whose config disagrees with its tensors: one `error:` line naming the folder and
+/// the tensor, printed once (the model layer's error is both displayed inline and exposed as the
+/// source), exit status 1, no backtrace even when `RUST_BACKTRACE` is set.
+#[test]
+fn a_bad_checkpoint_is_reported_once_on_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture("llama")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let config_path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["hidden_size"] = 48.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+
+    let out = mlxcel()
+        .env("RUST_BACKTRACE", "1")
+        .args(["generate", "--quiet", "--prompt", "hi", "--model"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let message = "tensor `model.embed_tokens.weight` has shape [512, 64], expected [512, 48]";
+    assert_eq!(stderr.matches(message).count(), 1, "{stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    assert!(!stderr.contains("backtrace"), "{stderr}");
+}

@@ -11,13 +11,25 @@ use serde_json::Value;
 
 use crate::{LoadError, Result};
 
-/// One chat message.
+/// One chat message, as HF chat templates read it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     /// `system`, `user`, `assistant`, `tool`, or another role the template names.
     pub role: String,
     /// The message text.
     pub content: String,
+    /// The tool calls an assistant message made, in OpenAI's shape
+    /// (`{"id", "type": "function", "function": {"name", "arguments"}}`) with `arguments` as a
+    /// JSON object, which is what templates expect (`tool_call.arguments | tojson`). Absent from
+    /// the template's view when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<Value>,
+    /// A `tool` message: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message: the tool's name (or a participant's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -26,6 +38,9 @@ impl Message {
         Message {
             role: role.to_string(),
             content: content.to_string(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
         }
     }
 
@@ -185,6 +200,91 @@ fn strftime_now(format: String) -> String {
     out
 }
 
+/// Python's `json.dumps` separators (`", "` and `": "`), as HF's `tojson` writes them.
+struct PythonFormatter;
+
+impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        writer.write_all(b": ")
+    }
+}
+
+/// `tojson` as transformers defines it for chat templates: `json.dumps(x, ensure_ascii=False,
+/// indent=indent)` with keys in their given order and no HTML escaping (minijinja's own
+/// filter writes compact JSON with `<`, `>`, `&`, `'` escaped, which changes the prompt).
+fn python_tojson(
+    value: &JinjaValue,
+    indent: Option<JinjaValue>,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<JinjaValue, JinjaError> {
+    let indent = match indent {
+        Some(i) => Some(i),
+        None => kwargs.get::<Option<JinjaValue>>("indent")?,
+    };
+    // Other keyword arguments (`ensure_ascii`, `sort_keys`, `separators`) are not used by
+    // real templates; refuse them rather than ignore them.
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(usize::try_from(v).map_err(|_| {
+            JinjaError::new(
+                ErrorKind::InvalidOperation,
+                "tojson: indent must be an integer",
+            )
+        })?),
+    };
+    let mut out = Vec::new();
+    let written = match indent {
+        // Python's indented form uses "," at line ends and ": ", as serde's pretty printer.
+        Some(n) => {
+            let pad = " ".repeat(n);
+            let formatter = serde_json::ser::PrettyFormatter::with_indent(pad.as_bytes());
+            serde::Serialize::serialize(
+                value,
+                &mut serde_json::Serializer::with_formatter(&mut out, formatter),
+            )
+        }
+        None => serde::Serialize::serialize(
+            value,
+            &mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter),
+        ),
+    };
+    written.map_err(|e| {
+        JinjaError::new(ErrorKind::InvalidOperation, "tojson: cannot serialize").with_source(e)
+    })?;
+    let text = String::from_utf8(out)
+        .map_err(|_| JinjaError::new(ErrorKind::InvalidOperation, "tojson: output is not UTF-8"))?;
+    Ok(JinjaValue::from_safe_string(text))
+}
+
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let source_len = self
@@ -216,6 +316,7 @@ impl ChatTemplate {
             },
         );
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", python_tojson);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| LoadError::Unsupported(format!("chat template does not parse: {e}")))?;
         Ok(ChatTemplate {
@@ -309,6 +410,27 @@ impl ChatTemplate {
     /// instructions and write 1 MiB plus eight times the messages' text; a template past either
     /// bound fails with an error naming it instead of running away.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Whether the template reads the `tools` variable (tool declarations), as tool-calling
+    /// models' templates do.
+    pub fn takes_tools(&self) -> bool {
+        self.env
+            .get_template("chat")
+            .is_ok_and(|t| t.undeclared_variables(false).contains("tools"))
+    }
+
+    /// [`ChatTemplate::render`] with tool declarations: `tools` is given to the template as
+    /// HF's `apply_chat_template(tools=...)` gives it (a list of OpenAI-style
+    /// `{"type": "function", "function": {"name", "description", "parameters"}}` objects; `None`
+    /// leaves the variable none).
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         self.check_messages(messages)?;
         let origin = &self.origin;
         let mut env = self.env.clone();
@@ -318,10 +440,18 @@ impl ChatTemplate {
         let template = env
             .get_template("chat")
             .map_err(|e| LoadError::Unsupported(format!("{origin}: {e}")))?;
+        let tools_text = tools.map_or(0, |t| t.iter().map(|v| v.to_string().len()).sum());
         let text: usize = messages
             .iter()
-            .map(|m| m.content.len() + m.role.len())
-            .fold(0, usize::saturating_add);
+            .map(|m| {
+                m.content.len()
+                    + m.role.len()
+                    + m.tool_calls
+                        .iter()
+                        .map(|c| c.to_string().len())
+                        .sum::<usize>()
+            })
+            .fold(tools_text, usize::saturating_add);
         let limit = BASE_OUTPUT.saturating_add(text.saturating_mul(8));
         let mut out = Bounded {
             out: Vec::new(),
@@ -331,6 +461,7 @@ impl ChatTemplate {
         let rendered = template.render_captured_to(
             minijinja::context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,

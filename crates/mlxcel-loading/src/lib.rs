@@ -9,7 +9,8 @@
 //!   ├─ Embedding: load_embedding_model ─ encoder + sentence-transformers head + tokenizer
 //!   ├─ Reranker: not in this build (a clear error)
 //!   └─ Generation ─ get_model_type ─ model_load_policy ─ directory route
-//!        └─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
+//!        ├─ ConfigBacked: load_config_backed (generated from the registry) ─ LoadedModel
+//!        └─ Nonstandard: load_nonstandard (a named loader per family) ──────┤
 //!                                                                  └─ load_tokenizer
 //! ```
 
@@ -35,5 +36,8 @@ pub use mlxcel_core::RuntimePolicy;
 pub use pipeline::{
     compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, Loaded,
 };
-pub use textgen::{generate_text, FinishReason, GenerateRequest, GenerationStats};
-pub use tokenizer::{load_tokenizer, StreamDecoder, Tokenizer};
+pub use textgen::{
+    generate_text, generate_text_with, FinishReason, GenerateRequest, GenerationStats,
+    LogitsProcessor, StepHooks, TokenLogprob,
+};
+pub use tokenizer::{load_tokenizer, StreamDecoder, TokenBytes, Tokenizer};

@@ -148,6 +148,8 @@ pub fn estimate(
         .map(|k| {
             k.bytes_per_token(dtype)
                 .saturating_mul(k.rows_held(rows, chunk))
+                // Recurrent layers: a fixed-size window and state instead.
+                .saturating_add(k.fixed_bytes(dtype))
         })
         .fold(0u64, u64::saturating_add);
     let vocab = num(config, "vocab_size").unwrap_or(0);

@@ -8,8 +8,8 @@ use mlxcel_arch::config::sanitize_config_json;
 use mlxcel_arch::detection::{detect_kind, get_model_type};
 use mlxcel_arch::nn::lora::{AdapterMix, AdapterSet, RuntimeAdapters};
 use mlxcel_arch::{
-    load_config_backed, model_load_policy, BuildOptions, DirectoryRoute, GenerationModel,
-    LoadedModel, ModelKind, ModelType,
+    load_config_backed, load_nonstandard, model_load_policy, BuildOptions, DirectoryRoute,
+    GenerationModel, LoadedModel, ModelKind, ModelType,
 };
 use mlxcel_core::{Device, Dtype, Materialization, RuntimePolicy, WeightMap};
 use mlxcel_quant::QuantConfig;
@@ -397,7 +397,10 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     let mapped = weights.mapped_files();
     let model_type = get_model_type(&config, has_vision_weights(&weights)).map_err(model_err)?;
     let policy = model_load_policy(model_type);
-    if policy.directory_route != DirectoryRoute::ConfigBacked {
+    if !matches!(
+        policy.directory_route,
+        DirectoryRoute::ConfigBacked | DirectoryRoute::Nonstandard
+    ) {
         return Err(LoadError::Unsupported(format!(
             "{}: {} loads through the {:?} route, which this build does not have yet",
             folder.display(),
@@ -493,9 +496,12 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         transform,
         runtime_adapters: lora.clone(),
     };
-    let model = load_config_backed(model_type, &config, weights, &build)
-        .and_then(LoadedModel::into_generation)
-        .map_err(model_err)?;
+    let model = match policy.directory_route {
+        DirectoryRoute::Nonstandard => load_nonstandard(model_type, &config, weights, &build),
+        _ => load_config_backed(model_type, &config, weights, &build),
+    }
+    .and_then(LoadedModel::into_generation)
+    .map_err(model_err)?;
     if runtime.warm_up.unwrap_or(gpu) {
         warm_up(&model).map_err(model_err)?;
     }

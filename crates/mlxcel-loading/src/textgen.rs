@@ -168,6 +168,80 @@ fn nan_error(step: usize) -> crate::LoadError {
     )))
 }
 
+/// Changes each step's logits before the next token is picked: constrained decoding (a
+/// grammar's token mask), logit biases. It runs on the thread that generates.
+pub trait LogitsProcessor: Send {
+    /// `generated`: the tokens this generation has produced so far; `logits`: the next token's
+    /// logits (one per vocabulary id, float32), changed in place (`f32::NEG_INFINITY` forbids a
+    /// token). An error ends the generation with that message.
+    fn process(&mut self, generated: &[u32], logits: &mut [f32])
+        -> std::result::Result<(), String>;
+}
+
+/// A generated token's log-probability and the most likely alternatives at its step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The token picked.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens at this step with their log-probabilities, most likely first
+    /// ([`StepHooks::logprobs`] of them).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Optional work at each generation step ([`generate_text_with`]). The default does nothing and
+/// costs nothing: without hooks greedy decoding stays on the device.
+#[derive(Default)]
+pub struct StepHooks<'a> {
+    /// Report each token's log-probability with this many top alternatives (`Some(0)`: only
+    /// the token's own). Log-probabilities are the log-softmax of the logits the token was
+    /// picked from, after the [`StepHooks::processor`] and before the sampler's own
+    /// transformations (temperature, top-k/p, repetition penalty).
+    pub logprobs: Option<usize>,
+    /// Changes the logits before each pick.
+    pub processor: Option<&'a mut dyn LogitsProcessor>,
+}
+
+impl StepHooks<'_> {
+    fn active(&self) -> bool {
+        self.logprobs.is_some() || self.processor.is_some()
+    }
+}
+
+/// Log-softmax of `row` at `token`, and the `top` most likely ids with theirs.
+fn logprobs(row: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row
+        .iter()
+        .filter(|v| v.is_finite())
+        .map(|v| f64::from(v - max).exp())
+        .sum();
+    let log_z = f64::from(max) + sum.ln();
+    let lp = |v: f32| (f64::from(v) - log_z) as f32;
+    let mut best: Vec<(u32, f32)> = Vec::new();
+    if top > 0 && !row.is_empty() {
+        let mut order: Vec<u32> = (0..row.len() as u32).collect();
+        let k = top.min(order.len());
+        order.select_nth_unstable_by(k.saturating_sub(1), |a, b| {
+            row[*b as usize].total_cmp(&row[*a as usize])
+        });
+        order.truncate(k);
+        order.sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b)));
+        best = order
+            .into_iter()
+            .map(|i| (i, lp(row[i as usize])))
+            .collect();
+    }
+    TokenLogprob {
+        token,
+        logprob: row
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |v| lp(*v)),
+        top: best,
+    }
+}
+
 /// Generates a reply to `prompt` (token ids) in `session`, calling `on_text` with each piece of
 /// text as it becomes final and `on_token` with each generated id. Returns the generated ids
 /// (without EOS) and the measurements.
@@ -176,8 +250,30 @@ pub fn generate_text(
     tokenizer: Option<&Tokenizer>,
     prompt: &[u32],
     request: &GenerateRequest,
-    mut on_text: impl FnMut(&str),
+    on_text: impl FnMut(&str),
     mut on_token: impl FnMut(u32),
+) -> Result<(Vec<u32>, GenerationStats)> {
+    generate_text_with(
+        session,
+        tokenizer,
+        prompt,
+        request,
+        StepHooks::default(),
+        on_text,
+        |token, _| on_token(token),
+    )
+}
+
+/// [`generate_text`] with [`StepHooks`]: a logits processor, and each token's log-probability
+/// passed to `on_token` (when [`StepHooks::logprobs`] asks for them).
+pub fn generate_text_with(
+    session: &mut Session<'_>,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    request: &GenerateRequest,
+    mut hooks: StepHooks<'_>,
+    mut on_text: impl FnMut(&str),
+    mut on_token: impl FnMut(u32, Option<TokenLogprob>),
 ) -> Result<(Vec<u32>, GenerationStats)> {
     session.check_files()?;
     request.validate()?;
@@ -212,7 +308,8 @@ pub fn generate_text(
             .astype(Dtype::Int32)?;
         Ok((token, nan))
     };
-    let mut pending = if sampler.is_greedy() {
+    // Hooks need the logits on the host, so they take the host path.
+    let mut pending = if sampler.is_greedy() && !hooks.active() {
         let first = device_argmax(&logits)?;
         mlxcel_core::ops::async_eval_all([&first.0, &first.1])?;
         Some(first)
@@ -230,6 +327,7 @@ pub fn generate_text(
             finish = FinishReason::Cancelled;
             break;
         }
+        let mut step_logprob = None;
         let token = match pending.take() {
             Some((current, nan)) => {
                 if generated.len() + 1 < request.max_new_tokens {
@@ -260,11 +358,25 @@ pub fn generate_text(
                 token
             }
             None => {
-                let row = logits.astype(Dtype::Float32)?.to_vec::<f32>()?;
+                let mut row = logits.astype(Dtype::Float32)?.to_vec::<f32>()?;
                 if row.iter().any(|v| v.is_nan()) {
                     return Err(nan_error(generated.len()));
                 }
-                sampler.sample(&row, session.tokens())
+                if let Some(p) = hooks.processor.as_deref_mut() {
+                    p.process(&generated, &mut row)
+                        .map_err(|m| crate::LoadError::from(mlxcel_arch::ModelError::Runtime(m)))?;
+                    if !row.iter().any(|v| *v > f32::NEG_INFINITY) {
+                        return Err(crate::LoadError::from(mlxcel_arch::ModelError::Runtime(
+                            format!(
+                                "the logits processor allowed no token at generation step {}",
+                                generated.len()
+                            ),
+                        )));
+                    }
+                }
+                let token = sampler.sample(&row, session.tokens());
+                step_logprob = hooks.logprobs.map(|top| logprobs(&row, token, top));
+                token
             }
         };
         if request.eos_token_ids.contains(&token) {
@@ -272,7 +384,7 @@ pub fn generate_text(
             break;
         }
         generated.push(token);
-        on_token(token);
+        on_token(token, step_logprob);
         if let Some(d) = decoder.as_mut() {
             let (text, hit) = stop.push(&d.push(token)?);
             if !text.is_empty() {

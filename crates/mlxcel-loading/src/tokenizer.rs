@@ -82,6 +82,105 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+
+    /// What each token id contributes to decoded text, as raw bytes, for code that works on
+    /// token strings (constrained decoding, logprob listings): index `id` holds
+    /// [`TokenBytes`] for that id, ids the vocabulary lacks are empty and special.
+    ///
+    /// Byte-level BPE tokens (GPT-2, Llama 3, Qwen, SmolLM) map back through the byte-to-unicode
+    /// table, so a token that holds half of a UTF-8 character gives exactly those bytes.
+    /// SentencePiece-style vocabularies map `▁` to a space and `<0xNN>` byte-fallback tokens to
+    /// their byte. Added tokens give their text; special ones are marked.
+    pub fn token_bytes(&self) -> Vec<TokenBytes> {
+        let size = self.vocab_size();
+        let byte_level = self.inner.get_decoder().is_some_and(is_byte_level);
+        let specials: std::collections::HashSet<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
+        let added: std::collections::HashSet<u32> =
+            self.inner.get_added_tokens_decoder().into_keys().collect();
+        let unicode_to_byte: std::collections::HashMap<char, u8> =
+            byte_to_unicode().iter().map(|(b, c)| (*c, *b)).collect();
+        (0..size as u32)
+            .map(|id| {
+                let Some(token) = self.inner.id_to_token(id) else {
+                    return TokenBytes {
+                        bytes: Vec::new(),
+                        special: true,
+                    };
+                };
+                let special = specials.contains(&id);
+                let bytes = if added.contains(&id) {
+                    token.into_bytes()
+                } else if byte_level {
+                    // Every character of a byte-level token is one byte in disguise; one that
+                    // is not in the table (a hand-edited vocabulary) stays as its UTF-8.
+                    let mut out = Vec::with_capacity(token.len());
+                    for c in token.chars() {
+                        match unicode_to_byte.get(&c) {
+                            Some(b) => out.push(*b),
+                            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                        }
+                    }
+                    out
+                } else if let Some(byte) = byte_fallback(&token) {
+                    vec![byte]
+                } else {
+                    token.replace('\u{2581}', " ").into_bytes()
+                };
+                TokenBytes { bytes, special }
+            })
+            .collect()
+    }
+}
+
+/// The bytes of one token (see [`Tokenizer::token_bytes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenBytes {
+    /// What the token adds to decoded text (a special token: its own text, e.g. `<|im_end|>`).
+    pub bytes: Vec<u8>,
+    /// A special (control) token: skipped when decoding, never part of plain output.
+    pub special: bool,
+}
+
+fn is_byte_level(decoder: &tokenizers::decoders::DecoderWrapper) -> bool {
+    match decoder {
+        tokenizers::decoders::DecoderWrapper::ByteLevel(_) => true,
+        tokenizers::decoders::DecoderWrapper::Sequence(s) => {
+            s.get_decoders().iter().any(is_byte_level)
+        }
+        _ => false,
+    }
+}
+
+/// `<0x0A>` → 0x0A (SentencePiece byte fallback).
+fn byte_fallback(token: &str) -> Option<u8> {
+    let hex = token.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2)
+        .then(|| u8::from_str_radix(hex, 16).ok())
+        .flatten()
+}
+
+/// GPT-2's reversible map from bytes to printable characters, which byte-level BPE
+/// vocabularies are written in.
+fn byte_to_unicode() -> Vec<(u8, char)> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 256u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (b, char::from(b))
+            } else {
+                let c = char::from_u32(next).unwrap_or('\u{FFFD}');
+                next += 1;
+                (b, c)
+            }
+        })
+        .collect()
 }
 
 /// Reads `folder`'s `tokenizer.json`. A folder with only a SentencePiece `tokenizer.model` or a

@@ -58,7 +58,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use mlxcel_arch::generate::{Session as ArchSession, SessionState};
 use mlxcel_arch::sampling::SamplingParams;
 use mlxcel_arch::LanguageModel;
-use mlxcel_loading::{generate_text, GenerateRequest, LoadOptions, Loaded};
+use mlxcel_loading::{generate_text_with, GenerateRequest, LoadOptions, Loaded, StepHooks};
 
 use worker::Worker;
 
@@ -67,7 +67,10 @@ pub use mlxcel_arch as arch;
 pub use mlxcel_arch::nn::lora::AdapterMix;
 pub use mlxcel_core::{Device, Dtype, RuntimePolicy};
 pub use mlxcel_loading as loading;
-pub use mlxcel_loading::{EmbedOptions, FinishReason, GenerationStats, Message, ModelType};
+pub use mlxcel_loading::{
+    EmbedOptions, FinishReason, GenerationStats, LogitsProcessor, Message, ModelType, TokenBytes,
+    TokenLogprob,
+};
 
 /// Errors of the high-level API.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +101,15 @@ pub enum Prompt {
     /// A conversation, rendered with the model's chat template (generation prompt appended) and
     /// encoded without adding special tokens (the template writes them).
     Messages(Vec<Message>),
+    /// A conversation and the tools the model may call, rendered with the model's chat
+    /// template given `tools` (see [`Model::chat_text_with_tools`]).
+    MessagesWithTools {
+        /// The conversation.
+        messages: Vec<Message>,
+        /// OpenAI-style tool declarations:
+        /// `{"type": "function", "function": {"name", "description", "parameters"}}`.
+        tools: Vec<serde_json::Value>,
+    },
     /// Raw text for completion, encoded with the tokenizer's special-token post-processing.
     Text(String),
     /// Token ids as they are.
@@ -192,11 +204,62 @@ pub struct Generation {
     /// one, a weighted one or a blend ([`AdapterMix`]); `Some(AdapterMix::none())` is the base
     /// model. `None`: the mix the model was loaded with ([`ModelInfo::default_adapters`]).
     pub adapters: Option<AdapterMix>,
+    /// Report each token's log-probability in [`Piece::logprobs`], with this many most likely
+    /// alternatives (`Some(0)`: the token's own only). `None` costs nothing; `Some` reads each
+    /// step's logits to the host (see [`loading::StepHooks::logprobs`] for what they are).
+    pub logprobs: Option<usize>,
+    /// Changes each step's logits before the token is picked (constrained decoding).
+    pub logits_processor: Option<SharedLogitsProcessor>,
+}
+
+/// A [`LogitsProcessor`] that a [`Generation`] can carry to the model's worker thread. Clones
+/// share one processor (and its state); two are equal when they are the same one.
+#[derive(Clone)]
+pub struct SharedLogitsProcessor(Arc<Mutex<dyn LogitsProcessor>>);
+
+impl SharedLogitsProcessor {
+    /// Wraps `processor`.
+    pub fn new(processor: impl LogitsProcessor + 'static) -> SharedLogitsProcessor {
+        SharedLogitsProcessor(Arc::new(Mutex::new(processor)))
+    }
+}
+
+impl PartialEq for SharedLogitsProcessor {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for SharedLogitsProcessor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedLogitsProcessor(..)")
+    }
 }
 
 impl Generation {
     /// The token budget when none is given.
     pub const DEFAULT_MAX_NEW_TOKENS: usize = 512;
+}
+
+/// MLX's allocator counters (all models of the process share one allocator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes held by live arrays (weights, caches, computations in flight).
+    pub active_bytes: usize,
+    /// The most [`MemoryStats::active_bytes`] has been since the process started.
+    pub peak_bytes: usize,
+    /// Freed bytes MLX keeps cached for reuse.
+    pub cache_bytes: usize,
+}
+
+/// MLX's memory use now. It only reads the allocator's counters, so it may be called from any
+/// thread, also while a model's worker is generating.
+pub fn memory_stats() -> Result<MemoryStats> {
+    Ok(MemoryStats {
+        active_bytes: mlxcel_core::memory::active_bytes()?,
+        peak_bytes: mlxcel_core::memory::peak_bytes()?,
+        cache_bytes: mlxcel_core::memory::cache_bytes()?,
+    })
 }
 
 /// Facts about a loaded model.
@@ -343,6 +406,7 @@ impl ModelBuilder {
                 tokenizer: ready.tokenizer,
                 template: ready.template,
                 next_session: AtomicU64::new(1),
+                token_bytes: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -407,6 +471,7 @@ struct Shared {
     tokenizer: Option<Arc<mlxcel_loading::Tokenizer>>,
     template: Option<Arc<mlxcel_loading::ChatTemplate>>,
     next_session: AtomicU64,
+    token_bytes: std::sync::OnceLock<Arc<Vec<TokenBytes>>>,
 }
 
 /// A loaded model: a cloneable, `Send + Sync` handle to the thread that owns it (see the crate
@@ -459,6 +524,17 @@ impl Model {
         Ok(self.tokenizer()?.decode(ids, true)?)
     }
 
+    /// The raw bytes each token id stands for (index = id; see
+    /// [`loading::Tokenizer::token_bytes`]), computed once per model and shared.
+    pub fn token_bytes(&self) -> Result<Arc<Vec<TokenBytes>>> {
+        let tokenizer = self.tokenizer()?;
+        Ok(self
+            .shared
+            .token_bytes
+            .get_or_init(|| Arc::new(tokenizer.token_bytes()))
+            .clone())
+    }
+
     fn tokenizer(&self) -> Result<&mlxcel_loading::Tokenizer> {
         self.shared
             .tokenizer
@@ -468,19 +544,46 @@ impl Model {
 
     /// `messages` rendered with the model's chat template, ending with the assistant's turn.
     pub fn chat_text(&self, messages: &[Message]) -> Result<String> {
-        let template = self.shared.template.as_deref().ok_or_else(|| {
+        Ok(self.template()?.render(messages, true)?)
+    }
+
+    /// [`Model::chat_text`] with tool declarations passed to the template as its `tools`
+    /// variable (as HF's `apply_chat_template(tools=...)` does). A template that does not read
+    /// `tools` ignores them: see [`Model::template_takes_tools`].
+    pub fn chat_text_with_tools(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+    ) -> Result<String> {
+        Ok(self
+            .template()?
+            .render_with_tools(messages, Some(tools), true)?)
+    }
+
+    /// Whether the model's chat template reads tool declarations (its `tools` variable).
+    pub fn template_takes_tools(&self) -> bool {
+        self.shared
+            .template
+            .as_deref()
+            .is_some_and(|t| t.takes_tools())
+    }
+
+    fn template(&self) -> Result<&mlxcel_loading::ChatTemplate> {
+        self.shared.template.as_deref().ok_or_else(|| {
             Error::Invalid(format!(
                 "{} has no chat template",
                 self.shared.info.folder.display()
             ))
-        })?;
-        Ok(template.render(messages, true)?)
+        })
     }
 
     /// The token ids a prompt stands for.
     pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         let ids = match prompt {
             Prompt::Messages(m) => self.encode(&self.chat_text(m)?, false)?,
+            Prompt::MessagesWithTools { messages, tools } => {
+                self.encode(&self.chat_text_with_tools(messages, tools)?, false)?
+            }
             Prompt::Text(t) => self.encode(t, true)?,
             Prompt::Ids(ids) => ids.clone(),
         };
@@ -607,6 +710,8 @@ impl Model {
         let queue = Arc::new(Queue::default());
         let feed = queue.clone();
         let tokenizer = self.shared.tokenizer.clone();
+        let top_logprobs = options.logprobs;
+        let processor = options.logits_processor;
         self.shared
             .worker
             .submit(Box::new(move |w: &mut ModelState| {
@@ -624,36 +729,47 @@ impl Model {
                 };
                 let mut s = ArchSession::resume(&loaded.model, state)
                     .with_mapped_files(loaded.mapped.clone());
-                let pieces = std::cell::RefCell::new(Vec::<u32>::new());
-                let result = generate_text(
+                // Tokens (and their logprobs) not yet accounted for by a piece of text.
+                let pieces = std::cell::RefCell::new(Piece::default());
+                let mut guard = processor.as_ref().map(|p| p.0.lock());
+                let processor: Option<&mut dyn LogitsProcessor> = match guard.as_mut() {
+                    Some(Ok(g)) => Some(&mut **g),
+                    // A processor that panicked in an earlier generation.
+                    Some(Err(_)) => {
+                        feed.push(Event::Failed(Error::Invalid(
+                            "the logits processor is poisoned by an earlier panic".into(),
+                        )));
+                        return;
+                    }
+                    None => None,
+                };
+                let hooks = StepHooks {
+                    logprobs: top_logprobs,
+                    processor,
+                };
+                let result = generate_text_with(
                     &mut s,
                     tokenizer.as_deref(),
                     &ids,
                     &request,
+                    hooks,
                     |text| {
-                        let tokens = std::mem::take(&mut *pieces.borrow_mut());
-                        feed.push(Event::Piece(Piece {
-                            text: text.to_string(),
-                            tokens,
-                        }));
+                        let mut piece = std::mem::take(&mut *pieces.borrow_mut());
+                        piece.text = text.to_string();
+                        feed.push(Event::Piece(piece));
                     },
-                    |token| {
+                    |token, logprob| {
+                        let mut p = pieces.borrow_mut();
+                        p.tokens.push(token);
+                        p.logprobs.extend(logprob);
                         if tokenizer.is_none() {
-                            feed.push(Event::Piece(Piece {
-                                text: String::new(),
-                                tokens: vec![token],
-                            }));
-                        } else {
-                            pieces.borrow_mut().push(token);
+                            feed.push(Event::Piece(std::mem::take(&mut *p)));
                         }
                     },
                 );
                 let rest = pieces.into_inner();
-                if !rest.is_empty() {
-                    feed.push(Event::Piece(Piece {
-                        text: String::new(),
-                        tokens: rest,
-                    }));
+                if !rest.tokens.is_empty() {
+                    feed.push(Event::Piece(rest));
                 }
                 if let Some(id) = session {
                     sessions.insert(id, (s.into_state(), mix));
@@ -725,12 +841,15 @@ impl Drop for Session {
 /// A piece of generated output: text that is final (never a split UTF-8 character, never the
 /// start of a stop string) and the token ids it came from. Models loaded without a tokenizer
 /// give one id per piece and no text.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Piece {
     /// Text made final by this piece (may be empty while a character or stop string is pending).
     pub text: String,
     /// The generated token ids this piece accounts for.
     pub tokens: Vec<u32>,
+    /// One per token of [`Piece::tokens`] when [`Generation::logprobs`] asked for them, else
+    /// empty.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 enum Event {

@@ -3,6 +3,8 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use mlxcel_models::{AdapterMix, Message, Sampling};
+
+use crate::grammar::Grammar;
 use serde_json::{json, Map, Value};
 
 /// An error answered as OpenAI's `{"error": {...}}` JSON.
@@ -88,6 +90,36 @@ pub(crate) struct Request {
     pub model: Option<String>,
     /// The `adapter` extension field: an adapter name, or `{name: weight, ...}` for a blend.
     pub adapter: Option<AdapterMix>,
+    /// Per-token log-probabilities with this many alternatives (`logprobs`/`top_logprobs`).
+    pub logprobs: Option<usize>,
+    /// Declared tools (`tools`), as given: `{"type": "function", "function": {...}}`.
+    pub tools: Vec<Value>,
+    pub tool_choice: ToolChoice,
+    /// `response_format` `json_object` / `json_schema`: the grammar the output must follow.
+    pub json: Option<Grammar>,
+}
+
+/// `tool_choice`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ToolChoice {
+    /// Never call (the tools are still declared to the model).
+    None,
+    /// The model decides (the default with tools).
+    Auto,
+    /// At least one call.
+    Required,
+    /// A call of this function.
+    Named(String),
+}
+
+impl Request {
+    /// The declared tools' names.
+    pub fn tool_names(&self) -> Vec<String> {
+        self.tools
+            .iter()
+            .filter_map(|t| t["function"]["name"].as_str().map(str::to_string))
+            .collect()
+    }
 }
 
 /// Fields both endpoints implement.
@@ -110,14 +142,8 @@ const COMMON: &[&str] = &[
 
 /// OpenAI fields the server does not implement: refused unless absent, null or neutral.
 const UNSUPPORTED: &[&str] = &[
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "parallel_tool_calls",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
     "logit_bias",
     "presence_penalty",
     "frequency_penalty",
@@ -170,9 +196,18 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
         ));
     };
     let own: &[&str] = if chat {
-        &["messages", "max_completion_tokens"]
+        &[
+            "messages",
+            "max_completion_tokens",
+            "logprobs",
+            "top_logprobs",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "response_format",
+        ]
     } else {
-        &["prompt"]
+        &["prompt", "logprobs", "response_format"]
     };
     for (key, v) in &obj {
         if COMMON.contains(&key.as_str()) || own.contains(&key.as_str()) {
@@ -391,7 +426,50 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
         }
     };
 
+    let logprobs = if chat {
+        chat_logprobs(field("logprobs"), field("top_logprobs"))?
+    } else {
+        match field("logprobs") {
+            None => None,
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= 5 => Some(n as usize),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "logprobs",
+                        format!("`logprobs` must be an integer from 0 to 5, not {v}"),
+                    ))
+                }
+            },
+        }
+    };
+
+    let (tools, tool_choice) = if chat {
+        tools(field("tools"), field("tool_choice"))?
+    } else {
+        (Vec::new(), ToolChoice::None)
+    };
+    if let Some(v) = field("parallel_tool_calls") {
+        if !v.is_boolean() {
+            return Err(ApiError::invalid(
+                "parallel_tool_calls",
+                "`parallel_tool_calls` must be a boolean",
+            ));
+        }
+    }
+
+    let json = response_format(field("response_format"))?;
+    if json.is_some() && matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::invalid(
+            "response_format",
+            "`response_format` and a `tool_choice` that forces a call cannot both shape the output",
+        ));
+    }
+
     Ok(Request {
+        json,
+        tools,
+        tool_choice,
+        logprobs,
         input,
         max_tokens,
         max_field: max_name,
@@ -402,6 +480,198 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
         model,
         adapter,
     })
+}
+
+/// `tools` (function declarations with a name and, optionally, a description and a JSON-schema
+/// object of parameters) and `tool_choice`.
+fn tools(
+    tools: Option<&Value>,
+    choice: Option<&Value>,
+) -> Result<(Vec<Value>, ToolChoice), ApiError> {
+    let list = match tools {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items.clone(),
+        Some(_) => return Err(ApiError::invalid("tools", "`tools` must be a list")),
+    };
+    let mut names = Vec::new();
+    for (i, tool) in list.iter().enumerate() {
+        let at = |f: &str| format!("tools[{i}]{f}");
+        if tool.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::invalid(
+                at(".type"),
+                "only tools of type `function` are supported",
+            ));
+        }
+        let Some(function) = tool.get("function").and_then(Value::as_object) else {
+            return Err(ApiError::invalid(
+                at(".function"),
+                "a tool needs a `function` object",
+            ));
+        };
+        let name = match function.get("name").and_then(Value::as_str) {
+            Some(n)
+                if !n.is_empty()
+                    && n.len() <= 64
+                    && n.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') =>
+            {
+                n
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    at(".function.name"),
+                    "a function name must be 1 to 64 letters, digits, `_` or `-`",
+                ))
+            }
+        };
+        if names.contains(&name) {
+            return Err(ApiError::invalid(
+                at(".function.name"),
+                format!("the function `{name}` is declared twice"),
+            ));
+        }
+        names.push(name);
+        for (key, v) in function {
+            match key.as_str() {
+                "name" => {}
+                "description" if v.is_string() || v.is_null() => {}
+                "parameters" if v.is_object() || v.is_null() => {}
+                "strict" if v.is_boolean() || v.is_null() => {}
+                "description" | "parameters" | "strict" => {
+                    return Err(ApiError::invalid(
+                        at(&format!(".function.{key}")),
+                        format!("`{key}` has the wrong type"),
+                    ))
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        at(&format!(".function.{key}")),
+                        format!("Unrecognized tool field: {key}"),
+                    ))
+                }
+            }
+        }
+    }
+    let choice = match choice {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ))
+            }
+        },
+        Some(v) => match v["function"]["name"].as_str() {
+            Some(n) if v["type"] == "function" => ToolChoice::Named(n.to_string()),
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ))
+            }
+        },
+    };
+    if list.is_empty() && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "`tool_choice` asks for a call but no `tools` are declared",
+        ));
+    }
+    if let ToolChoice::Named(n) = &choice {
+        if !names.contains(&n.as_str()) {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!("`tool_choice` names `{n}`, which is not among the declared `tools`"),
+            ));
+        }
+    }
+    Ok((list, choice))
+}
+
+/// `response_format`: `{"type": "text"}`, `{"type": "json_object"}` or
+/// `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`.
+fn response_format(v: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
+    let Some(v) = v else { return Ok(None) };
+    let Some(obj) = v.as_object() else {
+        return Err(ApiError::invalid(
+            "response_format",
+            "`response_format` must be an object",
+        ));
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::any_object())),
+        Some("json_schema") => {
+            let Some(spec) = obj.get("json_schema").and_then(Value::as_object) else {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema",
+                    "`json_schema` must be an object with a `schema`",
+                ));
+            };
+            for key in spec.keys() {
+                if !matches!(key.as_str(), "name" | "schema" | "strict" | "description") {
+                    return Err(ApiError::invalid(
+                        format!("response_format.json_schema.{key}"),
+                        format!("Unrecognized argument: response_format.json_schema.{key}"),
+                    ));
+                }
+            }
+            let schema = spec
+                .get("schema")
+                .cloned()
+                .unwrap_or(json!({"type": "object"}));
+            Grammar::compile(&schema).map(Some).map_err(|e| {
+                ApiError::invalid(
+                    format!("response_format.json_schema.schema{}", e.path),
+                    format!(
+                        "response_format.json_schema.schema{}: {}",
+                        e.path, e.message
+                    ),
+                )
+            })
+        }
+        _ => Err(ApiError::invalid(
+            "response_format.type",
+            "`response_format.type` must be text, json_object or json_schema",
+        )),
+    }
+}
+
+/// Chat's `logprobs` (a boolean) and `top_logprobs` (0 to 20, only with `logprobs`).
+fn chat_logprobs(logprobs: Option<&Value>, top: Option<&Value>) -> Result<Option<usize>, ApiError> {
+    let on = match logprobs {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("`logprobs` must be a boolean, not {v}"),
+            ))
+        }
+    };
+    let top = match top {
+        None => 0,
+        Some(v) => match v.as_u64() {
+            Some(n) if n <= 20 => n as usize,
+            _ => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be an integer from 0 to 20, not {v}"),
+                ))
+            }
+        },
+    };
+    if top > 0 && !on {
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            "`top_logprobs` needs `logprobs` set to true",
+        ));
+    }
+    Ok(on.then_some(top))
 }
 
 /// A finite number accepted by `ok` (`what` says the range in the error).
@@ -447,8 +717,8 @@ fn messages(v: Option<&Value>) -> Result<Vec<Message>, ApiError> {
 fn message(i: usize, m: &Map<String, Value>) -> Result<Message, ApiError> {
     for (key, v) in m {
         match key.as_str() {
-            "role" | "content" | "name" | "tool_call_id" => {}
-            "tool_calls" | "function_call" | "audio" | "refusal" if neutral(key, v) => {}
+            "role" | "content" | "name" | "tool_call_id" | "tool_calls" => {}
+            "function_call" | "audio" | "refusal" if neutral(key, v) => {}
             _ => {
                 return Err(ApiError::invalid(
                     format!("messages[{i}].{key}"),
@@ -499,7 +769,65 @@ fn message(i: usize, m: &Map<String, Value>) -> Result<Message, ApiError> {
             ))
         }
     };
-    Ok(Message::new(role, &content))
+    let mut message = Message::new(role, &content);
+    let text = |key: &str| -> Result<Option<String>, ApiError> {
+        match m.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(ApiError::invalid(
+                format!("messages[{i}].{key}"),
+                format!("`{key}` must be a string"),
+            )),
+        }
+    };
+    message.name = text("name")?;
+    message.tool_call_id = text("tool_call_id")?;
+    match m.get("tool_calls") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(calls)) if role == "assistant" => {
+            for (j, call) in calls.iter().enumerate() {
+                message.tool_calls.push(history_call(call).ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("messages[{i}].tool_calls[{j}]"),
+                        "a tool call must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\": a JSON object as text}}",
+                    )
+                })?);
+            }
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].tool_calls"),
+                "`tool_calls` must be a list, on assistant messages",
+            ))
+        }
+    }
+    Ok(message)
+}
+
+/// An assistant's earlier tool call, with its `arguments` text parsed into the JSON object
+/// chat templates expect.
+fn history_call(call: &Value) -> Option<Value> {
+    let function = call.get("function")?.as_object()?;
+    let name = function.get("name")?.as_str()?;
+    let arguments = match function.get("arguments") {
+        None | Some(Value::Null) => json!({}),
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+            .ok()
+            .filter(Value::is_object)?,
+        Some(v @ Value::Object(_)) => v.clone(),
+        Some(_) => return None,
+    };
+    if call.get("type").is_some_and(|t| t != "function") {
+        return None;
+    }
+    let mut out = json!({
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    });
+    if let Some(id) = call.get("id").and_then(Value::as_str) {
+        out["id"] = json!(id);
+    }
+    Some(out)
 }
 
 fn prompt(v: Option<&Value>) -> Result<String, ApiError> {
@@ -541,7 +869,7 @@ mod tests {
                 true
             )
             .as_deref(),
-            Some("tools")
+            Some("tools[0].function")
         );
         assert_eq!(
             param(&format!("{{{m},\"temperature\":-1}}"), true).as_deref(),
@@ -549,11 +877,11 @@ mod tests {
         );
         assert_eq!(
             param(
-                &format!("{{{m},\"response_format\":{{\"type\":\"json_object\"}}}}"),
+                &format!("{{{m},\"response_format\":{{\"type\":\"json_schema\",\"json_schema\":{{\"schema\":{{\"type\":\"string\",\"pattern\":\"x\"}}}}}}}}"),
                 true
             )
             .as_deref(),
-            Some("response_format")
+            Some("response_format.json_schema.schema/pattern")
         );
         assert_eq!(
             param(&format!("{{{m},\"bogus\":1}}"), true).as_deref(),
@@ -605,10 +933,14 @@ mod tests {
 pub(crate) struct EmbeddingRequest {
     pub input: Vec<String>,
     pub dimensions: Option<usize>,
+    /// `encoding_format` "base64": each vector as base64 of its little-endian float32 bytes
+    /// (what the `openai` Python client asks for by default).
+    pub base64: bool,
 }
 
 /// Parses OpenAI's embeddings request: `input` (a string or a list of strings), `model`
-/// (any string; one embedding model is served), `dimensions`, `encoding_format` ("float"),
+/// (any string; one embedding model is served), `dimensions`, `encoding_format` ("float" or
+/// "base64"),
 /// `user` (ignored).
 pub(crate) fn parse_embeddings(body: &[u8]) -> Result<EmbeddingRequest, ApiError> {
     let value: Value = serde_json::from_slice(body)
@@ -670,22 +1002,23 @@ pub(crate) fn parse_embeddings(body: &[u8]) -> Result<EmbeddingRequest, ApiError
         None | Some(Value::Null) | Some(Value::String(_)) => {}
         Some(_) => return Err(ApiError::invalid("model", "`model` must be a string")),
     }
-    match obj.get("encoding_format") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(f)) if f == "float" => {}
+    let base64 = match obj.get("encoding_format") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(f)) if f == "float" => false,
+        Some(Value::String(f)) if f == "base64" => true,
         Some(Value::String(f)) => {
             return Err(ApiError::invalid(
                 "encoding_format",
-                format!("`encoding_format` \"{f}\" is not supported: only \"float\""),
+                format!("`encoding_format` \"{f}\" is not supported: \"float\" or \"base64\""),
             ))
         }
         Some(_) => {
             return Err(ApiError::invalid(
                 "encoding_format",
-                "`encoding_format` must be the string \"float\"",
+                "`encoding_format` must be the string \"float\" or \"base64\"",
             ))
         }
-    }
+    };
     let dimensions = match obj.get("dimensions") {
         None | Some(Value::Null) => None,
         Some(v) => match v.as_u64() {
@@ -700,5 +1033,45 @@ pub(crate) fn parse_embeddings(body: &[u8]) -> Result<EmbeddingRequest, ApiError
             }
         },
     };
-    Ok(EmbeddingRequest { input, dimensions })
+    Ok(EmbeddingRequest {
+        input,
+        dimensions,
+        base64,
+    })
+}
+
+/// Standard base64 (with padding) of `bytes`.
+pub(crate) fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod base64_tests {
+    #[test]
+    fn rfc4648_vectors() {
+        for (plain, coded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(super::base64(plain.as_bytes()), coded);
+        }
+    }
 }

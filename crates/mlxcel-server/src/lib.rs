@@ -16,7 +16,12 @@
 //! Endpoints: `GET /` (the chat page), `GET /health`, `GET /v1/models`,
 //! `POST /v1/chat/completions`, `POST /v1/completions` (both streamed as server-sent events
 //! with `"stream": true`), `POST /v1/embeddings` (when [`ServerConfig::embedder`] holds an
-//! [`Embedder`]; float vectors only) and `GET /metrics` (Prometheus text).
+//! [`Embedder`]; float or base64 vectors) and `GET /metrics` (Prometheus text).
+//!
+//! Chat requests may ask for `logprobs`, declare `tools` (passed to the chat template; calls in
+//! the reply come back as `tool_calls`, see the `tools` module) and set `response_format`
+//! (`json_object` / `json_schema`, enforced by constrained decoding: the `grammar` and
+//! `constraint` modules).
 //!
 //! Requests run one at a time on the model's worker; the others wait in a bounded queue (a
 //! request past [`ServerConfig::max_queue`] waiting ones gets a 429). A small pool of
@@ -36,6 +41,10 @@
 #![warn(missing_docs)]
 
 mod api;
+mod constraint;
+mod grammar;
+mod logprobs;
+mod tools;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -43,15 +52,17 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use api::{ApiError, EmbeddingRequest, Input, Request};
+use api::{ApiError, EmbeddingRequest, Input, Request, ToolChoice};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use logprobs::Vocab;
 use mlxcel_models::{
     AsyncTokenStream, Embedder, FinishReason, Generation, GenerationStats, Model, Prompt, Session,
+    SharedLogitsProcessor, TokenLogprob,
 };
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Mutex, OwnedMutexGuard};
@@ -184,6 +195,8 @@ struct Metrics {
     /// Admitted requests not finished yet (waiting or running).
     pending: AtomicUsize,
     running: AtomicUsize,
+    /// Tokens the prefix cache's sessions hold in their KV caches (updated after each request).
+    cached_tokens: AtomicUsize,
 }
 
 /// One kept conversation.
@@ -205,6 +218,8 @@ struct AppState {
     /// The embedding model's id (when [`ServerConfig::embedder`] is set).
     embedder_name: String,
     pool: Arc<Mutex<Pool>>,
+    /// The token trie for constrained decoding, built on first use.
+    vocabulary: std::sync::OnceLock<Arc<constraint::Vocabulary>>,
     metrics: Metrics,
     next_id: AtomicU64,
 }
@@ -239,6 +254,7 @@ fn router(model: Model, config: ServerConfig) -> Router {
         name,
         embedder_name,
         pool: Arc::new(Mutex::new(Pool { slots, clock: 0 })),
+        vocabulary: std::sync::OnceLock::new(),
         metrics: Metrics::default(),
         next_id: AtomicU64::new(1),
     });
@@ -255,6 +271,25 @@ fn router(model: Model, config: ServerConfig) -> Router {
 }
 
 impl AppState {
+    /// The vocabulary trie for constrained decoding (built once, off the async threads).
+    async fn vocabulary(self: &Arc<Self>) -> Result<Arc<constraint::Vocabulary>, ApiError> {
+        if let Some(v) = self.vocabulary.get() {
+            return Ok(v.clone());
+        }
+        let model = self.model.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            let bytes = model.token_bytes()?;
+            Ok::<_, mlxcel_models::Error>(constraint::Vocabulary::new(
+                bytes,
+                model.info().eos_token_ids.clone(),
+            ))
+        })
+        .await
+        .map_err(|e| internal(format!("building the vocabulary failed: {e}")))?
+        .map_err(|e| ApiError::invalid("response_format", e.to_string()))?;
+        Ok(self.vocabulary.get_or_init(|| Arc::new(built)).clone())
+    }
+
     fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         let Some(key) = &self.config.api_key else {
             return Ok(());
@@ -346,7 +381,11 @@ async fn embeddings(
         )
         .code("model_not_found"));
     };
-    let EmbeddingRequest { input, dimensions } = api::parse_embeddings(&body)?;
+    let EmbeddingRequest {
+        input,
+        dimensions,
+        base64,
+    } = api::parse_embeddings(&body)?;
     let width = embedder.info().dimensions;
     let mut options = embedder.options().clone();
     if let Some(d) = dimensions {
@@ -376,7 +415,15 @@ async fn embeddings(
     let data: Vec<Value> = vectors
         .into_iter()
         .enumerate()
-        .map(|(i, v)| json!({"object": "embedding", "index": i, "embedding": v}))
+        .map(|(i, v)| {
+            let embedding = if base64 {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(api::base64(&bytes))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
         .collect();
     Ok(json_response(
         StatusCode::OK,
@@ -450,6 +497,26 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Result<Response
         "Decode speed of the last generation.",
         &[("", f64::from_bits(get(&m.last_decode_tps)).to_string())],
     );
+    if let Ok(mem) = mlxcel_models::memory_stats() {
+        metric(
+            "mlxcel_memory_active_bytes",
+            "gauge",
+            "Bytes MLX holds in live arrays (weights, caches, work in flight).",
+            &[("", mem.active_bytes.to_string())],
+        );
+        metric(
+            "mlxcel_memory_peak_bytes",
+            "gauge",
+            "The most bytes MLX has held in live arrays.",
+            &[("", mem.peak_bytes.to_string())],
+        );
+        metric(
+            "mlxcel_memory_cache_bytes",
+            "gauge",
+            "Freed bytes MLX keeps cached for reuse.",
+            &[("", mem.cache_bytes.to_string())],
+        );
+    }
     metric(
         "mlxcel_queue_depth",
         "gauge",
@@ -461,6 +528,18 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Result<Response
         "gauge",
         "Requests being generated.",
         &[("", running.to_string())],
+    );
+    metric(
+        "mlxcel_kv_cache_tokens",
+        "gauge",
+        "Tokens held in the KV caches of the prefix cache's sessions.",
+        &[("", m.cached_tokens.load(Ordering::Relaxed).to_string())],
+    );
+    metric(
+        "mlxcel_kv_cache_sessions",
+        "gauge",
+        "Sessions of the prefix cache (--sessions).",
+        &[("", s.config.sessions.max(1).to_string())],
     );
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response())
 }
@@ -483,7 +562,8 @@ async fn completions(
 
 /// What the generating task tells the response.
 enum Event {
-    Text(String),
+    /// Text made final, and the logprobs of the tokens it came from (when asked for).
+    Piece(String, Vec<TokenLogprob>),
     Done(Box<GenerationStats>),
     Failed(String),
 }
@@ -507,6 +587,15 @@ async fn handle(
     let body = read_body(body, s.config.body_limit).await?;
     let request = api::parse(&body, chat)?;
     let (prompt, field) = match request.input.clone() {
+        Input::Chat(messages) if !request.tools.is_empty() => {
+            let tools = request.tools.clone();
+            let prompt = if s.model.template_takes_tools() {
+                Prompt::MessagesWithTools { messages, tools }
+            } else {
+                Prompt::Messages(tools::described_in_system(messages, &tools))
+            };
+            (prompt, "messages")
+        }
         Input::Chat(messages) => (Prompt::Messages(messages), "messages"),
         Input::Text(text) => (Prompt::Text(text), "prompt"),
     };
@@ -593,11 +682,57 @@ async fn handle(
         Some(m) if m.entries.len() == 1 && request.adapter.is_none() => m.entries[0].0.clone(),
         _ => s.name.clone(),
     };
+    // The output's shape: a JSON schema, or a forced tool call.
+    let shape = match (&request.json, &request.tool_choice) {
+        (Some(g), _) => Some(constraint::Shape::json(g.clone())),
+        (None, ToolChoice::Required) => Some(tools::forced_call(&request.tools, None)?),
+        (None, ToolChoice::Named(n)) => Some(tools::forced_call(&request.tools, Some(n))?),
+        (None, _) => None,
+    };
+    let logits_processor = match shape {
+        None => None,
+        Some(shape) => {
+            let room = s
+                .model
+                .info()
+                .context_length
+                .map_or(usize::MAX, |c| c.saturating_sub(ids.len()));
+            let budget = request
+                .max_tokens
+                .unwrap_or(Generation::DEFAULT_MAX_NEW_TOKENS.min(room));
+            // The shortest output and its end-of-sequence token.
+            let need = shape.min_bytes() + 1;
+            if need > budget {
+                return Err(ApiError::invalid(
+                    request.max_field,
+                    format!(
+                        "the shortest output the requested format allows takes {need} tokens; \
+                         {} is {budget}",
+                        request.max_field
+                    ),
+                ));
+            }
+            let vocabulary = s.vocabulary().await?;
+            Some(SharedLogitsProcessor::new(constraint::JsonConstraint::new(
+                shape, vocabulary, budget,
+            )))
+        }
+    };
+    let vocab = match request.logprobs {
+        Some(_) => Some(Vocab(
+            s.model
+                .token_bytes()
+                .map_err(|e| ApiError::invalid("logprobs", e.to_string()))?,
+        )),
+        None => None,
+    };
     let options = Generation {
         max_new_tokens: request.max_tokens,
         sampling: request.sampling.clone(),
         stop: request.stop.clone(),
         adapters: mix,
+        logprobs: request.logprobs,
+        logits_processor,
         ..Generation::default()
     };
     let (tx, rx) = mpsc::channel::<Event>(64);
@@ -621,6 +756,9 @@ async fn handle(
             .unwrap_or(0),
         model: answered_as,
         chat,
+        vocab,
+        tool_names: (request.tool_choice != ToolChoice::None && !request.tools.is_empty())
+            .then(|| request.tool_names()),
     };
     if request.stream {
         Ok(stream_response(meta, request, rx))
@@ -677,13 +815,13 @@ async fn drive(
                 }
                 e => internal(e.to_string()),
             }));
-            refresh(pool, index).await;
+            refresh(&s, pool, index).await;
             return;
         }
     };
     let _ = started.send(Ok(()));
     forward(&s, stream, &tx).await;
-    refresh(pool, index).await;
+    refresh(&s, pool, index).await;
 }
 
 /// The slot whose cached tokens share the longest prefix with `ids`; the least recently used
@@ -713,11 +851,14 @@ fn pick(pool: &Pool, ids: &[u32]) -> usize {
 
 /// Reads the session's tokens back from the worker (after the generation, cancelled or not,
 /// has ended there), then releases the pool.
-async fn refresh(mut pool: OwnedMutexGuard<Pool>, index: usize) {
+async fn refresh(s: &Shared, mut pool: OwnedMutexGuard<Pool>, index: usize) {
+    let s = s.clone();
     let _ = tokio::task::spawn_blocking(move || {
         if let Some(slot) = pool.slots.get_mut(index) {
             slot.tokens = slot.session.cached_tokens().unwrap_or_default();
         }
+        let held = pool.slots.iter().map(|slot| slot.tokens.len()).sum();
+        s.metrics.cached_tokens.store(held, Ordering::Relaxed);
         drop(pool);
     })
     .await;
@@ -735,10 +876,14 @@ async fn forward(s: &AppState, mut stream: AsyncTokenStream, tx: &mpsc::Sender<E
         };
         match next {
             Some(Ok(piece)) => {
-                if piece.text.is_empty() {
+                if piece.text.is_empty() && piece.logprobs.is_empty() {
                     continue;
                 }
-                if tx.send(Event::Text(piece.text)).await.is_err() {
+                if tx
+                    .send(Event::Piece(piece.text, piece.logprobs))
+                    .await
+                    .is_err()
+                {
                     stream.cancel();
                     return;
                 }
@@ -784,13 +929,33 @@ struct Meta {
     created: u64,
     model: String,
     chat: bool,
+    /// Set when the request asked for logprobs.
+    vocab: Option<Vocab>,
+    /// The declared tools' names, when the output is to be read for tool calls.
+    tool_names: Option<Vec<String>>,
 }
 
-fn finish_reason(stats: &GenerationStats) -> &'static str {
+/// `finish_reason`: `tool_calls` when the reply made calls and ended by itself.
+fn finish_reason(stats: &GenerationStats, called: bool) -> &'static str {
     match stats.finish {
         FinishReason::Length => "length",
+        FinishReason::Eos | FinishReason::Stop if called => "tool_calls",
         FinishReason::Eos | FinishReason::Stop | FinishReason::Cancelled => "stop",
     }
+}
+
+/// OpenAI's `tool_calls` entry for the `index`-th call of a response; `delta` adds the index
+/// (streamed chunks carry it).
+fn tool_call_json(meta: &Meta, index: usize, call: &tools::ToolCall, delta: bool) -> Value {
+    let mut v = json!({
+        "id": format!("call_{}_{index}", meta.id),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    });
+    if delta {
+        v["index"] = json!(index);
+    }
+    v
 }
 
 fn usage(stats: &GenerationStats) -> Value {
@@ -804,27 +969,58 @@ fn usage(stats: &GenerationStats) -> Value {
 
 async fn collect_response(meta: Meta, mut rx: mpsc::Receiver<Event>) -> Result<Response, ApiError> {
     let mut text = String::new();
+    let mut lps = Vec::new();
     let stats = loop {
         match rx.recv().await {
-            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Piece(t, l)) => {
+                text.push_str(&t);
+                lps.extend(l);
+            }
             Some(Event::Done(stats)) => break stats,
             Some(Event::Failed(e)) => return Err(internal(e)),
             None => return Err(internal("the generation stopped")),
         }
     };
+    let logprobs = meta.logprobs(&lps, &mut 0);
     let choice = if meta.chat {
+        let mut message = json!({"role": "assistant", "content": text});
+        let mut called = false;
+        if let Some(names) = &meta.tool_names {
+            let mut parser = tools::ToolCallParser::new(names.clone());
+            let mut outputs = parser.push(&text);
+            outputs.extend(parser.finish());
+            let mut content = String::new();
+            let mut calls = Vec::new();
+            for o in outputs {
+                match o {
+                    tools::Output::Text(t) => content.push_str(&t),
+                    tools::Output::Call(c) => {
+                        calls.push(tool_call_json(&meta, calls.len(), &c, false))
+                    }
+                }
+            }
+            if !calls.is_empty() {
+                called = true;
+                message["content"] = if content.trim().is_empty() {
+                    Value::Null
+                } else {
+                    json!(content)
+                };
+                message["tool_calls"] = Value::Array(calls);
+            }
+        }
         json!({
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": null,
-            "finish_reason": finish_reason(&stats),
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(&stats, called),
         })
     } else {
         json!({
             "index": 0,
             "text": text,
-            "logprobs": null,
-            "finish_reason": finish_reason(&stats),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(&stats, false),
         })
     };
     Ok(json_response(
@@ -856,7 +1052,23 @@ impl Meta {
         Bytes::from(format!("data: {chunk}\n\n"))
     }
 
-    fn delta(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+    /// The `logprobs` of a choice for `tokens` (null unless asked for); `offset`: see
+    /// [`Vocab::completion`].
+    fn logprobs(&self, tokens: &[TokenLogprob], offset: &mut usize) -> Value {
+        match &self.vocab {
+            None => Value::Null,
+            Some(v) if self.chat => v.chat(tokens),
+            Some(v) => v.completion(tokens, offset),
+        }
+    }
+
+    fn delta(
+        &self,
+        text: Option<&str>,
+        role: bool,
+        finish: Option<&str>,
+        logprobs: Value,
+    ) -> Value {
         if self.chat {
             let mut delta = serde_json::Map::new();
             if role {
@@ -865,9 +1077,9 @@ impl Meta {
             if let Some(t) = text {
                 delta.insert("content".into(), json!(t));
             }
-            json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}])
+            json!([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
         } else {
-            json!([{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}])
+            json!([{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}])
         }
     }
 }
@@ -880,6 +1092,42 @@ struct SseBody {
     /// Chunks ready to send, in order.
     queue: std::collections::VecDeque<Bytes>,
     done: bool,
+    /// Bytes of completion text sent so far (the legacy logprobs' `text_offset`).
+    offset: usize,
+    /// Reads tool calls out of the text (when the request declared tools).
+    tools: Option<tools::ToolCallParser>,
+    /// Tool calls sent so far.
+    calls: usize,
+}
+
+impl SseBody {
+    /// Queues the chunks for `outputs` of the tool-call parser (the first text chunk carries
+    /// `logprobs`).
+    fn queue_outputs(&mut self, outputs: Vec<tools::Output>, mut logprobs: Value) {
+        let usage_null = self.include_usage.then_some(Value::Null);
+        for o in outputs {
+            let lp = std::mem::take(&mut logprobs);
+            let chunk = match o {
+                tools::Output::Text(t) => self.meta.chunk(
+                    self.meta.delta(Some(&t), false, None, lp),
+                    usage_null.clone(),
+                ),
+                tools::Output::Call(c) => {
+                    let call = tool_call_json(&self.meta, self.calls, &c, true);
+                    self.calls += 1;
+                    let choices = json!([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": lp, "finish_reason": null}]);
+                    self.meta.chunk(choices, usage_null.clone())
+                }
+            };
+            self.queue.push_back(chunk);
+        }
+        if !logprobs.is_null() {
+            let chunk = self
+                .meta
+                .chunk(self.meta.delta(None, false, None, logprobs), usage_null);
+            self.queue.push_back(chunk);
+        }
+    }
 }
 
 impl futures_core::Stream for SseBody {
@@ -901,17 +1149,23 @@ impl futures_core::Stream for SseBody {
             let usage_null = this.include_usage.then_some(Value::Null);
             match this.rx.poll_recv(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Event::Text(t))) => {
-                    let c = this
-                        .meta
-                        .chunk(this.meta.delta(Some(&t), false, None), usage_null);
-                    this.queue.push_back(c);
+                Poll::Ready(Some(Event::Piece(t, lps))) => {
+                    let logprobs = this.meta.logprobs(&lps, &mut this.offset);
+                    let outputs = match this.tools.as_mut() {
+                        Some(parser) => parser.push(&t),
+                        None => vec![tools::Output::Text(t)],
+                    };
+                    this.queue_outputs(outputs, logprobs);
                 }
                 Poll::Ready(Some(Event::Done(stats))) => {
-                    let finish = finish_reason(&stats);
-                    let c = this
-                        .meta
-                        .chunk(this.meta.delta(None, false, Some(finish)), usage_null);
+                    if let Some(outputs) = this.tools.as_mut().map(|p| p.finish()) {
+                        this.queue_outputs(outputs, Value::Null);
+                    }
+                    let finish = finish_reason(&stats, this.calls > 0);
+                    let c = this.meta.chunk(
+                        this.meta.delta(None, false, Some(finish), Value::Null),
+                        usage_null,
+                    );
                     this.queue.push_back(c);
                     if this.include_usage {
                         let c = this.meta.chunk(json!([]), Some(usage(&stats)));
@@ -944,14 +1198,18 @@ fn stream_response(meta: Meta, request: Request, rx: mpsc::Receiver<Event>) -> R
     let mut queue = std::collections::VecDeque::new();
     if meta.chat {
         let usage_null = request.include_usage.then_some(Value::Null);
-        queue.push_back(meta.chunk(meta.delta(Some(""), true, None), usage_null));
+        queue.push_back(meta.chunk(meta.delta(Some(""), true, None, Value::Null), usage_null));
     }
+    let parser = meta.tool_names.clone().map(tools::ToolCallParser::new);
     let body = SseBody {
         rx,
         meta,
         include_usage: request.include_usage,
+        tools: parser,
+        calls: 0,
         queue,
         done: false,
+        offset: 0,
     };
     (
         [

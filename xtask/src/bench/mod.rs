@@ -77,6 +77,8 @@ enum ModelId {
     Llama1bBf16,
     Llama1b4,
     Qwen3Moe4,
+    Mamba2Q4,
+    JambaQ4,
 }
 
 impl ModelId {
@@ -87,6 +89,8 @@ impl ModelId {
             ModelId::Llama1bBf16 => "synthetic-llama3.2-1b-bf16",
             ModelId::Llama1b4 => "synthetic-llama3.2-1b-4bit-g64",
             ModelId::Qwen3Moe4 => "synthetic-qwen3moe-1gb-4bit-g64",
+            ModelId::Mamba2Q4 => "synthetic-mamba2-130m-4bit-g64",
+            ModelId::JambaQ4 => "synthetic-jamba-mini-4bit-g64",
         }
     }
 }
@@ -175,6 +179,22 @@ fn plan(quick: bool) -> Vec<Case> {
             8,
             [1, 0, 1],
             "short lengths; mlx-lm checkpoint dtype skipped (bf16 gather_qmm emulated on CPU: minutes per run)",
+        ),
+        case(
+            "mamba2-130m-shape-4bit",
+            Mamba2Q4,
+            256,
+            32,
+            [1, 0, 1],
+            "state-space (SSD) stack; mlx-lm checkpoint dtype skipped (bf16 emulated on CPU)",
+        ),
+        case(
+            "jamba-mini-shape-4bit",
+            JambaQ4,
+            128,
+            16,
+            [1, 0, 1],
+            "7 Mamba + 1 attention layer, MoE on odd layers; mlx-lm checkpoint dtype skipped (bf16 emulated on CPU)",
         ),
     ]
 }
@@ -304,10 +324,16 @@ fn ensure_model(p: &Paths, id: ModelId) -> Result<PathBuf> {
             let smol = ensure_model(p, ModelId::Smol4)?;
             synth::requantize(&smol, &dest, QuantSpec::affine(64, 8))?;
         }
-        ModelId::Llama1bBf16 | ModelId::Llama1b4 | ModelId::Qwen3Moe4 => {
+        ModelId::Llama1bBf16
+        | ModelId::Llama1b4
+        | ModelId::Qwen3Moe4
+        | ModelId::Mamba2Q4
+        | ModelId::JambaQ4 => {
             let (m, seed) = match id {
                 ModelId::Llama1bBf16 => (synth::llama_1b(None), 1),
                 ModelId::Llama1b4 => (synth::llama_1b(q4), 1),
+                ModelId::Mamba2Q4 => (synth::mamba2(q4), 3),
+                ModelId::JambaQ4 => (synth::jamba(q4), 4),
                 _ => (synth::qwen3_moe(q4), 2),
             };
             eprintln!(

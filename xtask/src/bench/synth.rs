@@ -288,6 +288,123 @@ pub fn qwen3_moe(quant: Option<QuantSpec>) -> Synthetic {
     m
 }
 
+/// A Mamba-2-shaped model (the size of mamba2-130m): hidden 768, 24 layers of SSD mixers with
+/// 24 heads × 64 (inner 1536), one group of B/C, d_state 128, conv 4, chunk 256, vocab 50288,
+/// tied embeddings. Tensors in transformers' `backbone.*` layout (conv weights `[C, 1, K]`).
+pub fn mamba2(quant: Option<QuantSpec>) -> Synthetic {
+    let (h, layers, heads, hd, state, vocab) = (768, 24, 24, 64, 128, 50288);
+    let inner = heads * hd;
+    let conv_dim = inner + 2 * state;
+    let config = json!({
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "hidden_size": h, "num_hidden_layers": layers, "num_heads": heads, "head_dim": hd,
+        "state_size": state, "n_groups": 1, "expand": 2, "conv_kernel": 4, "chunk_size": 256,
+        "intermediate_size": inner, "vocab_size": vocab, "tie_word_embeddings": true,
+        "layer_norm_epsilon": 1e-5, "use_bias": false, "use_conv_bias": true,
+        "time_step_limit": [0.0, 1e30], "time_step_rank": "auto", "residual_in_fp32": true,
+        "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16",
+    });
+    let mut m = Synthetic {
+        config: with_quant(config, quant),
+        items: Vec::new(),
+        dtype: Dtype::Bfloat16,
+    };
+    m.linear("backbone.embeddings".into(), &[vocab, h], quant);
+    for i in 0..layers {
+        let p = format!("backbone.layers.{i}");
+        m.dense(format!("{p}.norm.weight"), &[h], Fill::Ones);
+        let x = format!("{p}.mixer");
+        m.linear(
+            format!("{x}.in_proj"),
+            &[inner + conv_dim + heads, h],
+            quant,
+        );
+        m.dense(
+            format!("{x}.conv1d.weight"),
+            &[conv_dim, 1, 4],
+            Fill::Random,
+        );
+        m.dense(format!("{x}.conv1d.bias"), &[conv_dim], Fill::Random);
+        m.dense(format!("{x}.dt_bias"), &[heads], Fill::Random);
+        m.dense(format!("{x}.A_log"), &[heads], Fill::Random);
+        m.dense(format!("{x}.D"), &[heads], Fill::Ones);
+        m.dense(format!("{x}.norm.weight"), &[inner], Fill::Ones);
+        m.linear(format!("{x}.out_proj"), &[h, inner], quant);
+    }
+    m.dense("backbone.norm_f.weight".into(), &[h], Fill::Ones);
+    m
+}
+
+/// A Jamba-shaped model (a scaled-down Jamba): hidden 1024, 8 layers of which layer 4 attends
+/// (16 heads, 8 KV, no rope) and the others are Mamba layers (expand 2, d_state 16, dt_rank 64,
+/// conv 4, weighted dt/B/C norms); the odd layers' feed-forward is 8 experts top-2 of width 1024
+/// (`feed_forward.switch_mlp`, router dense), the even ones a dense MLP of the same width;
+/// vocab 32000, untied head.
+pub fn jamba(quant: Option<QuantSpec>) -> Synthetic {
+    let (h, layers, heads, kv, vocab) = (1024, 8, 16, 8, 32000);
+    // Jamba's dense MLPs and experts share `intermediate_size`.
+    let (experts, top_k, expert_inter) = (8, 2, 1024);
+    let dense_inter = expert_inter;
+    let (inner, state, dt_rank) = (2 * h, 16, 64);
+    let config = json!({
+        "architectures": ["JambaForCausalLM"],
+        "model_type": "jamba",
+        "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "intermediate_size": expert_inter,
+        "attn_layer_period": 8, "attn_layer_offset": 4,
+        "expert_layer_period": 2, "expert_layer_offset": 1,
+        "num_experts": experts, "num_experts_per_tok": top_k,
+        "mamba_d_state": state, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": dt_rank,
+        "mamba_conv_bias": true, "mamba_proj_bias": false, "rms_norm_eps": 1e-6,
+        "vocab_size": vocab, "tie_word_embeddings": false, "max_position_embeddings": 262144,
+        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    });
+    let mut m = Synthetic {
+        config: with_quant(config, quant),
+        items: Vec::new(),
+        dtype: Dtype::Bfloat16,
+    };
+    m.linear("model.embed_tokens".into(), &[vocab, h], quant);
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        if i % 8 == 4 {
+            m.attention(&p, (h, heads, kv, h / heads), quant);
+        } else {
+            m.dense(format!("{p}.input_layernorm.weight"), &[h], Fill::Ones);
+            let x = format!("{p}.mamba");
+            m.linear(format!("{x}.in_proj"), &[2 * inner, h], quant);
+            m.dense(format!("{x}.conv1d.weight"), &[inner, 1, 4], Fill::Random);
+            m.dense(format!("{x}.conv1d.bias"), &[inner], Fill::Random);
+            m.linear(format!("{x}.x_proj"), &[dt_rank + 2 * state, inner], quant);
+            m.linear(format!("{x}.dt_proj"), &[inner, dt_rank], quant);
+            m.dense(format!("{x}.dt_proj.bias"), &[inner], Fill::Random);
+            m.dense(format!("{x}.A_log"), &[inner, state], Fill::Random);
+            m.dense(format!("{x}.D"), &[inner], Fill::Ones);
+            m.dense(format!("{x}.dt_layernorm.weight"), &[dt_rank], Fill::Ones);
+            m.dense(format!("{x}.b_layernorm.weight"), &[state], Fill::Ones);
+            m.dense(format!("{x}.c_layernorm.weight"), &[state], Fill::Ones);
+            m.linear(format!("{x}.out_proj"), &[h, inner], quant);
+        }
+        m.dense(format!("{p}.pre_ff_layernorm.weight"), &[h], Fill::Ones);
+        let f = format!("{p}.feed_forward");
+        if i % 2 == 1 {
+            m.dense(format!("{f}.router.weight"), &[experts, h], Fill::Random);
+            let s = format!("{f}.switch_mlp");
+            m.linear(format!("{s}.gate_proj"), &[experts, expert_inter, h], quant);
+            m.linear(format!("{s}.up_proj"), &[experts, expert_inter, h], quant);
+            m.linear(format!("{s}.down_proj"), &[experts, h, expert_inter], quant);
+        } else {
+            m.linear(format!("{f}.gate_proj"), &[dense_inter, h], quant);
+            m.linear(format!("{f}.up_proj"), &[dense_inter, h], quant);
+            m.linear(format!("{f}.down_proj"), &[h, dense_inter], quant);
+        }
+    }
+    m.dense("model.final_layernorm.weight".into(), &[h], Fill::Ones);
+    m.linear("lm_head".into(), &[vocab, h], quant);
+    m
+}
+
 /// The quantization of module `prefix` per an MLX `quantization` block (per-module overrides,
 /// else the defaults).
 fn module_spec(q: &Value, prefix: &str) -> Option<QuantSpec> {
@@ -390,6 +507,8 @@ mod tests {
             "{}",
             gb(&qwen3_moe(q))
         );
+        assert!((0.06..0.09).contains(&gb(&mamba2(q))), "{}", gb(&mamba2(q)));
+        assert!((0.11..0.15).contains(&gb(&jamba(q))), "{}", gb(&jamba(q)));
         let names: Vec<String> = qwen3_moe(q).layout().into_iter().map(|l| l.0).collect();
         assert!(names.contains(&"model.layers.3.mlp.switch_mlp.down_proj.scales".to_string()));
         assert!(names.contains(&"model.layers.3.mlp.gate.weight".to_string()));

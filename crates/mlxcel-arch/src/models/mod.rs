@@ -4,6 +4,7 @@
 pub mod common;
 pub mod transformer;
 
+pub mod bamba;
 pub mod bert;
 pub mod cohere;
 pub mod deepseek;
@@ -13,7 +14,10 @@ pub mod gemma2;
 pub mod gemma3_text;
 pub mod glm4;
 pub mod granite;
+pub mod jamba;
 pub mod llama;
+pub mod mamba;
+pub mod mamba2;
 pub mod mixtral;
 pub mod modernbert;
 pub mod olmoe;

@@ -1,11 +1,12 @@
 //! The decoder most text architectures are compositions of. An architecture file turns its
 //! `ModelArgs` into a [`DecoderSpec`] — values, not switches: which token mixer each layer runs
-//! (attention or latent attention), its rope and window, which feed-forward block (dense, plain,
+//! (attention, latent attention or a state-space mixer), its rope and window, which feed-forward block (dense, plain,
 //! mixture of experts), where the norms sit (the block topology) and the scalings — and
 //! [`Decoder`] builds and runs it.
 //!
 //! The decoder reads the canonical layout under its scope: `model.embed_tokens`,
-//! `model.layers.{i}.{self_attn,mlp}.*`, the topology's norms, `model.norm`, `lm_head`.
+//! `model.layers.{i}.{self_attn,mlp}.*` (a state-space layer's mixer under `mixer`), the
+//! topology's norms, `model.norm`, `lm_head`.
 //! Architectures whose checkpoints spell things otherwise (fused projections, `ffn`/`block_sparse_moe`
 //! prefixes, other norm names, per-expert tensors) rewrite them in their `sanitize`.
 //!
@@ -20,10 +21,11 @@ use serde::de::DeserializeOwned;
 
 use crate::cache::LayerCache;
 use crate::model::{Architecture, LanguageModel, LayerKind};
+use crate::nn::ssm::{BcdtNorms, CausalConv, Mamba2Dims, MambaDims, PlainRms};
 use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
-    Linear, LinearInput, Mlp, Norm, NormKind, QkNorm, QkvProjection, QueryProjection, RopeConfig,
-    RotaryEmbedding, RoutedExperts, Router, RouterScoring,
+    Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind, QkNorm, QkvProjection,
+    QueryProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -107,6 +109,8 @@ pub enum FfnSpec {
     },
     /// A mixture of experts (`mlp.gate` router, `mlp.switch_mlp.*` experts).
     Moe(MoeSpec),
+    /// No feed-forward block (the [`BlockTopology::MixerOnly`] blocks of state-space stacks).
+    None,
 }
 
 /// Multi-head latent attention's shape.
@@ -125,6 +129,48 @@ pub struct LatentSpec {
     pub rope: RopeConfig,
 }
 
+/// How a Mamba-1 mixer normalises its time-step input, `B` and `C` before the scan.
+#[derive(Debug, Clone, Copy)]
+pub struct BcdtNormSpec {
+    /// Norms with weights (`dt_layernorm`, `b_layernorm`, `c_layernorm`: Jamba), else weightless
+    /// (Falcon-Mamba).
+    pub weighted: bool,
+    /// Their epsilon.
+    pub eps: f32,
+}
+
+/// A Mamba-1 selective state-space mixer (`mixer.*`).
+#[derive(Debug, Clone)]
+pub struct MambaSpec {
+    /// Inner width, state size and time-step rank.
+    pub dims: MambaDims,
+    /// Width of the causal convolution (`conv_kernel`, `d_conv`).
+    pub conv_kernel: i32,
+    /// The convolution has a bias (`use_conv_bias`).
+    pub conv_bias: bool,
+    /// `in_proj` and `out_proj` have biases (`use_bias`).
+    pub proj_bias: bool,
+    /// RMS norms of dt, B and C (Falcon-Mamba, Jamba), if any.
+    pub bcdt_norms: Option<BcdtNormSpec>,
+}
+
+/// A Mamba-2 (SSD) mixer (`mixer.*`).
+#[derive(Debug, Clone)]
+pub struct Mamba2Spec {
+    /// Heads, head width, groups, state size and SSD chunk.
+    pub dims: Mamba2Dims,
+    /// Width of the causal convolution (`conv_kernel`).
+    pub conv_kernel: i32,
+    /// The convolution has a bias (`use_conv_bias`).
+    pub conv_bias: bool,
+    /// `in_proj` and `out_proj` have biases (`use_bias`).
+    pub proj_bias: bool,
+    /// Epsilon of the gated RMSNorm.
+    pub norm_eps: f32,
+    /// The clamp of the time step after its softplus (`time_step_limit`).
+    pub dt_limit: (f64, f64),
+}
+
 /// The token mixer of one layer.
 #[derive(Debug, Clone)]
 pub enum MixerSpec {
@@ -133,6 +179,20 @@ pub enum MixerSpec {
     Attention,
     /// Multi-head latent attention (DeepSeek V2/V3).
     Latent(LatentSpec),
+    /// Mamba-1's selective scan (Mamba, Falcon-Mamba, Jamba's Mamba layers).
+    Mamba(MambaSpec),
+    /// Mamba-2's multi-head SSD scan.
+    Mamba2(Mamba2Spec),
+}
+
+impl MixerSpec {
+    /// The scope the mixer's tensors are read under within its layer.
+    fn scope(&self) -> &'static str {
+        match self {
+            MixerSpec::Attention | MixerSpec::Latent(_) => "self_attn",
+            MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) => "mixer",
+        }
+    }
 }
 
 /// Where a block's norms sit, and the canonical names they are read under.
@@ -147,6 +207,8 @@ pub enum BlockTopology {
     PostNorm,
     /// Cohere, Phi-2: `x = input_layernorm(h); h += mixer(x) + ffn(x)`.
     Parallel,
+    /// State-space stacks (Mamba, Mamba-2): `h += mixer(input_layernorm(h))`, no feed-forward.
+    MixerOnly,
 }
 
 /// Everything that distinguishes one decoder architecture from another.
@@ -214,6 +276,14 @@ impl DecoderSpec {
             .iter()
             .zip(&self.windows)
             .map(|(mixer, window)| match (mixer, window) {
+                (MixerSpec::Mamba(m), _) => LayerKind::Recurrent {
+                    window: ((m.conv_kernel - 1) * m.dims.inner) as u64,
+                    state: m.dims.inner as u64 * m.dims.state as u64,
+                },
+                (MixerSpec::Mamba2(m), _) => LayerKind::Recurrent {
+                    window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
+                    state: (m.dims.inner * m.dims.state) as u64,
+                },
                 (MixerSpec::Latent(l), _) => LayerKind::LatentAttention {
                     latent: l.dims.kv_lora_rank,
                     rope: l.dims.qk_rope,
@@ -241,6 +311,17 @@ impl DecoderSpec {
                 self.ffn.len()
             )));
         }
+        let mixer_only = self.topology == BlockTopology::MixerOnly;
+        if self
+            .ffn
+            .iter()
+            .any(|f| matches!(f, FfnSpec::None) != mixer_only)
+        {
+            return Err(ModelError::Config(
+                "internal: a block has no feed-forward exactly when its topology is MixerOnly"
+                    .into(),
+            ));
+        }
         if self.kv_heads <= 0 || self.heads <= 0 || self.heads % self.kv_heads != 0 {
             return Err(ModelError::Config(format!(
                 "num_attention_heads {} is not a positive multiple of num_key_value_heads {}",
@@ -257,6 +338,8 @@ impl DecoderSpec {
 enum Mixer {
     Attention(Attention),
     Latent(Box<LatentAttention>),
+    Mamba(Box<MambaMixer>),
+    Mamba2(Box<Mamba2Mixer>),
 }
 
 impl Mixer {
@@ -271,6 +354,9 @@ impl Mixer {
         match self {
             Mixer::Attention(a) => a.forward(x, norm, residual, cache, positions),
             Mixer::Latent(a) => a.forward(x, norm, residual, cache, positions),
+            // A state-space layer has no positions: it continues from its state.
+            Mixer::Mamba(m) => m.forward(x, norm, residual, cache),
+            Mixer::Mamba2(m) => m.forward(x, norm, residual, cache),
         }
     }
 }
@@ -367,13 +453,17 @@ enum BlockNorms {
     Parallel {
         input: Norm,
     },
+    MixerOnly {
+        mixer_in: Norm,
+    },
 }
 
 #[derive(Debug)]
 struct Block {
     norms: BlockNorms,
     mixer: Mixer,
-    ffn: FeedForward,
+    /// `None` exactly for [`BlockNorms::MixerOnly`] (see [`DecoderSpec::check`]).
+    ffn: Option<FeedForward>,
 }
 
 /// `h + scale · y` (`h + y` without a scale).
@@ -392,7 +482,21 @@ impl Block {
         positions: Option<&Array>,
         residual_scale: Option<f64>,
     ) -> Result<Array> {
-        let (mixer, ffn) = (&self.mixer, &self.ffn);
+        let mixer = &self.mixer;
+        if let BlockNorms::MixerOnly { mixer_in } = &self.norms {
+            return match residual_scale {
+                None => mixer.forward(h, Some(mixer_in), Some(h), cache, positions),
+                Some(s) => {
+                    let r = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                    add_scaled(h, &r, Some(s))
+                }
+            };
+        }
+        let Some(ffn) = &self.ffn else {
+            return Err(ModelError::Runtime(
+                "internal: a block without a feed-forward outside MixerOnly".into(),
+            ));
+        };
         match (&self.norms, residual_scale) {
             (BlockNorms::PreNorm { mixer_in, ffn_in }, None) => {
                 // The norms fold into the first projections and the residual adds into the
@@ -431,6 +535,7 @@ impl Block {
                 let f = ffn.forward(&x)?;
                 add_scaled(h, &a.add(&f)?, s)
             }
+            (BlockNorms::MixerOnly { .. }, _) => unreachable!("returned above"),
         }
     }
 }
@@ -583,12 +688,106 @@ fn latent_attention(
     })
 }
 
+/// A causal depthwise convolution `conv1d.{weight,bias}` over `channels` (the weight in
+/// PyTorch's `[channels, 1, kernel]`; sanitisers bring MLX's `[channels, kernel, 1]` to it).
+fn causal_conv(w: &mut ModelWeights, channels: i32, kernel: i32, bias: bool) -> Result<CausalConv> {
+    let weight = w
+        .tensor("conv1d.weight", &[channels, 1, kernel])?
+        .reshape(&[channels, kernel])?
+        .transpose(&[1, 0])?;
+    let bias = if bias {
+        Some(w.tensor("conv1d.bias", &[channels])?)
+    } else {
+        None
+    };
+    w.keep_all([&weight]);
+    Ok(CausalConv { weight, bias })
+}
+
+/// `-exp(A_log)` and `D` in float32 (the scans run in float32).
+fn ssm_parameters(w: &mut ModelWeights, a_shape: &[i32], d_len: i32) -> Result<(Array, Array)> {
+    let f32 = mlxcel_core::Dtype::Float32;
+    let a = w.tensor("A_log", a_shape)?.astype(f32)?.exp()?.negative()?;
+    let d = w.tensor("D", &[d_len])?.astype(f32)?;
+    w.keep_all([&a, &d]);
+    Ok((a, d))
+}
+
+/// A Mamba-1 mixer under the open scope (`mixer`).
+fn mamba_mixer(w: &mut ModelWeights, spec: &DecoderSpec, m: &MambaSpec) -> Result<MambaMixer> {
+    let d = m.dims;
+    let (a, skip) = ssm_parameters(w, &[d.inner, d.state], d.inner)?;
+    let bcdt_norms = match m.bcdt_norms {
+        Some(n) => {
+            let mut rms = |name: &str, dim: i32| -> Result<PlainRms> {
+                let weight = if n.weighted {
+                    Some(w.tensor(&format!("{name}.weight"), &[dim])?)
+                } else {
+                    None
+                };
+                Ok(PlainRms { weight, eps: n.eps })
+            };
+            Some(BcdtNorms {
+                dt: rms("dt_layernorm", d.dt_rank)?,
+                b: rms("b_layernorm", d.state)?,
+                c: rms("c_layernorm", d.state)?,
+            })
+        }
+        None => None,
+    };
+    Ok(MambaMixer {
+        in_proj: w.linear("in_proj", spec.hidden, 2 * d.inner, m.proj_bias)?,
+        conv: causal_conv(w, d.inner, m.conv_kernel, m.conv_bias)?,
+        x_proj: w.linear("x_proj", d.inner, d.dt_rank + 2 * d.state, false)?,
+        dt_proj: w.linear("dt_proj", d.dt_rank, d.inner, true)?,
+        a,
+        d: skip,
+        out_proj: w.linear("out_proj", d.inner, spec.hidden, m.proj_bias)?,
+        bcdt_norms,
+        dims: d,
+    })
+}
+
+/// A Mamba-2 mixer under the open scope (`mixer`).
+fn mamba2_mixer(w: &mut ModelWeights, spec: &DecoderSpec, m: &Mamba2Spec) -> Result<Mamba2Mixer> {
+    let d = m.dims;
+    if d.heads * d.head_dim != d.inner || d.groups <= 0 || d.heads % d.groups != 0 {
+        return Err(ModelError::Config(format!(
+            "num_heads {} × head_dim {} must equal the inner width {} and be a multiple of n_groups {}",
+            d.heads, d.head_dim, d.inner, d.groups
+        )));
+    }
+    let (a, skip) = ssm_parameters(w, &[d.heads], d.heads)?;
+    let dt_bias = w
+        .tensor("dt_bias", &[d.heads])?
+        .astype(mlxcel_core::Dtype::Float32)?;
+    w.keep_all([&dt_bias]);
+    let in_width = d.inner + d.conv_dim() + d.heads;
+    Ok(Mamba2Mixer {
+        in_proj: w.linear("in_proj", spec.hidden, in_width, m.proj_bias)?,
+        conv: causal_conv(w, d.conv_dim(), m.conv_kernel, m.conv_bias)?,
+        dt_bias,
+        a,
+        d: skip,
+        norm_weight: w.tensor("norm.weight", &[d.inner])?,
+        norm_eps: m.norm_eps,
+        out_proj: w.linear("out_proj", d.inner, spec.hidden, m.proj_bias)?,
+        dt_limit: m.dt_limit,
+        dims: d,
+    })
+}
+
 /// The feed-forward block under the open scope (`mlp`).
 fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Result<FeedForward> {
     let h = spec.hidden;
     Ok(match ffn {
         FfnSpec::Dense { intermediate } => FeedForward::Dense(mlp(w, spec, *intermediate, true)?),
         FfnSpec::Plain { intermediate } => FeedForward::Dense(mlp(w, spec, *intermediate, false)?),
+        FfnSpec::None => {
+            return Err(ModelError::Config(
+                "internal: no feed-forward block to build".into(),
+            ))
+        }
         FfnSpec::Moe(m) => {
             let correction_bias = if m.correction_bias {
                 let b = w.tensor("gate.e_score_correction_bias", &[m.experts])?;
@@ -642,15 +841,24 @@ impl Decoder {
             for i in 0..spec.layers() {
                 let mut l = layers.scope(i);
                 let mixer = {
-                    let mut a = l.scope("self_attn");
+                    let mut a = l.scope(spec.mixers[i].scope());
                     match &spec.mixers[i] {
                         MixerSpec::Attention => Mixer::Attention(attention(&mut a, spec, i)?),
                         MixerSpec::Latent(m) => {
                             Mixer::Latent(Box::new(latent_attention(&mut a, spec, m)?))
                         }
+                        MixerSpec::Mamba(m) => {
+                            Mixer::Mamba(Box::new(mamba_mixer(&mut a, spec, m)?))
+                        }
+                        MixerSpec::Mamba2(m) => {
+                            Mixer::Mamba2(Box::new(mamba2_mixer(&mut a, spec, m)?))
+                        }
                     }
                 };
-                let ffn = feed_forward(&mut l.scope("mlp"), spec, &spec.ffn[i])?;
+                let ffn = match &spec.ffn[i] {
+                    FfnSpec::None => None,
+                    f => Some(feed_forward(&mut l.scope("mlp"), spec, f)?),
+                };
                 let mut n = |name: &str| norm(&mut l, spec, name, h);
                 let norms = match spec.topology {
                     BlockTopology::PreNorm => BlockNorms::PreNorm {
@@ -669,6 +877,9 @@ impl Decoder {
                     },
                     BlockTopology::Parallel => BlockNorms::Parallel {
                         input: n("input_layernorm")?,
+                    },
+                    BlockTopology::MixerOnly => BlockNorms::MixerOnly {
+                        mixer_in: n("input_layernorm")?,
                     },
                 };
                 blocks.push(Block { norms, mixer, ffn });

@@ -1,6 +1,6 @@
 //! Building blocks shared by the architectures: linear layers (dense or quantized), embeddings,
-//! norms, rotary embeddings, attention, MLPs and mixture-of-experts layers, runtime LoRA
-//! adapters.
+//! norms, rotary embeddings, attention, MLPs, mixture-of-experts layers, state-space mixers and
+//! runtime LoRA adapters.
 
 mod attention;
 pub mod calibration;
@@ -11,6 +11,7 @@ mod mlp;
 mod moe;
 mod norm;
 mod rope;
+pub mod ssm;
 
 pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
@@ -21,3 +22,4 @@ pub use moe::{
 };
 pub use norm::{Norm, NormKind};
 pub use rope::{RopeConfig, RotaryEmbedding};
+pub use ssm::{Mamba2Mixer, MambaMixer};

@@ -1,0 +1,136 @@
+//! The `Nonstandard` directory route: model families whose folders do not fit the
+//! config-backed pattern, each with a named loader of its own (see the seed's loading spec).
+//! Today these are the state-space and hybrid families, whose configs come in more than one
+//! spelling and whose layers keep recurrent state instead of keys and values:
+//!
+//! - Mamba and Falcon-Mamba (one [`ModelType::Mamba`]) by [`load_mamba`];
+//! - Mamba-2 by [`load_mamba2`];
+//! - Jamba (attention and Mamba layers interleaved, MoE on some) by [`load_jamba`];
+//! - Bamba (Mamba-2 layers with a few attention layers) by [`load_bamba`].
+//!
+//! Each loader normalises its family's config, then builds through
+//! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
+//! transform, unused-tensor check and materialisation, as for every other model).
+
+use mlxcel_core::WeightMap;
+use serde_json::{Map, Value};
+
+use crate::models::{bamba, jamba, mamba, mamba2};
+use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
+use crate::{ModelError, ModelType, Result};
+
+/// Builds `model_type` (whose registry row routes it here) with its family's named loader.
+pub fn load_nonstandard(
+    model_type: ModelType,
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    match model_type {
+        ModelType::Mamba => load_mamba(config, weights, options),
+        ModelType::Mamba2 => load_mamba2(config, weights, options),
+        ModelType::Jamba => load_jamba(config, weights, options),
+        ModelType::Bamba => load_bamba(config, weights, options),
+        other => Err(ModelError::Unsupported(format!(
+            "{} has no loader on the Nonstandard route",
+            other.name()
+        ))),
+    }
+}
+
+/// The original `state-spaces/mamba` config keys (`d_model`, `n_layer`, `ssm_cfg`,
+/// `pad_vocab_size_multiple`, as mlx-lm also accepts them) rewritten as transformers' ones; a
+/// config already in transformers' spelling is returned as is.
+pub fn mamba_config(config: &Value) -> Result<Value> {
+    let Some(obj) = config.as_object() else {
+        return Err(ModelError::Config("config.json is not an object".into()));
+    };
+    if obj.contains_key("hidden_size") || !obj.contains_key("d_model") {
+        return Ok(config.clone());
+    }
+    let mut out: Map<String, Value> = obj.clone();
+    for (from, to) in [
+        ("d_model", "hidden_size"),
+        ("n_layer", "num_hidden_layers"),
+        ("tie_embeddings", "tie_word_embeddings"),
+    ] {
+        if let Some(v) = out.remove(from) {
+            out.entry(to.to_string()).or_insert(v);
+        }
+    }
+    if let Some(Value::Object(ssm)) = out.remove("ssm_cfg") {
+        for (from, to) in [
+            ("d_state", "state_size"),
+            ("d_conv", "conv_kernel"),
+            ("expand", "expand"),
+            ("dt_rank", "time_step_rank"),
+            ("conv_bias", "use_conv_bias"),
+            ("bias", "use_bias"),
+        ] {
+            if let Some(v) = ssm.get(from) {
+                out.entry(to.to_string()).or_insert(v.clone());
+            }
+        }
+    }
+    // The embedding table is padded to a multiple of `pad_vocab_size_multiple`.
+    if let (Some(vocab), Some(multiple)) = (
+        out.get("vocab_size").and_then(Value::as_u64),
+        out.get("pad_vocab_size_multiple").and_then(Value::as_u64),
+    ) {
+        if multiple > 0 {
+            let padded = vocab.div_ceil(multiple) * multiple;
+            out.insert("vocab_size".into(), Value::from(padded));
+        }
+    }
+    Ok(Value::Object(out))
+}
+
+/// Mamba and Falcon-Mamba (Falcon-Mamba's dt/B/C norms come from its config), from either
+/// config spelling ([`mamba_config`]).
+pub fn load_mamba(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let config = mamba_config(config)?;
+    let model = build_architecture::<mamba::Model>("Mamba", &config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Mamba(Box::new(
+        model,
+    ))))
+}
+
+/// Mamba-2.
+pub fn load_mamba2(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<mamba2::Model>("Mamba2", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Mamba2(Box::new(
+        model,
+    ))))
+}
+
+/// Jamba.
+pub fn load_jamba(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<jamba::Model>("Jamba", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Jamba(Box::new(
+        model,
+    ))))
+}
+
+/// Bamba.
+pub fn load_bamba(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<bamba::Model>("Bamba", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Bamba(Box::new(
+        model,
+    ))))
+}

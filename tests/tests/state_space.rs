@@ -1,0 +1,295 @@
+//! State-space and hybrid models beyond the parity check (`parity.rs` covers their logits and
+//! chunked-prefill greedy ids): prefix reuse across a divergence through recurrent-state
+//! snapshots, the snapshot budget, and the state cache's size.
+
+use mlxcel_arch::generate::{Session, SnapshotPolicy};
+use mlxcel_arch::{LanguageModel, LayerCache, LayerKind};
+use mlxcel_loading::{load_model, LoadOptions, Loaded};
+use mlxcel_tests::{max_abs_diff, model_dir, reference};
+
+fn load(name: &str) -> Loaded {
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    load_model(model_dir(name), &options).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// The fixture's prompt, and a second prompt sharing its first `keep` tokens and then
+/// diverging (the rest of the prompt reversed, so the new tail differs at `keep`).
+fn prompts(name: &str, keep: usize) -> (Vec<u32>, Vec<u32>) {
+    let first = reference(name).prompt_ids;
+    let mut second = first[..keep].to_vec();
+    second.extend(first[keep..].iter().rev());
+    assert_ne!(first[keep], second[keep]);
+    (first, second)
+}
+
+fn policy(interval: usize, max_snapshots: usize) -> SnapshotPolicy {
+    SnapshotPolicy {
+        interval,
+        max_snapshots,
+    }
+}
+
+/// A second prompt diverging at token 27 resumes from the snapshot at 24 and gives the same
+/// logits as a fresh prefill; without snapshots nothing is reused.
+fn resumes_from_the_last_snapshot(name: &str) {
+    let loaded = load(name);
+    let model = &loaded.model;
+    let (first, second) = prompts(name, 27);
+    for chunk in [None, Some(3)] {
+        let mut session = Session::new(model).with_snapshots(policy(8, 16));
+        let (reused, _) = session.prefill(&first, chunk).unwrap();
+        assert_eq!(reused, 0);
+        assert_eq!(session.snapshot_positions(), vec![8, 16, 24, 32, 40]);
+        let (reused, resumed) = session.prefill(&second, chunk).unwrap();
+        assert_eq!(reused, 24, "{name}: chunk {chunk:?}");
+        // Snapshots past the divergence are gone; the new prompt's own are taken.
+        assert_eq!(session.snapshot_positions(), vec![8, 16, 24, 32, 40]);
+        let mut fresh = Session::new(model).with_snapshots(policy(8, 16));
+        let (_, expected) = fresh.prefill(&second, chunk).unwrap();
+        let (d, _) = max_abs_diff(
+            &resumed.to_vec::<f32>().unwrap(),
+            &expected.to_vec::<f32>().unwrap(),
+        );
+        assert!(d <= 1e-6, "{name}: resumed logits differ by {d:.2e}");
+        // And the continuation from the resumed state matches the fresh one's.
+        let token = mlxcel_arch::generate::argmax_token(&resumed).unwrap();
+        let next = session.step(token).unwrap();
+        let next_fresh = fresh.step(token).unwrap();
+        let (d, _) = max_abs_diff(
+            &next.to_vec::<f32>().unwrap(),
+            &next_fresh.to_vec::<f32>().unwrap(),
+        );
+        assert!(
+            d <= 1e-6,
+            "{name}: decode after resuming differs by {d:.2e}"
+        );
+        eprintln!(
+            "{name}: chunk {chunk:?}: reused {reused} of {} tokens",
+            second.len()
+        );
+    }
+    // With snapshots off, a recurrent model cannot reuse across the divergence.
+    let mut session = Session::new(model).with_snapshots(policy(8, 0));
+    session.prefill(&first, None).unwrap();
+    assert!(session.snapshot_positions().is_empty());
+    let (reused, _) = session.prefill(&second, None).unwrap();
+    assert_eq!(reused, 0);
+}
+
+#[test]
+fn mamba_prefix_reuse_resumes_from_a_snapshot() {
+    resumes_from_the_last_snapshot("mamba");
+}
+
+#[test]
+fn mamba2_prefix_reuse_resumes_from_a_snapshot() {
+    resumes_from_the_last_snapshot("mamba2");
+}
+
+#[test]
+fn jamba_prefix_reuse_restores_mamba_layers_and_rewinds_attention() {
+    resumes_from_the_last_snapshot("jamba");
+}
+
+#[test]
+fn appending_to_the_conversation_reuses_everything_without_a_snapshot() {
+    let loaded = load("mamba");
+    let model = &loaded.model;
+    let (first, _) = prompts("mamba", 27);
+    let mut session = Session::new(model).with_snapshots(policy(8, 0));
+    session.prefill(&first[..30], None).unwrap();
+    // The state is exactly at the end of the common prefix: it needs no rewinding.
+    let (reused, logits) = session.prefill(&first, None).unwrap();
+    assert_eq!(reused, 30);
+    let (_, expected) = Session::new(model).prefill(&first, None).unwrap();
+    let (d, _) = max_abs_diff(
+        &logits.to_vec::<f32>().unwrap(),
+        &expected.to_vec::<f32>().unwrap(),
+    );
+    assert!(d <= 1e-4, "appended prefill differs by {d:.2e}");
+}
+
+#[test]
+fn snapshots_stay_within_their_budget_and_spread_out() {
+    let loaded = load("mamba");
+    let model = &loaded.model;
+    let (first, second) = prompts("mamba", 33);
+    let mut session = Session::new(model).with_snapshots(policy(4, 3));
+    session.prefill(&first, None).unwrap();
+    let kept = session.snapshot_positions();
+    assert_eq!(kept.len(), 3, "{kept:?}");
+    assert_eq!(*kept.last().unwrap(), 40, "the newest is kept: {kept:?}");
+    // The diverging prompt resumes from the last kept snapshot at or before 33.
+    let best = kept.iter().copied().filter(|p| *p <= 33).max().unwrap_or(0);
+    let (reused, _) = session.prefill(&second, None).unwrap();
+    assert_eq!(reused, best, "{kept:?}");
+}
+
+#[test]
+fn state_caches_hold_a_fixed_size() {
+    let loaded = load("jamba");
+    let model = &loaded.model;
+    let schedule = model.layer_schedule();
+    assert!(
+        matches!(schedule[0], LayerKind::Recurrent { .. }),
+        "{schedule:?}"
+    );
+    assert!(
+        matches!(schedule[1], LayerKind::GlobalAttention { .. }),
+        "{schedule:?}"
+    );
+    // Layer 0: conv window (4 - 1) x 128 channels, state 128 x 8, in float32.
+    assert_eq!(
+        schedule[0].fixed_bytes(mlxcel_core::Dtype::Float32),
+        (3 * 128 + 128 * 8) * 4
+    );
+    assert_eq!(schedule[0].bytes_per_token(mlxcel_core::Dtype::Float32), 0);
+    let mut session = Session::new(model);
+    let prompt = reference("jamba").prompt_ids;
+    session.prefill(&prompt[..10], None).unwrap();
+    let state_bytes = session.caches()[0].nbytes();
+    session.prefill(&prompt, None).unwrap();
+    assert_eq!(session.caches()[0].nbytes(), state_bytes);
+    assert!(matches!(session.caches()[0], LayerCache::State(_)));
+    assert_eq!(
+        state_bytes as u64,
+        schedule[0].fixed_bytes(mlxcel_core::Dtype::Float32)
+    );
+}
+
+#[test]
+fn the_stats_line_reports_the_snapshot_prefix_as_reused() {
+    use mlxcel_loading::{generate_text, GenerateRequest};
+    let loaded = load("mamba2");
+    let (first, second) = prompts("mamba2", 20);
+    let mut session = loaded.session().with_snapshots(policy(16, 4));
+    let request = GenerateRequest {
+        max_new_tokens: 4,
+        ..GenerateRequest::for_model(&loaded)
+    };
+    let (_, stats) = generate_text(&mut session, None, &first, &request, |_| {}, |_| {}).unwrap();
+    assert_eq!(stats.reused_tokens, 0);
+    let (ids, stats) =
+        generate_text(&mut session, None, &second, &request, |_| {}, |_| {}).unwrap();
+    assert_eq!(stats.reused_tokens, 16);
+    assert_eq!(stats.prompt_tokens, second.len());
+    // The reply equals a fresh session's.
+    let mut fresh = loaded.session();
+    let (fresh_ids, _) =
+        generate_text(&mut fresh, None, &second, &request, |_| {}, |_| {}).unwrap();
+    assert_eq!(ids, fresh_ids);
+}
+
+/// mlx-lm's Jamba renormalises the top-k routing weights; transformers (the reference) keeps
+/// the top-k of the softmax over all experts unnormalised. mlxcel follows transformers, so its
+/// logits sit far from mlx-lm's (`models/jamba/mlx_lm_logits.safetensors`, see
+/// `generate.py --stage mlx-lm-diffs`).
+#[test]
+fn jamba_follows_transformers_where_mlx_lm_renormalises_the_routing() {
+    let loaded = load("jamba");
+    let r = reference("jamba");
+    let got = mlxcel_tests::logits_for(&loaded.model, &r.prompt_ids);
+    let bytes = std::fs::read(model_dir("jamba").join("mlx_lm_logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mlx_lm: Vec<f32> = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let (to_transformers, _) = max_abs_diff(&got, &r.logits);
+    let (to_mlx_lm, _) = max_abs_diff(&got, &mlx_lm);
+    assert!(to_transformers < 1e-3, "{to_transformers:.2e}");
+    assert!(
+        to_mlx_lm > 1.0,
+        "mlx-lm's routing now matches? {to_mlx_lm:.3}"
+    );
+}
+
+/// The chunked scans equal the one-shot scan: the state (and the logits) after a prompt
+/// prefilled in chunks of 1, 3 or 16 match one pass, for every recurrent layer kind (Mamba-1,
+/// Mamba-2 with one and two groups, Jamba's Mamba layers).
+#[test]
+fn chunked_prefill_leaves_the_same_state_as_one_pass() {
+    for name in ["mamba", "falcon_mamba", "mamba2", "jamba", "bamba"] {
+        let loaded = load(name);
+        let model = &loaded.model;
+        let prompt = reference(name).prompt_ids;
+        let run = |chunk| {
+            let mut caches = model.make_caches();
+            let logits = mlxcel_arch::generate::prefill(model, &prompt, &mut caches, chunk)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            let states: Vec<Vec<f32>> = caches
+                .iter()
+                .filter_map(|c| match c {
+                    LayerCache::State(s) => Some(s.arrays.iter().flatten().flat_map(|a| {
+                        a.astype(mlxcel_core::Dtype::Float32)
+                            .unwrap()
+                            .to_vec::<f32>()
+                            .unwrap()
+                    })),
+                    _ => None,
+                })
+                .map(Iterator::collect)
+                .collect();
+            assert!(!states.is_empty(), "{name}: no state caches");
+            (logits, states)
+        };
+        let (logits, states) = run(None);
+        for chunk in [1, 3, 16] {
+            let (l, s) = run(Some(chunk));
+            let (d, _) = max_abs_diff(&l, &logits);
+            assert!(d <= 1e-4, "{name}: chunk {chunk}: logits differ by {d:.2e}");
+            for (layer, (a, b)) in s.iter().zip(&states).enumerate() {
+                let (d, _) = max_abs_diff(a, b);
+                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(
+                    d <= 1e-5 * scale.max(1.0),
+                    "{name}: chunk {chunk}: state of recurrent layer {layer} differs by {d:.2e} (max |state| {scale:.2})"
+                );
+            }
+        }
+    }
+}
+
+/// A state-space config or checkpoint that cannot work is refused naming the key or tensor.
+#[test]
+fn bad_state_space_checkpoints_are_refused_by_name() {
+    let edit = |name: &str, key: &str, value: serde_json::Value| -> String {
+        let dir = mlxcel_tests::copy_fixture(name);
+        let path = dir.path().join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config[key] = value;
+        std::fs::write(&path, config.to_string()).unwrap();
+        let options = LoadOptions {
+            skip_tokenizer: true,
+            ..Default::default()
+        };
+        load_model(dir.path(), &options)
+            .expect_err("loaded")
+            .to_string()
+    };
+    // 8 heads cannot be split into 3 groups of B/C.
+    let err = edit("mamba2", "n_groups", 3.into());
+    assert!(err.contains("n_groups 3"), "{err}");
+    // A state size the tensors do not have: the first tensor of that shape is named.
+    let err = edit("mamba", "state_size", 8.into());
+    assert!(err.contains("mixer.A_log` has shape [128, 16]"), "{err}");
+    let err = edit("mamba", "time_step_rank", "big".into());
+    assert!(err.contains("time_step_rank = \"big\""), "{err}");
+    let err = edit("jamba", "mamba_d_conv", 0.into());
+    assert!(err.contains("mamba_d_conv = 0"), "{err}");
+    // A convolution of another width than the checkpoint's.
+    let err = edit("mamba2", "conv_kernel", 3.into());
+    assert!(
+        err.contains("conv1d.weight` has shape [160, 1, 4]"),
+        "{err}"
+    );
+}
