@@ -11,8 +11,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 /// Flags of `mlxcel convert`.
 #[derive(Args, Debug)]
 pub struct ConvertFlags {
-    /// A llama.cpp GGUF file to import (llama, qwen2, qwen3; F32/F16/BF16, Q4_0/Q4_1/Q8_0
-    /// losslessly).
+    /// A llama.cpp GGUF file to import (llama/mistral/mixtral, qwen2, qwen3, qwen2moe, qwen3moe, gemma,
+    /// gemma2, gemma3, phi3, deepseek2; F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K losslessly,
+    /// Q2_K/Q3_K/Q6_K re-quantized to 8-bit with the error printed).
     #[arg(long, conflicts_with = "hf")]
     pub gguf: Option<PathBuf>,
     /// A float (f32/bf16/f16) HuggingFace checkpoint folder to quantize (needs -q).
@@ -84,6 +85,10 @@ pub fn run(flags: ConvertFlags) -> anyhow::Result<()> {
                     bar.set_message(name.to_string());
                 })?;
             bar.finish_and_clear();
+            // Said even with --quiet: the checkpoint is not an exact copy of the GGUF.
+            for note in report.requantization_notes() {
+                eprintln!("{note}");
+            }
             if !flags.quiet {
                 let affine = report.tensors.iter().filter(|t| t.affine.is_some()).count();
                 eprintln!(
@@ -140,6 +145,9 @@ pub fn resolve_gguf(model: &Path, quiet: bool) -> anyhow::Result<PathBuf> {
         bar.set_position(done as u64);
     })?;
     bar.finish_and_clear();
+    for note in result.report.iter().flat_map(|r| r.requantization_notes()) {
+        eprintln!("{note}");
+    }
     if result.converted {
         eprintln!(
             "[converted {key_note} once into {} (reused next time)]",

@@ -220,7 +220,8 @@ fn run() -> anyhow::Result<()> {
             embedding_model,
         }) => {
             let model = match model {
-                Some(m) => m,
+                // A .gguf is converted once into the cache, as for generate/chat.
+                Some(m) => convert::resolve_gguf(&m, false)?,
                 None => generate::default_model()?,
             };
             let mut builder =

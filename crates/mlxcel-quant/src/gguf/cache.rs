@@ -5,11 +5,19 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::import::import_gguf;
+use super::import::{import_gguf, ImportReport};
 use super::GgufError;
 
 /// Hex digits of the sha256 that name a cached conversion.
 const KEY_LEN: usize = 16;
+
+/// The importer's output format, stamped into each cached conversion (`.mlxcel-import`): a
+/// conversion written by an importer with another stamp (older mapping, tokenizer or quant
+/// handling) is converted again rather than reused. Raise it when the written checkpoint of some
+/// GGUF changes.
+pub const IMPORT_FORMAT: &str = "mlxcel-gguf-import 2";
+
+const STAMP: &str = ".mlxcel-import";
 
 /// The first 16 hex digits of the sha256 of the file at `path`.
 pub fn gguf_cache_key(path: &Path) -> Result<String, GgufError> {
@@ -29,16 +37,19 @@ pub fn gguf_cache_key(path: &Path) -> Result<String, GgufError> {
 }
 
 /// Where [`convert_gguf_cached`] put the converted checkpoint.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct CachedConversion {
     /// The MLX checkpoint folder (`<cache_root>/gguf/<sha256 prefix>/`).
     pub folder: PathBuf,
     /// Whether it was converted by this call (`false`: an earlier conversion was reused).
     pub converted: bool,
+    /// What this call's conversion wrote (`None` when an earlier one was reused).
+    pub report: Option<ImportReport>,
 }
 
 /// Converts `gguf_path` into `<cache_root>/gguf/<first 16 hex digits of its sha256>/` unless
-/// that folder already holds a finished conversion, which is reused. The import is written to
+/// that folder already holds a finished conversion by this importer ([`IMPORT_FORMAT`]), which is
+/// reused. The import is written to
 /// a temporary sibling and renamed into place, so an interrupted conversion is never reused.
 /// `progress(done, total, tensor)` is called after each tensor of a conversion.
 pub fn convert_gguf_cached(
@@ -49,10 +60,15 @@ pub fn convert_gguf_cached(
     let key = gguf_cache_key(gguf_path)?;
     let parent = cache_root.join("gguf");
     let folder = parent.join(&key);
-    if folder.join("config.json").is_file() && folder.join("model.safetensors").is_file() {
+    let stamp = std::fs::read_to_string(folder.join(STAMP)).unwrap_or_default();
+    if stamp.trim() == IMPORT_FORMAT
+        && folder.join("config.json").is_file()
+        && folder.join("model.safetensors").is_file()
+    {
         return Ok(CachedConversion {
             folder,
             converted: false,
+            report: None,
         });
     }
     std::fs::create_dir_all(&parent).map_err(|e| GgufError::io(&parent, e))?;
@@ -60,19 +76,27 @@ pub fn convert_gguf_cached(
     if staging.exists() {
         std::fs::remove_dir_all(&staging).map_err(|e| GgufError::io(&staging, e))?;
     }
-    let result = import_gguf(gguf_path, &staging, progress);
-    if let Err(e) = result {
-        // Best effort: the staging folder is only ever ours.
+    let report = match import_gguf(gguf_path, &staging, progress) {
+        Ok(report) => report,
+        Err(e) => {
+            // Best effort: the staging folder is only ever ours.
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
+    let stamp_path = staging.join(STAMP);
+    if let Err(e) = std::fs::write(&stamp_path, format!("{IMPORT_FORMAT}\n")) {
         let _ = std::fs::remove_dir_all(&staging);
-        return Err(e);
+        return Err(GgufError::io(&stamp_path, e));
     }
     if folder.exists() {
-        // A stale partial layout (no config.json) from an older version: replace it.
+        // A conversion by another importer version, or a stale partial layout: replace it.
         std::fs::remove_dir_all(&folder).map_err(|e| GgufError::io(&folder, e))?;
     }
     std::fs::rename(&staging, &folder).map_err(|e| GgufError::io(&folder, e))?;
     Ok(CachedConversion {
         folder,
         converted: true,
+        report: Some(report),
     })
 }

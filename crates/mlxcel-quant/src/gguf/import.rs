@@ -7,8 +7,10 @@ use half::f16;
 use mlxcel_core::{Array, Dtype};
 use serde_json::{json, Map, Value};
 
-use super::blocks::{self, AffinePlanes, RepackError};
+use super::arch::{is_split_kv_b, join_kv_b, meta_f64, meta_u64, Arch, ArchParams};
+use super::blocks::{self, AffinePlanes, MlxMapping, RepackError, Requantized};
 use super::reader::{GgufFile, GgufTensorInfo};
+use super::rope_freqs::{reconstruct_llama3, ROPE_FREQS};
 use super::tokenizer::build_tokenizer_files;
 use super::types::GgmlType;
 use super::GgufError;
@@ -26,6 +28,8 @@ pub struct TensorImport {
     pub affine: Option<(i32, i32)>,
     /// Whether the rows were un-permuted (llama.cpp's rope permutation of `attn_q`/`attn_k`).
     pub unpermuted: bool,
+    /// Set when the type has no exact MLX form and was re-quantized: the error it added.
+    pub requantized: Option<Requantized>,
 }
 
 /// What [`import_gguf`] wrote.
@@ -37,39 +41,39 @@ pub struct ImportReport {
     pub config: Value,
 }
 
+impl ImportReport {
+    /// One line per GGUF type that had to be re-quantized (no exact MLX form): the MLX format,
+    /// how many tensors, and the largest weight error (absolute, and relative to that tensor's
+    /// max |w|). Empty when every tensor was imported exactly.
+    pub fn requantization_notes(&self) -> Vec<String> {
+        let mut by_type: BTreeMap<&str, (i32, usize, f32, f32)> = BTreeMap::new();
+        for t in &self.tensors {
+            if let (Some(err), Some((bits, _))) = (t.requantized, t.affine) {
+                let e = by_type
+                    .entry(t.ggml_type.name())
+                    .or_insert((bits, 0, 0.0, 0.0));
+                e.1 += 1;
+                e.2 = e.2.max(err.max_abs_error);
+                e.3 = e.3.max(err.relative());
+            }
+        }
+        by_type
+            .into_iter()
+            .map(|(ty, (bits, n, abs, rel))| {
+                format!(
+                    "{ty}: {n} tensors re-quantized to MLX affine {bits}-bit, group 32 (no exact \
+                     MLX form): max |Δw| {abs:.2e}, at most {:.3}% of a tensor's max |w|",
+                    rel * 100.0
+                )
+            })
+            .collect()
+    }
+}
+
 /// The HF llama name of a GGUF tensor (`blk.3.attn_q.weight` →
 /// `model.layers.3.self_attn.q_proj.weight`), or `None` for names without one.
 pub fn hf_tensor_name(gguf: &str) -> Option<String> {
-    let (stem, suffix) = gguf.rsplit_once('.')?;
-    if suffix != "weight" && suffix != "bias" {
-        return None;
-    }
-    let module = match stem {
-        "token_embd" => "model.embed_tokens".to_string(),
-        "output_norm" => "model.norm".to_string(),
-        "output" => "lm_head".to_string(),
-        _ => {
-            let rest = stem.strip_prefix("blk.")?;
-            let (layer, part) = rest.split_once('.')?;
-            let layer: u32 = layer.parse().ok()?;
-            let path = match part {
-                "attn_q" => "self_attn.q_proj",
-                "attn_k" => "self_attn.k_proj",
-                "attn_v" => "self_attn.v_proj",
-                "attn_output" => "self_attn.o_proj",
-                "ffn_gate" => "mlp.gate_proj",
-                "ffn_up" => "mlp.up_proj",
-                "ffn_down" => "mlp.down_proj",
-                "attn_norm" => "input_layernorm",
-                "ffn_norm" => "post_attention_layernorm",
-                "attn_q_norm" => "self_attn.q_norm",
-                "attn_k_norm" => "self_attn.k_norm",
-                _ => return None,
-            };
-            format!("model.layers.{layer}.{path}")
-        }
-    };
-    Some(format!("{module}.{suffix}"))
+    Arch::find("llama")?.hf_name(gguf)
 }
 
 /// Undoes llama.cpp's rope permutation of Q/K projection rows.
@@ -96,12 +100,24 @@ pub fn unpermute_rope_rows<T: Copy>(data: &[T], rows: usize, n_head: usize) -> O
     Some(out)
 }
 
-/// The GGUF architectures [`import_gguf`] reads (`general.architecture`).
-pub const SUPPORTED_ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+/// The GGUF architectures [`import_gguf`] reads (`general.architecture`); the `arch` module
+/// docs say what each needs undone.
+pub const SUPPORTED_ARCHITECTURES: [&str; 10] = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen2moe",
+    "qwen3moe",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "deepseek2",
+];
 
 /// The hyper-parameters read from `<arch>.*` metadata.
 struct LlamaParams {
-    arch: String,
+    arch: &'static Arch,
     n_layer: u64,
     n_embd: u64,
     n_ff: u64,
@@ -114,53 +130,27 @@ struct LlamaParams {
     rope_scaling: Option<Value>,
 }
 
-fn meta_u64(g: &GgufFile, key: &str) -> Result<Option<u64>, GgufError> {
-    match g.get(key) {
-        None => Ok(None),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-            GgufError::metadata(
-                g.path(),
-                key,
-                format!("expected an unsigned integer, found {}", v.type_name()),
-            )
-        }),
-    }
-}
-
-fn meta_f64(g: &GgufFile, key: &str) -> Result<Option<f64>, GgufError> {
-    match g.get(key) {
-        None => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-            GgufError::metadata(
-                g.path(),
-                key,
-                format!("expected a float, found {}", v.type_name()),
-            )
-        }),
-    }
-}
-
 fn required<T>(g: &GgufFile, key: &str, v: Option<T>) -> Result<T, GgufError> {
     v.ok_or_else(|| GgufError::metadata(g.path(), key, "missing"))
 }
 
 fn llama_params(g: &GgufFile) -> Result<LlamaParams, GgufError> {
     let arch_key = "general.architecture";
-    let arch = g
+    let name = g
         .get(arch_key)
         .and_then(|v| v.as_str())
         .ok_or_else(|| GgufError::metadata(g.path(), arch_key, "missing or not a string"))?;
-    if !SUPPORTED_ARCHITECTURES.contains(&arch) {
-        return Err(GgufError::metadata(
+    let arch = Arch::of_file(g, name)?.ok_or_else(|| {
+        GgufError::metadata(
             g.path(),
             arch_key,
             format!(
-                "architecture `{arch}` cannot be imported yet (supported: {})",
+                "architecture `{name}` cannot be imported yet (supported: {})",
                 SUPPORTED_ARCHITECTURES.join(", ")
             ),
-        ));
-    }
-    let k = |s: &str| format!("{arch}.{s}");
+        )
+    })?;
+    let k = |s: &str| format!("{name}.{s}");
     let u = |s: &str| -> Result<u64, GgufError> {
         let key = k(s);
         required(g, &key, meta_u64(g, &key)?)
@@ -181,20 +171,46 @@ fn llama_params(g: &GgufFile) -> Result<LlamaParams, GgufError> {
             ))
         }
     };
+    let n_embd = u("embedding_length")?;
+    let n_ctx = u("context_length")?;
+    let rope_theta = meta_f64(g, &k("rope.freq_base"))?.unwrap_or(10000.0);
+    let head_dim = meta_u64(g, &k("attention.key_length"))?;
+    let rope_scaling = match (rope_scaling, g.tensor(ROPE_FREQS)) {
+        (scaling, None) => scaling,
+        (None, Some(info)) => {
+            let original_ctx = meta_u64(g, &k("rope.scaling.original_context_length"))?;
+            let dim = head_dim.unwrap_or(n_embd / n_head.max(1));
+            let factors =
+                blocks::dequantize(info.ggml_type, g.tensor_data(info)?).ok_or_else(|| {
+                    GgufError::tensor(g.path(), ROPE_FREQS, "its type cannot be decoded")
+                })?;
+            let p = reconstruct_llama3(&factors, rope_theta, dim, n_ctx, original_ctx).map_err(
+                |e| GgufError::tensor(g.path(), ROPE_FREQS, format!("llama3 rope factors: {e}")),
+            )?;
+            Some(p.to_json())
+        }
+        (Some(_), Some(_)) => {
+            return Err(GgufError::tensor(
+                g.path(),
+                ROPE_FREQS,
+                "rope frequency factors on top of `rope.scaling.type` are not supported",
+            ))
+        }
+    };
     Ok(LlamaParams {
-        arch: arch.to_string(),
+        arch,
         n_layer: u("block_count")?,
-        n_embd: u("embedding_length")?,
+        n_embd,
         n_ff: u("feed_forward_length")?,
         n_head,
         n_head_kv: meta_u64(g, &k("attention.head_count_kv"))?.unwrap_or(n_head),
-        n_ctx: u("context_length")?,
+        n_ctx,
         rms_eps: {
             let key = k("attention.layer_norm_rms_epsilon");
             required(g, &key, meta_f64(g, &key)?)?
         },
-        rope_theta: meta_f64(g, &k("rope.freq_base"))?.unwrap_or(10000.0),
-        head_dim: meta_u64(g, &k("attention.key_length"))?,
+        rope_theta,
+        head_dim,
         rope_scaling,
     })
 }
@@ -217,8 +233,12 @@ fn convert_tensor(
 ) -> Result<Converted, GgufError> {
     let path = g.path();
     let name = &info.name;
-    let hf_name = hf_tensor_name(name).ok_or_else(|| {
-        GgufError::tensor(path, name, "no HF llama name is known for this tensor")
+    let hf_name = params.arch.hf_name(name).ok_or_else(|| {
+        GgufError::tensor(
+            path,
+            name,
+            format!("no HF name is known for this {} tensor", params.arch.gguf),
+        )
     })?;
     let bytes = g.tensor_data(info)?;
     let shape: Vec<i32> = info
@@ -227,11 +247,12 @@ fn convert_tensor(
         .map(|d| to_i32(g, name, *d))
         .collect::<Result<_, _>>()?;
     let cols = info.ne[0] as usize;
+    // Stacked experts (`[experts, out, in]`) are `experts · out` rows of `in`.
     let rows = (info.numel() as usize).checked_div(cols).unwrap_or(0);
 
     // llama's Q and K projections (weights and biases) come rope-permuted; llama.cpp's
     // converter leaves qwen2/qwen3 (NeoX-style rope) as they are.
-    let permute_heads = if params.arch != "llama" {
+    let permute_heads = if !params.arch.rope_permuted {
         None
     } else if name.contains(".attn_q.") {
         Some(params.n_head)
@@ -284,6 +305,7 @@ fn convert_tensor(
         ggml_type: info.ggml_type,
         affine: None,
         unpermuted: heads.is_some(),
+        requantized: None,
     };
 
     let ty = info.ggml_type;
@@ -294,13 +316,29 @@ fn convert_tensor(
                 GgmlType::F16 => Dtype::Float16,
                 _ => Dtype::Bfloat16,
             };
-            let data = apply(bytes, perm_rows)?;
-            vec![(
-                hf_name,
-                Array::from_bytes(&data, &shape, dtype).map_err(mlx)?,
-            )]
+            if params.arch.offset_norm(&hf_name) {
+                // Stored as 1 + w: written back as w in float32.
+                let values = blocks::dequantize(ty, bytes).unwrap_or_default();
+                let values: Vec<f32> = values.iter().map(|v| v - 1.0).collect();
+                vec![(
+                    hf_name,
+                    Array::from_slice::<f32>(&values, &shape).map_err(mlx)?,
+                )]
+            } else {
+                let data = apply(bytes, perm_rows)?;
+                vec![(
+                    hf_name,
+                    Array::from_bytes(&data, &shape, dtype).map_err(mlx)?,
+                )]
+            }
         }
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if info.ne.len() == 2 => {
+        _ if info.ne.len() >= 2
+            && !is_split_kv_b(&hf_name)
+            && matches!(
+                blocks::mlx_mapping(ty),
+                MlxMapping::Lossless { .. } | MlxMapping::Requantized { .. }
+            ) =>
+        {
             let planes = blocks::repack_affine(ty, bytes).map_err(|e| match e {
                 RepackError::NotAffine => GgufError::UnsupportedType {
                     path: path.to_path_buf(),
@@ -319,34 +357,45 @@ fn convert_tensor(
                 weight,
                 scales,
                 biases,
+                f32_scales,
+                requantized,
             } = planes;
             let words = cols * bits as usize / 32;
             let groups = cols / group_size as usize;
             let weight = permute_vec(weight, rows, heads, path, name)?;
             let scales = permute_vec(scales, rows, heads, path, name)?;
             let biases = permute_vec(biases, rows, heads, path, name)?;
-            let r = shape[0];
+            // The planes keep the leading axes (`[out]`, or `[experts, out]`) and replace the
+            // last: `in` elements become `words` words and `groups` scales.
+            let lead = &shape[..shape.len() - 1];
             let module = hf_name
                 .strip_suffix(".weight")
                 .unwrap_or(&hf_name)
                 .to_string();
             record.affine = Some((bits, group_size));
+            record.requantized = requantized;
+            let groups = to_i32(g, name, groups as u64)?;
+            // Float16 holds the scales of the types that allow it exactly (see `blocks`).
+            let plane = |v: &[f32]| -> Result<Array, GgufError> {
+                let shape: Vec<i32> = lead.iter().copied().chain([groups]).collect();
+                if f32_scales {
+                    Array::from_slice::<f32>(v, &shape).map_err(mlx)
+                } else {
+                    let h: Vec<f16> = v.iter().map(|x| f16::from_f32(*x)).collect();
+                    Array::from_slice::<f16>(&h, &shape).map_err(mlx)
+                }
+            };
             vec![
                 (
                     format!("{module}.weight"),
-                    Array::from_slice::<u32>(&weight, &[r, to_i32(g, name, words as u64)?])
-                        .map_err(mlx)?,
+                    Array::from_slice::<u32>(&weight, &{
+                        let words = to_i32(g, name, words as u64)?;
+                        lead.iter().copied().chain([words]).collect::<Vec<_>>()
+                    })
+                    .map_err(mlx)?,
                 ),
-                (
-                    format!("{module}.scales"),
-                    Array::from_slice::<f16>(&scales, &[r, to_i32(g, name, groups as u64)?])
-                        .map_err(mlx)?,
-                ),
-                (
-                    format!("{module}.biases"),
-                    Array::from_slice::<f16>(&biases, &[r, to_i32(g, name, groups as u64)?])
-                        .map_err(mlx)?,
-                ),
+                (format!("{module}.scales"), plane(&scales)?),
+                (format!("{module}.biases"), plane(&biases)?),
             ]
         }
         _ => {
@@ -356,7 +405,10 @@ fn convert_tensor(
                     tensor: name.clone(),
                     ggml_type: ty,
                 })?;
-            let values = permute_vec(values, perm_rows, heads, path, name)?;
+            let mut values = permute_vec(values, perm_rows, heads, path, name)?;
+            if params.arch.offset_norm(&hf_name) {
+                values.iter_mut().for_each(|v| *v -= 1.0);
+            }
             vec![(
                 hf_name,
                 Array::from_slice::<f32>(&values, &shape).map_err(mlx)?,
@@ -364,6 +416,46 @@ fn convert_tensor(
         }
     };
     Ok(Converted { arrays, record })
+}
+
+/// Replaces each layer's `self_attn.k_b_proj`/`v_b_proj` pair (DeepSeek MLA, split by llama.cpp)
+/// with the `kv_b_proj` they came from.
+fn join_split_kv_b(g: &GgufFile, tensors: &mut Vec<(String, Array)>) -> Result<(), GgufError> {
+    let path = g.path();
+    let mlx = |e: mlxcel_core::Error| GgufError::mlx(path, e);
+    let k_names: Vec<String> = tensors
+        .iter()
+        .map(|(n, _)| n.clone())
+        .filter(|n| n.ends_with("self_attn.k_b_proj.weight"))
+        .collect();
+    for k_name in k_names {
+        let prefix = k_name.trim_end_matches("k_b_proj.weight");
+        let v_name = format!("{prefix}v_b_proj.weight");
+        let take = |tensors: &mut Vec<(String, Array)>, name: &str| {
+            let at = tensors.iter().position(|(n, _)| n == name)?;
+            Some(tensors.remove(at).1)
+        };
+        let k = take(tensors, &k_name);
+        let v = take(tensors, &v_name)
+            .ok_or_else(|| GgufError::format(path, format!("`{k_name}` has no `{v_name}`")))?;
+        let k = k.ok_or_else(|| GgufError::format(path, format!("`{k_name}` vanished")))?;
+        let f32s = |a: &Array| a.astype(Dtype::Float32)?.to_vec::<f32>();
+        let (kv, kshape) = (f32s(&k).map_err(mlx)?, k.shape());
+        let (vv, vshape) = (f32s(&v).map_err(mlx)?, v.shape());
+        let (joined, shape) = join_kv_b((&kv, &kshape), (&vv, &vshape)).ok_or_else(|| {
+            GgufError::format(
+                path,
+                format!(
+                    "`{k_name}` {kshape:?} and `{v_name}` {vshape:?} do not join into kv_b_proj"
+                ),
+            )
+        })?;
+        tensors.push((
+            format!("{prefix}kv_b_proj.weight"),
+            Array::from_slice::<f32>(&joined, &shape).map_err(mlx)?,
+        ));
+    }
+    Ok(())
 }
 
 /// The `quantization` block mlx-lm writes: the most common `(bits, group_size)` as the default,
@@ -426,11 +518,17 @@ pub fn import_gguf(
     let mut tensors: Vec<(String, Array)> = Vec::new();
     let mut records = Vec::with_capacity(total);
     for (i, info) in g.tensors().iter().enumerate() {
+        // Already turned back into `rope_scaling` by `llama_params`.
+        if info.name == ROPE_FREQS {
+            progress(i + 1, total, &info.name);
+            continue;
+        }
         let c = convert_tensor(&g, info, &params)?;
         tensors.extend(c.arrays);
         records.push(c.record);
         progress(i + 1, total, &info.name);
     }
+    join_split_kv_b(&g, &mut tensors)?;
     let mut seen = HashMap::new();
     for (name, _) in &tensors {
         if seen.insert(name.clone(), ()).is_some() {
@@ -443,7 +541,7 @@ pub fn import_gguf(
     let embed = g
         .tensor("token_embd.weight")
         .ok_or_else(|| GgufError::tensor(g.path(), "token_embd.weight", "missing from the file"))?;
-    let vocab_size = match meta_u64(&g, &format!("{}.vocab_size", params.arch))? {
+    let vocab_size = match meta_u64(&g, &format!("{}.vocab_size", params.arch.gguf))? {
         Some(v) => v,
         None => embed.ne.get(1).copied().unwrap_or(0),
     };
@@ -460,13 +558,8 @@ pub fn import_gguf(
     let tok = build_tokenizer_files(&g, params.n_ctx)?;
 
     let mut config = Map::new();
-    let architecture = match params.arch.as_str() {
-        "qwen2" => "Qwen2ForCausalLM",
-        "qwen3" => "Qwen3ForCausalLM",
-        _ => "LlamaForCausalLM",
-    };
-    config.insert("architectures".into(), json!([architecture]));
-    config.insert("model_type".into(), json!(params.arch));
+    config.insert("architectures".into(), json!([params.arch.class]));
+    config.insert("model_type".into(), json!(params.arch.model_type));
     config.insert("hidden_size".into(), json!(params.n_embd));
     config.insert("intermediate_size".into(), json!(params.n_ff));
     config.insert("num_attention_heads".into(), json!(params.n_head));
@@ -497,6 +590,21 @@ pub fn import_gguf(
     if !tok.eos_ids.is_empty() {
         config.insert("eos_token_id".into(), one_or_many(&tok.eos_ids));
     }
+    let head_dim = params
+        .head_dim
+        .unwrap_or(params.n_embd / params.n_head.max(1));
+    params.arch.config_extras(
+        &g,
+        &ArchParams {
+            n_layer: params.n_layer,
+            n_embd: params.n_embd,
+            n_ff: params.n_ff,
+            n_head: params.n_head,
+            n_ctx: params.n_ctx,
+            head_dim,
+        },
+        &mut config,
+    )?;
     if let Some(q) = quantization_block(&records) {
         config.insert("quantization".into(), q.clone());
         config.insert("quantization_config".into(), q);
@@ -610,6 +718,7 @@ mod tests {
             ggml_type: GgmlType::Q4_1,
             affine,
             unpermuted: false,
+            requantized: None,
         };
         let q = quantization_block(&[
             rec("model.embed_tokens.weight", Some((8, 32))),
@@ -729,8 +838,10 @@ mod tests {
         assert_eq!(c["tie_word_embeddings"], true);
         assert_eq!(
             c["quantization"],
-            json!({"group_size": 32, "bits": 4, "mode": "affine",
-                   "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"}})
+            // Two 8-bit tensors (Q8_0 embedding, Q6_K v_proj) and two 4-bit: the tie goes to 8.
+            json!({"group_size": 32, "bits": 8, "mode": "affine",
+                   "model.layers.0.self_attn.q_proj": {"group_size": 32, "bits": 4, "mode": "affine"},
+                   "model.layers.0.mlp.up_proj": {"group_size": 32, "bits": 4, "mode": "affine"}})
         );
         assert_eq!(c["quantization_config"], c["quantization"]);
 
@@ -756,14 +867,39 @@ mod tests {
         let k = k.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
         assert_eq!(k[32], 64.0); // HF row 1 = GGUF row 2
         assert_eq!(k[8 * 32], 32.0); // HF row 8 = GGUF row 1
-                                     // v_proj (Q6_K) is stored dense in float32.
-        let v = w.get("model.layers.0.self_attn.v_proj.weight").unwrap();
-        assert_eq!(v.dtype().unwrap(), Dtype::Float32);
+                                     // v_proj (Q6_K) is re-quantized to affine 8-bit with float32 scales,
+                                     // its error recorded.
+        let v = report
+            .tensors
+            .iter()
+            .find(|t| t.gguf_name == "blk.0.attn_v.weight")
+            .unwrap();
+        assert_eq!(v.affine, Some((8, 32)));
+        let err = v.requantized.expect("Q6_K is re-quantized");
+        let pre = "model.layers.0.self_attn.v_proj";
         assert_eq!(
-            v.to_vec::<f32>().unwrap(),
-            blocks::dequantize(GgmlType::Q6K, &v_bytes).unwrap()
+            w.get(&format!("{pre}.scales")).unwrap().dtype().unwrap(),
+            Dtype::Float32
         );
-        assert!(!w.contains("model.layers.0.self_attn.v_proj.scales"));
+        let dq = mlxcel_core::ops::dequantize(
+            &w.get(&format!("{pre}.weight")).unwrap(),
+            &w.get(&format!("{pre}.scales")).unwrap(),
+            Some(&w.get(&format!("{pre}.biases")).unwrap()),
+            mlxcel_core::ops::QuantSpec::affine(32, 8),
+            Some(Dtype::Float32),
+        )
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+        let exact = blocks::dequantize(GgmlType::Q6K, &v_bytes).unwrap();
+        let diff = dq
+            .iter()
+            .zip(&exact)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff > 0.0 && diff <= err.max_abs_error * 1.0001,
+            "{diff} vs {err:?}"
+        );
 
         let tok = tokenizers::Tokenizer::from_file(out.path().join("tokenizer.json")).unwrap();
         assert_eq!(
@@ -805,13 +941,13 @@ mod tests {
             6,
             1e-6f32.to_le_bytes().to_vec(),
         ));
-        let tensors = vec![("blk.0.ffn_up.weight", vec![256, 1], 10, vec![0u8; 84])];
+        let tensors = vec![("blk.0.ffn_up.weight", vec![256, 1], 16, vec![0u8; 66])];
         let f = write(&build(&kvs, &tensors, 32));
         let out = tempfile::tempdir().unwrap();
         let e = import_gguf(f.path(), out.path(), &mut |_, _, _| {}).unwrap_err();
         let msg = e.to_string();
         assert!(
-            msg.contains("blk.0.ffn_up.weight") && msg.contains("Q2_K"),
+            msg.contains("blk.0.ffn_up.weight") && msg.contains("IQ2_XXS"),
             "{msg}"
         );
     }

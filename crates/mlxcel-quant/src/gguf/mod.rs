@@ -2,25 +2,31 @@
 //!
 //! - [`GgufFile`]: a GGUF v2/v3 reader over a memory map (metadata of every value type, tensor
 //!   infos, `general.alignment`), with errors that name the file and the tensor at fault.
-//! - [`blocks`]: ggml block decoding, and the exact repacking of `Q4_0`/`Q4_1`/`Q8_0` blocks
-//!   into MLX affine planes.
+//! - [`blocks`]: ggml block decoding and the mapping onto MLX affine planes: exact for
+//!   `Q4_0`/`Q4_1`/`Q5_0`/`Q5_1`/`Q8_0`/`Q4_K`/`Q5_K`, re-quantized with the error measured for
+//!   `Q2_K`/`Q3_K`/`Q6_K` (their 16-weight sub-blocks have no MLX group size); the module docs
+//!   say why for each.
 //! - [`import_gguf`]: a llama, qwen2 or qwen3 GGUF → `config.json` (with mlx-lm's `quantization`
 //!   block), `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
-//!   `generation_config.json`. `Q4_0`/`Q4_1`/`Q8_0` tensors are imported losslessly as MLX affine
-//!   4/8-bit with group size 32; F32/F16/BF16 pass through; `Q5_0`/`Q5_1`/K-quants are stored
-//!   dense in float32 (exact decodes, not re-quantized); other types are an error naming them.
+//!   `generation_config.json`. Block-quantized matrices become MLX affine planes (group 32) as
+//!   [`blocks::mlx_mapping`] says; F32/F16/BF16 pass through; 1-D quantized tensors are decoded
+//!   to float32; other types are an error naming the tensor and type. Llama 3's rope scaling,
+//!   which llama.cpp stores as the `rope_freqs.weight` factor table, is turned back into
+//!   `rope_scaling` (`rope_freqs` module).
 //! - [`convert_gguf_cached`]: the same import, once per file content, into a cache folder.
 
+mod arch;
 pub mod blocks;
 mod cache;
 mod import;
 mod reader;
+mod rope_freqs;
 mod tokenizer;
 mod types;
 
 use std::path::{Path, PathBuf};
 
-pub use cache::{convert_gguf_cached, gguf_cache_key, CachedConversion};
+pub use cache::{convert_gguf_cached, gguf_cache_key, CachedConversion, IMPORT_FORMAT};
 pub use import::{
     hf_tensor_name, import_gguf, unpermute_rope_rows, ImportReport, TensorImport,
     SUPPORTED_ARCHITECTURES,
@@ -73,7 +79,8 @@ pub enum GgufError {
     /// A tensor's type is known but cannot be imported.
     #[error(
         "{path}: tensor `{tensor}` is {ggml_type}, which cannot be imported (supported: F32, F16, \
-         BF16, Q4_0, Q4_1, Q8_0 losslessly; Q5_0, Q5_1, Q4_K, Q5_K, Q6_K dequantized to float32)"
+         BF16 as they are; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K losslessly as MLX affine; \
+         Q2_K, Q3_K, Q6_K re-quantized to MLX affine 8-bit; no IQ, TQ or MXFP4 types)"
     )]
     UnsupportedType {
         /// The GGUF file.

@@ -2,9 +2,9 @@
 //!
 //! Supported: `tokenizer.ggml.model = "gpt2"` (byte-level BPE: `tokens`, `merges`,
 //! `token_type`). Control tokens (type 3) become special added tokens, user-defined ones
-//! (type 4) plain added tokens. The pre-tokenizer follows `tokenizer.ggml.pre`: `gpt2`/`default`
-//! is GPT-2's byte-level regex; `smollm` splits digits individually first, as SmolLM's own
-//! `tokenizer.json` and llama.cpp do. Anything else is an error naming the value.
+//! (type 4) plain added tokens. The pre-tokenizer is llama.cpp's for `tokenizer.ggml.pre`
+//! (`default`, `gpt2`, `smollm`, `llama-bpe`/`llama3`, `qwen2`; see [`pre_tokenizer_regexes`]),
+//! written as a sequence of HF `Split`s; anything else is an error naming the value.
 
 use std::collections::HashSet;
 
@@ -29,6 +29,8 @@ pub struct TokenizerFiles {
     pub pad_id: Option<u64>,
 }
 
+const TOKEN_NORMAL: i64 = 1;
+const TOKEN_UNKNOWN: i64 = 2;
 const TOKEN_CONTROL: i64 = 3;
 const TOKEN_USER_DEFINED: i64 = 4;
 
@@ -98,66 +100,101 @@ fn flag(g: &GgufFile, key: &str) -> Result<Option<bool>, GgufError> {
     }
 }
 
+/// GPT-2's split (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_GPT2`).
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+
+/// The `tokenizer.ggml.pre` values [`pre_tokenizer_regexes`] knows.
+const KNOWN_PRE_TOKENIZERS: [&str; 9] = [
+    "gpt-2",
+    "default",
+    "gpt2",
+    "smollm",
+    "llama-bpe",
+    "llama3",
+    "llama-v3",
+    "qwen2",
+    "deepseek-r1-qwen",
+];
+
+/// llama.cpp's pre-tokenizer for `tokenizer.ggml.pre` (`llm_tokenizer_bpe` in llama-vocab.cpp):
+/// its regexes in order, and whether a piece that is itself a token skips the merges
+/// (`ignore_merges`). Llama 3 and Qwen 2 use their `tokenizer.json` regexes (llama.cpp spells
+/// the case-insensitive contractions out by hand; the `tokenizers` regex engine reads `(?i:)`).
+fn pre_tokenizer_regexes(pre: &str) -> Option<(Vec<&'static str>, bool)> {
+    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    Some(match pre {
+        // The regexes llama.cpp falls back to for GGUFs older than `tokenizer.ggml.pre`.
+        "default" => (
+            vec![
+                r"[\p{P}\$\+<=>\^~\|]+",
+                GPT2_SPLIT,
+                r"\p{N}+",
+                "[0-9][0-9][0-9]",
+            ],
+            false,
+        ),
+        "gpt-2" | "gpt2" => (vec![GPT2_SPLIT], false),
+        "smollm" => (vec![r"\p{N}", GPT2_SPLIT], false),
+        "llama-bpe" | "llama3" | "llama-v3" => (vec![LLAMA3], true),
+        "qwen2" | "deepseek-r1-qwen" => (vec![QWEN2], false),
+        _ => return None,
+    })
+}
+
 fn byte_level(add_prefix_space: bool, trim_offsets: bool) -> Value {
     json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space,
            "trim_offsets": trim_offsets, "use_regex": true})
 }
 
-/// Builds `tokenizer.json` and `tokenizer_config.json` for a byte-level BPE GGUF.
-pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles, GgufError> {
+/// The model-specific pieces of `tokenizer.json`.
+struct Parts {
+    normalizer: Value,
+    pre_tokenizer: Value,
+    decoder: Value,
+    /// The post-processor when no BOS/EOS is added.
+    post_processor: Value,
+    model: Value,
+    /// Whether a control token is matched literally in text (an added special token).
+    literal: fn(&str) -> bool,
+}
+
+fn in_byte_alphabet(tok: &str) -> bool {
+    let alphabet = byte_alphabet();
+    tok.chars().all(|c| alphabet.contains(&c))
+}
+
+/// Byte-level BPE (`gpt2`): the GGUF's merges, llama.cpp's pre-tokenizer regexes.
+fn byte_level_bpe(g: &GgufFile, tokens: &[&str]) -> Result<Parts, GgufError> {
     let path = g.path();
-    let model_key = "tokenizer.ggml.model";
-    let model = g
-        .get(model_key)
-        .and_then(|v| v.as_str())
-        .ok_or_else(|| GgufError::metadata(path, model_key, "missing or not a string"))?;
-    if model != "gpt2" {
-        return Err(GgufError::metadata(
-            path,
-            model_key,
-            format!("tokenizer model `{model}` cannot be rebuilt yet (only byte-level BPE `gpt2`)"),
-        ));
-    }
-    let tokens_key = "tokenizer.ggml.tokens";
-    let tokens = string_array(g, tokens_key)?
-        .ok_or_else(|| GgufError::metadata(path, tokens_key, "missing"))?;
     let merges_key = "tokenizer.ggml.merges";
     let merges = string_array(g, merges_key)?
         .ok_or_else(|| GgufError::metadata(path, merges_key, "missing"))?;
-    let types_key = "tokenizer.ggml.token_type";
-    let token_types: Vec<i64> = match g.get(types_key) {
-        None => vec![1; tokens.len()],
-        Some(v) => v
-            .as_array()
-            .filter(|a| a.len() == tokens.len())
-            .and_then(|a| a.iter().map(|t| t.as_i64()).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| {
-                GgufError::metadata(
-                    path,
-                    types_key,
-                    format!("expected {} integers, one per token", tokens.len()),
-                )
-            })?,
-    };
-
     let pre_key = "tokenizer.ggml.pre";
     let pre = g.get(pre_key).and_then(|v| v.as_str()).unwrap_or("default");
     let add_space = flag(g, "tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
-    let byte_level_pre = byte_level(add_space, true);
-    let pre_tokenizer = match pre {
-        "default" | "gpt2" => byte_level_pre,
-        "smollm" => json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": true},
-            byte_level_pre,
-        ]}),
-        other => {
-            return Err(GgufError::metadata(
-                path,
-                pre_key,
-                format!("pre-tokenizer `{other}` is not known (supported: default, gpt2, smollm)"),
-            ))
-        }
-    };
+    let (regexes, ignore_merges) = pre_tokenizer_regexes(pre).ok_or_else(|| {
+        GgufError::metadata(
+            path,
+            pre_key,
+            format!(
+                "pre-tokenizer `{pre}` is not known (supported: {})",
+                KNOWN_PRE_TOKENIZERS.join(", ")
+            ),
+        )
+    })?;
+    // llama.cpp applies its regexes one after the other, each splitting the pieces the previous
+    // left and keeping the text between matches as pieces too: HF's `Split` with `Isolated`.
+    let mut pretokenizers: Vec<Value> = regexes
+        .iter()
+        .map(|r| {
+            json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated",
+                   "invert": false})
+        })
+        .collect();
+    pretokenizers.push(json!({"type": "ByteLevel", "add_prefix_space": add_space,
+                              "trim_offsets": true, "use_regex": false}));
+    let pre_tokenizer = json!({"type": "Sequence", "pretokenizers": pretokenizers});
 
     // Tokens are stored in the byte alphabet already; one that is not (a raw-text control token
     // written by some converters) is spelled through it so the BPE vocabulary stays consistent.
@@ -184,11 +221,153 @@ pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles,
         })
         .collect::<Result<Vec<_>, _>>()?;
 
+    Ok(Parts {
+        normalizer: Value::Null,
+        pre_tokenizer,
+        decoder: byte_level(true, true),
+        post_processor: byte_level(true, false),
+        model: json!({
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+            "byte_fallback": false, "ignore_merges": ignore_merges, "vocab": vocab,
+            "merges": merges,
+        }),
+        literal: in_byte_alphabet,
+    })
+}
+
+/// SentencePiece (`llama`), as llama.cpp's `llm_tokenizer_spm` runs it: spaces are `▁`, a `▁`
+/// is prepended to every run of text when `add_space_prefix` (default on; llama.cpp also
+/// prepends after each special token, which HF's per-segment `Prepend` normaliser does too),
+/// adjacent pieces merge highest score first, and characters outside the vocabulary fall back
+/// to `<0xXX>` byte tokens. As a BPE: every split of a normal token into two vocabulary pieces
+/// is a merge, ranked by the token's score (then by the pieces' ids, as transformers'
+/// SentencePiece extractor orders them).
+fn sentencepiece(g: &GgufFile, tokens: &[&str], types: &[i64]) -> Result<Parts, GgufError> {
+    let path = g.path();
+    let scores_key = "tokenizer.ggml.scores";
+    let scores: Vec<f64> = g
+        .get(scores_key)
+        .and_then(|v| v.as_array())
+        .filter(|a| a.len() == tokens.len())
+        .and_then(|a| a.iter().map(|s| s.as_f64()).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| {
+            GgufError::metadata(
+                path,
+                scores_key,
+                format!("expected {} floats, one per token", tokens.len()),
+            )
+        })?;
+    let mut vocab = Map::new();
+    let mut ids = std::collections::HashMap::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        vocab.insert(tok.to_string(), json!(id));
+        ids.entry(*tok).or_insert(id);
+    }
+    let mut merges: Vec<(f64, usize, usize, usize)> = Vec::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        if types[id] != TOKEN_NORMAL {
+            continue;
+        }
+        for (at, _) in tok.char_indices().skip(1) {
+            let (l, r) = tok.split_at(at);
+            if let (Some(&li), Some(&ri)) = (ids.get(l), ids.get(r)) {
+                merges.push((scores[id], id, li, ri));
+            }
+        }
+    }
+    // Score descending; a stable order after that: the token's id, then the pieces' ids.
+    merges.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then(a.1.cmp(&b.1))
+            .then((a.2, a.3).cmp(&(b.2, b.3)))
+    });
+    let merges: Vec<Value> = merges
+        .iter()
+        .map(|(_, _, l, r)| json!([tokens[*l], tokens[*r]]))
+        .collect();
+    let unk = id_field(g, "tokenizer.ggml.unknown_token_id", tokens.len())?
+        .map(|i| tokens[i as usize].to_string());
+    let add_space = flag(g, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+    let replace_space =
+        json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let normalizer = if add_space {
+        json!({"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u{2581}"}, replace_space]})
+    } else {
+        replace_space
+    };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if add_space {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    Ok(Parts {
+        normalizer,
+        pre_tokenizer: Value::Null,
+        decoder: json!({"type": "Sequence", "decoders": decoders}),
+        post_processor: Value::Null,
+        model: json!({
+            "type": "BPE", "dropout": null, "unk_token": unk,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
+            "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": merges,
+        }),
+        literal: |_| true,
+    })
+}
+
+/// Builds `tokenizer.json` and `tokenizer_config.json` for a byte-level BPE (`gpt2`) or
+/// SentencePiece (`llama`) GGUF.
+pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles, GgufError> {
+    let path = g.path();
+    let model_key = "tokenizer.ggml.model";
+    let model = g
+        .get(model_key)
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| GgufError::metadata(path, model_key, "missing or not a string"))?;
+    if model != "gpt2" && model != "llama" {
+        return Err(GgufError::metadata(
+            path,
+            model_key,
+            format!(
+                "tokenizer model `{model}` cannot be rebuilt yet (only byte-level BPE `gpt2` and \
+                 SentencePiece `llama`)"
+            ),
+        ));
+    }
+    let tokens_key = "tokenizer.ggml.tokens";
+    let tokens = string_array(g, tokens_key)?
+        .ok_or_else(|| GgufError::metadata(path, tokens_key, "missing"))?;
+    let types_key = "tokenizer.ggml.token_type";
+    let token_types: Vec<i64> = match g.get(types_key) {
+        None => vec![1; tokens.len()],
+        Some(v) => v
+            .as_array()
+            .filter(|a| a.len() == tokens.len())
+            .and_then(|a| a.iter().map(|t| t.as_i64()).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| {
+                GgufError::metadata(
+                    path,
+                    types_key,
+                    format!("expected {} integers, one per token", tokens.len()),
+                )
+            })?,
+    };
+
+    let parts = if model == "gpt2" {
+        byte_level_bpe(g, &tokens)?
+    } else {
+        sentencepiece(g, &tokens, &token_types)?
+    };
+
     let mut added = Vec::new();
     let mut added_decoder = Map::new();
     for (id, (tok, ty)) in tokens.iter().zip(&token_types).enumerate() {
         let special = match *ty {
-            TOKEN_CONTROL if tok.chars().all(|c| in_alphabet.contains(&c)) => true,
+            TOKEN_CONTROL | TOKEN_UNKNOWN if (parts.literal)(tok) => true,
             TOKEN_USER_DEFINED => false,
             _ => continue,
         };
@@ -253,7 +432,7 @@ pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles,
         json!({"type": "TemplateProcessing", "single": single, "pair": pair,
                "special_tokens": specials})
     } else {
-        byte_level(true, false)
+        parts.post_processor.clone()
     };
 
     let tokenizer = json!({
@@ -261,22 +440,11 @@ pub fn build_tokenizer_files(g: &GgufFile, n_ctx: u64) -> Result<TokenizerFiles,
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
+        "normalizer": parts.normalizer,
+        "pre_tokenizer": parts.pre_tokenizer,
         "post_processor": post_processor,
-        "decoder": byte_level(true, true),
-        "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": null,
-            "continuing_subword_prefix": null,
-            "end_of_word_suffix": null,
-            "fuse_unk": false,
-            "byte_fallback": false,
-            "ignore_merges": false,
-            "vocab": vocab,
-            "merges": merges,
-        },
+        "decoder": parts.decoder,
+        "model": parts.model,
     });
 
     let mut cfg = Map::new();
