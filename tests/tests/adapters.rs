@@ -57,7 +57,7 @@ fn mlx_lm_adapter_matches_mlx_lm() {
         loaded.surgery_applied
     );
     assert!(
-        loaded.surgery_applied[0].contains("fused into 8 tensors"),
+        loaded.surgery_applied[0].contains("fused into 8 layers"),
         "{:?}",
         loaded.surgery_applied
     );
@@ -171,28 +171,82 @@ fn mismatched_adapters_are_refused_naming_file_and_tensor() {
     let msg = error("llama", tmp.path());
     assert!(msg.contains("has no B tensor"), "{msg}");
 
-    // DoRA.
+    // DoRA without its magnitude vector.
     let tmp = tempfile::tempdir().unwrap();
     write_adapter(
         tmp.path(),
-        &[("model.layers.0.self_attn.q_proj.lora_a", &[64, 4])],
+        &[
+            ("model.layers.0.self_attn.q_proj.lora_a", &[64, 4]),
+            ("model.layers.0.self_attn.q_proj.lora_b", &[4, 64]),
+        ],
         &MLX_CONFIG.replace("\"lora\"", "\"dora\""),
     );
     let msg = error("llama", tmp.path());
     assert!(
-        msg.contains("DoRA") && msg.contains("adapter_config.json"),
+        msg.contains("DoRA module `model.layers.0.self_attn.q_proj` has no magnitude tensor")
+            && msg.contains("adapters.safetensors"),
+        "{msg}"
+    );
+
+    // A magnitude of the wrong length.
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            ("model.layers.0.self_attn.q_proj.lora_a", &[64, 4]),
+            ("model.layers.0.self_attn.q_proj.lora_b", &[4, 64]),
+            ("model.layers.0.self_attn.q_proj.m", &[32]),
+        ],
+        &MLX_CONFIG.replace("\"lora\"", "\"dora\""),
+    );
+    let msg = error("llama", tmp.path());
+    assert!(
+        msg.contains("magnitude `model.layers.0.self_attn.q_proj.m` has shape [32], expected [64]"),
         "{msg}"
     );
 }
 
+/// `lora_fuse` on a quantized base: each adapted layer dequantized, the delta added and
+/// requantized at its own bits and group size, against mlx-lm's `fuse(dequantize=False)` of the
+/// same adapter on the same quantized fixture. Without it the adapter stays unfused (see
+/// `runtime_adapters.rs`).
 #[test]
-fn quantized_base_is_refused() {
-    let msg = error("llama-affine4-g64", &adapter_dir("llama-lora-mlx"));
+fn lora_fuse_requantizes_a_quantized_base_like_mlx_lm() {
+    let path = adapter_dir("llama-lora-mlx").join("reference-affine4-g64-fused.safetensors");
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let want: Vec<f32> = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let (ids, _) = mlx_lm_reference();
+    let loaded = load_model(
+        model_dir("llama-affine4-g64"),
+        &LoadOptions {
+            skip_tokenizer: true,
+            policy: Some(RuntimePolicy::default()),
+            adapter: Some(adapter_dir("llama-lora-mlx")),
+            lora_fuse: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(loaded.adapters.is_none());
     assert!(
-        msg.contains("quantized")
-            && msg.contains("runtime")
-            && msg.contains("adapters.safetensors"),
-        "{msg}"
+        loaded.surgery_applied[0]
+            .contains("fused into 8 layers (dequantized, added and requantized at the layers' own affine 4-bit g64)"),
+        "{:?}",
+        loaded.surgery_applied
+    );
+    let got = logits_for(&loaded.model, &ids);
+    let (diff, at) = max_abs_diff(&got, &want);
+    eprintln!("requantized fuse vs mlx-lm: max |Δ| {diff:.3e}");
+    assert!(
+        diff <= 1e-3,
+        "requantized fuse vs mlx-lm: max |Δ| {diff} at {at}"
     );
 }
 

@@ -97,9 +97,9 @@ pub enum WeightRoute {
     None,
 }
 
-/// Whether this build can load adapters: LoRA adapters (mlx-lm or PEFT) fused into dense
-/// checkpoints at load (`mlxcel_loading::LoadOptions::adapter`). Runtime (unfused) adapters,
-/// quantized bases, DoRA and adapters on MoE experts are refused when the adapter is applied.
+/// Whether this build can load adapters: LoRA adapters (mlx-lm or PEFT) fused at load
+/// (`mlxcel_loading::LoadOptions::adapter`) or kept unfused ([`crate::nn::lora`]), LoRA or DoRA,
+/// on linear layers and stacked MoE experts.
 pub const ADAPTERS_AVAILABLE: bool = true;
 
 /// Whether adapters can be applied to `model_type`: the registry row's reason when the type rules
@@ -172,6 +172,9 @@ pub struct BuildOptions {
     pub fuse_projections: bool,
     /// An edit of the sanitised tensors before construction (surgery, fused adapters).
     pub transform: Option<WeightTransform>,
+    /// LoRA adapters kept unfused, attached to the linear layers they name (see
+    /// [`crate::nn::lora`]).
+    pub runtime_adapters: Option<crate::nn::lora::RuntimeAdapters>,
 }
 
 /// The signature of a [`WeightTransform`].
@@ -227,7 +230,8 @@ pub fn build_architecture<M: Architecture>(
     drop_unused_buffers(&mut weights);
     let mut w = ModelWeights::new(weights, options.quant.clone(), options.dtype)
         .with_stream(options.stream.clone())
-        .with_fused_projections(options.fuse_projections);
+        .with_fused_projections(options.fuse_projections)
+        .with_runtime_adapters(options.runtime_adapters.clone());
     let model = M::build(&args, &mut w.scope(&options.prefix))?;
     let kept = w.finish(name)?;
     options.materialization.apply(kept.iter())?;

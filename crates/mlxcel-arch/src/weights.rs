@@ -14,6 +14,7 @@ use std::collections::BTreeSet;
 use mlxcel_core::{Array, Dtype, WeightMap};
 use mlxcel_quant::{QuantConfig, QuantMode, QuantizedWeight, TensorQuant};
 
+use crate::nn::lora::{LoraLayer, RuntimeAdapters};
 use crate::nn::{Embedding, Linear, SwitchLinear};
 use crate::{ModelError, Result};
 
@@ -27,6 +28,8 @@ pub struct ModelWeights {
     kept: Vec<Array>,
     stream: Option<ExpertStreamSetup>,
     fuse_projections: bool,
+    /// Runtime LoRA adapters not yet attached to a linear layer (see [`ModelWeights::finish`]).
+    lora: Option<RuntimeAdapters>,
     /// The open scopes, outermost first.
     scope: Vec<String>,
 }
@@ -98,8 +101,17 @@ impl ModelWeights {
             kept: Vec::new(),
             stream: None,
             fuse_projections: false,
+            lora: None,
             scope: Vec::new(),
         }
+    }
+
+    /// Attaches runtime LoRA adapters to the linear layers they name (see
+    /// [`crate::nn::lora`]); a module no linear layer reads is an error at
+    /// [`ModelWeights::finish`].
+    pub fn with_runtime_adapters(mut self, adapters: Option<RuntimeAdapters>) -> ModelWeights {
+        self.lora = adapters.filter(|a| !a.modules.is_empty());
+        self
     }
 
     /// Opens scope `name` (a module name or a layer index; `""` opens nothing new): names
@@ -360,12 +372,78 @@ impl ModelWeights {
         } else {
             None
         };
-        if let Some(q) = self.quantized(prefix, &[out_features], in_features)? {
-            return Ok(Linear::Quantized { weight: q, bias });
+        let base = match self.quantized(prefix, &[out_features], in_features)? {
+            Some(q) => Linear::Quantized { weight: q, bias },
+            None => {
+                let weight =
+                    self.matmul_weight(&format!("{prefix}.weight"), &[out_features, in_features])?;
+                Linear::dense(weight, bias)?
+            }
+        };
+        self.adapt(prefix, base, in_features, out_features)
+    }
+
+    /// `base` with the runtime adapters that name module `prefix`, after checking their shapes.
+    fn adapt(
+        &mut self,
+        prefix: &str,
+        base: Linear,
+        in_features: i32,
+        out_features: i32,
+    ) -> Result<Linear> {
+        match self.take_adapters(prefix, &[], in_features, out_features)? {
+            None => Ok(base),
+            Some(lora) => Ok(Linear::Adapted {
+                base: Box::new(base),
+                lora: Box::new(lora),
+            }),
         }
-        let weight =
-            self.matmul_weight(&format!("{prefix}.weight"), &[out_features, in_features])?;
-        Linear::dense(weight, bias)
+    }
+
+    /// The runtime adapters' terms for module `prefix` (`stack`: the leading expert axis of a
+    /// stacked layer, empty for a plain one), shapes checked: `A` `[..stack, r, in]`, `B`
+    /// `[..stack, out, r]`. `None` when no adapter names it.
+    fn take_adapters(
+        &mut self,
+        prefix: &str,
+        stack: &[i32],
+        in_features: i32,
+        out_features: i32,
+    ) -> Result<Option<LoraLayer>> {
+        let Some(lora) = self.lora.as_mut() else {
+            return Ok(None);
+        };
+        let Some(pairs) = lora.modules.remove(prefix) else {
+            return Ok(None);
+        };
+        let set = lora.set.clone();
+        for pair in pairs.iter().flatten() {
+            let (a, b) = (pair.a.shape(), pair.b.shape());
+            let n = stack.len();
+            let fits = a.len() == n + 2
+                && b.len() == n + 2
+                && a[..n] == *stack
+                && b[..n] == *stack
+                && a[n] == b[n + 1]
+                && a[n + 1] == in_features
+                && b[n] == out_features;
+            if !fits {
+                return Err(ModelError::Transform(format!(
+                    "{}: low-rank pair A {a:?} / B {b:?} does not fit `{prefix}` ({}{in_features} → {out_features}; an adapter for another model?)",
+                    pair.origin,
+                    if n == 0 { String::new() } else { format!("{stack:?} experts, ") }
+                )));
+            }
+            if n > 0 && pair.magnitude.is_some() {
+                return Err(ModelError::Unsupported(format!(
+                    "{}: DoRA on the expert stack `{prefix}` (mlx-lm does not define it either)",
+                    pair.origin
+                )));
+            }
+            self.kept.extend([pair.a.clone(), pair.b.clone()]);
+            self.kept.extend(pair.magnitude.clone());
+        }
+        Ok(Some(LoraLayer::new(set, pairs)))
     }
 
     /// Linear layers `prefixes` that read the same input, each mapping `in_features` to its
@@ -423,14 +501,20 @@ impl ModelWeights {
         in_features: i32,
         out_features: i32,
     ) -> Result<SwitchLinear> {
-        if let Some(q) = self.quantized(prefix, &[experts, out_features], in_features)? {
-            return Ok(SwitchLinear::Quantized(q));
+        let base = match self.quantized(prefix, &[experts, out_features], in_features)? {
+            Some(q) => SwitchLinear::Quantized(q),
+            None => SwitchLinear::Dense(self.tensor_at(
+                &format!("{prefix}.weight"),
+                &[experts, out_features, in_features],
+            )?),
+        };
+        match self.take_adapters(prefix, &[experts], in_features, out_features)? {
+            None => Ok(base),
+            Some(lora) => Ok(SwitchLinear::Adapted {
+                base: Box::new(base),
+                lora: Box::new(lora),
+            }),
         }
-        let w = self.tensor_at(
-            &format!("{prefix}.weight"),
-            &[experts, out_features, in_features],
-        )?;
-        Ok(SwitchLinear::Dense(w))
     }
 
     /// A stack of per-head matrices `shape` = `[heads, out, in]` as a dense array in the
@@ -613,6 +697,17 @@ impl ModelWeights {
     /// Ends construction: an error listing the tensors the model did not use; otherwise every
     /// array the model keeps.
     pub fn finish(self, model: &str) -> Result<Vec<Array>> {
+        if let Some((module, pairs)) = self.lora.as_ref().and_then(|l| l.modules.iter().next()) {
+            let origin = pairs
+                .iter()
+                .flatten()
+                .map(|p| p.origin.as_str())
+                .next()
+                .unwrap_or("a runtime adapter");
+            return Err(ModelError::Transform(format!(
+                "{origin}: `{module}` is not a linear layer of {model} that takes runtime adapters (an adapter for another architecture, or a module only a fused adapter can change)"
+            )));
+        }
         let unused: Vec<String> = self
             .map
             .names()

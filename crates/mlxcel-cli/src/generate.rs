@@ -21,9 +21,14 @@ pub struct RunFlags {
     /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`); see the README.
     #[arg(long, value_name = "FILE")]
     pub surgery: Option<PathBuf>,
-    /// LoRA adapter folder (mlx-lm or PEFT) fused into the dense base weights at load.
+    /// LoRA adapter folder (mlx-lm or PEFT): fused into dense base weights at load; over a
+    /// quantized base kept unfused (runtime) unless --lora-fuse.
     #[arg(long, value_name = "DIR")]
     pub adapter: Option<PathBuf>,
+    /// Fuse --adapter into a quantized base too: dequantize, add, requantize at each layer's
+    /// own bits and group size.
+    #[arg(long, requires = "adapter")]
+    pub lora_fuse: bool,
     /// System message (with --messages, --user or in chat).
     #[arg(long)]
     pub system: Option<String>,
@@ -169,6 +174,7 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
         policy: Some(mlxcel_core::policy::current()),
         surgery: flags.surgery.clone(),
         adapter: flags.adapter.clone(),
+        lora_fuse: flags.lora_fuse,
         ..Default::default()
     };
     let loaded = load_model(&model, &options)?;

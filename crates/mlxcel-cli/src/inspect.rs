@@ -1,7 +1,7 @@
 //! `mlxcel inspect` and `mlxcel arch`: what a checkpoint holds, and what the registry knows.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use mlxcel_arch::detection::{detect_kind, get_model_type, get_reranker_type};
 use mlxcel_arch::{model_load_policy, DESCRIPTORS};
@@ -106,6 +106,31 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
             s.bytes,
             formats.join(", ")
         );
+    }
+    Ok(())
+}
+
+/// Loads the model with the given surgery and adapter (nothing is written) and prints what each
+/// applied, one `edit` line each: the checks and messages of a real load.
+pub fn edits(
+    path: &Path,
+    surgery: Option<PathBuf>,
+    adapter: Option<PathBuf>,
+    lora_fuse: bool,
+) -> anyhow::Result<()> {
+    let loaded = mlxcel_loading::load_model(
+        path,
+        &mlxcel_loading::LoadOptions {
+            skip_tokenizer: true,
+            policy: Some(mlxcel_core::policy::current()),
+            surgery,
+            adapter,
+            lora_fuse,
+            ..Default::default()
+        },
+    )?;
+    for line in &loaded.surgery_applied {
+        println!("edit      {line}");
     }
     Ok(())
 }

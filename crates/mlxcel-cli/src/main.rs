@@ -43,9 +43,13 @@ enum Command {
         /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`).
         #[arg(long, value_name = "FILE")]
         surgery: Option<PathBuf>,
-        /// LoRA adapter folder fused into the dense base weights at load.
+        /// LoRA adapter folder: fused into dense base weights at load; over a quantized base
+        /// kept unfused (runtime) unless --lora-fuse.
         #[arg(long, value_name = "DIR")]
         adapter: Option<PathBuf>,
+        /// Fuse --adapter into a quantized base too (dequantize, add, requantize).
+        #[arg(long, requires = "adapter")]
+        lora_fuse: bool,
     },
     /// Describe a checkpoint: type, routes, parameters, dtype and quantization mix by role, bytes.
     Inspect {
@@ -56,6 +60,15 @@ enum Command {
         /// Context length for --estimate-memory's KV cache.
         #[arg(long, default_value_t = 4096)]
         max_context: u64,
+        /// Also load with this weight-surgery YAML and report each rule's edit.
+        #[arg(long, value_name = "FILE")]
+        surgery: Option<PathBuf>,
+        /// Also load with this LoRA adapter and report how it was applied.
+        #[arg(long, value_name = "DIR")]
+        adapter: Option<PathBuf>,
+        /// With --adapter: fuse into a quantized base (dequantize, add, requantize).
+        #[arg(long, requires = "adapter")]
+        lora_fuse: bool,
     },
     /// Print the model registry.
     Arch,
@@ -89,9 +102,15 @@ enum Command {
         /// Conversations whose caches are kept for prefix reuse.
         #[arg(long, default_value_t = 4)]
         sessions: usize,
-        /// LoRA adapter folder fused into the dense base weights at load.
-        #[arg(long, value_name = "DIR")]
-        adapter: Option<PathBuf>,
+        /// LoRA adapters, repeatable. `NAME=DIR`: a runtime adapter, kept unfused and selected
+        /// per request (`"model": "NAME"` or the `adapter` field; see the README). `DIR`: one
+        /// adapter applied to every request (fused into a dense base; over a quantized base
+        /// kept unfused unless --lora-fuse).
+        #[arg(long, value_name = "[NAME=]DIR")]
+        adapter: Vec<String>,
+        /// Fuse the unnamed --adapter into a quantized base too (dequantize, add, requantize).
+        #[arg(long)]
+        lora_fuse: bool,
         /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`).
         #[arg(long, value_name = "FILE")]
         surgery: Option<PathBuf>,
@@ -172,13 +191,20 @@ fn run() -> anyhow::Result<()> {
             out,
             surgery,
             adapter,
-        }) => logits(&model, &prompt_ids, &out, surgery, adapter)?,
+            lora_fuse,
+        }) => logits(&model, &prompt_ids, &out, surgery, adapter, lora_fuse)?,
         Some(Command::Inspect {
             model,
             estimate_memory,
             max_context,
+            surgery,
+            adapter,
+            lora_fuse,
         }) => {
             inspect::run(&model)?;
+            if surgery.is_some() || adapter.is_some() {
+                inspect::edits(&model, surgery, adapter, lora_fuse)?;
+            }
             if estimate_memory {
                 if max_context == 0 {
                     bail!("--max-context 0: must be at least 1 token");
@@ -198,6 +224,7 @@ fn run() -> anyhow::Result<()> {
             max_queue,
             sessions,
             adapter,
+            lora_fuse,
             surgery,
             embedding_model,
             reranker_model,
@@ -210,8 +237,25 @@ fn run() -> anyhow::Result<()> {
             };
             let mut builder =
                 mlxcel_models::Model::load(&model).policy(mlxcel_core::policy::current());
-            if let Some(a) = adapter {
-                builder = builder.adapter(a);
+            let mut fused = None;
+            for spec in adapter {
+                match spec.split_once('=') {
+                    Some((name, dir)) if !name.is_empty() && !name.contains('/') => {
+                        builder = builder.runtime_adapter(name, dir);
+                    }
+                    _ if fused.is_some() => {
+                        bail!("--adapter {spec}: only one unnamed adapter (DIR); name the others (NAME=DIR)")
+                    }
+                    _ => fused = Some(spec),
+                }
+            }
+            if let Some(dir) = fused {
+                builder = builder.adapter(dir);
+            } else if lora_fuse {
+                bail!("--lora-fuse applies to an unnamed --adapter DIR");
+            }
+            if lora_fuse {
+                builder = builder.lora_fuse();
             }
             if let Some(s) = surgery {
                 builder = builder.surgery(s);
@@ -319,12 +363,14 @@ fn logits(
     out: &std::path::Path,
     surgery: Option<PathBuf>,
     adapter: Option<PathBuf>,
+    lora_fuse: bool,
 ) -> anyhow::Result<()> {
     let options = LoadOptions {
         skip_tokenizer: true,
         policy: Some(mlxcel_core::policy::current()),
         surgery,
         adapter,
+        lora_fuse,
         ..Default::default()
     };
     let loaded = load_model(model, &options)?;

@@ -223,6 +223,64 @@ fn embed_prints_one_json_line_per_text_in_order() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--out"));
 }
 
+/// `mlxcel inspect --surgery FILE --adapter DIR` loads with both and reports what each did
+/// (here the adapter stays unfused over the quantized base); a failing rule is an error.
+#[test]
+fn inspect_reports_the_edits_applied() {
+    let tmp = tempfile::tempdir().unwrap();
+    let yaml = tmp.path().join("edits.yaml");
+    std::fs::write(
+        &yaml,
+        "- op: scale\n  glob: 'model.norm.weight'\n  factor: 0.5\n",
+    )
+    .unwrap();
+    let adapter = fixture("../adapters/llama-lora-mlx");
+    let out = mlxcel()
+        .arg("inspect")
+        .arg(fixture("llama-affine4-g64"))
+        .arg("--surgery")
+        .arg(&yaml)
+        .arg("--adapter")
+        .arg(&adapter)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let edits: Vec<&str> = stdout.lines().filter(|l| l.starts_with("edit ")).collect();
+    assert_eq!(edits.len(), 2, "{stdout}");
+    assert!(
+        edits[0].contains("kept unfused as runtime adapter `adapter`"),
+        "{stdout}"
+    );
+    assert!(
+        edits[1].contains("surgery rule 1: scale `model.norm.weight` on 1 tensor"),
+        "{stdout}"
+    );
+
+    std::fs::write(
+        &yaml,
+        "- op: scale\n  glob: 'no.such.tensor'\n  factor: 0.5\n",
+    )
+    .unwrap();
+    let out = mlxcel()
+        .arg("inspect")
+        .arg(fixture("llama"))
+        .arg("--surgery")
+        .arg(&yaml)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rule 1") && stderr.contains("no.such.tensor"),
+        "{stderr}"
+    );
+}
+
 /// A checkpoint whose config disagrees with its tensors: one `error:` line naming the folder and
 /// the tensor, printed once (the model layer's error is both displayed inline and exposed as the
 /// source), exit status 1, no backtrace even when `RUST_BACKTRACE` is set.

@@ -422,6 +422,7 @@ pub(crate) fn build_task_model(
         stream: None,
         fuse_projections: false,
         transform: None,
+        runtime_adapters: None,
     };
     let model = load_config_backed(model_type, config, weights, &build).map_err(|source| {
         LoadError::Model {

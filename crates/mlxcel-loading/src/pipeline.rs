@@ -6,6 +6,7 @@ use std::rc::Rc;
 
 use mlxcel_arch::config::sanitize_config_json;
 use mlxcel_arch::detection::{detect_kind, get_model_type};
+use mlxcel_arch::nn::lora::{AdapterMix, AdapterSet, RuntimeAdapters};
 use mlxcel_arch::{
     load_config_backed, load_nonstandard, model_load_policy, BuildOptions, DirectoryRoute,
     GenerationModel, LoadedModel, ModelKind, ModelType,
@@ -55,11 +56,25 @@ pub struct LoadOptions {
     /// Default: the policy's (`MLXCEL_SURGERY`).
     pub surgery: Option<PathBuf>,
     /// A LoRA adapter folder (mlx-lm or PEFT, see [`crate::adapter`]) fused into the dense
-    /// base weights before the model is built.
+    /// base weights before the model is built. On a quantized base it is kept unfused instead
+    /// (a runtime adapter named [`LoadOptions::DEFAULT_ADAPTER`], active from the start) unless
+    /// [`LoadOptions::lora_fuse`] asks for fusing; the load report says which happened.
     pub adapter: Option<PathBuf>,
+    /// Fuse [`LoadOptions::adapter`] into a quantized base as well: each adapted layer is
+    /// dequantized, the delta added, and requantized with the layer's own mode, bits and group
+    /// size (lossy: the delta is rounded to the quantization grid).
+    pub lora_fuse: bool,
+    /// LoRA adapter folders kept unfused, registered by name (see [`mlxcel_arch::nn::lora`]):
+    /// each adapted linear layer adds `scale·(x·Aᵀ)·Bᵀ` of the active adapters over its
+    /// unchanged (possibly quantized) base. None is active until selected
+    /// ([`Loaded::select_adapters`]); switching costs no reload.
+    pub runtime_adapters: Vec<(String, PathBuf)>,
 }
 
 impl LoadOptions {
+    /// The name [`LoadOptions::adapter`] is registered under when it stays unfused.
+    pub const DEFAULT_ADAPTER: &'static str = "adapter";
+
     /// The runtime policy a load uses: [`LoadOptions::policy`] (else the environment's) with
     /// this struct's per-field overrides applied.
     pub fn runtime_policy(&self) -> Result<RuntimePolicy> {
@@ -124,9 +139,12 @@ pub struct Loaded {
     )>,
     /// The checkpoint files the weights are mapped from, with their identity at load.
     pub mapped: mlxcel_core::MappedFiles,
-    /// What the load-time weight edits did, one line each: the fused adapter, then each
-    /// surgery rule. Empty without [`LoadOptions::adapter`] / [`LoadOptions::surgery`].
+    /// What the load-time weight edits did, one line each: the runtime adapters, the fused
+    /// adapter, then each surgery rule. Empty without adapters or surgery.
     pub surgery_applied: Vec<String>,
+    /// The runtime (unfused) adapters, when any were loaded (see
+    /// [`LoadOptions::runtime_adapters`]).
+    pub adapters: Option<Rc<AdapterSet>>,
 }
 
 impl Loaded {
@@ -134,6 +152,40 @@ impl Loaded {
     /// checkpoint files are unchanged (see [`mlxcel_core::MappedFiles`]).
     pub fn session(&self) -> mlxcel_arch::generate::Session<'_> {
         mlxcel_arch::generate::Session::new(&self.model).with_mapped_files(self.mapped.clone())
+    }
+
+    /// The names of the runtime adapters (empty when none were loaded).
+    pub fn adapter_names(&self) -> Vec<String> {
+        self.adapters
+            .as_ref()
+            .map(|a| a.names().to_vec())
+            .unwrap_or_default()
+    }
+
+    /// Makes `mix` the adapters the model runs with from the next forward pass (no reload).
+    /// The empty mix is the base model; a name that was not loaded is an error.
+    pub fn select_adapters(&self, mix: &AdapterMix) -> Result<()> {
+        match &self.adapters {
+            Some(set) => set.select(mix).map_err(|source| LoadError::Model {
+                folder: self.folder.clone(),
+                source,
+            }),
+            None if mix.entries.is_empty() => Ok(()),
+            None => Err(LoadError::Model {
+                folder: self.folder.clone(),
+                source: mlxcel_arch::ModelError::Runtime(format!(
+                    "no runtime adapters are loaded, cannot select `{mix}`"
+                )),
+            }),
+        }
+    }
+
+    /// The adapter mix the model runs with now (the base model when none is loaded).
+    pub fn active_adapters(&self) -> AdapterMix {
+        self.adapters
+            .as_ref()
+            .map(|a| a.current())
+            .unwrap_or_default()
     }
 
     /// An error naming a mapped checkpoint file changed since load.
@@ -336,6 +388,11 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         .as_ref()
         .map(crate::adapter::Adapter::load)
         .transpose()?;
+    let mut runtime_adapters = options
+        .runtime_adapters
+        .iter()
+        .map(|(name, dir)| Ok((name.clone(), crate::adapter::Adapter::load(dir)?)))
+        .collect::<Result<Vec<_>>>()?;
     let mut weights = WeightMap::open(&folder)?;
     let mapped = weights.mapped_files();
     let model_type = get_model_type(&config, has_vision_weights(&weights)).map_err(model_err)?;
@@ -359,7 +416,10 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         )?),
         None => QuantConfig::from_config(&config)?,
     };
-    if let Some(a) = &adapter {
+    for a in adapter
+        .iter()
+        .chain(runtime_adapters.iter().map(|(_, a)| a))
+    {
         mlxcel_arch::adapter_support(model_type).map_err(|reason| {
             LoadError::Unsupported(format!(
                 "{}: adapter {} cannot be applied to {}: {reason}",
@@ -369,15 +429,42 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
             ))
         })?;
     }
+    let dtype = match options.dtype {
+        Some(d) => d,
+        None => compute_dtype(&config)?,
+    };
+    // On a quantized base the adapter stays unfused unless fusing was asked for.
+    let mut report = Vec::new();
+    let mut initial_mix = AdapterMix::none();
+    let adapter = match adapter {
+        Some(a) if quant.is_some() && !options.lora_fuse => {
+            report.push(format!(
+                "{}: kept unfused as runtime adapter `{}` over the quantized base, on {} linear layers (--lora-fuse / `LoadOptions::lora_fuse` fuses it by dequantize-add-requantize instead)",
+                a.describe(),
+                LoadOptions::DEFAULT_ADAPTER,
+                a.modules()
+            ));
+            initial_mix = AdapterMix::single(LoadOptions::DEFAULT_ADAPTER);
+            runtime_adapters.insert(0, (LoadOptions::DEFAULT_ADAPTER.to_string(), a));
+            None
+        }
+        other => other,
+    };
+    // The unfused `adapter`, when it is one, is first and already reported.
+    let lora = runtime_adapters_for(&runtime_adapters, dtype, report.len(), &mut report)?;
+    if let Some(r) = &lora {
+        r.set.select(&initial_mix).map_err(model_err)?;
+    }
     let applied = Rc::new(RefCell::new(Vec::new()));
     let transform = if surgery.is_some() || adapter.is_some() {
         let applied = applied.clone();
-        let quantized = quant.is_some();
+        let quant = quant.clone();
+        let requantize = options.lora_fuse;
         Some(mlxcel_arch::WeightTransform(Rc::new(
             move |w: &mut WeightMap| -> mlxcel_arch::Result<()> {
                 let mut log = Vec::new();
                 if let Some(a) = &adapter {
-                    log.push(a.fuse(w, quantized)?);
+                    log.push(a.fuse(w, quant.as_ref(), requantize)?);
                 }
                 if let Some(s) = &surgery {
                     log.extend(s.apply(w)?);
@@ -388,10 +475,6 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         )))
     } else {
         None
-    };
-    let dtype = match options.dtype {
-        Some(d) => d,
-        None => compute_dtype(&config)?,
     };
     let materialization = runtime.weight_materialization;
     let stream_config = mlxcel_stream::StreamConfig::from_policy(&runtime);
@@ -411,6 +494,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         stream: plan.as_ref().map(|p| p.setup(stats.clone())),
         fuse_projections: runtime.fuse_projections.unwrap_or(gpu),
         transform,
+        runtime_adapters: lora.clone(),
     };
     let model = match policy.directory_route {
         DirectoryRoute::Nonstandard => load_nonstandard(model_type, &config, weights, &build),
@@ -439,6 +523,44 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         load_seconds: started.elapsed().as_secs_f64(),
         expert_stream: plan.map(|p| (p, stats)),
         mapped,
-        surgery_applied: applied.take(),
+        surgery_applied: report.into_iter().chain(applied.take()).collect(),
+        adapters: lora.map(|r| r.set),
     })
+}
+
+/// The runtime adapters `adapters` as the model builder takes them (each module's pairs in the
+/// adapters' order), with one report line each past the first `already_reported`; `None` when
+/// there are none.
+fn runtime_adapters_for(
+    adapters: &[(String, crate::adapter::Adapter)],
+    dtype: Dtype,
+    already_reported: usize,
+    report: &mut Vec<String>,
+) -> Result<Option<RuntimeAdapters>> {
+    if adapters.is_empty() {
+        return Ok(None);
+    }
+    let set = AdapterSet::new(
+        adapters
+            .iter()
+            .map(|(name, a)| (name.clone(), a.is_dora()))
+            .collect(),
+    )
+    .map_err(|e| LoadError::Unsupported(e.to_string()))?;
+    let mut modules = std::collections::BTreeMap::new();
+    for (i, (name, adapter)) in adapters.iter().enumerate() {
+        for (module, pair) in adapter.runtime_pairs(dtype)? {
+            modules
+                .entry(module)
+                .or_insert_with(|| vec![None; adapters.len()])[i] = Some(pair);
+        }
+        if i >= already_reported {
+            report.push(format!(
+                "runtime adapter `{name}`: {}, on {} linear layers",
+                adapter.describe(),
+                adapter.modules()
+            ));
+        }
+    }
+    Ok(Some(RuntimeAdapters { set, modules }))
 }

@@ -72,6 +72,7 @@ use worker::Worker;
 
 pub use embedder::{Embedder, EmbedderBuilder, EmbedderInfo, Overflow};
 pub use mlxcel_arch as arch;
+pub use mlxcel_arch::nn::lora::AdapterMix;
 pub use mlxcel_core::{Device, Dtype, RuntimePolicy};
 pub use mlxcel_loading as loading;
 pub use mlxcel_loading::{
@@ -208,6 +209,10 @@ pub struct Generation {
     pub extra_eos_token_ids: Vec<u32>,
     /// Prefill the prompt in chunks of this many tokens (bounds memory for long prompts).
     pub prefill_chunk: Option<usize>,
+    /// The runtime adapters this generation runs with ([`ModelBuilder::runtime_adapter`]):
+    /// one, a weighted one or a blend ([`AdapterMix`]); `Some(AdapterMix::none())` is the base
+    /// model. `None`: the mix the model was loaded with ([`ModelInfo::default_adapters`]).
+    pub adapters: Option<AdapterMix>,
     /// Report each token's log-probability in [`Piece::logprobs`], with this many most likely
     /// alternatives (`Some(0)`: the token's own only). `None` costs nothing; `Some` reads each
     /// step's logits to the host (see [`loading::StepHooks::logprobs`] for what they are).
@@ -291,6 +296,11 @@ pub struct ModelInfo {
     /// ([`ModelBuilder::adapter`]), then each surgery rule ([`ModelBuilder::surgery`], or the
     /// `MLXCEL_SURGERY` file with [`ModelBuilder::policy_from_env`]). Empty when none applied.
     pub weight_edits: Vec<String>,
+    /// The runtime adapters requests can select ([`Generation::adapters`]).
+    pub adapters: Vec<String>,
+    /// The adapter mix requests run with when they name none: the base model, or the adapter of
+    /// [`ModelBuilder::adapter`] when it was kept unfused over a quantized base.
+    pub default_adapters: AdapterMix,
 }
 
 /// Builds a [`Model`]: `Model::load(path).dtype(..).build()`.
@@ -331,10 +341,28 @@ impl ModelBuilder {
 
     /// Fuses the LoRA adapter folder at `path` (mlx-lm's `adapters.safetensors` +
     /// `adapter_config.json`, or PEFT's `adapter_model.safetensors` + `adapter_config.json`)
-    /// into the dense weights at load time. An adapter that does not match the model is a load
-    /// error naming the tensor. [`ModelInfo::weight_edits`] lists what was fused.
+    /// into the dense weights at load time (over a quantized base it is kept unfused and active
+    /// for every request unless [`ModelBuilder::lora_fuse`]). An adapter that does not match the
+    /// model is a load error naming the tensor. [`ModelInfo::weight_edits`] lists what was done.
     pub fn adapter(mut self, path: impl Into<PathBuf>) -> Self {
         self.options.adapter = Some(expand_home(&path.into()));
+        self
+    }
+
+    /// Fuses [`ModelBuilder::adapter`] into a quantized base too (dequantize, add, requantize
+    /// at each layer's own bits and group size) instead of keeping it unfused.
+    pub fn lora_fuse(mut self) -> Self {
+        self.options.lora_fuse = true;
+        self
+    }
+
+    /// Registers the LoRA adapter folder at `path` as runtime adapter `name`: kept unfused over
+    /// the base weights (dense or quantized), so requests choose it, a weighted version or a
+    /// blend with others per generation ([`Generation::adapters`]) without reloading.
+    pub fn runtime_adapter(mut self, name: impl Into<String>, path: impl Into<PathBuf>) -> Self {
+        self.options
+            .runtime_adapters
+            .push((name.into(), expand_home(&path.into())));
         self
     }
 
@@ -367,8 +395,10 @@ impl ModelBuilder {
             device,
         } = self;
         let (worker, ready) = Worker::start("mlxcel-model", device, move || {
+            let loaded = mlxcel_loading::load_model(expand_home(&path), &options)?;
             let mut state = ModelState {
-                loaded: mlxcel_loading::load_model(expand_home(&path), &options)?,
+                default_adapters: loaded.active_adapters(),
+                loaded,
                 sessions: HashMap::new(),
             };
             let ready = Ready {
@@ -404,10 +434,13 @@ struct Ready {
     template: Option<Arc<mlxcel_loading::ChatTemplate>>,
 }
 
-/// The worker thread's state: the model and the parked conversations.
+/// The worker thread's state: the model and the parked conversations, each with the adapter
+/// mix its caches were computed under.
 struct ModelState {
     loaded: Loaded,
-    sessions: HashMap<u64, SessionState>,
+    sessions: HashMap<u64, (SessionState, AdapterMix)>,
+    /// The mix of requests that name none.
+    default_adapters: AdapterMix,
 }
 
 impl ModelState {
@@ -428,7 +461,16 @@ impl ModelState {
             has_chat_template: l.chat_template.is_some(),
             load_seconds: l.load_seconds,
             weight_edits: l.surgery_applied.clone(),
+            adapters: l.adapter_names(),
+            default_adapters: self.default_adapters.clone(),
         }
+    }
+
+    /// Makes `mix` (else the default mix) the model's active adapters.
+    fn select(&self, mix: Option<&AdapterMix>) -> Result<AdapterMix> {
+        let mix = mix.unwrap_or(&self.default_adapters);
+        self.loaded.select_adapters(mix)?;
+        Ok(mix.clone())
     }
 }
 
@@ -562,13 +604,56 @@ impl Model {
     }
 
     /// Next-token logits after `ids` (one forward pass with fresh caches): `vocab_size` values.
+    /// Runs with the default adapter mix ([`ModelInfo::default_adapters`]).
     pub fn logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        self.logits_inner(ids, None)
+    }
+
+    /// [`Model::logits`] with the runtime adapters `mix`.
+    pub fn logits_with_adapters(&self, ids: &[u32], mix: &AdapterMix) -> Result<Vec<f32>> {
+        self.logits_inner(ids, Some(mix.clone()))
+    }
+
+    /// An error naming what is wrong with `mix` for this model (an unknown adapter, a repeated
+    /// one, a non-finite weight).
+    fn check_mix(&self, mix: &AdapterMix) -> Result<()> {
+        let known = &self.shared.info.adapters;
+        for (i, (name, weight)) in mix.entries.iter().enumerate() {
+            if !known.contains(name) {
+                return Err(Error::Invalid(format!(
+                    "no runtime adapter named `{name}` (loaded: {})",
+                    if known.is_empty() {
+                        "none".to_string()
+                    } else {
+                        known.join(", ")
+                    }
+                )));
+            }
+            if !weight.is_finite() {
+                return Err(Error::Invalid(format!(
+                    "adapter `{name}`: weight {weight} is not finite"
+                )));
+            }
+            if mix.entries[..i].iter().any(|(n, _)| n == name) {
+                return Err(Error::Invalid(format!(
+                    "adapter `{name}` appears twice in the mix"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn logits_inner(&self, ids: &[u32], mix: Option<AdapterMix>) -> Result<Vec<f32>> {
         if ids.is_empty() {
             return Err(Error::Invalid("no token ids".to_string()));
         }
         self.check_ids(ids)?;
+        if let Some(mix) = &mix {
+            self.check_mix(mix)?;
+        }
         let ids = ids.to_vec();
         self.shared.worker.run(move |w| {
+            w.select(mix.as_ref())?;
             let model = &w.loaded.model;
             let mut caches = model.make_caches();
             let row = mlxcel_arch::generate::prefill(model, &ids, &mut caches, None)?;
@@ -616,6 +701,10 @@ impl Model {
         if options.prefill_chunk == Some(0) {
             return Err(Error::Invalid("prefill_chunk must be positive".to_string()));
         }
+        if let Some(mix) = &options.adapters {
+            self.check_mix(mix)?;
+        }
+        let adapters = options.adapters;
         let cancel = Arc::new(AtomicBool::new(false));
         let mut eos_token_ids = info.eos_token_ids.clone();
         eos_token_ids.extend(&options.extra_eos_token_ids);
@@ -635,12 +724,17 @@ impl Model {
         self.shared
             .worker
             .submit(Box::new(move |w: &mut ModelState| {
-                let ModelState { loaded, sessions } = w;
-                let state = match session {
-                    Some(id) => sessions
-                        .remove(&id)
-                        .unwrap_or_else(|| SessionState::new(&loaded.model)),
-                    None => SessionState::new(&loaded.model),
+                let mix = match w.select(adapters.as_ref()) {
+                    Ok(mix) => mix,
+                    Err(e) => return feed.push(Event::Failed(e)),
+                };
+                let ModelState {
+                    loaded, sessions, ..
+                } = w;
+                // Caches computed under another adapter mix are not reused.
+                let state = match session.and_then(|id| sessions.remove(&id)) {
+                    Some((state, cached_mix)) if cached_mix == mix => state,
+                    _ => SessionState::new(&loaded.model),
                 };
                 let mut s = ArchSession::resume(&loaded.model, state)
                     .with_mapped_files(loaded.mapped.clone());
@@ -687,7 +781,7 @@ impl Model {
                     feed.push(Event::Piece(rest));
                 }
                 if let Some(id) = session {
-                    sessions.insert(id, s.into_state());
+                    sessions.insert(id, (s.into_state(), mix));
                 }
                 feed.push(match result {
                     Ok((_, stats)) => Event::Done(Box::new(stats)),
@@ -715,6 +809,8 @@ pub struct Session {
 impl Session {
     /// Generates from `prompt`, reusing the longest prefix the conversation's caches hold
     /// ([`GenerationStats::reused_tokens`] says how much). The reply's tokens join the caches.
+    /// A request under another adapter mix ([`Generation::adapters`]) than the previous one
+    /// starts from empty caches.
     pub fn generate(
         &mut self,
         prompt: impl Into<Prompt>,
@@ -731,7 +827,7 @@ impl Session {
         self.model.shared.worker.run(move |w| {
             Ok(w.sessions
                 .get(&id)
-                .map(|s| s.tokens().to_vec())
+                .map(|(s, _)| s.tokens().to_vec())
                 .unwrap_or_default())
         })
     }

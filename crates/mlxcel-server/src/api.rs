@@ -2,7 +2,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use mlxcel_models::{Message, Sampling};
+use mlxcel_models::{AdapterMix, Message, Sampling};
 
 use crate::grammar::Grammar;
 use serde_json::{json, Map, Value};
@@ -86,6 +86,10 @@ pub(crate) struct Request {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// The `model` field, when given.
+    pub model: Option<String>,
+    /// The `adapter` extension field: an adapter name, or `{name: weight, ...}` for a blend.
+    pub adapter: Option<AdapterMix>,
     /// Per-token log-probabilities with this many alternatives (`logprobs`/`top_logprobs`).
     pub logprobs: Option<usize>,
     /// Declared tools (`tools`), as given: `{"type": "function", "function": {...}}`.
@@ -133,6 +137,7 @@ const COMMON: &[&str] = &[
     "stream",
     "stream_options",
     "repetition_penalty",
+    "adapter",
 ];
 
 /// OpenAI fields the server does not implement: refused unless absent, null or neutral.
@@ -234,6 +239,34 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
             return Err(ApiError::invalid("model", "`model` must be a string"));
         }
     }
+    let model = field("model").and_then(Value::as_str).map(str::to_string);
+    let adapter = match field("adapter") {
+        None => None,
+        Some(Value::String(name)) => Some(AdapterMix::single(name.as_str())),
+        Some(Value::Object(blend)) => {
+            let mut entries = Vec::with_capacity(blend.len());
+            for (name, w) in blend {
+                match w.as_f64().filter(|w| w.is_finite()) {
+                    Some(w) => entries.push((name.clone(), w as f32)),
+                    None => {
+                        return Err(ApiError::invalid(
+                            "adapter",
+                            format!("`adapter`: the weight of `{name}` must be a number, not {w}"),
+                        ))
+                    }
+                }
+            }
+            Some(AdapterMix { entries })
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "adapter",
+                format!(
+                    "`adapter` must be an adapter name or an object of weights by name, not {v}"
+                ),
+            ))
+        }
+    };
     if let Some(v) = field("user") {
         if !v.is_string() {
             return Err(ApiError::invalid("user", "`user` must be a string"));
@@ -444,6 +477,8 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
         stop,
         stream,
         include_usage,
+        model,
+        adapter,
     })
 }
 

@@ -32,6 +32,12 @@
 //! chat turn prefills only its new tokens (`usage.prompt_tokens_details.cached_tokens`).
 //! A client that disconnects cancels its generation.
 //!
+//! Runtime LoRA adapters registered on the model ([`mlxcel_models::ModelBuilder::runtime_adapter`])
+//! are listed in `/v1/models` under their names; a request selects one with `"model": "NAME"`
+//! (as vLLM serves LoRA adapters), or with the extension field `"adapter"`: a name, or an object
+//! of weights by name for a blend (`{"a": 0.5, "b": 0.5}`; each weight multiplies the adapter's
+//! own scale, 0 turns it off). Other requests run with the model's default mix.
+//!
 //! The server uses only the `mlxcel-models` facade.
 
 #![warn(missing_docs)]
@@ -359,6 +365,12 @@ async fn models(State(s): State<Shared>, headers: HeaderMap) -> Result<Response,
     s.authorize(&headers)?;
     let entry = |id: &str| json!({"id": id, "object": "model", "created": 0, "owned_by": "mlxcel"});
     let mut data = vec![entry(&s.name)];
+    // Runtime adapters are models of their own name, as in vLLM's LoRA serving.
+    for name in &s.model.info().adapters {
+        let mut e = entry(name);
+        e["parent"] = json!(s.name);
+        data.push(e);
+    }
     if s.config.embedder.is_some() {
         data.push(entry(&s.embedder_name));
     }
@@ -723,6 +735,35 @@ async fn handle(
         .code("queue_full"));
     }
 
+    // The adapters: the `adapter` field, else a `model` naming a runtime adapter, else the
+    // model's default.
+    let adapters = &s.model.info().adapters;
+    let by_model = request
+        .model
+        .as_ref()
+        .filter(|m| adapters.contains(m))
+        .map(|m| mlxcel_models::AdapterMix::single(m.as_str()));
+    let mix = request.adapter.clone().or(by_model);
+    if let Some(mix) = &request.adapter {
+        if let Some((name, _)) = mix.entries.iter().find(|(n, _)| !adapters.contains(n)) {
+            s.metrics.pending.fetch_sub(1, Ordering::Relaxed);
+            return Err(ApiError::invalid(
+                "adapter",
+                format!(
+                    "no adapter named `{name}` (loaded: {})",
+                    if adapters.is_empty() {
+                        "none".to_string()
+                    } else {
+                        adapters.join(", ")
+                    }
+                ),
+            ));
+        }
+    }
+    let answered_as = match &mix {
+        Some(m) if m.entries.len() == 1 && request.adapter.is_none() => m.entries[0].0.clone(),
+        _ => s.name.clone(),
+    };
     // The output's shape: a JSON schema, or a forced tool call.
     let shape = match (&request.json, &request.tool_choice) {
         (Some(g), _) => Some(constraint::Shape::json(g.clone())),
@@ -771,6 +812,7 @@ async fn handle(
         max_new_tokens: request.max_tokens,
         sampling: request.sampling.clone(),
         stop: request.stop.clone(),
+        adapters: mix,
         logprobs: request.logprobs,
         logits_processor,
         ..Generation::default()
@@ -794,7 +836,7 @@ async fn handle(
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        model: s.name.clone(),
+        model: answered_as,
         chat,
         vocab,
         tool_names: (request.tool_choice != ToolChoice::None && !request.tools.is_empty())

@@ -5,6 +5,7 @@ use mlxcel_core::ops;
 use mlxcel_core::{Array, Dtype};
 use mlxcel_quant::QuantizedWeight;
 
+use super::lora::LoraLayer;
 use super::{Activation, Norm};
 use crate::Result;
 
@@ -79,6 +80,14 @@ pub enum Linear {
         /// `[out]`, when the layer has one.
         bias: Option<Array>,
     },
+    /// A layer with runtime LoRA adapters over its unchanged base (see [`super::lora`]): with
+    /// no adapter active it runs exactly `base`.
+    Adapted {
+        /// The dense or quantized layer as the checkpoint stores it.
+        base: Box<Linear>,
+        /// The low-rank terms of the registered adapters.
+        lora: Box<LoraLayer>,
+    },
 }
 
 impl Linear {
@@ -93,30 +102,44 @@ impl Linear {
 
     /// `x` `[.., in]` → `[.., out]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let (y, bias) = match self {
+        let y = self.product(x)?;
+        Ok(match self.bias() {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+
+    /// `x·Wᵀ` without the bias (a DoRA rescaling applies before the bias).
+    fn product(&self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Linear::Adapted { base, lora } => return lora.apply(base, x, base.product(x)?),
             Linear::Dense {
-                weight,
-                weight_t,
-                bias,
+                weight, weight_t, ..
             } => {
                 super::calibration::observe(weight, x);
-                (ops::linear(x, weight, Some(weight_t))?, bias)
+                ops::linear(x, weight, Some(weight_t))?
             }
-            Linear::Quantized { weight, bias } => {
+            Linear::Quantized { weight, .. } => {
                 let rows = x.size() / x.dim(-1)?.max(1) as usize;
                 if dequantize_for(rows) {
                     // Many rows (prefill): one dense GEMM on the dequantized layer beats the
                     // quantized kernels by far on GPUs; the dense copy is transient.
                     let w = weight.dequantize(x.dtype()?)?;
-                    (x.matmul(&w.t()?)?, bias)
+                    x.matmul(&w.t()?)?
                 } else {
-                    (weight.matmul_t(x)?, bias)
+                    weight.matmul_t(x)?
                 }
             }
-        };
-        Ok(match bias {
-            Some(b) => y.add(b)?,
-            None => y,
+        })
+    }
+
+    /// The weight `[out, in]` as a dense array in `dtype` (dequantized when quantized; the
+    /// base's for an adapted layer).
+    pub fn dense_weight(&self, dtype: Dtype) -> Result<Array> {
+        Ok(match self {
+            Linear::Dense { weight, .. } => weight.astype(dtype)?,
+            Linear::Quantized { weight, .. } => weight.dequantize(dtype)?,
+            Linear::Adapted { base, .. } => base.dense_weight(dtype)?,
         })
     }
 }
@@ -144,6 +167,11 @@ impl Linear {
         input: LinearInput<'_>,
         residual: Option<&Array>,
     ) -> Result<Array> {
+        if let Linear::Adapted { base, lora } = self {
+            if !lora.is_active(base)? {
+                return base.forward_fused(x, input, residual);
+            }
+        }
         if let Linear::Quantized { weight, bias: None } = self {
             let kernel_input = match input {
                 LinearInput::Plain => Some(GemvInput::Plain),
@@ -176,7 +204,8 @@ impl Linear {
     /// One layer computing `parts` side by side (outputs concatenated in order), when they
     /// share a storage format: all dense in one dtype, or all quantized with one mode, bit
     /// width, group size and scale dtype; and all with or all without a bias. `None` otherwise
-    /// (mixed-precision checkpoints keep their layers apart).
+    /// (mixed-precision checkpoints keep their layers apart, and so do layers with runtime
+    /// adapters).
     pub fn concat_outputs(parts: &[Linear]) -> Result<Option<Linear>> {
         let cat = |arrays: Vec<&Array>| -> Result<Array> {
             let owned: Vec<Array> = arrays.into_iter().cloned().collect();
@@ -194,7 +223,7 @@ impl Linear {
             .iter()
             .map(|p| match p {
                 Linear::Dense { weight, .. } => Some(weight),
-                Linear::Quantized { .. } => None,
+                _ => None,
             })
             .collect();
         if let Some(weights) = dense {
@@ -210,7 +239,7 @@ impl Linear {
             .iter()
             .map(|p| match p {
                 Linear::Quantized { weight, .. } => Some(weight),
-                Linear::Dense { .. } => None,
+                _ => None,
             })
             .collect();
         let Some(qs) = quantized else {
@@ -244,6 +273,7 @@ impl Linear {
     pub fn bias(&self) -> Option<&Array> {
         match self {
             Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
+            Linear::Adapted { base, .. } => base.bias(),
         }
     }
 
@@ -252,6 +282,9 @@ impl Linear {
         match self {
             Linear::Dense { weight, bias, .. } => std::iter::once(weight).chain(bias).collect(),
             Linear::Quantized { weight, bias } => weight.arrays().into_iter().chain(bias).collect(),
+            Linear::Adapted { base, lora } => {
+                base.arrays().into_iter().chain(lora.arrays()).collect()
+            }
         }
     }
 }
@@ -327,6 +360,14 @@ pub enum SwitchLinear {
     Dense(Array),
     /// `[experts, out, in]` packed.
     Quantized(QuantizedWeight),
+    /// A stack with runtime LoRA adapters over its unchanged base (mlx-lm's
+    /// `LoRASwitchLinear`; see [`super::lora`]).
+    Adapted {
+        /// The dense or quantized stack as the checkpoint stores it.
+        base: Box<SwitchLinear>,
+        /// Per-expert low-rank terms of the registered adapters.
+        lora: Box<LoraLayer>,
+    },
 }
 
 impl SwitchLinear {
@@ -348,6 +389,10 @@ impl SwitchLinear {
         sorted: bool,
     ) -> Result<Array> {
         match self {
+            SwitchLinear::Adapted { base, lora } => {
+                let y = base.forward_rows(x, rows, experts, sorted)?;
+                lora.apply_experts(x, rows, experts, sorted, y)
+            }
             SwitchLinear::Dense(w) => {
                 super::calibration::observe(w, x);
                 let wt = w.transpose(&[0, 2, 1])?;

@@ -1,9 +1,11 @@
 //! Building blocks shared by the architectures: linear layers (dense or quantized), embeddings,
-//! norms, rotary embeddings, attention, MLPs, mixture-of-experts layers and state-space mixers.
+//! norms, rotary embeddings, attention, MLPs, mixture-of-experts layers, state-space mixers and
+//! runtime LoRA adapters.
 
 mod attention;
 pub mod calibration;
 mod linear;
+pub mod lora;
 mod mla;
 mod mlp;
 mod moe;
