@@ -261,10 +261,7 @@ impl MambaMixer {
         let dtype = x.dtype()?;
         let (b, l) = (x.dim(0)?, x.dim(1)?);
         let d = &self.dims;
-        let input = match norm {
-            Some(n) => LinearInput::Normed(n),
-            None => LinearInput::Plain,
-        };
+        let input = norm.map_or(LinearInput::Plain, LinearInput::Normed);
         let xz = self.in_proj.forward_fused(x, input, None)?;
         let parts = xz.split_at(&[d.inner], -1)?;
         let (xs, z) = (&parts[0], &parts[1]);
@@ -512,10 +509,7 @@ impl Mamba2Mixer {
         let dtype = x.dtype()?;
         let (b, l) = (x.dim(0)?, x.dim(1)?);
         let d = &self.dims;
-        let input = match norm {
-            Some(n) => LinearInput::Normed(n),
-            None => LinearInput::Plain,
-        };
+        let input = norm.map_or(LinearInput::Plain, LinearInput::Normed);
         let proj = self.in_proj.forward_fused(x, input, None)?;
         let parts = proj.split_at(&[d.inner, d.inner + d.conv_dim()], -1)?;
         let (z, xbc, dt) = (&parts[0], &parts[1], &parts[2]);
