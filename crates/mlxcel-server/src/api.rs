@@ -180,7 +180,8 @@ fn neutral(field: &str, v: &Value) -> bool {
 }
 
 /// Parses a request body of `/v1/chat/completions` (`chat`) or `/v1/completions`.
-pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
+/// The request body as a JSON object, or the 400 every endpoint gives for one that is not.
+fn json_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ApiError> {
     let value: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::other(
             StatusCode::BAD_REQUEST,
@@ -195,6 +196,25 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
             "the request body must be a JSON object",
         ));
     };
+    Ok(obj)
+}
+
+/// Refuses the first field of `obj` that `known` does not list, naming it.
+fn refuse_unknown_fields(
+    obj: &serde_json::Map<String, Value>,
+    known: &[&str],
+) -> Result<(), ApiError> {
+    match obj.keys().find(|key| !known.contains(&key.as_str())) {
+        Some(key) => Err(ApiError::invalid(
+            key.as_str(),
+            format!("unknown field `{key}`"),
+        )),
+        None => Ok(()),
+    }
+}
+
+pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
+    let obj = json_object(body)?;
     let own: &[&str] = if chat {
         &[
             "messages",
@@ -943,22 +963,11 @@ pub(crate) struct EmbeddingRequest {
 /// "base64"),
 /// `user` (ignored).
 pub(crate) fn parse_embeddings(body: &[u8]) -> Result<EmbeddingRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid("body", format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = value else {
-        return Err(ApiError::invalid("body", "the body must be a JSON object"));
-    };
-    for key in obj.keys() {
-        if !matches!(
-            key.as_str(),
-            "input" | "model" | "dimensions" | "encoding_format" | "user"
-        ) {
-            return Err(ApiError::invalid(
-                key.as_str(),
-                format!("unknown field `{key}`"),
-            ));
-        }
-    }
+    let obj = json_object(body)?;
+    refuse_unknown_fields(
+        &obj,
+        &["input", "model", "dimensions", "encoding_format", "user"],
+    )?;
     let input = match obj.get("input") {
         None | Some(Value::Null) => {
             return Err(ApiError::invalid("input", "`input` is required"));
@@ -1089,22 +1098,11 @@ pub(crate) struct RerankRequest {
 /// strings or of `{"text": ...}` objects), `model` (any string; one reranker is served),
 /// `top_n` (a positive integer), `return_documents` (a boolean, default false).
 pub(crate) fn parse_rerank(body: &[u8]) -> Result<RerankRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid("body", format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = value else {
-        return Err(ApiError::invalid("body", "the body must be a JSON object"));
-    };
-    for key in obj.keys() {
-        if !matches!(
-            key.as_str(),
-            "query" | "documents" | "model" | "top_n" | "return_documents"
-        ) {
-            return Err(ApiError::invalid(
-                key.as_str(),
-                format!("unknown field `{key}`"),
-            ));
-        }
-    }
+    let obj = json_object(body)?;
+    refuse_unknown_fields(
+        &obj,
+        &["query", "documents", "model", "top_n", "return_documents"],
+    )?;
     let query = match obj.get("query") {
         Some(Value::String(q)) if !q.is_empty() => q.clone(),
         Some(Value::String(_)) => return Err(ApiError::invalid("query", "`query` is empty")),
