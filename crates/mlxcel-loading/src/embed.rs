@@ -539,6 +539,59 @@ pub struct EmbeddingLoaded {
     pub mapped: mlxcel_core::MappedFiles,
 }
 
+/// What every task loader (embedding, reranker) does first: the runtime policy installed, the
+/// folder resolved, `config.json` read and the checkpoint's kind detected.
+pub(crate) struct TaskCheckpoint {
+    pub started: std::time::Instant,
+    pub runtime: mlxcel_core::RuntimePolicy,
+    pub folder: PathBuf,
+    pub config: Value,
+    pub kind: ModelKind,
+}
+
+pub(crate) fn open_task_checkpoint(
+    path: impl AsRef<Path>,
+    options: &LoadOptions,
+) -> Result<TaskCheckpoint> {
+    let started = std::time::Instant::now();
+    let runtime = options.runtime_policy()?;
+    mlxcel_core::policy::install(&runtime)?;
+    let folder = resolve_model_dir(path)?;
+    let config = read_config(&folder)?;
+    let kind = detect_kind(&config, folder.join("modules.json").is_file());
+    Ok(TaskCheckpoint {
+        started,
+        runtime,
+        folder,
+        config,
+        kind,
+    })
+}
+
+/// The folder's tokenizer set to no padding and truncation at the tighter of the configured
+/// sequence limit (sentence-transformers') and the model's own, with that limit.
+pub(crate) fn encoder_tokenizer(
+    folder: &Path,
+    configured: Option<usize>,
+    model_limit: Option<usize>,
+) -> Result<(Tokenizer, Option<usize>)> {
+    let max_tokens = match (configured, model_limit) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    let mut tokenizer = load_tokenizer(folder)?;
+    tokenizer.set_encoder_limits(max_tokens)?;
+    Ok((tokenizer, max_tokens))
+}
+
+/// The id batches are padded with: `pad_token_id` of `config.json`, else 0.
+pub(crate) fn pad_token_id(config: &Value) -> u32 {
+    config
+        .get("pad_token_id")
+        .and_then(Value::as_u64)
+        .map_or(0, |v| v as u32)
+}
+
 /// Loads an embedding checkpoint with its tokenizer and sentence-transformers modules: an
 /// encoder of kind `Embedding` (`bert`, `xlm-roberta`, `modernbert`), or a decoder of a
 /// registered generation type in a sentence-transformers folder (Qwen3-Embedding: `qwen3` with
@@ -559,12 +612,13 @@ pub fn load_embedding_model(
     path: impl AsRef<Path>,
     options: &LoadOptions,
 ) -> Result<EmbeddingLoaded> {
-    let started = std::time::Instant::now();
-    let runtime = options.runtime_policy()?;
-    mlxcel_core::policy::install(&runtime)?;
-    let folder = resolve_model_dir(path)?;
-    let config = read_config(&folder)?;
-    let kind = detect_kind(&config, folder.join("modules.json").is_file());
+    let TaskCheckpoint {
+        started,
+        runtime,
+        folder,
+        config,
+        kind,
+    } = open_task_checkpoint(path, options)?;
     if kind != ModelKind::Embedding {
         return Err(LoadError::Unsupported(format!(
             "{}: a {kind:?} checkpoint, not an embedding model",
@@ -593,17 +647,9 @@ pub fn load_embedding_model(
         }
     };
     let head = EmbeddingHead::load(&folder, dtype)?;
-    let max_tokens = match (head.max_seq_length, model.max_tokens()) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
-    let mut tokenizer = load_tokenizer(&folder)?;
-    tokenizer.set_encoder_limits(max_tokens)?;
-    let pad_id = config
-        .get("pad_token_id")
-        .and_then(Value::as_u64)
-        .map(|v| v as u32)
-        .unwrap_or(0);
+    let (tokenizer, max_tokens) =
+        encoder_tokenizer(&folder, head.max_seq_length, model.max_tokens())?;
+    let pad_id = pad_token_id(&config);
     Ok(EmbeddingLoaded {
         model,
         head,

@@ -12,16 +12,17 @@
 
 use std::path::{Path, PathBuf};
 
-use mlxcel_arch::detection::{detect_kind, get_reranker_type};
+use mlxcel_arch::detection::get_reranker_type;
 use mlxcel_arch::{LanguageModel, ModelKind, ModelType, RerankerModel, RerankerModelEnum};
 use mlxcel_core::{Array, Dtype};
 use serde_json::Value;
 
 use crate::embed::{
-    build_task_model, check_rows, confined, length_sorted_batches, overflowed, padded, read_json,
+    build_task_model, check_rows, confined, encoder_tokenizer, length_sorted_batches,
+    open_task_checkpoint, overflowed, pad_token_id, padded, read_json, TaskCheckpoint,
 };
-use crate::pipeline::{read_config, resolve_model_dir, LoadOptions};
-use crate::tokenizer::{load_tokenizer, Tokenizer};
+use crate::pipeline::LoadOptions;
+use crate::tokenizer::Tokenizer;
 use crate::{LoadError, Overflow, Result};
 
 /// The function turning a cross-encoder's logit into the score users see.
@@ -215,12 +216,13 @@ pub fn load_reranker_model(
     path: impl AsRef<Path>,
     options: &LoadOptions,
 ) -> Result<RerankerLoaded> {
-    let started = std::time::Instant::now();
-    let runtime = options.runtime_policy()?;
-    mlxcel_core::policy::install(&runtime)?;
-    let folder = resolve_model_dir(path)?;
-    let config = read_config(&folder)?;
-    let kind = detect_kind(&config, folder.join("modules.json").is_file());
+    let TaskCheckpoint {
+        started,
+        runtime,
+        folder,
+        config,
+        kind,
+    } = open_task_checkpoint(path, options)?;
     if kind != ModelKind::Reranker {
         return Err(LoadError::Unsupported(format!(
             "{}: a {kind:?} checkpoint, not a cross-encoder reranker (`architectures` has no `*ForSequenceClassification`){}",
@@ -248,17 +250,9 @@ pub fn load_reranker_model(
         )));
     }
     let (activation, activation_source) = score_activation(&folder, &config, model.num_labels())?;
-    let max_tokens = match (configured_max_length(&folder)?, model.max_tokens()) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
-    let mut tokenizer = load_tokenizer(&folder)?;
-    tokenizer.set_encoder_limits(max_tokens)?;
-    let pad_id = config
-        .get("pad_token_id")
-        .and_then(Value::as_u64)
-        .map(|v| v as u32)
-        .unwrap_or(0);
+    let (tokenizer, max_tokens) =
+        encoder_tokenizer(&folder, configured_max_length(&folder)?, model.max_tokens())?;
+    let pad_id = pad_token_id(&config);
     Ok(RerankerLoaded {
         model: RerankerBackbone::CrossEncoder(model),
         activation,
@@ -528,11 +522,7 @@ pub fn load_generative_reranker(
             ))
         })?;
     tokenizer.set_encoder_limits(Some(body))?;
-    let pad_id = loaded
-        .config
-        .get("pad_token_id")
-        .and_then(Value::as_u64)
-        .map_or(0, |v| v as u32);
+    let pad_id = pad_token_id(&loaded.config);
     Ok(RerankerLoaded {
         model: RerankerBackbone::Generative(GenerativeScorer {
             model: loaded.model,
