@@ -513,7 +513,7 @@ pub fn requantize(values: &[f32], bits: i32) -> AffinePlanes {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn h(v: f32) -> [u8; 2] {
@@ -685,8 +685,8 @@ mod tests {
         );
     }
 
-    /// Deterministic bytes.
-    fn noise(n: usize, seed: u32) -> Vec<u8> {
+    /// Deterministic bytes (block payloads for these tests and the importer's).
+    pub(crate) fn noise(n: usize, seed: u32) -> Vec<u8> {
         let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
         (0..n)
             .map(|_| {

@@ -735,18 +735,7 @@ mod tests {
         assert_eq!(quantization_block(&[rec("model.norm.weight", None)]), None);
     }
 
-    /// Deterministic bytes for block payloads.
-    fn noise(n: usize, seed: u32) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                (x >> 8) as u8
-            })
-            .collect()
-    }
+    use crate::gguf::blocks::tests::noise;
 
     /// `n` blocks of `size` bytes with an f16 scale (and min) at `scale_at` set to sane values.
     fn blocks_with(n: usize, size: usize, scale_at: &[usize], seed: u32) -> Vec<u8> {
