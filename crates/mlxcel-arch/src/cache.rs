@@ -131,6 +131,11 @@ pub enum LayerCache {
         /// Positions processed so far.
         offset: usize,
     },
+    /// The same layer's caches of several conversations, during one decode step that runs
+    /// them as one batch ([`crate::generate::step_batch`]): row `i` of the batch reads and
+    /// extends `rows[i]`, each at its own position. Only attention layers take it
+    /// ([`crate::LanguageModel::batched_decode`] says whether a model's layers all do).
+    Rows(Vec<LayerCache>),
 }
 
 fn rows(a: &Option<Array>) -> Result<usize> {
@@ -179,6 +184,8 @@ impl LayerCache {
             LayerCache::Rotating(c) => c.offset,
             LayerCache::State(c) => c.offset,
             LayerCache::Shared { offset, .. } => *offset,
+            // Each row has its own; the longest is the batch's extent.
+            LayerCache::Rows(rows) => rows.iter().map(LayerCache::offset).max().unwrap_or(0),
         }
     }
 
@@ -189,6 +196,7 @@ impl LayerCache {
             LayerCache::Latent(_) => "latent KV",
             LayerCache::State(_) => "state",
             LayerCache::Shared { .. } => "shared",
+            LayerCache::Rows(_) => "batched",
         }
     }
 
@@ -240,6 +248,8 @@ impl LayerCache {
                 }
             }
             LayerCache::State(c) => c.offset,
+            // A batch's rows are cut back one by one, outside the batched step.
+            LayerCache::Rows(_) => usize::MAX,
         }
     }
 
@@ -265,6 +275,7 @@ impl LayerCache {
             // `can_rewind` allowed only the current position.
             LayerCache::State(_) => {}
             LayerCache::Shared { offset, .. } => *offset = position,
+            LayerCache::Rows(_) => unreachable!("can_rewind refuses a batch"),
             LayerCache::Rotating(c) => {
                 let held = rows(&c.keys)?;
                 let keep = (position - (c.offset - held)) as i32;
@@ -290,6 +301,7 @@ impl LayerCache {
             LayerCache::Rotating(c) => vec![&c.keys, &c.values],
             LayerCache::State(c) => c.arrays.iter().collect(),
             LayerCache::Shared { .. } => vec![],
+            LayerCache::Rows(rows) => return rows.iter().map(LayerCache::nbytes).sum(),
         };
         planes.into_iter().flatten().map(Array::nbytes).sum()
     }

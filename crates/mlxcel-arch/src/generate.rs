@@ -170,6 +170,68 @@ impl SessionState {
     }
 }
 
+/// One decode step of several conversations at once: feeds `tokens[i]` to `states[i]` and
+/// returns each one's next logits, `[B, vocab]` (row `i` for `states[i]`); each state records
+/// its token. With a model that batches ([`LanguageModel::batched_decode`]) it is one forward
+/// pass, whose projections read the weights once for every row (decode is bound by reading
+/// them); otherwise each conversation takes its own step. On an error the states' caches may
+/// be partly extended: discard them.
+pub fn step_batch(
+    model: &dyn LanguageModel,
+    states: &mut [&mut SessionState],
+    tokens: &[u32],
+) -> Result<Array> {
+    if states.len() != tokens.len() || states.is_empty() {
+        return Err(ModelError::Runtime(format!(
+            "a batched step needs one token per conversation ({} tokens for {} conversations)",
+            tokens.len(),
+            states.len()
+        )));
+    }
+    check_token_ids(tokens, model.vocab_size())?;
+    let ids: Vec<i32> = tokens.iter().map(|t| *t as i32).collect();
+    let logits = if states.len() > 1 && model.batched_decode() {
+        let layers = states[0].caches.len();
+        // Each layer gets the batch's caches of that layer; they go back whatever happens.
+        let mut batch: Vec<LayerCache> = (0..layers)
+            .map(|l| {
+                LayerCache::Rows(
+                    states
+                        .iter_mut()
+                        .map(|s| std::mem::replace(&mut s.caches[l], LayerCache::standard()))
+                        .collect(),
+                )
+            })
+            .collect();
+        let logits = Array::from_slice(&ids, &[ids.len() as i32, 1])
+            .map_err(ModelError::from)
+            .and_then(|input| model.forward_last(&input, &mut batch));
+        for (l, layer) in batch.into_iter().enumerate() {
+            if let LayerCache::Rows(rows) = layer {
+                for (s, cache) in states.iter_mut().zip(rows) {
+                    s.caches[l] = cache;
+                }
+            }
+        }
+        logits?.reshape(&[ids.len() as i32, -1])?
+    } else {
+        let mut rows = Vec::with_capacity(states.len());
+        for (s, id) in states.iter_mut().zip(&ids) {
+            let input = Array::from_slice(&[*id], &[1, 1])?;
+            rows.push(
+                model
+                    .forward_last(&input, &mut s.caches)?
+                    .reshape(&[1, -1])?,
+            );
+        }
+        mlxcel_core::ops::concatenate(&rows, 0)?
+    };
+    for (s, t) in states.iter_mut().zip(tokens) {
+        s.tokens.push(*t);
+    }
+    Ok(logits)
+}
+
 impl std::fmt::Debug for Session<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session")

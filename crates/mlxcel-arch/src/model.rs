@@ -156,6 +156,14 @@ pub trait LanguageModel {
     /// Rows of the output head: the size of the last logits axis (token ids must be below it).
     fn vocab_size(&self) -> usize;
 
+    /// Whether one forward pass can advance several conversations by one token each, every
+    /// layer given a [`LayerCache::Rows`] of their caches ([`crate::generate::step_batch`]):
+    /// true when every layer is key/value attention. Others (state-space, latent and shared
+    /// caches) decode each conversation on its own.
+    fn batched_decode(&self) -> bool {
+        false
+    }
+
     /// One entry per layer: what its cache holds.
     fn layer_schedule(&self) -> Vec<LayerKind>;
 

@@ -292,6 +292,9 @@ macro_rules! generation_models {
             fn layer_schedule(&self) -> Vec<LayerKind> {
                 match self { $(GenerationModel::$v(m) => m.layer_schedule()),* }
             }
+            fn batched_decode(&self) -> bool {
+                match self { $(GenerationModel::$v(m) => m.batched_decode()),* }
+            }
         }
 
         fn build_generation(model_type: ModelType, config: &Value, weights: WeightMap, options: &BuildOptions) -> Result<LoadedModel> {

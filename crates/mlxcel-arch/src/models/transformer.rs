@@ -999,6 +999,20 @@ impl Decoder {
     pub fn layer_schedule(&self) -> Vec<LayerKind> {
         self.schedule.clone()
     }
+
+    /// Whether every layer's mixer is key/value attention, which takes a batch of
+    /// conversations' caches ([`LayerCache::Rows`]).
+    pub fn batched_decode(&self) -> bool {
+        self.blocks
+            .iter()
+            .all(|b| matches!(b.mixer, Mixer::Attention(_)))
+            && self.schedule.iter().all(|k| {
+                matches!(
+                    k,
+                    LayerKind::GlobalAttention { .. } | LayerKind::SlidingAttention { .. }
+                )
+            })
+    }
 }
 
 /// Implemented by each decoder architecture's `ModelArgs`: the spec its config implies and the
@@ -1060,6 +1074,10 @@ impl<A> LanguageModel for Transformer<A> {
 
     fn layer_schedule(&self) -> Vec<LayerKind> {
         self.decoder.layer_schedule()
+    }
+
+    fn batched_decode(&self) -> bool {
+        self.decoder.batched_decode()
     }
 }
 

@@ -109,22 +109,9 @@ impl Attention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        if let Some(rope) = &self.rope {
-            let offset = cache.offset();
-            q = rope.rotate(&q, positions, offset)?;
-            k = rope.rotate(&k, positions, offset)?;
-        }
-        let (keys, values, mask) = cache.update(&k, &v, c.window)?;
-        let out = match c.softcap {
-            None => {
-                let m = match &mask {
-                    Mask::None => AttentionMask::None,
-                    Mask::Causal => AttentionMask::Causal,
-                    Mask::Array(a) => AttentionMask::Array(a),
-                };
-                ops::scaled_dot_product_attention(&q, &keys, &values, c.scale, m, None)?
-            }
-            Some(cap) => manual_attention(&q, &keys, &values, c.scale, Some(cap), &mask)?,
+        let out = match cache {
+            LayerCache::Rows(rows) => self.attend_rows(&q, &k, &v, rows, positions)?,
+            cache => self.attend(q, k, v, cache, positions)?,
         };
         let out = if l == 1 {
             // [B, H, 1, D] has the memory order of [B, 1, H, D]: no transpose node needed.
@@ -134,6 +121,67 @@ impl Attention {
                 .reshape(&[b, l, c.n_heads * c.head_dim])?
         };
         self.o.forward_fused(&out, LinearInput::Plain, residual)
+    }
+
+    /// Rope, cache update and attention of one sequence's (or several sequences of equal
+    /// position's) heads `[B, heads, L, head_dim]` → `[B, heads, L, head_dim]`.
+    fn attend(
+        &self,
+        mut q: Array,
+        mut k: Array,
+        v: Array,
+        cache: &mut LayerCache,
+        positions: Option<&Array>,
+    ) -> Result<Array> {
+        let c = &self.cfg;
+        if let Some(rope) = &self.rope {
+            let offset = cache.offset();
+            q = rope.rotate(&q, positions, offset)?;
+            k = rope.rotate(&k, positions, offset)?;
+        }
+        let (keys, values, mask) = cache.update(&k, &v, c.window)?;
+        match c.softcap {
+            None => {
+                let m = match &mask {
+                    Mask::None => AttentionMask::None,
+                    Mask::Causal => AttentionMask::Causal,
+                    Mask::Array(a) => AttentionMask::Array(a),
+                };
+                Ok(ops::scaled_dot_product_attention(
+                    &q, &keys, &values, c.scale, m, None,
+                )?)
+            }
+            Some(cap) => manual_attention(&q, &keys, &values, c.scale, Some(cap), &mask),
+        }
+    }
+
+    /// One decode step of `B` conversations at once: row `i` of the heads `[B, heads, 1, D]`
+    /// attends over `rows[i]`, at its own position. The projections around it ran for the
+    /// whole batch (one pass over the weights, which is what batching buys); attention itself
+    /// runs per row, since each row has its own cache length.
+    fn attend_rows(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        rows: &mut [LayerCache],
+        positions: Option<&Array>,
+    ) -> Result<Array> {
+        if positions.is_some() || q.dim(2)? != 1 || q.dim(0)? as usize != rows.len() {
+            return Err(crate::ModelError::Runtime(format!(
+                "internal: a batched decode step takes one new token per row and no explicit \
+                 positions ({} rows of {} tokens for {} caches)",
+                q.dim(0)?,
+                q.dim(2)?,
+                rows.len()
+            )));
+        }
+        let row = |a: &Array, i: usize| a.slice_axis(0, i as i32, i as i32 + 1);
+        let mut outs = Vec::with_capacity(rows.len());
+        for (i, cache) in rows.iter_mut().enumerate() {
+            outs.push(self.attend(row(q, i)?, row(k, i)?, row(v, i)?, cache, None)?);
+        }
+        Ok(ops::concatenate(&outs, 0)?)
     }
 
     /// Queries, keys and values of `x` `[B, L, hidden]` as `[B, heads, L, head_dim]`, with

@@ -1,0 +1,111 @@
+//! Batched decode ([`mlxcel_arch::generate::step_batch`]): several conversations of different
+//! lengths advanced by one forward pass give the logits and greedy tokens each gets alone.
+
+use mlxcel_arch::generate::{argmax_token, greedy, step_batch, Session, SessionState};
+use mlxcel_arch::LanguageModel;
+use mlxcel_loading::{load_model, LoadOptions};
+use mlxcel_tests::{max_abs_diff, model_dir, reference};
+
+/// Three prompts of different lengths from the fixture's prompt (one longer than the sliding
+/// windows of 8, one shorter), decoded together for `steps` tokens.
+fn check_batched(name: &str, steps: usize) {
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let loaded = load_model(model_dir(name), &options).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model: &dyn LanguageModel = &loaded.model;
+    let prompt = reference(name).prompt_ids;
+    let prompts: Vec<&[u32]> = vec![&prompt[..5], &prompt[..23], &prompt[3..14]];
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| greedy(model, p, steps, None, |_| false).unwrap())
+        .collect();
+
+    let mut states = Vec::new();
+    let mut next = Vec::new();
+    for p in &prompts {
+        let mut s = Session::new(model);
+        let (_, logits) = s.prefill(p, None).unwrap();
+        next.push(argmax_token(&logits).unwrap());
+        states.push(s.into_state());
+    }
+    let mut got: Vec<Vec<u32>> = next.iter().map(|t| vec![*t]).collect();
+    for step in 1..steps {
+        let mut refs: Vec<&mut SessionState> = states.iter_mut().collect();
+        let logits = step_batch(model, &mut refs, &next).unwrap();
+        assert_eq!(logits.shape()[0], prompts.len() as i32);
+        // Row i equals conversation i's own step.
+        for (i, p) in prompts.iter().enumerate() {
+            let mut history = p.to_vec();
+            history.extend(&got[i]);
+            let row = logits
+                .slice_axis(0, i as i32, i as i32 + 1)
+                .unwrap()
+                .reshape(&[-1])
+                .unwrap();
+            let mut s = Session::new(model);
+            let (_, want) = s.prefill(&history, None).unwrap();
+            let (d, _) = max_abs_diff(
+                &row.to_vec::<f32>().unwrap(),
+                &want.to_vec::<f32>().unwrap(),
+            );
+            assert!(
+                d <= 1e-4,
+                "{name}: row {i} at step {step}: |Δlogit| {d:.2e}"
+            );
+            next[i] = argmax_token(&row).unwrap();
+            got[i].push(next[i]);
+        }
+    }
+    assert_eq!(got, alone, "{name}: batched greedy differs from each alone");
+    for (s, p) in states.iter().zip(&prompts) {
+        assert_eq!(
+            s.tokens().len(),
+            p.len() + steps - 1,
+            "{name}: recorded tokens"
+        );
+    }
+}
+
+#[test]
+fn attention_models_decode_as_one_batch() {
+    for name in ["llama", "qwen3", "gemma2", "mistral", "mixtral", "phi3"] {
+        let options = LoadOptions {
+            skip_tokenizer: true,
+            ..Default::default()
+        };
+        let loaded = load_model(model_dir(name), &options).unwrap();
+        assert!(loaded.model.batched_decode(), "{name} should batch");
+        check_batched(name, 6);
+    }
+}
+
+#[test]
+fn models_that_cannot_batch_step_each_conversation() {
+    for name in ["mamba2", "jamba", "deepseek_v2"] {
+        let options = LoadOptions {
+            skip_tokenizer: true,
+            ..Default::default()
+        };
+        let loaded = load_model(model_dir(name), &options).unwrap();
+        assert!(!loaded.model.batched_decode(), "{name} should not batch");
+        check_batched(name, 4);
+    }
+}
+
+#[test]
+fn a_batched_step_refuses_mismatched_input() {
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let loaded = load_model(model_dir("llama"), &options).unwrap();
+    let model: &dyn LanguageModel = &loaded.model;
+    let mut a = SessionState::new(model);
+    let mut b = SessionState::new(model);
+    let e = step_batch(model, &mut [&mut a, &mut b], &[1]).unwrap_err();
+    assert!(e.to_string().contains("one token per conversation"), "{e}");
+    let e = step_batch(model, &mut [&mut a, &mut b], &[1, 100_000]).unwrap_err();
+    assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+}
