@@ -45,7 +45,7 @@ pub use rerank::{
     QWEN3_RERANKER_MAX_LENGTH, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX,
 };
 pub use textgen::{
-    generate_text, generate_text_with, FinishReason, GenerateRequest, GenerationStats,
-    LogitsProcessor, StepHooks, TokenLogprob,
+    generate_text, generate_text_with, FinishReason, GenerateRequest, GenerationProgress,
+    GenerationStats, LogitsProcessor, StepHooks, TokenLogprob,
 };
-pub use tokenizer::{load_tokenizer, StreamDecoder, TokenBytes, Tokenizer};
+pub use tokenizer::{load_tokenizer, DecodeProgress, StreamDecoder, TokenBytes, Tokenizer};

@@ -7,7 +7,7 @@ use mlxcel_arch::generate::Session;
 use mlxcel_arch::sampling::{Sampler, SamplingParams};
 use mlxcel_core::{Array, Dtype};
 
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::tokenizer::{DecodeProgress, Tokenizer};
 use crate::Result;
 
 /// What to generate. The default generates up to [`GenerateRequest::DEFAULT_MAX_NEW_TOKENS`]
@@ -123,12 +123,13 @@ impl GenerationStats {
 }
 
 /// Holds back output that might be the start of a stop string.
-struct StopFilter<'a> {
-    stops: &'a [String],
+#[derive(Debug)]
+struct StopFilter {
+    stops: Vec<String>,
     pending: String,
 }
 
-impl StopFilter<'_> {
+impl StopFilter {
     /// Adds text; returns what can be released and whether a stop string was hit.
     fn push(&mut self, text: &str) -> (String, bool) {
         self.pending.push_str(text);
@@ -264,6 +265,175 @@ pub fn generate_text(
     )
 }
 
+/// One generation between its steps: sampler, detokenisation, stop strings, the tokens so far
+/// and the measurements. [`generate_text_with`] drives one from prefill to the end; a scheduler
+/// serving several conversations keeps one per conversation and feeds each the logits of a
+/// batched step ([`mlxcel_arch::generate::step_batch`]): [`GenerationProgress::pick`] a token,
+/// [`GenerationProgress::emit`] it, and once it says the generation is over,
+/// [`GenerationProgress::finish`].
+#[derive(Debug)]
+pub struct GenerationProgress {
+    request: GenerateRequest,
+    sampler: Sampler,
+    text: Option<DecodeProgress>,
+    stop: StopFilter,
+    generated: Vec<u32>,
+    finish: FinishReason,
+    prompt_tokens: usize,
+    reused_tokens: usize,
+    prefill_seconds: f64,
+    decode_start: Instant,
+    graph_seconds: f64,
+    dispatch_seconds: f64,
+    census: Vec<(String, usize)>,
+}
+
+impl GenerationProgress {
+    /// Prefills `prompt` in `session` (reusing the prefix its caches hold); returns the
+    /// generation and the logits of its first token. `with_text`: detokenise the output (the
+    /// tokenizer then comes with each [`GenerationProgress::emit`]).
+    pub fn start(
+        session: &mut Session<'_>,
+        prompt: &[u32],
+        request: GenerateRequest,
+        with_text: bool,
+    ) -> Result<(GenerationProgress, Array)> {
+        session.check_files()?;
+        request.validate()?;
+        let start = Instant::now();
+        let (reused, logits) = session.prefill(prompt, request.prefill_chunk)?;
+        let progress = GenerationProgress {
+            sampler: Sampler::new(request.sampling.clone()),
+            text: with_text.then(|| DecodeProgress::new(true)),
+            stop: StopFilter {
+                stops: request.stop.clone(),
+                pending: String::new(),
+            },
+            request,
+            generated: Vec::new(),
+            finish: FinishReason::Length,
+            prompt_tokens: prompt.len(),
+            reused_tokens: reused,
+            prefill_seconds: start.elapsed().as_secs_f64(),
+            decode_start: Instant::now(),
+            graph_seconds: 0.0,
+            dispatch_seconds: 0.0,
+            census: Vec::new(),
+        };
+        Ok((progress, logits))
+    }
+
+    /// Whether tokens are picked greedily (the largest logit, which needs no host copy of the
+    /// logits).
+    pub fn is_greedy(&self) -> bool {
+        self.sampler.is_greedy()
+    }
+
+    /// The tokens generated so far (EOS excluded).
+    pub fn generated(&self) -> &[u32] {
+        &self.generated
+    }
+
+    /// Whether the request's cancel flag is set.
+    pub fn cancelled(&self) -> bool {
+        self.request
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Picks the next token from `logits` (`[vocab]`) on the host: the processor's changes,
+    /// then the sampler over `history` (the tokens the conversation's caches hold), and the
+    /// token's log-probability when the hooks ask for it.
+    pub fn pick(
+        &mut self,
+        logits: &Array,
+        history: &[u32],
+        hooks: &mut StepHooks<'_>,
+    ) -> Result<(u32, Option<TokenLogprob>)> {
+        let step = self.generated.len();
+        let mut row = logits.astype(Dtype::Float32)?.to_vec::<f32>()?;
+        if row.iter().any(|v| v.is_nan()) {
+            return Err(nan_error(step));
+        }
+        if let Some(p) = hooks.processor.as_deref_mut() {
+            p.process(&self.generated, &mut row)
+                .map_err(|m| crate::LoadError::from(mlxcel_arch::ModelError::Runtime(m)))?;
+            if !row.iter().any(|v| *v > f32::NEG_INFINITY) {
+                return Err(crate::LoadError::from(mlxcel_arch::ModelError::Runtime(
+                    format!("the logits processor allowed no token at generation step {step}"),
+                )));
+            }
+        }
+        let token = self.sampler.sample(&row, history);
+        Ok((token, hooks.logprobs.map(|top| logprobs(&row, token, top))))
+    }
+
+    /// Takes `token` as the next output: passes it (and its text, once final) on, and returns
+    /// whether the generation goes on. It ends at an EOS id (not emitted), a stop string or the
+    /// token budget; a cancelled request ends before its token is taken.
+    pub fn emit(
+        &mut self,
+        token: u32,
+        logprob: Option<TokenLogprob>,
+        tokenizer: Option<&Tokenizer>,
+        mut on_text: impl FnMut(&str),
+        mut on_token: impl FnMut(u32, Option<TokenLogprob>),
+    ) -> Result<bool> {
+        if self.cancelled() {
+            self.finish = FinishReason::Cancelled;
+            return Ok(false);
+        }
+        if self.request.eos_token_ids.contains(&token) {
+            self.finish = FinishReason::Eos;
+            return Ok(false);
+        }
+        self.generated.push(token);
+        on_token(token, logprob);
+        if let (Some(d), Some(t)) = (self.text.as_mut(), tokenizer) {
+            let (text, hit) = self.stop.push(&d.push(t, token)?);
+            if !text.is_empty() {
+                on_text(&text);
+            }
+            if hit {
+                self.finish = FinishReason::Stop;
+                return Ok(false);
+            }
+        }
+        Ok(self.generated.len() < self.request.max_new_tokens)
+    }
+
+    /// Ends the generation: releases text held back (unless a stop string or a cancel ended
+    /// it) and returns the generated ids and the measurements.
+    pub fn finish(
+        mut self,
+        tokenizer: Option<&Tokenizer>,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<(Vec<u32>, GenerationStats)> {
+        if !matches!(self.finish, FinishReason::Stop | FinishReason::Cancelled) {
+            if let (Some(d), Some(t)) = (self.text.as_mut(), tokenizer) {
+                let (text, _) = self.stop.push(&d.flush(t)?);
+                let rest = format!("{text}{}", self.stop.pending);
+                if !rest.is_empty() {
+                    on_text(&rest);
+                }
+            }
+        }
+        let stats = GenerationStats {
+            prompt_tokens: self.prompt_tokens,
+            reused_tokens: self.reused_tokens,
+            prefill_seconds: self.prefill_seconds,
+            generated_tokens: self.generated.len(),
+            decode_seconds: self.decode_start.elapsed().as_secs_f64(),
+            decode_graph_seconds: self.graph_seconds,
+            decode_dispatch_seconds: self.dispatch_seconds,
+            decode_step_census: self.census,
+            finish: self.finish,
+        };
+        Ok((self.generated, stats))
+    }
+}
+
 /// [`generate_text`] with [`StepHooks`]: a logits processor, and each token's log-probability
 /// passed to `on_token` (when [`StepHooks::logprobs`] asks for them).
 pub fn generate_text_with(
@@ -275,22 +445,9 @@ pub fn generate_text_with(
     mut on_text: impl FnMut(&str),
     mut on_token: impl FnMut(u32, Option<TokenLogprob>),
 ) -> Result<(Vec<u32>, GenerationStats)> {
-    session.check_files()?;
-    request.validate()?;
-    let start = Instant::now();
-    let (reused, mut logits) = session.prefill(prompt, request.prefill_chunk)?;
-    let prefill_seconds = start.elapsed().as_secs_f64();
-    let decode_start = Instant::now();
-    let mut sampler = Sampler::new(request.sampling.clone());
-    let mut decoder = tokenizer.map(|t| StreamDecoder::new(t, true));
-    let mut stop = StopFilter {
-        stops: &request.stop,
-        pending: String::new(),
-    };
-    let mut generated = Vec::new();
-    let mut finish = FinishReason::Length;
-    let (mut graph_seconds, mut dispatch_seconds) = (0.0, 0.0);
-    let mut census = Vec::new();
+    let (mut g, mut logits) =
+        GenerationProgress::start(session, prompt, request.clone(), tokenizer.is_some())?;
+    let max_new = request.max_new_tokens;
     // Greedy decoding picks tokens on the device and queues each step before reading the token
     // it feeds (as mlx-lm does), so the host builds the next graph while the device computes.
     // With each token comes a flag: whether its logits held a NaN (one reduction, evaluated in
@@ -309,117 +466,54 @@ pub fn generate_text_with(
         Ok((token, nan))
     };
     // Hooks need the logits on the host, so they take the host path.
-    let mut pending = if sampler.is_greedy() && !hooks.active() {
+    let mut pending = if g.sampler.is_greedy() && !hooks.active() {
         let first = device_argmax(&logits)?;
         mlxcel_core::ops::async_eval_all([&first.0, &first.1])?;
         Some(first)
     } else {
         None
     };
-    let cancelled = || {
-        request
-            .cancel
-            .as_ref()
-            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
-    };
-    while generated.len() < request.max_new_tokens {
-        if cancelled() {
-            finish = FinishReason::Cancelled;
-            break;
-        }
-        let mut step_logprob = None;
-        let token = match pending.take() {
+    while g.generated.len() < max_new {
+        let (token, logprob) = match pending.take() {
             Some((current, nan)) => {
-                if generated.len() + 1 < request.max_new_tokens {
+                if g.generated.len() + 1 < max_new && !g.cancelled() {
                     let built = Instant::now();
                     let next = device_argmax(&session.step_pending(&current)?)?;
                     // The second step's graph: the first one also grows the KV caches after
                     // a prompt of a multiple of their growth step, which others rarely do.
-                    if census.is_empty() && !generated.is_empty() {
-                        census = mlxcel_core::ops::graph_census([&next.0])?;
+                    if g.census.is_empty() && !g.generated.is_empty() {
+                        g.census = mlxcel_core::ops::graph_census([&next.0])?;
                     }
                     let queued = Instant::now();
                     mlxcel_core::ops::async_eval_all([&next.0, &next.1])?;
-                    graph_seconds += (queued - built).as_secs_f64();
-                    dispatch_seconds += queued.elapsed().as_secs_f64();
+                    g.graph_seconds += (queued - built).as_secs_f64();
+                    g.dispatch_seconds += queued.elapsed().as_secs_f64();
                     pending = Some(next);
                 }
                 if nan.to_vec::<i32>()?.first().copied().unwrap_or(0) != 0 {
-                    return Err(nan_error(generated.len()));
+                    return Err(nan_error(g.generated.len()));
                 }
                 let token = current
                     .to_vec::<i32>()?
                     .first()
                     .copied()
-                    .ok_or_else(|| nan_error(generated.len()))? as u32;
+                    .ok_or_else(|| nan_error(g.generated.len()))?
+                    as u32;
                 if pending.is_some() {
                     session.record_token(token);
                 }
-                token
+                (token, None)
             }
-            None => {
-                let mut row = logits.astype(Dtype::Float32)?.to_vec::<f32>()?;
-                if row.iter().any(|v| v.is_nan()) {
-                    return Err(nan_error(generated.len()));
-                }
-                if let Some(p) = hooks.processor.as_deref_mut() {
-                    p.process(&generated, &mut row)
-                        .map_err(|m| crate::LoadError::from(mlxcel_arch::ModelError::Runtime(m)))?;
-                    if !row.iter().any(|v| *v > f32::NEG_INFINITY) {
-                        return Err(crate::LoadError::from(mlxcel_arch::ModelError::Runtime(
-                            format!(
-                                "the logits processor allowed no token at generation step {}",
-                                generated.len()
-                            ),
-                        )));
-                    }
-                }
-                let token = sampler.sample(&row, session.tokens());
-                step_logprob = hooks.logprobs.map(|top| logprobs(&row, token, top));
-                token
-            }
+            None => g.pick(&logits, session.tokens(), &mut hooks)?,
         };
-        if request.eos_token_ids.contains(&token) {
-            finish = FinishReason::Eos;
+        if !g.emit(token, logprob, tokenizer, &mut on_text, &mut on_token)? {
             break;
         }
-        generated.push(token);
-        on_token(token, step_logprob);
-        if let Some(d) = decoder.as_mut() {
-            let (text, hit) = stop.push(&d.push(token)?);
-            if !text.is_empty() {
-                on_text(&text);
-            }
-            if hit {
-                finish = FinishReason::Stop;
-                break;
-            }
-        }
-        if pending.is_none() && generated.len() < request.max_new_tokens {
+        if pending.is_none() {
             logits = session.step(token)?;
         }
     }
-    if !matches!(finish, FinishReason::Stop | FinishReason::Cancelled) {
-        if let Some(d) = decoder.as_mut() {
-            let (text, _) = stop.push(&d.flush()?);
-            let rest = format!("{text}{}", stop.pending);
-            if !rest.is_empty() {
-                on_text(&rest);
-            }
-        }
-    }
-    let stats = GenerationStats {
-        prompt_tokens: prompt.len(),
-        reused_tokens: reused,
-        prefill_seconds,
-        generated_tokens: generated.len(),
-        decode_seconds: decode_start.elapsed().as_secs_f64(),
-        decode_graph_seconds: graph_seconds,
-        decode_dispatch_seconds: dispatch_seconds,
-        decode_step_census: census,
-        finish,
-    };
-    Ok((generated, stats))
+    g.finish(tokenizer, on_text)
 }
 
 #[cfg(test)]
@@ -430,7 +524,7 @@ mod tests {
     fn stop_strings_hold_back_partial_matches() {
         let stops = vec!["<end>".to_string(), "STOP".to_string()];
         let mut f = StopFilter {
-            stops: &stops,
+            stops,
             pending: String::new(),
         };
         assert_eq!(f.push("hello <e"), ("hello ".to_string(), false));

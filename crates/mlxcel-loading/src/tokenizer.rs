@@ -243,10 +243,7 @@ pub fn load_tokenizer(folder: &Path) -> Result<Tokenizer> {
 #[derive(Debug)]
 pub struct StreamDecoder<'t> {
     tokenizer: &'t Tokenizer,
-    ids: Vec<u32>,
-    prefix_offset: usize,
-    read_offset: usize,
-    skip_special_tokens: bool,
+    progress: DecodeProgress,
 }
 
 impl<'t> StreamDecoder<'t> {
@@ -254,6 +251,35 @@ impl<'t> StreamDecoder<'t> {
     pub fn new(tokenizer: &'t Tokenizer, skip_special_tokens: bool) -> StreamDecoder<'t> {
         StreamDecoder {
             tokenizer,
+            progress: DecodeProgress::new(skip_special_tokens),
+        }
+    }
+
+    /// Adds a token; returns the text it completes (possibly empty).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.progress.push(self.tokenizer, id)
+    }
+
+    /// Text still held back (an incomplete character at the very end, rendered as decoded).
+    pub fn flush(&mut self) -> Result<String> {
+        self.progress.flush(self.tokenizer)
+    }
+}
+
+/// A [`StreamDecoder`]'s progress without the tokenizer, which each call passes instead: what
+/// an owner of many streams over one shared tokenizer keeps per stream.
+#[derive(Debug, Clone)]
+pub struct DecodeProgress {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+    skip_special_tokens: bool,
+}
+
+impl DecodeProgress {
+    /// Nothing decoded yet; special tokens left out when `skip_special_tokens`.
+    pub fn new(skip_special_tokens: bool) -> DecodeProgress {
+        DecodeProgress {
             ids: Vec::new(),
             prefix_offset: 0,
             read_offset: 0,
@@ -262,15 +288,11 @@ impl<'t> StreamDecoder<'t> {
     }
 
     /// Adds a token; returns the text it completes (possibly empty).
-    pub fn push(&mut self, id: u32) -> Result<String> {
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
         let skip = self.skip_special_tokens;
-        let prefix = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
-        let full = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..], skip)?;
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..], skip)?;
         if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.starts_with(&prefix) {
             let text = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
@@ -281,14 +303,10 @@ impl<'t> StreamDecoder<'t> {
     }
 
     /// Text still held back (an incomplete character at the very end, rendered as decoded).
-    pub fn flush(&mut self) -> Result<String> {
+    pub fn flush(&mut self, tokenizer: &Tokenizer) -> Result<String> {
         let skip = self.skip_special_tokens;
-        let prefix = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
-        let full = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..], skip)?;
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..], skip)?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         Ok(full.strip_prefix(prefix.as_str()).unwrap_or("").to_string())

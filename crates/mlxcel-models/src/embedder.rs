@@ -210,3 +210,6 @@ impl Embedder {
         &self.shared.options
     }
 }
+
+// The worker runs jobs only.
+impl crate::worker::Background for mlxcel_loading::EmbeddingLoaded {}

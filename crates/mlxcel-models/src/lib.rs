@@ -21,9 +21,13 @@
 //! clones across threads, move it into `std::thread::spawn` or `tokio::task::spawn_blocking`.
 //! MLX's arrays and its lazily evaluated graphs are not safe to use from several threads at once,
 //! so all MLX state of a model — its weights, the caches of its sessions — lives on one worker
-//! thread that the handle talks to over a channel. Requests from several threads are served in
-//! the order they arrive, one at a time; a [`Session`] keeps its conversation's caches on the
-//! worker between requests, so a follow-up reuses the common prefix.
+//! thread that the handle talks to over a channel. Requests from several threads are served
+//! together: each prefills its prompt in turn, then every running generation advances one
+//! token per step, in one batched forward pass for the models that allow it (attention-only
+//! decoders: the projections read the weights once for the whole batch; others step each
+//! generation in turn), so eight concurrent streams cost far less than eight times one
+//! ([`Model::batch_stats`]). A [`Session`] keeps its conversation's caches on the worker
+//! between requests, so a follow-up reuses the common prefix.
 //!
 //! ## Streaming and cancellation
 //!
@@ -54,6 +58,7 @@
 
 #![warn(missing_docs)]
 
+mod batch;
 mod embedder;
 mod reranker;
 mod worker;
@@ -63,13 +68,14 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use mlxcel_arch::generate::{Session as ArchSession, SessionState};
+use mlxcel_arch::generate::SessionState;
 use mlxcel_arch::sampling::SamplingParams;
 use mlxcel_arch::LanguageModel;
-use mlxcel_loading::{generate_text_with, GenerateRequest, LoadOptions, Loaded, StepHooks};
+use mlxcel_loading::{GenerateRequest, LoadOptions, Loaded};
 
 use worker::Worker;
 
+pub use batch::BatchStats;
 pub use embedder::{Embedder, EmbedderBuilder, EmbedderInfo, Overflow};
 pub use mlxcel_arch as arch;
 pub use mlxcel_arch::nn::lora::AdapterMix;
@@ -400,10 +406,14 @@ impl ModelBuilder {
                 default_adapters: loaded.active_adapters(),
                 loaded,
                 sessions: HashMap::new(),
+                tokenizer: None,
+                running: VecDeque::new(),
+                batching: BatchStats::default(),
             };
+            state.tokenizer = state.loaded.tokenizer.take().map(Arc::new);
             let ready = Ready {
                 info: state.info(),
-                tokenizer: state.loaded.tokenizer.take().map(Arc::new),
+                tokenizer: state.tokenizer.clone(),
                 template: state.loaded.chat_template.take().map(Arc::new),
             };
             Ok((state, ready))
@@ -434,11 +444,19 @@ struct Ready {
     template: Option<Arc<mlxcel_loading::ChatTemplate>>,
 }
 
+/// Parked conversations by id: their caches and the adapter mix they were computed under.
+type Sessions = HashMap<u64, (SessionState, AdapterMix)>;
+
 /// The worker thread's state: the model and the parked conversations, each with the adapter
 /// mix its caches were computed under.
 struct ModelState {
     loaded: Loaded,
-    sessions: HashMap<u64, (SessionState, AdapterMix)>,
+    sessions: Sessions,
+    /// The tokenizer, shared with the [`Model`] handles (taken out of `loaded`).
+    tokenizer: Option<Arc<mlxcel_loading::Tokenizer>>,
+    /// The generations between their steps ([`batch`]).
+    running: VecDeque<batch::Running>,
+    batching: BatchStats,
     /// The mix of requests that name none.
     default_adapters: AdapterMix,
 }
@@ -667,6 +685,13 @@ impl Model {
         self.stream(None, prompt.into(), options)
     }
 
+    /// How decode steps have been batched so far: generations running at the same time
+    /// advance together, one forward pass per step (see the crate documentation). It waits
+    /// for the worker, so it counts every step before the jobs submitted before it.
+    pub fn batch_stats(&self) -> Result<BatchStats> {
+        self.shared.worker.run(|w| Ok(w.batching))
+    }
+
     /// A new conversation whose caches persist between its requests.
     pub fn session(&self) -> Session {
         Session {
@@ -717,77 +742,18 @@ impl Model {
             cancel: Some(cancel.clone()),
         };
         let queue = Arc::new(Queue::default());
-        let feed = queue.clone();
-        let tokenizer = self.shared.tokenizer.clone();
-        let top_logprobs = options.logprobs;
-        let processor = options.logits_processor;
+        let start = batch::Start {
+            session,
+            ids,
+            request,
+            adapters,
+            feed: queue.clone(),
+            processor: options.logits_processor,
+            logprobs: options.logprobs,
+        };
         self.shared
             .worker
-            .submit(Box::new(move |w: &mut ModelState| {
-                let mix = match w.select(adapters.as_ref()) {
-                    Ok(mix) => mix,
-                    Err(e) => return feed.push(Event::Failed(e)),
-                };
-                let ModelState {
-                    loaded, sessions, ..
-                } = w;
-                // Caches computed under another adapter mix are not reused.
-                let state = match session.and_then(|id| sessions.remove(&id)) {
-                    Some((state, cached_mix)) if cached_mix == mix => state,
-                    _ => SessionState::new(&loaded.model),
-                };
-                let mut s = ArchSession::resume(&loaded.model, state)
-                    .with_mapped_files(loaded.mapped.clone());
-                // Tokens (and their logprobs) not yet accounted for by a piece of text.
-                let pieces = std::cell::RefCell::new(Piece::default());
-                let mut guard = processor.as_ref().map(|p| p.0.lock());
-                let processor: Option<&mut dyn LogitsProcessor> = match guard.as_mut() {
-                    Some(Ok(g)) => Some(&mut **g),
-                    // A processor that panicked in an earlier generation.
-                    Some(Err(_)) => {
-                        feed.push(Event::Failed(Error::Invalid(
-                            "the logits processor is poisoned by an earlier panic".into(),
-                        )));
-                        return;
-                    }
-                    None => None,
-                };
-                let hooks = StepHooks {
-                    logprobs: top_logprobs,
-                    processor,
-                };
-                let result = generate_text_with(
-                    &mut s,
-                    tokenizer.as_deref(),
-                    &ids,
-                    &request,
-                    hooks,
-                    |text| {
-                        let mut piece = std::mem::take(&mut *pieces.borrow_mut());
-                        piece.text = text.to_string();
-                        feed.push(Event::Piece(piece));
-                    },
-                    |token, logprob| {
-                        let mut p = pieces.borrow_mut();
-                        p.tokens.push(token);
-                        p.logprobs.extend(logprob);
-                        if tokenizer.is_none() {
-                            feed.push(Event::Piece(std::mem::take(&mut *p)));
-                        }
-                    },
-                );
-                let rest = pieces.into_inner();
-                if !rest.tokens.is_empty() {
-                    feed.push(Event::Piece(rest));
-                }
-                if let Some(id) = session {
-                    sessions.insert(id, (s.into_state(), mix));
-                }
-                feed.push(match result {
-                    Ok((_, stats)) => Event::Done(Box::new(stats)),
-                    Err(e) => Event::Failed(Error::Load(e)),
-                });
-            }))?;
+            .submit(Box::new(move |w: &mut ModelState| w.start(start)))?;
         Ok(TokenStream {
             queue,
             cancel,

@@ -228,3 +228,6 @@ impl Reranker {
         &self.shared.options
     }
 }
+
+// The worker runs jobs only.
+impl crate::worker::Background for mlxcel_loading::RerankerLoaded {}

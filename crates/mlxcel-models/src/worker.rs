@@ -2,11 +2,23 @@
 //! [`crate::Embedder`]: MLX arrays are not safe to use from several threads at once, so every
 //! request runs as a job on this one thread, in arrival order.
 
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{channel, Sender, TryRecvError};
 use std::sync::Mutex;
 use std::thread::JoinHandle;
 
 use crate::{Device, Error, Result};
+
+/// Work a worker's state does between jobs (the steps of running generations). The worker
+/// blocks waiting for a job only while its state is not busy.
+pub(crate) trait Background {
+    /// Whether [`Background::work`] has something to do.
+    fn busy(&self) -> bool {
+        false
+    }
+
+    /// One slice of the work (one decode step), short enough for jobs to interleave.
+    fn work(&mut self) {}
+}
 
 /// A job for the worker, run on its state `S`.
 pub(crate) type Job<S> = Box<dyn FnOnce(&mut S) + Send>;
@@ -19,7 +31,7 @@ pub(crate) struct Worker<S> {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-impl<S: 'static> Worker<S> {
+impl<S: Background + 'static> Worker<S> {
     /// Starts thread `name`, selects `device` on it, and builds the state there with `init`,
     /// which also returns what the caller keeps (facts about the model); waits until it is
     /// built, returning `init`'s error when it fails.
@@ -49,9 +61,27 @@ impl<S: 'static> Worker<S> {
                         return;
                     }
                 };
-                // Jobs until every handle is dropped.
-                while let Ok(job) = inbox.recv() {
-                    job(&mut state);
+                // Jobs until every handle is dropped, and the work they started is done;
+                // while there is work, jobs that arrived meanwhile run between its steps.
+                let mut open = true;
+                loop {
+                    if state.busy() {
+                        while open {
+                            match inbox.try_recv() {
+                                Ok(job) => job(&mut state),
+                                Err(TryRecvError::Empty) => break,
+                                Err(TryRecvError::Disconnected) => open = false,
+                            }
+                        }
+                        state.work();
+                    } else if !open {
+                        break;
+                    } else {
+                        match inbox.recv() {
+                            Ok(job) => job(&mut state),
+                            Err(_) => break,
+                        }
+                    }
                 }
             })
             .map_err(|e| Error::Invalid(format!("cannot start the {name} thread: {e}")))?;

@@ -1,0 +1,150 @@
+//! Continuous batching through the library's `Model`: generations started together run as one
+//! batch on the worker, and each produces exactly what it produces alone — greedy or sampled,
+//! with logprobs, cancelled midway, or on a model that cannot batch.
+
+use mlxcel_models::{Generation, Model, Prompt, Sampling};
+use mlxcel_tests::{model_dir, reference};
+
+struct Output {
+    tokens: Vec<u32>,
+    text: String,
+    logprobs: Vec<f32>,
+}
+
+fn collect(stream: mlxcel_models::TokenStream) -> Output {
+    let mut out = Output {
+        tokens: Vec::new(),
+        text: String::new(),
+        logprobs: Vec::new(),
+    };
+    for piece in stream {
+        let piece = piece.unwrap();
+        out.tokens.extend(&piece.tokens);
+        out.text.push_str(&piece.text);
+        out.logprobs
+            .extend(piece.logprobs.iter().map(|l| l.logprob));
+    }
+    out
+}
+
+/// Four requests of different lengths and options.
+fn requests(name: &str) -> Vec<(Prompt, Generation)> {
+    let ids = reference(name).prompt_ids;
+    let greedy = |n| Generation {
+        max_new_tokens: Some(n),
+        // The random fixtures end early at their EOS id otherwise.
+        extra_eos_token_ids: vec![],
+        ..Generation::default()
+    };
+    vec![
+        (Prompt::Ids(ids[..6].to_vec()), greedy(24)),
+        (
+            Prompt::Ids(ids[..31].to_vec()),
+            Generation {
+                logprobs: Some(2),
+                ..greedy(17)
+            },
+        ),
+        (
+            Prompt::Ids(ids[4..20].to_vec()),
+            Generation {
+                sampling: Sampling {
+                    temperature: 0.8,
+                    top_p: 0.9,
+                    seed: 7,
+                    ..Sampling::default()
+                },
+                ..greedy(20)
+            },
+        ),
+        (Prompt::Ids(ids[10..13].to_vec()), greedy(9)),
+    ]
+}
+
+fn check(name: &str, expect_batched: bool) {
+    let model = Model::load(model_dir(name)).build().unwrap();
+    let solo: Vec<Output> = requests(name)
+        .into_iter()
+        .map(|(p, g)| collect(model.generate(p, g).unwrap()))
+        .collect();
+    let before = model.batch_stats().unwrap();
+    let streams: Vec<_> = requests(name)
+        .into_iter()
+        .map(|(p, g)| model.generate(p, g).unwrap())
+        .collect();
+    let together: Vec<Output> = streams.into_iter().map(collect).collect();
+    let after = model.batch_stats().unwrap();
+    for (i, (a, b)) in solo.iter().zip(&together).enumerate() {
+        assert_eq!(a.tokens, b.tokens, "{name}: request {i} tokens");
+        assert_eq!(a.text, b.text, "{name}: request {i} text");
+        assert_eq!(a.logprobs.len(), b.logprobs.len(), "{name}: request {i}");
+        for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+            assert!(
+                (x - y).abs() <= 1e-4,
+                "{name}: request {i} logprob {x} vs {y}"
+            );
+        }
+    }
+    assert!(solo.iter().all(|o| !o.tokens.is_empty()));
+    // Run together, the requests of a model that batches shared forward passes.
+    let steps = after.steps - before.steps;
+    let rows = after.rows - before.rows;
+    if expect_batched {
+        assert!(
+            after.largest >= 2,
+            "{name}: largest batch {}",
+            after.largest
+        );
+        assert!(steps < rows, "{name}: {steps} passes for {rows} rows");
+    } else {
+        assert_eq!(after.largest, 1, "{name}");
+        assert_eq!(steps, rows, "{name}");
+    }
+}
+
+#[test]
+fn concurrent_generations_equal_solo_ones() {
+    // Attention-only models batch in one forward pass (sliding windows and MoE included);
+    // a state-space model steps each generation in turn, with the same results.
+    for (name, batched) in [
+        ("llama", true),
+        ("gemma2", true),
+        ("mixtral", true),
+        ("mamba2", false),
+    ] {
+        check(name, batched);
+    }
+}
+
+#[test]
+fn a_cancelled_generation_leaves_the_batch_without_disturbing_it() {
+    let name = "qwen3";
+    let model = Model::load(model_dir(name)).build().unwrap();
+    let ids = reference(name).prompt_ids;
+    let gen = |n| Generation {
+        max_new_tokens: Some(n),
+        ..Generation::default()
+    };
+    let alone = collect(
+        model
+            .generate(Prompt::Ids(ids[..9].to_vec()), gen(30))
+            .unwrap(),
+    );
+    let keep = model
+        .generate(Prompt::Ids(ids[..9].to_vec()), gen(30))
+        .unwrap();
+    let mut cancelled = model
+        .generate(Prompt::Ids(ids[2..25].to_vec()), gen(200))
+        .unwrap();
+    let first = cancelled.next().unwrap().unwrap();
+    assert!(!first.tokens.is_empty());
+    cancelled.cancel();
+    let rest: Vec<_> = cancelled.by_ref().collect();
+    assert!(rest.iter().all(|p| p.is_ok()));
+    assert_eq!(
+        cancelled.stats().map(|s| s.finish),
+        Some(mlxcel_models::FinishReason::Cancelled)
+    );
+    assert!(cancelled.stats().unwrap().generated_tokens < 200);
+    assert_eq!(collect(keep).tokens, alone.tokens);
+}
