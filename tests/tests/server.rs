@@ -396,6 +396,85 @@ fn smollm2_over_http() {
 }
 
 /// Reads the gauge `name` from `/metrics`.
+/// Requests sent at the same moment run as one batch on the worker (continuous batching), and
+/// each reply equals the model's own solo generation.
+#[test]
+fn concurrent_requests_are_batched_and_equal_solo_replies() {
+    let model = fixture_model();
+    let questions = [
+        "What is the capital of France?",
+        "Name three colours.",
+        "Count to five.",
+        "Why is the sky blue? Explain slowly.",
+    ];
+    let max_tokens = 48;
+    let want: Vec<String> = questions
+        .iter()
+        .map(|q| {
+            model
+                .generate(
+                    vec![Message::user(*q)],
+                    Generation {
+                        max_new_tokens: Some(max_tokens),
+                        ..Generation::default()
+                    },
+                )
+                .and_then(|s| s.finish())
+                .expect("Model::generate")
+                .0
+        })
+        .collect();
+    let server = start(
+        &model,
+        ServerConfig {
+            parallel: 4,
+            ..ServerConfig::default()
+        },
+    );
+    let addr = server.addr();
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(questions.len()));
+    let threads: Vec<_> = questions
+        .iter()
+        .enumerate()
+        .map(|(i, q)| {
+            let barrier = barrier.clone();
+            let body = json!({
+                "messages": [{"role": "user", "content": q}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": i % 2 == 0,
+            });
+            std::thread::spawn(move || {
+                barrier.wait();
+                let r = post(addr, "/v1/chat/completions", &body);
+                assert_eq!(r.status, 200, "{}", r.body);
+                if body["stream"] == json!(true) {
+                    r.events()
+                        .iter()
+                        .filter(|e| *e != "[DONE]")
+                        .map(|e| serde_json::from_str::<Value>(e).expect("a JSON chunk"))
+                        .filter_map(|c| {
+                            c["choices"][0]["delta"]["content"]
+                                .as_str()
+                                .map(String::from)
+                        })
+                        .collect::<String>()
+                } else {
+                    r.json()["choices"][0]["message"]["content"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string()
+                }
+            })
+        })
+        .collect();
+    let got: Vec<String> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(got, want, "concurrent replies vs Model::generate");
+    let largest = gauge(addr, "mlxcel_decode_batch_largest");
+    assert!(largest >= 2.0, "the requests never shared a decode pass");
+    assert!(
+        gauge(addr, "mlxcel_decode_passes_total") < gauge(addr, "mlxcel_decode_batch_rows_total")
+    );
+}
+
 fn gauge(addr: SocketAddr, name: &str) -> f64 {
     let r = http(addr, "GET", "/metrics", &[], "");
     r.body
@@ -423,6 +502,7 @@ fn smollm2_queue_full_and_disconnect_cancels() {
         &model,
         ServerConfig {
             max_queue: 0,
+            parallel: 1,
             ..ServerConfig::default()
         },
     );

@@ -96,9 +96,13 @@ enum Command {
         /// Require `Authorization: Bearer KEY` on every endpoint but /health and the page.
         #[arg(long)]
         api_key: Option<String>,
-        /// Requests that may wait while one is generated (one more gets a 429).
+        /// Requests that may wait while `--parallel` are generated (one more gets a 429).
         #[arg(long, default_value_t = 16)]
         max_queue: usize,
+        /// Generations run at once, batched: each decode step advances all of them in one
+        /// forward pass.
+        #[arg(long, default_value_t = 8)]
+        parallel: usize,
         /// Conversations whose caches are kept for prefix reuse.
         #[arg(long, default_value_t = 4)]
         sessions: usize,
@@ -222,6 +226,7 @@ fn run() -> anyhow::Result<()> {
             port,
             api_key,
             max_queue,
+            parallel,
             sessions,
             adapter,
             lora_fuse,
@@ -292,6 +297,7 @@ fn run() -> anyhow::Result<()> {
                 reranker,
                 api_key,
                 max_queue,
+                parallel: parallel.max(1),
                 sessions: sessions.max(1),
                 ..Default::default()
             };

@@ -206,6 +206,15 @@ impl ModelState {
         }
     }
 
+    /// Drops conversation `id`'s caches, and those of its generation still running when it
+    /// ends (a dropped [`crate::Session`] is never resumed).
+    pub(crate) fn forget_session(&mut self, id: u64) {
+        self.sessions.remove(&id);
+        for r in self.running.iter_mut().filter(|r| r.session == Some(id)) {
+            r.session = None;
+        }
+    }
+
     /// One step of the generations at the front of the queue that share its adapter mix.
     fn step(&mut self) {
         let Some(front) = self.running.front() else {

@@ -807,9 +807,11 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         let id = self.id;
-        let _ = self.model.shared.worker.submit(Box::new(move |w| {
-            w.sessions.remove(&id);
-        }));
+        let _ = self
+            .model
+            .shared
+            .worker
+            .submit(Box::new(move |w| w.forget_session(id)));
     }
 }
 

@@ -25,11 +25,13 @@
 //! (`json_object` / `json_schema`, enforced by constrained decoding: the `grammar` and
 //! `constraint` modules).
 //!
-//! Requests run one at a time on the model's worker; the others wait in a bounded queue (a
-//! request past [`ServerConfig::max_queue`] waiting ones gets a 429). A small pool of
+//! Up to [`ServerConfig::parallel`] generations run at once, batched on the model's worker (each
+//! decode step advances all of them in one forward pass: continuous batching, see
+//! [`mlxcel_models::Model::batch_stats`]); the others wait in a bounded queue (a request past
+//! [`ServerConfig::max_queue`] waiting ones gets a 429). A small pool of
 //! [`mlxcel_models::Session`]s keeps the caches of recent conversations: each request goes to
-//! the session whose cached tokens share the longest prefix with its prompt, so a follow-up
-//! chat turn prefills only its new tokens (`usage.prompt_tokens_details.cached_tokens`).
+//! the idle session whose cached tokens share the longest prefix with its prompt, so a
+//! follow-up chat turn prefills only its new tokens (`usage.prompt_tokens_details.cached_tokens`).
 //! A client that disconnects cancels its generation.
 //!
 //! Runtime LoRA adapters registered on the model ([`mlxcel_models::ModelBuilder::runtime_adapter`])
@@ -67,7 +69,7 @@ use mlxcel_models::{
     SharedLogitsProcessor, TokenLogprob,
 };
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, Mutex, OwnedMutexGuard};
+use tokio::sync::{mpsc, Mutex};
 
 /// The chat page served at `GET /`.
 const PAGE: &str = include_str!("page.html");
@@ -78,8 +80,11 @@ pub struct ServerConfig {
     /// When set, every endpoint but `/health` and the page at `/` needs
     /// `Authorization: Bearer KEY` (401 otherwise).
     pub api_key: Option<String>,
-    /// Requests that may wait while one runs; one more gets a 429.
+    /// Requests that may wait while [`ServerConfig::parallel`] run; one more gets a 429.
     pub max_queue: usize,
+    /// Generations that run at once, batched on the model's worker (each decode step advances
+    /// all of them in one forward pass); more wait in the queue.
+    pub parallel: usize,
     /// Largest request body in bytes (413 past it).
     pub body_limit: usize,
     /// Conversations whose caches are kept for prefix reuse.
@@ -99,6 +104,7 @@ impl Default for ServerConfig {
         ServerConfig {
             api_key: None,
             max_queue: 16,
+            parallel: 8,
             body_limit: 4 << 20,
             sessions: 4,
             model_name: None,
@@ -210,6 +216,8 @@ struct Slot {
     session: Session,
     tokens: Vec<u32>,
     last_used: u64,
+    /// A generation is running in it (its tokens are unknown until it ends).
+    busy: bool,
 }
 
 struct Pool {
@@ -226,6 +234,8 @@ struct AppState {
     /// The reranker's id (when [`ServerConfig::reranker`] is set).
     reranker_name: String,
     pool: Arc<Mutex<Pool>>,
+    /// One per generation that may run at once ([`ServerConfig::parallel`]).
+    places: tokio::sync::Semaphore,
     /// The token trie for constrained decoding, built on first use.
     vocabulary: std::sync::OnceLock<Arc<constraint::Vocabulary>>,
     metrics: Metrics,
@@ -260,8 +270,10 @@ fn router(model: Model, config: ServerConfig) -> Router {
             session: model.session(),
             tokens: Vec::new(),
             last_used: 0,
+            busy: false,
         })
         .collect();
+    let places = tokio::sync::Semaphore::new(config.parallel.max(1));
     let state = Arc::new(AppState {
         model,
         config,
@@ -269,6 +281,7 @@ fn router(model: Model, config: ServerConfig) -> Router {
         embedder_name,
         reranker_name,
         pool: Arc::new(Mutex::new(Pool { slots, clock: 0 })),
+        places,
         vocabulary: std::sync::OnceLock::new(),
         metrics: Metrics::default(),
         next_id: AtomicU64::new(1),
@@ -524,6 +537,11 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Result<Response
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let pending = m.pending.load(Ordering::Relaxed);
     let running = m.running.load(Ordering::Relaxed);
+    let model = s.model.clone();
+    let batching = tokio::task::spawn_blocking(move || model.batch_stats())
+        .await
+        .map_err(|_| internal("the metrics task stopped"))?
+        .map_err(|e| internal(e.to_string()))?;
     let mut out = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, lines: &[(&str, String)]| {
         out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
@@ -610,6 +628,24 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Result<Response
         "gauge",
         "Requests being generated.",
         &[("", running.to_string())],
+    );
+    metric(
+        "mlxcel_decode_passes_total",
+        "counter",
+        "Decode forward passes (one per step for a batch of generations).",
+        &[("", batching.steps.to_string())],
+    );
+    metric(
+        "mlxcel_decode_batch_rows_total",
+        "counter",
+        "Generations advanced by decode passes, summed (over passes: the mean batch size).",
+        &[("", batching.rows.to_string())],
+    );
+    metric(
+        "mlxcel_decode_batch_largest",
+        "gauge",
+        "The largest batch one decode pass advanced.",
+        &[("", batching.largest.to_string())],
     );
     metric(
         "mlxcel_kv_cache_tokens",
@@ -717,9 +753,9 @@ async fn handle(
     };
     counter.fetch_add(1, Ordering::Relaxed);
 
-    // Admission: one running plus `max_queue` waiting.
+    // Admission: `parallel` running plus `max_queue` waiting.
     let before = s.metrics.pending.fetch_add(1, Ordering::Relaxed);
-    if before > s.config.max_queue {
+    if before >= s.config.parallel.max(1) + s.config.max_queue {
         s.metrics.pending.fetch_sub(1, Ordering::Relaxed);
         s.metrics
             .rejected_queue_full
@@ -864,8 +900,9 @@ fn internal(message: impl Into<String>) -> ApiError {
     ApiError::other(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
 }
 
-/// Runs one generation: waits its turn, picks the session sharing the longest prefix, forwards
-/// the pieces to `tx` and cancels when the response is gone.
+/// Runs one generation: waits for a place among the [`ServerConfig::parallel`] running ones,
+/// takes the idle session sharing the longest prefix (a fresh, unkept one when every kept
+/// session is busy), forwards the pieces to `tx` and cancels when the response is gone.
 async fn drive(
     s: Shared,
     ids: Vec<u32>,
@@ -874,22 +911,39 @@ async fn drive(
     started: tokio::sync::oneshot::Sender<Result<(), ApiError>>,
 ) {
     let _pending = Count(&s.metrics.pending);
-    let mut pool = s.pool.clone().lock_owned().await;
+    let Ok(_place) = s.places.acquire().await else {
+        return;
+    };
     if tx.is_closed() {
         return;
     }
     s.metrics.running.fetch_add(1, Ordering::Relaxed);
     let _running = Count(&s.metrics.running);
 
-    let index = pick(&pool, &ids);
-    pool.clock += 1;
-    let clock = pool.clock;
-    let slot = &mut pool.slots[index];
-    slot.last_used = clock;
-    // Unknown until the generation has ended.
-    slot.tokens.clear();
-    let stream = match slot.session.generate(Prompt::Ids(ids), options) {
-        Ok(stream) => stream.into_async(),
+    let (slot, stream) = {
+        let mut pool = s.pool.lock().await;
+        match pick(&pool, &ids) {
+            Some(index) => {
+                pool.clock += 1;
+                let clock = pool.clock;
+                let slot = &mut pool.slots[index];
+                slot.last_used = clock;
+                slot.busy = true;
+                // Unknown until the generation has ended.
+                slot.tokens.clear();
+                (
+                    Some(index),
+                    slot.session.generate(Prompt::Ids(ids), options),
+                )
+            }
+            None => (None, s.model.generate(Prompt::Ids(ids), options)),
+        }
+    };
+    match stream {
+        Ok(stream) => {
+            let _ = started.send(Ok(()));
+            forward(&s, stream.into_async(), &tx).await;
+        }
         Err(e) => {
             let _ = started.send(Err(match e {
                 mlxcel_models::Error::Invalid(m) => {
@@ -897,47 +951,35 @@ async fn drive(
                 }
                 e => internal(e.to_string()),
             }));
-            refresh(&s, pool, index).await;
-            return;
         }
-    };
-    let _ = started.send(Ok(()));
-    forward(&s, stream, &tx).await;
-    refresh(&s, pool, index).await;
+    }
+    if let Some(index) = slot {
+        refresh(&s, index).await;
+    }
 }
 
-/// The slot whose cached tokens share the longest prefix with `ids`; the least recently used
-/// one when none shares any.
-fn pick(pool: &Pool, ids: &[u32]) -> usize {
+/// The idle slot whose cached tokens share the longest prefix with `ids`; the least recently
+/// used idle one when none shares any; `None` when every slot is busy.
+fn pick(pool: &Pool, ids: &[u32]) -> Option<usize> {
     let shared = |t: &[u32]| t.iter().zip(ids).take_while(|(a, b)| a == b).count();
-    let mut best = 0;
-    let mut best_len = 0;
-    for (i, slot) in pool.slots.iter().enumerate() {
-        let len = shared(&slot.tokens);
-        if len > best_len {
-            best = i;
-            best_len = len;
-        }
-    }
-    if best_len == 0 {
-        best = pool
-            .slots
-            .iter()
-            .enumerate()
-            .min_by_key(|(_, s)| s.last_used)
-            .map(|(i, _)| i)
-            .unwrap_or(0);
-    }
-    best
+    let idle = || pool.slots.iter().enumerate().filter(|(_, s)| !s.busy);
+    idle()
+        .map(|(i, slot)| (i, shared(&slot.tokens)))
+        .filter(|(_, len)| *len > 0)
+        .max_by_key(|(i, len)| (*len, std::cmp::Reverse(*i)))
+        .map(|(i, _)| i)
+        .or_else(|| idle().min_by_key(|(_, s)| s.last_used).map(|(i, _)| i))
 }
 
-/// Reads the session's tokens back from the worker (after the generation, cancelled or not,
-/// has ended there), then releases the pool.
-async fn refresh(s: &Shared, mut pool: OwnedMutexGuard<Pool>, index: usize) {
+/// Reads slot `index`'s tokens back from the worker (after the generation, cancelled or not,
+/// has ended there) and makes it idle again.
+async fn refresh(s: &Shared, index: usize) {
     let s = s.clone();
+    let mut pool = s.pool.clone().lock_owned().await;
     let _ = tokio::task::spawn_blocking(move || {
         if let Some(slot) = pool.slots.get_mut(index) {
             slot.tokens = slot.session.cached_tokens().unwrap_or_default();
+            slot.busy = false;
         }
         let held = pool.slots.iter().map(|slot| slot.tokens.len()).sum();
         s.metrics.cached_tokens.store(held, Ordering::Relaxed);
