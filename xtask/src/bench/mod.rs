@@ -8,6 +8,7 @@
 
 mod embed;
 mod proc;
+mod serve;
 mod stats;
 mod stream;
 mod synth;
@@ -48,6 +49,11 @@ pub struct BenchArgs {
     /// torch into the bench venv on first use).
     #[arg(long)]
     embeddings: bool,
+    /// Instead of the plan: aggregate decode tok/s of `mlxcel serve` against `mlx_lm.server`
+    /// with 1 and 8 concurrent clients on SmolLM2 4-bit (continuous batching; writes
+    /// target/bench/serve.md).
+    #[arg(long)]
+    serve: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -507,6 +513,16 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         let prompt = prompt_ids(32, 32000, 7);
         let table = stream::compare_policies(&model, &prompt, 16)?;
         let out = p.bench.join("expert_stream.md");
+        std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+        println!("{table}");
+        return Ok(());
+    }
+    if args.serve {
+        let model = ensure_model(&p, ModelId::Smol4)?;
+        let bin = mlxcel_binary(&p)?;
+        let py = python(&p)?;
+        let table = serve::run(&p.logs, &bin, &py, &model, args.runs.unwrap_or(3))?;
+        let out = p.bench.join("serve.md");
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");
         return Ok(());
