@@ -1191,7 +1191,7 @@ fn json_schema_output_parses_and_validates() {
 /// The llama fixture with the Hermes tool template (`fixtures/chat_tools/hermes_tools.jinja`)
 /// and room for its long system prompt (rotary positions: the context length is only a config
 /// number), in a temporary folder.
-fn tool_template_fixture() -> (tempfile::TempDir, Model) {
+fn tool_template_fixture(template: &str) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().expect("tempdir");
     let fixture = mlxcel_tests::model_dir("llama");
     for f in ["model.safetensors", "tokenizer.json"] {
@@ -1208,7 +1208,8 @@ fn tool_template_fixture() -> (tempfile::TempDir, Model) {
     .expect("json");
     tok["chat_template"] = json!(std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("fixtures/chat_tools/hermes_tools.jinja")
+            .join("fixtures/chat_tools")
+            .join(template)
     )
     .expect("template"));
     std::fs::write(dir.path().join("tokenizer_config.json"), tok.to_string()).expect("write");
@@ -1223,9 +1224,23 @@ fn tool_template_fixture() -> (tempfile::TempDir, Model) {
 /// deltas; tool history in OpenAI's shape is accepted.
 #[test]
 fn forced_tool_calls_come_back_as_tool_calls() {
-    let (_dir, model) = tool_template_fixture();
-    assert!(model.template_takes_tools());
-    let server = start(&model, ServerConfig::default());
+    // Each template's own call format is forced (and parsed back).
+    for (template, format) in [
+        ("hermes_tools.jinja", mlxcel_models::ToolCallFormat::Hermes),
+        (
+            "llama3_tools.jinja",
+            mlxcel_models::ToolCallFormat::Llama3Json,
+        ),
+    ] {
+        let (_dir, model) = tool_template_fixture(template);
+        assert!(model.template_takes_tools());
+        assert_eq!(model.tool_call_format(), Some(format), "{template}");
+        check_forced_tool_calls(&model);
+    }
+}
+
+fn check_forced_tool_calls(model: &Model) {
+    let server = start(model, ServerConfig::default());
     let addr = server.addr();
     let weather = json!({"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 10},
@@ -1371,7 +1386,7 @@ fn openai_python_client() {
         );
         return;
     }
-    let (_dir, model) = tool_template_fixture();
+    let (_dir, model) = tool_template_fixture("hermes_tools.jinja");
     let embedder = mlxcel_models::Embedder::load(mlxcel_tests::model_dir("bert"))
         .build()
         .expect("the bert fixture loads");

@@ -302,6 +302,17 @@ impl std::fmt::Debug for ChatTemplate {
     }
 }
 
+/// How a model writes a tool call in its reply, as its chat template teaches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolCallFormat {
+    /// Hermes / Qwen: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+    Hermes,
+    /// Llama 3.x: the reply is one JSON object `{"name": ..., "parameters": {...}}`.
+    Llama3Json,
+    /// Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`.
+    Mistral,
+}
+
 impl ChatTemplate {
     /// Builds a template from its source and the tokenizer config (for `bos_token`/`eos_token`);
     /// a template that does not parse is a [`LoadError::Unsupported`].
@@ -411,6 +422,26 @@ impl ChatTemplate {
     /// bound fails with an error naming it instead of running away.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
         self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// How the template tells the model to write a tool call, from the markers in its source
+    /// (`None` when it names none of them):
+    /// [`ToolCallFormat::Mistral`] for `[TOOL_CALLS]`, [`ToolCallFormat::Hermes`] for
+    /// `<tool_call>`, [`ToolCallFormat::Llama3Json`] for Llama 3.x's
+    /// `{"name": function name, "parameters": ...}` instruction.
+    pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
+        let source = self.env.get_template("chat").ok()?.source().to_string();
+        if source.contains("[TOOL_CALLS]") {
+            Some(ToolCallFormat::Mistral)
+        } else if source.contains("<tool_call>") {
+            Some(ToolCallFormat::Hermes)
+        } else if source.contains("\"parameters\": dictionary")
+            || source.contains("\"name\": function name")
+        {
+            Some(ToolCallFormat::Llama3Json)
+        } else {
+            None
+        }
     }
 
     /// Whether the template reads the `tools` variable (tool declarations), as tool-calling

@@ -29,7 +29,7 @@ pub mod surgery;
 mod textgen;
 mod tokenizer;
 
-pub use chat::{ChatTemplate, Message};
+pub use chat::{ChatTemplate, Message, ToolCallFormat};
 pub use embed::{
     load_embedding_model, EmbedOptions, EmbeddingBackbone, EmbeddingHead, EmbeddingLoaded, Overflow,
 };

@@ -83,7 +83,7 @@ pub use mlxcel_core::{Device, Dtype, RuntimePolicy};
 pub use mlxcel_loading as loading;
 pub use mlxcel_loading::{
     EmbedOptions, FinishReason, GenerationStats, LogitsProcessor, Message, ModelType,
-    RerankOptions, ScoreActivation, TokenBytes, TokenLogprob,
+    RerankOptions, ScoreActivation, TokenBytes, TokenLogprob, ToolCallFormat,
 };
 pub use reranker::{Reranker, RerankerBuilder, RerankerInfo};
 
@@ -593,6 +593,15 @@ impl Model {
             .template
             .as_deref()
             .is_some_and(|t| t.takes_tools())
+    }
+
+    /// How the model writes tool calls, as its chat template teaches it (`None`: no template,
+    /// or one that names no format).
+    pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
+        self.shared
+            .template
+            .as_deref()
+            .and_then(|t| t.tool_call_format())
     }
 
     fn template(&self) -> Result<&mlxcel_loading::ChatTemplate> {

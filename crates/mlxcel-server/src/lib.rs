@@ -800,11 +800,21 @@ async fn handle(
         Some(m) if m.entries.len() == 1 && request.adapter.is_none() => m.entries[0].0.clone(),
         _ => s.name.clone(),
     };
-    // The output's shape: a JSON schema, or a forced tool call.
+    // The output's shape: a JSON schema, or a forced tool call in the model's own format (Hermes
+    // when the tools are described in the system message instead of by the template).
+    let tool_format = if s.model.template_takes_tools() {
+        s.model.tool_call_format()
+    } else {
+        None
+    };
     let shape = match (&request.json, &request.tool_choice) {
         (Some(g), _) => Some(constraint::Shape::json(g.clone())),
-        (None, ToolChoice::Required) => Some(tools::forced_call(&request.tools, None)?),
-        (None, ToolChoice::Named(n)) => Some(tools::forced_call(&request.tools, Some(n))?),
+        (None, ToolChoice::Required) => {
+            Some(tools::forced_call(&request.tools, None, tool_format)?)
+        }
+        (None, ToolChoice::Named(n)) => {
+            Some(tools::forced_call(&request.tools, Some(n), tool_format)?)
+        }
         (None, _) => None,
     };
     let logits_processor = match shape {

@@ -11,7 +11,7 @@
 //! released at once, text that might be is held until it is decided. A call whose JSON does not
 //! parse, or lacks a name, is given back as plain text, exactly as the model wrote it.
 
-use mlxcel_models::Message;
+use mlxcel_models::{Message, ToolCallFormat};
 use serde_json::Value;
 
 use crate::api::ApiError;
@@ -21,7 +21,9 @@ use crate::grammar::Grammar;
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 /// Markers that may open a reply made only of calls.
-const LEADING: &[&str] = &["[TOOL_CALLS]", "<|python_tag|>"];
+/// Mistral's marker before its list of calls.
+const MISTRAL: &str = "[TOOL_CALLS]";
+const LEADING: &[&str] = &[MISTRAL, "<|python_tag|>"];
 
 /// One parsed call.
 #[derive(Debug, Clone, PartialEq)]
@@ -245,10 +247,22 @@ pub(crate) fn described_in_system(messages: Vec<Message>, tools: &[Value]) -> Ve
     out
 }
 
-/// What a forced call (`tool_choice` `required` or a named function) must look like:
-/// `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, the arguments following the
+/// What a forced call (`tool_choice` `required` or a named function) must look like, in the
+/// model's own `format`: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
+/// (Hermes, also for templates that name no format: the instructions
+/// [`described_in_system`] adds use it), `{"name": ..., "parameters": {...}}` (Llama 3.x) or
+/// `[TOOL_CALLS][{"name": ..., "arguments": {...}}]` (Mistral); the arguments follow the
 /// function's `parameters` schema. A schema the grammar cannot enforce is an error naming it.
-pub(crate) fn forced_call(tools: &[Value], only: Option<&str>) -> Result<Shape, ApiError> {
+pub(crate) fn forced_call(
+    tools: &[Value],
+    only: Option<&str>,
+    format: Option<ToolCallFormat>,
+) -> Result<Shape, ApiError> {
+    let format = format.unwrap_or(ToolCallFormat::Hermes);
+    let arguments_key = match format {
+        ToolCallFormat::Llama3Json => "parameters",
+        ToolCallFormat::Hermes | ToolCallFormat::Mistral => "arguments",
+    };
     let mut options = Vec::new();
     for (i, tool) in tools.iter().enumerate() {
         let function = &tool["function"];
@@ -271,8 +285,8 @@ pub(crate) fn forced_call(tools: &[Value], only: Option<&str>) -> Result<Shape, 
         }
         options.push(serde_json::json!({
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": name}, arguments_key: parameters},
+            "required": ["name", arguments_key],
         }));
     }
     let schema = serde_json::json!({"anyOf": options});
@@ -282,10 +296,15 @@ pub(crate) fn forced_call(tools: &[Value], only: Option<&str>) -> Result<Shape, 
             format!("the tools' schemas cannot be combined: {}", e.message),
         )
     })?;
+    let (prefix, suffix) = match format {
+        ToolCallFormat::Hermes => (format!("{OPEN}\n"), format!("\n{CLOSE}")),
+        ToolCallFormat::Llama3Json => (String::new(), String::new()),
+        ToolCallFormat::Mistral => (format!("{MISTRAL}["), "]".to_string()),
+    };
     Ok(Shape {
         grammar: std::sync::Arc::new(grammar),
-        prefix: format!("{OPEN}\n").into_bytes(),
-        suffix: format!("\n{CLOSE}").into_bytes(),
+        prefix: prefix.into_bytes(),
+        suffix: suffix.into_bytes(),
     })
 }
 
@@ -302,6 +321,41 @@ mod tests {
 
     fn text(t: &str) -> Output {
         Output::Text(t.into())
+    }
+
+    /// A forced call in each format: the grammar accepts the format's body (and refuses the
+    /// other key), and what the shape writes parses back as the call.
+    #[test]
+    fn forced_calls_take_the_models_format() {
+        let tools = vec![
+            serde_json::json!({"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"], "additionalProperties": false}}}),
+        ];
+        for (format, key, other) in [
+            (ToolCallFormat::Hermes, "arguments", "parameters"),
+            (ToolCallFormat::Llama3Json, "parameters", "arguments"),
+            (ToolCallFormat::Mistral, "arguments", "parameters"),
+        ] {
+            let shape = forced_call(&tools, None, Some(format)).unwrap();
+            let body = format!(r#"{{"name": "get_weather", "{key}": {{"city": "Rome"}}}}"#);
+            let accepts = |text: &str| {
+                let mut m = shape.grammar.start();
+                m.feed(&shape.grammar, text.as_bytes()) && m.is_complete()
+            };
+            assert!(accepts(&body), "{format:?}: {body}");
+            assert!(!accepts(&body.replace(key, other)), "{format:?}");
+            let written = format!(
+                "{}{body}{}",
+                String::from_utf8_lossy(&shape.prefix),
+                String::from_utf8_lossy(&shape.suffix)
+            );
+            assert_eq!(
+                run(&["get_weather"], &[&written]),
+                vec![call("get_weather", r#"{"city":"Rome"}"#)],
+                "{format:?}: {written}"
+            );
+        }
     }
 
     /// Feeds `pieces` one by one, then finishes; adjacent texts merged.

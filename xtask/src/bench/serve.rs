@@ -70,7 +70,10 @@ fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> Result<(u16, 
         .nth(1)
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| anyhow!("no status line from {addr}"))?;
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         let mut out = String::new();
         let mut rest = rest;
         while let Some((size, after)) = rest.split_once("\r\n") {
@@ -90,7 +93,9 @@ fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> Result<(u16, 
 
 fn start(name: &'static str, mut cmd: Command, port: u16, logs: &Path) -> Result<Server> {
     let log = std::fs::File::create(logs.join(format!("serve-{name}.log")))?;
-    cmd.stdout(log.try_clone()?).stderr(log).stdin(Stdio::null());
+    cmd.stdout(log.try_clone()?)
+        .stderr(log)
+        .stdin(Stdio::null());
     let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
     let server = Server {
         name,
