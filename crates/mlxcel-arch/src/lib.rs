@@ -31,9 +31,9 @@ pub use error::{ModelError, Result};
 pub use model::{Architecture, LanguageModel, LayerKind};
 pub use nonstandard::load_nonstandard;
 pub use registry::{
-    adapter_support, cache_schedule, load_config_backed, model_load_policy, sanitized_weights,
-    BuildOptions, DirectoryRoute, EmbeddingModelEnum, GenerationModel, LoadedModel, ModelKind,
-    ModelLoadPolicy, ModelType, RerankerModelEnum, StaticModelDescriptor, WeightRoute,
-    WeightTransform, WeightTransformFn, ADAPTERS_AVAILABLE, DESCRIPTORS,
+    adapter_support, cache_schedule, load_config_backed, model_load_policy, registry_markdown,
+    sanitized_weights, BuildOptions, DirectoryRoute, EmbeddingModelEnum, GenerationModel,
+    LoadedModel, ModelKind, ModelLoadPolicy, ModelType, RerankerModelEnum, StaticModelDescriptor,
+    WeightRoute, WeightTransform, WeightTransformFn, ADAPTERS_AVAILABLE, DESCRIPTORS,
 };
 pub use rerank::RerankerModel;

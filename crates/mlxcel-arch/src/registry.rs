@@ -616,6 +616,30 @@ impl LoadedModel {
     }
 }
 
+/// The registry as a markdown table, one row per registered type in registry order: what the
+/// README's architecture list is (a test keeps the two the same).
+pub fn registry_markdown() -> String {
+    let mut out = String::from(
+        "| type | `model_type` (or `architectures`) | kind | folder route | adapters |\n|---|---|---|---|---|\n",
+    );
+    for d in DESCRIPTORS {
+        let names: Vec<String> = d.names.iter().map(|n| format!("`{n}`")).collect();
+        out.push_str(&format!(
+            "| {} | {} | {:?} | {:?} | {} |\n",
+            d.model_type.name(),
+            names.join(", "),
+            d.kind,
+            d.directory_route,
+            if adapter_support(d.model_type).is_ok() {
+                "yes"
+            } else {
+                "no"
+            },
+        ));
+    }
+    out
+}
+
 /// The routing decisions for `model_type`, from its registry row.
 pub fn model_load_policy(model_type: ModelType) -> ModelLoadPolicy {
     let d = model_type.descriptor();
