@@ -103,7 +103,7 @@ fn start(name: &'static str, mut cmd: Command, port: u16, logs: &Path) -> Result
         addr: SocketAddr::from(([127, 0, 0, 1], port)),
     };
     let t = Instant::now();
-    while !matches!(http(server.addr, "GET", "/v1/models", ""), Ok((200, _))) {
+    while !matches!(http(server.addr, "GET", "/health", ""), Ok((200, _))) {
         if t.elapsed() > Duration::from_secs(180) {
             bail!(
                 "{name} did not answer on {} within 180 s (log: {})",
@@ -124,8 +124,8 @@ fn measure(server: &Server, clients: usize, round: usize) -> Result<(u64, f64)> 
         .map(|i| {
             let barrier = barrier.clone();
             let subject = SUBJECTS[(i + round) % SUBJECTS.len()];
+            // No `model`: both serve the one they loaded (mlx_lm.server would fetch another).
             let body = json!({
-                "model": "default",
                 "messages": [{"role": "user", "content": format!("Write a long story about {subject}.")}],
                 "max_tokens": MAX_TOKENS,
                 "temperature": 0.0,
