@@ -413,7 +413,7 @@ fn concurrent_requests_are_batched_and_equal_solo_replies() {
         .map(|q| {
             model
                 .generate(
-                    vec![Message::user(*q)],
+                    vec![Message::user(q)],
                     Generation {
                         max_new_tokens: Some(max_tokens),
                         ..Generation::default()

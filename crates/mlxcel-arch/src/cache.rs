@@ -27,7 +27,7 @@ pub enum Mask {
     None,
     /// Causal, aligned to the end of the keys.
     Causal,
-    /// Boolean `[L, S]`, true = attend.
+    /// Boolean `[L, S]` (one sequence) or `[B, 1, L, S]` (a batch), true = attend.
     Array(Array),
 }
 
@@ -63,6 +63,9 @@ impl Mask {
                     _ => return Ok(scores.clone()),
                 }
             }
+            // A batch's mask `[B, 1, L, S]` against scores grouped by kv head
+            // `[B, Hk, rep, L, S]`.
+            Mask::Array(a) if a.ndim() == 4 && scores.ndim() == 5 => a.expand_dims(&[1])?,
             Mask::Array(a) => a.clone(),
         };
         Ok(ops::where_(
@@ -131,11 +134,10 @@ pub enum LayerCache {
         /// Positions processed so far.
         offset: usize,
     },
-    /// The same layer's caches of several conversations, during one decode step that runs
-    /// them as one batch ([`crate::generate::step_batch`]): row `i` of the batch reads and
-    /// extends `rows[i]`, each at its own position. Only attention layers take it
+    /// The same layer's keys and values of several conversations decoded as one batch
+    /// ([`crate::generate::DecodeBatch`]). Only attention layers take it
     /// ([`crate::LanguageModel::batched_decode`] says whether a model's layers all do).
-    Rows(Vec<LayerCache>),
+    Batch(BatchCache),
 }
 
 fn rows(a: &Option<Array>) -> Result<usize> {
@@ -184,8 +186,8 @@ impl LayerCache {
             LayerCache::Rotating(c) => c.offset,
             LayerCache::State(c) => c.offset,
             LayerCache::Shared { offset, .. } => *offset,
-            // Each row has its own; the longest is the batch's extent.
-            LayerCache::Rows(rows) => rows.iter().map(LayerCache::offset).max().unwrap_or(0),
+            // Each row has its own ([`BatchCache::positions`]); the furthest is the batch's.
+            LayerCache::Batch(b) => b.positions.iter().copied().max().unwrap_or(0),
         }
     }
 
@@ -196,7 +198,7 @@ impl LayerCache {
             LayerCache::Latent(_) => "latent KV",
             LayerCache::State(_) => "state",
             LayerCache::Shared { .. } => "shared",
-            LayerCache::Rows(_) => "batched",
+            LayerCache::Batch(_) => "batched",
         }
     }
 
@@ -219,6 +221,7 @@ impl LayerCache {
         match self {
             LayerCache::Standard(c) => c.update(k, v, window),
             LayerCache::Rotating(c) => c.update(k, v),
+            LayerCache::Batch(b) => b.update(k, v, window),
             _ => Err(self.wrong_kind("key/value attention")),
         }
     }
@@ -248,8 +251,8 @@ impl LayerCache {
                 }
             }
             LayerCache::State(c) => c.offset,
-            // A batch's rows are cut back one by one, outside the batched step.
-            LayerCache::Rows(_) => usize::MAX,
+            // A batch's rows are cut back one by one, once split ([`BatchCache::split`]).
+            LayerCache::Batch(_) => usize::MAX,
         }
     }
 
@@ -275,7 +278,7 @@ impl LayerCache {
             // `can_rewind` allowed only the current position.
             LayerCache::State(_) => {}
             LayerCache::Shared { offset, .. } => *offset = position,
-            LayerCache::Rows(_) => unreachable!("can_rewind refuses a batch"),
+            LayerCache::Batch(_) => unreachable!("can_rewind refuses a batch"),
             LayerCache::Rotating(c) => {
                 let held = rows(&c.keys)?;
                 let keep = (position - (c.offset - held)) as i32;
@@ -301,7 +304,7 @@ impl LayerCache {
             LayerCache::Rotating(c) => vec![&c.keys, &c.values],
             LayerCache::State(c) => c.arrays.iter().collect(),
             LayerCache::Shared { .. } => vec![],
-            LayerCache::Rows(rows) => return rows.iter().map(LayerCache::nbytes).sum(),
+            LayerCache::Batch(b) => return b.keys.nbytes() + b.values.nbytes(),
         };
         planes.into_iter().flatten().map(Array::nbytes).sum()
     }
@@ -559,5 +562,202 @@ mod tests {
             cache.update(&keys(p, 1), &keys(p, 1), None).unwrap();
         }
         assert_eq!(cache.offset(), 300);
+    }
+}
+
+/// The same layer's keys and values of several conversations in one buffer `[B, H, cap, D]`,
+/// for decoding them as one batch: row `b`'s cached positions fill columns `pads[b]..len`
+/// (left padding aligns every row's newest position to one column), so a decode step writes
+/// all rows with one update and attends with one masked kernel, whatever their lengths. Made
+/// from the conversations' own caches by [`BatchCache::merge`] and given back by
+/// [`BatchCache::split`]. A sliding-window layer keeps every row while batched and masks to its
+/// window (its ring is rebuilt on the split).
+#[derive(Debug, Clone)]
+pub struct BatchCache {
+    keys: Array,
+    values: Array,
+    pads: Vec<usize>,
+    len: usize,
+    /// Each row's position count (the position its next token takes).
+    positions: Vec<usize>,
+    /// The ring width of a sliding-window layer's caches.
+    ring: Option<usize>,
+}
+
+/// A cache's held keys and values in temporal order `[1, H, S, D]`, the positions processed,
+/// and the ring width of a sliding-window cache.
+fn held_rows(cache: &LayerCache) -> Result<(Array, Array, usize, Option<usize>)> {
+    match cache {
+        LayerCache::Standard(c) => match (&c.keys, &c.values) {
+            (Some(k), Some(v)) if c.offset > 0 => Ok((
+                k.slice_axis(2, 0, c.offset as i32)?,
+                v.slice_axis(2, 0, c.offset as i32)?,
+                c.offset,
+                None,
+            )),
+            _ => Err(crate::ModelError::Runtime(
+                "internal: an empty cache cannot join a decode batch".into(),
+            )),
+        },
+        LayerCache::Rotating(c) => match (&c.keys, &c.values) {
+            (Some(k), Some(v)) => Ok((c.ordered(k)?, c.ordered(v)?, c.offset, Some(c.window))),
+            _ => Err(crate::ModelError::Runtime(
+                "internal: an empty cache cannot join a decode batch".into(),
+            )),
+        },
+        other => Err(other.wrong_kind("batched key/value attention")),
+    }
+}
+
+impl BatchCache {
+    /// One layer's caches of several conversations (standard, or sliding-window rings of one
+    /// width, none empty) as one batch.
+    pub fn merge(rows: &[&LayerCache]) -> Result<BatchCache> {
+        let held: Vec<_> = rows.iter().map(|c| held_rows(c)).collect::<Result<_>>()?;
+        let ring = held.first().and_then(|h| h.3);
+        if held.iter().any(|h| h.3 != ring) {
+            return Err(crate::ModelError::Runtime(
+                "internal: a decode batch mixes caches of different windows".into(),
+            ));
+        }
+        let len = held
+            .iter()
+            .map(|h| h.0.dim(2))
+            .collect::<mlxcel_core::Result<Vec<_>>>()?;
+        let len = len.into_iter().max().unwrap_or(0) as usize;
+        // Room for the coming steps, so most steps write in place.
+        let cap = (len as i32 + 1 + STEP - 1) / STEP * STEP;
+        let mut pads = Vec::with_capacity(rows.len());
+        let padded = |a: &Array, before: usize| -> Result<Array> {
+            let mut parts = Vec::new();
+            let mut shape = a.shape();
+            if before > 0 {
+                shape[2] = before as i32;
+                parts.push(ops::zeros(&shape, a.dtype()?)?);
+            }
+            parts.push(a.clone());
+            shape[2] = cap - len as i32;
+            parts.push(ops::zeros(&shape, a.dtype()?)?);
+            Ok(ops::concatenate(&parts, 2)?)
+        };
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        for (k, v, _, _) in &held {
+            let pad = len - k.dim(2)? as usize;
+            pads.push(pad);
+            ks.push(padded(k, pad)?);
+            vs.push(padded(v, pad)?);
+        }
+        Ok(BatchCache {
+            keys: ops::concatenate(&ks, 0)?,
+            values: ops::concatenate(&vs, 0)?,
+            pads,
+            len,
+            positions: held.iter().map(|h| h.2).collect(),
+            ring,
+        })
+    }
+
+    /// Rows in the batch.
+    pub fn rows(&self) -> usize {
+        self.pads.len()
+    }
+
+    /// Each row's next position `[B]` (int32), for the rotary embedding.
+    pub fn positions(&self) -> Result<Array> {
+        let p: Vec<i32> = self.positions.iter().map(|p| *p as i32).collect();
+        Ok(Array::from_slice(&p, &[p.len() as i32])?)
+    }
+
+    /// Appends one position per row (`k` `[B, H, 1, D]`); returns the keys and values a query
+    /// of this step sees and their mask `[B, 1, 1, S]` (row padding, and the window).
+    fn update(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        window: Option<usize>,
+    ) -> Result<(Array, Array, Mask)> {
+        if k.dim(2)? != 1 || k.dim(0)? as usize != self.rows() {
+            return Err(crate::ModelError::Runtime(format!(
+                "internal: a decode batch of {} rows takes one position per row, not {:?}",
+                self.rows(),
+                k.shape()
+            )));
+        }
+        if self.len + 1 > self.keys.dim(2)? as usize {
+            let grow = |a: &Array| -> Result<Array> {
+                let mut shape = a.shape();
+                shape[2] = STEP;
+                Ok(ops::concatenate(
+                    &[a.clone(), ops::zeros(&shape, a.dtype()?)?],
+                    2,
+                )?)
+            };
+            self.keys = grow(&self.keys)?;
+            self.values = grow(&self.values)?;
+        }
+        let write = |buf: &Array, new: &Array, at: usize| -> Result<Array> {
+            let mut stop = buf.shape();
+            stop[2] = at as i32 + 1;
+            Ok(buf.slice_update(new, &[0, 0, at as i32, 0], &stop, &[1, 1, 1, 1])?)
+        };
+        self.keys = write(&self.keys, k, self.len)?;
+        self.values = write(&self.values, v, self.len)?;
+        self.len += 1;
+        for p in &mut self.positions {
+            *p += 1;
+        }
+        let first = match window {
+            Some(w) => self.len.saturating_sub(w),
+            None => self.pads.iter().copied().min().unwrap_or(0),
+        };
+        let (s, e) = (first as i32, self.len as i32);
+        let keys = self.keys.slice_axis(2, s, e)?;
+        let values = self.values.slice_axis(2, s, e)?;
+        if self.pads.iter().all(|p| *p <= first) {
+            return Ok((keys, values, Mask::None));
+        }
+        let width = self.len - first;
+        let keep: Vec<bool> = self
+            .pads
+            .iter()
+            .flat_map(|pad| (first..self.len).map(move |col| col >= *pad))
+            .collect();
+        let mask = Array::from_slice(&keep, &[self.rows() as i32, 1, 1, width as i32])?;
+        Ok((keys, values, Mask::Array(mask)))
+    }
+
+    /// Each row's cache again, as it would be had the row decoded alone.
+    pub fn split(&self) -> Result<Vec<LayerCache>> {
+        let mut out = Vec::with_capacity(self.rows());
+        for (b, (&pad, &offset)) in self.pads.iter().zip(&self.positions).enumerate() {
+            let held = self.len - pad;
+            let first = match self.ring {
+                Some(w) => self.len - held.min(w),
+                None => pad,
+            };
+            let row = |a: &Array| -> Result<Array> {
+                Ok(a.slice_axis(0, b as i32, b as i32 + 1)?.slice_axis(
+                    2,
+                    first as i32,
+                    self.len as i32,
+                )?)
+            };
+            let (k, v) = (row(&self.keys)?, row(&self.values)?);
+            out.push(match self.ring {
+                None => LayerCache::Standard(StandardCache {
+                    keys: Some(k),
+                    values: Some(v),
+                    offset,
+                }),
+                Some(window) => LayerCache::Rotating(RotatingCache {
+                    window,
+                    keys: Some(k),
+                    values: Some(v),
+                    start: 0,
+                    offset,
+                }),
+            });
+        }
+        Ok(out)
     }
 }

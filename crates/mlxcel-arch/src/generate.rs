@@ -170,66 +170,137 @@ impl SessionState {
     }
 }
 
-/// One decode step of several conversations at once: feeds `tokens[i]` to `states[i]` and
-/// returns each one's next logits, `[B, vocab]` (row `i` for `states[i]`); each state records
-/// its token. With a model that batches ([`LanguageModel::batched_decode`]) it is one forward
-/// pass, whose projections read the weights once for every row (decode is bound by reading
-/// them); otherwise each conversation takes its own step. On an error the states' caches may
-/// be partly extended: discard them.
+/// One decode step of several conversations, each its own forward pass (for models that do not
+/// batch, see [`DecodeBatch`]): feeds `tokens[i]` to `states[i]` and returns each one's next
+/// logits, `[B, vocab]` (row `i` for `states[i]`); each state records its token. On an error
+/// the states' caches may be partly extended: discard them.
 pub fn step_batch(
     model: &dyn LanguageModel,
     states: &mut [&mut SessionState],
     tokens: &[u32],
 ) -> Result<Array> {
-    if states.len() != tokens.len() || states.is_empty() {
+    check_batch(model, states.len(), tokens)?;
+    let mut rows = Vec::with_capacity(states.len());
+    for (s, id) in states.iter_mut().zip(tokens) {
+        let input = Array::from_slice(&[*id as i32], &[1, 1])?;
+        rows.push(
+            model
+                .forward_last(&input, &mut s.caches)?
+                .reshape(&[1, -1])?,
+        );
+        s.tokens.push(*id);
+    }
+    Ok(mlxcel_core::ops::concatenate(&rows, 0)?)
+}
+
+fn check_batch(model: &dyn LanguageModel, rows: usize, tokens: &[u32]) -> Result<()> {
+    if rows != tokens.len() || rows == 0 {
         return Err(ModelError::Runtime(format!(
-            "a batched step needs one token per conversation ({} tokens for {} conversations)",
+            "a batched step needs one token per conversation ({} tokens for {rows} conversations)",
             tokens.len(),
-            states.len()
         )));
     }
-    check_token_ids(tokens, model.vocab_size())?;
-    let ids: Vec<i32> = tokens.iter().map(|t| *t as i32).collect();
-    let logits = if states.len() > 1 && model.batched_decode() {
-        let layers = states[0].caches.len();
-        // Each layer gets the batch's caches of that layer; they go back whatever happens.
-        let mut batch: Vec<LayerCache> = (0..layers)
-            .map(|l| {
-                LayerCache::Rows(
-                    states
-                        .iter_mut()
-                        .map(|s| std::mem::replace(&mut s.caches[l], LayerCache::standard()))
-                        .collect(),
-                )
-            })
-            .collect();
-        let logits = Array::from_slice(&ids, &[ids.len() as i32, 1])
-            .map_err(ModelError::from)
-            .and_then(|input| model.forward_last(&input, &mut batch));
-        for (l, layer) in batch.into_iter().enumerate() {
-            if let LayerCache::Rows(rows) = layer {
-                for (s, cache) in states.iter_mut().zip(rows) {
-                    s.caches[l] = cache;
+    check_token_ids(tokens, model.vocab_size())
+}
+
+/// Several conversations decoded together: their caches merged layer by layer into
+/// [`crate::cache::BatchCache`]s, so each [`DecodeBatch::step`] advances all of them by one
+/// token in one forward pass — the projections read the weights once for the whole batch
+/// (decode is bound by reading them) and attention is one masked kernel per layer. Only for
+/// models whose layers all take batches ([`LanguageModel::batched_decode`]); the
+/// conversations come back with [`DecodeBatch::into_states`] when the batch changes.
+pub struct DecodeBatch {
+    states: Vec<SessionState>,
+    caches: Vec<LayerCache>,
+}
+
+impl std::fmt::Debug for DecodeBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeBatch")
+            .field("rows", &self.states.len())
+            .finish()
+    }
+}
+
+impl DecodeBatch {
+    /// Merges `states` (each with a prompt already prefilled) into one batch; on an error the
+    /// states come back unchanged with it.
+    pub fn new(
+        model: &dyn LanguageModel,
+        states: Vec<SessionState>,
+    ) -> std::result::Result<DecodeBatch, (ModelError, Vec<SessionState>)> {
+        let merged = (|| {
+            if !model.batched_decode() {
+                return Err(ModelError::Unsupported(
+                    "this model decodes each conversation on its own (no batched decode)".into(),
+                ));
+            }
+            let layers = states.first().map_or(0, |s| s.caches.len());
+            (0..layers)
+                .map(|l| {
+                    let rows: Vec<&LayerCache> = states.iter().map(|s| &s.caches[l]).collect();
+                    Ok(LayerCache::Batch(crate::cache::BatchCache::merge(&rows)?))
+                })
+                .collect::<Result<Vec<_>>>()
+        })();
+        match merged {
+            Ok(caches) => {
+                let mut states = states;
+                // The merged caches hold the rows now; the states get them back on the split.
+                for s in &mut states {
+                    s.caches.clear();
                 }
+                Ok(DecodeBatch { states, caches })
+            }
+            Err(e) => Err((e, states)),
+        }
+    }
+
+    /// Conversations in the batch.
+    pub fn len(&self) -> usize {
+        self.states.len()
+    }
+
+    /// Whether the batch holds no conversation.
+    pub fn is_empty(&self) -> bool {
+        self.states.is_empty()
+    }
+
+    /// The tokens conversation `i` holds (prompt and reply so far).
+    pub fn tokens(&self, i: usize) -> &[u32] {
+        &self.states[i].tokens
+    }
+
+    /// Feeds `tokens[i]` to conversation `i`; returns the next logits `[B, vocab]`. On an error
+    /// the caches may be partly extended: discard the batch.
+    pub fn step(&mut self, model: &dyn LanguageModel, tokens: &[u32]) -> Result<Array> {
+        check_batch(model, self.states.len(), tokens)?;
+        let ids: Vec<i32> = tokens.iter().map(|t| *t as i32).collect();
+        let input = Array::from_slice(&ids, &[ids.len() as i32, 1])?;
+        let logits = model
+            .forward_last(&input, &mut self.caches)?
+            .reshape(&[ids.len() as i32, -1])?;
+        for (s, t) in self.states.iter_mut().zip(tokens) {
+            s.tokens.push(*t);
+        }
+        Ok(logits)
+    }
+
+    /// The conversations with their own caches again, in batch order.
+    pub fn into_states(self) -> Result<Vec<SessionState>> {
+        let DecodeBatch { mut states, caches } = self;
+        for layer in caches {
+            let LayerCache::Batch(b) = layer else {
+                return Err(ModelError::Runtime(
+                    "internal: a decode batch holds a non-batch cache".into(),
+                ));
+            };
+            for (s, c) in states.iter_mut().zip(b.split()?) {
+                s.caches.push(c);
             }
         }
-        logits?.reshape(&[ids.len() as i32, -1])?
-    } else {
-        let mut rows = Vec::with_capacity(states.len());
-        for (s, id) in states.iter_mut().zip(&ids) {
-            let input = Array::from_slice(&[*id], &[1, 1])?;
-            rows.push(
-                model
-                    .forward_last(&input, &mut s.caches)?
-                    .reshape(&[1, -1])?,
-            );
-        }
-        mlxcel_core::ops::concatenate(&rows, 0)?
-    };
-    for (s, t) in states.iter_mut().zip(tokens) {
-        s.tokens.push(*t);
+        Ok(states)
     }
-    Ok(logits)
 }
 
 impl std::fmt::Debug for Session<'_> {

@@ -25,7 +25,7 @@ pub mod sanitize;
 pub mod validate;
 pub mod weights;
 
-pub use cache::{LayerCache, Mask};
+pub use cache::{BatchCache, LayerCache, Mask};
 pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{ModelError, Result};
 pub use model::{Architecture, LanguageModel, LayerKind};

@@ -157,9 +157,9 @@ pub trait LanguageModel {
     fn vocab_size(&self) -> usize;
 
     /// Whether one forward pass can advance several conversations by one token each, every
-    /// layer given a [`LayerCache::Rows`] of their caches ([`crate::generate::step_batch`]):
-    /// true when every layer is key/value attention. Others (state-space, latent and shared
-    /// caches) decode each conversation on its own.
+    /// layer given a [`LayerCache::Batch`] of their caches ([`crate::generate::DecodeBatch`]):
+    /// true when every layer is key/value attention with fixed rope frequencies. Others
+    /// (state-space, latent and shared caches) decode each conversation on its own.
     fn batched_decode(&self) -> bool {
         false
     }

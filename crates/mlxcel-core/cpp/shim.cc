@@ -492,6 +492,12 @@ Ptr rope(const array& x, int32_t dims, bool traditional, float base, bool has_ba
   if (has_base) b = base;
   return wrap(mx::fast::rope(x, dims, traditional, b, scale, offset, opt(freqs)));
 }
+Ptr rope_offsets(const array& x, int32_t dims, bool traditional, float base, bool has_base,
+                 float scale, const array& offsets, const array* freqs) {
+  std::optional<float> b;
+  if (has_base) b = base;
+  return wrap(mx::fast::rope(x, dims, traditional, b, scale, offsets, opt(freqs)));
+}
 Ptr scaled_dot_product_attention(const array& q, const array& k, const array& v, float scale,
                                  rust::Str mask_mode, const array* mask, const array* sinks) {
   return wrap(

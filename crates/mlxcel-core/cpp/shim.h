@@ -150,6 +150,9 @@ Ptr rms_norm(const array& x, const array* weight, float eps);
 Ptr layer_norm(const array& x, const array* weight, const array* bias, float eps);
 Ptr rope(const array& x, int32_t dims, bool traditional, float base, bool has_base, float scale,
          int32_t offset, const array* freqs);
+// Rope with one offset per batch row (`offsets` [B] int32): rows at different positions.
+Ptr rope_offsets(const array& x, int32_t dims, bool traditional, float base, bool has_base,
+                 float scale, const array& offsets, const array* freqs);
 Ptr scaled_dot_product_attention(const array& q, const array& k, const array& v, float scale,
                                  rust::Str mask_mode, const array* mask, const array* sinks);
 

@@ -353,6 +353,18 @@ pub(crate) mod bridge {
             freqs: *const MlxArray,
         ) -> Result<UniquePtr<MlxArray>>;
         /// # Safety
+        /// `freqs` is null or points to a live array.
+        unsafe fn rope_offsets(
+            x: &MlxArray,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            has_base: bool,
+            scale: f32,
+            offsets: &MlxArray,
+            freqs: *const MlxArray,
+        ) -> Result<UniquePtr<MlxArray>>;
+        /// # Safety
         /// `mask` and `sinks` are null or point to live arrays.
         unsafe fn scaled_dot_product_attention(
             q: &MlxArray,

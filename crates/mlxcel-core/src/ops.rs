@@ -444,6 +444,25 @@ impl Array {
         }))
     }
 
+    /// [`Array::rope`] with one offset per batch row: `offsets` `[B]` (int32) gives the position
+    /// of row `b`'s first entry along axis -2 (conversations at different positions decoded as
+    /// one batch).
+    pub fn rope_at_offsets(&self, rope: &Rope<'_>, offsets: &Array) -> Result<Array> {
+        // SAFETY: `freqs` is null or borrowed for the call's duration.
+        Ok(wrap(unsafe {
+            bridge::rope_offsets(
+                self.as_ref(),
+                rope.dims,
+                rope.traditional,
+                rope.base,
+                rope.freqs.is_none(),
+                rope.scale,
+                offsets.as_ref(),
+                opt_ptr(rope.freqs),
+            )?
+        }))
+    }
+
     /// RMS normalisation over the last axis, optionally scaled by `weight`.
     pub fn rms_norm(&self, weight: Option<&Array>, eps: f32) -> Result<Array> {
         // SAFETY: `weight` is null or borrowed for the call's duration.

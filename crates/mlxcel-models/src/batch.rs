@@ -1,14 +1,18 @@
 //! Continuous batching on the model's worker. A generation request prefills its prompt as a job
-//! of its own, then joins the set of running generations; between jobs the worker advances
-//! every running generation by one token per step, all of those under the same adapter mix in
-//! one batched forward pass ([`mlxcel_arch::generate::step_batch`]). Decode reads every weight
-//! once per step whatever the batch, so a batch of eight costs little more than one sequence.
-//! New requests join between steps, finished or cancelled ones leave, and each conversation
-//! keeps its own caches, so the prefix reuse of [`crate::Session`] works as before.
+//! of its own, then joins the running generations; between jobs the worker advances them by
+//! one token per step. For models that batch ([`mlxcel_arch::LanguageModel::batched_decode`])
+//! the generations under one adapter mix form a [`DecodeBatch`]: their caches merged, one
+//! forward pass per step for all of them (decode reads every weight once per step whatever the
+//! batch). The batch is re-formed only when a generation joins or leaves; each conversation
+//! then gets its own caches back, so the prefix reuse of [`crate::Session`] works as before.
+//! Other models step each generation in turn ([`step_batch`]).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
-use mlxcel_arch::generate::{check_logits, step_batch, Session as ArchSession, SessionState};
+use mlxcel_arch::generate::{
+    check_logits, step_batch, DecodeBatch, Session as ArchSession, SessionState,
+};
 use mlxcel_arch::{LanguageModel, ModelError};
 use mlxcel_core::Dtype;
 use mlxcel_loading::{GenerateRequest, GenerationProgress, StepHooks, Tokenizer};
@@ -36,7 +40,6 @@ pub struct BatchStats {
 pub(crate) struct Running {
     /// The conversation to park the caches in afterwards (`None`: discard them).
     session: Option<u64>,
-    state: SessionState,
     progress: GenerationProgress,
     /// The token to feed at the next step.
     next: u32,
@@ -66,6 +69,7 @@ impl Running {
         &mut self,
         logits: &mlxcel_core::Array,
         device_pick: Option<u32>,
+        history: &[u32],
         tokenizer: Option<&Tokenizer>,
     ) -> crate::Result<bool> {
         let (token, logprob) = match device_pick {
@@ -85,8 +89,7 @@ impl Running {
                         .as_mut()
                         .map(|g| &mut **g as &mut dyn mlxcel_loading::LogitsProcessor),
                 };
-                self.progress
-                    .pick(logits, self.state.tokens(), &mut hooks)?
+                self.progress.pick(logits, history, &mut hooks)?
             }
         };
         let (feed, piece) = (&self.feed, &mut self.piece);
@@ -121,10 +124,9 @@ impl Running {
 
     /// Ends the generation: the rest of its text, its statistics, and its caches parked in
     /// its conversation.
-    fn end(self, sessions: &mut Sessions, tokenizer: Option<&Tokenizer>) {
+    fn end(self, caches: SessionState, sessions: &mut Sessions, tokenizer: Option<&Tokenizer>) {
         let Running {
             session,
-            state: caches,
             progress,
             mix,
             feed,
@@ -190,7 +192,6 @@ impl ModelState {
             };
         let mut new = Running {
             session,
-            state: s.into_state(),
             progress,
             next: 0,
             mix,
@@ -199,9 +200,11 @@ impl ModelState {
             processor,
             logprobs,
         };
-        match new.advance(&logits, None, tokenizer) {
-            Ok(true) => running.push_back(new),
-            Ok(false) => new.end(sessions, tokenizer),
+        let advanced = new.advance(&logits, None, s.tokens(), tokenizer);
+        let state = s.into_state();
+        match advanced {
+            Ok(true) => running.push_back((new, state)),
+            Ok(false) => new.end(state, sessions, tokenizer),
             Err(e) => new.feed.push(Event::Failed(e)),
         }
     }
@@ -210,56 +213,196 @@ impl ModelState {
     /// ends (a dropped [`crate::Session`] is never resumed).
     pub(crate) fn forget_session(&mut self, id: u64) {
         self.sessions.remove(&id);
-        for r in self.running.iter_mut().filter(|r| r.session == Some(id)) {
-            r.session = None;
+        let batched = self.batch.iter_mut().flat_map(|b| b.rows.iter_mut());
+        for r in self.running.iter_mut().map(|(r, _)| r).chain(batched) {
+            if r.session == Some(id) {
+                r.session = None;
+            }
         }
     }
 
-    /// One step of the generations at the front of the queue that share its adapter mix.
+    /// One decode step: of the batch, for a model that batches, else of the generations at the
+    /// front of the queue that share its adapter mix, one after the other.
     fn step(&mut self) {
-        let Some(front) = self.running.front() else {
+        if self.loaded.model.batched_decode() {
+            self.step_batch();
+        } else {
+            self.step_each();
+        }
+    }
+
+    /// Counts a decode step of `rows` generations in `passes` forward passes.
+    fn count(&mut self, rows: usize, passes: usize) {
+        self.batching.steps += passes as u64;
+        self.batching.rows += rows as u64;
+        self.batching.largest = self.batching.largest.max(rows / passes.max(1));
+    }
+
+    fn step_each(&mut self) {
+        let Some((front, _)) = self.running.front() else {
             return;
         };
         let mix = front.mix.clone();
         if let Err(e) = self.select(Some(&mix)) {
-            let failed = self.running.pop_front().map(|r| r.feed);
-            if let Some(feed) = failed {
-                feed.push(Event::Failed(e));
+            if let Some((r, _)) = self.running.pop_front() {
+                r.feed.push(Event::Failed(e));
             }
             return;
         }
-        let mut batch = Vec::new();
-        let mut others = std::collections::VecDeque::new();
-        while let Some(r) = self.running.pop_front() {
-            if r.mix == mix && batch.len() < MAX_BATCH {
-                batch.push(r);
-            } else {
-                others.push_back(r);
+        let (mut group, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|(r, _)| r.mix == mix);
+        // The rest go first next time, so every mix gets its turn.
+        self.running = others.into();
+        self.running
+            .extend(group.drain(MAX_BATCH.min(group.len())..));
+        self.count(group.len(), group.len());
+        let tokens: Vec<u32> = group.iter().map(|(r, _)| r.next).collect();
+        let mut states: Vec<&mut SessionState> = group.iter_mut().map(|(_, s)| s).collect();
+        let model: &dyn LanguageModel = &self.loaded.model;
+        let stepped = step_batch(model, &mut states, &tokens);
+        let rows = group.into_iter().map(|(r, s)| (r, Some(s))).collect();
+        self.advance_rows(rows, stepped, None);
+    }
+
+    fn step_batch(&mut self) {
+        // The batch's mix, else the front generation's.
+        let mix = match (&self.batch, self.running.front()) {
+            (Some(b), _) => b.mix.clone(),
+            (None, Some((r, _))) => r.mix.clone(),
+            (None, None) => return,
+        };
+        let in_batch = self.batch.as_ref().map_or(0, |b| b.rows.len());
+        let joining = in_batch < MAX_BATCH && self.running.iter().any(|(r, _)| r.mix == mix);
+        if joining {
+            self.form_batch(mix);
+        }
+        let Some(batch) = self.batch.as_ref() else {
+            return;
+        };
+        if let Err(e) = self.select(Some(&batch.mix)) {
+            if let Some(batch) = self.batch.take() {
+                for r in batch.rows {
+                    r.feed.push(Event::Failed(Error::Invalid(e.to_string())));
+                }
+            }
+            return;
+        }
+        let Some(mut batch) = self.batch.take() else {
+            return;
+        };
+        self.count(batch.rows.len(), 1);
+        let tokens: Vec<u32> = batch.rows.iter().map(|r| r.next).collect();
+        let model: &dyn LanguageModel = &self.loaded.model;
+        let stepped = batch.decode.step(model, &tokens);
+        let Batch { rows, decode, mix } = batch;
+        let histories: Vec<Vec<u32>> = (0..decode.len())
+            .map(|i| decode.tokens(i).to_vec())
+            .collect();
+        let rows: Vec<(Running, Option<SessionState>)> =
+            rows.into_iter().map(|r| (r, None)).collect();
+        let kept = self.advance_rows(rows, stepped, Some(&histories));
+        // Everyone went on: the batch stays as it is, unless other adapter mixes wait for a
+        // turn.
+        let others_wait = self.running.iter().any(|(r, _)| r.mix != mix);
+        if kept.len() == decode.len() && !others_wait {
+            self.batch = Some(Batch {
+                rows: kept.into_iter().map(|(r, _)| r).collect(),
+                decode,
+                mix,
+            });
+            return;
+        }
+        // Someone left: every conversation takes its own caches back (the batch is re-formed
+        // at the next step), the finished ones park theirs.
+        let finished = std::mem::take(&mut self.leaving);
+        match decode.into_states() {
+            Ok(states) => {
+                let mut states: Vec<Option<SessionState>> = states.into_iter().map(Some).collect();
+                let tokenizer = self.tokenizer.clone();
+                for (i, r) in finished {
+                    if let Some(state) = states[i].take() {
+                        r.end(state, &mut self.sessions, tokenizer.as_deref());
+                    }
+                }
+                let rest: Vec<_> = kept
+                    .into_iter()
+                    .filter_map(|(r, i)| states[i].take().map(|s| (r, s)))
+                    .collect();
+                if others_wait {
+                    self.running.extend(rest);
+                } else {
+                    for row in rest.into_iter().rev() {
+                        self.running.push_front(row);
+                    }
+                }
+            }
+            Err(e) => {
+                for (_, r) in finished {
+                    r.feed.push(Event::Failed(Error::Model(ModelError::Runtime(
+                        e.to_string(),
+                    ))));
+                }
+                for (r, _) in kept {
+                    r.feed.push(Event::Failed(Error::Model(ModelError::Runtime(
+                        e.to_string(),
+                    ))));
+                }
             }
         }
-        // The rest go first next time, so every mix gets its turn.
-        self.running = others;
-        let passes = if self.loaded.model.batched_decode() {
-            1
-        } else {
-            batch.len()
-        };
-        self.batching.steps += passes as u64;
-        self.batching.rows += batch.len() as u64;
-        self.batching.largest = self.batching.largest.max(batch.len() / passes);
-        let ModelState {
-            loaded,
-            sessions,
-            running,
-            tokenizer,
-            ..
-        } = self;
-        let tokenizer = tokenizer.as_deref();
-        let tokens: Vec<u32> = batch.iter().map(|r| r.next).collect();
-        let any_device_greedy = batch.iter().any(Running::device_greedy);
-        let mut states: Vec<&mut SessionState> = batch.iter_mut().map(|r| &mut r.state).collect();
-        let model: &dyn LanguageModel = &loaded.model;
-        let stepped = step_batch(model, &mut states, &tokens).and_then(|logits| {
+    }
+
+    /// Merges the batch (if any) and the waiting generations of `mix` (up to [`MAX_BATCH`])
+    /// into a new batch.
+    fn form_batch(&mut self, mix: AdapterMix) {
+        let mut members: Vec<(Running, SessionState)> = Vec::new();
+        if let Some(b) = self.batch.take() {
+            match b.decode.into_states() {
+                Ok(states) => members.extend(b.rows.into_iter().zip(states)),
+                Err(e) => {
+                    for r in b.rows {
+                        r.feed.push(Event::Failed(Error::Model(ModelError::Runtime(
+                            e.to_string(),
+                        ))));
+                    }
+                }
+            }
+        }
+        let mut rest = VecDeque::new();
+        for (r, s) in std::mem::take(&mut self.running) {
+            if r.mix == mix && members.len() < MAX_BATCH {
+                members.push((r, s));
+            } else {
+                rest.push_back((r, s));
+            }
+        }
+        self.running = rest;
+        let (rows, states): (Vec<Running>, Vec<SessionState>) = members.into_iter().unzip();
+        match DecodeBatch::new(&self.loaded.model, states) {
+            Ok(decode) => self.batch = Some(Batch { rows, decode, mix }),
+            Err((e, states)) => {
+                // Not batchable after all (it should be, by `batched_decode`): one at a time.
+                let _ = e;
+                for row in rows.into_iter().zip(states).rev() {
+                    self.running.push_front(row);
+                }
+                self.step_each();
+            }
+        }
+    }
+
+    /// Takes each row's next token from its logits row and passes it on. Rows stepped on
+    /// their own (`Some` state) go back to the queue or end here; batch rows (`None`) that
+    /// ended go to `self.leaving` with their index, and the ones that go on are returned
+    /// with theirs.
+    fn advance_rows(
+        &mut self,
+        rows: Vec<(Running, Option<SessionState>)>,
+        stepped: mlxcel_arch::Result<mlxcel_core::Array>,
+        histories: Option<&[Vec<u32>]>,
+    ) -> Vec<(Running, usize)> {
+        let any_device_greedy = rows.iter().any(|(r, _)| r.device_greedy());
+        let picked = stepped.and_then(|logits| {
             // Greedy rows without hooks pick on the device, in one read for the batch.
             let picks = if any_device_greedy {
                 let ids = logits.argmax(-1, false)?.astype(Dtype::Int32)?;
@@ -271,20 +414,28 @@ impl ModelState {
             };
             Ok((logits, picks))
         });
-        let (logits, picks) = match stepped {
-            Ok(s) => s,
+        let (logits, picks) = match picked {
+            Ok(p) => p,
             Err(e) => {
                 // The caches may be half-extended: these conversations start over next time.
                 let message = e.to_string();
-                for r in batch {
+                for (r, _) in rows {
                     r.feed.push(Event::Failed(Error::Model(ModelError::Runtime(
                         message.clone(),
                     ))));
                 }
-                return;
+                return Vec::new();
             }
         };
-        for (i, mut r) in batch.into_iter().enumerate() {
+        let tokenizer = self.tokenizer.clone();
+        let tokenizer = tokenizer.as_deref();
+        let mut kept = Vec::new();
+        for (i, (mut r, state)) in rows.into_iter().enumerate() {
+            let history: &[u32] = match (&state, histories) {
+                (Some(s), _) => s.tokens(),
+                (None, Some(h)) => &h[i],
+                (None, None) => &[],
+            };
             let row = logits
                 .slice_axis(0, i as i32, i as i32 + 1)
                 .and_then(|a| a.reshape(&[-1]));
@@ -308,19 +459,29 @@ impl ModelState {
             };
             let advanced = row
                 .map_err(Error::from)
-                .and_then(|row| r.advance(&row, device_pick, tokenizer));
-            match advanced {
-                Ok(true) => running.push_back(r),
-                Ok(false) => r.end(sessions, tokenizer),
-                Err(e) => r.feed.push(Event::Failed(e)),
+                .and_then(|row| r.advance(&row, device_pick, history, tokenizer));
+            match (advanced, state) {
+                (Ok(true), Some(s)) => self.running.push_back((r, s)),
+                (Ok(false), Some(s)) => r.end(s, &mut self.sessions, tokenizer),
+                (Ok(true), None) => kept.push((r, i)),
+                (Ok(false), None) => self.leaving.push((i, r)),
+                (Err(e), _) => r.feed.push(Event::Failed(e)),
             }
         }
+        kept
     }
+}
+
+/// Generations decoded together, and their merged caches.
+pub(crate) struct Batch {
+    rows: Vec<Running>,
+    decode: DecodeBatch,
+    mix: AdapterMix,
 }
 
 impl Background for ModelState {
     fn busy(&self) -> bool {
-        !self.running.is_empty()
+        !self.running.is_empty() || self.batch.is_some()
     }
 
     fn work(&mut self) {

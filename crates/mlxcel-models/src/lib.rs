@@ -408,6 +408,8 @@ impl ModelBuilder {
                 sessions: HashMap::new(),
                 tokenizer: None,
                 running: VecDeque::new(),
+                batch: None,
+                leaving: Vec::new(),
                 batching: BatchStats::default(),
             };
             state.tokenizer = state.loaded.tokenizer.take().map(Arc::new);
@@ -454,8 +456,13 @@ struct ModelState {
     sessions: Sessions,
     /// The tokenizer, shared with the [`Model`] handles (taken out of `loaded`).
     tokenizer: Option<Arc<mlxcel_loading::Tokenizer>>,
-    /// The generations between their steps ([`batch`]).
-    running: VecDeque<batch::Running>,
+    /// The generations between their steps and outside the batch, with their caches
+    /// ([`batch`]).
+    running: VecDeque<(batch::Running, SessionState)>,
+    /// The generations decoded together.
+    batch: Option<batch::Batch>,
+    /// Batch rows that ended in the last step, with their index in it.
+    leaving: Vec<(usize, batch::Running)>,
     batching: BatchStats,
     /// The mix of requests that name none.
     default_adapters: AdapterMix,

@@ -1000,12 +1000,12 @@ impl Decoder {
         self.schedule.clone()
     }
 
-    /// Whether every layer's mixer is key/value attention, which takes a batch of
-    /// conversations' caches ([`LayerCache::Rows`]).
+    /// Whether every layer's mixer is key/value attention that takes a batch of conversations'
+    /// caches ([`LayerCache::Batch`]).
     pub fn batched_decode(&self) -> bool {
         self.blocks
             .iter()
-            .all(|b| matches!(b.mixer, Mixer::Attention(_)))
+            .all(|b| matches!(&b.mixer, Mixer::Attention(a) if a.takes_batches()))
             && self.schedule.iter().all(|k| {
                 matches!(
                     k,

@@ -109,10 +109,7 @@ impl Attention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        let out = match cache {
-            LayerCache::Rows(rows) => self.attend_rows(&q, &k, &v, rows, positions)?,
-            cache => self.attend(q, k, v, cache, positions)?,
-        };
+        let out = self.attend(q, k, v, cache, positions)?;
         let out = if l == 1 {
             // [B, H, 1, D] has the memory order of [B, 1, H, D]: no transpose node needed.
             out.reshape(&[b, 1, c.n_heads * c.head_dim])?
@@ -123,8 +120,9 @@ impl Attention {
         self.o.forward_fused(&out, LinearInput::Plain, residual)
     }
 
-    /// Rope, cache update and attention of one sequence's (or several sequences of equal
-    /// position's) heads `[B, heads, L, head_dim]` → `[B, heads, L, head_dim]`.
+    /// Rope, cache update and attention of heads `[B, heads, L, head_dim]` →
+    /// `[B, heads, L, head_dim]`: one sequence (or rows at one position), or a decode batch of
+    /// conversations at their own positions ([`LayerCache::Batch`]).
     fn attend(
         &self,
         mut q: Array,
@@ -135,9 +133,18 @@ impl Attention {
     ) -> Result<Array> {
         let c = &self.cfg;
         if let Some(rope) = &self.rope {
-            let offset = cache.offset();
-            q = rope.rotate(&q, positions, offset)?;
-            k = rope.rotate(&k, positions, offset)?;
+            match (&*cache, positions) {
+                (LayerCache::Batch(b), None) => {
+                    let offsets = b.positions()?;
+                    q = rope.forward_offsets(&q, &offsets)?;
+                    k = rope.forward_offsets(&k, &offsets)?;
+                }
+                _ => {
+                    let offset = cache.offset();
+                    q = rope.rotate(&q, positions, offset)?;
+                    k = rope.rotate(&k, positions, offset)?;
+                }
+            }
         }
         let (keys, values, mask) = cache.update(&k, &v, c.window)?;
         match c.softcap {
@@ -155,33 +162,10 @@ impl Attention {
         }
     }
 
-    /// One decode step of `B` conversations at once: row `i` of the heads `[B, heads, 1, D]`
-    /// attends over `rows[i]`, at its own position. The projections around it ran for the
-    /// whole batch (one pass over the weights, which is what batching buys); attention itself
-    /// runs per row, since each row has its own cache length.
-    fn attend_rows(
-        &self,
-        q: &Array,
-        k: &Array,
-        v: &Array,
-        rows: &mut [LayerCache],
-        positions: Option<&Array>,
-    ) -> Result<Array> {
-        if positions.is_some() || q.dim(2)? != 1 || q.dim(0)? as usize != rows.len() {
-            return Err(crate::ModelError::Runtime(format!(
-                "internal: a batched decode step takes one new token per row and no explicit \
-                 positions ({} rows of {} tokens for {} caches)",
-                q.dim(0)?,
-                q.dim(2)?,
-                rows.len()
-            )));
-        }
-        let row = |a: &Array, i: usize| a.slice_axis(0, i as i32, i as i32 + 1);
-        let mut outs = Vec::with_capacity(rows.len());
-        for (i, cache) in rows.iter_mut().enumerate() {
-            outs.push(self.attend(row(q, i)?, row(k, i)?, row(v, i)?, cache, None)?);
-        }
-        Ok(ops::concatenate(&outs, 0)?)
+    /// Whether this layer can decode a batch of conversations at their own positions
+    /// ([`LayerCache::Batch`]): its rotary embedding takes per-row offsets.
+    pub fn takes_batches(&self) -> bool {
+        self.rope.as_ref().is_none_or(|r| r.takes_row_offsets())
     }
 
     /// Queries, keys and values of `x` `[B, L, hidden]` as `[B, heads, L, head_dim]`, with

@@ -308,11 +308,16 @@ impl RotaryEmbedding {
                 )
             }
         };
+        self.scale_rotated(y, attention_factor)
+    }
+
+    /// `y` (a rotated input) with its rotated features scaled by `attention_factor`:
+    /// transformers scales cos and sin, i.e. only the rotated part.
+    fn scale_rotated(&self, y: Array, attention_factor: f64) -> Result<Array> {
         if attention_factor == 1.0 {
             return Ok(y);
         }
-        // transformers scales cos and sin, i.e. only the rotated part.
-        let head_dim = x.dim(-1)?;
+        let head_dim = y.dim(-1)?;
         if self.dims == head_dim {
             return Ok(y.mul_scalar(attention_factor)?);
         }
@@ -321,6 +326,36 @@ impl RotaryEmbedding {
             &[parts[0].mul_scalar(attention_factor)?, parts[1].clone()],
             -1,
         )?)
+    }
+
+    /// Whether [`RotaryEmbedding::forward_offsets`] applies: the frequencies do not depend on
+    /// the sequence length (not dynamic NTK or LongRoPE scaling).
+    pub fn takes_row_offsets(&self) -> bool {
+        matches!(self.scaling, Scaling::Fixed { .. })
+    }
+
+    /// Rotates `x` `[B, heads, L, D]` with row `b` starting at position `offsets[b]`
+    /// (`offsets` `[B]` int32): several conversations at different positions in one batch.
+    pub fn forward_offsets(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        let Scaling::Fixed {
+            freqs,
+            scale,
+            attention_factor,
+        } = &self.scaling
+        else {
+            return Err(ModelError::Unsupported(
+                "per-row positions with dynamic or longrope rope scaling".into(),
+            ));
+        };
+        let spec = Rope {
+            dims: self.dims,
+            traditional: self.traditional,
+            base: self.base as f32,
+            scale: *scale,
+            freqs: freqs.as_ref(),
+        };
+        let y = x.rope_at_offsets(&spec, offsets)?;
+        self.scale_rotated(y, *attention_factor)
     }
 
     /// Rotates `x` at the explicit `positions` when given (see [`RotaryEmbedding::forward_at`]),
