@@ -207,6 +207,8 @@ pub enum BlockTopology {
     PostNorm,
     /// Cohere, Phi-2: `x = input_layernorm(h); h += mixer(x) + ffn(x)`.
     Parallel,
+    /// GPT-NeoX: `h += mixer(input_layernorm(h)) + ffn(post_attention_layernorm(h))`.
+    ParallelTwoNorms,
     /// State-space stacks (Mamba, Mamba-2): `h += mixer(input_layernorm(h))`, no feed-forward.
     MixerOnly,
 }
@@ -262,6 +264,8 @@ pub struct DecoderSpec {
     pub final_softcap: Option<f64>,
     /// The output head is the embedding table (no `lm_head` tensor).
     pub tie_word_embeddings: bool,
+    /// The (untied) output head has a bias (`lm_head.bias`: Phi-2).
+    pub lm_head_bias: bool,
 }
 
 impl DecoderSpec {
@@ -453,6 +457,10 @@ enum BlockNorms {
     Parallel {
         input: Norm,
     },
+    ParallelTwoNorms {
+        mixer_in: Norm,
+        ffn_in: Norm,
+    },
     MixerOnly {
         mixer_in: Norm,
     },
@@ -533,6 +541,11 @@ impl Block {
                 let x = input.forward(h)?;
                 let a = mixer.forward(&x, None, None, cache, positions)?;
                 let f = ffn.forward(&x)?;
+                add_scaled(h, &a.add(&f)?, s)
+            }
+            (BlockNorms::ParallelTwoNorms { mixer_in, ffn_in }, s) => {
+                let a = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                let f = ffn.forward_fused(h, Some(ffn_in), None)?;
                 add_scaled(h, &a.add(&f)?, s)
             }
             (BlockNorms::MixerOnly { .. }, _) => unreachable!("returned above"),
@@ -878,6 +891,10 @@ impl Decoder {
                     BlockTopology::Parallel => BlockNorms::Parallel {
                         input: n("input_layernorm")?,
                     },
+                    BlockTopology::ParallelTwoNorms => BlockNorms::ParallelTwoNorms {
+                        mixer_in: n("input_layernorm")?,
+                        ffn_in: n("post_attention_layernorm")?,
+                    },
                     BlockTopology::MixerOnly => BlockNorms::MixerOnly {
                         mixer_in: n("input_layernorm")?,
                     },
@@ -892,7 +909,7 @@ impl Decoder {
         let lm_head = if spec.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
         } else {
-            Some(w.linear("lm_head", h, spec.vocab, false)?)
+            Some(w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?)
         };
         Ok(Decoder {
             embed,
