@@ -52,6 +52,8 @@ macro_rules! for_each_model_registration {
             GptNeoX { names: ["gpt_neox"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::gpt_neox::Model, adapter: None },
             Cohere2 { names: ["cohere2"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::cohere2::Model, adapter: None },
             SeedOss { names: ["seed_oss"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::seed_oss::Model, adapter: None },
+            Ernie4_5 { names: ["ernie4_5"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::ernie4_5::Model, adapter: None },
+            Exaone { names: ["exaone"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::exaone::Model, adapter: None },
             Mixtral { names: ["mixtral"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::mixtral::Model, adapter: None },
             Qwen2Moe { names: ["qwen2_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::qwen2_moe::Model, adapter: None },
             Qwen3Moe { names: ["qwen3_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::qwen3_moe::Model, adapter: None },

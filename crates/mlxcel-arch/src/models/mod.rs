@@ -9,6 +9,8 @@ pub mod bert;
 pub mod cohere;
 pub mod cohere2;
 pub mod deepseek;
+pub mod ernie4_5;
+pub mod exaone;
 pub mod exaone4;
 pub mod gemma;
 pub mod gemma2;
