@@ -4,6 +4,7 @@
 pub mod common;
 pub mod transformer;
 
+pub mod apertus;
 pub mod bamba;
 pub mod bert;
 pub mod cohere;

@@ -26,6 +26,7 @@ use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
     Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind, QkNorm, QkvProjection,
     QueryProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
+    XIeluParams,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -365,6 +366,8 @@ impl Mixer {
     }
 }
 
+// One feed-forward block per layer, built once: the size difference costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum FeedForward {
     Dense(Mlp),
@@ -575,7 +578,12 @@ fn norm(w: &mut ModelWeights, spec: &DecoderSpec, name: &str, dim: i32) -> Resul
 /// The dense MLP under the open scope: `gate_proj`/`up_proj`/`down_proj` (`Plain`: `up_proj`
 /// and `down_proj` only).
 fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, intermediate: i32, gated: bool) -> Result<Mlp> {
-    let (h, b, act) = (spec.hidden, spec.mlp_bias, spec.act);
+    let (h, b) = (spec.hidden, spec.mlp_bias);
+    let act = match spec.act {
+        // A learned activation: this layer's own parameters.
+        Activation::XIelu(_) => Activation::XIelu(xielu_params(w)?),
+        act => act,
+    };
     if !gated {
         return Ok(Mlp::Plain {
             up: w.linear("up_proj", h, intermediate, b)?,
@@ -605,6 +613,25 @@ fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, intermediate: i32, gated: bool)
         },
         _ => unreachable!("linear_group returns one layer or all of them"),
     })
+}
+
+/// xIELU's parameters under the open scope (`act_fn.{alpha_p,alpha_n,beta,eps}`, each one
+/// value, stored as `[1]` or `[]`); `beta` and `eps` default to the published 0.5 and −1e-6.
+fn xielu_params(w: &mut ModelWeights) -> Result<XIeluParams> {
+    let mut scalar = |name: &str, default: Option<f32>| -> Result<f32> {
+        let name = format!("act_fn.{name}");
+        if let (Some(d), false) = (default, w.contains(&name)) {
+            return Ok(d);
+        }
+        let v = w
+            .tensor(&name, &[1])?
+            .astype(mlxcel_core::Dtype::Float32)?
+            .to_vec::<f32>()?;
+        Ok(v[0])
+    };
+    let (alpha_p, alpha_n) = (scalar("alpha_p", None)?, scalar("alpha_n", None)?);
+    let (beta, eps) = (scalar("beta", Some(0.5))?, scalar("eps", Some(-1e-6))?);
+    Ok(XIeluParams::from_stored(alpha_p, alpha_n, beta, eps))
 }
 
 /// Grouped-query attention under the open scope (`self_attn`).
