@@ -55,3 +55,28 @@ impl DecoderArgs for Args {
         Ok(spec)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::common::test_config;
+    use serde_json::json;
+
+    fn spec(extra: serde_json::Value) -> Result<DecoderSpec> {
+        let args: Args = serde_json::from_value(test_config("cohere2", extra)).unwrap();
+        args.spec()
+    }
+
+    #[test]
+    fn hub_pattern_nope_full_layers_and_a_bad_pattern() {
+        let s = spec(json!({"sliding_window_pattern": 2, "sliding_window": 8})).unwrap();
+        assert_eq!(s.windows, [Some(8), None, Some(8), None]);
+        let ropes: Vec<bool> = s.rope.iter().map(Option::is_some).collect();
+        assert_eq!(ropes, [true, false, true, false]);
+        assert!(s.rope[0].as_ref().unwrap().traditional);
+        let err = spec(json!({"sliding_window_pattern": 0}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sliding_window_pattern = 0"), "{err}");
+    }
+}

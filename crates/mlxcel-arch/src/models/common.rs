@@ -257,3 +257,17 @@ impl MoeArgs {
         }
     }
 }
+
+/// A small config of `model_type` with `extra` keys merged in, sanitised as a loader would:
+/// what the architectures' config tests parse.
+#[cfg(test)]
+pub(crate) fn test_config(model_type: &str, extra: serde_json::Value) -> serde_json::Value {
+    let mut config = serde_json::json!({
+        "model_type": model_type, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+    });
+    if let (Some(obj), serde_json::Value::Object(extra)) = (config.as_object_mut(), extra) {
+        obj.extend(extra);
+    }
+    crate::config::sanitize_config_json(config)
+}

@@ -121,3 +121,28 @@ impl DecoderArgs for Args {
         Ok(spec)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn hub_key_aliases_and_rope_default() {
+        let hub = json!({"model_type": "exaone", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_layers": 3, "num_attention_heads": 2,
+            "layer_norm_epsilon": 1e-6, "activation_function": "silu"});
+        let args: Args =
+            serde_json::from_value(crate::config::sanitize_config_json(hub.clone())).unwrap();
+        let s = args.spec().unwrap();
+        assert_eq!((s.layers(), s.eps), (3, 1e-6));
+        assert_eq!(s.rope[0].as_ref().unwrap().base, 500_000.0);
+        let mut bad = hub;
+        bad["activation_function"] = "swiglu".into();
+        let args: Args = serde_json::from_value(bad).unwrap();
+        let err = args.spec().unwrap_err().to_string();
+        assert!(err.contains("hidden_act `swiglu`"), "{err}");
+        let err = serde_json::from_value::<Args>(json!({"hidden_size": 32})).unwrap_err();
+        assert!(err.to_string().contains("num_hidden_layers"), "{err}");
+    }
+}

@@ -166,3 +166,35 @@ impl DecoderArgs for Args {
         Ok(spec)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::common::test_config;
+    use serde_json::json;
+
+    fn spec(extra: serde_json::Value) -> DecoderSpec {
+        let args: Args = serde_json::from_value(test_config("gpt_neox", extra)).unwrap();
+        args.spec().unwrap()
+    }
+
+    #[test]
+    fn hub_rope_keys_and_defaults() {
+        // Pythia-style config: rotary_pct and rotary_emb_base, no rope_theta.
+        let s = spec(json!({"rotary_pct": 0.5, "rotary_emb_base": 20000}));
+        let rope = s.rope[0].as_ref().unwrap();
+        assert_eq!((rope.dims, rope.base), (8, 20000.0));
+        assert_eq!(s.topology, BlockTopology::ParallelTwoNorms);
+        // transformers' defaults: a quarter of each head, base 10000.
+        let rope = spec(json!({})).rope[0].clone().unwrap();
+        assert_eq!((rope.dims, rope.base), (4, 10000.0));
+        // rope_parameters (transformers 5) wins over the hub keys.
+        let s = spec(json!({"rotary_pct": 0.5, "rotary_emb_base": 20000,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 30000.0, "partial_rotary_factor": 1.0}}));
+        let rope = s.rope[0].as_ref().unwrap();
+        assert_eq!((rope.dims, rope.base), (16, 30000.0));
+        let s = spec(json!({"use_parallel_residual": false, "attention_bias": false}));
+        assert_eq!(s.topology, BlockTopology::PreNorm);
+        assert!(!s.qkv_bias && !s.o_bias && s.mlp_bias);
+    }
+}

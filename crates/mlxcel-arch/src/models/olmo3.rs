@@ -43,3 +43,29 @@ impl DecoderArgs for Args {
         Ok(spec)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::common::test_config;
+    use serde_json::json;
+
+    #[test]
+    fn default_pattern_scaling_on_full_layers_only_and_clip_qkv_refused() {
+        let yarn = json!({"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}});
+        let args: Args = serde_json::from_value(test_config("olmo3", yarn)).unwrap();
+        let s = args.spec().unwrap();
+        assert_eq!(s.windows, [Some(4096), Some(4096), Some(4096), None]);
+        assert_eq!(s.eps, 1e-5, "OLMo's rms_norm_eps default");
+        let scaled: Vec<bool> = s
+            .rope
+            .iter()
+            .map(|r| r.as_ref().unwrap().scaling.is_some())
+            .collect();
+        assert_eq!(scaled, [false, false, false, true]);
+        let args: Args =
+            serde_json::from_value(test_config("olmo3", json!({"clip_qkv": 8.0}))).unwrap();
+        let err = args.spec().unwrap_err().to_string();
+        assert!(err.contains("clip_qkv = 8"), "{err}");
+    }
+}

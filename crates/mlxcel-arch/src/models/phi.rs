@@ -77,3 +77,32 @@ impl DecoderArgs for Args {
         Ok(spec)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::common::test_config;
+    use serde_json::json;
+
+    fn spec(extra: serde_json::Value) -> DecoderSpec {
+        let args: Args = serde_json::from_value(test_config("phi", extra)).unwrap();
+        args.spec().unwrap()
+    }
+
+    #[test]
+    fn partial_rotary_defaults_to_transformers_half_not_mlx_lm_0_4() {
+        // transformers' PhiConfig defaults partial_rotary_factor to 0.5; mlx-lm's phi to 0.4.
+        // transformers is the reference: 8 of the 16 channels rotate.
+        let s = spec(json!({}));
+        assert_eq!(s.rope[0].as_ref().unwrap().dims, 8);
+        let s = spec(json!({"partial_rotary_factor": 0.4}));
+        assert_eq!(s.rope[0].as_ref().unwrap().dims, 6);
+        assert!(s.lm_head_bias && s.qkv_bias && s.o_bias && s.mlp_bias);
+        assert_eq!(s.topology, BlockTopology::Parallel);
+        assert_eq!(s.qk_norm, QkNormSpec::None);
+        assert_eq!(
+            spec(json!({"qk_layernorm": true})).qk_norm,
+            QkNormSpec::PerHead
+        );
+    }
+}

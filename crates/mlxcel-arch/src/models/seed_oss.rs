@@ -50,3 +50,18 @@ impl DecoderArgs for Args {
         Ok(spec)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::common::test_config;
+    use serde_json::json;
+
+    #[test]
+    fn head_dim_and_bias_defaults() {
+        let args: Args = serde_json::from_value(test_config("seed_oss", json!({}))).unwrap();
+        let s = args.spec().unwrap();
+        assert_eq!(s.head_dim, 128, "transformers' default, not hidden / heads");
+        assert!(s.qkv_bias && !s.o_bias && !s.mlp_bias);
+    }
+}

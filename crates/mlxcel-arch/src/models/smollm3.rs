@@ -91,3 +91,42 @@ impl DecoderArgs for Args {
         Ok(spec)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::common::test_config;
+    use serde_json::json;
+
+    fn spec(extra: serde_json::Value) -> Result<DecoderSpec> {
+        let args: Args = serde_json::from_value(test_config("smollm3", extra)).unwrap();
+        args.spec()
+    }
+
+    #[test]
+    fn nope_layers_and_their_errors() {
+        // Default: every fourth layer has no rope.
+        let s = spec(json!({})).unwrap();
+        let ropes: Vec<bool> = s.rope.iter().map(Option::is_some).collect();
+        assert_eq!(ropes, [true, true, true, false]);
+        assert!(s.tie_word_embeddings && s.windows.iter().all(Option::is_none));
+        let s = spec(json!({"no_rope_layers": [0, 1, 1, 0], "use_sliding_window": true, "sliding_window": 8}))
+            .unwrap();
+        assert_eq!(
+            s.rope.iter().map(Option::is_some).collect::<Vec<_>>(),
+            [false, true, true, false]
+        );
+        assert_eq!(s.windows, [Some(8), None, None, Some(8)]);
+        let err = spec(json!({"no_rope_layers": [1, 0]}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no_rope_layers has 2 entries for 4 layers"),
+            "{err}"
+        );
+        let err = spec(json!({"no_rope_layers": [1, 2, 1, 1]}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no_rope_layers entry 2"), "{err}");
+    }
+}
