@@ -140,3 +140,35 @@ fn state_space_families_load_through_the_nonstandard_route() {
         );
     }
 }
+
+/// mlx-lm's gpt_neox computes the tanh GELU (and 4 × hidden MLPs) whatever the config says;
+/// transformers (the reference) computes `hidden_act`, the exact GELU of the Pythia checkpoints.
+/// mlxcel follows transformers, so its logits sit measurably away from mlx-lm's
+/// (`models/gpt_neox/mlx_lm_logits.safetensors`, `generate.py --stage mlx-lm-diffs`).
+#[test]
+fn gpt_neox_follows_transformers_exact_gelu_where_mlx_lm_approximates() {
+    let name = "gpt_neox";
+    let r = reference(name);
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let loaded = load_model(model_dir(name), &options).unwrap();
+    let got = logits_for(&loaded.model, &r.prompt_ids);
+    let bytes = std::fs::read(model_dir(name).join("mlx_lm_logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mlx_lm: Vec<f32> = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let (to_transformers, _) = max_abs_diff(&got, &r.logits);
+    let (to_mlx_lm, _) = max_abs_diff(&got, &mlx_lm);
+    assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
+    assert!(
+        to_mlx_lm > 2e-3,
+        "mlx-lm's gpt_neox GELU now matches transformers? {to_mlx_lm:.2e}"
+    );
+}
