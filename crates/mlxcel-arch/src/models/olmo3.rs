@@ -57,6 +57,13 @@ mod tests {
         let s = args.spec().unwrap();
         assert_eq!(s.windows, [Some(4096), Some(4096), Some(4096), None]);
         assert_eq!(s.eps, 1e-5, "OLMo's rms_norm_eps default");
+        let args: Args =
+            serde_json::from_value(test_config("olmo3", json!({"rms_norm_eps": 1e-6}))).unwrap();
+        assert_eq!(
+            args.spec().unwrap().eps,
+            1e-6,
+            "a given rms_norm_eps is read"
+        );
         let scaled: Vec<bool> = s
             .rope
             .iter()
