@@ -44,6 +44,19 @@ pub type Model = Transformer<Args>;
 impl DecoderArgs for Args {
     fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
         weights.rename_prefix("model.final_layernorm.", "model.norm.")?;
+        // A tied head keeps its own bias: transformers saves `lm_head.bias` without
+        // `lm_head.weight`. The head then reads the embedding table's planes (the same arrays,
+        // no copy) next to that bias.
+        let tied = self.common.tie_word_embeddings.unwrap_or(false);
+        if tied && weights.contains("lm_head.bias") && !weights.contains("lm_head.weight") {
+            for plane in ["weight", "scales", "biases"] {
+                let name = format!("model.embed_tokens.{plane}");
+                if weights.contains(&name) {
+                    let table = weights.get(&name)?;
+                    weights.insert(format!("lm_head.{plane}"), table)?;
+                }
+            }
+        }
         rename_in_layers(
             weights,
             self.common.num_hidden_layers,
@@ -68,7 +81,7 @@ impl DecoderArgs for Args {
         spec.qkv_bias = true;
         spec.o_bias = true;
         spec.mlp_bias = true;
-        spec.lm_head_bias = !spec.tie_word_embeddings;
+        spec.lm_head_bias = true;
         if self.qk_layernorm {
             spec.qk_norm = QkNormSpec::PerHead;
         }
