@@ -3,10 +3,11 @@
 //! layers only; the sliding layers keep plain rope.
 
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::olmo2::{self, olmo2_spec};
 use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
-use crate::Result;
+use crate::{ModelError, Result};
 
 /// transformers' `Olmo3Config.sliding_window` default.
 const DEFAULT_SLIDING_WINDOW: usize = 4096;
@@ -21,6 +22,10 @@ pub struct Args {
     /// sanitising): the sliding layers' rotary base; default `rope_theta`.
     #[serde(default)]
     pub rope_local_base_freq: Option<f64>,
+    /// `rope_parameters` (transformers 5), read only to refuse a scaled rope on the sliding
+    /// layers (`sliding_attention.rope_type` other than `default`), which no checkpoint uses.
+    #[serde(default)]
+    pub rope_parameters: Option<Value>,
 }
 
 /// The OLMo 3 decoder: the shared [`Transformer`] configured by [`Args`].
@@ -28,6 +33,17 @@ pub type Model = Transformer<Args>;
 
 impl DecoderArgs for Args {
     fn spec(&self) -> Result<DecoderSpec> {
+        let sliding_type = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|r| r.get("sliding_attention"))
+            .and_then(|r| r.get("rope_type"))
+            .and_then(Value::as_str);
+        if let Some(t) = sliding_type.filter(|t| *t != "default") {
+            return Err(ModelError::Unsupported(format!(
+                "rope_parameters.sliding_attention.rope_type `{t}` (OLMo 3's sliding layers use plain rope)"
+            )));
+        }
         let mut c = self.olmo.common.clone();
         c.sliding_window.get_or_insert(DEFAULT_SLIDING_WINDOW);
         let mut spec = olmo2_spec(&self.olmo)?;
@@ -74,5 +90,14 @@ mod tests {
             serde_json::from_value(test_config("olmo3", json!({"clip_qkv": 8.0}))).unwrap();
         let err = args.spec().unwrap_err().to_string();
         assert!(err.contains("clip_qkv = 8"), "{err}");
+        let scaled_sliding = json!({"rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}});
+        let args: Args = serde_json::from_value(test_config("olmo3", scaled_sliding)).unwrap();
+        let err = args.spec().unwrap_err().to_string();
+        assert!(
+            err.contains("rope_parameters.sliding_attention.rope_type `linear`"),
+            "{err}"
+        );
     }
 }
