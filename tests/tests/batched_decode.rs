@@ -109,3 +109,21 @@ fn a_batched_step_refuses_mismatched_input() {
     let e = step_batch(model, &mut [&mut a, &mut b], &[1, 100_000]).unwrap_err();
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
 }
+
+/// The dense decoders of issue 16 batch too: NoPE layers (smollm3, cohere2), sliding windows
+/// with full-width q/k norms (olmo3), parallel blocks with one or two norms, partial rotary and a biased
+/// head (phi, gpt_neox), per-head norms (stablelm-parallel), xIELU (apertus).
+#[test]
+fn dense_decoders_decode_as_one_batch() {
+    for name in [
+        "olmo3",
+        "smollm3",
+        "cohere2",
+        "phi-tied-qk-layernorm",
+        "gpt_neox",
+        "stablelm-parallel",
+        "apertus",
+    ] {
+        check_batched(name, 6);
+    }
+}
