@@ -55,6 +55,7 @@ macro_rules! for_each_model_registration {
             Ernie4_5 { names: ["ernie4_5"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::ernie4_5::Model, adapter: None },
             Exaone { names: ["exaone"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::exaone::Model, adapter: None },
             Apertus { names: ["apertus"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::apertus::Model, adapter: None },
+            GptJ { names: ["gptj"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::gptj::Model, adapter: None },
             Mixtral { names: ["mixtral"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::mixtral::Model, adapter: None },
             Qwen2Moe { names: ["qwen2_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::qwen2_moe::Model, adapter: None },
             Qwen3Moe { names: ["qwen3_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::qwen3_moe::Model, adapter: None },

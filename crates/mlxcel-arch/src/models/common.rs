@@ -151,6 +151,21 @@ impl CommonArgs {
     }
 }
 
+/// Moves each hub-only key `alias` of `config` to its canonical name `key` (`(alias, key)`
+/// pairs, as transformers' `attribute_map` lists them), unless the canonical key is present.
+/// For configs that spell the common keys their own way (GPT-J, EXAONE 3).
+pub fn resolve_aliases(config: &mut Value, aliases: &[(&str, &str)]) {
+    if let Value::Object(obj) = config {
+        for (alias, key) in aliases {
+            if !obj.contains_key(*key) {
+                if let Some(v) = obj.remove(*alias) {
+                    obj.insert(key.to_string(), v);
+                }
+            }
+        }
+    }
+}
+
 /// The plain llama-shaped spec of `c`: pre-norm blocks, RMSNorm, bias-free projections, dense
 /// gated MLPs, global attention, rope on every layer. Architectures adjust the values that differ.
 pub fn base_spec(

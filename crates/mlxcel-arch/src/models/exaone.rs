@@ -9,7 +9,7 @@ use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::common::{base_spec, CommonArgs};
+use super::common::{base_spec, resolve_aliases, CommonArgs};
 use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::sanitize::rename_in_layers;
 use crate::Result;
@@ -63,15 +63,7 @@ impl TryFrom<Value> for Args {
     type Error = serde_json::Error;
 
     fn try_from(mut config: Value) -> std::result::Result<Args, serde_json::Error> {
-        if let Value::Object(obj) = &mut config {
-            for (alias, key) in KEY_ALIASES {
-                if !obj.contains_key(key) {
-                    if let Some(v) = obj.remove(alias) {
-                        obj.insert(key.to_string(), v);
-                    }
-                }
-            }
-        }
+        resolve_aliases(&mut config, &KEY_ALIASES);
         let mut keys: Keys = serde_json::from_value(config)?;
         keys.common.rope_theta = keys.rope_theta.unwrap_or(DEFAULT_ROPE_THETA);
         Ok(Args {

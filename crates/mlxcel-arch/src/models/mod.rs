@@ -18,6 +18,7 @@ pub mod gemma2;
 pub mod gemma3_text;
 pub mod glm4;
 pub mod gpt_neox;
+pub mod gptj;
 pub mod granite;
 pub mod jamba;
 pub mod llama;
