@@ -151,11 +151,15 @@ impl CommonArgs {
     }
 }
 
-/// Moves each hub-only key `alias` of `config` to its canonical name `key` (`(alias, key)`
-/// pairs, as transformers' `attribute_map` lists them), unless the canonical key is present.
-/// For configs that spell the common keys their own way (GPT-J, EXAONE 3).
-pub fn resolve_aliases(config: &mut Value, aliases: &[(&str, &str)]) {
-    if let Value::Object(obj) = config {
+/// Reads the keys of a config that spells the common keys its own way (GPT-J, EXAONE 3): each
+/// hub-only key `alias` moves to its canonical name `key` (`(alias, key)` pairs, as transformers'
+/// `attribute_map` lists them) unless the canonical key is present, then the canonical keys are
+/// validated (as every other architecture's are before parsing) and `T` is read.
+pub fn parse_with_aliases<T: serde::de::DeserializeOwned>(
+    mut config: Value,
+    aliases: &[(&str, &str)],
+) -> std::result::Result<T, serde_json::Error> {
+    if let Value::Object(obj) = &mut config {
         for (alias, key) in aliases {
             if !obj.contains_key(*key) {
                 if let Some(v) = obj.remove(*alias) {
@@ -164,6 +168,9 @@ pub fn resolve_aliases(config: &mut Value, aliases: &[(&str, &str)]) {
             }
         }
     }
+    crate::validate::validate_config(&config)
+        .map_err(|e| <serde_json::Error as serde::de::Error>::custom(e.to_string()))?;
+    serde_json::from_value(config)
 }
 
 /// The plain llama-shaped spec of `c`: pre-norm blocks, RMSNorm, bias-free projections, dense

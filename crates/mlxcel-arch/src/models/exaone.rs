@@ -9,7 +9,7 @@ use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::common::{base_spec, resolve_aliases, CommonArgs};
+use super::common::{base_spec, parse_with_aliases, CommonArgs};
 use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::sanitize::rename_in_layers;
 use crate::Result;
@@ -62,9 +62,8 @@ struct Keys {
 impl TryFrom<Value> for Args {
     type Error = serde_json::Error;
 
-    fn try_from(mut config: Value) -> std::result::Result<Args, serde_json::Error> {
-        resolve_aliases(&mut config, &KEY_ALIASES);
-        let mut keys: Keys = serde_json::from_value(config)?;
+    fn try_from(config: Value) -> std::result::Result<Args, serde_json::Error> {
+        let mut keys: Keys = parse_with_aliases(config, &KEY_ALIASES)?;
         keys.common.rope_theta = keys.rope_theta.unwrap_or(DEFAULT_ROPE_THETA);
         Ok(Args {
             common: keys.common,

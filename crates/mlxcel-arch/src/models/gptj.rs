@@ -10,7 +10,7 @@ use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::common::{base_spec, resolve_aliases, CommonArgs};
+use super::common::{base_spec, parse_with_aliases, CommonArgs};
 use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, FfnSpec, Transformer};
 use crate::nn::NormKind;
 use crate::sanitize::rename_in_layers;
@@ -61,9 +61,8 @@ struct Keys {
 impl TryFrom<Value> for Args {
     type Error = serde_json::Error;
 
-    fn try_from(mut config: Value) -> std::result::Result<Args, serde_json::Error> {
-        resolve_aliases(&mut config, &KEY_ALIASES);
-        let keys: Keys = serde_json::from_value(config)?;
+    fn try_from(config: Value) -> std::result::Result<Args, serde_json::Error> {
+        let keys: Keys = parse_with_aliases(config, &KEY_ALIASES)?;
         Ok(Args {
             common: keys.common,
             layer_norm_epsilon: keys.layer_norm_epsilon,
@@ -107,7 +106,12 @@ impl DecoderArgs for Args {
         // Keys and values have every head (transformers reads no `num_key_value_heads`).
         c.num_key_value_heads = None;
         // `n_inner` null means four times the width.
-        c.intermediate_size.get_or_insert(4 * c.hidden_size);
+        if c.intermediate_size.is_none() {
+            let four = c.hidden_size.checked_mul(4).ok_or_else(|| {
+                ModelError::Config(format!("n_embd = {}: 4 × n_embd overflows", c.hidden_size))
+            })?;
+            c.intermediate_size = Some(four);
+        }
         let head_dim = c.head_dim();
         let rotary_dim = self.rotary_dim.unwrap_or(head_dim);
         if rotary_dim <= 0 || rotary_dim > head_dim || rotary_dim % 2 != 0 {
@@ -161,5 +165,12 @@ mod tests {
         assert_eq!(spec(json!({"num_key_value_heads": 1})).unwrap().kv_heads, 2);
         let err = spec(json!({"rotary_dim": 32})).unwrap_err().to_string();
         assert!(err.contains("rotary_dim = 32"), "{err}");
+        // The aliased keys are validated like the canonical ones (no division by zero heads).
+        let zero_heads = json!({"model_type": "gptj", "vocab_size": 64, "n_embd": 32,
+            "n_layer": 2, "n_head": 0});
+        let err = serde_json::from_value::<Args>(zero_heads)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("num_attention_heads"), "{err}");
     }
 }
