@@ -142,6 +142,11 @@ impl DecoderArgs for Args {
     }
 
     fn spec(&self) -> Result<DecoderSpec> {
+        if let Some(pct) = self.rotary_pct.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+            return Err(ModelError::Config(format!(
+                "rotary_pct = {pct}: must be in (0, 1]"
+            )));
+        }
         let mut c = self.common.clone();
         if c.partial_rotary_factor.is_none() {
             c.partial_rotary_factor = Some(self.rotary_pct.unwrap_or(DEFAULT_ROTARY_PCT));
@@ -193,6 +198,10 @@ mod tests {
             "rope_parameters": {"rope_type": "default", "rope_theta": 30000.0, "partial_rotary_factor": 1.0}}));
         let rope = s.rope[0].as_ref().unwrap();
         assert_eq!((rope.dims, rope.base), (16, 30000.0));
+        let args: Args =
+            serde_json::from_value(test_config("gpt_neox", json!({"rotary_pct": 2.0}))).unwrap();
+        let err = args.spec().unwrap_err().to_string();
+        assert!(err.contains("rotary_pct = 2: must be in (0, 1]"), "{err}");
         let s = spec(json!({"use_parallel_residual": false, "attention_bias": false}));
         assert_eq!(s.topology, BlockTopology::PreNorm);
         assert!(!s.qkv_bias && !s.o_bias && s.mlp_bias);
