@@ -156,3 +156,21 @@ fn a_batched_step_refuses_mismatched_input() {
     assert!(e.to_string().contains("empty cache"), "{e}");
     assert_eq!(back.len(), 2);
 }
+
+/// The dense decoders of issue 16 batch too: NoPE layers (smollm3, cohere2), sliding windows
+/// with full-width q/k norms (olmo3), parallel blocks with one or two norms, partial rotary and a biased
+/// head (phi, gpt_neox), per-head norms (stablelm-parallel), xIELU (apertus).
+#[test]
+fn dense_decoders_decode_as_one_batch() {
+    for name in [
+        "olmo3",
+        "smollm3",
+        "cohere2",
+        "phi-tied-qk-layernorm",
+        "gpt_neox",
+        "stablelm-parallel",
+        "apertus",
+    ] {
+        check_batched(name, 6);
+    }
+}

@@ -140,3 +140,88 @@ fn state_space_families_load_through_the_nonstandard_route() {
         );
     }
 }
+
+/// mlx-lm's gpt_neox computes the tanh GELU (and 4 × hidden MLPs) whatever the config says;
+/// transformers (the reference) computes `hidden_act`, the exact GELU of the Pythia checkpoints.
+/// mlxcel follows transformers, so its logits sit measurably away from mlx-lm's
+/// (`models/gpt_neox/mlx_lm_logits.safetensors`, `generate.py --stage mlx-lm-diffs`).
+#[test]
+fn gpt_neox_follows_transformers_exact_gelu_where_mlx_lm_approximates() {
+    let name = "gpt_neox";
+    let r = reference(name);
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let loaded = load_model(model_dir(name), &options).unwrap();
+    let got = logits_for(&loaded.model, &r.prompt_ids);
+    let bytes = std::fs::read(model_dir(name).join("mlx_lm_logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mlx_lm: Vec<f32> = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let (to_transformers, _) = max_abs_diff(&got, &r.logits);
+    let (to_mlx_lm, _) = max_abs_diff(&got, &mlx_lm);
+    assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
+    assert!(
+        to_mlx_lm > 2e-3,
+        "mlx-lm's gpt_neox GELU now matches transformers? {to_mlx_lm:.2e}"
+    );
+}
+
+/// Pythia-era GPT-NeoX checkpoints: a config with only the hub keys (`rotary_pct`,
+/// `rotary_emb_base`; no `rope_parameters`) and the causal-mask and rotary buffers their
+/// exporters saved (`attention.bias` bool, `attention.masked_bias`, `rotary_emb.inv_freq`), which
+/// the model reads none of: the same logits as the fixture.
+#[test]
+fn gpt_neox_loads_pythia_style_checkpoints() {
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    let name = "gpt_neox";
+    let dir = mlxcel_tests::copy_fixture(name);
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let obj = config.as_object_mut().unwrap();
+    obj.remove("rope_parameters");
+    assert_eq!(obj["rotary_pct"], 0.25);
+    assert!(obj.contains_key("rotary_emb_base") && !obj.contains_key("rope_theta"));
+    std::fs::write(&path, config.to_string()).unwrap();
+
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mask = [1u8; 16];
+    let masked_bias = (-1e9f32).to_le_bytes();
+    let inv_freq: Vec<u8> = [1.0f32, 0.01]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let mut tensors: Vec<(String, TensorView)> = st.tensors();
+    for i in 0..2 {
+        let layer = format!("gpt_neox.layers.{i}.attention");
+        let buffers = [
+            ("bias", Dtype::BOOL, vec![1, 1, 4, 4], &mask[..]),
+            ("masked_bias", Dtype::F32, vec![], &masked_bias[..]),
+            ("rotary_emb.inv_freq", Dtype::F32, vec![2], &inv_freq[..]),
+        ];
+        for (buffer, dtype, shape, data) in buffers {
+            let view = TensorView::new(dtype, shape, data).unwrap();
+            tensors.push((format!("{layer}.{buffer}"), view));
+        }
+    }
+    std::fs::write(&path, safetensors::serialize(tensors, &None).unwrap()).unwrap();
+
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let loaded = load_model(dir.path(), &options).unwrap_or_else(|e| panic!("{e}"));
+    let r = reference(name);
+    let (diff, _) = max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits);
+    assert!(diff < 2e-4, "{diff:.2e}");
+}

@@ -11,11 +11,13 @@ use crate::Result;
 
 /// The role of a tensor, from its name (the recipe and report vocabulary).
 pub fn tensor_role(name: &str) -> &'static str {
-    if name.contains("embed_tokens") || name.contains("wte") {
+    // GPT-NeoX names its tables `embed_in` / `embed_out`, GPT-2-style checkpoints (EXAONE 3)
+    // their norms `ln_1` / `ln_2` / `ln_f`.
+    if name.contains("embed_tokens") || name.contains("wte") || name.contains("embed_in.") {
         "embedding"
-    } else if name.starts_with("lm_head") {
+    } else if name.starts_with("lm_head") || name.contains("embed_out.") {
         "lm_head"
-    } else if name.contains("norm") {
+    } else if name.contains("norm") || name.contains(".ln_") {
         "norm"
     } else if name.contains("shared_expert") {
         "shared expert"
@@ -190,4 +192,27 @@ pub fn estimate(
         device,
         available,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tensor_role;
+
+    #[test]
+    fn roles_of_gpt_style_names() {
+        for (name, role) in [
+            ("gpt_neox.embed_in.weight", "embedding"),
+            ("embed_out.weight", "lm_head"),
+            ("model.embed_out.scales", "lm_head"),
+            ("transformer.h.0.ln_1.weight", "norm"),
+            ("transformer.ln_f.weight", "norm"),
+            (
+                "gpt_neox.layers.0.attention.query_key_value.weight",
+                "attention",
+            ),
+            ("model.layers.0.mlp.act_fn.alpha_p", "dense mlp"),
+        ] {
+            assert_eq!(tensor_role(name), role, "{name}");
+        }
+    }
 }

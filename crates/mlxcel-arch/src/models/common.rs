@@ -151,6 +151,28 @@ impl CommonArgs {
     }
 }
 
+/// Reads the keys of a config that spells the common keys its own way (GPT-J, EXAONE 3): each
+/// hub-only key `alias` moves to its canonical name `key` (`(alias, key)` pairs, as transformers'
+/// `attribute_map` lists them) unless the canonical key is present, then the canonical keys are
+/// validated (as every other architecture's are before parsing) and `T` is read.
+pub fn parse_with_aliases<T: serde::de::DeserializeOwned>(
+    mut config: Value,
+    aliases: &[(&str, &str)],
+) -> std::result::Result<T, serde_json::Error> {
+    if let Value::Object(obj) = &mut config {
+        for (alias, key) in aliases {
+            if !obj.contains_key(*key) {
+                if let Some(v) = obj.remove(*alias) {
+                    obj.insert(key.to_string(), v);
+                }
+            }
+        }
+    }
+    crate::validate::validate_config(&config)
+        .map_err(|e| <serde_json::Error as serde::de::Error>::custom(e.to_string()))?;
+    serde_json::from_value(config)
+}
+
 /// The plain llama-shaped spec of `c`: pre-norm blocks, RMSNorm, bias-free projections, dense
 /// gated MLPs, global attention, rope on every layer. Architectures adjust the values that differ.
 pub fn base_spec(
@@ -186,6 +208,7 @@ pub fn base_spec(
         logit_scale: None,
         final_softcap: None,
         tie_word_embeddings: c.tie_word_embeddings.unwrap_or(tie_default),
+        lm_head_bias: false,
     })
 }
 
@@ -255,4 +278,18 @@ impl MoeArgs {
             None => c.intermediate(),
         }
     }
+}
+
+/// A small config of `model_type` with `extra` keys merged in, sanitised as a loader would:
+/// what the architectures' config tests parse.
+#[cfg(test)]
+pub(crate) fn test_config(model_type: &str, extra: serde_json::Value) -> serde_json::Value {
+    let mut config = serde_json::json!({
+        "model_type": model_type, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+    });
+    if let (Some(obj), serde_json::Value::Object(extra)) = (config.as_object_mut(), extra) {
+        obj.extend(extra);
+    }
+    crate::config::sanitize_config_json(config)
 }

@@ -26,6 +26,7 @@ use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
     Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind, QkNorm, QkvProjection,
     QueryProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
+    XIeluParams,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -207,6 +208,8 @@ pub enum BlockTopology {
     PostNorm,
     /// Cohere, Phi-2: `x = input_layernorm(h); h += mixer(x) + ffn(x)`.
     Parallel,
+    /// GPT-NeoX: `h += mixer(input_layernorm(h)) + ffn(post_attention_layernorm(h))`.
+    ParallelTwoNorms,
     /// State-space stacks (Mamba, Mamba-2): `h += mixer(input_layernorm(h))`, no feed-forward.
     MixerOnly,
 }
@@ -262,6 +265,8 @@ pub struct DecoderSpec {
     pub final_softcap: Option<f64>,
     /// The output head is the embedding table (no `lm_head` tensor).
     pub tie_word_embeddings: bool,
+    /// The (untied) output head has a bias (`lm_head.bias`: Phi-2).
+    pub lm_head_bias: bool,
 }
 
 impl DecoderSpec {
@@ -361,6 +366,8 @@ impl Mixer {
     }
 }
 
+// One feed-forward block per layer, built once: the size difference costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum FeedForward {
     Dense(Mlp),
@@ -453,6 +460,10 @@ enum BlockNorms {
     Parallel {
         input: Norm,
     },
+    ParallelTwoNorms {
+        mixer_in: Norm,
+        ffn_in: Norm,
+    },
     MixerOnly {
         mixer_in: Norm,
     },
@@ -535,6 +546,11 @@ impl Block {
                 let f = ffn.forward(&x)?;
                 add_scaled(h, &a.add(&f)?, s)
             }
+            (BlockNorms::ParallelTwoNorms { mixer_in, ffn_in }, s) => {
+                let a = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                let f = ffn.forward_fused(h, Some(ffn_in), None)?;
+                add_scaled(h, &a.add(&f)?, s)
+            }
             (BlockNorms::MixerOnly { .. }, _) => unreachable!("returned above"),
         }
     }
@@ -562,7 +578,12 @@ fn norm(w: &mut ModelWeights, spec: &DecoderSpec, name: &str, dim: i32) -> Resul
 /// The dense MLP under the open scope: `gate_proj`/`up_proj`/`down_proj` (`Plain`: `up_proj`
 /// and `down_proj` only).
 fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, intermediate: i32, gated: bool) -> Result<Mlp> {
-    let (h, b, act) = (spec.hidden, spec.mlp_bias, spec.act);
+    let (h, b) = (spec.hidden, spec.mlp_bias);
+    let act = match spec.act {
+        // A learned activation: this layer's own parameters.
+        Activation::XIelu(_) => Activation::XIelu(xielu_params(w)?),
+        act => act,
+    };
     if !gated {
         return Ok(Mlp::Plain {
             up: w.linear("up_proj", h, intermediate, b)?,
@@ -592,6 +613,25 @@ fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, intermediate: i32, gated: bool)
         },
         _ => unreachable!("linear_group returns one layer or all of them"),
     })
+}
+
+/// xIELU's parameters under the open scope (`act_fn.{alpha_p,alpha_n,beta,eps}`, each one
+/// value, stored as `[1]` or `[]`); `beta` and `eps` default to the published 0.5 and −1e-6.
+fn xielu_params(w: &mut ModelWeights) -> Result<XIeluParams> {
+    let mut scalar = |name: &str, default: Option<f32>| -> Result<f32> {
+        let name = format!("act_fn.{name}");
+        if let (Some(d), false) = (default, w.contains(&name)) {
+            return Ok(d);
+        }
+        let v = w
+            .tensor(&name, &[1])?
+            .astype(mlxcel_core::Dtype::Float32)?
+            .to_vec::<f32>()?;
+        Ok(v[0])
+    };
+    let (alpha_p, alpha_n) = (scalar("alpha_p", None)?, scalar("alpha_n", None)?);
+    let (beta, eps) = (scalar("beta", Some(0.5))?, scalar("eps", Some(-1e-6))?);
+    Ok(XIeluParams::from_stored(alpha_p, alpha_n, beta, eps))
 }
 
 /// Grouped-query attention under the open scope (`self_attn`).
@@ -878,6 +918,10 @@ impl Decoder {
                     BlockTopology::Parallel => BlockNorms::Parallel {
                         input: n("input_layernorm")?,
                     },
+                    BlockTopology::ParallelTwoNorms => BlockNorms::ParallelTwoNorms {
+                        mixer_in: n("input_layernorm")?,
+                        ffn_in: n("post_attention_layernorm")?,
+                    },
                     BlockTopology::MixerOnly => BlockNorms::MixerOnly {
                         mixer_in: n("input_layernorm")?,
                     },
@@ -892,7 +936,7 @@ impl Decoder {
         let lm_head = if spec.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
         } else {
-            Some(w.linear("lm_head", h, spec.vocab, false)?)
+            Some(w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?)
         };
         Ok(Decoder {
             embed,

@@ -16,6 +16,39 @@ pub enum Activation {
     Gelu,
     /// `relu`.
     Relu,
+    /// `xielu` (Apertus): a learned activation with per-layer parameters, read from the
+    /// checkpoint's `mlp.act_fn.*` when the MLP is built.
+    XIelu(XIeluParams),
+}
+
+/// The parameters of xIELU (<https://arxiv.org/abs/2411.13010>) in the form the formula uses:
+/// `x > 0: alpha_p·x² + beta·x`, else `(expm1(min(x, eps)) − x)·alpha_n + beta·x`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct XIeluParams {
+    /// `softplus(act_fn.alpha_p)`.
+    pub alpha_p: f32,
+    /// `beta + softplus(act_fn.alpha_n)`.
+    pub alpha_n: f32,
+    /// `act_fn.beta` (0.5 in the published checkpoints).
+    pub beta: f32,
+    /// `act_fn.eps` (−1e-6 in the published checkpoints).
+    pub eps: f32,
+}
+
+// Finite numbers read from a checkpoint: equality is reflexive.
+impl Eq for XIeluParams {}
+
+impl XIeluParams {
+    /// From the stored (pre-softplus) `alpha_p`, `alpha_n` and the `beta`, `eps` buffers.
+    pub fn from_stored(alpha_p: f32, alpha_n: f32, beta: f32, eps: f32) -> XIeluParams {
+        let softplus = |v: f32| (v as f64).exp().ln_1p() as f32;
+        XIeluParams {
+            alpha_p: softplus(alpha_p),
+            alpha_n: beta + softplus(alpha_n),
+            beta,
+            eps,
+        }
+    }
 }
 
 impl Activation {
@@ -38,7 +71,9 @@ impl Activation {
             Activation::Silu => GatedActivation::Silu,
             Activation::GeluTanh => GatedActivation::GeluTanh,
             Activation::Gelu => GatedActivation::Gelu,
-            Activation::Relu => return Ok(self.apply(gate)?.multiply(up)?),
+            Activation::Relu | Activation::XIelu(_) => {
+                return Ok(self.apply(gate)?.multiply(up)?)
+            }
         };
         Ok(gated_activation(kind, gate, up)?)
     }
@@ -60,6 +95,18 @@ impl Activation {
                 x.multiply(&e.add_scalar(1.0)?)?.mul_scalar(0.5)?
             }
             Activation::Relu => x.maximum(&x.scalar_like(0.0)?)?,
+            Activation::XIelu(p) => {
+                let linear = x.mul_scalar(p.beta as f64)?;
+                let positive = x.square()?.mul_scalar(p.alpha_p as f64)?.add(&linear)?;
+                let negative = x
+                    .minimum(&x.scalar_like(p.eps as f64)?)?
+                    .expm1()?
+                    .subtract(x)?
+                    .mul_scalar(p.alpha_n as f64)?
+                    .add(&linear)?;
+                let is_positive = x.greater(&x.scalar_like(0.0)?)?;
+                mlxcel_core::ops::where_(&is_positive, &positive, &negative)?
+            }
         })
     }
 }
