@@ -6,6 +6,7 @@ Needs only Python `mlx` (the GPU machine has no Rust toolchain):
   make_random_model.py make llama-8b  OUTDIR   Llama-3.1-8B shape, affine 4-bit g64, bf16 scales
   make_random_model.py make llama-8b OUTDIR --dense   the same shape unquantized, bf16 (16 GB)
   make_random_model.py make qwen3-30b-a3b OUTDIR   Qwen3-30B-A3B shape (128 experts, top-8)
+  make_random_model.py make llama-8b OUTDIR --vocab 49152   another vocabulary size
   make_random_model.py floor MODELDIR [--bandwidth GBPS]
       prints JSON: weight bytes, bytes read per decoded token, measured device copy bandwidth
       (a large MLX array copy: read + write bytes / time) and the decode floor in tok/s.
@@ -85,10 +86,13 @@ def layout(c):
     return head, layers, tail
 
 
-def make(shape, out, dense=False):
+def make(shape, out, dense=False, vocab=None):
     import mlx.core as mx
 
     c = dict(SHAPES[shape])
+    if vocab:
+        # To pair the shape with a smaller real tokenizer (the serving benchmark).
+        c["vocab_size"] = vocab
     if not dense:
         q = {"group_size": GROUP, "bits": BITS, "mode": "affine"}
         c["quantization"] = q
@@ -186,12 +190,13 @@ def main():
     m.add_argument("shape", choices=sorted(SHAPES))
     m.add_argument("out")
     m.add_argument("--dense", action="store_true", help="bf16 weights, no quantization")
+    m.add_argument("--vocab", type=int, help="vocabulary size instead of the shape's")
     fl = sub.add_parser("floor")
     fl.add_argument("model")
     fl.add_argument("--bandwidth", type=float, help="GB/s (measured when absent)")
     args = ap.parse_args()
     if args.cmd == "make":
-        make(args.shape, args.out, args.dense)
+        make(args.shape, args.out, args.dense, args.vocab)
     else:
         total, read = bytes_per_token(args.model)
         bw = args.bandwidth or bandwidth_gbps()
