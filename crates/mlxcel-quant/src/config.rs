@@ -76,7 +76,8 @@ impl QuantConfig {
     /// Reads `quantization` (or `quantization_config`, which mlx-lm writes as a copy) from a
     /// config. `Ok(None)` when the checkpoint is not MLX-quantized. Vendor blocks with a
     /// `quant_method` (fp8, gptq, awq, ...) are not MLX layouts and are refused here with the
-    /// method's name unless handled by a dedicated importer.
+    /// method's name unless handled by a dedicated importer; `mxfp4` (gpt-oss) is MLX's mxfp4
+    /// for every tensor stored with scales.
     pub fn from_config(config: &Value) -> Result<Option<QuantConfig>> {
         let (field, block) = match (
             config.get("quantization"),
@@ -91,6 +92,18 @@ impl QuantConfig {
             message: "expected an object".into(),
         })?;
         if let Some(method) = obj.get("quant_method").and_then(Value::as_str) {
+            if method == "mxfp4" {
+                // OpenAI's MXFP4 checkpoints (gpt-oss): the experts' `*_blocks` (two E2M1 codes
+                // per byte, low nibble first) and `*_scales` (E8M0, one per 32 inputs) are MLX's
+                // mxfp4 layout once the blocks are read as uint32 (the architecture's sanitiser
+                // renames them); every tensor without scales stays dense.
+                return Ok(Some(QuantConfig {
+                    mode: QuantMode::Mxfp4,
+                    group_size: 32,
+                    bits: 4,
+                    overrides: BTreeMap::new(),
+                }));
+            }
             return Err(QuantError::Config {
                 field: format!("{field}.quant_method"),
                 message: format!("`{method}` checkpoints are not MLX-quantized and are not supported by this loader"),

@@ -41,6 +41,8 @@ pub enum QkNormSpec {
     PerHeadWeights,
     /// Over the whole projection, before splitting heads.
     Full,
+    /// Over each head's features after rope, one weight shared by all heads (Hunyuan).
+    PerHeadAfterRope,
 }
 
 /// A shared expert next to the routed ones (`mlp.shared_expert`), optionally scaled by
@@ -75,6 +77,10 @@ pub struct MoeSpec {
     pub correction_bias: bool,
     /// Multiplies the routing weights (`routed_scaling_factor`).
     pub weight_scale: f32,
+    /// The router projection has a bias (`gate.bias`, gpt-oss).
+    pub router_bias: bool,
+    /// The experts' projections have biases (`switch_mlp.*.bias`, gpt-oss).
+    pub expert_bias: bool,
 }
 
 impl MoeSpec {
@@ -90,6 +96,8 @@ impl MoeSpec {
             group_limit: None,
             correction_bias: false,
             weight_scale: 1.0,
+            router_bias: false,
+            expert_bias: false,
         }
     }
 }
@@ -240,6 +248,8 @@ pub struct DecoderSpec {
     pub attn_scale: f32,
     /// Soft-cap of the attention scores (Gemma 2's `attn_logit_softcapping`).
     pub attn_softcap: Option<f32>,
+    /// Attention layers have per-head sinks (`self_attn.sinks`, gpt-oss).
+    pub attn_sinks: bool,
     /// The MLP activation.
     pub act: Activation,
     /// Where each block's norms sit.
@@ -627,6 +637,10 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
                 k: per_head(w, "k_norm", spec.kv_heads)?,
             }
         }
+        QkNormSpec::PerHeadAfterRope => QkNorm::PerHeadAfterRope {
+            q: norm(w, spec, "q_norm", hd)?,
+            k: norm(w, spec, "k_norm", hd)?,
+        },
         QkNormSpec::Full => QkNorm::Full {
             q: norm(w, spec, "q_norm", q_dim)?,
             k: norm(w, spec, "k_norm", kv_dim)?,
@@ -640,7 +654,18 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
         }
         None => None,
     };
+    let sinks = if spec.attn_sinks {
+        if spec.attn_softcap.is_some() {
+            return Err(ModelError::Unsupported(
+                "attention sinks together with attention soft-capping".into(),
+            ));
+        }
+        Some(w.tensor("sinks", &[spec.heads])?)
+    } else {
+        None
+    };
     Ok(Attention {
+        sinks,
         qkv,
         o: w.linear("o_proj", q_dim, h, spec.o_bias)?,
         qk_norm,
@@ -800,13 +825,28 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                 group_limit: m.group_limit,
                 weight_scale: m.weight_scale,
                 ..Router::top_k(
-                    w.linear("gate", h, m.experts, false)?,
+                    w.linear("gate", h, m.experts, m.router_bias)?,
                     m.top_k,
                     m.scoring,
                     m.normalize,
                 )
             };
-            let experts = w.routed_experts("", m.experts, h, m.intermediate, spec.act)?;
+            let mut experts = w.routed_experts("", m.experts, h, m.intermediate, spec.act)?;
+            if m.expert_bias {
+                let RoutedExperts::Resident(glu) = &mut experts else {
+                    return Err(ModelError::Unsupported(
+                        "streaming experts whose projections have biases".into(),
+                    ));
+                };
+                let mut bias = |name: &str, width: i32| {
+                    w.tensor(&format!("switch_mlp.{name}.bias"), &[m.experts, width])
+                };
+                glu.biases = Some(Box::new([
+                    bias("gate_proj", m.intermediate)?,
+                    bias("up_proj", m.intermediate)?,
+                    bias("down_proj", h)?,
+                ]));
+            }
             let shared = match m.shared {
                 Some(s) => {
                     let gate = if s.gated {

@@ -16,7 +16,16 @@ pub enum Activation {
     Gelu,
     /// `relu`.
     Relu,
+    /// gpt-oss's gated activation of its experts: `(clip(up, ±L) + 1) · g · sigmoid(α g)` with
+    /// `g = min(gate, L)`, at the checkpoints' constants α = [`OAI_SWIGLU_ALPHA`] and
+    /// L = [`OAI_SWIGLU_LIMIT`]. Gated only: never named by `hidden_act`.
+    OaiSwiglu,
 }
+
+/// α of [`Activation::OaiSwiglu`] (transformers' `swiglu_alpha`).
+pub const OAI_SWIGLU_ALPHA: f64 = 1.702;
+/// L of [`Activation::OaiSwiglu`] (transformers' `swiglu_limit`).
+pub const OAI_SWIGLU_LIMIT: f64 = 7.0;
 
 impl Activation {
     /// The activation a config's `hidden_act` / `hidden_activation` names, `None` when unknown.
@@ -39,6 +48,13 @@ impl Activation {
             Activation::GeluTanh => GatedActivation::GeluTanh,
             Activation::Gelu => GatedActivation::Gelu,
             Activation::Relu => return Ok(self.apply(gate)?.multiply(up)?),
+            Activation::OaiSwiglu => {
+                let limit = gate.scalar_like(OAI_SWIGLU_LIMIT)?;
+                let gate = gate.clip(None, Some(&limit))?;
+                let up = up.clip(Some(&up.scalar_like(-OAI_SWIGLU_LIMIT)?), Some(&limit))?;
+                let glu = gate.multiply(&gate.mul_scalar(OAI_SWIGLU_ALPHA)?.sigmoid()?)?;
+                return Ok(up.add_scalar(1.0)?.multiply(&glu)?);
+            }
         };
         Ok(gated_activation(kind, gate, up)?)
     }
@@ -60,6 +76,11 @@ impl Activation {
                 x.multiply(&e.add_scalar(1.0)?)?.mul_scalar(0.5)?
             }
             Activation::Relu => x.maximum(&x.scalar_like(0.0)?)?,
+            Activation::OaiSwiglu => {
+                return Err(crate::ModelError::Config(
+                    "internal: gpt-oss's swiglu is a gated activation".into(),
+                ))
+            }
         })
     }
 }
