@@ -284,3 +284,22 @@ fn gpt_oss_unsupported_values_are_refused_by_name() {
         mlxcel_arch::LayerKind::GlobalAttention { .. }
     ));
 }
+
+/// ERNIE 4.5's MoE keys with unusable values are refused naming the key; its MoE layer range
+/// (`moe_layer_start_index` .. `moe_layer_end_index`, -1 = the last layer) picks the layers.
+#[test]
+fn ernie4_5_moe_config_values_are_checked_by_name() {
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(mlxcel_tests::model_dir("ernie4_5_moe").join("config.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    for (key, value) in [("moe_k", json!(5)), ("moe_layer_end_index", json!(-3))] {
+        let mut bad = config.clone();
+        bad[key] = value;
+        let err = cache_schedule(ModelType::Ernie45Moe, &sanitize_config_json(bad))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(key), "{key}: {err}");
+    }
+}

@@ -54,6 +54,7 @@ macro_rules! for_each_model_registration {
             HunyuanMoe { names: ["hunyuan_v1_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::hunyuan::MoeModel, adapter: None },
             Glm4Moe { names: ["glm4_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::glm4_moe::Model, adapter: None },
             Dots1 { names: ["dots1"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::dots1::Model, adapter: None },
+            Ernie45Moe { names: ["ernie4_5_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::ernie4_5_moe::Model, adapter: None },
             GptOss { names: ["gpt_oss"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::gpt_oss::Model, adapter: None },
             Mamba { names: ["mamba", "falcon_mamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba::Model, adapter: None },
             Mamba2 { names: ["mamba2"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba2::Model, adapter: None },

@@ -187,6 +187,7 @@ pub fn base_spec(
         logit_scale: None,
         final_softcap: None,
         tie_word_embeddings: c.tie_word_embeddings.unwrap_or(tie_default),
+        lm_head_bias: false,
     })
 }
 

@@ -146,6 +146,7 @@ pub(crate) fn mixer_only_spec(
         logit_scale: None,
         final_softcap: None,
         tie_word_embeddings: tie,
+        lm_head_bias: false,
     }
 }
 

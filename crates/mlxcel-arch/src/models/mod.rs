@@ -9,6 +9,7 @@ pub mod bert;
 pub mod cohere;
 pub mod deepseek;
 pub mod dots1;
+pub mod ernie4_5_moe;
 pub mod exaone4;
 pub mod gemma;
 pub mod gemma2;

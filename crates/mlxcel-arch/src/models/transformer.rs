@@ -272,6 +272,9 @@ pub struct DecoderSpec {
     pub final_softcap: Option<f64>,
     /// The output head is the embedding table (no `lm_head` tensor).
     pub tie_word_embeddings: bool,
+    /// The output head has a bias (`lm_head.bias`, also next to a tied table: ERNIE 4.5 with
+    /// `use_bias`).
+    pub lm_head_bias: bool,
 }
 
 impl DecoderSpec {
@@ -557,6 +560,8 @@ pub struct Decoder {
     blocks: Vec<Block>,
     norm: Norm,
     lm_head: Option<Linear>,
+    /// `lm_head.bias` added to a tied head's logits (an untied head carries its own).
+    tied_head_bias: Option<Array>,
     embed_scale: Option<f64>,
     residual_scale: Option<f64>,
     logit_scale: Option<f64>,
@@ -929,16 +934,24 @@ impl Decoder {
         drop(body);
         // Tied heads reuse the embedding table (no second copy); an untied config without
         // `lm_head.weight` is an error naming the tensor.
-        let lm_head = if spec.tie_word_embeddings && !w.contains("lm_head.weight") {
-            None
+        let (lm_head, tied_head_bias) = if spec.tie_word_embeddings && !w.contains("lm_head.weight")
+        {
+            let bias = if spec.lm_head_bias {
+                Some(w.tensor("lm_head.bias", &[spec.vocab])?)
+            } else {
+                None
+            };
+            (None, bias)
         } else {
-            Some(w.linear("lm_head", h, spec.vocab, false)?)
+            let head = w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?;
+            (Some(head), None)
         };
         Ok(Decoder {
             embed,
             blocks,
             norm: final_norm,
             lm_head,
+            tied_head_bias,
             embed_scale: spec.embed_scale,
             residual_scale: spec.residual_scale,
             logit_scale: spec.logit_scale,
@@ -1019,7 +1032,13 @@ impl Decoder {
         };
         let mut logits = match &self.lm_head {
             Some(head) => head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?,
-            None => self.embed.as_linear(&self.norm.forward(&h)?)?,
+            None => {
+                let logits = self.embed.as_linear(&self.norm.forward(&h)?)?;
+                match &self.tied_head_bias {
+                    Some(b) => logits.add(b)?,
+                    None => logits,
+                }
+            }
         };
         if let Some(s) = self.logit_scale {
             logits = logits.mul_scalar(s)?;
