@@ -303,3 +303,34 @@ fn ernie4_5_moe_config_values_are_checked_by_name() {
         assert!(err.contains(key), "{key}: {err}");
     }
 }
+
+/// Fused q/k/v and gate/up projections (`fuse_projections`, the GPU default) under the new
+/// attention variants (sinks with biases, qk-norm after rope, a tied head with a bias): the
+/// fused model computes what the stored layers compute and matches the reference.
+#[test]
+fn fused_projections_keep_the_new_attention_variants() {
+    for name in [
+        "gpt_oss",
+        "gpt_oss-mxfp4",
+        "hunyuan_v1_moe",
+        "ernie4_5_moe",
+        "glm4_moe",
+    ] {
+        let r = reference(name);
+        let logits = |fuse: bool| {
+            let options = LoadOptions {
+                skip_tokenizer: true,
+                fuse_projections: Some(fuse),
+                ..Default::default()
+            };
+            let loaded = load_model(mlxcel_tests::model_dir(name), &options)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            logits_for(&loaded.model, &r.prompt_ids)
+        };
+        let (fused, stored) = (logits(true), logits(false));
+        let (diff, _) = max_abs_diff(&fused, &stored);
+        assert!(diff <= 1e-5, "{name}: fused differs by {diff:.2e}");
+        let (to_reference, _) = max_abs_diff(&fused, &r.logits);
+        assert!(to_reference < 2e-4, "{name}: {to_reference:.2e}");
+    }
+}

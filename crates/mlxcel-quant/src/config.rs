@@ -157,3 +157,27 @@ impl QuantConfig {
             })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_mxfp4_checkpoints_read_as_mlx_mxfp4() {
+        // gpt-oss's block, as the hub ships it.
+        let cfg = serde_json::json!({"quantization_config": {
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                       "model.embed_tokens", "lm_head"],
+            "quant_method": "mxfp4"}});
+        let q = QuantConfig::from_config(&cfg).unwrap().unwrap();
+        assert_eq!((q.mode, q.group_size, q.bits), (QuantMode::Mxfp4, 32, 4));
+        assert!(q.overrides.is_empty());
+        // Other vendor methods are still refused by name.
+        let gptq = serde_json::json!({"quantization_config": {"quant_method": "gptq"}});
+        let err = QuantConfig::from_config(&gptq).unwrap_err().to_string();
+        assert!(
+            err.contains("quant_method") && err.contains("gptq"),
+            "{err}"
+        );
+    }
+}
