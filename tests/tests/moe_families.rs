@@ -135,13 +135,10 @@ fn hunyuan_unsupported_values_are_refused_by_name() {
     assert!(err.contains("num_experts"), "{err}");
 }
 
-/// mlx-lm's `hunyuan` keeps the top-k of the softmax over all experts unnormalised;
-/// transformers' `HunYuanMoEV1Gate` (the reference) renormalises them. mlxcel follows
-/// transformers, so its logits sit far from mlx-lm's (`models/hunyuan_v1_moe/mlx_lm_logits.safetensors`,
-/// written by `generate.py --stage mlx-lm-diffs`).
-#[test]
-fn hunyuan_moe_follows_transformers_where_mlx_lm_skips_the_renormalisation() {
-    let name = "hunyuan_v1_moe";
+/// mlxcel's logits for fixture `name` against transformers' (its reference) and against
+/// mlx-lm's (`mlx_lm_logits.safetensors`, written by `generate.py --stage mlx-lm-diffs` where
+/// the two disagree): (distance to transformers, distance to mlx-lm).
+fn distances_to_transformers_and_mlx_lm(name: &str) -> (f32, f32) {
     let options = LoadOptions {
         skip_tokenizer: true,
         ..Default::default()
@@ -159,12 +156,35 @@ fn hunyuan_moe_follows_transformers_where_mlx_lm_skips_the_renormalisation() {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    let (to_transformers, _) = max_abs_diff(&got, &r.logits);
-    let (to_mlx_lm, _) = max_abs_diff(&got, &mlx_lm);
+    (
+        max_abs_diff(&got, &r.logits).0,
+        max_abs_diff(&got, &mlx_lm).0,
+    )
+}
+
+/// mlx-lm's `hunyuan` keeps the top-k of the softmax over all experts unnormalised;
+/// transformers' `HunYuanMoEV1Gate` (the reference) renormalises them. mlxcel follows
+/// transformers, so its logits sit far from mlx-lm's.
+#[test]
+fn hunyuan_moe_follows_transformers_where_mlx_lm_skips_the_renormalisation() {
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("hunyuan_v1_moe");
     assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
     assert!(
         to_mlx_lm > 1.0,
         "mlx-lm's hunyuan routing now matches? {to_mlx_lm:.3}"
+    );
+}
+
+/// gpt-oss's yarn rope says `truncate: false`; mlx-lm's yarn ignores the key and always rounds
+/// the correction range (with `truncate: true` the two agree, which the gpt_oss-affine4-g32
+/// conversion relies on). mlxcel follows transformers.
+#[test]
+fn gpt_oss_follows_transformers_where_mlx_lm_truncates_the_yarn_range() {
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("gpt_oss");
+    assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
+    assert!(
+        to_mlx_lm > 1.0,
+        "mlx-lm's yarn now honours truncate? {to_mlx_lm:.3}"
     );
 }
 

@@ -136,9 +136,7 @@ impl Args {
 impl DecoderArgs for Args {
     fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
         for i in 0..self.common.num_hidden_layers {
-            let mlp = format!("model.layers.{i}.mlp");
-            weights.rename_prefix(&format!("{mlp}.router."), &format!("{mlp}.gate."))?;
-            self.split_experts(weights, &mlp)?;
+            self.split_experts(weights, &format!("model.layers.{i}.mlp"))?;
         }
         Ok(())
     }
@@ -170,6 +168,8 @@ impl DecoderArgs for Args {
         for ffn in &mut spec.ffn {
             match ffn {
                 FfnSpec::Moe(m) => {
+                    // mlx-lm quantizes the router at 8 bits with an override keyed by its name.
+                    m.router = "router";
                     m.router_bias = true;
                     m.expert_bias = true;
                 }

@@ -77,7 +77,10 @@ pub struct MoeSpec {
     pub correction_bias: bool,
     /// Multiplies the routing weights (`routed_scaling_factor`).
     pub weight_scale: f32,
-    /// The router projection has a bias (`gate.bias`, gpt-oss).
+    /// The router projection's name under `mlp` (`gate`; gpt-oss: `router`, kept so per-module
+    /// quantization overrides keyed by it apply).
+    pub router: &'static str,
+    /// The router projection has a bias (`router.bias`, gpt-oss).
     pub router_bias: bool,
     /// The experts' projections have biases (`switch_mlp.*.bias`, gpt-oss).
     pub expert_bias: bool,
@@ -96,6 +99,7 @@ impl MoeSpec {
             group_limit: None,
             correction_bias: false,
             weight_scale: 1.0,
+            router: "gate",
             router_bias: false,
             expert_bias: false,
         }
@@ -830,7 +834,7 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                 group_limit: m.group_limit,
                 weight_scale: m.weight_scale,
                 ..Router::top_k(
-                    w.linear("gate", h, m.experts, m.router_bias)?,
+                    w.linear(m.router, h, m.experts, m.router_bias)?,
                     m.top_k,
                     m.scoring,
                     m.normalize,
