@@ -188,29 +188,19 @@ fn gpt_oss_follows_transformers_where_mlx_lm_truncates_the_yarn_range() {
     );
 }
 
-/// GLM-4.5 checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the
-/// last decoder layer (`model.layers.{num_hidden_layers}.*`): they are dropped at load, not
-/// refused as unexpected tensors, and the logits do not change.
-#[test]
-fn glm4_moe_drops_the_multi_token_prediction_layer() {
-    let name = "glm4_moe";
-    let dir = copy_fixture(name);
-    let path = dir.path().join("model.safetensors");
+/// `dir`'s `model.safetensors` plus `extra` float32 tensors (name, shape, values).
+fn add_tensors(dir: &std::path::Path, extra: &[(&str, Vec<usize>, Vec<f32>)]) {
+    let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    // The checkpoint plus a copy of layer 1 as layer 2 (the MTP layer's shape).
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (tensor_name, view) in st.tensors() {
-        let shape = view.shape().to_vec();
-        let data = view.data().to_vec();
-        if let Some(rest) = tensor_name.strip_prefix("model.layers.1.") {
-            tensors.push((
-                format!("model.layers.2.{rest}"),
-                shape.clone(),
-                data.clone(),
-            ));
-        }
-        tensors.push((tensor_name, shape, data));
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    for (name, shape, values) in extra {
+        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        tensors.push((name.to_string(), shape.clone(), data));
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
@@ -222,6 +212,68 @@ fn glm4_moe_drops_the_multi_token_prediction_layer() {
         })
         .collect();
     safetensors::serialize_to_file(views, &None, &path).unwrap();
+}
+
+/// ERNIE 4.5 releases carry multi-token-prediction tensors (`model.mtp_block.0.*`,
+/// `model.mtp_emb_norm.0.*`, ...) that transformers ignores: dropped at load, not refused.
+#[test]
+fn ernie4_5_moe_ignores_the_multi_token_prediction_tensors() {
+    let name = "ernie4_5_moe";
+    let dir = copy_fixture(name);
+    add_tensors(
+        dir.path(),
+        &[
+            (
+                "model.mtp_block.0.self_attn.q_proj.weight",
+                vec![64, 64],
+                vec![0.5; 64 * 64],
+            ),
+            ("model.mtp_emb_norm.0.weight", vec![64], vec![1.0; 64]),
+            (
+                "model.mtp_linear_proj.0.weight",
+                vec![64, 128],
+                vec![0.1; 64 * 128],
+            ),
+        ],
+    );
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let loaded = load_model(dir.path(), &options).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r = reference(name);
+    let (diff, _) = max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits);
+    assert!(diff < 2e-4, "{diff:.2e}");
+}
+
+/// GLM-4.5 checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the
+/// last decoder layer (`model.layers.{num_hidden_layers}.*`): they are dropped at load, not
+/// refused as unexpected tensors, and the logits do not change.
+#[test]
+fn glm4_moe_drops_the_multi_token_prediction_layer() {
+    let name = "glm4_moe";
+    let dir = copy_fixture(name);
+    // A copy of layer 1 as layer 2 (the MTP layer's shape).
+    let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let layer2: Vec<(String, Vec<usize>, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .filter_map(|(n, v)| {
+            let rest = n.strip_prefix("model.layers.1.")?;
+            let values = v
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            Some((format!("model.layers.2.{rest}"), v.shape().to_vec(), values))
+        })
+        .collect();
+    let extra: Vec<(&str, Vec<usize>, Vec<f32>)> = layer2
+        .iter()
+        .map(|(n, shape, values)| (n.as_str(), shape.clone(), values.clone()))
+        .collect();
+    add_tensors(dir.path(), &extra);
     let config_path = dir.path().join("config.json");
     let mut config: Value =
         serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();

@@ -4,7 +4,7 @@
 //! renormalised), ungated shared experts (`moe_num_shared_experts · moe_intermediate_size`), and
 //! MoE on every `moe_layer_interval`-th layer from `moe_layer_start_index` to
 //! `moe_layer_end_index` (dense MLPs elsewhere). The multi-token-prediction tensors some releases
-//! carry (`model.mtp_*`) are not part of the forward pass and are dropped.
+//! carry (`model.mtp_block.*`, `model.mtp_emb_norm.*`, ...) are not part of the forward pass and are dropped.
 
 use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
@@ -66,7 +66,9 @@ impl DecoderArgs for Args {
         let n = self.common.num_hidden_layers;
         let mtp: Vec<String> = weights
             .names()
-            .filter(|name| name.starts_with("model.mtp"))
+            // transformers ignores any key with an `mtp` part (`model.mtp_block.0.*`,
+            // `model.mtp_emb_norm.0.*`, ...).
+            .filter(|name| name.split('.').any(|part| part.starts_with("mtp")))
             .map(str::to_string)
             .collect();
         for name in mtp {
