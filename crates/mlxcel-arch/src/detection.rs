@@ -134,15 +134,25 @@ pub fn get_model_type(config: &Value, has_vision_weights: bool) -> Result<ModelT
         )));
     }
     if model_type == "hunyuan" {
-        let moe = config
-            .get("num_experts")
-            .and_then(Value::as_i64)
-            .unwrap_or(1)
-            > 1;
-        return Err(ModelError::Unsupported(format!(
-            "model_type `hunyuan` ({} variant) is not supported yet",
-            if moe { "MoE" } else { "dense" }
-        )));
+        // The older `hunyuan` type names both variants: MoE when it has more than one expert
+        // (`num_experts` a number, or a per-layer list), else dense.
+        let moe = match config.get("num_experts") {
+            None => false,
+            Some(Value::Array(per_layer)) => per_layer.iter().any(|e| e.as_i64() > Some(1)),
+            Some(n) => match n.as_i64() {
+                Some(n) => n > 1,
+                None => {
+                    return Err(ModelError::Config(format!(
+                        "num_experts = {n}: wrong type: must be an integer"
+                    )))
+                }
+            },
+        };
+        return Ok(if moe {
+            ModelType::HunyuanMoe
+        } else {
+            ModelType::HunyuanDense
+        });
     }
     let supported: Vec<&str> = DESCRIPTORS
         .iter()

@@ -31,6 +31,8 @@ enum Rule {
     StrList,
     /// A list of non-negative integers.
     IntList,
+    /// An integer in `1..=max`, or a list of them (a per-layer value, Hunyuan).
+    PosIntOrList(u64),
 }
 
 const DIM: u64 = 1 << 24;
@@ -47,7 +49,9 @@ const RULES: &[(&str, Rule)] = &[
     ("num_key_value_heads", Rule::PosInt(HEADS)),
     ("head_dim", Rule::PosInt(HEADS)),
     ("intermediate_size", Rule::PosInt(DIM)),
-    ("moe_intermediate_size", Rule::PosInt(DIM)),
+    ("moe_intermediate_size", Rule::PosIntOrList(DIM)),
+    ("moe_topk", Rule::PosIntOrList(HEADS)),
+    ("num_shared_expert", Rule::PosIntOrList(HEADS)),
     ("shared_expert_intermediate_size", Rule::PosInt(DIM)),
     ("vocab_size", Rule::PosInt(I32)),
     ("max_position_embeddings", Rule::PosInt(I32)),
@@ -191,6 +195,15 @@ fn check(key: &str, value: &Value, rule: Rule) -> Result<()> {
         Rule::StrList => match value {
             Value::Array(items) if items.iter().all(Value::is_string) => Ok(()),
             _ => Err(err(key, value, "wrong type: must be a list of strings")),
+        },
+        Rule::PosIntOrList(max) => match value {
+            Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    check(&format!("{key}[{i}]"), item, Rule::PosInt(max))?;
+                }
+                Ok(())
+            }
+            _ => int(1, max),
         },
         Rule::IntList => match value {
             Value::Array(items) if items.iter().all(|v| v.as_u64().is_some()) => Ok(()),

@@ -596,6 +596,7 @@ impl ModelWeights {
                     hidden,
                 )?,
                 act,
+                biases: None,
             }));
         };
         if entry.experts != experts as usize {

@@ -76,7 +76,8 @@ impl QuantConfig {
     /// Reads `quantization` (or `quantization_config`, which mlx-lm writes as a copy) from a
     /// config. `Ok(None)` when the checkpoint is not MLX-quantized. Vendor blocks with a
     /// `quant_method` (fp8, gptq, awq, ...) are not MLX layouts and are refused here with the
-    /// method's name unless handled by a dedicated importer.
+    /// method's name unless handled by a dedicated importer; `mxfp4` (gpt-oss) is MLX's mxfp4
+    /// for every tensor stored with scales.
     pub fn from_config(config: &Value) -> Result<Option<QuantConfig>> {
         let (field, block) = match (
             config.get("quantization"),
@@ -91,6 +92,18 @@ impl QuantConfig {
             message: "expected an object".into(),
         })?;
         if let Some(method) = obj.get("quant_method").and_then(Value::as_str) {
+            if method == "mxfp4" {
+                // OpenAI's MXFP4 checkpoints (gpt-oss): the experts' `*_blocks` (two E2M1 codes
+                // per byte, low nibble first) and `*_scales` (E8M0, one per 32 inputs) are MLX's
+                // mxfp4 layout once the blocks are read as uint32 (the architecture's sanitiser
+                // renames them); every tensor without scales stays dense.
+                return Ok(Some(QuantConfig {
+                    mode: QuantMode::Mxfp4,
+                    group_size: 32,
+                    bits: 4,
+                    overrides: BTreeMap::new(),
+                }));
+            }
             return Err(QuantError::Config {
                 field: format!("{field}.quant_method"),
                 message: format!("`{method}` checkpoints are not MLX-quantized and are not supported by this loader"),
@@ -142,5 +155,29 @@ impl QuantConfig {
                 group_size: self.group_size,
                 bits: self.bits,
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_mxfp4_checkpoints_read_as_mlx_mxfp4() {
+        // gpt-oss's block, as the hub ships it.
+        let cfg = serde_json::json!({"quantization_config": {
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                       "model.embed_tokens", "lm_head"],
+            "quant_method": "mxfp4"}});
+        let q = QuantConfig::from_config(&cfg).unwrap().unwrap();
+        assert_eq!((q.mode, q.group_size, q.bits), (QuantMode::Mxfp4, 32, 4));
+        assert!(q.overrides.is_empty());
+        // Other vendor methods are still refused by name.
+        let gptq = serde_json::json!({"quantization_config": {"quant_method": "gptq"}});
+        let err = QuantConfig::from_config(&gptq).unwrap_err().to_string();
+        assert!(
+            err.contains("quant_method") && err.contains("gptq"),
+            "{err}"
+        );
     }
 }

@@ -197,6 +197,7 @@ pub fn base_spec(
         qk_norm: QkNormSpec::None,
         attn_scale: 1.0 / (c.head_dim() as f32).sqrt(),
         attn_softcap: None,
+        attn_sinks: false,
         act: c.activation(act_default)?,
         topology: BlockTopology::PreNorm,
         mixers: vec![MixerSpec::Attention; n],
@@ -292,4 +293,107 @@ pub(crate) fn test_config(model_type: &str, extra: serde_json::Value) -> serde_j
         obj.extend(extra);
     }
     crate::config::sanitize_config_json(config)
+}
+
+/// Config fields of the DeepSeek-V3-style mixture of experts that GLM-4.5 (`glm4_moe`) and
+/// dots.llm1 (`dots1`) put on grouped-query attention: sigmoid routing with an
+/// `e_score_correction_bias` for the choice, groups scored by their two best experts, ungated
+/// shared experts, dense MLPs on the first `first_k_dense_replace` layers. The defaults differ
+/// per architecture, so the optional keys are read as options and [`V3MoeDefaults`] fills them.
+#[derive(Debug, Clone, Deserialize)]
+pub struct V3MoeArgs {
+    /// `n_routed_experts`: routed experts per MoE layer (required).
+    pub n_routed_experts: i32,
+    /// `num_experts_per_tok`: experts per token (required).
+    pub num_experts_per_tok: i32,
+    /// `moe_intermediate_size`: width of one expert (required).
+    pub moe_intermediate_size: i32,
+    /// `n_shared_experts`: shared experts, run as one MLP `n · moe_intermediate_size` wide.
+    #[serde(default)]
+    pub n_shared_experts: Option<i32>,
+    /// `first_k_dense_replace`: the first this-many layers keep a dense MLP.
+    #[serde(default)]
+    pub first_k_dense_replace: Option<usize>,
+    /// `norm_topk_prob`: renormalise the kept weights to sum to one.
+    #[serde(default)]
+    pub norm_topk_prob: Option<bool>,
+    /// `routed_scaling_factor`: multiplies the routing weights; default 1.
+    #[serde(default)]
+    pub routed_scaling_factor: Option<f64>,
+    /// `n_group`: expert groups (divides `n_routed_experts`); default 1.
+    #[serde(default)]
+    pub n_group: Option<i32>,
+    /// `topk_group`: groups a token may route to; default 1.
+    #[serde(default)]
+    pub topk_group: Option<i32>,
+}
+
+/// An architecture's defaults for the optional [`V3MoeArgs`] keys (transformers' config
+/// defaults).
+#[derive(Debug, Clone, Copy)]
+pub struct V3MoeDefaults {
+    /// `n_shared_experts` when absent.
+    pub shared_experts: Option<i32>,
+    /// `first_k_dense_replace` when absent.
+    pub first_k_dense_replace: usize,
+    /// `norm_topk_prob` when absent.
+    pub norm_topk_prob: bool,
+}
+
+impl V3MoeArgs {
+    /// Turns the layers from `first_k_dense_replace` on into expert blocks.
+    pub fn apply(
+        &self,
+        spec: &mut super::transformer::DecoderSpec,
+        defaults: V3MoeDefaults,
+    ) -> Result<()> {
+        use super::transformer::{FfnSpec, MoeSpec, SharedExpertSpec};
+        use crate::nn::{GroupLimit, GroupScore, RouterScoring};
+        let experts = self.n_routed_experts;
+        let (groups, keep) = (self.n_group.unwrap_or(1), self.topk_group.unwrap_or(1));
+        if groups <= 0 || experts % groups != 0 || keep <= 0 || keep > groups {
+            return Err(ModelError::Config(format!(
+                "n_group = {groups}, topk_group = {keep}: n_group must divide n_routed_experts = \
+                 {experts} and topk_group be between 1 and n_group"
+            )));
+        }
+        if self.num_experts_per_tok > experts {
+            return Err(ModelError::Config(format!(
+                "num_experts_per_tok = {}: must be at most n_routed_experts = {experts}",
+                self.num_experts_per_tok
+            )));
+        }
+        let intermediate = self.moe_intermediate_size;
+        let moe = MoeSpec {
+            scoring: RouterScoring::Sigmoid,
+            group_limit: Some(GroupLimit {
+                groups,
+                keep,
+                score: GroupScore::TopTwoSum,
+            }),
+            correction_bias: true,
+            weight_scale: self.routed_scaling_factor.unwrap_or(1.0) as f32,
+            shared: self
+                .n_shared_experts
+                .or(defaults.shared_experts)
+                .filter(|&s| s > 0)
+                .map(|s| SharedExpertSpec {
+                    intermediate: intermediate * s,
+                    gated: false,
+                }),
+            ..MoeSpec::softmax(
+                experts,
+                self.num_experts_per_tok,
+                intermediate,
+                self.norm_topk_prob.unwrap_or(defaults.norm_topk_prob),
+            )
+        };
+        let first_moe = self
+            .first_k_dense_replace
+            .unwrap_or(defaults.first_k_dense_replace);
+        for ffn in spec.ffn.iter_mut().skip(first_moe) {
+            *ffn = FfnSpec::Moe(moe.clone());
+        }
+        Ok(())
+    }
 }

@@ -42,6 +42,8 @@ pub enum QkNormSpec {
     PerHeadWeights,
     /// Over the whole projection, before splitting heads.
     Full,
+    /// Over each head's features after rope, one weight shared by all heads (Hunyuan).
+    PerHeadAfterRope,
 }
 
 /// A shared expert next to the routed ones (`mlp.shared_expert`), optionally scaled by
@@ -76,6 +78,13 @@ pub struct MoeSpec {
     pub correction_bias: bool,
     /// Multiplies the routing weights (`routed_scaling_factor`).
     pub weight_scale: f32,
+    /// The router projection's name under `mlp` (`gate`; gpt-oss: `router`, kept so per-module
+    /// quantization overrides keyed by it apply).
+    pub router: &'static str,
+    /// The router projection has a bias (`router.bias`, gpt-oss).
+    pub router_bias: bool,
+    /// The experts' projections have biases (`switch_mlp.*.bias`, gpt-oss).
+    pub expert_bias: bool,
 }
 
 impl MoeSpec {
@@ -91,6 +100,9 @@ impl MoeSpec {
             group_limit: None,
             correction_bias: false,
             weight_scale: 1.0,
+            router: "gate",
+            router_bias: false,
+            expert_bias: false,
         }
     }
 }
@@ -243,6 +255,8 @@ pub struct DecoderSpec {
     pub attn_scale: f32,
     /// Soft-cap of the attention scores (Gemma 2's `attn_logit_softcapping`).
     pub attn_softcap: Option<f32>,
+    /// Attention layers have per-head sinks (`self_attn.sinks`, gpt-oss).
+    pub attn_sinks: bool,
     /// The MLP activation.
     pub act: Activation,
     /// Where each block's norms sit.
@@ -265,7 +279,8 @@ pub struct DecoderSpec {
     pub final_softcap: Option<f64>,
     /// The output head is the embedding table (no `lm_head` tensor).
     pub tie_word_embeddings: bool,
-    /// The (untied) output head has a bias (`lm_head.bias`: Phi-2).
+    /// The output head has a bias (`lm_head.bias`, also next to a tied table: ERNIE 4.5 with
+    /// `use_bias`).
     pub lm_head_bias: bool,
 }
 
@@ -563,6 +578,8 @@ pub struct Decoder {
     blocks: Vec<Block>,
     norm: Norm,
     lm_head: Option<Linear>,
+    /// `lm_head.bias` added to a tied head's logits (an untied head carries its own).
+    tied_head_bias: Option<Array>,
     embed_scale: Option<f64>,
     residual_scale: Option<f64>,
     logit_scale: Option<f64>,
@@ -667,6 +684,10 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
                 k: per_head(w, "k_norm", spec.kv_heads)?,
             }
         }
+        QkNormSpec::PerHeadAfterRope => QkNorm::PerHeadAfterRope {
+            q: norm(w, spec, "q_norm", hd)?,
+            k: norm(w, spec, "k_norm", hd)?,
+        },
         QkNormSpec::Full => QkNorm::Full {
             q: norm(w, spec, "q_norm", q_dim)?,
             k: norm(w, spec, "k_norm", kv_dim)?,
@@ -680,7 +701,18 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
         }
         None => None,
     };
+    let sinks = if spec.attn_sinks {
+        if spec.attn_softcap.is_some() {
+            return Err(ModelError::Unsupported(
+                "attention sinks together with attention soft-capping".into(),
+            ));
+        }
+        Some(w.tensor("sinks", &[spec.heads])?)
+    } else {
+        None
+    };
     Ok(Attention {
+        sinks,
         qkv,
         o: w.linear("o_proj", q_dim, h, spec.o_bias)?,
         qk_norm,
@@ -840,13 +872,28 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                 group_limit: m.group_limit,
                 weight_scale: m.weight_scale,
                 ..Router::top_k(
-                    w.linear("gate", h, m.experts, false)?,
+                    w.linear(m.router, h, m.experts, m.router_bias)?,
                     m.top_k,
                     m.scoring,
                     m.normalize,
                 )
             };
-            let experts = w.routed_experts("", m.experts, h, m.intermediate, spec.act)?;
+            let mut experts = w.routed_experts("", m.experts, h, m.intermediate, spec.act)?;
+            if m.expert_bias {
+                let RoutedExperts::Resident(glu) = &mut experts else {
+                    return Err(ModelError::Unsupported(
+                        "streaming experts whose projections have biases".into(),
+                    ));
+                };
+                let mut bias = |name: &str, width: i32| {
+                    w.tensor(&format!("switch_mlp.{name}.bias"), &[m.experts, width])
+                };
+                glu.biases = Some(Box::new([
+                    bias("gate_proj", m.intermediate)?,
+                    bias("up_proj", m.intermediate)?,
+                    bias("down_proj", h)?,
+                ]));
+            }
             let shared = match m.shared {
                 Some(s) => {
                     let gate = if s.gated {
@@ -933,16 +980,24 @@ impl Decoder {
         drop(body);
         // Tied heads reuse the embedding table (no second copy); an untied config without
         // `lm_head.weight` is an error naming the tensor.
-        let lm_head = if spec.tie_word_embeddings && !w.contains("lm_head.weight") {
-            None
+        let (lm_head, tied_head_bias) = if spec.tie_word_embeddings && !w.contains("lm_head.weight")
+        {
+            let bias = if spec.lm_head_bias {
+                Some(w.tensor("lm_head.bias", &[spec.vocab])?)
+            } else {
+                None
+            };
+            (None, bias)
         } else {
-            Some(w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?)
+            let head = w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?;
+            (Some(head), None)
         };
         Ok(Decoder {
             embed,
             blocks,
             norm: final_norm,
             lm_head,
+            tied_head_bias,
             embed_scale: spec.embed_scale,
             residual_scale: spec.residual_scale,
             logit_scale: spec.logit_scale,
@@ -1023,7 +1078,13 @@ impl Decoder {
         };
         let mut logits = match &self.lm_head {
             Some(head) => head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?,
-            None => self.embed.as_linear(&self.norm.forward(&h)?)?,
+            None => {
+                let logits = self.embed.as_linear(&self.norm.forward(&h)?)?;
+                match &self.tied_head_bias {
+                    Some(b) => logits.add(b)?,
+                    None => logits,
+                }
+            }
         };
         if let Some(s) = self.logit_scale {
             logits = logits.mul_scalar(s)?;

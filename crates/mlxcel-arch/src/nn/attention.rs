@@ -25,7 +25,7 @@ pub enum QkvProjection {
     Fused(Linear),
 }
 
-/// Normalisation of queries and keys before rope.
+/// Normalisation of queries and keys (before rope, except [`QkNorm::PerHeadAfterRope`]).
 #[derive(Debug, Clone)]
 pub enum QkNorm {
     /// No query/key normalisation.
@@ -47,6 +47,15 @@ pub enum QkNorm {
     },
     /// Over the whole projection, before splitting heads (olmoe).
     Full {
+        /// Query norm.
+        q: Norm,
+        /// Key norm.
+        k: Norm,
+    },
+    /// Over each head's `head_dim` features like [`QkNorm::PerHead`], but of the rotated
+    /// queries and keys (Hunyuan's `query_layernorm`/`key_layernorm`): the norm's weight is
+    /// per feature, so it does not commute with rope.
+    PerHeadAfterRope {
         /// Query norm.
         q: Norm,
         /// Key norm.
@@ -79,12 +88,15 @@ pub struct Attention {
     pub qkv: QkvProjection,
     /// `o_proj`: `n_heads * head_dim` → hidden.
     pub o: Linear,
-    /// Normalisation of queries and keys before rope.
+    /// Normalisation of queries and keys.
     pub qk_norm: QkNorm,
     /// The rotary embedding, `None` for layers without positions (NoPE layers).
     pub rope: Option<RotaryEmbedding>,
     /// Heads, widths, scale, soft-cap and window.
     pub cfg: AttentionConfig,
+    /// Per-head attention sinks `[n_heads]` (gpt-oss's `sinks`): a learned logit each query's
+    /// softmax also normalises over, with no value behind it.
+    pub sinks: Option<Array>,
 }
 
 impl Attention {
@@ -146,6 +158,10 @@ impl Attention {
                 }
             }
         }
+        if let QkNorm::PerHeadAfterRope { q: qn, k: kn } = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
         let (keys, values, mask) = cache.update(&k, &v, c.window)?;
         match c.softcap {
             None => {
@@ -155,7 +171,12 @@ impl Attention {
                     Mask::Array(a) => AttentionMask::Array(a),
                 };
                 Ok(ops::scaled_dot_product_attention(
-                    &q, &keys, &values, c.scale, m, None,
+                    &q,
+                    &keys,
+                    &values,
+                    c.scale,
+                    m,
+                    self.sinks.as_ref(),
                 )?)
             }
             Some(cap) => manual_attention(&q, &keys, &values, c.scale, Some(cap), &mask),
@@ -192,7 +213,10 @@ impl Attention {
         match (&self.qkv, &self.qk_norm) {
             (
                 QkvProjection::Fused(qkv),
-                QkNorm::None | QkNorm::PerHead { .. } | QkNorm::PerHeadWeights { .. },
+                QkNorm::None
+                | QkNorm::PerHead { .. }
+                | QkNorm::PerHeadWeights { .. }
+                | QkNorm::PerHeadAfterRope { .. },
             ) => {
                 let all = heads(
                     &qkv.forward_fused(x, input, None)?,

@@ -19,6 +19,10 @@ pub enum Activation {
     /// `xielu` (Apertus): a learned activation with per-layer parameters, read from the
     /// checkpoint's `mlp.act_fn.*` when the MLP is built.
     XIelu(XIeluParams),
+    /// gpt-oss's gated activation of its experts: `(clip(up, ±L) + 1) · g · sigmoid(α g)` with
+    /// `g = min(gate, L)`, at the checkpoints' constants α = [`OAI_SWIGLU_ALPHA`] and
+    /// L = [`OAI_SWIGLU_LIMIT`]. Gated only: never named by `hidden_act`.
+    OaiSwiglu,
 }
 
 /// The parameters of xIELU (<https://arxiv.org/abs/2411.13010>) in the form the formula uses:
@@ -51,6 +55,11 @@ impl XIeluParams {
     }
 }
 
+/// α of [`Activation::OaiSwiglu`] (transformers' `swiglu_alpha`).
+pub const OAI_SWIGLU_ALPHA: f64 = 1.702;
+/// L of [`Activation::OaiSwiglu`] (transformers' `swiglu_limit`).
+pub const OAI_SWIGLU_LIMIT: f64 = 7.0;
+
 impl Activation {
     /// The activation a config's `hidden_act` / `hidden_activation` names, `None` when unknown.
     pub fn from_name(name: &str) -> Option<Activation> {
@@ -73,6 +82,13 @@ impl Activation {
             Activation::Gelu => GatedActivation::Gelu,
             Activation::Relu | Activation::XIelu(_) => {
                 return Ok(self.apply(gate)?.multiply(up)?)
+            }
+            Activation::OaiSwiglu => {
+                let limit = gate.scalar_like(OAI_SWIGLU_LIMIT)?;
+                let gate = gate.clip(None, Some(&limit))?;
+                let up = up.clip(Some(&up.scalar_like(-OAI_SWIGLU_LIMIT)?), Some(&limit))?;
+                let glu = gate.multiply(&gate.mul_scalar(OAI_SWIGLU_ALPHA)?.sigmoid()?)?;
+                return Ok(up.add_scalar(1.0)?.multiply(&glu)?);
             }
         };
         Ok(gated_activation(kind, gate, up)?)
@@ -106,6 +122,11 @@ impl Activation {
                     .add(&linear)?;
                 let is_positive = x.greater(&x.scalar_like(0.0)?)?;
                 mlxcel_core::ops::where_(&is_positive, &positive, &negative)?
+            }
+            Activation::OaiSwiglu => {
+                return Err(crate::ModelError::Config(
+                    "internal: gpt-oss's swiglu is a gated activation".into(),
+                ))
             }
         })
     }

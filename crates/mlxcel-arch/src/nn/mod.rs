@@ -16,7 +16,7 @@ pub mod ssm;
 pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
 pub use mla::{LatentAttention, LatentDims, QueryProjection};
-pub use mlp::{Activation, Mlp, XIeluParams};
+pub use mlp::{Activation, Mlp, XIeluParams, OAI_SWIGLU_ALPHA, OAI_SWIGLU_LIMIT};
 pub use moe::{
     GroupLimit, GroupScore, RoutedExperts, Router, RouterScoring, StreamedGlu, SwitchGlu,
 };

@@ -156,9 +156,24 @@ pub struct SwitchGlu {
     pub down: SwitchLinear,
     /// Applied to the gate.
     pub act: Activation,
+    /// Per-expert biases of gate, up and down (`[experts, out]` each; gpt-oss), if any.
+    pub biases: Option<Box<[Array; 3]>>,
+}
+
+/// `y` `[.., 1, out]` plus the bias row `[out]` of each row's expert (`experts` shaped like
+/// `y`'s batch shape), or `y` unchanged without biases.
+fn add_expert_bias(y: Array, bias: Option<&Array>, experts: &Array) -> Result<Array> {
+    Ok(match bias {
+        Some(b) => y.add(&b.take(experts, 0)?.expand_dims(&[-2])?)?,
+        None => y,
+    })
 }
 
 impl SwitchGlu {
+    fn bias(&self, index: usize) -> Option<&Array> {
+        self.biases.as_ref().map(|b| &b[index])
+    }
+
     /// `x` `[T, D]`, `ids` `[T, k]` → `[T, k, D]`: each token through each of its experts.
     pub fn forward(&self, x: &Array, ids: &Array) -> Result<Array> {
         let shape = ids.shape();
@@ -181,8 +196,10 @@ impl SwitchGlu {
             };
             let g = self.gate.forward_rows(&xs, rows.as_ref(), ids, false)?;
             let u = self.up.forward_rows(&xs, rows.as_ref(), ids, false)?;
+            let g = add_expert_bias(g, self.bias(0), ids)?;
+            let u = add_expert_bias(u, self.bias(1), ids)?;
             let h = self.act.gated(&g, &u)?;
-            let y = self.down.forward(&h, ids, false)?;
+            let y = add_expert_bias(self.down.forward(&h, ids, false)?, self.bias(2), ids)?;
             return Ok(y.reshape(&[t, k, d])?);
         }
         let flat = ids.reshape(&[t * k])?;
@@ -194,8 +211,11 @@ impl SwitchGlu {
         let rows = x.take(&token_of, 0)?.reshape(&[t * k, 1, d])?;
         let g = self.gate.forward(&rows, &sorted_ids, true)?;
         let u = self.up.forward(&rows, &sorted_ids, true)?;
+        let g = add_expert_bias(g, self.bias(0), &sorted_ids)?;
+        let u = add_expert_bias(u, self.bias(1), &sorted_ids)?;
         let h = self.act.gated(&g, &u)?;
         let y = self.down.forward(&h, &sorted_ids, true)?;
+        let y = add_expert_bias(y, self.bias(2), &sorted_ids)?;
         Ok(y.take(&inverse, 0)?.reshape(&[t, k, d])?)
     }
 }
