@@ -50,6 +50,8 @@ macro_rules! for_each_model_registration {
             OlMoe { names: ["olmoe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::olmoe::Model, adapter: None },
             DeepseekV2 { names: ["deepseek_v2"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::deepseek::V2Model, adapter: None },
             DeepseekV3 { names: ["deepseek_v3"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::deepseek::V3Model, adapter: None },
+            Ministral3 { names: ["ministral3"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::ministral3::Model, adapter: None },
+            Mistral3 { names: ["mistral3"], kind: Generation, dir: Mistral3Dynamic, weights: None, model: $crate::models::mistral3::Model, adapter: None },
             Mamba { names: ["mamba", "falcon_mamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba::Model, adapter: None },
             Mamba2 { names: ["mamba2"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba2::Model, adapter: None },
             Jamba { names: ["jamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::jamba::Model, adapter: None },
@@ -241,7 +243,7 @@ pub fn build_architecture<M: Architecture>(
 /// Deserialises an architecture's args from the sanitised config; the error names the field.
 /// Every architecture's config passes [`crate::validate::validate_config`] here first (types
 /// and ranges of the known keys); a remaining serde error names the key it is about.
-fn parse_args<A: serde::de::DeserializeOwned>(config: &Value) -> Result<A> {
+pub(crate) fn parse_args<A: serde::de::DeserializeOwned>(config: &Value) -> Result<A> {
     crate::validate::validate_config(config)?;
     serde_json::from_value(config.clone()).map_err(|e| {
         ModelError::Config(crate::validate::locate_serde_error::<A>(

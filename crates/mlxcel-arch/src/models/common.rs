@@ -181,6 +181,7 @@ pub fn base_spec(
         rope: vec![Some(c.rope()); n],
         windows: vec![None; n],
         ffn: vec![FfnSpec::Dense { intermediate }; n],
+        query_scales: vec![None; n],
         embed_scale: None,
         residual_scale: None,
         logit_scale: None,

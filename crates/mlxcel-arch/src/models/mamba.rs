@@ -140,6 +140,7 @@ pub(crate) fn mixer_only_spec(
         rope: vec![None; n],
         windows: vec![None; n],
         ffn: vec![FfnSpec::None; n],
+        query_scales: vec![None; n],
         embed_scale: None,
         residual_scale: None,
         logit_scale: None,

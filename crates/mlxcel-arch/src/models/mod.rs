@@ -18,6 +18,8 @@ pub mod jamba;
 pub mod llama;
 pub mod mamba;
 pub mod mamba2;
+pub mod ministral3;
+pub mod mistral3;
 pub mod mixtral;
 pub mod modernbert;
 pub mod olmoe;

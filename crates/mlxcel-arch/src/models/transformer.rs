@@ -24,8 +24,9 @@ use crate::model::{Architecture, LanguageModel, LayerKind};
 use crate::nn::ssm::{BcdtNorms, CausalConv, Mamba2Dims, MambaDims, PlainRms};
 use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
-    Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind, QkNorm, QkvProjection,
-    QueryProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
+    Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind, PositionScale, QkNorm,
+    QkvProjection, QueryProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router,
+    RouterScoring,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -252,6 +253,9 @@ pub struct DecoderSpec {
     pub windows: Vec<Option<usize>>,
     /// Per layer: feed-forward block.
     pub ffn: Vec<FfnSpec>,
+    /// Per layer: a position-dependent query multiplier of attention layers (Llama 4's
+    /// temperature tuning, Ministral 3's `llama_4_scaling_beta`), `None` for none.
+    pub query_scales: Vec<Option<PositionScale>>,
     /// Multiplies the embeddings (Gemma: `sqrt(hidden)`, Granite: `embedding_multiplier`).
     pub embed_scale: Option<f64>,
     /// Multiplies each block's output before its residual add (Granite's `residual_multiplier`).
@@ -303,12 +307,17 @@ impl DecoderSpec {
 
     fn check(&self) -> Result<()> {
         let n = self.layers();
-        if self.rope.len() != n || self.ffn.len() != n || self.windows.len() != n {
+        if self.rope.len() != n
+            || self.ffn.len() != n
+            || self.windows.len() != n
+            || self.query_scales.len() != n
+        {
             return Err(ModelError::Config(format!(
-                "internal: {n} layers but {} rope, {} window and {} ffn entries",
+                "internal: {n} layers but {} rope, {} window, {} ffn and {} query-scale entries",
                 self.rope.len(),
                 self.windows.len(),
-                self.ffn.len()
+                self.ffn.len(),
+                self.query_scales.len()
             )));
         }
         let mixer_only = self.topology == BlockTopology::MixerOnly;
@@ -652,6 +661,7 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
             scale: spec.attn_scale,
             softcap: spec.attn_softcap,
             window: spec.windows[layer],
+            query_scale: spec.query_scales[layer],
         },
     })
 }

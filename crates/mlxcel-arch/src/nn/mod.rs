@@ -13,7 +13,7 @@ mod norm;
 mod rope;
 pub mod ssm;
 
-pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
+pub use attention::{Attention, AttentionConfig, PositionScale, QkNorm, QkvProjection};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
 pub use mla::{LatentAttention, LatentDims, QueryProjection};
 pub use mlp::{Activation, Mlp};
