@@ -224,3 +224,41 @@ fn ministral3_reads_the_hub_key_style() {
     let (d, _) = max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits);
     assert!(d < 2e-4, "hub key style differs from the reference by {d}");
 }
+
+/// A copy of fixture `name` whose `model.safetensors` keeps only the tensors `keep` accepts.
+fn fixture_without(name: &str, keep: impl Fn(&str) -> bool) -> tempfile::TempDir {
+    let dir = copy_fixture(name);
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| keep(n)).collect();
+    let out = safetensors::serialize(kept, &None).unwrap();
+    std::fs::write(&path, out).unwrap();
+    dir
+}
+
+#[test]
+fn exaone_moe_leaves_its_mtp_block_out_and_reads_the_correction_bias() {
+    // The MTP block is in the fixture (transformers ignores it too); it is neither built nor
+    // an unexpected tensor, and the memory estimate does not count it.
+    let names: Vec<String> = {
+        let bytes = std::fs::read(model_dir("exaone_moe").join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.names().into_iter().cloned().collect()
+    };
+    let mtp: Vec<&String> = names.iter().filter(|n| n.starts_with("mtp.")).collect();
+    assert_eq!(mtp.len(), 6, "{names:?}");
+    assert_eq!(
+        mlxcel_loading::memory::tensor_role("mtp.fc.weight"),
+        "mtp (unused)"
+    );
+    let loaded = load_model(model_dir("exaone_moe"), &options()).unwrap();
+    assert_eq!(loaded.model_type, ModelType::ExaoneMoe);
+
+    // The (random) router correction bias, at the hub's place `mlp.e_score_correction_bias`,
+    // is read: without it the load fails naming it.
+    let dir = fixture_without("exaone_moe", |n| !n.ends_with("e_score_correction_bias"));
+    let err = load_model(dir.path(), &options()).unwrap_err().to_string();
+    assert!(err.contains("e_score_correction_bias"), "{err}");
+}

@@ -9,6 +9,7 @@ pub mod bert;
 pub mod cohere;
 pub mod deepseek;
 pub mod exaone4;
+pub mod exaone_moe;
 pub mod gemma;
 pub mod gemma2;
 pub mod gemma3_text;
