@@ -262,3 +262,84 @@ fn exaone_moe_leaves_its_mtp_block_out_and_reads_the_correction_bias() {
     let err = load_model(dir.path(), &options()).unwrap_err().to_string();
     assert!(err.contains("e_score_correction_bias"), "{err}");
 }
+
+/// The logits of fixture `name` loaded from `dir` against its reference.
+fn reference_error(dir: &std::path::Path, name: &str) -> f32 {
+    let loaded = load_model(dir, &options()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r = reference(name);
+    max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits).0
+}
+
+#[test]
+fn llama4_features_are_each_exercised_by_the_fixture() {
+    // Each switch changes the fixture's logits far beyond the parity tolerance, so parity.rs
+    // depends on every one of them being right.
+    for (key, value) in [
+        ("attention_chunk_size", json!(1000)),
+        ("attn_temperature_tuning", json!(false)),
+        ("use_qk_norm", json!(false)),
+        ("no_rope_layers", json!([1, 1, 1, 1])),
+    ] {
+        let dir = copy_fixture("llama4_text");
+        let mut config = read_config(dir.path());
+        config[key] = value;
+        if key == "no_rope_layers" {
+            config["layer_types"] = json!([
+                "chunked_attention",
+                "chunked_attention",
+                "chunked_attention",
+                "chunked_attention"
+            ]);
+        }
+        write_config(dir.path(), &config);
+        let d = reference_error(dir.path(), "llama4_text");
+        assert!(d > 0.05, "{key}: changed the logits by only {d}");
+    }
+    // An unknown layer type is refused naming the field.
+    let dir = copy_fixture("llama4_text");
+    let mut config = read_config(dir.path());
+    config["layer_types"][0] = json!("sliding_attention");
+    write_config(dir.path(), &config);
+    let err = load_model(dir.path(), &options()).unwrap_err().to_string();
+    assert!(
+        err.contains("layer_types") && err.contains("sliding_attention"),
+        "{err}"
+    );
+}
+
+#[test]
+fn llama4_nested_checkpoint_loads_its_text_model() {
+    // The llama4_text fixture as a `llama4` (Llama4ForConditionalGeneration) checkpoint: the
+    // config nested in `text_config`, the weights under `language_model.`, and vision tensors
+    // that the text-only load leaves out.
+    let dir = copy_fixture("llama4_text");
+    let text = read_config(dir.path());
+    let nested = json!({
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text,
+        "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 8},
+    });
+    write_config(dir.path(), &nested);
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let vision = [0f32; 8];
+    let vision_bytes: Vec<u8> = vision.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (format!("language_model.{n}"), t))
+        .collect();
+    tensors.push((
+        "vision_model.patch_embedding.weight".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![8], &vision_bytes)
+            .unwrap(),
+    ));
+    let out = safetensors::serialize(tensors, &None).unwrap();
+    std::fs::write(&path, out).unwrap();
+    let loaded = load_model(dir.path(), &options()).unwrap();
+    assert_eq!(loaded.model_type, ModelType::Llama4);
+    let d = reference_error(dir.path(), "llama4_text");
+    assert!(d < 2e-4, "nested llama4 differs from the reference by {d}");
+}

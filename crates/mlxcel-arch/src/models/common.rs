@@ -182,6 +182,7 @@ pub fn base_spec(
         windows: vec![None; n],
         ffn: vec![FfnSpec::Dense { intermediate }; n],
         query_scales: vec![None; n],
+        chunks: vec![None; n],
         embed_scale: None,
         residual_scale: None,
         logit_scale: None,

@@ -141,6 +141,7 @@ pub(crate) fn mixer_only_spec(
         windows: vec![None; n],
         ffn: vec![FfnSpec::None; n],
         query_scales: vec![None; n],
+        chunks: vec![None; n],
         embed_scale: None,
         residual_scale: None,
         logit_scale: None,

@@ -17,6 +17,7 @@ pub mod glm4;
 pub mod granite;
 pub mod jamba;
 pub mod llama;
+pub mod llama4;
 pub mod mamba;
 pub mod mamba2;
 pub mod ministral3;

@@ -42,6 +42,10 @@ pub enum QkNormSpec {
     PerHeadWeights,
     /// Over the whole projection, before splitting heads.
     Full,
+    /// Over each head's features without a weight, on the layers with rope only (Llama 4's
+    /// `use_qk_norm` L2 norm; transformers applies it after rope, which a norm over the whole
+    /// head commutes with).
+    WeightlessOnRopeLayers,
 }
 
 /// A shared expert next to the routed ones (`mlp.shared_expert`), optionally scaled by
@@ -76,6 +80,8 @@ pub struct MoeSpec {
     pub correction_bias: bool,
     /// Multiplies the routing weights (`routed_scaling_factor`).
     pub weight_scale: f32,
+    /// The routing weight scales each expert's input instead of its output (Llama 4).
+    pub scale_inputs: bool,
 }
 
 impl MoeSpec {
@@ -91,6 +97,7 @@ impl MoeSpec {
             group_limit: None,
             correction_bias: false,
             weight_scale: 1.0,
+            scale_inputs: false,
         }
     }
 }
@@ -253,6 +260,8 @@ pub struct DecoderSpec {
     pub windows: Vec<Option<usize>>,
     /// Per layer: feed-forward block.
     pub ffn: Vec<FfnSpec>,
+    /// Per layer: chunked local attention's block size (Llama 4), `None` for none.
+    pub chunks: Vec<Option<usize>>,
     /// Per layer: a position-dependent query multiplier of attention layers (Llama 4's
     /// temperature tuning, Ministral 3's `llama_4_scaling_beta`), `None` for none.
     pub query_scales: Vec<Option<PositionScale>>,
@@ -311,13 +320,15 @@ impl DecoderSpec {
             || self.ffn.len() != n
             || self.windows.len() != n
             || self.query_scales.len() != n
+            || self.chunks.len() != n
         {
             return Err(ModelError::Config(format!(
-                "internal: {n} layers but {} rope, {} window, {} ffn and {} query-scale entries",
+                "internal: {n} layers but {} rope, {} window, {} ffn, {} query-scale and {} chunk entries",
                 self.rope.len(),
                 self.windows.len(),
                 self.ffn.len(),
-                self.query_scales.len()
+                self.query_scales.len(),
+                self.chunks.len()
             )));
         }
         let mixer_only = self.topology == BlockTopology::MixerOnly;
@@ -382,6 +393,8 @@ struct MoeBlock {
     experts: RoutedExperts,
     /// The shared expert and its optional sigmoid gate.
     shared: Option<(Mlp, Option<Linear>)>,
+    /// See [`MoeSpec::scale_inputs`].
+    scale_inputs: bool,
 }
 
 impl FeedForward {
@@ -434,7 +447,22 @@ impl MoeBlock {
             }
             None => None,
         };
-        let mut y = self.experts.combine(&flat, &ids, &weights)?;
+        let mut y = if self.scale_inputs {
+            // Each (token, expert) pair runs its expert on the token scaled by the pair's
+            // weight, as one routed row of its own; the rows of a token are summed.
+            let (t, k) = (flat.dim(0)?, ids.dim(1)?);
+            let scaled = flat
+                .expand_dims(&[1])?
+                .multiply(&weights.expand_dims(&[-1])?)?
+                .reshape(&[t * k, d])?;
+            let one = mlxcel_core::ops::ones(&[t * k, 1], weights.dtype()?)?;
+            self.experts
+                .combine(&scaled, &ids.reshape(&[t * k, 1])?, &one)?
+                .reshape(&[t, k, d])?
+                .sum(&[1], false)?
+        } else {
+            self.experts.combine(&flat, &ids, &weights)?
+        };
         if let Some(s) = shared_out {
             y = y.add(&s)?;
         }
@@ -636,6 +664,14 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
                 k: per_head(w, "k_norm", spec.kv_heads)?,
             }
         }
+        QkNormSpec::WeightlessOnRopeLayers if spec.rope[layer].is_some() => {
+            let ones = mlxcel_core::ops::ones(&[hd], w.dtype())?;
+            QkNorm::PerHead {
+                q: Norm::new(NormKind::Rms, ones.clone(), None, spec.eps)?,
+                k: Norm::new(NormKind::Rms, ones, None, spec.eps)?,
+            }
+        }
+        QkNormSpec::WeightlessOnRopeLayers => QkNorm::None,
         QkNormSpec::Full => QkNorm::Full {
             q: norm(w, spec, "q_norm", q_dim)?,
             k: norm(w, spec, "k_norm", kv_dim)?,
@@ -662,6 +698,7 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
             softcap: spec.attn_softcap,
             window: spec.windows[layer],
             query_scale: spec.query_scales[layer],
+            chunk: spec.chunks[layer],
         },
     })
 }
@@ -833,6 +870,7 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                 router,
                 experts,
                 shared,
+                scale_inputs: m.scale_inputs,
             }))
         }
     })

@@ -71,6 +71,9 @@ pub struct AttentionConfig {
     pub window: Option<usize>,
     /// Multiplies the queries by a factor growing with the absolute position, if any.
     pub query_scale: Option<PositionScale>,
+    /// Chunked local attention (Llama 4): each query sees only the keys of its own block of
+    /// this many positions; `None` for none. The cache keeps every key (a global layer's).
+    pub chunk: Option<usize>,
 }
 
 /// A per-position query multiplier `1 + weight · ln(1 + ⌊(p + shift) / period⌋)` that keeps
@@ -160,6 +163,10 @@ impl Attention {
             q = q.multiply(&factors)?;
         }
         let (keys, values, mask) = cache.update(&k, &v, c.window)?;
+        let mask = match c.chunk {
+            Some(chunk) => Mask::chunked(offset, l as usize, 0, keys.dim(2)? as usize, chunk)?,
+            None => mask,
+        };
         let out = match c.softcap {
             None => {
                 let m = match &mask {
