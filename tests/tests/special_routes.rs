@@ -343,3 +343,24 @@ fn llama4_nested_checkpoint_loads_its_text_model() {
     let d = reference_error(dir.path(), "llama4_text");
     assert!(d < 2e-4, "nested llama4 differs from the reference by {d}");
 }
+
+#[test]
+fn exaone_reads_both_key_spellings() {
+    // The fixture's config uses EXAONE's hub aliases; transformers' canonical keys load the same.
+    let config = read_config(&model_dir("exaone"));
+    assert!(config.get("num_layers").is_some() && config.get("num_hidden_layers").is_none());
+    let dir = copy_fixture("exaone");
+    let mut config = read_config(dir.path());
+    let obj = config.as_object_mut().unwrap();
+    for (alias, key) in [
+        ("num_layers", "num_hidden_layers"),
+        ("layer_norm_epsilon", "rms_norm_eps"),
+        ("activation_function", "hidden_act"),
+    ] {
+        let v = obj.remove(alias).unwrap();
+        obj.insert(key.into(), v);
+    }
+    write_config(dir.path(), &config);
+    let d = reference_error(dir.path(), "exaone");
+    assert!(d < 2e-4, "canonical keys differ from the reference by {d}");
+}

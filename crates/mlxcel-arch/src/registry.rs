@@ -53,6 +53,7 @@ macro_rules! for_each_model_registration {
             Ministral3 { names: ["ministral3"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::ministral3::Model, adapter: None },
             Llama4Text { names: ["llama4_text"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::llama4::Model, adapter: None },
             Llama4 { names: ["llama4"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::llama4::NestedModel, adapter: None },
+            Exaone { names: ["exaone"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::exaone::Model, adapter: None },
             ExaoneMoe { names: ["exaone_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::exaone_moe::Model, adapter: None },
             Mistral3 { names: ["mistral3"], kind: Generation, dir: Mistral3Dynamic, weights: None, model: $crate::models::mistral3::Model, adapter: None },
             Mamba { names: ["mamba", "falcon_mamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba::Model, adapter: None },

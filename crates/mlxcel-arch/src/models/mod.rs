@@ -8,6 +8,7 @@ pub mod bamba;
 pub mod bert;
 pub mod cohere;
 pub mod deepseek;
+pub mod exaone;
 pub mod exaone4;
 pub mod exaone_moe;
 pub mod gemma;
