@@ -364,3 +364,64 @@ fn exaone_reads_both_key_spellings() {
     let d = reference_error(dir.path(), "exaone");
     assert!(d < 2e-4, "canonical keys differ from the reference by {d}");
 }
+
+#[test]
+fn minimax_block_size_is_exact_and_its_factors_are_exercised() {
+    // The lightning prefill's blocks are a closed form of the recurrence: any block size gives
+    // the same logits (the fixture's 16 splits the prompt in three; 5 and 64 differently).
+    for block in [5, 64] {
+        let dir = copy_fixture("minimax");
+        let mut config = read_config(dir.path());
+        config["block_size"] = json!(block);
+        write_config(dir.path(), &config);
+        let d = reference_error(dir.path(), "minimax");
+        assert!(d < 1e-3, "block_size {block}: {d} from the reference");
+    }
+    // The per-kind residual factors each matter.
+    for key in [
+        "full_attn_alpha_factor",
+        "linear_attn_beta_factor",
+        "mlp_alpha_factor",
+    ] {
+        let dir = copy_fixture("minimax");
+        let mut config = read_config(dir.path());
+        config[key] = json!(1.0);
+        write_config(dir.path(), &config);
+        let d = reference_error(dir.path(), "minimax");
+        assert!(d > 0.05, "{key} = 1 changed the logits by only {d}");
+    }
+}
+
+#[test]
+fn minimax_reads_the_hub_key_spelling() {
+    // MiniMax-Text-01's hub config: `attn_type_list` (1 = softmax attention) instead of
+    // `layer_types`, and `layernorm_*_alpha/beta` for the factors.
+    let dir = copy_fixture("minimax");
+    let mut config = read_config(dir.path());
+    let obj = config.as_object_mut().unwrap();
+    let types = obj.remove("layer_types").unwrap();
+    let list: Vec<u8> = types
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| u8::from(t == "full_attention"))
+        .collect();
+    obj.insert("attn_type_list".into(), json!(list));
+    for (key, hub) in [
+        ("full_attn_alpha_factor", "layernorm_full_attention_alpha"),
+        ("full_attn_beta_factor", "layernorm_full_attention_beta"),
+        (
+            "linear_attn_alpha_factor",
+            "layernorm_linear_attention_alpha",
+        ),
+        ("linear_attn_beta_factor", "layernorm_linear_attention_beta"),
+        ("mlp_alpha_factor", "layernorm_mlp_alpha"),
+        ("mlp_beta_factor", "layernorm_mlp_beta"),
+    ] {
+        let v = obj.remove(key).unwrap();
+        obj.insert(hub.into(), v);
+    }
+    write_config(dir.path(), &config);
+    let d = reference_error(dir.path(), "minimax");
+    assert!(d < 1e-3, "hub spelling differs from the reference by {d}");
+}

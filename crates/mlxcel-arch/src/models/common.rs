@@ -183,6 +183,7 @@ pub fn base_spec(
         ffn: vec![FfnSpec::Dense { intermediate }; n],
         query_scales: vec![None; n],
         chunks: vec![None; n],
+        block_scales: vec![super::transformer::BlockScales::ONE; n],
         embed_scale: None,
         residual_scale: None,
         logit_scale: None,

@@ -142,6 +142,7 @@ pub(crate) fn mixer_only_spec(
         ffn: vec![FfnSpec::None; n],
         query_scales: vec![None; n],
         chunks: vec![None; n],
+        block_scales: vec![super::transformer::BlockScales::ONE; n],
         embed_scale: None,
         residual_scale: None,
         logit_scale: None,

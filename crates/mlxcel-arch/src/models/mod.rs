@@ -21,6 +21,7 @@ pub mod llama;
 pub mod llama4;
 pub mod mamba;
 pub mod mamba2;
+pub mod minimax;
 pub mod ministral3;
 pub mod mistral3;
 pub mod mixtral;

@@ -24,9 +24,9 @@ use crate::model::{Architecture, LanguageModel, LayerKind};
 use crate::nn::ssm::{BcdtNorms, CausalConv, Mamba2Dims, MambaDims, PlainRms};
 use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
-    Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind, PositionScale, QkNorm,
-    QkvProjection, QueryProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router,
-    RouterScoring,
+    LightningAttention, Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind,
+    PositionScale, QkNorm, QkvProjection, QueryProjection, RopeConfig, RotaryEmbedding,
+    RoutedExperts, Router, RouterScoring,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -179,6 +179,20 @@ pub struct Mamba2Spec {
     pub dt_limit: (f64, f64),
 }
 
+/// MiniMax's lightning attention (linear attention with per-head decay, see
+/// [`crate::nn::LightningAttention`]).
+#[derive(Debug, Clone)]
+pub struct LightningSpec {
+    /// Heads.
+    pub heads: i32,
+    /// Width of one head.
+    pub head_dim: i32,
+    /// Positions per closed-form block of a prefill (`block_size`).
+    pub block: i32,
+    /// Each head's decay rate.
+    pub slopes: Vec<f64>,
+}
+
 /// The token mixer of one layer.
 #[derive(Debug, Clone)]
 pub enum MixerSpec {
@@ -191,13 +205,15 @@ pub enum MixerSpec {
     Mamba(MambaSpec),
     /// Mamba-2's multi-head SSD scan.
     Mamba2(Mamba2Spec),
+    /// MiniMax's lightning attention.
+    Lightning(LightningSpec),
 }
 
 impl MixerSpec {
     /// The scope the mixer's tensors are read under within its layer.
     fn scope(&self) -> &'static str {
         match self {
-            MixerSpec::Attention | MixerSpec::Latent(_) => "self_attn",
+            MixerSpec::Attention | MixerSpec::Latent(_) | MixerSpec::Lightning(_) => "self_attn",
             MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) => "mixer",
         }
     }
@@ -217,6 +233,33 @@ pub enum BlockTopology {
     Parallel,
     /// State-space stacks (Mamba, Mamba-2): `h += mixer(input_layernorm(h))`, no feed-forward.
     MixerOnly,
+    /// MiniMax: the residual is the normed input, both branches scaled by the layer's
+    /// [`BlockScales`]: `x = input_layernorm(h); h = α·x + β·mixer(x);
+    /// x = post_attention_layernorm(h); h = α'·x + β'·ffn(x)`.
+    NormedResidual,
+}
+
+/// The residual and branch multipliers of a [`BlockTopology::NormedResidual`] block.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockScales {
+    /// Multiplies the normed input kept around the mixer (`*_attn_alpha_factor`).
+    pub mixer_residual: f64,
+    /// Multiplies the mixer's output (`*_attn_beta_factor`).
+    pub mixer_out: f64,
+    /// Multiplies the normed input kept around the feed-forward block (`mlp_alpha_factor`).
+    pub ffn_residual: f64,
+    /// Multiplies the feed-forward output (`mlp_beta_factor`).
+    pub ffn_out: f64,
+}
+
+impl BlockScales {
+    /// All multipliers 1.
+    pub const ONE: BlockScales = BlockScales {
+        mixer_residual: 1.0,
+        mixer_out: 1.0,
+        ffn_residual: 1.0,
+        ffn_out: 1.0,
+    };
 }
 
 /// Everything that distinguishes one decoder architecture from another.
@@ -262,6 +305,9 @@ pub struct DecoderSpec {
     pub ffn: Vec<FfnSpec>,
     /// Per layer: chunked local attention's block size (Llama 4), `None` for none.
     pub chunks: Vec<Option<usize>>,
+    /// Per layer: the multipliers of a [`BlockTopology::NormedResidual`] block (unread by the
+    /// other topologies).
+    pub block_scales: Vec<BlockScales>,
     /// Per layer: a position-dependent query multiplier of attention layers (Llama 4's
     /// temperature tuning, Ministral 3's `llama_4_scaling_beta`), `None` for none.
     pub query_scales: Vec<Option<PositionScale>>,
@@ -293,6 +339,10 @@ impl DecoderSpec {
                     window: ((m.conv_kernel - 1) * m.dims.inner) as u64,
                     state: m.dims.inner as u64 * m.dims.state as u64,
                 },
+                (MixerSpec::Lightning(m), _) => LayerKind::Recurrent {
+                    window: 0,
+                    state: (m.heads * m.head_dim * m.head_dim) as u64,
+                },
                 (MixerSpec::Mamba2(m), _) => LayerKind::Recurrent {
                     window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
                     state: (m.dims.inner * m.dims.state) as u64,
@@ -321,6 +371,7 @@ impl DecoderSpec {
             || self.windows.len() != n
             || self.query_scales.len() != n
             || self.chunks.len() != n
+            || self.block_scales.len() != n
         {
             return Err(ModelError::Config(format!(
                 "internal: {n} layers but {} rope, {} window, {} ffn, {} query-scale and {} chunk entries",
@@ -360,6 +411,7 @@ enum Mixer {
     Latent(Box<LatentAttention>),
     Mamba(Box<MambaMixer>),
     Mamba2(Box<Mamba2Mixer>),
+    Lightning(Box<LightningAttention>),
 }
 
 impl Mixer {
@@ -377,6 +429,17 @@ impl Mixer {
             // A state-space layer has no positions: it continues from its state.
             Mixer::Mamba(m) => m.forward(x, norm, residual, cache),
             Mixer::Mamba2(m) => m.forward(x, norm, residual, cache),
+            Mixer::Lightning(m) => {
+                let x = match norm {
+                    Some(n) => n.forward(x)?,
+                    None => x.clone(),
+                };
+                let y = m.forward(&x, cache)?;
+                Ok(match residual {
+                    Some(r) => r.add(&y)?,
+                    None => y,
+                })
+            }
         }
     }
 }
@@ -493,6 +556,11 @@ enum BlockNorms {
     MixerOnly {
         mixer_in: Norm,
     },
+    NormedResidual {
+        mixer_in: Norm,
+        ffn_in: Norm,
+        scales: BlockScales,
+    },
 }
 
 #[derive(Debug)]
@@ -571,6 +639,24 @@ impl Block {
                 let a = mixer.forward(&x, None, None, cache, positions)?;
                 let f = ffn.forward(&x)?;
                 add_scaled(h, &a.add(&f)?, s)
+            }
+            (
+                BlockNorms::NormedResidual {
+                    mixer_in,
+                    ffn_in,
+                    scales,
+                },
+                _,
+            ) => {
+                let x = mixer_in.forward(h)?;
+                let a = mixer.forward(&x, None, None, cache, positions)?;
+                let h = x
+                    .mul_scalar(scales.mixer_residual)?
+                    .add(&a.mul_scalar(scales.mixer_out)?)?;
+                let x = ffn_in.forward(&h)?;
+                let f = ffn.forward(&x)?;
+                Ok(x.mul_scalar(scales.ffn_residual)?
+                    .add(&f.mul_scalar(scales.ffn_out)?)?)
             }
             (BlockNorms::MixerOnly { .. }, _) => unreachable!("returned above"),
         }
@@ -824,6 +910,29 @@ fn mamba2_mixer(w: &mut ModelWeights, spec: &DecoderSpec, m: &Mamba2Spec) -> Res
     })
 }
 
+/// A lightning-attention mixer under the open scope (`self_attn`).
+fn lightning_attention(
+    w: &mut ModelWeights,
+    spec: &DecoderSpec,
+    m: &LightningSpec,
+) -> Result<LightningAttention> {
+    let inner = m.heads * m.head_dim;
+    let slope: Vec<f32> = m.slopes.iter().map(|s| *s as f32).collect();
+    let slope = Array::from_slice(&slope, &[m.heads, 1, 1])?;
+    w.keep_all([&slope]);
+    Ok(LightningAttention {
+        qkv: w.linear("qkv_proj", spec.hidden, 3 * inner, false)?,
+        gate: w.linear("output_gate", spec.hidden, inner, false)?,
+        norm: norm(w, spec, "norm", inner)?,
+        out: w.linear("out_proj", inner, spec.hidden, false)?,
+        act: spec.act,
+        slope,
+        heads: m.heads,
+        head_dim: m.head_dim,
+        block: m.block,
+    })
+}
+
 /// The feed-forward block under the open scope (`mlp`).
 fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Result<FeedForward> {
     let h = spec.hidden;
@@ -901,6 +1010,9 @@ impl Decoder {
                         MixerSpec::Mamba2(m) => {
                             Mixer::Mamba2(Box::new(mamba2_mixer(&mut a, spec, m)?))
                         }
+                        MixerSpec::Lightning(m) => {
+                            Mixer::Lightning(Box::new(lightning_attention(&mut a, spec, m)?))
+                        }
                     }
                 };
                 let ffn = match &spec.ffn[i] {
@@ -928,6 +1040,11 @@ impl Decoder {
                     },
                     BlockTopology::MixerOnly => BlockNorms::MixerOnly {
                         mixer_in: n("input_layernorm")?,
+                    },
+                    BlockTopology::NormedResidual => BlockNorms::NormedResidual {
+                        mixer_in: n("input_layernorm")?,
+                        ffn_in: n("post_attention_layernorm")?,
+                        scales: spec.block_scales[i],
                     },
                 };
                 blocks.push(Block { norms, mixer, ffn });

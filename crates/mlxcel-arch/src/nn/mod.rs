@@ -4,6 +4,7 @@
 
 mod attention;
 pub mod calibration;
+mod lightning;
 mod linear;
 pub mod lora;
 mod mla;
@@ -14,6 +15,7 @@ mod rope;
 pub mod ssm;
 
 pub use attention::{Attention, AttentionConfig, PositionScale, QkNorm, QkvProjection};
+pub use lightning::{lightning_slopes, LightningAttention};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
 pub use mla::{LatentAttention, LatentDims, QueryProjection};
 pub use mlp::{Activation, Mlp};
