@@ -50,6 +50,22 @@ impl Mask {
         )?))
     }
 
+    /// The boolean mask for queries at absolute positions `q0..q0+l` over keys at `k0..k0+s`,
+    /// causal and limited to keys in the query's own block of `chunk` positions (Llama 4's
+    /// chunked local attention: position `p` sees `⌊p / chunk⌋ · chunk ..= p`).
+    pub fn chunked(q0: usize, l: usize, k0: usize, s: usize, chunk: usize) -> Result<Mask> {
+        let keep: Vec<bool> = (0..l * s)
+            .map(|f| {
+                let (qp, kp) = (q0 + f / s, k0 + f % s);
+                kp <= qp && kp / chunk == qp / chunk
+            })
+            .collect();
+        Ok(Mask::Array(Array::from_slice(
+            &keep,
+            &[l as i32, s as i32],
+        )?))
+    }
+
     /// `scores` `[.., L, S]` with every position this mask hides set to -inf, for attention
     /// computed as separate ops (the fused kernel takes the mask itself). A causal mask is
     /// aligned to the end of the keys.

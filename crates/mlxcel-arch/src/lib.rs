@@ -29,6 +29,7 @@ pub use cache::{BatchCache, LayerCache, Mask};
 pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{ModelError, Result};
 pub use model::{Architecture, LanguageModel, LayerKind};
+pub use models::mistral3::load as load_mistral3;
 pub use nonstandard::load_nonstandard;
 pub use registry::{
     adapter_support, cache_schedule, load_config_backed, model_load_policy, registry_markdown,

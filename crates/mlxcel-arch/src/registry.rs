@@ -68,6 +68,12 @@ macro_rules! for_each_model_registration {
             Dots1 { names: ["dots1"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::dots1::Model, adapter: None },
             Ernie45Moe { names: ["ernie4_5_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::ernie4_5_moe::Model, adapter: None },
             GptOss { names: ["gpt_oss"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::gpt_oss::Model, adapter: None },
+            Ministral3 { names: ["ministral3"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::ministral3::Model, adapter: None },
+            Llama4Text { names: ["llama4_text"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::llama4::Model, adapter: None },
+            Llama4 { names: ["llama4"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::llama4::NestedModel, adapter: None },
+            ExaoneMoe { names: ["exaone_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::exaone_moe::Model, adapter: None },
+            MiniMax { names: ["minimax"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::minimax::Model, adapter: None },
+            Mistral3 { names: ["mistral3"], kind: Generation, dir: Mistral3Dynamic, weights: None, model: $crate::models::mistral3::Model, adapter: None },
             Mamba { names: ["mamba", "falcon_mamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba::Model, adapter: None },
             Mamba2 { names: ["mamba2"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba2::Model, adapter: None },
             Jamba { names: ["jamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::jamba::Model, adapter: None },
@@ -259,7 +265,7 @@ pub fn build_architecture<M: Architecture>(
 /// Deserialises an architecture's args from the sanitised config; the error names the field.
 /// Every architecture's config passes [`crate::validate::validate_config`] here first (types
 /// and ranges of the known keys); a remaining serde error names the key it is about.
-fn parse_args<A: serde::de::DeserializeOwned>(config: &Value) -> Result<A> {
+pub(crate) fn parse_args<A: serde::de::DeserializeOwned>(config: &Value) -> Result<A> {
     crate::validate::validate_config(config)?;
     serde_json::from_value(config.clone()).map_err(|e| {
         ModelError::Config(crate::validate::locate_serde_error::<A>(

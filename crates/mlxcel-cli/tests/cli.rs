@@ -370,3 +370,34 @@ fn rerank_prints_reference_scores_in_input_order_or_sorted() {
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("no documents"));
 }
+
+/// `mlxcel inspect` on the special routes: Mistral 3's text-only route with its unused vision
+/// tower, and K-EXAONE's multi-token-prediction block, each listed as its own unused role.
+#[test]
+fn inspect_reports_the_parts_a_text_load_leaves_out() {
+    let run = |name: &str| {
+        let out = mlxcel().arg("inspect").arg(fixture(name)).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let mistral3 = run("mistral3");
+    assert!(mistral3.contains("type      Mistral3 ("), "{mistral3}");
+    assert!(
+        mistral3.contains("routes    directory Mistral3Dynamic"),
+        "{mistral3}"
+    );
+    assert!(
+        mistral3.lines().any(|l| l.starts_with("vision (unused)")),
+        "{mistral3}"
+    );
+    let exaone = run("exaone_moe");
+    assert!(exaone.contains("type      ExaoneMoe ("), "{exaone}");
+    assert!(
+        exaone.lines().any(|l| l.starts_with("mtp (unused)")),
+        "{exaone}"
+    );
+}

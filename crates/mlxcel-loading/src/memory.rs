@@ -9,11 +9,25 @@ use serde_json::Value;
 
 use crate::Result;
 
-/// The role of a tensor, from its name (the recipe and report vocabulary).
+/// The role of a tensor, from its name (the recipe and report vocabulary). Roles ending in
+/// `(unused)` are parts a text-only load leaves out (an MTP block, a vision tower).
 pub fn tensor_role(name: &str) -> &'static str {
     // GPT-NeoX names its tables `embed_in` / `embed_out`, GPT-2-style checkpoints (EXAONE 3)
-    // their norms `ln_1` / `ln_2` / `ln_f`.
-    if name.contains("embed_tokens") || name.contains("wte") || name.contains("embed_in.") {
+    // their norms `ln_1` / `ln_2` / `ln_f`. Parts of a checkpoint a text model leaves out of its
+    // forward pass are named as such.
+    if name.starts_with("mtp.") {
+        "mtp (unused)"
+    } else if [
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    ]
+    .iter()
+    .any(|p| name.starts_with(p))
+    {
+        "vision (unused)"
+    } else if name.contains("embed_tokens") || name.contains("wte") || name.contains("embed_in.") {
         "embedding"
     } else if name.starts_with("lm_head") || name.contains("embed_out.") {
         "lm_head"
@@ -119,6 +133,10 @@ pub fn estimate(
         let Some(info) = weights.info(name) else {
             continue;
         };
+        // What the load leaves out is never held.
+        if tensor_role(name).ends_with("(unused)") {
+            continue;
+        }
         // Float tensors are held at the compute dtype; packed planes as stored.
         let quantized_plane = name.ends_with(".scales")
             || name.ends_with(".biases")

@@ -8,8 +8,8 @@ use mlxcel_arch::config::sanitize_config_json;
 use mlxcel_arch::detection::{detect_kind, get_model_type};
 use mlxcel_arch::nn::lora::{AdapterMix, AdapterSet, RuntimeAdapters};
 use mlxcel_arch::{
-    load_config_backed, load_nonstandard, model_load_policy, BuildOptions, DirectoryRoute,
-    GenerationModel, LoadedModel, ModelKind, ModelType,
+    load_config_backed, load_mistral3, load_nonstandard, model_load_policy, BuildOptions,
+    DirectoryRoute, GenerationModel, LoadedModel, ModelKind, ModelType,
 };
 use mlxcel_core::{Device, Dtype, Materialization, RuntimePolicy, WeightMap};
 use mlxcel_quant::QuantConfig;
@@ -139,8 +139,9 @@ pub struct Loaded {
     )>,
     /// The checkpoint files the weights are mapped from, with their identity at load.
     pub mapped: mlxcel_core::MappedFiles,
-    /// What the load-time weight edits did, one line each: the runtime adapters, the fused
-    /// adapter, then each surgery rule. Empty without adapters or surgery.
+    /// What the load-time weight edits did, one line each: the tensors a text-only load of a
+    /// vision-language checkpoint left out (Mistral 3), the runtime adapters, the fused adapter,
+    /// then each surgery rule. Empty without any of these.
     pub surgery_applied: Vec<String>,
     /// The runtime (unfused) adapters, when any were loaded (see
     /// [`LoadOptions::runtime_adapters`]).
@@ -399,7 +400,9 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     let policy = model_load_policy(model_type);
     if !matches!(
         policy.directory_route,
-        DirectoryRoute::ConfigBacked | DirectoryRoute::Nonstandard
+        DirectoryRoute::ConfigBacked
+            | DirectoryRoute::Nonstandard
+            | DirectoryRoute::Mistral3Dynamic
     ) {
         return Err(LoadError::Unsupported(format!(
             "{}: {} loads through the {:?} route, which this build does not have yet",
@@ -435,6 +438,17 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     // On a quantized base the adapter stays unfused unless fusing was asked for.
     let mut report = Vec::new();
+    if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
+        let unused = mlxcel_arch::models::mistral3::unused_tensors(&weights);
+        if !unused.is_empty() {
+            report.push(format!(
+                "text-only load: {} vision-tower and projector tensors left out ({} .. {})",
+                unused.len(),
+                unused[0],
+                unused[unused.len() - 1]
+            ));
+        }
+    }
     let mut initial_mix = AdapterMix::none();
     let adapter = match adapter {
         Some(a) if quant.is_some() && !options.lora_fuse => {
@@ -498,6 +512,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     let model = match policy.directory_route {
         DirectoryRoute::Nonstandard => load_nonstandard(model_type, &config, weights, &build),
+        DirectoryRoute::Mistral3Dynamic => load_mistral3(&config, weights, &build),
         _ => load_config_backed(model_type, &config, weights, &build),
     }
     .and_then(LoadedModel::into_generation)

@@ -24,9 +24,9 @@ use crate::model::{Architecture, LanguageModel, LayerKind};
 use crate::nn::ssm::{BcdtNorms, CausalConv, Mamba2Dims, MambaDims, PlainRms};
 use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
-    Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind, QkNorm, QkvProjection,
-    QueryProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
-    XIeluParams,
+    LightningAttention, Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind,
+    PositionScale, QkNorm, QkvProjection, QueryProjection, RopeConfig, RotaryEmbedding,
+    RoutedExperts, Router, RouterScoring, XIeluParams,
 };
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -44,6 +44,10 @@ pub enum QkNormSpec {
     Full,
     /// Over each head's features after rope, one weight shared by all heads (Hunyuan).
     PerHeadAfterRope,
+    /// Over each head's features without a weight, on the layers with rope only (Llama 4's
+    /// `use_qk_norm` L2 norm; transformers applies it after rope, which a norm over the whole
+    /// head commutes with).
+    WeightlessOnRopeLayers,
 }
 
 /// A shared expert next to the routed ones (`mlp.shared_expert`), optionally scaled by
@@ -85,6 +89,8 @@ pub struct MoeSpec {
     pub router_bias: bool,
     /// The experts' projections have biases (`switch_mlp.*.bias`, gpt-oss).
     pub expert_bias: bool,
+    /// The routing weight scales each expert's input instead of its output (Llama 4).
+    pub scale_inputs: bool,
 }
 
 impl MoeSpec {
@@ -103,6 +109,7 @@ impl MoeSpec {
             router: "gate",
             router_bias: false,
             expert_bias: false,
+            scale_inputs: false,
         }
     }
 }
@@ -184,6 +191,20 @@ pub struct Mamba2Spec {
     pub dt_limit: (f64, f64),
 }
 
+/// MiniMax's lightning attention (linear attention with per-head decay, see
+/// [`crate::nn::LightningAttention`]).
+#[derive(Debug, Clone)]
+pub struct LightningSpec {
+    /// Heads.
+    pub heads: i32,
+    /// Width of one head.
+    pub head_dim: i32,
+    /// Positions per closed-form block of a prefill (`block_size`).
+    pub block: i32,
+    /// Each head's decay rate.
+    pub slopes: Vec<f64>,
+}
+
 /// The token mixer of one layer.
 #[derive(Debug, Clone)]
 pub enum MixerSpec {
@@ -196,13 +217,15 @@ pub enum MixerSpec {
     Mamba(MambaSpec),
     /// Mamba-2's multi-head SSD scan.
     Mamba2(Mamba2Spec),
+    /// MiniMax's lightning attention.
+    Lightning(LightningSpec),
 }
 
 impl MixerSpec {
     /// The scope the mixer's tensors are read under within its layer.
     fn scope(&self) -> &'static str {
         match self {
-            MixerSpec::Attention | MixerSpec::Latent(_) => "self_attn",
+            MixerSpec::Attention | MixerSpec::Latent(_) | MixerSpec::Lightning(_) => "self_attn",
             MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) => "mixer",
         }
     }
@@ -224,6 +247,33 @@ pub enum BlockTopology {
     ParallelTwoNorms,
     /// State-space stacks (Mamba, Mamba-2): `h += mixer(input_layernorm(h))`, no feed-forward.
     MixerOnly,
+    /// MiniMax: the residual is the normed input, both branches scaled by the layer's
+    /// [`BlockScales`]: `x = input_layernorm(h); h = α·x + β·mixer(x);
+    /// x = post_attention_layernorm(h); h = α'·x + β'·ffn(x)`.
+    NormedResidual,
+}
+
+/// The residual and branch multipliers of a [`BlockTopology::NormedResidual`] block.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockScales {
+    /// Multiplies the normed input kept around the mixer (`*_attn_alpha_factor`).
+    pub mixer_residual: f64,
+    /// Multiplies the mixer's output (`*_attn_beta_factor`).
+    pub mixer_out: f64,
+    /// Multiplies the normed input kept around the feed-forward block (`mlp_alpha_factor`).
+    pub ffn_residual: f64,
+    /// Multiplies the feed-forward output (`mlp_beta_factor`).
+    pub ffn_out: f64,
+}
+
+impl BlockScales {
+    /// All multipliers 1.
+    pub const ONE: BlockScales = BlockScales {
+        mixer_residual: 1.0,
+        mixer_out: 1.0,
+        ffn_residual: 1.0,
+        ffn_out: 1.0,
+    };
 }
 
 /// Everything that distinguishes one decoder architecture from another.
@@ -269,6 +319,14 @@ pub struct DecoderSpec {
     pub windows: Vec<Option<usize>>,
     /// Per layer: feed-forward block.
     pub ffn: Vec<FfnSpec>,
+    /// Per layer: chunked local attention's block size (Llama 4), `None` for none.
+    pub chunks: Vec<Option<usize>>,
+    /// Per layer: the multipliers of a [`BlockTopology::NormedResidual`] block (unread by the
+    /// other topologies).
+    pub block_scales: Vec<BlockScales>,
+    /// Per layer: a position-dependent query multiplier of attention layers (Llama 4's
+    /// temperature tuning, Ministral 3's `llama_4_scaling_beta`), `None` for none.
+    pub query_scales: Vec<Option<PositionScale>>,
     /// Multiplies the embeddings (Gemma: `sqrt(hidden)`, Granite: `embedding_multiplier`).
     pub embed_scale: Option<f64>,
     /// Multiplies each block's output before its residual add (Granite's `residual_multiplier`).
@@ -300,6 +358,10 @@ impl DecoderSpec {
                     window: ((m.conv_kernel - 1) * m.dims.inner) as u64,
                     state: m.dims.inner as u64 * m.dims.state as u64,
                 },
+                (MixerSpec::Lightning(m), _) => LayerKind::Recurrent {
+                    window: 0,
+                    state: (m.heads * m.head_dim * m.head_dim) as u64,
+                },
                 (MixerSpec::Mamba2(m), _) => LayerKind::Recurrent {
                     window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
                     state: (m.dims.inner * m.dims.state) as u64,
@@ -323,12 +385,20 @@ impl DecoderSpec {
 
     fn check(&self) -> Result<()> {
         let n = self.layers();
-        if self.rope.len() != n || self.ffn.len() != n || self.windows.len() != n {
+        if self.rope.len() != n
+            || self.ffn.len() != n
+            || self.windows.len() != n
+            || self.query_scales.len() != n
+            || self.chunks.len() != n
+            || self.block_scales.len() != n
+        {
             return Err(ModelError::Config(format!(
-                "internal: {n} layers but {} rope, {} window and {} ffn entries",
+                "internal: {n} layers but {} rope, {} window, {} ffn, {} query-scale and {} chunk entries",
                 self.rope.len(),
                 self.windows.len(),
-                self.ffn.len()
+                self.ffn.len(),
+                self.query_scales.len(),
+                self.chunks.len()
             )));
         }
         let mixer_only = self.topology == BlockTopology::MixerOnly;
@@ -360,6 +430,7 @@ enum Mixer {
     Latent(Box<LatentAttention>),
     Mamba(Box<MambaMixer>),
     Mamba2(Box<Mamba2Mixer>),
+    Lightning(Box<LightningAttention>),
 }
 
 impl Mixer {
@@ -377,6 +448,17 @@ impl Mixer {
             // A state-space layer has no positions: it continues from its state.
             Mixer::Mamba(m) => m.forward(x, norm, residual, cache),
             Mixer::Mamba2(m) => m.forward(x, norm, residual, cache),
+            Mixer::Lightning(m) => {
+                let x = match norm {
+                    Some(n) => n.forward(x)?,
+                    None => x.clone(),
+                };
+                let y = m.forward(&x, cache)?;
+                Ok(match residual {
+                    Some(r) => r.add(&y)?,
+                    None => y,
+                })
+            }
         }
     }
 }
@@ -395,6 +477,8 @@ struct MoeBlock {
     experts: RoutedExperts,
     /// The shared expert and its optional sigmoid gate.
     shared: Option<(Mlp, Option<Linear>)>,
+    /// See [`MoeSpec::scale_inputs`].
+    scale_inputs: bool,
 }
 
 impl FeedForward {
@@ -447,7 +531,22 @@ impl MoeBlock {
             }
             None => None,
         };
-        let mut y = self.experts.combine(&flat, &ids, &weights)?;
+        let mut y = if self.scale_inputs {
+            // Each (token, expert) pair runs its expert on the token scaled by the pair's
+            // weight, as one routed row of its own; the rows of a token are summed.
+            let (t, k) = (flat.dim(0)?, ids.dim(1)?);
+            let scaled = flat
+                .expand_dims(&[1])?
+                .multiply(&weights.expand_dims(&[-1])?)?
+                .reshape(&[t * k, d])?;
+            let one = mlxcel_core::ops::ones(&[t * k, 1], weights.dtype()?)?;
+            self.experts
+                .combine(&scaled, &ids.reshape(&[t * k, 1])?, &one)?
+                .reshape(&[t, k, d])?
+                .sum(&[1], false)?
+        } else {
+            self.experts.combine(&flat, &ids, &weights)?
+        };
         if let Some(s) = shared_out {
             y = y.add(&s)?;
         }
@@ -481,6 +580,11 @@ enum BlockNorms {
     },
     MixerOnly {
         mixer_in: Norm,
+    },
+    NormedResidual {
+        mixer_in: Norm,
+        ffn_in: Norm,
+        scales: BlockScales,
     },
 }
 
@@ -565,6 +669,24 @@ impl Block {
                 let a = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
                 let f = ffn.forward_fused(h, Some(ffn_in), None)?;
                 add_scaled(h, &a.add(&f)?, s)
+            }
+            (
+                BlockNorms::NormedResidual {
+                    mixer_in,
+                    ffn_in,
+                    scales,
+                },
+                _,
+            ) => {
+                let x = mixer_in.forward(h)?;
+                let a = mixer.forward(&x, None, None, cache, positions)?;
+                let h = x
+                    .mul_scalar(scales.mixer_residual)?
+                    .add(&a.mul_scalar(scales.mixer_out)?)?;
+                let x = ffn_in.forward(&h)?;
+                let f = ffn.forward(&x)?;
+                Ok(x.mul_scalar(scales.ffn_residual)?
+                    .add(&f.mul_scalar(scales.ffn_out)?)?)
             }
             (BlockNorms::MixerOnly { .. }, _) => unreachable!("returned above"),
         }
@@ -688,6 +810,14 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
             q: norm(w, spec, "q_norm", hd)?,
             k: norm(w, spec, "k_norm", hd)?,
         },
+        QkNormSpec::WeightlessOnRopeLayers if spec.rope[layer].is_some() => {
+            let ones = mlxcel_core::ops::ones(&[hd], w.dtype())?;
+            QkNorm::PerHead {
+                q: Norm::new(NormKind::Rms, ones.clone(), None, spec.eps)?,
+                k: Norm::new(NormKind::Rms, ones, None, spec.eps)?,
+            }
+        }
+        QkNormSpec::WeightlessOnRopeLayers => QkNorm::None,
         QkNormSpec::Full => QkNorm::Full {
             q: norm(w, spec, "q_norm", q_dim)?,
             k: norm(w, spec, "k_norm", kv_dim)?,
@@ -724,6 +854,8 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
             scale: spec.attn_scale,
             softcap: spec.attn_softcap,
             window: spec.windows[layer],
+            query_scale: spec.query_scales[layer],
+            chunk: spec.chunks[layer],
         },
     })
 }
@@ -849,6 +981,29 @@ fn mamba2_mixer(w: &mut ModelWeights, spec: &DecoderSpec, m: &Mamba2Spec) -> Res
     })
 }
 
+/// A lightning-attention mixer under the open scope (`self_attn`).
+fn lightning_attention(
+    w: &mut ModelWeights,
+    spec: &DecoderSpec,
+    m: &LightningSpec,
+) -> Result<LightningAttention> {
+    let inner = m.heads * m.head_dim;
+    let slope: Vec<f32> = m.slopes.iter().map(|s| *s as f32).collect();
+    let slope = Array::from_slice(&slope, &[m.heads, 1, 1])?;
+    w.keep_all([&slope]);
+    Ok(LightningAttention {
+        qkv: w.linear("qkv_proj", spec.hidden, 3 * inner, false)?,
+        gate: w.linear("output_gate", spec.hidden, inner, false)?,
+        norm: norm(w, spec, "norm", inner)?,
+        out: w.linear("out_proj", inner, spec.hidden, false)?,
+        act: spec.act,
+        slope,
+        heads: m.heads,
+        head_dim: m.head_dim,
+        block: m.block,
+    })
+}
+
 /// The feed-forward block under the open scope (`mlp`).
 fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Result<FeedForward> {
     let h = spec.hidden;
@@ -910,6 +1065,7 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                 router,
                 experts,
                 shared,
+                scale_inputs: m.scale_inputs,
             }))
         }
     })
@@ -939,6 +1095,9 @@ impl Decoder {
                         }
                         MixerSpec::Mamba2(m) => {
                             Mixer::Mamba2(Box::new(mamba2_mixer(&mut a, spec, m)?))
+                        }
+                        MixerSpec::Lightning(m) => {
+                            Mixer::Lightning(Box::new(lightning_attention(&mut a, spec, m)?))
                         }
                     }
                 };
@@ -971,6 +1130,11 @@ impl Decoder {
                     },
                     BlockTopology::MixerOnly => BlockNorms::MixerOnly {
                         mixer_in: n("input_layernorm")?,
+                    },
+                    BlockTopology::NormedResidual => BlockNorms::NormedResidual {
+                        mixer_in: n("input_layernorm")?,
+                        ffn_in: n("post_attention_layernorm")?,
+                        scales: spec.block_scales[i],
                     },
                 };
                 blocks.push(Block { norms, mixer, ffn });

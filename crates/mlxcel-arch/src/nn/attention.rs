@@ -78,6 +78,50 @@ pub struct AttentionConfig {
     pub softcap: Option<f32>,
     /// Sliding window in keys per query (including itself), `None` for global attention.
     pub window: Option<usize>,
+    /// Multiplies the queries by a factor growing with the absolute position, if any.
+    pub query_scale: Option<PositionScale>,
+    /// Chunked local attention (Llama 4): each query sees only the keys of its own block of
+    /// this many positions; `None` for none. The cache keeps every key (a global layer's).
+    pub chunk: Option<usize>,
+}
+
+/// A per-position query multiplier `1 + weight · ln(1 + ⌊(p + shift) / period⌋)` that keeps
+/// attention sharp at positions far beyond the trained context: Llama 4's temperature tuning of
+/// its NoPE layers (`attn_scale`, `floor_scale`, shift 1) and Ministral 3's
+/// `llama_4_scaling_beta` over `original_max_position_embeddings` (shift 0). Computed in float32
+/// and cast to the queries' dtype, as transformers does.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PositionScale {
+    /// Multiplies the logarithm (`attn_scale`, `llama_4_scaling_beta`).
+    pub weight: f64,
+    /// Added to the position before dividing (Llama 4 counts positions from 1).
+    pub shift: f64,
+    /// Positions per step of the floor (`floor_scale`, `original_max_position_embeddings`).
+    pub period: f64,
+}
+
+impl PositionScale {
+    /// The factors for `l` queries at `positions` (`[L]` or `[B, L]`) or, without them, at
+    /// `offset..offset + l`, shaped to broadcast over `[B, heads, L, head_dim]`.
+    pub fn factors(&self, l: i32, positions: Option<&Array>, offset: usize) -> Result<Array> {
+        let f32 = mlxcel_core::Dtype::Float32;
+        let (p, shape) = match positions {
+            Some(p) if p.ndim() == 2 => (p.astype(f32)?, vec![p.dim(0)?, 1, l, 1]),
+            Some(p) => (p.astype(f32)?, vec![l, 1]),
+            None => (
+                ops::arange(offset as f64, offset as f64 + l as f64, 1.0, f32)?,
+                vec![l, 1],
+            ),
+        };
+        let period = Array::from_slice(&[self.period as f32], &[1])?;
+        let steps = p.add_scalar(self.shift)?.floor_divide(&period)?;
+        Ok(steps
+            .add_scalar(1.0)?
+            .log()?
+            .mul_scalar(self.weight)?
+            .add_scalar(1.0)?
+            .reshape(&shape)?)
+    }
 }
 
 /// One (grouped-query) self-attention layer: projections, optional q/k norms, rope, and the
@@ -144,6 +188,8 @@ impl Attention {
         positions: Option<&Array>,
     ) -> Result<Array> {
         let c = &self.cfg;
+        let l = q.dim(2)?;
+        let offset = cache.offset();
         if let Some(rope) = &self.rope {
             match (&*cache, positions) {
                 (LayerCache::Batch(b), None) => {
@@ -152,7 +198,6 @@ impl Attention {
                     k = rope.forward_offsets(&k, &offsets)?;
                 }
                 _ => {
-                    let offset = cache.offset();
                     q = rope.rotate(&q, positions, offset)?;
                     k = rope.rotate(&k, positions, offset)?;
                 }
@@ -162,7 +207,15 @@ impl Attention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
+        if let Some(scale) = &c.query_scale {
+            let factors = scale.factors(l, positions, offset)?.astype(q.dtype()?)?;
+            q = q.multiply(&factors)?;
+        }
         let (keys, values, mask) = cache.update(&k, &v, c.window)?;
+        let mask = match c.chunk {
+            Some(chunk) => Mask::chunked(offset, l as usize, 0, keys.dim(2)? as usize, chunk)?,
+            None => mask,
+        };
         match c.softcap {
             None => {
                 let m = match &mask {
@@ -184,9 +237,12 @@ impl Attention {
     }
 
     /// Whether this layer can decode a batch of conversations at their own positions
-    /// ([`LayerCache::Batch`]): its rotary embedding takes per-row offsets.
+    /// ([`LayerCache::Batch`]): its rotary embedding takes per-row offsets, and nothing else
+    /// depends on the position (Ministral 3's query scaling, Llama 4's chunks).
     pub fn takes_batches(&self) -> bool {
         self.rope.as_ref().is_none_or(|r| r.takes_row_offsets())
+            && self.cfg.query_scale.is_none()
+            && self.cfg.chunk.is_none()
     }
 
     /// Queries, keys and values of `x` `[B, L, hidden]` as `[B, heads, L, head_dim]`, with

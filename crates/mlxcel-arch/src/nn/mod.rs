@@ -4,6 +4,7 @@
 
 mod attention;
 pub mod calibration;
+mod lightning;
 mod linear;
 pub mod lora;
 mod mla;
@@ -13,7 +14,8 @@ mod norm;
 mod rope;
 pub mod ssm;
 
-pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
+pub use attention::{Attention, AttentionConfig, PositionScale, QkNorm, QkvProjection};
+pub use lightning::{lightning_slopes, LightningAttention};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
 pub use mla::{LatentAttention, LatentDims, QueryProjection};
 pub use mlp::{Activation, Mlp, XIeluParams, OAI_SWIGLU_ALPHA, OAI_SWIGLU_LIMIT};
