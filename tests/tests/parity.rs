@@ -130,6 +130,7 @@ fn state_space_families_load_through_the_nonstandard_route() {
         ("mamba2", ModelType::Mamba2),
         ("jamba", ModelType::Jamba),
         ("bamba", ModelType::Bamba),
+        ("qwen3_next", ModelType::Qwen3Next),
     ] {
         let model_type = ModelType::from_model_type(t).unwrap();
         assert_eq!(model_type, expected, "{t}");

@@ -95,6 +95,11 @@ fn jamba_prefix_reuse_restores_mamba_layers_and_rewinds_attention() {
 }
 
 #[test]
+fn qwen3_next_prefix_reuse_restores_delta_layers_and_rewinds_attention() {
+    resumes_from_the_last_snapshot("qwen3_next");
+}
+
+#[test]
 fn appending_to_the_conversation_reuses_everything_without_a_snapshot() {
     let loaded = load("mamba");
     let model = &loaded.model;
@@ -210,52 +215,89 @@ fn jamba_follows_transformers_where_mlx_lm_renormalises_the_routing() {
     );
 }
 
-/// The chunked scans equal the one-shot scan: the state (and the logits) after a prompt
-/// prefilled in chunks of 1, 3 or 16 match one pass, for every recurrent layer kind (Mamba-1,
-/// Mamba-2 with one and two groups, Jamba's Mamba layers).
-#[test]
-fn chunked_prefill_leaves_the_same_state_as_one_pass() {
-    for name in ["mamba", "falcon_mamba", "mamba2", "jamba", "bamba"] {
-        let loaded = load(name);
-        let model = &loaded.model;
-        let prompt = reference(name).prompt_ids;
-        let run = |chunk| {
-            let mut caches = model.make_caches();
-            let logits = mlxcel_arch::generate::prefill(model, &prompt, &mut caches, chunk)
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap();
-            let states: Vec<Vec<f32>> = caches
-                .iter()
-                .filter_map(|c| match c {
-                    LayerCache::State(s) => Some(s.arrays.iter().flatten().flat_map(|a| {
-                        a.astype(mlxcel_core::Dtype::Float32)
-                            .unwrap()
-                            .to_vec::<f32>()
-                            .unwrap()
-                    })),
-                    _ => None,
-                })
-                .map(Iterator::collect)
-                .collect();
-            assert!(!states.is_empty(), "{name}: no state caches");
-            (logits, states)
-        };
-        let (logits, states) = run(None);
-        for chunk in [1, 3, 16] {
-            let (l, s) = run(Some(chunk));
-            let (d, _) = max_abs_diff(&l, &logits);
-            assert!(d <= 1e-4, "{name}: chunk {chunk}: logits differ by {d:.2e}");
-            for (layer, (a, b)) in s.iter().zip(&states).enumerate() {
-                let (d, _) = max_abs_diff(a, b);
-                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-                assert!(
-                    d <= 1e-5 * scale.max(1.0),
-                    "{name}: chunk {chunk}: state of recurrent layer {layer} differs by {d:.2e} (max |state| {scale:.2})"
-                );
-            }
+/// Prefills `prompt` in chunks of `chunk` (one pass for `None`): the last position's logits
+/// and every state cache's arrays, flattened.
+fn prefill_states(
+    name: &str,
+    model: &mlxcel_arch::GenerationModel,
+    prompt: &[u32],
+    chunk: Option<usize>,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let mut caches = model.make_caches();
+    let logits = mlxcel_arch::generate::prefill(model, prompt, &mut caches, chunk)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let states: Vec<Vec<f32>> = caches
+        .iter()
+        .filter_map(|c| match c {
+            LayerCache::State(s) => Some(s.arrays.iter().flatten().flat_map(|a| {
+                a.astype(mlxcel_core::Dtype::Float32)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap()
+            })),
+            _ => None,
+        })
+        .map(Iterator::collect)
+        .collect();
+    assert!(!states.is_empty(), "{name}: no state caches");
+    (logits, states)
+}
+
+/// `prompt` prefilled in each of `chunks` leaves the logits and states of one pass.
+fn chunked_equals_one_pass(name: &str, prompt: &[u32], chunks: &[usize]) {
+    let loaded = load(name);
+    let model = &loaded.model;
+    let (logits, states) = prefill_states(name, model, prompt, None);
+    for &chunk in chunks {
+        let (l, s) = prefill_states(name, model, prompt, Some(chunk));
+        let (d, _) = max_abs_diff(&l, &logits);
+        assert!(d <= 1e-4, "{name}: chunk {chunk}: logits differ by {d:.2e}");
+        for (layer, (a, b)) in s.iter().zip(&states).enumerate() {
+            let (d, _) = max_abs_diff(a, b);
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(
+                d <= 1e-5 * scale.max(1.0),
+                "{name}: chunk {chunk}: state of recurrent layer {layer} differs by {d:.2e} (max |state| {scale:.2})"
+            );
         }
     }
+}
+
+/// The chunked scans equal the one-shot scan: the state (and the logits) after a prompt
+/// prefilled in chunks of 1, 3 or 16 match one pass, for every recurrent layer kind (Mamba-1,
+/// Mamba-2 with one and two groups, Jamba's Mamba layers, Qwen3-Next's gated DeltaNet).
+#[test]
+fn chunked_prefill_leaves_the_same_state_as_one_pass() {
+    for name in [
+        "mamba",
+        "falcon_mamba",
+        "mamba2",
+        "jamba",
+        "bamba",
+        "qwen3_next",
+    ] {
+        chunked_equals_one_pass(name, &reference(name).prompt_ids, &[1, 3, 16]);
+    }
+}
+
+/// A prompt longer than one chunk of the delta rule (64 positions) runs the chunk-to-chunk
+/// recurrence inside one call; it must agree with the one-token recurrence (chunks of 1) and
+/// with calls whose lengths cut the internal chunks elsewhere (50, 16).
+#[test]
+fn the_delta_rule_carries_its_state_across_internal_chunks() {
+    let ids = reference("qwen3_next").prompt_ids;
+    let prompt: Vec<u32> = ids
+        .iter()
+        .chain(ids.iter().rev())
+        .chain(&ids)
+        .chain(ids.iter().rev())
+        .copied()
+        .collect();
+    // Three internal chunks, the last one padded.
+    assert!(prompt.len() > 2 * 64 && prompt.len() % 64 != 0);
+    chunked_equals_one_pass("qwen3_next", &prompt, &[1, 16, 50]);
 }
 
 /// A state-space config or checkpoint that cannot work is refused naming the key or tensor.
@@ -286,6 +328,22 @@ fn bad_state_space_checkpoints_are_refused_by_name() {
     assert!(err.contains("time_step_rank = \"big\""), "{err}");
     let err = edit("jamba", "mamba_d_conv", 0.into());
     assert!(err.contains("mamba_d_conv = 0"), "{err}");
+    // Value heads that do not group evenly over the key heads, and a layer kind Qwen3-Next
+    // does not have.
+    let err = edit("qwen3_next", "linear_num_value_heads", 3.into());
+    assert!(
+        err.contains("linear_num_value_heads 3 must be a multiple of linear_num_key_heads 2"),
+        "{err}"
+    );
+    let err = edit(
+        "qwen3_next",
+        "layer_types",
+        serde_json::json!(["linear_attention", "sliding_attention"]),
+    );
+    assert!(
+        err.contains("layer_types entry `sliding_attention`"),
+        "{err}"
+    );
     // A convolution of another width than the checkpoint's.
     let err = edit("mamba2", "conv_kernel", 3.into());
     assert!(

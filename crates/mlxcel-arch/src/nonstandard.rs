@@ -6,7 +6,9 @@
 //! - Mamba and Falcon-Mamba (one [`ModelType::Mamba`]) by [`load_mamba`];
 //! - Mamba-2 by [`load_mamba2`];
 //! - Jamba (attention and Mamba layers interleaved, MoE on some) by [`load_jamba`];
-//! - Bamba (Mamba-2 layers with a few attention layers) by [`load_bamba`].
+//! - Bamba (Mamba-2 layers with a few attention layers) by [`load_bamba`];
+//! - Qwen3-Next (gated DeltaNet linear attention with gated full attention every few layers,
+//!   MoE with a shared expert) by [`load_qwen3_next`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -15,7 +17,7 @@
 use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
-use crate::models::{bamba, jamba, mamba, mamba2};
+use crate::models::{bamba, jamba, mamba, mamba2, qwen3_next};
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
 
@@ -31,6 +33,7 @@ pub fn load_nonstandard(
         ModelType::Mamba2 => load_mamba2(config, weights, options),
         ModelType::Jamba => load_jamba(config, weights, options),
         ModelType::Bamba => load_bamba(config, weights, options),
+        ModelType::Qwen3Next => load_qwen3_next(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -133,4 +136,17 @@ pub fn load_bamba(
     Ok(LoadedModel::Generation(GenerationModel::Bamba(Box::new(
         model,
     ))))
+}
+
+/// Qwen3-Next, from transformers' checkpoints (zero-centred norms, per-expert tensors) or
+/// mlx-lm's conversions (see [`qwen3_next`]).
+pub fn load_qwen3_next(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<qwen3_next::Model>("Qwen3Next", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Qwen3Next(
+        Box::new(model),
+    )))
 }

@@ -175,6 +175,7 @@ pub fn base_spec(
         qk_norm: QkNormSpec::None,
         attn_scale: 1.0 / (c.head_dim() as f32).sqrt(),
         attn_softcap: None,
+        attn_output_gate: false,
         act: c.activation(act_default)?,
         topology: BlockTopology::PreNorm,
         mixers: vec![MixerSpec::Attention; n],

@@ -134,6 +134,7 @@ pub(crate) fn mixer_only_spec(
         qk_norm: QkNormSpec::None,
         attn_scale: 1.0,
         attn_softcap: None,
+        attn_output_gate: false,
         act: Activation::Silu,
         topology: BlockTopology::MixerOnly,
         mixers,

@@ -27,6 +27,7 @@ use crate::nn::{
     Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind, QkNorm, QkvProjection,
     QueryProjection, RopeConfig, RotaryEmbedding, RoutedExperts, Router, RouterScoring,
 };
+use crate::nn::{DeltaProjections, GatedDeltaDims, GatedDeltaNet};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
@@ -171,6 +172,28 @@ pub struct Mamba2Spec {
     pub dt_limit: (f64, f64),
 }
 
+/// How a gated DeltaNet mixer's input projections are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaLayout {
+    /// `in_proj_qkvz` and `in_proj_ba`, grouped per key head (Qwen3-Next).
+    PerKeyHead,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` (Qwen3.5).
+    Separate,
+}
+
+/// A gated DeltaNet linear-attention mixer (`linear_attn.*`).
+#[derive(Debug, Clone)]
+pub struct GatedDeltaSpec {
+    /// Heads and widths.
+    pub dims: GatedDeltaDims,
+    /// Width of the causal convolution (`linear_conv_kernel_dim`).
+    pub conv_kernel: i32,
+    /// Epsilon of the gated RMSNorm.
+    pub norm_eps: f32,
+    /// The projections' layout.
+    pub layout: DeltaLayout,
+}
+
 /// The token mixer of one layer.
 #[derive(Debug, Clone)]
 pub enum MixerSpec {
@@ -183,6 +206,8 @@ pub enum MixerSpec {
     Mamba(MambaSpec),
     /// Mamba-2's multi-head SSD scan.
     Mamba2(Mamba2Spec),
+    /// The gated delta rule (Qwen3-Next's linear attention).
+    GatedDelta(GatedDeltaSpec),
 }
 
 impl MixerSpec {
@@ -191,6 +216,7 @@ impl MixerSpec {
         match self {
             MixerSpec::Attention | MixerSpec::Latent(_) => "self_attn",
             MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) => "mixer",
+            MixerSpec::GatedDelta(_) => "linear_attn",
         }
     }
 }
@@ -240,6 +266,8 @@ pub struct DecoderSpec {
     pub attn_scale: f32,
     /// Soft-cap of the attention scores (Gemma 2's `attn_logit_softcapping`).
     pub attn_softcap: Option<f32>,
+    /// Attention layers gate their output with `sigmoid(self_attn.output_gate(x))` (Qwen3-Next).
+    pub attn_output_gate: bool,
     /// The MLP activation.
     pub act: Activation,
     /// Where each block's norms sit.
@@ -283,6 +311,10 @@ impl DecoderSpec {
                 (MixerSpec::Mamba2(m), _) => LayerKind::Recurrent {
                     window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
                     state: (m.dims.inner * m.dims.state) as u64,
+                },
+                (MixerSpec::GatedDelta(m), _) => LayerKind::Recurrent {
+                    window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
+                    state: (m.dims.value_heads * m.dims.key_dim * m.dims.value_dim) as u64,
                 },
                 (MixerSpec::Latent(l), _) => LayerKind::LatentAttention {
                     latent: l.dims.kv_lora_rank,
@@ -340,6 +372,7 @@ enum Mixer {
     Latent(Box<LatentAttention>),
     Mamba(Box<MambaMixer>),
     Mamba2(Box<Mamba2Mixer>),
+    GatedDelta(Box<GatedDeltaNet>),
 }
 
 impl Mixer {
@@ -357,6 +390,7 @@ impl Mixer {
             // A state-space layer has no positions: it continues from its state.
             Mixer::Mamba(m) => m.forward(x, norm, residual, cache),
             Mixer::Mamba2(m) => m.forward(x, norm, residual, cache),
+            Mixer::GatedDelta(m) => m.forward(x, norm, residual, cache),
         }
     }
 }
@@ -640,8 +674,14 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
         }
         None => None,
     };
+    let output_gate = if spec.attn_output_gate {
+        Some(w.linear("output_gate", h, q_dim, spec.qkv_bias)?)
+    } else {
+        None
+    };
     Ok(Attention {
         qkv,
+        output_gate,
         o: w.linear("o_proj", q_dim, h, spec.o_bias)?,
         qk_norm,
         rope,
@@ -777,6 +817,57 @@ fn mamba2_mixer(w: &mut ModelWeights, spec: &DecoderSpec, m: &Mamba2Spec) -> Res
     })
 }
 
+/// A gated DeltaNet mixer under the open scope (`linear_attn`).
+fn gated_delta(
+    w: &mut ModelWeights,
+    spec: &DecoderSpec,
+    m: &GatedDeltaSpec,
+) -> Result<GatedDeltaNet> {
+    let d = m.dims;
+    if d.key_heads <= 0 || d.value_heads % d.key_heads != 0 {
+        return Err(ModelError::Config(format!(
+            "linear_num_value_heads {} must be a multiple of linear_num_key_heads {}",
+            d.value_heads, d.key_heads
+        )));
+    }
+    let h = spec.hidden;
+    let proj = match m.layout {
+        DeltaLayout::PerKeyHead => DeltaProjections::PerKeyHead {
+            qkvz: w.linear(
+                "in_proj_qkvz",
+                h,
+                2 * d.key_width() + 2 * d.value_width(),
+                false,
+            )?,
+            ba: w.linear("in_proj_ba", h, 2 * d.value_heads, false)?,
+        },
+        DeltaLayout::Separate => DeltaProjections::Separate {
+            qkv: w.linear("in_proj_qkv", h, d.conv_dim(), false)?,
+            z: w.linear("in_proj_z", h, d.value_width(), false)?,
+            b: w.linear("in_proj_b", h, d.value_heads, false)?,
+            a: w.linear("in_proj_a", h, d.value_heads, false)?,
+        },
+    };
+    let f32 = mlxcel_core::Dtype::Float32;
+    let a = w
+        .tensor("A_log", &[d.value_heads])?
+        .astype(f32)?
+        .exp()?
+        .negative()?;
+    let dt_bias = w.tensor("dt_bias", &[d.value_heads])?.astype(f32)?;
+    w.keep_all([&a, &dt_bias]);
+    Ok(GatedDeltaNet {
+        proj,
+        conv: causal_conv(w, d.conv_dim(), m.conv_kernel, false)?,
+        dt_bias,
+        a,
+        norm_weight: w.tensor("norm.weight", &[d.value_dim])?,
+        norm_eps: m.norm_eps,
+        out_proj: w.linear("out_proj", d.value_width(), h, false)?,
+        dims: d,
+    })
+}
+
 /// The feed-forward block under the open scope (`mlp`).
 fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Result<FeedForward> {
     let h = spec.hidden;
@@ -852,6 +943,9 @@ impl Decoder {
                         }
                         MixerSpec::Mamba2(m) => {
                             Mixer::Mamba2(Box::new(mamba2_mixer(&mut a, spec, m)?))
+                        }
+                        MixerSpec::GatedDelta(m) => {
+                            Mixer::GatedDelta(Box::new(gated_delta(&mut a, spec, m)?))
                         }
                     }
                 };

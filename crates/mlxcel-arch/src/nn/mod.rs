@@ -1,9 +1,11 @@
 //! Building blocks shared by the architectures: linear layers (dense or quantized), embeddings,
-//! norms, rotary embeddings, attention, MLPs, mixture-of-experts layers, state-space mixers and
+//! norms, rotary embeddings, attention, MLPs, mixture-of-experts layers, state-space and
+//! linear-attention (gated DeltaNet) mixers and
 //! runtime LoRA adapters.
 
 mod attention;
 pub mod calibration;
+pub mod gated_delta;
 mod linear;
 pub mod lora;
 mod mla;
@@ -14,6 +16,7 @@ mod rope;
 pub mod ssm;
 
 pub use attention::{Attention, AttentionConfig, QkNorm, QkvProjection};
+pub use gated_delta::{DeltaProjections, GatedDeltaDims, GatedDeltaNet};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
 pub use mla::{LatentAttention, LatentDims, QueryProjection};
 pub use mlp::{Activation, Mlp};
