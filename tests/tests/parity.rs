@@ -131,6 +131,10 @@ fn state_space_families_load_through_the_nonstandard_route() {
         ("jamba", ModelType::Jamba),
         ("bamba", ModelType::Bamba),
         ("qwen3_next", ModelType::Qwen3Next),
+        ("qwen3_5", ModelType::Qwen3_5),
+        ("qwen3_5_text", ModelType::Qwen3_5),
+        ("qwen3_5_moe", ModelType::Qwen3_5),
+        ("qwen3_5_moe_text", ModelType::Qwen3_5),
     ] {
         let model_type = ModelType::from_model_type(t).unwrap();
         assert_eq!(model_type, expected, "{t}");

@@ -100,6 +100,11 @@ fn qwen3_next_prefix_reuse_restores_delta_layers_and_rewinds_attention() {
 }
 
 #[test]
+fn qwen3_5_moe_prefix_reuse_restores_delta_layers_and_rewinds_attention() {
+    resumes_from_the_last_snapshot("qwen3_5_moe_text");
+}
+
+#[test]
 fn appending_to_the_conversation_reuses_everything_without_a_snapshot() {
     let loaded = load("mamba");
     let model = &loaded.model;
@@ -267,7 +272,8 @@ fn chunked_equals_one_pass(name: &str, prompt: &[u32], chunks: &[usize]) {
 
 /// The chunked scans equal the one-shot scan: the state (and the logits) after a prompt
 /// prefilled in chunks of 1, 3 or 16 match one pass, for every recurrent layer kind (Mamba-1,
-/// Mamba-2 with one and two groups, Jamba's Mamba layers, Qwen3-Next's gated DeltaNet).
+/// Mamba-2 with one and two groups, Jamba's Mamba layers, the gated DeltaNet of Qwen3-Next
+/// and Qwen3.5).
 #[test]
 fn chunked_prefill_leaves_the_same_state_as_one_pass() {
     for name in [
@@ -349,5 +355,101 @@ fn bad_state_space_checkpoints_are_refused_by_name() {
     assert!(
         err.contains("conv1d.weight` has shape [160, 1, 4]"),
         "{err}"
+    );
+}
+
+/// Qwen3.5 is published as a vision-language model: the text config under `text_config`, the
+/// decoder under `model.language_model.*` next to a vision tower, transformers' fused expert
+/// stacks (`experts.gate_up_proj` `[E, 2I, H]`, `experts.down_proj` `[E, H, I]`). The text
+/// fixture rewritten that way loads to the same logits.
+#[test]
+fn qwen3_5_loads_from_its_vision_language_layout() {
+    use safetensors::tensor::TensorView;
+    let name = "qwen3_5_moe_text";
+    let dir = mlxcel_tests::copy_fixture(name);
+    let config_path = dir.path().join("config.json");
+    let text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let wrapped = serde_json::json!({
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "tie_word_embeddings": false,
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 8},
+    });
+    std::fs::write(&config_path, wrapped.to_string()).unwrap();
+    let weights_path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&weights_path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> = Default::default();
+    for (n, view) in st.tensors() {
+        tensors.insert(n, (view.shape().to_vec(), view.data().to_vec()));
+    }
+    let f32s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let to_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let mut out: std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> = Default::default();
+    for layer in 0..2 {
+        let prefix = format!("model.layers.{layer}.mlp.experts");
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        let mut experts = 0;
+        while let Some((_, gate)) = tensors.remove(&format!("{prefix}.{experts}.gate_proj.weight"))
+        {
+            let (_, up) = tensors
+                .remove(&format!("{prefix}.{experts}.up_proj.weight"))
+                .unwrap();
+            let (_, d) = tensors
+                .remove(&format!("{prefix}.{experts}.down_proj.weight"))
+                .unwrap();
+            gate_up.extend(f32s(&gate));
+            gate_up.extend(f32s(&up));
+            down.extend(f32s(&d));
+            experts += 1;
+        }
+        assert_eq!(experts, 4);
+        // [E, 2I, H] with I = 16, H = 32; [E, H, I].
+        out.insert(
+            format!("{prefix}.gate_up_proj"),
+            (vec![4, 32, 32], to_bytes(&gate_up)),
+        );
+        out.insert(
+            format!("{prefix}.down_proj"),
+            (vec![4, 32, 16], to_bytes(&down)),
+        );
+    }
+    for (n, t) in tensors {
+        let n = match n.strip_prefix("model.") {
+            Some(rest) => format!("model.language_model.{rest}"),
+            None => n,
+        };
+        out.insert(n, t);
+    }
+    out.insert(
+        "model.visual.patch_embed.proj.weight".into(),
+        (vec![8, 3], to_bytes(&[0.5; 24])),
+    );
+    let views: Vec<(String, TensorView)> = out
+        .iter()
+        .map(|(n, (shape, data))| {
+            let view = TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    std::fs::write(&weights_path, safetensors::serialize(views, &None).unwrap()).unwrap();
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let wrapped = load_model(dir.path(), &options).unwrap_or_else(|e| panic!("wrapped: {e}"));
+    let r = reference(name);
+    let got = mlxcel_tests::logits_for(&wrapped.model, &r.prompt_ids);
+    let want = mlxcel_tests::logits_for(&load(name).model, &r.prompt_ids);
+    let (d, _) = max_abs_diff(&got, &want);
+    assert!(
+        d <= 1e-6,
+        "the vision-language layout changes the logits by {d:.2e}"
     );
 }

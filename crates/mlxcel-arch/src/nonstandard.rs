@@ -8,7 +8,9 @@
 //! - Jamba (attention and Mamba layers interleaved, MoE on some) by [`load_jamba`];
 //! - Bamba (Mamba-2 layers with a few attention layers) by [`load_bamba`];
 //! - Qwen3-Next (gated DeltaNet linear attention with gated full attention every few layers,
-//!   MoE with a shared expert) by [`load_qwen3_next`].
+//!   MoE with a shared expert) by [`load_qwen3_next`];
+//! - Qwen3.5 and Qwen3.5-MoE (the same hybrid; their vision-language configs and checkpoints
+//!   read for the text decoder) by [`load_qwen3_5`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -17,7 +19,7 @@
 use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
-use crate::models::{bamba, jamba, mamba, mamba2, qwen3_next};
+use crate::models::{bamba, jamba, mamba, mamba2, qwen3_5, qwen3_next};
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
 
@@ -34,6 +36,7 @@ pub fn load_nonstandard(
         ModelType::Jamba => load_jamba(config, weights, options),
         ModelType::Bamba => load_bamba(config, weights, options),
         ModelType::Qwen3Next => load_qwen3_next(config, weights, options),
+        ModelType::Qwen3_5 => load_qwen3_5(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -149,4 +152,38 @@ pub fn load_qwen3_next(
     Ok(LoadedModel::Generation(GenerationModel::Qwen3Next(
         Box::new(model),
     )))
+}
+
+/// The text config of a Qwen3.5 checkpoint: a vision-language config's `text_config` (with the
+/// top level's `tie_word_embeddings` where the text config lacks it, normalised like any
+/// config.json), or a text-only config as it is.
+pub fn qwen3_5_text_config(config: &Value) -> Result<Value> {
+    let Some(obj) = config.as_object() else {
+        return Err(ModelError::Config("config.json is not an object".into()));
+    };
+    let Some(text) = obj.get("text_config") else {
+        return Ok(config.clone());
+    };
+    let Some(text) = text.as_object() else {
+        return Err(ModelError::Config("text_config is not an object".into()));
+    };
+    let mut out: Map<String, Value> = text.clone();
+    if let Some(tie) = obj.get("tie_word_embeddings") {
+        out.entry("tie_word_embeddings").or_insert(tie.clone());
+    }
+    Ok(crate::config::sanitize_config_json(Value::Object(out)))
+}
+
+/// Qwen3.5 and Qwen3.5-MoE text decoders, from text-only or vision-language checkpoints (see
+/// [`qwen3_5`]).
+pub fn load_qwen3_5(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let config = qwen3_5_text_config(config)?;
+    let model = build_architecture::<qwen3_5::Model>("Qwen3_5", &config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Qwen3_5(Box::new(
+        model,
+    ))))
 }

@@ -47,20 +47,9 @@ fn thirty_two() -> i32 {
     32
 }
 
-/// The `config.json` keys of Qwen3-Next (transformers' `Qwen3NextConfig`).
+/// The linear-attention and layer-pattern keys Qwen3-Next and Qwen3.5 share.
 #[derive(Debug, Clone, Deserialize)]
-pub struct Args {
-    /// The keys every decoder shares (`hidden_size`, heads, `head_dim`, rope, `layer_types`,
-    /// ...).
-    #[serde(flatten)]
-    pub common: CommonArgs,
-    /// The MoE keys (`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
-    /// `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`).
-    #[serde(flatten)]
-    pub moe: MoeArgs,
-    /// `shared_expert_intermediate_size`: the sigmoid-gated shared expert's width; default 512.
-    #[serde(default)]
-    pub shared_expert_intermediate_size: Option<i32>,
+pub struct LinearAttentionArgs {
     /// `full_attention_interval`: without `layer_types`, layer `i` attends when
     /// `(i + 1) % full_attention_interval == 0`; default 4.
     #[serde(default = "four_layers")]
@@ -85,15 +74,12 @@ pub struct Args {
     pub attention_bias: bool,
 }
 
-/// The Qwen3-Next model: the shared decoder with per-layer gated DeltaNet or gated attention.
-pub type Model = Transformer<Args>;
-
-impl Args {
+impl LinearAttentionArgs {
     /// Per layer: does it attend (`full_attention`) rather than run the delta rule
-    /// (`linear_attention`)?
-    fn attends(&self) -> Result<Vec<bool>> {
-        let n = self.common.num_hidden_layers;
-        match &self.common.layer_types {
+    /// (`linear_attention`)? From `layer_types` when present, else `full_attention_interval`.
+    pub(crate) fn attends(&self, common: &CommonArgs) -> Result<Vec<bool>> {
+        let n = common.num_hidden_layers;
+        match &common.layer_types {
             Some(types) => {
                 if types.len() != n {
                     return Err(ModelError::Config(format!(
@@ -107,7 +93,7 @@ impl Args {
                         "full_attention" => Ok(true),
                         "linear_attention" => Ok(false),
                         other => Err(ModelError::Unsupported(format!(
-                            "layer_types entry `{other}` (Qwen3-Next layers are `linear_attention` or `full_attention`)"
+                            "layer_types entry `{other}` (gated-DeltaNet hybrids have `linear_attention` and `full_attention` layers)"
                         ))),
                     })
                     .collect()
@@ -124,87 +110,7 @@ impl Args {
         }
     }
 
-    fn delta_dims(&self) -> GatedDeltaDims {
-        GatedDeltaDims {
-            key_heads: self.linear_num_key_heads,
-            key_dim: self.linear_key_head_dim,
-            value_heads: self.linear_num_value_heads,
-            value_dim: self.linear_value_head_dim,
-        }
-    }
-}
-
-/// Whether `weights` are laid out as transformers saves them (zero-centred norms): a
-/// convolution in PyTorch's `[channels, 1, kernel]` layout, or per-expert tensors, which mlx-lm's
-/// conversion rewrites.
-fn transformers_layout(weights: &WeightMap) -> bool {
-    weights.names().any(|n| {
-        (n.ends_with(".conv1d.weight")
-            && weights
-                .info(n)
-                .is_some_and(|i| i.shape.len() == 3 && i.shape[1] == 1 && i.shape[2] > 1))
-            || n.contains(".mlp.experts.0.")
-    })
-}
-
-/// Adds the one to the zero-centred RMSNorm weights of a transformers checkpoint (`norms`: the
-/// suffixes of the norms that scale by `1 + w`).
-pub(crate) fn uncentre_norms(weights: &mut WeightMap, norms: &[&str]) -> Result<()> {
-    let names: Vec<String> = weights
-        .names()
-        .filter(|n| norms.iter().any(|s| n.ends_with(s)))
-        .map(str::to_string)
-        .collect();
-    for name in names {
-        let w = weights.take(&name)?;
-        weights.insert(name, w.add_scalar(1.0)?)?;
-    }
-    Ok(())
-}
-
-/// The decoder norms Qwen3-Next (and Qwen3.5) store zero-centred.
-pub(crate) const CENTRED_NORMS: &[&str] = &[
-    ".input_layernorm.weight",
-    ".post_attention_layernorm.weight",
-    "model.norm.weight",
-    ".q_norm.weight",
-    ".k_norm.weight",
-];
-
-impl DecoderArgs for Args {
-    fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
-        let mtp: Vec<String> = weights
-            .names()
-            .filter(|n| n.starts_with("mtp."))
-            .map(str::to_string)
-            .collect();
-        for name in mtp {
-            weights.remove(&name);
-        }
-        if transformers_layout(weights) {
-            uncentre_norms(weights, CENTRED_NORMS)?;
-        }
-        conv_weights_to_torch_layout(weights)?;
-        let n = self.common.num_hidden_layers;
-        stack_mlp_experts(weights, n, self.moe.num_experts.max(0) as usize)?;
-        let heads = self.common.num_attention_heads;
-        let head_dim = self.common.head_dim();
-        for (i, attends) in self.attends()?.into_iter().enumerate() {
-            if attends {
-                let at = |m: &str| format!("model.layers.{i}.self_attn.{m}");
-                split_interleaved_rows(
-                    weights,
-                    &at("q_proj"),
-                    heads,
-                    head_dim,
-                    (&at("q_proj"), &at("output_gate")),
-                )?;
-            }
-        }
-        Ok(())
-    }
-
-    fn spec(&self) -> Result<DecoderSpec> {
+    fn dims(&self) -> Result<GatedDeltaDims> {
         check_positive(&[
             ("linear_conv_kernel_dim", self.linear_conv_kernel_dim),
             ("linear_key_head_dim", self.linear_key_head_dim),
@@ -218,35 +124,159 @@ impl DecoderArgs for Args {
                 self.linear_num_value_heads, self.linear_num_key_heads
             )));
         }
-        let mut common = self.common.clone();
-        // transformers' default for Qwen3-Next: rope on a quarter of each head.
+        Ok(GatedDeltaDims {
+            key_heads: self.linear_num_key_heads,
+            key_dim: self.linear_key_head_dim,
+            value_heads: self.linear_num_value_heads,
+            value_dim: self.linear_value_head_dim,
+        })
+    }
+
+    /// The hybrid's spec before its feed-forward blocks are chosen: gated attention (per-head
+    /// q/k norms, rope on `partial_rotary_factor` — default ¼ — of each head) on the attending
+    /// layers, the gated DeltaNet (`layout`) on the others, dense MLPs of `intermediate_size`.
+    pub(crate) fn spec(&self, common: &CommonArgs, layout: DeltaLayout) -> Result<DecoderSpec> {
+        let dims = self.dims()?;
+        let mut common = common.clone();
+        // transformers' default for Qwen3-Next and Qwen3.5: rope on a quarter of each head.
         common.partial_rotary_factor.get_or_insert(0.25);
         let mut spec = base_spec(&common, false, "silu")?;
         spec.qk_norm = QkNormSpec::PerHead;
         spec.attn_output_gate = true;
         spec.qkv_bias = self.attention_bias;
         spec.o_bias = self.attention_bias;
+        let delta = MixerSpec::GatedDelta(GatedDeltaSpec {
+            dims,
+            conv_kernel: self.linear_conv_kernel_dim,
+            norm_eps: common.rms_norm_eps,
+            layout,
+        });
+        for (i, attends) in self.attends(&common)?.into_iter().enumerate() {
+            if !attends {
+                spec.mixers[i] = delta.clone();
+                spec.rope[i] = None;
+            }
+        }
+        Ok(spec)
+    }
+
+    /// The rewrites both families' checkpoints need (see the module docs): `mtp.*` dropped,
+    /// transformers' zero-centred norms uncentred, convolutions in PyTorch's layout, per-expert
+    /// tensors of `experts` experts stacked, and each attending layer's `q_proj` split into
+    /// `q_proj` and `output_gate`.
+    pub(crate) fn sanitize(
+        &self,
+        common: &CommonArgs,
+        weights: &mut WeightMap,
+        experts: usize,
+    ) -> Result<()> {
+        let mtp: Vec<String> = weights
+            .names()
+            .filter(|n| n.starts_with("mtp."))
+            .map(str::to_string)
+            .collect();
+        for name in mtp {
+            weights.remove(&name);
+        }
+        if transformers_layout(weights) {
+            uncentre_norms(weights, CENTRED_NORMS)?;
+        }
+        conv_weights_to_torch_layout(weights)?;
+        stack_mlp_experts(weights, common.num_hidden_layers, experts)?;
+        let (heads, head_dim) = (common.num_attention_heads, common.head_dim());
+        for (i, attends) in self.attends(common)?.into_iter().enumerate() {
+            if attends {
+                let at = |m: &str| format!("model.layers.{i}.self_attn.{m}");
+                split_interleaved_rows(
+                    weights,
+                    &at("q_proj"),
+                    heads,
+                    head_dim,
+                    (&at("q_proj"), &at("output_gate")),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `config.json` keys of Qwen3-Next (transformers' `Qwen3NextConfig`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Args {
+    /// The keys every decoder shares (`hidden_size`, heads, `head_dim`, rope, `layer_types`,
+    /// ...).
+    #[serde(flatten)]
+    pub common: CommonArgs,
+    /// The MoE keys (`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
+    /// `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`).
+    #[serde(flatten)]
+    pub moe: MoeArgs,
+    /// The linear-attention keys and the layer pattern.
+    #[serde(flatten)]
+    pub linear: LinearAttentionArgs,
+    /// `shared_expert_intermediate_size`: the sigmoid-gated shared expert's width; default 512.
+    #[serde(default)]
+    pub shared_expert_intermediate_size: Option<i32>,
+}
+
+/// The Qwen3-Next model: the shared decoder with per-layer gated DeltaNet or gated attention.
+pub type Model = Transformer<Args>;
+
+/// Whether `weights` are laid out as transformers saves them (zero-centred norms): a
+/// convolution in PyTorch's `[channels, 1, kernel]` layout, or per-expert tensors, which mlx-lm's
+/// conversion rewrites.
+fn transformers_layout(weights: &WeightMap) -> bool {
+    weights.names().any(|n| {
+        (n.ends_with(".conv1d.weight")
+            && weights
+                .info(n)
+                .is_some_and(|i| i.shape.len() == 3 && i.shape[1] == 1 && i.shape[2] > 1))
+            || n.contains(".mlp.experts.0.")
+            || n.ends_with(".mlp.experts.gate_up_proj")
+    })
+}
+
+/// Adds the one to the zero-centred RMSNorm weights of a transformers checkpoint (`norms`: the
+/// suffixes of the norms that scale by `1 + w`).
+fn uncentre_norms(weights: &mut WeightMap, norms: &[&str]) -> Result<()> {
+    let names: Vec<String> = weights
+        .names()
+        .filter(|n| norms.iter().any(|s| n.ends_with(s)))
+        .map(str::to_string)
+        .collect();
+    for name in names {
+        let w = weights.take(&name)?;
+        weights.insert(name, w.add_scalar(1.0)?)?;
+    }
+    Ok(())
+}
+
+/// The decoder norms Qwen3-Next (and Qwen3.5) store zero-centred.
+const CENTRED_NORMS: &[&str] = &[
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+];
+
+impl DecoderArgs for Args {
+    fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        let experts = self.moe.num_experts.max(0) as usize;
+        self.linear.sanitize(&self.common, weights, experts)
+    }
+
+    fn spec(&self) -> Result<DecoderSpec> {
+        let mut spec = self.linear.spec(&self.common, DeltaLayout::PerKeyHead)?;
         if self.moe.num_experts > 0 {
             let shared = self.shared_expert_intermediate_size.unwrap_or(512);
             check_positive(&[("shared_expert_intermediate_size", shared)])?;
             self.moe.apply(
                 &mut spec,
-                self.moe.expert_intermediate(&common)?,
+                self.moe.expert_intermediate(&self.common)?,
                 self.moe.norm_topk_prob,
                 Some(shared),
             );
-        }
-        let delta = MixerSpec::GatedDelta(GatedDeltaSpec {
-            dims: self.delta_dims(),
-            conv_kernel: self.linear_conv_kernel_dim,
-            norm_eps: common.rms_norm_eps,
-            layout: DeltaLayout::PerKeyHead,
-        });
-        for (i, attends) in self.attends()?.into_iter().enumerate() {
-            if !attends {
-                spec.mixers[i] = delta.clone();
-                spec.rope[i] = None;
-            }
         }
         Ok(spec)
     }
