@@ -105,6 +105,11 @@ fn qwen3_5_moe_prefix_reuse_restores_delta_layers_and_rewinds_attention() {
 }
 
 #[test]
+fn rwkv7_prefix_reuse_resumes_from_a_snapshot() {
+    resumes_from_the_last_snapshot("rwkv7");
+}
+
+#[test]
 fn appending_to_the_conversation_reuses_everything_without_a_snapshot() {
     let loaded = load("mamba");
     let model = &loaded.model;
@@ -273,7 +278,7 @@ fn chunked_equals_one_pass(name: &str, prompt: &[u32], chunks: &[usize]) {
 /// The chunked scans equal the one-shot scan: the state (and the logits) after a prompt
 /// prefilled in chunks of 1, 3 or 16 match one pass, for every recurrent layer kind (Mamba-1,
 /// Mamba-2 with one and two groups, Jamba's Mamba layers, the gated DeltaNet of Qwen3-Next
-/// and Qwen3.5).
+/// and Qwen3.5, RWKV-7's token shifts and state).
 #[test]
 fn chunked_prefill_leaves_the_same_state_as_one_pass() {
     for name in [
@@ -452,4 +457,68 @@ fn qwen3_5_loads_from_its_vision_language_layout() {
         d <= 1e-6,
         "the vision-language layout changes the logits by {d:.2e}"
     );
+}
+
+/// RWKV-7 in mlx-lm's layout (`k_k`, `k_a`, `g_norm.*` as `[heads, head_dim]`, the fixture being
+/// fla-hub's flat one) loads to the same logits; a mixing vector of the wrong size is refused by
+/// name.
+#[test]
+fn rwkv7_loads_from_mlx_lm_layout_and_refuses_bad_shapes() {
+    use safetensors::tensor::TensorView;
+    let rewrite = |reshape: &dyn Fn(&str, &[usize]) -> Vec<usize>| -> tempfile::TempDir {
+        let dir = mlxcel_tests::copy_fixture("rwkv7");
+        let path = dir.path().join("model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| {
+                let shape = reshape(&n, v.shape());
+                (n, shape, v.data().to_vec())
+            })
+            .collect();
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, shape, data)| {
+                // A shape with fewer elements keeps the leading values.
+                let len = 4 * shape.iter().product::<usize>();
+                let view = TensorView::new(safetensors::Dtype::F32, shape.clone(), &data[..len]);
+                (n.clone(), view.unwrap())
+            })
+            .collect();
+        std::fs::write(&path, safetensors::serialize(views, &None).unwrap()).unwrap();
+        dir
+    };
+    let per_head = |n: &str, shape: &[usize]| -> Vec<usize> {
+        let leaf = n.rsplit('.').next().unwrap();
+        if leaf == "k_k" || leaf == "k_a" || n.contains(".attn.g_norm.") {
+            vec![4, 8]
+        } else {
+            shape.to_vec()
+        }
+    };
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let dir = rewrite(&per_head);
+    let mlx_layout = load_model(dir.path(), &options).unwrap();
+    let r = reference("rwkv7");
+    let got = mlxcel_tests::logits_for(&mlx_layout.model, &r.prompt_ids);
+    let want = mlxcel_tests::logits_for(&load("rwkv7").model, &r.prompt_ids);
+    let (d, _) = max_abs_diff(&got, &want);
+    assert!(d == 0.0, "mlx-lm's layout changes the logits by {d:.2e}");
+    // A tensor of another size than its config implies is refused, naming it.
+    let dir = rewrite(&|n: &str, shape: &[usize]| {
+        if n == "model.layers.1.attn.x_v" {
+            vec![1, 1, 16]
+        } else {
+            shape.to_vec()
+        }
+    });
+    let err = load_model(dir.path(), &options)
+        .expect_err("loaded")
+        .to_string();
+    assert!(err.contains("model.layers.1.attn.x_v"), "{err}");
 }

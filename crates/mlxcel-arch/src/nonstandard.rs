@@ -10,7 +10,8 @@
 //! - Qwen3-Next (gated DeltaNet linear attention with gated full attention every few layers,
 //!   MoE with a shared expert) by [`load_qwen3_next`];
 //! - Qwen3.5 and Qwen3.5-MoE (the same hybrid; their vision-language configs and checkpoints
-//!   read for the text decoder) by [`load_qwen3_5`].
+//!   read for the text decoder) by [`load_qwen3_5`];
+//! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -19,7 +20,7 @@
 use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
-use crate::models::{bamba, jamba, mamba, mamba2, qwen3_5, qwen3_next};
+use crate::models::{bamba, jamba, mamba, mamba2, qwen3_5, qwen3_next, rwkv7};
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
 
@@ -37,6 +38,7 @@ pub fn load_nonstandard(
         ModelType::Bamba => load_bamba(config, weights, options),
         ModelType::Qwen3Next => load_qwen3_next(config, weights, options),
         ModelType::Qwen3_5 => load_qwen3_5(config, weights, options),
+        ModelType::Rwkv7 => load_rwkv7(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -184,6 +186,18 @@ pub fn load_qwen3_5(
     let config = qwen3_5_text_config(config)?;
     let model = build_architecture::<qwen3_5::Model>("Qwen3_5", &config, weights, options)?;
     Ok(LoadedModel::Generation(GenerationModel::Qwen3_5(Box::new(
+        model,
+    ))))
+}
+
+/// RWKV-7, from fla-hub's layout or mlx-lm's (see [`rwkv7`]).
+pub fn load_rwkv7(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<rwkv7::Model>("Rwkv7", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Rwkv7(Box::new(
         model,
     ))))
 }

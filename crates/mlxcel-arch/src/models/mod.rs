@@ -28,4 +28,5 @@ pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_moe;
 pub mod qwen3_next;
+pub mod rwkv7;
 pub mod starcoder2;

@@ -919,6 +919,32 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
     })
 }
 
+/// Refuses ids outside an embedding table of `vocab` rows (MLX's gather does not check
+/// bounds, so an out-of-range id would read outside the table). Ids from the host are read
+/// where they are; ids still being computed on the device (a sampled token fed back) come from
+/// an argmax over the model's logits and cannot be out of range, and are not waited for.
+pub(crate) fn check_token_ids(tokens: &Array, vocab: usize) -> Result<()> {
+    if !tokens.is_available() {
+        return Ok(());
+    }
+    let ids: Vec<i64> = match tokens.dtype()? {
+        mlxcel_core::Dtype::Int32 => tokens.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
+        mlxcel_core::Dtype::Uint32 => tokens.to_vec::<u32>()?.into_iter().map(i64::from).collect(),
+        other => {
+            return Err(ModelError::Runtime(format!(
+                "token ids must be int32 or uint32, not {other}"
+            )))
+        }
+    };
+    match ids.iter().position(|&t| t < 0 || t >= vocab as i64) {
+        Some(i) => Err(ModelError::Runtime(format!(
+            "token id {} at position {i} is outside the vocabulary (size {vocab})",
+            ids[i]
+        ))),
+        None => Ok(()),
+    }
+}
+
 impl Decoder {
     /// Builds the decoder from the weights under `w`'s open scope (`model.*` and `lm_head`).
     pub fn build(spec: &DecoderSpec, w: &mut ModelWeights) -> Result<Decoder> {
@@ -1004,43 +1030,13 @@ impl Decoder {
 
     /// Token ids `[B, L]` → input hidden states `[B, L, hidden]`.
     pub fn embed(&self, tokens: &Array) -> Result<Array> {
-        self.check_ids(tokens)?;
+        check_token_ids(tokens, self.vocab)?;
         let h = self.embed.forward(tokens)?;
         Ok(match self.embed_scale {
             // In the activation dtype, as transformers rounds the normaliser.
             Some(s) => h.mul_scalar(s)?,
             None => h,
         })
-    }
-
-    /// Refuses ids outside the embedding table (MLX's gather does not check bounds, so an
-    /// out-of-range id would read outside the table). Ids from the host are read where they
-    /// are; ids still being computed on the device (a sampled token fed back) come from an
-    /// argmax over this model's logits and cannot be out of range, and are not waited for.
-    fn check_ids(&self, tokens: &Array) -> Result<()> {
-        if !tokens.is_available() {
-            return Ok(());
-        }
-        let ids: Vec<i64> = match tokens.dtype()? {
-            mlxcel_core::Dtype::Int32 => {
-                tokens.to_vec::<i32>()?.into_iter().map(i64::from).collect()
-            }
-            mlxcel_core::Dtype::Uint32 => {
-                tokens.to_vec::<u32>()?.into_iter().map(i64::from).collect()
-            }
-            other => {
-                return Err(ModelError::Runtime(format!(
-                    "token ids must be int32 or uint32, not {other}"
-                )))
-            }
-        };
-        match ids.iter().position(|&t| t < 0 || t >= self.vocab as i64) {
-            Some(i) => Err(ModelError::Runtime(format!(
-                "token id {} at position {i} is outside the vocabulary (size {})",
-                ids[i], self.vocab
-            ))),
-            None => Ok(()),
-        }
     }
 
     /// Hidden states `[B, L, hidden]` through every block, extending `caches`.
