@@ -95,6 +95,21 @@ fn jamba_prefix_reuse_restores_mamba_layers_and_rewinds_attention() {
 }
 
 #[test]
+fn qwen3_next_prefix_reuse_restores_delta_layers_and_rewinds_attention() {
+    resumes_from_the_last_snapshot("qwen3_next");
+}
+
+#[test]
+fn qwen3_5_moe_prefix_reuse_restores_delta_layers_and_rewinds_attention() {
+    resumes_from_the_last_snapshot("qwen3_5_moe_text");
+}
+
+#[test]
+fn rwkv7_prefix_reuse_resumes_from_a_snapshot() {
+    resumes_from_the_last_snapshot("rwkv7");
+}
+
+#[test]
 fn appending_to_the_conversation_reuses_everything_without_a_snapshot() {
     let loaded = load("mamba");
     let model = &loaded.model;
@@ -210,52 +225,90 @@ fn jamba_follows_transformers_where_mlx_lm_renormalises_the_routing() {
     );
 }
 
-/// The chunked scans equal the one-shot scan: the state (and the logits) after a prompt
-/// prefilled in chunks of 1, 3 or 16 match one pass, for every recurrent layer kind (Mamba-1,
-/// Mamba-2 with one and two groups, Jamba's Mamba layers).
-#[test]
-fn chunked_prefill_leaves_the_same_state_as_one_pass() {
-    for name in ["mamba", "falcon_mamba", "mamba2", "jamba", "bamba"] {
-        let loaded = load(name);
-        let model = &loaded.model;
-        let prompt = reference(name).prompt_ids;
-        let run = |chunk| {
-            let mut caches = model.make_caches();
-            let logits = mlxcel_arch::generate::prefill(model, &prompt, &mut caches, chunk)
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap();
-            let states: Vec<Vec<f32>> = caches
-                .iter()
-                .filter_map(|c| match c {
-                    LayerCache::State(s) => Some(s.arrays.iter().flatten().flat_map(|a| {
-                        a.astype(mlxcel_core::Dtype::Float32)
-                            .unwrap()
-                            .to_vec::<f32>()
-                            .unwrap()
-                    })),
-                    _ => None,
-                })
-                .map(Iterator::collect)
-                .collect();
-            assert!(!states.is_empty(), "{name}: no state caches");
-            (logits, states)
-        };
-        let (logits, states) = run(None);
-        for chunk in [1, 3, 16] {
-            let (l, s) = run(Some(chunk));
-            let (d, _) = max_abs_diff(&l, &logits);
-            assert!(d <= 1e-4, "{name}: chunk {chunk}: logits differ by {d:.2e}");
-            for (layer, (a, b)) in s.iter().zip(&states).enumerate() {
-                let (d, _) = max_abs_diff(a, b);
-                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-                assert!(
-                    d <= 1e-5 * scale.max(1.0),
-                    "{name}: chunk {chunk}: state of recurrent layer {layer} differs by {d:.2e} (max |state| {scale:.2})"
-                );
-            }
+/// Prefills `prompt` in chunks of `chunk` (one pass for `None`): the last position's logits
+/// and every state cache's arrays, flattened.
+fn prefill_states(
+    name: &str,
+    model: &mlxcel_arch::GenerationModel,
+    prompt: &[u32],
+    chunk: Option<usize>,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let mut caches = model.make_caches();
+    let logits = mlxcel_arch::generate::prefill(model, prompt, &mut caches, chunk)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let states: Vec<Vec<f32>> = caches
+        .iter()
+        .filter_map(|c| match c {
+            LayerCache::State(s) => Some(s.arrays.iter().flatten().flat_map(|a| {
+                a.astype(mlxcel_core::Dtype::Float32)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap()
+            })),
+            _ => None,
+        })
+        .map(Iterator::collect)
+        .collect();
+    assert!(!states.is_empty(), "{name}: no state caches");
+    (logits, states)
+}
+
+/// `prompt` prefilled in each of `chunks` leaves the logits and states of one pass.
+fn chunked_equals_one_pass(name: &str, prompt: &[u32], chunks: &[usize]) {
+    let loaded = load(name);
+    let model = &loaded.model;
+    let (logits, states) = prefill_states(name, model, prompt, None);
+    for &chunk in chunks {
+        let (l, s) = prefill_states(name, model, prompt, Some(chunk));
+        let (d, _) = max_abs_diff(&l, &logits);
+        assert!(d <= 1e-4, "{name}: chunk {chunk}: logits differ by {d:.2e}");
+        for (layer, (a, b)) in s.iter().zip(&states).enumerate() {
+            let (d, _) = max_abs_diff(a, b);
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(
+                d <= 1e-5 * scale.max(1.0),
+                "{name}: chunk {chunk}: state of recurrent layer {layer} differs by {d:.2e} (max |state| {scale:.2})"
+            );
         }
     }
+}
+
+/// The chunked scans equal the one-shot scan: the state (and the logits) after a prompt
+/// prefilled in chunks of 1, 3 or 16 match one pass, for every recurrent layer kind (Mamba-1,
+/// Mamba-2 with one and two groups, Jamba's Mamba layers, the gated DeltaNet of Qwen3-Next
+/// and Qwen3.5, RWKV-7's token shifts and state).
+#[test]
+fn chunked_prefill_leaves_the_same_state_as_one_pass() {
+    for name in [
+        "mamba",
+        "falcon_mamba",
+        "mamba2",
+        "jamba",
+        "bamba",
+        "qwen3_next",
+    ] {
+        chunked_equals_one_pass(name, &reference(name).prompt_ids, &[1, 3, 16]);
+    }
+}
+
+/// A prompt longer than one chunk of the delta rule (64 positions) runs the chunk-to-chunk
+/// recurrence inside one call; it must agree with the one-token recurrence (chunks of 1) and
+/// with calls whose lengths cut the internal chunks elsewhere (50, 16).
+#[test]
+fn the_delta_rule_carries_its_state_across_internal_chunks() {
+    let ids = reference("qwen3_next").prompt_ids;
+    let prompt: Vec<u32> = ids
+        .iter()
+        .chain(ids.iter().rev())
+        .chain(&ids)
+        .chain(ids.iter().rev())
+        .copied()
+        .collect();
+    // Three internal chunks, the last one padded.
+    assert!(prompt.len() > 2 * 64 && prompt.len() % 64 != 0);
+    chunked_equals_one_pass("qwen3_next", &prompt, &[1, 16, 50]);
 }
 
 /// A state-space config or checkpoint that cannot work is refused naming the key or tensor.
@@ -286,10 +339,186 @@ fn bad_state_space_checkpoints_are_refused_by_name() {
     assert!(err.contains("time_step_rank = \"big\""), "{err}");
     let err = edit("jamba", "mamba_d_conv", 0.into());
     assert!(err.contains("mamba_d_conv = 0"), "{err}");
+    // Value heads that do not group evenly over the key heads, and a layer kind Qwen3-Next
+    // does not have.
+    let err = edit("qwen3_next", "linear_num_value_heads", 3.into());
+    assert!(
+        err.contains("linear_num_value_heads 3 must be a multiple of linear_num_key_heads 2"),
+        "{err}"
+    );
+    let err = edit(
+        "qwen3_next",
+        "layer_types",
+        serde_json::json!(["linear_attention", "sliding_attention"]),
+    );
+    assert!(
+        err.contains("layer_types entry `sliding_attention`"),
+        "{err}"
+    );
     // A convolution of another width than the checkpoint's.
     let err = edit("mamba2", "conv_kernel", 3.into());
     assert!(
         err.contains("conv1d.weight` has shape [160, 1, 4]"),
         "{err}"
     );
+}
+
+/// Qwen3.5 is published as a vision-language model: the text config under `text_config`, the
+/// decoder under `model.language_model.*` next to a vision tower, transformers' fused expert
+/// stacks (`experts.gate_up_proj` `[E, 2I, H]`, `experts.down_proj` `[E, H, I]`). The text
+/// fixture rewritten that way loads to the same logits.
+#[test]
+fn qwen3_5_loads_from_its_vision_language_layout() {
+    use safetensors::tensor::TensorView;
+    let name = "qwen3_5_moe_text";
+    let dir = mlxcel_tests::copy_fixture(name);
+    let config_path = dir.path().join("config.json");
+    let text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let wrapped = serde_json::json!({
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "tie_word_embeddings": false,
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 8},
+    });
+    std::fs::write(&config_path, wrapped.to_string()).unwrap();
+    let weights_path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&weights_path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> = Default::default();
+    for (n, view) in st.tensors() {
+        tensors.insert(n, (view.shape().to_vec(), view.data().to_vec()));
+    }
+    let f32s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let to_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let mut out: std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> = Default::default();
+    for layer in 0..2 {
+        let prefix = format!("model.layers.{layer}.mlp.experts");
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        let mut experts = 0;
+        while let Some((_, gate)) = tensors.remove(&format!("{prefix}.{experts}.gate_proj.weight"))
+        {
+            let (_, up) = tensors
+                .remove(&format!("{prefix}.{experts}.up_proj.weight"))
+                .unwrap();
+            let (_, d) = tensors
+                .remove(&format!("{prefix}.{experts}.down_proj.weight"))
+                .unwrap();
+            gate_up.extend(f32s(&gate));
+            gate_up.extend(f32s(&up));
+            down.extend(f32s(&d));
+            experts += 1;
+        }
+        assert_eq!(experts, 4);
+        // [E, 2I, H] with I = 16, H = 32; [E, H, I].
+        out.insert(
+            format!("{prefix}.gate_up_proj"),
+            (vec![4, 32, 32], to_bytes(&gate_up)),
+        );
+        out.insert(
+            format!("{prefix}.down_proj"),
+            (vec![4, 32, 16], to_bytes(&down)),
+        );
+    }
+    for (n, t) in tensors {
+        let n = match n.strip_prefix("model.") {
+            Some(rest) => format!("model.language_model.{rest}"),
+            None => n,
+        };
+        out.insert(n, t);
+    }
+    out.insert(
+        "model.visual.patch_embed.proj.weight".into(),
+        (vec![8, 3], to_bytes(&[0.5; 24])),
+    );
+    let views: Vec<(String, TensorView)> = out
+        .iter()
+        .map(|(n, (shape, data))| {
+            let view = TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    std::fs::write(&weights_path, safetensors::serialize(views, &None).unwrap()).unwrap();
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let wrapped = load_model(dir.path(), &options).unwrap_or_else(|e| panic!("wrapped: {e}"));
+    let r = reference(name);
+    let got = mlxcel_tests::logits_for(&wrapped.model, &r.prompt_ids);
+    let want = mlxcel_tests::logits_for(&load(name).model, &r.prompt_ids);
+    let (d, _) = max_abs_diff(&got, &want);
+    assert!(
+        d <= 1e-6,
+        "the vision-language layout changes the logits by {d:.2e}"
+    );
+}
+
+/// RWKV-7 in mlx-lm's layout (`k_k`, `k_a`, `g_norm.*` as `[heads, head_dim]`, the fixture being
+/// fla-hub's flat one) loads to the same logits; a mixing vector of the wrong size is refused by
+/// name.
+#[test]
+fn rwkv7_loads_from_mlx_lm_layout_and_refuses_bad_shapes() {
+    use safetensors::tensor::TensorView;
+    let rewrite = |reshape: &dyn Fn(&str, &[usize]) -> Vec<usize>| -> tempfile::TempDir {
+        let dir = mlxcel_tests::copy_fixture("rwkv7");
+        let path = dir.path().join("model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| {
+                let shape = reshape(&n, v.shape());
+                (n, shape, v.data().to_vec())
+            })
+            .collect();
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, shape, data)| {
+                // A shape with fewer elements keeps the leading values.
+                let len = 4 * shape.iter().product::<usize>();
+                let view = TensorView::new(safetensors::Dtype::F32, shape.clone(), &data[..len]);
+                (n.clone(), view.unwrap())
+            })
+            .collect();
+        std::fs::write(&path, safetensors::serialize(views, &None).unwrap()).unwrap();
+        dir
+    };
+    let per_head = |n: &str, shape: &[usize]| -> Vec<usize> {
+        let leaf = n.rsplit('.').next().unwrap();
+        if leaf == "k_k" || leaf == "k_a" || n.contains(".attn.g_norm.") {
+            vec![4, 8]
+        } else {
+            shape.to_vec()
+        }
+    };
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    let dir = rewrite(&per_head);
+    let mlx_layout = load_model(dir.path(), &options).unwrap();
+    let r = reference("rwkv7");
+    let got = mlxcel_tests::logits_for(&mlx_layout.model, &r.prompt_ids);
+    let want = mlxcel_tests::logits_for(&load("rwkv7").model, &r.prompt_ids);
+    let (d, _) = max_abs_diff(&got, &want);
+    assert!(d == 0.0, "mlx-lm's layout changes the logits by {d:.2e}");
+    // A tensor of another size than its config implies is refused, naming it.
+    let dir = rewrite(&|n: &str, shape: &[usize]| {
+        if n == "model.layers.1.attn.x_v" {
+            vec![1, 1, 16]
+        } else {
+            shape.to_vec()
+        }
+    });
+    let err = load_model(dir.path(), &options)
+        .expect_err("loaded")
+        .to_string();
+    assert!(err.contains("model.layers.1.attn.x_v"), "{err}");
 }

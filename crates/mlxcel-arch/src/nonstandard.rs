@@ -6,7 +6,12 @@
 //! - Mamba and Falcon-Mamba (one [`ModelType::Mamba`]) by [`load_mamba`];
 //! - Mamba-2 by [`load_mamba2`];
 //! - Jamba (attention and Mamba layers interleaved, MoE on some) by [`load_jamba`];
-//! - Bamba (Mamba-2 layers with a few attention layers) by [`load_bamba`].
+//! - Bamba (Mamba-2 layers with a few attention layers) by [`load_bamba`];
+//! - Qwen3-Next (gated DeltaNet linear attention with gated full attention every few layers,
+//!   MoE with a shared expert) by [`load_qwen3_next`];
+//! - Qwen3.5 and Qwen3.5-MoE (the same hybrid; their vision-language configs and checkpoints
+//!   read for the text decoder) by [`load_qwen3_5`];
+//! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -15,7 +20,7 @@
 use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
-use crate::models::{bamba, jamba, mamba, mamba2};
+use crate::models::{bamba, jamba, mamba, mamba2, qwen3_5, qwen3_next, rwkv7};
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
 
@@ -31,6 +36,9 @@ pub fn load_nonstandard(
         ModelType::Mamba2 => load_mamba2(config, weights, options),
         ModelType::Jamba => load_jamba(config, weights, options),
         ModelType::Bamba => load_bamba(config, weights, options),
+        ModelType::Qwen3Next => load_qwen3_next(config, weights, options),
+        ModelType::Qwen3_5 => load_qwen3_5(config, weights, options),
+        ModelType::Rwkv7 => load_rwkv7(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -131,6 +139,65 @@ pub fn load_bamba(
 ) -> Result<LoadedModel> {
     let model = build_architecture::<bamba::Model>("Bamba", config, weights, options)?;
     Ok(LoadedModel::Generation(GenerationModel::Bamba(Box::new(
+        model,
+    ))))
+}
+
+/// Qwen3-Next, from transformers' checkpoints (zero-centred norms, per-expert tensors) or
+/// mlx-lm's conversions (see [`qwen3_next`]).
+pub fn load_qwen3_next(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<qwen3_next::Model>("Qwen3Next", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Qwen3Next(
+        Box::new(model),
+    )))
+}
+
+/// The text config of a Qwen3.5 checkpoint: a vision-language config's `text_config` (with the
+/// top level's `tie_word_embeddings` where the text config lacks it, normalised like any
+/// config.json), or a text-only config as it is.
+pub fn qwen3_5_text_config(config: &Value) -> Result<Value> {
+    let Some(obj) = config.as_object() else {
+        return Err(ModelError::Config("config.json is not an object".into()));
+    };
+    let Some(text) = obj.get("text_config") else {
+        return Ok(config.clone());
+    };
+    let Some(text) = text.as_object() else {
+        return Err(ModelError::Config("text_config is not an object".into()));
+    };
+    let mut out: Map<String, Value> = text.clone();
+    if let Some(tie) = obj.get("tie_word_embeddings") {
+        out.entry("tie_word_embeddings").or_insert(tie.clone());
+    }
+    Ok(crate::config::sanitize_config_json(Value::Object(out)))
+}
+
+/// Qwen3.5 and Qwen3.5-MoE text decoders, from text-only or vision-language checkpoints (see
+/// [`qwen3_5`]).
+pub fn load_qwen3_5(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let config = qwen3_5_text_config(config)?;
+    let model = build_architecture::<qwen3_5::Model>("Qwen3_5", &config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Qwen3_5(Box::new(
+        model,
+    ))))
+}
+
+/// RWKV-7, from fla-hub's layout or mlx-lm's (see [`rwkv7`]).
+pub fn load_rwkv7(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<rwkv7::Model>("Rwkv7", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Rwkv7(Box::new(
         model,
     ))))
 }

@@ -92,6 +92,47 @@ pub fn split_rows(map: &mut WeightMap, from: &str, parts: &[(&str, i32)]) -> Res
     Ok(())
 }
 
+/// Splits a projection `{from}` whose output rows come in `groups` groups of `[first | second]`
+/// (each `rows` rows wide) — Qwen3-Next's `q_proj`, which interleaves every head's query with
+/// its output gate — into `first` and `second`, for every plane stored (`weight`, quantized
+/// `scales`/`biases`, `bias`). A checkpoint without `{from}.weight` is left as it is.
+pub fn split_interleaved_rows(
+    map: &mut WeightMap,
+    from: &str,
+    groups: i32,
+    rows: i32,
+    (first, second): (&str, &str),
+) -> Result<()> {
+    if !map.contains(&format!("{from}.weight")) {
+        return Ok(());
+    }
+    for plane in ["weight", "scales", "biases", "bias"] {
+        let name = format!("{from}.{plane}");
+        if !map.contains(&name) {
+            continue;
+        }
+        let fused = map.take(&name)?;
+        let shape = fused.shape();
+        if shape.first() != Some(&(groups * 2 * rows)) {
+            return Err(ModelError::Shape {
+                tensor: name,
+                found: shape,
+                expected: vec![groups * 2 * rows],
+            });
+        }
+        let mut grouped = vec![groups, 2 * rows];
+        grouped.extend_from_slice(&shape[1..]);
+        let mut half = shape.clone();
+        half[0] = groups * rows;
+        let fused = fused.reshape(&grouped)?;
+        for (to, start) in [(first, 0), (second, rows)] {
+            let part = fused.slice_axis(1, start, start + rows)?.reshape(&half)?;
+            map.insert(format!("{to}.{plane}"), part)?;
+        }
+    }
+    Ok(())
+}
+
 /// Renames the norms and modules of each layer from `pairs` (`from` → `to`, applied in order, so
 /// a name may be freed before it is reused).
 pub fn rename_in_layers(map: &mut WeightMap, layers: usize, pairs: &[(&str, &str)]) -> Result<()> {

@@ -91,6 +91,7 @@ enum ModelId {
     Qwen3Moe4,
     Mamba2Q4,
     JambaQ4,
+    Qwen3NextQ4,
 }
 
 impl ModelId {
@@ -103,6 +104,7 @@ impl ModelId {
             ModelId::Qwen3Moe4 => "synthetic-qwen3moe-1gb-4bit-g64",
             ModelId::Mamba2Q4 => "synthetic-mamba2-130m-4bit-g64",
             ModelId::JambaQ4 => "synthetic-jamba-mini-4bit-g64",
+            ModelId::Qwen3NextQ4 => "synthetic-qwen3next-mini-4bit-g64",
         }
     }
 }
@@ -207,6 +209,14 @@ fn plan(quick: bool) -> Vec<Case> {
             16,
             [1, 0, 1],
             "7 Mamba + 1 attention layer, MoE on odd layers; mlx-lm checkpoint dtype skipped (bf16 emulated on CPU)",
+        ),
+        case(
+            "qwen3_next-mini-shape-4bit",
+            Qwen3NextQ4,
+            128,
+            16,
+            [1, 0, 1],
+            "6 gated-DeltaNet + 2 gated-attention layers, 32 experts top-4 + shared on every layer; mlx-lm checkpoint dtype skipped (bf16 emulated on CPU)",
         ),
     ]
 }
@@ -340,12 +350,14 @@ fn ensure_model(p: &Paths, id: ModelId) -> Result<PathBuf> {
         | ModelId::Llama1b4
         | ModelId::Qwen3Moe4
         | ModelId::Mamba2Q4
-        | ModelId::JambaQ4 => {
+        | ModelId::JambaQ4
+        | ModelId::Qwen3NextQ4 => {
             let (m, seed) = match id {
                 ModelId::Llama1bBf16 => (synth::llama_1b(None), 1),
                 ModelId::Llama1b4 => (synth::llama_1b(q4), 1),
                 ModelId::Mamba2Q4 => (synth::mamba2(q4), 3),
                 ModelId::JambaQ4 => (synth::jamba(q4), 4),
+                ModelId::Qwen3NextQ4 => (synth::qwen3_next(q4), 5),
                 _ => (synth::qwen3_moe(q4), 2),
             };
             eprintln!(

@@ -405,6 +405,96 @@ pub fn jamba(quant: Option<QuantSpec>) -> Synthetic {
     m
 }
 
+/// A Qwen3-Next-shaped model (scaled down): hidden 1024, 8 layers of which every fourth (3, 7)
+/// is gated attention (8 query heads, 2 KV, head 128, rope on a quarter) and the others gated
+/// DeltaNet (8 key heads × 64, 16 value heads × 64, conv 4); every layer's feed-forward is 32
+/// experts top-4 of width 256 plus a sigmoid-gated shared expert of width 512 (routers dense);
+/// vocab 32000, untied head. Tensors in mlx-lm's layout (norms stored as 1 + w, conv weights
+/// `[C, K, 1]`, experts in `switch_mlp`), which both engines load as they are.
+pub fn qwen3_next(quant: Option<QuantSpec>) -> Synthetic {
+    let (h, layers, heads, kv, hd, vocab) = (1024, 8, 8, 2, 128, 32000);
+    let (key_heads, key_dim, value_heads, value_dim) = (8, 64, 16, 64);
+    let (experts, top_k, expert_inter, shared_inter) = (32, 4, 256, 512);
+    let (key_width, value_width) = (key_heads * key_dim, value_heads * value_dim);
+    let conv_dim = 2 * key_width + value_width;
+    let config = json!({
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": 2 * expert_inter,
+        "full_attention_interval": 4, "partial_rotary_factor": 0.25, "rope_theta": 10000000.0,
+        "linear_num_key_heads": key_heads, "linear_key_head_dim": key_dim,
+        "linear_num_value_heads": value_heads, "linear_value_head_dim": value_dim,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": expert_inter,
+        "shared_expert_intermediate_size": shared_inter, "norm_topk_prob": true,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6, "vocab_size": vocab, "tie_word_embeddings": false,
+        "max_position_embeddings": 262144, "hidden_act": "silu",
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    });
+    let mut m = Synthetic {
+        config: with_quant(config, quant),
+        items: Vec::new(),
+        dtype: Dtype::Bfloat16,
+    };
+    m.linear("model.embed_tokens".into(), &[vocab, h], quant);
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        if (i + 1) % 4 == 0 {
+            m.dense(format!("{p}.input_layernorm.weight"), &[h], Fill::Ones);
+            let a = format!("{p}.self_attn");
+            m.linear(format!("{a}.q_proj"), &[2 * heads * hd, h], quant);
+            m.linear(format!("{a}.k_proj"), &[kv * hd, h], quant);
+            m.linear(format!("{a}.v_proj"), &[kv * hd, h], quant);
+            m.linear(format!("{a}.o_proj"), &[h, heads * hd], quant);
+            m.dense(format!("{a}.q_norm.weight"), &[hd], Fill::Ones);
+            m.dense(format!("{a}.k_norm.weight"), &[hd], Fill::Ones);
+        } else {
+            m.dense(format!("{p}.input_layernorm.weight"), &[h], Fill::Ones);
+            let x = format!("{p}.linear_attn");
+            m.linear(
+                format!("{x}.in_proj_qkvz"),
+                &[2 * key_width + 2 * value_width, h],
+                quant,
+            );
+            m.linear(format!("{x}.in_proj_ba"), &[2 * value_heads, h], quant);
+            m.dense(
+                format!("{x}.conv1d.weight"),
+                &[conv_dim, 4, 1],
+                Fill::Random,
+            );
+            m.dense(format!("{x}.dt_bias"), &[value_heads], Fill::Random);
+            m.dense(format!("{x}.A_log"), &[value_heads], Fill::Random);
+            m.dense(format!("{x}.norm.weight"), &[value_dim], Fill::Ones);
+            m.linear(format!("{x}.out_proj"), &[h, value_width], quant);
+        }
+        m.dense(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[h],
+            Fill::Ones,
+        );
+        let f = format!("{p}.mlp");
+        m.dense(format!("{f}.gate.weight"), &[experts, h], Fill::Random);
+        let s = format!("{f}.switch_mlp");
+        m.linear(format!("{s}.gate_proj"), &[experts, expert_inter, h], quant);
+        m.linear(format!("{s}.up_proj"), &[experts, expert_inter, h], quant);
+        m.linear(format!("{s}.down_proj"), &[experts, h, expert_inter], quant);
+        let e = format!("{f}.shared_expert");
+        m.linear(format!("{e}.gate_proj"), &[shared_inter, h], quant);
+        m.linear(format!("{e}.up_proj"), &[shared_inter, h], quant);
+        m.linear(format!("{e}.down_proj"), &[h, shared_inter], quant);
+        m.dense(
+            format!("{f}.shared_expert_gate.weight"),
+            &[1, h],
+            Fill::Random,
+        );
+    }
+    m.dense("model.norm.weight".into(), &[h], Fill::Ones);
+    m.linear("lm_head".into(), &[vocab, h], quant);
+    m
+}
+
 /// The quantization of module `prefix` per an MLX `quantization` block (per-module overrides,
 /// else the defaults).
 fn module_spec(q: &Value, prefix: &str) -> Option<QuantSpec> {
@@ -509,6 +599,11 @@ mod tests {
         );
         assert!((0.06..0.09).contains(&gb(&mamba2(q))), "{}", gb(&mamba2(q)));
         assert!((0.11..0.15).contains(&gb(&jamba(q))), "{}", gb(&jamba(q)));
+        assert!(
+            (0.1..0.3).contains(&gb(&qwen3_next(q))),
+            "{}",
+            gb(&qwen3_next(q))
+        );
         let names: Vec<String> = qwen3_moe(q).layout().into_iter().map(|l| l.0).collect();
         assert!(names.contains(&"model.layers.3.mlp.switch_mlp.down_proj.scales".to_string()));
         assert!(names.contains(&"model.layers.3.mlp.gate.weight".to_string()));

@@ -198,6 +198,7 @@ pub fn base_spec(
         attn_scale: 1.0 / (c.head_dim() as f32).sqrt(),
         attn_softcap: None,
         attn_sinks: false,
+        attn_output_gate: false,
         act: c.activation(act_default)?,
         topology: BlockTopology::PreNorm,
         mixers: vec![MixerSpec::Attention; n],

@@ -135,6 +135,7 @@ pub(crate) fn mixer_only_spec(
         attn_scale: 1.0,
         attn_softcap: None,
         attn_sinks: false,
+        attn_output_gate: false,
         act: Activation::Silu,
         topology: BlockTopology::MixerOnly,
         mixers,

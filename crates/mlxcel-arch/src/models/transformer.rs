@@ -28,6 +28,7 @@ use crate::nn::{
     PositionScale, QkNorm, QkvProjection, QueryProjection, RopeConfig, RotaryEmbedding,
     RoutedExperts, Router, RouterScoring, XIeluParams,
 };
+use crate::nn::{DeltaProjections, GatedDeltaDims, GatedDeltaNet};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
@@ -205,6 +206,28 @@ pub struct LightningSpec {
     pub slopes: Vec<f64>,
 }
 
+/// How a gated DeltaNet mixer's input projections are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaLayout {
+    /// `in_proj_qkvz` and `in_proj_ba`, grouped per key head (Qwen3-Next).
+    PerKeyHead,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` (Qwen3.5).
+    Separate,
+}
+
+/// A gated DeltaNet linear-attention mixer (`linear_attn.*`).
+#[derive(Debug, Clone)]
+pub struct GatedDeltaSpec {
+    /// Heads and widths.
+    pub dims: GatedDeltaDims,
+    /// Width of the causal convolution (`linear_conv_kernel_dim`).
+    pub conv_kernel: i32,
+    /// Epsilon of the gated RMSNorm.
+    pub norm_eps: f32,
+    /// The projections' layout.
+    pub layout: DeltaLayout,
+}
+
 /// The token mixer of one layer.
 #[derive(Debug, Clone)]
 pub enum MixerSpec {
@@ -219,6 +242,8 @@ pub enum MixerSpec {
     Mamba2(Mamba2Spec),
     /// MiniMax's lightning attention.
     Lightning(LightningSpec),
+    /// The gated delta rule (Qwen3-Next's linear attention).
+    GatedDelta(GatedDeltaSpec),
 }
 
 impl MixerSpec {
@@ -227,6 +252,7 @@ impl MixerSpec {
         match self {
             MixerSpec::Attention | MixerSpec::Latent(_) | MixerSpec::Lightning(_) => "self_attn",
             MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) => "mixer",
+            MixerSpec::GatedDelta(_) => "linear_attn",
         }
     }
 }
@@ -307,6 +333,8 @@ pub struct DecoderSpec {
     pub attn_softcap: Option<f32>,
     /// Attention layers have per-head sinks (`self_attn.sinks`, gpt-oss).
     pub attn_sinks: bool,
+    /// Attention layers gate their output with `sigmoid(self_attn.output_gate(x))` (Qwen3-Next).
+    pub attn_output_gate: bool,
     /// The MLP activation.
     pub act: Activation,
     /// Where each block's norms sit.
@@ -365,6 +393,10 @@ impl DecoderSpec {
                 (MixerSpec::Mamba2(m), _) => LayerKind::Recurrent {
                     window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
                     state: (m.dims.inner * m.dims.state) as u64,
+                },
+                (MixerSpec::GatedDelta(m), _) => LayerKind::Recurrent {
+                    window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
+                    state: (m.dims.value_heads * m.dims.key_dim * m.dims.value_dim) as u64,
                 },
                 (MixerSpec::Latent(l), _) => LayerKind::LatentAttention {
                     latent: l.dims.kv_lora_rank,
@@ -431,6 +463,7 @@ enum Mixer {
     Mamba(Box<MambaMixer>),
     Mamba2(Box<Mamba2Mixer>),
     Lightning(Box<LightningAttention>),
+    GatedDelta(Box<GatedDeltaNet>),
 }
 
 impl Mixer {
@@ -459,6 +492,7 @@ impl Mixer {
                     None => y,
                 })
             }
+            Mixer::GatedDelta(m) => m.forward(x, norm, residual, cache),
         }
     }
 }
@@ -841,9 +875,15 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
     } else {
         None
     };
+    let output_gate = if spec.attn_output_gate {
+        Some(w.linear("output_gate", h, q_dim, spec.qkv_bias)?)
+    } else {
+        None
+    };
     Ok(Attention {
         sinks,
         qkv,
+        output_gate,
         o: w.linear("o_proj", q_dim, h, spec.o_bias)?,
         qk_norm,
         rope,
@@ -1004,6 +1044,57 @@ fn lightning_attention(
     })
 }
 
+/// A gated DeltaNet mixer under the open scope (`linear_attn`).
+fn gated_delta(
+    w: &mut ModelWeights,
+    spec: &DecoderSpec,
+    m: &GatedDeltaSpec,
+) -> Result<GatedDeltaNet> {
+    let d = m.dims;
+    if d.key_heads <= 0 || d.value_heads % d.key_heads != 0 {
+        return Err(ModelError::Config(format!(
+            "linear_num_value_heads {} must be a multiple of linear_num_key_heads {}",
+            d.value_heads, d.key_heads
+        )));
+    }
+    let h = spec.hidden;
+    let proj = match m.layout {
+        DeltaLayout::PerKeyHead => DeltaProjections::PerKeyHead {
+            qkvz: w.linear(
+                "in_proj_qkvz",
+                h,
+                2 * d.key_width() + 2 * d.value_width(),
+                false,
+            )?,
+            ba: w.linear("in_proj_ba", h, 2 * d.value_heads, false)?,
+        },
+        DeltaLayout::Separate => DeltaProjections::Separate {
+            qkv: w.linear("in_proj_qkv", h, d.conv_dim(), false)?,
+            z: w.linear("in_proj_z", h, d.value_width(), false)?,
+            b: w.linear("in_proj_b", h, d.value_heads, false)?,
+            a: w.linear("in_proj_a", h, d.value_heads, false)?,
+        },
+    };
+    let f32 = mlxcel_core::Dtype::Float32;
+    let a = w
+        .tensor("A_log", &[d.value_heads])?
+        .astype(f32)?
+        .exp()?
+        .negative()?;
+    let dt_bias = w.tensor("dt_bias", &[d.value_heads])?.astype(f32)?;
+    w.keep_all([&a, &dt_bias]);
+    Ok(GatedDeltaNet {
+        proj,
+        conv: causal_conv(w, d.conv_dim(), m.conv_kernel, false)?,
+        dt_bias,
+        a,
+        norm_weight: w.tensor("norm.weight", &[d.value_dim])?,
+        norm_eps: m.norm_eps,
+        out_proj: w.linear("out_proj", d.value_width(), h, false)?,
+        dims: d,
+    })
+}
+
 /// The feed-forward block under the open scope (`mlp`).
 fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Result<FeedForward> {
     let h = spec.hidden;
@@ -1071,6 +1162,32 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
     })
 }
 
+/// Refuses ids outside an embedding table of `vocab` rows (MLX's gather does not check
+/// bounds, so an out-of-range id would read outside the table). Ids from the host are read
+/// where they are; ids still being computed on the device (a sampled token fed back) come from
+/// an argmax over the model's logits and cannot be out of range, and are not waited for.
+pub(crate) fn check_token_ids(tokens: &Array, vocab: usize) -> Result<()> {
+    if !tokens.is_available() {
+        return Ok(());
+    }
+    let ids: Vec<i64> = match tokens.dtype()? {
+        mlxcel_core::Dtype::Int32 => tokens.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
+        mlxcel_core::Dtype::Uint32 => tokens.to_vec::<u32>()?.into_iter().map(i64::from).collect(),
+        other => {
+            return Err(ModelError::Runtime(format!(
+                "token ids must be int32 or uint32, not {other}"
+            )))
+        }
+    };
+    match ids.iter().position(|&t| t < 0 || t >= vocab as i64) {
+        Some(i) => Err(ModelError::Runtime(format!(
+            "token id {} at position {i} is outside the vocabulary (size {vocab})",
+            ids[i]
+        ))),
+        None => Ok(()),
+    }
+}
+
 impl Decoder {
     /// Builds the decoder from the weights under `w`'s open scope (`model.*` and `lm_head`).
     pub fn build(spec: &DecoderSpec, w: &mut ModelWeights) -> Result<Decoder> {
@@ -1098,6 +1215,9 @@ impl Decoder {
                         }
                         MixerSpec::Lightning(m) => {
                             Mixer::Lightning(Box::new(lightning_attention(&mut a, spec, m)?))
+                        }
+                        MixerSpec::GatedDelta(m) => {
+                            Mixer::GatedDelta(Box::new(gated_delta(&mut a, spec, m)?))
                         }
                     }
                 };
@@ -1173,43 +1293,13 @@ impl Decoder {
 
     /// Token ids `[B, L]` → input hidden states `[B, L, hidden]`.
     pub fn embed(&self, tokens: &Array) -> Result<Array> {
-        self.check_ids(tokens)?;
+        check_token_ids(tokens, self.vocab)?;
         let h = self.embed.forward(tokens)?;
         Ok(match self.embed_scale {
             // In the activation dtype, as transformers rounds the normaliser.
             Some(s) => h.mul_scalar(s)?,
             None => h,
         })
-    }
-
-    /// Refuses ids outside the embedding table (MLX's gather does not check bounds, so an
-    /// out-of-range id would read outside the table). Ids from the host are read where they
-    /// are; ids still being computed on the device (a sampled token fed back) come from an
-    /// argmax over this model's logits and cannot be out of range, and are not waited for.
-    fn check_ids(&self, tokens: &Array) -> Result<()> {
-        if !tokens.is_available() {
-            return Ok(());
-        }
-        let ids: Vec<i64> = match tokens.dtype()? {
-            mlxcel_core::Dtype::Int32 => {
-                tokens.to_vec::<i32>()?.into_iter().map(i64::from).collect()
-            }
-            mlxcel_core::Dtype::Uint32 => {
-                tokens.to_vec::<u32>()?.into_iter().map(i64::from).collect()
-            }
-            other => {
-                return Err(ModelError::Runtime(format!(
-                    "token ids must be int32 or uint32, not {other}"
-                )))
-            }
-        };
-        match ids.iter().position(|&t| t < 0 || t >= self.vocab as i64) {
-            Some(i) => Err(ModelError::Runtime(format!(
-                "token id {} at position {i} is outside the vocabulary (size {})",
-                ids[i], self.vocab
-            ))),
-            None => Ok(()),
-        }
     }
 
     /// Hidden states `[B, L, hidden]` through every block, extending `caches`.

@@ -141,6 +141,9 @@ pub struct Attention {
     /// Per-head attention sinks `[n_heads]` (gpt-oss's `sinks`): a learned logit each query's
     /// softmax also normalises over, with no value behind it.
     pub sinks: Option<Array>,
+    /// An output gate: the heads' output is multiplied by `sigmoid(output_gate(x))` before
+    /// `o_proj` (Qwen3-Next's gated attention), `None` for plain attention.
+    pub output_gate: Option<Linear>,
 }
 
 impl Attention {
@@ -172,6 +175,13 @@ impl Attention {
         } else {
             out.transpose(&[0, 2, 1, 3])?
                 .reshape(&[b, l, c.n_heads * c.head_dim])?
+        };
+        let out = match &self.output_gate {
+            Some(gate) => {
+                let input = norm.map_or(LinearInput::Plain, LinearInput::Normed);
+                out.multiply(&gate.forward_fused(x, input, None)?.sigmoid()?)?
+            }
+            None => out,
         };
         self.o.forward_fused(&out, LinearInput::Plain, residual)
     }

@@ -1,9 +1,11 @@
 //! Building blocks shared by the architectures: linear layers (dense or quantized), embeddings,
-//! norms, rotary embeddings, attention, MLPs, mixture-of-experts layers, state-space mixers and
+//! norms, rotary embeddings, attention, MLPs, mixture-of-experts layers, state-space and
+//! linear-attention (gated DeltaNet) mixers and
 //! runtime LoRA adapters.
 
 mod attention;
 pub mod calibration;
+pub mod gated_delta;
 mod lightning;
 mod linear;
 pub mod lora;
@@ -15,6 +17,7 @@ mod rope;
 pub mod ssm;
 
 pub use attention::{Attention, AttentionConfig, PositionScale, QkNorm, QkvProjection};
+pub use gated_delta::{DeltaProjections, GatedDeltaDims, GatedDeltaNet};
 pub use lightning::{lightning_slopes, LightningAttention};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
 pub use mla::{LatentAttention, LatentDims, QueryProjection};

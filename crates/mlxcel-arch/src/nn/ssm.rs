@@ -24,12 +24,12 @@ use crate::{ModelError, Result};
 pub const SCAN_BLOCK: i32 = 64;
 
 /// `x * sigmoid(x)`.
-fn silu(x: &Array) -> Result<Array> {
+pub(crate) fn silu(x: &Array) -> Result<Array> {
     Ok(x.multiply(&x.sigmoid()?)?)
 }
 
 /// `log(1 + e^x)`, computed as `max(x, 0) + log1p(e^-|x|)` so large inputs do not overflow.
-fn softplus(x: &Array) -> Result<Array> {
+pub(crate) fn softplus(x: &Array) -> Result<Array> {
     let zero = x.scalar_like(0.0)?;
     Ok(x.maximum(&zero)?
         .add(&x.abs()?.negative()?.exp()?.log1p()?)?)
@@ -46,7 +46,7 @@ fn swap_axes(a: &Array, i: i32, j: i32) -> Result<Array> {
 
 /// The state arrays of a state-space layer's cache: `(window, state)`, `None` before the first
 /// token.
-fn read_state(cache: &LayerCache) -> Result<(Option<Array>, Option<Array>)> {
+pub(crate) fn read_state(cache: &LayerCache) -> Result<(Option<Array>, Option<Array>)> {
     match cache {
         LayerCache::State(s) => Ok((
             s.arrays.first().cloned().flatten(),
@@ -60,7 +60,7 @@ fn read_state(cache: &LayerCache) -> Result<(Option<Array>, Option<Array>)> {
 }
 
 /// Stores the new window and state and moves the cache `positions` on.
-fn write_state(cache: &mut LayerCache, window: Array, state: Array, positions: usize) {
+pub(crate) fn write_state(cache: &mut LayerCache, window: Array, state: Array, positions: usize) {
     if let LayerCache::State(s) = cache {
         s.arrays = vec![Some(window), Some(state)];
         s.advance(positions);
