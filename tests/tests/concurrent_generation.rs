@@ -148,3 +148,55 @@ fn a_cancelled_generation_leaves_the_batch_without_disturbing_it() {
     assert!(cancelled.stats().unwrap().generated_tokens < 200);
     assert_eq!(collect(keep).tokens, alone.tokens);
 }
+
+/// Forces a fixed token sequence (a scripted reply), whatever the model.
+struct Script(Vec<u32>);
+
+impl mlxcel_models::LogitsProcessor for Script {
+    fn process(&mut self, generated: &[u32], logits: &mut [f32]) -> Result<(), String> {
+        let next = self.0[generated.len().min(self.0.len() - 1)] as usize;
+        for (i, l) in logits.iter_mut().enumerate() {
+            if i != next {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `keep_special_tokens` (what the server sets for harmony-format models, whose replies are
+/// channel markup) keeps special tokens in the text; by default they are left out. The reply
+/// is scripted: `<|im_start|>` (id 1), two ordinary tokens, `<|im_end|>` (id 2, the fixture's
+/// end of sequence, which ends it unseen).
+#[test]
+fn special_tokens_stay_in_the_text_when_asked() {
+    let model = Model::load(model_dir("llama")).build().unwrap();
+    let ids = reference("llama").prompt_ids;
+    let reply = |keep: bool| {
+        let g = Generation {
+            max_new_tokens: Some(8),
+            keep_special_tokens: keep,
+            logits_processor: Some(mlxcel_models::SharedLogitsProcessor::new(Script(vec![
+                1, 300, 301, 2,
+            ]))),
+            ..Generation::default()
+        };
+        collect(model.generate(Prompt::Ids(ids[..8].to_vec()), g).unwrap())
+    };
+    let (kept, plain) = (reply(true), reply(false));
+    assert_eq!(kept.tokens, vec![1, 300, 301]);
+    assert_eq!(plain.tokens, kept.tokens);
+    let words = model.decode(&[300, 301]).unwrap();
+    assert_eq!(kept.text, format!("<|im_start|>{words}"));
+    assert_eq!(plain.text, words);
+    // A chat template with harmony's channel markup names that format.
+    let template = mlxcel_models::loading::ChatTemplate::new(
+        "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}<|start|>assistant<|channel|>final<|message|>",
+        &serde_json::json!({}),
+    )
+    .unwrap();
+    assert_eq!(
+        template.tool_call_format(),
+        Some(mlxcel_models::ToolCallFormat::Harmony)
+    );
+}

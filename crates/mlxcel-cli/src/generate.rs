@@ -302,7 +302,7 @@ fn request(flags: &RunFlags, loaded: &Loaded) -> GenerateRequest {
         stop: flags.stop.clone(),
         eos_token_ids: loaded.eos_token_ids.clone(),
         prefill_chunk: flags.prefill_chunk,
-        cancel: None,
+        ..GenerateRequest::default()
     }
 }
 

@@ -311,6 +311,11 @@ pub enum ToolCallFormat {
     Llama3Json,
     /// Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`.
     Mistral,
+    /// OpenAI's harmony (gpt-oss): every reply is channel markup —
+    /// `<|channel|>analysis<|message|>…<|end|>`, `<|channel|>final<|message|>…`, and calls as
+    /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}` ending at
+    /// `<|call|>` — so the text keeps its special tokens and is always parsed.
+    Harmony,
 }
 
 impl ChatTemplate {
@@ -425,13 +430,15 @@ impl ChatTemplate {
     }
 
     /// How the template tells the model to write a tool call, from the markers in its source
-    /// (`None` when it names none of them):
+    /// (`None` when it names none of them): [`ToolCallFormat::Harmony`] for `<|channel|>`,
     /// [`ToolCallFormat::Mistral`] for `[TOOL_CALLS]`, [`ToolCallFormat::Hermes`] for
     /// `<tool_call>`, [`ToolCallFormat::Llama3Json`] for Llama 3.x's
     /// `{"name": function name, "parameters": ...}` instruction.
     pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
         let source = self.env.get_template("chat").ok()?.source().to_string();
-        if source.contains("[TOOL_CALLS]") {
+        if source.contains("<|channel|>") {
+            Some(ToolCallFormat::Harmony)
+        } else if source.contains("[TOOL_CALLS]") {
             Some(ToolCallFormat::Mistral)
         } else if source.contains("<tool_call>") {
             Some(ToolCallFormat::Hermes)

@@ -29,6 +29,9 @@ pub struct GenerateRequest {
     /// Set from another thread to stop generation after the current token
     /// ([`FinishReason::Cancelled`]).
     pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// Keep special tokens in the text (a harmony-format reply's channel markup, which a
+    /// reader then parses); by default they are left out.
+    pub keep_special_tokens: bool,
 }
 
 impl GenerateRequest {
@@ -68,6 +71,7 @@ impl Default for GenerateRequest {
             eos_token_ids: Vec::new(),
             prefill_chunk: None,
             cancel: None,
+            keep_special_tokens: false,
         }
     }
 }
@@ -304,7 +308,7 @@ impl GenerationProgress {
         let (reused, logits) = session.prefill(prompt, request.prefill_chunk)?;
         let progress = GenerationProgress {
             sampler: Sampler::new(request.sampling.clone()),
-            text: with_text.then(|| DecodeProgress::new(true)),
+            text: with_text.then(|| DecodeProgress::new(!request.keep_special_tokens)),
             stop: StopFilter {
                 stops: request.stop.clone(),
                 pending: String::new(),

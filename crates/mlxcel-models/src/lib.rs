@@ -225,6 +225,9 @@ pub struct Generation {
     pub logprobs: Option<usize>,
     /// Changes each step's logits before the token is picked (constrained decoding).
     pub logits_processor: Option<SharedLogitsProcessor>,
+    /// Keep special tokens in the pieces' text (a harmony-format reply's channel markup, see
+    /// [`ToolCallFormat::Harmony`]); by default they are left out.
+    pub keep_special_tokens: bool,
 }
 
 /// A [`LogitsProcessor`] that a [`Generation`] can carry to the model's worker thread. Clones
@@ -756,6 +759,7 @@ impl Model {
             eos_token_ids,
             prefill_chunk: options.prefill_chunk,
             cancel: Some(cancel.clone()),
+            keep_special_tokens: options.keep_special_tokens,
         };
         let queue = Arc::new(Queue::default());
         let start = batch::Start {

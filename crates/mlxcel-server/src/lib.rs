@@ -47,6 +47,7 @@
 mod api;
 mod constraint;
 mod grammar;
+mod harmony;
 mod logprobs;
 mod tools;
 
@@ -854,7 +855,11 @@ async fn handle(
         )),
         None => None,
     };
+    // A harmony-format model's chat replies keep their channel markup for the parser.
+    let harmony =
+        chat && s.model.tool_call_format() == Some(mlxcel_models::ToolCallFormat::Harmony);
     let options = Generation {
+        keep_special_tokens: harmony,
         max_new_tokens: request.max_tokens,
         sampling: request.sampling.clone(),
         stop: request.stop.clone(),
@@ -887,6 +892,7 @@ async fn handle(
         vocab,
         tool_names: (request.tool_choice != ToolChoice::None && !request.tools.is_empty())
             .then(|| request.tool_names()),
+        harmony,
     };
     if request.stream {
         Ok(stream_response(meta, request, rx))
@@ -1067,6 +1073,8 @@ struct Meta {
     vocab: Option<Vocab>,
     /// The declared tools' names, when the output is to be read for tool calls.
     tool_names: Option<Vec<String>>,
+    /// The model replies in harmony markup (gpt-oss): always parsed.
+    harmony: bool,
 }
 
 /// `finish_reason`: `tool_calls` when the reply made calls and ended by itself.
@@ -1119,19 +1127,23 @@ async fn collect_response(meta: Meta, mut rx: mpsc::Receiver<Event>) -> Result<R
     let choice = if meta.chat {
         let mut message = json!({"role": "assistant", "content": text});
         let mut called = false;
-        if let Some(names) = &meta.tool_names {
-            let mut parser = tools::ToolCallParser::new(names.clone());
+        if let Some(mut parser) = tools::ReplyParser::new(meta.harmony, meta.tool_names.clone()) {
             let mut outputs = parser.push(&text);
             outputs.extend(parser.finish());
-            let mut content = String::new();
+            let (mut content, mut reasoning) = (String::new(), String::new());
             let mut calls = Vec::new();
             for o in outputs {
                 match o {
                     tools::Output::Text(t) => content.push_str(&t),
+                    tools::Output::Reasoning(t) => reasoning.push_str(&t),
                     tools::Output::Call(c) => {
                         calls.push(tool_call_json(&meta, calls.len(), &c, false))
                     }
                 }
+            }
+            message["content"] = json!(content);
+            if !reasoning.is_empty() {
+                message["reasoning_content"] = json!(reasoning);
             }
             if !calls.is_empty() {
                 called = true;
@@ -1228,8 +1240,8 @@ struct SseBody {
     done: bool,
     /// Bytes of completion text sent so far (the legacy logprobs' `text_offset`).
     offset: usize,
-    /// Reads tool calls out of the text (when the request declared tools).
-    tools: Option<tools::ToolCallParser>,
+    /// Reads tool calls (when the request declared tools) or harmony markup out of the text.
+    tools: Option<tools::ReplyParser>,
     /// Tool calls sent so far.
     calls: usize,
 }
@@ -1246,6 +1258,10 @@ impl SseBody {
                     self.meta.delta(Some(&t), false, None, lp),
                     usage_null.clone(),
                 ),
+                tools::Output::Reasoning(t) => {
+                    let choices = json!([{"index": 0, "delta": {"reasoning_content": t}, "logprobs": lp, "finish_reason": null}]);
+                    self.meta.chunk(choices, usage_null.clone())
+                }
                 tools::Output::Call(c) => {
                     let call = tool_call_json(&self.meta, self.calls, &c, true);
                     self.calls += 1;
@@ -1334,7 +1350,7 @@ fn stream_response(meta: Meta, request: Request, rx: mpsc::Receiver<Event>) -> R
         let usage_null = request.include_usage.then_some(Value::Null);
         queue.push_back(meta.chunk(meta.delta(Some(""), true, None, Value::Null), usage_null));
     }
-    let parser = meta.tool_names.clone().map(tools::ToolCallParser::new);
+    let parser = tools::ReplyParser::new(meta.harmony, meta.tool_names.clone());
     let body = SseBody {
         rx,
         meta,

@@ -38,6 +38,45 @@ pub(crate) struct ToolCall {
 pub(crate) enum Output {
     Text(String),
     Call(ToolCall),
+    /// The model's reasoning (harmony's analysis channel), returned as `reasoning_content`.
+    Reasoning(String),
+}
+
+/// Reads a chat reply: tool calls in the common formats when the request declared tools, or
+/// every reply of a harmony-format model (its channel markup).
+#[derive(Debug)]
+pub(crate) enum ReplyParser {
+    Tools(ToolCallParser),
+    Harmony(crate::harmony::HarmonyParser),
+}
+
+impl ReplyParser {
+    /// The parser a reply needs: `harmony` for a harmony-format model, else one for the
+    /// declared `tools` (none without tools).
+    pub fn new(harmony: bool, tools: Option<Vec<String>>) -> Option<ReplyParser> {
+        if harmony {
+            return Some(ReplyParser::Harmony(crate::harmony::HarmonyParser::new(
+                tools.unwrap_or_default(),
+            )));
+        }
+        tools.map(|names| ReplyParser::Tools(ToolCallParser::new(names)))
+    }
+
+    /// Adds generated text; returns what is decided.
+    pub fn push(&mut self, text: &str) -> Vec<Output> {
+        match self {
+            ReplyParser::Tools(p) => p.push(text),
+            ReplyParser::Harmony(p) => p.push(text),
+        }
+    }
+
+    /// The end of the reply.
+    pub fn finish(&mut self) -> Vec<Output> {
+        match self {
+            ReplyParser::Tools(p) => p.finish(),
+            ReplyParser::Harmony(p) => p.finish(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -259,9 +298,18 @@ pub(crate) fn forced_call(
     format: Option<ToolCallFormat>,
 ) -> Result<Shape, ApiError> {
     let format = format.unwrap_or(ToolCallFormat::Hermes);
+    if format == ToolCallFormat::Harmony {
+        // The function's name sits in harmony's header, between special tokens, which the
+        // JSON grammar's token mask does not produce.
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "forcing a tool call is not supported for harmony-format (gpt-oss) models: use \
+             tool_choice \"auto\"",
+        ));
+    }
     let arguments_key = match format {
         ToolCallFormat::Llama3Json => "parameters",
-        ToolCallFormat::Hermes | ToolCallFormat::Mistral => "arguments",
+        ToolCallFormat::Hermes | ToolCallFormat::Mistral | ToolCallFormat::Harmony => "arguments",
     };
     let mut options = Vec::new();
     for (i, tool) in tools.iter().enumerate() {
@@ -299,7 +347,9 @@ pub(crate) fn forced_call(
     let (prefix, suffix) = match format {
         ToolCallFormat::Hermes => (format!("{OPEN}\n"), format!("\n{CLOSE}")),
         ToolCallFormat::Llama3Json => (String::new(), String::new()),
-        ToolCallFormat::Mistral => (format!("{MISTRAL}["), "]".to_string()),
+        ToolCallFormat::Mistral | ToolCallFormat::Harmony => {
+            (format!("{MISTRAL}["), "]".to_string())
+        }
     };
     Ok(Shape {
         grammar: std::sync::Arc::new(grammar),
