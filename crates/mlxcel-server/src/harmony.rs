@@ -109,15 +109,12 @@ impl HarmonyParser {
     pub fn finish(&mut self) -> Vec<Output> {
         let mut out = Vec::new();
         let rest = std::mem::take(&mut self.held);
-        match self.body.take() {
-            Some(mut body) => {
-                emit(&mut out, body.take_text(&rest));
-                if let Body::Call { name, arguments } = body {
-                    out.push(call(name, arguments));
-                }
+        // An unfinished header carries no text worth showing.
+        if let Some(mut body) = self.body.take() {
+            emit(&mut out, body.take_text(&rest));
+            if let Body::Call { name, arguments } = body {
+                out.push(call(name, arguments));
             }
-            // An unfinished header carries no text worth showing.
-            None => {}
         }
         out
     }
