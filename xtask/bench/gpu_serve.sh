@@ -11,6 +11,14 @@ out=${OUT:-/tmp}
 model=$HOME/bench-models/llama-8b-4bit-v49k
 python3 "$here/make_random_model.py" make llama-8b "$model" --vocab 49152
 cp "$here/tokenizer.json" "$here/tokenizer_config.json" "$model/"
+# The tokenizer's special ids (SmolLM2: <|im_start|> 1, <|im_end|> 2), not Llama 3's.
+python3 - "$model/config.json" <<'PY'
+import json, sys
+p = sys.argv[1]
+c = json.load(open(p))
+c.update(bos_token_id=1, eos_token_id=2)
+json.dump(c, open(p, "w"), indent=1)
+PY
 "$here/mlxcel" serve --model "$model" --port 8101 --parallel 8 >"$out/serve-mlxcel.log" 2>&1 &
 ours=$!
 python3 -m mlx_lm server --model "$model" --port 8102 --decode-concurrency 8 \
