@@ -31,4 +31,5 @@ for port in 8101 8102; do
     sleep 1
   done
 done
-python3 "$here/serve_client.py" mlxcel 8101 mlx_lm.server 8102 --runs "${RUNS:-2}" | tee "$out/serve.md"
+python3 "$here/serve_client.py" mlxcel 8101 mlx_lm.server 8102 --runs "${RUNS:-2}" \
+  --clients "${CLIENTS:-1,8}" | tee "$out/serve.md"

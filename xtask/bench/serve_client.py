@@ -58,12 +58,16 @@ def main():
     ap.add_argument("port_b", type=int)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--clients", default="1,8", help="comma-separated client counts")
     a = ap.parse_args()
     servers = [(a.name_a, a.port_a), (a.name_b, a.port_b)]
+    # Warm-up: kernels compiled on first use (MLX's CUDA backend JIT-compiles some, for tens of
+    # seconds), at both batch shapes.
     for _, port in servers:
-        measure(port, 1, 0, 16)  # warm-up
+        measure(port, 1, 0, 32)
+        measure(port, 8, 0, 32)
     rows = []
-    for clients in (1, 8):
+    for clients in [int(c) for c in a.clients.split(",")]:
         tps = {name: [] for name, _ in servers}
         for r in range(a.runs):
             for name, port in servers:

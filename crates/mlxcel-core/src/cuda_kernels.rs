@@ -38,8 +38,10 @@ const QMV: &str = include_str!("../kernels/cuda/qmv.cu");
 const DEQUANT: &str = include_str!("../kernels/cuda/dequant.cu");
 /// In every module: the launcher's copy of an input that is not row-contiguous.
 const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
-/// Up to this many rows of activations take the GEMV (decode, small speculative batches).
-pub const QMV_MAX_ROWS: usize = 4;
+/// Up to this many rows of activations take the GEMV (decode, batched decode of concurrent
+/// requests: each row re-reads the weights, mostly from L2, which still beats MLX's quantized
+/// matmul at these sizes; measured in docs/performance.md, serving).
+pub const QMV_MAX_ROWS: usize = 16;
 /// The dequantize kernel's block size (`DQ_THREADS` in dequant.cu: its shared staging is sized by it).
 const DEQUANT_THREADS: i32 = 256;
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
