@@ -35,6 +35,9 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cuda_compile.cc");
     println!("cargo:rerun-if-changed=cpp/cuda_launch.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_kernels.h");
+    println!("cargo:rerun-if-changed=cpp/cpu_vec_math.inc");
+    println!("cargo:rerun-if-changed=cpp/cpu_gemm_kernels.inc");
+    println!("cargo:rerun-if-changed=cpp/cpu_attention_kernels.inc");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));

@@ -266,8 +266,11 @@ fn facade_adapter_matches_the_library_path() {
     assert_eq!(model.info().weight_edits, loaded.surgery_applied);
     let got = model.logits(&ids).unwrap();
     let (diff, at) = max_abs_diff(&got, want);
+    // The library path computes logits for every prompt position (the CPU kernel's many-row
+    // GEMM), the facade for the last one only (its row kernel): float32 rounding of two
+    // summation orders, far below the adapter's own effect (> 1e-2, checked below).
     assert!(
-        diff <= 1e-6,
+        diff <= 1e-5,
         "facade vs library adapter: max |Δ| {diff} at {at}"
     );
 

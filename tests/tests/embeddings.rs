@@ -1,6 +1,8 @@
 //! The embedding kind: the three tiny encoder fixtures against transformers (hidden states and
-//! mean-pooled embeddings), batching against one-by-one runs, Matryoshka truncation, and the
-//! real all-MiniLM-L6-v2 (skipped, saying so, when `cargo xtask fetch-models` has not run).
+//! mean-pooled embeddings), batching against one-by-one runs, Matryoshka truncation, the decoder
+//! embedders (Qwen3-Embedding causal, EmbeddingGemma bidirectional) against sentence-transformers,
+//! and the real all-MiniLM-L6-v2 (skipped, saying so, when `cargo xtask fetch-models` has not
+//! run).
 
 use mlxcel_arch::EmbeddingModel;
 use mlxcel_core::Array;
@@ -373,11 +375,97 @@ fn qwen3_embedding_matches_sentence_transformers() {
     assert!(err.contains("not an embedding model"), "{err}");
 }
 
-/// A decoder configured bidirectional (EmbeddingGemma) is an embedding checkpoint, but this
-/// build attends causally: refused by name rather than run with the wrong mask.
+/// A tiny EmbeddingGemma (`gemma3_text` with `use_bidirectional_attention`: layer 0 sliding
+/// with window 6, i.e. 3 positions either side; layer 1 full; mean pooling, two bias-free
+/// `Dense` projections 64 → 256 → 64, `Normalize`, EmbeddingGemma's prompts) against
+/// sentence-transformers: token ids, vectors without a prompt and with the `query` and
+/// `document` prompts in batches of 1, 4 and 8, and Matryoshka truncation to 32 dimensions
+/// (`truncate_dim` + `normalize_embeddings`). The generator checked that a causal run or one
+/// without the window gives other vectors.
 #[test]
-fn bidirectional_decoders_are_refused_by_name() {
-    let dir = mlxcel_tests::copy_fixture("qwen3-embedding");
+fn embeddinggemma_matches_sentence_transformers() {
+    let model = load("embeddinggemma");
+    assert!(matches!(
+        model.model,
+        mlxcel_loading::EmbeddingBackbone::Decoder {
+            bidirectional: true,
+            ..
+        }
+    ));
+    assert_eq!(model.head.pooling, vec![mlxcel_arch::Pooling::Mean]);
+    assert_eq!(model.head.dense.len(), 2);
+    assert!(model.head.normalize);
+    assert_eq!(model.max_tokens, Some(48));
+    let dir = model_dir("embeddinggemma");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let texts: Vec<&str> = reference["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let with_prompt = |prompt: Option<&str>| EmbedOptions {
+        prompt_name: prompt.map(str::to_string),
+        overflow: Overflow::Truncate,
+        ..EmbedOptions::default()
+    };
+    for (key, options) in [
+        ("ids", with_prompt(None)),
+        ("query_ids", with_prompt(Some("query"))),
+    ] {
+        for (i, t) in texts.iter().enumerate() {
+            let want: Vec<u32> = reference[key][i]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(model.tokenize(t, &options).unwrap().0, want, "{key} {i}");
+        }
+    }
+    let truncated = EmbedOptions {
+        dimensions: Some(32),
+        ..with_prompt(Some("query"))
+    };
+    let mut worst = 0f32;
+    for (name, options, d) in [
+        ("plain", with_prompt(None), 64),
+        ("query", with_prompt(Some("query")), 64),
+        ("document", with_prompt(Some("document")), 64),
+        ("query_truncated", truncated, 32),
+    ] {
+        let want = f32s(&st, name);
+        for batch in [1, 4, 8] {
+            let options = EmbedOptions {
+                batch_size: batch,
+                ..options.clone()
+            };
+            let got = model.embed(&texts, &options).unwrap();
+            for (i, g) in got.iter().enumerate() {
+                assert_eq!(g.len(), d, "{name}");
+                let w = &want[i * d..(i + 1) * d];
+                let (diff, _) = max_abs_diff(g, w);
+                worst = worst.max(diff);
+                assert!(
+                    diff <= 1e-4 && cosine(g, w) >= 0.99999,
+                    "{name} text {i} batch {batch}: max |Δ| {diff:.2e}"
+                );
+            }
+        }
+    }
+    eprintln!("embeddinggemma: max |Δ| {worst:.2e} over three prompts, truncation and batch sizes");
+}
+
+/// A decoder configured bidirectional must be plain key/value attention in every layer: one
+/// with multi-head latent attention (DeepSeek V2, whose layers read a latent cache) is refused
+/// by name rather than run causally.
+#[test]
+fn bidirectional_latent_attention_decoders_are_refused_by_name() {
+    let dir = mlxcel_tests::copy_fixture("deepseek_v2");
     let path = dir.path().join("config.json");
     let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     config["use_bidirectional_attention"] = Value::Bool(true);
@@ -385,7 +473,10 @@ fn bidirectional_decoders_are_refused_by_name() {
     let err = load_embedding_model(dir.path(), &LoadOptions::default())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("use_bidirectional_attention"), "{err}");
+    assert!(
+        err.contains("use_bidirectional_attention") && err.contains("not a key/value attention"),
+        "{err}"
+    );
 }
 
 /// The real all-MiniLM-L6-v2 on 281 varied sentences (English variants, Korean, emoji, accents,

@@ -400,14 +400,16 @@ fn fused_and_runtime(adapter: &str, ids: &[u32]) -> (Vec<f32>, Vec<f32>, Vec<Str
 }
 
 /// DoRA in mlx-lm's layout (`fine_tune_type: dora`, magnitude `m`), fused and at runtime,
-/// against mlx-lm's `DoRALinear` (≤ 1e-4).
+/// against mlx-lm's `DoRALinear` (≤ 2e-4, as the PEFT DoRA check below: 1e-5 of the largest
+/// logit, 21.9; the fused weight `m (W + BA) / |W + BA|` rounds differently from mlx-lm's
+/// rescaled outputs, and the prompt's 40 rows run as the CPU kernel's many-row GEMM).
 #[test]
 fn mlx_lm_dora_matches_mlx_lm() {
     let (ids, want) = reference(&adapter_dir("llama-dora-mlx").join("reference.safetensors"));
     let (fused, runtime, report) = fused_and_runtime("llama-dora-mlx", &ids);
     assert!(report[0].contains("mlx-lm DoRA"), "{report:?}");
-    assert_close(&fused, &want, 1e-4, "mlx-lm DoRA fused vs mlx-lm");
-    assert_close(&runtime, &want, 1e-4, "mlx-lm DoRA runtime vs mlx-lm");
+    assert_close(&fused, &want, 2e-4, "mlx-lm DoRA fused vs mlx-lm");
+    assert_close(&runtime, &want, 2e-4, "mlx-lm DoRA runtime vs mlx-lm");
 }
 
 /// PEFT adapters made by peft on the transformers model (per-module `rank_pattern` and

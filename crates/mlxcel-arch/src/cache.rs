@@ -9,6 +9,9 @@
 //!   a scan state, for state-space mixers): it cannot be cut back to an earlier position, only
 //!   replaced by a snapshot.
 //! - [`LayerCache::Shared`] holds nothing: the layer reads the cache of an earlier layer.
+//! - [`LayerCache::Bidirectional`] serves one bidirectional pass of a decoder read as an encoder
+//!   (EmbeddingGemma): it keeps nothing, and masks only padding keys (and, on sliding layers,
+//!   keys farther than half the window on either side).
 //! - [`LayerCache::Rotating`] serves a sliding-window layer. It never drops a row that a query of
 //!   the current chunk still attends to: a chunk of `L` tokens sees the `window - 1` rows before
 //!   it plus its own `L` rows, and only after the chunk is the buffer trimmed back to `window`
@@ -29,6 +32,9 @@ pub enum Mask {
     Causal,
     /// Boolean `[L, S]` (one sequence) or `[B, 1, L, S]` (a batch), true = attend.
     Array(Array),
+    /// Additive float, broadcastable to `[B, H, L, S]`: 0 where attended, a large finite
+    /// negative where hidden (finite, so a query row that sees no key stays finite).
+    Additive(Array),
 }
 
 impl Mask {
@@ -83,6 +89,7 @@ impl Mask {
             // `[B, Hk, rep, L, S]`.
             Mask::Array(a) if a.ndim() == 4 && scores.ndim() == 5 => a.expand_dims(&[1])?,
             Mask::Array(a) => a.clone(),
+            Mask::Additive(a) => return Ok(scores.add(&a.astype(scores.dtype()?)?)?),
         };
         Ok(ops::where_(
             &keep,
@@ -154,6 +161,16 @@ pub enum LayerCache {
     /// ([`crate::generate::DecodeBatch`]). Only attention layers take it
     /// ([`crate::LanguageModel::batched_decode`] says whether a model's layers all do).
     Batch(BatchCache),
+    /// One bidirectional pass (see [`LayerCache::bidirectional`]).
+    Bidirectional(BidirectionalCache),
+}
+
+/// A bidirectional pass over right-padded rows: no keys are kept; the mask hides padding keys.
+#[derive(Debug, Clone)]
+pub struct BidirectionalCache {
+    /// `[B, S]` int, 1 = real token.
+    keep: Array,
+    offset: usize,
 }
 
 fn rows(a: &Option<Array>) -> Result<usize> {
@@ -184,6 +201,14 @@ impl LayerCache {
         LayerCache::Shared { source, offset: 0 }
     }
 
+    /// A cache for one bidirectional pass over `keep` `[B, S]` (int, 1 = real token): every
+    /// query attends to every real key; on a layer with a window of `W` keys, to those at most
+    /// `W / 2` positions away on either side (transformers' bidirectional Gemma 3 turns its
+    /// `sliding_window` into the exclusive bound `W / 2 + 1`). A second update is an error.
+    pub fn bidirectional(keep: Array) -> LayerCache {
+        LayerCache::Bidirectional(BidirectionalCache { keep, offset: 0 })
+    }
+
     /// An empty sliding-window ring keeping the last `window` positions.
     pub fn rotating(window: usize) -> LayerCache {
         LayerCache::Rotating(RotatingCache {
@@ -204,6 +229,7 @@ impl LayerCache {
             LayerCache::Shared { offset, .. } => *offset,
             // Each row has its own ([`BatchCache::positions`]); the furthest is the batch's.
             LayerCache::Batch(b) => b.positions.iter().copied().max().unwrap_or(0),
+            LayerCache::Bidirectional(c) => c.offset,
         }
     }
 
@@ -215,6 +241,7 @@ impl LayerCache {
             LayerCache::State(_) => "state",
             LayerCache::Shared { .. } => "shared",
             LayerCache::Batch(_) => "batched",
+            LayerCache::Bidirectional(_) => "bidirectional",
         }
     }
 
@@ -238,6 +265,7 @@ impl LayerCache {
             LayerCache::Standard(c) => c.update(k, v, window),
             LayerCache::Rotating(c) => c.update(k, v),
             LayerCache::Batch(b) => b.update(k, v, window),
+            LayerCache::Bidirectional(c) => c.update(k, v, window),
             _ => Err(self.wrong_kind("key/value attention")),
         }
     }
@@ -269,6 +297,7 @@ impl LayerCache {
             LayerCache::State(c) => c.offset,
             // A batch's rows are cut back one by one, once split ([`BatchCache::split`]).
             LayerCache::Batch(_) => usize::MAX,
+            LayerCache::Bidirectional(c) => c.offset,
         }
     }
 
@@ -292,7 +321,7 @@ impl LayerCache {
             // Rows past the offset are overwritten by the next update.
             LayerCache::Standard(c) | LayerCache::Latent(c) => c.offset = position,
             // `can_rewind` allowed only the current position.
-            LayerCache::State(_) => {}
+            LayerCache::State(_) | LayerCache::Bidirectional(_) => {}
             LayerCache::Shared { offset, .. } => *offset = position,
             LayerCache::Batch(_) => unreachable!("can_rewind refuses a batch"),
             LayerCache::Rotating(c) => {
@@ -319,7 +348,7 @@ impl LayerCache {
             LayerCache::Standard(c) | LayerCache::Latent(c) => vec![&c.keys, &c.values],
             LayerCache::Rotating(c) => vec![&c.keys, &c.values],
             LayerCache::State(c) => c.arrays.iter().collect(),
-            LayerCache::Shared { .. } => vec![],
+            LayerCache::Shared { .. } | LayerCache::Bidirectional(_) => vec![],
             LayerCache::Batch(b) => return b.keys.nbytes() + b.values.nbytes(),
         };
         planes.into_iter().flatten().map(Array::nbytes).sum()
@@ -386,6 +415,28 @@ impl StandardCache {
             Mask::window(prev, l, first, end - first, window)?
         };
         Ok((k_out, v_out, mask))
+    }
+}
+
+impl BidirectionalCache {
+    fn update(
+        &mut self,
+        k: &Array,
+        v: &Array,
+        window: Option<usize>,
+    ) -> Result<(Array, Array, Mask)> {
+        let l = k.dim(2)? as usize;
+        if self.offset != 0 || self.keep.dim(1)? as usize != l {
+            return Err(crate::ModelError::Runtime(format!(
+                "a bidirectional pass covers its {} positions at once (given {l} after {})",
+                self.keep.dim(1)?,
+                self.offset
+            )));
+        }
+        self.offset = l;
+        let half = window.map(|w| (w / 2) as i32);
+        let mask = crate::embedding::attention_mask(&self.keep, k.dtype()?, half)?;
+        Ok((k.clone(), v.clone(), Mask::Additive(mask)))
     }
 }
 

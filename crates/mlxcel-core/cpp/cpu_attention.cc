@@ -6,14 +6,22 @@
 // scores against every visible key, softmax, weighted sum of values, with the rows split over
 // the thread pool. Float32 only; grouped-query heads; no mask or the causal mask aligned to
 // the end; keys and values may be strided views (a slice of a KV cache buffer).
+//
+// Under an additive mask (encoders: key padding, sliding windows) each (batch, head) pair runs
+// cpu_attention_kernels.inc instead, vectorised over the keys with the CPU's widest vectors.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
 
 #include "mlxcel-core/cpp/cpu_kernels.h"
 #include "mlxcel-core/cpp/shim.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace mlxcel {
 
@@ -31,6 +39,9 @@ struct AttentionArgs {
   int64_t qs[3], ks[3], vs[3];
   float scale;
   bool causal;
+  // The additive mask broadcast to [B, Hq, L, S] (null: none), element strides per axis.
+  const float* mask;
+  int64_t ms[4];
 };
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -78,7 +89,66 @@ void attend_row(const AttentionArgs& a, int64_t b, int64_t hq, int64_t l,
   for (int64_t d = 0; d < a.D; ++d) out[d] *= inv;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MLXCEL_HAVE_X86_KERNELS 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c")
+#define MLXCEL_AVX512_REGION 1
+#define MLXCEL_LANES 16
+namespace avx512 {
+#include "cpu_vec_math.inc"
+#include "cpu_attention_kernels.inc"
+}
+#undef MLXCEL_LANES
+#undef MLXCEL_AVX512_REGION
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define MLXCEL_AVX2_REGION 1
+#define MLXCEL_LANES 8
+namespace avx2 {
+#include "cpu_vec_math.inc"
+#include "cpu_attention_kernels.inc"
+}
+#undef MLXCEL_LANES
+#undef MLXCEL_AVX2_REGION
+#pragma GCC pop_options
+#endif
+
+#define MLXCEL_LANES 8
+namespace generic {
+#include "cpu_vec_math.inc"
+#include "cpu_attention_kernels.inc"
+}
+#undef MLXCEL_LANES
+
+using HeadFn = void (*)(const AttentionArgs&, int64_t, int64_t);
+
+HeadFn masked_kernel() {
+#ifdef MLXCEL_HAVE_X86_KERNELS
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) {
+    return avx512::attend_masked_head;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return avx2::attend_masked_head;
+  }
+#endif
+  return generic::attend_masked_head;
+}
+
 void run_attention(const AttentionArgs& a) {
+  if (a.mask) {
+    static const HeadFn head = masked_kernel();
+    const int64_t pairs = a.B * a.Hq;
+    parallel_for(int(std::min<int64_t>(pairs, int64_t(parallel_threads()) * 8)), [&](int t) {
+      const int64_t tasks = std::min<int64_t>(pairs, int64_t(parallel_threads()) * 8);
+      for (int64_t p = t; p < pairs; p += tasks) head(a, p / a.Hq, p % a.Hq);
+    });
+    return;
+  }
   const int64_t rows = a.B * a.Hq * a.L;
   const int tasks = int(std::min<int64_t>(rows, int64_t(parallel_threads()) * 4));
   parallel_for(tasks, [&](int t) {
@@ -127,6 +197,11 @@ class CpuAttention : public CpuPrimitive {
     strides_of(v, a.vs);
     a.scale = scale_;
     a.causal = causal_;
+    if (inputs.size() == 4) {
+      const auto& m = inputs[3];
+      a.mask = m.data<float>();
+      for (int i = 0; i < 4; ++i) a.ms[i] = m.strides()[i];
+    }
     schedule(inputs, out, [a]() {
       if (a.B * a.Hq * a.L * a.D > 0) run_attention(a);
     });
@@ -150,7 +225,8 @@ class CpuAttention : public CpuPrimitive {
 
 }  // namespace
 
-Ptr cpu_attention(const array& q, const array& k, const array& v, float scale, bool causal) {
+Ptr cpu_attention(const array& q, const array& k, const array& v, const array* mask, float scale,
+                  bool causal) {
   auto fail = [](const std::string& why) {
     throw std::invalid_argument("mlxcel cpu_attention: " + why);
   };
@@ -167,6 +243,13 @@ Ptr cpu_attention(const array& q, const array& k, const array& v, float scale, b
   // k and v are read through their strides (cache slices, head transposes); only their
   // feature axis must be contiguous, which eval_cpu checks before any work.
   std::vector<array> inputs{mx::contiguous(q, false, stream), k, v};
+  if (mask) {
+    if (causal) fail("a mask array and the causal mask together");
+    if (!mx::issubdtype(mask->dtype(), mx::floating)) fail("the mask must be additive (float)");
+    // A view: broadcast axes get stride 0, so a [B, 1, 1, S] padding mask is never expanded.
+    inputs.push_back(mx::broadcast_to(mx::astype(*mask, mx::float32, stream),
+                                      {q.shape(0), q.shape(1), q.shape(2), k.shape(2)}, stream));
+  }
   return std::make_unique<array>(q.shape(), mx::float32,
                                  std::make_shared<CpuAttention>(stream, scale, causal),
                                  std::move(inputs));

@@ -54,29 +54,74 @@ struct LinearArgs {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define MLXCEL_AVX2_REGION 1
+#define MLXCEL_LANES 8
 namespace avx2 {
 #include "cpu_linear_kernels.inc"
+#include "cpu_vec_math.inc"
+#include "cpu_gemm_kernels.inc"
 }
+#undef MLXCEL_LANES
 #undef MLXCEL_AVX2_REGION
+#pragma GCC pop_options
+
+// Only the many-row GEMM and the epilogue have an AVX-512 form: the few-row kernels are bound
+// by reading the weights, not by arithmetic.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c")
+#define MLXCEL_AVX512_REGION 1
+#define MLXCEL_LANES 16
+namespace avx512 {
+#include "cpu_vec_math.inc"
+#include "cpu_gemm_kernels.inc"
+}
+#undef MLXCEL_LANES
+#undef MLXCEL_AVX512_REGION
 #pragma GCC pop_options
 #endif
 
+#define MLXCEL_LANES 8
 namespace generic {
 #include "cpu_linear_kernels.inc"
+#include "cpu_vec_math.inc"
+#include "cpu_gemm_kernels.inc"
 }
+#undef MLXCEL_LANES
 
 using RowsFn = void (*)(const LinearArgs&, int64_t, int64_t);
+using GemmFn = void (*)(const float*, const void*, ElemKind, const float*, float*, int64_t,
+                        int64_t, int, int);
+using EpilogueFn = void (*)(float*, const float*, int64_t, int);
 
-RowsFn pick_kernel() {
+// The kernels of the best instruction set this CPU has.
+struct Kernels {
+  RowsFn rows = generic::run_rows;
+  GemmFn gemm = generic::gemm_run;
+  EpilogueFn epilogue = generic::epilogue_row;
+};
+
+const Kernels& kernels() {
+  static const Kernels k = [] {
+    Kernels k;
 #ifdef MLXCEL_HAVE_AVX2_KERNELS
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return avx2::run_rows;
-  }
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      k = {avx2::run_rows, avx2::gemm_run, avx2::epilogue_row};
+      if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) {
+        k.gemm = avx512::gemm_run;
+        k.epilogue = avx512::epilogue_row;
+      }
+    }
 #endif
-  return generic::run_rows;
+    return k;
+  }();
+  return k;
 }
+
+// From this many rows of x on, a dense product runs as the packed GEMM (cpu_gemm_kernels.inc);
+// below, the row kernels, which read each weight once for all rows, are faster.
+constexpr int64_t kGemmMinRows = 16;
 
 // A fixed set of worker threads that split one range at a time. The thread that submits the
 // work (MLX's CPU stream thread) takes a share itself. Workers sleep on a condition variable
@@ -207,7 +252,7 @@ namespace {
 // Runs independent products (one linear layer, or one per routed expert), splitting each one's
 // output columns over the pool.
 void run_parts(const std::vector<LinearArgs>& parts) {
-  static const RowsFn rows = pick_kernel();
+  const RowsFn rows = kernels().rows;
   int64_t work = 0;
   for (const auto& a : parts) work += a.N * int64_t(a.K) * std::max<int64_t>(a.M, 1);
   // Work below ~64K weight elements x rows is not worth waking the pool for.
@@ -277,8 +322,15 @@ ElemKind elem_kind(const mx::array& a, const char* what) {
 
 class CpuLinear : public CpuPrimitive {
  public:
-  CpuLinear(mx::Stream stream, int group_size, int bits)
-      : CpuPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  // `gathered`: inputs[4] holds routed-expert ids; `has_bias`: the last input is the bias
+  // [N] added before the activation `act` (shim.h's codes).
+  CpuLinear(mx::Stream stream, int group_size, int bits, bool gathered, bool has_bias, int act)
+      : CpuPrimitive(stream),
+        group_size_(group_size),
+        bits_(bits),
+        gathered_(gathered),
+        has_bias_(has_bias),
+        act_(act) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     for (const auto& in : inputs) {
@@ -309,7 +361,9 @@ class CpuLinear : public CpuPrimitive {
     }
 
     // Routed experts: inputs[4] holds the expert of each (row, expert) pair.
-    const bool gathered = inputs.size() == 5;
+    const bool gathered = gathered_;
+    const float* bias = has_bias_ ? inputs.back().data<float>() : nullptr;
+    const int act = act_;
     const uint32_t* ids = gathered ? inputs[4].data<uint32_t>() : nullptr;
     const int64_t pairs = gathered ? int64_t(inputs[4].size()) : 0;
     const int64_t pairs_per_row = gathered && a.M > 0 ? std::max<int64_t>(1, pairs / a.M) : 1;
@@ -320,8 +374,12 @@ class CpuLinear : public CpuPrimitive {
     const size_t w_stride = gathered ? w.nbytes() / experts : 0;
     const size_t s_stride = gathered ? inputs[2].nbytes() / experts : 0;
 
-    schedule(inputs, out, [a, ids, pairs, pairs_per_row, experts, w_stride, s_stride]() {
+    schedule(inputs, out, [a, ids, pairs, pairs_per_row, experts, w_stride, s_stride, bias, act]() {
       if (a.M == 0 || a.N == 0) return;
+      if (a.bits == 0 && !ids && a.M >= kGemmMinRows) {
+        kernels().gemm(a.x, a.w, a.weight_kind, bias, a.out, a.M, a.N, a.K, act);
+        return;
+      }
       std::vector<LinearArgs> parts =
           ids ? expert_parts(a, ids, pairs, pairs_per_row, experts, w_stride, s_stride)
               : std::vector<LinearArgs>{a};
@@ -333,6 +391,11 @@ class CpuLinear : public CpuPrimitive {
         }
       }
       run_parts(parts);
+      if (bias || act) {
+        const int64_t rows = ids ? pairs : a.M;
+        const EpilogueFn epilogue = kernels().epilogue;
+        for (int64_t m = 0; m < rows; ++m) epilogue(a.out + size_t(m) * a.N, bias, a.N, act);
+      }
     });
   }
 
@@ -340,11 +403,12 @@ class CpuLinear : public CpuPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const CpuLinear&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && gathered_ == o.gathered_ &&
+           has_bias_ == o.has_bias_ && act_ == o.act_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    if (inputs.size() == 5) {  // routed experts: [..ids, 1, N]
+    if (gathered_) {  // routed experts: [..ids, 1, N]
       mx::Shape shape = inputs[4].shape();
       shape.push_back(1);
       shape.push_back(inputs[1].shape(1));
@@ -358,6 +422,9 @@ class CpuLinear : public CpuPrimitive {
  private:
   int group_size_;
   int bits_;
+  bool gathered_;
+  bool has_bias_;
+  int act_;
 };
 
 }  // namespace
@@ -385,7 +452,7 @@ void check_quantized(const array& w, const array* scales, const array* biases, i
 }  // namespace
 
 Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
-               int32_t group_size, int32_t bits) {
+               int32_t group_size, int32_t bits, const array* bias, int32_t activation) {
   if (x.dtype() != mx::float32) fail("x must be float32");
   if (x.ndim() < 1) fail("x must have at least one dimension");
   if (w.ndim() != 2) fail("the weight must be 2-D [out, in]");
@@ -404,11 +471,20 @@ Ptr cpu_linear(const array& x, const array& w, const array* scales, const array*
     inputs.push_back(*scales);
     inputs.push_back(*biases);
   }
+  if (activation < 0 || activation > 4) fail("unknown activation code " + std::to_string(activation));
+  if (bias) {
+    if (bias->ndim() != 1 || bias->shape(0) != N) {
+      fail("the bias must be [" + std::to_string(N) + "] (the weight's rows)");
+    }
+    elem_kind(*bias, "bias");
+    inputs.push_back(mx::contiguous(mx::astype(*bias, mx::float32, stream), false, stream));
+  }
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;
-  return std::make_unique<array>(out_shape, mx::float32,
-                                 std::make_shared<CpuLinear>(stream, group_size, bits),
-                                 std::move(inputs));
+  return std::make_unique<array>(
+      out_shape, mx::float32,
+      std::make_shared<CpuLinear>(stream, group_size, bits, false, bias != nullptr, activation),
+      std::move(inputs));
 }
 
 Ptr cpu_gather_linear(const array& x, const array& w, const array& scales, const array& biases,
@@ -431,7 +507,7 @@ Ptr cpu_gather_linear(const array& x, const array& w, const array& scales, const
   out_shape.push_back(1);
   out_shape.push_back(w.shape(1));
   return std::make_unique<array>(out_shape, mx::float32,
-                                 std::make_shared<CpuLinear>(stream, group_size, bits),
+                                 std::make_shared<CpuLinear>(stream, group_size, bits, true, false, 0),
                                  std::move(inputs));
 }
 

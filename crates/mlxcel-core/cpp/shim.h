@@ -135,17 +135,20 @@ Ptr gather_qmm(const array& x, const array& w, const array& scales, const array*
                int32_t group_size, int32_t bits, rust::Str mode, bool sorted_indices);
 Ptr gather_mm(const array& a, const array& b, const array* lhs_indices, const array* rhs_indices,
               bool sorted_indices);
-// x @ W^T on mlxcel's own CPU kernel (cpu_linear.cc); bits 0 means W is dense.
+// act(x @ W^T + bias) on mlxcel's own CPU kernel (cpu_linear.cc); bits 0 means W is dense; bias
+// [N] may be null; activation: 0 none, 1 GELU (erf), 2 GELU (tanh), 3 ReLU, 4 SiLU.
 Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
-               int32_t group_size, int32_t bits);
+               int32_t group_size, int32_t bits, const array* bias, int32_t activation);
 // The routed-expert form: row i of x against expert ids[i, j] of the stack w [E, N, K] for each
 // of the ids per row; out [..ids, 1, N] (cpu_linear.cc).
 Ptr cpu_gather_linear(const array& x, const array& w, const array& scales, const array& biases,
                       const array& ids, int32_t group_size, int32_t bits);
 
 Ptr gated_activation(rust::Str kind, const array& gate, const array& up, bool fused);
-// Attention on mlxcel's CPU pool (cpu_attention.cc): float32, no mask or causal.
-Ptr cpu_attention(const array& q, const array& k, const array& v, float scale, bool causal);
+// Attention on mlxcel's CPU pool (cpu_attention.cc): float32; no mask, causal, or an additive
+// float mask broadcastable to [B, Hq, L, S] (`mask` non-null, then `causal` must be false).
+Ptr cpu_attention(const array& q, const array& k, const array& v, const array* mask, float scale,
+                  bool causal);
 Ptr rms_norm(const array& x, const array* weight, float eps);
 Ptr layer_norm(const array& x, const array* weight, const array* bias, float eps);
 Ptr rope(const array& x, int32_t dims, bool traditional, float base, bool has_base, float scale,

@@ -285,9 +285,10 @@ pub(crate) mod bridge {
             rhs_indices: *const MlxArray,
             sorted_indices: bool,
         ) -> Result<UniquePtr<MlxArray>>;
-        /// `x @ w^T` on mlxcel's CPU kernel; `bits == 0`: `w` dense.
+        /// `act(x @ w^T + bias)` on mlxcel's CPU kernel; `bits == 0`: `w` dense; `activation`:
+        /// 0 none, 1 GELU (erf), 2 GELU (tanh), 3 ReLU, 4 SiLU.
         /// # Safety
-        /// `scales` and `biases` are null or point to live arrays.
+        /// `scales`, `biases` and `bias` are null or point to live arrays.
         unsafe fn cpu_linear(
             x: &MlxArray,
             w: &MlxArray,
@@ -295,6 +296,8 @@ pub(crate) mod bridge {
             biases: *const MlxArray,
             group_size: i32,
             bits: i32,
+            bias: *const MlxArray,
+            activation: i32,
         ) -> Result<UniquePtr<MlxArray>>;
 
         /// Routed experts on mlxcel's CPU kernel: x rows against the experts `ids` names.
@@ -308,11 +311,15 @@ pub(crate) mod bridge {
             bits: i32,
         ) -> Result<UniquePtr<MlxArray>>;
 
-        /// Attention on mlxcel's CPU pool: float32, no mask or the causal mask.
-        fn cpu_attention(
+        /// Attention on mlxcel's CPU pool: float32; no mask, the causal mask, or an additive
+        /// float `mask` broadcastable to `[B, Hq, L, S]`.
+        /// # Safety
+        /// `mask` is null or points to a live array.
+        unsafe fn cpu_attention(
             q: &MlxArray,
             k: &MlxArray,
             v: &MlxArray,
+            mask: *const MlxArray,
             scale: f32,
             causal: bool,
         ) -> Result<UniquePtr<MlxArray>>;

@@ -591,16 +591,75 @@ fn is_cpu_kernel_float(dtype: Dtype) -> bool {
 /// `weight_t`, when the caller keeps one, is `weight.t()` made once: on a GPU every array of a
 /// decode step costs MLX host time, and a fresh transpose per call is one more.
 pub fn linear(x: &Array, weight: &Array, weight_t: Option<&Array>) -> Result<Array> {
-    if on_cpu_kernel_path(x, weight)? && is_cpu_kernel_float(weight.dtype()?) {
-        // SAFETY: null optional pointers.
-        return Ok(wrap(unsafe {
-            bridge::cpu_linear(x.as_ref(), weight.as_ref(), ptr::null(), ptr::null(), 0, 0)?
-        }));
+    if let Some(y) = cpu_linear_fused(x, weight, None, KernelActivation::None)? {
+        return Ok(y);
     }
     match weight_t {
         Some(t) => x.matmul(t),
         None => x.matmul(&weight.t()?),
     }
+}
+
+/// An element-wise activation mlxcel's CPU linear kernel applies to its outputs as it stores
+/// them (see [`cpu_linear_fused`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelActivation {
+    /// None: `x @ W^T + bias`.
+    None,
+    /// GELU, the exact erf form (erf to within 1.5e-7, as torch's CPU kernel computes it).
+    Gelu,
+    /// GELU, the tanh approximation.
+    GeluTanh,
+    /// `max(x, 0)`.
+    Relu,
+    /// `x * sigmoid(x)`.
+    Silu,
+}
+
+impl KernelActivation {
+    fn code(self) -> i32 {
+        match self {
+            KernelActivation::None => 0,
+            KernelActivation::Gelu => 1,
+            KernelActivation::GeluTanh => 2,
+            KernelActivation::Relu => 3,
+            KernelActivation::Silu => 4,
+        }
+    }
+}
+
+/// `act(x @ weight^T + bias)` for a dense weight `[out, in]` as one node on mlxcel's CPU kernel,
+/// when it applies (float32 activations on the CPU with the kernels on, float weights read as
+/// stored); `Ok(None)` otherwise, for the caller to compose MLX ops. Many rows (an encoder's
+/// batch, a prefill) run as a packed GEMM that applies the bias and activation while storing
+/// each tile; layers on MLX's CPU ops would each be a single-threaded pass over the output.
+pub fn cpu_linear_fused(
+    x: &Array,
+    weight: &Array,
+    bias: Option<&Array>,
+    act: KernelActivation,
+) -> Result<Option<Array>> {
+    if !(on_cpu_kernel_path(x, weight)? && is_cpu_kernel_float(weight.dtype()?)) {
+        return Ok(None);
+    }
+    if let Some(b) = bias {
+        if !is_cpu_kernel_float(b.dtype()?) {
+            return Ok(None);
+        }
+    }
+    // SAFETY: the optional pointers are null or borrow live arrays for the call's duration.
+    Ok(Some(wrap(unsafe {
+        bridge::cpu_linear(
+            x.as_ref(),
+            weight.as_ref(),
+            ptr::null(),
+            ptr::null(),
+            0,
+            0,
+            opt_ptr(bias),
+            act.code(),
+        )?
+    })))
 }
 
 /// `x @ dequantize(w).T` (when `transpose`) without materialising the dense matrix. On the CPU
@@ -632,6 +691,8 @@ pub fn quantized_matmul(
                     b.as_ptr(),
                     spec.group_size,
                     spec.bits,
+                    ptr::null(),
+                    0,
                 )?
             }));
         }
@@ -733,7 +794,7 @@ fn cpu_gather_applies(
 
 /// Whether attention runs on mlxcel's CPU kernel (`cpp/cpu_attention.cc`): float32 `[B, H, L, D]`
 /// operands on the CPU with the CPU kernels enabled (MLX's CPU attention is matmuls through a
-/// reference BLAS). Masks other than causal and attention sinks stay on MLX.
+/// reference BLAS). Boolean masks and attention sinks stay on MLX.
 fn cpu_attention_applies(q: &Array, k: &Array, v: &Array) -> Result<bool> {
     Ok(q.ndim() == 4
         && k.ndim() == 4
@@ -775,20 +836,26 @@ pub fn scaled_dot_product_attention(
     mask: AttentionMask<'_>,
     sinks: Option<&Array>,
 ) -> Result<Array> {
-    let causal = match mask {
-        AttentionMask::None => Some(false),
-        AttentionMask::Causal => Some(true),
-        AttentionMask::Array(_) => None,
-    };
-    if let (Some(causal), None) = (causal, sinks) {
-        if cpu_attention_applies(q, k, v)? {
-            return Ok(wrap(bridge::cpu_attention(
-                q.as_ref(),
-                k.as_ref(),
-                v.as_ref(),
-                scale,
-                causal,
-            )?));
+    if sinks.is_none() && cpu_attention_applies(q, k, v)? {
+        let on_kernel = match mask {
+            AttentionMask::None => Some((None, false)),
+            AttentionMask::Causal => Some((None, true)),
+            // Additive float masks (encoders' padding, windows); boolean ones stay on MLX.
+            AttentionMask::Array(m) if is_cpu_kernel_float(m.dtype()?) => Some((Some(m), false)),
+            AttentionMask::Array(_) => None,
+        };
+        if let Some((m, causal)) = on_kernel {
+            // SAFETY: `m` is null or borrowed for the call's duration.
+            return Ok(wrap(unsafe {
+                bridge::cpu_attention(
+                    q.as_ref(),
+                    k.as_ref(),
+                    v.as_ref(),
+                    opt_ptr(m),
+                    scale,
+                    causal,
+                )?
+            }));
         }
     }
     let (mode, arr) = match mask {

@@ -1,13 +1,14 @@
 //! mlxcel's CPU linear kernel (`cpp/cpu_linear.cc`, reached through `ops::quantized_matmul` and
 //! `ops::linear` on the CPU with float32 activations) against a float64 host reference built
 //! from MLX's own `dequantize` (quantized weights) or the stored values (dense weights): every
-//! bit width and scale dtype it takes, the fused few-row path (1–4 rows), the blocked many-row
-//! path, the thread pool (large enough layers), odd sizes and strided inputs.
+//! bit width and scale dtype it takes, the fused few-row path (1–4 rows), the blocked path, the
+//! packed GEMM (16 rows and more) with its bias and activation epilogue, the thread pool (large
+//! enough layers), odd sizes and strided inputs.
 
 mod common;
 
 use common::*;
-use mlxcel_core::ops::{self, QuantSpec};
+use mlxcel_core::ops::{self, KernelActivation, QuantSpec};
 use mlxcel_core::{Array, Dtype};
 
 /// `x [m, k] @ w[n, k]^T` in float64, with the bound `sum |x| |w|` per output used to scale the
@@ -112,7 +113,16 @@ fn dense_rows_match_float64_reference() {
         .enumerate()
     {
         // k = 13 and 70 exercise the scalar tail after the 8-wide vectors.
-        for (m, k, n) in [(1, 13, 5), (3, 70, 9), (4, 64, 2), (6, 13, 3), (9, 200, 31)] {
+        // From 16 rows on, the packed GEMM (its strip and panel edges at 33 rows, 9 columns).
+        for (m, k, n) in [
+            (1, 13, 5),
+            (3, 70, 9),
+            (4, 64, 2),
+            (6, 13, 3),
+            (9, 200, 31),
+            (16, 13, 5),
+            (33, 70, 9),
+        ] {
             let seed = 10 * i as u64 + m as u64;
             let (w, wv) = random_matrix(n, k, 300 + seed, dtype);
             let (x, xv) = random_matrix(m, k, 400 + seed, Dtype::Float32);
@@ -241,5 +251,74 @@ fn routed_experts_match_float64_reference() {
             bound.extend(b);
         }
         check(&format!("{bits}-bit sorted layout"), &got, &want, &bound);
+    }
+}
+
+/// erf in float64: Simpson's rule over `2 / sqrt(pi) * exp(-t^2)` (error far below float32's).
+fn erf64(x: f64) -> f64 {
+    let steps = 400;
+    let h = x / steps as f64;
+    let f = |t: f64| (-t * t).exp();
+    let mut sum = f(0.0) + f(x);
+    for i in 1..steps {
+        sum += f(i as f64 * h) * if i % 2 == 1 { 4.0 } else { 2.0 };
+    }
+    sum * h / 3.0 * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+fn activate(x: f64, act: KernelActivation) -> f64 {
+    match act {
+        KernelActivation::None => x,
+        KernelActivation::Gelu => 0.5 * x * (1.0 + erf64(x / 2f64.sqrt())),
+        KernelActivation::GeluTanh => {
+            let inner = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            0.5 * x * (1.0 + inner.tanh())
+        }
+        KernelActivation::Relu => x.max(0.0),
+        KernelActivation::Silu => x / (1.0 + (-x).exp()),
+    }
+}
+
+#[test]
+fn many_rows_with_bias_and_activation_match_float64_reference() {
+    let acts = [
+        KernelActivation::None,
+        KernelActivation::Gelu,
+        KernelActivation::GeluTanh,
+        KernelActivation::Relu,
+        KernelActivation::Silu,
+    ];
+    for (i, dtype) in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16]
+        .into_iter()
+        .enumerate()
+    {
+        // Sizes around the 12 x 32 (AVX-512) and 6 x 16 tiles, and a layer big enough for the
+        // thread pool; from 16 rows on the kernel runs as the packed GEMM.
+        for (m, k, n) in [(16, 13, 5), (29, 70, 45), (100, 384, 70), (40, 200, 33)] {
+            let seed = 10 * i as u64 + m as u64;
+            let (w, wv) = random_matrix(n, k, 500 + seed, dtype);
+            let (x, xv) = random_matrix(m, k, 600 + seed, Dtype::Float32);
+            let (b, bv) = random_matrix(1, n, 700 + seed, dtype);
+            let b = b.reshape(&[n as i32]).unwrap();
+            let (pre, bound) = reference(&xv, &wv, m, k, n);
+            for act in acts {
+                let got = ops::cpu_linear_fused(&x, &w, Some(&b), act)
+                    .unwrap()
+                    .expect("float32 x on the CPU takes the kernel");
+                assert_eq!(got.shape(), vec![m as i32, n as i32]);
+                let got = read(&got);
+                for (j, g) in got.iter().enumerate() {
+                    let z = pre[j] + bv[j % n];
+                    let want = activate(z, act);
+                    // The sum's float32 error, carried through an activation of slope <= 1.13,
+                    // plus erf's 1.5e-7 (GELU).
+                    let tol = 1.2 * (2e-6 * bound[j] + 1e-6) + 2e-7 * z.abs();
+                    assert!(
+                        (g - want).abs() <= tol,
+                        "{dtype} m{m} k{k} n{n} {act:?}: element {j}: got {g}, want {want}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -7,8 +7,10 @@
 
 use std::path::{Path, PathBuf};
 
+use mlxcel_arch::cache::LayerCache;
 use mlxcel_arch::detection::{detect_kind, get_model_type};
 use mlxcel_arch::embedding::{normalize, truncate_dimensions, DenseActivation, DenseLayer};
+use mlxcel_arch::model::LayerKind;
 use mlxcel_arch::weights::ModelWeights;
 use mlxcel_arch::{
     load_config_backed, BuildOptions, EmbeddingModel, EmbeddingModelEnum, GenerationModel,
@@ -274,9 +276,10 @@ impl EmbeddingHead {
 }
 
 /// The network under an embedding head: a bidirectional encoder (BERT, XLM-RoBERTa,
-/// ModernBERT), or a decoder read causally (Qwen3-Embedding and other decoder-based embedders
-/// of a registered generation type). Rows are right-padded, so under causal attention a real
-/// token never sees padding, and last-token pooling finds the last real token.
+/// ModernBERT), or a decoder of a registered generation type, read causally (Qwen3-Embedding)
+/// or, when its config sets `use_bidirectional_attention`, bidirectionally (EmbeddingGemma).
+/// Rows are right-padded, so under causal attention a real token never sees padding, and
+/// last-token pooling finds the last real token.
 #[derive(Debug)]
 pub enum EmbeddingBackbone {
     /// An encoder of kind `Embedding`.
@@ -289,6 +292,9 @@ pub enum EmbeddingBackbone {
         hidden: usize,
         /// `max_position_embeddings`, when given.
         max_positions: Option<usize>,
+        /// `use_bidirectional_attention`: every query sees every real key (within half the
+        /// window on sliding layers) instead of the keys before it.
+        bidirectional: bool,
     },
 }
 
@@ -296,7 +302,11 @@ impl EmbeddingModel for EmbeddingBackbone {
     fn hidden_states(&self, ids: &Array, mask: &Array) -> mlxcel_arch::Result<Array> {
         match self {
             EmbeddingBackbone::Encoder(m) => m.hidden_states(ids, mask),
-            EmbeddingBackbone::Decoder { model, .. } => {
+            EmbeddingBackbone::Decoder {
+                model,
+                bidirectional,
+                ..
+            } => {
                 // Causal attention keeps padding out of real rows only when it comes last.
                 let b = mask.dim(0)? as usize;
                 let keep = mask.astype(Dtype::Int32)?.to_vec::<i32>()?;
@@ -308,7 +318,16 @@ impl EmbeddingModel for EmbeddingBackbone {
                         )));
                     }
                 }
-                let mut caches = model.make_caches();
+                let mut caches = if *bidirectional {
+                    let keep = mask.astype(Dtype::Int32)?;
+                    model
+                        .layer_schedule()
+                        .iter()
+                        .map(|_| LayerCache::bidirectional(keep.clone()))
+                        .collect()
+                } else {
+                    model.make_caches()
+                };
                 let x = model.embed(&ids.astype(Dtype::Int32)?)?;
                 model.final_hidden_states(&x, &mut caches)
             }
@@ -341,7 +360,7 @@ impl EmbeddingModel for EmbeddingBackbone {
 /// saved from the bare decoder (`Qwen3Model`: no `model.` prefix, no `lm_head`): the prefix is
 /// restored, and the output head, never used here, is dropped and tied to the embedding table
 /// so a checkpoint without one still loads. A bidirectional decoder
-/// (`use_bidirectional_attention`, EmbeddingGemma) is refused: this build attends causally.
+/// (`use_bidirectional_attention`, EmbeddingGemma) must be key/value attention in every layer.
 fn decoder_backbone(
     folder: &Path,
     config: &Value,
@@ -349,17 +368,10 @@ fn decoder_backbone(
     options: &LoadOptions,
     runtime: &mlxcel_core::RuntimePolicy,
 ) -> Result<(EmbeddingBackbone, Dtype, mlxcel_core::MappedFiles)> {
-    if config
+    let bidirectional = config
         .get("use_bidirectional_attention")
         .and_then(Value::as_bool)
-        == Some(true)
-    {
-        return Err(LoadError::Unsupported(format!(
-            "{}: use_bidirectional_attention = true ({} with bidirectional attention, as in EmbeddingGemma) is not supported yet",
-            folder.display(),
-            model_type.name()
-        )));
-    }
+        == Some(true);
     let mut config = config.clone();
     config["tie_word_embeddings"] = Value::Bool(true);
     let (model, dtype, mapped) =
@@ -388,10 +400,26 @@ fn decoder_backbone(
             "missing or invalid `hidden_size`",
         )
     })?;
+    if bidirectional {
+        let other = model.layer_schedule().iter().position(|k| {
+            !matches!(
+                k,
+                LayerKind::GlobalAttention { .. } | LayerKind::SlidingAttention { .. }
+            )
+        });
+        if let Some(layer) = other {
+            return Err(LoadError::Unsupported(format!(
+                "{}: use_bidirectional_attention = true, but layer {layer} of this {} is not a key/value attention layer (only those run bidirectionally)",
+                folder.display(),
+                model_type.name()
+            )));
+        }
+    }
     let backbone = EmbeddingBackbone::Decoder {
         model,
         hidden,
         max_positions: int("max_position_embeddings"),
+        bidirectional,
     };
     Ok((backbone, dtype, mapped))
 }
@@ -595,8 +623,9 @@ pub(crate) fn pad_token_id(config: &Value) -> u32 {
 /// Loads an embedding checkpoint with its tokenizer and sentence-transformers modules: an
 /// encoder of kind `Embedding` (`bert`, `xlm-roberta`, `modernbert`), or a decoder of a
 /// registered generation type in a sentence-transformers folder (Qwen3-Embedding: `qwen3` with
-/// last-token pooling), read causally (see [`EmbeddingBackbone`]). A checkpoint of another kind
-/// is refused naming it.
+/// last-token pooling), read causally, or bidirectionally when its config sets
+/// `use_bidirectional_attention` (EmbeddingGemma: `gemma3_text` with mean pooling and two Dense
+/// projections; see [`EmbeddingBackbone`]). A checkpoint of another kind is refused naming it.
 ///
 /// ```no_run
 /// use mlxcel_loading::{load_embedding_model, EmbedOptions, LoadOptions};

@@ -149,7 +149,7 @@ impl Model {
             x = layer
                 .attn_norm
                 .forward(&layer.attn_out.forward(&a)?.add(&x)?)?;
-            let h = self.act.apply(&layer.intermediate.forward(&x)?)?;
+            let h = layer.intermediate.forward_activated(&x, self.act)?;
             x = layer
                 .out_norm
                 .forward(&layer.output.forward(&h)?.add(&x)?)?;

@@ -231,7 +231,7 @@ impl Attention {
                 let m = match &mask {
                     Mask::None => AttentionMask::None,
                     Mask::Causal => AttentionMask::Causal,
-                    Mask::Array(a) => AttentionMask::Array(a),
+                    Mask::Array(a) | Mask::Additive(a) => AttentionMask::Array(a),
                 };
                 Ok(ops::scaled_dot_product_attention(
                     &q,

@@ -102,11 +102,50 @@ impl Linear {
 
     /// `x` `[.., in]` → `[.., out]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if let Some(y) = self.on_cpu_kernel(x, ops::KernelActivation::None)? {
+            return Ok(y);
+        }
         let y = self.product(x)?;
         Ok(match self.bias() {
             Some(b) => y.add(b)?,
             None => y,
         })
+    }
+
+    /// `act(x W^T + b)`. A dense layer on mlxcel's CPU kernel computes it as one node, the bias
+    /// and activation applied as each output tile is stored (on MLX's CPU ops they would be
+    /// several single-threaded passes over the output); otherwise the layer, then `act`.
+    pub fn forward_activated(&self, x: &Array, act: Activation) -> Result<Array> {
+        let kernel_act = match act {
+            Activation::Silu => ops::KernelActivation::Silu,
+            Activation::GeluTanh => ops::KernelActivation::GeluTanh,
+            Activation::Gelu => ops::KernelActivation::Gelu,
+            Activation::Relu => ops::KernelActivation::Relu,
+            // Not in the kernel: the layer, then the activation.
+            Activation::XIelu(_) | Activation::OaiSwiglu => {
+                return act.apply(&self.forward(x)?);
+            }
+        };
+        match self.on_cpu_kernel(x, kernel_act)? {
+            Some(y) => Ok(y),
+            None => act.apply(&self.forward(x)?),
+        }
+    }
+
+    /// A dense layer with a bias or an activation as one node on mlxcel's CPU kernel, when it
+    /// applies (see `ops::cpu_linear_fused`); `None` leaves the layer to [`Linear::product`].
+    fn on_cpu_kernel(&self, x: &Array, act: ops::KernelActivation) -> Result<Option<Array>> {
+        let Linear::Dense { weight, bias, .. } = self else {
+            return Ok(None);
+        };
+        if bias.is_none() && act == ops::KernelActivation::None {
+            return Ok(None);
+        }
+        let y = ops::cpu_linear_fused(x, weight, bias.as_ref(), act)?;
+        if y.is_some() {
+            super::calibration::observe(weight, x);
+        }
+        Ok(y)
     }
 
     /// `x·Wᵀ` without the bias (a DoRA rescaling applies before the bias).
