@@ -7,8 +7,8 @@ use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
-use super::transformer::{DecoderArgs, DecoderSpec, FfnSpec, QkNormSpec, Transformer};
+use super::common::{base_spec, plain_ffn, CommonArgs};
+use super::transformer::{DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::nn::{Activation, XIeluParams};
 use crate::sanitize::rename_in_layers;
 use crate::{ModelError, Result};
@@ -96,8 +96,7 @@ impl DecoderArgs for Args {
         spec.qkv_bias = self.attention_bias;
         spec.o_bias = self.attention_bias;
         spec.qk_norm = QkNormSpec::PerHead;
-        let intermediate = c.intermediate()?;
-        spec.ffn = vec![FfnSpec::Plain { intermediate }; c.num_hidden_layers];
+        spec.ffn = plain_ffn(&c)?;
         Ok(spec)
     }
 }

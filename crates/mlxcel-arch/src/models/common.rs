@@ -217,6 +217,17 @@ pub fn base_spec(
     })
 }
 
+/// Plain `up_proj` → activation → `down_proj` MLPs (no gate projection) of `intermediate_size`
+/// on every layer: the feed-forward of the GPT-2-era families (GPT-NeoX, GPT-J, Phi,
+/// StarCoder2) and of Apertus, in place of [`base_spec`]'s gated ones.
+pub fn plain_ffn(c: &CommonArgs) -> Result<Vec<super::transformer::FfnSpec>> {
+    let intermediate = c.intermediate()?;
+    Ok(vec![
+        super::transformer::FfnSpec::Plain { intermediate };
+        c.num_hidden_layers
+    ])
+}
+
 fn one() -> usize {
     1
 }

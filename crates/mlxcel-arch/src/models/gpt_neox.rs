@@ -12,8 +12,8 @@ use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
-use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, FfnSpec, Transformer};
+use super::common::{base_spec, plain_ffn, CommonArgs};
+use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, Transformer};
 use crate::nn::NormKind;
 use crate::sanitize::rename_in_layers;
 use crate::{ModelError, Result};
@@ -166,8 +166,7 @@ impl DecoderArgs for Args {
         } else {
             BlockTopology::PreNorm
         };
-        let intermediate = c.intermediate()?;
-        spec.ffn = vec![FfnSpec::Plain { intermediate }; c.num_hidden_layers];
+        spec.ffn = plain_ffn(&c)?;
         Ok(spec)
     }
 }
