@@ -296,6 +296,20 @@ impl MoeArgs {
     }
 }
 
+/// The spec of architecture `A` read from [`test_config`]`(model_type, extra)`: what the
+/// architectures' spec tests check (a config that does not parse panics; a refused one is `Err`).
+#[cfg(test)]
+pub(crate) fn test_spec<A>(
+    model_type: &str,
+    extra: serde_json::Value,
+) -> Result<super::transformer::DecoderSpec>
+where
+    A: serde::de::DeserializeOwned + super::transformer::DecoderArgs,
+{
+    let args: A = serde_json::from_value(test_config(model_type, extra)).unwrap();
+    args.spec()
+}
+
 /// A small config of `model_type` with `extra` keys merged in, sanitised as a loader would:
 /// what the architectures' config tests parse.
 #[cfg(test)]

@@ -174,12 +174,11 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     fn spec(extra: serde_json::Value) -> DecoderSpec {
-        let args: Args = serde_json::from_value(test_config("gpt_neox", extra)).unwrap();
-        args.spec().unwrap()
+        test_spec::<Args>("gpt_neox", extra).unwrap()
     }
 
     #[test]
@@ -197,9 +196,9 @@ mod tests {
             "rope_parameters": {"rope_type": "default", "rope_theta": 30000.0, "partial_rotary_factor": 1.0}}));
         let rope = s.rope[0].as_ref().unwrap();
         assert_eq!((rope.dims, rope.base), (16, 30000.0));
-        let args: Args =
-            serde_json::from_value(test_config("gpt_neox", json!({"rotary_pct": 2.0}))).unwrap();
-        let err = args.spec().unwrap_err().to_string();
+        let err = test_spec::<Args>("gpt_neox", json!({"rotary_pct": 2.0}))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("rotary_pct = 2: must be in (0, 1]"), "{err}");
         let s = spec(json!({"use_parallel_residual": false, "attention_bias": false}));
         assert_eq!(s.topology, BlockTopology::PreNorm);

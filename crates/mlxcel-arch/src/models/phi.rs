@@ -91,12 +91,11 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     fn spec(extra: serde_json::Value) -> DecoderSpec {
-        let args: Args = serde_json::from_value(test_config("phi", extra)).unwrap();
-        args.spec().unwrap()
+        test_spec::<Args>("phi", extra).unwrap()
     }
 
     #[test]

@@ -95,12 +95,11 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     fn spec(extra: serde_json::Value) -> Result<DecoderSpec> {
-        let args: Args = serde_json::from_value(test_config("smollm3", extra)).unwrap();
-        args.spec()
+        test_spec::<Args>("smollm3", extra)
     }
 
     #[test]
