@@ -228,6 +228,24 @@ pub fn plain_ffn(c: &CommonArgs) -> Result<Vec<super::transformer::FfnSpec>> {
     ])
 }
 
+/// The per-layer `no_rope_layers` flags of the NoPE families (Llama 4, SmolLM3): `given` (one
+/// entry per layer; 1 = rope, 0 = no positional encoding), else transformers' default of 0 on
+/// every `interval`-th layer and 1 elsewhere. Each family reads the entries its own way.
+pub fn no_rope_flags(c: &CommonArgs, given: Option<&[u8]>, interval: usize) -> Result<Vec<u8>> {
+    let n = c.num_hidden_layers;
+    match given {
+        Some(flags) if flags.len() != n => Err(ModelError::Config(format!(
+            "no_rope_layers has {} entries for {n} layers",
+            flags.len()
+        ))),
+        Some(flags) => Ok(flags.to_vec()),
+        None if interval == 0 => Err(ModelError::Config(
+            "no_rope_layer_interval = 0: must be positive".into(),
+        )),
+        None => Ok((0..n).map(|i| u8::from((i + 1) % interval != 0)).collect()),
+    }
+}
+
 fn one() -> usize {
     1
 }

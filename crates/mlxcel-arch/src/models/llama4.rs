@@ -11,7 +11,7 @@ use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
+use super::common::{base_spec, no_rope_flags, CommonArgs};
 use super::transformer::{
     DecoderArgs, DecoderSpec, FfnSpec, MoeSpec, QkNormSpec, SharedExpertSpec, Transformer,
 };
@@ -100,22 +100,14 @@ pub struct Args {
 pub type Model = Transformer<Args>;
 
 impl Args {
-    /// Per layer: whether it applies rope.
+    /// Per layer: whether it applies rope (any non-zero entry does, as in transformers).
     fn rope_layers(&self) -> Result<Vec<bool>> {
-        let n = self.common.num_hidden_layers;
-        match &self.no_rope_layers {
-            Some(flags) if flags.len() != n => Err(ModelError::Config(format!(
-                "no_rope_layers has {} entries for {n} layers",
-                flags.len()
-            ))),
-            Some(flags) => Ok(flags.iter().map(|f| *f != 0).collect()),
-            None if self.no_rope_layer_interval == 0 => Err(ModelError::Config(
-                "no_rope_layer_interval = 0: must be positive".into(),
-            )),
-            None => Ok((0..n)
-                .map(|i| (i + 1) % self.no_rope_layer_interval != 0)
-                .collect()),
-        }
+        let flags = no_rope_flags(
+            &self.common,
+            self.no_rope_layers.as_deref(),
+            self.no_rope_layer_interval,
+        )?;
+        Ok(flags.iter().map(|f| *f != 0).collect())
     }
 
     /// Per layer: the chunk of its local attention, from `layer_types` (else every rope layer).
