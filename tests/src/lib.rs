@@ -200,3 +200,40 @@ pub fn assert_greedy_ids(model: &dyn mlxcel_arch::LanguageModel, r: &Reference, 
         "{name}: greedy ids against the reference"
     );
 }
+
+/// Loads the model in `dir` without its tokenizer (the logits tests need none), panicking with
+/// the folder and the error.
+pub fn load_without_tokenizer(dir: impl AsRef<Path>) -> mlxcel_loading::Loaded {
+    let dir = dir.as_ref();
+    let options = mlxcel_loading::LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    mlxcel_loading::load_model(dir, &options).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+/// The largest |Δ| between the prefill logits of `model` and fixture `name`'s reference, for
+/// checkpoints rewritten from a fixture that must still give its logits.
+pub fn distance_to_reference(model: &dyn mlxcel_arch::LanguageModel, name: &str) -> f32 {
+    let r = reference(name);
+    max_abs_diff(&logits_for(model, &r.prompt_ids), &r.logits).0
+}
+
+/// mlx-lm's logits `[prompt_len, vocab]` (row-major) for fixture `name`, from
+/// `mlx_lm_logits.safetensors` (written by `generate.py --stage mlx-lm-diffs` for the fixtures
+/// where mlx-lm and transformers disagree).
+pub fn mlx_lm_logits(name: &str) -> Vec<f32> {
+    let path = model_dir(name).join("mlx_lm_logits.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = SafeTensors::deserialize(&bytes).expect("valid mlx_lm_logits.safetensors");
+    read_f32(&st, "logits")
+}
+
+/// Rewrites `dir/config.json` (a [`copy_fixture`] folder) through `edit`.
+pub fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut config: Value = serde_json::from_str(&text).expect("config.json is valid JSON");
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).expect("write config.json");
+}
