@@ -114,27 +114,39 @@ impl CommonArgs {
         }
     }
 
+    /// `layer_types` as one flag per layer, true for `yes` and false for `no` (`None` without
+    /// the key): the two-kind layer patterns (sliding / full, linear / full, chunked / full). A
+    /// list of another length than the layers, or an entry of a third kind, is refused by name.
+    pub fn layer_type_flags(&self, yes: &str, no: &str) -> Result<Option<Vec<bool>>> {
+        let Some(types) = &self.layer_types else {
+            return Ok(None);
+        };
+        let n = self.num_hidden_layers;
+        if types.len() != n {
+            return Err(ModelError::Config(format!(
+                "layer_types has {} entries for {n} layers",
+                types.len()
+            )));
+        }
+        types
+            .iter()
+            .map(|t| match t.as_str() {
+                t if t == yes => Ok(true),
+                t if t == no => Ok(false),
+                other => Err(ModelError::Unsupported(format!(
+                    "layer_types entry `{other}`: this architecture has `{yes}` and `{no}` layers"
+                ))),
+            })
+            .collect::<Result<_>>()
+            .map(Some)
+    }
+
     /// Per-layer sliding windows: from `layer_types` when the config has it, else `fallback(i)`
     /// decides whether layer `i` slides (over `sliding_window`).
     pub fn windows(&self, fallback: impl Fn(usize) -> bool) -> Result<Vec<Option<usize>>> {
         let n = self.num_hidden_layers;
-        let sliding: Vec<bool> = match &self.layer_types {
-            Some(types) => {
-                if types.len() != n {
-                    return Err(ModelError::Config(format!(
-                        "layer_types has {} entries for {n} layers",
-                        types.len()
-                    )));
-                }
-                types
-                    .iter()
-                    .map(|t| match t.as_str() {
-                        "sliding_attention" => Ok(true),
-                        "full_attention" => Ok(false),
-                        other => Err(ModelError::Unsupported(format!("layer type `{other}`"))),
-                    })
-                    .collect::<Result<_>>()?
-            }
+        let sliding = match self.layer_type_flags("sliding_attention", "full_attention")? {
+            Some(sliding) => sliding,
             None => (0..n).map(fallback).collect(),
         };
         sliding

@@ -118,24 +118,17 @@ impl Args {
             ));
         }
         let chunk = Some(self.attention_chunk_size);
-        match &self.common.layer_types {
-            Some(types) if types.len() != rope.len() => Err(ModelError::Config(format!(
-                "layer_types has {} entries for {} layers",
-                types.len(),
-                rope.len()
-            ))),
-            Some(types) => types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "chunked_attention" => Ok(chunk),
-                    "full_attention" => Ok(None),
-                    other => Err(ModelError::Unsupported(format!(
-                        "layer_types: `{other}` (Llama 4 has chunked_attention and full_attention)"
-                    ))),
-                })
-                .collect(),
-            None => Ok(rope.iter().map(|r| if *r { chunk } else { None }).collect()),
-        }
+        let chunked = match self
+            .common
+            .layer_type_flags("chunked_attention", "full_attention")?
+        {
+            Some(chunked) => chunked,
+            None => rope.to_vec(),
+        };
+        Ok(chunked
+            .iter()
+            .map(|c| if *c { chunk } else { None })
+            .collect())
     }
 
     /// Per layer: whether it is a mixture of experts.
