@@ -212,11 +212,13 @@ pub fn load_without_tokenizer(dir: impl AsRef<Path>) -> mlxcel_loading::Loaded {
     mlxcel_loading::load_model(dir, &options).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
-/// The largest |Δ| between the prefill logits of `model` and fixture `name`'s reference, for
-/// checkpoints rewritten from a fixture that must still give its logits.
-pub fn distance_to_reference(model: &dyn mlxcel_arch::LanguageModel, name: &str) -> f32 {
+/// The largest |Δ| between the prefill logits of the model in `dir` (loaded without its
+/// tokenizer) and fixture `name`'s reference: for checkpoints rewritten from a fixture, which
+/// must still give its logits (or, for a switched-off feature, must not).
+pub fn distance_to_reference(dir: impl AsRef<Path>, name: &str) -> f32 {
+    let loaded = load_without_tokenizer(dir);
     let r = reference(name);
-    max_abs_diff(&logits_for(model, &r.prompt_ids), &r.logits).0
+    max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits).0
 }
 
 /// mlx-lm's logits `[prompt_len, vocab]` (row-major) for fixture `name`, from
@@ -229,11 +231,21 @@ pub fn mlx_lm_logits(name: &str) -> Vec<f32> {
     read_f32(&st, "logits")
 }
 
-/// Rewrites `dir/config.json` (a [`copy_fixture`] folder) through `edit`.
-pub fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+/// `dir/config.json`.
+pub fn read_config(dir: &Path) -> Value {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let mut config: Value = serde_json::from_str(&text).expect("config.json is valid JSON");
+    serde_json::from_str(&text).expect("config.json is valid JSON")
+}
+
+/// Writes `config` as `dir/config.json` (a [`copy_fixture`] folder).
+pub fn write_config(dir: &Path, config: &Value) {
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("write config.json");
+}
+
+/// Rewrites `dir/config.json` (a [`copy_fixture`] folder) through `edit`.
+pub fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let mut config = read_config(dir);
     edit(&mut config);
-    std::fs::write(&path, config.to_string()).expect("write config.json");
+    write_config(dir, &config);
 }
