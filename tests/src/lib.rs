@@ -221,6 +221,19 @@ pub fn distance_to_reference(dir: impl AsRef<Path>, name: &str) -> f32 {
     max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits).0
 }
 
+/// mlxcel's logits for fixture `name` against transformers' (its reference) and against
+/// mlx-lm's ([`mlx_lm_logits`]), for the fixtures where the two references disagree:
+/// (distance to transformers, distance to mlx-lm).
+pub fn distances_to_transformers_and_mlx_lm(name: &str) -> (f32, f32) {
+    let loaded = load_without_tokenizer(model_dir(name));
+    let r = reference(name);
+    let got = logits_for(&loaded.model, &r.prompt_ids);
+    (
+        max_abs_diff(&got, &r.logits).0,
+        max_abs_diff(&got, &mlx_lm_logits(name)).0,
+    )
+}
+
 /// mlx-lm's logits `[prompt_len, vocab]` (row-major) for fixture `name`, from
 /// `mlx_lm_logits.safetensors` (written by `generate.py --stage mlx-lm-diffs` for the fixtures
 /// where mlx-lm and transformers disagree).

@@ -7,8 +7,8 @@ use mlxcel_arch::detection::get_model_type;
 use mlxcel_arch::{cache_schedule, ModelType};
 use mlxcel_loading::{load_model, LoadOptions};
 use mlxcel_tests::{
-    copy_fixture, distance_to_reference, edit_config, load_without_tokenizer, logits_for,
-    max_abs_diff, mlx_lm_logits, reference,
+    copy_fixture, distance_to_reference, distances_to_transformers_and_mlx_lm, edit_config,
+    load_without_tokenizer, logits_for, max_abs_diff, reference,
 };
 use serde_json::{json, Value};
 
@@ -128,19 +128,6 @@ fn hunyuan_unsupported_values_are_refused_by_name() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("num_experts"), "{err}");
-}
-
-/// mlxcel's logits for fixture `name` against transformers' (its reference) and against
-/// mlx-lm's (`mlx_lm_logits.safetensors`, written by `generate.py --stage mlx-lm-diffs` where
-/// the two disagree): (distance to transformers, distance to mlx-lm).
-fn distances_to_transformers_and_mlx_lm(name: &str) -> (f32, f32) {
-    let loaded = load_without_tokenizer(mlxcel_tests::model_dir(name));
-    let r = reference(name);
-    let got = logits_for(&loaded.model, &r.prompt_ids);
-    (
-        max_abs_diff(&got, &r.logits).0,
-        max_abs_diff(&got, &mlx_lm_logits(name)).0,
-    )
 }
 
 /// mlx-lm's `hunyuan` keeps the top-k of the softmax over all experts unnormalised;

@@ -15,8 +15,8 @@ use mlxcel_arch::generate::greedy;
 use mlxcel_arch::ModelType;
 use mlxcel_loading::{load_model, LanguageModel, LoadOptions};
 use mlxcel_tests::{
-    distance_to_reference, edit_config, fixture_index, load_without_tokenizer, logits_for,
-    max_abs_diff, mlx_lm_logits, model_dir, reference,
+    distance_to_reference, distances_to_transformers_and_mlx_lm, edit_config, fixture_index,
+    load_without_tokenizer, logits_for, max_abs_diff, model_dir, reference,
 };
 
 fn check(name: &str, kind: &str) {
@@ -155,12 +155,7 @@ fn state_space_families_load_through_the_nonstandard_route() {
 /// (`models/gpt_neox/mlx_lm_logits.safetensors`, `generate.py --stage mlx-lm-diffs`).
 #[test]
 fn gpt_neox_follows_transformers_exact_gelu_where_mlx_lm_approximates() {
-    let name = "gpt_neox";
-    let r = reference(name);
-    let loaded = load_without_tokenizer(model_dir(name));
-    let got = logits_for(&loaded.model, &r.prompt_ids);
-    let (to_transformers, _) = max_abs_diff(&got, &r.logits);
-    let (to_mlx_lm, _) = max_abs_diff(&got, &mlx_lm_logits(name));
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("gpt_neox");
     assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
     assert!(
         to_mlx_lm > 2e-3,

@@ -6,7 +6,8 @@ use mlxcel_arch::generate::{Session, SnapshotPolicy};
 use mlxcel_arch::{LanguageModel, LayerCache, LayerKind};
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
 use mlxcel_tests::{
-    edit_config, load_without_tokenizer, max_abs_diff, mlx_lm_logits, model_dir, reference,
+    distances_to_transformers_and_mlx_lm, edit_config, load_without_tokenizer, max_abs_diff,
+    model_dir, reference,
 };
 
 fn load(name: &str) -> Loaded {
@@ -202,11 +203,7 @@ fn the_stats_line_reports_the_snapshot_prefix_as_reused() {
 /// `generate.py --stage mlx-lm-diffs`).
 #[test]
 fn jamba_follows_transformers_where_mlx_lm_renormalises_the_routing() {
-    let loaded = load("jamba");
-    let r = reference("jamba");
-    let got = mlxcel_tests::logits_for(&loaded.model, &r.prompt_ids);
-    let (to_transformers, _) = max_abs_diff(&got, &r.logits);
-    let (to_mlx_lm, _) = max_abs_diff(&got, &mlx_lm_logits("jamba"));
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("jamba");
     assert!(to_transformers < 1e-3, "{to_transformers:.2e}");
     assert!(
         to_mlx_lm > 1.0,
