@@ -200,3 +200,65 @@ pub fn assert_greedy_ids(model: &dyn mlxcel_arch::LanguageModel, r: &Reference, 
         "{name}: greedy ids against the reference"
     );
 }
+
+/// Loads the model in `dir` without its tokenizer (the logits tests need none), panicking with
+/// the folder and the error.
+pub fn load_without_tokenizer(dir: impl AsRef<Path>) -> mlxcel_loading::Loaded {
+    let dir = dir.as_ref();
+    let options = mlxcel_loading::LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
+    mlxcel_loading::load_model(dir, &options).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+/// The largest |Δ| between the prefill logits of the model in `dir` (loaded without its
+/// tokenizer) and fixture `name`'s reference: for checkpoints rewritten from a fixture, which
+/// must still give its logits (or, for a switched-off feature, must not).
+pub fn distance_to_reference(dir: impl AsRef<Path>, name: &str) -> f32 {
+    let loaded = load_without_tokenizer(dir);
+    let r = reference(name);
+    max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits).0
+}
+
+/// mlxcel's logits for fixture `name` against transformers' (its reference) and against
+/// mlx-lm's ([`mlx_lm_logits`]), for the fixtures where the two references disagree:
+/// (distance to transformers, distance to mlx-lm).
+pub fn distances_to_transformers_and_mlx_lm(name: &str) -> (f32, f32) {
+    let loaded = load_without_tokenizer(model_dir(name));
+    let r = reference(name);
+    let got = logits_for(&loaded.model, &r.prompt_ids);
+    (
+        max_abs_diff(&got, &r.logits).0,
+        max_abs_diff(&got, &mlx_lm_logits(name)).0,
+    )
+}
+
+/// mlx-lm's logits `[prompt_len, vocab]` (row-major) for fixture `name`, from
+/// `mlx_lm_logits.safetensors` (written by `generate.py --stage mlx-lm-diffs` for the fixtures
+/// where mlx-lm and transformers disagree).
+pub fn mlx_lm_logits(name: &str) -> Vec<f32> {
+    let path = model_dir(name).join("mlx_lm_logits.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = SafeTensors::deserialize(&bytes).expect("valid mlx_lm_logits.safetensors");
+    read_f32(&st, "logits")
+}
+
+/// `dir/config.json`.
+pub fn read_config(dir: &Path) -> Value {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).expect("config.json is valid JSON")
+}
+
+/// Writes `config` as `dir/config.json` (a [`copy_fixture`] folder).
+pub fn write_config(dir: &Path, config: &Value) {
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("write config.json");
+}
+
+/// Rewrites `dir/config.json` (a [`copy_fixture`] folder) through `edit`.
+pub fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let mut config = read_config(dir);
+    edit(&mut config);
+    write_config(dir, &config);
+}

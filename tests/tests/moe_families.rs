@@ -6,7 +6,10 @@ use mlxcel_arch::config::sanitize_config_json;
 use mlxcel_arch::detection::get_model_type;
 use mlxcel_arch::{cache_schedule, ModelType};
 use mlxcel_loading::{load_model, LoadOptions};
-use mlxcel_tests::{copy_fixture, logits_for, max_abs_diff, reference};
+use mlxcel_tests::{
+    copy_fixture, distance_to_reference, distances_to_transformers_and_mlx_lm, edit_config,
+    load_without_tokenizer, logits_for, max_abs_diff, reference,
+};
 use serde_json::{json, Value};
 
 /// `tencent/Hunyuan-7B-Instruct`'s config.json as the hub ships it (dense; the remote-code
@@ -89,16 +92,8 @@ fn hunyuan_model_type_is_resolved_to_dense_or_moe_by_num_experts() {
 fn hunyuan_fixtures_load_under_the_shared_model_type() {
     for name in ["hunyuan_v1_dense", "hunyuan_v1_moe"] {
         let dir = copy_fixture(name);
-        let path = dir.path().join("config.json");
-        let mut config: Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        config["model_type"] = "hunyuan".into();
-        std::fs::write(&path, config.to_string()).unwrap();
-        let options = LoadOptions {
-            skip_tokenizer: true,
-            ..Default::default()
-        };
-        let loaded = load_model(dir.path(), &options).unwrap_or_else(|e| panic!("{name}: {e}"));
+        edit_config(dir.path(), |config| config["model_type"] = "hunyuan".into());
+        let loaded = load_without_tokenizer(dir.path());
         let r = reference(name);
         let got = logits_for(&loaded.model, &r.prompt_ids);
         let (diff, _) = max_abs_diff(&got, &r.logits);
@@ -133,33 +128,6 @@ fn hunyuan_unsupported_values_are_refused_by_name() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("num_experts"), "{err}");
-}
-
-/// mlxcel's logits for fixture `name` against transformers' (its reference) and against
-/// mlx-lm's (`mlx_lm_logits.safetensors`, written by `generate.py --stage mlx-lm-diffs` where
-/// the two disagree): (distance to transformers, distance to mlx-lm).
-fn distances_to_transformers_and_mlx_lm(name: &str) -> (f32, f32) {
-    let options = LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    };
-    let loaded = load_model(mlxcel_tests::model_dir(name), &options).unwrap();
-    let r = reference(name);
-    let got = logits_for(&loaded.model, &r.prompt_ids);
-    let bytes =
-        std::fs::read(mlxcel_tests::model_dir(name).join("mlx_lm_logits.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mlx_lm: Vec<f32> = st
-        .tensor("logits")
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    (
-        max_abs_diff(&got, &r.logits).0,
-        max_abs_diff(&got, &mlx_lm).0,
-    )
 }
 
 /// mlx-lm's `hunyuan` keeps the top-k of the softmax over all experts unnormalised;
@@ -236,13 +204,7 @@ fn ernie4_5_moe_ignores_the_multi_token_prediction_tensors() {
             ),
         ],
     );
-    let options = LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    };
-    let loaded = load_model(dir.path(), &options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let r = reference(name);
-    let (diff, _) = max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits);
+    let diff = distance_to_reference(dir.path(), name);
     assert!(diff < 2e-4, "{diff:.2e}");
 }
 
@@ -274,18 +236,10 @@ fn glm4_moe_drops_the_multi_token_prediction_layer() {
         .map(|(n, shape, values)| (n.as_str(), shape.clone(), values.clone()))
         .collect();
     add_tensors(dir.path(), &extra);
-    let config_path = dir.path().join("config.json");
-    let mut config: Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    config["num_nextn_predict_layers"] = 1.into();
-    std::fs::write(&config_path, config.to_string()).unwrap();
-    let options = LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    };
-    let loaded = load_model(dir.path(), &options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let r = reference(name);
-    let (diff, _) = max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits);
+    edit_config(dir.path(), |config| {
+        config["num_nextn_predict_layers"] = 1.into()
+    });
+    let diff = distance_to_reference(dir.path(), name);
     assert!(diff < 2e-4, "{diff:.2e}");
 }
 

@@ -15,15 +15,14 @@
 use mlxcel_arch::generate::greedy;
 use mlxcel_arch::ModelType;
 use mlxcel_loading::{load_model, LanguageModel, LoadOptions};
-use mlxcel_tests::{fixture_index, logits_for, max_abs_diff, model_dir, reference};
+use mlxcel_tests::{
+    distance_to_reference, distances_to_transformers_and_mlx_lm, edit_config, fixture_index,
+    load_without_tokenizer, logits_for, max_abs_diff, model_dir, reference,
+};
 
 fn check(name: &str, kind: &str) {
     let reference = reference(name);
-    let options = LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    };
-    let loaded = load_model(model_dir(name), &options).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let loaded = load_without_tokenizer(model_dir(name));
     let model = &loaded.model;
     assert_eq!(model.vocab_size(), reference.vocab, "{name}: vocab");
     let got = logits_for(model, &reference.prompt_ids);
@@ -122,11 +121,7 @@ fn unregistered_architectures_are_refused_by_name() {
         );
     }
     let dir = mlxcel_tests::copy_fixture("mamba");
-    let path = dir.path().join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["model_type"] = "zamba2".into();
-    std::fs::write(&path, config.to_string()).unwrap();
+    edit_config(dir.path(), |config| config["model_type"] = "zamba2".into());
     let err = load_model(dir.path(), &LoadOptions::default())
         .expect_err("zamba2 loaded without a registered architecture")
         .to_string();
@@ -165,25 +160,7 @@ fn state_space_families_load_through_the_nonstandard_route() {
 /// (`models/gpt_neox/mlx_lm_logits.safetensors`, `generate.py --stage mlx-lm-diffs`).
 #[test]
 fn gpt_neox_follows_transformers_exact_gelu_where_mlx_lm_approximates() {
-    let name = "gpt_neox";
-    let r = reference(name);
-    let options = LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    };
-    let loaded = load_model(model_dir(name), &options).unwrap();
-    let got = logits_for(&loaded.model, &r.prompt_ids);
-    let bytes = std::fs::read(model_dir(name).join("mlx_lm_logits.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mlx_lm: Vec<f32> = st
-        .tensor("logits")
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    let (to_transformers, _) = max_abs_diff(&got, &r.logits);
-    let (to_mlx_lm, _) = max_abs_diff(&got, &mlx_lm);
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("gpt_neox");
     assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
     assert!(
         to_mlx_lm > 2e-3,
@@ -201,14 +178,12 @@ fn gpt_neox_loads_pythia_style_checkpoints() {
     use safetensors::Dtype;
     let name = "gpt_neox";
     let dir = mlxcel_tests::copy_fixture(name);
-    let path = dir.path().join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let obj = config.as_object_mut().unwrap();
-    obj.remove("rope_parameters");
-    assert_eq!(obj["rotary_pct"], 0.25);
-    assert!(obj.contains_key("rotary_emb_base") && !obj.contains_key("rope_theta"));
-    std::fs::write(&path, config.to_string()).unwrap();
+    edit_config(dir.path(), |config| {
+        let obj = config.as_object_mut().unwrap();
+        obj.remove("rope_parameters");
+        assert_eq!(obj["rotary_pct"], 0.25);
+        assert!(obj.contains_key("rotary_emb_base") && !obj.contains_key("rope_theta"));
+    });
 
     let path = dir.path().join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
@@ -234,12 +209,6 @@ fn gpt_neox_loads_pythia_style_checkpoints() {
     }
     std::fs::write(&path, safetensors::serialize(tensors, &None).unwrap()).unwrap();
 
-    let options = LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    };
-    let loaded = load_model(dir.path(), &options).unwrap_or_else(|e| panic!("{e}"));
-    let r = reference(name);
-    let (diff, _) = max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits);
+    let diff = distance_to_reference(dir.path(), name);
     assert!(diff < 2e-4, "{diff:.2e}");
 }

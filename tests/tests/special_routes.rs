@@ -8,7 +8,10 @@ use mlxcel_arch::detection::{get_model_type, is_text_only};
 use mlxcel_arch::models::mistral3;
 use mlxcel_arch::{DirectoryRoute, GenerationModel, ModelType};
 use mlxcel_loading::{load_model, LoadOptions};
-use mlxcel_tests::{copy_fixture, logits_for, max_abs_diff, model_dir, reference};
+use mlxcel_tests::{
+    copy_fixture, distance_to_reference, logits_for, max_abs_diff, model_dir, read_config,
+    reference, write_config,
+};
 use serde_json::{json, Value};
 
 fn options() -> LoadOptions {
@@ -16,14 +19,6 @@ fn options() -> LoadOptions {
         skip_tokenizer: true,
         ..Default::default()
     }
-}
-
-fn read_config(dir: &std::path::Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
-}
-
-fn write_config(dir: &std::path::Path, config: &Value) {
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
 }
 
 #[test]
@@ -263,13 +258,6 @@ fn exaone_moe_leaves_its_mtp_block_out_and_reads_the_correction_bias() {
     assert!(err.contains("e_score_correction_bias"), "{err}");
 }
 
-/// The logits of fixture `name` loaded from `dir` against its reference.
-fn reference_error(dir: &std::path::Path, name: &str) -> f32 {
-    let loaded = load_model(dir, &options()).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let r = reference(name);
-    max_abs_diff(&logits_for(&loaded.model, &r.prompt_ids), &r.logits).0
-}
-
 #[test]
 fn llama4_features_are_each_exercised_by_the_fixture() {
     // Each switch changes the fixture's logits far beyond the parity tolerance, so parity.rs
@@ -292,7 +280,7 @@ fn llama4_features_are_each_exercised_by_the_fixture() {
             ]);
         }
         write_config(dir.path(), &config);
-        let d = reference_error(dir.path(), "llama4_text");
+        let d = distance_to_reference(dir.path(), "llama4_text");
         assert!(d > 0.05, "{key}: changed the logits by only {d}");
     }
     // An unknown layer type is refused naming the field.
@@ -340,7 +328,7 @@ fn llama4_nested_checkpoint_loads_its_text_model() {
     std::fs::write(&path, out).unwrap();
     let loaded = load_model(dir.path(), &options()).unwrap();
     assert_eq!(loaded.model_type, ModelType::Llama4);
-    let d = reference_error(dir.path(), "llama4_text");
+    let d = distance_to_reference(dir.path(), "llama4_text");
     assert!(d < 2e-4, "nested llama4 differs from the reference by {d}");
 }
 
@@ -361,7 +349,7 @@ fn exaone_reads_both_key_spellings() {
         obj.insert(key.into(), v);
     }
     write_config(dir.path(), &config);
-    let d = reference_error(dir.path(), "exaone");
+    let d = distance_to_reference(dir.path(), "exaone");
     assert!(d < 2e-4, "canonical keys differ from the reference by {d}");
 }
 
@@ -374,7 +362,7 @@ fn minimax_block_size_is_exact_and_its_factors_are_exercised() {
         let mut config = read_config(dir.path());
         config["block_size"] = json!(block);
         write_config(dir.path(), &config);
-        let d = reference_error(dir.path(), "minimax");
+        let d = distance_to_reference(dir.path(), "minimax");
         assert!(d < 1e-3, "block_size {block}: {d} from the reference");
     }
     // The per-kind residual factors each matter.
@@ -387,7 +375,7 @@ fn minimax_block_size_is_exact_and_its_factors_are_exercised() {
         let mut config = read_config(dir.path());
         config[key] = json!(1.0);
         write_config(dir.path(), &config);
-        let d = reference_error(dir.path(), "minimax");
+        let d = distance_to_reference(dir.path(), "minimax");
         assert!(d > 0.05, "{key} = 1 changed the logits by only {d}");
     }
 }
@@ -422,6 +410,6 @@ fn minimax_reads_the_hub_key_spelling() {
         obj.insert(hub.into(), v);
     }
     write_config(dir.path(), &config);
-    let d = reference_error(dir.path(), "minimax");
+    let d = distance_to_reference(dir.path(), "minimax");
     assert!(d < 1e-3, "hub spelling differs from the reference by {d}");
 }

@@ -5,14 +5,13 @@
 use mlxcel_arch::generate::{Session, SnapshotPolicy};
 use mlxcel_arch::{LanguageModel, LayerCache, LayerKind};
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
-use mlxcel_tests::{max_abs_diff, model_dir, reference};
+use mlxcel_tests::{
+    distances_to_transformers_and_mlx_lm, edit_config, load_without_tokenizer, max_abs_diff,
+    model_dir, reference,
+};
 
 fn load(name: &str) -> Loaded {
-    let options = LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    };
-    load_model(model_dir(name), &options).unwrap_or_else(|e| panic!("{name}: {e}"))
+    load_without_tokenizer(model_dir(name))
 }
 
 /// The fixture's prompt, and a second prompt sharing its first `keep` tokens and then
@@ -204,20 +203,7 @@ fn the_stats_line_reports_the_snapshot_prefix_as_reused() {
 /// `generate.py --stage mlx-lm-diffs`).
 #[test]
 fn jamba_follows_transformers_where_mlx_lm_renormalises_the_routing() {
-    let loaded = load("jamba");
-    let r = reference("jamba");
-    let got = mlxcel_tests::logits_for(&loaded.model, &r.prompt_ids);
-    let bytes = std::fs::read(model_dir("jamba").join("mlx_lm_logits.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mlx_lm: Vec<f32> = st
-        .tensor("logits")
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    let (to_transformers, _) = max_abs_diff(&got, &r.logits);
-    let (to_mlx_lm, _) = max_abs_diff(&got, &mlx_lm);
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("jamba");
     assert!(to_transformers < 1e-3, "{to_transformers:.2e}");
     assert!(
         to_mlx_lm > 1.0,
@@ -316,11 +302,7 @@ fn the_delta_rule_carries_its_state_across_internal_chunks() {
 fn bad_state_space_checkpoints_are_refused_by_name() {
     let edit = |name: &str, key: &str, value: serde_json::Value| -> String {
         let dir = mlxcel_tests::copy_fixture(name);
-        let path = dir.path().join("config.json");
-        let mut config: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        config[key] = value;
-        std::fs::write(&path, config.to_string()).unwrap();
+        edit_config(dir.path(), |config| config[key] = value);
         let options = LoadOptions {
             skip_tokenizer: true,
             ..Default::default()
@@ -372,17 +354,15 @@ fn qwen3_5_loads_from_its_vision_language_layout() {
     use safetensors::tensor::TensorView;
     let name = "qwen3_5_moe_text";
     let dir = mlxcel_tests::copy_fixture(name);
-    let config_path = dir.path().join("config.json");
-    let text: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    let wrapped = serde_json::json!({
-        "model_type": "qwen3_5_moe",
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "tie_word_embeddings": false,
-        "text_config": text,
-        "vision_config": {"depth": 1, "hidden_size": 8},
+    edit_config(dir.path(), |config| {
+        *config = serde_json::json!({
+            "model_type": "qwen3_5_moe",
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "tie_word_embeddings": false,
+            "text_config": config.take(),
+            "vision_config": {"depth": 1, "hidden_size": 8},
+        });
     });
-    std::fs::write(&config_path, wrapped.to_string()).unwrap();
     let weights_path = dir.path().join("model.safetensors");
     let bytes = std::fs::read(&weights_path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -444,11 +424,7 @@ fn qwen3_5_loads_from_its_vision_language_layout() {
         })
         .collect();
     std::fs::write(&weights_path, safetensors::serialize(views, &None).unwrap()).unwrap();
-    let options = LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    };
-    let wrapped = load_model(dir.path(), &options).unwrap_or_else(|e| panic!("wrapped: {e}"));
+    let wrapped = load_without_tokenizer(dir.path());
     let r = reference(name);
     let got = mlxcel_tests::logits_for(&wrapped.model, &r.prompt_ids);
     let want = mlxcel_tests::logits_for(&load(name).model, &r.prompt_ids);
@@ -498,12 +474,8 @@ fn rwkv7_loads_from_mlx_lm_layout_and_refuses_bad_shapes() {
             shape.to_vec()
         }
     };
-    let options = LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    };
     let dir = rewrite(&per_head);
-    let mlx_layout = load_model(dir.path(), &options).unwrap();
+    let mlx_layout = load_without_tokenizer(dir.path());
     let r = reference("rwkv7");
     let got = mlxcel_tests::logits_for(&mlx_layout.model, &r.prompt_ids);
     let want = mlxcel_tests::logits_for(&load("rwkv7").model, &r.prompt_ids);
@@ -517,6 +489,10 @@ fn rwkv7_loads_from_mlx_lm_layout_and_refuses_bad_shapes() {
             shape.to_vec()
         }
     });
+    let options = LoadOptions {
+        skip_tokenizer: true,
+        ..Default::default()
+    };
     let err = load_model(dir.path(), &options)
         .expect_err("loaded")
         .to_string();

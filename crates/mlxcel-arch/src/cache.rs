@@ -180,6 +180,26 @@ fn rows(a: &Option<Array>) -> Result<usize> {
     })
 }
 
+/// A key or value buffer with room for more positions (axis 2): `old`'s first `keep` rows, then
+/// zero rows up to `cap`, shaped and typed like `like` but for axis 2. Caches grow by whole
+/// [`STEP`]s so that most steps write in place ([`write_rows`]).
+fn grow_rows(old: Option<&Array>, keep: usize, cap: usize, like: &Array) -> Result<Array> {
+    let mut shape = like.shape();
+    shape[2] = (cap - keep) as i32;
+    let fresh = ops::zeros(&shape, like.dtype()?)?;
+    Ok(match old {
+        Some(o) => ops::concatenate(&[o.slice_axis(2, 0, keep as i32)?, fresh], 2)?,
+        None => fresh,
+    })
+}
+
+/// `buf` with `new`'s positions (axis 2) written from row `at` on.
+fn write_rows(buf: &Array, new: &Array, at: usize) -> Result<Array> {
+    let mut stop = buf.shape();
+    stop[2] = (at + new.dim(2)? as usize) as i32;
+    Ok(buf.slice_update(new, &[0, 0, at as i32, 0], &stop, &[1, 1, 1, 1])?)
+}
+
 impl LayerCache {
     /// An empty cache that keeps every position (global attention).
     pub fn standard() -> LayerCache {
@@ -373,30 +393,12 @@ impl StandardCache {
         let l = k.dim(2)? as usize;
         let end = prev + l;
         if end > rows(&self.keys)? {
-            let shape = k.shape();
-            let cap = (end as i32 + STEP - 1) / STEP * STEP;
-            let grow = |old: &Option<Array>, new: &Array| -> Result<Array> {
-                let mut s = shape.clone();
-                s[2] = cap - prev as i32;
-                s[3] = new.dim(3)?;
-                let fresh = ops::zeros(&s, new.dtype()?)?;
-                Ok(match old {
-                    Some(o) => ops::concatenate(&[o.slice_axis(2, 0, prev as i32)?, fresh], 2)?,
-                    None => fresh,
-                })
-            };
-            self.keys = Some(grow(&self.keys, k)?);
-            self.values = Some(grow(&self.values, v)?);
+            let cap = end.div_ceil(STEP as usize) * STEP as usize;
+            self.keys = Some(grow_rows(self.keys.as_ref(), prev, cap, k)?);
+            self.values = Some(grow_rows(self.values.as_ref(), prev, cap, v)?);
         }
-        let write = |buf: &Array, new: &Array| -> Result<Array> {
-            let mut start = vec![0; 4];
-            start[2] = prev as i32;
-            let mut stop = buf.shape();
-            stop[2] = end as i32;
-            Ok(buf.slice_update(new, &start, &stop, &[1, 1, 1, 1])?)
-        };
-        let keys = write(self.keys.as_ref().expect("grown above"), k)?;
-        let values = write(self.values.as_ref().expect("grown above"), v)?;
+        let keys = write_rows(self.keys.as_ref().expect("grown above"), k, prev)?;
+        let values = write_rows(self.values.as_ref().expect("grown above"), v, prev)?;
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
         self.offset = end;
@@ -463,13 +465,16 @@ impl RotatingCache {
         if l == 1 && held == w {
             // Full ring, one token: overwrite the oldest row in place; every held row is inside
             // the window of the new query, so no mask and no ordering are needed.
-            let write = |buf: &Array, new: &Array| -> Result<Array> {
-                let mut stop = buf.shape();
-                stop[2] = self.start as i32 + 1;
-                Ok(buf.slice_update(new, &[0, 0, self.start as i32, 0], &stop, &[1, 1, 1, 1])?)
-            };
-            let keys = write(self.keys.as_ref().expect("held == window > 0"), k)?;
-            let values = write(self.values.as_ref().expect("held == window > 0"), v)?;
+            let keys = write_rows(
+                self.keys.as_ref().expect("held == window > 0"),
+                k,
+                self.start,
+            )?;
+            let values = write_rows(
+                self.values.as_ref().expect("held == window > 0"),
+                v,
+                self.start,
+            )?;
             self.start = (self.start + 1) % w;
             self.offset += 1;
             self.keys = Some(keys.clone());
@@ -751,24 +756,13 @@ impl BatchCache {
             )));
         }
         if self.len + 1 > self.keys.dim(2)? as usize {
-            let grow = |a: &Array| -> Result<Array> {
-                let mut shape = a.shape();
-                shape[2] = STEP;
-                Ok(ops::concatenate(
-                    &[a.clone(), ops::zeros(&shape, a.dtype()?)?],
-                    2,
-                )?)
-            };
-            self.keys = grow(&self.keys)?;
-            self.values = grow(&self.values)?;
+            // Full (`len` never exceeds the buffer): STEP more rows, shaped like the buffer.
+            let cap = self.len + STEP as usize;
+            self.keys = grow_rows(Some(&self.keys), self.len, cap, &self.keys)?;
+            self.values = grow_rows(Some(&self.values), self.len, cap, &self.values)?;
         }
-        let write = |buf: &Array, new: &Array, at: usize| -> Result<Array> {
-            let mut stop = buf.shape();
-            stop[2] = at as i32 + 1;
-            Ok(buf.slice_update(new, &[0, 0, at as i32, 0], &stop, &[1, 1, 1, 1])?)
-        };
-        self.keys = write(&self.keys, k, self.len)?;
-        self.values = write(&self.values, v, self.len)?;
+        self.keys = write_rows(&self.keys, k, self.len)?;
+        self.values = write_rows(&self.values, v, self.len)?;
         self.len += 1;
         for p in &mut self.positions {
             *p += 1;

@@ -53,6 +53,16 @@ fn st_dtype(d: Dtype) -> Result<&'static str> {
 }
 
 impl Synthetic {
+    /// A bfloat16 model of `config` (given its `quantization` block when `quant` is set) with no
+    /// tensors yet: how every synthetic checkpoint starts.
+    fn bf16(config: Value, quant: Option<QuantSpec>) -> Synthetic {
+        Synthetic {
+            config: with_quant(config, quant),
+            items: Vec::new(),
+            dtype: Dtype::Bfloat16,
+        }
+    }
+
     fn dense(&mut self, name: String, shape: &[i32], fill: Fill) {
         self.items.push(Item {
             name,
@@ -221,11 +231,7 @@ pub fn llama_1b(quant: Option<QuantSpec>) -> Synthetic {
         "hidden_act": "silu", "attention_bias": false, "mlp_bias": false,
         "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
     });
-    let mut m = Synthetic {
-        config: with_quant(config, quant),
-        items: Vec::new(),
-        dtype: Dtype::Bfloat16,
-    };
+    let mut m = Synthetic::bf16(config, quant);
     m.linear("model.embed_tokens".into(), &[vocab, h], quant);
     for i in 0..layers {
         let p = format!("model.layers.{i}");
@@ -261,11 +267,7 @@ pub fn qwen3_moe(quant: Option<QuantSpec>) -> Synthetic {
         "rope_scaling": null, "hidden_act": "silu", "attention_bias": false,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     });
-    let mut m = Synthetic {
-        config: with_quant(config, quant),
-        items: Vec::new(),
-        dtype: Dtype::Bfloat16,
-    };
+    let mut m = Synthetic::bf16(config, quant);
     m.linear("model.embed_tokens".into(), &[vocab, h], quant);
     for i in 0..layers {
         let p = format!("model.layers.{i}");
@@ -305,11 +307,7 @@ pub fn mamba2(quant: Option<QuantSpec>) -> Synthetic {
         "time_step_limit": [0.0, 1e30], "time_step_rank": "auto", "residual_in_fp32": true,
         "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16",
     });
-    let mut m = Synthetic {
-        config: with_quant(config, quant),
-        items: Vec::new(),
-        dtype: Dtype::Bfloat16,
-    };
+    let mut m = Synthetic::bf16(config, quant);
     m.linear("backbone.embeddings".into(), &[vocab, h], quant);
     for i in 0..layers {
         let p = format!("backbone.layers.{i}");
@@ -360,11 +358,7 @@ pub fn jamba(quant: Option<QuantSpec>) -> Synthetic {
         "vocab_size": vocab, "tie_word_embeddings": false, "max_position_embeddings": 262144,
         "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     });
-    let mut m = Synthetic {
-        config: with_quant(config, quant),
-        items: Vec::new(),
-        dtype: Dtype::Bfloat16,
-    };
+    let mut m = Synthetic::bf16(config, quant);
     m.linear("model.embed_tokens".into(), &[vocab, h], quant);
     for i in 0..layers {
         let p = format!("model.layers.{i}");
@@ -433,11 +427,7 @@ pub fn qwen3_next(quant: Option<QuantSpec>) -> Synthetic {
         "max_position_embeddings": 262144, "hidden_act": "silu",
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     });
-    let mut m = Synthetic {
-        config: with_quant(config, quant),
-        items: Vec::new(),
-        dtype: Dtype::Bfloat16,
-    };
+    let mut m = Synthetic::bf16(config, quant);
     m.linear("model.embed_tokens".into(), &[vocab, h], quant);
     for i in 0..layers {
         let p = format!("model.layers.{i}");

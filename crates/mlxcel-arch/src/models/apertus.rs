@@ -7,8 +7,8 @@ use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
-use super::transformer::{DecoderArgs, DecoderSpec, FfnSpec, QkNormSpec, Transformer};
+use super::common::{base_spec, plain_ffn, CommonArgs};
+use super::transformer::{DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::nn::{Activation, XIeluParams};
 use crate::sanitize::rename_in_layers;
 use crate::{ModelError, Result};
@@ -96,8 +96,7 @@ impl DecoderArgs for Args {
         spec.qkv_bias = self.attention_bias;
         spec.o_bias = self.attention_bias;
         spec.qk_norm = QkNormSpec::PerHead;
-        let intermediate = c.intermediate()?;
-        spec.ffn = vec![FfnSpec::Plain { intermediate }; c.num_hidden_layers];
+        spec.ffn = plain_ffn(&c)?;
         Ok(spec)
     }
 }
@@ -105,20 +104,19 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     #[test]
     fn hub_keys_transformers_ignores_are_checked() {
         let hub =
             json!({"hidden_act": "xielu", "qk_norm": true, "post_norm": false, "mlp_bias": false});
-        let args: Args = serde_json::from_value(test_config("apertus", hub)).unwrap();
-        let s = args.spec().unwrap();
+        let s = test_spec::<Args>("apertus", hub).unwrap();
         assert!(matches!(s.act, Activation::XIelu(_)));
         assert_eq!(s.qk_norm, QkNormSpec::PerHead);
-        let args: Args =
-            serde_json::from_value(test_config("apertus", json!({"post_norm": true}))).unwrap();
-        let err = args.spec().unwrap_err().to_string();
+        let err = test_spec::<Args>("apertus", json!({"post_norm": true}))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("post_norm = true"), "{err}");
     }
 }

@@ -59,12 +59,11 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     fn spec(extra: serde_json::Value) -> Result<DecoderSpec> {
-        let args: Args = serde_json::from_value(test_config("cohere2", extra)).unwrap();
-        args.spec()
+        test_spec::<Args>("cohere2", extra)
     }
 
     #[test]

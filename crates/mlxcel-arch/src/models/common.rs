@@ -114,27 +114,39 @@ impl CommonArgs {
         }
     }
 
+    /// `layer_types` as one flag per layer, true for `yes` and false for `no` (`None` without
+    /// the key): the two-kind layer patterns (sliding / full, linear / full, chunked / full). A
+    /// list of another length than the layers, or an entry of a third kind, is refused by name.
+    pub fn layer_type_flags(&self, yes: &str, no: &str) -> Result<Option<Vec<bool>>> {
+        let Some(types) = &self.layer_types else {
+            return Ok(None);
+        };
+        let n = self.num_hidden_layers;
+        if types.len() != n {
+            return Err(ModelError::Config(format!(
+                "layer_types has {} entries for {n} layers",
+                types.len()
+            )));
+        }
+        types
+            .iter()
+            .map(|t| match t.as_str() {
+                t if t == yes => Ok(true),
+                t if t == no => Ok(false),
+                other => Err(ModelError::Unsupported(format!(
+                    "layer_types entry `{other}`: this architecture has `{yes}` and `{no}` layers"
+                ))),
+            })
+            .collect::<Result<_>>()
+            .map(Some)
+    }
+
     /// Per-layer sliding windows: from `layer_types` when the config has it, else `fallback(i)`
     /// decides whether layer `i` slides (over `sliding_window`).
     pub fn windows(&self, fallback: impl Fn(usize) -> bool) -> Result<Vec<Option<usize>>> {
         let n = self.num_hidden_layers;
-        let sliding: Vec<bool> = match &self.layer_types {
-            Some(types) => {
-                if types.len() != n {
-                    return Err(ModelError::Config(format!(
-                        "layer_types has {} entries for {n} layers",
-                        types.len()
-                    )));
-                }
-                types
-                    .iter()
-                    .map(|t| match t.as_str() {
-                        "sliding_attention" => Ok(true),
-                        "full_attention" => Ok(false),
-                        other => Err(ModelError::Unsupported(format!("layer type `{other}`"))),
-                    })
-                    .collect::<Result<_>>()?
-            }
+        let sliding = match self.layer_type_flags("sliding_attention", "full_attention")? {
+            Some(sliding) => sliding,
             None => (0..n).map(fallback).collect(),
         };
         sliding
@@ -217,6 +229,35 @@ pub fn base_spec(
     })
 }
 
+/// Plain `up_proj` → activation → `down_proj` MLPs (no gate projection) of `intermediate_size`
+/// on every layer: the feed-forward of the GPT-2-era families (GPT-NeoX, GPT-J, Phi,
+/// StarCoder2) and of Apertus, in place of [`base_spec`]'s gated ones.
+pub fn plain_ffn(c: &CommonArgs) -> Result<Vec<super::transformer::FfnSpec>> {
+    let intermediate = c.intermediate()?;
+    Ok(vec![
+        super::transformer::FfnSpec::Plain { intermediate };
+        c.num_hidden_layers
+    ])
+}
+
+/// The per-layer `no_rope_layers` flags of the NoPE families (Llama 4, SmolLM3): `given` (one
+/// entry per layer; 1 = rope, 0 = no positional encoding), else transformers' default of 0 on
+/// every `interval`-th layer and 1 elsewhere. Each family reads the entries its own way.
+pub fn no_rope_flags(c: &CommonArgs, given: Option<&[u8]>, interval: usize) -> Result<Vec<u8>> {
+    let n = c.num_hidden_layers;
+    match given {
+        Some(flags) if flags.len() != n => Err(ModelError::Config(format!(
+            "no_rope_layers has {} entries for {n} layers",
+            flags.len()
+        ))),
+        Some(flags) => Ok(flags.to_vec()),
+        None if interval == 0 => Err(ModelError::Config(
+            "no_rope_layer_interval = 0: must be positive".into(),
+        )),
+        None => Ok((0..n).map(|i| u8::from((i + 1) % interval != 0)).collect()),
+    }
+}
+
 fn one() -> usize {
     1
 }
@@ -283,6 +324,20 @@ impl MoeArgs {
             None => c.intermediate(),
         }
     }
+}
+
+/// The spec of architecture `A` read from [`test_config`]`(model_type, extra)`: what the
+/// architectures' spec tests check (a config that does not parse panics; a refused one is `Err`).
+#[cfg(test)]
+pub(crate) fn test_spec<A>(
+    model_type: &str,
+    extra: serde_json::Value,
+) -> Result<super::transformer::DecoderSpec>
+where
+    A: serde::de::DeserializeOwned + super::transformer::DecoderArgs,
+{
+    let args: A = serde_json::from_value(test_config(model_type, extra)).unwrap();
+    args.spec()
 }
 
 /// A small config of `model_type` with `extra` keys merged in, sanitised as a loader would:

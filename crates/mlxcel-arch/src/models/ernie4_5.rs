@@ -54,13 +54,12 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     #[test]
     fn defaults() {
-        let args: Args = serde_json::from_value(test_config("ernie4_5", json!({}))).unwrap();
-        let s = args.spec().unwrap();
+        let s = test_spec::<Args>("ernie4_5", json!({})).unwrap();
         assert_eq!((s.head_dim, s.eps), (128, 1e-5));
         assert!(s.rope[0].as_ref().unwrap().traditional && s.tie_word_embeddings);
     }

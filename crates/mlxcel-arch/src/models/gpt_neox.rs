@@ -12,8 +12,8 @@ use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
-use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, FfnSpec, Transformer};
+use super::common::{base_spec, plain_ffn, CommonArgs};
+use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, Transformer};
 use crate::nn::NormKind;
 use crate::sanitize::rename_in_layers;
 use crate::{ModelError, Result};
@@ -166,8 +166,7 @@ impl DecoderArgs for Args {
         } else {
             BlockTopology::PreNorm
         };
-        let intermediate = c.intermediate()?;
-        spec.ffn = vec![FfnSpec::Plain { intermediate }; c.num_hidden_layers];
+        spec.ffn = plain_ffn(&c)?;
         Ok(spec)
     }
 }
@@ -175,12 +174,11 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     fn spec(extra: serde_json::Value) -> DecoderSpec {
-        let args: Args = serde_json::from_value(test_config("gpt_neox", extra)).unwrap();
-        args.spec().unwrap()
+        test_spec::<Args>("gpt_neox", extra).unwrap()
     }
 
     #[test]
@@ -198,9 +196,9 @@ mod tests {
             "rope_parameters": {"rope_type": "default", "rope_theta": 30000.0, "partial_rotary_factor": 1.0}}));
         let rope = s.rope[0].as_ref().unwrap();
         assert_eq!((rope.dims, rope.base), (16, 30000.0));
-        let args: Args =
-            serde_json::from_value(test_config("gpt_neox", json!({"rotary_pct": 2.0}))).unwrap();
-        let err = args.spec().unwrap_err().to_string();
+        let err = test_spec::<Args>("gpt_neox", json!({"rotary_pct": 2.0}))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("rotary_pct = 2: must be in (0, 1]"), "{err}");
         let s = spec(json!({"use_parallel_residual": false, "attention_bias": false}));
         assert_eq!(s.topology, BlockTopology::PreNorm);

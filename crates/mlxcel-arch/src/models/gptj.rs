@@ -10,8 +10,8 @@ use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::common::{base_spec, parse_with_aliases, CommonArgs};
-use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, FfnSpec, Transformer};
+use super::common::{base_spec, parse_with_aliases, plain_ffn, CommonArgs};
+use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, Transformer};
 use crate::nn::NormKind;
 use crate::sanitize::rename_in_layers;
 use crate::{ModelError, Result};
@@ -129,8 +129,7 @@ impl DecoderArgs for Args {
             rope.dims = rotary_dim;
             rope.traditional = true;
         }
-        let intermediate = c.intermediate()?;
-        spec.ffn = vec![FfnSpec::Plain { intermediate }; c.num_hidden_layers];
+        spec.ffn = plain_ffn(&c)?;
         Ok(spec)
     }
 }
@@ -138,6 +137,7 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::transformer::FfnSpec;
     use serde_json::json;
 
     fn spec(extra: Value) -> Result<DecoderSpec> {

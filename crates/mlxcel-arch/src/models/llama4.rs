@@ -11,7 +11,7 @@ use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
+use super::common::{base_spec, no_rope_flags, CommonArgs};
 use super::transformer::{
     DecoderArgs, DecoderSpec, FfnSpec, MoeSpec, QkNormSpec, SharedExpertSpec, Transformer,
 };
@@ -100,22 +100,14 @@ pub struct Args {
 pub type Model = Transformer<Args>;
 
 impl Args {
-    /// Per layer: whether it applies rope.
+    /// Per layer: whether it applies rope (any non-zero entry does, as in transformers).
     fn rope_layers(&self) -> Result<Vec<bool>> {
-        let n = self.common.num_hidden_layers;
-        match &self.no_rope_layers {
-            Some(flags) if flags.len() != n => Err(ModelError::Config(format!(
-                "no_rope_layers has {} entries for {n} layers",
-                flags.len()
-            ))),
-            Some(flags) => Ok(flags.iter().map(|f| *f != 0).collect()),
-            None if self.no_rope_layer_interval == 0 => Err(ModelError::Config(
-                "no_rope_layer_interval = 0: must be positive".into(),
-            )),
-            None => Ok((0..n)
-                .map(|i| (i + 1) % self.no_rope_layer_interval != 0)
-                .collect()),
-        }
+        let flags = no_rope_flags(
+            &self.common,
+            self.no_rope_layers.as_deref(),
+            self.no_rope_layer_interval,
+        )?;
+        Ok(flags.iter().map(|f| *f != 0).collect())
     }
 
     /// Per layer: the chunk of its local attention, from `layer_types` (else every rope layer).
@@ -126,24 +118,17 @@ impl Args {
             ));
         }
         let chunk = Some(self.attention_chunk_size);
-        match &self.common.layer_types {
-            Some(types) if types.len() != rope.len() => Err(ModelError::Config(format!(
-                "layer_types has {} entries for {} layers",
-                types.len(),
-                rope.len()
-            ))),
-            Some(types) => types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "chunked_attention" => Ok(chunk),
-                    "full_attention" => Ok(None),
-                    other => Err(ModelError::Unsupported(format!(
-                        "layer_types: `{other}` (Llama 4 has chunked_attention and full_attention)"
-                    ))),
-                })
-                .collect(),
-            None => Ok(rope.iter().map(|r| if *r { chunk } else { None }).collect()),
-        }
+        let chunked = match self
+            .common
+            .layer_type_flags("chunked_attention", "full_attention")?
+        {
+            Some(chunked) => chunked,
+            None => rope.to_vec(),
+        };
+        Ok(chunked
+            .iter()
+            .map(|c| if *c { chunk } else { None })
+            .collect())
     }
 
     /// Per layer: whether it is a mixture of experts.

@@ -64,17 +64,10 @@ impl Args {
     /// Per layer: whether it is lightning (linear) attention.
     fn linear_layers(&self) -> Result<Vec<bool>> {
         let n = self.mixtral.common.num_hidden_layers;
-        let layers: Vec<bool> = match (&self.mixtral.common.layer_types, &self.attn_type_list) {
-            (Some(types), _) => types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "linear_attention" => Ok(true),
-                    "full_attention" => Ok(false),
-                    other => Err(ModelError::Unsupported(format!(
-                        "layer_types: `{other}` (MiniMax has linear_attention and full_attention)"
-                    ))),
-                })
-                .collect::<Result<_>>()?,
+        let common = &self.mixtral.common;
+        let layer_types = common.layer_type_flags("linear_attention", "full_attention")?;
+        let layers: Vec<bool> = match (layer_types, &self.attn_type_list) {
+            (Some(linear), _) => linear,
             (None, Some(list)) => list.iter().map(|t| *t == 0).collect(),
             // transformers' default: layer 0 softmax, then alternating.
             (None, None) => (0..n).map(|i| (i + 1) % 2 == 0).collect(),

@@ -63,20 +63,19 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     #[test]
     fn default_pattern_scaling_on_full_layers_only_and_clip_qkv_refused() {
         let yarn = json!({"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}});
-        let args: Args = serde_json::from_value(test_config("olmo3", yarn)).unwrap();
-        let s = args.spec().unwrap();
+        let s = test_spec::<Args>("olmo3", yarn).unwrap();
         assert_eq!(s.windows, [Some(4096), Some(4096), Some(4096), None]);
         assert_eq!(s.eps, 1e-5, "OLMo's rms_norm_eps default");
-        let args: Args =
-            serde_json::from_value(test_config("olmo3", json!({"rms_norm_eps": 1e-6}))).unwrap();
         assert_eq!(
-            args.spec().unwrap().eps,
+            test_spec::<Args>("olmo3", json!({"rms_norm_eps": 1e-6}))
+                .unwrap()
+                .eps,
             1e-6,
             "a given rms_norm_eps is read"
         );
@@ -86,15 +85,16 @@ mod tests {
             .map(|r| r.as_ref().unwrap().scaling.is_some())
             .collect();
         assert_eq!(scaled, [false, false, false, true]);
-        let args: Args =
-            serde_json::from_value(test_config("olmo3", json!({"clip_qkv": 8.0}))).unwrap();
-        let err = args.spec().unwrap_err().to_string();
+        let err = test_spec::<Args>("olmo3", json!({"clip_qkv": 8.0}))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("clip_qkv = 8"), "{err}");
         let scaled_sliding = json!({"rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 1e4},
             "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}});
-        let args: Args = serde_json::from_value(test_config("olmo3", scaled_sliding)).unwrap();
-        let err = args.spec().unwrap_err().to_string();
+        let err = test_spec::<Args>("olmo3", scaled_sliding)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("rope_parameters.sliding_attention.rope_type `linear`"),
             "{err}"

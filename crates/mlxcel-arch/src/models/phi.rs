@@ -8,10 +8,8 @@ use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
-use super::transformer::{
-    BlockTopology, DecoderArgs, DecoderSpec, FfnSpec, QkNormSpec, Transformer,
-};
+use super::common::{base_spec, plain_ffn, CommonArgs};
+use super::transformer::{BlockTopology, DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
 use crate::nn::NormKind;
 use crate::sanitize::rename_in_layers;
 use crate::Result;
@@ -85,8 +83,7 @@ impl DecoderArgs for Args {
         if self.qk_layernorm {
             spec.qk_norm = QkNormSpec::PerHead;
         }
-        let intermediate = c.intermediate()?;
-        spec.ffn = vec![FfnSpec::Plain { intermediate }; c.num_hidden_layers];
+        spec.ffn = plain_ffn(&c)?;
         Ok(spec)
     }
 }
@@ -94,12 +91,11 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     fn spec(extra: serde_json::Value) -> DecoderSpec {
-        let args: Args = serde_json::from_value(test_config("phi", extra)).unwrap();
-        args.spec().unwrap()
+        test_spec::<Args>("phi", extra).unwrap()
     }
 
     #[test]

@@ -79,25 +79,8 @@ impl LinearAttentionArgs {
     /// (`linear_attention`)? From `layer_types` when present, else `full_attention_interval`.
     pub(crate) fn attends(&self, common: &CommonArgs) -> Result<Vec<bool>> {
         let n = common.num_hidden_layers;
-        match &common.layer_types {
-            Some(types) => {
-                if types.len() != n {
-                    return Err(ModelError::Config(format!(
-                        "layer_types has {} entries for {n} layers",
-                        types.len()
-                    )));
-                }
-                types
-                    .iter()
-                    .map(|t| match t.as_str() {
-                        "full_attention" => Ok(true),
-                        "linear_attention" => Ok(false),
-                        other => Err(ModelError::Unsupported(format!(
-                            "layer_types entry `{other}` (gated-DeltaNet hybrids have `linear_attention` and `full_attention` layers)"
-                        ))),
-                    })
-                    .collect()
-            }
+        match common.layer_type_flags("full_attention", "linear_attention")? {
+            Some(attends) => Ok(attends),
             None => {
                 let every = self.full_attention_interval;
                 if every == 0 {

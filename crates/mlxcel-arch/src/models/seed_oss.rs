@@ -54,13 +54,12 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     #[test]
     fn head_dim_and_bias_defaults() {
-        let args: Args = serde_json::from_value(test_config("seed_oss", json!({}))).unwrap();
-        let s = args.spec().unwrap();
+        let s = test_spec::<Args>("seed_oss", json!({})).unwrap();
         assert_eq!(s.head_dim, 128, "transformers' default, not hidden / heads");
         assert!(s.qkv_bias && !s.o_bias && !s.mlp_bias);
     }

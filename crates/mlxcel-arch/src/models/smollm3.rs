@@ -4,7 +4,7 @@
 
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
+use super::common::{base_spec, no_rope_flags, CommonArgs};
 use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::{ModelError, Result};
 
@@ -42,31 +42,22 @@ pub struct Args {
 pub type Model = Transformer<Args>;
 
 impl Args {
-    /// Per layer: whether it applies rope.
+    /// Per layer: whether it applies rope (entries other than 0 and 1 are refused).
     fn rope_layers(&self) -> Result<Vec<bool>> {
-        let n = self.common.num_hidden_layers;
-        match &self.no_rope_layers {
-            Some(flags) if flags.len() != n => Err(ModelError::Config(format!(
-                "no_rope_layers has {} entries for {n} layers",
-                flags.len()
+        no_rope_flags(
+            &self.common,
+            self.no_rope_layers.as_deref(),
+            self.no_rope_layer_interval,
+        )?
+        .into_iter()
+        .map(|f| match f {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(ModelError::Config(format!(
+                "no_rope_layers entry {other}: expected 0 (NoPE) or 1 (rope)"
             ))),
-            Some(flags) => flags
-                .iter()
-                .map(|&f| match f {
-                    0 => Ok(false),
-                    1 => Ok(true),
-                    other => Err(ModelError::Config(format!(
-                        "no_rope_layers entry {other}: expected 0 (NoPE) or 1 (rope)"
-                    ))),
-                })
-                .collect(),
-            None if self.no_rope_layer_interval == 0 => Err(ModelError::Config(
-                "no_rope_layer_interval = 0: expected a positive interval".into(),
-            )),
-            None => Ok((0..n)
-                .map(|i| (i + 1) % self.no_rope_layer_interval != 0)
-                .collect()),
-        }
+        })
+        .collect()
     }
 }
 
@@ -95,12 +86,11 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     fn spec(extra: serde_json::Value) -> Result<DecoderSpec> {
-        let args: Args = serde_json::from_value(test_config("smollm3", extra)).unwrap();
-        args.spec()
+        test_spec::<Args>("smollm3", extra)
     }
 
     #[test]
@@ -128,5 +118,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("no_rope_layers entry 2"), "{err}");
+        let err = spec(json!({"no_rope_layer_interval": 0}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no_rope_layer_interval = 0: must be positive"),
+            "{err}"
+        );
     }
 }

@@ -105,13 +105,12 @@ impl DecoderArgs for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::common::test_config;
+    use crate::models::common::test_spec;
     use serde_json::json;
 
     #[test]
     fn defaults_and_parallel_residual() {
-        let args: Args = serde_json::from_value(test_config("stablelm", json!({}))).unwrap();
-        let s = args.spec().unwrap();
+        let s = test_spec::<Args>("stablelm", json!({})).unwrap();
         assert_eq!(
             s.rope[0].as_ref().unwrap().dims,
             4,
@@ -119,12 +118,11 @@ mod tests {
         );
         assert_eq!(s.topology, BlockTopology::PreNorm);
         assert_eq!((s.qkv_bias, s.qk_norm), (false, QkNormSpec::None));
-        let args: Args = serde_json::from_value(test_config(
+        let s = test_spec::<Args>(
             "stablelm",
             json!({"use_parallel_residual": true, "qk_layernorm": true, "use_qkv_bias": true}),
-        ))
+        )
         .unwrap();
-        let s = args.spec().unwrap();
         assert_eq!(s.topology, BlockTopology::Parallel);
         assert_eq!((s.qkv_bias, s.qk_norm), (true, QkNormSpec::PerHeadWeights));
     }

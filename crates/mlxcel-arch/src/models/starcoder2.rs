@@ -6,8 +6,8 @@ use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
-use super::common::{base_spec, CommonArgs};
-use super::transformer::{DecoderArgs, DecoderSpec, FfnSpec, Transformer};
+use super::common::{base_spec, plain_ffn, CommonArgs};
+use super::transformer::{DecoderArgs, DecoderSpec, Transformer};
 use crate::nn::NormKind;
 use crate::sanitize::rename_in_layers;
 use crate::Result;
@@ -54,8 +54,7 @@ impl DecoderArgs for Args {
         spec.qkv_bias = self.use_bias;
         spec.o_bias = self.use_bias;
         spec.mlp_bias = self.use_bias;
-        let intermediate = c.intermediate()?;
-        spec.ffn = vec![FfnSpec::Plain { intermediate }; c.num_hidden_layers];
+        spec.ffn = plain_ffn(c)?;
         spec.windows = c.windows(|_| c.sliding_window.is_some())?;
         Ok(spec)
     }
