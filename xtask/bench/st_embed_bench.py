@@ -27,6 +27,7 @@ def main():
     ap.add_argument("file")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--compare")
+    ap.add_argument("--device", default="cpu", help="torch device (cuda on the GPU machine)")
     a = ap.parse_args()
     import numpy as np
     import torch
@@ -35,7 +36,7 @@ def main():
     with open(a.file, encoding="utf8") as f:
         texts = [line.rstrip("\n") for line in f if line.strip()]
     t0 = time.perf_counter()
-    st = SentenceTransformer(a.model, device="cpu", local_files_only=True)
+    st = SentenceTransformer(a.model, device=a.device, local_files_only=True)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     emb = st.encode(texts, batch_size=a.batch_size, convert_to_numpy=True)
