@@ -262,6 +262,7 @@ impl ModelState {
         let model: &dyn LanguageModel = &self.loaded.model;
         let stepped = step_batch(model, &mut states, &tokens);
         let rows = group.into_iter().map(|(r, s)| (r, Some(s))).collect();
+        // Rows with their own state go back to the queue or end inside.
         self.advance_rows(rows, stepped, None);
     }
 
@@ -296,18 +297,15 @@ impl ModelState {
         let model: &dyn LanguageModel = &self.loaded.model;
         let stepped = batch.decode.step(model, &tokens);
         let Batch { rows, decode, mix } = batch;
-        let histories: Vec<Vec<u32>> = (0..decode.len())
-            .map(|i| decode.tokens(i).to_vec())
-            .collect();
         let rows: Vec<(Running, Option<SessionState>)> =
             rows.into_iter().map(|r| (r, None)).collect();
-        let kept = self.advance_rows(rows, stepped, Some(&histories));
+        let (kept, finished) = self.advance_rows(rows, stepped, Some(&decode));
         // Everyone went on: the batch stays as it is, unless other adapter mixes wait for a
         // turn.
         let others_wait = self.running.iter().any(|(r, _)| r.mix != mix);
         if kept.len() == decode.len() && !others_wait {
             self.batch = Some(Batch {
-                rows: kept.into_iter().map(|(r, _)| r).collect(),
+                rows: kept.into_iter().map(|(_, r)| r).collect(),
                 decode,
                 mix,
             });
@@ -315,7 +313,6 @@ impl ModelState {
         }
         // Someone left: every conversation takes its own caches back (the batch is re-formed
         // at the next step), the finished ones park theirs.
-        let finished = std::mem::take(&mut self.leaving);
         match decode.into_states() {
             Ok(states) => {
                 let mut states: Vec<Option<SessionState>> = states.into_iter().map(Some).collect();
@@ -327,7 +324,7 @@ impl ModelState {
                 }
                 let rest: Vec<_> = kept
                     .into_iter()
-                    .filter_map(|(r, i)| states[i].take().map(|s| (r, s)))
+                    .filter_map(|(i, r)| states[i].take().map(|s| (r, s)))
                     .collect();
                 if others_wait {
                     self.running.extend(rest);
@@ -343,7 +340,7 @@ impl ModelState {
                         e.to_string(),
                     ))));
                 }
-                for (r, _) in kept {
+                for (_, r) in kept {
                     r.feed.push(Event::Failed(Error::Model(ModelError::Runtime(
                         e.to_string(),
                     ))));
@@ -380,9 +377,8 @@ impl ModelState {
         let (rows, states): (Vec<Running>, Vec<SessionState>) = members.into_iter().unzip();
         match DecodeBatch::new(&self.loaded.model, states) {
             Ok(decode) => self.batch = Some(Batch { rows, decode, mix }),
-            Err((e, states)) => {
+            Err((_, states)) => {
                 // Not batchable after all (it should be, by `batched_decode`): one at a time.
-                let _ = e;
                 for row in rows.into_iter().zip(states).rev() {
                     self.running.push_front(row);
                 }
@@ -392,15 +388,15 @@ impl ModelState {
     }
 
     /// Takes each row's next token from its logits row and passes it on. Rows stepped on
-    /// their own (`Some` state) go back to the queue or end here; batch rows (`None`) that
-    /// ended go to `self.leaving` with their index, and the ones that go on are returned
-    /// with theirs.
+    /// their own (`Some` state) go back to the queue or end here. Batch rows (`None`, their
+    /// tokens in `batch`) come back with their index in it: those that go on, and those that
+    /// ended (their caches are still in the batch).
     fn advance_rows(
         &mut self,
         rows: Vec<(Running, Option<SessionState>)>,
         stepped: mlxcel_arch::Result<mlxcel_core::Array>,
-        histories: Option<&[Vec<u32>]>,
-    ) -> Vec<(Running, usize)> {
+        batch: Option<&DecodeBatch>,
+    ) -> (IndexedRows, IndexedRows) {
         let any_device_greedy = rows.iter().any(|(r, _)| r.device_greedy());
         let picked = stepped.and_then(|logits| {
             // Greedy rows without hooks pick on the device, in one read for the batch.
@@ -424,16 +420,16 @@ impl ModelState {
                         message.clone(),
                     ))));
                 }
-                return Vec::new();
+                return (Vec::new(), Vec::new());
             }
         };
         let tokenizer = self.tokenizer.clone();
         let tokenizer = tokenizer.as_deref();
-        let mut kept = Vec::new();
+        let (mut kept, mut ended) = (Vec::new(), Vec::new());
         for (i, (mut r, state)) in rows.into_iter().enumerate() {
-            let history: &[u32] = match (&state, histories) {
+            let history: &[u32] = match (&state, batch) {
                 (Some(s), _) => s.tokens(),
-                (None, Some(h)) => &h[i],
+                (None, Some(b)) => b.tokens(i),
                 (None, None) => &[],
             };
             let row = logits
@@ -463,14 +459,17 @@ impl ModelState {
             match (advanced, state) {
                 (Ok(true), Some(s)) => self.running.push_back((r, s)),
                 (Ok(false), Some(s)) => r.end(s, &mut self.sessions, tokenizer),
-                (Ok(true), None) => kept.push((r, i)),
-                (Ok(false), None) => self.leaving.push((i, r)),
+                (Ok(true), None) => kept.push((i, r)),
+                (Ok(false), None) => ended.push((i, r)),
                 (Err(e), _) => r.feed.push(Event::Failed(e)),
             }
         }
-        kept
+        (kept, ended)
     }
 }
+
+/// Batch rows with their index in the batch.
+type IndexedRows = Vec<(usize, Running)>;
 
 /// Generations decoded together, and their merged caches.
 pub(crate) struct Batch {

@@ -412,7 +412,6 @@ impl ModelBuilder {
                 tokenizer: None,
                 running: VecDeque::new(),
                 batch: None,
-                leaving: Vec::new(),
                 batching: BatchStats::default(),
             };
             state.tokenizer = state.loaded.tokenizer.take().map(Arc::new);
@@ -464,8 +463,6 @@ struct ModelState {
     running: VecDeque<(batch::Running, SessionState)>,
     /// The generations decoded together.
     batch: Option<batch::Batch>,
-    /// Batch rows that ended in the last step, with their index in it.
-    leaving: Vec<(usize, batch::Running)>,
     batching: BatchStats,
     /// The mix of requests that name none.
     default_adapters: AdapterMix,
