@@ -297,19 +297,20 @@ pub(crate) fn forced_call(
     only: Option<&str>,
     format: Option<ToolCallFormat>,
 ) -> Result<Shape, ApiError> {
-    let format = format.unwrap_or(ToolCallFormat::Hermes);
-    if format == ToolCallFormat::Harmony {
-        // The function's name sits in harmony's header, between special tokens, which the
-        // JSON grammar's token mask does not produce.
-        return Err(ApiError::invalid(
-            "tool_choice",
-            "forcing a tool call is not supported for harmony-format (gpt-oss) models: use \
-             tool_choice \"auto\"",
-        ));
-    }
-    let arguments_key = match format {
-        ToolCallFormat::Llama3Json => "parameters",
-        ToolCallFormat::Hermes | ToolCallFormat::Mistral | ToolCallFormat::Harmony => "arguments",
+    // Per format: the key of the arguments, and the text around the JSON body.
+    let (arguments_key, prefix, suffix) = match format.unwrap_or(ToolCallFormat::Hermes) {
+        ToolCallFormat::Hermes => ("arguments", format!("{OPEN}\n"), format!("\n{CLOSE}")),
+        ToolCallFormat::Llama3Json => ("parameters", String::new(), String::new()),
+        ToolCallFormat::Mistral => ("arguments", format!("{MISTRAL}["), "]".to_string()),
+        ToolCallFormat::Harmony => {
+            // The function's name sits in harmony's header, between special tokens, which the
+            // JSON grammar's token mask does not produce.
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "forcing a tool call is not supported for harmony-format (gpt-oss) models: use \
+                 tool_choice \"auto\"",
+            ));
+        }
     };
     let mut options = Vec::new();
     for (i, tool) in tools.iter().enumerate() {
@@ -344,13 +345,6 @@ pub(crate) fn forced_call(
             format!("the tools' schemas cannot be combined: {}", e.message),
         )
     })?;
-    let (prefix, suffix) = match format {
-        ToolCallFormat::Hermes => (format!("{OPEN}\n"), format!("\n{CLOSE}")),
-        ToolCallFormat::Llama3Json => (String::new(), String::new()),
-        ToolCallFormat::Mistral | ToolCallFormat::Harmony => {
-            (format!("{MISTRAL}["), "]".to_string())
-        }
-    };
     Ok(Shape {
         grammar: std::sync::Arc::new(grammar),
         prefix: prefix.into_bytes(),
