@@ -262,3 +262,20 @@ pub fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
     edit(&mut config);
     write_config(dir, &config);
 }
+
+/// The real SmolLM2-135M-Instruct 4-bit folder that `cargo xtask fetch-models` writes, or
+/// `None` after printing a `skip:` line when it has not been fetched (tests on it then pass
+/// without running).
+pub fn fetched_smollm2() -> Option<PathBuf> {
+    let folder = mlxcel_core::cache_dir()
+        .unwrap_or_default()
+        .join("models/SmolLM2-135M-Instruct-4bit");
+    if folder.join("config.json").is_file() {
+        return Some(folder);
+    }
+    println!(
+        "skip: {} missing (run `cargo xtask fetch-models`)",
+        folder.display()
+    );
+    None
+}

@@ -5,13 +5,6 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-fn smollm2() -> Option<PathBuf> {
-    let dir = mlxcel_core::cache_dir()?
-        .join("models")
-        .join("SmolLM2-135M-Instruct-4bit");
-    dir.join("config.json").is_file().then_some(dir)
-}
-
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     // target/<profile>/deps/examples-<hash> → target/<profile>/examples/<name>
@@ -39,8 +32,7 @@ fn run(name: &str, model: &PathBuf) -> String {
 
 #[test]
 fn every_example_runs() {
-    let Some(model) = smollm2() else {
-        eprintln!("skip: SmolLM2 not fetched (cargo xtask fetch-models)");
+    let Some(model) = mlxcel_tests::fetched_smollm2() else {
         return;
     };
     let chat = run("chat", &model);

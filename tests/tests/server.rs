@@ -380,16 +380,9 @@ fn api_key_and_body_limit() {
 
 #[test]
 fn smollm2_over_http() {
-    let folder = mlxcel_core::cache_dir()
-        .unwrap_or_default()
-        .join("models/SmolLM2-135M-Instruct-4bit");
-    if !folder.join("config.json").is_file() {
-        println!(
-            "skip: {} missing (run `cargo xtask fetch-models`)",
-            folder.display()
-        );
+    let Some(folder) = mlxcel_tests::fetched_smollm2() else {
         return;
-    }
+    };
     let model = Model::load(&folder).build().expect("SmolLM2 loads");
     let server = start(&model, ServerConfig::default());
     check_chat(&model, server.addr(), 24);
@@ -487,16 +480,9 @@ fn gauge(addr: SocketAddr, name: &str) -> f64 {
 
 #[test]
 fn smollm2_queue_full_and_disconnect_cancels() {
-    let folder = mlxcel_core::cache_dir()
-        .unwrap_or_default()
-        .join("models/SmolLM2-135M-Instruct-4bit");
-    if !folder.join("config.json").is_file() {
-        println!(
-            "skip: {} missing (run `cargo xtask fetch-models`)",
-            folder.display()
-        );
+    let Some(folder) = mlxcel_tests::fetched_smollm2() else {
         return;
-    }
+    };
     let model = Model::load(&folder).build().expect("SmolLM2 loads");
     let server = start(
         &model,
@@ -1347,16 +1333,9 @@ fn check_forced_tool_calls(model: &Model) {
 /// itself rather than by the budget.
 #[test]
 fn smollm2_json_schema_output() {
-    let folder = mlxcel_core::cache_dir()
-        .unwrap_or_default()
-        .join("models/SmolLM2-135M-Instruct-4bit");
-    if !folder.join("config.json").is_file() {
-        println!(
-            "skip: {} missing (run `cargo xtask fetch-models`)",
-            folder.display()
-        );
+    let Some(folder) = mlxcel_tests::fetched_smollm2() else {
         return;
-    }
+    };
     let model = Model::load(&folder).build().expect("SmolLM2 loads");
     let server = start(&model, ServerConfig::default());
     let t = std::time::Instant::now();

@@ -14,15 +14,7 @@ use mlxcel_tests::fixtures_dir;
 use serde_json::Value;
 
 fn smollm2() -> Option<Loaded> {
-    let cache = mlxcel_core::cache_dir().unwrap_or_default();
-    let folder = cache.join("models/SmolLM2-135M-Instruct-4bit");
-    if !folder.join("config.json").is_file() {
-        println!(
-            "skip: {} missing (run `cargo xtask fetch-models`)",
-            folder.display()
-        );
-        return None;
-    }
+    let folder = mlxcel_tests::fetched_smollm2()?;
     Some(load_model(&folder, &LoadOptions::default()).unwrap())
 }
 
