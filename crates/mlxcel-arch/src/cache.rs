@@ -654,6 +654,62 @@ pub struct BatchCache {
     positions: Vec<usize>,
     /// The ring width of a sliding-window layer's caches.
     ring: Option<usize>,
+    /// Shared by the layers of one batch (see [`BatchCache::share_step_inputs`]).
+    step_inputs: StepInputs,
+}
+
+/// The row positions and padding masks of a decode batch's current step. Every layer derives
+/// the same ones from the same pads and length, so the layers of one batch share them: one
+/// host-built array per step instead of one per layer, which on a GPU is one upload instead of
+/// dozens.
+/// A cloned cache gets a set of its own (a clone may go on with other rows or steps).
+#[derive(Default)]
+struct StepInputs(std::sync::Arc<std::sync::Mutex<StepArrays>>);
+
+impl Clone for StepInputs {
+    fn clone(&self) -> StepInputs {
+        StepInputs::default()
+    }
+}
+
+impl std::fmt::Debug for StepInputs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepInputs")
+    }
+}
+
+#[derive(Default)]
+struct StepArrays {
+    /// The batch length these arrays were built for (a new step starts a new set).
+    len: usize,
+    positions: Option<Array>,
+    /// Padding masks by the first visible column.
+    masks: Vec<(usize, Array)>,
+}
+
+impl StepInputs {
+    /// The array cached for step `len` under `pick`, else `build`'s, cached.
+    fn get_or_build(
+        &self,
+        len: usize,
+        pick: impl Fn(&mut StepArrays) -> Option<&mut Array>,
+        store: impl FnOnce(&mut StepArrays, Array),
+        build: impl FnOnce() -> Result<Array>,
+    ) -> Result<Array> {
+        let mut arrays = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if arrays.len != len {
+            *arrays = StepArrays {
+                len,
+                ..StepArrays::default()
+            };
+        }
+        if let Some(a) = pick(&mut arrays) {
+            return Ok(a.clone());
+        }
+        let a = build()?;
+        store(&mut arrays, a.clone());
+        Ok(a)
+    }
 }
 
 /// A cache's held keys and values in temporal order `[1, H, S, D]`, the positions processed,
@@ -726,7 +782,20 @@ impl BatchCache {
             len,
             positions: held.iter().map(|h| h.2).collect(),
             ring,
+            step_inputs: StepInputs::default(),
         })
+    }
+
+    /// Makes every layer of `caches` (one batch's, all [`LayerCache::Batch`]) share one set of
+    /// per-step positions and masks: they are equal across layers, so each step builds them
+    /// once.
+    pub fn share_step_inputs(caches: &mut [LayerCache]) {
+        let shared = StepInputs::default();
+        for c in caches {
+            if let LayerCache::Batch(b) = c {
+                b.step_inputs = StepInputs(shared.0.clone());
+            }
+        }
     }
 
     /// Rows in the batch.
@@ -736,8 +805,16 @@ impl BatchCache {
 
     /// Each row's next position `[B]` (int32), for the rotary embedding.
     pub fn positions(&self) -> Result<Array> {
-        let p: Vec<i32> = self.positions.iter().map(|p| *p as i32).collect();
-        Ok(Array::from_slice(&p, &[p.len() as i32])?)
+        // Before this layer's update (rope comes first), so the step is `len + 1`.
+        self.step_inputs.get_or_build(
+            self.len + 1,
+            |a| a.positions.as_mut(),
+            |a, p| a.positions = Some(p),
+            || {
+                let p: Vec<i32> = self.positions.iter().map(|p| *p as i32).collect();
+                Ok(Array::from_slice(&p, &[p.len() as i32])?)
+            },
+        )
     }
 
     /// Appends one position per row (`k` `[B, H, 1, D]`); returns the keys and values a query
@@ -777,13 +854,27 @@ impl BatchCache {
         if self.pads.iter().all(|p| *p <= first) {
             return Ok((keys, values, Mask::None));
         }
-        let width = self.len - first;
-        let keep: Vec<bool> = self
-            .pads
-            .iter()
-            .flat_map(|pad| (first..self.len).map(move |col| col >= *pad))
-            .collect();
-        let mask = Array::from_slice(&keep, &[self.rows() as i32, 1, 1, width as i32])?;
+        let (len, rows, pads) = (self.len, self.rows(), &self.pads);
+        let mask = self.step_inputs.get_or_build(
+            len,
+            |a| {
+                a.masks
+                    .iter_mut()
+                    .find(|(f, _)| *f == first)
+                    .map(|(_, m)| m)
+            },
+            |a, m| a.masks.push((first, m)),
+            || {
+                let keep: Vec<bool> = pads
+                    .iter()
+                    .flat_map(|pad| (first..len).map(move |col| col >= *pad))
+                    .collect();
+                Ok(Array::from_slice(
+                    &keep,
+                    &[rows as i32, 1, 1, (len - first) as i32],
+                )?)
+            },
+        )?;
         Ok((keys, values, Mask::Array(mask)))
     }
 

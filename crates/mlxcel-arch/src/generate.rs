@@ -244,7 +244,8 @@ impl DecodeBatch {
                 .collect::<Result<Vec<_>>>()
         })();
         match merged {
-            Ok(caches) => {
+            Ok(mut caches) => {
+                crate::cache::BatchCache::share_step_inputs(&mut caches);
                 let mut states = states;
                 // The merged caches hold the rows now; the states get them back on the split.
                 for s in &mut states {

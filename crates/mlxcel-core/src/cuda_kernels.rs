@@ -108,6 +108,8 @@ enum KernelId {
         bits: i32,
         dtype: Dtype,
         shape: (i32, i32),
+        /// Activation rows per block (`MB` of qmv.cu).
+        rows_per_block: i32,
         fold: GemvFold,
     },
 }
@@ -129,8 +131,9 @@ impl KernelId {
                 bits,
                 dtype,
                 shape,
+                rows_per_block,
                 fold,
-            } => qmv_entry(bits, dtype, shape, fold),
+            } => qmv_entry(bits, dtype, shape, rows_per_block, fold),
         }
     }
 }
@@ -152,12 +155,12 @@ fn dequant_entry(bits: i32, dtype: Dtype) -> Entry {
     }
 }
 
-fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), fold: GemvFold) -> Entry {
+fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), mb: i32, fold: GemvFold) -> Entry {
     let (t, threads) = (type_name(dtype), nw * 32);
     let GemvFold { pre, residual } = fold;
     let res = i32::from(residual);
     let name = format!(
-        "mlxcel_qmv_b{bits}_{}_{nw}x{rpw}{}{}",
+        "mlxcel_qmv_b{bits}_{}_{nw}x{rpw}_m{mb}{}{}",
         dtype.name(),
         ["", "_rmsnorm", "_silugate"][pre as usize],
         if residual { "_residual" } else { "" }
@@ -180,9 +183,9 @@ fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), fold: GemvFold) -> 
     let wrapper = format!(
         "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const uint32_t* w, \
          const {t}* scales, const {t}* biases, const {t}* x, {aux}{res_arg}{t}* out, \
-         int n_rows, int words_per_row, int groups_per_row{eps_arg}) {{ \
-         qmv<{bits}, {nw}, {rpw}, 1, {fast}, {pre}, {res}, {t}>(w, scales, biases, x, {}, {}, \
-         out, n_rows, words_per_row, groups_per_row, {}); }}\n",
+         int n_rows, int words_per_row, int groups_per_row, int m_rows{eps_arg}) {{ \
+         qmv<{bits}, {nw}, {rpw}, {mb}, 1, {fast}, {pre}, {res}, {t}>(w, scales, biases, x, {}, \
+         {}, out, n_rows, words_per_row, groups_per_row, m_rows, {}); }}\n",
         if pre == 1 { "aux" } else { "nullptr" },
         if residual { "res" } else { "nullptr" },
         if pre == 1 {
@@ -208,7 +211,14 @@ pub fn module_source() -> String {
             for pre in 0..3 {
                 for residual in [false, true] {
                     let fold = GemvFold { pre, residual };
-                    src += &qmv_entry(bits, dtype, gemv_launch_shape(pre), fold).wrapper;
+                    let shape = gemv_launch_shape(pre);
+                    let mut blocks: Vec<i32> = (1..=crate::cuda_kernels::QMV_MAX_ROWS as i32)
+                        .map(|rows| activation_rows_per_block(rows, shape.1))
+                        .collect();
+                    blocks.dedup();
+                    for mb in blocks {
+                        src += &qmv_entry(bits, dtype, shape, mb, fold).wrapper;
+                    }
                 }
             }
         }
@@ -527,8 +537,9 @@ pub fn gemv_shaped(
     let mut shape = x.shape();
     *shape.last_mut().expect("x has a last dimension") = n;
     let blocks = (n + rpw - 1) / rpw;
+    let mb = activation_rows_per_block(rows, rpw);
     let mut inputs = vec![weight.clone(), scales.clone(), biases.clone(), x.clone()];
-    let mut scalars = vec![n, words, groups];
+    let mut scalars = vec![n, words, groups, rows];
     if let GemvInput::RmsNorm { weight: w, eps } = input {
         inputs.push(w.clone());
         scalars.push(eps.to_bits() as i32);
@@ -543,15 +554,25 @@ pub fn gemv_shaped(
             bits: spec.bits,
             dtype,
             shape: (nw, rpw),
+            rows_per_block: mb,
             fold,
         },
         &inputs,
         shape,
         dtype,
         &scalars,
-        [blocks * nw * 32, rows, 1],
+        [blocks * nw * 32, (rows + mb - 1) / mb, 1],
         [nw * 32, 1, 1],
     )
+}
+
+/// How many of `rows` activation rows one GEMV block multiplies (`MB` of qmv.cu): each block
+/// reads its weight rows once for all of them, so a decode batch of 8 streams the matrix once
+/// rather than 8 times. A power of two (few compiled variants), at most 8, and at most 32
+/// accumulators per thread (`MB * RPW`) so the wide folded shapes do not spill registers.
+fn activation_rows_per_block(rows: i32, rpw: i32) -> i32 {
+    let cap = (32 / rpw.max(1)).clamp(1, 8);
+    (rows.max(1) as u32).next_power_of_two().min(cap as u32) as i32
 }
 
 #[cfg(test)]
@@ -595,8 +616,10 @@ mod tests {
         let image = bridge::cuda_compile(&source, "mlxcel_all", 90).expect("the module compiles");
         assert!(image.starts_with(b"\x7fELF"), "a cubin is an ELF image");
         for name in [
-            "mlxcel_qmv_b4_bfloat16_4x8_rmsnorm",
-            "mlxcel_qmv_b8_float32_16x16_silugate_residual",
+            "mlxcel_qmv_b4_bfloat16_4x8_m1_rmsnorm",
+            "mlxcel_qmv_b4_bfloat16_4x8_m4_rmsnorm",
+            "mlxcel_qmv_b4_bfloat16_4x4_m8",
+            "mlxcel_qmv_b8_float32_16x16_m2_silugate_residual",
             "mlxcel_gather_2",
         ] {
             assert!(source.contains(name), "{name} missing from the module");
