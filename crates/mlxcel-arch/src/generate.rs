@@ -287,6 +287,34 @@ impl DecodeBatch {
         Ok(logits)
     }
 
+    /// Feeds each conversation the token the device is still computing for it (`ids`, `[B]`
+    /// int32, e.g. the argmax of the previous step's logits) and returns the next logits
+    /// `[B, vocab]` without waiting: the caller queues this step before reading `ids`, so
+    /// building the graph overlaps the device's work. Call [`DecodeBatch::record`] with the
+    /// values once read. On an error the caches may be partly extended: discard the batch.
+    pub fn step_pending(&mut self, model: &dyn LanguageModel, ids: &Array) -> Result<Array> {
+        let rows = self.states.len() as i32;
+        if ids.size() != self.states.len() {
+            return Err(ModelError::Runtime(format!(
+                "a batched step needs one token per conversation ({} tokens for {rows} \
+                 conversations)",
+                ids.size()
+            )));
+        }
+        let input = ids.reshape(&[rows, 1])?;
+        Ok(model
+            .forward_last(&input, &mut self.caches)?
+            .reshape(&[rows, -1])?)
+    }
+
+    /// Records the values of the tokens fed by [`DecodeBatch::step_pending`], one per
+    /// conversation.
+    pub fn record(&mut self, tokens: &[u32]) {
+        for (s, t) in self.states.iter_mut().zip(tokens) {
+            s.tokens.push(*t);
+        }
+    }
+
     /// The conversations with their own caches again, in batch order.
     pub fn into_states(self) -> Result<Vec<SessionState>> {
         let DecodeBatch { mut states, caches } = self;
