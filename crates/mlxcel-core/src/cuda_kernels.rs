@@ -52,6 +52,10 @@ const DEFAULT_QMV_SHAPE: (i32, i32) = crate::policy::DEFAULT_QMV_SHAPE.pair();
 /// and 31.6 for the plain GEMV; silu-gate in + residual out on its down projection
 /// (4096x14336): 22.8 us at 16x16 against 16.9 plain (and 29 at 4x8).
 const RMSNORM_FOLDED_SHAPE: (i32, i32) = (4, 8);
+/// The launch shape of GEMVs over several activation rows (decode batches): two output rows
+/// per block keep the per-thread accumulators (`MB * RPW` of them) few while each block
+/// multiplies up to 8 activation rows per weight read.
+const BATCH_QMV_SHAPE: (i32, i32) = (4, 2);
 const GATED_FOLDED_SHAPE: (i32, i32) = (16, 16);
 const BITS: [i32; 2] = [4, 8];
 const DTYPES: [Dtype; 3] = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
@@ -211,13 +215,12 @@ pub fn module_source() -> String {
             for pre in 0..3 {
                 for residual in [false, true] {
                     let fold = GemvFold { pre, residual };
-                    let shape = gemv_launch_shape(pre);
-                    let mut blocks: Vec<i32> = (1..=crate::cuda_kernels::QMV_MAX_ROWS as i32)
-                        .map(|rows| activation_rows_per_block(rows, shape.1))
-                        .collect();
-                    blocks.dedup();
-                    for mb in blocks {
-                        src += &qmv_entry(bits, dtype, shape, mb, fold).wrapper;
+                    src += &qmv_entry(bits, dtype, gemv_launch_shape(pre), 1, fold).wrapper;
+                    // Shared-row blocks (`MLXCEL_CUDA_QMV_ROWS`), which never fold an RMSNorm.
+                    if pre != 1 {
+                        for mb in [2, 4, 8] {
+                            src += &qmv_entry(bits, dtype, BATCH_QMV_SHAPE, mb, fold).wrapper;
+                        }
                     }
                 }
             }
@@ -487,7 +490,10 @@ pub fn gemv_applies(
             r.shape() == out && r.dtype()? == dtype
         }
     };
-    Ok(row_ok && residual_ok && rows <= QMV_MAX_ROWS)
+    // An RMSNorm folded into a many-row GEMV would have every block normalise every row
+    // (more L2 traffic than the weights): batches normalise once, unfolded.
+    let fold_ok = rows == 1 || !shared_row_blocks() || !matches!(input, GemvInput::RmsNorm { .. });
+    Ok(row_ok && residual_ok && fold_ok && rows <= QMV_MAX_ROWS)
 }
 
 /// `x @ dequantize(w)^T` on mlxcel's GEMV (see `qmv_applies`; `ops::quantized_matmul` picks it
@@ -513,8 +519,20 @@ pub fn gemv(
     input: GemvInput<'_>,
     residual: Option<&Array>,
 ) -> Result<Array> {
-    let shape = gemv_launch_shape(input.pre());
+    let rows = (x.size() / x.dim(-1)?.max(1) as usize) as i32;
+    let (shape, _) = gemv_plan(rows, input.pre());
     gemv_shaped(x, weight, scales, biases, spec, input, residual, shape)
+}
+
+/// The launch shape and activation rows per block of a GEMV over `rows` activation rows with
+/// input op `pre`: one row takes its tuned shape ([`gemv_launch_shape`]); several take
+/// [`BATCH_QMV_SHAPE`], their blocks sharing weight reads across rows.
+fn gemv_plan(rows: i32, pre: i32) -> ((i32, i32), i32) {
+    if rows <= 1 || !shared_row_blocks() {
+        return (gemv_launch_shape(pre), 1);
+    }
+    let shape = BATCH_QMV_SHAPE;
+    (shape, activation_rows_per_block(rows, shape.1))
 }
 
 /// [`gemv`] launched with `(warps, rows)` per block (for measuring launch shapes).
@@ -566,12 +584,21 @@ pub fn gemv_shaped(
     )
 }
 
+/// Whether several activation rows share GEMV blocks (`MLXCEL_CUDA_QMV_ROWS` above 1; off by
+/// default). With it off, each row of a decode batch has blocks of its own in the one-row
+/// launch shapes: the configuration measured on the H200 (docs/performance.md, serving).
+fn shared_row_blocks() -> bool {
+    crate::policy::with(|p| p.cuda_qmv_rows) > 1
+}
+
 /// How many of `rows` activation rows one GEMV block multiplies (`MB` of qmv.cu): each block
 /// reads its weight rows once for all of them, so a decode batch of 8 streams the matrix once
-/// rather than 8 times. A power of two (few compiled variants), at most 8, and at most 32
-/// accumulators per thread (`MB * RPW`) so the wide folded shapes do not spill registers.
+/// rather than 8 times. A power of two (few compiled variants), at most 8, and at most 16
+/// accumulators per thread (`MB * RPW`) so wide shapes do not spill registers.
+/// `MLXCEL_CUDA_QMV_ROWS` lowers the cap.
 fn activation_rows_per_block(rows: i32, rpw: i32) -> i32 {
-    let cap = (32 / rpw.max(1)).clamp(1, 8);
+    let set = crate::policy::with(|p| p.cuda_qmv_rows);
+    let cap = (16 / rpw.max(1)).clamp(1, 8).min(set.max(1));
     (rows.max(1) as u32).next_power_of_two().min(cap as u32) as i32
 }
 
@@ -617,9 +644,9 @@ mod tests {
         assert!(image.starts_with(b"\x7fELF"), "a cubin is an ELF image");
         for name in [
             "mlxcel_qmv_b4_bfloat16_4x8_m1_rmsnorm",
-            "mlxcel_qmv_b4_bfloat16_4x8_m4_rmsnorm",
-            "mlxcel_qmv_b4_bfloat16_4x4_m8",
-            "mlxcel_qmv_b8_float32_16x16_m2_silugate_residual",
+            "mlxcel_qmv_b4_bfloat16_4x2_m8",
+            "mlxcel_qmv_b4_bfloat16_4x2_m2_silugate_residual",
+            "mlxcel_qmv_b8_float32_16x16_m1_silugate_residual",
             "mlxcel_gather_2",
         ] {
             assert!(source.contains(name), "{name} missing from the module");

@@ -311,7 +311,9 @@ impl ModelState {
         // host builds one step's graph while the device runs the previous one. Not while other
         // adapter mixes wait for a turn (the batch is split after this step).
         let others_wait = self.running.iter().any(|(r, _)| r.mix != mix);
-        let pipelined = !others_wait && batch.rows.iter().all(Running::device_greedy);
+        let pipelined = !others_wait
+            && batch.rows.iter().all(Running::device_greedy)
+            && mlxcel_core::policy::with(|p| p.batch_pipeline);
         match batch.pending.take() {
             Some(pending) if pipelined => {
                 self.count(batch.rows.len(), 1);

@@ -153,8 +153,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
 #pragma unroll 2
   for (int c = tid; c < chunks_per_row; c += QMV_NT) {
     // Issue every weight load of this step first (RPW * 16 bytes in flight per thread); each
-    // weight chunk is read once for all MB activation rows (several decode rows then cost
-    // one pass over the matrix, not one each).
+    // weight chunk is read once for all MB activation rows.
     uint4 wv[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
@@ -169,31 +168,57 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
       bs[r] = qmv_to_float(biases[gbase[r] + g]);
     }
 
+    float d[MB][RPW];
+    float xsum[MB];
+    float xhi[MB];  // FAST: sum of the activations of elements 4..7 of every word
 #pragma unroll
     for (int b = 0; b < MB; ++b) {
-      float d[RPW];
+      xsum[b] = 0.0f;
+      xhi[b] = 0.0f;
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        d[r] = 0.0f;
+        d[b][r] = 0.0f;
       }
-      float xsum = 0.0f;
-      float xhi = 0.0f;  // FAST: sum of the activations of elements 4..7 of every word
+    }
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        float xf[QMV_EPW];
-        qmv_input<PRE>(xrows[b], aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms[b], xf);
-        qmv_add_sums<QMV_FAST>(xf, xsum, xhi);
+    for (int k = 0; k < 4 && MB == 1; ++k) {
+      // One activation row: unpack and multiply in one pass (qmv_dot_word).
+      float xf[QMV_EPW];
+      qmv_input<PRE>(xrows[0], aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms[0], xf);
+      qmv_add_sums<QMV_FAST>(xf, xsum[0], xhi[0]);
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-          d[r] = qmv_dot_word<BITS, FAST>(qmv_word(wv[r], k), xf, d[r]);
+      for (int r = 0; r < RPW; ++r) {
+        d[0][r] = qmv_dot_word<BITS, FAST>(qmv_word(wv[r], k), xf, d[0][r]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 4 && MB > 1; ++k) {
+      // Each activation row's inputs once per word, then each weight word unpacked once and
+      // used by every row (see qmv_unpack_word).
+      float xf[MB][QMV_EPW];
+#pragma unroll
+      for (int b = 0; b < MB; ++b) {
+        qmv_input<PRE>(xrows[b], aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms[b], xf[b]);
+        qmv_add_sums<QMV_FAST>(xf[b], xsum[b], xhi[b]);
+      }
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        float q[QMV_EPW];
+        qmv_unpack_word<BITS, FAST>(qmv_word(wv[r], k), q);
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {
+          d[b][r] = qmv_dot_unpacked<BITS, FAST>(q, xf[b], d[b][r]);
         }
       }
-      // d = sum (offset + q) x  ->  scale * (d - sum offset * x) + bias * xsum
+    }
+    // d = sum (offset + q) x  ->  scale * (d - sum offset * x) + bias * xsum
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
       const float xoff =
-          QMV_FAST ? fmaf(QMV_HI_EXTRA, xhi, QMV_OFF * xsum) : QMV_OFF * xsum;
+          QMV_FAST ? fmaf(QMV_HI_EXTRA, xhi[b], QMV_OFF * xsum[b]) : QMV_OFF * xsum[b];
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        acc[b][r] = fmaf(sc[r], d[r] - xoff, fmaf(bs[r], xsum, acc[b][r]));
+        acc[b][r] = fmaf(sc[r], d[b][r] - xoff, fmaf(bs[r], xsum[b], acc[b][r]));
       }
     }
   }
