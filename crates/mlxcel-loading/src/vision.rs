@@ -1,0 +1,150 @@
+//! The processor side of vision-language models, per family: the image processor's defaults
+//! (over which `preprocessor_config.json` is read), the placeholder a prompt carries per image
+//! and its expansion into the run of image tokens the model fills — in text, as the HF
+//! processor expands it before tokenising, or in ids for callers that bring token ids.
+//!
+//! | family | image processor (PIL backend) | placeholder | expansion |
+//! |---|---|---|---|
+//! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5 | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n` |
+
+use mlxcel_arch::vision::ImageInput;
+use mlxcel_arch::ModelType;
+use serde_json::Value;
+
+use crate::image::{ImageProcessor, PixelValues, Resample, ResizeTarget, RgbImage};
+use crate::tokenizer::Tokenizer;
+use crate::{LoadError, Result};
+
+/// How one family's processor prepares images and expands prompts.
+#[derive(Debug, Clone)]
+pub struct VisionProcessor {
+    /// The image processor (the checkpoint's config over the family's defaults).
+    pub image: ImageProcessor,
+    /// The token a prompt holds once per image before expansion.
+    pub placeholder_id: u32,
+    /// Its text.
+    pub placeholder: String,
+    /// What replaces each placeholder, as text (the processor's expansion).
+    pub expansion_text: String,
+    /// The same expansion as ids (tokenised piece by piece).
+    pub expansion_ids: Vec<u32>,
+}
+
+fn config_id(config: &Value, keys: &[&str], default: u32) -> u32 {
+    keys.iter()
+        .find_map(|k| config.get(*k).and_then(Value::as_u64))
+        .map(|v| v as u32)
+        .unwrap_or(default)
+}
+
+fn token_text(tokenizer: &Tokenizer, id: u32, what: &str) -> Result<String> {
+    tokenizer.id_to_token(id).ok_or_else(|| {
+        LoadError::Unsupported(format!(
+            "the tokenizer has no token {id} ({what}) that the vision-language config names"
+        ))
+    })
+}
+
+impl VisionProcessor {
+    /// The processor of `model_type` for the checkpoint in `folder`; `None` for types without
+    /// a vision side.
+    pub fn load(
+        model_type: ModelType,
+        folder: &std::path::Path,
+        config: &Value,
+        tokenizer: &Tokenizer,
+    ) -> Result<Option<VisionProcessor>> {
+        match model_type {
+            ModelType::Gemma3 => {
+                let defaults = ImageProcessor {
+                    do_resize: true,
+                    size: ResizeTarget::Exact {
+                        height: 224,
+                        width: 224,
+                    },
+                    resample: Resample::Bilinear,
+                    center_crop: None,
+                    rescale: Some(1.0 / 255.0),
+                    normalize: Some(([0.5; 3], [0.5; 3])),
+                };
+                let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
+                let boi = config_id(config, &["boi_token_index", "boi_token_id"], 255_999);
+                let eoi = config_id(config, &["eoi_token_index", "eoi_token_id"], 256_000);
+                let img = config_id(config, &["image_token_index", "image_token_id"], 262_144);
+                let mm = config
+                    .get("mm_tokens_per_image")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(256) as usize;
+                let (boi_t, eoi_t, img_t) = (
+                    token_text(tokenizer, boi, "boi_token_index")?,
+                    token_text(tokenizer, eoi, "eoi_token_index")?,
+                    token_text(tokenizer, img, "image_token_index")?,
+                );
+                let expansion_text = format!("\n\n{boi_t}{}{eoi_t}\n\n", img_t.repeat(mm));
+                let newlines = tokenizer.encode("\n\n", false)?;
+                let mut expansion_ids = newlines.clone();
+                expansion_ids.push(boi);
+                expansion_ids.extend(std::iter::repeat_n(img, mm));
+                expansion_ids.push(eoi);
+                expansion_ids.extend(&newlines);
+                Ok(Some(VisionProcessor {
+                    image,
+                    placeholder_id: boi,
+                    placeholder: boi_t,
+                    expansion_text,
+                    expansion_ids,
+                }))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Pixel values of `image` as the HF processor computes them, with their content hash.
+    pub fn prepare(&self, image: &RgbImage) -> Result<ImageInput> {
+        let PixelValues {
+            height,
+            width,
+            data,
+        } = self.image.preprocess(image);
+        let hash = PixelValues {
+            height,
+            width,
+            data: data.clone(),
+        }
+        .content_hash();
+        ImageInput::new(data, [1, 3, height, width], hash).map_err(LoadError::from)
+    }
+
+    /// `text` with each placeholder replaced by the expansion; the error says how many
+    /// placeholders were found when they are not `images`.
+    pub fn expand_text(&self, text: &str, images: usize) -> Result<String> {
+        let found = text.matches(self.placeholder.as_str()).count();
+        if found != images {
+            return Err(LoadError::Unsupported(format!(
+                "the prompt has {found} image placeholder(s) `{}` for {images} image(s)",
+                self.placeholder
+            )));
+        }
+        Ok(text.replace(self.placeholder.as_str(), &self.expansion_text))
+    }
+
+    /// `ids` with each placeholder id replaced by the expansion ids.
+    pub fn expand_ids(&self, ids: &[u32], images: usize) -> Result<Vec<u32>> {
+        let found = ids.iter().filter(|t| **t == self.placeholder_id).count();
+        if found != images {
+            return Err(LoadError::Unsupported(format!(
+                "the prompt ids hold the image token {} {found} time(s) for {images} image(s)",
+                self.placeholder_id
+            )));
+        }
+        let mut out = Vec::with_capacity(ids.len() + images * self.expansion_ids.len());
+        for &t in ids {
+            if t == self.placeholder_id {
+                out.extend(&self.expansion_ids);
+            } else {
+                out.push(t);
+            }
+        }
+        Ok(out)
+    }
+}
