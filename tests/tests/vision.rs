@@ -375,6 +375,31 @@ fn gemma3_text_prompt_matches_transformers_and_the_tower_stays_lazy() {
         .prefill_multimodal(&r.prompt_ids, &images, None)
         .unwrap();
     assert!(tower.materialized());
+
+    // --estimate-memory counts the tower apart, as lazy: the SigLIP tower and projector's f32
+    // bytes, not in the weights.
+    let est = |dir: &Path| {
+        let config = mlxcel_loading::read_config(dir).unwrap();
+        mlxcel_loading::memory::estimate(dir, &config, mlxcel_core::Dtype::Float32, 64, 16).unwrap()
+    };
+    let full = est(&gemma3_dir());
+    let tensors =
+        SafeTensors::deserialize(&std::fs::read(gemma3_dir().join("model.safetensors")).unwrap())
+            .unwrap()
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| {
+                n.starts_with("vision_tower.") || n.starts_with("multi_modal_projector.")
+            })
+            .map(|(_, t)| t.data().len() as u64)
+            .sum::<u64>();
+    assert_eq!(full.vision_tower_lazy, tensors);
+    assert!(full
+        .weights
+        .keys()
+        .all(|(role, _)| !role.starts_with("vision")));
+    let text_only = text_only_variant(|c| c["language_model_only"] = json!(true), false);
+    assert_eq!(est(text_only.path()).vision_tower_lazy, 0);
 }
 
 /// The fixture with `edit` applied to its config (and, with `drop_vision`, its vision tensors
