@@ -24,6 +24,7 @@
 //! Adding a family is one model file (its tower, projector and [`VisionFamily`]) and one
 //! registry row with `dir: Vlm`.
 
+pub mod clip;
 pub mod siglip;
 
 use std::ops::Range;
@@ -513,6 +514,7 @@ fn text_only(config: &Value, weights: &WeightMap, prefixes: &[&str]) -> bool {
 pub fn unused_vision_tensors(model_type: ModelType, weights: &WeightMap) -> Vec<String> {
     let prefixes: &[&str] = match model_type {
         ModelType::Gemma3 => crate::models::gemma3::RAW_VISION_PREFIXES,
+        ModelType::Llava => crate::models::llava::RAW_VISION_PREFIXES,
         _ => return Vec::new(),
     };
     let mut names: Vec<String> = weights
@@ -574,6 +576,9 @@ pub fn load_vlm(
     match model_type {
         ModelType::Gemma3 => Ok(LoadedModel::Generation(GenerationModel::Gemma3(Box::new(
             build_family::<crate::models::gemma3::Model>(config, weights, options)?,
+        )))),
+        ModelType::Llava => Ok(LoadedModel::Generation(GenerationModel::Llava(Box::new(
+            build_family::<crate::models::llava::Model>(config, weights, options)?,
         )))),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Vlm route",
