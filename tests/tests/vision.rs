@@ -605,3 +605,47 @@ fn llava_matches_transformers() {
         )
     );
 }
+
+#[test]
+fn processor_config_spellings_and_unsupported_options() {
+    let r = gemma3_reference();
+    // The image processor nested in `processor_config.json` (how newer checkpoints ship it)
+    // reads the same.
+    let nested = text_only_variant(|_| {}, false);
+    let pre: Value = serde_json::from_str(
+        &std::fs::read_to_string(nested.path().join("preprocessor_config.json")).unwrap(),
+    )
+    .unwrap();
+    std::fs::remove_file(nested.path().join("preprocessor_config.json")).unwrap();
+    std::fs::write(
+        nested.path().join("processor_config.json"),
+        json!({"image_processor": pre, "image_seq_length": 4}).to_string(),
+    )
+    .unwrap();
+    let loaded = load(nested.path());
+    let images = fixture_images(&loaded, &r);
+    let got: Vec<f32> = images.iter().flat_map(|i| i.pixels().to_vec()).collect();
+    assert!(max_abs_diff(&got, &r.pixel_values).0 <= 1e-5);
+
+    // A processor option this build lacks is refused, naming the file and key.
+    let pas = text_only_variant(|_| {}, false);
+    let mut pre = pre.clone();
+    pre["do_pan_and_scan"] = json!(true);
+    std::fs::write(pas.path().join("preprocessor_config.json"), pre.to_string()).unwrap();
+    let loaded = load(pas.path());
+    let bytes = std::fs::read(image_path("gradient.png")).unwrap();
+    let err = loaded.prepare_image_bytes(&bytes).unwrap_err().to_string();
+    assert!(
+        err.contains("preprocessor_config.json") && err.contains("do_pan_and_scan"),
+        "{err}"
+    );
+    // A bad value names the key.
+    let bad = text_only_variant(|_| {}, false);
+    pre["do_pan_and_scan"] = json!(false);
+    pre["resample"] = json!(9);
+    std::fs::write(bad.path().join("preprocessor_config.json"), pre.to_string()).unwrap();
+    let err = load_model(bad.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("resample = 9"), "{err}");
+}

@@ -29,6 +29,9 @@ pub struct VisionProcessor {
     pub expansion_text: String,
     /// The same expansion as ids (tokenised piece by piece).
     pub expansion_ids: Vec<u32>,
+    /// Why images cannot be prepared as the checkpoint's processor would (a processor option
+    /// this build lacks), refused at [`VisionProcessor::prepare`] instead of computed otherwise.
+    pub unsupported: Option<String>,
 }
 
 fn config_id(config: &Value, keys: &[&str], default: u32) -> u32 {
@@ -69,6 +72,12 @@ impl VisionProcessor {
                     normalize: Some(([0.5; 3], [0.5; 3])),
                 };
                 let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
+                // Pan and scan adds crops per image, each its own image-token run.
+                let unsupported = crate::image::processor_json(folder)?.and_then(|(json, file)| {
+                    (json.get("do_pan_and_scan").and_then(Value::as_bool) == Some(true)).then(|| {
+                        format!("{file}: do_pan_and_scan = true (Gemma 3's pan-and-scan crops) is not supported yet")
+                    })
+                });
                 let boi = config_id(config, &["boi_token_index", "boi_token_id"], 255_999);
                 let eoi = config_id(config, &["eoi_token_index", "eoi_token_id"], 256_000);
                 let img = config_id(config, &["image_token_index", "image_token_id"], 262_144);
@@ -94,6 +103,7 @@ impl VisionProcessor {
                     placeholder: boi_t,
                     expansion_text,
                     expansion_ids,
+                    unsupported,
                 }))
             }
             ModelType::Llava => {
@@ -133,6 +143,7 @@ impl VisionProcessor {
                     expansion_text: text.repeat(n),
                     placeholder: text,
                     expansion_ids: vec![id; n],
+                    unsupported: None,
                 }))
             }
             _ => Ok(None),
@@ -141,6 +152,9 @@ impl VisionProcessor {
 
     /// Pixel values of `image` as the HF processor computes them, with their content hash.
     pub fn prepare(&self, image: &RgbImage) -> Result<ImageInput> {
+        if let Some(why) = &self.unsupported {
+            return Err(LoadError::Unsupported(why.clone()));
+        }
         let PixelValues {
             height,
             width,

@@ -548,20 +548,30 @@ pub fn build_family<F: VisionFamily>(
     for n in &text_names {
         vision.remove(n);
     }
-    let text =
-        load_config_backed(vlm.text_type, &vlm.text_config, weights, options)?.into_generation()?;
+    let model_type = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or(F::NAME);
+    let in_part = |part: String| {
+        move |e: ModelError| ModelError::InPart {
+            part,
+            source: Box::new(e),
+        }
+    };
+    let text_name = vlm.text_type.descriptor().names[0];
+    let text = load_config_backed(vlm.text_type, &vlm.text_config, weights, options)
+        .and_then(LoadedModel::into_generation)
+        .map_err(in_part(format!(
+            "model_type `{model_type}`: text decoder `{text_name}` (text_config)"
+        )))?;
     let tower = if text_only {
         None
     } else {
         let name = format!("{} vision tower", F::NAME);
-        Some(LazyTower::new(
-            &name,
-            config,
-            &vlm,
-            vision,
-            options,
-            F::build_tower,
-        )?)
+        Some(
+            LazyTower::new(&name, config, &vlm, vision, options, F::build_tower)
+                .map_err(in_part(format!("model_type `{model_type}`: vision tower")))?,
+        )
     };
     F::assemble(config, text, tower)
 }
