@@ -145,6 +145,9 @@ pub struct Session<'m> {
     image_runs: Vec<(std::ops::Range<usize>, u64)>,
     /// The model's folder, for error messages.
     model_path: Option<String>,
+    /// Rotary positions run this far ahead of the cache offset after a multimodal prompt
+    /// ([`crate::vision::VisionLanguage::position_delta`]); 0 otherwise.
+    position_delta: i64,
 }
 
 /// What a [`Session`] holds besides the model: its caches and the tokens they hold. Kept apart
@@ -155,6 +158,7 @@ pub struct SessionState {
     caches: Vec<LayerCache>,
     tokens: Vec<u32>,
     image_runs: Vec<(std::ops::Range<usize>, u64)>,
+    position_delta: i64,
     snapshots: Vec<StateSnapshot>,
     policy: SnapshotPolicy,
 }
@@ -166,6 +170,7 @@ impl SessionState {
             caches: model.make_caches(),
             tokens: Vec::new(),
             image_runs: Vec::new(),
+            position_delta: 0,
             snapshots: Vec::new(),
             policy: SnapshotPolicy::default(),
         }
@@ -190,11 +195,14 @@ pub fn step_batch(
     let mut rows = Vec::with_capacity(states.len());
     for (s, id) in states.iter_mut().zip(tokens) {
         let input = Array::from_slice(&[*id as i32], &[1, 1])?;
-        rows.push(
-            model
-                .forward_last(&input, &mut s.caches)?
-                .reshape(&[1, -1])?,
-        );
+        let logits = if s.position_delta == 0 {
+            model.forward_last(&input, &mut s.caches)?
+        } else {
+            let offset = s.caches.first().map_or(0, LayerCache::offset) as i64;
+            let position = Array::from_slice(&[(offset + s.position_delta) as i32], &[1])?;
+            model.forward_embeddings(&model.embed(&input)?, Some(&position), &mut s.caches, true)?
+        };
+        rows.push(logits.reshape(&[1, -1])?);
         s.tokens.push(*id);
     }
     Ok(mlxcel_core::ops::concatenate(&rows, 0)?)
@@ -240,6 +248,11 @@ impl DecodeBatch {
             if !model.batched_decode() {
                 return Err(ModelError::Unsupported(
                     "this model decodes each conversation on its own (no batched decode)".into(),
+                ));
+            }
+            if states.iter().any(|s| s.position_delta != 0) {
+                return Err(ModelError::Unsupported(
+                    "a conversation whose rotary positions run ahead of its length (a multimodal prompt) decodes on its own".into(),
                 ));
             }
             let layers = states.first().map_or(0, |s| s.caches.len());
@@ -340,6 +353,7 @@ impl<'m> Session<'m> {
             policy: state.policy,
             mapped: None,
             model_path: None,
+            position_delta: state.position_delta,
         }
     }
 
@@ -482,6 +496,7 @@ impl<'m> Session<'m> {
         })?;
         self.tokens.extend_from_slice(&prompt[reuse..]);
         self.image_runs = runs;
+        self.position_delta = vision.position_delta(&mm)?;
         Ok((reuse, logits))
     }
 
@@ -491,6 +506,7 @@ impl<'m> Session<'m> {
             caches: self.caches,
             tokens: self.tokens,
             image_runs: self.image_runs,
+            position_delta: self.position_delta,
             snapshots: self.snapshots,
             policy: self.policy,
         }
@@ -523,6 +539,9 @@ impl<'m> Session<'m> {
         self.snapshots.retain(|s| s.position <= reuse);
         self.tokens.truncate(reuse);
         self.image_runs.retain(|r| r.0.end <= reuse);
+        // No image is held before `reuse` (the common prefix stops at the first), so text
+        // positions are the cache offsets again.
+        self.position_delta = 0;
         let logits = self.prefill_with_snapshots(&prompt[reuse..], reuse, chunk)?;
         check_logits(&logits, || {
             format!(
@@ -641,10 +660,26 @@ impl<'m> Session<'m> {
     /// reading this token, so building the graph overlaps the device's work. Call
     /// [`Session::record_token`] with the token's value once read.
     pub fn step_pending(&mut self, token: &Array) -> Result<Array> {
-        Ok(self
-            .model
-            .forward_last(token, &mut self.caches)?
-            .reshape(&[-1])?)
+        self.forward_token(token)
+    }
+
+    /// One token `[1, 1]` through the model: logits `[vocab]`. After a multimodal prompt whose
+    /// positions run ahead of the cache ([`Session::prefill_multimodal`]), at the explicit
+    /// position `offset + delta`.
+    fn forward_token(&mut self, token: &Array) -> Result<Array> {
+        let logits = if self.position_delta == 0 {
+            self.model.forward_last(token, &mut self.caches)?
+        } else {
+            let offset = self.caches.first().map_or(0, LayerCache::offset) as i64;
+            let position = Array::from_slice(&[(offset + self.position_delta) as i32], &[1])?;
+            self.model.forward_embeddings(
+                &self.model.embed(token)?,
+                Some(&position),
+                &mut self.caches,
+                true,
+            )?
+        };
+        Ok(logits.reshape(&[-1])?)
     }
 
     /// Records the value of a token fed by [`Session::step_pending`].
@@ -654,7 +689,9 @@ impl<'m> Session<'m> {
 
     /// Feeds one generated token; returns the logits for the next.
     pub fn step(&mut self, token: u32) -> Result<Array> {
-        let logits = prefill(self.model, &[token], &mut self.caches, None)?;
+        check_token_ids(&[token], self.model.vocab_size())?;
+        let logits = self.forward_token(&Array::from_slice(&[token as i32], &[1, 1])?)?;
+        logits.eval()?;
         let position = self.tokens.len();
         check_logits(&logits, || {
             format!("position {position} (after token {token})")

@@ -126,6 +126,14 @@ pub trait VisionLanguage {
         Ok(None)
     }
 
+    /// How far the position ids after `prompt` run ahead of its length (Qwen2-VL's
+    /// `rope_deltas`: images take fewer rotary positions than tokens): decode steps after a
+    /// multimodal prefill are given the explicit position `offset + delta`. 0 for 1-D rope.
+    fn position_delta(&self, prompt: &MultimodalPrompt<'_>) -> Result<i64> {
+        let _ = prompt;
+        Ok(0)
+    }
+
     /// Whether the positions of one image attend to each other bidirectionally (Gemma 3);
     /// causal otherwise.
     fn bidirectional_images(&self) -> bool {
