@@ -623,7 +623,7 @@ pub fn text_config_with_defaults(
         }
     };
     let obj = text.as_object_mut().expect("an object");
-    if let Some(Value::Object(d)) = Some(defaults) {
+    if let Value::Object(d) = defaults {
         for (k, v) in d {
             obj.entry(k.clone()).or_insert_with(|| v.clone());
         }
