@@ -913,3 +913,32 @@ fn other_checkpoint_spellings_give_the_same_logits() {
         }
     }
 }
+
+#[test]
+fn llava_image_processor_pads_to_a_square_when_asked() {
+    let dir = vision_dir().join("llava");
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let want = f32s(&tensor_bytes(&st, "pixel_values_padded").1);
+    let copy = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, copy.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let path = copy.path().join("preprocessor_config.json");
+    let mut pre: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    pre["image_processor_type"] = json!("LlavaImageProcessor");
+    pre["do_pad"] = json!(true);
+    std::fs::write(&path, pre.to_string()).unwrap();
+    let loaded = load(copy.path());
+    let r = family_reference(&dir);
+    let got: Vec<f32> = fixture_images(&loaded, &r)
+        .iter()
+        .flat_map(|i| i.pixels().to_vec())
+        .collect();
+    let (d, _) = max_abs_diff(&got, &want);
+    assert!(d <= 1e-5, "padded pixel values differ by {d}");
+    // Without the padding they differ (the images are not square).
+    let (d, _) = max_abs_diff(&r.pixel_values, &want);
+    assert!(d > 1e-2);
+}

@@ -32,6 +32,9 @@ pub struct VisionProcessor {
     /// Why images cannot be prepared as the checkpoint's processor would (a processor option
     /// this build lacks), refused at [`VisionProcessor::prepare`] instead of computed otherwise.
     pub unsupported: Option<String>,
+    /// Pad each image to a square of this colour (centred) before resizing:
+    /// `LlavaImageProcessor`'s `do_pad`, the colour `int(mean · 255)` per channel.
+    pub square_pad: Option<[u8; 3]>,
 }
 
 fn config_id(config: &Value, keys: &[&str], default: u32) -> u32 {
@@ -104,6 +107,7 @@ impl VisionProcessor {
                     expansion_text,
                     expansion_ids,
                     unsupported,
+                    square_pad: None,
                 }))
             }
             ModelType::Llava => {
@@ -120,6 +124,17 @@ impl VisionProcessor {
                     )),
                 };
                 let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
+                // LlavaImageProcessor (not CLIPImageProcessor) may pad to a square first.
+                let square_pad = crate::image::processor_json(folder)?.and_then(|(json, _)| {
+                    let llava = json.get("image_processor_type").and_then(Value::as_str)
+                        == Some("LlavaImageProcessor");
+                    (llava && json.get("do_pad").and_then(Value::as_bool) == Some(true)).then(
+                        || {
+                            let mean = image.normalize.map_or([0.0; 3], |(m, _)| m);
+                            mean.map(|m| (m * 255.0) as u8)
+                        },
+                    )
+                });
                 let id = config_id(config, &["image_token_index", "image_token_id"], 32000);
                 let text = token_text(tokenizer, id, "image_token_index")?;
                 // LlavaProcessor: the placeholder repeated once per image position (patches,
@@ -144,6 +159,7 @@ impl VisionProcessor {
                     placeholder: text,
                     expansion_ids: vec![id; n],
                     unsupported: None,
+                    square_pad,
                 }))
             }
             _ => Ok(None),
@@ -155,6 +171,14 @@ impl VisionProcessor {
         if let Some(why) = &self.unsupported {
             return Err(LoadError::Unsupported(why.clone()));
         }
+        let padded;
+        let image = match self.square_pad {
+            Some(colour) => {
+                padded = crate::image::pad_to_square(image, colour);
+                &padded
+            }
+            None => image,
+        };
         let PixelValues {
             height,
             width,
