@@ -218,12 +218,40 @@ fn gemma3_pixel_values_and_prompt_match_the_processor() {
     let unexpanded = tokenizer.encode(&rendered, false).unwrap();
     let by_ids = loaded.expand_image_tokens(&unexpanded, 2).unwrap();
     assert_eq!(by_ids, r.prompt_ids, "ids-level expansion");
+    // The per-image path (families whose expansion depends on the image use it) gives the
+    // same: one input per image here, each with its own expansion.
+    let prepared: Vec<_> = r.meta["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            let image = load_image(image_path(n.as_str().unwrap())).unwrap();
+            loaded.prepare_for_prompt(&image).unwrap()
+        })
+        .collect();
+    assert!(prepared.iter().all(|p| p.inputs.len() == 1));
+    let expanded_for = loaded.expand_prompt_text_for(&rendered, &prepared).unwrap();
+    assert_eq!(
+        tokenizer.encode(&expanded_for, false).unwrap(),
+        r.prompt_ids
+    );
+    assert_eq!(
+        loaded
+            .expand_image_tokens_for(&unexpanded, &prepared)
+            .unwrap(),
+        r.prompt_ids
+    );
     // Counts that do not match are refused.
     let err = loaded
         .expand_prompt_text(&rendered, 3)
         .unwrap_err()
         .to_string();
     assert!(err.contains("2 image placeholder(s)"), "{err}");
+    let err = loaded
+        .expand_image_tokens_for(&unexpanded, &prepared[..1])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("2 time(s) for 1 image(s)"), "{err}");
 }
 
 #[test]

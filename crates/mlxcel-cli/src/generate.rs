@@ -332,7 +332,7 @@ fn check_context(flags: &RunFlags, tokens: usize) -> anyhow::Result<()> {
 pub fn prepare_images(
     loaded: &Loaded,
     paths: &[PathBuf],
-) -> anyhow::Result<Vec<mlxcel_arch::vision::ImageInput>> {
+) -> anyhow::Result<Vec<mlxcel_loading::vision::PreparedImage>> {
     if paths.is_empty() {
         return Ok(Vec::new());
     }
@@ -345,21 +345,35 @@ pub fn prepare_images(
         .iter()
         .map(|path| {
             let image = mlxcel_loading::image::load_image(path)?;
-            Ok(loaded.prepare_image(&image)?)
+            Ok(loaded.prepare_for_prompt(&image)?)
         })
         .collect()
 }
 
-/// The chat template over `messages` (whose text holds `images` image placeholders), with the
-/// placeholders expanded as the model's processor does, tokenised.
-fn templated(loaded: &Loaded, messages: &[Message], images: usize) -> anyhow::Result<Vec<u32>> {
+/// The model inputs of `images`, in prompt order.
+fn inputs(
+    images: &[mlxcel_loading::vision::PreparedImage],
+) -> Vec<mlxcel_arch::vision::ImageInput> {
+    images
+        .iter()
+        .flat_map(|i| i.inputs.iter().cloned())
+        .collect()
+}
+
+/// The chat template over `messages` (whose text holds one image placeholder per image), with
+/// the placeholders expanded as the model's processor does, tokenised.
+fn templated(
+    loaded: &Loaded,
+    messages: &[Message],
+    images: &[mlxcel_loading::vision::PreparedImage],
+) -> anyhow::Result<Vec<u32>> {
     let template = loaded.chat_template.as_ref().with_context(|| {
         format!(
             "{} has no chat template; use --prompt for raw completion",
             loaded.folder.display()
         )
     })?;
-    let text = loaded.expand_prompt_text(&template.render(messages, true)?, images)?;
+    let text = loaded.expand_prompt_text_for(&template.render(messages, true)?, images)?;
     let tokenizer = loaded
         .tokenizer
         .as_ref()
@@ -386,7 +400,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         if let Some(bad) = ids.iter().find(|t| **t as usize >= vocab) {
             bail!("--prompt-ids: token {bad} is outside the vocabulary of {vocab}");
         }
-        loaded.expand_image_tokens(ids, n)?
+        loaded.expand_image_tokens_for(ids, &images)?
     } else if let Some(text) = &flags.prompt {
         if run.system.is_some() {
             bail!("--system applies to chat prompts (--messages or --user), not to --prompt");
@@ -395,7 +409,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
             .tokenizer
             .as_ref()
             .context("model has no tokenizer")?
-            .encode(&loaded.expand_prompt_text(text, n)?, true)?
+            .encode(&loaded.expand_prompt_text_for(text, &images)?, true)?
     } else if let Some(source) = &flags.messages {
         messages.extend(read_messages(source)?);
         if n > 0 {
@@ -406,13 +420,13 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
                 .context("--image needs a user message in --messages")?;
             last.content = loaded.user_content_with_images(&last.content, n)?;
         }
-        templated(&loaded, &messages, n)?
+        templated(&loaded, &messages, &images)?
     } else if let Some(user) = &flags.user {
         messages.push(Message::new(
             "user",
             &loaded.user_content_with_images(user, n)?,
         ));
-        templated(&loaded, &messages, n)?
+        templated(&loaded, &messages, &images)?
     } else {
         bail!("give a prompt: --prompt TEXT, --user TEXT, --messages FILE|- or --prompt-ids 1,2,3");
     };
@@ -427,7 +441,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     };
     let mut stdout = std::io::stdout();
     let mut req = request(run, &loaded);
-    req.images = images;
+    req.images = inputs(&images);
     if flags.ignore_eos {
         req.eos_token_ids.clear();
     }
@@ -541,12 +555,12 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
             &loaded.user_content_with_images(line, pending)?,
         ));
         pending = 0;
-        let prompt = templated(&loaded, &messages, images.len())?;
+        let prompt = templated(&loaded, &messages, &images)?;
         check_context(&flags, prompt.len())?;
         let mut reply = String::new();
         let mut stdout = std::io::stdout();
         let mut req = request(&flags, &loaded);
-        req.images = images.clone();
+        req.images = inputs(&images);
         let (_, stats) = generate_text(
             &mut session,
             Some(tokenizer),

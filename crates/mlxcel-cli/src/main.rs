@@ -401,10 +401,11 @@ fn logits(
         bail!("--prompt-ids: token {bad} is outside the vocabulary of {vocab}");
     }
     let prepared = generate::prepare_images(&loaded, images)?;
-    let ids = loaded.expand_image_tokens(ids, prepared.len())?;
+    let ids = loaded.expand_image_tokens_for(ids, &prepared)?;
     let ids = ids.as_slice();
+    let inputs: Vec<_> = prepared.iter().flat_map(|i| i.inputs.clone()).collect();
     let logits = loaded
-        .multimodal_logits(ids, &prepared)?
+        .multimodal_logits(ids, &inputs)?
         .astype(mlxcel_core::Dtype::Float32)?;
     let values = logits.to_vec::<f32>()?;
     if let Some(i) = values.iter().position(|v| v.is_nan()) {

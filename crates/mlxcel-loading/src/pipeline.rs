@@ -180,6 +180,41 @@ impl Loaded {
         self.vision_processor()?.prepare(image)
     }
 
+    /// An image prepared for a prompt ([`crate::vision::PreparedImage`]): its model inputs
+    /// (one per tile for families that split images) and its own placeholder expansion, for
+    /// [`Loaded::expand_prompt_text_for`] / [`Loaded::expand_image_tokens_for`]. Families whose
+    /// image-token count depends on the image need this path; the others may use either.
+    pub fn prepare_for_prompt(
+        &self,
+        image: &crate::image::RgbImage,
+    ) -> Result<crate::vision::PreparedImage> {
+        self.vision_processor()?.prepare_for_prompt(image)
+    }
+
+    /// A rendered prompt with its `k`-th image placeholder replaced by `images[k]`'s expansion.
+    pub fn expand_prompt_text_for(
+        &self,
+        text: &str,
+        images: &[crate::vision::PreparedImage],
+    ) -> Result<String> {
+        if images.is_empty() {
+            return Ok(text.to_string());
+        }
+        self.vision_processor()?.expand_text_for(text, images)
+    }
+
+    /// Token ids with their `k`-th image placeholder replaced by `images[k]`'s expansion ids.
+    pub fn expand_image_tokens_for(
+        &self,
+        ids: &[u32],
+        images: &[crate::vision::PreparedImage],
+    ) -> Result<Vec<u32>> {
+        if images.is_empty() {
+            return Ok(ids.to_vec());
+        }
+        self.vision_processor()?.expand_ids_for(ids, images)
+    }
+
     /// [`Loaded::prepare_image`] of an encoded PNG, JPEG or WebP image.
     pub fn prepare_image_bytes(&self, bytes: &[u8]) -> Result<mlxcel_arch::vision::ImageInput> {
         let processor = self.vision_processor()?;

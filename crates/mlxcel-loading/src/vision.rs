@@ -16,6 +16,20 @@ use crate::image::{ImageProcessor, PixelValues, Resample, ResizeTarget, RgbImage
 use crate::tokenizer::Tokenizer;
 use crate::{LoadError, Result};
 
+/// One image as its family's processor prepares it for a prompt: the model inputs it becomes
+/// and what replaces its placeholder. Families whose image-token count depends on the image
+/// (tiles, crops, dynamic resolution) give each image its own expansion; the others share a
+/// fixed one.
+#[derive(Debug, Clone)]
+pub struct PreparedImage {
+    /// The model inputs, in prompt order (one per tile or crop; one for single-tile families).
+    pub inputs: Vec<ImageInput>,
+    /// What replaces this image's placeholder in the prompt text.
+    pub expansion_text: String,
+    /// The same, as ids.
+    pub expansion_ids: Vec<u32>,
+}
+
 /// How one family's processor prepares images and expands prompts.
 #[derive(Debug, Clone)]
 pub struct VisionProcessor {
@@ -191,6 +205,56 @@ impl VisionProcessor {
         }
         .content_hash();
         ImageInput::new(data, [1, 3, height, width], hash).map_err(LoadError::from)
+    }
+
+    /// `image` prepared for a prompt: its inputs and its expansion ([`PreparedImage`]).
+    pub fn prepare_for_prompt(&self, image: &RgbImage) -> Result<PreparedImage> {
+        Ok(PreparedImage {
+            inputs: vec![self.prepare(image)?],
+            expansion_text: self.expansion_text.clone(),
+            expansion_ids: self.expansion_ids.clone(),
+        })
+    }
+
+    /// `text` with its `k`-th placeholder replaced by `images[k]`'s expansion; the error says
+    /// how many placeholders were found when they are not one per image.
+    pub fn expand_text_for(&self, text: &str, images: &[PreparedImage]) -> Result<String> {
+        let pieces: Vec<&str> = text.split(self.placeholder.as_str()).collect();
+        if pieces.len() != images.len() + 1 {
+            return Err(LoadError::Unsupported(format!(
+                "the prompt has {} image placeholder(s) `{}` for {} image(s)",
+                pieces.len() - 1,
+                self.placeholder,
+                images.len()
+            )));
+        }
+        let mut out = String::from(pieces[0]);
+        for (piece, image) in pieces[1..].iter().zip(images) {
+            out.push_str(&image.expansion_text);
+            out.push_str(piece);
+        }
+        Ok(out)
+    }
+
+    /// `ids` with the `k`-th placeholder id replaced by `images[k]`'s expansion ids.
+    pub fn expand_ids_for(&self, ids: &[u32], images: &[PreparedImage]) -> Result<Vec<u32>> {
+        let found = ids.iter().filter(|t| **t == self.placeholder_id).count();
+        if found != images.len() {
+            return Err(LoadError::Unsupported(format!(
+                "the prompt ids hold the image token {} {found} time(s) for {} image(s)",
+                self.placeholder_id,
+                images.len()
+            )));
+        }
+        let mut next = images.iter();
+        let mut out = Vec::with_capacity(ids.len());
+        for &t in ids {
+            match (t == self.placeholder_id).then(|| next.next()).flatten() {
+                Some(image) => out.extend(&image.expansion_ids),
+                None => out.push(t),
+            }
+        }
+        Ok(out)
     }
 
     /// `text` with each placeholder replaced by the expansion; the error says how many
