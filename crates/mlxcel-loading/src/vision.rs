@@ -33,6 +33,9 @@ pub struct PreparedImage {
 /// How one family's processor prepares images and expands prompts.
 #[derive(Debug, Clone)]
 pub struct VisionProcessor {
+    /// The family (a family whose expansion depends on the image computes it in
+    /// [`VisionProcessor::prepare_for_prompt`] by this).
+    pub family: ModelType,
     /// The image processor (the checkpoint's config over the family's defaults).
     pub image: ImageProcessor,
     /// The token a prompt holds once per image before expansion.
@@ -115,6 +118,7 @@ impl VisionProcessor {
                 expansion_ids.push(eoi);
                 expansion_ids.extend(&newlines);
                 Ok(Some(VisionProcessor {
+                    family: model_type,
                     image,
                     placeholder_id: boi,
                     placeholder: boi_t,
@@ -167,6 +171,7 @@ impl VisionProcessor {
                     == Some("full");
                 let n = side * side + usize::from(full);
                 Ok(Some(VisionProcessor {
+                    family: model_type,
                     image,
                     placeholder_id: id,
                     expansion_text: text.repeat(n),
@@ -207,7 +212,9 @@ impl VisionProcessor {
         ImageInput::new(data, [1, 3, height, width], hash).map_err(LoadError::from)
     }
 
-    /// `image` prepared for a prompt: its inputs and its expansion ([`PreparedImage`]).
+    /// `image` prepared for a prompt: its inputs and its expansion ([`PreparedImage`]). Gemma 3
+    /// and LLaVA: one input and the family's fixed expansion; a family whose inputs or
+    /// expansion depend on the image adds its arm here (by [`VisionProcessor::family`]).
     pub fn prepare_for_prompt(&self, image: &RgbImage) -> Result<PreparedImage> {
         Ok(PreparedImage {
             inputs: vec![self.prepare(image)?],
