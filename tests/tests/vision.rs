@@ -635,7 +635,7 @@ fn llava_matches_transformers() {
 }
 
 #[test]
-fn processor_config_spellings_and_unsupported_options() {
+fn processor_config_spellings_and_pan_and_scan() {
     let r = gemma3_reference();
     // The image processor nested in `processor_config.json` (how newer checkpoints ship it)
     // reads the same.
@@ -655,18 +655,63 @@ fn processor_config_spellings_and_unsupported_options() {
     let got: Vec<f32> = images.iter().flat_map(|i| i.pixels().to_vec()).collect();
     assert!(max_abs_diff(&got, &r.pixel_values).0 <= 1e-5);
 
-    // A processor option this build lacks is refused, naming the file and key.
+    // Pan and scan: a wide image becomes the original and two crops, framed in the prompt as
+    // Gemma3Processor frames them; pixel values, ids and logits as transformers'.
     let pas = text_only_variant(|_| {}, false);
     let mut pre = pre.clone();
     pre["do_pan_and_scan"] = json!(true);
+    pre["pan_and_scan_min_crop_size"] = json!(8);
+    pre["pan_and_scan_max_num_crops"] = json!(4);
+    pre["pan_and_scan_min_ratio_to_activate"] = json!(1.2);
     std::fs::write(pas.path().join("preprocessor_config.json"), pre.to_string()).unwrap();
     let loaded = load(pas.path());
-    let bytes = std::fs::read(image_path("gradient.png")).unwrap();
-    let err = loaded.prepare_image_bytes(&bytes).unwrap_err().to_string();
+    let bytes = std::fs::read(gemma3_dir().join("pan_and_scan.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let want_ids = ids(&tensor_bytes(&st, "prompt_ids").1);
+    let want_pixels = f32s(&tensor_bytes(&st, "pixel_values").1);
+    let want_logits = f32s(&tensor_bytes(&st, "logits").1);
+    let image = load_image(image_path("gradient.png")).unwrap();
+    let prepared = loaded.prepare_for_prompt(&image).unwrap();
+    assert_eq!(prepared.inputs.len(), 3, "the original and two crops");
+    let got: Vec<f32> = prepared
+        .inputs
+        .iter()
+        .flat_map(|i| i.pixels().to_vec())
+        .collect();
+    assert!(max_abs_diff(&got, &want_pixels).0 <= 1e-5);
+    let content = loaded
+        .user_content_with_images(r.meta["user_text"].as_str().unwrap(), 1)
+        .unwrap();
+    let rendered = loaded
+        .chat_template
+        .as_ref()
+        .unwrap()
+        .render(&[Message::user(&content)], true)
+        .unwrap();
+    let text = loaded
+        .expand_prompt_text_for(&rendered, std::slice::from_ref(&prepared))
+        .unwrap();
+    let prompt = loaded
+        .tokenizer
+        .as_ref()
+        .unwrap()
+        .encode(&text, false)
+        .unwrap();
+    assert_eq!(prompt, want_ids);
+    let logits = loaded
+        .multimodal_logits(&prompt, &prepared.inputs)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let (d, _) = max_abs_diff(&logits, &want_logits);
+    eprintln!("gemma3 pan and scan logits: max |Δ| = {d:e}");
     assert!(
-        err.contains("preprocessor_config.json") && err.contains("do_pan_and_scan"),
-        "{err}"
+        d <= tolerance(&want_logits),
+        "pan-and-scan logits differ by {d}"
     );
+    // The single-input path refuses it rather than dropping the crops.
+    let err = loaded.prepare_image(&image).unwrap_err().to_string();
+    assert!(err.contains("prepare_for_prompt"), "{err}");
     // A bad value names the key.
     let bad = text_only_variant(|_| {}, false);
     pre["do_pan_and_scan"] = json!(false);

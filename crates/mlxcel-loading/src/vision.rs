@@ -1,11 +1,13 @@
 //! The processor side of vision-language models, per family: the image processor's defaults
 //! (over which `preprocessor_config.json` is read), the placeholder a prompt carries per image
 //! and its expansion into the run of image tokens the model fills — in text, as the HF
-//! processor expands it before tokenising, or in ids for callers that bring token ids.
+//! processor expands it before tokenising, or in ids for callers that bring token ids (piece by
+//! piece: exact where the expansion's pieces tokenise alone as in context, which holds for the
+//! special-token runs; Gemma 3's pan-and-scan framing text may merge differently).
 //!
 //! | family | image processor (PIL backend) | placeholder | expansion |
 //! |---|---|---|---|
-//! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5 | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n` |
+//! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5; pan and scan (crops as extra inputs) | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n`; with crops `Here is the original image {seq} and here are some crops to help you see better {seq} {seq}` |
 //! | LLaVA | `CLIPImageProcessor`: shortest edge 224, bicubic, center crop 224, rescale 1/255, CLIP mean/std | `<image>` (`image_token_index`) | `<image>` × patches (+1 under `full`) |
 
 use mlxcel_arch::vision::ImageInput;
@@ -30,6 +32,67 @@ pub struct PreparedImage {
     pub expansion_ids: Vec<u32>,
 }
 
+/// Gemma 3's pan-and-scan settings (the image processor's, else `Gemma3Processor`'s defaults
+/// 256, 4, 1.2).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PanAndScan {
+    /// `pan_and_scan_min_crop_size`: no crop narrower than this.
+    pub min_crop_size: usize,
+    /// `pan_and_scan_max_num_crops`.
+    pub max_num_crops: usize,
+    /// `pan_and_scan_min_ratio_to_activate`: the aspect ratio from which crops are made.
+    pub min_ratio: f64,
+}
+
+impl PanAndScan {
+    /// The crops of `image` (transformers' `pan_and_scan`: 2 to `max_num_crops` along the
+    /// longer side, none when the image is not elongated enough or a crop would be too small;
+    /// the last crop cut at the border as numpy slicing does).
+    pub fn crops(&self, image: &RgbImage) -> Vec<RgbImage> {
+        let (h, w) = (image.height, image.width);
+        let (nw, nh) = if w >= h {
+            if (w as f64 / h as f64) < self.min_ratio {
+                return Vec::new();
+            }
+            let n = ((w as f64 / h as f64 + 0.5).floor() as usize)
+                .min((w as f64 / self.min_crop_size as f64).floor() as usize)
+                .max(2)
+                .min(self.max_num_crops);
+            (n, 1)
+        } else {
+            if (h as f64 / w as f64) < self.min_ratio {
+                return Vec::new();
+            }
+            let n = ((h as f64 / w as f64 + 0.5).floor() as usize)
+                .min((h as f64 / self.min_crop_size as f64).floor() as usize)
+                .max(2)
+                .min(self.max_num_crops);
+            (1, n)
+        };
+        let (cw, ch) = (w.div_ceil(nw), h.div_ceil(nh));
+        if cw.min(ch) < self.min_crop_size {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for r in 0..nh {
+            for c in 0..nw {
+                let (y0, x0) = (r * ch, c * cw);
+                let (y1, x1) = ((y0 + ch).min(h), (x0 + cw).min(w));
+                let mut data = Vec::with_capacity((y1 - y0) * (x1 - x0) * 3);
+                for y in y0..y1 {
+                    data.extend_from_slice(&image.data[(y * w + x0) * 3..(y * w + x1) * 3]);
+                }
+                out.push(RgbImage {
+                    width: x1 - x0,
+                    height: y1 - y0,
+                    data,
+                });
+            }
+        }
+        out
+    }
+}
+
 /// How one family's processor prepares images and expands prompts.
 #[derive(Debug, Clone)]
 pub struct VisionProcessor {
@@ -46,9 +109,12 @@ pub struct VisionProcessor {
     pub expansion_text: String,
     /// The same expansion as ids (tokenised piece by piece).
     pub expansion_ids: Vec<u32>,
-    /// Why images cannot be prepared as the checkpoint's processor would (a processor option
-    /// this build lacks), refused at [`VisionProcessor::prepare`] instead of computed otherwise.
-    pub unsupported: Option<String>,
+    /// Gemma 3's pan and scan (`do_pan_and_scan`): crops of a wide or tall image added as
+    /// extra images, framed by text in the prompt.
+    pub pan_and_scan: Option<PanAndScan>,
+    /// The tokenised pieces of the pan-and-scan framing (`"Here is the original image "`,
+    /// `" and here are some crops to help you see better "`, `" "`), for the ids path.
+    pub framing_ids: [Vec<u32>; 3],
     /// Pad each image to a square of this colour (centred) before resizing:
     /// `LlavaImageProcessor`'s `do_pad`, the colour `int(mean · 255)` per channel.
     pub square_pad: Option<[u8; 3]>,
@@ -93,11 +159,21 @@ impl VisionProcessor {
                 };
                 let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
                 // Pan and scan adds crops per image, each its own image-token run.
-                let unsupported = crate::image::processor_json(folder)?.and_then(|(json, file)| {
-                    (json.get("do_pan_and_scan").and_then(Value::as_bool) == Some(true)).then(|| {
-                        format!("{file}: do_pan_and_scan = true (Gemma 3's pan-and-scan crops) is not supported yet")
-                    })
+                let pan_and_scan = crate::image::processor_json(folder)?.and_then(|(json, _)| {
+                    let num = |k: &str, d: f64| json.get(k).and_then(Value::as_f64).unwrap_or(d);
+                    (json.get("do_pan_and_scan").and_then(Value::as_bool) == Some(true)).then(
+                        || PanAndScan {
+                            min_crop_size: num("pan_and_scan_min_crop_size", 256.0) as usize,
+                            max_num_crops: num("pan_and_scan_max_num_crops", 4.0) as usize,
+                            min_ratio: num("pan_and_scan_min_ratio_to_activate", 1.2),
+                        },
+                    )
                 });
+                let framing_ids = [
+                    tokenizer.encode("Here is the original image ", false)?,
+                    tokenizer.encode(" and here are some crops to help you see better ", false)?,
+                    tokenizer.encode(" ", false)?,
+                ];
                 let boi = config_id(config, &["boi_token_index", "boi_token_id"], 255_999);
                 let eoi = config_id(config, &["eoi_token_index", "eoi_token_id"], 256_000);
                 let img = config_id(config, &["image_token_index", "image_token_id"], 262_144);
@@ -124,7 +200,8 @@ impl VisionProcessor {
                     placeholder: boi_t,
                     expansion_text,
                     expansion_ids,
-                    unsupported,
+                    pan_and_scan,
+                    framing_ids,
                     square_pad: None,
                 }))
             }
@@ -177,7 +254,8 @@ impl VisionProcessor {
                     expansion_text: text.repeat(n),
                     placeholder: text,
                     expansion_ids: vec![id; n],
-                    unsupported: None,
+                    pan_and_scan: None,
+                    framing_ids: Default::default(),
                     square_pad,
                 }))
             }
@@ -187,9 +265,16 @@ impl VisionProcessor {
 
     /// Pixel values of `image` as the HF processor computes them, with their content hash.
     pub fn prepare(&self, image: &RgbImage) -> Result<ImageInput> {
-        if let Some(why) = &self.unsupported {
-            return Err(LoadError::Unsupported(why.clone()));
+        if self.pan_and_scan.is_some() {
+            return Err(LoadError::Unsupported(
+                "pan and scan (do_pan_and_scan) makes several inputs per image: prepare images with `prepare_for_prompt`".into(),
+            ));
         }
+        self.prepare_one(image)
+    }
+
+    /// One model input of `image` (padded, resized, rescaled, normalised), with its hash.
+    fn prepare_one(&self, image: &RgbImage) -> Result<ImageInput> {
         let padded;
         let image = match self.square_pad {
             Some(colour) => {
@@ -216,8 +301,38 @@ impl VisionProcessor {
     /// and LLaVA: one input and the family's fixed expansion; a family whose inputs or
     /// expansion depend on the image adds its arm here (by [`VisionProcessor::family`]).
     pub fn prepare_for_prompt(&self, image: &RgbImage) -> Result<PreparedImage> {
+        if let Some(pas) = self.pan_and_scan {
+            let crops = pas.crops(image);
+            if !crops.is_empty() {
+                // Gemma3Processor: "Here is the original image {seq} and here are some crops
+                // to help you see better {seq} {seq}".
+                let mut inputs = vec![self.prepare_one(image)?];
+                for c in &crops {
+                    inputs.push(self.prepare_one(c)?);
+                }
+                let seqs = vec![self.expansion_text.as_str(); crops.len()].join(" ");
+                let [original, crops_intro, space] = &self.framing_ids;
+                let mut ids = original.clone();
+                ids.extend(&self.expansion_ids);
+                ids.extend(crops_intro);
+                for i in 0..crops.len() {
+                    if i > 0 {
+                        ids.extend(space);
+                    }
+                    ids.extend(&self.expansion_ids);
+                }
+                return Ok(PreparedImage {
+                    inputs,
+                    expansion_text: format!(
+                        "Here is the original image {} and here are some crops to help you see better {seqs}",
+                        self.expansion_text
+                    ),
+                    expansion_ids: ids,
+                });
+            }
+        }
         Ok(PreparedImage {
-            inputs: vec![self.prepare(image)?],
+            inputs: vec![self.prepare_one(image)?],
             expansion_text: self.expansion_text.clone(),
             expansion_ids: self.expansion_ids.clone(),
         })
