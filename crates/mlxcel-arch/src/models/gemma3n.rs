@@ -385,10 +385,11 @@ pub fn normal_quantile(p: f64) -> f64 {
 /// table (ids at or past `vocab_size_per_layer_input` become 0), no `sqrt(hidden_size_per_layer_input)`
 /// scale, in the compute dtype — through [`PerLayerTable::rows`], given the ids both as the MLX
 /// array the pass computes with and, when they are on the host (prompts; not a token sampled on
-/// the device and fed straight back), as `&[u32]`. Before a pass it calls
-/// [`PerLayerTable::prefetch`] with nothing yet; callers that know the next prefill chunk's
-/// ids may pass them ahead so a table on disk can read them while the current chunk computes.
-/// A resident table (dense or quantized, as the checkpoint stores it) does nothing there.
+/// the device and fed straight back), as `&[u32]`. [`PerLayerTable::prefetch`] is the hook for
+/// reading ahead: whoever knows the next prefill chunk's ids (the chunked prefill loop, through
+/// [`Model::per_layer_table`]) passes them while the current chunk computes; a resident table
+/// (dense or quantized, as the checkpoint stores it) has nothing to do there. The table is built
+/// in one place, [`PerLayerTable::load`].
 #[derive(Debug)]
 pub enum PerLayerTable {
     /// The table as a model parameter: an embedding lookup (dense or affine-quantized rows
@@ -715,19 +716,39 @@ fn rms_magnitude(x: &Array) -> Result<Array> {
 }
 
 impl Model {
+    /// The per-layer embedding table (see [`PerLayerTable`]).
+    pub fn per_layer_table(&self) -> &PerLayerTable {
+        &self.per_layer_table
+    }
+
     /// The per-layer inputs of `tokens` `[B, L]` (int32, checked against the vocabulary): the
     /// table's rows scaled by `sqrt(hidden_size_per_layer_input)`, `[B, L, layers · P]`.
     fn per_layer_rows(&self, tokens: &Array) -> Result<Array> {
-        let tokens = tokens.astype(Dtype::Int32)?;
-        let limit = tokens.scalar_like(self.vocab_per_layer as f64)?;
-        let zero = tokens.scalar_like(0.0)?;
-        let ids = ops::where_(&tokens.less(&limit)?, &tokens, &zero)?;
-        let host: Option<Vec<u32>> = if ids.is_available() {
-            Some(ids.to_vec::<i32>()?.into_iter().map(|v| v as u32).collect())
-        } else {
-            None
+        // Ids on the host (a prompt) are mapped there, so the table also gets them as a slice;
+        // a token still being sampled on the device is mapped on the device.
+        let into_table = |t: u32| {
+            if t < self.vocab_per_layer as u32 {
+                t
+            } else {
+                0
+            }
         };
-        self.per_layer_table.prefetch(&[])?;
+        let (ids, host) = if tokens.is_available() {
+            let host: Vec<u32> = tokens
+                .astype(Dtype::Int32)?
+                .to_vec::<i32>()?
+                .into_iter()
+                .map(|t| into_table(t as u32))
+                .collect();
+            let mapped: Vec<i32> = host.iter().map(|&t| t as i32).collect();
+            let ids = Array::from_slice(&mapped, &tokens.shape())?;
+            (ids, Some(host))
+        } else {
+            let tokens = tokens.astype(Dtype::Int32)?;
+            let limit = tokens.scalar_like(self.vocab_per_layer as f64)?;
+            let ids = ops::where_(&tokens.less(&limit)?, &tokens, &tokens.scalar_like(0.0)?)?;
+            (ids, None)
+        };
         let rows = self.per_layer_table.rows(&ids, host.as_deref())?;
         Ok(rows.mul_scalar((self.per_layer_width as f64).sqrt())?)
     }
