@@ -165,3 +165,15 @@ fn embeddings_without_ids_follow_transformers_inputs_embeds() {
         "the per-layer rows made no difference ({apart:.2e})"
     );
 }
+
+/// The registry's cache schedule (what `--estimate-memory` reads, without building the model)
+/// reads a full checkpoint's nested `text_config` as the loader does.
+#[test]
+fn cache_schedule_reads_the_nested_text_config() {
+    let config = mlxcel_tests::read_config(&model_dir("gemma3n"));
+    let config = mlxcel_arch::config::sanitize_config_json(config);
+    let schedule = mlxcel_arch::cache_schedule(ModelType::Gemma3n, &config).unwrap();
+    let loaded = load_without_tokenizer(model_dir("gemma3n"));
+    assert_eq!(schedule, loaded.model.layer_schedule());
+    assert_eq!(schedule[3], LayerKind::Shared { source: 1 });
+}

@@ -31,6 +31,7 @@ use mlxcel_core::ops::{self, AttentionMask};
 use mlxcel_core::{Array, Dtype, WeightMap};
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::common::CommonArgs;
 use super::transformer::check_token_ids;
@@ -95,10 +96,40 @@ impl<T: Copy> PerLayer<T> {
     }
 }
 
+/// A Gemma 3n config: a `gemma3n_text` one as it is, or a `gemma3n` one's `text_config` (with
+/// the top level's `tie_word_embeddings` where the text config lacks it), so that the registry's
+/// cache schedule and the loader read either.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "Value")]
+pub struct Args {
+    /// The text model's keys.
+    pub text: TextArgs,
+    /// Read from a multimodal config's `text_config`.
+    pub nested: bool,
+}
+
+impl TryFrom<Value> for Args {
+    type Error = serde_json::Error;
+
+    fn try_from(config: Value) -> std::result::Result<Args, serde_json::Error> {
+        use serde::de::Error;
+        let nested = config.get("text_config").is_some();
+        let text = crate::nonstandard::text_config(&config).map_err(serde_json::Error::custom)?;
+        let place = if nested { "text_config." } else { "" };
+        crate::validate::validate_config(&text)
+            .map_err(|e| serde_json::Error::custom(format!("{place}{e}")))?;
+        let text: TextArgs = serde_json::from_value(text.clone()).map_err(|e| {
+            let located = crate::validate::locate_serde_error::<TextArgs>(&text, &e.to_string());
+            serde_json::Error::custom(format!("{place}{located}"))
+        })?;
+        Ok(Args { text, nested })
+    }
+}
+
 /// The `config.json` keys of Gemma 3n's text model (`gemma3n_text`, or a `gemma3n` config's
 /// `text_config`), with transformers' defaults.
 #[derive(Debug, Clone, Deserialize)]
-pub struct Args {
+pub struct TextArgs {
     /// The keys every decoder shares (`hidden_size`, heads, `layer_types`, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
@@ -171,7 +202,7 @@ struct Plan {
     act: Activation,
 }
 
-impl Args {
+impl TextArgs {
     fn layers(&self) -> usize {
         self.common.num_hidden_layers
     }
@@ -914,6 +945,7 @@ impl Architecture for Model {
     /// drops the key/value projections hub checkpoints still carry on KV-shared layers (which
     /// transformers ignores too).
     fn sanitize(args: &Args, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        let args = &args.text;
         for name in unused_tensors(weights) {
             weights.remove(&name);
         }
@@ -943,10 +975,11 @@ impl Architecture for Model {
     }
 
     fn cache_schedule(args: &Args) -> Result<Vec<LayerKind>> {
-        args.schedule()
+        args.text.schedule()
     }
 
     fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+        let args = &args.text;
         let plan = args.plan()?;
         let c = &args.common;
         let (h, n) = (c.hidden_size, args.layers());
