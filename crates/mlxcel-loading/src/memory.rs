@@ -18,15 +18,30 @@ pub fn tensor_role(name: &str) -> &'static str {
     if name.starts_with("mtp.") {
         "mtp (unused)"
     } else if [
+        "audio_tower.",
+        "embed_audio.",
+        "model.audio_tower.",
+        "model.embed_audio.",
+    ]
+    .iter()
+    .any(|p| name.starts_with(p))
+    {
+        "audio (unused)"
+    } else if [
         "vision_tower.",
         "multi_modal_projector.",
+        "embed_vision.",
         "model.vision_tower.",
         "model.multi_modal_projector.",
+        "model.embed_vision.",
     ]
     .iter()
     .any(|p| name.starts_with(p))
     {
         "vision (unused)"
+    } else if name.contains("embed_tokens_per_layer") {
+        // Gemma 3n's per-layer embedding table (the largest tensor of its checkpoints).
+        "per-layer embed"
     } else if name.contains("embed_tokens") || name.contains("wte") || name.contains("embed_in.") {
         "embedding"
     } else if name.starts_with("lm_head")
@@ -256,6 +271,16 @@ mod tests {
                 "attention",
             ),
             ("model.layers.0.mlp.act_fn.alpha_p", "dense mlp"),
+            (
+                "model.language_model.embed_tokens_per_layer.weight",
+                "per-layer embed",
+            ),
+            (
+                "model.audio_tower.conformer.0.norm.weight",
+                "audio (unused)",
+            ),
+            ("model.embed_audio.embedding.weight", "audio (unused)"),
+            ("model.embed_vision.embedding.weight", "vision (unused)"),
         ] {
             assert_eq!(tensor_role(name), role, "{name}");
         }

@@ -20,6 +20,7 @@ pub mod gemma;
 pub mod gemma2;
 pub mod gemma3;
 pub mod gemma3_text;
+pub mod gemma3n;
 pub mod glm4;
 pub mod glm4_moe;
 pub mod gpt_neox;
