@@ -109,6 +109,11 @@ fn rwkv7_prefix_reuse_resumes_from_a_snapshot() {
 }
 
 #[test]
+fn nemotron_h_prefix_reuse_restores_mamba_layers_and_rewinds_attention() {
+    resumes_from_the_last_snapshot("nemotron_h");
+}
+
+#[test]
 fn appending_to_the_conversation_reuses_everything_without_a_snapshot() {
     let loaded = load("mamba");
     let model = &loaded.model;
@@ -274,6 +279,7 @@ fn chunked_prefill_leaves_the_same_state_as_one_pass() {
         "jamba",
         "bamba",
         "qwen3_next",
+        "nemotron_h",
     ] {
         chunked_equals_one_pass(name, &reference(name).prompt_ids, &[1, 3, 16]);
     }

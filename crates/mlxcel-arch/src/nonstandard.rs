@@ -11,7 +11,9 @@
 //!   MoE with a shared expert) by [`load_qwen3_next`];
 //! - Qwen3.5 and Qwen3.5-MoE (the same hybrid; their vision-language configs and checkpoints
 //!   read for the text decoder) by [`load_qwen3_5`];
-//! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`].
+//! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`];
+//! - Nemotron-H (single-branch layers: Mamba-2, attention, relu² MLP or MoE) by
+//!   [`load_nemotron_h`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -20,7 +22,7 @@
 use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
-use crate::models::{bamba, jamba, mamba, mamba2, qwen3_5, qwen3_next, rwkv7};
+use crate::models::{bamba, jamba, mamba, mamba2, nemotron_h, qwen3_5, qwen3_next, rwkv7};
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
 
@@ -39,6 +41,7 @@ pub fn load_nonstandard(
         ModelType::Qwen3Next => load_qwen3_next(config, weights, options),
         ModelType::Qwen3_5 => load_qwen3_5(config, weights, options),
         ModelType::Rwkv7 => load_rwkv7(config, weights, options),
+        ModelType::NemotronH => load_nemotron_h(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -200,4 +203,17 @@ pub fn load_rwkv7(
     Ok(LoadedModel::Generation(GenerationModel::Rwkv7(Box::new(
         model,
     ))))
+}
+
+/// Nemotron-H, from transformers' `layers_block_type` configs or the older
+/// `hybrid_override_pattern` ones (see [`nemotron_h`]).
+pub fn load_nemotron_h(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<nemotron_h::Model>("NemotronH", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::NemotronH(
+        Box::new(model),
+    )))
 }

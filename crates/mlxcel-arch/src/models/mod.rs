@@ -36,6 +36,7 @@ pub mod ministral3;
 pub mod mistral3;
 pub mod mixtral;
 pub mod modernbert;
+pub mod nemotron_h;
 pub mod olmo2;
 pub mod olmo3;
 pub mod olmoe;

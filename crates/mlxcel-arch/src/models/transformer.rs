@@ -130,6 +130,9 @@ pub enum FfnSpec {
     },
     /// A mixture of experts (`mlp.gate` router, `mlp.switch_mlp.*` experts).
     Moe(MoeSpec),
+    /// A mixture of plain experts `down(act(up(x)))`, routed and shared alike (no gate
+    /// projections: Nemotron-H).
+    PlainMoe(MoeSpec),
     /// No feed-forward block (the [`BlockTopology::MixerOnly`] blocks of state-space stacks).
     None,
 }
@@ -244,6 +247,9 @@ pub enum MixerSpec {
     Lightning(LightningSpec),
     /// The gated delta rule (Qwen3-Next's linear attention).
     GatedDelta(GatedDeltaSpec),
+    /// No token mixer: in a [`BlockTopology::MixerOnly`] stack, the layer is its feed-forward
+    /// block alone, `h += ffn(input_layernorm(h))` (Nemotron-H's MLP and MoE layers).
+    None,
 }
 
 impl MixerSpec {
@@ -251,7 +257,7 @@ impl MixerSpec {
     fn scope(&self) -> &'static str {
         match self {
             MixerSpec::Attention | MixerSpec::Latent(_) | MixerSpec::Lightning(_) => "self_attn",
-            MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) => "mixer",
+            MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) | MixerSpec::None => "mixer",
             MixerSpec::GatedDelta(_) => "linear_attn",
         }
     }
@@ -398,6 +404,11 @@ impl DecoderSpec {
                     window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
                     state: (m.dims.value_heads * m.dims.key_dim * m.dims.value_dim) as u64,
                 },
+                // Nothing to keep; an empty state cache moves on with the others.
+                (MixerSpec::None, _) => LayerKind::Recurrent {
+                    window: 0,
+                    state: 0,
+                },
                 (MixerSpec::Latent(l), _) => LayerKind::LatentAttention {
                     latent: l.dims.kv_lora_rank,
                     rope: l.dims.qk_rope,
@@ -434,13 +445,19 @@ impl DecoderSpec {
             )));
         }
         let mixer_only = self.topology == BlockTopology::MixerOnly;
-        if self
-            .ffn
-            .iter()
-            .any(|f| matches!(f, FfnSpec::None) != mixer_only)
-        {
+        // A MixerOnly layer has one branch, its mixer or (without a mixer) its feed-forward;
+        // every other layer has both.
+        if self.ffn.iter().zip(&self.mixers).any(|(f, m)| {
+            let no_ffn = matches!(f, FfnSpec::None);
+            let no_mixer = matches!(m, MixerSpec::None);
+            if mixer_only {
+                no_ffn == no_mixer
+            } else {
+                no_ffn || no_mixer
+            }
+        }) {
             return Err(ModelError::Config(
-                "internal: a block has no feed-forward exactly when its topology is MixerOnly"
+                "internal: a MixerOnly layer has a mixer or a feed-forward, other layers both"
                     .into(),
             ));
         }
@@ -464,6 +481,8 @@ enum Mixer {
     Mamba2(Box<Mamba2Mixer>),
     Lightning(Box<LightningAttention>),
     GatedDelta(Box<GatedDeltaNet>),
+    /// See [`MixerSpec::None`].
+    None,
 }
 
 impl Mixer {
@@ -493,6 +512,9 @@ impl Mixer {
                 })
             }
             Mixer::GatedDelta(m) => m.forward(x, norm, residual, cache),
+            Mixer::None => Err(ModelError::Runtime(
+                "internal: a layer without a token mixer was asked to mix".into(),
+            )),
         }
     }
 }
@@ -647,6 +669,18 @@ impl Block {
         residual_scale: Option<f64>,
     ) -> Result<Array> {
         let mixer = &self.mixer;
+        if let (BlockNorms::MixerOnly { mixer_in }, Mixer::None, Some(ffn)) =
+            (&self.norms, mixer, &self.ffn)
+        {
+            // The layer's (empty) state cache moves on with the others' positions.
+            if let LayerCache::State(s) = cache {
+                s.advance(h.dim(1)? as usize);
+            }
+            return match residual_scale {
+                None => ffn.forward_fused(h, Some(mixer_in), Some(h)),
+                Some(s) => add_scaled(h, &ffn.forward_fused(h, Some(mixer_in), None)?, Some(s)),
+            };
+        }
         if let BlockNorms::MixerOnly { mixer_in } = &self.norms {
             return match residual_scale {
                 None => mixer.forward(h, Some(mixer_in), Some(h), cache, positions),
@@ -1106,7 +1140,8 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                 "internal: no feed-forward block to build".into(),
             ))
         }
-        FfnSpec::Moe(m) => {
+        FfnSpec::Moe(m) | FfnSpec::PlainMoe(m) => {
+            let plain = matches!(ffn, FfnSpec::PlainMoe(_));
             let correction_bias = if m.correction_bias {
                 let b = w.tensor("gate.e_score_correction_bias", &[m.experts])?;
                 Some(b.astype(mlxcel_core::Dtype::Float32)?)
@@ -1124,7 +1159,11 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                     m.normalize,
                 )
             };
-            let mut experts = w.routed_experts("", m.experts, h, m.intermediate, spec.act)?;
+            let mut experts = if plain {
+                w.plain_routed_experts("", m.experts, h, m.intermediate, spec.act)?
+            } else {
+                w.routed_experts("", m.experts, h, m.intermediate, spec.act)?
+            };
             if m.expert_bias {
                 let RoutedExperts::Resident(glu) = &mut experts else {
                     return Err(ModelError::Unsupported(
@@ -1147,7 +1186,7 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                     } else {
                         None
                     };
-                    let mlp = mlp(&mut w.scope("shared_expert"), spec, s.intermediate, true)?;
+                    let mlp = mlp(&mut w.scope("shared_expert"), spec, s.intermediate, !plain)?;
                     Some((mlp, gate))
                 }
                 None => None,
@@ -1219,6 +1258,7 @@ impl Decoder {
                         MixerSpec::GatedDelta(m) => {
                             Mixer::GatedDelta(Box::new(gated_delta(&mut a, spec, m)?))
                         }
+                        MixerSpec::None => Mixer::None,
                     }
                 };
                 let ffn = match &spec.ffn[i] {
