@@ -113,6 +113,13 @@ fn nemotron_h_prefix_reuse_restores_mamba_layers_and_rewinds_attention() {
     resumes_from_the_last_snapshot("nemotron_h");
 }
 
+/// RecurrentGemma's local attention keeps a ring of 8 positions, which cannot be cut back to
+/// the snapshot at 24 once it has moved on to 40: its snapshots hold the rings as well.
+#[test]
+fn recurrent_gemma_prefix_reuse_restores_rg_lru_layers_and_attention_rings() {
+    resumes_from_the_last_snapshot("recurrent_gemma");
+}
+
 #[test]
 fn appending_to_the_conversation_reuses_everything_without_a_snapshot() {
     let loaded = load("mamba");
@@ -280,6 +287,7 @@ fn chunked_prefill_leaves_the_same_state_as_one_pass() {
         "bamba",
         "qwen3_next",
         "nemotron_h",
+        "recurrent_gemma",
     ] {
         chunked_equals_one_pass(name, &reference(name).prompt_ids, &[1, 3, 16]);
     }

@@ -362,16 +362,21 @@ impl LayerCache {
         Ok(())
     }
 
-    /// Bytes held by the cache buffers.
-    pub fn nbytes(&self) -> usize {
+    /// The arrays the cache holds (keys and values, or a state's arrays).
+    pub fn planes(&self) -> Vec<&Array> {
         let planes: Vec<&Option<Array>> = match self {
             LayerCache::Standard(c) | LayerCache::Latent(c) => vec![&c.keys, &c.values],
             LayerCache::Rotating(c) => vec![&c.keys, &c.values],
             LayerCache::State(c) => c.arrays.iter().collect(),
             LayerCache::Shared { .. } | LayerCache::Bidirectional(_) => vec![],
-            LayerCache::Batch(b) => return b.keys.nbytes() + b.values.nbytes(),
+            LayerCache::Batch(b) => return vec![&b.keys, &b.values],
         };
-        planes.into_iter().flatten().map(Array::nbytes).sum()
+        planes.into_iter().flatten().collect()
+    }
+
+    /// Bytes held by the cache buffers.
+    pub fn nbytes(&self) -> usize {
+        self.planes().into_iter().map(Array::nbytes).sum()
     }
 
     /// Moves a shared cache's position along with its source layer's.

@@ -118,8 +118,10 @@ impl Default for SnapshotPolicy {
     }
 }
 
-/// The recurrent layers' caches after the first `position` tokens (`None` for the other
-/// layers, which rewind instead).
+/// The caches that cannot be cut back after the first `position` tokens: recurrent layers'
+/// states and sliding-window rings (a ring has moved past the rows the position needs once
+/// its window has; it is as small as a state); `None` for the other layers, which rewind
+/// instead.
 #[derive(Debug, Clone)]
 struct StateSnapshot {
     position: usize,
@@ -129,9 +131,10 @@ struct StateSnapshot {
 /// A conversation's model state: the caches and the tokens they hold. A new request reuses the
 /// longest common prefix with what the caches hold (rewinding them to the first differing token)
 /// instead of starting over. Recurrent layers cannot rewind: for them the session resumes from
-/// the last [`SnapshotPolicy`] snapshot within the common prefix. It falls back to a full
-/// prefill only when no such point exists (or a sliding-window ring no longer holds the rows
-/// the resumed position needs).
+/// the last [`SnapshotPolicy`] snapshot within the common prefix (which also holds the models'
+/// sliding-window rings). It falls back to a full prefill only when no such point exists (or,
+/// in a model without recurrent layers, a ring no longer holds the rows the resumed position
+/// needs).
 pub struct Session<'m> {
     model: &'m dyn LanguageModel,
     caches: Vec<LayerCache>,
@@ -475,21 +478,19 @@ impl<'m> Session<'m> {
         last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))
     }
 
-    /// Records the recurrent layers' state after `position` tokens.
+    /// Records the recurrent layers' state (and the sliding-window rings) after `position`
+    /// tokens.
     fn take_snapshot(&mut self, position: usize) -> Result<()> {
         let states: Vec<Option<LayerCache>> = self
             .caches
             .iter()
-            .map(|c| matches!(c, LayerCache::State(_)).then(|| c.clone()))
+            .map(|c| matches!(c, LayerCache::State(_) | LayerCache::Rotating(_)).then(|| c.clone()))
             .collect();
         // Evaluated now, so a snapshot holds its arrays and not the graph that made them.
         let arrays: Vec<&Array> = states
             .iter()
             .flatten()
-            .flat_map(|c| match c {
-                LayerCache::State(s) => s.arrays.iter().flatten().collect::<Vec<_>>(),
-                _ => Vec::new(),
-            })
+            .flat_map(LayerCache::planes)
             .collect();
         mlxcel_core::ops::eval_all(arrays)?;
         self.snapshots.retain(|s| s.position != position);

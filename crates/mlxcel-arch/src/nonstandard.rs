@@ -13,7 +13,9 @@
 //!   read for the text decoder) by [`load_qwen3_5`];
 //! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`];
 //! - Nemotron-H (single-branch layers: Mamba-2, attention, relu² MLP or MoE) by
-//!   [`load_nemotron_h`].
+//!   [`load_nemotron_h`];
+//! - RecurrentGemma (Griffin's RG-LRU layers with local attention) by
+//!   [`load_recurrent_gemma`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -22,7 +24,9 @@
 use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
-use crate::models::{bamba, jamba, mamba, mamba2, nemotron_h, qwen3_5, qwen3_next, rwkv7};
+use crate::models::{
+    bamba, jamba, mamba, mamba2, nemotron_h, qwen3_5, qwen3_next, recurrent_gemma, rwkv7,
+};
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
 
@@ -42,6 +46,7 @@ pub fn load_nonstandard(
         ModelType::Qwen3_5 => load_qwen3_5(config, weights, options),
         ModelType::Rwkv7 => load_rwkv7(config, weights, options),
         ModelType::NemotronH => load_nemotron_h(config, weights, options),
+        ModelType::RecurrentGemma => load_recurrent_gemma(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -214,6 +219,19 @@ pub fn load_nemotron_h(
 ) -> Result<LoadedModel> {
     let model = build_architecture::<nemotron_h::Model>("NemotronH", config, weights, options)?;
     Ok(LoadedModel::Generation(GenerationModel::NemotronH(
+        Box::new(model),
+    )))
+}
+
+/// RecurrentGemma (Griffin), as transformers and mlx-lm store it (see [`recurrent_gemma`]).
+pub fn load_recurrent_gemma(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model =
+        build_architecture::<recurrent_gemma::Model>("RecurrentGemma", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::RecurrentGemma(
         Box::new(model),
     )))
 }

@@ -82,6 +82,7 @@ macro_rules! for_each_model_registration {
             Qwen3_5 { names: ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::qwen3_5::Model, adapter: None },
             Rwkv7 { names: ["rwkv7"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::rwkv7::Model, adapter: None },
             NemotronH { names: ["nemotron_h"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::nemotron_h::Model, adapter: None },
+            RecurrentGemma { names: ["recurrent_gemma"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::recurrent_gemma::Model, adapter: None },
             Bert { names: ["bert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             XlmRoberta { names: ["xlm-roberta"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             ModernBert { names: ["modernbert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Model, adapter: Some("encoders take no adapters") },

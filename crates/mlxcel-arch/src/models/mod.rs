@@ -48,6 +48,7 @@ pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_moe;
 pub mod qwen3_next;
+pub mod recurrent_gemma;
 pub mod rwkv7;
 pub mod seed_oss;
 pub mod smollm3;

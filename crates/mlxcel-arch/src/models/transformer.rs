@@ -21,6 +21,7 @@ use serde::de::DeserializeOwned;
 
 use crate::cache::LayerCache;
 use crate::model::{Architecture, LanguageModel, LayerKind};
+use crate::nn::griffin::RgLruBlock;
 use crate::nn::ssm::{BcdtNorms, CausalConv, Mamba2Dims, MambaDims, PlainRms};
 use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
@@ -231,6 +232,17 @@ pub struct GatedDeltaSpec {
     pub layout: DeltaLayout,
 }
 
+/// Griffin's recurrent block (RecurrentGemma's RG-LRU layers, `mixer.*`).
+#[derive(Debug, Clone)]
+pub struct RgLruSpec {
+    /// Width of the recurrence (`lru_width`).
+    pub width: i32,
+    /// Heads of its block-diagonal gates (`num_attention_heads`).
+    pub heads: i32,
+    /// Width of the causal convolution (`conv1d_width`).
+    pub conv_kernel: i32,
+}
+
 /// The token mixer of one layer.
 #[derive(Debug, Clone)]
 pub enum MixerSpec {
@@ -247,6 +259,8 @@ pub enum MixerSpec {
     Lightning(LightningSpec),
     /// The gated delta rule (Qwen3-Next's linear attention).
     GatedDelta(GatedDeltaSpec),
+    /// Griffin's RG-LRU recurrent block.
+    RgLru(RgLruSpec),
     /// No token mixer: in a [`BlockTopology::MixerOnly`] stack, the layer is its feed-forward
     /// block alone, `h += ffn(input_layernorm(h))` (Nemotron-H's MLP and MoE layers).
     None,
@@ -257,7 +271,9 @@ impl MixerSpec {
     fn scope(&self) -> &'static str {
         match self {
             MixerSpec::Attention | MixerSpec::Latent(_) | MixerSpec::Lightning(_) => "self_attn",
-            MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) | MixerSpec::None => "mixer",
+            MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) | MixerSpec::RgLru(_) | MixerSpec::None => {
+                "mixer"
+            }
             MixerSpec::GatedDelta(_) => "linear_attn",
         }
     }
@@ -404,6 +420,10 @@ impl DecoderSpec {
                     window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
                     state: (m.dims.value_heads * m.dims.key_dim * m.dims.value_dim) as u64,
                 },
+                (MixerSpec::RgLru(m), _) => LayerKind::Recurrent {
+                    window: ((m.conv_kernel - 1) * m.width) as u64,
+                    state: m.width as u64,
+                },
                 // Nothing to keep; an empty state cache moves on with the others.
                 (MixerSpec::None, _) => LayerKind::Recurrent {
                     window: 0,
@@ -481,6 +501,7 @@ enum Mixer {
     Mamba2(Box<Mamba2Mixer>),
     Lightning(Box<LightningAttention>),
     GatedDelta(Box<GatedDeltaNet>),
+    RgLru(Box<RgLruBlock>),
     /// See [`MixerSpec::None`].
     None,
 }
@@ -512,6 +533,7 @@ impl Mixer {
                 })
             }
             Mixer::GatedDelta(m) => m.forward(x, norm, residual, cache),
+            Mixer::RgLru(m) => m.forward(x, norm, residual, cache),
             Mixer::None => Err(ModelError::Runtime(
                 "internal: a layer without a token mixer was asked to mix".into(),
             )),
@@ -1055,6 +1077,32 @@ fn mamba2_mixer(w: &mut ModelWeights, spec: &DecoderSpec, m: &Mamba2Spec) -> Res
     })
 }
 
+/// Griffin's recurrent block under the open scope (`mixer`).
+fn rg_lru(w: &mut ModelWeights, spec: &DecoderSpec, m: &RgLruSpec) -> Result<RgLruBlock> {
+    if m.heads <= 0 || m.width % m.heads != 0 {
+        return Err(ModelError::Config(format!(
+            "lru_width {} is not a multiple of num_attention_heads {}",
+            m.width, m.heads
+        )));
+    }
+    let (h, bw) = (spec.hidden, m.width / m.heads);
+    let log_decay = RgLruBlock::log_decay_of(&w.tensor("rg_lru.recurrent_param", &[m.width])?)?;
+    w.keep_all([&log_decay]);
+    Ok(RgLruBlock {
+        linear_y: w.linear("linear_y", h, m.width, true)?,
+        linear_x: w.linear("linear_x", h, m.width, true)?,
+        linear_out: w.linear("linear_out", m.width, h, true)?,
+        conv: causal_conv(w, m.width, m.conv_kernel, true)?,
+        input_gate_weight: w.tensor("rg_lru.input_gate_weight", &[m.heads, bw, bw])?,
+        input_gate_bias: w.tensor("rg_lru.input_gate_bias", &[m.heads, bw])?,
+        recurrent_gate_weight: w.tensor("rg_lru.recurrent_gate_weight", &[m.heads, bw, bw])?,
+        recurrent_gate_bias: w.tensor("rg_lru.recurrent_gate_bias", &[m.heads, bw])?,
+        log_decay,
+        act: spec.act,
+        heads: m.heads,
+    })
+}
+
 /// A lightning-attention mixer under the open scope (`self_attn`).
 fn lightning_attention(
     w: &mut ModelWeights,
@@ -1258,6 +1306,7 @@ impl Decoder {
                         MixerSpec::GatedDelta(m) => {
                             Mixer::GatedDelta(Box::new(gated_delta(&mut a, spec, m)?))
                         }
+                        MixerSpec::RgLru(m) => Mixer::RgLru(Box::new(rg_lru(&mut a, spec, m)?)),
                         MixerSpec::None => Mixer::None,
                     }
                 };

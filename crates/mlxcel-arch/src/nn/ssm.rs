@@ -85,6 +85,12 @@ impl CausalConv {
     /// `x` `[B, L, C]` and the previous window `[B, kernel - 1, C]` (zeros when `None`) →
     /// `silu(conv(x))` `[B, L, C]` and the new window.
     pub fn forward(&self, x: &Array, window: Option<&Array>) -> Result<(Array, Array)> {
+        let (y, window) = self.convolve(x, window)?;
+        Ok((silu(&y)?, window))
+    }
+
+    /// [`CausalConv::forward`] without the SiLU (Griffin's recurrent block).
+    pub fn convolve(&self, x: &Array, window: Option<&Array>) -> Result<(Array, Array)> {
         let k = self.kernel()?;
         let (b, l, c) = (x.dim(0)?, x.dim(1)?, x.dim(2)?);
         let window = match window {
@@ -109,7 +115,7 @@ impl CausalConv {
             y = y.add(bias)?;
         }
         let new_window = padded.slice_axis(1, l, l + k - 1)?;
-        Ok((silu(&y)?, new_window))
+        Ok((y, new_window))
     }
 }
 
@@ -178,7 +184,7 @@ pub struct MambaMixer {
 /// `h_t = a_t ⊙ h_{t-1} + b_t` for every `t` of a block, `a`, `b` `[B, T, ...]`, from `h0`
 /// `[B, ...]`: a Hillis-Steele scan (log2 T steps of whole-block ops; every product is of decays
 /// ≤ 1, so nothing overflows). Returns all `h_t`.
-fn linear_recurrence(a: &Array, b: &Array, h0: &Array) -> Result<Array> {
+pub(crate) fn linear_recurrence(a: &Array, b: &Array, h0: &Array) -> Result<Array> {
     let t = a.dim(1)?;
     let (mut a, mut b) = (a.clone(), b.clone());
     let mut step = 1;
