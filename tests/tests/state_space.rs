@@ -113,6 +113,13 @@ fn nemotron_h_prefix_reuse_restores_mamba_layers_and_rewinds_attention() {
     resumes_from_the_last_snapshot("nemotron_h");
 }
 
+/// Falcon-H1's layers each hold keys and values and a Mamba-2 state: the snapshot restores the
+/// states and the keys are cut back.
+#[test]
+fn falcon_h1_prefix_reuse_restores_states_and_rewinds_the_same_layers_attention() {
+    resumes_from_the_last_snapshot("falcon_h1");
+}
+
 /// RecurrentGemma's local attention keeps a ring of 8 positions, which cannot be cut back to
 /// the snapshot at 24 once it has moved on to 40: its snapshots hold the rings as well.
 #[test]
@@ -236,18 +243,25 @@ fn prefill_states(
         .unwrap()
         .to_vec::<f32>()
         .unwrap();
+    // Recurrent layers' states, Falcon-H1's (next to its keys) included.
     let states: Vec<Vec<f32>> = caches
         .iter()
         .filter_map(|c| match c {
-            LayerCache::State(s) => Some(s.arrays.iter().flatten().flat_map(|a| {
-                a.astype(mlxcel_core::Dtype::Float32)
-                    .unwrap()
-                    .to_vec::<f32>()
-                    .unwrap()
-            })),
+            LayerCache::State(_) => Some(c),
+            LayerCache::Pair(pair) => Some(&pair.1),
             _ => None,
         })
-        .map(Iterator::collect)
+        .map(|c| {
+            c.planes()
+                .into_iter()
+                .flat_map(|a| {
+                    a.astype(mlxcel_core::Dtype::Float32)
+                        .unwrap()
+                        .to_vec::<f32>()
+                        .unwrap()
+                })
+                .collect()
+        })
         .collect();
     assert!(!states.is_empty(), "{name}: no state caches");
     (logits, states)
@@ -288,6 +302,7 @@ fn chunked_prefill_leaves_the_same_state_as_one_pass() {
         "qwen3_next",
         "nemotron_h",
         "recurrent_gemma",
+        "falcon_h1",
     ] {
         chunked_equals_one_pass(name, &reference(name).prompt_ids, &[1, 3, 16]);
     }

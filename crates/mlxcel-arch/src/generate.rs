@@ -430,7 +430,10 @@ impl<'m> Session<'m> {
                     .caches
                     .iter()
                     .zip(&s.states)
-                    .all(|(c, state)| state.is_some() || c.can_rewind(s.position))
+                    .all(|(c, state)| match state {
+                        Some(_) => c.can_restore(s.position),
+                        None => c.can_rewind(s.position),
+                    })
         });
         let Some(snapshot) = usable.cloned() else {
             self.caches = self.model.make_caches();
@@ -438,7 +441,7 @@ impl<'m> Session<'m> {
         };
         for (cache, state) in self.caches.iter_mut().zip(snapshot.states) {
             match state {
-                Some(state) => *cache = state,
+                Some(state) => cache.restore(state, snapshot.position)?,
                 None => cache.rewind(snapshot.position)?,
             }
         }
@@ -454,10 +457,7 @@ impl<'m> Session<'m> {
         start: usize,
         chunk: Option<usize>,
     ) -> Result<Array> {
-        let recurrent = self
-            .caches
-            .iter()
-            .any(|c| matches!(c, LayerCache::State(_)));
+        let recurrent = self.caches.iter().any(LayerCache::is_recurrent);
         let interval = self.policy.interval;
         if !recurrent || self.policy.max_snapshots == 0 || interval == 0 {
             return prefill(self.model, tokens, &mut self.caches, chunk);
@@ -481,11 +481,8 @@ impl<'m> Session<'m> {
     /// Records the recurrent layers' state (and the sliding-window rings) after `position`
     /// tokens.
     fn take_snapshot(&mut self, position: usize) -> Result<()> {
-        let states: Vec<Option<LayerCache>> = self
-            .caches
-            .iter()
-            .map(|c| matches!(c, LayerCache::State(_) | LayerCache::Rotating(_)).then(|| c.clone()))
-            .collect();
+        let states: Vec<Option<LayerCache>> =
+            self.caches.iter().map(LayerCache::snapshot).collect();
         // Evaluated now, so a snapshot holds its arrays and not the graph that made them.
         let arrays: Vec<&Array> = states
             .iter()

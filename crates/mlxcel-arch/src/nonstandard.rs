@@ -15,7 +15,9 @@
 //! - Nemotron-H (single-branch layers: Mamba-2, attention, relu² MLP or MoE) by
 //!   [`load_nemotron_h`];
 //! - RecurrentGemma (Griffin's RG-LRU layers with local attention) by
-//!   [`load_recurrent_gemma`].
+//!   [`load_recurrent_gemma`];
+//! - Falcon-H1 (attention and Mamba-2 side by side in every layer, muP multipliers) by
+//!   [`load_falcon_h1`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -25,7 +27,7 @@ use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
 use crate::models::{
-    bamba, jamba, mamba, mamba2, nemotron_h, qwen3_5, qwen3_next, recurrent_gemma, rwkv7,
+    bamba, falcon_h1, jamba, mamba, mamba2, nemotron_h, qwen3_5, qwen3_next, recurrent_gemma, rwkv7,
 };
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
@@ -47,6 +49,7 @@ pub fn load_nonstandard(
         ModelType::Rwkv7 => load_rwkv7(config, weights, options),
         ModelType::NemotronH => load_nemotron_h(config, weights, options),
         ModelType::RecurrentGemma => load_recurrent_gemma(config, weights, options),
+        ModelType::FalconH1 => load_falcon_h1(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -232,6 +235,18 @@ pub fn load_recurrent_gemma(
     let model =
         build_architecture::<recurrent_gemma::Model>("RecurrentGemma", config, weights, options)?;
     Ok(LoadedModel::Generation(GenerationModel::RecurrentGemma(
+        Box::new(model),
+    )))
+}
+
+/// Falcon-H1, from transformers' layout or mlx-lm's folded one (see [`falcon_h1`]).
+pub fn load_falcon_h1(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<falcon_h1::Model>("FalconH1", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::FalconH1(
         Box::new(model),
     )))
 }

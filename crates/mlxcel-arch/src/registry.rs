@@ -83,6 +83,7 @@ macro_rules! for_each_model_registration {
             Rwkv7 { names: ["rwkv7"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::rwkv7::Model, adapter: None },
             NemotronH { names: ["nemotron_h"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::nemotron_h::Model, adapter: None },
             RecurrentGemma { names: ["recurrent_gemma"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::recurrent_gemma::Model, adapter: None },
+            FalconH1 { names: ["falcon_h1"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::falcon_h1::Model, adapter: None },
             Bert { names: ["bert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             XlmRoberta { names: ["xlm-roberta"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             ModernBert { names: ["modernbert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Model, adapter: Some("encoders take no adapters") },

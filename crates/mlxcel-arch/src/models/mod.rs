@@ -16,6 +16,7 @@ pub mod ernie4_5_moe;
 pub mod exaone;
 pub mod exaone4;
 pub mod exaone_moe;
+pub mod falcon_h1;
 pub mod gemma;
 pub mod gemma2;
 pub mod gemma3_text;

@@ -19,7 +19,7 @@ use super::transformer::{
     DecoderArgs, DecoderSpec, FfnSpec, Mamba2Spec, MixerSpec, MoeSpec, SharedExpertSpec,
     Transformer,
 };
-use crate::nn::ssm::Mamba2Dims;
+use crate::nn::ssm::{GatedNorm, Mamba2Dims};
 use crate::nn::{Activation, GroupLimit, GroupScore, RouterScoring};
 use crate::sanitize::stack_experts;
 use crate::{ModelError, Result};
@@ -313,6 +313,7 @@ impl DecoderArgs for Args {
             conv_bias: self.use_conv_bias,
             proj_bias: self.use_bias,
             norm_eps: self.layer_norm_epsilon,
+            gated_norm: GatedNorm::GateThenNorm,
             dt_limit: (self.time_step_min, f64::INFINITY),
         });
         let mut mixers = Vec::with_capacity(blocks.len());

@@ -22,7 +22,7 @@ use serde::de::DeserializeOwned;
 use crate::cache::LayerCache;
 use crate::model::{Architecture, LanguageModel, LayerKind};
 use crate::nn::griffin::RgLruBlock;
-use crate::nn::ssm::{BcdtNorms, CausalConv, Mamba2Dims, MambaDims, PlainRms};
+use crate::nn::ssm::{BcdtNorms, CausalConv, GatedNorm, Mamba2Dims, MambaDims, PlainRms};
 use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
     LightningAttention, Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind,
@@ -192,6 +192,8 @@ pub struct Mamba2Spec {
     pub proj_bias: bool,
     /// Epsilon of the gated RMSNorm.
     pub norm_eps: f32,
+    /// Where the output gate sits relative to the norm (or that there is no norm).
+    pub gated_norm: GatedNorm,
     /// The clamp of the time step after its softplus (`time_step_limit`).
     pub dt_limit: (f64, f64),
 }
@@ -261,6 +263,9 @@ pub enum MixerSpec {
     GatedDelta(GatedDeltaSpec),
     /// Griffin's RG-LRU recurrent block.
     RgLru(RgLruSpec),
+    /// Attention (under `self_attn`) and a Mamba-2 mixer (under `mamba`) side by side on the
+    /// same normed input, their outputs summed (Falcon-H1).
+    AttentionWithMamba2(Mamba2Spec),
     /// No token mixer: in a [`BlockTopology::MixerOnly`] stack, the layer is its feed-forward
     /// block alone, `h += ffn(input_layernorm(h))` (Nemotron-H's MLP and MoE layers).
     None,
@@ -270,7 +275,10 @@ impl MixerSpec {
     /// The scope the mixer's tensors are read under within its layer.
     fn scope(&self) -> &'static str {
         match self {
-            MixerSpec::Attention | MixerSpec::Latent(_) | MixerSpec::Lightning(_) => "self_attn",
+            MixerSpec::Attention
+            | MixerSpec::Latent(_)
+            | MixerSpec::Lightning(_)
+            | MixerSpec::AttentionWithMamba2(_) => "self_attn",
             MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) | MixerSpec::RgLru(_) | MixerSpec::None => {
                 "mixer"
             }
@@ -420,6 +428,12 @@ impl DecoderSpec {
                     window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
                     state: (m.dims.value_heads * m.dims.key_dim * m.dims.value_dim) as u64,
                 },
+                (MixerSpec::AttentionWithMamba2(m), _) => LayerKind::AttentionAndState {
+                    kv_heads: self.kv_heads,
+                    head_dim: self.head_dim,
+                    window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
+                    state: (m.dims.inner * m.dims.state) as u64,
+                },
                 (MixerSpec::RgLru(m), _) => LayerKind::Recurrent {
                     window: ((m.conv_kernel - 1) * m.width) as u64,
                     state: m.width as u64,
@@ -502,6 +516,7 @@ enum Mixer {
     Lightning(Box<LightningAttention>),
     GatedDelta(Box<GatedDeltaNet>),
     RgLru(Box<RgLruBlock>),
+    AttentionWithMamba2(Box<(Attention, Mamba2Mixer)>),
     /// See [`MixerSpec::None`].
     None,
 }
@@ -534,6 +549,20 @@ impl Mixer {
             }
             Mixer::GatedDelta(m) => m.forward(x, norm, residual, cache),
             Mixer::RgLru(m) => m.forward(x, norm, residual, cache),
+            Mixer::AttentionWithMamba2(pair) => {
+                let (attention, mamba) = &**pair;
+                let x = match norm {
+                    Some(n) => n.forward(x)?,
+                    None => x.clone(),
+                };
+                let (kv, state) = cache.pair_mut()?;
+                let a = attention.forward(&x, None, None, kv, positions)?;
+                let y = mamba.forward(&x, None, Some(&a), state)?;
+                Ok(match residual {
+                    Some(r) => r.add(&y)?,
+                    None => y,
+                })
+            }
             Mixer::None => Err(ModelError::Runtime(
                 "internal: a layer without a token mixer was asked to mix".into(),
             )),
@@ -1069,7 +1098,11 @@ fn mamba2_mixer(w: &mut ModelWeights, spec: &DecoderSpec, m: &Mamba2Spec) -> Res
         dt_bias,
         a,
         d: skip,
-        norm_weight: w.tensor("norm.weight", &[d.inner])?,
+        norm_weight: match m.gated_norm {
+            GatedNorm::GateOnly => None,
+            _ => Some(w.tensor("norm.weight", &[d.inner])?),
+        },
+        gated_norm: m.gated_norm,
         norm_eps: m.norm_eps,
         out_proj: w.linear("out_proj", d.inner, spec.hidden, m.proj_bias)?,
         dt_limit: m.dt_limit,
@@ -1287,7 +1320,11 @@ impl Decoder {
             let mut layers = body.scope("layers");
             for i in 0..spec.layers() {
                 let mut l = layers.scope(i);
-                let mixer = {
+                let mixer = if let MixerSpec::AttentionWithMamba2(m) = &spec.mixers[i] {
+                    let attention = attention(&mut l.scope("self_attn"), spec, i)?;
+                    let mamba = mamba2_mixer(&mut l.scope("mamba"), spec, m)?;
+                    Mixer::AttentionWithMamba2(Box::new((attention, mamba)))
+                } else {
                     let mut a = l.scope(spec.mixers[i].scope());
                     match &spec.mixers[i] {
                         MixerSpec::Attention => Mixer::Attention(attention(&mut a, spec, i)?),
@@ -1308,6 +1345,7 @@ impl Decoder {
                         }
                         MixerSpec::RgLru(m) => Mixer::RgLru(Box::new(rg_lru(&mut a, spec, m)?)),
                         MixerSpec::None => Mixer::None,
+                        MixerSpec::AttentionWithMamba2(_) => unreachable!("built above"),
                     }
                 };
                 let ffn = match &spec.ffn[i] {

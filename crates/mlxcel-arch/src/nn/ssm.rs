@@ -320,6 +320,17 @@ impl Mamba2Dims {
     }
 }
 
+/// Where Mamba-2's output gate `silu(z)` sits relative to its grouped RMSNorm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatedNorm {
+    /// `norm(y · silu(z))` (Mamba-2, Bamba, Nemotron-H; Falcon-H1's default).
+    GateThenNorm,
+    /// `norm(y) · silu(z)` (Falcon-H1's `mamba_norm_before_gate`).
+    NormThenGate,
+    /// `y · silu(z)`, no norm (Falcon-H1 without `mamba_rms_norm`).
+    GateOnly,
+}
+
 /// Mamba-2's mixer: multi-head SSD with grouped `B`/`C` and a gated RMSNorm.
 #[derive(Debug)]
 pub struct Mamba2Mixer {
@@ -333,8 +344,11 @@ pub struct Mamba2Mixer {
     pub a: Array,
     /// The skip connection `[heads]`, float32.
     pub d: Array,
-    /// The gated RMSNorm's weight `[inner]`, over groups of `inner / groups` features.
-    pub norm_weight: Array,
+    /// The gated RMSNorm's weight `[inner]`, over groups of `inner / groups` features (`None`
+    /// for [`GatedNorm::GateOnly`]).
+    pub norm_weight: Option<Array>,
+    /// Where the gate sits.
+    pub gated_norm: GatedNorm,
     /// The gated RMSNorm's epsilon.
     pub norm_eps: f32,
     /// inner → hidden.
@@ -547,14 +561,26 @@ impl Mamba2Mixer {
         let y = y
             .add(&xs.multiply(&self.d.expand_dims(&[-1])?)?)?
             .reshape(&[b, l, d.inner])?;
-        // Gated RMSNorm: normalise y · silu(z) over each group's features.
-        let gated = y.multiply(&silu(&f32(z)?)?)?;
-        let normed = gated
-            .reshape(&[b, l, d.groups, d.inner / d.groups])?
-            .rms_norm(None, self.norm_eps)?
-            .reshape(&[b, l, d.inner])?
-            .astype(dtype)?
-            .multiply(&self.norm_weight)?;
+        // Gated RMSNorm over each group's features (float32, the weight applied in the compute
+        // dtype after the norm as transformers' Mamba-2 does, in float32 before the gate as its
+        // Falcon-H1 does).
+        let gate = silu(&f32(z)?)?;
+        let group_norm = |a: &Array| -> Result<Array> {
+            Ok(a.reshape(&[b, l, d.groups, d.inner / d.groups])?
+                .rms_norm(None, self.norm_eps)?
+                .reshape(&[b, l, d.inner])?)
+        };
+        let weight = |a: Array| -> Result<Array> {
+            Ok(match &self.norm_weight {
+                Some(w) => a.multiply(w)?,
+                None => a,
+            })
+        };
+        let normed = match self.gated_norm {
+            GatedNorm::GateThenNorm => weight(group_norm(&y.multiply(&gate)?)?.astype(dtype)?)?,
+            GatedNorm::NormThenGate => weight(group_norm(&y)?)?.multiply(&gate)?.astype(dtype)?,
+            GatedNorm::GateOnly => y.multiply(&gate)?.astype(dtype)?,
+        };
         write_state(cache, window, h, l as usize);
         self.out_proj
             .forward_fused(&normed, LinearInput::Plain, residual)
