@@ -230,6 +230,31 @@ fn jamba_follows_transformers_where_mlx_lm_renormalises_the_routing() {
     );
 }
 
+/// mlx-lm's RecurrentGemma scales the embeddings by the exact `sqrt(hidden)` and normalises the
+/// first position's RG-LRU input; transformers (followed here) keeps the normaliser in bfloat16
+/// and leaves the first input unnormalised (`models/recurrent_gemma/mlx_lm_diff.json`).
+#[test]
+fn recurrent_gemma_follows_transformers_where_mlx_lm_normalises_differently() {
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("recurrent_gemma");
+    assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
+    assert!(
+        to_mlx_lm > 1e-3,
+        "mlx-lm's recurrent_gemma now matches transformers? {to_mlx_lm:.2e}"
+    );
+}
+
+/// mlx-lm's Falcon-H1 drops muP multipliers transformers applies (and differs further); mlxcel
+/// follows transformers (`models/falcon_h1/mlx_lm_diff.json`).
+#[test]
+fn falcon_h1_follows_transformers_where_mlx_lm_differs() {
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("falcon_h1");
+    assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
+    assert!(
+        to_mlx_lm > 1.0,
+        "mlx-lm's falcon_h1 now matches transformers? {to_mlx_lm:.3}"
+    );
+}
+
 /// Prefills `prompt` in chunks of `chunk` (one pass for `None`): the last position's logits
 /// and every state cache's arrays, flattened.
 fn prefill_states(
