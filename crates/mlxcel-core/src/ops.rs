@@ -825,6 +825,49 @@ pub fn gather_mm(
     }))
 }
 
+/// The selective state-space recurrence of Mamba-1 and Mamba-2 on mlxcel's CPU kernel
+/// (`cpp/cpu_scan.cc`), position after position: `s = exp(dt · A) ⊙ s + dt · x · Bᵀ`,
+/// `y = s · C`, for `x` `[B, L, H, P]`, `dt` `[B, L, H]`, `a` `[H, N]` (`per_head_decay`: one
+/// value per head, read from column 0), `bm`, `cm` `[B, L, G, N]` (head `h` reads group
+/// `h / (H / G)`) and the initial state `h0` `[B, H, P, N]`, all float32. Returns `y`
+/// `[B, L, H, P]` and the last state `[B, H, P, N]`, or `None` where the CPU kernels are not in
+/// use (the caller then runs its MLX graph).
+pub fn cpu_selective_scan(
+    x: &Array,
+    dt: &Array,
+    a: &Array,
+    bm: &Array,
+    cm: &Array,
+    h0: &Array,
+    per_head_decay: bool,
+) -> Result<Option<(Array, Array)>> {
+    if !cpu_kernels_active()? {
+        return Ok(None);
+    }
+    for t in [x, dt, a, bm, cm, h0] {
+        if t.dtype()? != Dtype::Float32 {
+            return Ok(None);
+        }
+    }
+    let packed = wrap(bridge::cpu_selective_scan(
+        x.as_ref(),
+        dt.as_ref(),
+        a.as_ref(),
+        bm.as_ref(),
+        cm.as_ref(),
+        h0.as_ref(),
+        per_head_decay,
+    )?);
+    let (b, l, h, p) = (x.dim(0)?, x.dim(1)?, x.dim(2)?, x.dim(3)?);
+    let n = bm.dim(3)?;
+    let ys = l * h * p;
+    let y = packed.slice_axis(1, 0, ys)?.reshape(&[b, l, h, p])?;
+    let state = packed
+        .slice_axis(1, ys, ys + h * p * n)?
+        .reshape(&[b, h, p, n])?;
+    Ok(Some((y, state)))
+}
+
 /// Fused attention `softmax(q k^T * scale + mask) v` over `[B, H, L, D]` inputs; `k`/`v` may
 /// have fewer heads than `q` (grouped-query attention). `sinks` (`[H]`) adds a per-head logit
 /// that takes probability mass but contributes no value.
