@@ -1,5 +1,5 @@
 // `CpuSelectiveScan`: the selective state-space recurrence of Mamba-1 and Mamba-2 on mlxcel's
-// CPU pool, as an MLX primitive.
+// CPU pool, as an MLX primitive; `CpuDeltaRuleScan` (below): RWKV-7's generalised delta rule.
 //
 // Why: on MLX's CPU backend the parallel forms of the scan (Mamba-1's Hillis-Steele scan over
 // [B, T, inner, state] blocks, Mamba-2's chunked SSD of matmuls through the reference BLAS)
@@ -170,6 +170,127 @@ Ptr cpu_selective_scan(const array& x, const array& dt, const array& a, const ar
   return std::make_unique<array>(mx::Shape{B, L * H * P + H * P * N}, mx::float32,
                                  std::make_shared<CpuSelectiveScan>(stream, per_head_decay),
                                  std::move(inputs));
+}
+
+// ---------------------------------------------------------------------------------------------
+// `CpuDeltaRuleScan`: RWKV-7's generalised delta rule, position after position, one
+// (batch, head) per task:
+//
+//   S = S · diag(w) + v kᵀ + (S a) bᵀ,   y = S r        (S [Dv, Dk], the previous S in S a)
+
+namespace {
+
+struct DeltaArgs {
+  const float* r;  // [B, L, H, D] each
+  const float* w;
+  const float* k;
+  const float* v;
+  const float* a;
+  const float* b;
+  const float* s0;  // [B, H, D, D]
+  float* out;       // [B, L·H·D + H·D·D]: y, then the last state
+  int64_t B, L, H, D;
+};
+
+void delta_head(const DeltaArgs& p, int64_t bi, int64_t h, std::vector<float>& s,
+                std::vector<float>& sa) {
+  const int64_t D = p.D, H = p.H, L = p.L;
+  const int64_t per_batch = L * H * D + H * D * D;
+  float* y_out = p.out + bi * per_batch;
+  const float* s0 = p.s0 + (bi * H + h) * D * D;
+  s.assign(s0, s0 + D * D);
+  sa.resize(size_t(D));
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t row = ((bi * L + t) * H + h) * D;
+    const float *r = p.r + row, *w = p.w + row, *k = p.k + row, *v = p.v + row,
+                *a = p.a + row, *b = p.b + row;
+    for (int64_t i = 0; i < D; ++i) {
+      const float* si = s.data() + i * D;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < D; ++j) acc += si[j] * a[j];
+      sa[i] = acc;
+    }
+    float* y = y_out + (t * H + h) * D;
+    for (int64_t i = 0; i < D; ++i) {
+      float* si = s.data() + i * D;
+      const float vi = v[i], sai = sa[i];
+      float acc = 0.0f;
+      for (int64_t j = 0; j < D; ++j) {
+        si[j] = si[j] * w[j] + vi * k[j] + sai * b[j];
+        acc += si[j] * r[j];
+      }
+      y[i] = acc;
+    }
+  }
+  std::memcpy(y_out + L * H * D + h * D * D, s.data(), size_t(D * D) * sizeof(float));
+}
+
+class CpuDeltaRuleScan : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    for (const auto& in : inputs) {
+      if (!in.flags().row_contiguous) {
+        throw std::invalid_argument("mlxcel cpu_delta_rule_scan: inputs must be contiguous");
+      }
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    DeltaArgs p{};
+    p.r = inputs[0].data<float>();
+    p.w = inputs[1].data<float>();
+    p.k = inputs[2].data<float>();
+    p.v = inputs[3].data<float>();
+    p.a = inputs[4].data<float>();
+    p.b = inputs[5].data<float>();
+    p.s0 = inputs[6].data<float>();
+    p.out = out.data<float>();
+    p.B = inputs[0].shape(0);
+    p.L = inputs[0].shape(1);
+    p.H = inputs[0].shape(2);
+    p.D = inputs[0].shape(3);
+    schedule(inputs, out, [p]() {
+      parallel_for(int(p.B * p.H), [&](int task) {
+        std::vector<float> s, sa;
+        delta_head(p, task / p.H, task % p.H, s, sa);
+      });
+    });
+  }
+
+  const char* name() const override { return "MlxcelCpuDeltaRuleScan"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& r = inputs[0];
+    const auto H = r.shape(2), D = r.shape(3);
+    return {{r.shape(0), r.shape(1) * H * D + H * D * D}};
+  }
+};
+
+}  // namespace
+
+Ptr cpu_delta_rule_scan(const array& r, const array& w, const array& k, const array& v,
+                        const array& a, const array& b, const array& s0) {
+  auto fail = [](const std::string& why) {
+    throw std::invalid_argument("mlxcel cpu_delta_rule_scan: " + why);
+  };
+  for (const auto* t : {&r, &w, &k, &v, &a, &b, &s0}) {
+    if (t->dtype() != mx::float32) fail("every input must be float32");
+  }
+  if (r.ndim() != 4) fail("r must be [B, L, H, D]");
+  for (const auto* t : {&w, &k, &v, &a, &b}) {
+    if (t->shape() != r.shape()) fail("r, w, k, v, a and b differ in shape");
+  }
+  const auto B = r.shape(0), L = r.shape(1), H = r.shape(2), D = r.shape(3);
+  if (s0.shape() != mx::Shape{B, H, D, D}) fail("the state must be [B, H, D, D]");
+  auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<array> inputs;
+  for (const auto* t : {&r, &w, &k, &v, &a, &b, &s0}) {
+    inputs.push_back(mx::contiguous(*t, false, stream));
+  }
+  return std::make_unique<array>(mx::Shape{B, L * H * D + H * D * D}, mx::float32,
+                                 std::make_shared<CpuDeltaRuleScan>(stream), std::move(inputs));
 }
 
 }  // namespace mlxcel

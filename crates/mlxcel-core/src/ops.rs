@@ -868,6 +868,45 @@ pub fn cpu_selective_scan(
     Ok(Some((y, state)))
 }
 
+/// RWKV-7's generalised delta rule on mlxcel's CPU kernel (`cpp/cpu_scan.cc`), position after
+/// position: `S = S · diag(w) + v kᵀ + (S a) bᵀ`, `y = S r`, for `r`, `w`, `k`, `v`, `a`, `b`
+/// `[B, L, H, D]` and the state `[B, H, D(v), D(k)]`, all float32. Returns `y` `[B, L, H, D]`
+/// and the last state, or `None` where the CPU kernels are not in use.
+pub fn cpu_delta_rule_scan(
+    r: &Array,
+    w: &Array,
+    k: &Array,
+    v: &Array,
+    a: &Array,
+    b: &Array,
+    state: &Array,
+) -> Result<Option<(Array, Array)>> {
+    if !cpu_kernels_active()? {
+        return Ok(None);
+    }
+    for t in [r, w, k, v, a, b, state] {
+        if t.dtype()? != Dtype::Float32 {
+            return Ok(None);
+        }
+    }
+    let packed = wrap(bridge::cpu_delta_rule_scan(
+        r.as_ref(),
+        w.as_ref(),
+        k.as_ref(),
+        v.as_ref(),
+        a.as_ref(),
+        b.as_ref(),
+        state.as_ref(),
+    )?);
+    let (batch, l, h, d) = (r.dim(0)?, r.dim(1)?, r.dim(2)?, r.dim(3)?);
+    let ys = l * h * d;
+    let y = packed.slice_axis(1, 0, ys)?.reshape(&[batch, l, h, d])?;
+    let last = packed
+        .slice_axis(1, ys, ys + h * d * d)?
+        .reshape(&[batch, h, d, d])?;
+    Ok(Some((y, last)))
+}
+
 /// Fused attention `softmax(q k^T * scale + mask) v` over `[B, H, L, D]` inputs; `k`/`v` may
 /// have fewer heads than `q` (grouped-query attention). `sinks` (`[H]`) adds a per-head logit
 /// that takes probability mass but contributes no value.
