@@ -64,7 +64,7 @@ fn check_scan(dims: (usize, usize, usize, usize, usize, usize), per_head_decay: 
     let cm = round_to(&random_vec(&mut r, b * l * g * n, -1.0, 1.0), F32);
     let h0 = round_to(&random_vec(&mut r, b * h * p * n, -0.5, 0.5), F32);
     let (want_y, want_s) = scan_reference(&x, &dt, &a, &bm, &cm, &h0, dims);
-    let (bi, li, hi, pi, gi, ni) = (b as i32, l as i32, h as i32, p as i32, g as i32, n as i32);
+    let (bi, hi, pi, gi, ni) = (b as i32, h as i32, p as i32, g as i32, n as i32);
     let run = |from: usize, to: usize, state: &mlxcel_core::Array| {
         let cut = |v: &[f64], per: usize, shape: &[i32]| {
             let rows: Vec<f64> = (0..b)
