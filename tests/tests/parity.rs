@@ -143,6 +143,9 @@ fn state_space_families_load_through_the_nonstandard_route() {
         ("qwen3_5_moe", ModelType::Qwen3_5),
         ("qwen3_5_moe_text", ModelType::Qwen3_5),
         ("rwkv7", ModelType::Rwkv7),
+        ("nemotron_h", ModelType::NemotronH),
+        ("recurrent_gemma", ModelType::RecurrentGemma),
+        ("falcon_h1", ModelType::FalconH1),
     ] {
         let model_type = ModelType::from_model_type(t).unwrap();
         assert_eq!(model_type, expected, "{t}");

@@ -186,6 +186,10 @@ pub enum LayerCache {
     Batch(BatchCache),
     /// One bidirectional pass (see [`LayerCache::bidirectional`]).
     Bidirectional(BidirectionalCache),
+    /// A layer running attention and a recurrent mixer side by side (Falcon-H1): the
+    /// attention's keys and values (a standard cache), then the mixer's state. It rewinds no
+    /// further than its state; a snapshot keeps only the state and the keys are cut back.
+    Pair(Box<(LayerCache, LayerCache)>),
 }
 
 /// A bidirectional pass over right-padded rows: no keys are kept; the mask hides padding keys.
@@ -239,6 +243,63 @@ impl LayerCache {
         LayerCache::State(StateCache::default())
     }
 
+    /// An empty [`LayerCache::Pair`]: keys and values for every position, and a state.
+    pub fn attention_and_state() -> LayerCache {
+        LayerCache::Pair(Box::new((LayerCache::standard(), LayerCache::state())))
+    }
+
+    /// The attention cache and the state of a [`LayerCache::Pair`].
+    pub fn pair_mut(&mut self) -> Result<(&mut LayerCache, &mut LayerCache)> {
+        match self {
+            LayerCache::Pair(pair) => {
+                let (kv, state) = &mut **pair;
+                Ok((kv, state))
+            }
+            other => Err(other.wrong_kind("parallel attention and state-space")),
+        }
+    }
+
+    /// Whether the cache holds a recurrent state (prefix reuse across a divergence restores a
+    /// snapshot of it instead of rewinding).
+    pub fn is_recurrent(&self) -> bool {
+        matches!(self, LayerCache::State(_) | LayerCache::Pair(_))
+    }
+
+    /// What a prefix-reuse snapshot keeps of this cache: recurrent states and sliding-window
+    /// rings (which cannot be cut back once moved on, and are as small as a state); a pair's
+    /// state (its keys and values are cut back instead); `None` for caches that rewind.
+    pub fn snapshot(&self) -> Option<LayerCache> {
+        match self {
+            LayerCache::State(_) | LayerCache::Rotating(_) => Some(self.clone()),
+            LayerCache::Pair(pair) => Some(LayerCache::Pair(Box::new((
+                LayerCache::standard(),
+                pair.1.clone(),
+            )))),
+            _ => None,
+        }
+    }
+
+    /// Whether [`LayerCache::restore`] of a snapshot taken at `position` can put this cache
+    /// back (a pair's keys and values must reach back to it).
+    pub fn can_restore(&self, position: usize) -> bool {
+        match self {
+            LayerCache::Pair(pair) => pair.0.can_rewind(position),
+            _ => true,
+        }
+    }
+
+    /// Puts the cache back to `snapshot` (from [`LayerCache::snapshot`]) taken at `position`.
+    pub fn restore(&mut self, snapshot: LayerCache, position: usize) -> Result<()> {
+        match (self, snapshot) {
+            (LayerCache::Pair(pair), LayerCache::Pair(saved)) => {
+                pair.0.rewind(position)?;
+                pair.1 = saved.1;
+            }
+            (cache, snapshot) => *cache = snapshot,
+        }
+        Ok(())
+    }
+
     /// A cache that reads layer `source`'s cache instead of holding its own.
     pub fn shared(source: usize) -> LayerCache {
         LayerCache::Shared { source, offset: 0 }
@@ -288,6 +349,7 @@ impl LayerCache {
             // Each row has its own ([`BatchCache::positions`]); the furthest is the batch's.
             LayerCache::Batch(b) => b.positions.iter().copied().max().unwrap_or(0),
             LayerCache::Bidirectional(c) => c.offset,
+            LayerCache::Pair(pair) => pair.1.offset(),
         }
     }
 
@@ -300,6 +362,7 @@ impl LayerCache {
             LayerCache::Shared { .. } => "shared",
             LayerCache::Batch(_) => "batched",
             LayerCache::Bidirectional(_) => "bidirectional",
+            LayerCache::Pair(_) => "attention and state",
         }
     }
 
@@ -356,6 +419,7 @@ impl LayerCache {
             // A batch's rows are cut back one by one, once split ([`BatchCache::split`]).
             LayerCache::Batch(_) => usize::MAX,
             LayerCache::Bidirectional(c) => c.offset,
+            LayerCache::Pair(pair) => pair.0.rewind_floor().max(pair.1.rewind_floor()),
         }
     }
 
@@ -379,7 +443,7 @@ impl LayerCache {
             // Rows past the offset are overwritten by the next update.
             LayerCache::Standard(c) | LayerCache::Latent(c) => c.offset = position,
             // `can_rewind` allowed only the current position.
-            LayerCache::State(_) | LayerCache::Bidirectional(_) => {}
+            LayerCache::State(_) | LayerCache::Bidirectional(_) | LayerCache::Pair(_) => {}
             LayerCache::Shared { offset, .. } => *offset = position,
             LayerCache::Batch(_) => unreachable!("can_rewind refuses a batch"),
             LayerCache::Rotating(c) => {
@@ -400,16 +464,26 @@ impl LayerCache {
         Ok(())
     }
 
-    /// Bytes held by the cache buffers.
-    pub fn nbytes(&self) -> usize {
+    /// The arrays the cache holds (keys and values, or a state's arrays).
+    pub fn planes(&self) -> Vec<&Array> {
         let planes: Vec<&Option<Array>> = match self {
             LayerCache::Standard(c) | LayerCache::Latent(c) => vec![&c.keys, &c.values],
             LayerCache::Rotating(c) => vec![&c.keys, &c.values],
             LayerCache::State(c) => c.arrays.iter().collect(),
             LayerCache::Shared { .. } | LayerCache::Bidirectional(_) => vec![],
-            LayerCache::Batch(b) => return b.keys.nbytes() + b.values.nbytes(),
+            LayerCache::Batch(b) => return vec![&b.keys, &b.values],
+            LayerCache::Pair(pair) => {
+                let mut planes = pair.0.planes();
+                planes.extend(pair.1.planes());
+                return planes;
+            }
         };
-        planes.into_iter().flatten().map(Array::nbytes).sum()
+        planes.into_iter().flatten().collect()
+    }
+
+    /// Bytes held by the cache buffers.
+    pub fn nbytes(&self) -> usize {
+        self.planes().into_iter().map(Array::nbytes).sum()
     }
 
     /// Moves a shared cache's position along with its source layer's.

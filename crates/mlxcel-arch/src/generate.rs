@@ -118,8 +118,10 @@ impl Default for SnapshotPolicy {
     }
 }
 
-/// The recurrent layers' caches after the first `position` tokens (`None` for the other
-/// layers, which rewind instead).
+/// The caches that cannot be cut back after the first `position` tokens: recurrent layers'
+/// states and sliding-window rings (a ring has moved past the rows the position needs once
+/// its window has; it is as small as a state); `None` for the other layers, which rewind
+/// instead.
 #[derive(Debug, Clone)]
 struct StateSnapshot {
     position: usize,
@@ -129,9 +131,10 @@ struct StateSnapshot {
 /// A conversation's model state: the caches and the tokens they hold. A new request reuses the
 /// longest common prefix with what the caches hold (rewinding them to the first differing token)
 /// instead of starting over. Recurrent layers cannot rewind: for them the session resumes from
-/// the last [`SnapshotPolicy`] snapshot within the common prefix. It falls back to a full
-/// prefill only when no such point exists (or a sliding-window ring no longer holds the rows
-/// the resumed position needs).
+/// the last [`SnapshotPolicy`] snapshot within the common prefix (which also holds the models'
+/// sliding-window rings). It falls back to a full prefill only when no such point exists (or,
+/// in a model without recurrent layers, a ring no longer holds the rows the resumed position
+/// needs).
 pub struct Session<'m> {
     model: &'m dyn LanguageModel,
     caches: Vec<LayerCache>,
@@ -593,7 +596,10 @@ impl<'m> Session<'m> {
                     .caches
                     .iter()
                     .zip(&s.states)
-                    .all(|(c, state)| state.is_some() || c.can_rewind(s.position))
+                    .all(|(c, state)| match state {
+                        Some(_) => c.can_restore(s.position),
+                        None => c.can_rewind(s.position),
+                    })
         });
         let Some(snapshot) = usable.cloned() else {
             self.caches = self.model.make_caches();
@@ -601,7 +607,7 @@ impl<'m> Session<'m> {
         };
         for (cache, state) in self.caches.iter_mut().zip(snapshot.states) {
             match state {
-                Some(state) => *cache = state,
+                Some(state) => cache.restore(state, snapshot.position)?,
                 None => cache.rewind(snapshot.position)?,
             }
         }
@@ -617,10 +623,7 @@ impl<'m> Session<'m> {
         start: usize,
         chunk: Option<usize>,
     ) -> Result<Array> {
-        let recurrent = self
-            .caches
-            .iter()
-            .any(|c| matches!(c, LayerCache::State(_)));
+        let recurrent = self.caches.iter().any(LayerCache::is_recurrent);
         let interval = self.policy.interval;
         if !recurrent || self.policy.max_snapshots == 0 || interval == 0 {
             return prefill(self.model, tokens, &mut self.caches, chunk);
@@ -641,21 +644,16 @@ impl<'m> Session<'m> {
         last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))
     }
 
-    /// Records the recurrent layers' state after `position` tokens.
+    /// Records the recurrent layers' state (and the sliding-window rings) after `position`
+    /// tokens.
     fn take_snapshot(&mut self, position: usize) -> Result<()> {
-        let states: Vec<Option<LayerCache>> = self
-            .caches
-            .iter()
-            .map(|c| matches!(c, LayerCache::State(_)).then(|| c.clone()))
-            .collect();
+        let states: Vec<Option<LayerCache>> =
+            self.caches.iter().map(LayerCache::snapshot).collect();
         // Evaluated now, so a snapshot holds its arrays and not the graph that made them.
         let arrays: Vec<&Array> = states
             .iter()
             .flatten()
-            .flat_map(|c| match c {
-                LayerCache::State(s) => s.arrays.iter().flatten().collect::<Vec<_>>(),
-                _ => Vec::new(),
-            })
+            .flat_map(LayerCache::planes)
             .collect();
         mlxcel_core::ops::eval_all(arrays)?;
         self.snapshots.retain(|s| s.position != position);

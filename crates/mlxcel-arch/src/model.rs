@@ -48,6 +48,18 @@ pub enum LayerKind {
         /// The layer whose keys and values it reads.
         source: usize,
     },
+    /// Global attention and a recurrent mixer side by side in one layer (Falcon-H1): keys and
+    /// values of every position, and a fixed-size window and state.
+    AttentionAndState {
+        /// Key/value heads.
+        kv_heads: i32,
+        /// Width of one head.
+        head_dim: i32,
+        /// Elements of the convolution window.
+        window: u64,
+        /// Elements of the scan state (float32).
+        state: u64,
+    },
 }
 
 impl LayerKind {
@@ -55,6 +67,9 @@ impl LayerKind {
     pub fn bytes_per_token(&self, dtype: Dtype) -> u64 {
         let features = match *self {
             LayerKind::GlobalAttention { kv_heads, head_dim }
+            | LayerKind::AttentionAndState {
+                kv_heads, head_dim, ..
+            }
             | LayerKind::SlidingAttention {
                 kv_heads, head_dim, ..
             } => 2 * kv_heads as u64 * head_dim as u64,
@@ -68,7 +83,8 @@ impl LayerKind {
     /// and its float32 state); 0 for attention layers.
     pub fn fixed_bytes(&self, dtype: Dtype) -> u64 {
         match *self {
-            LayerKind::Recurrent { window, state } => {
+            LayerKind::Recurrent { window, state }
+            | LayerKind::AttentionAndState { window, state, .. } => {
                 window * dtype.size_of() as u64 + state * Dtype::Float32.size_of() as u64
             }
             _ => 0,
@@ -78,7 +94,10 @@ impl LayerKind {
     /// Whether the layer's cache is a recurrent state, which cannot be cut back to an earlier
     /// position (prefix reuse restores a snapshot instead).
     pub fn is_recurrent(&self) -> bool {
-        matches!(self, LayerKind::Recurrent { .. })
+        matches!(
+            self,
+            LayerKind::Recurrent { .. } | LayerKind::AttentionAndState { .. }
+        )
     }
 
     /// Positions this layer's cache holds after `context` tokens processed in chunks of
@@ -98,6 +117,7 @@ impl LayerKind {
             LayerKind::LatentAttention { .. } => LayerCache::latent(),
             LayerKind::Recurrent { .. } => LayerCache::state(),
             LayerKind::Shared { source } => LayerCache::shared(source),
+            LayerKind::AttentionAndState { .. } => LayerCache::attention_and_state(),
         }
     }
 }

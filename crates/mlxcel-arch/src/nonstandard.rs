@@ -14,6 +14,12 @@
 //! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`];
 //! - Gemma 3n (`gemma3n_text`, and the text decoder of a `gemma3n` checkpoint loaded text only)
 //!   by [`load_gemma3n`].
+//! - Nemotron-H (single-branch layers: Mamba-2, attention, relu² MLP or MoE) by
+//!   [`load_nemotron_h`];
+//! - RecurrentGemma (Griffin's RG-LRU layers with local attention) by
+//!   [`load_recurrent_gemma`];
+//! - Falcon-H1 (attention and Mamba-2 side by side in every layer, muP multipliers) by
+//!   [`load_falcon_h1`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -22,7 +28,10 @@
 use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
-use crate::models::{bamba, gemma3n, jamba, mamba, mamba2, qwen3_5, qwen3_next, rwkv7};
+use crate::models::{
+    bamba, falcon_h1, gemma3n, jamba, mamba, mamba2, nemotron_h, qwen3_5, qwen3_next,
+    recurrent_gemma, rwkv7,
+};
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
 
@@ -42,6 +51,9 @@ pub fn load_nonstandard(
         ModelType::Qwen3_5 => load_qwen3_5(config, weights, options),
         ModelType::Rwkv7 => load_rwkv7(config, weights, options),
         ModelType::Gemma3n => load_gemma3n(config, weights, options),
+        ModelType::NemotronH => load_nemotron_h(config, weights, options),
+        ModelType::RecurrentGemma => load_recurrent_gemma(config, weights, options),
+        ModelType::FalconH1 => load_falcon_h1(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -223,4 +235,42 @@ pub fn load_gemma3n(
     Ok(LoadedModel::Generation(GenerationModel::Gemma3n(Box::new(
         model,
     ))))
+}
+
+/// Nemotron-H, from transformers' `layers_block_type` configs or the older
+/// `hybrid_override_pattern` ones (see [`nemotron_h`]).
+pub fn load_nemotron_h(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<nemotron_h::Model>("NemotronH", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::NemotronH(
+        Box::new(model),
+    )))
+}
+
+/// RecurrentGemma (Griffin), as transformers and mlx-lm store it (see [`recurrent_gemma`]).
+pub fn load_recurrent_gemma(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model =
+        build_architecture::<recurrent_gemma::Model>("RecurrentGemma", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::RecurrentGemma(
+        Box::new(model),
+    )))
+}
+
+/// Falcon-H1, from transformers' layout or mlx-lm's folded one (see [`falcon_h1`]).
+pub fn load_falcon_h1(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<falcon_h1::Model>("FalconH1", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::FalconH1(
+        Box::new(model),
+    )))
 }

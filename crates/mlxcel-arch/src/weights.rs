@@ -568,6 +568,31 @@ impl ModelWeights {
         intermediate: i32,
         act: crate::nn::Activation,
     ) -> Result<crate::nn::RoutedExperts> {
+        self.experts_at(prefix, experts, hidden, intermediate, act, true)
+    }
+
+    /// Plain routed experts `down(act(up(x)))` at `prefix` (`{prefix}.switch_mlp.{up,down}_proj`,
+    /// no gate projection: Nemotron-H), always resident.
+    pub fn plain_routed_experts(
+        &mut self,
+        prefix: &str,
+        experts: i32,
+        hidden: i32,
+        intermediate: i32,
+        act: crate::nn::Activation,
+    ) -> Result<crate::nn::RoutedExperts> {
+        self.experts_at(prefix, experts, hidden, intermediate, act, false)
+    }
+
+    fn experts_at(
+        &mut self,
+        prefix: &str,
+        experts: i32,
+        hidden: i32,
+        intermediate: i32,
+        act: crate::nn::Activation,
+        gated: bool,
+    ) -> Result<crate::nn::RoutedExperts> {
         use crate::nn::{RoutedExperts, StreamedGlu, SwitchGlu};
         let prefix = &self.path(prefix);
         let s = format!("{prefix}.switch_mlp");
@@ -576,13 +601,18 @@ impl ModelWeights {
             .as_ref()
             .and_then(|st| st.manifest.layer(prefix).cloned());
         let (Some(entry), Some(setup)) = (entry, self.stream.clone()) else {
-            return Ok(RoutedExperts::Resident(SwitchGlu {
-                gate: self.switch_linear_at(
+            let gate = if gated {
+                Some(self.switch_linear_at(
                     &format!("{s}.gate_proj"),
                     experts,
                     hidden,
                     intermediate,
-                )?,
+                )?)
+            } else {
+                None
+            };
+            return Ok(RoutedExperts::Resident(SwitchGlu {
+                gate,
                 up: self.switch_linear_at(
                     &format!("{s}.up_proj"),
                     experts,
@@ -599,6 +629,11 @@ impl ModelWeights {
                 biases: None,
             }));
         };
+        if !gated {
+            return Err(ModelError::Unsupported(format!(
+                "{prefix}: streaming plain (ungated) experts"
+            )));
+        }
         if entry.experts != experts as usize {
             return Err(ModelError::Config(format!(
                 "{prefix}: the expert stream has {} experts, the config {experts}",

@@ -149,6 +149,15 @@ Ptr gated_activation(rust::Str kind, const array& gate, const array& up, bool fu
 // float mask broadcastable to [B, Hq, L, S] (`mask` non-null, then `causal` must be false).
 Ptr cpu_attention(const array& q, const array& k, const array& v, const array* mask, float scale,
                   bool causal);
+// The selective state-space recurrence on mlxcel's CPU pool (cpu_scan.cc): float32 x [B, L, H, P],
+// dt [B, L, H], A [H, N] (the same for every n when `per_head_decay`), B and C [B, L, G, N],
+// initial state [B, H, P, N]; out [B, L·H·P + H·P·N]: y [L, H, P] then the last state per row.
+Ptr cpu_selective_scan(const array& x, const array& dt, const array& a, const array& bm,
+                       const array& cm, const array& h0, bool per_head_decay);
+// RWKV-7's generalised delta rule on mlxcel's CPU pool (cpu_scan.cc): float32 r, w, k, v, a, b
+// [B, L, H, D], state [B, H, D(v), D(k)]; out [B, L·H·D + H·D·D]: y [L, H, D] then the last state.
+Ptr cpu_delta_rule_scan(const array& r, const array& w, const array& k, const array& v,
+                        const array& a, const array& b, const array& s0);
 Ptr rms_norm(const array& x, const array* weight, float eps);
 Ptr layer_norm(const array& x, const array* weight, const array* bias, float eps);
 Ptr rope(const array& x, int32_t dims, bool traditional, float base, bool has_base, float scale,

@@ -324,6 +324,30 @@ pub(crate) mod bridge {
             causal: bool,
         ) -> Result<UniquePtr<MlxArray>>;
 
+        /// The selective state-space recurrence on mlxcel's CPU pool (Mamba-1 and Mamba-2):
+        /// y and the last state, packed per batch row.
+        fn cpu_selective_scan(
+            x: &MlxArray,
+            dt: &MlxArray,
+            a: &MlxArray,
+            bm: &MlxArray,
+            cm: &MlxArray,
+            h0: &MlxArray,
+            per_head_decay: bool,
+        ) -> Result<UniquePtr<MlxArray>>;
+
+        /// RWKV-7's generalised delta rule on mlxcel's CPU pool: y and the last state, packed
+        /// per batch row.
+        fn cpu_delta_rule_scan(
+            r: &MlxArray,
+            w: &MlxArray,
+            k: &MlxArray,
+            v: &MlxArray,
+            a: &MlxArray,
+            b: &MlxArray,
+            s0: &MlxArray,
+        ) -> Result<UniquePtr<MlxArray>>;
+
         // ---- fast (fused) kernels ----
         /// `act(gate) * up` (`kind`: silu, gelu_tanh, gelu); `fused`: one compiled kernel.
         fn gated_activation(
