@@ -499,28 +499,29 @@ impl PleLayout {
             })?,
         };
         let manifest_dir = manifest_path.parent().unwrap_or(model_dir).to_path_buf();
-        let sha256 =
-            match obj.get("sha256") {
-                None => BTreeMap::new(),
-                Some(Value::Object(map)) => map
-                    .iter()
-                    .map(|(k, v)| match v.as_str() {
-                        Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
-                            Ok((k.clone(), h.to_string()))
-                        }
-                        _ => Err(err(
-                            m,
-                            format!("manifest field `sha256.{k}` is {v}: expected 64 hex digits"),
-                        )),
-                    })
-                    .collect::<Result<_>>()?,
-                Some(v) => return Err(err(
+        let sha256 = match obj.get("sha256") {
+            None => BTreeMap::new(),
+            Some(Value::Object(map)) => map
+                .iter()
+                .map(|(k, v)| match v.as_str() {
+                    Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                        Ok((k.clone(), h.to_string()))
+                    }
+                    _ => Err(err(
+                        m,
+                        format!("manifest field `sha256.{k}` is {v}: expected 64 hex digits"),
+                    )),
+                })
+                .collect::<Result<_>>()?,
+            Some(v) => {
+                return Err(err(
                     m,
                     format!(
                         "manifest field `sha256` is {v}: expected an object of file → hex digest"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         let mut layout = PleLayout {
             manifest_path: manifest_path.clone(),
             kind,
