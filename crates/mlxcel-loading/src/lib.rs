@@ -22,6 +22,7 @@ mod embed;
 mod error;
 pub mod memory;
 mod pipeline;
+pub mod ple;
 pub mod repack;
 mod rerank;
 pub mod stream;

@@ -27,6 +27,9 @@ pub fn tensor_role(name: &str) -> &'static str {
     .any(|p| name.starts_with(p))
     {
         "vision (unused)"
+    } else if name.contains("embed_tokens_per_layer") {
+        // Gemma 3n's per-layer-embedding table: billions of parameters, possibly on disk.
+        "per-layer embedding"
     } else if name.contains("embed_tokens") || name.contains("wte") || name.contains("embed_in.") {
         "embedding"
     } else if name.starts_with("lm_head") || name.contains("embed_out.") {
@@ -67,6 +70,10 @@ pub struct MemoryEstimate {
     pub transient: u64,
     /// Slot arenas of streamed routed experts (0 when experts are resident).
     pub expert_arena: u64,
+    /// What an external per-layer-embedding table holds in memory: its row cache, or the
+    /// table in `MLXCEL_PLE_IO=ram` mode (0 when the table is resident and counted among the
+    /// weights).
+    pub ple_rows: u64,
     /// The device the run uses (MLX's default device).
     pub device: Device,
     /// The device's (or, for the CPU, the system's) memory.
@@ -85,6 +92,7 @@ impl MemoryEstimate {
             .saturating_add(self.kv_cache)
             .saturating_add(self.transient)
             .saturating_add(self.expert_arena)
+            .saturating_add(self.ple_rows)
     }
 
     /// Whether the run fits, leaving 10% of the device for the system and MLX's allocator.
@@ -201,7 +209,16 @@ pub fn estimate(
         by_role.retain(|(role, _), _| role != "routed experts");
         expert_arena = plan.arena_bytes();
     }
+    // An external per-layer-embedding table stays on disk: its cache (or, in `ram` mode, the
+    // table) counts instead.
+    let policy = mlxcel_core::RuntimePolicy::from_env()?;
+    let mut ple_rows = 0;
+    if let Some((resident, _on_disk)) = crate::ple::footprint(folder, config, &policy)? {
+        by_role.retain(|(role, _), _| role != "per-layer embedding");
+        ple_rows = resident;
+    }
     Ok(MemoryEstimate {
+        ple_rows,
         weights: by_role,
         kv_cache,
         kv_bytes_per_token,
@@ -229,6 +246,11 @@ mod tests {
                 "attention",
             ),
             ("model.layers.0.mlp.act_fn.alpha_p", "dense mlp"),
+            (
+                "model.language_model.embed_tokens_per_layer.weight",
+                "per-layer embedding",
+            ),
+            ("model.language_model.embed_tokens.weight", "embedding"),
         ] {
             assert_eq!(tensor_role(name), role, "{name}");
         }
