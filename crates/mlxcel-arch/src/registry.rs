@@ -336,6 +336,9 @@ macro_rules! generation_models {
             fn vocab_size(&self) -> usize {
                 match self { $(GenerationModel::$v(m) => m.vocab_size()),* }
             }
+            fn prefetch(&self, next_tokens: &[u32]) -> Result<()> {
+                match self { $(GenerationModel::$v(m) => m.prefetch(next_tokens)),* }
+            }
             fn layer_schedule(&self) -> Vec<LayerKind> {
                 match self { $(GenerationModel::$v(m) => m.layer_schedule()),* }
             }
