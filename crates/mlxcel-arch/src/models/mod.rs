@@ -19,6 +19,7 @@ pub mod exaone_moe;
 pub mod gemma;
 pub mod gemma2;
 pub mod gemma3_text;
+pub mod gemma3n;
 pub mod glm4;
 pub mod glm4_moe;
 pub mod gpt_neox;
