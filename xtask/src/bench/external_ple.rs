@@ -151,13 +151,13 @@ pub fn run(
             _ => "–".into(),
         };
         table.push_str(&format!(
-            "| {} | {:.2} | {:.2} | {:.2} | {ratio} | {:.0} | {:.0} |\n",
+            "| {} | {:.2} | {:.2} | {:.2} | {ratio} | {:.0} | {} |\n",
             c.label,
             med(i, |s| s.load_s).unwrap_or(0.0),
             med(i, |s| s.prefill_tps).unwrap_or(0.0),
             decode.unwrap_or(0.0),
             mib(rss(i)),
-            mib(rss(0) - rss(i)),
+            mib(rss(0) - rss(i)).round() as i64,
         ));
     }
     Ok(table)

@@ -368,6 +368,14 @@ impl PleStore {
             return Ok(());
         }
         self.collect_pending()?;
+        // Rows gathered for a pass that is over and did not use them: keep them as cached rows
+        // rather than staged ones, so staging holds one chunk at most.
+        {
+            let mut cache = self.cache.borrow_mut();
+            for (id, row) in self.staged.borrow_mut().drain() {
+                cache.insert(id, row);
+            }
+        }
         let rows = self.source.layout.row_count;
         let mut wanted: Vec<u64> = Vec::new();
         {
