@@ -252,7 +252,7 @@ fn memory_estimate_counts_the_row_cache_not_the_table() {
     let table = resident
         .weights
         .iter()
-        .filter(|((role, _), _)| role == "per-layer embedding")
+        .filter(|((role, _), _)| role == "per-layer embed")
         .map(|(_, b)| *b)
         .sum::<u64>();
     assert_eq!(table, ROWS * WIDTH * 4);
@@ -294,7 +294,7 @@ fn memory_estimate_counts_the_row_cache_not_the_table() {
     assert!(external
         .weights
         .keys()
-        .all(|(role, _)| role != "per-layer embedding"));
+        .all(|(role, _)| role != "per-layer embed"));
     assert_eq!(external.ple_rows, held);
     assert_eq!(external.weight_bytes() + table, resident.weight_bytes());
 }

@@ -218,8 +218,8 @@ pub fn load_gemma3n(
     weights: WeightMap,
     options: &BuildOptions,
 ) -> Result<LoadedModel> {
-    let config = text_config(config)?;
-    let model = build_architecture::<gemma3n::Model>("Gemma3n", &config, weights, options)?;
+    // `gemma3n::Args` reads a multimodal config's `text_config` itself.
+    let model = build_architecture::<gemma3n::Model>("Gemma3n", config, weights, options)?;
     Ok(LoadedModel::Generation(GenerationModel::Gemma3n(Box::new(
         model,
     ))))

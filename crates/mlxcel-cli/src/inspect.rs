@@ -92,11 +92,11 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
     if let Some(line) = mlxcel_loading::ple::describe_footprint(&folder, &config, &policy)? {
         println!("ple       {line}");
         if let (Some(table), Some((held, _))) = (
-            roles.remove("per-layer embedding"),
+            roles.remove("per-layer embed"),
             mlxcel_loading::ple::footprint(&folder, &config, &policy)?,
         ) {
             roles.insert(
-                "per-layer embedding (row cache)",
+                "per-layer embed (row cache)",
                 RoleStats {
                     bytes: held,
                     ..table

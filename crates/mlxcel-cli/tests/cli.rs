@@ -487,7 +487,7 @@ fn prepare_external_ple_writes_a_view_that_generates_and_inspects_as_on_disk() {
     assert!(
         stdout
             .lines()
-            .any(|l| l.starts_with("per-layer embedding (row cache)")),
+            .any(|l| l.starts_with("per-layer embed (row cache)")),
         "{stdout}"
     );
     assert!(
@@ -536,4 +536,27 @@ fn prepare_external_ple_writes_a_view_that_generates_and_inspects_as_on_disk() {
         stderr.contains("the row file is corrupt or was changed"),
         "{stderr}"
     );
+}
+
+/// `mlxcel inspect` on a full Gemma 3n checkpoint: the audio tower and both multimodal embedders
+/// are listed as unused roles (the text-only load leaves them out), the per-layer table as its
+/// own role.
+#[test]
+fn inspect_reports_gemma3n_towers_left_out() {
+    let out = mlxcel()
+        .arg("inspect")
+        .arg(fixture("gemma3n"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("type      Gemma3n ("), "{text}");
+    assert!(text.contains("routes    directory Nonstandard"), "{text}");
+    for role in ["audio (unused)", "vision (unused)", "per-layer embed"] {
+        assert!(text.lines().any(|l| l.starts_with(role)), "{role}: {text}");
+    }
 }

@@ -18,18 +18,30 @@ pub fn tensor_role(name: &str) -> &'static str {
     if name.starts_with("mtp.") {
         "mtp (unused)"
     } else if [
+        "audio_tower.",
+        "embed_audio.",
+        "model.audio_tower.",
+        "model.embed_audio.",
+    ]
+    .iter()
+    .any(|p| name.starts_with(p))
+    {
+        "audio (unused)"
+    } else if [
         "vision_tower.",
         "multi_modal_projector.",
+        "embed_vision.",
         "model.vision_tower.",
         "model.multi_modal_projector.",
+        "model.embed_vision.",
     ]
     .iter()
     .any(|p| name.starts_with(p))
     {
         "vision (unused)"
     } else if name.contains("embed_tokens_per_layer") {
-        // Gemma 3n's per-layer-embedding table: billions of parameters, possibly on disk.
-        "per-layer embedding"
+        // Gemma 3n's per-layer embedding table (the largest tensor of its checkpoints).
+        "per-layer embed"
     } else if name.contains("embed_tokens") || name.contains("wte") || name.contains("embed_in.") {
         "embedding"
     } else if name.starts_with("lm_head") || name.contains("embed_out.") {
@@ -214,7 +226,7 @@ pub fn estimate(
     let policy = mlxcel_core::RuntimePolicy::from_env()?;
     let mut ple_rows = 0;
     if let Some((resident, _on_disk)) = crate::ple::footprint(folder, config, &policy)? {
-        by_role.retain(|(role, _), _| role != "per-layer embedding");
+        by_role.retain(|(role, _), _| role != "per-layer embed");
         ple_rows = resident;
     }
     Ok(MemoryEstimate {
@@ -248,9 +260,15 @@ mod tests {
             ("model.layers.0.mlp.act_fn.alpha_p", "dense mlp"),
             (
                 "model.language_model.embed_tokens_per_layer.weight",
-                "per-layer embedding",
+                "per-layer embed",
+            ),
+            (
+                "model.audio_tower.conformer.0.norm.weight",
+                "audio (unused)",
             ),
             ("model.language_model.embed_tokens.weight", "embedding"),
+            ("model.embed_audio.embedding.weight", "audio (unused)"),
+            ("model.embed_vision.embedding.weight", "vision (unused)"),
         ] {
             assert_eq!(tensor_role(name), role, "{name}");
         }

@@ -441,16 +441,31 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     // On a quantized base the adapter stays unfused unless fusing was asked for.
     let mut report = Vec::new();
-    if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
-        let unused = mlxcel_arch::models::mistral3::unused_tensors(&weights);
-        if !unused.is_empty() {
-            report.push(format!(
-                "text-only load: {} vision-tower and projector tensors left out ({} .. {})",
-                unused.len(),
-                unused[0],
-                unused[unused.len() - 1]
-            ));
-        }
+    let left_out = if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
+        Some((
+            "vision-tower and projector",
+            mlxcel_arch::models::mistral3::unused_tensors(&weights),
+        ))
+    } else if model_type == ModelType::Gemma3n {
+        Some((
+            "vision/audio-tower and embedder",
+            mlxcel_arch::models::gemma3n::unused_tensors(&weights),
+        ))
+    } else {
+        None
+    };
+    if let Some((what, unused)) = left_out.filter(|(_, u)| !u.is_empty()) {
+        report.push(format!(
+            "text-only load: {} {what} tensors left out ({} .. {})",
+            unused.len(),
+            unused[0],
+            unused[unused.len() - 1]
+        ));
+    } else if model_type == ModelType::Gemma3n && config.get("vision_config").is_some() {
+        // A multimodal config whose checkpoint holds no tower tensors: text only all the same.
+        report.push(
+            "text-only load: the checkpoint has no vision or audio tower tensors; the text decoder alone is built".into(),
+        );
     }
     let mut initial_mix = AdapterMix::none();
     let adapter = match adapter {

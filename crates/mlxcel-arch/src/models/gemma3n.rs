@@ -31,6 +31,7 @@ use mlxcel_core::ops::{self, AttentionMask};
 use mlxcel_core::{Array, Dtype, WeightMap};
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::common::CommonArgs;
 use super::transformer::check_token_ids;
@@ -95,10 +96,40 @@ impl<T: Copy> PerLayer<T> {
     }
 }
 
+/// A Gemma 3n config: a `gemma3n_text` one as it is, or a `gemma3n` one's `text_config` (with
+/// the top level's `tie_word_embeddings` where the text config lacks it), so that the registry's
+/// cache schedule and the loader read either.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "Value")]
+pub struct Args {
+    /// The text model's keys.
+    pub text: TextArgs,
+    /// Read from a multimodal config's `text_config`.
+    pub nested: bool,
+}
+
+impl TryFrom<Value> for Args {
+    type Error = serde_json::Error;
+
+    fn try_from(config: Value) -> std::result::Result<Args, serde_json::Error> {
+        use serde::de::Error;
+        let nested = config.get("text_config").is_some();
+        let text = crate::nonstandard::text_config(&config).map_err(serde_json::Error::custom)?;
+        let place = if nested { "text_config." } else { "" };
+        crate::validate::validate_config(&text)
+            .map_err(|e| serde_json::Error::custom(format!("{place}{e}")))?;
+        let text: TextArgs = serde_json::from_value(text.clone()).map_err(|e| {
+            let located = crate::validate::locate_serde_error::<TextArgs>(&text, &e.to_string());
+            serde_json::Error::custom(format!("{place}{located}"))
+        })?;
+        Ok(Args { text, nested })
+    }
+}
+
 /// The `config.json` keys of Gemma 3n's text model (`gemma3n_text`, or a `gemma3n` config's
 /// `text_config`), with transformers' defaults.
 #[derive(Debug, Clone, Deserialize)]
-pub struct Args {
+pub struct TextArgs {
     /// The keys every decoder shares (`hidden_size`, heads, `layer_types`, ...).
     #[serde(flatten)]
     pub common: CommonArgs,
@@ -171,7 +202,7 @@ struct Plan {
     act: Activation,
 }
 
-impl Args {
+impl TextArgs {
     fn layers(&self) -> usize {
         self.common.num_hidden_layers
     }
@@ -384,9 +415,12 @@ pub fn normal_quantile(p: f64) -> f64 {
 /// table (ids at or past `vocab_size_per_layer_input` become 0), no `sqrt(hidden_size_per_layer_input)`
 /// scale, in the compute dtype — through [`PerLayerTable::rows`], given the ids both as the MLX
 /// array the pass computes with and, when they are on the host (prompts; not a token sampled on
-/// the device and fed straight back), as `&[u32]`. Chunked prefill hands the next chunk's ids
-/// to [`PerLayerTable::prefetch`] (through [`LanguageModel::prefetch`]) before evaluating the
-/// current one, so a table on disk reads them while the current chunk computes.
+/// the device and fed straight back), as `&[u32]`. [`PerLayerTable::prefetch`] is the hook for
+/// reading ahead: chunked prefill hands the next chunk's ids to it (through
+/// [`LanguageModel::prefetch`], or directly through [`Model::per_layer_table`]) before
+/// evaluating the current chunk, so a table on disk reads them while the current chunk
+/// computes; a resident table (dense or quantized, as the checkpoint stores it) has nothing to
+/// do there. The table is built in one place, [`PerLayerTable::load`].
 #[derive(Debug)]
 pub enum PerLayerTable {
     /// The table as a model parameter: an embedding lookup (dense or affine-quantized rows
@@ -757,17 +791,38 @@ fn rms_magnitude(x: &Array) -> Result<Array> {
 }
 
 impl Model {
+    /// The per-layer embedding table (see [`PerLayerTable`]).
+    pub fn per_layer_table(&self) -> &PerLayerTable {
+        &self.per_layer_table
+    }
+
     /// The per-layer inputs of `tokens` `[B, L]` (int32, checked against the vocabulary): the
     /// table's rows scaled by `sqrt(hidden_size_per_layer_input)`, `[B, L, layers · P]`.
     fn per_layer_rows(&self, tokens: &Array) -> Result<Array> {
-        let tokens = tokens.astype(Dtype::Int32)?;
-        let limit = tokens.scalar_like(self.vocab_per_layer as f64)?;
-        let zero = tokens.scalar_like(0.0)?;
-        let ids = ops::where_(&tokens.less(&limit)?, &tokens, &zero)?;
-        let host: Option<Vec<u32>> = if ids.is_available() {
-            Some(ids.to_vec::<i32>()?.into_iter().map(|v| v as u32).collect())
+        // Ids on the host (a prompt) are mapped there, so the table also gets them as a slice;
+        // a token still being sampled on the device is mapped on the device.
+        let into_table = |t: u32| {
+            if t < self.vocab_per_layer as u32 {
+                t
+            } else {
+                0
+            }
+        };
+        let (ids, host) = if tokens.is_available() {
+            let host: Vec<u32> = tokens
+                .astype(Dtype::Int32)?
+                .to_vec::<i32>()?
+                .into_iter()
+                .map(|t| into_table(t as u32))
+                .collect();
+            let mapped: Vec<i32> = host.iter().map(|&t| t as i32).collect();
+            let ids = Array::from_slice(&mapped, &tokens.shape())?;
+            (ids, Some(host))
         } else {
-            None
+            let tokens = tokens.astype(Dtype::Int32)?;
+            let limit = tokens.scalar_like(self.vocab_per_layer as f64)?;
+            let ids = ops::where_(&tokens.less(&limit)?, &tokens, &tokens.scalar_like(0.0)?)?;
+            (ids, None)
         };
         let rows = self.per_layer_table.rows(&ids, host.as_deref())?;
         Ok(rows.mul_scalar((self.per_layer_width as f64).sqrt())?)
@@ -944,6 +999,7 @@ impl Architecture for Model {
     /// drops the key/value projections hub checkpoints still carry on KV-shared layers (which
     /// transformers ignores too).
     fn sanitize(args: &Args, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        let args = &args.text;
         for name in unused_tensors(weights) {
             weights.remove(&name);
         }
@@ -973,10 +1029,11 @@ impl Architecture for Model {
     }
 
     fn cache_schedule(args: &Args) -> Result<Vec<LayerKind>> {
-        args.schedule()
+        args.text.schedule()
     }
 
     fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
+        let args = &args.text;
         let plan = args.plan()?;
         let c = &args.common;
         let (h, n) = (c.hidden_size, args.layers());
