@@ -298,3 +298,28 @@ fn memory_estimate_counts_the_row_cache_not_the_table() {
     assert_eq!(external.ple_rows, held);
     assert_eq!(external.weight_bytes() + table, resident.weight_bytes());
 }
+
+#[test]
+fn a_quantized_table_outside_mlx_vlms_layout_is_refused_naming_it() {
+    // mlx-lm's conversion of the f32 fixture keeps f32 scales and biases: mlx-vlm's manifest
+    // stores affine rows with bf16 ones, so the view is refused rather than silently rounded.
+    let dir = copy_fixture("gemma3n-affine4-g32");
+    let err =
+        mlxcel_loading::ple::prepare_external_ple(dir.path(), PrepareQuant::AsStored, |_, _| {})
+            .unwrap_err()
+            .to_string();
+    assert!(
+        err.ends_with("`model.language_model.embed_tokens_per_layer.weight` is stored as U32 with scales Some(\"F32\") and biases Some(\"F32\"): external rows are float, affine 4-bit g32 (BF16 scales and biases) or nvfp4"),
+        "{err}"
+    );
+    let err =
+        mlxcel_loading::ple::prepare_external_ple(dir.path(), PrepareQuant::Affine4, |_, _| {})
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("is stored as U32"), "{err}");
+    // Nothing was written.
+    assert!(!dir.path().join("ple-store.json").exists());
+    assert!(mlxcel_tests::read_config(dir.path())["text_config"]
+        .get("ple_storage")
+        .is_none());
+}
