@@ -101,14 +101,15 @@ pub fn open_direct(path: &Path) -> Result<File> {
     }
     #[cfg(not(target_os = "linux"))]
     {
-        use std::os::unix::io::AsRawFd;
         let file = File::open(path).map_err(|e| StreamError::io(path, e))?;
         #[cfg(target_os = "macos")]
-        // SAFETY: fcntl on a descriptor we own; F_NOCACHE takes an int flag.
-        unsafe {
-            libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1);
+        {
+            use std::os::unix::io::AsRawFd;
+            // SAFETY: fcntl on a descriptor this function owns; F_NOCACHE takes an int flag.
+            unsafe {
+                libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1);
+            }
         }
-        let _ = file.as_raw_fd();
         Ok(file)
     }
 }
