@@ -300,26 +300,49 @@ fn memory_estimate_counts_the_row_cache_not_the_table() {
 }
 
 #[test]
-fn a_quantized_table_outside_mlx_vlms_layout_is_refused_naming_it() {
-    // mlx-lm's conversion of the f32 fixture keeps f32 scales and biases: mlx-vlm's manifest
-    // stores affine rows with bf16 ones, so the view is refused rather than silently rounded.
-    let dir = copy_fixture("gemma3n-affine4-g32");
-    let err =
+fn mlx_lms_quantized_table_on_disk_gives_its_resident_logits_bitwise() {
+    // mlx-lm's affine-4 conversion of the full checkpoint keeps f32 scales and biases: read in
+    // place (mlxcel's extension of mlx-vlm's BF16 layout), the rows dequantize exactly as the
+    // resident quantized table does.
+    let name = "gemma3n-affine4-g32";
+    let r = reference(name);
+    let resident = load(&model_dir(name), PleIo::Mmap, 0);
+    let want = logits_for(&resident.model, &r.prompt_ids);
+    let dir = copy_fixture(name);
+    let layout =
         mlxcel_loading::ple::prepare_external_ple(dir.path(), PrepareQuant::AsStored, |_, _| {})
-            .unwrap_err()
-            .to_string();
-    assert!(
-        err.ends_with("`model.language_model.embed_tokens_per_layer.weight` is stored as U32 with scales Some(\"F32\") and biases Some(\"F32\"): external rows are float, affine 4-bit g32 (BF16 scales and biases) or nvfp4"),
-        "{err}"
+            .unwrap();
+    assert_eq!(
+        layout.format,
+        mlxcel_stream::ple::RowFormat::Affine4Float(Dtype::Float32)
     );
-    let err =
-        mlxcel_loading::ple::prepare_external_ple(dir.path(), PrepareQuant::Affine4, |_, _| {})
-            .unwrap_err()
-            .to_string();
-    assert!(err.contains("is stored as U32"), "{err}");
-    // Nothing was written.
-    assert!(!dir.path().join("ple-store.json").exists());
-    assert!(mlxcel_tests::read_config(dir.path())["text_config"]
-        .get("ple_storage")
-        .is_none());
+    mlxcel_loading::ple::verify_external_ple(dir.path()).unwrap();
+    let resident_ids =
+        mlxcel_arch::generate::greedy(&resident.model, &r.prompt_ids, 8, None, |_| false).unwrap();
+    for io in [PleIo::Mmap, PleIo::Direct, PleIo::Ram] {
+        for cache_rows in [1, ROWS] {
+            let loaded = load(dir.path(), io, cache_rows * layout.record_bytes as u64);
+            assert!(loaded.external_ple.is_some());
+            let got = logits_for(&loaded.model, &r.prompt_ids);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{io:?}, cache {cache_rows}"
+            );
+            for chunk in [1, 3, 16] {
+                let ids = mlxcel_arch::generate::greedy(
+                    &loaded.model,
+                    &r.prompt_ids,
+                    8,
+                    Some(chunk),
+                    |_| false,
+                )
+                .unwrap();
+                assert_eq!(
+                    ids, resident_ids,
+                    "{io:?}, cache {cache_rows}, chunk {chunk}"
+                );
+            }
+        }
+    }
 }

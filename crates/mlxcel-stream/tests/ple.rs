@@ -254,6 +254,26 @@ fn quantized_checkpoint_tables_are_indexed_in_place() {
 }
 
 #[test]
+fn quantized_tables_of_other_layouts_are_refused_naming_the_tensor() {
+    let q = table_f32().quantize(QuantSpec::affine(32, 4)).unwrap();
+    let base = TABLE.trim_end_matches(".weight");
+    let dir = model_dir(vec![
+        (TABLE.into(), q.weight.clone()),
+        (
+            format!("{base}.scales"),
+            q.scales.astype(Dtype::Uint8).unwrap(),
+        ),
+        (format!("{base}.biases"), q.biases.unwrap()),
+    ]);
+    let weights = WeightMap::open(dir.path()).unwrap();
+    let err = ple::prepare(dir.path(), &weights, PrepareQuant::AsStored, |_, _| {}).unwrap_err();
+    assert!(err.to_string().ends_with(&format!(
+        "`{TABLE}` is stored as U32 with scales Some(\"U8\") and biases Some(\"F32\"): external rows are float, affine 4-bit g32 (scales and biases both BF16, F32 or F16) or nvfp4"
+    )), "{err}");
+    assert!(!dir.path().join(MANIFEST_FILE).exists());
+}
+
+#[test]
 fn repeated_ids_are_read_once_and_the_lru_keeps_recent_rows() {
     let dir = model_dir(vec![(TABLE.into(), table_f32())]);
     let layout = prepared(dir.path(), PrepareQuant::AsStored);
@@ -444,7 +464,9 @@ fn every_malformed_safetensors_ranges_field_is_named() {
         (Box::new(|m| m["shards"][0]["row_start"] = json!(1)), "manifest field `shards[0].row_start` is 1, expected 0: shards are contiguous from row 0".into()),
         (Box::new(|m| m["shards"][0]["row_count"] = json!(0)), "manifest field `shards[0].row_count` is 0: expected a positive integer".into()),
         (Box::new(|m| { m["shards"][0].as_object_mut().unwrap().remove("biases"); }), "manifest field `shards[0].biases` is missing".into()),
-        (Box::new(|m| m["shards"][0]["scales"]["dtype"] = json!("F32")), "manifest field `shards[0].scales.dtype` is \"F32\": affine 4-bit g32 rows store `scales` as \"BF16\"".into()),
+        (Box::new(|m| m["shards"][0]["scales"]["dtype"] = json!("F64")), "manifest field `shards[0].scales.dtype` is \"F64\": affine 4-bit g32 rows store `scales` as \"BF16\"".into()),
+        (Box::new(|m| m["shards"][0]["scales"]["dtype"] = json!("F32")), format!("manifest field `shards[0].scales.dtype` is \"F32\" but model.safetensors's header gives \"BF16\" for `{base}.scales`")),
+        (Box::new(|m| m["shards"][0]["biases"]["dtype"] = json!("F32")), "manifest field `shards[0].biases.dtype` is \"F32\": affine 4-bit g32 rows store `biases` as \"BF16\"".into()),
         (Box::new(|m| m["shards"][0]["weight"]["file"] = json!("../model.safetensors")), "manifest field `shards[0].weight.file` `../model.safetensors` must be a file name under `source_root`".into()),
         (Box::new(|m| m["shards"][0]["weight"]["file"] = json!("/tmp/model.safetensors")), "manifest field `shards[0].weight.file` `/tmp/model.safetensors` must be a file name under `source_root`".into()),
         (Box::new(|m| m["shards"][0]["weight"]["shape"] = json!([40, 4])), "manifest field `shards[0].weight.shape` is [40, 4], expected [40, 8] (40 rows of 64 values in affine 4-bit g32)".into()),

@@ -27,6 +27,10 @@ pub enum RowFormat {
     Plain(Dtype),
     /// MLX affine 4-bit, groups of 32: `weight` U32, `scales` and `biases` BF16.
     Affine4,
+    /// The same with `scales` and `biases` of another float dtype (F32 or F16, as mlx-lm
+    /// leaves them when it quantizes a float32 or float16 checkpoint): mlxcel's extension, read
+    /// in the `safetensors_ranges` layout only.
+    Affine4Float(Dtype),
     /// MLX nvfp4, groups of 16: `weight` U32, `scales` U8 (E4M3 codes).
     Nvfp4,
 }
@@ -41,6 +45,11 @@ impl RowFormat {
                 ("scales", "BF16", Dtype::Bfloat16),
                 ("biases", "BF16", Dtype::Bfloat16),
             ],
+            RowFormat::Affine4Float(d) => vec![
+                ("weight", "U32", Dtype::Uint32),
+                ("scales", st_tag(d), d),
+                ("biases", st_tag(d), d),
+            ],
             RowFormat::Nvfp4 => vec![
                 ("weight", "U32", Dtype::Uint32),
                 ("scales", "U8", Dtype::Uint8),
@@ -52,7 +61,7 @@ impl RowFormat {
     pub fn group_size(self) -> Option<usize> {
         match self {
             RowFormat::Plain(_) => None,
-            RowFormat::Affine4 => Some(32),
+            RowFormat::Affine4 | RowFormat::Affine4Float(_) => Some(32),
             RowFormat::Nvfp4 => Some(16),
         }
     }
@@ -78,7 +87,7 @@ impl RowFormat {
     pub fn quantization_json(self) -> Value {
         match self {
             RowFormat::Plain(_) => Value::Null,
-            RowFormat::Affine4 => {
+            RowFormat::Affine4 | RowFormat::Affine4Float(_) => {
                 serde_json::json!({"bits": 4, "group_size": 32, "mode": "affine"})
             }
             RowFormat::Nvfp4 => serde_json::json!({"bits": 4, "group_size": 16, "mode": "nvfp4"}),
@@ -90,6 +99,7 @@ impl RowFormat {
         match self {
             RowFormat::Plain(d) => format!("unquantized {d}"),
             RowFormat::Affine4 => "affine 4-bit g32".to_string(),
+            RowFormat::Affine4Float(d) => format!("affine 4-bit g32, {d} scales"),
             RowFormat::Nvfp4 => "nvfp4".to_string(),
         }
     }
@@ -662,6 +672,18 @@ impl PleLayout {
                 ));
             }
             let row_count = positive(m, shard.get("row_count"), &at("row_count"))?;
+            // Affine rows whose scales and biases are F32 or F16 (mlx-lm's conversions of
+            // float checkpoints) are read too (mlxcel's extension; mlx-vlm writes BF16).
+            if i == 0 && format == Some(RowFormat::Affine4) {
+                let tag = shard
+                    .get("scales")
+                    .and_then(|w| w.get("dtype"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("?");
+                if let Some(d @ (Dtype::Float32 | Dtype::Float16)) = float_of_tag(tag) {
+                    format = Some(RowFormat::Affine4Float(d));
+                }
+            }
             if format.is_none() {
                 let tag = shard
                     .get("weight")

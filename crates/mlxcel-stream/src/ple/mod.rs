@@ -20,8 +20,10 @@
 //! - `quantization`: `{"bits": 4, "group_size": 32, "mode": "affine"}` (planes `weight` U32
 //!   `[rows, width/8]`, `scales` and `biases` BF16 `[rows, width/32]`) or `{"bits": 4,
 //!   "group_size": 16, "mode": "nvfp4"}` (`weight` U32, `scales` U8 `[rows, width/16]`).
-//!   mlxcel's extension: `null` for unquantized rows (one `weight` plane, F32/F16/BF16
-//!   `[rows, width]`), so that a streamed table can match a resident one bit for bit.
+//!   mlxcel's extensions: `null` for unquantized rows (one `weight` plane, F32/F16/BF16
+//!   `[rows, width]`), so that a streamed table can match a resident one bit for bit; and, in
+//!   the `safetensors_ranges` layout, affine `scales` and `biases` of F32 or F16 (as mlx-lm
+//!   leaves them when it quantizes a float32 or float16 checkpoint).
 //! - `layout`: `"safetensors_ranges"` (the default): `shards`, contiguous from row 0, each
 //!   `{row_start, row_count, weight, scales[, biases]}` with every tensor `{file, offset, dtype,
 //!   shape}` (`file` a plain name under `source_root`, `offset` the absolute byte offset of its

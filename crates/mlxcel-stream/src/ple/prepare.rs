@@ -101,6 +101,18 @@ fn table(weights: &WeightMap, name: &str) -> Result<Table> {
         (Some("BF16"), Some("BF16")) if info.stored_dtype == "U32" => {
             (RowFormat::Affine4, cols * 8, vec![name.to_string(), scales, biases])
         }
+        (Some(s @ ("F32" | "F16")), Some(b)) if info.stored_dtype == "U32" && s == b => {
+            let d = if s == "F32" {
+                Dtype::Float32
+            } else {
+                Dtype::Float16
+            };
+            (
+                RowFormat::Affine4Float(d),
+                cols * 8,
+                vec![name.to_string(), scales, biases],
+            )
+        }
         (Some("U8"), None) if info.stored_dtype == "U32" => {
             (RowFormat::Nvfp4, cols * 8, vec![name.to_string(), scales])
         }
@@ -108,7 +120,7 @@ fn table(weights: &WeightMap, name: &str) -> Result<Table> {
             return Err(err(
                 folder,
                 format!(
-                    "`{name}` is stored as {} with scales {s:?} and biases {b:?}: external rows are float, affine 4-bit g32 (BF16 scales and biases) or nvfp4",
+                    "`{name}` is stored as {} with scales {s:?} and biases {b:?}: external rows are float, affine 4-bit g32 (scales and biases both BF16, F32 or F16) or nvfp4",
                     info.stored_dtype
                 ),
             ))

@@ -521,7 +521,7 @@ pub(crate) fn rows_array(
     Ok(match format {
         RowFormat::Plain(stored) if stored == dtype => arrays.remove(0),
         RowFormat::Plain(_) => cast(&arrays[0])?,
-        RowFormat::Affine4 => ops::dequantize(
+        RowFormat::Affine4 | RowFormat::Affine4Float(_) => ops::dequantize(
             &arrays[0],
             &cast(&arrays[1])?,
             Some(&cast(&arrays[2])?),
