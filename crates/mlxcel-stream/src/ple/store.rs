@@ -3,7 +3,7 @@
 //! to the compute dtype with MLX's own `dequantize`.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -380,13 +380,9 @@ impl PleStore {
         let mut wanted: Vec<u64> = Vec::new();
         {
             let cache = self.cache.borrow();
-            let staged = self.staged.borrow();
+            let mut seen = HashSet::new();
             for id in next_ids.iter().map(|i| u64::from(*i)) {
-                if id < rows
-                    && !cache.rows.contains_key(&id)
-                    && !staged.contains_key(&id)
-                    && !wanted.contains(&id)
-                {
+                if id < rows && !cache.rows.contains_key(&id) && seen.insert(id) {
                     wanted.push(id);
                 }
             }
@@ -417,12 +413,14 @@ impl PleStore {
         self.collect_pending()?;
         let mut found: HashMap<u64, Rc<[u8]>> = HashMap::new();
         let mut missing: Vec<u64> = Vec::new();
+        // Ids seen in this pass (a repeat is a hit whichever way its first use was served).
+        let mut pending_ids: HashSet<u64> = HashSet::new();
         let (mut hits, mut ahead) = (0u64, 0u64);
         {
             let mut cache = self.cache.borrow_mut();
             let mut staged = self.staged.borrow_mut();
             for id in ids.iter().map(|i| u64::from(*i)) {
-                if found.contains_key(&id) || missing.contains(&id) {
+                if found.contains_key(&id) || !pending_ids.insert(id) {
                     hits += 1;
                 } else if self.io == PleIo::Ram {
                     missing.push(id);
