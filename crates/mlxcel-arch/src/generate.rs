@@ -25,10 +25,15 @@ pub fn prefill(
     }
     let step = chunk.unwrap_or(tokens.len()).max(1);
     let mut last = None;
-    for piece in tokens.chunks(step) {
+    let pieces: Vec<&[u32]> = tokens.chunks(step).collect();
+    for (k, piece) in pieces.iter().enumerate() {
         let ids: Vec<i32> = piece.iter().map(|t| *t as i32).collect();
         let input = Array::from_slice(&ids, &[1, ids.len() as i32])?;
         let row = model.forward_last(&input, caches)?.reshape(&[-1])?;
+        // Gather-ahead: the next chunk's per-token reads overlap this chunk's compute.
+        if let Some(next) = pieces.get(k + 1) {
+            model.prefetch(next)?;
+        }
         // Evaluate per chunk so the graph (and memory) stays bounded by one chunk.
         row.eval()?;
         last = Some(row);

@@ -189,6 +189,14 @@ pub trait LanguageModel {
         None
     }
 
+    /// A hint from chunked prefill that the next pass will run `next_tokens`: a model that reads
+    /// per-token data from disk (an external per-layer-embedding table) starts reading it while
+    /// the current pass computes (gather-ahead). The default has nothing to read.
+    fn prefetch(&self, next_tokens: &[u32]) -> Result<()> {
+        let _ = next_tokens;
+        Ok(())
+    }
+
     /// Whether one forward pass can advance several conversations by one token each, every
     /// layer given a [`LayerCache::Batch`] of their caches ([`crate::generate::DecodeBatch`]):
     /// true when every layer is key/value attention with fixed rope frequencies. Others

@@ -199,6 +199,9 @@ pub struct BuildOptions {
     pub materialization: Materialization,
     /// Stream the routed experts of the layers this covers instead of loading them.
     pub stream: Option<crate::weights::ExpertStreamSetup>,
+    /// The per-layer-embedding table on disk (`ple_storage` in `config.json`, see
+    /// `mlxcel_stream::ple`): the checkpoint's own copy, if any, is never loaded.
+    pub external_ple: Option<std::rc::Rc<mlxcel_stream::ple::PleStore>>,
     /// Fuse linear layers that read the same input (q/k/v, gate/up) into one at load, when
     /// they share a storage format. Saves arrays and kernel launches per decode step (what
     /// bounds decode on a GPU) at the cost of one copy of those weights while loading.
@@ -260,9 +263,26 @@ pub fn build_architecture<M: Architecture>(
             }
         }
     }
+    if options.external_ple.is_some() {
+        // The table is read from disk: drop the checkpoint's (still lazy) copy and its planes.
+        let base = mlxcel_stream::ple::PLE_TENSOR_SUFFIX.trim_end_matches(".weight");
+        let table: Vec<String> = weights
+            .names()
+            .filter(|n| {
+                [".weight", ".scales", ".biases"]
+                    .iter()
+                    .any(|p| n.ends_with(&format!("{base}{p}")))
+            })
+            .map(str::to_string)
+            .collect();
+        for n in table {
+            weights.remove(&n);
+        }
+    }
     drop_unused_buffers(&mut weights);
     let mut w = ModelWeights::new(weights, options.quant.clone(), options.dtype)
         .with_stream(options.stream.clone())
+        .with_external_ple(options.external_ple.clone())
         .with_fused_projections(options.fuse_projections)
         .with_runtime_adapters(options.runtime_adapters.clone());
     let model = M::build(&args, &mut w.scope(&options.prefix))?;
@@ -329,6 +349,9 @@ macro_rules! generation_models {
             }
             fn vocab_size(&self) -> usize {
                 match self { $(GenerationModel::$v(m) => m.vocab_size()),* }
+            }
+            fn prefetch(&self, next_tokens: &[u32]) -> Result<()> {
+                match self { $(GenerationModel::$v(m) => m.prefetch(next_tokens)),* }
             }
             fn layer_schedule(&self) -> Vec<LayerKind> {
                 match self { $(GenerationModel::$v(m) => m.layer_schedule()),* }

@@ -197,6 +197,9 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
     if let (false, Some((plan, _))) = (flags.quiet, &loaded.expert_stream) {
         eprintln!("{}", plan.describe());
     }
+    if let (false, Some(plan)) = (flags.quiet, &loaded.external_ple) {
+        eprintln!("{}", plan.describe());
+    }
     Ok(Some(loaded))
 }
 
@@ -249,6 +252,13 @@ fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
             gib(est.vision_tower_lazy)
         );
     }
+    if est.ple_rows > 0 {
+        println!(
+            "ple rows         {:>23} ({:.3} GiB, external per-layer-embedding table: its row cache, or the table with MLXCEL_PLE_IO=ram)",
+            est.ple_rows,
+            gib(est.ple_rows)
+        );
+    }
     println!(
         "total            {:>23} ({:.3} GiB)",
         est.total(),
@@ -293,6 +303,9 @@ fn print_stats(stats: &GenerationStats, loaded: &Loaded, quiet: bool) {
             s.bytes_read as f64 / (1 << 20) as f64,
             s.read_seconds
         );
+    }
+    if let Some(plan) = &loaded.external_ple {
+        eprintln!("\n{}", plan.stats.borrow().describe());
     }
     let peak = mlxcel_core::memory::peak_bytes().unwrap_or(0);
     eprintln!(

@@ -47,6 +47,32 @@ impl CachePolicy {
     }
 }
 
+/// How rows of an external per-layer-embedding table are read (`MLXCEL_PLE_IO`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PleIo {
+    /// Map the row files and copy rows out of the mapping (the default).
+    Mmap,
+    /// `O_DIRECT` reads into aligned buffers, bypassing the page cache; a truncated file is an
+    /// error, never a fault.
+    Direct,
+    /// Read the whole table into memory at load.
+    Ram,
+}
+
+impl PleIo {
+    /// The word `MLXCEL_PLE_IO` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            PleIo::Mmap => "mmap",
+            PleIo::Direct => "direct",
+            PleIo::Ram => "ram",
+        }
+    }
+}
+
+/// The default row cache of external per-layer embeddings (`MLXCEL_PLE_CACHE_BYTES`): 0.5 GiB.
+pub const DEFAULT_PLE_CACHE_BYTES: u64 = 512 << 20;
+
 /// How mlxcel's CUDA kernels are launched (`MLXCEL_CUDA_LAUNCH`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CudaLaunch {
@@ -105,6 +131,11 @@ pub struct RuntimePolicy {
     /// `MLXCEL_EXPERT_VERIFY`: check each expert read from disk against its hash in the
     /// manifest (default on; `0` only to measure what the check costs).
     pub expert_verify: bool,
+    /// `MLXCEL_PLE_IO`: `mmap` (default), `direct` or `ram`.
+    pub ple_io: PleIo,
+    /// `MLXCEL_PLE_CACHE_BYTES`: bytes of the LRU row cache of an external per-layer-embedding
+    /// table (default [`DEFAULT_PLE_CACHE_BYTES`]; 0 = no cache).
+    pub ple_cache_bytes: u64,
     /// `MLXCEL_DEQUANT_ROWS`: from this many activation rows quantized layers run as
     /// dequantize + dense GEMM (0 = never; setting it also covers routed experts). `None`:
     /// 256 on a GPU, never on the CPU.
@@ -156,6 +187,8 @@ impl RuntimePolicy {
         expert_cache_policy: CachePolicy::Lfu,
         expert_read_threads: 4,
         expert_verify: true,
+        ple_io: PleIo::Mmap,
+        ple_cache_bytes: DEFAULT_PLE_CACHE_BYTES,
         dequant_rows: None,
         warm_up: None,
         cpu_kernels: true,
@@ -173,13 +206,15 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 20] = [
+    pub const VARIABLES: [&'static str; 22] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
         "MLXCEL_EXPERT_CACHE_POLICY",
         "MLXCEL_EXPERT_READ_THREADS",
         "MLXCEL_EXPERT_VERIFY",
+        "MLXCEL_PLE_IO",
+        "MLXCEL_PLE_CACHE_BYTES",
         "MLXCEL_DEQUANT_ROWS",
         "MLXCEL_WARM_UP",
         "MLXCEL_CPU_KERNELS",
@@ -254,6 +289,17 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_EXPERT_VERIFY") {
             p.expert_verify = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_PLE_IO") {
+            p.ple_io = match v.word().as_str() {
+                "mmap" => PleIo::Mmap,
+                "direct" => PleIo::Direct,
+                "ram" => PleIo::Ram,
+                _ => return Err(v.error("mmap, direct or ram")),
+            };
+        }
+        if let Some(v) = get("MLXCEL_PLE_CACHE_BYTES") {
+            p.ple_cache_bytes = v.number("a byte count")?;
         }
         if let Some(v) = get("MLXCEL_DEQUANT_ROWS") {
             p.dequant_rows = Some(v.number("a number of rows (0 = never)")?);
@@ -460,6 +506,21 @@ mod tests {
         for var in RuntimePolicy::VARIABLES {
             rejects(var, "banana");
         }
+    }
+
+    #[test]
+    fn external_ple() {
+        let v = "MLXCEL_PLE_IO";
+        assert_eq!(parse(&[]).unwrap().ple_io, PleIo::Mmap);
+        assert_eq!(one(v, "direct").ple_io, PleIo::Direct);
+        assert_eq!(one(v, "RAM").ple_io, PleIo::Ram);
+        assert_eq!(one(v, "mmap").ple_io, PleIo::Mmap);
+        rejects(v, "o_direct");
+        let v = "MLXCEL_PLE_CACHE_BYTES";
+        assert_eq!(parse(&[]).unwrap().ple_cache_bytes, 512 << 20);
+        assert_eq!(one(v, "0").ple_cache_bytes, 0);
+        assert_eq!(one(v, "4096").ple_cache_bytes, 4096);
+        rejects(v, "1G");
     }
 
     #[test]

@@ -137,6 +137,9 @@ pub struct Loaded {
         crate::stream::StreamPlan,
         Rc<RefCell<mlxcel_stream::StreamStats>>,
     )>,
+    /// Set when the per-layer-embedding table is read from disk (`ple_storage`): the store
+    /// and its counters.
+    pub external_ple: Option<crate::ple::PlePlan>,
     /// The checkpoint files the weights are mapped from, with their identity at load.
     pub mapped: mlxcel_core::MappedFiles,
     /// What the load-time weight edits did, one line each: the tensors a text-only load of a
@@ -667,6 +670,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         crate::memory::available_memory()?,
     )?;
     let stats = Rc::new(RefCell::new(mlxcel_stream::StreamStats::default()));
+    let external_ple = crate::ple::open(&folder, &config, &runtime)?;
     let gpu = mlxcel_core::default_device()? == Device::Gpu;
     let build = BuildOptions {
         prefix: String::new(),
@@ -674,6 +678,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         dtype,
         materialization,
         stream: plan.as_ref().map(|p| p.setup(stats.clone())),
+        external_ple: external_ple.as_ref().map(|p| p.store.clone()),
         fuse_projections: runtime.fuse_projections.unwrap_or(gpu),
         transform,
         runtime_adapters: lora.clone(),
@@ -712,6 +717,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         chat_template,
         load_seconds: started.elapsed().as_secs_f64(),
         expert_stream: plan.map(|p| (p, stats)),
+        external_ple,
         mapped,
         surgery_applied: report.into_iter().chain(applied.take()).collect(),
         adapters: lora.map(|r| r.set),

@@ -409,29 +409,53 @@ pub fn normal_quantile(p: f64) -> f64 {
 }
 
 /// The per-layer embedding table (`embed_tokens_per_layer`, `[vocab_size_per_layer_input,
-/// num_hidden_layers × hidden_size_per_layer_input]`): the seam for keeping it outside the
-/// model's parameters.
+/// num_hidden_layers × hidden_size_per_layer_input]`): resident, or on disk.
 ///
 /// The model asks it for the **raw** rows of one forward pass — ids already mapped into the
 /// table (ids at or past `vocab_size_per_layer_input` become 0), no `sqrt(hidden_size_per_layer_input)`
 /// scale, in the compute dtype — through [`PerLayerTable::rows`], given the ids both as the MLX
 /// array the pass computes with and, when they are on the host (prompts; not a token sampled on
 /// the device and fed straight back), as `&[u32]`. [`PerLayerTable::prefetch`] is the hook for
-/// reading ahead: whoever knows the next prefill chunk's ids (the chunked prefill loop, through
-/// [`Model::per_layer_table`]) passes them while the current chunk computes; a resident table
-/// (dense or quantized, as the checkpoint stores it) has nothing to do there. The table is built
-/// in one place, [`PerLayerTable::load`].
+/// reading ahead: chunked prefill hands the next chunk's ids to it (through
+/// [`LanguageModel::prefetch`], or directly through [`Model::per_layer_table`]) before
+/// evaluating the current chunk, so a table on disk reads them while the current chunk
+/// computes; a resident table (dense or quantized, as the checkpoint stores it) has nothing to
+/// do there. The table is built in one place, [`PerLayerTable::load`].
 #[derive(Debug)]
 pub enum PerLayerTable {
     /// The table as a model parameter: an embedding lookup (dense or affine-quantized rows
     /// dequantized to the compute dtype).
     Resident(Embedding),
+    /// The table on disk (`ple_storage` in `config.json`, see `mlxcel_stream::ple`): rows read
+    /// per pass through an LRU row cache, gathered ahead during chunked prefill.
+    External {
+        /// The rows' store (shared with the loader, which reads its counters).
+        store: std::rc::Rc<mlxcel_stream::ple::PleStore>,
+        /// The compute dtype rows are returned in.
+        dtype: Dtype,
+    },
 }
 
 impl PerLayerTable {
-    /// Reads the resident table `model.embed_tokens_per_layer` (under `w`'s open scope, which
-    /// is the `model` scope) of `vocab` rows of `width` values.
+    /// The table on disk when `config.json` declares one (its rows and width checked against
+    /// the model's), else the resident `model.embed_tokens_per_layer` (under `w`'s open scope,
+    /// which is the `model` scope) of `vocab` rows of `width` values.
     pub fn load(w: &mut ModelWeights, vocab: i32, width: i32) -> Result<PerLayerTable> {
+        if let Some(store) = w.external_ple() {
+            let layout = store.layout();
+            if (layout.row_count, layout.row_width) != (vocab as u64, width as usize) {
+                return Err(ModelError::Config(format!(
+                    "{}: manifest fields `row_count` × `row_width` are {} × {}, the model's per-layer table is vocab_size_per_layer_input × num_hidden_layers·hidden_size_per_layer_input = {vocab} × {width}",
+                    layout.manifest_path.display(),
+                    layout.row_count,
+                    layout.row_width
+                )));
+            }
+            return Ok(PerLayerTable::External {
+                store,
+                dtype: w.dtype(),
+            });
+        }
         Ok(PerLayerTable::Resident(w.embedding(
             "embed_tokens_per_layer",
             vocab,
@@ -440,19 +464,39 @@ impl PerLayerTable {
     }
 
     /// Raw rows for `ids` (any shape of int32 ids inside the table) → `[..ids, width]` in the
-    /// compute dtype. `host_ids` are the same ids on the host when they are there.
+    /// compute dtype. `host_ids` are the same ids on the host when they are there (a table on
+    /// disk otherwise reads them from `ids`).
     pub fn rows(&self, ids: &Array, host_ids: Option<&[u32]>) -> Result<Array> {
-        let _ = host_ids;
         match self {
             PerLayerTable::Resident(table) => table.forward(ids),
+            PerLayerTable::External { store, dtype } => {
+                let fetched;
+                let host = match host_ids {
+                    Some(h) => h,
+                    None => {
+                        fetched = ids
+                            .astype(Dtype::Int32)?
+                            .to_vec::<i32>()?
+                            .into_iter()
+                            .map(|v| v as u32)
+                            .collect::<Vec<u32>>();
+                        &fetched
+                    }
+                };
+                let rows = store.rows(host, *dtype)?;
+                let mut shape = ids.shape();
+                shape.push(rows.dim(-1)?);
+                Ok(rows.reshape(&shape)?)
+            }
         }
     }
 
-    /// A hint that a later pass will read `next_ids`; a resident table has nothing to read.
+    /// A hint that a later pass will read `next_ids` (mapped into the table): a table on disk
+    /// starts reading the rows it does not hold; a resident table has nothing to read.
     pub fn prefetch(&self, next_ids: &[u32]) -> Result<()> {
-        let _ = next_ids;
         match self {
             PerLayerTable::Resident(_) => Ok(()),
+            PerLayerTable::External { store, .. } => Ok(store.prefetch(next_ids)?),
         }
     }
 }
@@ -904,6 +948,16 @@ impl LanguageModel for Model {
 
     fn vocab_size(&self) -> usize {
         self.vocab
+    }
+
+    /// The next chunk's ids, mapped into the per-layer table as a pass maps them.
+    fn prefetch(&self, next_tokens: &[u32]) -> Result<()> {
+        let limit = self.vocab_per_layer.max(0) as u32;
+        let ids: Vec<u32> = next_tokens
+            .iter()
+            .map(|&t| if t < limit { t } else { 0 })
+            .collect();
+        self.per_layer_table.prefetch(&ids)
     }
 
     fn layer_schedule(&self) -> Vec<LayerKind> {
