@@ -58,8 +58,8 @@ namespace generic {
 #undef MLXCEL_LANES
 
 struct DecodeKernels {
-  void (*attend)(const float*, const float*, const float*, int64_t, int, float, float*, float*) =
-      generic::attend_one_head;
+  void (*attend)(const float*, const float*, int64_t, const float*, int64_t, int64_t, int, float,
+                 float*, float*) = generic::attend_one_head;
   void (*silu_mul)(const float*, const float*, float*, int64_t) = generic::silu_mul;
 };
 
@@ -77,6 +77,15 @@ const DecodeKernels& decode_kernels() {
   }();
   return k;
 }
+
+}  // namespace
+
+void attend_row_vec(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                    int64_t n, int D, float scale, float* scores, float* out) {
+  decode_kernels().attend(q, k, ks, v, vs, n, D, scale, scores, out);
+}
+
+namespace {
 
 [[noreturn]] void fail(const std::string& why) {
   throw std::invalid_argument("mlxcel cpu_decoder: " + why);
@@ -386,8 +395,8 @@ void cpu_decoder_step(CpuDecoder& wrapper, const array& x, rust::Slice<const siz
     // Heads over the pool: each reads its key/value head's first n rows.
     auto head = [&](int hh) {
       const int g = hh / rep;
-      kern.attend(d.q.data() + size_t(hh) * D, kc + size_t(g) * cap * D,
-                  vc + size_t(g) * cap * D, n, D, d.scale, d.scores.data() + size_t(hh) * n,
+      kern.attend(d.q.data() + size_t(hh) * D, kc + size_t(g) * cap * D, D,
+                  vc + size_t(g) * cap * D, D, n, D, d.scale, d.scores.data() + size_t(hh) * n,
                   d.attn.data() + size_t(hh) * D);
     };
     if (n * H * D < (int64_t(1) << 15)) {

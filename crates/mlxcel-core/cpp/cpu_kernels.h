@@ -18,6 +18,12 @@ void parallel_for(int tasks, const std::function<void(int)>& fn);
 // Threads of the pool, the caller included.
 int parallel_threads();
 
+// One query row of attention: out [D] = softmax(scale * q . K^T) V over `n` key/value rows whose
+// D features are contiguous, rows `ks`/`vs` floats apart; `scores` is n floats of scratch.
+// Vectorised with the CPU's instruction set (cpu_decode.cc).
+void attend_row_vec(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                    int64_t n, int D, float scale, float* scores, float* out);
+
 // One product `out = x @ W^T` for `linear_parts`: x float32 [M, K] row-major; W dense [N, K]
 // (`bits` 0) or MLX affine-quantized (`bits` 2, 4 or 8, `group_size` a multiple of 32, scales
 // and biases [N, K / group_size]). Element kinds: 0 float32, 1 bfloat16, 2 float16.

@@ -50,6 +50,21 @@ struct LinearArgs {
   ElemKind scale_kind;
 };
 
+// The weight of a GEMM: dense (`bits` 0, elements of `kind`) or MLX affine-quantized.
+struct GemmWeight {
+  const void* w;
+  ElemKind kind;
+  const void* scales;
+  const void* biases;
+  ElemKind scale_kind;
+  int group_size;
+  int bits;
+};
+
+GemmWeight gemm_weight(const LinearArgs& a) {
+  return {a.w, a.weight_kind, a.scales, a.biases, a.scale_kind, a.group_size, a.bits};
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MLXCEL_HAVE_AVX2_KERNELS 1
 #pragma GCC push_options
@@ -89,8 +104,8 @@ namespace generic {
 #undef MLXCEL_LANES
 
 using RowsFn = void (*)(const LinearArgs&, int64_t, int64_t);
-using GemmFn = void (*)(const float*, const void*, ElemKind, const float*, float*, int64_t,
-                        int64_t, int, int);
+using GemmFn = void (*)(const float*, const GemmWeight&, const float*, float*, int64_t, int64_t,
+                        int, int);
 using EpilogueFn = void (*)(float*, const float*, int64_t, int);
 
 // The kernels of the best instruction set this CPU has.
@@ -120,9 +135,17 @@ const Kernels& kernels() {
   return k;
 }
 
-// From this many rows of x on, a dense product runs as the packed GEMM (cpu_gemm_kernels.inc);
-// below, the row kernels, which read each weight once for all rows, are faster.
+// From this many rows of x on, a product runs as the packed GEMM (cpu_gemm_kernels.inc; a
+// quantized weight is dequantized panel by panel as it is packed); below, the row kernels,
+// which read each weight once for all rows, are faster.
 constexpr int64_t kGemmMinRows = 16;
+// Quantized weights also pay for dequantizing each panel once per product, so the GEMM takes
+// over from more rows (prompts and prefill chunks; short ones stay on the row kernels).
+constexpr int64_t kQuantGemmMinRows = 64;
+
+bool use_gemm(const LinearArgs& a) {
+  return a.M >= (a.bits > 0 ? kQuantGemmMinRows : kGemmMinRows);
+}
 
 // A fixed set of worker threads that split one range at a time. The thread that submits the
 // work (MLX's CPU stream thread, or the decode engine's caller) takes a share itself. A decode
@@ -333,8 +356,8 @@ void linear_parts(const LinearPart* parts, int count) {
     a.bits = p.bits;
     a.weight_kind = kinds[std::clamp(p.weight_kind, 0, 2)];
     a.scale_kind = kinds[std::clamp(p.scale_kind, 0, 2)];
-    if (a.bits == 0 && a.M >= kGemmMinRows) {
-      kernels().gemm(a.x, a.w, a.weight_kind, nullptr, a.out, a.M, a.N, a.K, 0);
+    if (use_gemm(a)) {
+      kernels().gemm(a.x, gemm_weight(a), nullptr, a.out, a.M, a.N, a.K, 0);
       continue;
     }
     if (a.bits > 0) {
@@ -442,8 +465,8 @@ class CpuLinear : public CpuPrimitive {
 
     schedule(inputs, out, [a, ids, pairs, pairs_per_row, experts, w_stride, s_stride, bias, act]() {
       if (a.M == 0 || a.N == 0) return;
-      if (a.bits == 0 && !ids && a.M >= kGemmMinRows) {
-        kernels().gemm(a.x, a.w, a.weight_kind, bias, a.out, a.M, a.N, a.K, act);
+      if (!ids && use_gemm(a)) {
+        kernels().gemm(a.x, gemm_weight(a), bias, a.out, a.M, a.N, a.K, act);
         return;
       }
       std::vector<LinearArgs> parts =
