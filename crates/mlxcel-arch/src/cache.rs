@@ -533,6 +533,36 @@ impl StandardCache {
     }
 }
 
+impl StandardCache {
+    /// For the CPU decode engine: the key and value buffers with room for one more row (grown
+    /// like [`StandardCache::update`] grows them, `[1, kv_heads, capacity, head_dim]` in `like`'s
+    /// dtype) and the row it goes to. The engine writes the row into the buffers in place;
+    /// [`StandardCache::advance_one`] then records it.
+    pub(crate) fn decode_buffers(&mut self, like: &Array) -> Result<(&Array, &Array, usize)> {
+        let prev = self.offset;
+        if prev + 1 > rows(&self.keys)? {
+            let cap = (prev + 1).div_ceil(STEP as usize) * STEP as usize;
+            let keys = grow_rows(self.keys.as_ref(), prev, cap, like)?;
+            let values = grow_rows(self.values.as_ref(), prev, cap, like)?;
+            keys.eval()?;
+            values.eval()?;
+            self.keys = Some(keys);
+            self.values = Some(values);
+        }
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => Ok((k, v, prev)),
+            _ => Err(crate::ModelError::Runtime(
+                "internal: cache grown above".into(),
+            )),
+        }
+    }
+
+    /// Records the row the CPU decode engine wrote.
+    pub(crate) fn advance_one(&mut self) {
+        self.offset += 1;
+    }
+}
+
 impl BidirectionalCache {
     fn update(
         &mut self,

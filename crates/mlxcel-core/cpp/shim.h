@@ -42,6 +42,28 @@ struct CudaBinary {
 
 using Ptr = std::unique_ptr<array>;
 
+// The CPU decode engine (cpu_decode.cc); its state is defined there.
+struct CpuDecoderState;
+struct CpuDecoder {
+  std::unique_ptr<CpuDecoderState> state;
+  CpuDecoder();
+  ~CpuDecoder();
+};
+std::unique_ptr<CpuDecoder> cpu_decoder_new(int32_t hidden, int32_t heads, int32_t kv_heads,
+                                            int32_t head_dim, int32_t layers, float eps,
+                                            float attn_scale, rust::Slice<const float> inv_freq,
+                                            bool traditional);
+void cpu_decoder_set_linear(CpuDecoder& d, int32_t layer, int32_t role, const array& w,
+                            const array* scales, const array* biases, const array* bias,
+                            int32_t group_size, int32_t bits);
+void cpu_decoder_set_norm(CpuDecoder& d, int32_t layer, int32_t role, const array& w);
+void cpu_decoder_finish(CpuDecoder& d);
+int64_t cpu_decoder_vocab(const CpuDecoder& d);
+void cpu_decoder_step(CpuDecoder& d, const array& x, rust::Slice<const size_t> keys,
+                      rust::Slice<const size_t> values, rust::Slice<const int64_t> capacity,
+                      int64_t position, rust::Slice<float> logits);
+bool array_is_donatable(const array& a);
+
 rust::String mlx_version();
 DeviceKind default_device_kind();
 void set_default_device_kind(DeviceKind kind);

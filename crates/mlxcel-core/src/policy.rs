@@ -144,6 +144,10 @@ pub struct RuntimePolicy {
     pub warm_up: Option<bool>,
     /// `MLXCEL_CPU_KERNELS`: mlxcel's CPU linear kernel instead of MLX's (default on).
     pub cpu_kernels: bool,
+    /// `MLXCEL_CPU_DECODE`: single-token decode steps of dense attention-only decoders run on
+    /// mlxcel's CPU decode engine (one call per token) instead of an MLX graph (default on;
+    /// only with `cpu_kernels`, on the CPU).
+    pub cpu_decode: bool,
     /// `MLXCEL_CPU_THREADS`: threads of mlxcel's CPU kernel (1-64). `None`: all cores, at
     /// most 16. Takes effect when the kernel's thread pool starts (its first use).
     pub cpu_threads: Option<usize>,
@@ -192,6 +196,7 @@ impl RuntimePolicy {
         dequant_rows: None,
         warm_up: None,
         cpu_kernels: true,
+        cpu_decode: true,
         cpu_threads: None,
         zero_copy: true,
         cuda_qmv: Some(DEFAULT_QMV_SHAPE),
@@ -206,7 +211,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 22] = [
+    pub const VARIABLES: [&'static str; 23] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -218,6 +223,7 @@ impl RuntimePolicy {
         "MLXCEL_DEQUANT_ROWS",
         "MLXCEL_WARM_UP",
         "MLXCEL_CPU_KERNELS",
+        "MLXCEL_CPU_DECODE",
         "MLXCEL_CPU_THREADS",
         "MLXCEL_ZERO_COPY",
         "MLXCEL_CUDA_QMV",
@@ -309,6 +315,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CPU_KERNELS") {
             p.cpu_kernels = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CPU_DECODE") {
+            p.cpu_decode = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CPU_THREADS") {
             p.cpu_threads = Some(v.in_range("a number of threads from 1 to 64", 1, 64)?);
@@ -574,9 +583,10 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 6] = [
+        let cases: [(&str, Get); 7] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
+            ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
             ("MLXCEL_ZERO_COPY", |p| Some(p.zero_copy)),
             ("MLXCEL_CUDA_QMV_FOLD", |p| Some(p.cuda_qmv_fold)),
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),

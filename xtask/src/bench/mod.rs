@@ -8,6 +8,7 @@
 
 mod embed;
 mod external_ple;
+mod llama_cpp;
 mod proc;
 mod serve;
 mod stats;
@@ -60,6 +61,14 @@ pub struct BenchArgs {
     /// target/bench/serve.md).
     #[arg(long)]
     serve: bool,
+    /// Instead of the plan: mlxcel against llama.cpp (llama-cpp-python) on the same weights,
+    /// SmolLM2-135M Q4_1 at 128/32 and 512/128 (writes target/bench/llama_cpp.md; installs
+    /// llama-cpp-python into the bench venv on first use).
+    #[arg(long)]
+    llama_cpp: bool,
+    /// Threads of both engines in `--llama-cpp` (default 2).
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -555,6 +564,39 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         let py = python(&p)?;
         let table = serve::run(&p.logs, &bin, &py, &model, args.runs.unwrap_or(3))?;
         let out = p.bench.join("serve.md");
+        std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+        println!("{table}");
+        return Ok(());
+    }
+    if args.llama_cpp {
+        let smol = ensure_model(&p, ModelId::Smol4)?;
+        let gguf = crate::fetch::cache_dir()?
+            .join("downloads")
+            .join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        if !gguf.is_file() {
+            bail!(
+                "{} is missing: run `cargo xtask fetch-models`",
+                gguf.display()
+            );
+        }
+        let models = vec![llama_cpp::Weights {
+            name: "SmolLM2-135M Q4_1",
+            gguf,
+            vocab: vocab_of(&smol)?,
+            mlx: smol,
+        }];
+        let bin = mlxcel_binary(&p)?;
+        let py = llama_cpp::python(|| python(&p))?;
+        let table = llama_cpp::run(
+            &p,
+            &bin,
+            &py,
+            &models,
+            &[(128, 32), (512, 128)],
+            args.runs.unwrap_or(3),
+            args.threads,
+        )?;
+        let out = p.bench.join("llama_cpp.md");
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");
         return Ok(());

@@ -19,6 +19,8 @@ use mlxcel_core::{Array, WeightMap};
 use mlxcel_quant::QuantConfig;
 use serde::de::DeserializeOwned;
 
+mod cpu_decode;
+
 use crate::cache::LayerCache;
 use crate::model::{Architecture, LanguageModel, LayerKind};
 use crate::nn::griffin::RgLruBlock;
@@ -827,6 +829,8 @@ pub struct Decoder {
     final_softcap: Option<f64>,
     vocab: usize,
     schedule: Vec<LayerKind>,
+    /// The CPU decode engine, when it covers this decoder (see `cpu_decode`).
+    cpu_decode: Option<cpu_decode::CpuDecode>,
 }
 
 fn norm(w: &mut ModelWeights, spec: &DecoderSpec, name: &str, dim: i32) -> Result<Norm> {
@@ -1403,12 +1407,21 @@ impl Decoder {
             let head = w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?;
             (Some(head), None)
         };
+        let cpu_decode = cpu_decode::CpuDecode::build(cpu_decode::Parts {
+            spec,
+            blocks: &blocks,
+            embed: &embed,
+            lm_head: lm_head.as_ref(),
+            tied_head_bias: tied_head_bias.is_some(),
+            final_norm: &final_norm,
+        })?;
         Ok(Decoder {
             embed,
             blocks,
             norm: final_norm,
             lm_head,
             tied_head_bias,
+            cpu_decode,
             embed_scale: spec.embed_scale,
             residual_scale: spec.residual_scale,
             logit_scale: spec.logit_scale,
@@ -1545,6 +1558,11 @@ impl<A> LanguageModel for Transformer<A> {
         caches: &mut [LayerCache],
         last_only: bool,
     ) -> Result<Array> {
+        if let Some(engine) = &self.decoder.cpu_decode {
+            if let Some(logits) = engine.step(embeddings, positions, caches)? {
+                return Ok(logits);
+            }
+        }
         let h = self.decoder.body(embeddings.clone(), positions, caches)?;
         self.decoder.head(&h, last_only)
     }
