@@ -204,6 +204,75 @@ fn mismatched_adapters_are_refused_naming_file_and_tensor() {
         msg.contains("magnitude `model.layers.0.self_attn.q_proj.m` has shape [32], expected [64]"),
         "{msg}"
     );
+
+    // An embedding adapter for another vocabulary.
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            ("model.embed_tokens.lora_a", &[500, 4]),
+            ("model.embed_tokens.lora_b", &[4, 64]),
+        ],
+        MLX_CONFIG,
+    );
+    let msg = error("llama", tmp.path());
+    for p in [
+        "adapters.safetensors",
+        "model.embed_tokens.lora_a",
+        "`model.embed_tokens.weight` is [512, 64] (an adapter for another model?)",
+    ] {
+        assert!(msg.contains(p), "`{p}` not in: {msg}");
+    }
+
+    // DoRA on an embedding table.
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            ("model.embed_tokens.lora_a", &[512, 4]),
+            ("model.embed_tokens.lora_b", &[4, 64]),
+            ("model.embed_tokens.m", &[64]),
+        ],
+        &MLX_CONFIG.replace("\"lora\"", "\"dora\""),
+    );
+    let msg = error("llama", tmp.path());
+    assert!(
+        msg.contains("`model.embed_tokens`: DoRA on an embedding table is not supported"),
+        "{msg}"
+    );
+
+    // PEFT's saved copy of the base embedding (`save_embedding_layers`).
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            (
+                "base_model.model.model.embed_tokens.lora_embedding_A",
+                &[4, 512],
+            ),
+            (
+                "base_model.model.model.embed_tokens.lora_embedding_B",
+                &[64, 4],
+            ),
+            (
+                "base_model.model.model.embed_tokens.base_layer.weight",
+                &[512, 64],
+            ),
+        ],
+        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens"]}"#,
+    );
+    std::fs::rename(
+        tmp.path().join("adapters.safetensors"),
+        tmp.path().join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let msg = error("llama", tmp.path());
+    assert!(
+        msg.contains("adapter_model.safetensors")
+            && msg.contains("`base_model.model.model.embed_tokens.base_layer.weight` is a saved copy of a base layer")
+            && msg.contains("save_embedding_layers=False"),
+        "{msg}"
+    );
 }
 
 /// `lora_fuse` on a quantized base: each adapted layer dequantized, the delta added and

@@ -375,8 +375,17 @@ fn facade_selects_adapters_per_request() {
 
 /// The logits of `ids` with `adapter` fused at load and kept unfused (runtime, selected).
 fn fused_and_runtime(adapter: &str, ids: &[u32]) -> (Vec<f32>, Vec<f32>, Vec<String>) {
+    fused_and_runtime_on("llama", adapter, ids)
+}
+
+/// [`fused_and_runtime`] on the fixture `model`.
+fn fused_and_runtime_on(
+    model: &str,
+    adapter: &str,
+    ids: &[u32],
+) -> (Vec<f32>, Vec<f32>, Vec<String>) {
     let fused = load_model(
-        model_dir("llama"),
+        model_dir(model),
         &LoadOptions {
             adapter: Some(adapter_dir(adapter)),
             ..options()
@@ -384,7 +393,7 @@ fn fused_and_runtime(adapter: &str, ids: &[u32]) -> (Vec<f32>, Vec<f32>, Vec<Str
     )
     .unwrap();
     let runtime = load_model(
-        model_dir("llama"),
+        model_dir(model),
         &LoadOptions {
             runtime_adapters: vec![("x".into(), adapter_dir(adapter))],
             ..options()
@@ -431,6 +440,51 @@ fn peft_adapters_match_transformers_merge_and_unload() {
             &want,
             2e-4,
             &format!("{name} runtime vs transformers"),
+        );
+    }
+}
+
+/// LoRA on token embeddings and output heads (`make_embed_adapters.py`), fused and at runtime:
+/// mlx-lm's `LoRAEmbedding` + `LoRALinear` on the untied `lm_head` (and q_proj) against mlx-lm;
+/// `LoRAEmbedding` on a tied table, which the output head (`as_linear`) shares, against mlx-lm;
+/// PEFT's `lora_embedding_A/B` + `lm_head` against transformers after `merge_and_unload`.
+/// Weight 0 is the base exactly, and the adapters move the logits.
+#[test]
+fn embedding_and_head_adapters_match_mlx_lm_and_peft() {
+    for (model, name, layers, bound) in [
+        ("llama", "llama-embed-lora-mlx", 4, 1e-4),
+        ("qwen3", "qwen3-tied-embed-lora-mlx", 3, 1e-4),
+        ("llama", "llama-embed-lora-peft-hf", 4, 2e-4),
+    ] {
+        let (ids, want) = reference(&adapter_dir(name).join("reference.safetensors"));
+        let (fused, runtime, report) = fused_and_runtime_on(model, name, &ids);
+        assert!(
+            report[0].contains(&format!("fused into {layers} layers")),
+            "{name}: {report:?}"
+        );
+        assert_close(&fused, &want, bound, &format!("{name} fused"));
+        assert_close(&runtime, &want, bound, &format!("{name} runtime"));
+
+        let loaded = load_model(
+            model_dir(model),
+            &LoadOptions {
+                runtime_adapters: vec![("x".into(), adapter_dir(name))],
+                ..options()
+            },
+        )
+        .unwrap();
+        let base = logits_for(
+            &load_model(model_dir(model), &options()).unwrap().model,
+            &ids,
+        );
+        loaded
+            .select_adapters(&AdapterMix::weighted("x", 0.0))
+            .unwrap();
+        assert_eq!(logits_for(&loaded.model, &ids), base, "{name}: weight 0");
+        let (moved, _) = max_abs_diff(&base, &want);
+        assert!(
+            moved > 1e-2,
+            "{name}: the adapter barely moves the logits ({moved})"
         );
     }
 }

@@ -126,7 +126,7 @@ pub enum WeightRoute {
 
 /// Whether this build can load adapters: LoRA adapters (mlx-lm or PEFT) fused at load
 /// (`mlxcel_loading::LoadOptions::adapter`) or kept unfused ([`crate::nn::lora`]), LoRA or DoRA,
-/// on linear layers and stacked MoE experts.
+/// on linear layers, stacked MoE experts and token embeddings (and a tied head through them).
 pub const ADAPTERS_AVAILABLE: bool = true;
 
 /// Whether adapters can be applied to `model_type`: the registry row's reason when the type rules

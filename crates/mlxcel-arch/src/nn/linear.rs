@@ -347,6 +347,15 @@ pub enum Embedding {
         /// The compute dtype rows are dequantized to.
         dtype: Dtype,
     },
+    /// A table with runtime LoRA adapters over its unchanged base (PEFT's `lora_embedding_A/B`,
+    /// mlx-lm's `LoRAEmbedding`; see [`super::lora`]): looked-up rows and, when the table is
+    /// the tied output head, the logits carry the low-rank term.
+    Adapted {
+        /// The dense or quantized table as the checkpoint stores it.
+        base: Box<Embedding>,
+        /// The registered adapters' terms (`A` `[r, vocab]`, `B` `[dim, r]`).
+        lora: Box<LoraLayer>,
+    },
 }
 
 impl Embedding {
@@ -380,6 +389,7 @@ impl Embedding {
                 };
                 Ok(ops::dequantize(&w, &s, b.as_ref(), q.spec, Some(*dtype))?)
             }
+            Embedding::Adapted { base, lora } => lora.apply_rows(ids, base.forward(ids)?),
         }
     }
 
@@ -388,6 +398,7 @@ impl Embedding {
         match self {
             Embedding::Dense { table, .. } => Ok(ops::linear(x, table, None)?),
             Embedding::Quantized { table: q, .. } => Ok(q.matmul_t(x)?),
+            Embedding::Adapted { base, lora } => lora.apply_tied_head(x, base.as_linear(x)?),
         }
     }
 }
