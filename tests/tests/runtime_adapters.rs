@@ -121,6 +121,29 @@ fn runtime_adapter_equals_fused_and_mlx_lm() {
         1e-5,
         "PEFT vs mlx-lm layout, runtime",
     );
+
+    // Above, each adapted layer's term rides in the CPU kernel's node; with the kernel off
+    // (MLXCEL_CPU_KERNELS=0) it is built from MLX ops, as on a GPU: the same logits.
+    let policy =
+        RuntimePolicy::from_vars(|v| (v == "MLXCEL_CPU_KERNELS").then(|| "0".to_string())).unwrap();
+    let graph = load_model(
+        model_dir("llama"),
+        &LoadOptions {
+            runtime_adapters: vec![("a".into(), adapter_dir("llama-lora-mlx"))],
+            policy: Some(policy),
+            ..options()
+        },
+    )
+    .unwrap();
+    graph.select_adapters(&AdapterMix::single("a")).unwrap();
+    let graph = logits_for(&graph.model, &ids);
+    assert_close(&graph, &want, 1e-4, "runtime from MLX ops vs mlx-lm");
+    assert_close(
+        &graph,
+        &runtime,
+        1e-4,
+        "runtime from MLX ops vs in the kernel",
+    );
 }
 
 #[test]

@@ -149,9 +149,9 @@ impl Linear {
     }
 
     /// `x·Wᵀ` without the bias (a DoRA rescaling applies before the bias).
-    fn product(&self, x: &Array) -> Result<Array> {
+    pub(crate) fn product(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Linear::Adapted { base, lora } => return lora.apply(base, x, base.product(x)?),
+            Linear::Adapted { base, lora } => return lora.apply(base, x),
             Linear::Dense {
                 weight, weight_t, ..
             } => {
@@ -170,6 +170,38 @@ impl Linear {
                 }
             }
         })
+    }
+
+    /// `x·Wᵀ + (x·a_t)·b_t` as one node of mlxcel's CPU kernel (see
+    /// `ops::cpu_linear_low_rank`), for a runtime adapter's combined term over this base layer;
+    /// `None` where the kernel does not read this layer or `x`.
+    pub(crate) fn low_rank_product(
+        &self,
+        x: &Array,
+        a_t: &Array,
+        b_t: &Array,
+    ) -> Result<Option<Array>> {
+        let y = match self {
+            Linear::Dense { weight, .. } => {
+                let y = ops::cpu_linear_low_rank(x, weight, None, a_t, b_t)?;
+                if y.is_some() {
+                    super::calibration::observe(weight, x);
+                }
+                y
+            }
+            Linear::Quantized { weight, .. } => match &weight.biases {
+                Some(biases) => ops::cpu_linear_low_rank(
+                    x,
+                    &weight.weight,
+                    Some((&weight.scales, biases, weight.spec)),
+                    a_t,
+                    b_t,
+                )?,
+                None => None,
+            },
+            Linear::Adapted { .. } => None,
+        };
+        Ok(y)
     }
 
     /// The weight `[out, in]` as a dense array in `dtype` (dequantized when quantized; the

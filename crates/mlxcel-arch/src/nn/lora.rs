@@ -326,12 +326,21 @@ impl LoraLayer {
             .is_some())
     }
 
-    /// `y + Σᵢ cᵢ·(x·Aᵢᵀ)·Bᵢᵀ` with `y = x·Wᵀ` the base's product without its bias, rescaled
-    /// per row for DoRA (`y` unchanged when nothing is active here).
-    pub fn apply(&self, base: &Linear, x: &Array, y: Array) -> Result<Array> {
+    /// `x·Wᵀ + Σᵢ cᵢ·(x·Aᵢᵀ)·Bᵢᵀ` over `base` without its bias, rescaled per row for DoRA
+    /// (the base's product alone when nothing is active here).
+    pub fn apply(&self, base: &Linear, x: &Array) -> Result<Array> {
         match self.combined(&|| base.dense_weight(mlxcel_core::Dtype::Float32))? {
-            None => Ok(y),
+            None => base.product(x),
             Some(c) => {
+                // On mlxcel's CPU kernel the term rides in the base layer's own node: a CPU
+                // decode step is bound by its node count as much as by arithmetic, and the
+                // term's arithmetic is a few percent of the base's.
+                if c.rescale.is_none() {
+                    if let Some(y) = base.low_rank_product(x, &c.a, &c.b)? {
+                        return Ok(y);
+                    }
+                }
+                let y = base.product(x)?;
                 // Few graph nodes per layer: a decode step on the CPU is bound by their count as
                 // much as by the arithmetic (a few percent of the base layer's). A batched
                 // product flattens and unflattens its input, so `[1, .., 1, T, in]` goes in as
