@@ -612,3 +612,150 @@ fn moe_expert_adapters_match_mlx_lm() {
         "the adapter barely changes the logits ({moved})"
     );
 }
+
+/// An mlx-lm adapter folder with a random rank-2 pair (uniform in ±0.1, scale 1.5) on each of
+/// `modules`, whose `[out, in]` shapes are given.
+fn write_mlx_adapter(dir: &Path, modules: &[(String, [i32; 2])]) {
+    let mut tensors = Vec::new();
+    for (i, (module, [out, inp])) in modules.iter().enumerate() {
+        for (j, (suffix, shape)) in [("lora_a", [*inp, 2]), ("lora_b", [2, *out])]
+            .into_iter()
+            .enumerate()
+        {
+            let key = mlxcel_core::ops::random::key(1000 + (2 * i + j) as u64).unwrap();
+            let a = mlxcel_core::ops::random::uniform(&shape, mlxcel_core::Dtype::Float32, &key)
+                .and_then(|a| a.add_scalar(-0.5))
+                .and_then(|a| a.mul_scalar(0.2))
+                .unwrap();
+            tensors.push((format!("{module}.{suffix}"), a));
+        }
+    }
+    mlxcel_core::weights::save_safetensors(dir.join("adapters.safetensors"), &tensors, None)
+        .unwrap();
+    std::fs::write(
+        dir.join("adapter_config.json"),
+        r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 2, "scale": 1.5}}"#,
+    )
+    .unwrap();
+}
+
+/// Every registered decoder fixture takes runtime adapters on its layers' projections: an
+/// adapter on every 2-D weight inside its layers (sanitised names; the ones the model does not
+/// build as linear layers, named by the load's error, are left out and listed) gives the same
+/// logits unfused as fused into the weights (within 1e-4 of the largest logit: float32 rounding
+/// of two summation orders, carried through every adapted layer), weight 0 gives the base
+/// exactly, and attention and MLP projections are among those adapted wherever the model has
+/// them.
+#[test]
+fn every_decoder_takes_runtime_adapters_on_its_projections() {
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures_dir().join("models/index.json")).unwrap(),
+    )
+    .unwrap();
+    let mut checked = 0;
+    for fixture in index["fixtures"].as_array().unwrap() {
+        if fixture["kind"] != "f32-transformers" {
+            continue;
+        }
+        let name = fixture["name"].as_str().unwrap();
+        let dir = model_dir(name);
+        let config = mlxcel_loading::read_config(&dir).unwrap();
+        let raw = mlxcel_core::WeightMap::open(&dir).unwrap();
+        let weights = mlxcel_arch::detection::get_model_type(&config, false)
+            .and_then(|t| mlxcel_arch::sanitized_weights(t, &config, raw))
+            .unwrap_or_else(|_| mlxcel_core::WeightMap::open(&dir).unwrap());
+        let layer = layer_markers();
+        let mut modules: Vec<(String, [i32; 2])> = weights
+            .names()
+            .filter(|n| layer.iter().any(|l| n.contains(l)) && n.ends_with(".weight"))
+            .filter_map(|n| {
+                let info = weights.info(n)?;
+                (info.shape.len() == 2 && info.dtype.is_float()).then(|| {
+                    (
+                        n.trim_end_matches(".weight").to_string(),
+                        [info.shape[0], info.shape[1]],
+                    )
+                })
+            })
+            .filter(|(n, _)| !n.contains("norm") && !n.contains("embed"))
+            .collect();
+        let mut left_out = Vec::new();
+        let tmp = tempfile::tempdir().unwrap();
+        let runtime = loop {
+            write_mlx_adapter(tmp.path(), &modules);
+            match load_model(
+                &dir,
+                &LoadOptions {
+                    runtime_adapters: vec![("x".into(), tmp.path().to_path_buf())],
+                    ..options()
+                },
+            ) {
+                Ok(l) => break l,
+                Err(e) => {
+                    let msg = e.to_string();
+                    let Some(cut) = msg.find("` is not a linear layer") else {
+                        panic!("{name}: {msg}");
+                    };
+                    let module = msg[..cut].rsplit('`').next().unwrap().to_string();
+                    assert!(modules.iter().any(|m| m.0 == module), "{name}: {msg}");
+                    modules.retain(|m| m.0 != module);
+                    left_out.push(module);
+                }
+            }
+        };
+        assert!(!modules.is_empty(), "{name}: no projection takes adapters");
+        let has = |words: &[&str], list: &[String]| {
+            list.iter().any(|m| words.iter().any(|w| m.contains(w)))
+        };
+        let adapted: Vec<String> = modules.iter().map(|m| m.0.clone()).collect();
+        for words in [
+            &["attn", "attention"][..],
+            &["mlp", "feed_forward", "ffn"][..],
+        ] {
+            let present = has(words, &adapted) || has(words, &left_out);
+            assert!(
+                !present || has(words, &adapted),
+                "{name}: none of the {words:?} projections takes adapters (left out: {left_out:?})"
+            );
+        }
+        let ids = mlxcel_tests::reference(name).prompt_ids;
+        let base = logits_for(&load_model(&dir, &options()).unwrap().model, &ids);
+        runtime.select_adapters(&AdapterMix::single("x")).unwrap();
+        let unfused = logits_for(&runtime.model, &ids);
+        let fused = load_model(
+            &dir,
+            &LoadOptions {
+                adapter: Some(tmp.path().to_path_buf()),
+                ..options()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{name}: fused: {e}"));
+        let fused = logits_for(&fused.model, &ids);
+        let scale = fused.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let (diff, at) = max_abs_diff(&unfused, &fused);
+        assert!(
+            diff <= 1e-4 * scale,
+            "{name}: runtime vs fused max |Δ| {diff:.2e} at {at} (max |logit| {scale})"
+        );
+        let (moved, _) = max_abs_diff(&unfused, &base);
+        assert!(
+            moved > 1e-3,
+            "{name}: the adapter does not move the logits ({moved})"
+        );
+        runtime
+            .select_adapters(&AdapterMix::weighted("x", 0.0))
+            .unwrap();
+        assert_eq!(logits_for(&runtime.model, &ids), base, "{name}: weight 0");
+        eprintln!(
+            "{name}: {} projections adapted, runtime vs fused {diff:.1e}; left out: {left_out:?}",
+            adapted.len()
+        );
+        checked += 1;
+    }
+    assert!(checked >= 50, "only {checked} decoder fixtures");
+}
+
+/// Substrings that put a tensor inside a decoder's layer stack.
+fn layer_markers() -> [&'static str; 3] {
+    [".layers.", ".h.", ".blocks."]
+}

@@ -7,6 +7,7 @@
 //! engines; the table reports medians and ratios mlxcel / mlx-lm. See docs/performance.md.
 
 mod embed;
+mod lora;
 mod proc;
 mod serve;
 mod stats;
@@ -54,6 +55,11 @@ pub struct BenchArgs {
     /// target/bench/serve.md).
     #[arg(long)]
     serve: bool,
+    /// Instead of the plan: decode tok/s of SmolLM2 4-bit with and without a rank-16 runtime
+    /// LoRA adapter on every projection, alternating fresh processes (default 7 pairs, 128-token
+    /// prompt, 128 new tokens), and the cost as a ratio (writes target/bench/lora.md).
+    #[arg(long)]
+    lora: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -535,6 +541,23 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         let py = python(&p)?;
         let table = serve::run(&p.logs, &bin, &py, &model, args.runs.unwrap_or(3))?;
         let out = p.bench.join("serve.md");
+        std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+        println!("{table}");
+        return Ok(());
+    }
+    if args.lora {
+        let model = ensure_model(&p, ModelId::Smol4)?;
+        let bin = mlxcel_binary(&p)?;
+        let table = lora::run(
+            &p.logs,
+            &p.bench,
+            &bin,
+            &model,
+            args.runs.unwrap_or(7),
+            128,
+            128,
+        )?;
+        let out = p.bench.join("lora.md");
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");
         return Ok(());
