@@ -38,8 +38,13 @@ fn random(shape: &[i32], seed: u64) -> Array {
 
 /// The fixture with its tensors edited by `edit`, written to a temporary model folder.
 fn edited_checkpoint(edit: impl FnOnce(&mut WeightMap)) -> tempfile::TempDir {
+    edited_fixture(FIXTURE, edit)
+}
+
+/// [`edited_checkpoint`] of the fixture `name`.
+fn edited_fixture(name: &str, edit: impl FnOnce(&mut WeightMap)) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let src = model_dir(FIXTURE);
+    let src = model_dir(name);
     for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
     }
@@ -209,7 +214,7 @@ fn prune_matches_numpy_and_transformers() {
                 .unwrap();
         Surgery::load(&path)
             .unwrap()
-            .apply(&mut w, &mut config)
+            .apply(&mut w, &mut config, None)
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
         assert_eq!(
             w.names().count(),
@@ -590,7 +595,10 @@ fn a_failed_surgery_changes_nothing() {
         .iter()
         .map(|n| w.get(n).unwrap().to_vec::<f32>().unwrap())
         .collect();
-    let err = surgery.apply(&mut w, &mut config).unwrap_err().to_string();
+    let err = surgery
+        .apply(&mut w, &mut config, None)
+        .unwrap_err()
+        .to_string();
     assert_has(&err, &["rule 3", "matches no tensor"]);
     for (n, b) in ["model.norm.weight", "lm_head.weight"].iter().zip(&before) {
         assert_eq!(
@@ -610,7 +618,7 @@ fn a_failed_surgery_changes_nothing() {
     let names: Vec<String> = w.names().map(str::to_string).collect();
     let err = Surgery::load(&path)
         .unwrap()
-        .apply(&mut w, &mut config)
+        .apply(&mut w, &mut config, None)
         .unwrap_err()
         .to_string();
     assert_has(
@@ -621,9 +629,84 @@ fn a_failed_surgery_changes_nothing() {
     assert_eq!(config, serde_json::json!({"num_hidden_layers": 2}));
 }
 
+/// A quantized target is dequantized, edited and requantized at its own bits and group size
+/// (its planes follow it, also when the pattern matches them): the same logits as the same
+/// three steps done by hand on the checkpoint, and the report says so. Without a quantization
+/// config for it, or a rule matching only planes, it is an error; prune refuses quantized
+/// modules (see `impossible_prunes_are_refused`).
 #[test]
-fn quantized_targets_are_refused() {
+fn quantized_targets_are_dequantized_edited_and_requantized() {
+    let fixture = "llama-affine4-g64";
     let tmp = tempfile::tempdir().unwrap();
+    let path = write_yaml(
+        tmp.path(),
+        "- op: scale\n  glob: 'model.layers.0.self_attn.q_proj.*'\n  factor: 0.5\n",
+    );
+    let with = load(&model_dir(fixture), Some(path)).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        with.surgery_applied,
+        ["surgery rule 1: scale `model.layers.0.self_attn.q_proj.*` on 1 tensor (1 quantized: dequantized, edited and requantized at the layer's own affine 4-bit g64)"]
+    );
+    let module = "model.layers.0.self_attn.q_proj";
+    let by_hand = edited_fixture(fixture, |w| {
+        let spec = mlxcel_core::ops::QuantSpec::affine(64, 4);
+        let (weight, scales, biases) = (
+            w.get(&format!("{module}.weight")).unwrap(),
+            w.get(&format!("{module}.scales")).unwrap(),
+            w.get(&format!("{module}.biases")).unwrap(),
+        );
+        let dtype = scales.dtype().unwrap();
+        let edited = mlxcel_core::ops::dequantize(
+            &weight,
+            &scales,
+            Some(&biases),
+            spec,
+            Some(Dtype::Float32),
+        )
+        .and_then(|d| d.mul_scalar(0.5))
+        .and_then(|d| d.quantize(spec))
+        .unwrap();
+        w.insert(format!("{module}.weight"), edited.weight).unwrap();
+        w.insert(
+            format!("{module}.scales"),
+            edited.scales.astype(dtype).unwrap(),
+        )
+        .unwrap();
+        w.insert(
+            format!("{module}.biases"),
+            edited.biases.unwrap().astype(dtype).unwrap(),
+        )
+        .unwrap();
+    });
+    std::fs::remove_file(by_hand.path().join("model.safetensors.index.json")).ok();
+    let ids = reference(fixture).prompt_ids;
+    let got = logits_for(&with.model, &ids);
+    let want = logits_for(&load(by_hand.path(), None).unwrap().model, &ids);
+    let (diff, at) = max_abs_diff(&got, &want);
+    assert!(diff <= 1e-6, "surgery vs by hand: max |Δ| {diff} at {at}");
+    let base = logits_for(&load(&model_dir(fixture), None).unwrap().model, &ids);
+    assert!(
+        max_abs_diff(&got, &base).0 > 1e-3,
+        "the edit did not change the logits"
+    );
+
+    let path = write_yaml(
+        tmp.path(),
+        "- op: scale\n  glob: 'model.layers.0.self_attn.q_proj.scales'\n  factor: 2\n",
+    );
+    let err = match load(&model_dir(fixture), Some(path)) {
+        Ok(_) => panic!("accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert_has(
+        &err,
+        &[
+            "rule 1 (scale `model.layers.0.self_attn.q_proj.scales`)",
+            "matches only quantization planes (`model.layers.0.self_attn.q_proj.scales`, ...): target the `.weight` they quantize",
+        ],
+    );
+
+    // Planes without a quantization config for them.
     let path = write_yaml(
         tmp.path(),
         "- op: scale\n  glob: 'layer.weight'\n  factor: 2\n",
@@ -637,25 +720,14 @@ fn quantized_targets_are_refused() {
     w.insert("layer.scales", random(&[2, 1], 1)).unwrap();
     let err = Surgery::load(&path)
         .unwrap()
-        .apply(&mut w, &mut serde_json::json!({}))
+        .apply(&mut w, &mut serde_json::json!({}), None)
         .unwrap_err()
         .to_string();
     assert_has(
         &err,
         &[
             "rule 1 (scale `layer.weight`)",
-            "quantized",
-            "not supported yet",
+            "`layer.weight` has `layer.scales` but config.json does not quantize it",
         ],
     );
-    // Through the pipeline on a quantized fixture too.
-    let path = write_yaml(
-        tmp.path(),
-        "- op: scale\n  glob: 'model.layers.0.self_attn.q_proj.weight'\n  factor: 2\n",
-    );
-    let err = match load(&model_dir("llama-affine4-g64"), Some(path)) {
-        Ok(_) => panic!("accepted"),
-        Err(e) => e.to_string(),
-    };
-    assert_has(&err, &["rule 1", "quantized"]);
 }

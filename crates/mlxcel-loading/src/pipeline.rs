@@ -510,7 +510,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
                     log.push(a.fuse(w, quant.as_ref(), requantize)?);
                 }
                 if let Some(s) = &surgery {
-                    log.extend(s.apply(w, config)?);
+                    log.extend(s.apply(w, config, quant.as_ref())?);
                     *edited_config.borrow_mut() = Some(config.clone());
                 }
                 *applied.borrow_mut() = log;

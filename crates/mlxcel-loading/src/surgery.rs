@@ -48,9 +48,14 @@
 //! A prune that cannot keep the model consistent (a partial layer set, a split key/value group,
 //! every head or layer, an unknown tensor inside the module) is refused.
 //!
-//! A rule that matches nothing, a shape or dtype mismatch, a missing file, a quantized or
-//! integer target, an impossible prune or a non-finite result is an error naming the rule
-//! (1-based), its op and target. Every rule is computed first; the map and the config are only
+//! A quantized target (a `.weight` with `.scales`) of `scale`, `add`, `replace` or
+//! `interpolate` is dequantized to float32, edited, and quantized again with the layer's own
+//! mode, bits and group size (its `.scales`/`.biases` planes follow it; the report line says
+//! so); a `prune` on a quantized module is refused.
+//!
+//! A rule that matches nothing, a shape or dtype mismatch, a missing file, an integer target,
+//! an impossible prune or a non-finite result is an error naming the rule (1-based), its op and
+//! target. Every rule is computed first; the map and the config are only
 //! changed once all succeeded.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -58,6 +63,7 @@ use std::path::{Path, PathBuf};
 
 use mlxcel_arch::ModelError;
 use mlxcel_core::{Array, Dtype, WeightMap};
+use mlxcel_quant::{QuantConfig, QuantizedWeight, TensorQuant};
 use regex::Regex;
 use serde::Deserialize;
 use serde_json::Value;
@@ -312,6 +318,7 @@ impl Surgery {
         &self,
         weights: &mut WeightMap,
         config: &mut Value,
+        quant: Option<&QuantConfig>,
     ) -> mlxcel_arch::Result<Vec<String>> {
         let mut staged = Staged {
             base: weights,
@@ -332,8 +339,24 @@ impl Surgery {
                     prune_structure(prune, &rule.matcher, &mut staged, &mut cfg).map_err(fail)?
                 }
                 edit => {
-                    let n = edit_tensors(edit, &rule.matcher, &mut staged).map_err(fail)?;
-                    format!("on {n} tensor{}", if n == 1 { "" } else { "s" })
+                    let (n, requantized) =
+                        edit_tensors(edit, &rule.matcher, &mut staged, quant).map_err(fail)?;
+                    let how = if requantized.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            " ({} quantized: dequantized, edited and requantized at the layer's own {})",
+                            requantized.len(),
+                            requantized
+                                .values()
+                                .cloned()
+                                .collect::<BTreeSet<_>>()
+                                .into_iter()
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )
+                    };
+                    format!("on {n} tensor{}{how}", if n == 1 { "" } else { "s" })
                 }
             };
             applied.push(format!(
@@ -421,22 +444,88 @@ impl Staged<'_> {
     }
 }
 
+/// The quantized weight `name` (a `.weight` with a `.scales` sibling), with its format from
+/// `quant`; `None` for a plain tensor.
+fn quantized_target(
+    staged: &Staged,
+    name: &str,
+    quant: Option<&QuantConfig>,
+) -> std::result::Result<Option<QuantizedWeight>, String> {
+    let Some(module) = name.strip_suffix(".weight") else {
+        return Ok(None);
+    };
+    let scales = format!("{module}.scales");
+    if !staged.contains(&scales) {
+        return Ok(None);
+    }
+    let Some(TensorQuant::Quantized {
+        mode,
+        group_size,
+        bits,
+    }) = quant.map(|q| q.for_module(module))
+    else {
+        return Err(format!(
+            "`{name}` has `{scales}` but config.json does not quantize it"
+        ));
+    };
+    let biases = format!("{module}.biases");
+    let biases = if staged.contains(&biases) {
+        Some(staged.get(&biases)?)
+    } else {
+        None
+    };
+    QuantizedWeight::new(
+        name,
+        staged.get(name)?,
+        staged.get(&scales)?,
+        biases,
+        mode,
+        group_size,
+        bits,
+    )
+    .map(Some)
+    .map_err(|e| e.to_string())
+}
+
+/// Whether `name` is a `.scales` / `.biases` plane of a quantized weight (edited with it).
+fn is_quantization_plane(staged: &Staged, name: &str) -> bool {
+    [".scales", ".biases"].iter().any(|suffix| {
+        name.strip_suffix(suffix).is_some_and(|module| {
+            staged.contains(&format!("{module}.weight"))
+                && staged.contains(&format!("{module}.scales"))
+        })
+    })
+}
+
 /// `scale`, `add`, `replace` and `interpolate` on every tensor `matcher` matches; returns how
-/// many.
+/// many, and the quantized ones (name → format) that were dequantized, edited and requantized
+/// with their own mode, bits and group size (their `.scales`/`.biases` planes go with them).
 fn edit_tensors(
     edit: &Edit,
     matcher: &Regex,
     staged: &mut Staged,
-) -> std::result::Result<usize, String> {
+    quant: Option<&QuantConfig>,
+) -> std::result::Result<(usize, BTreeMap<String, String>), String> {
     let core = |e: mlxcel_core::Error| e.to_string();
-    let names: Vec<String> = staged
+    let matched: Vec<String> = staged
         .names()
         .into_iter()
         .filter(|n| matcher.is_match(n))
         .collect();
+    let names: Vec<String> = matched
+        .iter()
+        .filter(|n| !is_quantization_plane(staged, n))
+        .cloned()
+        .collect();
     if names.is_empty() {
-        return Err("matches no tensor of the model".into());
+        return Err(match matched.first() {
+            None => "matches no tensor of the model".into(),
+            Some(plane) => format!(
+                "matches only quantization planes (`{plane}`, ...): target the `.weight` they quantize"
+            ),
+        });
     }
+    let mut requantized = BTreeMap::new();
     let source = match edit {
         Edit::AddFile { file, .. } | Edit::Replace { file, .. } => {
             Some(WeightMap::open_file(file).map_err(core)?)
@@ -455,8 +544,11 @@ fn edit_tensors(
         ));
     }
     for name in &names {
-        staged.refuse_quantized(name)?;
-        let current = staged.get(name)?;
+        let packed = quantized_target(staged, name, quant)?;
+        let current = match &packed {
+            Some(q) => q.dequantize(Dtype::Float32).map_err(core)?,
+            None => staged.get(name)?,
+        };
         let dtype = current.dtype().map_err(core)?;
         if !dtype.is_float() {
             return Err(format!(
@@ -485,7 +577,8 @@ fn edit_tensors(
                     ));
                 }
                 let od = o.dtype().map_err(core)?;
-                if od != dtype {
+                // A quantized target is edited in float32 whatever the source's float dtype.
+                if packed.is_none() && od != dtype {
                     return Err(format!(
                         "dtype mismatch: `{name}` is {dtype} but `{from}` in {what} is {od}"
                     ));
@@ -511,9 +604,38 @@ fn edit_tensors(
                 "the result for `{name}` is not finite (inf or NaN)"
             ));
         }
-        staged.set(name.clone(), new);
+        match packed {
+            None => staged.set(name.clone(), new),
+            Some(q) => {
+                let module = name.trim_end_matches(".weight");
+                let scales_dtype = q.scales.dtype().map_err(core)?;
+                let planes = new.quantize(q.spec).map_err(core)?;
+                // Affine scales and biases go back to the dtype they were stored in.
+                let restore = |a: Array| -> std::result::Result<Array, String> {
+                    if a.dtype().map_err(core)?.is_float() {
+                        a.astype(scales_dtype).map_err(core)
+                    } else {
+                        Ok(a)
+                    }
+                };
+                staged.set(name.clone(), planes.weight);
+                staged.set(format!("{module}.scales"), restore(planes.scales)?);
+                if let Some(b) = planes.biases {
+                    staged.set(format!("{module}.biases"), restore(b)?);
+                }
+                requantized.insert(
+                    name.clone(),
+                    format!(
+                        "{} {}-bit g{}",
+                        q.spec.mode.name(),
+                        q.spec.bits,
+                        q.spec.group_size
+                    ),
+                );
+            }
+        }
     }
-    Ok(names.len())
+    Ok((names.len(), requantized))
 }
 
 fn edit_tensor(
