@@ -536,8 +536,13 @@ Ptr make_cpu_linear(const array& x, const array& w, const array* scales, const a
       fail("the low-rank factors must be [" + std::to_string(K) + ", r] and [r, " +
            std::to_string(N) + "]");
     }
-    inputs.push_back(mx::contiguous(*lora_a, false, stream));
-    inputs.push_back(mx::contiguous(*lora_b, false, stream));
+    // The factors are evaluated once per adapter mix and stay row-major: taken as they are,
+    // so that the term adds no graph node per step (a `contiguous` would, even as a no-op).
+    auto factor = [&](const array& f) {
+      return f.is_available() && f.flags().row_contiguous ? f : mx::contiguous(f, false, stream);
+    };
+    inputs.push_back(factor(*lora_a));
+    inputs.push_back(factor(*lora_b));
   }
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;

@@ -56,8 +56,8 @@ pub struct BenchArgs {
     #[arg(long)]
     serve: bool,
     /// Instead of the plan: decode tok/s of SmolLM2 4-bit with and without a rank-16 runtime
-    /// LoRA adapter on every projection, both in this process in alternating rounds (default
-    /// 15, 128-token prompt, 64 new tokens), and the cost as a ratio (writes
+    /// LoRA adapter on every projection, both in this process in alternating short rounds
+    /// (default 30, 32-token prompt, 32 new tokens), and the cost as a ratio (writes
     /// target/bench/lora.md).
     #[arg(long)]
     lora: bool,
@@ -548,7 +548,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     if args.lora {
         let model = ensure_model(&p, ModelId::Smol4)?;
-        let table = lora::run(&p.bench, &model, args.runs.unwrap_or(15), 128, 64)?;
+        let table = lora::run(&p.bench, &model, args.runs.unwrap_or(30), 32, 32)?;
         let out = p.bench.join("lora.md");
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");
