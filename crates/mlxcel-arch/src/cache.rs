@@ -41,10 +41,28 @@ impl Mask {
     /// The boolean mask for queries at absolute positions `q0..q0+l` over keys at `k0..k0+s`,
     /// causal and limited to `window` keys per query.
     pub fn window(q0: usize, l: usize, k0: usize, s: usize, window: Option<usize>) -> Result<Mask> {
+        Mask::window_with_blocks(q0, l, k0, s, window, &[])
+    }
+
+    /// [`Mask::window`], and a query inside one of `blocks` (`start..end`) also sees the later
+    /// keys of its own block (see [`LayerCache::set_bidirectional_blocks`]).
+    pub fn window_with_blocks(
+        q0: usize,
+        l: usize,
+        k0: usize,
+        s: usize,
+        window: Option<usize>,
+        blocks: &[(usize, usize)],
+    ) -> Result<Mask> {
+        let same_block = |a: usize, b: usize| {
+            blocks
+                .iter()
+                .any(|&(start, end)| (start..end).contains(&a) && (start..end).contains(&b))
+        };
         let keep: Vec<bool> = (0..l * s)
             .map(|f| {
                 let (qp, kp) = (q0 + f / s, k0 + f % s);
-                kp <= qp && window.is_none_or(|w| qp - kp < w)
+                (kp <= qp && window.is_none_or(|w| qp - kp < w)) || (kp > qp && same_block(qp, kp))
             })
             .collect();
         if keep.iter().all(|k| *k) {
@@ -109,6 +127,9 @@ pub struct StandardCache {
     keys: Option<Array>,
     values: Option<Array>,
     offset: usize,
+    /// Blocks of positions attended bidirectionally during the next updates (see
+    /// [`LayerCache::set_bidirectional_blocks`]).
+    blocks: Vec<(usize, usize)>,
 }
 
 /// Keys and values of a sliding-window layer: a ring of `window` rows (plus, during a chunk,
@@ -121,6 +142,8 @@ pub struct RotatingCache {
     /// Ring position of the oldest row once the buffer is full and written in place.
     start: usize,
     offset: usize,
+    /// See [`StandardCache::blocks`].
+    blocks: Vec<(usize, usize)>,
 }
 
 /// The fixed-size state of a recurrent layer (state-space mixers): whatever arrays the mixer
@@ -237,7 +260,22 @@ impl LayerCache {
             values: None,
             start: 0,
             offset: 0,
+            blocks: Vec::new(),
         })
+    }
+
+    /// Makes the next updates of a key/value cache (standard or sliding-window) let every
+    /// query inside one of `blocks` (absolute positions `start..end`) also see the later keys
+    /// of its own block, on top of causal (and window) masking: the bidirectional attention
+    /// over image tokens of Gemma 3's text decoder (transformers' `blockwise_overlay`:
+    /// `OR(causal, same block)`, within the window on sliding layers). An empty list restores
+    /// plain causal masks; other cache kinds are left as they are.
+    pub fn set_bidirectional_blocks(&mut self, blocks: &[(usize, usize)]) {
+        match self {
+            LayerCache::Standard(c) | LayerCache::Latent(c) => c.blocks = blocks.to_vec(),
+            LayerCache::Rotating(c) => c.blocks = blocks.to_vec(),
+            _ => {}
+        }
     }
 
     /// Positions processed so far.
@@ -409,12 +447,13 @@ impl StandardCache {
         };
         let k_out = keys.slice_axis(2, first as i32, end as i32)?;
         let v_out = values.slice_axis(2, first as i32, end as i32)?;
+        let bidirectional = self.blocks.iter().any(|&(s, e)| s < end && e > prev);
         let mask = if l == 1 && window.is_none_or(|w| end - first <= w) {
             Mask::None
-        } else if window.is_none() {
+        } else if window.is_none() && !bidirectional {
             Mask::Causal
         } else {
-            Mask::window(prev, l, first, end - first, window)?
+            Mask::window_with_blocks(prev, l, first, end - first, window, &self.blocks)?
         };
         Ok((k_out, v_out, mask))
     }
@@ -497,7 +536,14 @@ impl RotatingCache {
         let keys = join(&self.keys, k)?;
         let values = join(&self.values, v)?;
         let total = keep + l;
-        let mask = Mask::window(self.offset, l, self.offset - keep, total, Some(w))?;
+        let mask = Mask::window_with_blocks(
+            self.offset,
+            l,
+            self.offset - keep,
+            total,
+            Some(w),
+            &self.blocks,
+        )?;
         // Trim back to the window only now that the chunk's queries have their rows.
         let stored = total.min(w) as i32;
         self.keys = Some(keys.slice_axis(2, total as i32 - stored, total as i32)?);
@@ -654,6 +700,62 @@ pub struct BatchCache {
     positions: Vec<usize>,
     /// The ring width of a sliding-window layer's caches.
     ring: Option<usize>,
+    /// Shared by the layers of one batch (see [`BatchCache::share_step_inputs`]).
+    step_inputs: StepInputs,
+}
+
+/// The row positions and padding masks of a decode batch's current step. Every layer derives
+/// the same ones from the same pads and length, so the layers of one batch share them: one
+/// host-built array per step instead of one per layer, which on a GPU is one upload instead of
+/// dozens.
+/// A cloned cache gets a set of its own (a clone may go on with other rows or steps).
+#[derive(Default)]
+struct StepInputs(std::sync::Arc<std::sync::Mutex<StepArrays>>);
+
+impl Clone for StepInputs {
+    fn clone(&self) -> StepInputs {
+        StepInputs::default()
+    }
+}
+
+impl std::fmt::Debug for StepInputs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepInputs")
+    }
+}
+
+#[derive(Default)]
+struct StepArrays {
+    /// The batch length these arrays were built for (a new step starts a new set).
+    len: usize,
+    positions: Option<Array>,
+    /// Padding masks by the first visible column.
+    masks: Vec<(usize, Array)>,
+}
+
+impl StepInputs {
+    /// The array cached for step `len` under `pick`, else `build`'s, cached.
+    fn get_or_build(
+        &self,
+        len: usize,
+        pick: impl Fn(&mut StepArrays) -> Option<&mut Array>,
+        store: impl FnOnce(&mut StepArrays, Array),
+        build: impl FnOnce() -> Result<Array>,
+    ) -> Result<Array> {
+        let mut arrays = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if arrays.len != len {
+            *arrays = StepArrays {
+                len,
+                ..StepArrays::default()
+            };
+        }
+        if let Some(a) = pick(&mut arrays) {
+            return Ok(a.clone());
+        }
+        let a = build()?;
+        store(&mut arrays, a.clone());
+        Ok(a)
+    }
 }
 
 /// A cache's held keys and values in temporal order `[1, H, S, D]`, the positions processed,
@@ -726,7 +828,20 @@ impl BatchCache {
             len,
             positions: held.iter().map(|h| h.2).collect(),
             ring,
+            step_inputs: StepInputs::default(),
         })
+    }
+
+    /// Makes every layer of `caches` (one batch's, all [`LayerCache::Batch`]) share one set of
+    /// per-step positions and masks: they are equal across layers, so each step builds them
+    /// once.
+    pub fn share_step_inputs(caches: &mut [LayerCache]) {
+        let shared = StepInputs::default();
+        for c in caches {
+            if let LayerCache::Batch(b) = c {
+                b.step_inputs = StepInputs(shared.0.clone());
+            }
+        }
     }
 
     /// Rows in the batch.
@@ -736,8 +851,16 @@ impl BatchCache {
 
     /// Each row's next position `[B]` (int32), for the rotary embedding.
     pub fn positions(&self) -> Result<Array> {
-        let p: Vec<i32> = self.positions.iter().map(|p| *p as i32).collect();
-        Ok(Array::from_slice(&p, &[p.len() as i32])?)
+        // Before this layer's update (rope comes first), so the step is `len + 1`.
+        self.step_inputs.get_or_build(
+            self.len + 1,
+            |a| a.positions.as_mut(),
+            |a, p| a.positions = Some(p),
+            || {
+                let p: Vec<i32> = self.positions.iter().map(|p| *p as i32).collect();
+                Ok(Array::from_slice(&p, &[p.len() as i32])?)
+            },
+        )
     }
 
     /// Appends one position per row (`k` `[B, H, 1, D]`); returns the keys and values a query
@@ -777,13 +900,27 @@ impl BatchCache {
         if self.pads.iter().all(|p| *p <= first) {
             return Ok((keys, values, Mask::None));
         }
-        let width = self.len - first;
-        let keep: Vec<bool> = self
-            .pads
-            .iter()
-            .flat_map(|pad| (first..self.len).map(move |col| col >= *pad))
-            .collect();
-        let mask = Array::from_slice(&keep, &[self.rows() as i32, 1, 1, width as i32])?;
+        let (len, rows, pads) = (self.len, self.rows(), &self.pads);
+        let mask = self.step_inputs.get_or_build(
+            len,
+            |a| {
+                a.masks
+                    .iter_mut()
+                    .find(|(f, _)| *f == first)
+                    .map(|(_, m)| m)
+            },
+            |a, m| a.masks.push((first, m)),
+            || {
+                let keep: Vec<bool> = pads
+                    .iter()
+                    .flat_map(|pad| (first..len).map(move |col| col >= *pad))
+                    .collect();
+                Ok(Array::from_slice(
+                    &keep,
+                    &[rows as i32, 1, 1, (len - first) as i32],
+                )?)
+            },
+        )?;
         Ok((keys, values, Mask::Array(mask)))
     }
 
@@ -809,6 +946,7 @@ impl BatchCache {
                     keys: Some(k),
                     values: Some(v),
                     offset,
+                    blocks: Vec::new(),
                 }),
                 Some(window) => LayerCache::Rotating(RotatingCache {
                     window,
@@ -816,6 +954,7 @@ impl BatchCache {
                     values: Some(v),
                     start: 0,
                     offset,
+                    blocks: Vec::new(),
                 }),
             });
         }

@@ -42,6 +42,12 @@ pub enum LayerKind {
         /// Elements of the scan state (float32 whatever the compute dtype).
         state: u64,
     },
+    /// Attention over the keys and values of an earlier layer (KV sharing, Gemma 3n): holds
+    /// nothing of its own ([`LayerCache::Shared`]).
+    Shared {
+        /// The layer whose keys and values it reads.
+        source: usize,
+    },
 }
 
 impl LayerKind {
@@ -53,7 +59,7 @@ impl LayerKind {
                 kv_heads, head_dim, ..
             } => 2 * kv_heads as u64 * head_dim as u64,
             LayerKind::LatentAttention { latent, rope } => latent as u64 + rope as u64,
-            LayerKind::Recurrent { .. } => 0,
+            LayerKind::Recurrent { .. } | LayerKind::Shared { .. } => 0,
         };
         features * dtype.size_of() as u64
     }
@@ -91,6 +97,7 @@ impl LayerKind {
             LayerKind::SlidingAttention { window, .. } => LayerCache::rotating(window),
             LayerKind::LatentAttention { .. } => LayerCache::latent(),
             LayerKind::Recurrent { .. } => LayerCache::state(),
+            LayerKind::Shared { source } => LayerCache::shared(source),
         }
     }
 }
@@ -155,6 +162,12 @@ pub trait LanguageModel {
 
     /// Rows of the output head: the size of the last logits axis (token ids must be below it).
     fn vocab_size(&self) -> usize;
+
+    /// The model's vision side when it was loaded with a vision tower (a vision-language
+    /// checkpoint not loaded text-only); `None` for text models.
+    fn vision(&self) -> Option<&dyn crate::vision::VisionLanguage> {
+        None
+    }
 
     /// Whether one forward pass can advance several conversations by one token each, every
     /// layer given a [`LayerCache::Batch`] of their caches ([`crate::generate::DecodeBatch`]):

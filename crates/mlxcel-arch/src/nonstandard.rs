@@ -11,7 +11,9 @@
 //!   MoE with a shared expert) by [`load_qwen3_next`];
 //! - Qwen3.5 and Qwen3.5-MoE (the same hybrid; their vision-language configs and checkpoints
 //!   read for the text decoder) by [`load_qwen3_5`];
-//! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`].
+//! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`];
+//! - Gemma 3n (`gemma3n_text`, and the text decoder of a `gemma3n` checkpoint loaded text only)
+//!   by [`load_gemma3n`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -20,7 +22,7 @@
 use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
-use crate::models::{bamba, jamba, mamba, mamba2, qwen3_5, qwen3_next, rwkv7};
+use crate::models::{bamba, gemma3n, jamba, mamba, mamba2, qwen3_5, qwen3_next, rwkv7};
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
 
@@ -39,6 +41,7 @@ pub fn load_nonstandard(
         ModelType::Qwen3Next => load_qwen3_next(config, weights, options),
         ModelType::Qwen3_5 => load_qwen3_5(config, weights, options),
         ModelType::Rwkv7 => load_rwkv7(config, weights, options),
+        ModelType::Gemma3n => load_gemma3n(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -156,10 +159,15 @@ pub fn load_qwen3_next(
     )))
 }
 
-/// The text config of a Qwen3.5 checkpoint: a vision-language config's `text_config` (with the
+/// The text config of a Qwen3.5 checkpoint (see [`text_config`]).
+pub fn qwen3_5_text_config(config: &Value) -> Result<Value> {
+    text_config(config)
+}
+
+/// The text config of a checkpoint that may be a multimodal one: its `text_config` (with the
 /// top level's `tie_word_embeddings` where the text config lacks it, normalised like any
 /// config.json), or a text-only config as it is.
-pub fn qwen3_5_text_config(config: &Value) -> Result<Value> {
+pub fn text_config(config: &Value) -> Result<Value> {
     let Some(obj) = config.as_object() else {
         return Err(ModelError::Config("config.json is not an object".into()));
     };
@@ -198,6 +206,21 @@ pub fn load_rwkv7(
 ) -> Result<LoadedModel> {
     let model = build_architecture::<rwkv7::Model>("Rwkv7", config, weights, options)?;
     Ok(LoadedModel::Generation(GenerationModel::Rwkv7(Box::new(
+        model,
+    ))))
+}
+
+/// Gemma 3n's text decoder, from a `gemma3n_text` config or a `gemma3n` one's `text_config`
+/// (see [`gemma3n`]); a full checkpoint's vision and audio towers are left out. The model
+/// records that it was loaded without them ([`gemma3n::Model`] has no tower to take an image).
+pub fn load_gemma3n(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    // `gemma3n::Args` reads a multimodal config's `text_config` itself.
+    let model = build_architecture::<gemma3n::Model>("Gemma3n", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Gemma3n(Box::new(
         model,
     ))))
 }

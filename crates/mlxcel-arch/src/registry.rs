@@ -81,6 +81,9 @@ macro_rules! for_each_model_registration {
             Qwen3Next { names: ["qwen3_next"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::qwen3_next::Model, adapter: None },
             Qwen3_5 { names: ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::qwen3_5::Model, adapter: None },
             Rwkv7 { names: ["rwkv7"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::rwkv7::Model, adapter: None },
+            Gemma3n { names: ["gemma3n", "gemma3n_text"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::gemma3n::Model, adapter: None },
+            Gemma3 { names: ["gemma3"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::gemma3::Model, adapter: Some("vision-language models take no adapters") },
+            Llava { names: ["llava"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::llava::Model, adapter: Some("vision-language models take no adapters") },
             Bert { names: ["bert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             XlmRoberta { names: ["xlm-roberta"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             ModernBert { names: ["modernbert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Model, adapter: Some("encoders take no adapters") },
@@ -315,6 +318,14 @@ macro_rules! generation_models {
             fn forward_embeddings(&self, embeddings: &mlxcel_core::Array, positions: Option<&mlxcel_core::Array>, caches: &mut [LayerCache], last_only: bool) -> Result<mlxcel_core::Array> {
                 match self { $(GenerationModel::$v(m) => m.forward_embeddings(embeddings, positions, caches, last_only)),* }
             }
+            // Token ids reach the architecture itself: some read more than the embeddings of
+            // them (Gemma 3n's per-layer inputs).
+            fn forward(&self, tokens: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
+                match self { $(GenerationModel::$v(m) => m.forward(tokens, caches)),* }
+            }
+            fn forward_last(&self, tokens: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
+                match self { $(GenerationModel::$v(m) => m.forward_last(tokens, caches)),* }
+            }
             fn final_hidden_states(&self, embeddings: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
                 match self { $(GenerationModel::$v(m) => m.final_hidden_states(embeddings, caches)),* }
             }
@@ -326,6 +337,9 @@ macro_rules! generation_models {
             }
             fn batched_decode(&self) -> bool {
                 match self { $(GenerationModel::$v(m) => m.batched_decode()),* }
+            }
+            fn vision(&self) -> Option<&dyn $crate::vision::VisionLanguage> {
+                match self { $(GenerationModel::$v(m) => m.vision()),* }
             }
         }
 

@@ -401,3 +401,26 @@ fn inspect_reports_the_parts_a_text_load_leaves_out() {
         "{exaone}"
     );
 }
+
+/// `mlxcel inspect` on a full Gemma 3n checkpoint: the audio tower and both multimodal embedders
+/// are listed as unused roles (the text-only load leaves them out), the per-layer table as its
+/// own role.
+#[test]
+fn inspect_reports_gemma3n_towers_left_out() {
+    let out = mlxcel()
+        .arg("inspect")
+        .arg(fixture("gemma3n"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("type      Gemma3n ("), "{text}");
+    assert!(text.contains("routes    directory Nonstandard"), "{text}");
+    for role in ["audio (unused)", "vision (unused)", "per-layer embed"] {
+        assert!(text.lines().any(|l| l.starts_with(role)), "{role}: {text}");
+    }
+}

@@ -126,8 +126,14 @@ pub struct RuntimePolicy {
     /// `MLXCEL_CUDA_QMV_FOLD_SHAPE`: the launch shape of folding GEMVs. `None`: 4x8 after an
     /// RMSNorm, 16x16 after a gate.
     pub cuda_qmv_fold_shape: Option<LaunchShape>,
+    /// `MLXCEL_CUDA_QMV_ROWS`: at most this many activation rows of a decode batch share one
+    /// GEMV block's weight reads (1, 2, 4 or 8). Default 1: every row has its own blocks.
+    pub cuda_qmv_rows: i32,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
+    /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
+    /// the current one's tokens (default on; 0 reads every step's tokens first).
+    pub batch_pipeline: bool,
     /// `MLXCEL_CUDA_DEQUANT`: mlxcel's CUDA dequantize kernel for GPU prefill (default on).
     pub cuda_dequant: bool,
     /// `MLXCEL_FUSE_PROJECTIONS`: fuse q/k/v and gate/up projections at load. `None`: on for a
@@ -158,6 +164,8 @@ impl RuntimePolicy {
         cuda_qmv: Some(DEFAULT_QMV_SHAPE),
         cuda_qmv_fold: true,
         cuda_qmv_fold_shape: None,
+        cuda_qmv_rows: 1,
+        batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
         fuse_projections: None,
@@ -165,7 +173,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 18] = [
+    pub const VARIABLES: [&'static str; 20] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -180,6 +188,8 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV",
         "MLXCEL_CUDA_QMV_FOLD",
         "MLXCEL_CUDA_QMV_FOLD_SHAPE",
+        "MLXCEL_CUDA_QMV_ROWS",
+        "MLXCEL_BATCH_PIPELINE",
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
         "MLXCEL_FUSE_PROJECTIONS",
@@ -272,6 +282,18 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_QMV_FOLD_SHAPE") {
             p.cuda_qmv_fold_shape = Some(v.shape("a launch shape NWxRPW such as 4x8")?);
+        }
+        if let Some(v) = get("MLXCEL_CUDA_QMV_ROWS") {
+            p.cuda_qmv_rows = match v.word().as_str() {
+                "1" => 1,
+                "2" => 2,
+                "4" => 4,
+                "8" => 8,
+                _ => return Err(v.error("1, 2, 4 or 8")),
+            };
+        }
+        if let Some(v) = get("MLXCEL_BATCH_PIPELINE") {
+            p.batch_pipeline = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_LAUNCH") {
             p.cuda_launch = match v.word().as_str() {

@@ -8,7 +8,7 @@ use mlxcel_arch::config::sanitize_config_json;
 use mlxcel_arch::detection::{detect_kind, get_model_type};
 use mlxcel_arch::nn::lora::{AdapterMix, AdapterSet, RuntimeAdapters};
 use mlxcel_arch::{
-    load_config_backed, load_mistral3, load_nonstandard, model_load_policy, BuildOptions,
+    load_config_backed, load_mistral3, load_nonstandard, load_vlm, model_load_policy, BuildOptions,
     DirectoryRoute, GenerationModel, LoadedModel, ModelKind, ModelType,
 };
 use mlxcel_core::{Device, Dtype, Materialization, RuntimePolicy, WeightMap};
@@ -146,13 +146,152 @@ pub struct Loaded {
     /// The runtime (unfused) adapters, when any were loaded (see
     /// [`LoadOptions::runtime_adapters`]).
     pub adapters: Option<Rc<AdapterSet>>,
+    /// The image processor and prompt expansion of a vision-language model loaded with its
+    /// vision tower (and a tokenizer); `None` otherwise.
+    pub vision: Option<crate::vision::VisionProcessor>,
 }
 
 impl Loaded {
     /// A new session on the model that checks, before each request, that the mapped
     /// checkpoint files are unchanged (see [`mlxcel_core::MappedFiles`]).
     pub fn session(&self) -> mlxcel_arch::generate::Session<'_> {
-        mlxcel_arch::generate::Session::new(&self.model).with_mapped_files(self.mapped.clone())
+        mlxcel_arch::generate::Session::new(&self.model)
+            .with_mapped_files(self.mapped.clone())
+            .with_model_path(self.folder.display().to_string())
+    }
+
+    /// The vision processor, or the seed's error for a model without a vision tower.
+    fn vision_processor(&self) -> Result<&crate::vision::VisionProcessor> {
+        self.vision.as_ref().ok_or_else(|| {
+            LoadError::from(mlxcel_arch::vision::no_vision_tower(
+                &self.folder.display().to_string(),
+            ))
+        })
+    }
+
+    /// An image's pixel values as the model's HF processor computes them (resize, rescale,
+    /// normalise from `preprocessor_config.json`), with its content hash, for
+    /// [`crate::GenerateRequest::images`]. A model without a vision tower refuses images with
+    /// `model <path> was loaded without a vision tower (text-only checkpoint)`.
+    pub fn prepare_image(
+        &self,
+        image: &crate::image::RgbImage,
+    ) -> Result<mlxcel_arch::vision::ImageInput> {
+        self.vision_processor()?.prepare(image)
+    }
+
+    /// An image prepared for a prompt ([`crate::vision::PreparedImage`]): its model inputs
+    /// (one per tile for families that split images) and its own placeholder expansion, for
+    /// [`Loaded::expand_prompt_text_for`] / [`Loaded::expand_image_tokens_for`]. Families whose
+    /// image-token count depends on the image need this path; the others may use either.
+    pub fn prepare_for_prompt(
+        &self,
+        image: &crate::image::RgbImage,
+    ) -> Result<crate::vision::PreparedImage> {
+        self.vision_processor()?.prepare_for_prompt(image)
+    }
+
+    /// A rendered prompt with its `k`-th image placeholder replaced by `images[k]`'s expansion.
+    pub fn expand_prompt_text_for(
+        &self,
+        text: &str,
+        images: &[crate::vision::PreparedImage],
+    ) -> Result<String> {
+        if images.is_empty() {
+            return Ok(text.to_string());
+        }
+        self.vision_processor()?.expand_text_for(text, images)
+    }
+
+    /// Token ids with their `k`-th image placeholder replaced by `images[k]`'s expansion ids.
+    pub fn expand_image_tokens_for(
+        &self,
+        ids: &[u32],
+        images: &[crate::vision::PreparedImage],
+    ) -> Result<Vec<u32>> {
+        if images.is_empty() {
+            return Ok(ids.to_vec());
+        }
+        self.vision_processor()?.expand_ids_for(ids, images)
+    }
+
+    /// [`Loaded::prepare_image`] of an encoded PNG, JPEG or WebP image.
+    pub fn prepare_image_bytes(&self, bytes: &[u8]) -> Result<mlxcel_arch::vision::ImageInput> {
+        let processor = self.vision_processor()?;
+        processor.prepare(&crate::image::decode_image(bytes)?)
+    }
+
+    /// A user message's text with `images` image placeholders in front (where a chat template
+    /// puts image items before the text), to render with the chat template and then expand
+    /// with [`Loaded::expand_prompt_text`].
+    pub fn user_content_with_images(&self, text: &str, images: usize) -> Result<String> {
+        if images == 0 {
+            return Ok(text.to_string());
+        }
+        Ok(format!(
+            "{}{text}",
+            self.vision_processor()?.placeholder.repeat(images)
+        ))
+    }
+
+    /// A rendered prompt with each image placeholder expanded into the model's image tokens,
+    /// as the HF processor expands the text before tokenising it.
+    pub fn expand_prompt_text(&self, text: &str, images: usize) -> Result<String> {
+        if images == 0 {
+            return Ok(text.to_string());
+        }
+        self.vision_processor()?.expand_text(text, images)
+    }
+
+    /// Token ids holding the model's image placeholder once per image, expanded into the
+    /// image-token runs (the expansion's text pieces tokenised on their own).
+    pub fn expand_image_tokens(&self, ids: &[u32], images: usize) -> Result<Vec<u32>> {
+        if images == 0 {
+            return Ok(ids.to_vec());
+        }
+        self.vision_processor()?.expand_ids(ids, images)
+    }
+
+    /// Logits `[len, vocab]` at every position of one pass over `prompt` (expanded, see
+    /// [`Loaded::expand_image_tokens`]) with its `images`, from fresh caches: what
+    /// `mlxcel logits --image` writes. Without images, the text forward pass.
+    pub fn multimodal_logits(
+        &self,
+        prompt: &[u32],
+        images: &[mlxcel_arch::vision::ImageInput],
+    ) -> Result<mlxcel_core::Array> {
+        use mlxcel_arch::vision::{forward_multimodal, FeatureCache, MultimodalPrompt};
+        use mlxcel_arch::LanguageModel;
+        let model_err = |source| LoadError::Model {
+            folder: self.folder.clone(),
+            source,
+        };
+        let mut caches = self.model.make_caches();
+        let logits = if images.is_empty() {
+            let ids: Vec<i32> = prompt.iter().map(|t| *t as i32).collect();
+            let tokens = mlxcel_core::Array::from_slice(&ids, &[1, ids.len() as i32])?;
+            self.model
+                .forward(&tokens, &mut caches)
+                .map_err(model_err)?
+        } else {
+            let vision = self.model.vision().ok_or_else(|| {
+                LoadError::from(mlxcel_arch::vision::no_vision_tower(
+                    &self.folder.display().to_string(),
+                ))
+            })?;
+            let mm = MultimodalPrompt::new(vision, prompt, images).map_err(model_err)?;
+            forward_multimodal(
+                vision,
+                &mm,
+                0..prompt.len(),
+                &mut FeatureCache::default(),
+                &mut caches,
+                false,
+            )
+            .map_err(model_err)?
+        };
+        let vocab = self.model.vocab_size() as i32;
+        Ok(logits.reshape(&[-1, vocab])?)
     }
 
     /// The names of the runtime adapters (empty when none were loaded).
@@ -403,6 +542,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         DirectoryRoute::ConfigBacked
             | DirectoryRoute::Nonstandard
             | DirectoryRoute::Mistral3Dynamic
+            | DirectoryRoute::Vlm
     ) {
         return Err(LoadError::Unsupported(format!(
             "{}: {} loads through the {:?} route, which this build does not have yet",
@@ -438,8 +578,36 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     // On a quantized base the adapter stays unfused unless fusing was asked for.
     let mut report = Vec::new();
-    if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
-        let unused = mlxcel_arch::models::mistral3::unused_tensors(&weights);
+    let left_out = if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
+        Some((
+            "vision-tower and projector",
+            mlxcel_arch::models::mistral3::unused_tensors(&weights),
+        ))
+    } else if model_type == ModelType::Gemma3n {
+        Some((
+            "vision/audio-tower and embedder",
+            mlxcel_arch::models::gemma3n::unused_tensors(&weights),
+        ))
+    } else {
+        None
+    };
+    if let Some((what, unused)) = left_out.filter(|(_, u)| !u.is_empty()) {
+        report.push(format!(
+            "text-only load: {} {what} tensors left out ({} .. {})",
+            unused.len(),
+            unused[0],
+            unused[unused.len() - 1]
+        ));
+    } else if model_type == ModelType::Gemma3n && config.get("vision_config").is_some() {
+        // A multimodal config whose checkpoint holds no tower tensors: text only all the same.
+        report.push(
+            "text-only load: the checkpoint has no vision or audio tower tensors; the text decoder alone is built".into(),
+        );
+    }
+    if policy.directory_route == DirectoryRoute::Vlm
+        && mlxcel_arch::detection::is_text_only(&config, has_vision_weights(&weights))
+    {
+        let unused = mlxcel_arch::vision::unused_vision_tensors(model_type, &weights);
         if !unused.is_empty() {
             report.push(format!(
                 "text-only load: {} vision-tower and projector tensors left out ({} .. {})",
@@ -535,6 +703,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     let model = match policy.directory_route {
         DirectoryRoute::Nonstandard => load_nonstandard(model_type, &config, weights, &build),
         DirectoryRoute::Mistral3Dynamic => load_mistral3(&config, weights, &build),
+        DirectoryRoute::Vlm => load_vlm(model_type, &config, weights, &build),
         _ => load_config_backed(model_type, &config, weights, &build),
     }
     .and_then(LoadedModel::into_generation)
@@ -548,6 +717,12 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         (Some(load_tokenizer(&folder)?), ChatTemplate::load(&folder)?)
     };
     let eos_token_ids = eos_token_ids(&folder, &config, tokenizer.as_ref());
+    let vision = match (&tokenizer, mlxcel_arch::LanguageModel::vision(&model)) {
+        (Some(t), Some(_)) => {
+            crate::vision::VisionProcessor::load(model_type, &folder, &config, t)?
+        }
+        _ => None,
+    };
     Ok(Loaded {
         model,
         tokenizer,
@@ -562,6 +737,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         mapped,
         surgery_applied: report.into_iter().chain(applied.take()).collect(),
         adapters: lora.map(|r| r.set),
+        vision,
     })
 }
 

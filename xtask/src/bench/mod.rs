@@ -12,7 +12,7 @@ mod proc;
 mod serve;
 mod stats;
 mod stream;
-mod synth;
+pub mod synth;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -129,6 +129,26 @@ impl Synthetic {
             .sum()
     }
 
+    /// The model as a plan another program can build: `config`, and per tensor its name,
+    /// shape, fill (`random`: uniform with standard deviation `std`, or `ones`) and
+    /// quantization. The GPU machine has no Rust toolchain; `xtask/bench/make_plan_model.py`
+    /// builds the same shapes there with Python MLX (other random values).
+    pub fn plan(&self) -> Value {
+        let tensors: Vec<Value> = self
+            .items
+            .iter()
+            .map(|item| {
+                json!({
+                    "name": item.name,
+                    "shape": item.shape,
+                    "fill": match item.fill { Fill::Random => "random", Fill::Ones => "ones" },
+                    "quantization": quant_json(item.quant),
+                })
+            })
+            .collect();
+        json!({"config": self.config, "dtype": "bfloat16", "std": STD, "tensors": tensors})
+    }
+
     /// Writes `config.json` and `model.safetensors` into `dest` (via a staging folder).
     pub fn write(
         &self,
