@@ -354,3 +354,48 @@ fn facade_adapter_matches_the_library_path() {
         "the adapter barely changes the logits ({moved})"
     );
 }
+
+/// Vision-language types refuse adapters, fused or unfused, with the registry row's reason,
+/// before anything is loaded.
+#[test]
+fn vision_language_models_refuse_adapters_with_the_registry_reason() {
+    for vlm in ["gemma3", "llava"] {
+        let dir = fixtures_dir().join("vision").join(vlm);
+        let model_type = mlxcel_arch::detection::get_model_type(
+            &mlxcel_loading::read_config(&dir).unwrap(),
+            true,
+        )
+        .unwrap();
+        let reason = mlxcel_arch::adapter_support(model_type).unwrap_err();
+        assert_eq!(reason, "vision-language models take no adapters");
+        for options in [
+            LoadOptions {
+                adapter: Some(adapter_dir("llama-lora-mlx")),
+                ..Default::default()
+            },
+            LoadOptions {
+                runtime_adapters: vec![("a".into(), adapter_dir("llama-lora-mlx"))],
+                ..Default::default()
+            },
+        ] {
+            let err = match load_model(
+                &dir,
+                &LoadOptions {
+                    skip_tokenizer: true,
+                    policy: Some(RuntimePolicy::default()),
+                    ..options
+                },
+            ) {
+                Ok(_) => panic!("{vlm}: an adapter was accepted"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                err.contains(&format!(
+                    "cannot be applied to {}: {reason}",
+                    model_type.name()
+                )),
+                "{vlm}: {err}"
+            );
+        }
+    }
+}
