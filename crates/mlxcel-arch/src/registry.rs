@@ -132,7 +132,7 @@ pub enum WeightRoute {
 
 /// Whether this build can load adapters: LoRA adapters (mlx-lm or PEFT) fused at load
 /// (`mlxcel_loading::LoadOptions::adapter`) or kept unfused ([`crate::nn::lora`]), LoRA or DoRA,
-/// on linear layers and stacked MoE experts.
+/// on linear layers, stacked MoE experts and token embeddings (and a tied head through them).
 pub const ADAPTERS_AVAILABLE: bool = true;
 
 /// Whether adapters can be applied to `model_type`: the registry row's reason when the type rules
@@ -213,12 +213,13 @@ pub struct BuildOptions {
     pub runtime_adapters: Option<crate::nn::lora::RuntimeAdapters>,
 }
 
-/// The signature of a [`WeightTransform`].
-pub type WeightTransformFn = dyn Fn(&mut WeightMap) -> Result<()>;
+/// The signature of a [`WeightTransform`]: the sanitised tensors and the config they go with.
+pub type WeightTransformFn = dyn Fn(&mut WeightMap, &mut Value) -> Result<()>;
 
 /// A load-time edit of the checkpoint's tensors (weight surgery, fused adapters), run by
 /// [`build_architecture`] on the sanitised [`WeightMap`] before the model is constructed.
-/// It must leave the map untouched when it fails.
+/// An edit that changes shapes (a structural prune) updates the config to match, and the
+/// architecture's args are re-read from it. It must leave both untouched when it fails.
 #[derive(Clone)]
 pub struct WeightTransform(pub std::rc::Rc<WeightTransformFn>);
 
@@ -237,10 +238,14 @@ pub fn build_architecture<M: Architecture>(
     mut weights: WeightMap,
     options: &BuildOptions,
 ) -> Result<M> {
-    let args: M::Args = parse_args(config)?;
+    let mut args: M::Args = parse_args(config)?;
     M::sanitize(&args, &mut weights, options.quant.as_ref())?;
     if let Some(transform) = &options.transform {
-        (transform.0)(&mut weights)?;
+        let mut edited = config.clone();
+        (transform.0)(&mut weights, &mut edited)?;
+        if &edited != config {
+            args = parse_args(&edited)?;
+        }
     }
     if let Some(stream) = &options.stream {
         // Every field of each layer's manifest entry against the sanitised checkpoint's

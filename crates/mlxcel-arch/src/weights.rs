@@ -500,20 +500,34 @@ impl ModelWeights {
         }
     }
 
-    /// An embedding table `[vocab, dim]`, dense or quantized.
+    /// An embedding table `[vocab, dim]`, dense or quantized, with the runtime adapters that
+    /// name it (`A` `[r, vocab]`, `B` `[dim, r]`; not DoRA).
     pub fn embedding(&mut self, prefix: &str, vocab: i32, dim: i32) -> Result<Embedding> {
         let prefix = &self.path(prefix);
-        if let Some(q) = self.quantized(prefix, &[vocab], dim)? {
-            return Ok(Embedding::Quantized {
+        let base = match self.quantized(prefix, &[vocab], dim)? {
+            Some(q) => Embedding::Quantized {
                 table: q,
                 dtype: self.dtype,
-            });
+            },
+            None => Embedding::Dense {
+                table: self.matmul_weight(&format!("{prefix}.weight"), &[vocab, dim])?,
+                dtype: self.dtype,
+            },
+        };
+        match self.take_adapters(prefix, &[], vocab, dim)? {
+            None => Ok(base),
+            Some(lora) => {
+                if let Some(origin) = lora.dora_origin() {
+                    return Err(ModelError::Unsupported(format!(
+                        "{origin}: DoRA on the embedding `{prefix}`"
+                    )));
+                }
+                Ok(Embedding::Adapted {
+                    base: Box::new(base),
+                    lora: Box::new(lora),
+                })
+            }
         }
-        let table = self.matmul_weight(&format!("{prefix}.weight"), &[vocab, dim])?;
-        Ok(Embedding::Dense {
-            table,
-            dtype: self.dtype,
-        })
     }
 
     /// A stack of `experts` linear layers `[experts, out, in]` (MoE) at checkpoint name

@@ -398,6 +398,39 @@ std::vector<LinearArgs> expert_parts(const LinearArgs& base, const uint32_t* ids
   return parts;
 }
 
+// out [M, N] += (x [M, K] · a [K, R]) · b [R, N]: a runtime LoRA term (`a` = Aᵀ, `b` = the
+// scaled Bᵀ), added in the same node as the base product so an adapted layer costs one graph
+// node, not four. Its arithmetic is rank·(K + N) per row, a few percent of the base's; rows are
+// split over the pool when there are several.
+void add_low_rank(const float* x, const float* a, const float* b, float* out, int64_t M, int K,
+                  int R, int64_t N) {
+  auto rows = [&](int64_t begin, int64_t end) {
+    std::vector<float> t(static_cast<size_t>(R));
+    for (int64_t m = begin; m < end; ++m) {
+      std::fill(t.begin(), t.end(), 0.0f);
+      const float* xm = x + size_t(m) * K;
+      for (int k = 0; k < K; ++k) {
+        const float xv = xm[k];
+        const float* ak = a + size_t(k) * R;
+        for (int r = 0; r < R; ++r) t[r] += xv * ak[r];
+      }
+      float* om = out + size_t(m) * N;
+      for (int r = 0; r < R; ++r) {
+        const float tv = t[r];
+        const float* br = b + size_t(r) * N;
+        for (int64_t n = 0; n < N; ++n) om[n] += tv * br[n];
+      }
+    }
+  };
+  const int tasks = int(std::min<int64_t>(M, parallel_threads()));
+  if (tasks <= 1) {
+    rows(0, M);
+    return;
+  }
+  const int64_t span = (M + tasks - 1) / tasks;
+  parallel_for(tasks, [&](int t) { rows(int64_t(t) * span, std::min(M, int64_t(t + 1) * span)); });
+}
+
 ElemKind elem_kind(const mx::array& a, const char* what) {
   switch (a.dtype().val()) {
     case mx::Dtype::Val::float32: return ElemKind::F32;
@@ -411,15 +444,18 @@ ElemKind elem_kind(const mx::array& a, const char* what) {
 
 class CpuLinear : public CpuPrimitive {
  public:
-  // `gathered`: inputs[4] holds routed-expert ids; `has_bias`: the last input is the bias
-  // [N] added before the activation `act` (shim.h's codes).
-  CpuLinear(mx::Stream stream, int group_size, int bits, bool gathered, bool has_bias, int act)
+  // `gathered`: inputs[4] holds routed-expert ids; `has_bias`: the input after the weight's
+  // planes is the bias [N] added before the activation `act` (shim.h's codes); `has_lora`: the
+  // last two inputs are a low-rank term's Aᵀ [K, R] and scaled Bᵀ [R, N] (no bias, no act).
+  CpuLinear(mx::Stream stream, int group_size, int bits, bool gathered, bool has_bias, int act,
+            bool has_lora = false)
       : CpuPrimitive(stream),
         group_size_(group_size),
         bits_(bits),
         gathered_(gathered),
         has_bias_(has_bias),
-        act_(act) {}
+        act_(act),
+        has_lora_(has_lora) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     for (const auto& in : inputs) {
@@ -451,7 +487,11 @@ class CpuLinear : public CpuPrimitive {
 
     // Routed experts: inputs[4] holds the expert of each (row, expert) pair.
     const bool gathered = gathered_;
-    const float* bias = has_bias_ ? inputs.back().data<float>() : nullptr;
+    const size_t planes = bits_ > 0 ? 4 : 2;
+    const float* bias = has_bias_ ? inputs[planes].data<float>() : nullptr;
+    const float* lora_a = has_lora_ ? inputs[inputs.size() - 2].data<float>() : nullptr;
+    const float* lora_b = has_lora_ ? inputs.back().data<float>() : nullptr;
+    const int rank = has_lora_ ? inputs.back().shape(0) : 0;
     const int act = act_;
     const uint32_t* ids = gathered ? inputs[4].data<uint32_t>() : nullptr;
     const int64_t pairs = gathered ? int64_t(inputs[4].size()) : 0;
@@ -463,10 +503,21 @@ class CpuLinear : public CpuPrimitive {
     const size_t w_stride = gathered ? w.nbytes() / experts : 0;
     const size_t s_stride = gathered ? inputs[2].nbytes() / experts : 0;
 
-    schedule(inputs, out, [a, ids, pairs, pairs_per_row, experts, w_stride, s_stride, bias, act]() {
+    schedule(inputs, out, [a, ids, pairs, pairs_per_row, experts, w_stride, s_stride, bias, act,
+                           lora_a, lora_b, rank]() {
       if (a.M == 0 || a.N == 0) return;
       if (!ids && use_gemm(a)) {
-        kernels().gemm(a.x, gemm_weight(a), bias, a.out, a.M, a.N, a.K, act);
+        if (!lora_a) {
+          kernels().gemm(a.x, gemm_weight(a), bias, a.out, a.M, a.N, a.K, act);
+          return;
+        }
+        // The low-rank term joins the product before the bias and activation.
+        kernels().gemm(a.x, gemm_weight(a), nullptr, a.out, a.M, a.N, a.K, 0);
+        add_low_rank(a.x, lora_a, lora_b, a.out, a.M, a.K, rank, a.N);
+        if (bias || act) {
+          const EpilogueFn epilogue = kernels().epilogue;
+          for (int64_t m = 0; m < a.M; ++m) epilogue(a.out + size_t(m) * a.N, bias, a.N, act);
+        }
         return;
       }
       std::vector<LinearArgs> parts =
@@ -480,6 +531,7 @@ class CpuLinear : public CpuPrimitive {
         }
       }
       run_parts(parts);
+      if (lora_a) add_low_rank(a.x, lora_a, lora_b, a.out, a.M, a.K, rank, a.N);
       if (bias || act) {
         const int64_t rows = ids ? pairs : a.M;
         const EpilogueFn epilogue = kernels().epilogue;
@@ -493,7 +545,7 @@ class CpuLinear : public CpuPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const CpuLinear&>(other);
     return group_size_ == o.group_size_ && bits_ == o.bits_ && gathered_ == o.gathered_ &&
-           has_bias_ == o.has_bias_ && act_ == o.act_;
+           has_bias_ == o.has_bias_ && act_ == o.act_ && has_lora_ == o.has_lora_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -514,6 +566,7 @@ class CpuLinear : public CpuPrimitive {
   bool gathered_;
   bool has_bias_;
   int act_;
+  bool has_lora_;
 };
 
 }  // namespace
@@ -540,8 +593,11 @@ void check_quantized(const array& w, const array* scales, const array* biases, i
 }
 }  // namespace
 
-Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
-               int32_t group_size, int32_t bits, const array* bias, int32_t activation) {
+namespace {
+// The node of `cpu_linear` / `cpu_linear_low_rank`: `lora_a`/`lora_b` both null or both set.
+Ptr make_cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
+                    int32_t group_size, int32_t bits, const array* bias, int32_t activation,
+                    const array* lora_a, const array* lora_b) {
   if (x.dtype() != mx::float32) fail("x must be float32");
   if (x.ndim() < 1) fail("x must have at least one dimension");
   if (w.ndim() != 2) fail("the weight must be 2-D [out, in]");
@@ -568,12 +624,44 @@ Ptr cpu_linear(const array& x, const array& w, const array* scales, const array*
     elem_kind(*bias, "bias");
     inputs.push_back(mx::contiguous(mx::astype(*bias, mx::float32, stream), false, stream));
   }
+  if (lora_a) {
+    if (bias || activation != 0) fail("a low-rank term takes no bias or activation");
+    if (lora_a->dtype() != mx::float32 || lora_b->dtype() != mx::float32) {
+      fail("the low-rank factors must be float32");
+    }
+    if (lora_a->ndim() != 2 || lora_b->ndim() != 2 || lora_a->shape(0) != K ||
+        lora_b->shape(1) != N || lora_a->shape(1) != lora_b->shape(0)) {
+      fail("the low-rank factors must be [" + std::to_string(K) + ", r] and [r, " +
+           std::to_string(N) + "]");
+    }
+    // The factors are evaluated once per adapter mix and stay row-major: taken as they are,
+    // so that the term adds no graph node per step (a `contiguous` would, even as a no-op).
+    auto factor = [&](const array& f) {
+      return f.is_available() && f.flags().row_contiguous ? f : mx::contiguous(f, false, stream);
+    };
+    inputs.push_back(factor(*lora_a));
+    inputs.push_back(factor(*lora_b));
+  }
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;
   return std::make_unique<array>(
       out_shape, mx::float32,
-      std::make_shared<CpuLinear>(stream, group_size, bits, false, bias != nullptr, activation),
+      std::make_shared<CpuLinear>(stream, group_size, bits, false, bias != nullptr, activation,
+                                  lora_a != nullptr),
       std::move(inputs));
+}
+}  // namespace
+
+Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
+               int32_t group_size, int32_t bits, const array* bias, int32_t activation) {
+  return make_cpu_linear(x, w, scales, biases, group_size, bits, bias, activation, nullptr,
+                         nullptr);
+}
+
+Ptr cpu_linear_low_rank(const array& x, const array& w, const array* scales,
+                        const array* biases, int32_t group_size, int32_t bits,
+                        const array& lora_a, const array& lora_b) {
+  return make_cpu_linear(x, w, scales, biases, group_size, bits, nullptr, 0, &lora_a, &lora_b);
 }
 
 Ptr cpu_gather_linear(const array& x, const array& w, const array& scales, const array& biases,

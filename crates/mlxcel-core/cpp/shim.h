@@ -161,6 +161,11 @@ Ptr gather_mm(const array& a, const array& b, const array* lhs_indices, const ar
 // [N] may be null; activation: 0 none, 1 GELU (erf), 2 GELU (tanh), 3 ReLU, 4 SiLU.
 Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
                int32_t group_size, int32_t bits, const array* bias, int32_t activation);
+// x @ W^T + (x @ lora_a) @ lora_b in one node of the same kernel: a runtime LoRA term over a dense
+// or affine-quantized base, lora_a = Aᵀ [K, r] and lora_b = scaled Bᵀ [r, N], float32.
+Ptr cpu_linear_low_rank(const array& x, const array& w, const array* scales,
+                        const array* biases, int32_t group_size, int32_t bits,
+                        const array& lora_a, const array& lora_b);
 // The routed-expert form: row i of x against expert ids[i, j] of the stack w [E, N, K] for each
 // of the ids per row; out [..ids, 1, N] (cpu_linear.cc).
 Ptr cpu_gather_linear(const array& x, const array& w, const array& scales, const array& biases,

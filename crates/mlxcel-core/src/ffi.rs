@@ -352,6 +352,20 @@ pub(crate) mod bridge {
             position: i64,
             logits: &mut [f32],
         ) -> Result<()>;
+        /// `x @ w^T + (x @ lora_a) @ lora_b` on mlxcel's CPU kernel in one node (a runtime LoRA
+        /// term: `lora_a` `[in, r]`, `lora_b` `[r, out]`, float32); `bits == 0`: `w` dense.
+        /// # Safety
+        /// `scales` and `biases` are null or point to live arrays.
+        unsafe fn cpu_linear_low_rank(
+            x: &MlxArray,
+            w: &MlxArray,
+            scales: *const MlxArray,
+            biases: *const MlxArray,
+            group_size: i32,
+            bits: i32,
+            lora_a: &MlxArray,
+            lora_b: &MlxArray,
+        ) -> Result<UniquePtr<MlxArray>>;
 
         /// Routed experts on mlxcel's CPU kernel: x rows against the experts `ids` names.
         fn cpu_gather_linear(

@@ -662,6 +662,49 @@ pub fn cpu_linear_fused(
     })))
 }
 
+/// `x @ weight^T + (x @ a_t) @ b_t` as one node of mlxcel's CPU kernel, where it applies: a
+/// runtime LoRA term (`a_t` = `Aᵀ` `[in, r]`, `b_t` = the scaled `Bᵀ` `[r, out]`, float32) over
+/// a dense weight (`quant` `None`) or an affine-quantized one (`Some((scales, biases, spec))`)
+/// the kernel reads. On a CPU decode step the cost of a layer is its graph nodes as much as its
+/// arithmetic, and the term would add four. `None` where the kernel does not apply (the caller
+/// builds the term from MLX ops).
+pub fn cpu_linear_low_rank(
+    x: &Array,
+    weight: &Array,
+    quant: Option<(&Array, &Array, QuantSpec)>,
+    a_t: &Array,
+    b_t: &Array,
+) -> Result<Option<Array>> {
+    if !on_cpu_kernel_path(x, weight)?
+        || a_t.dtype()? != Dtype::Float32
+        || b_t.dtype()? != Dtype::Float32
+    {
+        return Ok(None);
+    }
+    let (scales, biases, group_size, bits) = match quant {
+        None if is_cpu_kernel_float(weight.dtype()?) => (ptr::null(), ptr::null(), 0, 0),
+        Some((scales, biases, spec))
+            if cpu_kernel_reads(spec) && is_cpu_kernel_float(scales.dtype()?) =>
+        {
+            (scales.as_ptr(), biases.as_ptr(), spec.group_size, spec.bits)
+        }
+        _ => return Ok(None),
+    };
+    // SAFETY: `scales` and `biases` are null or borrow live arrays for the call's duration.
+    Ok(Some(wrap(unsafe {
+        bridge::cpu_linear_low_rank(
+            x.as_ref(),
+            weight.as_ref(),
+            scales,
+            biases,
+            group_size,
+            bits,
+            a_t.as_ref(),
+            b_t.as_ref(),
+        )?
+    })))
+}
+
 /// `x @ dequantize(w).T` (when `transpose`) without materialising the dense matrix. On the CPU
 /// with float32 activations, affine 2/4/8-bit weights run on mlxcel's kernel (see
 /// [`cpu_kernels_enabled`]); on CUDA, decode rows can run on mlxcel's GEMV (`MLXCEL_CUDA_QMV`).

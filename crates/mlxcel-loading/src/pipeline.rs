@@ -119,7 +119,7 @@ pub struct Loaded {
     pub tokenizer: Option<Tokenizer>,
     /// The registered type `config.json`'s `model_type` mapped to.
     pub model_type: ModelType,
-    /// The sanitised `config.json`.
+    /// The sanitised `config.json`, as a surgery `prune` left it (head counts, sizes, layers).
     pub config: Value,
     /// The model folder (resolved from the path given to [`load_model`]).
     pub folder: PathBuf,
@@ -640,27 +640,6 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     if let Some(r) = &lora {
         r.set.select(&initial_mix).map_err(model_err)?;
     }
-    let applied = Rc::new(RefCell::new(Vec::new()));
-    let transform = if surgery.is_some() || adapter.is_some() {
-        let applied = applied.clone();
-        let quant = quant.clone();
-        let requantize = options.lora_fuse;
-        Some(mlxcel_arch::WeightTransform(Rc::new(
-            move |w: &mut WeightMap| -> mlxcel_arch::Result<()> {
-                let mut log = Vec::new();
-                if let Some(a) = &adapter {
-                    log.push(a.fuse(w, quant.as_ref(), requantize)?);
-                }
-                if let Some(s) = &surgery {
-                    log.extend(s.apply(w)?);
-                }
-                *applied.borrow_mut() = log;
-                Ok(())
-            },
-        )))
-    } else {
-        None
-    };
     let materialization = runtime.weight_materialization;
     let stream_config = mlxcel_stream::StreamConfig::from_policy(&runtime);
     let plan = crate::stream::plan(
@@ -669,6 +648,49 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         &stream_config,
         crate::memory::available_memory()?,
     )?;
+    let applied = Rc::new(RefCell::new(Vec::new()));
+    // A structural prune changes shapes and renumbers layers, which unfused adapters (attached
+    // by name and shape) and streamed experts (planned from the original layout) cannot follow.
+    if let Some(s) = surgery.as_ref().filter(|s| s.changes_structure()) {
+        let other = if lora.is_some() {
+            Some("unfused (runtime) adapters")
+        } else if plan.is_some() {
+            Some("expert streaming")
+        } else {
+            None
+        };
+        if let Some(other) = other {
+            return Err(LoadError::Unsupported(format!(
+                "{}: surgery {} prunes structure, which cannot be combined with {other}",
+                folder.display(),
+                s.path().display()
+            )));
+        }
+    }
+    // The config as the surgery left it (a prune updates head counts, sizes, layers).
+    let edited_config: Rc<RefCell<Option<Value>>> = Rc::new(RefCell::new(None));
+    let transform = if surgery.is_some() || adapter.is_some() {
+        let applied = applied.clone();
+        let edited_config = edited_config.clone();
+        let quant = quant.clone();
+        let requantize = options.lora_fuse;
+        Some(mlxcel_arch::WeightTransform(Rc::new(
+            move |w: &mut WeightMap, config: &mut Value| -> mlxcel_arch::Result<()> {
+                let mut log = Vec::new();
+                if let Some(a) = &adapter {
+                    log.push(a.fuse(w, quant.as_ref(), requantize)?);
+                }
+                if let Some(s) = &surgery {
+                    log.extend(s.apply(w, config, quant.as_ref())?);
+                    *edited_config.borrow_mut() = Some(config.clone());
+                }
+                *applied.borrow_mut() = log;
+                Ok(())
+            },
+        )))
+    } else {
+        None
+    };
     let stats = Rc::new(RefCell::new(mlxcel_stream::StreamStats::default()));
     let external_ple = crate::ple::open(&folder, &config, &runtime)?;
     let gpu = mlxcel_core::default_device()? == Device::Gpu;
@@ -710,7 +732,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         model,
         tokenizer,
         model_type,
-        config,
+        config: edited_config.take().unwrap_or(config),
         folder,
         dtype,
         eos_token_ids,

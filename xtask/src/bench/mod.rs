@@ -9,6 +9,7 @@
 mod embed;
 mod external_ple;
 mod llama_cpp;
+mod lora;
 mod proc;
 mod serve;
 mod stats;
@@ -69,6 +70,12 @@ pub struct BenchArgs {
     /// Threads of both engines in `--llama-cpp` (default 2).
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Instead of the plan: decode tok/s of SmolLM2 4-bit with and without a rank-16 runtime
+    /// LoRA adapter on every projection, both in this process in alternating short rounds
+    /// (default 30, 32-token prompt, 32 new tokens), and the cost as a ratio (writes
+    /// target/bench/lora.md).
+    #[arg(long)]
+    lora: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -597,6 +604,14 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             args.threads,
         )?;
         let out = p.bench.join("llama_cpp.md");
+        std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+        println!("{table}");
+        return Ok(());
+    }
+    if args.lora {
+        let model = ensure_model(&p, ModelId::Smol4)?;
+        let table = lora::run(&p.bench, &model, args.runs.unwrap_or(30), 32, 32)?;
+        let out = p.bench.join("lora.md");
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");
         return Ok(());

@@ -157,9 +157,9 @@ impl Linear {
     }
 
     /// `x·Wᵀ` without the bias (a DoRA rescaling applies before the bias).
-    fn product(&self, x: &Array) -> Result<Array> {
+    pub(crate) fn product(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Linear::Adapted { base, lora } => return lora.apply(base, x, base.product(x)?),
+            Linear::Adapted { base, lora } => return lora.apply(base, x),
             Linear::Dense {
                 weight, weight_t, ..
             } => {
@@ -178,6 +178,38 @@ impl Linear {
                 }
             }
         })
+    }
+
+    /// `x·Wᵀ + (x·a_t)·b_t` as one node of mlxcel's CPU kernel (see
+    /// `ops::cpu_linear_low_rank`), for a runtime adapter's combined term over this base layer;
+    /// `None` where the kernel does not read this layer or `x`.
+    pub(crate) fn low_rank_product(
+        &self,
+        x: &Array,
+        a_t: &Array,
+        b_t: &Array,
+    ) -> Result<Option<Array>> {
+        let y = match self {
+            Linear::Dense { weight, .. } => {
+                let y = ops::cpu_linear_low_rank(x, weight, None, a_t, b_t)?;
+                if y.is_some() {
+                    super::calibration::observe(weight, x);
+                }
+                y
+            }
+            Linear::Quantized { weight, .. } => match &weight.biases {
+                Some(biases) => ops::cpu_linear_low_rank(
+                    x,
+                    &weight.weight,
+                    Some((&weight.scales, biases, weight.spec)),
+                    a_t,
+                    b_t,
+                )?,
+                None => None,
+            },
+            Linear::Adapted { .. } => None,
+        };
+        Ok(y)
     }
 
     /// The weight `[out, in]` as a dense array in `dtype` (dequantized when quantized; the
@@ -355,6 +387,15 @@ pub enum Embedding {
         /// The compute dtype rows are dequantized to.
         dtype: Dtype,
     },
+    /// A table with runtime LoRA adapters over its unchanged base (PEFT's `lora_embedding_A/B`,
+    /// mlx-lm's `LoRAEmbedding`; see [`super::lora`]): looked-up rows and, when the table is
+    /// the tied output head, the logits carry the low-rank term.
+    Adapted {
+        /// The dense or quantized table as the checkpoint stores it.
+        base: Box<Embedding>,
+        /// The registered adapters' terms (`A` `[r, vocab]`, `B` `[dim, r]`).
+        lora: Box<LoraLayer>,
+    },
 }
 
 impl Embedding {
@@ -388,6 +429,7 @@ impl Embedding {
                 };
                 Ok(ops::dequantize(&w, &s, b.as_ref(), q.spec, Some(*dtype))?)
             }
+            Embedding::Adapted { base, lora } => lora.apply_rows(ids, base.forward(ids)?),
         }
     }
 
@@ -396,6 +438,7 @@ impl Embedding {
         match self {
             Embedding::Dense { table, .. } => Ok(ops::linear(x, table, None)?),
             Embedding::Quantized { table: q, .. } => Ok(q.matmul_t(x)?),
+            Embedding::Adapted { base, lora } => lora.apply_tied_head(x, base.as_linear(x)?),
         }
     }
 }

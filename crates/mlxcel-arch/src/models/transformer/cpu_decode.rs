@@ -108,6 +108,8 @@ impl CpuDecode {
             Embedding::Dense { dtype, .. } | Embedding::Quantized { dtype, .. } => {
                 *dtype == Dtype::Float32
             }
+            // A runtime adapter on the embedding (or a tied head) stays on the graph.
+            Embedding::Adapted { .. } => return Ok(None),
         };
         if !plain || !compute_f32 || p.blocks.is_empty() {
             return Ok(None);
@@ -217,6 +219,7 @@ impl CpuDecode {
             (None, Embedding::Dense { table, .. }) => {
                 engine.set_linear(None, LinearRole::Head, table, None, None)?;
             }
+            (None, Embedding::Adapted { .. }) => return Ok(None),
             (None, Embedding::Quantized { table: q, .. }) => {
                 let spec = q.spec;
                 let (Some(biases), QuantMode::Affine, 2 | 4 | 8) =
