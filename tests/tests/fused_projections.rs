@@ -12,6 +12,12 @@ fn load(name: &str, fuse: bool) -> Loaded {
         &LoadOptions {
             skip_tokenizer: true,
             fuse_projections: Some(fuse),
+            // The census counts a decode step's graph nodes; the CPU decode engine (unfused
+            // layers only) would replace that graph. Every load here uses the same policy.
+            policy: Some(mlxcel_core::RuntimePolicy {
+                cpu_decode: false,
+                ..mlxcel_core::RuntimePolicy::default()
+            }),
             ..Default::default()
         },
     )

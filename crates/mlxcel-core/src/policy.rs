@@ -145,8 +145,10 @@ pub struct RuntimePolicy {
     /// `MLXCEL_CPU_KERNELS`: mlxcel's CPU linear kernel instead of MLX's (default on).
     pub cpu_kernels: bool,
     /// `MLXCEL_CPU_DECODE`: single-token decode steps of dense attention-only decoders run on
-    /// mlxcel's CPU decode engine (one call per token) instead of an MLX graph (default on;
-    /// only with `cpu_kernels`, on the CPU).
+    /// mlxcel's CPU decode engine (one call per token) instead of an MLX graph (only with
+    /// `cpu_kernels`, on the CPU). Default off: a conversation resumed from a shorter cached
+    /// prefix decodes wrong tokens on it (tests/tests/cpu_decode.rs,
+    /// `a_rewound_conversation_decodes_as_a_fresh_one`).
     pub cpu_decode: bool,
     /// `MLXCEL_CPU_THREADS`: threads of mlxcel's CPU kernel (1-64). `None`: all cores, at
     /// most 16. Takes effect when the kernel's thread pool starts (its first use).
@@ -196,7 +198,7 @@ impl RuntimePolicy {
         dequant_rows: None,
         warm_up: None,
         cpu_kernels: true,
-        cpu_decode: true,
+        cpu_decode: false,
         cpu_threads: None,
         zero_copy: true,
         cuda_qmv: Some(DEFAULT_QMV_SHAPE),
