@@ -18,6 +18,7 @@
 mod array;
 pub mod cuda_kernels;
 mod device;
+pub mod distributed;
 mod dtype;
 mod error;
 mod ffi;
