@@ -175,6 +175,8 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
         surgery: flags.surgery.clone(),
         adapter: flags.adapter.clone(),
         lora_fuse: flags.lora_fuse,
+        // This rank's part when `mlxcel launch` started the process.
+        parallelism: crate::launch::parallelism_from_env()?,
         ..Default::default()
     };
     let loaded = load_model(&model, &options)?;
@@ -209,7 +211,7 @@ pub fn estimate_for(model: &std::path::Path, context: u64) -> anyhow::Result<()>
     Ok(())
 }
 
-fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
+pub fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
     println!("{:<16} {:<10} {:>12}", "role", "dtype", "bytes");
     for ((role, dtype), bytes) in &est.weights {
         println!("{role:<16} {dtype:<10} {bytes:>12}");

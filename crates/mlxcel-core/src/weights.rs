@@ -604,6 +604,76 @@ impl WeightMap {
         }
     }
 
+    /// Part of a tensor: indices `start..end` of `axis`, every index of the other axes. Only
+    /// those bytes are read from the mapped file (a rank of a tensor-parallel job loads its own
+    /// shard, never the whole tensor): a slice of the first axis borrows them as [`get`]
+    /// does, a slice of another axis copies each of its runs. Inserted arrays are sliced
+    /// through MLX.
+    ///
+    /// [`get`]: WeightMap::get
+    pub fn get_slice(&self, name: &str, axis: usize, start: i32, end: i32) -> Result<Array> {
+        let entry = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            folder: self.folder.clone(),
+        })?;
+        let shape = &entry.info.shape;
+        if axis >= shape.len() || start < 0 || end > shape[axis] || start > end {
+            return Err(Error::Invalid(format!(
+                "tensor `{name}` {shape:?}: no slice {start}..{end} of axis {axis}"
+            )));
+        }
+        let (shard, start_byte, end_byte) = match &entry.source {
+            Source::Array(a) => return a.slice_axis(axis as i32, start, end),
+            Source::File { shard, start, end } => (&self.shards[*shard], *start, *end),
+        };
+        let bytes = shard.map.get(start_byte..end_byte).ok_or_else(|| {
+            Error::checkpoint(
+                &shard.path,
+                format!("tensor `{name}` lies outside the file"),
+            )
+        })?;
+        let elem = entry.info.dtype.size_of();
+        let outer: usize = shape[..axis].iter().map(|d| *d as usize).product();
+        let run: usize = shape[axis + 1..]
+            .iter()
+            .map(|d| *d as usize)
+            .product::<usize>()
+            * elem;
+        let mut sliced = shape.clone();
+        sliced[axis] = end - start;
+        let (lo, hi) = (start as usize * run, end as usize * run);
+        let stride = shape[axis] as usize * run;
+        let array = if outer == 1 {
+            let part = &bytes[lo..hi];
+            let aligned = (part.as_ptr() as usize) % elem.max(1) == 0;
+            if zero_copy_enabled() && aligned && !part.is_empty() {
+                let offset = start_byte + lo;
+                let _ = shard
+                    .map
+                    .advise_range(Advice::PopulateRead, offset, part.len());
+                // SAFETY: `part` lies in `shard.map`, kept mapped by the owner; the mapping is
+                // private, so nothing modifies it behind MLX's back.
+                unsafe {
+                    Array::borrowing_bytes(
+                        part,
+                        &sliced,
+                        entry.info.dtype,
+                        Box::new(shard.map.clone()),
+                    )
+                }
+            } else {
+                Array::from_bytes(part, &sliced, entry.info.dtype)
+            }
+        } else {
+            let mut out = Vec::with_capacity(outer * (hi - lo));
+            for o in 0..outer {
+                out.extend_from_slice(&bytes[o * stride + lo..o * stride + hi]);
+            }
+            Array::from_bytes(&out, &sliced, entry.info.dtype)
+        };
+        array.map_err(|e| Error::checkpoint(&shard.path, format!("tensor `{name}`: {e}")))
+    }
+
     /// The tensor converted to `dtype`. Half-precision file tensors become float32 on the host
     /// (SIMD conversion while copying out of the map) instead of through an MLX cast: on the CPU
     /// backend that cast is a scalar loop and dominated load time. Other conversions use MLX.

@@ -127,7 +127,83 @@ pub fn estimate(
     context: u64,
     chunk: u64,
 ) -> Result<MemoryEstimate> {
+    estimate_rank(folder, config, dtype, context, chunk, &RankPart::WHOLE)
+}
+
+/// One rank's part of a model spread over several processes (see
+/// [`mlxcel_arch::parallel`]), for [`estimate_rank`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankPart {
+    /// Pipeline parallelism (contiguous layers per rank) rather than tensor parallelism.
+    pub pipeline: bool,
+    /// The rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub size: usize,
+}
+
+impl RankPart {
+    /// The whole model in one process.
+    pub const WHOLE: RankPart = RankPart {
+        pipeline: false,
+        rank: 0,
+        size: 1,
+    };
+
+    /// The layer index in a tensor name (`model.layers.N.…`), if any.
+    fn layer_of(name: &str) -> Option<usize> {
+        let rest = &name[name.find("layers.")? + "layers.".len()..];
+        rest.split('.').next()?.parse().ok()
+    }
+
+    /// This rank's bytes of tensor `name` (of role `role`, `bytes` in all) in a model of
+    /// `layers` layers whose head is tied to the embedding when `tied`: tensor parallelism
+    /// splits attention, MLP and expert weights (rounded up: the first ranks take one unit
+    /// more) and replicates the rest; pipeline parallelism keeps the tensors of the rank's
+    /// layers, the embedding on the first rank (and the last, for a tied head), the head and
+    /// final norm on the last.
+    fn share(&self, name: &str, role: &str, bytes: u64, layers: usize, tied: bool) -> u64 {
+        if self.size <= 1 {
+            return bytes;
+        }
+        let size = self.size as u64;
+        if !self.pipeline {
+            return match role {
+                "attention" | "dense mlp" | "shared expert" | "routed experts" => {
+                    bytes.div_ceil(size)
+                }
+                _ => bytes,
+            };
+        }
+        let range = mlxcel_arch::parallel::even_part(layers as i32, self.size, self.rank);
+        let (first, last) = (self.rank == 0, self.rank + 1 == self.size);
+        let keep = match (Self::layer_of(name), role) {
+            (Some(l), _) => range.contains(&(l as i32)),
+            (None, "embedding") => first || (last && tied),
+            (None, "lm_head" | "norm") => last,
+            (None, _) => first,
+        };
+        if keep {
+            bytes
+        } else {
+            0
+        }
+    }
+}
+
+/// [`estimate`] of one rank's part of a model spread over several processes.
+pub fn estimate_rank(
+    folder: &Path,
+    config: &Value,
+    dtype: Dtype,
+    context: u64,
+    chunk: u64,
+    part: &RankPart,
+) -> Result<MemoryEstimate> {
     let weights = WeightMap::open(folder)?;
+    let model_type = mlxcel_arch::detection::get_model_type(config, false)?;
+    let schedule = mlxcel_arch::cache_schedule(model_type, config)?;
+    let tied = !weights.names().any(|n| tensor_role(n) == "lm_head");
     let mut by_role: BTreeMap<(String, String), u64> = BTreeMap::new();
     for name in weights.names() {
         let Some(info) = weights.info(name) else {
@@ -149,18 +225,34 @@ pub fn estimate(
         } else {
             (info.stored_dtype.to_lowercase(), info.nbytes() as u64)
         };
-        let slot = by_role
-            .entry((tensor_role(name).to_string(), label))
-            .or_default();
+        let role = tensor_role(name);
+        let bytes = part.share(name, role, bytes, schedule.len(), tied);
+        if bytes == 0 {
+            continue;
+        }
+        let slot = by_role.entry((role.to_string(), label)).or_default();
         *slot = slot.saturating_add(bytes);
     }
     let heads = num(config, "num_attention_heads").unwrap_or(1).max(1);
     let hidden = num(config, "hidden_size").unwrap_or(0);
     // The model's own cache schedule: what each layer keeps per position, and how many
     // positions (sliding-window rings hold at most window + chunk rows).
-    let model_type = mlxcel_arch::detection::get_model_type(config, false)?;
-    let schedule = mlxcel_arch::cache_schedule(model_type, config)?;
-    let kv_bytes_per_token: u64 = schedule.iter().map(|k| k.bytes_per_token(dtype)).sum();
+    // A rank holds its own layers' caches (pipeline) or its heads' share of each (tensor).
+    let own = match part.pipeline {
+        true => mlxcel_arch::parallel::even_part(schedule.len() as i32, part.size, part.rank),
+        false => 0..schedule.len() as i32,
+    };
+    let schedule: Vec<_> = schedule
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| own.contains(&(*i as i32)))
+        .map(|(_, k)| k)
+        .collect();
+    let kv_share = |bytes: u64| match part.pipeline {
+        true => bytes,
+        false => bytes.div_ceil(part.size.max(1) as u64),
+    };
+    let kv_bytes_per_token: u64 = kv_share(schedule.iter().map(|k| k.bytes_per_token(dtype)).sum());
     // Growth happens in steps of 256 positions.
     let rows = context.saturating_add(255) / 256 * 256;
     let kv_cache = schedule
@@ -172,6 +264,7 @@ pub fn estimate(
                 .saturating_add(k.fixed_bytes(dtype))
         })
         .fold(0u64, u64::saturating_add);
+    let kv_cache = kv_share(kv_cache);
     let vocab = num(config, "vocab_size").unwrap_or(0);
     let inter = num(config, "intermediate_size")
         .unwrap_or(hidden.saturating_mul(4))

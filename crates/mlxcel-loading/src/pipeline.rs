@@ -69,6 +69,10 @@ pub struct LoadOptions {
     /// unchanged (possibly quantized) base. None is active until selected
     /// ([`Loaded::select_adapters`]); switching costs no reload.
     pub runtime_adapters: Vec<(String, PathBuf)>,
+    /// Build only this process's part of a model spread over several processes (tensor or
+    /// pipeline parallelism over an MLX distributed group, see [`mlxcel_arch::parallel`]);
+    /// each rank reads only its part of the checkpoint. `None`: the whole model.
+    pub parallelism: Option<mlxcel_arch::parallel::Parallelism>,
 }
 
 impl LoadOptions {
@@ -509,6 +513,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         fuse_projections: runtime.fuse_projections.unwrap_or(gpu),
         transform,
         runtime_adapters: lora.clone(),
+        parallelism: options.parallelism.clone(),
     };
     let model = match policy.directory_route {
         DirectoryRoute::Nonstandard => load_nonstandard(model_type, &config, weights, &build),

@@ -29,7 +29,8 @@ use crate::nn::{
     RoutedExperts, Router, RouterScoring, XIeluParams,
 };
 use crate::nn::{DeltaProjections, GatedDeltaDims, GatedDeltaNet};
-use crate::weights::ModelWeights;
+use crate::parallel::{HeadSplit, Pipeline};
+use crate::weights::{ModelWeights, Split};
 use crate::{ModelError, Result};
 
 /// Which query/key normalisation an attention layer applies.
@@ -538,10 +539,6 @@ impl FeedForward {
             }
         }
     }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        self.forward_fused(x, None, None)
-    }
 }
 
 impl MoeBlock {
@@ -628,6 +625,34 @@ struct Block {
     mixer: Mixer,
     /// `None` exactly for [`BlockNorms::MixerOnly`] (see [`DecoderSpec::check`]).
     ffn: Option<FeedForward>,
+    /// Tensor parallelism: the group the mixer's and feed-forward's partial sums are
+    /// completed over (see [`crate::parallel`]).
+    reduce: Option<mlxcel_core::distributed::Group>,
+}
+
+/// Advances a cache of a layer another pipeline stage computes by `l` positions of `b` rows,
+/// with one-element placeholder keys and values (a state by its count alone).
+fn keep_pace(cache: &mut LayerCache, b: i32, l: i32, dtype: mlxcel_core::Dtype) -> Result<()> {
+    let placeholder = mlxcel_core::ops::zeros(&[b, 1, l, 1], dtype)?;
+    match cache {
+        LayerCache::State(c) => c.advance(l as usize),
+        LayerCache::Latent(_) => {
+            cache.update_latent(&placeholder, &placeholder)?;
+        }
+        LayerCache::Shared { .. } => {}
+        _ => {
+            cache.update(&placeholder, &placeholder, None)?;
+        }
+    }
+    Ok(())
+}
+
+/// `residual + y` (`y` without a residual).
+fn add_residual(y: Array, residual: Option<&Array>) -> Result<Array> {
+    Ok(match residual {
+        Some(r) => r.add(&y)?,
+        None => y,
+    })
 }
 
 /// `h + scale · y` (`h + y` without a scale).
@@ -639,6 +664,42 @@ fn add_scaled(h: &Array, y: &Array, scale: Option<f64>) -> Result<Array> {
 }
 
 impl Block {
+    /// `residual + mixer(norm(x))`, the partial sums of a tensor-parallel rank completed
+    /// before the residual is added.
+    fn mix(
+        &self,
+        x: &Array,
+        norm: Option<&Norm>,
+        residual: Option<&Array>,
+        cache: &mut LayerCache,
+        positions: Option<&Array>,
+    ) -> Result<Array> {
+        match &self.reduce {
+            None => self.mixer.forward(x, norm, residual, cache, positions),
+            Some(group) => {
+                let part = self.mixer.forward(x, norm, None, cache, positions)?;
+                add_residual(group.all_sum(&part)?, residual)
+            }
+        }
+    }
+
+    /// `residual + ffn(norm(x))`, completed over the ranks like [`Block::mix`].
+    fn feed(
+        &self,
+        ffn: &FeedForward,
+        x: &Array,
+        norm: Option<&Norm>,
+        residual: Option<&Array>,
+    ) -> Result<Array> {
+        match &self.reduce {
+            None => ffn.forward_fused(x, norm, residual),
+            Some(group) => {
+                let part = ffn.forward_fused(x, norm, None)?;
+                add_residual(group.all_sum(&part)?, residual)
+            }
+        }
+    }
+
     fn forward(
         &self,
         h: &Array,
@@ -646,12 +707,11 @@ impl Block {
         positions: Option<&Array>,
         residual_scale: Option<f64>,
     ) -> Result<Array> {
-        let mixer = &self.mixer;
         if let BlockNorms::MixerOnly { mixer_in } = &self.norms {
             return match residual_scale {
-                None => mixer.forward(h, Some(mixer_in), Some(h), cache, positions),
+                None => self.mix(h, Some(mixer_in), Some(h), cache, positions),
                 Some(s) => {
-                    let r = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                    let r = self.mix(h, Some(mixer_in), None, cache, positions)?;
                     add_scaled(h, &r, Some(s))
                 }
             };
@@ -665,13 +725,13 @@ impl Block {
             (BlockNorms::PreNorm { mixer_in, ffn_in }, None) => {
                 // The norms fold into the first projections and the residual adds into the
                 // last ones where the kernels can.
-                let h = mixer.forward(h, Some(mixer_in), Some(h), cache, positions)?;
-                ffn.forward_fused(&h, Some(ffn_in), Some(&h))
+                let h = self.mix(h, Some(mixer_in), Some(h), cache, positions)?;
+                self.feed(ffn, &h, Some(ffn_in), Some(&h))
             }
             (BlockNorms::PreNorm { mixer_in, ffn_in }, Some(s)) => {
-                let r = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                let r = self.mix(h, Some(mixer_in), None, cache, positions)?;
                 let h = add_scaled(h, &r, Some(s))?;
-                add_scaled(&h, &ffn.forward_fused(&h, Some(ffn_in), None)?, Some(s))
+                add_scaled(&h, &self.feed(ffn, &h, Some(ffn_in), None)?, Some(s))
             }
             (
                 BlockNorms::Sandwich {
@@ -682,26 +742,26 @@ impl Block {
                 },
                 s,
             ) => {
-                let r = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                let r = self.mix(h, Some(mixer_in), None, cache, positions)?;
                 let h = add_scaled(h, &mixer_out.forward(&r)?, s)?;
-                let f = ffn.forward(&ffn_in.forward(&h)?)?;
+                let f = self.feed(ffn, &ffn_in.forward(&h)?, None, None)?;
                 add_scaled(&h, &ffn_out.forward(&f)?, s)
             }
             (BlockNorms::PostNorm { mixer_out, ffn_out }, s) => {
-                let r = mixer.forward(h, None, None, cache, positions)?;
+                let r = self.mix(h, None, None, cache, positions)?;
                 let h = add_scaled(h, &mixer_out.forward(&r)?, s)?;
-                let f = ffn.forward(&h)?;
+                let f = self.feed(ffn, &h, None, None)?;
                 add_scaled(&h, &ffn_out.forward(&f)?, s)
             }
             (BlockNorms::Parallel { input }, s) => {
                 let x = input.forward(h)?;
-                let a = mixer.forward(&x, None, None, cache, positions)?;
-                let f = ffn.forward(&x)?;
+                let a = self.mix(&x, None, None, cache, positions)?;
+                let f = self.feed(ffn, &x, None, None)?;
                 add_scaled(h, &a.add(&f)?, s)
             }
             (BlockNorms::ParallelTwoNorms { mixer_in, ffn_in }, s) => {
-                let a = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
-                let f = ffn.forward_fused(h, Some(ffn_in), None)?;
+                let a = self.mix(h, Some(mixer_in), None, cache, positions)?;
+                let f = self.feed(ffn, h, Some(ffn_in), None)?;
                 add_scaled(h, &a.add(&f)?, s)
             }
             (
@@ -713,12 +773,12 @@ impl Block {
                 _,
             ) => {
                 let x = mixer_in.forward(h)?;
-                let a = mixer.forward(&x, None, None, cache, positions)?;
+                let a = self.mix(&x, None, None, cache, positions)?;
                 let h = x
                     .mul_scalar(scales.mixer_residual)?
                     .add(&a.mul_scalar(scales.mixer_out)?)?;
                 let x = ffn_in.forward(&h)?;
-                let f = ffn.forward(&x)?;
+                let f = self.feed(ffn, &x, None, None)?;
                 Ok(x.mul_scalar(scales.ffn_residual)?
                     .add(&f.mul_scalar(scales.ffn_out)?)?)
             }
@@ -730,8 +790,15 @@ impl Block {
 /// A decoder built from a [`DecoderSpec`].
 #[derive(Debug)]
 pub struct Decoder {
-    embed: Embedding,
+    /// `None` on a pipeline stage that neither embeds nor has a tied head.
+    embed: Option<Embedding>,
+    /// This rank's blocks: every layer's, or a pipeline stage's from `first_layer` on.
     blocks: Vec<Block>,
+    first_layer: usize,
+    /// Pipeline parallelism: this rank's stage (see [`crate::parallel`]).
+    stage: Option<Pipeline>,
+    hidden: i32,
+    dtype: mlxcel_core::Dtype,
     norm: Norm,
     lm_head: Option<Linear>,
     /// `lm_head.bias` added to a tied head's logits (an untied head carries its own).
@@ -757,26 +824,47 @@ fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, intermediate: i32, gated: bool)
         Activation::XIelu(_) => Activation::XIelu(xielu_params(w)?),
         act => act,
     };
+    // Tensor parallelism: this rank's intermediate columns (whole quantization groups of
+    // `down_proj`'s inputs); the block's output is then a partial sum.
+    let (columns, down_part) = match w.tensor_parallel() {
+        Some(tp) => {
+            let unit = w.input_unit("down_proj");
+            let what = format!("`{}`", w.path("down_proj"));
+            let cols = tp.columns(intermediate, unit, &what)?;
+            let down = Split::Inputs {
+                range: cols.clone(),
+                with_bias: tp.rank() == 0,
+            };
+            (Some(Split::rows(cols)), Some(down))
+        }
+        None => (None, None),
+    };
+    let down =
+        |w: &mut ModelWeights| w.linear_split("down_proj", intermediate, h, b, down_part.as_ref());
     if !gated {
         return Ok(Mlp::Plain {
-            up: w.linear("up_proj", h, intermediate, b)?,
-            down: w.linear("down_proj", intermediate, h, b)?,
+            up: w.linear_split("up_proj", h, intermediate, b, columns.as_ref())?,
+            down: down(w)?,
             act,
         });
     }
-    let mut layers = w.linear_group(
+    let mut layers = w.linear_group_split(
         &["gate_proj", "up_proj"],
         h,
         &[intermediate, intermediate],
         b,
+        &[columns.clone(), columns.clone()],
     )?;
-    let down = w.linear("down_proj", intermediate, h, b)?;
+    let down = down(w)?;
     Ok(match (layers.pop(), layers.pop()) {
         (Some(gate_up), None) => Mlp::FusedGated {
+            hidden: match &columns {
+                Some(Split::Outputs(rows)) => rows.iter().map(|r| r.end - r.start).sum(),
+                _ => intermediate,
+            },
             gate_up,
             down,
             act,
-            hidden: intermediate,
         },
         (Some(up), Some(gate)) => Mlp::Gated {
             gate,
@@ -811,11 +899,42 @@ fn xielu_params(w: &mut ModelWeights) -> Result<XIeluParams> {
 fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<Attention> {
     let (h, hd) = (spec.hidden, spec.head_dim);
     let (q_dim, kv_dim) = (spec.heads * hd, spec.kv_heads * hd);
-    let mut layers = w.linear_group(
+    // Tensor parallelism: this rank's query heads and the key/value heads they read; the
+    // layer's output is then a partial sum (`o_proj` holds those heads' input columns).
+    let heads = match w.tensor_parallel() {
+        Some(tp) => {
+            if matches!(spec.qk_norm, QkNormSpec::Full) {
+                return Err(ModelError::Unsupported(
+                    "tensor parallelism with a query/key norm over the whole projection (it would need the other ranks' heads)".into(),
+                ));
+            }
+            Some((tp.heads(spec.heads, spec.kv_heads)?, tp.rank() == 0))
+        }
+        None => None,
+    };
+    let all_q: Vec<i32> = (0..spec.heads).collect();
+    let all_kv: Vec<i32> = (0..spec.kv_heads).collect();
+    let (q_heads, kv_heads): (Vec<i32>, Vec<i32>) = match &heads {
+        Some((split, _)) => (split.q.clone().collect(), split.kv.clone()),
+        None => (all_q, all_kv),
+    };
+    let part = |on: &[i32], width: i32| {
+        heads
+            .as_ref()
+            .map(|_| Split::Outputs(HeadSplit::rows(on, width)))
+    };
+    let q_split = part(&q_heads, hd);
+    let kv_split = part(&kv_heads, hd);
+    let o_split = heads.as_ref().map(|(split, first)| Split::Inputs {
+        range: split.q.start * hd..split.q.end * hd,
+        with_bias: *first,
+    });
+    let mut layers = w.linear_group_split(
         &["q_proj", "k_proj", "v_proj"],
         h,
         &[q_dim, kv_dim, kv_dim],
         spec.qkv_bias,
+        &[q_split.clone(), kv_split.clone(), kv_split],
     )?;
     let qkv = match (layers.pop(), layers.pop(), layers.pop()) {
         (Some(qkv), None, None) => QkvProjection::Fused(qkv),
@@ -829,15 +948,20 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
             k: norm(w, spec, "k_norm", hd)?,
         },
         QkNormSpec::PerHeadWeights => {
-            let per_head = |w: &mut ModelWeights, name: &str, heads: i32| -> Result<Norm> {
+            let per_head = |w: &mut ModelWeights, name: &str, heads: i32, local: &[i32]| {
                 let weight = w
-                    .tensor(&format!("{name}.weight"), &[heads, hd])?
-                    .reshape(&[heads, 1, hd])?;
+                    .tensor_part(
+                        &format!("{name}.weight"),
+                        &[heads, hd],
+                        0,
+                        &HeadSplit::rows(local, 1),
+                    )?
+                    .reshape(&[local.len() as i32, 1, hd])?;
                 Norm::new(spec.norm, weight, None, spec.eps)
             };
             QkNorm::PerHeadWeights {
-                q: per_head(w, "q_norm", spec.heads)?,
-                k: per_head(w, "k_norm", spec.kv_heads)?,
+                q: per_head(w, "q_norm", spec.heads, &q_heads)?,
+                k: per_head(w, "k_norm", spec.kv_heads, &kv_heads)?,
             }
         }
         QkNormSpec::PerHeadAfterRope => QkNorm::PerHeadAfterRope {
@@ -871,12 +995,12 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
                 "attention sinks together with attention soft-capping".into(),
             ));
         }
-        Some(w.tensor("sinks", &[spec.heads])?)
+        Some(w.tensor_part("sinks", &[spec.heads], 0, &HeadSplit::rows(&q_heads, 1))?)
     } else {
         None
     };
     let output_gate = if spec.attn_output_gate {
-        Some(w.linear("output_gate", h, q_dim, spec.qkv_bias)?)
+        Some(w.linear_split("output_gate", h, q_dim, spec.qkv_bias, q_split.as_ref())?)
     } else {
         None
     };
@@ -884,12 +1008,12 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
         sinks,
         qkv,
         output_gate,
-        o: w.linear("o_proj", q_dim, h, spec.o_bias)?,
+        o: w.linear_split("o_proj", q_dim, h, spec.o_bias, o_split.as_ref())?,
         qk_norm,
         rope,
         cfg: AttentionConfig {
-            n_heads: spec.heads,
-            n_kv_heads: spec.kv_heads,
+            n_heads: q_heads.len() as i32,
+            n_kv_heads: kv_heads.len() as i32,
             head_dim: hd,
             scale: spec.attn_scale,
             softcap: spec.attn_softcap,
@@ -1124,20 +1248,51 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                     m.normalize,
                 )
             };
-            let mut experts = w.routed_experts("", m.experts, h, m.intermediate, spec.act)?;
+            // Tensor parallelism: every expert's own intermediate columns of this rank, as a
+            // dense MLP's (whole quantization groups of `down_proj`'s inputs).
+            let columns = match w.tensor_parallel() {
+                Some(tp) => {
+                    let unit = w.input_unit("switch_mlp.down_proj");
+                    let what = format!("`{}`", w.path("switch_mlp.down_proj"));
+                    Some((tp.columns(m.intermediate, unit, &what)?, tp.rank() == 0))
+                }
+                None => None,
+            };
+            let mut experts = w.routed_experts_split(
+                "",
+                m.experts,
+                h,
+                m.intermediate,
+                spec.act,
+                columns.as_ref().map(|(c, _)| c.clone()),
+            )?;
             if m.expert_bias {
                 let RoutedExperts::Resident(glu) = &mut experts else {
                     return Err(ModelError::Unsupported(
                         "streaming experts whose projections have biases".into(),
                     ));
                 };
+                let dtype = w.dtype();
                 let mut bias = |name: &str, width: i32| {
-                    w.tensor(&format!("switch_mlp.{name}.bias"), &[m.experts, width])
+                    let name = format!("switch_mlp.{name}.bias");
+                    match &columns {
+                        Some((cols, _)) if width == m.intermediate => {
+                            w.tensor_part(&name, &[m.experts, width], 1, std::slice::from_ref(cols))
+                        }
+                        _ => w.tensor(&name, &[m.experts, width]),
+                    }
+                };
+                let down_bias = match &columns {
+                    // The partial sums' bias: added by one rank only.
+                    Some((_, false)) => {
+                        bias("down_proj", h)?.multiply(&mlxcel_core::ops::zeros(&[1], dtype)?)?
+                    }
+                    _ => bias("down_proj", h)?,
                 };
                 glu.biases = Some(Box::new([
                     bias("gate_proj", m.intermediate)?,
                     bias("up_proj", m.intermediate)?,
-                    bias("down_proj", h)?,
+                    down_bias,
                 ]));
             }
             let shared = match m.shared {
@@ -1193,12 +1348,45 @@ impl Decoder {
     pub fn build(spec: &DecoderSpec, w: &mut ModelWeights) -> Result<Decoder> {
         spec.check()?;
         let h = spec.hidden;
+        let w_tp_group = w.tensor_parallel().map(|tp| tp.group().clone());
+        if w_tp_group.is_some() {
+            if let Some(other) = spec
+                .mixers
+                .iter()
+                .find(|m| !matches!(m, MixerSpec::Attention))
+            {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor parallelism covers attention layers only, not `{}` mixers (use pipeline parallelism)",
+                    other.scope()
+                )));
+            }
+        }
+        let stage = match w.pipeline_group() {
+            Some(group) => Some(Pipeline::even(group.clone(), spec.layers())?),
+            None => None,
+        };
+        let own = stage.as_ref().map_or(0..spec.layers(), |s| s.layers());
+        let (first, last) = stage
+            .as_ref()
+            .map_or((true, true), |s| (s.is_first(), s.is_last()));
+        let tied = spec.tie_word_embeddings && !w.contains("lm_head.weight");
+        let dtype = w.dtype();
         let mut body = w.scope("model");
-        let embed = body.embedding("embed_tokens", spec.vocab, h)?;
-        let mut blocks = Vec::with_capacity(spec.layers());
+        let embed = if first || (last && tied) {
+            Some(body.embedding("embed_tokens", spec.vocab, h)?)
+        } else {
+            body.skip("embed_tokens");
+            None
+        };
+        let mut blocks = Vec::with_capacity(own.len());
         {
             let mut layers = body.scope("layers");
             for i in 0..spec.layers() {
+                if !own.contains(&i) {
+                    // Another pipeline stage's layer.
+                    layers.skip(&i.to_string());
+                    continue;
+                }
                 let mut l = layers.scope(i);
                 let mixer = {
                     let mut a = l.scope(spec.mixers[i].scope());
@@ -1257,15 +1445,23 @@ impl Decoder {
                         scales: spec.block_scales[i],
                     },
                 };
-                blocks.push(Block { norms, mixer, ffn });
+                let reduce = w_tp_group.clone();
+                blocks.push(Block {
+                    norms,
+                    mixer,
+                    ffn,
+                    reduce,
+                });
             }
         }
         let final_norm = norm(&mut body, spec, "norm", h)?;
         drop(body);
         // Tied heads reuse the embedding table (no second copy); an untied config without
         // `lm_head.weight` is an error naming the tensor.
-        let (lm_head, tied_head_bias) = if spec.tie_word_embeddings && !w.contains("lm_head.weight")
-        {
+        let (lm_head, tied_head_bias) = if !last {
+            w.skip("lm_head");
+            (None, None)
+        } else if tied {
             let bias = if spec.lm_head_bias {
                 Some(w.tensor("lm_head.bias", &[spec.vocab])?)
             } else {
@@ -1279,6 +1475,10 @@ impl Decoder {
         Ok(Decoder {
             embed,
             blocks,
+            first_layer: own.start,
+            stage,
+            hidden: h,
+            dtype,
             norm: final_norm,
             lm_head,
             tied_head_bias,
@@ -1294,7 +1494,20 @@ impl Decoder {
     /// Token ids `[B, L]` → input hidden states `[B, L, hidden]`.
     pub fn embed(&self, tokens: &Array) -> Result<Array> {
         check_token_ids(tokens, self.vocab)?;
-        let h = self.embed.forward(tokens)?;
+        let embed = match (&self.embed, &self.stage) {
+            (Some(e), Some(s)) if s.is_first() => e,
+            (Some(e), None) => e,
+            // A later pipeline stage receives the hidden states instead: only their shape
+            // counts.
+            _ => {
+                let shape = tokens.shape();
+                return Ok(mlxcel_core::ops::zeros(
+                    &[shape[0], shape[1], self.hidden],
+                    self.dtype,
+                )?);
+            }
+        };
+        let h = embed.forward(tokens)?;
         Ok(match self.embed_scale {
             // In the activation dtype, as transformers rounds the normaliser.
             Some(s) => h.mul_scalar(s)?,
@@ -1309,17 +1522,68 @@ impl Decoder {
         positions: Option<&Array>,
         caches: &mut [LayerCache],
     ) -> Result<Array> {
-        if caches.len() != self.blocks.len() {
+        if caches.len() != self.schedule.len() {
             return Err(ModelError::Runtime(format!(
                 "{} caches for {} layers",
                 caches.len(),
-                self.blocks.len()
+                self.schedule.len()
             )));
+        }
+        if let Some(stage) = &self.stage {
+            return self.stage_body(stage, h, positions, caches);
         }
         for (block, cache) in self.blocks.iter().zip(caches.iter_mut()) {
             h = block.forward(&h, cache, positions, self.residual_scale)?;
         }
         Ok(h)
+    }
+
+    /// A pipeline stage's part of [`Decoder::body`]: the previous stage's hidden states in,
+    /// this stage's layers, sent on to the next stage (the result of a stage before the last
+    /// is the send, which must be evaluated). The other stages' layers' caches keep pace with
+    /// placeholder entries, so every rank's caches agree on positions, windows and rewinds.
+    fn stage_body(
+        &self,
+        stage: &Pipeline,
+        mut h: Array,
+        positions: Option<&Array>,
+        caches: &mut [LayerCache],
+    ) -> Result<Array> {
+        let group = stage.group();
+        let rank = group.rank();
+        if !stage.is_first() {
+            h = group.recv(&h.shape(), h.dtype()?, rank - 1)?;
+        }
+        let own = stage.layers();
+        let shape = h.shape();
+        for (i, cache) in caches.iter_mut().enumerate() {
+            if own.contains(&i) {
+                let block = &self.blocks[i - self.first_layer];
+                h = block.forward(&h, cache, positions, self.residual_scale)?;
+            } else {
+                keep_pace(cache, shape[0], shape[1], self.dtype)?;
+            }
+        }
+        if !stage.is_last() {
+            h = group.send(&h, rank + 1)?;
+        }
+        Ok(h)
+    }
+
+    /// Logits of `h` from [`Decoder::body`] on every rank: the last pipeline stage computes
+    /// them, the others contribute zeros (after their send) to one `all_sum`.
+    fn stage_head(&self, stage: &Pipeline, h: &Array, last_only: bool) -> Result<Array> {
+        let logits = if stage.is_last() {
+            self.head(h, last_only)?
+        } else {
+            let shape = h.shape();
+            let l = if last_only { 1 } else { shape[1] };
+            let zeros = mlxcel_core::ops::zeros(&[shape[0], l, self.vocab as i32], self.dtype)?;
+            let mut tied = mlxcel_core::distributed::depends(&[zeros], std::slice::from_ref(h))?;
+            tied.pop()
+                .ok_or_else(|| ModelError::Runtime("internal: depends returned nothing".into()))?
+        };
+        Ok(stage.group().all_sum(&logits)?)
     }
 
     /// Final norm and output head: logits for every position of `h`, or for the last one only.
@@ -1333,7 +1597,12 @@ impl Decoder {
         let mut logits = match &self.lm_head {
             Some(head) => head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?,
             None => {
-                let logits = self.embed.as_linear(&self.norm.forward(&h)?)?;
+                let embed = self.embed.as_ref().ok_or_else(|| {
+                    ModelError::Runtime(
+                        "internal: an output head on a pipeline stage without it".into(),
+                    )
+                })?;
+                let logits = embed.as_linear(&self.norm.forward(&h)?)?;
                 match &self.tied_head_bias {
                     Some(b) => logits.add(b)?,
                     None => logits,
@@ -1419,10 +1688,18 @@ impl<A> LanguageModel for Transformer<A> {
         last_only: bool,
     ) -> Result<Array> {
         let h = self.decoder.body(embeddings.clone(), positions, caches)?;
-        self.decoder.head(&h, last_only)
+        match &self.decoder.stage {
+            Some(stage) => self.decoder.stage_head(stage, &h, last_only),
+            None => self.decoder.head(&h, last_only),
+        }
     }
 
     fn final_hidden_states(&self, embeddings: &Array, caches: &mut [LayerCache]) -> Result<Array> {
+        if self.decoder.stage.is_some() {
+            return Err(ModelError::Unsupported(
+                "final hidden states of a pipeline-parallel model".into(),
+            ));
+        }
         let h = self.decoder.body(embeddings.clone(), None, caches)?;
         self.decoder.norm.forward(&h)
     }
