@@ -309,9 +309,25 @@ fn log_tail(log: &Option<PathBuf>) -> String {
     }
 }
 
-/// Waits for every rank; on the first failure stops the others and names the rank (the
-/// earliest to fail: the others then fail through it). Ranks still running `grace` after one
-/// finished successfully are stopped too (a rank waiting for a peer that is gone).
+/// Whether a rank ended through a peer's failure rather than its own: killed by SIGPIPE
+/// (writing to a socket the failed peer closed) or SIGTERM/SIGKILL sent by this launcher.
+fn followed_a_peer(status: ExitStatus) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        status.signal() == Some(libc::SIGPIPE)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = status;
+        false
+    }
+}
+
+/// Waits for every rank; on the first failure stops the others and names the rank that
+/// failed (preferring one that failed on its own over one that died writing to it). Ranks
+/// still running `grace` after one finished successfully are stopped too (a rank waiting for a
+/// peer that is gone).
 fn supervise(
     children: &mut [Child],
     logs: &[Option<PathBuf>],
@@ -325,12 +341,40 @@ fn supervise(
                 status[rank] = c.try_wait()?;
             }
         }
-        if let Some(rank) = (0..children.len()).find(|r| status[*r].is_some_and(|s| !s.success())) {
+        let failed: Vec<usize> = (0..children.len())
+            .filter(|r| status[*r].is_some_and(|s| !s.success()))
+            .collect();
+        if !failed.is_empty() {
+            // A peer's own failure is seen a moment before the ranks it takes down; give them
+            // that moment, then name the one that failed first.
+            std::thread::sleep(Duration::from_millis(200));
+            for (rank, c) in children.iter_mut().enumerate() {
+                if status[rank].is_none() {
+                    status[rank] = c.try_wait()?;
+                }
+            }
             stop_all(children);
-            let s = status[rank].expect("found above");
+            let failed: Vec<usize> = (0..children.len())
+                .filter(|r| status[*r].is_some_and(|s| !s.success()))
+                .collect();
+            let rank = failed
+                .iter()
+                .copied()
+                .find(|r| !followed_a_peer(status[*r].expect("failed")))
+                .unwrap_or(failed[0]);
+            let others: Vec<String> = failed
+                .iter()
+                .filter(|r| **r != rank)
+                .map(|r| format!("rank {r} {}", describe(status[*r].expect("failed"))))
+                .collect();
             bail!(
-                "rank {rank} {}; stopped the other ranks{}",
-                describe(s),
+                "rank {rank} {}; stopped the other ranks{}{}",
+                describe(status[rank].expect("failed")),
+                if others.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (then {})", others.join(", "))
+                },
                 log_tail(&logs[rank])
             );
         }
@@ -344,7 +388,10 @@ fn supervise(
                     .filter(|r| status[*r].is_none())
                     .collect();
                 stop_all(children);
-                bail!("ranks {stuck:?} were still running {}s after another rank finished; stopped them", grace.as_secs());
+                bail!(
+                    "ranks {stuck:?} were still running {}s after another rank finished; stopped them",
+                    grace.as_secs()
+                );
             }
         }
         std::thread::sleep(Duration::from_millis(50));
