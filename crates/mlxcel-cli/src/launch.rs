@@ -93,6 +93,23 @@ pub fn parallelism_from_env() -> anyhow::Result<Option<Parallelism>> {
     }))
 }
 
+/// This process's part for the memory estimate (the whole model outside `mlxcel launch`).
+pub fn rank_part_from_env() -> mlxcel_loading::memory::RankPart {
+    let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+    match (
+        std::env::var("MLXCEL_PARALLEL"),
+        var("MLX_RANK"),
+        var("MLX_WORLD_SIZE"),
+    ) {
+        (Ok(mode), Some(rank), Some(size)) if rank < size => mlxcel_loading::memory::RankPart {
+            pipeline: mode == "pipeline",
+            rank,
+            size,
+        },
+        _ => mlxcel_loading::memory::RankPart::WHOLE,
+    }
+}
+
 /// Whether this process writes the run's outputs: always, but under `mlxcel launch` only rank 0
 /// (every rank computes the same result).
 pub fn writes_outputs() -> bool {

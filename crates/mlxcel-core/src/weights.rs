@@ -79,6 +79,9 @@ pub struct WeightMap {
     folder: PathBuf,
     shards: Arc<Vec<Shard>>,
     entries: BTreeMap<String, Entry>,
+    /// Benchmarks only: file tensors are random numbers made on the device from this seed
+    /// instead of the file's bytes (see [`WeightMap::with_random_data`]).
+    random: Option<u64>,
 }
 
 impl std::fmt::Debug for WeightMap {
@@ -304,6 +307,53 @@ impl WeightMap {
             folder: folder.into(),
             shards: Arc::new(Vec::new()),
             entries: BTreeMap::new(),
+            random: None,
+        }
+    }
+
+    /// Benchmarks only: every file tensor reads as random numbers made on MLX's default device
+    /// (from `seed` and the tensor's name) instead of the file's bytes, which are never touched.
+    /// With a checkpoint whose data regions are holes (a sparse file: headers only on disk),
+    /// this measures shapes no disk could hold; each rank of a tensor-parallel run makes only
+    /// its own slices ([`WeightMap::get_slice`]). Norm weights are ones, float weights uniform
+    /// with std 0.02, quantization scales and biases small enough to keep activations finite.
+    pub fn with_random_data(mut self, seed: u64) -> WeightMap {
+        self.random = Some(seed);
+        self
+    }
+
+    /// A random stand-in for file tensor `name` (see [`WeightMap::with_random_data`]).
+    fn random_tensor(&self, name: &str, shape: &[i32], dtype: Dtype, seed: u64) -> Result<Array> {
+        use crate::ops::random;
+        // FNV-1a of the name: a different stream per tensor.
+        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        let key = random::key(seed ^ hash)?;
+        let uniform = |lo: f64, hi: f64| -> Result<Array> {
+            random::uniform(shape, Dtype::Float32, &key)?
+                .mul_scalar(hi - lo)?
+                .add_scalar(lo)
+        };
+        let is_norm = name.ends_with("norm.weight") || name.contains("layernorm");
+        match dtype {
+            Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16 => {
+                let values = if is_norm {
+                    crate::ops::ones(shape, Dtype::Float32)?
+                } else if name.ends_with(".scales") {
+                    uniform(0.0005, 0.005)?
+                } else if name.ends_with(".biases") {
+                    uniform(-0.04, -0.004)?
+                } else {
+                    uniform(-0.0346, 0.0346)?
+                };
+                values.astype(dtype)
+            }
+            // Packed quantized words: every bit pattern.
+            Dtype::Uint32 => uniform(0.0, 4_294_967_040.0)?.astype(dtype),
+            // Byte scales (fp4/fp8 modes): exponents near 2^0.
+            Dtype::Uint8 => uniform(120.0, 128.0)?.astype(dtype),
+            _ => crate::ops::zeros(shape, dtype),
         }
     }
 
@@ -505,6 +555,7 @@ impl WeightMap {
             folder,
             shards: Arc::new(shards),
             entries,
+            random: None,
         })
     }
 
@@ -568,6 +619,10 @@ impl WeightMap {
         })?;
         match &entry.source {
             Source::Array(a) => Ok(a.clone()),
+            Source::File { .. } if self.random.is_some() => {
+                let seed = self.random.unwrap_or_default();
+                self.random_tensor(name, &entry.info.shape, entry.info.dtype, seed)
+            }
             Source::File { shard, start, end } => {
                 let shard = &self.shards[*shard];
                 let bytes = shard.map.get(*start..*end).ok_or_else(|| {
@@ -621,6 +676,12 @@ impl WeightMap {
             return Err(Error::Invalid(format!(
                 "tensor `{name}` {shape:?}: no slice {start}..{end} of axis {axis}"
             )));
+        }
+        if let (Some(seed), Source::File { .. }) = (self.random, &entry.source) {
+            let mut sliced = shape.clone();
+            sliced[axis] = end - start;
+            let part = format!("{name}[{axis}:{start}..{end}]");
+            return self.random_tensor(&part, &sliced, entry.info.dtype, seed);
         }
         let (shard, start_byte, end_byte) = match &entry.source {
             Source::Array(a) => return a.slice_axis(axis as i32, start, end),
@@ -709,6 +770,9 @@ impl WeightMap {
 
     /// The raw bytes of a file tensor, without creating an array (`None` for inserted arrays).
     pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+        if self.random.is_some() {
+            return None;
+        }
         match &self.entries.get(name)?.source {
             Source::File { shard, start, end } => self.shards[*shard].map.get(*start..*end),
             Source::Array(_) => None,

@@ -73,6 +73,10 @@ pub struct LoadOptions {
     /// pipeline parallelism over an MLX distributed group, see [`mlxcel_arch::parallel`]);
     /// each rank reads only its part of the checkpoint. `None`: the whole model.
     pub parallelism: Option<mlxcel_arch::parallel::Parallelism>,
+    /// Benchmarks only: the checkpoint's tensors are random numbers made on the device from
+    /// this seed, never read from its files ([`mlxcel_core::WeightMap::with_random_data`]):
+    /// shapes too large for the disk, as header-only sparse files.
+    pub random_weights: Option<u64>,
 }
 
 impl LoadOptions {
@@ -399,6 +403,9 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         .map(|(name, dir)| Ok((name.clone(), crate::adapter::Adapter::load(dir)?)))
         .collect::<Result<Vec<_>>>()?;
     let mut weights = WeightMap::open(&folder)?;
+    if let Some(seed) = options.random_weights {
+        weights = weights.with_random_data(seed);
+    }
     let mapped = weights.mapped_files();
     let model_type = get_model_type(&config, has_vision_weights(&weights)).map_err(model_err)?;
     let policy = model_load_policy(model_type);
