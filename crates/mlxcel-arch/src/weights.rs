@@ -456,7 +456,7 @@ impl ModelWeights {
                     let aligned = |x: i32| (x as i64 * stored as i64) % in_features as i64 == 0;
                     if !aligned(range.start) || !aligned(range.end) {
                         return Err(ModelError::Unsupported(format!(
-                            "tensor parallelism: `{name}` ({in_features} input columns stored as {stored}) cannot be cut at columns {range:?}: a rank's part must be whole quantization groups"
+                            "tensor parallelism: `{name}` cannot be cut at input columns {range:?} of {in_features} (stored as {stored} per row): a rank's part must be whole quantization groups"
                         )));
                     }
                     let at = |x: i32| (x as i64 * stored as i64 / in_features as i64) as i32;

@@ -53,6 +53,10 @@ pub struct LaunchFlags {
     /// A ring hostfile (MLX's JSON: one list of "ip:port" per rank) instead of loopback ports.
     #[arg(long, value_name = "FILE")]
     pub hosts: Option<PathBuf>,
+    /// Start only these ranks here (comma-separated; default: all): with `--hosts`, run
+    /// `mlxcel launch` on each host for the ranks its addresses belong to.
+    #[arg(long, value_delimiter = ',', requires = "hosts")]
+    pub ranks: Option<Vec<usize>>,
     /// Tensor or pipeline parallelism.
     #[arg(long, value_enum, default_value_t = Mode::Tensor)]
     pub mode: Mode,
@@ -225,9 +229,16 @@ pub fn run(flags: LaunchFlags) -> anyhow::Result<()> {
         ),
     }
     let exe = std::env::current_exe().context("locating the mlxcel executable")?;
-    let mut children: Vec<Child> = Vec::with_capacity(flags.nproc);
-    let mut logs: Vec<Option<PathBuf>> = Vec::with_capacity(flags.nproc);
-    for rank in 0..flags.nproc {
+    let local: Vec<usize> = flags
+        .ranks
+        .clone()
+        .unwrap_or_else(|| (0..flags.nproc).collect());
+    if let Some(bad) = local.iter().find(|r| **r >= flags.nproc) {
+        bail!("--ranks: rank {bad} is not below --nproc {}", flags.nproc);
+    }
+    let mut children: Vec<Child> = Vec::with_capacity(local.len());
+    let mut logs: Vec<Option<PathBuf>> = Vec::with_capacity(local.len());
+    for &rank in &local {
         let mut cmd = Command::new(&exe);
         cmd.args(&flags.command)
             .env("MLX_RANK", rank.to_string())
@@ -257,7 +268,12 @@ pub fn run(flags: LaunchFlags) -> anyhow::Result<()> {
         }
     }
     forward_stdin(&mut children);
-    let outcome = supervise(&mut children, &logs, Duration::from_secs(flags.grace));
+    let outcome = supervise(
+        &mut children,
+        &local,
+        &logs,
+        Duration::from_secs(flags.grace),
+    );
     if outcome.is_ok() {
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -347,6 +363,7 @@ fn followed_a_peer(status: ExitStatus) -> bool {
 /// peer that is gone).
 fn supervise(
     children: &mut [Child],
+    ranks: &[usize],
     logs: &[Option<PathBuf>],
     grace: Duration,
 ) -> anyhow::Result<()> {
@@ -374,25 +391,32 @@ fn supervise(
             let failed: Vec<usize> = (0..children.len())
                 .filter(|r| status[*r].is_some_and(|s| !s.success()))
                 .collect();
-            let rank = failed
+            let first = failed
                 .iter()
                 .copied()
                 .find(|r| !followed_a_peer(status[*r].expect("failed")))
                 .unwrap_or(failed[0]);
             let others: Vec<String> = failed
                 .iter()
-                .filter(|r| **r != rank)
-                .map(|r| format!("rank {r} {}", describe(status[*r].expect("failed"))))
+                .filter(|r| **r != first)
+                .map(|r| {
+                    format!(
+                        "rank {} {}",
+                        ranks[*r],
+                        describe(status[*r].expect("failed"))
+                    )
+                })
                 .collect();
             bail!(
-                "rank {rank} {}; stopped the other ranks{}{}",
-                describe(status[rank].expect("failed")),
+                "rank {} {}; stopped the other ranks{}{}",
+                ranks[first],
+                describe(status[first].expect("failed")),
                 if others.is_empty() {
                     String::new()
                 } else {
                     format!(" (then {})", others.join(", "))
                 },
-                log_tail(&logs[rank])
+                log_tail(&logs[first])
             );
         }
         if status.iter().all(Option::is_some) {
@@ -403,6 +427,7 @@ fn supervise(
             if since.elapsed() > grace {
                 let stuck: Vec<usize> = (0..children.len())
                     .filter(|r| status[*r].is_none())
+                    .map(|r| ranks[r])
                     .collect();
                 stop_all(children);
                 bail!(

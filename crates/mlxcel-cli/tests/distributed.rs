@@ -330,3 +330,53 @@ fn estimate_memory_reports_each_rank() {
     assert!(sections[0].contains("embedding") && !sections[0].contains("lm_head"));
     assert!(sections[1].contains("lm_head") && !sections[1].contains("embedding"));
 }
+
+#[test]
+fn ranks_started_by_separate_launchers_form_one_group() {
+    // Two "hosts" on loopback: a shared hostfile, one launcher per rank (`--ranks`).
+    let dir = tempfile::tempdir().unwrap();
+    let ports: Vec<u16> = (0..2)
+        .map(|_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        })
+        .collect();
+    let hosts = dir.path().join("hosts.json");
+    std::fs::write(
+        &hosts,
+        format!(
+            "[[\"127.0.0.1:{}\"],[\"127.0.0.1:{}\"]]",
+            ports[0], ports[1]
+        ),
+    )
+    .unwrap();
+    let (prompt, want) = reference_ids("llama");
+    let ids: Vec<String> = prompt.iter().map(i32::to_string).collect();
+    let want: Vec<String> = want.iter().take(6).map(i32::to_string).collect();
+    let launcher = |rank: &str| {
+        mlxcel()
+            .args(["launch", "--nproc", "2", "--backend", "ring", "--hosts"])
+            .arg(&hosts)
+            .args(["--ranks", rank, "--", "generate", "--quiet", "--print-ids"])
+            .args(["--max-new", "6", "--prompt-ids", &ids.join(","), "--model"])
+            .arg(fixture("llama"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let other = launcher("1");
+    let lead = launcher("0").wait_with_output().unwrap();
+    let other = other.wait_with_output().unwrap();
+    check(&lead, "rank 0's launcher");
+    check(&other, "rank 1's launcher");
+    assert_eq!(
+        String::from_utf8(lead.stdout).unwrap().trim(),
+        want.join(",")
+    );
+    // Only rank 0 prints.
+    assert!(other.stdout.is_empty());
+}

@@ -248,6 +248,18 @@ pub enum MixerSpec {
 }
 
 impl MixerSpec {
+    /// What the mixer is, for messages.
+    fn kind(&self) -> &'static str {
+        match self {
+            MixerSpec::Attention => "attention",
+            MixerSpec::Latent(_) => "multi-head latent attention",
+            MixerSpec::Mamba(_) => "Mamba",
+            MixerSpec::Mamba2(_) => "Mamba-2",
+            MixerSpec::Lightning(_) => "lightning attention",
+            MixerSpec::GatedDelta(_) => "gated delta",
+        }
+    }
+
     /// The scope the mixer's tensors are read under within its layer.
     fn scope(&self) -> &'static str {
         match self {
@@ -1356,8 +1368,8 @@ impl Decoder {
                 .find(|m| !matches!(m, MixerSpec::Attention))
             {
                 return Err(ModelError::Unsupported(format!(
-                    "tensor parallelism covers attention layers only, not `{}` mixers (use pipeline parallelism)",
-                    other.scope()
+                    "tensor parallelism covers grouped-query attention layers only, not {} layers (use pipeline parallelism)",
+                    other.kind()
                 )));
             }
         }
