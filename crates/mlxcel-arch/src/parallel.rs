@@ -27,9 +27,8 @@ use crate::{ModelError, Result};
 pub enum Parallelism {
     /// Heads, MLP columns and expert columns split over the group.
     Tensor(TensorParallel),
-    /// Contiguous layer ranges per rank over this group (each model picks its stage,
-    /// [`Pipeline::even`]).
-    Pipeline(Group),
+    /// Contiguous layer ranges per rank (each model picks its stage, [`PipelinePlan::stage`]).
+    Pipeline(PipelinePlan),
 }
 
 /// `units` split over `parts` as evenly as possible: part `i`'s range (the first
@@ -149,6 +148,64 @@ impl TensorParallel {
     }
 }
 
+/// The layers rank `rank` of `size` holds in a model of `total` layers: `counts[rank]` after
+/// the earlier ranks' counts when given (layers sized to each rank's memory), else an even
+/// split (the first ranks take one more). An error when there are more ranks than layers or the
+/// counts do not add up to the model's layers.
+pub fn stage_layers(
+    total: usize,
+    size: usize,
+    rank: usize,
+    counts: Option<&[usize]>,
+) -> Result<Range<usize>> {
+    if size > total {
+        return Err(ModelError::Unsupported(format!(
+            "pipeline parallelism over {size} ranks: the model has only {total} layers"
+        )));
+    }
+    match counts {
+        None => {
+            let r = even_part(total as i32, size, rank);
+            Ok(r.start as usize..r.end as usize)
+        }
+        Some(c) => {
+            if c.len() != size || c.iter().sum::<usize>() != total || c.contains(&0) {
+                return Err(ModelError::Config(format!(
+                    "pipeline layers per rank {c:?}: {size} positive counts adding up to the model's {total} layers expected"
+                )));
+            }
+            let start: usize = c[..rank].iter().sum();
+            Ok(start..start + c[rank])
+        }
+    }
+}
+
+/// A pipeline-parallel job: the group, and optionally each rank's number of layers.
+#[derive(Debug, Clone)]
+pub struct PipelinePlan {
+    /// The ranks, in pipeline order.
+    pub group: Group,
+    /// Layers per rank, in rank order (`None`: as even as possible).
+    pub layers_per_rank: Option<Vec<usize>>,
+}
+
+impl PipelinePlan {
+    /// This rank's stage of a model of `total` layers.
+    pub fn stage(&self, total: usize) -> Result<Pipeline> {
+        let layers = stage_layers(
+            total,
+            self.group.size(),
+            self.group.rank(),
+            self.layers_per_rank.as_deref(),
+        )?;
+        Ok(Pipeline {
+            group: self.group.clone(),
+            layers,
+            total,
+        })
+    }
+}
+
 /// This rank's stage of a pipeline-parallel model (see the module docs).
 #[derive(Debug, Clone)]
 pub struct Pipeline {
@@ -158,23 +215,6 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Stage `group.rank()` of a model of `total` layers, the layers split as evenly as
-    /// possible in rank order; an error when there are more ranks than layers.
-    pub fn even(group: Group, total: usize) -> Result<Pipeline> {
-        let size = group.size();
-        if size > total {
-            return Err(ModelError::Unsupported(format!(
-                "pipeline parallelism over {size} ranks: the model has only {total} layers"
-            )));
-        }
-        let r = even_part(total as i32, size, group.rank());
-        Ok(Pipeline {
-            group,
-            layers: r.start as usize..r.end as usize,
-            total,
-        })
-    }
-
     /// The group the stages talk over.
     pub fn group(&self) -> &Group {
         &self.group

@@ -36,8 +36,8 @@ pub struct ModelWeights {
     scope: Vec<String>,
     /// This rank's part of a tensor-parallel model (see [`crate::parallel`]).
     tensor_parallel: Option<TensorParallel>,
-    /// The group a pipeline-parallel model's stages are spread over (see [`crate::parallel`]).
-    pipeline: Option<mlxcel_core::distributed::Group>,
+    /// A pipeline-parallel job (see [`crate::parallel`]).
+    pipeline: Option<crate::parallel::PipelinePlan>,
 }
 
 /// Which part of a linear layer (or expert stack) this rank loads under tensor parallelism
@@ -159,15 +159,15 @@ impl ModelWeights {
     pub fn with_parallelism(mut self, parallelism: Option<Parallelism>) -> ModelWeights {
         match parallelism {
             Some(Parallelism::Tensor(tp)) => self.tensor_parallel = Some(tp),
-            Some(Parallelism::Pipeline(group)) => self.pipeline = Some(group),
+            Some(Parallelism::Pipeline(plan)) => self.pipeline = Some(plan),
             None => {}
         }
         self
     }
 
-    /// The group of a pipeline-parallel model being built (the model picks its stage's
-    /// layers, [`crate::parallel::Pipeline`]), if any.
-    pub fn pipeline_group(&self) -> Option<&mlxcel_core::distributed::Group> {
+    /// The pipeline-parallel job being built (the model picks its stage's layers,
+    /// [`crate::parallel::PipelinePlan::stage`]), if any.
+    pub fn pipeline_plan(&self) -> Option<&crate::parallel::PipelinePlan> {
         self.pipeline.as_ref()
     }
 

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
-use mlxcel_arch::parallel::{Parallelism, TensorParallel};
+use mlxcel_arch::parallel::{Parallelism, PipelinePlan, TensorParallel};
 use mlxcel_core::distributed::{self, Backend};
 
 /// How the model is spread over the ranks.
@@ -60,6 +60,10 @@ pub struct LaunchFlags {
     /// Tensor or pipeline parallelism.
     #[arg(long, value_enum, default_value_t = Mode::Tensor)]
     pub mode: Mode,
+    /// Pipeline parallelism: layers per rank, comma-separated in rank order (sized to each
+    /// rank's memory; default: as even as possible).
+    #[arg(long, value_delimiter = ',')]
+    pub layers: Option<Vec<usize>>,
     /// Print each rank's share of the memory estimate and exit (the command's `--model`,
     /// `--max-context` and `--prefill-chunk` are read).
     #[arg(long)]
@@ -70,6 +74,21 @@ pub struct LaunchFlags {
     /// The mlxcel command each rank runs (`generate ...`, `chat ...`, `logits ...`).
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
+}
+
+/// `MLXCEL_PIPELINE_LAYERS` (`--layers`): layers per rank, comma-separated.
+fn layers_per_rank_from_env() -> anyhow::Result<Option<Vec<usize>>> {
+    match std::env::var("MLXCEL_PIPELINE_LAYERS") {
+        Ok(v) if !v.is_empty() => Ok(Some(
+            v.split(',')
+                .map(|c| c.trim().parse::<usize>())
+                .collect::<Result<_, _>>()
+                .with_context(|| {
+                    format!("MLXCEL_PIPELINE_LAYERS={v}: expected counts like 10,22")
+                })?,
+        )),
+        _ => Ok(None),
+    }
 }
 
 /// The part of a model this process builds when `mlxcel launch` started it (`MLXCEL_PARALLEL`
@@ -92,7 +111,10 @@ pub fn parallelism_from_env() -> anyhow::Result<Option<Parallelism>> {
     }
     Ok(Some(match mode.as_str() {
         "tensor" => Parallelism::Tensor(TensorParallel::new(group)),
-        "pipeline" => Parallelism::Pipeline(group),
+        "pipeline" => Parallelism::Pipeline(PipelinePlan {
+            group,
+            layers_per_rank: layers_per_rank_from_env()?,
+        }),
         other => bail!("MLXCEL_PARALLEL={other}: expected `tensor` or `pipeline`"),
     }))
 }
@@ -109,6 +131,7 @@ pub fn rank_part_from_env() -> mlxcel_loading::memory::RankPart {
             pipeline: mode == "pipeline",
             rank,
             size,
+            layers_per_rank: layers_per_rank_from_env().ok().flatten(),
         },
         _ => mlxcel_loading::memory::RankPart::WHOLE,
     }
@@ -190,12 +213,22 @@ pub fn run(flags: LaunchFlags) -> anyhow::Result<()> {
         return estimate(&flags);
     }
     let backend = resolve_backend(&flags.backend)?;
+    let layers: Vec<String> = flags
+        .layers
+        .iter()
+        .flatten()
+        .map(usize::to_string)
+        .collect();
     let dir = std::env::temp_dir().join(format!("mlxcel-launch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    if flags.layers.is_some() && flags.mode != Mode::Pipeline {
+        bail!("--layers sizes pipeline stages: add --mode pipeline");
+    }
     let mut common: Vec<(String, String)> = vec![
         ("MLXCEL_PARALLEL".into(), flags.mode.name().into()),
         ("MLXCEL_DIST_BACKEND".into(), backend.name().into()),
         ("MLX_WORLD_SIZE".into(), flags.nproc.to_string()),
+        ("MLXCEL_PIPELINE_LAYERS".into(), layers.join(",")),
     ];
     match backend {
         Backend::Ring => {
@@ -476,6 +509,7 @@ fn estimate(flags: &LaunchFlags) -> anyhow::Result<()> {
             pipeline: flags.mode == Mode::Pipeline,
             rank,
             size: flags.nproc,
+            layers_per_rank: flags.layers.clone(),
         };
         let est =
             mlxcel_loading::memory::estimate_rank(&folder, &config, dtype, context, chunk, &part)?;

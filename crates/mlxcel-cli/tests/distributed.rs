@@ -380,3 +380,31 @@ fn ranks_started_by_separate_launchers_form_one_group() {
     // Only rank 0 prints.
     assert!(other.stdout.is_empty());
 }
+
+#[test]
+fn pipeline_stages_sized_per_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let (prompt, _) = reference_ids("exaone_moe");
+    let ids: Vec<String> = prompt.iter().map(i32::to_string).collect();
+    let ids = ids.join(",");
+    let one = logits(&[], "exaone_moe", &ids, dir.path(), "one");
+    let prefix = [
+        "launch",
+        "--nproc",
+        "3",
+        "--backend",
+        "ring",
+        "--mode",
+        "pipeline",
+        "--layers",
+        "1,2,1",
+        "--",
+    ];
+    let many = logits(&prefix, "exaone_moe", &ids, dir.path(), "sized");
+    assert_eq!(relative_error(&one, &many), 0.0);
+    let err = launch_error(
+        &["--nproc", "2", "--mode", "pipeline", "--layers", "1,2"],
+        "exaone_moe",
+    );
+    assert!(err.contains("adding up to the model's 4 layers"), "{err}");
+}

@@ -132,7 +132,7 @@ pub fn estimate(
 
 /// One rank's part of a model spread over several processes (see
 /// [`mlxcel_arch::parallel`]), for [`estimate_rank`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankPart {
     /// Pipeline parallelism (contiguous layers per rank) rather than tensor parallelism.
     pub pipeline: bool,
@@ -140,6 +140,8 @@ pub struct RankPart {
     pub rank: usize,
     /// The number of ranks.
     pub size: usize,
+    /// Pipeline parallelism: layers per rank (`None`: as even as possible).
+    pub layers_per_rank: Option<Vec<usize>>,
 }
 
 impl RankPart {
@@ -148,7 +150,20 @@ impl RankPart {
         pipeline: false,
         rank: 0,
         size: 1,
+        layers_per_rank: None,
     };
+
+    /// This rank's layers of a model of `layers` layers (all of them under tensor
+    /// parallelism).
+    fn layers(&self, layers: usize) -> Result<std::ops::Range<usize>> {
+        if !self.pipeline {
+            return Ok(0..layers);
+        }
+        let counts = self.layers_per_rank.as_deref();
+        Ok(mlxcel_arch::parallel::stage_layers(
+            layers, self.size, self.rank, counts,
+        )?)
+    }
 
     /// The layer index in a tensor name (`model.layers.N.…`), if any.
     fn layer_of(name: &str) -> Option<usize> {
@@ -156,13 +171,20 @@ impl RankPart {
         rest.split('.').next()?.parse().ok()
     }
 
-    /// This rank's bytes of tensor `name` (of role `role`, `bytes` in all) in a model of
-    /// `layers` layers whose head is tied to the embedding when `tied`: tensor parallelism
+    /// This rank's bytes of tensor `name` (of role `role`, `bytes` in all) when it holds layers
+    /// `range` of a model whose head is tied to the embedding when `tied`: tensor parallelism
     /// splits attention, MLP and expert weights (rounded up: the first ranks take one unit
     /// more) and replicates the rest; pipeline parallelism keeps the tensors of the rank's
     /// layers, the embedding on the first rank (and the last, for a tied head), the head and
     /// final norm on the last.
-    fn share(&self, name: &str, role: &str, bytes: u64, layers: usize, tied: bool) -> u64 {
+    fn share(
+        &self,
+        name: &str,
+        role: &str,
+        bytes: u64,
+        range: &std::ops::Range<usize>,
+        tied: bool,
+    ) -> u64 {
         if self.size <= 1 {
             return bytes;
         }
@@ -175,10 +197,9 @@ impl RankPart {
                 _ => bytes,
             };
         }
-        let range = mlxcel_arch::parallel::even_part(layers as i32, self.size, self.rank);
         let (first, last) = (self.rank == 0, self.rank + 1 == self.size);
         let keep = match (Self::layer_of(name), role) {
-            (Some(l), _) => range.contains(&(l as i32)),
+            (Some(l), _) => range.contains(&l),
             (None, "embedding") => first || (last && tied),
             (None, "lm_head" | "norm") => last,
             (None, _) => first,
@@ -204,6 +225,7 @@ pub fn estimate_rank(
     let model_type = mlxcel_arch::detection::get_model_type(config, false)?;
     let schedule = mlxcel_arch::cache_schedule(model_type, config)?;
     let tied = !weights.names().any(|n| tensor_role(n) == "lm_head");
+    let own = part.layers(schedule.len())?;
     let mut by_role: BTreeMap<(String, String), u64> = BTreeMap::new();
     for name in weights.names() {
         let Some(info) = weights.info(name) else {
@@ -226,7 +248,7 @@ pub fn estimate_rank(
             (info.stored_dtype.to_lowercase(), info.nbytes() as u64)
         };
         let role = tensor_role(name);
-        let bytes = part.share(name, role, bytes, schedule.len(), tied);
+        let bytes = part.share(name, role, bytes, &own, tied);
         if bytes == 0 {
             continue;
         }
@@ -238,14 +260,10 @@ pub fn estimate_rank(
     // The model's own cache schedule: what each layer keeps per position, and how many
     // positions (sliding-window rings hold at most window + chunk rows).
     // A rank holds its own layers' caches (pipeline) or its heads' share of each (tensor).
-    let own = match part.pipeline {
-        true => mlxcel_arch::parallel::even_part(schedule.len() as i32, part.size, part.rank),
-        false => 0..schedule.len() as i32,
-    };
     let schedule: Vec<_> = schedule
         .into_iter()
         .enumerate()
-        .filter(|(i, _)| own.contains(&(*i as i32)))
+        .filter(|(i, _)| own.contains(i))
         .map(|(_, k)| k)
         .collect();
     let kv_share = |bytes: u64| match part.pipeline {

@@ -1373,8 +1373,8 @@ impl Decoder {
                 )));
             }
         }
-        let stage = match w.pipeline_group() {
-            Some(group) => Some(Pipeline::even(group.clone(), spec.layers())?),
+        let stage = match w.pipeline_plan() {
+            Some(plan) => Some(plan.stage(spec.layers())?),
             None => None,
         };
         let own = stage.as_ref().map_or(0..spec.layers(), |s| s.layers());
