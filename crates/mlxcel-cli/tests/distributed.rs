@@ -408,3 +408,55 @@ fn pipeline_stages_sized_per_rank() {
     );
     assert!(err.contains("adding up to the model's 4 layers"), "{err}");
 }
+
+/// Rank 0's peak MLX memory over a short greedy run, with weights copied out of the file
+/// (`MLXCEL_ZERO_COPY=0`) so that every weight a rank holds is counted.
+fn peak_bytes(prefix: &[&str], model: &str) -> f64 {
+    let out = mlxcel()
+        .env("MLXCEL_ZERO_COPY", "0")
+        .args(prefix)
+        .args([
+            "generate",
+            "--quiet",
+            "--print-ids",
+            "--stats-json",
+            "--prompt-ids",
+            "1,2,3",
+        ])
+        .args(["--max-new", "2", "--model"])
+        .arg(fixture(model))
+        .output()
+        .unwrap();
+    check(&out, &format!("{model} {prefix:?} peak"));
+    let err = String::from_utf8(out.stderr).unwrap();
+    let line = err.lines().rfind(|l| l.starts_with('{')).unwrap();
+    let stats: serde_json::Value = serde_json::from_str(line).unwrap();
+    stats["peak_mlx_bytes"].as_f64().unwrap()
+}
+
+#[test]
+fn each_rank_holds_only_its_part_of_the_weights() {
+    // qwen3_moe stores one tensor per expert: the stacked experts are sliced per expert, never
+    // stacked whole. llama: plain linear layers.
+    for model in ["qwen3_moe", "llama"] {
+        let whole = peak_bytes(&[], model);
+        for mode in ["tensor", "pipeline"] {
+            let prefix = [
+                "launch",
+                "--nproc",
+                "2",
+                "--backend",
+                "ring",
+                "--mode",
+                mode,
+                "--",
+            ];
+            let part = peak_bytes(&prefix, model);
+            eprintln!("{model} {mode}: rank 0 peak {part} of {whole} bytes");
+            assert!(
+                part < 0.75 * whole,
+                "{model} {mode}: rank 0 peaked at {part} bytes, one process at {whole}"
+            );
+        }
+    }
+}

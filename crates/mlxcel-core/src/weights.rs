@@ -30,6 +30,9 @@ enum Source {
     },
     /// An array a sanitiser put in the map.
     Array(Array),
+    /// Same-shaped tensors stacked along a new first axis ([`WeightMap::stack`]), kept as
+    /// their own entries so that a slice reads only the parts it covers.
+    Stack(Vec<(String, Entry)>),
 }
 
 /// What is known about a tensor without reading its data.
@@ -617,8 +620,19 @@ impl WeightMap {
             name: name.to_string(),
             folder: self.folder.clone(),
         })?;
+        self.entry_array(name, entry)
+    }
+
+    fn entry_array(&self, name: &str, entry: &Entry) -> Result<Array> {
         match &entry.source {
             Source::Array(a) => Ok(a.clone()),
+            Source::Stack(parts) => {
+                let arrays = parts
+                    .iter()
+                    .map(|(n, e)| self.entry_array(n, e))
+                    .collect::<Result<Vec<_>>>()?;
+                crate::ops::stack(&arrays, 0)
+            }
             Source::File { .. } if self.random.is_some() => {
                 let seed = self.random.unwrap_or_default();
                 self.random_tensor(name, &entry.info.shape, entry.info.dtype, seed)
@@ -671,6 +685,17 @@ impl WeightMap {
             name: name.to_string(),
             folder: self.folder.clone(),
         })?;
+        self.entry_slice(name, entry, axis, start, end)
+    }
+
+    fn entry_slice(
+        &self,
+        name: &str,
+        entry: &Entry,
+        axis: usize,
+        start: i32,
+        end: i32,
+    ) -> Result<Array> {
         let shape = &entry.info.shape;
         if axis >= shape.len() || start < 0 || end > shape[axis] || start > end {
             return Err(Error::Invalid(format!(
@@ -685,6 +710,21 @@ impl WeightMap {
         }
         let (shard, start_byte, end_byte) = match &entry.source {
             Source::Array(a) => return a.slice_axis(axis as i32, start, end),
+            // Only the parts the slice covers, each read only as far as it needs.
+            Source::Stack(parts) => {
+                let arrays = if axis == 0 {
+                    parts[start as usize..end as usize]
+                        .iter()
+                        .map(|(n, e)| self.entry_array(n, e))
+                        .collect::<Result<Vec<_>>>()?
+                } else {
+                    parts
+                        .iter()
+                        .map(|(n, e)| self.entry_slice(n, e, axis - 1, start, end))
+                        .collect::<Result<Vec<_>>>()?
+                };
+                return crate::ops::stack(&arrays, 0);
+            }
             Source::File { shard, start, end } => (&self.shards[*shard], *start, *end),
         };
         let bytes = shard.map.get(start_byte..end_byte).ok_or_else(|| {
@@ -775,7 +815,7 @@ impl WeightMap {
         }
         match &self.entries.get(name)?.source {
             Source::File { shard, start, end } => self.shards[*shard].map.get(*start..*end),
-            Source::Array(_) => None,
+            Source::Array(_) | Source::Stack(_) => None,
         }
     }
 
@@ -799,6 +839,53 @@ impl WeightMap {
             Entry {
                 info,
                 source: Source::Array(array),
+            },
+        );
+        Ok(())
+    }
+
+    /// Replaces tensors `parts` (same shape and dtype) by one tensor `name` of shape
+    /// `[parts.len(), ..]`, their stack along a new first axis, without reading them: the
+    /// stack reads its parts when asked for, a slice of it ([`WeightMap::get_slice`]) only
+    /// the parts and rows it covers (one expert's columns of a per-expert checkpoint).
+    pub fn stack(&mut self, name: impl Into<String>, parts: &[String]) -> Result<()> {
+        let name = name.into();
+        let mut entries = Vec::with_capacity(parts.len());
+        for part in parts {
+            let entry = self.entries.get(part).ok_or_else(|| Error::MissingTensor {
+                name: part.clone(),
+                folder: self.folder.clone(),
+            })?;
+            if let Some((first, e)) = entries.first() {
+                let e: &Entry = e;
+                if e.info.shape != entry.info.shape || e.info.dtype != entry.info.dtype {
+                    return Err(Error::Invalid(format!(
+                        "cannot stack `{part}` ({:?} {}) with `{first}` ({:?} {}) into `{name}`",
+                        entry.info.shape, entry.info.dtype, e.info.shape, e.info.dtype
+                    )));
+                }
+            }
+            entries.push((part.clone(), entry.clone()));
+        }
+        let Some((_, first)) = entries.first() else {
+            return Err(Error::Invalid(format!("`{name}`: a stack of no tensors")));
+        };
+        let mut shape = vec![entries.len() as i32];
+        shape.extend(&first.info.shape);
+        let info = TensorInfo {
+            dtype: first.info.dtype,
+            stored_dtype: first.info.stored_dtype.clone(),
+            shape,
+            file: None,
+        };
+        for part in parts {
+            self.entries.remove(part);
+        }
+        self.entries.insert(
+            name,
+            Entry {
+                info,
+                source: Source::Stack(entries),
             },
         );
         Ok(())

@@ -452,3 +452,41 @@ fn random_data_replaces_file_bytes_for_benchmarks() {
     assert_eq!(map.get_slice("w", 1, 0, 3).unwrap().shape(), vec![8, 3]);
     assert!(map.bytes("w").is_none());
 }
+
+#[test]
+fn a_stack_reads_only_the_parts_a_slice_covers() {
+    let dir = tempfile::tempdir().unwrap();
+    let a: Vec<f32> = (0..6).map(|v| v as f32).collect();
+    let b: Vec<f32> = (10..16).map(|v| v as f32).collect();
+    write(
+        &dir.path().join("model.safetensors"),
+        &[
+            ("e.0", arr(&a, &[2, 3])),
+            ("e.1", arr(&b, &[2, 3])),
+            ("odd", arr(&[0.0; 4], &[4])),
+        ],
+    );
+    let mut map = WeightMap::open(dir.path()).unwrap();
+    map.stack("s", &["e.0".to_string(), "e.1".to_string()])
+        .unwrap();
+    assert!(!map.contains("e.0") && map.info("s").unwrap().shape == vec![2, 2, 3]);
+    let all = map.get("s").unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(all, [a.clone(), b.clone()].concat());
+    assert_eq!(
+        map.get_slice("s", 0, 1, 2)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        b
+    );
+    let cols = map.get_slice("s", 2, 1, 3).unwrap();
+    assert_eq!(cols.shape(), vec![2, 2, 2]);
+    assert_eq!(
+        cols.to_vec::<f32>().unwrap(),
+        [1.0, 2.0, 4.0, 5.0, 11.0, 12.0, 14.0, 15.0]
+    );
+    assert!(map
+        .stack("t", &["s".to_string(), "odd".to_string()])
+        .is_err());
+    assert!(map.stack("t", &["missing".to_string()]).is_err());
+}
