@@ -6,7 +6,8 @@
 //! rows (heads, MLP columns: "all-to-sharded"), the output and down projections their input
 //! columns ("sharded-to-all"), so a block's result on each rank is a partial sum that one
 //! `all_sum` completes. Routed experts are split the same way (each expert's intermediate
-//! columns), the router, norms, embedding and head are replicated. Splits may be uneven (the
+//! columns), an untied output head by vocabulary rows (the logits gathered from every rank);
+//! the router, norms and embedding are replicated. Splits may be uneven (the
 //! first ranks take one unit more); quantized layers split on whole quantization groups. Each
 //! rank reads only its rows and columns from the mapped checkpoint
 //! ([`mlxcel_core::WeightMap::get_slice`]).

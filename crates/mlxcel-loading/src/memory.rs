@@ -173,7 +173,7 @@ impl RankPart {
 
     /// This rank's bytes of tensor `name` (of role `role`, `bytes` in all) when it holds layers
     /// `range` of a model whose head is tied to the embedding when `tied`: tensor parallelism
-    /// splits attention, MLP and expert weights (rounded up: the first ranks take one unit
+    /// splits attention, MLP, expert and untied head weights (rounded up: the first ranks take one unit
     /// more) and replicates the rest; pipeline parallelism keeps the tensors of the rank's
     /// layers, the embedding on the first rank (and the last, for a tied head), the head and
     /// final norm on the last.
@@ -191,7 +191,7 @@ impl RankPart {
         let size = self.size as u64;
         if !self.pipeline {
             return match role {
-                "attention" | "dense mlp" | "shared expert" | "routed experts" => {
+                "attention" | "dense mlp" | "shared expert" | "routed experts" | "lm_head" => {
                     bytes.div_ceil(size)
                 }
                 _ => bytes,

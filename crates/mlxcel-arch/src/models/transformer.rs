@@ -659,6 +659,41 @@ fn keep_pace(cache: &mut LayerCache, b: i32, l: i32, dtype: mlxcel_core::Dtype) 
     Ok(())
 }
 
+/// The whole logits `[.., vocab]` from every rank's rows `parts[r]` of the vocabulary (`part`
+/// is this rank's `[.., parts[rank].len()]`): gathered along a leading axis (padded to the
+/// widest part, as every rank must send the same shape), then put back in vocabulary order.
+fn gather_vocab(
+    group: &mlxcel_core::distributed::Group,
+    parts: &[std::ops::Range<i32>],
+    part: &Array,
+) -> Result<Array> {
+    let shape = part.shape();
+    let n = shape.len();
+    let widest = parts.iter().map(|r| r.end - r.start).max().unwrap_or(0);
+    let mine = shape[n - 1];
+    let padded = if mine < widest {
+        let mut pad_shape = shape.clone();
+        pad_shape[n - 1] = widest - mine;
+        let pad = mlxcel_core::ops::zeros(&pad_shape, part.dtype()?)?;
+        mlxcel_core::ops::concatenate(&[part.clone(), pad], (n - 1) as i32)?
+    } else {
+        part.clone()
+    };
+    // [.., widest] → [1, .., widest]: one slot per rank after the gather.
+    let gathered = group.all_gather(&padded.expand_dims(&[0])?)?;
+    let pieces = parts
+        .iter()
+        .enumerate()
+        .map(|(r, range)| {
+            let rank = gathered
+                .slice_axis(0, r as i32, r as i32 + 1)?
+                .squeeze(&[0])?;
+            Ok(rank.slice_axis((n - 1) as i32, 0, range.end - range.start)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(mlxcel_core::ops::concatenate(&pieces, (n - 1) as i32)?)
+}
+
 /// `residual + y` (`y` without a residual).
 fn add_residual(y: Array, residual: Option<&Array>) -> Result<Array> {
     Ok(match residual {
@@ -813,6 +848,9 @@ pub struct Decoder {
     dtype: mlxcel_core::Dtype,
     norm: Norm,
     lm_head: Option<Linear>,
+    /// Tensor parallelism with an untied head: each rank's vocabulary rows of `lm_head`, in
+    /// rank order; the logits are gathered from every rank's part.
+    vocab_parallel: Option<(mlxcel_core::distributed::Group, Vec<std::ops::Range<i32>>)>,
     /// `lm_head.bias` added to a tied head's logits (an untied head carries its own).
     tied_head_bias: Option<Array>,
     embed_scale: Option<f64>,
@@ -1360,8 +1398,8 @@ impl Decoder {
     pub fn build(spec: &DecoderSpec, w: &mut ModelWeights) -> Result<Decoder> {
         spec.check()?;
         let h = spec.hidden;
-        let w_tp_group = w.tensor_parallel().map(|tp| tp.group().clone());
-        if w_tp_group.is_some() {
+        let tp_group = w.tensor_parallel().map(|tp| tp.group().clone());
+        if tp_group.is_some() {
             if let Some(other) = spec
                 .mixers
                 .iter()
@@ -1457,7 +1495,7 @@ impl Decoder {
                         scales: spec.block_scales[i],
                     },
                 };
-                let reduce = w_tp_group.clone();
+                let reduce = tp_group.clone();
                 blocks.push(Block {
                     norms,
                     mixer,
@@ -1470,6 +1508,7 @@ impl Decoder {
         drop(body);
         // Tied heads reuse the embedding table (no second copy); an untied config without
         // `lm_head.weight` is an error naming the tensor.
+        let mut vocab_parallel = None;
         let (lm_head, tied_head_bias) = if !last {
             w.skip("lm_head");
             (None, None)
@@ -1480,6 +1519,22 @@ impl Decoder {
                 None
             };
             (None, bias)
+        } else if let Some(tp) = w.tensor_parallel() {
+            // Vocabulary-parallel head: this rank's rows, the logits gathered.
+            let (group, size, rank) = (tp.group().clone(), tp.size(), tp.rank());
+            if (spec.vocab as usize) < size {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor parallelism over {size} ranks: a vocabulary of {}",
+                    spec.vocab
+                )));
+            }
+            let parts: Vec<_> = (0..size)
+                .map(|r| crate::parallel::even_part(spec.vocab, size, r))
+                .collect();
+            let rows = Split::rows(parts[rank].clone());
+            let head = w.linear_split("lm_head", h, spec.vocab, spec.lm_head_bias, Some(&rows))?;
+            vocab_parallel = Some((group, parts));
+            (Some(head), None)
         } else {
             let head = w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?;
             (Some(head), None)
@@ -1493,6 +1548,7 @@ impl Decoder {
             dtype,
             norm: final_norm,
             lm_head,
+            vocab_parallel,
             tied_head_bias,
             embed_scale: spec.embed_scale,
             residual_scale: spec.residual_scale,
@@ -1607,7 +1663,13 @@ impl Decoder {
             h.clone()
         };
         let mut logits = match &self.lm_head {
-            Some(head) => head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?,
+            Some(head) => {
+                let part = head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?;
+                match &self.vocab_parallel {
+                    Some((group, parts)) => gather_vocab(group, parts, &part)?,
+                    None => part,
+                }
+            }
             None => {
                 let embed = self.embed.as_ref().ok_or_else(|| {
                     ModelError::Runtime(
