@@ -460,3 +460,12 @@ fn each_rank_holds_only_its_part_of_the_weights() {
         }
     }
 }
+
+#[test]
+fn whole_projection_qk_norm_over_two_ranks() {
+    // OLMoE normalises q and k over the whole projection: the sum of squares is completed
+    // over the ranks. With a key/value head on two ranks the norm would count it twice.
+    matches_one_process("olmoe", &[("tensor", 2)]);
+    let err = launch_error(&["--nproc", "3", "--mode", "tensor"], "olmoe");
+    assert!(err.contains("key norm over the whole projection"), "{err}");
+}

@@ -26,7 +26,7 @@ use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
     LightningAttention, Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind,
     PositionScale, QkNorm, QkvProjection, QueryProjection, RopeConfig, RotaryEmbedding,
-    RoutedExperts, Router, RouterScoring, XIeluParams,
+    RoutedExperts, Router, RouterScoring, ShardedRms, XIeluParams,
 };
 use crate::nn::{DeltaProjections, GatedDeltaDims, GatedDeltaNet};
 use crate::parallel::{HeadSplit, Pipeline};
@@ -953,10 +953,15 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
     // layer's output is then a partial sum (`o_proj` holds those heads' input columns).
     let heads = match w.tensor_parallel() {
         Some(tp) => {
-            if matches!(spec.qk_norm, QkNormSpec::Full) {
-                return Err(ModelError::Unsupported(
-                    "tensor parallelism with a query/key norm over the whole projection (it would need the other ranks' heads)".into(),
-                ));
+            // A key/value head held by two ranks would count twice in the key norm's sum of
+            // squares.
+            let shares_kv = (spec.kv_heads as usize) < tp.size();
+            if matches!(spec.qk_norm, QkNormSpec::Full) && shares_kv {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor parallelism over {} ranks with a key norm over the whole projection needs at least as many key/value heads ({}) as ranks",
+                    tp.size(),
+                    spec.kv_heads
+                )));
             }
             Some((tp.heads(spec.heads, spec.kv_heads)?, tp.rank() == 0))
         }
@@ -1026,9 +1031,39 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
             }
         }
         QkNormSpec::WeightlessOnRopeLayers => QkNorm::None,
-        QkNormSpec::Full => QkNorm::Full {
-            q: norm(w, spec, "q_norm", q_dim)?,
-            k: norm(w, spec, "k_norm", kv_dim)?,
+        QkNormSpec::Full => match w.tensor_parallel() {
+            None => QkNorm::Full {
+                q: norm(w, spec, "q_norm", q_dim)?,
+                k: norm(w, spec, "k_norm", kv_dim)?,
+            },
+            Some(tp) => {
+                let group = tp.group().clone();
+                let sharded = |w: &mut ModelWeights, name: &str, width: i32, local: &[i32]| {
+                    let weight = w.tensor_part(
+                        &format!("{name}.weight"),
+                        &[width],
+                        0,
+                        &HeadSplit::rows(local, hd),
+                    )?;
+                    let norm = Norm::new(spec.norm, weight, None, spec.eps)?;
+                    let Some((weight, eps)) = norm.rms_parts() else {
+                        return Err(ModelError::Unsupported(
+                            "tensor parallelism with a LayerNorm over the whole query/key projection".into(),
+                        ));
+                    };
+                    w.keep_all([weight]);
+                    Ok(ShardedRms {
+                        weight: weight.clone(),
+                        eps,
+                        width,
+                        group: group.clone(),
+                    })
+                };
+                QkNorm::FullSharded {
+                    q: sharded(w, "q_norm", q_dim, &q_heads)?,
+                    k: sharded(w, "k_norm", kv_dim, &kv_heads)?,
+                }
+            }
         },
     };
     let rope = match &spec.rope[layer] {
