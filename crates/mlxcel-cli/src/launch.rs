@@ -224,43 +224,12 @@ pub fn run(flags: LaunchFlags) -> anyhow::Result<()> {
     if flags.layers.is_some() && flags.mode != Mode::Pipeline {
         bail!("--layers sizes pipeline stages: add --mode pipeline");
     }
-    let mut common: Vec<(String, String)> = vec![
-        ("MLXCEL_PARALLEL".into(), flags.mode.name().into()),
-        ("MLXCEL_DIST_BACKEND".into(), backend.name().into()),
-        ("MLX_WORLD_SIZE".into(), flags.nproc.to_string()),
-        ("MLXCEL_PIPELINE_LAYERS".into(), layers.join(",")),
-    ];
-    match backend {
-        Backend::Ring => {
-            let hostfile = match &flags.hosts {
-                Some(path) => {
-                    let ranks = hostfile_ranks(path)?;
-                    if ranks != flags.nproc {
-                        bail!(
-                            "--hosts {}: {ranks} ranks listed, --nproc {}",
-                            path.display(),
-                            flags.nproc
-                        );
-                    }
-                    path.clone()
-                }
-                None => {
-                    let path = dir.join("hosts.json");
-                    std::fs::write(&path, loopback_hostfile(flags.nproc)?)?;
-                    path
-                }
-            };
-            common.push(("MLX_HOSTFILE".into(), hostfile.display().to_string()));
-        }
-        Backend::Nccl => {
-            common.push(("NCCL_HOST_IP".into(), "127.0.0.1".into()));
-            common.push(("NCCL_PORT".into(), free_port()?.to_string()));
-        }
-        other => bail!(
-            "--backend {}: mlxcel launch sets up ring and nccl only",
-            other.name()
-        ),
-    }
+    // One process is a plain run: no group to join.
+    let common = if flags.nproc == 1 {
+        Vec::new()
+    } else {
+        distributed_env(&flags, backend, &layers, &dir)?
+    };
     let exe = std::env::current_exe().context("locating the mlxcel executable")?;
     let local: Vec<usize> = flags
         .ranks
@@ -311,6 +280,54 @@ pub fn run(flags: LaunchFlags) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     outcome
+}
+
+/// The environment every rank of a job of more than one process shares: mlxcel's own
+/// variables and those `backend` reads.
+fn distributed_env(
+    flags: &LaunchFlags,
+    backend: Backend,
+    layers: &[String],
+    dir: &Path,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let mut common: Vec<(String, String)> = vec![
+        ("MLXCEL_PARALLEL".into(), flags.mode.name().into()),
+        ("MLXCEL_DIST_BACKEND".into(), backend.name().into()),
+        ("MLX_WORLD_SIZE".into(), flags.nproc.to_string()),
+        ("MLXCEL_PIPELINE_LAYERS".into(), layers.join(",")),
+    ];
+    match backend {
+        Backend::Ring => {
+            let hostfile = match &flags.hosts {
+                Some(path) => {
+                    let ranks = hostfile_ranks(path)?;
+                    if ranks != flags.nproc {
+                        bail!(
+                            "--hosts {}: {ranks} ranks listed, --nproc {}",
+                            path.display(),
+                            flags.nproc
+                        );
+                    }
+                    path.clone()
+                }
+                None => {
+                    let path = dir.join("hosts.json");
+                    std::fs::write(&path, loopback_hostfile(flags.nproc)?)?;
+                    path
+                }
+            };
+            common.push(("MLX_HOSTFILE".into(), hostfile.display().to_string()));
+        }
+        Backend::Nccl => {
+            common.push(("NCCL_HOST_IP".into(), "127.0.0.1".into()));
+            common.push(("NCCL_PORT".into(), free_port()?.to_string()));
+        }
+        other => bail!(
+            "--backend {}: mlxcel launch sets up ring and nccl only",
+            other.name()
+        ),
+    }
+    Ok(common)
 }
 
 /// Copies this process's standard input to every rank, in a thread of its own (it ends with
