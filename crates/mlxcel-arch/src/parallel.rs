@@ -7,7 +7,9 @@
 //! columns ("sharded-to-all"), so a block's result on each rank is a partial sum that one
 //! `all_sum` completes. Routed experts are split the same way (each expert's intermediate
 //! columns), an untied output head by vocabulary rows (the logits gathered from every rank);
-//! the router, norms and embedding are replicated. Splits may be uneven (the
+//! the router, norms and embedding are replicated. Multi-head latent attention splits its
+//! heads (query rows, the per-head latent projections, output columns) and keeps the shared
+//! latent projection whole. Linear-attention and state-space mixers are not split. Splits may be uneven (the
 //! first ranks take one unit more); quantized layers split on whole quantization groups. Each
 //! rank reads only its rows and columns from the mapped checkpoint
 //! ([`mlxcel_core::WeightMap::get_slice`]).

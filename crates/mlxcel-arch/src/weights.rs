@@ -811,16 +811,40 @@ impl ModelWeights {
     /// compute dtype: dequantized at load when stored quantized (small per-head projections
     /// such as latent attention's `embed_q`, which run as batched matmuls).
     pub fn dense_stack(&mut self, prefix: &str, shape: &[i32]) -> Result<Array> {
+        self.dense_stack_part(prefix, shape, None)
+    }
+
+    /// [`ModelWeights::dense_stack`] of heads `heads` only (a tensor-parallel rank's): a
+    /// dense stack reads only those heads; a quantized one is dequantized, then cut.
+    pub fn dense_stack_part(
+        &mut self,
+        prefix: &str,
+        shape: &[i32],
+        heads: Option<Range<i32>>,
+    ) -> Result<Array> {
         let prefix = self.path(prefix);
         let (out, inp) = shape.split_at(shape.len() - 1);
         let kept_before = self.kept.len();
         if let Some(q) = self.quantized(&prefix, out, inp[0])? {
             // Only the dense copy is kept: materialising the packed planes too would hold both.
             self.kept.truncate(kept_before);
-            let dense = q.dequantize(self.dtype)?;
+            let mut dense = q.dequantize(self.dtype)?;
+            if let Some(h) = heads {
+                dense = dense.slice_axis(0, h.start, h.end)?;
+            }
             return Ok(self.keep(dense));
         }
-        self.tensor_at(&format!("{prefix}.weight"), shape)
+        let name = format!("{prefix}.weight");
+        match heads {
+            None => self.tensor_at(&name, shape),
+            Some(h) => {
+                let cut = Cut {
+                    axis: 0,
+                    ranges: std::iter::once(h).collect(),
+                };
+                self.tensor_cut(&name, shape, Some(&cut))
+            }
+        }
     }
 
     /// A normalisation layer `prefix.weight` (and `prefix.bias` for LayerNorm when present).

@@ -473,3 +473,13 @@ fn whole_projection_qk_norm_over_two_ranks() {
     let err = launch_error(&["--nproc", "3", "--mode", "tensor"], "olmoe");
     assert!(err.contains("key norm over the whole projection"), "{err}");
 }
+
+#[test]
+fn latent_attention_model_over_two_and_three_ranks() {
+    // DeepSeek V3: multi-head latent attention (heads split, the latent shared), routed and
+    // shared experts.
+    matches_one_process(
+        "deepseek_v3",
+        &[("tensor", 2), ("tensor", 3), ("pipeline", 2)],
+    );
+}

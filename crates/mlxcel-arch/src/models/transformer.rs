@@ -1117,26 +1117,57 @@ fn latent_attention(
 ) -> Result<LatentAttention> {
     let d = l.dims;
     let h = spec.hidden;
-    let q_width = d.heads * (d.qk_nope + d.qk_rope);
+    let q_head = d.qk_nope + d.qk_rope;
+    let q_width = d.heads * q_head;
+    // Tensor parallelism: this rank's heads (the shared latent and its projection stay whole);
+    // the output is then a partial sum.
+    let heads = match w.tensor_parallel() {
+        Some(tp) => Some((
+            tp.columns(d.heads, 1, "latent attention heads")?,
+            tp.rank() == 0,
+        )),
+        None => None,
+    };
+    let q_rows = heads
+        .as_ref()
+        .map(|(r, _)| Split::rows(r.start * q_head..r.end * q_head));
+    let o_cols = heads.as_ref().map(|(r, first)| Split::Inputs {
+        range: r.start * d.v_head..r.end * d.v_head,
+        with_bias: *first,
+    });
     let q = match l.q_lora_rank {
         Some(rank) => QueryProjection::LowRank {
             a: w.linear("q_a_proj", h, rank, l.bias)?,
             norm: w.norm("q_a_layernorm", NormKind::Rms, rank, spec.eps)?,
-            b: w.linear("q_b_proj", rank, q_width, false)?,
+            b: w.linear_split("q_b_proj", rank, q_width, false, q_rows.as_ref())?,
         },
-        None => QueryProjection::Direct(w.linear("q_proj", h, q_width, false)?),
+        None => {
+            QueryProjection::Direct(w.linear_split("q_proj", h, q_width, false, q_rows.as_ref())?)
+        }
     };
     let rope = RotaryEmbedding::new(&l.rope)?;
     w.keep_all(rope.arrays());
+    let local = heads.as_ref().map(|(r, _)| r.clone());
     Ok(LatentAttention {
         q,
         kv_a: w.linear("kv_a_proj_with_mqa", h, d.kv_lora_rank + d.qk_rope, l.bias)?,
         kv_a_norm: w.norm("kv_a_layernorm", NormKind::Rms, d.kv_lora_rank, spec.eps)?,
-        embed_q: w.dense_stack("embed_q", &[d.heads, d.kv_lora_rank, d.qk_nope])?,
-        unembed_out: w.dense_stack("unembed_out", &[d.heads, d.v_head, d.kv_lora_rank])?,
-        o: w.linear("o_proj", d.heads * d.v_head, h, l.bias)?,
+        embed_q: w.dense_stack_part(
+            "embed_q",
+            &[d.heads, d.kv_lora_rank, d.qk_nope],
+            local.clone(),
+        )?,
+        unembed_out: w.dense_stack_part(
+            "unembed_out",
+            &[d.heads, d.v_head, d.kv_lora_rank],
+            local.clone(),
+        )?,
+        o: w.linear_split("o_proj", d.heads * d.v_head, h, l.bias, o_cols.as_ref())?,
         rope,
-        dims: d,
+        dims: LatentDims {
+            heads: local.map_or(d.heads, |r| r.end - r.start),
+            ..d
+        },
         scale: l.scale,
     })
 }
@@ -1438,7 +1469,7 @@ impl Decoder {
             if let Some(other) = spec
                 .mixers
                 .iter()
-                .find(|m| !matches!(m, MixerSpec::Attention))
+                .find(|m| !matches!(m, MixerSpec::Attention | MixerSpec::Latent(_)))
             {
                 return Err(ModelError::Unsupported(format!(
                     "tensor parallelism covers grouped-query attention layers only, not {} layers (use pipeline parallelism)",
