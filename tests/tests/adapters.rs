@@ -204,6 +204,75 @@ fn mismatched_adapters_are_refused_naming_file_and_tensor() {
         msg.contains("magnitude `model.layers.0.self_attn.q_proj.m` has shape [32], expected [64]"),
         "{msg}"
     );
+
+    // An embedding adapter for another vocabulary.
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            ("model.embed_tokens.lora_a", &[500, 4]),
+            ("model.embed_tokens.lora_b", &[4, 64]),
+        ],
+        MLX_CONFIG,
+    );
+    let msg = error("llama", tmp.path());
+    for p in [
+        "adapters.safetensors",
+        "model.embed_tokens.lora_a",
+        "`model.embed_tokens.weight` is [512, 64] (an adapter for another model?)",
+    ] {
+        assert!(msg.contains(p), "`{p}` not in: {msg}");
+    }
+
+    // DoRA on an embedding table.
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            ("model.embed_tokens.lora_a", &[512, 4]),
+            ("model.embed_tokens.lora_b", &[4, 64]),
+            ("model.embed_tokens.m", &[64]),
+        ],
+        &MLX_CONFIG.replace("\"lora\"", "\"dora\""),
+    );
+    let msg = error("llama", tmp.path());
+    assert!(
+        msg.contains("`model.embed_tokens`: DoRA on an embedding table is not supported"),
+        "{msg}"
+    );
+
+    // PEFT's saved copy of the base embedding (`save_embedding_layers`).
+    let tmp = tempfile::tempdir().unwrap();
+    write_adapter(
+        tmp.path(),
+        &[
+            (
+                "base_model.model.model.embed_tokens.lora_embedding_A",
+                &[4, 512],
+            ),
+            (
+                "base_model.model.model.embed_tokens.lora_embedding_B",
+                &[64, 4],
+            ),
+            (
+                "base_model.model.model.embed_tokens.base_layer.weight",
+                &[512, 64],
+            ),
+        ],
+        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens"]}"#,
+    );
+    std::fs::rename(
+        tmp.path().join("adapters.safetensors"),
+        tmp.path().join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let msg = error("llama", tmp.path());
+    assert!(
+        msg.contains("adapter_model.safetensors")
+            && msg.contains("`base_model.model.model.embed_tokens.base_layer.weight` is a saved copy of a base layer")
+            && msg.contains("save_embedding_layers=False"),
+        "{msg}"
+    );
 }
 
 /// `lora_fuse` on a quantized base: each adapted layer dequantized, the delta added and
@@ -284,4 +353,49 @@ fn facade_adapter_matches_the_library_path() {
         moved > 1e-2,
         "the adapter barely changes the logits ({moved})"
     );
+}
+
+/// Vision-language types refuse adapters, fused or unfused, with the registry row's reason,
+/// before anything is loaded.
+#[test]
+fn vision_language_models_refuse_adapters_with_the_registry_reason() {
+    for vlm in ["gemma3", "llava"] {
+        let dir = fixtures_dir().join("vision").join(vlm);
+        let model_type = mlxcel_arch::detection::get_model_type(
+            &mlxcel_loading::read_config(&dir).unwrap(),
+            true,
+        )
+        .unwrap();
+        let reason = mlxcel_arch::adapter_support(model_type).unwrap_err();
+        assert_eq!(reason, "vision-language models take no adapters");
+        for options in [
+            LoadOptions {
+                adapter: Some(adapter_dir("llama-lora-mlx")),
+                ..Default::default()
+            },
+            LoadOptions {
+                runtime_adapters: vec![("a".into(), adapter_dir("llama-lora-mlx"))],
+                ..Default::default()
+            },
+        ] {
+            let err = match load_model(
+                &dir,
+                &LoadOptions {
+                    skip_tokenizer: true,
+                    policy: Some(RuntimePolicy::default()),
+                    ..options
+                },
+            ) {
+                Ok(_) => panic!("{vlm}: an adapter was accepted"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                err.contains(&format!(
+                    "cannot be applied to {}: {reason}",
+                    model_type.name()
+                )),
+                "{vlm}: {err}"
+            );
+        }
+    }
 }

@@ -64,7 +64,11 @@ fn floats(st: &SafeTensors, name: &str) -> Vec<f32> {
         .collect()
 }
 
+/// `bound`, or the parity suite's float32 allowance for large logits (5e-5 · max |logit|,
+/// see tests/tests/parity.rs) when that is larger: rounding grows with the logits' scale.
 fn assert_close(got: &[f32], want: &[f32], bound: f32, what: &str) {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let bound = bound.max(5e-5 * scale);
     let (diff, at) = max_abs_diff(got, want);
     assert!(
         diff <= bound,
@@ -120,6 +124,29 @@ fn runtime_adapter_equals_fused_and_mlx_lm() {
         &runtime,
         1e-5,
         "PEFT vs mlx-lm layout, runtime",
+    );
+
+    // Above, each adapted layer's term rides in the CPU kernel's node; with the kernel off
+    // (MLXCEL_CPU_KERNELS=0) it is built from MLX ops, as on a GPU: the same logits.
+    let policy =
+        RuntimePolicy::from_vars(|v| (v == "MLXCEL_CPU_KERNELS").then(|| "0".to_string())).unwrap();
+    let graph = load_model(
+        model_dir("llama"),
+        &LoadOptions {
+            runtime_adapters: vec![("a".into(), adapter_dir("llama-lora-mlx"))],
+            policy: Some(policy),
+            ..options()
+        },
+    )
+    .unwrap();
+    graph.select_adapters(&AdapterMix::single("a")).unwrap();
+    let graph = logits_for(&graph.model, &ids);
+    assert_close(&graph, &want, 1e-4, "runtime from MLX ops vs mlx-lm");
+    assert_close(
+        &graph,
+        &runtime,
+        1e-4,
+        "runtime from MLX ops vs in the kernel",
     );
 }
 
@@ -375,8 +402,17 @@ fn facade_selects_adapters_per_request() {
 
 /// The logits of `ids` with `adapter` fused at load and kept unfused (runtime, selected).
 fn fused_and_runtime(adapter: &str, ids: &[u32]) -> (Vec<f32>, Vec<f32>, Vec<String>) {
+    fused_and_runtime_on("llama", adapter, ids)
+}
+
+/// [`fused_and_runtime`] on the fixture `model`.
+fn fused_and_runtime_on(
+    model: &str,
+    adapter: &str,
+    ids: &[u32],
+) -> (Vec<f32>, Vec<f32>, Vec<String>) {
     let fused = load_model(
-        model_dir("llama"),
+        model_dir(model),
         &LoadOptions {
             adapter: Some(adapter_dir(adapter)),
             ..options()
@@ -384,7 +420,7 @@ fn fused_and_runtime(adapter: &str, ids: &[u32]) -> (Vec<f32>, Vec<f32>, Vec<Str
     )
     .unwrap();
     let runtime = load_model(
-        model_dir("llama"),
+        model_dir(model),
         &LoadOptions {
             runtime_adapters: vec![("x".into(), adapter_dir(adapter))],
             ..options()
@@ -431,6 +467,51 @@ fn peft_adapters_match_transformers_merge_and_unload() {
             &want,
             2e-4,
             &format!("{name} runtime vs transformers"),
+        );
+    }
+}
+
+/// LoRA on token embeddings and output heads (`make_embed_adapters.py`), fused and at runtime:
+/// mlx-lm's `LoRAEmbedding` + `LoRALinear` on the untied `lm_head` (and q_proj) against mlx-lm;
+/// `LoRAEmbedding` on a tied table, which the output head (`as_linear`) shares, against mlx-lm;
+/// PEFT's `lora_embedding_A/B` + `lm_head` against transformers after `merge_and_unload`.
+/// Weight 0 is the base exactly, and the adapters move the logits.
+#[test]
+fn embedding_and_head_adapters_match_mlx_lm_and_peft() {
+    for (model, name, layers, bound) in [
+        ("llama", "llama-embed-lora-mlx", 4, 1e-4),
+        ("qwen3", "qwen3-tied-embed-lora-mlx", 3, 1e-4),
+        ("llama", "llama-embed-lora-peft-hf", 4, 2e-4),
+    ] {
+        let (ids, want) = reference(&adapter_dir(name).join("reference.safetensors"));
+        let (fused, runtime, report) = fused_and_runtime_on(model, name, &ids);
+        assert!(
+            report[0].contains(&format!("fused into {layers} layers")),
+            "{name}: {report:?}"
+        );
+        assert_close(&fused, &want, bound, &format!("{name} fused"));
+        assert_close(&runtime, &want, bound, &format!("{name} runtime"));
+
+        let loaded = load_model(
+            model_dir(model),
+            &LoadOptions {
+                runtime_adapters: vec![("x".into(), adapter_dir(name))],
+                ..options()
+            },
+        )
+        .unwrap();
+        let base = logits_for(
+            &load_model(model_dir(model), &options()).unwrap().model,
+            &ids,
+        );
+        loaded
+            .select_adapters(&AdapterMix::weighted("x", 0.0))
+            .unwrap();
+        assert_eq!(logits_for(&loaded.model, &ids), base, "{name}: weight 0");
+        let (moved, _) = max_abs_diff(&base, &want);
+        assert!(
+            moved > 1e-2,
+            "{name}: the adapter barely moves the logits ({moved})"
         );
     }
 }
@@ -534,4 +615,151 @@ fn moe_expert_adapters_match_mlx_lm() {
         moved > 1e-2,
         "the adapter barely changes the logits ({moved})"
     );
+}
+
+/// An mlx-lm adapter folder with a random rank-2 pair (uniform in ±0.1, scale 1.5) on each of
+/// `modules`, whose `[out, in]` shapes are given.
+fn write_mlx_adapter(dir: &Path, modules: &[(String, [i32; 2])]) {
+    let mut tensors = Vec::new();
+    for (i, (module, [out, inp])) in modules.iter().enumerate() {
+        for (j, (suffix, shape)) in [("lora_a", [*inp, 2]), ("lora_b", [2, *out])]
+            .into_iter()
+            .enumerate()
+        {
+            let key = mlxcel_core::ops::random::key(1000 + (2 * i + j) as u64).unwrap();
+            let a = mlxcel_core::ops::random::uniform(&shape, mlxcel_core::Dtype::Float32, &key)
+                .and_then(|a| a.add_scalar(-0.5))
+                .and_then(|a| a.mul_scalar(0.2))
+                .unwrap();
+            tensors.push((format!("{module}.{suffix}"), a));
+        }
+    }
+    mlxcel_core::weights::save_safetensors(dir.join("adapters.safetensors"), &tensors, None)
+        .unwrap();
+    std::fs::write(
+        dir.join("adapter_config.json"),
+        r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 2, "scale": 1.5}}"#,
+    )
+    .unwrap();
+}
+
+/// Every registered decoder fixture takes runtime adapters on its layers' projections: an
+/// adapter on every 2-D weight inside its layers (sanitised names; the ones the model does not
+/// build as linear layers, named by the load's error, are left out and listed) gives the same
+/// logits unfused as fused into the weights (within 1e-4 of the largest logit: float32 rounding
+/// of two summation orders, carried through every adapted layer), weight 0 gives the base
+/// exactly, and attention and MLP projections are among those adapted wherever the model has
+/// them.
+#[test]
+fn every_decoder_takes_runtime_adapters_on_its_projections() {
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures_dir().join("models/index.json")).unwrap(),
+    )
+    .unwrap();
+    let mut checked = 0;
+    for fixture in index["fixtures"].as_array().unwrap() {
+        if fixture["kind"] != "f32-transformers" {
+            continue;
+        }
+        let name = fixture["name"].as_str().unwrap();
+        let dir = model_dir(name);
+        let config = mlxcel_loading::read_config(&dir).unwrap();
+        let raw = mlxcel_core::WeightMap::open(&dir).unwrap();
+        let weights = mlxcel_arch::detection::get_model_type(&config, false)
+            .and_then(|t| mlxcel_arch::sanitized_weights(t, &config, raw))
+            .unwrap_or_else(|_| mlxcel_core::WeightMap::open(&dir).unwrap());
+        let layer = layer_markers();
+        let mut modules: Vec<(String, [i32; 2])> = weights
+            .names()
+            .filter(|n| layer.iter().any(|l| n.contains(l)) && n.ends_with(".weight"))
+            .filter_map(|n| {
+                let info = weights.info(n)?;
+                (info.shape.len() == 2 && info.dtype.is_float()).then(|| {
+                    (
+                        n.trim_end_matches(".weight").to_string(),
+                        [info.shape[0], info.shape[1]],
+                    )
+                })
+            })
+            .filter(|(n, _)| !n.contains("norm") && !n.contains("embed"))
+            .collect();
+        let mut left_out = Vec::new();
+        let tmp = tempfile::tempdir().unwrap();
+        let runtime = loop {
+            write_mlx_adapter(tmp.path(), &modules);
+            match load_model(
+                &dir,
+                &LoadOptions {
+                    runtime_adapters: vec![("x".into(), tmp.path().to_path_buf())],
+                    ..options()
+                },
+            ) {
+                Ok(l) => break l,
+                Err(e) => {
+                    let msg = e.to_string();
+                    let Some(cut) = msg.find("` is not a linear layer") else {
+                        panic!("{name}: {msg}");
+                    };
+                    let module = msg[..cut].rsplit('`').next().unwrap().to_string();
+                    assert!(modules.iter().any(|m| m.0 == module), "{name}: {msg}");
+                    modules.retain(|m| m.0 != module);
+                    left_out.push(module);
+                }
+            }
+        };
+        assert!(!modules.is_empty(), "{name}: no projection takes adapters");
+        let has = |words: &[&str], list: &[String]| {
+            list.iter().any(|m| words.iter().any(|w| m.contains(w)))
+        };
+        let adapted: Vec<String> = modules.iter().map(|m| m.0.clone()).collect();
+        for words in [
+            &["attn", "attention"][..],
+            &["mlp", "feed_forward", "ffn"][..],
+        ] {
+            let present = has(words, &adapted) || has(words, &left_out);
+            assert!(
+                !present || has(words, &adapted),
+                "{name}: none of the {words:?} projections takes adapters (left out: {left_out:?})"
+            );
+        }
+        let ids = mlxcel_tests::reference(name).prompt_ids;
+        let base = logits_for(&load_model(&dir, &options()).unwrap().model, &ids);
+        runtime.select_adapters(&AdapterMix::single("x")).unwrap();
+        let unfused = logits_for(&runtime.model, &ids);
+        let fused = load_model(
+            &dir,
+            &LoadOptions {
+                adapter: Some(tmp.path().to_path_buf()),
+                ..options()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{name}: fused: {e}"));
+        let fused = logits_for(&fused.model, &ids);
+        let scale = fused.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let (diff, at) = max_abs_diff(&unfused, &fused);
+        assert!(
+            diff <= 1e-4 * scale,
+            "{name}: runtime vs fused max |Δ| {diff:.2e} at {at} (max |logit| {scale})"
+        );
+        let (moved, _) = max_abs_diff(&unfused, &base);
+        assert!(
+            moved > 1e-3,
+            "{name}: the adapter does not move the logits ({moved})"
+        );
+        runtime
+            .select_adapters(&AdapterMix::weighted("x", 0.0))
+            .unwrap();
+        assert_eq!(logits_for(&runtime.model, &ids), base, "{name}: weight 0");
+        eprintln!(
+            "{name}: {} projections adapted, runtime vs fused {diff:.1e}; left out: {left_out:?}",
+            adapted.len()
+        );
+        checked += 1;
+    }
+    assert!(checked >= 50, "only {checked} decoder fixtures");
+}
+
+/// Substrings that put a tensor inside a decoder's layer stack.
+fn layer_markers() -> [&'static str; 3] {
+    [".layers.", ".h.", ".blocks."]
 }

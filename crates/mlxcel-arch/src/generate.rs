@@ -25,10 +25,15 @@ pub fn prefill(
     }
     let step = chunk.unwrap_or(tokens.len()).max(1);
     let mut last = None;
-    for piece in tokens.chunks(step) {
+    let pieces: Vec<&[u32]> = tokens.chunks(step).collect();
+    for (k, piece) in pieces.iter().enumerate() {
         let ids: Vec<i32> = piece.iter().map(|t| *t as i32).collect();
         let input = Array::from_slice(&ids, &[1, ids.len() as i32])?;
         let row = model.forward_last(&input, caches)?.reshape(&[-1])?;
+        // Gather-ahead: the next chunk's per-token reads overlap this chunk's compute.
+        if let Some(next) = pieces.get(k + 1) {
+            model.prefetch(next)?;
+        }
         // Evaluate per chunk so the graph (and memory) stays bounded by one chunk.
         row.eval()?;
         last = Some(row);
@@ -118,8 +123,10 @@ impl Default for SnapshotPolicy {
     }
 }
 
-/// The recurrent layers' caches after the first `position` tokens (`None` for the other
-/// layers, which rewind instead).
+/// The caches that cannot be cut back after the first `position` tokens: recurrent layers'
+/// states and sliding-window rings (a ring has moved past the rows the position needs once
+/// its window has; it is as small as a state); `None` for the other layers, which rewind
+/// instead.
 #[derive(Debug, Clone)]
 struct StateSnapshot {
     position: usize,
@@ -129,9 +136,10 @@ struct StateSnapshot {
 /// A conversation's model state: the caches and the tokens they hold. A new request reuses the
 /// longest common prefix with what the caches hold (rewinding them to the first differing token)
 /// instead of starting over. Recurrent layers cannot rewind: for them the session resumes from
-/// the last [`SnapshotPolicy`] snapshot within the common prefix. It falls back to a full
-/// prefill only when no such point exists (or a sliding-window ring no longer holds the rows
-/// the resumed position needs).
+/// the last [`SnapshotPolicy`] snapshot within the common prefix (which also holds the models'
+/// sliding-window rings). It falls back to a full prefill only when no such point exists (or,
+/// in a model without recurrent layers, a ring no longer holds the rows the resumed position
+/// needs).
 pub struct Session<'m> {
     model: &'m dyn LanguageModel,
     caches: Vec<LayerCache>,
@@ -140,6 +148,14 @@ pub struct Session<'m> {
     policy: SnapshotPolicy,
     /// The checkpoint files the model's weights are mapped from, checked before each request.
     mapped: Option<mlxcel_core::MappedFiles>,
+    /// The positions of the images the caches hold, with each image's content hash: part of
+    /// the prefix identity (the same image-token ids with another image are not a match).
+    image_runs: Vec<(std::ops::Range<usize>, u64)>,
+    /// The model's folder, for error messages.
+    model_path: Option<String>,
+    /// Rotary positions run this far ahead of the cache offset after a multimodal prompt
+    /// ([`crate::vision::VisionLanguage::position_delta`]); 0 otherwise.
+    position_delta: i64,
 }
 
 /// What a [`Session`] holds besides the model: its caches and the tokens they hold. Kept apart
@@ -149,6 +165,8 @@ pub struct Session<'m> {
 pub struct SessionState {
     caches: Vec<LayerCache>,
     tokens: Vec<u32>,
+    image_runs: Vec<(std::ops::Range<usize>, u64)>,
+    position_delta: i64,
     snapshots: Vec<StateSnapshot>,
     policy: SnapshotPolicy,
 }
@@ -159,6 +177,8 @@ impl SessionState {
         SessionState {
             caches: model.make_caches(),
             tokens: Vec::new(),
+            image_runs: Vec::new(),
+            position_delta: 0,
             snapshots: Vec::new(),
             policy: SnapshotPolicy::default(),
         }
@@ -183,11 +203,14 @@ pub fn step_batch(
     let mut rows = Vec::with_capacity(states.len());
     for (s, id) in states.iter_mut().zip(tokens) {
         let input = Array::from_slice(&[*id as i32], &[1, 1])?;
-        rows.push(
-            model
-                .forward_last(&input, &mut s.caches)?
-                .reshape(&[1, -1])?,
-        );
+        let logits = if s.position_delta == 0 {
+            model.forward_last(&input, &mut s.caches)?
+        } else {
+            let offset = s.caches.first().map_or(0, LayerCache::offset) as i64;
+            let position = Array::from_slice(&[(offset + s.position_delta) as i32], &[1])?;
+            model.forward_embeddings(&model.embed(&input)?, Some(&position), &mut s.caches, true)?
+        };
+        rows.push(logits.reshape(&[1, -1])?);
         s.tokens.push(*id);
     }
     Ok(mlxcel_core::ops::concatenate(&rows, 0)?)
@@ -235,6 +258,11 @@ impl DecodeBatch {
                     "this model decodes each conversation on its own (no batched decode)".into(),
                 ));
             }
+            if states.iter().any(|s| s.position_delta != 0) {
+                return Err(ModelError::Unsupported(
+                    "a conversation whose rotary positions run ahead of its length (a multimodal prompt) decodes on its own".into(),
+                ));
+            }
             let layers = states.first().map_or(0, |s| s.caches.len());
             (0..layers)
                 .map(|l| {
@@ -244,7 +272,8 @@ impl DecodeBatch {
                 .collect::<Result<Vec<_>>>()
         })();
         match merged {
-            Ok(caches) => {
+            Ok(mut caches) => {
+                crate::cache::BatchCache::share_step_inputs(&mut caches);
                 let mut states = states;
                 // The merged caches hold the rows now; the states get them back on the split.
                 for s in &mut states {
@@ -284,6 +313,34 @@ impl DecodeBatch {
             s.tokens.push(*t);
         }
         Ok(logits)
+    }
+
+    /// Feeds each conversation the token the device is still computing for it (`ids`, `[B]`
+    /// int32, e.g. the argmax of the previous step's logits) and returns the next logits
+    /// `[B, vocab]` without waiting: the caller queues this step before reading `ids`, so
+    /// building the graph overlaps the device's work. Call [`DecodeBatch::record`] with the
+    /// values once read. On an error the caches may be partly extended: discard the batch.
+    pub fn step_pending(&mut self, model: &dyn LanguageModel, ids: &Array) -> Result<Array> {
+        let rows = self.states.len() as i32;
+        if ids.size() != self.states.len() {
+            return Err(ModelError::Runtime(format!(
+                "a batched step needs one token per conversation ({} tokens for {rows} \
+                 conversations)",
+                ids.size()
+            )));
+        }
+        let input = ids.reshape(&[rows, 1])?;
+        Ok(model
+            .forward_last(&input, &mut self.caches)?
+            .reshape(&[rows, -1])?)
+    }
+
+    /// Records the values of the tokens fed by [`DecodeBatch::step_pending`], one per
+    /// conversation.
+    pub fn record(&mut self, tokens: &[u32]) {
+        for (s, t) in self.states.iter_mut().zip(tokens) {
+            s.tokens.push(*t);
+        }
     }
 
     /// The conversations with their own caches again, in batch order.
@@ -328,9 +385,12 @@ impl<'m> Session<'m> {
             model,
             caches: state.caches,
             tokens: state.tokens,
+            image_runs: state.image_runs,
             snapshots: state.snapshots,
             policy: state.policy,
             mapped: None,
+            model_path: None,
+            position_delta: state.position_delta,
         }
     }
 
@@ -364,11 +424,126 @@ impl<'m> Session<'m> {
         }
     }
 
+    /// Names the model's folder in errors (an image sent to a model without a vision tower).
+    pub fn with_model_path(mut self, path: impl Into<String>) -> Session<'m> {
+        self.model_path = Some(path.into());
+        self
+    }
+
+    /// Leading positions of `prompt` (whose images fill `runs`, with their hashes) that the
+    /// caches hold the same: equal token ids, and at image positions the same image.
+    fn common_prefix(&self, prompt: &[u32], runs: &[(std::ops::Range<usize>, u64)]) -> usize {
+        let mut common = self
+            .tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        for held in &self.image_runs {
+            if held.0.start < common && !runs.contains(held) {
+                common = held.0.start;
+            }
+        }
+        for new in runs {
+            if new.0.start < common && !self.image_runs.contains(new) {
+                common = new.0.start;
+            }
+        }
+        common
+    }
+
+    /// Makes the caches hold a prompt with images: `prompt` is expanded (each image's run of
+    /// the model's image token, see [`crate::vision::MultimodalPrompt`]), `images` in prompt
+    /// order. Reuses the cached prefix as far as tokens and images agree; prefills the rest in
+    /// chunks of about `chunk` positions that never split an image. Returns the reused count
+    /// and the logits after the last prompt token. Without images it is [`Session::prefill`];
+    /// with images on a model without a vision tower it is the seed's error
+    /// ([`crate::vision::no_vision_tower`]).
+    pub fn prefill_multimodal(
+        &mut self,
+        prompt: &[u32],
+        images: &[crate::vision::ImageInput],
+        chunk: Option<usize>,
+    ) -> Result<(usize, Array)> {
+        use crate::vision::{forward_multimodal, FeatureCache, MultimodalPrompt};
+        if images.is_empty() {
+            return self.prefill(prompt, chunk);
+        }
+        let model = self.model;
+        let vision = model.vision().ok_or_else(|| {
+            crate::vision::no_vision_tower(self.model_path.as_deref().unwrap_or("(unnamed)"))
+        })?;
+        if chunk == Some(0) {
+            return Err(ModelError::Runtime(
+                "prefill chunk = 0: must be at least 1 token".into(),
+            ));
+        }
+        check_token_ids(
+            &prompt
+                .iter()
+                .copied()
+                .filter(|t| *t != vision.image_token_id())
+                .collect::<Vec<_>>(),
+            model.vocab_size(),
+        )?;
+        let mm = MultimodalPrompt::new(vision, prompt, images)?;
+        let runs: Vec<(std::ops::Range<usize>, u64)> = mm
+            .runs()
+            .iter()
+            .cloned()
+            .zip(images.iter().map(|i| i.hash()))
+            .collect();
+        let mut reuse = self
+            .common_prefix(prompt, &runs)
+            .min(prompt.len().saturating_sub(1));
+        if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {
+            for c in &mut self.caches {
+                c.rewind(reuse)?;
+            }
+        } else {
+            reuse = self.restore_snapshot(reuse)?;
+        }
+        self.snapshots.retain(|s| s.position <= reuse);
+        self.tokens.truncate(reuse);
+        self.image_runs.clear();
+        let mut features = FeatureCache::default();
+        let mut start = reuse;
+        let mut last = None;
+        for end in mm.chunk_ends(reuse, chunk) {
+            let logits = forward_multimodal(
+                vision,
+                &mm,
+                start..end,
+                &mut features,
+                &mut self.caches,
+                true,
+            )?
+            .reshape(&[-1])?;
+            logits.eval()?;
+            last = Some(logits);
+            start = end;
+        }
+        let logits =
+            last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))?;
+        check_logits(&logits, || {
+            format!(
+                "generation step 0 (the logits after the {}-token prompt)",
+                prompt.len()
+            )
+        })?;
+        self.tokens.extend_from_slice(&prompt[reuse..]);
+        self.image_runs = runs;
+        self.position_delta = vision.position_delta(&mm)?;
+        Ok((reuse, logits))
+    }
+
     /// Parks the conversation (see [`Session::resume`]).
     pub fn into_state(self) -> SessionState {
         SessionState {
             caches: self.caches,
             tokens: self.tokens,
+            image_runs: self.image_runs,
+            position_delta: self.position_delta,
             snapshots: self.snapshots,
             policy: self.policy,
         }
@@ -387,12 +562,7 @@ impl<'m> Session<'m> {
     /// Makes the caches hold `prompt`; returns how many leading tokens were reused and the
     /// logits after the last prompt token.
     pub fn prefill(&mut self, prompt: &[u32], chunk: Option<usize>) -> Result<(usize, Array)> {
-        let common = self
-            .tokens
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = self.common_prefix(prompt, &[]);
         // At least the last prompt token is recomputed: its logits start the reply.
         let mut reuse = common.min(prompt.len().saturating_sub(1));
         if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {
@@ -405,6 +575,10 @@ impl<'m> Session<'m> {
         // Snapshots past the resumed position hold tokens the new prompt may not share.
         self.snapshots.retain(|s| s.position <= reuse);
         self.tokens.truncate(reuse);
+        self.image_runs.retain(|r| r.0.end <= reuse);
+        // No image is held before `reuse` (the common prefix stops at the first), so text
+        // positions are the cache offsets again.
+        self.position_delta = 0;
         let logits = self.prefill_with_snapshots(&prompt[reuse..], reuse, chunk)?;
         check_logits(&logits, || {
             format!(
@@ -427,7 +601,10 @@ impl<'m> Session<'m> {
                     .caches
                     .iter()
                     .zip(&s.states)
-                    .all(|(c, state)| state.is_some() || c.can_rewind(s.position))
+                    .all(|(c, state)| match state {
+                        Some(_) => c.can_restore(s.position),
+                        None => c.can_rewind(s.position),
+                    })
         });
         let Some(snapshot) = usable.cloned() else {
             self.caches = self.model.make_caches();
@@ -435,7 +612,7 @@ impl<'m> Session<'m> {
         };
         for (cache, state) in self.caches.iter_mut().zip(snapshot.states) {
             match state {
-                Some(state) => *cache = state,
+                Some(state) => cache.restore(state, snapshot.position)?,
                 None => cache.rewind(snapshot.position)?,
             }
         }
@@ -451,10 +628,7 @@ impl<'m> Session<'m> {
         start: usize,
         chunk: Option<usize>,
     ) -> Result<Array> {
-        let recurrent = self
-            .caches
-            .iter()
-            .any(|c| matches!(c, LayerCache::State(_)));
+        let recurrent = self.caches.iter().any(LayerCache::is_recurrent);
         let interval = self.policy.interval;
         if !recurrent || self.policy.max_snapshots == 0 || interval == 0 {
             return prefill(self.model, tokens, &mut self.caches, chunk);
@@ -475,21 +649,16 @@ impl<'m> Session<'m> {
         last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))
     }
 
-    /// Records the recurrent layers' state after `position` tokens.
+    /// Records the recurrent layers' state (and the sliding-window rings) after `position`
+    /// tokens.
     fn take_snapshot(&mut self, position: usize) -> Result<()> {
-        let states: Vec<Option<LayerCache>> = self
-            .caches
-            .iter()
-            .map(|c| matches!(c, LayerCache::State(_)).then(|| c.clone()))
-            .collect();
+        let states: Vec<Option<LayerCache>> =
+            self.caches.iter().map(LayerCache::snapshot).collect();
         // Evaluated now, so a snapshot holds its arrays and not the graph that made them.
         let arrays: Vec<&Array> = states
             .iter()
             .flatten()
-            .flat_map(|c| match c {
-                LayerCache::State(s) => s.arrays.iter().flatten().collect::<Vec<_>>(),
-                _ => Vec::new(),
-            })
+            .flat_map(LayerCache::planes)
             .collect();
         mlxcel_core::ops::eval_all(arrays)?;
         self.snapshots.retain(|s| s.position != position);
@@ -523,10 +692,26 @@ impl<'m> Session<'m> {
     /// reading this token, so building the graph overlaps the device's work. Call
     /// [`Session::record_token`] with the token's value once read.
     pub fn step_pending(&mut self, token: &Array) -> Result<Array> {
-        Ok(self
-            .model
-            .forward_last(token, &mut self.caches)?
-            .reshape(&[-1])?)
+        self.forward_token(token)
+    }
+
+    /// One token `[1, 1]` through the model: logits `[vocab]`. After a multimodal prompt whose
+    /// positions run ahead of the cache ([`Session::prefill_multimodal`]), at the explicit
+    /// position `offset + delta`.
+    fn forward_token(&mut self, token: &Array) -> Result<Array> {
+        let logits = if self.position_delta == 0 {
+            self.model.forward_last(token, &mut self.caches)?
+        } else {
+            let offset = self.caches.first().map_or(0, LayerCache::offset) as i64;
+            let position = Array::from_slice(&[(offset + self.position_delta) as i32], &[1])?;
+            self.model.forward_embeddings(
+                &self.model.embed(token)?,
+                Some(&position),
+                &mut self.caches,
+                true,
+            )?
+        };
+        Ok(logits.reshape(&[-1])?)
     }
 
     /// Records the value of a token fed by [`Session::step_pending`].
@@ -536,7 +721,9 @@ impl<'m> Session<'m> {
 
     /// Feeds one generated token; returns the logits for the next.
     pub fn step(&mut self, token: u32) -> Result<Array> {
-        let logits = prefill(self.model, &[token], &mut self.caches, None)?;
+        check_token_ids(&[token], self.model.vocab_size())?;
+        let logits = self.forward_token(&Array::from_slice(&[token as i32], &[1, 1])?)?;
+        logits.eval()?;
         let position = self.tokens.len();
         check_logits(&logits, || {
             format!("position {position} (after token {token})")

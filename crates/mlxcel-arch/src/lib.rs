@@ -24,6 +24,7 @@ pub mod rerank;
 pub mod sampling;
 pub mod sanitize;
 pub mod validate;
+pub mod vision;
 pub mod weights;
 
 pub use cache::{BatchCache, LayerCache, Mask};
@@ -39,3 +40,4 @@ pub use registry::{
     WeightRoute, WeightTransform, WeightTransformFn, ADAPTERS_AVAILABLE, DESCRIPTORS,
 };
 pub use rerank::RerankerModel;
+pub use vision::load_vlm;

@@ -81,6 +81,12 @@ macro_rules! for_each_model_registration {
             Qwen3Next { names: ["qwen3_next"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::qwen3_next::Model, adapter: None },
             Qwen3_5 { names: ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::qwen3_5::Model, adapter: None },
             Rwkv7 { names: ["rwkv7"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::rwkv7::Model, adapter: None },
+            Gemma3n { names: ["gemma3n", "gemma3n_text"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::gemma3n::Model, adapter: None },
+            Gemma3 { names: ["gemma3"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::gemma3::Model, adapter: Some("vision-language models take no adapters") },
+            Llava { names: ["llava"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::llava::Model, adapter: Some("vision-language models take no adapters") },
+            NemotronH { names: ["nemotron_h"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::nemotron_h::Model, adapter: None },
+            RecurrentGemma { names: ["recurrent_gemma"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::recurrent_gemma::Model, adapter: None },
+            FalconH1 { names: ["falcon_h1"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::falcon_h1::Model, adapter: None },
             Bert { names: ["bert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             XlmRoberta { names: ["xlm-roberta"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             ModernBert { names: ["modernbert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Model, adapter: Some("encoders take no adapters") },
@@ -126,7 +132,7 @@ pub enum WeightRoute {
 
 /// Whether this build can load adapters: LoRA adapters (mlx-lm or PEFT) fused at load
 /// (`mlxcel_loading::LoadOptions::adapter`) or kept unfused ([`crate::nn::lora`]), LoRA or DoRA,
-/// on linear layers and stacked MoE experts.
+/// on linear layers, stacked MoE experts and token embeddings (and a tied head through them).
 pub const ADAPTERS_AVAILABLE: bool = true;
 
 /// Whether adapters can be applied to `model_type`: the registry row's reason when the type rules
@@ -193,6 +199,9 @@ pub struct BuildOptions {
     pub materialization: Materialization,
     /// Stream the routed experts of the layers this covers instead of loading them.
     pub stream: Option<crate::weights::ExpertStreamSetup>,
+    /// The per-layer-embedding table on disk (`ple_storage` in `config.json`, see
+    /// `mlxcel_stream::ple`): the checkpoint's own copy, if any, is never loaded.
+    pub external_ple: Option<std::rc::Rc<mlxcel_stream::ple::PleStore>>,
     /// Fuse linear layers that read the same input (q/k/v, gate/up) into one at load, when
     /// they share a storage format. Saves arrays and kernel launches per decode step (what
     /// bounds decode on a GPU) at the cost of one copy of those weights while loading.
@@ -207,12 +216,13 @@ pub struct BuildOptions {
     pub parallelism: Option<crate::parallel::Parallelism>,
 }
 
-/// The signature of a [`WeightTransform`].
-pub type WeightTransformFn = dyn Fn(&mut WeightMap) -> Result<()>;
+/// The signature of a [`WeightTransform`]: the sanitised tensors and the config they go with.
+pub type WeightTransformFn = dyn Fn(&mut WeightMap, &mut Value) -> Result<()>;
 
 /// A load-time edit of the checkpoint's tensors (weight surgery, fused adapters), run by
 /// [`build_architecture`] on the sanitised [`WeightMap`] before the model is constructed.
-/// It must leave the map untouched when it fails.
+/// An edit that changes shapes (a structural prune) updates the config to match, and the
+/// architecture's args are re-read from it. It must leave both untouched when it fails.
 #[derive(Clone)]
 pub struct WeightTransform(pub std::rc::Rc<WeightTransformFn>);
 
@@ -231,10 +241,14 @@ pub fn build_architecture<M: Architecture>(
     mut weights: WeightMap,
     options: &BuildOptions,
 ) -> Result<M> {
-    let args: M::Args = parse_args(config)?;
+    let mut args: M::Args = parse_args(config)?;
     M::sanitize(&args, &mut weights, options.quant.as_ref())?;
     if let Some(transform) = &options.transform {
-        (transform.0)(&mut weights)?;
+        let mut edited = config.clone();
+        (transform.0)(&mut weights, &mut edited)?;
+        if &edited != config {
+            args = parse_args(&edited)?;
+        }
     }
     if let Some(stream) = &options.stream {
         // Every field of each layer's manifest entry against the sanitised checkpoint's
@@ -257,9 +271,26 @@ pub fn build_architecture<M: Architecture>(
             }
         }
     }
+    if options.external_ple.is_some() {
+        // The table is read from disk: drop the checkpoint's (still lazy) copy and its planes.
+        let base = mlxcel_stream::ple::PLE_TENSOR_SUFFIX.trim_end_matches(".weight");
+        let table: Vec<String> = weights
+            .names()
+            .filter(|n| {
+                [".weight", ".scales", ".biases"]
+                    .iter()
+                    .any(|p| n.ends_with(&format!("{base}{p}")))
+            })
+            .map(str::to_string)
+            .collect();
+        for n in table {
+            weights.remove(&n);
+        }
+    }
     drop_unused_buffers(&mut weights);
     let mut w = ModelWeights::new(weights, options.quant.clone(), options.dtype)
         .with_stream(options.stream.clone())
+        .with_external_ple(options.external_ple.clone())
         .with_fused_projections(options.fuse_projections)
         .with_runtime_adapters(options.runtime_adapters.clone())
         .with_parallelism(options.parallelism.clone());
@@ -314,17 +345,31 @@ macro_rules! generation_models {
             fn forward_embeddings(&self, embeddings: &mlxcel_core::Array, positions: Option<&mlxcel_core::Array>, caches: &mut [LayerCache], last_only: bool) -> Result<mlxcel_core::Array> {
                 match self { $(GenerationModel::$v(m) => m.forward_embeddings(embeddings, positions, caches, last_only)),* }
             }
+            // Token ids reach the architecture itself: some read more than the embeddings of
+            // them (Gemma 3n's per-layer inputs).
+            fn forward(&self, tokens: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
+                match self { $(GenerationModel::$v(m) => m.forward(tokens, caches)),* }
+            }
+            fn forward_last(&self, tokens: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
+                match self { $(GenerationModel::$v(m) => m.forward_last(tokens, caches)),* }
+            }
             fn final_hidden_states(&self, embeddings: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
                 match self { $(GenerationModel::$v(m) => m.final_hidden_states(embeddings, caches)),* }
             }
             fn vocab_size(&self) -> usize {
                 match self { $(GenerationModel::$v(m) => m.vocab_size()),* }
             }
+            fn prefetch(&self, next_tokens: &[u32]) -> Result<()> {
+                match self { $(GenerationModel::$v(m) => m.prefetch(next_tokens)),* }
+            }
             fn layer_schedule(&self) -> Vec<LayerKind> {
                 match self { $(GenerationModel::$v(m) => m.layer_schedule()),* }
             }
             fn batched_decode(&self) -> bool {
                 match self { $(GenerationModel::$v(m) => m.batched_decode()),* }
+            }
+            fn vision(&self) -> Option<&dyn $crate::vision::VisionLanguage> {
+                match self { $(GenerationModel::$v(m) => m.vision()),* }
             }
         }
 

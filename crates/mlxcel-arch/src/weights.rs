@@ -29,6 +29,10 @@ pub struct ModelWeights {
     used: BTreeSet<String>,
     kept: Vec<Array>,
     stream: Option<ExpertStreamSetup>,
+    /// An external per-layer-embedding table for the model to take (see
+    /// [`ModelWeights::external_ple`]); `ple_taken` records that it did.
+    ple: Option<std::rc::Rc<mlxcel_stream::ple::PleStore>>,
+    ple_taken: bool,
     fuse_projections: bool,
     /// Runtime LoRA adapters not yet attached to a linear layer (see [`ModelWeights::finish`]).
     lora: Option<RuntimeAdapters>,
@@ -130,6 +134,7 @@ impl std::fmt::Debug for ModelWeights {
             .field("quant", &self.quant)
             .field("dtype", &self.dtype)
             .field("stream", &self.stream.is_some())
+            .field("external_ple", &self.ple.is_some())
             .field("fuse_projections", &self.fuse_projections)
             .field("scope", &self.scope)
             .finish()
@@ -146,6 +151,8 @@ impl ModelWeights {
             used: BTreeSet::new(),
             kept: Vec::new(),
             stream: None,
+            ple: None,
+            ple_taken: false,
             fuse_projections: false,
             lora: None,
             scope: Vec::new(),
@@ -242,6 +249,23 @@ impl ModelWeights {
     pub fn with_stream(mut self, setup: Option<ExpertStreamSetup>) -> ModelWeights {
         self.stream = setup;
         self
+    }
+
+    /// Reads the per-layer-embedding table from `store` (on disk) instead of the checkpoint.
+    pub fn with_external_ple(
+        mut self,
+        store: Option<std::rc::Rc<mlxcel_stream::ple::PleStore>>,
+    ) -> ModelWeights {
+        self.ple = store;
+        self
+    }
+
+    /// The external per-layer-embedding table, when `config.json` declares one (`ple_storage`):
+    /// a model with such a table takes it here instead of its resident tensor. A table nobody
+    /// takes is an error at [`ModelWeights::finish`].
+    pub fn external_ple(&mut self) -> Option<std::rc::Rc<mlxcel_stream::ple::PleStore>> {
+        self.ple_taken |= self.ple.is_some();
+        self.ple.clone()
     }
 
     /// The compute dtype float tensors are cast to.
@@ -741,20 +765,34 @@ impl ModelWeights {
         }
     }
 
-    /// An embedding table `[vocab, dim]`, dense or quantized.
+    /// An embedding table `[vocab, dim]`, dense or quantized, with the runtime adapters that
+    /// name it (`A` `[r, vocab]`, `B` `[dim, r]`; not DoRA).
     pub fn embedding(&mut self, prefix: &str, vocab: i32, dim: i32) -> Result<Embedding> {
         let prefix = &self.path(prefix);
-        if let Some(q) = self.quantized(prefix, &[vocab], dim)? {
-            return Ok(Embedding::Quantized {
+        let base = match self.quantized(prefix, &[vocab], dim)? {
+            Some(q) => Embedding::Quantized {
                 table: q,
                 dtype: self.dtype,
-            });
+            },
+            None => Embedding::Dense {
+                table: self.matmul_weight(&format!("{prefix}.weight"), &[vocab, dim], None)?,
+                dtype: self.dtype,
+            },
+        };
+        match self.take_adapters(prefix, &[], vocab, dim)? {
+            None => Ok(base),
+            Some(lora) => {
+                if let Some(origin) = lora.dora_origin() {
+                    return Err(ModelError::Unsupported(format!(
+                        "{origin}: DoRA on the embedding `{prefix}`"
+                    )));
+                }
+                Ok(Embedding::Adapted {
+                    base: Box::new(base),
+                    lora: Box::new(lora),
+                })
+            }
         }
-        let table = self.matmul_weight(&format!("{prefix}.weight"), &[vocab, dim], None)?;
-        Ok(Embedding::Dense {
-            table,
-            dtype: self.dtype,
-        })
     }
 
     /// A stack of `experts` linear layers `[experts, out, in]` (MoE) at checkpoint name
@@ -882,12 +920,28 @@ impl ModelWeights {
         intermediate: i32,
         act: crate::nn::Activation,
     ) -> Result<crate::nn::RoutedExperts> {
-        self.routed_experts_split(prefix, experts, hidden, intermediate, act, None)
+        self.routed_experts_split(prefix, experts, hidden, intermediate, act, true, None)
     }
 
-    /// [`ModelWeights::routed_experts`] holding only intermediate columns `columns` of every
-    /// expert (a tensor-parallel rank's part: gate/up output rows, down input columns; its
-    /// result is a partial sum over the ranks).
+    /// Plain routed experts `down(act(up(x)))` at `prefix` (`{prefix}.switch_mlp.{up,down}_proj`,
+    /// no gate projection: Nemotron-H), always resident.
+    pub fn plain_routed_experts(
+        &mut self,
+        prefix: &str,
+        experts: i32,
+        hidden: i32,
+        intermediate: i32,
+        act: crate::nn::Activation,
+    ) -> Result<crate::nn::RoutedExperts> {
+        self.routed_experts_split(prefix, experts, hidden, intermediate, act, false, None)
+    }
+
+    /// The routed experts at `prefix`, with a gate projection when `gated`
+    /// ([`ModelWeights::routed_experts`]) or without ([`ModelWeights::plain_routed_experts`]),
+    /// holding only intermediate columns `columns` of every expert when given (a
+    /// tensor-parallel rank's part: gate/up output rows, down input columns; its result is a
+    /// partial sum over the ranks).
+    #[allow(clippy::too_many_arguments)]
     pub fn routed_experts_split(
         &mut self,
         prefix: &str,
@@ -895,6 +949,7 @@ impl ModelWeights {
         hidden: i32,
         intermediate: i32,
         act: crate::nn::Activation,
+        gated: bool,
         columns: Option<Range<i32>>,
     ) -> Result<crate::nn::RoutedExperts> {
         let rows = columns.clone().map(Split::rows);
@@ -910,14 +965,19 @@ impl ModelWeights {
             .as_ref()
             .and_then(|st| st.manifest.layer(prefix).cloned());
         let (Some(entry), Some(setup)) = (entry, self.stream.clone()) else {
-            return Ok(RoutedExperts::Resident(SwitchGlu {
-                gate: self.switch_linear_at(
+            let gate = if gated {
+                Some(self.switch_linear_at(
                     &format!("{s}.gate_proj"),
                     experts,
                     hidden,
                     intermediate,
                     rows.as_ref(),
-                )?,
+                )?)
+            } else {
+                None
+            };
+            return Ok(RoutedExperts::Resident(SwitchGlu {
+                gate,
                 up: self.switch_linear_at(
                     &format!("{s}.up_proj"),
                     experts,
@@ -939,6 +999,11 @@ impl ModelWeights {
         if rows.is_some() {
             return Err(ModelError::Unsupported(format!(
                 "{prefix}: streamed experts under tensor parallelism"
+            )));
+        }
+        if !gated {
+            return Err(ModelError::Unsupported(format!(
+                "{prefix}: streaming plain (ungated) experts"
             )));
         }
         if entry.experts != experts as usize {
@@ -1049,6 +1114,11 @@ impl ModelWeights {
                 .unwrap_or("a runtime adapter");
             return Err(ModelError::Transform(format!(
                 "{origin}: `{module}` is not a linear layer of {model} that takes runtime adapters (an adapter for another architecture, or a module only a fused adapter can change)"
+            )));
+        }
+        if self.ple.is_some() && !self.ple_taken {
+            return Err(ModelError::Config(format!(
+                "`ple_storage` in config.json puts a per-layer-embedding table on disk, but {model} has no per-layer embeddings"
             )));
         }
         let unused: Vec<String> = self

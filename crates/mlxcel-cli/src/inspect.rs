@@ -30,8 +30,8 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
     } else {
         get_model_type(&config, false)
     };
-    match model_type {
-        Ok(t) => {
+    match model_type.as_ref() {
+        Ok(&t) => {
             let p = model_load_policy(t);
             println!(
                 "type      {} ({})",
@@ -45,6 +45,16 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
         }
         Err(e) => println!("type      unsupported: {e}"),
     }
+    // A vision-language checkpoint loaded with its tower keeps it on disk until the first image.
+    let has_vision = weights.names().any(|n| role(n) == "vision (unused)");
+    let lazy_tower = model_type.as_ref().is_ok_and(|t| {
+        t.descriptor().directory_route == mlxcel_arch::DirectoryRoute::Vlm
+            && !mlxcel_arch::detection::is_text_only(&config, has_vision)
+    });
+    let role = |name: &str| match role(name) {
+        "vision (unused)" if lazy_tower => "vision (lazy)",
+        other => other,
+    };
     let quant = mlxcel_quant::QuantConfig::from_config(&config)?;
     let group = quant.as_ref().map_or(64, |q| q.group_size);
     let mut roles: BTreeMap<&str, RoleStats> = BTreeMap::new();
@@ -85,6 +95,24 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
         stats.params += params;
         stats.bytes += bytes;
         *stats.formats.entry(format).or_default() += params;
+    }
+    // An external per-layer-embedding table is on disk: its parameters count, while the bytes
+    // held are its row cache (or, with MLXCEL_PLE_IO=ram, the table).
+    let policy = mlxcel_core::policy::current();
+    if let Some(line) = mlxcel_loading::ple::describe_footprint(&folder, &config, &policy)? {
+        println!("ple       {line}");
+        if let (Some(table), Some((held, _))) = (
+            roles.remove("per-layer embed"),
+            mlxcel_loading::ple::footprint(&folder, &config, &policy)?,
+        ) {
+            roles.insert(
+                "per-layer embed (row cache)",
+                RoleStats {
+                    bytes: held,
+                    ..table
+                },
+            );
+        }
     }
     let total_params: u64 = roles.values().map(|r| r.params).sum();
     let total_bytes: u64 = roles.values().map(|r| r.bytes).sum();

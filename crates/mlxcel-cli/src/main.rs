@@ -1,5 +1,7 @@
 //! `mlxcel`: the command-line interface. Argument parsing and printing only; everything else goes
-//! through the library crates' public API.
+//! through the library crates' public API. Vision-language models take images with
+//! `generate --image FILE` (repeatable), `logits --image FILE` (the prompt ids hold the image
+//! placeholder once per image) and a `/image PATH` line in `chat`.
 
 mod convert;
 mod embed;
@@ -13,7 +15,6 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use mlxcel_core::Array;
 use mlxcel_loading::{load_model, LanguageModel, LoadOptions};
 
 #[derive(Parser)]
@@ -36,9 +37,13 @@ enum Command {
     Logits {
         #[arg(long)]
         model: PathBuf,
-        /// Comma-separated token ids.
+        /// Comma-separated token ids. With --image, the model's image placeholder (Gemma 3:
+        /// `<start_of_image>`) once per image, expanded as the model's processor expands it.
         #[arg(long, value_delimiter = ',', required = true)]
         prompt_ids: Vec<u32>,
+        /// An image for the prompt's next placeholder (PNG, JPEG or WebP; repeatable, in order).
+        #[arg(long, value_name = "FILE")]
+        image: Vec<PathBuf>,
         #[arg(long)]
         out: PathBuf,
         /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`).
@@ -141,6 +146,20 @@ enum Command {
         #[arg(long)]
         verify: bool,
     },
+    /// Write (or with --verify, check) the external view of a model's per-layer-embedding
+    /// table (Gemma 3n): `ple-store.json` (mlx-vlm's manifest v2, with SHA-256s), the row file
+    /// when quantizing, and `ple_storage` in config.json, so the table stays on disk.
+    PrepareExternalPle {
+        #[arg(long)]
+        model: PathBuf,
+        /// `affine4`: rows quantized to MLX affine 4-bit, groups of 32, in `ple-q4.rows`
+        /// (default: rows as the checkpoint stores them, read in place).
+        #[arg(long)]
+        quantize: Option<String>,
+        /// Check the manifest, the row files' SHA-256s and every row against the checkpoint.
+        #[arg(long)]
+        verify: bool,
+    },
 }
 
 /// Output piped into a program that stops reading (`mlxcel arch | head`) ends mlxcel quietly, as
@@ -196,11 +215,20 @@ fn run() -> anyhow::Result<()> {
         Some(Command::Logits {
             model,
             prompt_ids,
+            image,
             out,
             surgery,
             adapter,
             lora_fuse,
-        }) => logits(&model, &prompt_ids, &out, surgery, adapter, lora_fuse)?,
+        }) => logits(
+            &model,
+            &prompt_ids,
+            &image,
+            &out,
+            surgery,
+            adapter,
+            lora_fuse,
+        )?,
         Some(Command::Inspect {
             model,
             estimate_memory,
@@ -321,6 +349,11 @@ fn run() -> anyhow::Result<()> {
         Some(Command::PrepareExpertStream { model, verify }) => {
             prepare_expert_stream(&model, verify)?
         }
+        Some(Command::PrepareExternalPle {
+            model,
+            quantize,
+            verify,
+        }) => prepare_external_ple(&model, quantize.as_deref(), verify)?,
     }
     Ok(())
 }
@@ -344,6 +377,47 @@ fn load_reranker(
         r.info().load_seconds
     );
     Ok(r)
+}
+
+fn prepare_external_ple(
+    model: &std::path::Path,
+    quantize: Option<&str>,
+    verify: bool,
+) -> anyhow::Result<()> {
+    use mlxcel_stream::ple::PrepareQuant;
+    let quant = match quantize {
+        None => PrepareQuant::AsStored,
+        Some("affine4") => PrepareQuant::Affine4,
+        Some(other) => anyhow::bail!("--quantize {other}: expected affine4"),
+    };
+    if verify && quantize.is_some() {
+        anyhow::bail!("--verify checks the view as written: drop --quantize");
+    }
+    let layout = if verify {
+        mlxcel_loading::ple::verify_external_ple(model)?
+    } else {
+        let layout = mlxcel_loading::ple::prepare_external_ple(model, quant, |done, total| {
+            eprint!("\r[prepare-external-ple] row {done}/{total}");
+        })?;
+        eprintln!();
+        layout
+    };
+    println!(
+        "{} {}: {} rows × {} ({}), {:.1} MiB in {}",
+        if verify { "verified" } else { "prepared" },
+        layout.manifest_path.display(),
+        layout.row_count,
+        layout.row_width,
+        layout.format.describe(),
+        layout.table_bytes() as f64 / (1 << 20) as f64,
+        layout
+            .files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
 }
 
 fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Result<()> {
@@ -371,13 +445,15 @@ fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Resul
 fn logits(
     model: &std::path::Path,
     ids: &[u32],
+    images: &[PathBuf],
     out: &std::path::Path,
     surgery: Option<PathBuf>,
     adapter: Option<PathBuf>,
     lora_fuse: bool,
 ) -> anyhow::Result<()> {
     let options = LoadOptions {
-        skip_tokenizer: true,
+        // The image placeholder's expansion is tokenised text.
+        skip_tokenizer: images.is_empty(),
         policy: Some(mlxcel_core::policy::current()),
         surgery,
         adapter,
@@ -390,12 +466,12 @@ fn logits(
     if let Some(bad) = ids.iter().find(|t| **t as usize >= vocab) {
         bail!("--prompt-ids: token {bad} is outside the vocabulary of {vocab}");
     }
-    let input: Vec<i32> = ids.iter().map(|t| *t as i32).collect();
-    let tokens = Array::from_slice(&input, &[1, input.len() as i32])?;
-    let mut caches = loaded.model.make_caches();
+    let prepared = generate::prepare_images(&loaded, images)?;
+    let ids = loaded.expand_image_tokens_for(ids, &prepared)?;
+    let ids = ids.as_slice();
+    let inputs: Vec<_> = prepared.iter().flat_map(|i| i.inputs.clone()).collect();
     let logits = loaded
-        .model
-        .forward(&tokens, &mut caches)?
+        .multimodal_logits(ids, &inputs)?
         .astype(mlxcel_core::Dtype::Float32)?;
     let values = logits.to_vec::<f32>()?;
     if let Some(i) = values.iter().position(|v| v.is_nan()) {

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -48,6 +49,21 @@ struct LinearArgs {
   ElemKind weight_kind;
   ElemKind scale_kind;
 };
+
+// The weight of a GEMM: dense (`bits` 0, elements of `kind`) or MLX affine-quantized.
+struct GemmWeight {
+  const void* w;
+  ElemKind kind;
+  const void* scales;
+  const void* biases;
+  ElemKind scale_kind;
+  int group_size;
+  int bits;
+};
+
+GemmWeight gemm_weight(const LinearArgs& a) {
+  return {a.w, a.weight_kind, a.scales, a.biases, a.scale_kind, a.group_size, a.bits};
+}
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MLXCEL_HAVE_AVX2_KERNELS 1
@@ -88,8 +104,8 @@ namespace generic {
 #undef MLXCEL_LANES
 
 using RowsFn = void (*)(const LinearArgs&, int64_t, int64_t);
-using GemmFn = void (*)(const float*, const void*, ElemKind, const float*, float*, int64_t,
-                        int64_t, int, int);
+using GemmFn = void (*)(const float*, const GemmWeight&, const float*, float*, int64_t, int64_t,
+                        int, int);
 using EpilogueFn = void (*)(float*, const float*, int64_t, int);
 
 // The kernels of the best instruction set this CPU has.
@@ -119,13 +135,25 @@ const Kernels& kernels() {
   return k;
 }
 
-// From this many rows of x on, a dense product runs as the packed GEMM (cpu_gemm_kernels.inc);
-// below, the row kernels, which read each weight once for all rows, are faster.
+// From this many rows of x on, a product runs as the packed GEMM (cpu_gemm_kernels.inc; a
+// quantized weight is dequantized panel by panel as it is packed); below, the row kernels,
+// which read each weight once for all rows, are faster.
 constexpr int64_t kGemmMinRows = 16;
+// Quantized weights also pay for dequantizing each panel once per product, so the GEMM takes
+// over from more rows (prompts and prefill chunks; short ones stay on the row kernels).
+constexpr int64_t kQuantGemmMinRows = 64;
+
+bool use_gemm(const LinearArgs& a) {
+  return a.M >= (a.bits > 0 ? kQuantGemmMinRows : kGemmMinRows);
+}
 
 // A fixed set of worker threads that split one range at a time. The thread that submits the
-// work (MLX's CPU stream thread) takes a share itself. Workers sleep on a condition variable
-// between calls; a decode step issues a few hundred calls, so threads are never spawned per call.
+// work (MLX's CPU stream thread, or the decode engine's caller) takes a share itself. A decode
+// step issues a few hundred calls a few microseconds apart, so threads are never spawned per
+// call and stay hot between calls: a worker spins on the job counter for a while
+// (`kSpinNanos`) before it sleeps on a condition variable, and the submitter spins on the
+// completion count the same way. Waking a sleeping thread costs tens of microseconds; a call's
+// work is often less than that.
 class Pool {
  public:
   explicit Pool(int threads) {
@@ -134,7 +162,7 @@ class Pool {
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     wake_.notify_all();
     for (auto& t : workers_) t.join();
@@ -149,22 +177,46 @@ class Pool {
       return;
     }
     std::lock_guard<std::mutex> submit(submit_mu_);
+    job_ = &fn;
+    tasks_ = tasks;
+    next_.store(0, std::memory_order_relaxed);
+    busy_.store(int(workers_.size()), std::memory_order_relaxed);
     {
+      // The counter changes under the mutex so a worker about to sleep cannot miss it.
       std::lock_guard<std::mutex> lock(mu_);
-      job_ = &fn;
-      tasks_ = tasks;
-      next_.store(0);
-      busy_ = int(workers_.size());
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     drain(fn, tasks);
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return busy_ == 0; });
+    if (!spin_until([this] { return busy_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_.wait(lock, [this] { return busy_.load(std::memory_order_acquire) == 0; });
+    }
     job_ = nullptr;
   }
 
  private:
+  static constexpr int64_t kSpinNanos = 200000;
+
+  static inline void cpu_relax() {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+  }
+
+  // Spins until `ready()` or `kSpinNanos` pass; whether it became ready.
+  template <class F>
+  static bool spin_until(F ready) {
+    auto start = std::chrono::steady_clock::now();
+    for (int i = 0;; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+      if ((i & 255) == 255 &&
+          std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kSpinNanos))
+        return ready();
+    }
+  }
+
   void drain(const std::function<void(int)>& fn, int tasks) {
     for (int i = next_.fetch_add(1); i < tasks; i = next_.fetch_add(1)) fn(i);
   }
@@ -172,20 +224,20 @@ class Pool {
   void worker_loop() {
     uint64_t seen = 0;
     for (;;) {
-      const std::function<void(int)>* fn;
-      int tasks;
-      {
+      auto fresh = [&] {
+        return stop_.load(std::memory_order_acquire) ||
+               generation_.load(std::memory_order_acquire) != seen;
+      };
+      if (!spin_until(fresh)) {
         std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        fn = job_;
-        tasks = tasks_;
+        wake_.wait(lock, fresh);
       }
-      drain(*fn, tasks);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (--busy_ == 0) done_.notify_one();
+      if (stop_.load()) return;
+      seen = generation_.load(std::memory_order_acquire);
+      drain(*job_, tasks_);
+      if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        { std::lock_guard<std::mutex> lock(mu_); }
+        done_.notify_one();
       }
     }
   }
@@ -198,9 +250,9 @@ class Pool {
   const std::function<void(int)>* job_ = nullptr;
   int tasks_ = 0;
   std::atomic<int> next_{0};
-  int busy_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<int> busy_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 // Threads the policy asks for (MLXCEL_CPU_THREADS, set through `set_cpu_threads`); 0: default.
@@ -282,6 +334,43 @@ std::vector<float> group_sums(const LinearArgs& a) {
   return sums;
 }
 
+}  // namespace
+
+void linear_parts(const LinearPart* parts, int count) {
+  static const ElemKind kinds[3] = {ElemKind::F32, ElemKind::BF16, ElemKind::F16};
+  std::vector<LinearArgs> args;
+  std::vector<std::vector<float>> sums(size_t(std::max(count, 0)));
+  for (int i = 0; i < count; ++i) {
+    const LinearPart& p = parts[i];
+    if (p.M == 0 || p.N == 0) continue;
+    LinearArgs a{};
+    a.x = p.x;
+    a.w = p.w;
+    a.scales = p.scales;
+    a.biases = p.biases;
+    a.out = p.out;
+    a.M = p.M;
+    a.N = p.N;
+    a.K = p.K;
+    a.group_size = p.group_size;
+    a.bits = p.bits;
+    a.weight_kind = kinds[std::clamp(p.weight_kind, 0, 2)];
+    a.scale_kind = kinds[std::clamp(p.scale_kind, 0, 2)];
+    if (use_gemm(a)) {
+      kernels().gemm(a.x, gemm_weight(a), nullptr, a.out, a.M, a.N, a.K, 0);
+      continue;
+    }
+    if (a.bits > 0) {
+      sums[size_t(i)] = group_sums(a);
+      a.xsum = sums[size_t(i)].data();
+    }
+    args.push_back(a);
+  }
+  if (!args.empty()) run_parts(args);
+}
+
+namespace {
+
 // The routed-expert form: pair p multiplies x row p / pairs_per_row by expert ids[p]'s matrix
 // into output row p. Consecutive pairs on one expert with consecutive x rows (prefill, pairs
 // sorted by expert) become one many-row product.
@@ -309,6 +398,39 @@ std::vector<LinearArgs> expert_parts(const LinearArgs& base, const uint32_t* ids
   return parts;
 }
 
+// out [M, N] += (x [M, K] · a [K, R]) · b [R, N]: a runtime LoRA term (`a` = Aᵀ, `b` = the
+// scaled Bᵀ), added in the same node as the base product so an adapted layer costs one graph
+// node, not four. Its arithmetic is rank·(K + N) per row, a few percent of the base's; rows are
+// split over the pool when there are several.
+void add_low_rank(const float* x, const float* a, const float* b, float* out, int64_t M, int K,
+                  int R, int64_t N) {
+  auto rows = [&](int64_t begin, int64_t end) {
+    std::vector<float> t(static_cast<size_t>(R));
+    for (int64_t m = begin; m < end; ++m) {
+      std::fill(t.begin(), t.end(), 0.0f);
+      const float* xm = x + size_t(m) * K;
+      for (int k = 0; k < K; ++k) {
+        const float xv = xm[k];
+        const float* ak = a + size_t(k) * R;
+        for (int r = 0; r < R; ++r) t[r] += xv * ak[r];
+      }
+      float* om = out + size_t(m) * N;
+      for (int r = 0; r < R; ++r) {
+        const float tv = t[r];
+        const float* br = b + size_t(r) * N;
+        for (int64_t n = 0; n < N; ++n) om[n] += tv * br[n];
+      }
+    }
+  };
+  const int tasks = int(std::min<int64_t>(M, parallel_threads()));
+  if (tasks <= 1) {
+    rows(0, M);
+    return;
+  }
+  const int64_t span = (M + tasks - 1) / tasks;
+  parallel_for(tasks, [&](int t) { rows(int64_t(t) * span, std::min(M, int64_t(t + 1) * span)); });
+}
+
 ElemKind elem_kind(const mx::array& a, const char* what) {
   switch (a.dtype().val()) {
     case mx::Dtype::Val::float32: return ElemKind::F32;
@@ -322,15 +444,18 @@ ElemKind elem_kind(const mx::array& a, const char* what) {
 
 class CpuLinear : public CpuPrimitive {
  public:
-  // `gathered`: inputs[4] holds routed-expert ids; `has_bias`: the last input is the bias
-  // [N] added before the activation `act` (shim.h's codes).
-  CpuLinear(mx::Stream stream, int group_size, int bits, bool gathered, bool has_bias, int act)
+  // `gathered`: inputs[4] holds routed-expert ids; `has_bias`: the input after the weight's
+  // planes is the bias [N] added before the activation `act` (shim.h's codes); `has_lora`: the
+  // last two inputs are a low-rank term's Aᵀ [K, R] and scaled Bᵀ [R, N] (no bias, no act).
+  CpuLinear(mx::Stream stream, int group_size, int bits, bool gathered, bool has_bias, int act,
+            bool has_lora = false)
       : CpuPrimitive(stream),
         group_size_(group_size),
         bits_(bits),
         gathered_(gathered),
         has_bias_(has_bias),
-        act_(act) {}
+        act_(act),
+        has_lora_(has_lora) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     for (const auto& in : inputs) {
@@ -362,7 +487,11 @@ class CpuLinear : public CpuPrimitive {
 
     // Routed experts: inputs[4] holds the expert of each (row, expert) pair.
     const bool gathered = gathered_;
-    const float* bias = has_bias_ ? inputs.back().data<float>() : nullptr;
+    const size_t planes = bits_ > 0 ? 4 : 2;
+    const float* bias = has_bias_ ? inputs[planes].data<float>() : nullptr;
+    const float* lora_a = has_lora_ ? inputs[inputs.size() - 2].data<float>() : nullptr;
+    const float* lora_b = has_lora_ ? inputs.back().data<float>() : nullptr;
+    const int rank = has_lora_ ? inputs.back().shape(0) : 0;
     const int act = act_;
     const uint32_t* ids = gathered ? inputs[4].data<uint32_t>() : nullptr;
     const int64_t pairs = gathered ? int64_t(inputs[4].size()) : 0;
@@ -374,10 +503,21 @@ class CpuLinear : public CpuPrimitive {
     const size_t w_stride = gathered ? w.nbytes() / experts : 0;
     const size_t s_stride = gathered ? inputs[2].nbytes() / experts : 0;
 
-    schedule(inputs, out, [a, ids, pairs, pairs_per_row, experts, w_stride, s_stride, bias, act]() {
+    schedule(inputs, out, [a, ids, pairs, pairs_per_row, experts, w_stride, s_stride, bias, act,
+                           lora_a, lora_b, rank]() {
       if (a.M == 0 || a.N == 0) return;
-      if (a.bits == 0 && !ids && a.M >= kGemmMinRows) {
-        kernels().gemm(a.x, a.w, a.weight_kind, bias, a.out, a.M, a.N, a.K, act);
+      if (!ids && use_gemm(a)) {
+        if (!lora_a) {
+          kernels().gemm(a.x, gemm_weight(a), bias, a.out, a.M, a.N, a.K, act);
+          return;
+        }
+        // The low-rank term joins the product before the bias and activation.
+        kernels().gemm(a.x, gemm_weight(a), nullptr, a.out, a.M, a.N, a.K, 0);
+        add_low_rank(a.x, lora_a, lora_b, a.out, a.M, a.K, rank, a.N);
+        if (bias || act) {
+          const EpilogueFn epilogue = kernels().epilogue;
+          for (int64_t m = 0; m < a.M; ++m) epilogue(a.out + size_t(m) * a.N, bias, a.N, act);
+        }
         return;
       }
       std::vector<LinearArgs> parts =
@@ -391,6 +531,7 @@ class CpuLinear : public CpuPrimitive {
         }
       }
       run_parts(parts);
+      if (lora_a) add_low_rank(a.x, lora_a, lora_b, a.out, a.M, a.K, rank, a.N);
       if (bias || act) {
         const int64_t rows = ids ? pairs : a.M;
         const EpilogueFn epilogue = kernels().epilogue;
@@ -404,7 +545,7 @@ class CpuLinear : public CpuPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const CpuLinear&>(other);
     return group_size_ == o.group_size_ && bits_ == o.bits_ && gathered_ == o.gathered_ &&
-           has_bias_ == o.has_bias_ && act_ == o.act_;
+           has_bias_ == o.has_bias_ && act_ == o.act_ && has_lora_ == o.has_lora_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -425,6 +566,7 @@ class CpuLinear : public CpuPrimitive {
   bool gathered_;
   bool has_bias_;
   int act_;
+  bool has_lora_;
 };
 
 }  // namespace
@@ -451,8 +593,11 @@ void check_quantized(const array& w, const array* scales, const array* biases, i
 }
 }  // namespace
 
-Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
-               int32_t group_size, int32_t bits, const array* bias, int32_t activation) {
+namespace {
+// The node of `cpu_linear` / `cpu_linear_low_rank`: `lora_a`/`lora_b` both null or both set.
+Ptr make_cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
+                    int32_t group_size, int32_t bits, const array* bias, int32_t activation,
+                    const array* lora_a, const array* lora_b) {
   if (x.dtype() != mx::float32) fail("x must be float32");
   if (x.ndim() < 1) fail("x must have at least one dimension");
   if (w.ndim() != 2) fail("the weight must be 2-D [out, in]");
@@ -479,12 +624,44 @@ Ptr cpu_linear(const array& x, const array& w, const array* scales, const array*
     elem_kind(*bias, "bias");
     inputs.push_back(mx::contiguous(mx::astype(*bias, mx::float32, stream), false, stream));
   }
+  if (lora_a) {
+    if (bias || activation != 0) fail("a low-rank term takes no bias or activation");
+    if (lora_a->dtype() != mx::float32 || lora_b->dtype() != mx::float32) {
+      fail("the low-rank factors must be float32");
+    }
+    if (lora_a->ndim() != 2 || lora_b->ndim() != 2 || lora_a->shape(0) != K ||
+        lora_b->shape(1) != N || lora_a->shape(1) != lora_b->shape(0)) {
+      fail("the low-rank factors must be [" + std::to_string(K) + ", r] and [r, " +
+           std::to_string(N) + "]");
+    }
+    // The factors are evaluated once per adapter mix and stay row-major: taken as they are,
+    // so that the term adds no graph node per step (a `contiguous` would, even as a no-op).
+    auto factor = [&](const array& f) {
+      return f.is_available() && f.flags().row_contiguous ? f : mx::contiguous(f, false, stream);
+    };
+    inputs.push_back(factor(*lora_a));
+    inputs.push_back(factor(*lora_b));
+  }
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;
   return std::make_unique<array>(
       out_shape, mx::float32,
-      std::make_shared<CpuLinear>(stream, group_size, bits, false, bias != nullptr, activation),
+      std::make_shared<CpuLinear>(stream, group_size, bits, false, bias != nullptr, activation,
+                                  lora_a != nullptr),
       std::move(inputs));
+}
+}  // namespace
+
+Ptr cpu_linear(const array& x, const array& w, const array* scales, const array* biases,
+               int32_t group_size, int32_t bits, const array* bias, int32_t activation) {
+  return make_cpu_linear(x, w, scales, biases, group_size, bits, bias, activation, nullptr,
+                         nullptr);
+}
+
+Ptr cpu_linear_low_rank(const array& x, const array& w, const array* scales,
+                        const array* biases, int32_t group_size, int32_t bits,
+                        const array& lora_a, const array& lora_b) {
+  return make_cpu_linear(x, w, scales, biases, group_size, bits, nullptr, 0, &lora_a, &lora_b);
 }
 
 Ptr cpu_gather_linear(const array& x, const array& w, const array& scales, const array& biases,

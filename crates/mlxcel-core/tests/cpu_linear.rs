@@ -78,6 +78,9 @@ fn quantized_rows_match_float64_reference() {
                     (4, 384, 9),
                     (5, 128, 5),
                     (17, 256, 30),
+                    // From 64 rows on, the packed GEMM on panels dequantized as they are packed
+                    // (strip and panel edges at 67 rows, 45 columns).
+                    (67, 256, 45),
                 ] {
                     if k % group != 0 {
                         continue;
@@ -321,4 +324,85 @@ fn many_rows_with_bias_and_activation_match_float64_reference() {
             }
         }
     }
+}
+
+/// A runtime LoRA term in the base layer's node (`ops::cpu_linear_low_rank`): `x·Wᵀ + (x·a)·b`
+/// over dense (float32, bf16) and 4-bit weights, through the row kernels (1, 3 rows), the
+/// threaded row split and the packed GEMM (17, 40 rows, dense), against float64; mismatched
+/// factors are errors.
+#[test]
+fn low_rank_term_matches_float64_reference() {
+    let mut case = 0u64;
+    for (m, k, n, r) in [
+        (1, 128, 33, 4),
+        (3, 64, 70, 16),
+        (17, 128, 9, 8),
+        (40, 64, 128, 3),
+    ] {
+        for quantized in [None, Some(Dtype::Float32), Some(Dtype::Bfloat16)] {
+            for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                if quantized.is_some() && dtype != Dtype::Float32 {
+                    continue;
+                }
+                case += 1;
+                let (w, wv) = random_matrix(n, k, 500 + case, quantized.unwrap_or(dtype));
+                let (x, xv) = random_matrix(m, k, 600 + case, Dtype::Float32);
+                let (a, av) = random_matrix(k, r, 700 + case, Dtype::Float32);
+                let (b, bv) = random_matrix(r, n, 800 + case, Dtype::Float32);
+                let (got, base) = match quantized {
+                    None => (ops::cpu_linear_low_rank(&x, &w, None, &a, &b).unwrap(), wv),
+                    Some(_) => {
+                        let spec = QuantSpec::affine(64, 4);
+                        let q = w.quantize(spec).unwrap();
+                        let biases = q.biases.clone().unwrap();
+                        let deq = dequantize_host(&q, 4, 64, n, k);
+                        let got = ops::cpu_linear_low_rank(
+                            &x,
+                            &q.weight,
+                            Some((&q.scales, &biases, spec)),
+                            &a,
+                            &b,
+                        )
+                        .unwrap();
+                        (got, deq)
+                    }
+                };
+                let got = got.expect("the CPU kernel applies");
+                let (mut want, mut bound) = reference(&xv, &base, m, k, n);
+                // + (x·a)·b, and its magnitude in the tolerance.
+                let (xa, xa_bound) = reference(&xv, &transpose(&av, k, r), m, k, r);
+                let (lr, lr_bound) = reference(&xa, &transpose(&bv, r, n), m, r, n);
+                for i in 0..m * n {
+                    want[i] += lr[i];
+                    bound[i] +=
+                        lr_bound[i] + xa_bound[i / n * r..(i / n + 1) * r].iter().sum::<f64>();
+                }
+                check(
+                    &format!("low rank m{m} k{k} n{n} r{r} quantized {quantized:?} {dtype}"),
+                    &got,
+                    &want,
+                    &bound,
+                );
+            }
+        }
+    }
+    let (w, _) = random_matrix(8, 16, 1, Dtype::Float32);
+    let (x, _) = random_matrix(2, 16, 2, Dtype::Float32);
+    let (a, _) = random_matrix(16, 4, 3, Dtype::Float32);
+    let (b, _) = random_matrix(3, 8, 4, Dtype::Float32);
+    let err = ops::cpu_linear_low_rank(&x, &w, None, &a, &b)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("the low-rank factors must be [16, r] and [r, 8]"),
+        "{err}"
+    );
+}
+
+/// `v` `[rows, cols]` row-major, transposed.
+fn transpose(v: &[f64], rows: usize, cols: usize) -> Vec<f64> {
+    (0..rows * cols)
+        .map(|i| v[(i % rows) * cols + i / rows])
+        .collect()
 }

@@ -22,7 +22,10 @@
 //! Stacked MoE experts take mlx-lm's `LoRASwitchLinear` layout: `lora_a` `[E, r, in]`, `lora_b`
 //! `[E, out, r]`, `ΔW[e] = lora_b[e] · lora_a[e]`.
 //!
-//! Not yet: adapters on embeddings.
+//! Token embeddings take PEFT's `lora_embedding_A` `[r, vocab]` / `lora_embedding_B` `[dim, r]`
+//! and mlx-lm's `LoRAEmbedding` (`lora_a` `[vocab, r]`, `lora_b` `[r, dim]`): the table changes
+//! by `ΔE = (B · A)ᵀ` `[vocab, dim]` (for mlx-lm `lora_a · lora_b`), and a tied output head with
+//! it. Output heads built as linear layers (`lm_head`) take the linear layout.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -54,7 +57,20 @@ struct Pair {
     magnitude: Option<String>,
     /// This module's LoRA scale (PEFT's `rank_pattern` / `alpha_pattern` may change it).
     scale: f64,
+    /// Known to be an embedding table (PEFT's `lora_embedding_*` names): its delta is `(B·A)ᵀ`.
+    embedding: bool,
 }
+
+/// The last name component of the token-embedding tables of the registered families, for
+/// mlx-lm adapters on a square table (where the shapes cannot tell a table from a linear layer).
+const EMBEDDING_MODULES: &[&str] = &[
+    "embed_tokens",
+    "wte",
+    "word_embeddings",
+    "tok_embeddings",
+    "embed_in",
+    "embeddings",
+];
 
 /// The tensors of one module while grouping.
 #[derive(Default)]
@@ -62,6 +78,7 @@ struct Group {
     a: Option<String>,
     b: Option<String>,
     magnitude: Option<String>,
+    embedding: bool,
 }
 
 /// A LoRA or DoRA adapter read from its folder, ready to fuse or attach at runtime.
@@ -192,19 +209,34 @@ impl Adapter {
                 AdapterFormat::MlxLm => name,
                 AdapterFormat::Peft => name.strip_prefix("base_model.model.").unwrap_or(name),
             };
-            let (module, slot) = if let Some(m) = rest.strip_suffix(a_suffix) {
-                (m, 0)
+            // PEFT's embedding pair has its own names (parameters, no `.weight`).
+            let peft_embedding = |suffix: &str| {
+                rest.strip_suffix(suffix)
+                    .filter(|_| format == AdapterFormat::Peft)
+            };
+            let (module, slot, embedding) = if let Some(m) = rest.strip_suffix(a_suffix) {
+                (m, 0, false)
             } else if let Some(m) = rest.strip_suffix(b_suffix) {
-                (m, 1)
+                (m, 1, false)
+            } else if let Some(m) = peft_embedding(".lora_embedding_A") {
+                (m, 0, true)
+            } else if let Some(m) = peft_embedding(".lora_embedding_B") {
+                (m, 1, true)
             } else if let Some(m) = rest.strip_suffix(m_suffix).filter(|_| dora) {
-                (m, 2)
+                (m, 2, false)
+            } else if rest.ends_with(".base_layer.weight") {
+                return Err(LoadError::file(
+                    &file,
+                    format!("tensor `{name}` is a saved copy of a base layer (peft's `save_embedding_layers`, for a resized vocabulary): not supported; save the adapter with `save_embedding_layers=False`"),
+                ));
             } else {
                 return Err(LoadError::file(
                     &file,
-                    format!("tensor `{name}` is not a LoRA {what} tensor (modules_to_save and embedding adapters are not supported yet)"),
+                    format!("tensor `{name}` is not a LoRA {what} tensor (modules_to_save is not supported)"),
                 ));
             };
             let group = groups.entry(module.to_string()).or_default();
+            group.embedding |= embedding;
             let entry = match slot {
                 0 => &mut group.a,
                 1 => &mut group.b,
@@ -256,6 +288,7 @@ impl Adapter {
                 b,
                 magnitude: group.magnitude,
                 scale,
+                embedding: group.embedding,
             });
         }
         if pairs.is_empty() {
@@ -478,6 +511,25 @@ impl Adapter {
                 }
                 None => info.shape.clone(),
             };
+            // An embedding table `[vocab, dim]` takes the delta transposed: PEFT says so by
+            // name; for mlx-lm the shapes tell, or the module's name on a square table.
+            let transposed: Vec<i32> = delta_shape.iter().rev().copied().collect();
+            let embedding = delta_shape.len() == 2
+                && (pair.embedding
+                    || (base_shape == transposed
+                        && (base_shape != delta_shape
+                            || pair
+                                .module
+                                .rsplit('.')
+                                .next()
+                                .is_some_and(|m| EMBEDDING_MODULES.contains(&m)))));
+            if embedding && pair.magnitude.is_some() {
+                return Err(fail(format!(
+                    "`{}`: DoRA on an embedding table is not supported",
+                    pair.module
+                )));
+            }
+            let delta_shape = if embedding { transposed } else { delta_shape };
             if base_shape != delta_shape {
                 return Err(fail(format!(
                     "tensors `{}` {:?} / `{}` {:?} give a delta of shape {delta_shape:?}, but `{target}` is {base_shape:?} (an adapter for another model?)",
@@ -490,6 +542,7 @@ impl Adapter {
             let delta = b
                 .matmul(&a)
                 .and_then(|d| d.mul_scalar(pair.scale))
+                .and_then(|d| if embedding { d.t() } else { Ok(d) })
                 .map_err(core)?;
             let magnitude = self.magnitude(pair, out_dim).map_err(fail)?;
             // W + scale·ΔW in float32, then DoRA's per-row magnitude.

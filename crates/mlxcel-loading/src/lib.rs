@@ -20,14 +20,17 @@ pub mod adapter;
 mod chat;
 mod embed;
 mod error;
+pub mod image;
 pub mod memory;
 mod pipeline;
+pub mod ple;
 pub mod repack;
 mod rerank;
 pub mod stream;
 pub mod surgery;
 mod textgen;
 mod tokenizer;
+pub mod vision;
 
 pub use chat::{ChatTemplate, Message, ToolCallFormat};
 pub use embed::{

@@ -18,18 +18,36 @@ pub fn tensor_role(name: &str) -> &'static str {
     if name.starts_with("mtp.") {
         "mtp (unused)"
     } else if [
+        "audio_tower.",
+        "embed_audio.",
+        "model.audio_tower.",
+        "model.embed_audio.",
+    ]
+    .iter()
+    .any(|p| name.starts_with(p))
+    {
+        "audio (unused)"
+    } else if [
         "vision_tower.",
         "multi_modal_projector.",
+        "embed_vision.",
         "model.vision_tower.",
         "model.multi_modal_projector.",
+        "model.embed_vision.",
     ]
     .iter()
     .any(|p| name.starts_with(p))
     {
         "vision (unused)"
+    } else if name.contains("embed_tokens_per_layer") {
+        // Gemma 3n's per-layer embedding table (the largest tensor of its checkpoints).
+        "per-layer embed"
     } else if name.contains("embed_tokens") || name.contains("wte") || name.contains("embed_in.") {
         "embedding"
-    } else if name.starts_with("lm_head") || name.contains("embed_out.") {
+    } else if name.starts_with("lm_head")
+        || name.starts_with("language_model.lm_head")
+        || name.contains("embed_out.")
+    {
         "lm_head"
     } else if name.contains("norm") || name.contains(".ln_") {
         "norm"
@@ -67,6 +85,14 @@ pub struct MemoryEstimate {
     pub transient: u64,
     /// Slot arenas of streamed routed experts (0 when experts are resident).
     pub expert_arena: u64,
+    /// A vision-language model's vision tower and projector (at the compute dtype): not in
+    /// `weights` or the total, since they stay on disk until the first image (then they are
+    /// resident too). 0 for text models and text-only loads.
+    pub vision_tower_lazy: u64,
+    /// What an external per-layer-embedding table holds in memory: its row cache, or the
+    /// table in `MLXCEL_PLE_IO=ram` mode (0 when the table is resident and counted among the
+    /// weights).
+    pub ple_rows: u64,
     /// The device the run uses (MLX's default device).
     pub device: Device,
     /// The device's (or, for the CPU, the system's) memory.
@@ -85,6 +111,7 @@ impl MemoryEstimate {
             .saturating_add(self.kv_cache)
             .saturating_add(self.transient)
             .saturating_add(self.expert_arena)
+            .saturating_add(self.ple_rows)
     }
 
     /// Whether the run fits, leaving 10% of the device for the system and MLX's allocator.
@@ -226,11 +253,25 @@ pub fn estimate_rank(
     let schedule = mlxcel_arch::cache_schedule(model_type, config)?;
     let tied = !weights.names().any(|n| tensor_role(n) == "lm_head");
     let own = part.layers(schedule.len())?;
+    // A vision-language checkpoint loaded with its tower keeps it on disk until the first image.
+    let has_vision = weights.names().any(|n| tensor_role(n) == "vision (unused)");
+    let lazy_tower = model_type.descriptor().directory_route == mlxcel_arch::DirectoryRoute::Vlm
+        && !mlxcel_arch::detection::is_text_only(config, has_vision);
+    let mut vision_tower_lazy = 0u64;
     let mut by_role: BTreeMap<(String, String), u64> = BTreeMap::new();
     for name in weights.names() {
         let Some(info) = weights.info(name) else {
             continue;
         };
+        if lazy_tower && tensor_role(name) == "vision (unused)" {
+            let bytes = if info.dtype.is_float() {
+                info.numel() * dtype.size_of()
+            } else {
+                info.nbytes()
+            };
+            vision_tower_lazy = vision_tower_lazy.saturating_add(bytes as u64);
+            continue;
+        }
         // What the load leaves out is never held.
         if tensor_role(name).ends_with("(unused)") {
             continue;
@@ -255,8 +296,13 @@ pub fn estimate_rank(
         let slot = by_role.entry((role.to_string(), label)).or_default();
         *slot = slot.saturating_add(bytes);
     }
-    let heads = num(config, "num_attention_heads").unwrap_or(1).max(1);
-    let hidden = num(config, "hidden_size").unwrap_or(0);
+    // A vision-language config keeps the decoder's widths in `text_config`.
+    let text = config
+        .get("text_config")
+        .filter(|t| t.is_object())
+        .unwrap_or(config);
+    let heads = num(text, "num_attention_heads").unwrap_or(1).max(1);
+    let hidden = num(text, "hidden_size").unwrap_or(0);
     // The model's own cache schedule: what each layer keeps per position, and how many
     // positions (sliding-window rings hold at most window + chunk rows).
     // A rank holds its own layers' caches (pipeline) or its heads' share of each (tensor).
@@ -283,10 +329,10 @@ pub fn estimate_rank(
         })
         .fold(0u64, u64::saturating_add);
     let kv_cache = kv_share(kv_cache);
-    let vocab = num(config, "vocab_size").unwrap_or(0);
-    let inter = num(config, "intermediate_size")
+    let vocab = num(text, "vocab_size").unwrap_or(0);
+    let inter = num(text, "intermediate_size")
         .unwrap_or(hidden.saturating_mul(4))
-        .max(num(config, "moe_intermediate_size").unwrap_or(0));
+        .max(num(text, "moe_intermediate_size").unwrap_or(0));
     let f = dtype.size_of() as u64;
     // Logits of one chunk (f32), a few activations of the widest layer, attention scores.
     let transient = chunk
@@ -312,12 +358,22 @@ pub fn estimate_rank(
         by_role.retain(|(role, _), _| role != "routed experts");
         expert_arena = plan.arena_bytes();
     }
+    // An external per-layer-embedding table stays on disk: its cache (or, in `ram` mode, the
+    // table) counts instead.
+    let policy = mlxcel_core::RuntimePolicy::from_env()?;
+    let mut ple_rows = 0;
+    if let Some((resident, _on_disk)) = crate::ple::footprint(folder, config, &policy)? {
+        by_role.retain(|(role, _), _| role != "per-layer embed");
+        ple_rows = resident;
+    }
     Ok(MemoryEstimate {
+        ple_rows,
         weights: by_role,
         kv_cache,
         kv_bytes_per_token,
         transient,
         expert_arena,
+        vision_tower_lazy,
         device,
         available,
     })
@@ -340,6 +396,17 @@ mod tests {
                 "attention",
             ),
             ("model.layers.0.mlp.act_fn.alpha_p", "dense mlp"),
+            (
+                "model.language_model.embed_tokens_per_layer.weight",
+                "per-layer embed",
+            ),
+            (
+                "model.audio_tower.conformer.0.norm.weight",
+                "audio (unused)",
+            ),
+            ("model.language_model.embed_tokens.weight", "embedding"),
+            ("model.embed_audio.embedding.weight", "audio (unused)"),
+            ("model.embed_vision.embedding.weight", "vision (unused)"),
         ] {
             assert_eq!(tensor_role(name), role, "{name}");
         }

@@ -8,7 +8,7 @@ use mlxcel_arch::config::sanitize_config_json;
 use mlxcel_arch::detection::{detect_kind, get_model_type};
 use mlxcel_arch::nn::lora::{AdapterMix, AdapterSet, RuntimeAdapters};
 use mlxcel_arch::{
-    load_config_backed, load_mistral3, load_nonstandard, model_load_policy, BuildOptions,
+    load_config_backed, load_mistral3, load_nonstandard, load_vlm, model_load_policy, BuildOptions,
     DirectoryRoute, GenerationModel, LoadedModel, ModelKind, ModelType,
 };
 use mlxcel_core::{Device, Dtype, Materialization, RuntimePolicy, WeightMap};
@@ -127,7 +127,7 @@ pub struct Loaded {
     pub tokenizer: Option<Tokenizer>,
     /// The registered type `config.json`'s `model_type` mapped to.
     pub model_type: ModelType,
-    /// The sanitised `config.json`.
+    /// The sanitised `config.json`, as a surgery `prune` left it (head counts, sizes, layers).
     pub config: Value,
     /// The model folder (resolved from the path given to [`load_model`]).
     pub folder: PathBuf,
@@ -145,6 +145,9 @@ pub struct Loaded {
         crate::stream::StreamPlan,
         Rc<RefCell<mlxcel_stream::StreamStats>>,
     )>,
+    /// Set when the per-layer-embedding table is read from disk (`ple_storage`): the store
+    /// and its counters.
+    pub external_ple: Option<crate::ple::PlePlan>,
     /// The checkpoint files the weights are mapped from, with their identity at load.
     pub mapped: mlxcel_core::MappedFiles,
     /// What the load-time weight edits did, one line each: the tensors a text-only load of a
@@ -154,13 +157,152 @@ pub struct Loaded {
     /// The runtime (unfused) adapters, when any were loaded (see
     /// [`LoadOptions::runtime_adapters`]).
     pub adapters: Option<Rc<AdapterSet>>,
+    /// The image processor and prompt expansion of a vision-language model loaded with its
+    /// vision tower (and a tokenizer); `None` otherwise.
+    pub vision: Option<crate::vision::VisionProcessor>,
 }
 
 impl Loaded {
     /// A new session on the model that checks, before each request, that the mapped
     /// checkpoint files are unchanged (see [`mlxcel_core::MappedFiles`]).
     pub fn session(&self) -> mlxcel_arch::generate::Session<'_> {
-        mlxcel_arch::generate::Session::new(&self.model).with_mapped_files(self.mapped.clone())
+        mlxcel_arch::generate::Session::new(&self.model)
+            .with_mapped_files(self.mapped.clone())
+            .with_model_path(self.folder.display().to_string())
+    }
+
+    /// The vision processor, or the seed's error for a model without a vision tower.
+    fn vision_processor(&self) -> Result<&crate::vision::VisionProcessor> {
+        self.vision.as_ref().ok_or_else(|| {
+            LoadError::from(mlxcel_arch::vision::no_vision_tower(
+                &self.folder.display().to_string(),
+            ))
+        })
+    }
+
+    /// An image's pixel values as the model's HF processor computes them (resize, rescale,
+    /// normalise from `preprocessor_config.json`), with its content hash, for
+    /// [`crate::GenerateRequest::images`]. A model without a vision tower refuses images with
+    /// `model <path> was loaded without a vision tower (text-only checkpoint)`.
+    pub fn prepare_image(
+        &self,
+        image: &crate::image::RgbImage,
+    ) -> Result<mlxcel_arch::vision::ImageInput> {
+        self.vision_processor()?.prepare(image)
+    }
+
+    /// An image prepared for a prompt ([`crate::vision::PreparedImage`]): its model inputs
+    /// (one per tile for families that split images) and its own placeholder expansion, for
+    /// [`Loaded::expand_prompt_text_for`] / [`Loaded::expand_image_tokens_for`]. Families whose
+    /// image-token count depends on the image need this path; the others may use either.
+    pub fn prepare_for_prompt(
+        &self,
+        image: &crate::image::RgbImage,
+    ) -> Result<crate::vision::PreparedImage> {
+        self.vision_processor()?.prepare_for_prompt(image)
+    }
+
+    /// A rendered prompt with its `k`-th image placeholder replaced by `images[k]`'s expansion.
+    pub fn expand_prompt_text_for(
+        &self,
+        text: &str,
+        images: &[crate::vision::PreparedImage],
+    ) -> Result<String> {
+        if images.is_empty() {
+            return Ok(text.to_string());
+        }
+        self.vision_processor()?.expand_text_for(text, images)
+    }
+
+    /// Token ids with their `k`-th image placeholder replaced by `images[k]`'s expansion ids.
+    pub fn expand_image_tokens_for(
+        &self,
+        ids: &[u32],
+        images: &[crate::vision::PreparedImage],
+    ) -> Result<Vec<u32>> {
+        if images.is_empty() {
+            return Ok(ids.to_vec());
+        }
+        self.vision_processor()?.expand_ids_for(ids, images)
+    }
+
+    /// [`Loaded::prepare_image`] of an encoded PNG, JPEG or WebP image.
+    pub fn prepare_image_bytes(&self, bytes: &[u8]) -> Result<mlxcel_arch::vision::ImageInput> {
+        let processor = self.vision_processor()?;
+        processor.prepare(&crate::image::decode_image(bytes)?)
+    }
+
+    /// A user message's text with `images` image placeholders in front (where a chat template
+    /// puts image items before the text), to render with the chat template and then expand
+    /// with [`Loaded::expand_prompt_text`].
+    pub fn user_content_with_images(&self, text: &str, images: usize) -> Result<String> {
+        if images == 0 {
+            return Ok(text.to_string());
+        }
+        Ok(format!(
+            "{}{text}",
+            self.vision_processor()?.placeholder.repeat(images)
+        ))
+    }
+
+    /// A rendered prompt with each image placeholder expanded into the model's image tokens,
+    /// as the HF processor expands the text before tokenising it.
+    pub fn expand_prompt_text(&self, text: &str, images: usize) -> Result<String> {
+        if images == 0 {
+            return Ok(text.to_string());
+        }
+        self.vision_processor()?.expand_text(text, images)
+    }
+
+    /// Token ids holding the model's image placeholder once per image, expanded into the
+    /// image-token runs (the expansion's text pieces tokenised on their own).
+    pub fn expand_image_tokens(&self, ids: &[u32], images: usize) -> Result<Vec<u32>> {
+        if images == 0 {
+            return Ok(ids.to_vec());
+        }
+        self.vision_processor()?.expand_ids(ids, images)
+    }
+
+    /// Logits `[len, vocab]` at every position of one pass over `prompt` (expanded, see
+    /// [`Loaded::expand_image_tokens`]) with its `images`, from fresh caches: what
+    /// `mlxcel logits --image` writes. Without images, the text forward pass.
+    pub fn multimodal_logits(
+        &self,
+        prompt: &[u32],
+        images: &[mlxcel_arch::vision::ImageInput],
+    ) -> Result<mlxcel_core::Array> {
+        use mlxcel_arch::vision::{forward_multimodal, FeatureCache, MultimodalPrompt};
+        use mlxcel_arch::LanguageModel;
+        let model_err = |source| LoadError::Model {
+            folder: self.folder.clone(),
+            source,
+        };
+        let mut caches = self.model.make_caches();
+        let logits = if images.is_empty() {
+            let ids: Vec<i32> = prompt.iter().map(|t| *t as i32).collect();
+            let tokens = mlxcel_core::Array::from_slice(&ids, &[1, ids.len() as i32])?;
+            self.model
+                .forward(&tokens, &mut caches)
+                .map_err(model_err)?
+        } else {
+            let vision = self.model.vision().ok_or_else(|| {
+                LoadError::from(mlxcel_arch::vision::no_vision_tower(
+                    &self.folder.display().to_string(),
+                ))
+            })?;
+            let mm = MultimodalPrompt::new(vision, prompt, images).map_err(model_err)?;
+            forward_multimodal(
+                vision,
+                &mm,
+                0..prompt.len(),
+                &mut FeatureCache::default(),
+                &mut caches,
+                false,
+            )
+            .map_err(model_err)?
+        };
+        let vocab = self.model.vocab_size() as i32;
+        Ok(logits.reshape(&[-1, vocab])?)
     }
 
     /// The names of the runtime adapters (empty when none were loaded).
@@ -414,6 +556,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         DirectoryRoute::ConfigBacked
             | DirectoryRoute::Nonstandard
             | DirectoryRoute::Mistral3Dynamic
+            | DirectoryRoute::Vlm
     ) {
         return Err(LoadError::Unsupported(format!(
             "{}: {} loads through the {:?} route, which this build does not have yet",
@@ -449,8 +592,36 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     // On a quantized base the adapter stays unfused unless fusing was asked for.
     let mut report = Vec::new();
-    if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
-        let unused = mlxcel_arch::models::mistral3::unused_tensors(&weights);
+    let left_out = if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
+        Some((
+            "vision-tower and projector",
+            mlxcel_arch::models::mistral3::unused_tensors(&weights),
+        ))
+    } else if model_type == ModelType::Gemma3n {
+        Some((
+            "vision/audio-tower and embedder",
+            mlxcel_arch::models::gemma3n::unused_tensors(&weights),
+        ))
+    } else {
+        None
+    };
+    if let Some((what, unused)) = left_out.filter(|(_, u)| !u.is_empty()) {
+        report.push(format!(
+            "text-only load: {} {what} tensors left out ({} .. {})",
+            unused.len(),
+            unused[0],
+            unused[unused.len() - 1]
+        ));
+    } else if model_type == ModelType::Gemma3n && config.get("vision_config").is_some() {
+        // A multimodal config whose checkpoint holds no tower tensors: text only all the same.
+        report.push(
+            "text-only load: the checkpoint has no vision or audio tower tensors; the text decoder alone is built".into(),
+        );
+    }
+    if policy.directory_route == DirectoryRoute::Vlm
+        && mlxcel_arch::detection::is_text_only(&config, has_vision_weights(&weights))
+    {
+        let unused = mlxcel_arch::vision::unused_vision_tensors(model_type, &weights);
         if !unused.is_empty() {
             report.push(format!(
                 "text-only load: {} vision-tower and projector tensors left out ({} .. {})",
@@ -480,27 +651,6 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     if let Some(r) = &lora {
         r.set.select(&initial_mix).map_err(model_err)?;
     }
-    let applied = Rc::new(RefCell::new(Vec::new()));
-    let transform = if surgery.is_some() || adapter.is_some() {
-        let applied = applied.clone();
-        let quant = quant.clone();
-        let requantize = options.lora_fuse;
-        Some(mlxcel_arch::WeightTransform(Rc::new(
-            move |w: &mut WeightMap| -> mlxcel_arch::Result<()> {
-                let mut log = Vec::new();
-                if let Some(a) = &adapter {
-                    log.push(a.fuse(w, quant.as_ref(), requantize)?);
-                }
-                if let Some(s) = &surgery {
-                    log.extend(s.apply(w)?);
-                }
-                *applied.borrow_mut() = log;
-                Ok(())
-            },
-        )))
-    } else {
-        None
-    };
     let materialization = runtime.weight_materialization;
     let stream_config = mlxcel_stream::StreamConfig::from_policy(&runtime);
     let plan = crate::stream::plan(
@@ -509,7 +659,51 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         &stream_config,
         crate::memory::available_memory()?,
     )?;
+    let applied = Rc::new(RefCell::new(Vec::new()));
+    // A structural prune changes shapes and renumbers layers, which unfused adapters (attached
+    // by name and shape) and streamed experts (planned from the original layout) cannot follow.
+    if let Some(s) = surgery.as_ref().filter(|s| s.changes_structure()) {
+        let other = if lora.is_some() {
+            Some("unfused (runtime) adapters")
+        } else if plan.is_some() {
+            Some("expert streaming")
+        } else {
+            None
+        };
+        if let Some(other) = other {
+            return Err(LoadError::Unsupported(format!(
+                "{}: surgery {} prunes structure, which cannot be combined with {other}",
+                folder.display(),
+                s.path().display()
+            )));
+        }
+    }
+    // The config as the surgery left it (a prune updates head counts, sizes, layers).
+    let edited_config: Rc<RefCell<Option<Value>>> = Rc::new(RefCell::new(None));
+    let transform = if surgery.is_some() || adapter.is_some() {
+        let applied = applied.clone();
+        let edited_config = edited_config.clone();
+        let quant = quant.clone();
+        let requantize = options.lora_fuse;
+        Some(mlxcel_arch::WeightTransform(Rc::new(
+            move |w: &mut WeightMap, config: &mut Value| -> mlxcel_arch::Result<()> {
+                let mut log = Vec::new();
+                if let Some(a) = &adapter {
+                    log.push(a.fuse(w, quant.as_ref(), requantize)?);
+                }
+                if let Some(s) = &surgery {
+                    log.extend(s.apply(w, config, quant.as_ref())?);
+                    *edited_config.borrow_mut() = Some(config.clone());
+                }
+                *applied.borrow_mut() = log;
+                Ok(())
+            },
+        )))
+    } else {
+        None
+    };
     let stats = Rc::new(RefCell::new(mlxcel_stream::StreamStats::default()));
+    let external_ple = crate::ple::open(&folder, &config, &runtime)?;
     let gpu = mlxcel_core::default_device()? == Device::Gpu;
     let build = BuildOptions {
         prefix: String::new(),
@@ -517,6 +711,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         dtype,
         materialization,
         stream: plan.as_ref().map(|p| p.setup(stats.clone())),
+        external_ple: external_ple.as_ref().map(|p| p.store.clone()),
         fuse_projections: runtime.fuse_projections.unwrap_or(gpu),
         transform,
         runtime_adapters: lora.clone(),
@@ -525,6 +720,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     let model = match policy.directory_route {
         DirectoryRoute::Nonstandard => load_nonstandard(model_type, &config, weights, &build),
         DirectoryRoute::Mistral3Dynamic => load_mistral3(&config, weights, &build),
+        DirectoryRoute::Vlm => load_vlm(model_type, &config, weights, &build),
         _ => load_config_backed(model_type, &config, weights, &build),
     }
     .and_then(LoadedModel::into_generation)
@@ -538,20 +734,28 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         (Some(load_tokenizer(&folder)?), ChatTemplate::load(&folder)?)
     };
     let eos_token_ids = eos_token_ids(&folder, &config, tokenizer.as_ref());
+    let vision = match (&tokenizer, mlxcel_arch::LanguageModel::vision(&model)) {
+        (Some(t), Some(_)) => {
+            crate::vision::VisionProcessor::load(model_type, &folder, &config, t)?
+        }
+        _ => None,
+    };
     Ok(Loaded {
         model,
         tokenizer,
         model_type,
-        config,
+        config: edited_config.take().unwrap_or(config),
         folder,
         dtype,
         eos_token_ids,
         chat_template,
         load_seconds: started.elapsed().as_secs_f64(),
         expert_stream: plan.map(|p| (p, stats)),
+        external_ple,
         mapped,
         surgery_applied: report.into_iter().chain(applied.take()).collect(),
         adapters: lora.map(|r| r.set),
+        vision,
     })
 }
 

@@ -121,6 +121,14 @@ impl Linear {
             Activation::GeluTanh => ops::KernelActivation::GeluTanh,
             Activation::Gelu => ops::KernelActivation::Gelu,
             Activation::Relu => ops::KernelActivation::Relu,
+            // The kernel's relu, then the square.
+            Activation::Relu2 => {
+                let y = match self.on_cpu_kernel(x, ops::KernelActivation::Relu)? {
+                    Some(y) => y,
+                    None => Activation::Relu.apply(&self.forward(x)?)?,
+                };
+                return Ok(y.square()?);
+            }
             // Not in the kernel: the layer, then the activation.
             Activation::XIelu(_) | Activation::OaiSwiglu => {
                 return act.apply(&self.forward(x)?);
@@ -149,9 +157,9 @@ impl Linear {
     }
 
     /// `x·Wᵀ` without the bias (a DoRA rescaling applies before the bias).
-    fn product(&self, x: &Array) -> Result<Array> {
+    pub(crate) fn product(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Linear::Adapted { base, lora } => return lora.apply(base, x, base.product(x)?),
+            Linear::Adapted { base, lora } => return lora.apply(base, x),
             Linear::Dense {
                 weight, weight_t, ..
             } => {
@@ -170,6 +178,38 @@ impl Linear {
                 }
             }
         })
+    }
+
+    /// `x·Wᵀ + (x·a_t)·b_t` as one node of mlxcel's CPU kernel (see
+    /// `ops::cpu_linear_low_rank`), for a runtime adapter's combined term over this base layer;
+    /// `None` where the kernel does not read this layer or `x`.
+    pub(crate) fn low_rank_product(
+        &self,
+        x: &Array,
+        a_t: &Array,
+        b_t: &Array,
+    ) -> Result<Option<Array>> {
+        let y = match self {
+            Linear::Dense { weight, .. } => {
+                let y = ops::cpu_linear_low_rank(x, weight, None, a_t, b_t)?;
+                if y.is_some() {
+                    super::calibration::observe(weight, x);
+                }
+                y
+            }
+            Linear::Quantized { weight, .. } => match &weight.biases {
+                Some(biases) => ops::cpu_linear_low_rank(
+                    x,
+                    &weight.weight,
+                    Some((&weight.scales, biases, weight.spec)),
+                    a_t,
+                    b_t,
+                )?,
+                None => None,
+            },
+            Linear::Adapted { .. } => None,
+        };
+        Ok(y)
     }
 
     /// The weight `[out, in]` as a dense array in `dtype` (dequantized when quantized; the
@@ -347,6 +387,15 @@ pub enum Embedding {
         /// The compute dtype rows are dequantized to.
         dtype: Dtype,
     },
+    /// A table with runtime LoRA adapters over its unchanged base (PEFT's `lora_embedding_A/B`,
+    /// mlx-lm's `LoRAEmbedding`; see [`super::lora`]): looked-up rows and, when the table is
+    /// the tied output head, the logits carry the low-rank term.
+    Adapted {
+        /// The dense or quantized table as the checkpoint stores it.
+        base: Box<Embedding>,
+        /// The registered adapters' terms (`A` `[r, vocab]`, `B` `[dim, r]`).
+        lora: Box<LoraLayer>,
+    },
 }
 
 impl Embedding {
@@ -380,6 +429,7 @@ impl Embedding {
                 };
                 Ok(ops::dequantize(&w, &s, b.as_ref(), q.spec, Some(*dtype))?)
             }
+            Embedding::Adapted { base, lora } => lora.apply_rows(ids, base.forward(ids)?),
         }
     }
 
@@ -388,6 +438,7 @@ impl Embedding {
         match self {
             Embedding::Dense { table, .. } => Ok(ops::linear(x, table, None)?),
             Embedding::Quantized { table: q, .. } => Ok(q.matmul_t(x)?),
+            Embedding::Adapted { base, lora } => lora.apply_tied_head(x, base.as_linear(x)?),
         }
     }
 }

@@ -242,6 +242,15 @@ impl LoraLayer {
         }
     }
 
+    /// Where the first DoRA pair (one with a magnitude) came from, if any.
+    pub fn dora_origin(&self) -> Option<&str> {
+        self.pairs
+            .iter()
+            .flatten()
+            .find(|p| p.magnitude.is_some())
+            .map(|p| p.origin.as_str())
+    }
+
     /// The arrays it holds.
     pub fn arrays(&self) -> Vec<&Array> {
         self.pairs
@@ -317,12 +326,21 @@ impl LoraLayer {
             .is_some())
     }
 
-    /// `y + Σᵢ cᵢ·(x·Aᵢᵀ)·Bᵢᵀ` with `y = x·Wᵀ` the base's product without its bias, rescaled
-    /// per row for DoRA (`y` unchanged when nothing is active here).
-    pub fn apply(&self, base: &Linear, x: &Array, y: Array) -> Result<Array> {
+    /// `x·Wᵀ + Σᵢ cᵢ·(x·Aᵢᵀ)·Bᵢᵀ` over `base` without its bias, rescaled per row for DoRA
+    /// (the base's product alone when nothing is active here).
+    pub fn apply(&self, base: &Linear, x: &Array) -> Result<Array> {
         match self.combined(&|| base.dense_weight(mlxcel_core::Dtype::Float32))? {
-            None => Ok(y),
+            None => base.product(x),
             Some(c) => {
+                // On mlxcel's CPU kernel the term rides in the base layer's own node: a CPU
+                // decode step is bound by its node count as much as by arithmetic, and the
+                // term's arithmetic is a few percent of the base's.
+                if c.rescale.is_none() {
+                    if let Some(y) = base.low_rank_product(x, &c.a, &c.b)? {
+                        return Ok(y);
+                    }
+                }
+                let y = base.product(x)?;
                 // Few graph nodes per layer: a decode step on the CPU is bound by their count as
                 // much as by the arithmetic (a few percent of the base layer's). A batched
                 // product flattens and unflattens its input, so `[1, .., 1, T, in]` goes in as
@@ -345,6 +363,26 @@ impl LoraLayer {
         }
     }
 
+    /// For an embedding table (`A` `[r, vocab]`, `B` `[dim, r]`: PEFT's `lora_embedding_A/B`,
+    /// mlx-lm's `LoRAEmbedding` `lora_a`/`lora_b` transposed): `y + Σᵢ cᵢ·Aᵢᵀ[ids]·Bᵢᵀ`, the
+    /// rows of the low-rank delta `(B·A)ᵀ` `[vocab, dim]` for the looked-up ids.
+    pub fn apply_rows(&self, ids: &Array, y: Array) -> Result<Array> {
+        match self.combined(&no_dora("an embedding"))? {
+            None => Ok(y),
+            Some(c) => Ok(y.add(&c.a.take(ids, 0)?.matmul(&c.b)?)?),
+        }
+    }
+
+    /// For an embedding table serving as the tied output head: `y + Σᵢ cᵢ·(x·Bᵢ)·Aᵢ`, i.e.
+    /// `x` against the delta `(B·A)ᵀ` `[vocab, dim]` as a linear layer (mlx-lm's
+    /// `LoRAEmbedding.as_linear`; PEFT's merge changes the shared table the same way).
+    pub fn apply_tied_head(&self, x: &Array, y: Array) -> Result<Array> {
+        match self.combined(&no_dora("an embedding"))? {
+            None => Ok(y),
+            Some(c) => Ok(y.add(&x.matmul(&c.b.t()?)?.matmul(&c.a.t()?)?)?),
+        }
+    }
+
     /// For a stack of experts (mlx-lm's `LoRASwitchLinear`: `A` `[E, r, in]`, `B`
     /// `[E, out, r]`): `y + Σᵢ cᵢ·(x·A[e]ᵀ)·B[e]ᵀ` for the expert `e` of each row, through the
     /// same gathered products as the base ([`super::SwitchLinear::forward_rows`]'s arguments).
@@ -356,10 +394,7 @@ impl LoraLayer {
         sorted: bool,
         y: Array,
     ) -> Result<Array> {
-        let no_dora = || -> Result<Array> {
-            Err(ModelError::Unsupported("DoRA on expert stacks".to_string()))
-        };
-        match self.combined(&no_dora)? {
+        match self.combined(&no_dora("expert stacks"))? {
             None => Ok(y),
             Some(c) => {
                 let z = ops::gather_mm(x, &c.a, rows, Some(experts), sorted)?;
@@ -368,4 +403,10 @@ impl LoraLayer {
             }
         }
     }
+}
+
+/// The base-weight reader for layers that take no DoRA (refused when the adapters are attached;
+/// this only guards the invariant).
+fn no_dora(what: &'static str) -> impl Fn() -> Result<Array> {
+    move || Err(ModelError::Unsupported(format!("DoRA on {what}")))
 }

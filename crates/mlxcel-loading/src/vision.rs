@@ -1,0 +1,414 @@
+//! The processor side of vision-language models, per family: the image processor's defaults
+//! (over which `preprocessor_config.json` is read), the placeholder a prompt carries per image
+//! and its expansion into the run of image tokens the model fills — in text, as the HF
+//! processor expands it before tokenising, or in ids for callers that bring token ids (piece by
+//! piece: exact where the expansion's pieces tokenise alone as in context, which holds for the
+//! special-token runs; Gemma 3's pan-and-scan framing text may merge differently).
+//!
+//! | family | image processor (PIL backend) | placeholder | expansion |
+//! |---|---|---|---|
+//! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5; pan and scan (crops as extra inputs) | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n`; with crops `Here is the original image {seq} and here are some crops to help you see better {seq} {seq}` |
+//! | LLaVA | `CLIPImageProcessor`: shortest edge 224, bicubic, center crop 224, rescale 1/255, CLIP mean/std | `<image>` (`image_token_index`) | `<image>` × patches (+1 under `full`) |
+
+use mlxcel_arch::vision::ImageInput;
+use mlxcel_arch::ModelType;
+use serde_json::Value;
+
+use crate::image::{ImageProcessor, PixelValues, Resample, ResizeTarget, RgbImage};
+use crate::tokenizer::Tokenizer;
+use crate::{LoadError, Result};
+
+/// One image as its family's processor prepares it for a prompt: the model inputs it becomes
+/// and what replaces its placeholder. Families whose image-token count depends on the image
+/// (tiles, crops, dynamic resolution) give each image its own expansion; the others share a
+/// fixed one.
+#[derive(Debug, Clone)]
+pub struct PreparedImage {
+    /// The model inputs, in prompt order (one per tile or crop; one for single-tile families).
+    pub inputs: Vec<ImageInput>,
+    /// What replaces this image's placeholder in the prompt text.
+    pub expansion_text: String,
+    /// The same, as ids.
+    pub expansion_ids: Vec<u32>,
+}
+
+/// Gemma 3's pan-and-scan settings (the image processor's, else `Gemma3Processor`'s defaults
+/// 256, 4, 1.2).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PanAndScan {
+    /// `pan_and_scan_min_crop_size`: no crop narrower than this.
+    pub min_crop_size: usize,
+    /// `pan_and_scan_max_num_crops`.
+    pub max_num_crops: usize,
+    /// `pan_and_scan_min_ratio_to_activate`: the aspect ratio from which crops are made.
+    pub min_ratio: f64,
+}
+
+impl PanAndScan {
+    /// The crops of `image` (transformers' `pan_and_scan`: 2 to `max_num_crops` along the
+    /// longer side, none when the image is not elongated enough or a crop would be too small;
+    /// the last crop cut at the border as numpy slicing does).
+    pub fn crops(&self, image: &RgbImage) -> Vec<RgbImage> {
+        let (h, w) = (image.height, image.width);
+        let (nw, nh) = if w >= h {
+            if (w as f64 / h as f64) < self.min_ratio {
+                return Vec::new();
+            }
+            let n = ((w as f64 / h as f64 + 0.5).floor() as usize)
+                .min((w as f64 / self.min_crop_size as f64).floor() as usize)
+                .max(2)
+                .min(self.max_num_crops);
+            (n, 1)
+        } else {
+            if (h as f64 / w as f64) < self.min_ratio {
+                return Vec::new();
+            }
+            let n = ((h as f64 / w as f64 + 0.5).floor() as usize)
+                .min((h as f64 / self.min_crop_size as f64).floor() as usize)
+                .max(2)
+                .min(self.max_num_crops);
+            (1, n)
+        };
+        let (cw, ch) = (w.div_ceil(nw), h.div_ceil(nh));
+        if cw.min(ch) < self.min_crop_size {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for r in 0..nh {
+            for c in 0..nw {
+                let (y0, x0) = (r * ch, c * cw);
+                let (y1, x1) = ((y0 + ch).min(h), (x0 + cw).min(w));
+                let mut data = Vec::with_capacity((y1 - y0) * (x1 - x0) * 3);
+                for y in y0..y1 {
+                    data.extend_from_slice(&image.data[(y * w + x0) * 3..(y * w + x1) * 3]);
+                }
+                out.push(RgbImage {
+                    width: x1 - x0,
+                    height: y1 - y0,
+                    data,
+                });
+            }
+        }
+        out
+    }
+}
+
+/// How one family's processor prepares images and expands prompts.
+#[derive(Debug, Clone)]
+pub struct VisionProcessor {
+    /// The family (a family whose expansion depends on the image computes it in
+    /// [`VisionProcessor::prepare_for_prompt`] by this).
+    pub family: ModelType,
+    /// The image processor (the checkpoint's config over the family's defaults).
+    pub image: ImageProcessor,
+    /// The token a prompt holds once per image before expansion.
+    pub placeholder_id: u32,
+    /// Its text.
+    pub placeholder: String,
+    /// What replaces each placeholder, as text (the processor's expansion).
+    pub expansion_text: String,
+    /// The same expansion as ids (tokenised piece by piece).
+    pub expansion_ids: Vec<u32>,
+    /// Gemma 3's pan and scan (`do_pan_and_scan`): crops of a wide or tall image added as
+    /// extra images, framed by text in the prompt.
+    pub pan_and_scan: Option<PanAndScan>,
+    /// The tokenised pieces of the pan-and-scan framing (`"Here is the original image "`,
+    /// `" and here are some crops to help you see better "`, `" "`), for the ids path.
+    pub framing_ids: [Vec<u32>; 3],
+    /// Pad each image to a square of this colour (centred) before resizing:
+    /// `LlavaImageProcessor`'s `do_pad`, the colour `int(mean · 255)` per channel.
+    pub square_pad: Option<[u8; 3]>,
+}
+
+fn config_id(config: &Value, keys: &[&str], default: u32) -> u32 {
+    keys.iter()
+        .find_map(|k| config.get(*k).and_then(Value::as_u64))
+        .map(|v| v as u32)
+        .unwrap_or(default)
+}
+
+fn token_text(tokenizer: &Tokenizer, id: u32, what: &str) -> Result<String> {
+    tokenizer.id_to_token(id).ok_or_else(|| {
+        LoadError::Unsupported(format!(
+            "the tokenizer has no token {id} ({what}) that the vision-language config names"
+        ))
+    })
+}
+
+impl VisionProcessor {
+    /// The processor of `model_type` for the checkpoint in `folder`; `None` for types without
+    /// a vision side.
+    pub fn load(
+        model_type: ModelType,
+        folder: &std::path::Path,
+        config: &Value,
+        tokenizer: &Tokenizer,
+    ) -> Result<Option<VisionProcessor>> {
+        match model_type {
+            ModelType::Gemma3 => {
+                let defaults = ImageProcessor {
+                    do_resize: true,
+                    size: ResizeTarget::Exact {
+                        height: 224,
+                        width: 224,
+                    },
+                    resample: Resample::Bilinear,
+                    center_crop: None,
+                    rescale: Some(1.0 / 255.0),
+                    normalize: Some(([0.5; 3], [0.5; 3])),
+                };
+                let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
+                // Pan and scan adds crops per image, each its own image-token run.
+                let pan_and_scan = crate::image::processor_json(folder)?.and_then(|(json, _)| {
+                    let num = |k: &str, d: f64| json.get(k).and_then(Value::as_f64).unwrap_or(d);
+                    (json.get("do_pan_and_scan").and_then(Value::as_bool) == Some(true)).then(
+                        || PanAndScan {
+                            min_crop_size: num("pan_and_scan_min_crop_size", 256.0) as usize,
+                            max_num_crops: num("pan_and_scan_max_num_crops", 4.0) as usize,
+                            min_ratio: num("pan_and_scan_min_ratio_to_activate", 1.2),
+                        },
+                    )
+                });
+                let framing_ids = [
+                    tokenizer.encode("Here is the original image ", false)?,
+                    tokenizer.encode(" and here are some crops to help you see better ", false)?,
+                    tokenizer.encode(" ", false)?,
+                ];
+                let boi = config_id(config, &["boi_token_index", "boi_token_id"], 255_999);
+                let eoi = config_id(config, &["eoi_token_index", "eoi_token_id"], 256_000);
+                let img = config_id(config, &["image_token_index", "image_token_id"], 262_144);
+                let mm = config
+                    .get("mm_tokens_per_image")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(256) as usize;
+                let (boi_t, eoi_t, img_t) = (
+                    token_text(tokenizer, boi, "boi_token_index")?,
+                    token_text(tokenizer, eoi, "eoi_token_index")?,
+                    token_text(tokenizer, img, "image_token_index")?,
+                );
+                let expansion_text = format!("\n\n{boi_t}{}{eoi_t}\n\n", img_t.repeat(mm));
+                let newlines = tokenizer.encode("\n\n", false)?;
+                let mut expansion_ids = newlines.clone();
+                expansion_ids.push(boi);
+                expansion_ids.extend(std::iter::repeat_n(img, mm));
+                expansion_ids.push(eoi);
+                expansion_ids.extend(&newlines);
+                Ok(Some(VisionProcessor {
+                    family: model_type,
+                    image,
+                    placeholder_id: boi,
+                    placeholder: boi_t,
+                    expansion_text,
+                    expansion_ids,
+                    pan_and_scan,
+                    framing_ids,
+                    square_pad: None,
+                }))
+            }
+            ModelType::Llava => {
+                // CLIPImageProcessor's defaults.
+                let defaults = ImageProcessor {
+                    do_resize: true,
+                    size: ResizeTarget::ShortestEdge(224),
+                    resample: Resample::Bicubic,
+                    center_crop: Some((224, 224)),
+                    rescale: Some(1.0 / 255.0),
+                    normalize: Some((
+                        [0.48145466, 0.4578275, 0.40821073],
+                        [0.26862954, 0.26130258, 0.27577711],
+                    )),
+                };
+                let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
+                // LlavaImageProcessor (not CLIPImageProcessor) may pad to a square first.
+                let square_pad = crate::image::processor_json(folder)?.and_then(|(json, _)| {
+                    let llava = json.get("image_processor_type").and_then(Value::as_str)
+                        == Some("LlavaImageProcessor");
+                    (llava && json.get("do_pad").and_then(Value::as_bool) == Some(true)).then(
+                        || {
+                            let mean = image.normalize.map_or([0.0; 3], |(m, _)| m);
+                            mean.map(|m| (m * 255.0) as u8)
+                        },
+                    )
+                });
+                let id = config_id(config, &["image_token_index", "image_token_id"], 32000);
+                let text = token_text(tokenizer, id, "image_token_index")?;
+                // LlavaProcessor: the placeholder repeated once per image position (patches,
+                // plus the class position under the `full` strategy).
+                let vision = config.get("vision_config");
+                let dim = |k: &str, d: u64| {
+                    vision
+                        .and_then(|v| v.get(k))
+                        .and_then(Value::as_u64)
+                        .unwrap_or(d) as usize
+                };
+                let side = dim("image_size", 224) / dim("patch_size", 32).max(1);
+                let full = config
+                    .get("vision_feature_select_strategy")
+                    .and_then(Value::as_str)
+                    == Some("full");
+                let n = side * side + usize::from(full);
+                Ok(Some(VisionProcessor {
+                    family: model_type,
+                    image,
+                    placeholder_id: id,
+                    expansion_text: text.repeat(n),
+                    placeholder: text,
+                    expansion_ids: vec![id; n],
+                    pan_and_scan: None,
+                    framing_ids: Default::default(),
+                    square_pad,
+                }))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Pixel values of `image` as the HF processor computes them, with their content hash.
+    pub fn prepare(&self, image: &RgbImage) -> Result<ImageInput> {
+        if self.pan_and_scan.is_some() {
+            return Err(LoadError::Unsupported(
+                "pan and scan (do_pan_and_scan) makes several inputs per image: prepare images with `prepare_for_prompt`".into(),
+            ));
+        }
+        self.prepare_one(image)
+    }
+
+    /// One model input of `image` (padded, resized, rescaled, normalised), with its hash.
+    fn prepare_one(&self, image: &RgbImage) -> Result<ImageInput> {
+        let padded;
+        let image = match self.square_pad {
+            Some(colour) => {
+                padded = crate::image::pad_to_square(image, colour);
+                &padded
+            }
+            None => image,
+        };
+        let PixelValues {
+            height,
+            width,
+            data,
+        } = self.image.preprocess(image);
+        let hash = PixelValues {
+            height,
+            width,
+            data: data.clone(),
+        }
+        .content_hash();
+        ImageInput::new(data, [1, 3, height, width], hash).map_err(LoadError::from)
+    }
+
+    /// `image` prepared for a prompt: its inputs and its expansion ([`PreparedImage`]). Gemma 3
+    /// and LLaVA: one input and the family's fixed expansion; a family whose inputs or
+    /// expansion depend on the image adds its arm here (by [`VisionProcessor::family`]).
+    pub fn prepare_for_prompt(&self, image: &RgbImage) -> Result<PreparedImage> {
+        if let Some(pas) = self.pan_and_scan {
+            let crops = pas.crops(image);
+            if !crops.is_empty() {
+                // Gemma3Processor: "Here is the original image {seq} and here are some crops
+                // to help you see better {seq} {seq}".
+                let mut inputs = vec![self.prepare_one(image)?];
+                for c in &crops {
+                    inputs.push(self.prepare_one(c)?);
+                }
+                let seqs = vec![self.expansion_text.as_str(); crops.len()].join(" ");
+                let [original, crops_intro, space] = &self.framing_ids;
+                let mut ids = original.clone();
+                ids.extend(&self.expansion_ids);
+                ids.extend(crops_intro);
+                for i in 0..crops.len() {
+                    if i > 0 {
+                        ids.extend(space);
+                    }
+                    ids.extend(&self.expansion_ids);
+                }
+                return Ok(PreparedImage {
+                    inputs,
+                    expansion_text: format!(
+                        "Here is the original image {} and here are some crops to help you see better {seqs}",
+                        self.expansion_text
+                    ),
+                    expansion_ids: ids,
+                });
+            }
+        }
+        Ok(PreparedImage {
+            inputs: vec![self.prepare_one(image)?],
+            expansion_text: self.expansion_text.clone(),
+            expansion_ids: self.expansion_ids.clone(),
+        })
+    }
+
+    /// `text` with its `k`-th placeholder replaced by `images[k]`'s expansion; the error says
+    /// how many placeholders were found when they are not one per image.
+    pub fn expand_text_for(&self, text: &str, images: &[PreparedImage]) -> Result<String> {
+        let pieces: Vec<&str> = text.split(self.placeholder.as_str()).collect();
+        if pieces.len() != images.len() + 1 {
+            return Err(LoadError::Unsupported(format!(
+                "the prompt has {} image placeholder(s) `{}` for {} image(s)",
+                pieces.len() - 1,
+                self.placeholder,
+                images.len()
+            )));
+        }
+        let mut out = String::from(pieces[0]);
+        for (piece, image) in pieces[1..].iter().zip(images) {
+            out.push_str(&image.expansion_text);
+            out.push_str(piece);
+        }
+        Ok(out)
+    }
+
+    /// `ids` with the `k`-th placeholder id replaced by `images[k]`'s expansion ids.
+    pub fn expand_ids_for(&self, ids: &[u32], images: &[PreparedImage]) -> Result<Vec<u32>> {
+        let found = ids.iter().filter(|t| **t == self.placeholder_id).count();
+        if found != images.len() {
+            return Err(LoadError::Unsupported(format!(
+                "the prompt ids hold the image token {} {found} time(s) for {} image(s)",
+                self.placeholder_id,
+                images.len()
+            )));
+        }
+        let mut next = images.iter();
+        let mut out = Vec::with_capacity(ids.len());
+        for &t in ids {
+            match (t == self.placeholder_id).then(|| next.next()).flatten() {
+                Some(image) => out.extend(&image.expansion_ids),
+                None => out.push(t),
+            }
+        }
+        Ok(out)
+    }
+
+    /// `text` with each placeholder replaced by the expansion; the error says how many
+    /// placeholders were found when they are not `images`.
+    pub fn expand_text(&self, text: &str, images: usize) -> Result<String> {
+        let found = text.matches(self.placeholder.as_str()).count();
+        if found != images {
+            return Err(LoadError::Unsupported(format!(
+                "the prompt has {found} image placeholder(s) `{}` for {images} image(s)",
+                self.placeholder
+            )));
+        }
+        Ok(text.replace(self.placeholder.as_str(), &self.expansion_text))
+    }
+
+    /// `ids` with each placeholder id replaced by the expansion ids.
+    pub fn expand_ids(&self, ids: &[u32], images: usize) -> Result<Vec<u32>> {
+        let found = ids.iter().filter(|t| **t == self.placeholder_id).count();
+        if found != images {
+            return Err(LoadError::Unsupported(format!(
+                "the prompt ids hold the image token {} {found} time(s) for {images} image(s)",
+                self.placeholder_id
+            )));
+        }
+        let mut out = Vec::with_capacity(ids.len() + images * self.expansion_ids.len());
+        for &t in ids {
+            if t == self.placeholder_id {
+                out.extend(&self.expansion_ids);
+            } else {
+                out.push(t);
+            }
+        }
+        Ok(out)
+    }
+}
