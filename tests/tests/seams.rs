@@ -227,6 +227,7 @@ fn a_decoder_builds_under_any_tensor_prefix() {
             fuse_projections: false,
             transform: None,
             runtime_adapters: None,
+            parallelism: None,
         };
         let model = match load_config_backed(model_type, &config, weights, &build) {
             Ok(LoadedModel::Generation(m)) => m,

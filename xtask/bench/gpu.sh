@@ -24,7 +24,7 @@ if [ "$mode" = stage ]; then
   # Binaries that record libmlx by name, so LD_LIBRARY_PATH selects the CUDA build on the GPU machine.
   (cd "$root" && MLXCEL_LINK=name cargo build --release -p mlxcel-cli && MLXCEL_LINK=name cargo build --release -p mlxcel-core --example cuda_kernels)
   mkdir -p "$root/.device/run"
-  cp "$root/target/release/mlxcel" "$root/target/release/examples/cuda_kernels" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" \
+  cp "$root/target/release/mlxcel" "$root/target/release/examples/cuda_kernels" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" "$here/gpu_dist.sh" \
      "$here/mlx_lm_bench.py" "$here/make_random_model.py" \
      "$here/cuda/prefill_probe.py" "$here/make_plan_model.py" "$here/gpu_serve.sh" "$here/gpu_serve_configs.sh" "$here/same_replies.py" "$here/serve_client.py" "$root/.device/run/"
   # Plans of the CPU bench's state-space models, built there by make_plan_model.py (gpu_probe.sh ssm).

@@ -7,6 +7,10 @@ Needs only Python `mlx` (the GPU machine has no Rust toolchain):
   make_random_model.py make llama-8b OUTDIR --dense   the same shape unquantized, bf16 (16 GB)
   make_random_model.py make qwen3-30b-a3b OUTDIR   Qwen3-30B-A3B shape (128 experts, top-8)
   make_random_model.py make llama-8b OUTDIR --vocab 49152   another vocabulary size
+  make_random_model.py make llama-70b OUTDIR --dense --sparse   headers only: every data region
+      is a hole of a sparse file (no disk blocks, no Python mlx needed), for shapes no disk
+      holds; run them with `mlxcel generate --random-weights SEED` (each rank makes its own
+      shard's random weights on the device, see xtask/bench/gpu_dist.sh)
   make_random_model.py floor MODELDIR [--bandwidth GBPS]
       prints JSON: weight bytes, bytes read per decoded token, measured device copy bandwidth
       (a large MLX array copy: read + write bytes / time) and the decode floor in tok/s.
@@ -42,6 +46,16 @@ SHAPES = {
         rope_theta=1000000.0, max_position_embeddings=40960, rope_scaling=None,
         hidden_act="silu", attention_bias=False, bos_token_id=151643, eos_token_id=151645,
         torch_dtype="bfloat16"),
+    # Llama-3.1-70B: bf16 it is ~141 GB, more than one H200 holds.
+    "llama-70b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=8192,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=128000,
+        eos_token_id=128001, torch_dtype="bfloat16"),
 }
 GROUP, BITS = 64, 4
 
@@ -86,9 +100,36 @@ def layout(c):
     return head, layers, tail
 
 
-def make(shape, out, dense=False, vocab=None):
-    import mlx.core as mx
+def write_sparse(path, entries):
+    """A safetensors file of `entries` (name, dtype, shape) whose data region is a hole."""
+    size = {"BF16": 2, "U32": 4, "F32": 4}
+    meta, offset = {"__metadata__": {"format": "mlx"}}, 0
+    for name, dtype, shape in entries:
+        n = size[dtype] * math.prod(shape)
+        meta[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(meta, separators=(",", ":")).encode()
+    head += b" " * ((8 - len(head) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        f.truncate(8 + len(head) + offset)
+    return offset
 
+
+def sparse_entries(items, dense):
+    """The stored tensors of layout items: quantized linears as packed words, scales, biases."""
+    for name, shp, kind in items:
+        if kind in ("ones", "dense") or dense:
+            yield (name if kind != "q" else f"{name}.weight"), "BF16", shp
+        else:
+            *out, inp = shp
+            yield f"{name}.weight", "U32", (*out, inp * BITS // 32)
+            yield f"{name}.scales", "BF16", (*out, inp // GROUP)
+            yield f"{name}.biases", "BF16", (*out, inp // GROUP)
+
+
+def make(shape, out, dense=False, vocab=None, sparse=False):
     c = dict(SHAPES[shape])
     if vocab:
         # To pair the shape with a smaller real tokenizer (the serving benchmark).
@@ -109,6 +150,21 @@ def make(shape, out, dense=False, vocab=None):
     shards = [sum(groups[i:i + per_shard], []) for i in range(0, len(groups), per_shard)]
     weight_map, counter, total = {}, 0, 0
     t0 = time.time()
+    if sparse:
+        for si, items in enumerate(shards):
+            fname = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
+            entries = list(sparse_entries(items, dense))
+            total += write_sparse(os.path.join(stage, fname), entries)
+            weight_map.update({n: fname for n, _, _ in entries})
+        with open(os.path.join(stage, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+        with open(os.path.join(stage, "config.json"), "w") as f:
+            json.dump(c, f, indent=2)
+        os.rename(stage, out)
+        print(f"{out}: {total / 1e9:.2f} GB of sparse (header-only) safetensors")
+        return
+    import mlx.core as mx
+
     for si, items in enumerate(shards):
         fname = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
@@ -191,12 +247,14 @@ def main():
     m.add_argument("out")
     m.add_argument("--dense", action="store_true", help="bf16 weights, no quantization")
     m.add_argument("--vocab", type=int, help="vocabulary size instead of the shape's")
+    m.add_argument("--sparse", action="store_true",
+                   help="headers only, data regions as holes (run with --random-weights)")
     fl = sub.add_parser("floor")
     fl.add_argument("model")
     fl.add_argument("--bandwidth", type=float, help="GB/s (measured when absent)")
     args = ap.parse_args()
     if args.cmd == "make":
-        make(args.shape, args.out, args.dense, args.vocab)
+        make(args.shape, args.out, args.dense, args.vocab, args.sparse)
     else:
         total, read = bytes_per_token(args.model)
         bw = args.bandwidth or bandwidth_gbps()

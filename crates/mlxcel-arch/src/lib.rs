@@ -18,6 +18,7 @@ pub mod model;
 pub mod models;
 pub mod nn;
 pub mod nonstandard;
+pub mod parallel;
 pub mod registry;
 pub mod rerank;
 pub mod sampling;

@@ -211,6 +211,9 @@ pub struct BuildOptions {
     /// LoRA adapters kept unfused, attached to the linear layers they name (see
     /// [`crate::nn::lora`]).
     pub runtime_adapters: Option<crate::nn::lora::RuntimeAdapters>,
+    /// This process's part of a model spread over several (tensor or pipeline parallelism,
+    /// see [`crate::parallel`]); `None` builds the whole model.
+    pub parallelism: Option<crate::parallel::Parallelism>,
 }
 
 /// The signature of a [`WeightTransform`]: the sanitised tensors and the config they go with.
@@ -289,7 +292,8 @@ pub fn build_architecture<M: Architecture>(
         .with_stream(options.stream.clone())
         .with_external_ple(options.external_ple.clone())
         .with_fused_projections(options.fuse_projections)
-        .with_runtime_adapters(options.runtime_adapters.clone());
+        .with_runtime_adapters(options.runtime_adapters.clone())
+        .with_parallelism(options.parallelism.clone());
     let model = M::build(&args, &mut w.scope(&options.prefix))?;
     let kept = w.finish(name)?;
     options.materialization.apply(kept.iter())?;

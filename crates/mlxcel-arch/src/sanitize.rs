@@ -1,7 +1,7 @@
 //! Checkpoint rewrites shared by several architectures' `sanitize` (mlx-lm's catalogue of
 //! checkpoint quirks is the model for these).
 
-use mlxcel_core::{ops, WeightMap};
+use mlxcel_core::WeightMap;
 
 use crate::{ModelError, Result};
 
@@ -28,12 +28,10 @@ pub fn stack_experts(
                 if !map.contains(&part) {
                     return Err(ModelError::MissingTensor(part));
                 }
-                parts.push(map.take(&part)?);
+                parts.push(part);
             }
-            map.insert(
-                format!("{prefix}.switch_mlp.{to}.{plane}"),
-                ops::stack(&parts, 0)?,
-            )?;
+            // A lazy stack: a tensor-parallel rank then reads only its columns of each expert.
+            map.stack(format!("{prefix}.switch_mlp.{to}.{plane}"), &parts)?;
         }
     }
     Ok(())

@@ -10,12 +10,14 @@
 //! (`language_model.` in a vision-language checkpoint).
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 
 use mlxcel_core::{Array, Dtype, WeightMap};
 use mlxcel_quant::{QuantConfig, QuantMode, QuantizedWeight, TensorQuant};
 
 use crate::nn::lora::{LoraLayer, RuntimeAdapters};
 use crate::nn::{Embedding, Linear, SwitchLinear};
+use crate::parallel::{Parallelism, TensorParallel};
 use crate::{ModelError, Result};
 
 /// A checkpoint's tensors as model code consumes them: name lookup under scopes, shape checks,
@@ -36,6 +38,50 @@ pub struct ModelWeights {
     lora: Option<RuntimeAdapters>,
     /// The open scopes, outermost first.
     scope: Vec<String>,
+    /// This rank's part of a tensor-parallel model (see [`crate::parallel`]).
+    tensor_parallel: Option<TensorParallel>,
+    /// A pipeline-parallel job (see [`crate::parallel`]).
+    pipeline: Option<crate::parallel::PipelinePlan>,
+}
+
+/// Which part of a linear layer (or expert stack) this rank loads under tensor parallelism
+/// (see [`crate::parallel`]). Only these rows or columns are read from the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Split {
+    /// Output rows, concatenated in this order (a range may repeat): the layer computes this
+    /// rank's columns of the whole output ("all-to-sharded"). The bias is sliced alike.
+    Outputs(Vec<Range<i32>>),
+    /// Input columns `range` (on whole quantization groups): the layer reads this rank's part
+    /// of its input and its output is a partial sum over the ranks ("sharded-to-all");
+    /// `with_bias` says whether this part adds the bias (exactly one rank does).
+    Inputs {
+        /// The columns.
+        range: Range<i32>,
+        /// Whether this part adds the bias.
+        with_bias: bool,
+    },
+}
+
+impl Split {
+    /// The output rows of one range.
+    pub fn rows(range: Range<i32>) -> Split {
+        Split::Outputs(vec![range])
+    }
+
+    /// The width this part has of a dimension of `outputs` outputs and `inputs` inputs.
+    fn local(&self, outputs: i32, inputs: i32) -> (i32, i32) {
+        match self {
+            Split::Outputs(rows) => (rows.iter().map(|r| r.end - r.start).sum(), inputs),
+            Split::Inputs { range, .. } => (outputs, range.end - range.start),
+        }
+    }
+}
+
+/// Where one tensor is cut: `axis` and the ranges of it kept, in order.
+#[derive(Debug, Clone)]
+struct Cut {
+    axis: usize,
+    ranges: Vec<Range<i32>>,
 }
 
 /// A scope opened by [`ModelWeights::scope`]: dereferences to the weights with names resolved
@@ -110,6 +156,59 @@ impl ModelWeights {
             fuse_projections: false,
             lora: None,
             scope: Vec::new(),
+            tensor_parallel: None,
+            pipeline: None,
+        }
+    }
+
+    /// Builds this rank's part of a model spread over several processes (see
+    /// [`crate::parallel`]).
+    pub fn with_parallelism(mut self, parallelism: Option<Parallelism>) -> ModelWeights {
+        match parallelism {
+            Some(Parallelism::Tensor(tp)) => self.tensor_parallel = Some(tp),
+            Some(Parallelism::Pipeline(plan)) => self.pipeline = Some(plan),
+            None => {}
+        }
+        self
+    }
+
+    /// The pipeline-parallel job being built (the model picks its stage's layers,
+    /// [`crate::parallel::PipelinePlan::stage`]), if any.
+    pub fn pipeline_plan(&self) -> Option<&crate::parallel::PipelinePlan> {
+        self.pipeline.as_ref()
+    }
+
+    /// The tensor-parallel split being built, if any.
+    pub fn tensor_parallel(&self) -> Option<&TensorParallel> {
+        self.tensor_parallel.as_ref()
+    }
+
+    /// Marks every tensor under `prefix` (under the open scopes) as used without loading it:
+    /// the layers another pipeline stage holds.
+    pub fn skip(&mut self, prefix: &str) {
+        let prefix = format!("{}.", self.path(prefix));
+        let names: Vec<String> = self
+            .map
+            .names()
+            .filter(|n| n.starts_with(&prefix))
+            .map(str::to_string)
+            .collect();
+        self.used.extend(names);
+    }
+
+    /// The width of the quantization groups along the inputs of linear layer `prefix` (under
+    /// the open scopes) when it is stored quantized, else 1: the unit a split of its inputs
+    /// keeps whole.
+    pub fn input_unit(&self, prefix: &str) -> i32 {
+        let prefix = self.path(prefix);
+        if !self.map.contains(&format!("{prefix}.scales")) {
+            return 1;
+        }
+        match self.quant.as_ref().map(|q| q.for_module(&prefix)) {
+            Some(TensorQuant::Quantized {
+                mode, group_size, ..
+            }) => mode.fixed_layout().map_or(group_size, |(g, _)| g),
+            _ => 1,
         }
     }
 
@@ -179,19 +278,37 @@ impl ModelWeights {
         self.map.contains(&self.path(name))
     }
 
-    fn fetch(&mut self, name: &str) -> Result<Array> {
+    /// The tensor, or only the ranges of `cut` read from the checkpoint (concatenated).
+    fn fetch_cut(&mut self, name: &str, cut: Option<&Cut>) -> Result<Array> {
         if !self.map.contains(name) {
             return Err(ModelError::MissingTensor(name.to_string()));
         }
         self.used.insert(name.to_string());
-        Ok(self.map.get(name)?)
+        let Some(cut) = cut else {
+            return Ok(self.map.get(name)?);
+        };
+        let parts = cut
+            .ranges
+            .iter()
+            .map(|r| self.map.get_slice(name, cut.axis, r.start, r.end))
+            .collect::<mlxcel_core::Result<Vec<_>>>()?;
+        Ok(match parts.len() {
+            1 => parts.into_iter().next().expect("one part"),
+            _ => mlxcel_core::ops::concatenate(&parts, cut.axis as i32)?,
+        })
     }
 
-    /// A float tensor in the compute dtype (other tensors as stored).
-    fn fetch_float(&mut self, name: &str) -> Result<Array> {
+    /// A float tensor in the compute dtype (other tensors as stored), or only the ranges of
+    /// `cut`.
+    fn fetch_float_cut(&mut self, name: &str, cut: Option<&Cut>) -> Result<Array> {
         let is_float = self.map.info(name).is_some_and(|i| i.dtype.is_float());
-        if !is_float {
-            return self.fetch(name);
+        if !is_float || cut.is_some() {
+            let a = self.fetch_cut(name, cut)?;
+            return Ok(if is_float && a.dtype()? != self.dtype {
+                a.astype(self.dtype)?
+            } else {
+                a
+            });
         }
         if !self.map.contains(name) {
             return Err(ModelError::MissingTensor(name.to_string()));
@@ -241,10 +358,31 @@ impl ModelWeights {
     }
 
     fn tensor_at(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        self.tensor_cut(name, shape, None)
+    }
+
+    fn tensor_cut(&mut self, name: &str, shape: &[i32], cut: Option<&Cut>) -> Result<Array> {
         self.check_shape(name, shape)?;
         self.check_float(name)?;
-        let a = self.fetch_float(name)?;
+        let a = self.fetch_float_cut(name, cut)?;
         Ok(self.keep(a))
+    }
+
+    /// Rows `ranges` of `axis` of the float tensor `name` of `shape` (concatenated in order):
+    /// a tensor-parallel rank's per-head or per-column part (see [`crate::parallel`]).
+    pub fn tensor_part(
+        &mut self,
+        name: &str,
+        shape: &[i32],
+        axis: usize,
+        ranges: &[Range<i32>],
+    ) -> Result<Array> {
+        let name = self.path(name);
+        let cut = Cut {
+            axis,
+            ranges: ranges.to_vec(),
+        };
+        self.tensor_cut(&name, shape, Some(&cut))
     }
 
     /// A dense weight used through `ops::linear` (linear layers, embedding tables that may serve
@@ -252,15 +390,15 @@ impl ModelWeights {
     /// CPU backend) a half-precision weight is kept as stored: the kernel widens it row by row,
     /// so loading neither converts nor copies it (see `WeightMap::get`) and it stays half the
     /// size in memory. Elsewhere it is cast to the compute dtype like any float tensor.
-    fn matmul_weight(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+    fn matmul_weight(&mut self, name: &str, shape: &[i32], cut: Option<&Cut>) -> Result<Array> {
         self.check_shape(name, shape)?;
         let stored = self.map.info(name).map(|i| i.dtype);
         let half = matches!(stored, Some(Dtype::Bfloat16 | Dtype::Float16));
         if half && self.on_cpu_kernel_path()? {
-            let a = self.fetch(name)?;
+            let a = self.fetch_cut(name, cut)?;
             return Ok(self.keep(a));
         }
-        self.tensor_at(name, shape)
+        self.tensor_cut(name, shape, cut)
     }
 
     /// Whether linear layers run on mlxcel's CPU kernel (float32 compute on MLX's CPU backend),
@@ -286,6 +424,19 @@ impl ModelWeights {
         out_shape: &[i32],
         in_features: i32,
     ) -> Result<Option<QuantizedWeight>> {
+        self.quantized_split(prefix, out_shape, in_features, None)
+    }
+
+    /// [`ModelWeights::quantized`] of this rank's part `split` of the layer (the last entry of
+    /// `out_shape` is the split one): output rows of every plane, or whole quantization groups
+    /// of input columns.
+    fn quantized_split(
+        &mut self,
+        prefix: &str,
+        out_shape: &[i32],
+        in_features: i32,
+        split: Option<&Split>,
+    ) -> Result<Option<QuantizedWeight>> {
         let scales_name = format!("{prefix}.scales");
         if !self.map.contains(&scales_name) {
             return Ok(None);
@@ -308,7 +459,50 @@ impl ModelWeights {
             }
         };
         let weight_name = format!("{prefix}.weight");
-        let weight = self.fetch(&weight_name)?;
+        let row_axis = out_shape.len() - 1;
+        // Where each plane is cut: output rows alike; input columns by their own width per
+        // column (packed words for the weight, one scale per group).
+        let cut_of = |w: &Self, name: &str| -> Result<Option<Cut>> {
+            let Some(split) = split else { return Ok(None) };
+            Ok(Some(match split {
+                Split::Outputs(rows) => Cut {
+                    axis: row_axis,
+                    ranges: rows.clone(),
+                },
+                Split::Inputs { range, .. } => {
+                    let stored = w
+                        .map
+                        .info(name)
+                        .and_then(|i| i.shape.last().copied())
+                        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+                    // Columns per stored element: in_features / stored width (exact for whole
+                    // groups and whole packed words).
+                    let aligned = |x: i32| (x as i64 * stored as i64) % in_features as i64 == 0;
+                    if !aligned(range.start) || !aligned(range.end) {
+                        return Err(ModelError::Unsupported(format!(
+                            "tensor parallelism: `{name}` cannot be cut at input columns {range:?} of {in_features} (stored as {stored} per row): a rank's part must be whole quantization groups"
+                        )));
+                    }
+                    let at = |x: i32| (x as i64 * stored as i64 / in_features as i64) as i32;
+                    Cut {
+                        axis: row_axis + 1,
+                        ranges: std::iter::once(at(range.start)..at(range.end)).collect(),
+                    }
+                }
+            }))
+        };
+        let weight_cut = cut_of(self, &weight_name)?;
+        let weight = self.fetch_cut(&weight_name, weight_cut.as_ref())?;
+        let (out_shape, in_features) = match split {
+            Some(split) => {
+                let (o, i) = split.local(out_shape[row_axis], in_features);
+                let mut shape = out_shape.to_vec();
+                shape[row_axis] = o;
+                (shape, i)
+            }
+            None => (out_shape.to_vec(), in_features),
+        };
+        let out_shape = &out_shape[..];
         // Layers mlxcel's CPU kernel computes read half-precision scales and biases as stored
         // (no float32 copy at load); everything else gets them in the compute dtype.
         let spec = mlxcel_core::ops::QuantSpec {
@@ -320,10 +514,11 @@ impl ModelWeights {
             && mlxcel_core::ops::cpu_kernel_reads(spec)
             && self.on_cpu_kernel_path()?;
         let plane = |w: &mut Self, name: &str| {
+            let cut = cut_of(w, name)?;
             if stored_planes {
-                w.fetch(name)
+                w.fetch_cut(name, cut.as_ref())
             } else {
-                w.fetch_float(name)
+                w.fetch_float_cut(name, cut.as_ref())
             }
         };
         // Affine scales and every biases plane are floats; the fp4/fp8 modes store scales as
@@ -380,8 +575,21 @@ impl ModelWeights {
         out_features: i32,
         bias: bool,
     ) -> Result<Linear> {
+        self.linear_split(prefix, in_features, out_features, bias, None)
+    }
+
+    /// This rank's part `split` of linear layer `prefix` (the whole layer for `None`), reading
+    /// only that part from the checkpoint (see [`crate::parallel`]).
+    pub fn linear_split(
+        &mut self,
+        prefix: &str,
+        in_features: i32,
+        out_features: i32,
+        bias: bool,
+        split: Option<&Split>,
+    ) -> Result<Linear> {
         let prefix = self.path(prefix);
-        self.linear_at(&prefix, in_features, out_features, bias)
+        self.linear_at(&prefix, in_features, out_features, bias, split)
     }
 
     fn linear_at(
@@ -390,20 +598,60 @@ impl ModelWeights {
         in_features: i32,
         out_features: i32,
         bias: bool,
+        split: Option<&Split>,
     ) -> Result<Linear> {
-        let bias = if bias {
-            Some(self.tensor_at(&format!("{prefix}.bias"), &[out_features])?)
-        } else {
-            None
+        let bias_name = format!("{prefix}.bias");
+        let bias = match (bias, split) {
+            (false, _) => None,
+            (true, None) => Some(self.tensor_at(&bias_name, &[out_features])?),
+            (true, Some(Split::Outputs(rows))) => {
+                let cut = Cut {
+                    axis: 0,
+                    ranges: rows.clone(),
+                };
+                Some(self.tensor_cut(&bias_name, &[out_features], Some(&cut))?)
+            }
+            (true, Some(Split::Inputs { with_bias, .. })) => {
+                if *with_bias {
+                    Some(self.tensor_at(&bias_name, &[out_features])?)
+                } else {
+                    self.check_shape(&bias_name, &[out_features])?;
+                    self.used.insert(bias_name);
+                    None
+                }
+            }
         };
-        let base = match self.quantized(prefix, &[out_features], in_features)? {
+        let base = match self.quantized_split(prefix, &[out_features], in_features, split)? {
             Some(q) => Linear::Quantized { weight: q, bias },
             None => {
-                let weight =
-                    self.matmul_weight(&format!("{prefix}.weight"), &[out_features, in_features])?;
+                let cut = split.map(|s| match s {
+                    Split::Outputs(rows) => Cut {
+                        axis: 0,
+                        ranges: rows.clone(),
+                    },
+                    Split::Inputs { range, .. } => Cut {
+                        axis: 1,
+                        ranges: std::iter::once(range.clone()).collect(),
+                    },
+                });
+                let weight = self.matmul_weight(
+                    &format!("{prefix}.weight"),
+                    &[out_features, in_features],
+                    cut.as_ref(),
+                )?;
                 Linear::dense(weight, bias)?
             }
         };
+        if split.is_some()
+            && self
+                .lora
+                .as_ref()
+                .is_some_and(|l| l.modules.contains_key(prefix))
+        {
+            return Err(ModelError::Unsupported(format!(
+                "runtime adapters on `{prefix}` under tensor parallelism"
+            )));
+        }
         self.adapt(prefix, base, in_features, out_features)
     }
 
@@ -480,11 +728,28 @@ impl ModelWeights {
         out_features: &[i32],
         bias: bool,
     ) -> Result<Vec<Linear>> {
+        let splits = vec![None; prefixes.len()];
+        self.linear_group_split(prefixes, in_features, out_features, bias, &splits)
+    }
+
+    /// [`ModelWeights::linear_group`] of each layer's part `splits[i]` (see
+    /// [`ModelWeights::linear_split`]).
+    pub fn linear_group_split(
+        &mut self,
+        prefixes: &[&str],
+        in_features: i32,
+        out_features: &[i32],
+        bias: bool,
+        splits: &[Option<Split>],
+    ) -> Result<Vec<Linear>> {
         let kept_before = self.kept.len();
         let parts = prefixes
             .iter()
             .zip(out_features)
-            .map(|(prefix, &out)| self.linear(prefix, in_features, out, bias))
+            .zip(splits)
+            .map(|((prefix, &out), split)| {
+                self.linear_split(prefix, in_features, out, bias, split.as_ref())
+            })
             .collect::<Result<Vec<_>>>()?;
         if !self.fuse_projections {
             return Ok(parts);
@@ -510,7 +775,7 @@ impl ModelWeights {
                 dtype: self.dtype,
             },
             None => Embedding::Dense {
-                table: self.matmul_weight(&format!("{prefix}.weight"), &[vocab, dim])?,
+                table: self.matmul_weight(&format!("{prefix}.weight"), &[vocab, dim], None)?,
                 dtype: self.dtype,
             },
         };
@@ -538,14 +803,39 @@ impl ModelWeights {
         experts: i32,
         in_features: i32,
         out_features: i32,
+        split: Option<&Split>,
     ) -> Result<SwitchLinear> {
-        let base = match self.quantized(prefix, &[experts, out_features], in_features)? {
-            Some(q) => SwitchLinear::Quantized(q),
-            None => SwitchLinear::Dense(self.tensor_at(
-                &format!("{prefix}.weight"),
-                &[experts, out_features, in_features],
-            )?),
-        };
+        let base =
+            match self.quantized_split(prefix, &[experts, out_features], in_features, split)? {
+                Some(q) => SwitchLinear::Quantized(q),
+                None => {
+                    let cut = split.map(|s| match s {
+                        Split::Outputs(rows) => Cut {
+                            axis: 1,
+                            ranges: rows.clone(),
+                        },
+                        Split::Inputs { range, .. } => Cut {
+                            axis: 2,
+                            ranges: std::iter::once(range.clone()).collect(),
+                        },
+                    });
+                    SwitchLinear::Dense(self.tensor_cut(
+                        &format!("{prefix}.weight"),
+                        &[experts, out_features, in_features],
+                        cut.as_ref(),
+                    )?)
+                }
+            };
+        if split.is_some()
+            && self
+                .lora
+                .as_ref()
+                .is_some_and(|l| l.modules.contains_key(prefix))
+        {
+            return Err(ModelError::Unsupported(format!(
+                "runtime adapters on `{prefix}` under tensor parallelism"
+            )));
+        }
         match self.take_adapters(prefix, &[experts], in_features, out_features)? {
             None => Ok(base),
             Some(lora) => Ok(SwitchLinear::Adapted {
@@ -559,16 +849,40 @@ impl ModelWeights {
     /// compute dtype: dequantized at load when stored quantized (small per-head projections
     /// such as latent attention's `embed_q`, which run as batched matmuls).
     pub fn dense_stack(&mut self, prefix: &str, shape: &[i32]) -> Result<Array> {
+        self.dense_stack_part(prefix, shape, None)
+    }
+
+    /// [`ModelWeights::dense_stack`] of heads `heads` only (a tensor-parallel rank's): a
+    /// dense stack reads only those heads; a quantized one is dequantized, then cut.
+    pub fn dense_stack_part(
+        &mut self,
+        prefix: &str,
+        shape: &[i32],
+        heads: Option<Range<i32>>,
+    ) -> Result<Array> {
         let prefix = self.path(prefix);
         let (out, inp) = shape.split_at(shape.len() - 1);
         let kept_before = self.kept.len();
         if let Some(q) = self.quantized(&prefix, out, inp[0])? {
             // Only the dense copy is kept: materialising the packed planes too would hold both.
             self.kept.truncate(kept_before);
-            let dense = q.dequantize(self.dtype)?;
+            let mut dense = q.dequantize(self.dtype)?;
+            if let Some(h) = heads {
+                dense = dense.slice_axis(0, h.start, h.end)?;
+            }
             return Ok(self.keep(dense));
         }
-        self.tensor_at(&format!("{prefix}.weight"), shape)
+        let name = format!("{prefix}.weight");
+        match heads {
+            None => self.tensor_at(&name, shape),
+            Some(h) => {
+                let cut = Cut {
+                    axis: 0,
+                    ranges: std::iter::once(h).collect(),
+                };
+                self.tensor_cut(&name, shape, Some(&cut))
+            }
+        }
     }
 
     /// A normalisation layer `prefix.weight` (and `prefix.bias` for LayerNorm when present).
@@ -606,7 +920,7 @@ impl ModelWeights {
         intermediate: i32,
         act: crate::nn::Activation,
     ) -> Result<crate::nn::RoutedExperts> {
-        self.experts_at(prefix, experts, hidden, intermediate, act, true)
+        self.routed_experts_split(prefix, experts, hidden, intermediate, act, true, None)
     }
 
     /// Plain routed experts `down(act(up(x)))` at `prefix` (`{prefix}.switch_mlp.{up,down}_proj`,
@@ -619,10 +933,16 @@ impl ModelWeights {
         intermediate: i32,
         act: crate::nn::Activation,
     ) -> Result<crate::nn::RoutedExperts> {
-        self.experts_at(prefix, experts, hidden, intermediate, act, false)
+        self.routed_experts_split(prefix, experts, hidden, intermediate, act, false, None)
     }
 
-    fn experts_at(
+    /// The routed experts at `prefix`, with a gate projection when `gated`
+    /// ([`ModelWeights::routed_experts`]) or without ([`ModelWeights::plain_routed_experts`]),
+    /// holding only intermediate columns `columns` of every expert when given (a
+    /// tensor-parallel rank's part: gate/up output rows, down input columns; its result is a
+    /// partial sum over the ranks).
+    #[allow(clippy::too_many_arguments)]
+    pub fn routed_experts_split(
         &mut self,
         prefix: &str,
         experts: i32,
@@ -630,7 +950,13 @@ impl ModelWeights {
         intermediate: i32,
         act: crate::nn::Activation,
         gated: bool,
+        columns: Option<Range<i32>>,
     ) -> Result<crate::nn::RoutedExperts> {
+        let rows = columns.clone().map(Split::rows);
+        let inputs = columns.map(|range| Split::Inputs {
+            range,
+            with_bias: false,
+        });
         use crate::nn::{RoutedExperts, StreamedGlu, SwitchGlu};
         let prefix = &self.path(prefix);
         let s = format!("{prefix}.switch_mlp");
@@ -645,6 +971,7 @@ impl ModelWeights {
                     experts,
                     hidden,
                     intermediate,
+                    rows.as_ref(),
                 )?)
             } else {
                 None
@@ -656,17 +983,24 @@ impl ModelWeights {
                     experts,
                     hidden,
                     intermediate,
+                    rows.as_ref(),
                 )?,
                 down: self.switch_linear_at(
                     &format!("{s}.down_proj"),
                     experts,
                     intermediate,
                     hidden,
+                    inputs.as_ref(),
                 )?,
                 act,
                 biases: None,
             }));
         };
+        if rows.is_some() {
+            return Err(ModelError::Unsupported(format!(
+                "{prefix}: streamed experts under tensor parallelism"
+            )));
+        }
         if !gated {
             return Err(ModelError::Unsupported(format!(
                 "{prefix}: streaming plain (ungated) experts"

@@ -66,6 +66,10 @@ pub struct RunFlags {
     /// Run even when the estimate exceeds the device's memory.
     #[arg(long)]
     pub force: bool,
+    /// Benchmarks only: random weights made on the device (from this seed) instead of the
+    /// checkpoint's bytes, e.g. a header-only sparse checkpoint of a shape no disk holds.
+    #[arg(long, hide = true, value_name = "SEED")]
+    pub random_weights: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -151,12 +155,14 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
         let config = mlxcel_loading::read_config(&folder)?;
         let dtype = mlxcel_loading::compute_dtype(&config)?;
         let context = flags.max_context.unwrap_or(4096) as u64;
-        let est = estimate(
+        // Under `mlxcel launch`, this rank's part.
+        let est = mlxcel_loading::memory::estimate_rank(
             &folder,
             &config,
             dtype,
             context,
             flags.prefill_chunk.unwrap_or(512) as u64,
+            &crate::launch::rank_part_from_env(),
         )?;
         if flags.estimate_memory {
             print_estimate(&est, context);
@@ -180,6 +186,9 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
         surgery: flags.surgery.clone(),
         adapter: flags.adapter.clone(),
         lora_fuse: flags.lora_fuse,
+        // This rank's part when `mlxcel launch` started the process.
+        parallelism: crate::launch::parallelism_from_env()?,
+        random_weights: flags.random_weights,
         ..Default::default()
     };
     let loaded = load_model(&model, &options)?;
@@ -217,7 +226,7 @@ pub fn estimate_for(model: &std::path::Path, context: u64) -> anyhow::Result<()>
     Ok(())
 }
 
-fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
+pub fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
     println!("{:<16} {:<10} {:>12}", "role", "dtype", "bytes");
     for ((role, dtype), bytes) in &est.weights {
         println!("{role:<16} {dtype:<10} {bytes:>12}");

@@ -7,6 +7,7 @@ mod convert;
 mod embed;
 mod generate;
 mod inspect;
+mod launch;
 mod npy;
 mod rerank;
 
@@ -133,6 +134,9 @@ enum Command {
         #[arg(long, requires = "reranker_model")]
         generative_reranker: bool,
     },
+    /// Run a command (`generate`, `chat`, `logits`) as N processes sharing one model: tensor
+    /// or pipeline parallelism over MLX's distributed layer (`-- COMMAND ...` follows).
+    Launch(launch::LaunchFlags),
     /// Write (or with --verify, check) the expert-stream layout of an MoE model, so its routed
     /// experts can stream from disk.
     PrepareExpertStream {
@@ -340,6 +344,7 @@ fn run() -> anyhow::Result<()> {
                 .with_context(|| format!("serving on {host}:{port}"))?;
         }
         Some(Command::Embed(flags)) => embed::run(flags)?,
+        Some(Command::Launch(flags)) => launch::run(flags)?,
         Some(Command::Rerank(flags)) => rerank::run(flags)?,
         Some(Command::PrepareExpertStream { model, verify }) => {
             prepare_expert_stream(&model, verify)?
@@ -453,6 +458,7 @@ fn logits(
         surgery,
         adapter,
         lora_fuse,
+        parallelism: launch::parallelism_from_env()?,
         ..Default::default()
     };
     let loaded = load_model(model, &options)?;
@@ -474,6 +480,9 @@ fn logits(
             i / vocab.max(1),
             ids.get(i / vocab.max(1)).copied().unwrap_or(0)
         );
+    }
+    if !launch::writes_outputs() {
+        return Ok(());
     }
     npy::write_f32(out, &[ids.len(), vocab], &values)
         .with_context(|| format!("writing {}", out.display()))?;

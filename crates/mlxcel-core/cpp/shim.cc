@@ -612,4 +612,46 @@ std::unique_ptr<ArrayVec> cuda_binary_call(const CudaBinary& binary, const Array
       /*shared_memory=*/0, /*init_value=*/std::nullopt, /*ensure_row_contiguous=*/true));
 }
 
+// ---- distributed ----
+// Thin wrappers over mlx::core::distributed: the backend's errors (no peer, a peer gone, a
+// shape the group cannot reduce) are exceptions and reach Rust as `Err`.
+
+bool distributed_is_available(rust::Str backend) {
+  return mx::distributed::is_available(str(backend));
+}
+
+std::unique_ptr<DistGroup> distributed_init(bool strict, rust::Str backend) {
+  return std::make_unique<DistGroup>(DistGroup{mx::distributed::init(strict, str(backend))});
+}
+
+std::unique_ptr<DistGroup> group_clone(const DistGroup& g) {
+  return std::make_unique<DistGroup>(g);
+}
+int32_t group_rank(const DistGroup& g) { return g.group.rank(); }
+int32_t group_size(const DistGroup& g) { return g.group.size(); }
+
+std::unique_ptr<DistGroup> group_split(const DistGroup& g, int32_t color, int32_t key) {
+  return std::make_unique<DistGroup>(DistGroup{g.group.split(color, key)});
+}
+
+Ptr dist_all_sum(const array& x, const DistGroup& g) {
+  return wrap(mx::distributed::all_sum(x, g.group));
+}
+Ptr dist_all_max(const array& x, const DistGroup& g) {
+  return wrap(mx::distributed::all_max(x, g.group));
+}
+Ptr dist_all_gather(const array& x, const DistGroup& g) {
+  return wrap(mx::distributed::all_gather(x, g.group));
+}
+Ptr dist_send(const array& x, int32_t dst, const DistGroup& g) {
+  return wrap(mx::distributed::send(x, dst, g.group));
+}
+Ptr dist_recv(rust::Slice<const int32_t> shape, Dtype dtype, int32_t src, const DistGroup& g) {
+  return wrap(mx::distributed::recv(shape_of(shape), to_mlx(dtype), src, g.group));
+}
+
+std::unique_ptr<ArrayVec> depends(const ArrayVec& inputs, const ArrayVec& dependencies) {
+  return wrap_vec(mx::depends(inputs.items, dependencies.items));
+}
+
 }  // namespace mlxcel

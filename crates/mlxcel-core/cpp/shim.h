@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "mlx/mlx.h"
+#include "mlx/distributed/distributed.h"
+#include "mlx/distributed/ops.h"
 #include "rust/cxx.h"
 
 namespace mlxcel {
@@ -41,6 +43,11 @@ struct CudaBinary {
 };
 
 using Ptr = std::unique_ptr<array>;
+
+// A group of processes of MLX's distributed layer (mlx::core::distributed::Group).
+struct DistGroup {
+  mlx::core::distributed::Group group;
+};
 
 // The CPU decode engine (cpu_decode.cc); its state is defined there.
 struct CpuDecoderState;
@@ -235,5 +242,20 @@ std::unique_ptr<ArrayVec> custom_kernel_call(const CustomKernel& kernel, const A
                                              rust::Slice<const int32_t> threadgroup,
                                              const rust::Vec<rust::String>& template_names,
                                              rust::Slice<const int32_t> template_values);
+
+// ---- distributed (mlx::core::distributed; distributed.cc) ----
+bool distributed_is_available(rust::Str backend);
+std::unique_ptr<DistGroup> distributed_init(bool strict, rust::Str backend);
+std::unique_ptr<DistGroup> group_clone(const DistGroup& g);
+int32_t group_rank(const DistGroup& g);
+int32_t group_size(const DistGroup& g);
+std::unique_ptr<DistGroup> group_split(const DistGroup& g, int32_t color, int32_t key);
+Ptr dist_all_sum(const array& x, const DistGroup& g);
+Ptr dist_all_max(const array& x, const DistGroup& g);
+Ptr dist_all_gather(const array& x, const DistGroup& g);
+Ptr dist_send(const array& x, int32_t dst, const DistGroup& g);
+Ptr dist_recv(rust::Slice<const int32_t> shape, Dtype dtype, int32_t src, const DistGroup& g);
+// `inputs` unchanged, but evaluated only after `dependencies` (mlx::core::depends).
+std::unique_ptr<ArrayVec> depends(const ArrayVec& inputs, const ArrayVec& dependencies);
 
 }  // namespace mlxcel

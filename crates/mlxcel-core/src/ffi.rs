@@ -74,6 +74,8 @@ pub(crate) mod bridge {
         /// A compiled custom kernel (`mlx::core::fast::metal_kernel` / `cuda_kernel`).
         type CustomKernel;
         type CudaBinary;
+        /// `mlx::core::distributed::Group`: the processes one collective spans.
+        type DistGroup;
 
         // ---- library, devices, memory ----
         fn mlx_version() -> Result<String>;
@@ -527,6 +529,25 @@ pub(crate) mod bridge {
             template_names: &Vec<String>,
             template_values: &[i32],
         ) -> Result<UniquePtr<ArrayVec>>;
+
+        // ---- distributed (mlx::core::distributed) ----
+        fn distributed_is_available(backend: &str) -> Result<bool>;
+        fn distributed_init(strict: bool, backend: &str) -> Result<UniquePtr<DistGroup>>;
+        fn group_clone(g: &DistGroup) -> Result<UniquePtr<DistGroup>>;
+        fn group_rank(g: &DistGroup) -> Result<i32>;
+        fn group_size(g: &DistGroup) -> Result<i32>;
+        fn group_split(g: &DistGroup, color: i32, key: i32) -> Result<UniquePtr<DistGroup>>;
+        fn dist_all_sum(x: &MlxArray, g: &DistGroup) -> Result<UniquePtr<MlxArray>>;
+        fn dist_all_max(x: &MlxArray, g: &DistGroup) -> Result<UniquePtr<MlxArray>>;
+        fn dist_all_gather(x: &MlxArray, g: &DistGroup) -> Result<UniquePtr<MlxArray>>;
+        fn dist_send(x: &MlxArray, dst: i32, g: &DistGroup) -> Result<UniquePtr<MlxArray>>;
+        fn dist_recv(
+            shape: &[i32],
+            dtype: Dtype,
+            src: i32,
+            g: &DistGroup,
+        ) -> Result<UniquePtr<MlxArray>>;
+        fn depends(inputs: &ArrayVec, dependencies: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
     }
 }
 
@@ -535,3 +556,9 @@ pub(crate) mod bridge {
 unsafe impl Send for bridge::CpuDecoder {}
 unsafe impl Send for bridge::CudaBinary {}
 unsafe impl Sync for bridge::CudaBinary {}
+
+// SAFETY: a `DistGroup` is a shared pointer to MLX's group implementation, which MLX itself uses
+// from its scheduler threads (collectives run on the stream's thread, not the caller's); the
+// handle is never mutated after creation.
+unsafe impl Send for bridge::DistGroup {}
+unsafe impl Sync for bridge::DistGroup {}

@@ -19,6 +19,7 @@ mod array;
 pub mod cpu_decode;
 pub mod cuda_kernels;
 mod device;
+pub mod distributed;
 mod dtype;
 mod error;
 mod ffi;

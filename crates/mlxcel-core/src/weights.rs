@@ -30,6 +30,9 @@ enum Source {
     },
     /// An array a sanitiser put in the map.
     Array(Array),
+    /// Same-shaped tensors stacked along a new first axis ([`WeightMap::stack`]), kept as
+    /// their own entries so that a slice reads only the parts it covers.
+    Stack(Vec<(String, Entry)>),
 }
 
 /// What is known about a tensor without reading its data.
@@ -79,6 +82,9 @@ pub struct WeightMap {
     folder: PathBuf,
     shards: Arc<Vec<Shard>>,
     entries: BTreeMap<String, Entry>,
+    /// Benchmarks only: file tensors are random numbers made on the device from this seed
+    /// instead of the file's bytes (see [`WeightMap::with_random_data`]).
+    random: Option<u64>,
 }
 
 impl std::fmt::Debug for WeightMap {
@@ -304,6 +310,53 @@ impl WeightMap {
             folder: folder.into(),
             shards: Arc::new(Vec::new()),
             entries: BTreeMap::new(),
+            random: None,
+        }
+    }
+
+    /// Benchmarks only: every file tensor reads as random numbers made on MLX's default device
+    /// (from `seed` and the tensor's name) instead of the file's bytes, which are never touched.
+    /// With a checkpoint whose data regions are holes (a sparse file: headers only on disk),
+    /// this measures shapes no disk could hold; each rank of a tensor-parallel run makes only
+    /// its own slices ([`WeightMap::get_slice`]). Norm weights are ones, float weights uniform
+    /// with std 0.02, quantization scales and biases small enough to keep activations finite.
+    pub fn with_random_data(mut self, seed: u64) -> WeightMap {
+        self.random = Some(seed);
+        self
+    }
+
+    /// A random stand-in for file tensor `name` (see [`WeightMap::with_random_data`]).
+    fn random_tensor(&self, name: &str, shape: &[i32], dtype: Dtype, seed: u64) -> Result<Array> {
+        use crate::ops::random;
+        // FNV-1a of the name: a different stream per tensor.
+        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        let key = random::key(seed ^ hash)?;
+        let uniform = |lo: f64, hi: f64| -> Result<Array> {
+            random::uniform(shape, Dtype::Float32, &key)?
+                .mul_scalar(hi - lo)?
+                .add_scalar(lo)
+        };
+        let is_norm = name.ends_with("norm.weight") || name.contains("layernorm");
+        match dtype {
+            Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16 => {
+                let values = if is_norm {
+                    crate::ops::ones(shape, Dtype::Float32)?
+                } else if name.ends_with(".scales") {
+                    uniform(0.0005, 0.005)?
+                } else if name.ends_with(".biases") {
+                    uniform(-0.04, -0.004)?
+                } else {
+                    uniform(-0.0346, 0.0346)?
+                };
+                values.astype(dtype)
+            }
+            // Packed quantized words: every bit pattern.
+            Dtype::Uint32 => uniform(0.0, 4_294_967_040.0)?.astype(dtype),
+            // Byte scales (fp4/fp8 modes): exponents near 2^0.
+            Dtype::Uint8 => uniform(120.0, 128.0)?.astype(dtype),
+            _ => crate::ops::zeros(shape, dtype),
         }
     }
 
@@ -505,6 +558,7 @@ impl WeightMap {
             folder,
             shards: Arc::new(shards),
             entries,
+            random: None,
         })
     }
 
@@ -566,8 +620,23 @@ impl WeightMap {
             name: name.to_string(),
             folder: self.folder.clone(),
         })?;
+        self.entry_array(name, entry)
+    }
+
+    fn entry_array(&self, name: &str, entry: &Entry) -> Result<Array> {
         match &entry.source {
             Source::Array(a) => Ok(a.clone()),
+            Source::Stack(parts) => {
+                let arrays = parts
+                    .iter()
+                    .map(|(n, e)| self.entry_array(n, e))
+                    .collect::<Result<Vec<_>>>()?;
+                crate::ops::stack(&arrays, 0)
+            }
+            Source::File { .. } if self.random.is_some() => {
+                let seed = self.random.unwrap_or_default();
+                self.random_tensor(name, &entry.info.shape, entry.info.dtype, seed)
+            }
             Source::File { shard, start, end } => {
                 let shard = &self.shards[*shard];
                 let bytes = shard.map.get(*start..*end).ok_or_else(|| {
@@ -602,6 +671,108 @@ impl WeightMap {
                 array.map_err(|e| Error::checkpoint(&shard.path, format!("tensor `{name}`: {e}")))
             }
         }
+    }
+
+    /// Part of a tensor: indices `start..end` of `axis`, every index of the other axes. Only
+    /// those bytes are read from the mapped file (a rank of a tensor-parallel job loads its own
+    /// shard, never the whole tensor): a slice of the first axis borrows them as [`get`]
+    /// does, a slice of another axis copies each of its runs. Inserted arrays are sliced
+    /// through MLX.
+    ///
+    /// [`get`]: WeightMap::get
+    pub fn get_slice(&self, name: &str, axis: usize, start: i32, end: i32) -> Result<Array> {
+        let entry = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            folder: self.folder.clone(),
+        })?;
+        self.entry_slice(name, entry, axis, start, end)
+    }
+
+    fn entry_slice(
+        &self,
+        name: &str,
+        entry: &Entry,
+        axis: usize,
+        start: i32,
+        end: i32,
+    ) -> Result<Array> {
+        let shape = &entry.info.shape;
+        if axis >= shape.len() || start < 0 || end > shape[axis] || start > end {
+            return Err(Error::Invalid(format!(
+                "tensor `{name}` {shape:?}: no slice {start}..{end} of axis {axis}"
+            )));
+        }
+        if let (Some(seed), Source::File { .. }) = (self.random, &entry.source) {
+            let mut sliced = shape.clone();
+            sliced[axis] = end - start;
+            let part = format!("{name}[{axis}:{start}..{end}]");
+            return self.random_tensor(&part, &sliced, entry.info.dtype, seed);
+        }
+        let (shard, start_byte, end_byte) = match &entry.source {
+            Source::Array(a) => return a.slice_axis(axis as i32, start, end),
+            // Only the parts the slice covers, each read only as far as it needs.
+            Source::Stack(parts) => {
+                let arrays = if axis == 0 {
+                    parts[start as usize..end as usize]
+                        .iter()
+                        .map(|(n, e)| self.entry_array(n, e))
+                        .collect::<Result<Vec<_>>>()?
+                } else {
+                    parts
+                        .iter()
+                        .map(|(n, e)| self.entry_slice(n, e, axis - 1, start, end))
+                        .collect::<Result<Vec<_>>>()?
+                };
+                return crate::ops::stack(&arrays, 0);
+            }
+            Source::File { shard, start, end } => (&self.shards[*shard], *start, *end),
+        };
+        let bytes = shard.map.get(start_byte..end_byte).ok_or_else(|| {
+            Error::checkpoint(
+                &shard.path,
+                format!("tensor `{name}` lies outside the file"),
+            )
+        })?;
+        let elem = entry.info.dtype.size_of();
+        let outer: usize = shape[..axis].iter().map(|d| *d as usize).product();
+        let run: usize = shape[axis + 1..]
+            .iter()
+            .map(|d| *d as usize)
+            .product::<usize>()
+            * elem;
+        let mut sliced = shape.clone();
+        sliced[axis] = end - start;
+        let (lo, hi) = (start as usize * run, end as usize * run);
+        let stride = shape[axis] as usize * run;
+        let array = if outer == 1 {
+            let part = &bytes[lo..hi];
+            let aligned = (part.as_ptr() as usize) % elem.max(1) == 0;
+            if zero_copy_enabled() && aligned && !part.is_empty() {
+                let offset = start_byte + lo;
+                let _ = shard
+                    .map
+                    .advise_range(Advice::PopulateRead, offset, part.len());
+                // SAFETY: `part` lies in `shard.map`, kept mapped by the owner; the mapping is
+                // private, so nothing modifies it behind MLX's back.
+                unsafe {
+                    Array::borrowing_bytes(
+                        part,
+                        &sliced,
+                        entry.info.dtype,
+                        Box::new(shard.map.clone()),
+                    )
+                }
+            } else {
+                Array::from_bytes(part, &sliced, entry.info.dtype)
+            }
+        } else {
+            let mut out = Vec::with_capacity(outer * (hi - lo));
+            for o in 0..outer {
+                out.extend_from_slice(&bytes[o * stride + lo..o * stride + hi]);
+            }
+            Array::from_bytes(&out, &sliced, entry.info.dtype)
+        };
+        array.map_err(|e| Error::checkpoint(&shard.path, format!("tensor `{name}`: {e}")))
     }
 
     /// The tensor converted to `dtype`. Half-precision file tensors become float32 on the host
@@ -639,9 +810,12 @@ impl WeightMap {
 
     /// The raw bytes of a file tensor, without creating an array (`None` for inserted arrays).
     pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+        if self.random.is_some() {
+            return None;
+        }
         match &self.entries.get(name)?.source {
             Source::File { shard, start, end } => self.shards[*shard].map.get(*start..*end),
-            Source::Array(_) => None,
+            Source::Array(_) | Source::Stack(_) => None,
         }
     }
 
@@ -665,6 +839,53 @@ impl WeightMap {
             Entry {
                 info,
                 source: Source::Array(array),
+            },
+        );
+        Ok(())
+    }
+
+    /// Replaces tensors `parts` (same shape and dtype) by one tensor `name` of shape
+    /// `[parts.len(), ..]`, their stack along a new first axis, without reading them: the
+    /// stack reads its parts when asked for, a slice of it ([`WeightMap::get_slice`]) only
+    /// the parts and rows it covers (one expert's columns of a per-expert checkpoint).
+    pub fn stack(&mut self, name: impl Into<String>, parts: &[String]) -> Result<()> {
+        let name = name.into();
+        let mut entries = Vec::with_capacity(parts.len());
+        for part in parts {
+            let entry = self.entries.get(part).ok_or_else(|| Error::MissingTensor {
+                name: part.clone(),
+                folder: self.folder.clone(),
+            })?;
+            if let Some((first, e)) = entries.first() {
+                let e: &Entry = e;
+                if e.info.shape != entry.info.shape || e.info.dtype != entry.info.dtype {
+                    return Err(Error::Invalid(format!(
+                        "cannot stack `{part}` ({:?} {}) with `{first}` ({:?} {}) into `{name}`",
+                        entry.info.shape, entry.info.dtype, e.info.shape, e.info.dtype
+                    )));
+                }
+            }
+            entries.push((part.clone(), entry.clone()));
+        }
+        let Some((_, first)) = entries.first() else {
+            return Err(Error::Invalid(format!("`{name}`: a stack of no tensors")));
+        };
+        let mut shape = vec![entries.len() as i32];
+        shape.extend(&first.info.shape);
+        let info = TensorInfo {
+            dtype: first.info.dtype,
+            stored_dtype: first.info.stored_dtype.clone(),
+            shape,
+            file: None,
+        };
+        for part in parts {
+            self.entries.remove(part);
+        }
+        self.entries.insert(
+            name,
+            Entry {
+                info,
+                source: Source::Stack(entries),
             },
         );
         Ok(())

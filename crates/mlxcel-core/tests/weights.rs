@@ -393,3 +393,100 @@ fn mapped_files_that_change_are_reported() {
         "{err}"
     );
 }
+
+#[test]
+fn slices_read_only_their_part_of_a_file_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let values: Vec<f32> = (0..24).map(|v| v as f32).collect();
+    write(
+        &dir.path().join("model.safetensors"),
+        &[("t", arr(&values, &[2, 3, 4]))],
+    );
+    let mut map = WeightMap::open(dir.path()).unwrap();
+    let full = map.get("t").unwrap();
+    for (axis, start, end) in [(0, 1, 2), (1, 1, 3), (2, 0, 2), (2, 3, 4)] {
+        let got = map.get_slice("t", axis, start, end).unwrap();
+        let want = full.slice_axis(axis as i32, start, end).unwrap();
+        assert_eq!(got.shape(), want.shape(), "axis {axis}");
+        assert_eq!(
+            got.to_vec::<f32>().unwrap(),
+            want.to_vec::<f32>().unwrap(),
+            "axis {axis} {start}..{end}"
+        );
+    }
+    // A slice of the first axis borrows the mapped bytes when zero-copy is on: its data lies
+    // inside the file tensor's own data, 12 floats in.
+    if mlxcel_core::weights::zero_copy_enabled() {
+        let whole = full.data_address().unwrap();
+        let rows = map.get_slice("t", 0, 1, 2).unwrap();
+        assert_eq!(rows.data_address().unwrap(), whole + 12 * 4);
+    }
+    assert!(map.get_slice("t", 3, 0, 1).is_err());
+    assert!(map.get_slice("t", 0, 1, 3).is_err());
+    // Inserted arrays slice through MLX.
+    map.insert("u", arr(&values, &[6, 4])).unwrap();
+    let part = map.get_slice("u", 1, 2, 4).unwrap();
+    assert_eq!(part.shape(), vec![6, 2]);
+    assert_eq!(part.to_vec::<f32>().unwrap()[..2], [2.0, 3.0]);
+}
+
+#[test]
+fn random_data_replaces_file_bytes_for_benchmarks() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("model.safetensors"),
+        &[
+            ("w", arr(&[0.0; 64], &[8, 8])),
+            ("input_layernorm.weight", arr(&[0.0; 8], &[8])),
+        ],
+    );
+    let map = WeightMap::open(dir.path()).unwrap().with_random_data(3);
+    let w = map.get("w").unwrap().to_vec::<f32>().unwrap();
+    assert!(w.iter().all(|v| v.abs() < 0.035) && w.iter().any(|v| *v != 0.0));
+    let norm = map
+        .get("input_layernorm.weight")
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    assert_eq!(norm, vec![1.0; 8]);
+    assert_eq!(map.get_slice("w", 1, 0, 3).unwrap().shape(), vec![8, 3]);
+    assert!(map.bytes("w").is_none());
+}
+
+#[test]
+fn a_stack_reads_only_the_parts_a_slice_covers() {
+    let dir = tempfile::tempdir().unwrap();
+    let a: Vec<f32> = (0..6).map(|v| v as f32).collect();
+    let b: Vec<f32> = (10..16).map(|v| v as f32).collect();
+    write(
+        &dir.path().join("model.safetensors"),
+        &[
+            ("e.0", arr(&a, &[2, 3])),
+            ("e.1", arr(&b, &[2, 3])),
+            ("odd", arr(&[0.0; 4], &[4])),
+        ],
+    );
+    let mut map = WeightMap::open(dir.path()).unwrap();
+    map.stack("s", &["e.0".to_string(), "e.1".to_string()])
+        .unwrap();
+    assert!(!map.contains("e.0") && map.info("s").unwrap().shape == vec![2, 2, 3]);
+    let all = map.get("s").unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(all, [a.clone(), b.clone()].concat());
+    assert_eq!(
+        map.get_slice("s", 0, 1, 2)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        b
+    );
+    let cols = map.get_slice("s", 2, 1, 3).unwrap();
+    assert_eq!(cols.shape(), vec![2, 2, 2]);
+    assert_eq!(
+        cols.to_vec::<f32>().unwrap(),
+        [1.0, 2.0, 4.0, 5.0, 11.0, 12.0, 14.0, 15.0]
+    );
+    assert!(map
+        .stack("t", &["s".to_string(), "odd".to_string()])
+        .is_err());
+    assert!(map.stack("t", &["missing".to_string()]).is_err());
+}

@@ -452,6 +452,7 @@ pub(crate) fn build_task_model(
         fuse_projections: false,
         transform: None,
         runtime_adapters: None,
+        parallelism: None,
     };
     let model = load_config_backed(model_type, config, weights, &build).map_err(|source| {
         LoadError::Model {

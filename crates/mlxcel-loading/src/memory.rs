@@ -154,8 +154,105 @@ pub fn estimate(
     context: u64,
     chunk: u64,
 ) -> Result<MemoryEstimate> {
+    estimate_rank(folder, config, dtype, context, chunk, &RankPart::WHOLE)
+}
+
+/// One rank's part of a model spread over several processes (see
+/// [`mlxcel_arch::parallel`]), for [`estimate_rank`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankPart {
+    /// Pipeline parallelism (contiguous layers per rank) rather than tensor parallelism.
+    pub pipeline: bool,
+    /// The rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub size: usize,
+    /// Pipeline parallelism: layers per rank (`None`: as even as possible).
+    pub layers_per_rank: Option<Vec<usize>>,
+}
+
+impl RankPart {
+    /// The whole model in one process.
+    pub const WHOLE: RankPart = RankPart {
+        pipeline: false,
+        rank: 0,
+        size: 1,
+        layers_per_rank: None,
+    };
+
+    /// This rank's layers of a model of `layers` layers (all of them under tensor
+    /// parallelism).
+    fn layers(&self, layers: usize) -> Result<std::ops::Range<usize>> {
+        if !self.pipeline {
+            return Ok(0..layers);
+        }
+        let counts = self.layers_per_rank.as_deref();
+        Ok(mlxcel_arch::parallel::stage_layers(
+            layers, self.size, self.rank, counts,
+        )?)
+    }
+
+    /// The layer index in a tensor name (`model.layers.N.…`), if any.
+    fn layer_of(name: &str) -> Option<usize> {
+        let rest = &name[name.find("layers.")? + "layers.".len()..];
+        rest.split('.').next()?.parse().ok()
+    }
+
+    /// This rank's bytes of tensor `name` (of role `role`, `bytes` in all) when it holds layers
+    /// `range` of a model whose head is tied to the embedding when `tied`: tensor parallelism
+    /// splits attention, MLP, expert and untied head weights (rounded up: the first ranks take one unit
+    /// more) and replicates the rest; pipeline parallelism keeps the tensors of the rank's
+    /// layers, the embedding on the first rank (and the last, for a tied head), the head and
+    /// final norm on the last.
+    fn share(
+        &self,
+        name: &str,
+        role: &str,
+        bytes: u64,
+        range: &std::ops::Range<usize>,
+        tied: bool,
+    ) -> u64 {
+        if self.size <= 1 {
+            return bytes;
+        }
+        let size = self.size as u64;
+        if !self.pipeline {
+            return match role {
+                "attention" | "dense mlp" | "shared expert" | "routed experts" | "lm_head" => {
+                    bytes.div_ceil(size)
+                }
+                _ => bytes,
+            };
+        }
+        let (first, last) = (self.rank == 0, self.rank + 1 == self.size);
+        let keep = match (Self::layer_of(name), role) {
+            (Some(l), _) => range.contains(&l),
+            (None, "embedding") => first || (last && tied),
+            (None, "lm_head" | "norm") => last,
+            (None, _) => first,
+        };
+        if keep {
+            bytes
+        } else {
+            0
+        }
+    }
+}
+
+/// [`estimate`] of one rank's part of a model spread over several processes.
+pub fn estimate_rank(
+    folder: &Path,
+    config: &Value,
+    dtype: Dtype,
+    context: u64,
+    chunk: u64,
+    part: &RankPart,
+) -> Result<MemoryEstimate> {
     let weights = WeightMap::open(folder)?;
     let model_type = mlxcel_arch::detection::get_model_type(config, false)?;
+    let schedule = mlxcel_arch::cache_schedule(model_type, config)?;
+    let tied = !weights.names().any(|n| tensor_role(n) == "lm_head");
+    let own = part.layers(schedule.len())?;
     // A vision-language checkpoint loaded with its tower keeps it on disk until the first image.
     let has_vision = weights.names().any(|n| tensor_role(n) == "vision (unused)");
     let lazy_tower = model_type.descriptor().directory_route == mlxcel_arch::DirectoryRoute::Vlm
@@ -191,9 +288,12 @@ pub fn estimate(
         } else {
             (info.stored_dtype.to_lowercase(), info.nbytes() as u64)
         };
-        let slot = by_role
-            .entry((tensor_role(name).to_string(), label))
-            .or_default();
+        let role = tensor_role(name);
+        let bytes = part.share(name, role, bytes, &own, tied);
+        if bytes == 0 {
+            continue;
+        }
+        let slot = by_role.entry((role.to_string(), label)).or_default();
         *slot = slot.saturating_add(bytes);
     }
     // A vision-language config keeps the decoder's widths in `text_config`.
@@ -205,8 +305,18 @@ pub fn estimate(
     let hidden = num(text, "hidden_size").unwrap_or(0);
     // The model's own cache schedule: what each layer keeps per position, and how many
     // positions (sliding-window rings hold at most window + chunk rows).
-    let schedule = mlxcel_arch::cache_schedule(model_type, config)?;
-    let kv_bytes_per_token: u64 = schedule.iter().map(|k| k.bytes_per_token(dtype)).sum();
+    // A rank holds its own layers' caches (pipeline) or its heads' share of each (tensor).
+    let schedule: Vec<_> = schedule
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| own.contains(i))
+        .map(|(_, k)| k)
+        .collect();
+    let kv_share = |bytes: u64| match part.pipeline {
+        true => bytes,
+        false => bytes.div_ceil(part.size.max(1) as u64),
+    };
+    let kv_bytes_per_token: u64 = kv_share(schedule.iter().map(|k| k.bytes_per_token(dtype)).sum());
     // Growth happens in steps of 256 positions.
     let rows = context.saturating_add(255) / 256 * 256;
     let kv_cache = schedule
@@ -218,6 +328,7 @@ pub fn estimate(
                 .saturating_add(k.fixed_bytes(dtype))
         })
         .fold(0u64, u64::saturating_add);
+    let kv_cache = kv_share(kv_cache);
     let vocab = num(text, "vocab_size").unwrap_or(0);
     let inter = num(text, "intermediate_size")
         .unwrap_or(hidden.saturating_mul(4))

@@ -69,6 +69,14 @@ pub struct LoadOptions {
     /// unchanged (possibly quantized) base. None is active until selected
     /// ([`Loaded::select_adapters`]); switching costs no reload.
     pub runtime_adapters: Vec<(String, PathBuf)>,
+    /// Build only this process's part of a model spread over several processes (tensor or
+    /// pipeline parallelism over an MLX distributed group, see [`mlxcel_arch::parallel`]);
+    /// each rank reads only its part of the checkpoint. `None`: the whole model.
+    pub parallelism: Option<mlxcel_arch::parallel::Parallelism>,
+    /// Benchmarks only: the checkpoint's tensors are random numbers made on the device from
+    /// this seed, never read from its files ([`mlxcel_core::WeightMap::with_random_data`]):
+    /// shapes too large for the disk, as header-only sparse files.
+    pub random_weights: Option<u64>,
 }
 
 impl LoadOptions {
@@ -537,6 +545,9 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         .map(|(name, dir)| Ok((name.clone(), crate::adapter::Adapter::load(dir)?)))
         .collect::<Result<Vec<_>>>()?;
     let mut weights = WeightMap::open(&folder)?;
+    if let Some(seed) = options.random_weights {
+        weights = weights.with_random_data(seed);
+    }
     let mapped = weights.mapped_files();
     let model_type = get_model_type(&config, has_vision_weights(&weights)).map_err(model_err)?;
     let policy = model_load_policy(model_type);
@@ -704,6 +715,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         fuse_projections: runtime.fuse_projections.unwrap_or(gpu),
         transform,
         runtime_adapters: lora.clone(),
+        parallelism: options.parallelism.clone(),
     };
     let model = match policy.directory_route {
         DirectoryRoute::Nonstandard => load_nonstandard(model_type, &config, weights, &build),

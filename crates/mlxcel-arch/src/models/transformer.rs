@@ -29,10 +29,11 @@ use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
     LightningAttention, Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind,
     PositionScale, QkNorm, QkvProjection, QueryProjection, RopeConfig, RotaryEmbedding,
-    RoutedExperts, Router, RouterScoring, XIeluParams,
+    RoutedExperts, Router, RouterScoring, ShardedRms, XIeluParams,
 };
 use crate::nn::{DeltaProjections, GatedDeltaDims, GatedDeltaNet};
-use crate::weights::ModelWeights;
+use crate::parallel::{HeadSplit, Pipeline};
+use crate::weights::{ModelWeights, Split};
 use crate::{ModelError, Result};
 
 /// Which query/key normalisation an attention layer applies.
@@ -274,6 +275,21 @@ pub enum MixerSpec {
 }
 
 impl MixerSpec {
+    /// What the mixer is, for messages.
+    fn kind(&self) -> &'static str {
+        match self {
+            MixerSpec::Attention => "attention",
+            MixerSpec::Latent(_) => "multi-head latent attention",
+            MixerSpec::Mamba(_) => "Mamba",
+            MixerSpec::Mamba2(_) => "Mamba-2",
+            MixerSpec::Lightning(_) => "lightning attention",
+            MixerSpec::GatedDelta(_) => "gated delta",
+            MixerSpec::RgLru(_) => "RG-LRU",
+            MixerSpec::AttentionWithMamba2(_) => "attention with Mamba-2",
+            MixerSpec::None => "feed-forward-only",
+        }
+    }
+
     /// The scope the mixer's tensors are read under within its layer.
     fn scope(&self) -> &'static str {
         match self {
@@ -613,10 +629,6 @@ impl FeedForward {
             }
         }
     }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        self.forward_fused(x, None, None)
-    }
 }
 
 impl MoeBlock {
@@ -703,6 +715,74 @@ struct Block {
     mixer: Mixer,
     /// `None` exactly for [`BlockNorms::MixerOnly`] (see [`DecoderSpec::check`]).
     ffn: Option<FeedForward>,
+    /// Tensor parallelism: the group the mixer's and feed-forward's partial sums are
+    /// completed over (see [`crate::parallel`]).
+    reduce: Option<mlxcel_core::distributed::Group>,
+}
+
+/// Advances a cache of a layer another pipeline stage computes by `l` positions of `b` rows,
+/// with one-element placeholder keys and values (a state by its count alone).
+fn keep_pace(cache: &mut LayerCache, b: i32, l: i32, dtype: mlxcel_core::Dtype) -> Result<()> {
+    let placeholder = mlxcel_core::ops::zeros(&[b, 1, l, 1], dtype)?;
+    match cache {
+        LayerCache::State(c) => c.advance(l as usize),
+        LayerCache::Latent(_) => {
+            cache.update_latent(&placeholder, &placeholder)?;
+        }
+        LayerCache::Shared { .. } => {}
+        LayerCache::Pair(pair) => {
+            // Falcon-H1: the attention's keys and values, and the Mamba-2 state beside them.
+            keep_pace(&mut pair.0, b, l, dtype)?;
+            keep_pace(&mut pair.1, b, l, dtype)?;
+        }
+        _ => {
+            cache.update(&placeholder, &placeholder, None)?;
+        }
+    }
+    Ok(())
+}
+
+/// The whole logits `[.., vocab]` from every rank's rows `parts[r]` of the vocabulary (`part`
+/// is this rank's `[.., parts[rank].len()]`): gathered along a leading axis (padded to the
+/// widest part, as every rank must send the same shape), then put back in vocabulary order.
+fn gather_vocab(
+    group: &mlxcel_core::distributed::Group,
+    parts: &[std::ops::Range<i32>],
+    part: &Array,
+) -> Result<Array> {
+    let shape = part.shape();
+    let n = shape.len();
+    let widest = parts.iter().map(|r| r.end - r.start).max().unwrap_or(0);
+    let mine = shape[n - 1];
+    let padded = if mine < widest {
+        let mut pad_shape = shape.clone();
+        pad_shape[n - 1] = widest - mine;
+        let pad = mlxcel_core::ops::zeros(&pad_shape, part.dtype()?)?;
+        mlxcel_core::ops::concatenate(&[part.clone(), pad], (n - 1) as i32)?
+    } else {
+        part.clone()
+    };
+    // [.., widest] → [1, .., widest]: one slot per rank after the gather.
+    let gathered = group.all_gather(&padded.expand_dims(&[0])?)?;
+    let pieces = parts
+        .iter()
+        .enumerate()
+        .map(|(r, range)| {
+            let rank = gathered
+                .slice_axis(0, r as i32, r as i32 + 1)?
+                .squeeze(&[0])?;
+            Ok(rank.slice_axis((n - 1) as i32, 0, range.end - range.start)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(mlxcel_core::ops::concatenate(&pieces, (n - 1) as i32)?)
+}
+
+/// `residual + y` (`y` without a residual).
+fn add_residual(y: Array, residual: Option<&Array>) -> Result<Array> {
+    Ok(match residual {
+        Some(r) => r.add(&y)?,
+        None => y,
+    })
 }
 
 /// `h + scale · y` (`h + y` without a scale).
@@ -714,6 +794,42 @@ fn add_scaled(h: &Array, y: &Array, scale: Option<f64>) -> Result<Array> {
 }
 
 impl Block {
+    /// `residual + mixer(norm(x))`, the partial sums of a tensor-parallel rank completed
+    /// before the residual is added.
+    fn mix(
+        &self,
+        x: &Array,
+        norm: Option<&Norm>,
+        residual: Option<&Array>,
+        cache: &mut LayerCache,
+        positions: Option<&Array>,
+    ) -> Result<Array> {
+        match &self.reduce {
+            None => self.mixer.forward(x, norm, residual, cache, positions),
+            Some(group) => {
+                let part = self.mixer.forward(x, norm, None, cache, positions)?;
+                add_residual(group.all_sum(&part)?, residual)
+            }
+        }
+    }
+
+    /// `residual + ffn(norm(x))`, completed over the ranks like [`Block::mix`].
+    fn feed(
+        &self,
+        ffn: &FeedForward,
+        x: &Array,
+        norm: Option<&Norm>,
+        residual: Option<&Array>,
+    ) -> Result<Array> {
+        match &self.reduce {
+            None => ffn.forward_fused(x, norm, residual),
+            Some(group) => {
+                let part = ffn.forward_fused(x, norm, None)?;
+                add_residual(group.all_sum(&part)?, residual)
+            }
+        }
+    }
+
     fn forward(
         &self,
         h: &Array,
@@ -721,24 +837,25 @@ impl Block {
         positions: Option<&Array>,
         residual_scale: Option<f64>,
     ) -> Result<Array> {
-        let mixer = &self.mixer;
+        // A layer with no token mixer (Nemotron-H's feed-forward layers) is its feed-forward
+        // block alone.
         if let (BlockNorms::MixerOnly { mixer_in }, Mixer::None, Some(ffn)) =
-            (&self.norms, mixer, &self.ffn)
+            (&self.norms, &self.mixer, &self.ffn)
         {
             // The layer's (empty) state cache moves on with the others' positions.
             if let LayerCache::State(s) = cache {
                 s.advance(h.dim(1)? as usize);
             }
             return match residual_scale {
-                None => ffn.forward_fused(h, Some(mixer_in), Some(h)),
-                Some(s) => add_scaled(h, &ffn.forward_fused(h, Some(mixer_in), None)?, Some(s)),
+                None => self.feed(ffn, h, Some(mixer_in), Some(h)),
+                Some(s) => add_scaled(h, &self.feed(ffn, h, Some(mixer_in), None)?, Some(s)),
             };
         }
         if let BlockNorms::MixerOnly { mixer_in } = &self.norms {
             return match residual_scale {
-                None => mixer.forward(h, Some(mixer_in), Some(h), cache, positions),
+                None => self.mix(h, Some(mixer_in), Some(h), cache, positions),
                 Some(s) => {
-                    let r = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                    let r = self.mix(h, Some(mixer_in), None, cache, positions)?;
                     add_scaled(h, &r, Some(s))
                 }
             };
@@ -752,13 +869,13 @@ impl Block {
             (BlockNorms::PreNorm { mixer_in, ffn_in }, None) => {
                 // The norms fold into the first projections and the residual adds into the
                 // last ones where the kernels can.
-                let h = mixer.forward(h, Some(mixer_in), Some(h), cache, positions)?;
-                ffn.forward_fused(&h, Some(ffn_in), Some(&h))
+                let h = self.mix(h, Some(mixer_in), Some(h), cache, positions)?;
+                self.feed(ffn, &h, Some(ffn_in), Some(&h))
             }
             (BlockNorms::PreNorm { mixer_in, ffn_in }, Some(s)) => {
-                let r = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                let r = self.mix(h, Some(mixer_in), None, cache, positions)?;
                 let h = add_scaled(h, &r, Some(s))?;
-                add_scaled(&h, &ffn.forward_fused(&h, Some(ffn_in), None)?, Some(s))
+                add_scaled(&h, &self.feed(ffn, &h, Some(ffn_in), None)?, Some(s))
             }
             (
                 BlockNorms::Sandwich {
@@ -769,26 +886,26 @@ impl Block {
                 },
                 s,
             ) => {
-                let r = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
+                let r = self.mix(h, Some(mixer_in), None, cache, positions)?;
                 let h = add_scaled(h, &mixer_out.forward(&r)?, s)?;
-                let f = ffn.forward(&ffn_in.forward(&h)?)?;
+                let f = self.feed(ffn, &ffn_in.forward(&h)?, None, None)?;
                 add_scaled(&h, &ffn_out.forward(&f)?, s)
             }
             (BlockNorms::PostNorm { mixer_out, ffn_out }, s) => {
-                let r = mixer.forward(h, None, None, cache, positions)?;
+                let r = self.mix(h, None, None, cache, positions)?;
                 let h = add_scaled(h, &mixer_out.forward(&r)?, s)?;
-                let f = ffn.forward(&h)?;
+                let f = self.feed(ffn, &h, None, None)?;
                 add_scaled(&h, &ffn_out.forward(&f)?, s)
             }
             (BlockNorms::Parallel { input }, s) => {
                 let x = input.forward(h)?;
-                let a = mixer.forward(&x, None, None, cache, positions)?;
-                let f = ffn.forward(&x)?;
+                let a = self.mix(&x, None, None, cache, positions)?;
+                let f = self.feed(ffn, &x, None, None)?;
                 add_scaled(h, &a.add(&f)?, s)
             }
             (BlockNorms::ParallelTwoNorms { mixer_in, ffn_in }, s) => {
-                let a = mixer.forward(h, Some(mixer_in), None, cache, positions)?;
-                let f = ffn.forward_fused(h, Some(ffn_in), None)?;
+                let a = self.mix(h, Some(mixer_in), None, cache, positions)?;
+                let f = self.feed(ffn, h, Some(ffn_in), None)?;
                 add_scaled(h, &a.add(&f)?, s)
             }
             (
@@ -800,12 +917,12 @@ impl Block {
                 _,
             ) => {
                 let x = mixer_in.forward(h)?;
-                let a = mixer.forward(&x, None, None, cache, positions)?;
+                let a = self.mix(&x, None, None, cache, positions)?;
                 let h = x
                     .mul_scalar(scales.mixer_residual)?
                     .add(&a.mul_scalar(scales.mixer_out)?)?;
                 let x = ffn_in.forward(&h)?;
-                let f = ffn.forward(&x)?;
+                let f = self.feed(ffn, &x, None, None)?;
                 Ok(x.mul_scalar(scales.ffn_residual)?
                     .add(&f.mul_scalar(scales.ffn_out)?)?)
             }
@@ -817,10 +934,20 @@ impl Block {
 /// A decoder built from a [`DecoderSpec`].
 #[derive(Debug)]
 pub struct Decoder {
-    embed: Embedding,
+    /// `None` on a pipeline stage that neither embeds nor has a tied head.
+    embed: Option<Embedding>,
+    /// This rank's blocks: every layer's, or a pipeline stage's from `first_layer` on.
     blocks: Vec<Block>,
+    first_layer: usize,
+    /// Pipeline parallelism: this rank's stage (see [`crate::parallel`]).
+    stage: Option<Pipeline>,
+    hidden: i32,
+    dtype: mlxcel_core::Dtype,
     norm: Norm,
     lm_head: Option<Linear>,
+    /// Tensor parallelism with an untied head: each rank's vocabulary rows of `lm_head`, in
+    /// rank order; the logits are gathered from every rank's part.
+    vocab_parallel: Option<(mlxcel_core::distributed::Group, Vec<std::ops::Range<i32>>)>,
     /// `lm_head.bias` added to a tied head's logits (an untied head carries its own).
     tied_head_bias: Option<Array>,
     embed_scale: Option<f64>,
@@ -846,26 +973,47 @@ fn mlp(w: &mut ModelWeights, spec: &DecoderSpec, intermediate: i32, gated: bool)
         Activation::XIelu(_) => Activation::XIelu(xielu_params(w)?),
         act => act,
     };
+    // Tensor parallelism: this rank's intermediate columns (whole quantization groups of
+    // `down_proj`'s inputs); the block's output is then a partial sum.
+    let (columns, down_part) = match w.tensor_parallel() {
+        Some(tp) => {
+            let unit = w.input_unit("down_proj");
+            let what = format!("`{}`", w.path("down_proj"));
+            let cols = tp.columns(intermediate, unit, &what)?;
+            let down = Split::Inputs {
+                range: cols.clone(),
+                with_bias: tp.rank() == 0,
+            };
+            (Some(Split::rows(cols)), Some(down))
+        }
+        None => (None, None),
+    };
+    let down =
+        |w: &mut ModelWeights| w.linear_split("down_proj", intermediate, h, b, down_part.as_ref());
     if !gated {
         return Ok(Mlp::Plain {
-            up: w.linear("up_proj", h, intermediate, b)?,
-            down: w.linear("down_proj", intermediate, h, b)?,
+            up: w.linear_split("up_proj", h, intermediate, b, columns.as_ref())?,
+            down: down(w)?,
             act,
         });
     }
-    let mut layers = w.linear_group(
+    let mut layers = w.linear_group_split(
         &["gate_proj", "up_proj"],
         h,
         &[intermediate, intermediate],
         b,
+        &[columns.clone(), columns.clone()],
     )?;
-    let down = w.linear("down_proj", intermediate, h, b)?;
+    let down = down(w)?;
     Ok(match (layers.pop(), layers.pop()) {
         (Some(gate_up), None) => Mlp::FusedGated {
+            hidden: match &columns {
+                Some(Split::Outputs(rows)) => rows.iter().map(|r| r.end - r.start).sum(),
+                _ => intermediate,
+            },
             gate_up,
             down,
             act,
-            hidden: intermediate,
         },
         (Some(up), Some(gate)) => Mlp::Gated {
             gate,
@@ -900,11 +1048,47 @@ fn xielu_params(w: &mut ModelWeights) -> Result<XIeluParams> {
 fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<Attention> {
     let (h, hd) = (spec.hidden, spec.head_dim);
     let (q_dim, kv_dim) = (spec.heads * hd, spec.kv_heads * hd);
-    let mut layers = w.linear_group(
+    // Tensor parallelism: this rank's query heads and the key/value heads they read; the
+    // layer's output is then a partial sum (`o_proj` holds those heads' input columns).
+    let heads = match w.tensor_parallel() {
+        Some(tp) => {
+            // A key/value head held by two ranks would count twice in the key norm's sum of
+            // squares.
+            let shares_kv = (spec.kv_heads as usize) < tp.size();
+            if matches!(spec.qk_norm, QkNormSpec::Full) && shares_kv {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor parallelism over {} ranks with a key norm over the whole projection needs at least as many key/value heads ({}) as ranks",
+                    tp.size(),
+                    spec.kv_heads
+                )));
+            }
+            Some((tp.heads(spec.heads, spec.kv_heads)?, tp.rank() == 0))
+        }
+        None => None,
+    };
+    let all_q: Vec<i32> = (0..spec.heads).collect();
+    let all_kv: Vec<i32> = (0..spec.kv_heads).collect();
+    let (q_heads, kv_heads): (Vec<i32>, Vec<i32>) = match &heads {
+        Some((split, _)) => (split.q.clone().collect(), split.kv.clone()),
+        None => (all_q, all_kv),
+    };
+    let part = |on: &[i32], width: i32| {
+        heads
+            .as_ref()
+            .map(|_| Split::Outputs(HeadSplit::rows(on, width)))
+    };
+    let q_split = part(&q_heads, hd);
+    let kv_split = part(&kv_heads, hd);
+    let o_split = heads.as_ref().map(|(split, first)| Split::Inputs {
+        range: split.q.start * hd..split.q.end * hd,
+        with_bias: *first,
+    });
+    let mut layers = w.linear_group_split(
         &["q_proj", "k_proj", "v_proj"],
         h,
         &[q_dim, kv_dim, kv_dim],
         spec.qkv_bias,
+        &[q_split.clone(), kv_split.clone(), kv_split],
     )?;
     let qkv = match (layers.pop(), layers.pop(), layers.pop()) {
         (Some(qkv), None, None) => QkvProjection::Fused(qkv),
@@ -918,15 +1102,20 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
             k: norm(w, spec, "k_norm", hd)?,
         },
         QkNormSpec::PerHeadWeights => {
-            let per_head = |w: &mut ModelWeights, name: &str, heads: i32| -> Result<Norm> {
+            let per_head = |w: &mut ModelWeights, name: &str, heads: i32, local: &[i32]| {
                 let weight = w
-                    .tensor(&format!("{name}.weight"), &[heads, hd])?
-                    .reshape(&[heads, 1, hd])?;
+                    .tensor_part(
+                        &format!("{name}.weight"),
+                        &[heads, hd],
+                        0,
+                        &HeadSplit::rows(local, 1),
+                    )?
+                    .reshape(&[local.len() as i32, 1, hd])?;
                 Norm::new(spec.norm, weight, None, spec.eps)
             };
             QkNorm::PerHeadWeights {
-                q: per_head(w, "q_norm", spec.heads)?,
-                k: per_head(w, "k_norm", spec.kv_heads)?,
+                q: per_head(w, "q_norm", spec.heads, &q_heads)?,
+                k: per_head(w, "k_norm", spec.kv_heads, &kv_heads)?,
             }
         }
         QkNormSpec::PerHeadAfterRope => QkNorm::PerHeadAfterRope {
@@ -941,9 +1130,39 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
             }
         }
         QkNormSpec::WeightlessOnRopeLayers => QkNorm::None,
-        QkNormSpec::Full => QkNorm::Full {
-            q: norm(w, spec, "q_norm", q_dim)?,
-            k: norm(w, spec, "k_norm", kv_dim)?,
+        QkNormSpec::Full => match w.tensor_parallel() {
+            None => QkNorm::Full {
+                q: norm(w, spec, "q_norm", q_dim)?,
+                k: norm(w, spec, "k_norm", kv_dim)?,
+            },
+            Some(tp) => {
+                let group = tp.group().clone();
+                let sharded = |w: &mut ModelWeights, name: &str, width: i32, local: &[i32]| {
+                    let weight = w.tensor_part(
+                        &format!("{name}.weight"),
+                        &[width],
+                        0,
+                        &HeadSplit::rows(local, hd),
+                    )?;
+                    let norm = Norm::new(spec.norm, weight, None, spec.eps)?;
+                    let Some((weight, eps)) = norm.rms_parts() else {
+                        return Err(ModelError::Unsupported(
+                            "tensor parallelism with a LayerNorm over the whole query/key projection".into(),
+                        ));
+                    };
+                    w.keep_all([weight]);
+                    Ok(ShardedRms {
+                        weight: weight.clone(),
+                        eps,
+                        width,
+                        group: group.clone(),
+                    })
+                };
+                QkNorm::FullSharded {
+                    q: sharded(w, "q_norm", q_dim, &q_heads)?,
+                    k: sharded(w, "k_norm", kv_dim, &kv_heads)?,
+                }
+            }
         },
     };
     let rope = match &spec.rope[layer] {
@@ -960,12 +1179,12 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
                 "attention sinks together with attention soft-capping".into(),
             ));
         }
-        Some(w.tensor("sinks", &[spec.heads])?)
+        Some(w.tensor_part("sinks", &[spec.heads], 0, &HeadSplit::rows(&q_heads, 1))?)
     } else {
         None
     };
     let output_gate = if spec.attn_output_gate {
-        Some(w.linear("output_gate", h, q_dim, spec.qkv_bias)?)
+        Some(w.linear_split("output_gate", h, q_dim, spec.qkv_bias, q_split.as_ref())?)
     } else {
         None
     };
@@ -973,12 +1192,12 @@ fn attention(w: &mut ModelWeights, spec: &DecoderSpec, layer: usize) -> Result<A
         sinks,
         qkv,
         output_gate,
-        o: w.linear("o_proj", q_dim, h, spec.o_bias)?,
+        o: w.linear_split("o_proj", q_dim, h, spec.o_bias, o_split.as_ref())?,
         qk_norm,
         rope,
         cfg: AttentionConfig {
-            n_heads: spec.heads,
-            n_kv_heads: spec.kv_heads,
+            n_heads: q_heads.len() as i32,
+            n_kv_heads: kv_heads.len() as i32,
             head_dim: hd,
             scale: spec.attn_scale,
             softcap: spec.attn_softcap,
@@ -997,26 +1216,57 @@ fn latent_attention(
 ) -> Result<LatentAttention> {
     let d = l.dims;
     let h = spec.hidden;
-    let q_width = d.heads * (d.qk_nope + d.qk_rope);
+    let q_head = d.qk_nope + d.qk_rope;
+    let q_width = d.heads * q_head;
+    // Tensor parallelism: this rank's heads (the shared latent and its projection stay whole);
+    // the output is then a partial sum.
+    let heads = match w.tensor_parallel() {
+        Some(tp) => Some((
+            tp.columns(d.heads, 1, "latent attention heads")?,
+            tp.rank() == 0,
+        )),
+        None => None,
+    };
+    let q_rows = heads
+        .as_ref()
+        .map(|(r, _)| Split::rows(r.start * q_head..r.end * q_head));
+    let o_cols = heads.as_ref().map(|(r, first)| Split::Inputs {
+        range: r.start * d.v_head..r.end * d.v_head,
+        with_bias: *first,
+    });
     let q = match l.q_lora_rank {
         Some(rank) => QueryProjection::LowRank {
             a: w.linear("q_a_proj", h, rank, l.bias)?,
             norm: w.norm("q_a_layernorm", NormKind::Rms, rank, spec.eps)?,
-            b: w.linear("q_b_proj", rank, q_width, false)?,
+            b: w.linear_split("q_b_proj", rank, q_width, false, q_rows.as_ref())?,
         },
-        None => QueryProjection::Direct(w.linear("q_proj", h, q_width, false)?),
+        None => {
+            QueryProjection::Direct(w.linear_split("q_proj", h, q_width, false, q_rows.as_ref())?)
+        }
     };
     let rope = RotaryEmbedding::new(&l.rope)?;
     w.keep_all(rope.arrays());
+    let local = heads.as_ref().map(|(r, _)| r.clone());
     Ok(LatentAttention {
         q,
         kv_a: w.linear("kv_a_proj_with_mqa", h, d.kv_lora_rank + d.qk_rope, l.bias)?,
         kv_a_norm: w.norm("kv_a_layernorm", NormKind::Rms, d.kv_lora_rank, spec.eps)?,
-        embed_q: w.dense_stack("embed_q", &[d.heads, d.kv_lora_rank, d.qk_nope])?,
-        unembed_out: w.dense_stack("unembed_out", &[d.heads, d.v_head, d.kv_lora_rank])?,
-        o: w.linear("o_proj", d.heads * d.v_head, h, l.bias)?,
+        embed_q: w.dense_stack_part(
+            "embed_q",
+            &[d.heads, d.kv_lora_rank, d.qk_nope],
+            local.clone(),
+        )?,
+        unembed_out: w.dense_stack_part(
+            "unembed_out",
+            &[d.heads, d.v_head, d.kv_lora_rank],
+            local.clone(),
+        )?,
+        o: w.linear_split("o_proj", d.heads * d.v_head, h, l.bias, o_cols.as_ref())?,
         rope,
-        dims: d,
+        dims: LatentDims {
+            heads: local.map_or(d.heads, |r| r.end - r.start),
+            ..d
+        },
         scale: l.scale,
     })
 }
@@ -1244,24 +1494,52 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                     m.normalize,
                 )
             };
-            let mut experts = if plain {
-                w.plain_routed_experts("", m.experts, h, m.intermediate, spec.act)?
-            } else {
-                w.routed_experts("", m.experts, h, m.intermediate, spec.act)?
+            // Tensor parallelism: every expert's own intermediate columns of this rank, as a
+            // dense MLP's (whole quantization groups of `down_proj`'s inputs).
+            let columns = match w.tensor_parallel() {
+                Some(tp) => {
+                    let unit = w.input_unit("switch_mlp.down_proj");
+                    let what = format!("`{}`", w.path("switch_mlp.down_proj"));
+                    Some((tp.columns(m.intermediate, unit, &what)?, tp.rank() == 0))
+                }
+                None => None,
             };
+            let mut experts = w.routed_experts_split(
+                "",
+                m.experts,
+                h,
+                m.intermediate,
+                spec.act,
+                !plain,
+                columns.as_ref().map(|(c, _)| c.clone()),
+            )?;
             if m.expert_bias {
                 let RoutedExperts::Resident(glu) = &mut experts else {
                     return Err(ModelError::Unsupported(
                         "streaming experts whose projections have biases".into(),
                     ));
                 };
+                let dtype = w.dtype();
                 let mut bias = |name: &str, width: i32| {
-                    w.tensor(&format!("switch_mlp.{name}.bias"), &[m.experts, width])
+                    let name = format!("switch_mlp.{name}.bias");
+                    match &columns {
+                        Some((cols, _)) if width == m.intermediate => {
+                            w.tensor_part(&name, &[m.experts, width], 1, std::slice::from_ref(cols))
+                        }
+                        _ => w.tensor(&name, &[m.experts, width]),
+                    }
+                };
+                let down_bias = match &columns {
+                    // The partial sums' bias: added by one rank only.
+                    Some((_, false)) => {
+                        bias("down_proj", h)?.multiply(&mlxcel_core::ops::zeros(&[1], dtype)?)?
+                    }
+                    _ => bias("down_proj", h)?,
                 };
                 glu.biases = Some(Box::new([
                     bias("gate_proj", m.intermediate)?,
                     bias("up_proj", m.intermediate)?,
-                    bias("down_proj", h)?,
+                    down_bias,
                 ]));
             }
             let shared = match m.shared {
@@ -1317,12 +1595,47 @@ impl Decoder {
     pub fn build(spec: &DecoderSpec, w: &mut ModelWeights) -> Result<Decoder> {
         spec.check()?;
         let h = spec.hidden;
+        let tp_group = w.tensor_parallel().map(|tp| tp.group().clone());
+        if tp_group.is_some() {
+            if let Some(other) = spec.mixers.iter().find(|m| {
+                // A layer without a mixer is its (split) feed-forward block alone.
+                !matches!(
+                    m,
+                    MixerSpec::Attention | MixerSpec::Latent(_) | MixerSpec::None
+                )
+            }) {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor parallelism covers grouped-query attention layers only, not {} layers (use pipeline parallelism)",
+                    other.kind()
+                )));
+            }
+        }
+        let stage = match w.pipeline_plan() {
+            Some(plan) => Some(plan.stage(spec.layers())?),
+            None => None,
+        };
+        let own = stage.as_ref().map_or(0..spec.layers(), |s| s.layers());
+        let (first, last) = stage
+            .as_ref()
+            .map_or((true, true), |s| (s.is_first(), s.is_last()));
+        let tied = spec.tie_word_embeddings && !w.contains("lm_head.weight");
+        let dtype = w.dtype();
         let mut body = w.scope("model");
-        let embed = body.embedding("embed_tokens", spec.vocab, h)?;
-        let mut blocks = Vec::with_capacity(spec.layers());
+        let embed = if first || (last && tied) {
+            Some(body.embedding("embed_tokens", spec.vocab, h)?)
+        } else {
+            body.skip("embed_tokens");
+            None
+        };
+        let mut blocks = Vec::with_capacity(own.len());
         {
             let mut layers = body.scope("layers");
             for i in 0..spec.layers() {
+                if !own.contains(&i) {
+                    // Another pipeline stage's layer.
+                    layers.skip(&i.to_string());
+                    continue;
+                }
                 let mut l = layers.scope(i);
                 let mixer = if let MixerSpec::AttentionWithMamba2(m) = &spec.mixers[i] {
                     let attention = attention(&mut l.scope("self_attn"), spec, i)?;
@@ -1388,38 +1701,73 @@ impl Decoder {
                         scales: spec.block_scales[i],
                     },
                 };
-                blocks.push(Block { norms, mixer, ffn });
+                let reduce = tp_group.clone();
+                blocks.push(Block {
+                    norms,
+                    mixer,
+                    ffn,
+                    reduce,
+                });
             }
         }
         let final_norm = norm(&mut body, spec, "norm", h)?;
         drop(body);
         // Tied heads reuse the embedding table (no second copy); an untied config without
         // `lm_head.weight` is an error naming the tensor.
-        let (lm_head, tied_head_bias) = if spec.tie_word_embeddings && !w.contains("lm_head.weight")
-        {
+        let mut vocab_parallel = None;
+        let (lm_head, tied_head_bias) = if !last {
+            w.skip("lm_head");
+            (None, None)
+        } else if tied {
             let bias = if spec.lm_head_bias {
                 Some(w.tensor("lm_head.bias", &[spec.vocab])?)
             } else {
                 None
             };
             (None, bias)
+        } else if let Some(tp) = w.tensor_parallel() {
+            // Vocabulary-parallel head: this rank's rows, the logits gathered.
+            let (group, size, rank) = (tp.group().clone(), tp.size(), tp.rank());
+            if (spec.vocab as usize) < size {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor parallelism over {size} ranks: a vocabulary of {}",
+                    spec.vocab
+                )));
+            }
+            let parts: Vec<_> = (0..size)
+                .map(|r| crate::parallel::even_part(spec.vocab, size, r))
+                .collect();
+            let rows = Split::rows(parts[rank].clone());
+            let head = w.linear_split("lm_head", h, spec.vocab, spec.lm_head_bias, Some(&rows))?;
+            vocab_parallel = Some((group, parts));
+            (Some(head), None)
         } else {
             let head = w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?;
             (Some(head), None)
         };
-        let cpu_decode = cpu_decode::CpuDecode::build(cpu_decode::Parts {
-            spec,
-            blocks: &blocks,
-            embed: &embed,
-            lm_head: lm_head.as_ref(),
-            tied_head_bias: tied_head_bias.is_some(),
-            final_norm: &final_norm,
-        })?;
+        // The CPU decode engine runs the whole model in one process: a model split over ranks
+        // (tensor-parallel partial sums, or one pipeline stage's layers) stays on the graph.
+        let cpu_decode = match (&embed, &tp_group, &stage) {
+            (Some(embed), None, None) => cpu_decode::CpuDecode::build(cpu_decode::Parts {
+                spec,
+                blocks: &blocks,
+                embed,
+                lm_head: lm_head.as_ref(),
+                tied_head_bias: tied_head_bias.is_some(),
+                final_norm: &final_norm,
+            })?,
+            _ => None,
+        };
         Ok(Decoder {
             embed,
             blocks,
+            first_layer: own.start,
+            stage,
+            hidden: h,
+            dtype,
             norm: final_norm,
             lm_head,
+            vocab_parallel,
             tied_head_bias,
             cpu_decode,
             embed_scale: spec.embed_scale,
@@ -1434,7 +1782,20 @@ impl Decoder {
     /// Token ids `[B, L]` → input hidden states `[B, L, hidden]`.
     pub fn embed(&self, tokens: &Array) -> Result<Array> {
         check_token_ids(tokens, self.vocab)?;
-        let h = self.embed.forward(tokens)?;
+        let embed = match (&self.embed, &self.stage) {
+            (Some(e), Some(s)) if s.is_first() => e,
+            (Some(e), None) => e,
+            // A later pipeline stage receives the hidden states instead: only their shape
+            // counts.
+            _ => {
+                let shape = tokens.shape();
+                return Ok(mlxcel_core::ops::zeros(
+                    &[shape[0], shape[1], self.hidden],
+                    self.dtype,
+                )?);
+            }
+        };
+        let h = embed.forward(tokens)?;
         Ok(match self.embed_scale {
             // In the activation dtype, as transformers rounds the normaliser.
             Some(s) => h.mul_scalar(s)?,
@@ -1449,17 +1810,68 @@ impl Decoder {
         positions: Option<&Array>,
         caches: &mut [LayerCache],
     ) -> Result<Array> {
-        if caches.len() != self.blocks.len() {
+        if caches.len() != self.schedule.len() {
             return Err(ModelError::Runtime(format!(
                 "{} caches for {} layers",
                 caches.len(),
-                self.blocks.len()
+                self.schedule.len()
             )));
+        }
+        if let Some(stage) = &self.stage {
+            return self.stage_body(stage, h, positions, caches);
         }
         for (block, cache) in self.blocks.iter().zip(caches.iter_mut()) {
             h = block.forward(&h, cache, positions, self.residual_scale)?;
         }
         Ok(h)
+    }
+
+    /// A pipeline stage's part of [`Decoder::body`]: the previous stage's hidden states in,
+    /// this stage's layers, sent on to the next stage (the result of a stage before the last
+    /// is the send, which must be evaluated). The other stages' layers' caches keep pace with
+    /// placeholder entries, so every rank's caches agree on positions, windows and rewinds.
+    fn stage_body(
+        &self,
+        stage: &Pipeline,
+        mut h: Array,
+        positions: Option<&Array>,
+        caches: &mut [LayerCache],
+    ) -> Result<Array> {
+        let group = stage.group();
+        let rank = group.rank();
+        if !stage.is_first() {
+            h = group.recv(&h.shape(), h.dtype()?, rank - 1)?;
+        }
+        let own = stage.layers();
+        let shape = h.shape();
+        for (i, cache) in caches.iter_mut().enumerate() {
+            if own.contains(&i) {
+                let block = &self.blocks[i - self.first_layer];
+                h = block.forward(&h, cache, positions, self.residual_scale)?;
+            } else {
+                keep_pace(cache, shape[0], shape[1], self.dtype)?;
+            }
+        }
+        if !stage.is_last() {
+            h = group.send(&h, rank + 1)?;
+        }
+        Ok(h)
+    }
+
+    /// Logits of `h` from [`Decoder::body`] on every rank: the last pipeline stage computes
+    /// them, the others contribute zeros (after their send) to one `all_sum`.
+    fn stage_head(&self, stage: &Pipeline, h: &Array, last_only: bool) -> Result<Array> {
+        let logits = if stage.is_last() {
+            self.head(h, last_only)?
+        } else {
+            let shape = h.shape();
+            let l = if last_only { 1 } else { shape[1] };
+            let zeros = mlxcel_core::ops::zeros(&[shape[0], l, self.vocab as i32], self.dtype)?;
+            let mut tied = mlxcel_core::distributed::depends(&[zeros], std::slice::from_ref(h))?;
+            tied.pop()
+                .ok_or_else(|| ModelError::Runtime("internal: depends returned nothing".into()))?
+        };
+        Ok(stage.group().all_sum(&logits)?)
     }
 
     /// Final norm and output head: logits for every position of `h`, or for the last one only.
@@ -1471,9 +1883,20 @@ impl Decoder {
             h.clone()
         };
         let mut logits = match &self.lm_head {
-            Some(head) => head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?,
+            Some(head) => {
+                let part = head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?;
+                match &self.vocab_parallel {
+                    Some((group, parts)) => gather_vocab(group, parts, &part)?,
+                    None => part,
+                }
+            }
             None => {
-                let logits = self.embed.as_linear(&self.norm.forward(&h)?)?;
+                let embed = self.embed.as_ref().ok_or_else(|| {
+                    ModelError::Runtime(
+                        "internal: an output head on a pipeline stage without it".into(),
+                    )
+                })?;
+                let logits = embed.as_linear(&self.norm.forward(&h)?)?;
                 match &self.tied_head_bias {
                     Some(b) => logits.add(b)?,
                     None => logits,
@@ -1564,10 +1987,18 @@ impl<A> LanguageModel for Transformer<A> {
             }
         }
         let h = self.decoder.body(embeddings.clone(), positions, caches)?;
-        self.decoder.head(&h, last_only)
+        match &self.decoder.stage {
+            Some(stage) => self.decoder.stage_head(stage, &h, last_only),
+            None => self.decoder.head(&h, last_only),
+        }
     }
 
     fn final_hidden_states(&self, embeddings: &Array, caches: &mut [LayerCache]) -> Result<Array> {
+        if self.decoder.stage.is_some() {
+            return Err(ModelError::Unsupported(
+                "final hidden states of a pipeline-parallel model".into(),
+            ));
+        }
         let h = self.decoder.body(embeddings.clone(), None, caches)?;
         self.decoder.norm.forward(&h)
     }

@@ -52,6 +52,14 @@ pub enum QkNorm {
         /// Key norm.
         k: Norm,
     },
+    /// [`QkNorm::Full`] on a tensor-parallel rank, which holds only some heads of the
+    /// projection: the sum of squares is completed over the ranks first.
+    FullSharded {
+        /// Query norm.
+        q: ShardedRms,
+        /// Key norm.
+        k: ShardedRms,
+    },
     /// Over each head's `head_dim` features like [`QkNorm::PerHead`], but of the rotated
     /// queries and keys (Hunyuan's `query_layernorm`/`key_layernorm`): the norm's weight is
     /// per feature, so it does not commute with rope.
@@ -61,6 +69,40 @@ pub enum QkNorm {
         /// Key norm.
         k: Norm,
     },
+}
+
+/// An RMSNorm over features spread across the ranks of a tensor-parallel group: each rank holds
+/// a slice of the features and its slice of the weight; the mean square is taken over all of
+/// them (one `all_sum` of the per-rank sums of squares).
+#[derive(Debug, Clone)]
+pub struct ShardedRms {
+    /// This rank's slice of the weight (Gemma's `1 + w` already folded in).
+    pub weight: Array,
+    /// Added to the mean square.
+    pub eps: f32,
+    /// The number of features over all ranks.
+    pub width: i32,
+    /// The ranks holding the other features.
+    pub group: mlxcel_core::distributed::Group,
+}
+
+impl ShardedRms {
+    /// `x / sqrt(mean(x²) + eps) · weight` over the last axis, the mean over every rank's
+    /// features; computed in float32 and returned in `x`'s dtype.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let dtype = x.dtype()?;
+        let x32 = x.astype(mlxcel_core::Dtype::Float32)?;
+        let squares = x32.square()?.sum(&[-1], true)?;
+        let mean = self
+            .group
+            .all_sum(&squares)?
+            .mul_scalar(1.0 / self.width as f64)?;
+        let scale = mean.add_scalar(self.eps as f64)?.rsqrt()?;
+        Ok(x32
+            .multiply(&scale)?
+            .astype(dtype)?
+            .multiply(&self.weight)?)
+    }
 }
 
 /// Shape and behaviour of one attention layer.
@@ -312,9 +354,16 @@ impl Attention {
                         (parts[0].clone(), parts[1].clone(), parts[2].clone())
                     }
                 };
-                if let QkNorm::Full { q: qn, k: kn } = &self.qk_norm {
-                    q = qn.forward(&q)?;
-                    k = kn.forward(&k)?;
+                match &self.qk_norm {
+                    QkNorm::Full { q: qn, k: kn } => {
+                        q = qn.forward(&q)?;
+                        k = kn.forward(&k)?;
+                    }
+                    QkNorm::FullSharded { q: qn, k: kn } => {
+                        q = qn.forward(&q)?;
+                        k = kn.forward(&k)?;
+                    }
+                    _ => {}
                 }
                 Ok((
                     heads(&q, c.n_heads)?,

@@ -17,7 +17,7 @@ mod norm;
 mod rope;
 pub mod ssm;
 
-pub use attention::{Attention, AttentionConfig, PositionScale, QkNorm, QkvProjection};
+pub use attention::{Attention, AttentionConfig, PositionScale, QkNorm, QkvProjection, ShardedRms};
 pub use gated_delta::{DeltaProjections, GatedDeltaDims, GatedDeltaNet};
 pub use lightning::{lightning_slopes, LightningAttention};
 pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, SwitchLinear};
