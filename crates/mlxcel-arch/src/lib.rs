@@ -23,6 +23,7 @@ pub mod rerank;
 pub mod sampling;
 pub mod sanitize;
 pub mod validate;
+pub mod vision;
 pub mod weights;
 
 pub use cache::{BatchCache, LayerCache, Mask};

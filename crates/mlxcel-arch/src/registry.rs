@@ -74,6 +74,7 @@ macro_rules! for_each_model_registration {
             ExaoneMoe { names: ["exaone_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::exaone_moe::Model, adapter: None },
             MiniMax { names: ["minimax"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::minimax::Model, adapter: None },
             Mistral3 { names: ["mistral3"], kind: Generation, dir: Mistral3Dynamic, weights: None, model: $crate::models::mistral3::Model, adapter: None },
+            QwenVl { names: ["qwen2_vl", "qwen2_5_vl"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::vision::qwen2_vl::Model, adapter: None },
             Mamba { names: ["mamba", "falcon_mamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba::Model, adapter: None },
             Mamba2 { names: ["mamba2"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba2::Model, adapter: None },
             Jamba { names: ["jamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::jamba::Model, adapter: None },
