@@ -1,41 +1,39 @@
-//! Qwen2-VL and Qwen2.5-VL against transformers 5.24 (f32): the tiny fixtures' logits over a
-//! prompt with two images (the processor's pixel values fed to the tower), greedy decoding
-//! after them (positions continue at the cache offset plus the prompt's M-RoPE delta), chunked
-//! prefill, the checkpoint layouts real releases use, and the text-only rules.
+//! Qwen2-VL and Qwen2.5-VL against transformers 5.24 (f32), through the `Vlm` route: the HF
+//! processor's pixel values and image grids from the committed PNGs, the placeholder
+//! expansion, logits over a prompt with two images, greedy decoding after them (positions
+//! continue at the cache offset plus the prompt's M-RoPE delta), chunked prefill, the
+//! checkpoint layouts real releases use, and the text-only rules.
 
-use mlxcel_arch::generate::argmax_token;
-use mlxcel_arch::vision::qwen2_vl::{self, ImagePatches, MultimodalPrompt};
+use mlxcel_arch::generate::Session;
+use mlxcel_arch::vision::qwen2_vl::{self, patchify};
+use mlxcel_arch::vision::{forward_multimodal, FeatureCache, ImageInput, MultimodalPrompt};
 use mlxcel_arch::{GenerationModel, LanguageModel};
 use mlxcel_core::{Array, WeightMap};
-use mlxcel_loading::{load_model, LoadOptions};
-use mlxcel_tests::{copy_fixture, max_abs_diff, model_dir};
+use mlxcel_loading::image::load_image;
+use mlxcel_loading::{load_model, LoadOptions, Loaded};
+use mlxcel_tests::{copy_fixture, fixtures_dir, max_abs_diff, model_dir};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
 const FIXTURES: [&str; 2] = ["qwen2_vl", "qwen2_5_vl"];
-
-fn options() -> LoadOptions {
-    LoadOptions {
-        skip_tokenizer: true,
-        ..Default::default()
-    }
-}
+const IMAGE_TOKEN: u32 = 514;
 
 /// A VL fixture's goldens.
 struct Golden {
-    ids: Vec<i32>,
+    ids: Vec<u32>,
     logits: Vec<f32>,
-    greedy: Vec<i32>,
+    greedy: Vec<u32>,
     greedy_logits: Vec<f32>,
     pixel_values: Vec<f32>,
-    patch_values: usize,
     grids: Vec<[i32; 3]>,
-    text_ids: Vec<i32>,
+    text_ids: Vec<u32>,
     text_logits: Vec<f32>,
+    meta: Value,
 }
 
 fn golden(name: &str) -> Golden {
-    let bytes = std::fs::read(model_dir(name).join("reference.safetensors")).unwrap();
+    let dir = model_dir(name);
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let f32s = |n: &str| -> Vec<f32> {
         st.tensor(n)
@@ -53,42 +51,26 @@ fn golden(name: &str) -> Golden {
             .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect()
     };
-    let grids = i32s("image_grid_thw")
-        .chunks_exact(3)
-        .map(|g| [g[0], g[1], g[2]])
-        .collect();
+    let u32s = |n: &str| -> Vec<u32> { i32s(n).into_iter().map(|v| v as u32).collect() };
     Golden {
-        ids: i32s("prompt_ids"),
+        ids: u32s("prompt_ids"),
         logits: f32s("logits"),
-        greedy: i32s("greedy_ids"),
+        greedy: u32s("greedy_ids"),
         greedy_logits: f32s("greedy_logits"),
         pixel_values: f32s("pixel_values"),
-        patch_values: st.tensor("pixel_values").unwrap().shape()[1],
-        grids,
-        text_ids: i32s("text_ids"),
+        grids: i32s("image_grid_thw")
+            .chunks_exact(3)
+            .map(|g| [g[0], g[1], g[2]])
+            .collect(),
+        text_ids: u32s("text_ids"),
         text_logits: f32s("text_logits"),
+        meta: serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap(),
     }
 }
 
-impl Golden {
-    /// The processor's patches, split per image.
-    fn images(&self) -> Vec<ImagePatches> {
-        let mut start = 0;
-        self.grids
-            .iter()
-            .map(|&g| {
-                let n = (g[0] * g[1] * g[2]) as usize;
-                let rows =
-                    &self.pixel_values[start * self.patch_values..(start + n) * self.patch_values];
-                start += n;
-                ImagePatches {
-                    pixel_values: Array::from_slice(rows, &[n as i32, self.patch_values as i32])
-                        .unwrap(),
-                    grid_thw: g,
-                }
-            })
-            .collect()
-    }
+fn load(dir: &std::path::Path) -> Loaded {
+    load_model(dir, &LoadOptions::default()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 fn qwen(model: &GenerationModel) -> &qwen2_vl::Model {
@@ -96,6 +78,56 @@ fn qwen(model: &GenerationModel) -> &qwen2_vl::Model {
         GenerationModel::QwenVl(m) => m,
         other => panic!("expected a Qwen VL model, got {other:?}"),
     }
+}
+
+/// The fixture's images (PNGs under tests/fixtures), through the model's processor.
+fn images(loaded: &Loaded, g: &Golden) -> Vec<ImageInput> {
+    g.meta["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let img = load_image(fixtures_dir().join(p.as_str().unwrap())).unwrap();
+            loaded.prepare_image(&img).unwrap()
+        })
+        .collect()
+}
+
+/// The processor's own pixel values (the golden patches put back into `[1, 3, H, W]` images,
+/// the first of each patch's temporal copies), so the model is checked apart from the resize.
+fn golden_images(g: &Golden) -> Vec<ImageInput> {
+    let (p, m, c) = (14usize, 2usize, 3usize);
+    let per_patch = c * 2 * p * p;
+    let mut row = 0;
+    g.grids
+        .iter()
+        .enumerate()
+        .map(|(k, &[_, gh, gw])| {
+            let (gh, gw) = (gh as usize, gw as usize);
+            let (h, w) = (gh * p, gw * p);
+            let mut pixels = vec![0f32; c * h * w];
+            for bh in 0..gh / m {
+                for bw in 0..gw / m {
+                    for mh in 0..m {
+                        for mw in 0..m {
+                            let patch = &g.pixel_values[row * per_patch..(row + 1) * per_patch];
+                            row += 1;
+                            let (py, px) = ((bh * m + mh) * p, (bw * m + mw) * p);
+                            for ch in 0..c {
+                                for y in 0..p {
+                                    for x in 0..p {
+                                        pixels[ch * h * w + (py + y) * w + px + x] =
+                                            patch[ch * 2 * p * p + y * p + x];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            ImageInput::new(pixels, [1, c, h, w], k as u64).unwrap()
+        })
+        .collect()
 }
 
 fn to_vec(a: &Array) -> Vec<f32> {
@@ -110,145 +142,185 @@ fn bound(want: &[f32]) -> f32 {
     2e-4f32.max(2e-5 * biggest)
 }
 
-/// Prefill of the expanded prompt in chunks of `chunk` rows (the whole prompt when `None`),
-/// then greedy decoding of `steps` tokens at offset + delta. Returns the prompt's logits, the
-/// greedy ids and the decode steps' logits (after the first).
-fn run(
-    model: &qwen2_vl::Model,
-    p: &MultimodalPrompt,
-    chunk: Option<usize>,
-    steps: usize,
-) -> (Vec<f32>, Vec<i32>, Vec<f32>) {
+/// All-position logits of the expanded prompt, prefilled in chunks of `chunk` positions.
+fn prompt_logits(loaded: &Loaded, ids: &[u32], images: &[ImageInput], chunk: usize) -> Vec<f32> {
+    let model = &loaded.model;
+    let vision = model.vision().expect("a vision tower");
+    let mm = MultimodalPrompt::new(vision, ids, images).unwrap();
     let mut caches = model.make_caches();
-    let l = p.embeddings.dim(1).unwrap() as usize;
-    let chunk = chunk.unwrap_or(l);
-    let mut logits = Vec::new();
+    let mut features = FeatureCache::default();
+    let mut out = Vec::new();
     let mut start = 0;
-    while start < l {
-        let end = (start + chunk).min(l);
-        let (s, e) = (start as i32, end as i32);
-        let emb = p.embeddings.slice_axis(1, s, e).unwrap();
-        let pos = p.positions.slice_axis(1, s, e).unwrap();
-        let out = model
-            .forward_embeddings(&emb, Some(&pos), &mut caches, false)
-            .unwrap();
-        logits.extend(to_vec(&out));
+    while start < ids.len() {
+        let end = (start + chunk).min(ids.len());
+        let logits =
+            forward_multimodal(vision, &mm, start..end, &mut features, &mut caches, false).unwrap();
+        out.extend(to_vec(&logits));
         start = end;
     }
-    let vocab = model.vocab_size();
-    let last = Array::from_slice(&logits[(l - 1) * vocab..], &[vocab as i32]).unwrap();
-    let mut next = argmax_token(&last).unwrap() as i32;
-    let mut greedy = vec![next];
+    out
+}
+
+/// Greedy decoding through a [`Session`]: the prompt with its images, then `steps` tokens.
+/// Returns the ids and the logits of every step after the first.
+fn session_greedy(
+    s: &mut Session<'_>,
+    ids: &[u32],
+    images: &[ImageInput],
+    chunk: Option<usize>,
+    steps: usize,
+) -> (Vec<u32>, Vec<f32>) {
+    let (_, mut logits) = s.prefill_multimodal(ids, images, chunk).unwrap();
+    let mut out = Vec::new();
     let mut step_logits = Vec::new();
-    for _ in 1..steps {
-        let offset = caches[0].offset() as i64;
-        let tokens = Array::from_slice(&[next], &[1, 1]).unwrap();
-        let pos = Array::from_slice(&[(offset + p.position_delta) as i32], &[1]).unwrap();
-        let out = model
-            .forward_embeddings(
-                &model.embed(&tokens).unwrap(),
-                Some(&pos),
-                &mut caches,
-                true,
-            )
-            .unwrap();
-        let row = to_vec(&out);
-        next = argmax_token(&out.reshape(&[-1]).unwrap()).unwrap() as i32;
-        step_logits.extend(row);
-        greedy.push(next);
+    for i in 0..steps {
+        let next = mlxcel_arch::generate::argmax_token(&logits).unwrap();
+        out.push(next);
+        if i + 1 < steps {
+            logits = s.step(next).unwrap();
+            step_logits.extend(to_vec(&logits));
+        }
     }
-    (logits, greedy, step_logits)
+    (out, step_logits)
+}
+
+#[test]
+fn pixel_values_grids_and_expansion_match_the_processor() {
+    for name in FIXTURES {
+        let g = golden(name);
+        let loaded = load(&model_dir(name));
+        let images = images(&loaded, &g);
+        let mut got = Vec::new();
+        let mut grids = Vec::new();
+        for im in &images {
+            let [_, c, h, w] = im.shape();
+            let (patches, grid) = patchify(im.pixels(), c, h, w, 14, 2, 2).unwrap();
+            got.extend(patches);
+            grids.push(grid);
+        }
+        assert_eq!(grids, g.grids, "{name}: image_grid_thw");
+        let (diff, at) = max_abs_diff(&got, &g.pixel_values);
+        assert!(
+            diff <= 1e-5,
+            "{name}: pixel values max |Δ| {diff:.2e} at {at}"
+        );
+        eprintln!("{name}: pixel values max |Δ| {diff:.2e}, grids {grids:?}");
+        // The processor's expansion: one <|image_pad|> per image in, one per merged patch out.
+        let mut unexpanded = Vec::new();
+        for &t in &g.ids {
+            if !(t == IMAGE_TOKEN && unexpanded.last() == Some(&IMAGE_TOKEN)) {
+                unexpanded.push(t);
+            }
+        }
+        let expanded = loaded.expand_image_tokens(&unexpanded, &images).unwrap();
+        assert_eq!(expanded, g.ids, "{name}: expanded ids");
+        let counts: Vec<u64> = images
+            .iter()
+            .map(|i| loaded.model.vision().unwrap().image_token_count(i).unwrap() as u64)
+            .collect();
+        let want: Vec<u64> = g.meta["image_token_counts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        assert_eq!(counts, want, "{name}: image token counts");
+        // ... and in text, through the tokenizer.
+        let tok = loaded.tokenizer.as_ref().unwrap();
+        let text = tok.decode(&unexpanded, false).unwrap();
+        let text = loaded.expand_prompt_text(&text, &images).unwrap();
+        assert_eq!(
+            tok.encode(&text, false).unwrap(),
+            g.ids,
+            "{name}: expanded text"
+        );
+        assert!(loaded
+            .expand_image_tokens(&unexpanded, &images[..1])
+            .is_err());
+        // The whole chain, PNG to logits.
+        let logits = prompt_logits(&loaded, &g.ids, &images, g.ids.len());
+        let (diff, at) = max_abs_diff(&logits, &g.logits);
+        assert!(
+            diff <= bound(&g.logits),
+            "{name}: logits from the PNGs: max |Δ| {diff:.2e} at {at}"
+        );
+    }
 }
 
 #[test]
 fn image_prompts_match_transformers() {
     for name in FIXTURES {
         let g = golden(name);
-        let loaded =
-            load_model(model_dir(name), &options()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let loaded = load(&model_dir(name));
         let model = qwen(&loaded.model);
-        assert!(model.vision().is_some(), "{name}: vision tower built");
-        let p = model.prompt(&g.ids, &g.images()).unwrap();
-        let (logits, greedy, steps) = run(model, &p, None, g.greedy.len());
-        let (diff, at) = max_abs_diff(&logits, &g.logits);
+        assert!(!model.tower().unwrap().materialized(), "{name}: lazy tower");
+        let images = golden_images(&g);
         let b = bound(&g.logits);
-        assert!(
-            diff <= b,
-            "{name}: prompt logits max |Δ| {diff:.2e} > {b:.2e} at {at}"
-        );
-        assert_eq!(
-            greedy, g.greedy,
-            "{name}: greedy continuation after the images"
-        );
-        let (sdiff, sat) = max_abs_diff(
-            &steps,
-            &g.greedy_logits[g.greedy_logits.len() - steps.len()..],
-        );
-        let sb = bound(&g.greedy_logits);
-        assert!(
-            sdiff <= sb,
-            "{name}: decode logits max |Δ| {sdiff:.2e} > {sb:.2e} at {sat}"
-        );
-        eprintln!("{name}: prompt logits max |Δ| {diff:.2e}, decode {sdiff:.2e} (bound {b:.2e})");
-        for chunk in [1, 5, 16] {
-            let (chunked, greedy, _) = run(model, &p, Some(chunk), g.greedy.len());
-            let (d, at) = max_abs_diff(&chunked, &g.logits);
+        for chunk in [g.ids.len(), 1, 5, 16] {
+            let logits = prompt_logits(&loaded, &g.ids, &images, chunk);
+            let (diff, at) = max_abs_diff(&logits, &g.logits);
             assert!(
-                d <= b,
-                "{name}: prefill chunk {chunk}: max |Δ| {d:.2e} at {at}"
+                diff <= b,
+                "{name}: prefill chunk {chunk}: logits max |Δ| {diff:.2e} > {b:.2e} at {at}"
             );
+            if chunk == g.ids.len() {
+                eprintln!("{name}: prompt logits max |Δ| {diff:.2e} (bound {b:.2e})");
+            }
+        }
+        assert!(model.tower().unwrap().materialized());
+        for chunk in [None, Some(3), Some(16)] {
+            let mut s = loaded.session();
+            let (greedy, steps) = session_greedy(&mut s, &g.ids, &images, chunk, g.greedy.len());
             assert_eq!(
                 greedy, g.greedy,
-                "{name}: greedy with prefill chunk {chunk}"
+                "{name}: greedy after the images (chunk {chunk:?})"
             );
+            let (diff, at) = max_abs_diff(
+                &steps,
+                &g.greedy_logits[g.greedy_logits.len() - steps.len()..],
+            );
+            let sb = bound(&g.greedy_logits);
+            assert!(
+                diff <= sb,
+                "{name}: decode logits max |Δ| {diff:.2e} > {sb:.2e} at {at}"
+            );
+            if chunk.is_none() {
+                eprintln!("{name}: decode logits max |Δ| {diff:.2e}, greedy {greedy:?}");
+            }
         }
+        // The same conversation again reuses its whole prefix (images included) and decodes
+        // the same; a text prompt after it starts from plain positions.
+        let mut s = loaded.session();
+        session_greedy(&mut s, &g.ids, &images, None, 2);
+        let (greedy, _) = session_greedy(&mut s, &g.ids, &images, None, g.greedy.len());
+        assert_eq!(greedy, g.greedy, "{name}: greedy after prefix reuse");
+        let (_, logits) = s.prefill(&g.text_ids, None).unwrap();
+        let tail = &g.text_logits[g.text_logits.len() - logits.size()..];
+        let (diff, _) = max_abs_diff(&to_vec(&logits), tail);
+        assert!(
+            diff <= bound(&g.text_logits),
+            "{name}: text after images: {diff:.2e}"
+        );
     }
 }
 
 #[test]
-fn image_token_counts_and_positions_follow_the_processor() {
-    for name in FIXTURES {
-        let g = golden(name);
-        let meta: Value = serde_json::from_str(
-            &std::fs::read_to_string(model_dir(name).join("reference.json")).unwrap(),
-        )
-        .unwrap();
-        let counts: Vec<usize> = g
-            .grids
-            .iter()
-            .map(|&gr| qwen2_vl::image_token_count(gr, 2))
-            .collect();
-        let want: Vec<usize> = meta["image_token_counts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as usize)
-            .collect();
-        assert_eq!(counts, want, "{name}");
-        assert_eq!(
-            g.ids.iter().filter(|t| **t == 514).count(),
-            counts.iter().sum::<usize>(),
-            "{name}: placeholders in the golden prompt"
-        );
-        let loaded = load_model(model_dir(name), &options()).unwrap();
-        let model = qwen(&loaded.model);
-        // One image too few, and one placeholder too many, are refused before any compute.
-        let images = g.images();
-        let err = model.prompt(&g.ids, &images[..1]).unwrap_err().to_string();
-        assert!(err.contains("image tokens"), "{name}: {err}");
-        let mut ids = g.ids.clone();
-        let first = ids.iter().position(|t| *t == 514).unwrap();
-        ids.insert(first, 514);
-        assert!(
-            model.prompt(&ids, &images).is_err(),
-            "{name}: extra placeholder"
-        );
-    }
+fn image_count_mismatches_are_refused() {
+    let name = "qwen2_vl";
+    let g = golden(name);
+    let loaded = load(&model_dir(name));
+    let images = images(&loaded, &g);
+    let mut s = loaded.session();
+    let err = s
+        .prefill_multimodal(&g.ids, &images[..1], None)
+        .unwrap_err();
+    assert!(err.to_string().contains("image"), "{err}");
+    let swapped = [images[1].clone(), images[0].clone()];
+    assert!(s.prefill_multimodal(&g.ids, &swapped, None).is_err());
 }
 
 /// Rewrites a fixture's tensors (names, and the mlx-vlm channels-last patch kernel).
 fn relayout(dir: &std::path::Path, rename: impl Fn(&str) -> String, channels_last: bool) {
-    let path = dir.join("model.safetensors");
     let map = WeightMap::open(dir).unwrap();
     let mut out: Vec<(String, Array)> = Vec::new();
     for name in map.names() {
@@ -259,13 +331,11 @@ fn relayout(dir: &std::path::Path, rename: impl Fn(&str) -> String, channels_las
         out.push((rename(name), a));
     }
     drop(map);
-    mlxcel_core::weights::save_safetensors(&path, &out, None).unwrap();
+    mlxcel_core::weights::save_safetensors(dir.join("model.safetensors"), &out, None).unwrap();
 }
 
 #[test]
 fn checkpoint_layouts_of_transformers5_and_mlx_vlm_load_alike() {
-    let name = "qwen2_5_vl";
-    let g = golden(name);
     let transformers5 = |n: &str| {
         if let Some(rest) = n.strip_prefix("visual.") {
             format!("model.visual.{rest}")
@@ -282,22 +352,23 @@ fn checkpoint_layouts_of_transformers5_and_mlx_vlm_load_alike() {
             format!("language_model.{n}")
         }
     };
-    for (layout, channels_last) in [("transformers5", false), ("mlx-vlm", true)] {
-        let dir = copy_fixture(name);
-        if layout == "mlx-vlm" {
-            relayout(dir.path(), mlx_vlm, channels_last);
-        } else {
-            relayout(dir.path(), transformers5, channels_last);
+    for name in FIXTURES {
+        let g = golden(name);
+        for layout in ["transformers5", "mlx-vlm"] {
+            let dir = copy_fixture(name);
+            match layout {
+                "mlx-vlm" => relayout(dir.path(), mlx_vlm, true),
+                _ => relayout(dir.path(), transformers5, false),
+            }
+            let loaded = load(dir.path());
+            let images = golden_images(&g);
+            let logits = prompt_logits(&loaded, &g.ids, &images, g.ids.len());
+            let (diff, at) = max_abs_diff(&logits, &g.logits);
+            assert!(
+                diff <= bound(&g.logits),
+                "{name} {layout}: max |Δ| {diff:.2e} at {at}"
+            );
         }
-        let loaded = load_model(dir.path(), &options()).unwrap_or_else(|e| panic!("{layout}: {e}"));
-        let model = qwen(&loaded.model);
-        let p = model.prompt(&g.ids, &g.images()).unwrap();
-        let (logits, _, _) = run(model, &p, None, 1);
-        let (diff, at) = max_abs_diff(&logits, &g.logits);
-        assert!(
-            diff <= bound(&g.logits),
-            "{layout}: max |Δ| {diff:.2e} at {at}"
-        );
     }
 }
 
@@ -313,11 +384,13 @@ type Edit = dyn Fn(&std::path::Path);
 
 /// The text-only rules: `vision_config` missing, null or empty, `language_model_only: true`
 /// (vision weights present), or no vision weights. Each loads the decoder alone, matches
-/// transformers on text, and refuses an image.
+/// transformers on text, and refuses an image with the seed's message.
 #[test]
 fn text_only_rules() {
     for name in FIXTURES {
         let g = golden(name);
+        let with_tower = load(&model_dir(name));
+        let images = images(&with_tower, &g);
         let cases: Vec<(&str, Box<Edit>)> = vec![
             (
                 "no vision_config",
@@ -373,21 +446,37 @@ fn text_only_rules() {
         for (case, edit) in cases {
             let dir = copy_fixture(name);
             edit(dir.path());
-            let loaded =
-                load_model(dir.path(), &options()).unwrap_or_else(|e| panic!("{name} {case}: {e}"));
+            let loaded = load(dir.path());
             let model = qwen(&loaded.model);
-            assert!(model.vision().is_none(), "{name} {case}: no vision tower");
-            let tokens = Array::from_slice(&g.text_ids, &[1, g.text_ids.len() as i32]).unwrap();
-            let logits = to_vec(&model.forward(&tokens, &mut model.make_caches()).unwrap());
+            assert!(
+                model.tower().is_none() && loaded.model.vision().is_none(),
+                "{name} {case}"
+            );
+            let ids: Vec<i32> = g.text_ids.iter().map(|t| *t as i32).collect();
+            let tokens = Array::from_slice(&ids, &[1, ids.len() as i32]).unwrap();
+            let logits = to_vec(
+                &loaded
+                    .model
+                    .forward(&tokens, &mut loaded.model.make_caches())
+                    .unwrap(),
+            );
             let (diff, at) = max_abs_diff(&logits, &g.text_logits);
             assert!(
                 diff <= bound(&g.text_logits),
                 "{name} {case}: text logits max |Δ| {diff:.2e} at {at}"
             );
-            let err = model.prompt(&g.ids, &g.images()).unwrap_err().to_string();
-            assert!(
-                err.ends_with("was loaded without a vision tower (text-only checkpoint)"),
-                "{name} {case}: {err}"
+            let err = loaded
+                .session()
+                .prefill_multimodal(&g.ids, &images, None)
+                .unwrap_err()
+                .to_string();
+            assert_eq!(
+                err,
+                format!(
+                    "model {} was loaded without a vision tower (text-only checkpoint)",
+                    loaded.folder.display()
+                ),
+                "{name} {case}"
             );
         }
     }

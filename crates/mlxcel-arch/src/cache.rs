@@ -41,10 +41,28 @@ impl Mask {
     /// The boolean mask for queries at absolute positions `q0..q0+l` over keys at `k0..k0+s`,
     /// causal and limited to `window` keys per query.
     pub fn window(q0: usize, l: usize, k0: usize, s: usize, window: Option<usize>) -> Result<Mask> {
+        Mask::window_with_blocks(q0, l, k0, s, window, &[])
+    }
+
+    /// [`Mask::window`], and a query inside one of `blocks` (`start..end`) also sees the later
+    /// keys of its own block (see [`LayerCache::set_bidirectional_blocks`]).
+    pub fn window_with_blocks(
+        q0: usize,
+        l: usize,
+        k0: usize,
+        s: usize,
+        window: Option<usize>,
+        blocks: &[(usize, usize)],
+    ) -> Result<Mask> {
+        let same_block = |a: usize, b: usize| {
+            blocks
+                .iter()
+                .any(|&(start, end)| (start..end).contains(&a) && (start..end).contains(&b))
+        };
         let keep: Vec<bool> = (0..l * s)
             .map(|f| {
                 let (qp, kp) = (q0 + f / s, k0 + f % s);
-                kp <= qp && window.is_none_or(|w| qp - kp < w)
+                (kp <= qp && window.is_none_or(|w| qp - kp < w)) || (kp > qp && same_block(qp, kp))
             })
             .collect();
         if keep.iter().all(|k| *k) {
@@ -109,6 +127,9 @@ pub struct StandardCache {
     keys: Option<Array>,
     values: Option<Array>,
     offset: usize,
+    /// Blocks of positions attended bidirectionally during the next updates (see
+    /// [`LayerCache::set_bidirectional_blocks`]).
+    blocks: Vec<(usize, usize)>,
 }
 
 /// Keys and values of a sliding-window layer: a ring of `window` rows (plus, during a chunk,
@@ -121,6 +142,8 @@ pub struct RotatingCache {
     /// Ring position of the oldest row once the buffer is full and written in place.
     start: usize,
     offset: usize,
+    /// See [`StandardCache::blocks`].
+    blocks: Vec<(usize, usize)>,
 }
 
 /// The fixed-size state of a recurrent layer (state-space mixers): whatever arrays the mixer
@@ -237,7 +260,22 @@ impl LayerCache {
             values: None,
             start: 0,
             offset: 0,
+            blocks: Vec::new(),
         })
+    }
+
+    /// Makes the next updates of a key/value cache (standard or sliding-window) let every
+    /// query inside one of `blocks` (absolute positions `start..end`) also see the later keys
+    /// of its own block, on top of causal (and window) masking: the bidirectional attention
+    /// over image tokens of Gemma 3's text decoder (transformers' `blockwise_overlay`:
+    /// `OR(causal, same block)`, within the window on sliding layers). An empty list restores
+    /// plain causal masks; other cache kinds are left as they are.
+    pub fn set_bidirectional_blocks(&mut self, blocks: &[(usize, usize)]) {
+        match self {
+            LayerCache::Standard(c) | LayerCache::Latent(c) => c.blocks = blocks.to_vec(),
+            LayerCache::Rotating(c) => c.blocks = blocks.to_vec(),
+            _ => {}
+        }
     }
 
     /// Positions processed so far.
@@ -409,12 +447,13 @@ impl StandardCache {
         };
         let k_out = keys.slice_axis(2, first as i32, end as i32)?;
         let v_out = values.slice_axis(2, first as i32, end as i32)?;
+        let bidirectional = self.blocks.iter().any(|&(s, e)| s < end && e > prev);
         let mask = if l == 1 && window.is_none_or(|w| end - first <= w) {
             Mask::None
-        } else if window.is_none() {
+        } else if window.is_none() && !bidirectional {
             Mask::Causal
         } else {
-            Mask::window(prev, l, first, end - first, window)?
+            Mask::window_with_blocks(prev, l, first, end - first, window, &self.blocks)?
         };
         Ok((k_out, v_out, mask))
     }
@@ -497,7 +536,14 @@ impl RotatingCache {
         let keys = join(&self.keys, k)?;
         let values = join(&self.values, v)?;
         let total = keep + l;
-        let mask = Mask::window(self.offset, l, self.offset - keep, total, Some(w))?;
+        let mask = Mask::window_with_blocks(
+            self.offset,
+            l,
+            self.offset - keep,
+            total,
+            Some(w),
+            &self.blocks,
+        )?;
         // Trim back to the window only now that the chunk's queries have their rows.
         let stored = total.min(w) as i32;
         self.keys = Some(keys.slice_axis(2, total as i32 - stored, total as i32)?);
@@ -809,6 +855,7 @@ impl BatchCache {
                     keys: Some(k),
                     values: Some(v),
                     offset,
+                    blocks: Vec::new(),
                 }),
                 Some(window) => LayerCache::Rotating(RotatingCache {
                     window,
@@ -816,6 +863,7 @@ impl BatchCache {
                     values: Some(v),
                     start: 0,
                     offset,
+                    blocks: Vec::new(),
                 }),
             });
         }

@@ -140,6 +140,14 @@ pub struct Session<'m> {
     policy: SnapshotPolicy,
     /// The checkpoint files the model's weights are mapped from, checked before each request.
     mapped: Option<mlxcel_core::MappedFiles>,
+    /// The positions of the images the caches hold, with each image's content hash: part of
+    /// the prefix identity (the same image-token ids with another image are not a match).
+    image_runs: Vec<(std::ops::Range<usize>, u64)>,
+    /// What decoding adds to the cache offset to get a token's rotary position after a prompt
+    /// with images ([`crate::vision::VisionLanguage::position_delta`]; 0 otherwise).
+    position_delta: i64,
+    /// The model's folder, for error messages.
+    model_path: Option<String>,
 }
 
 /// What a [`Session`] holds besides the model: its caches and the tokens they hold. Kept apart
@@ -149,6 +157,8 @@ pub struct Session<'m> {
 pub struct SessionState {
     caches: Vec<LayerCache>,
     tokens: Vec<u32>,
+    image_runs: Vec<(std::ops::Range<usize>, u64)>,
+    position_delta: i64,
     snapshots: Vec<StateSnapshot>,
     policy: SnapshotPolicy,
 }
@@ -159,6 +169,8 @@ impl SessionState {
         SessionState {
             caches: model.make_caches(),
             tokens: Vec::new(),
+            image_runs: Vec::new(),
+            position_delta: 0,
             snapshots: Vec::new(),
             policy: SnapshotPolicy::default(),
         }
@@ -328,9 +340,12 @@ impl<'m> Session<'m> {
             model,
             caches: state.caches,
             tokens: state.tokens,
+            image_runs: state.image_runs,
+            position_delta: state.position_delta,
             snapshots: state.snapshots,
             policy: state.policy,
             mapped: None,
+            model_path: None,
         }
     }
 
@@ -364,11 +379,126 @@ impl<'m> Session<'m> {
         }
     }
 
+    /// Names the model's folder in errors (an image sent to a model without a vision tower).
+    pub fn with_model_path(mut self, path: impl Into<String>) -> Session<'m> {
+        self.model_path = Some(path.into());
+        self
+    }
+
+    /// Leading positions of `prompt` (whose images fill `runs`, with their hashes) that the
+    /// caches hold the same: equal token ids, and at image positions the same image.
+    fn common_prefix(&self, prompt: &[u32], runs: &[(std::ops::Range<usize>, u64)]) -> usize {
+        let mut common = self
+            .tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        for held in &self.image_runs {
+            if held.0.start < common && !runs.contains(held) {
+                common = held.0.start;
+            }
+        }
+        for new in runs {
+            if new.0.start < common && !self.image_runs.contains(new) {
+                common = new.0.start;
+            }
+        }
+        common
+    }
+
+    /// Makes the caches hold a prompt with images: `prompt` is expanded (each image's run of
+    /// the model's image token, see [`crate::vision::MultimodalPrompt`]), `images` in prompt
+    /// order. Reuses the cached prefix as far as tokens and images agree; prefills the rest in
+    /// chunks of about `chunk` positions that never split an image. Returns the reused count
+    /// and the logits after the last prompt token. Without images it is [`Session::prefill`];
+    /// with images on a model without a vision tower it is the seed's error
+    /// ([`crate::vision::no_vision_tower`]).
+    pub fn prefill_multimodal(
+        &mut self,
+        prompt: &[u32],
+        images: &[crate::vision::ImageInput],
+        chunk: Option<usize>,
+    ) -> Result<(usize, Array)> {
+        use crate::vision::{forward_multimodal, FeatureCache, MultimodalPrompt};
+        if images.is_empty() {
+            return self.prefill(prompt, chunk);
+        }
+        let model = self.model;
+        let vision = model.vision().ok_or_else(|| {
+            crate::vision::no_vision_tower(self.model_path.as_deref().unwrap_or("(unnamed)"))
+        })?;
+        if chunk == Some(0) {
+            return Err(ModelError::Runtime(
+                "prefill chunk = 0: must be at least 1 token".into(),
+            ));
+        }
+        check_token_ids(
+            &prompt
+                .iter()
+                .copied()
+                .filter(|t| *t != vision.image_token_id())
+                .collect::<Vec<_>>(),
+            model.vocab_size(),
+        )?;
+        let mm = MultimodalPrompt::new(vision, prompt, images)?;
+        let runs: Vec<(std::ops::Range<usize>, u64)> = mm
+            .runs()
+            .iter()
+            .cloned()
+            .zip(images.iter().map(|i| i.hash()))
+            .collect();
+        let mut reuse = self
+            .common_prefix(prompt, &runs)
+            .min(prompt.len().saturating_sub(1));
+        if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {
+            for c in &mut self.caches {
+                c.rewind(reuse)?;
+            }
+        } else {
+            reuse = self.restore_snapshot(reuse)?;
+        }
+        self.snapshots.retain(|s| s.position <= reuse);
+        self.tokens.truncate(reuse);
+        self.image_runs.clear();
+        let mut features = FeatureCache::default();
+        let mut start = reuse;
+        let mut last = None;
+        for end in mm.chunk_ends(reuse, chunk) {
+            let logits = forward_multimodal(
+                vision,
+                &mm,
+                start..end,
+                &mut features,
+                &mut self.caches,
+                true,
+            )?
+            .reshape(&[-1])?;
+            logits.eval()?;
+            last = Some(logits);
+            start = end;
+        }
+        let logits =
+            last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))?;
+        check_logits(&logits, || {
+            format!(
+                "generation step 0 (the logits after the {}-token prompt)",
+                prompt.len()
+            )
+        })?;
+        self.tokens.extend_from_slice(&prompt[reuse..]);
+        self.image_runs = runs;
+        self.position_delta = vision.position_delta(&mm)?;
+        Ok((reuse, logits))
+    }
+
     /// Parks the conversation (see [`Session::resume`]).
     pub fn into_state(self) -> SessionState {
         SessionState {
             caches: self.caches,
             tokens: self.tokens,
+            image_runs: self.image_runs,
+            position_delta: self.position_delta,
             snapshots: self.snapshots,
             policy: self.policy,
         }
@@ -387,12 +517,7 @@ impl<'m> Session<'m> {
     /// Makes the caches hold `prompt`; returns how many leading tokens were reused and the
     /// logits after the last prompt token.
     pub fn prefill(&mut self, prompt: &[u32], chunk: Option<usize>) -> Result<(usize, Array)> {
-        let common = self
-            .tokens
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = self.common_prefix(prompt, &[]);
         // At least the last prompt token is recomputed: its logits start the reply.
         let mut reuse = common.min(prompt.len().saturating_sub(1));
         if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {
@@ -405,6 +530,10 @@ impl<'m> Session<'m> {
         // Snapshots past the resumed position hold tokens the new prompt may not share.
         self.snapshots.retain(|s| s.position <= reuse);
         self.tokens.truncate(reuse);
+        self.image_runs.retain(|r| r.0.end <= reuse);
+        // A text prompt keeps no image (the common prefix stops at the first one it held), so
+        // its positions are the plain offsets.
+        self.position_delta = 0;
         let logits = self.prefill_with_snapshots(&prompt[reuse..], reuse, chunk)?;
         check_logits(&logits, || {
             format!(
@@ -523,10 +652,23 @@ impl<'m> Session<'m> {
     /// reading this token, so building the graph overlaps the device's work. Call
     /// [`Session::record_token`] with the token's value once read.
     pub fn step_pending(&mut self, token: &Array) -> Result<Array> {
-        Ok(self
-            .model
-            .forward_last(token, &mut self.caches)?
-            .reshape(&[-1])?)
+        Ok(self.decode_step(token)?.reshape(&[-1])?)
+    }
+
+    /// One token `[1, 1]` through the model at the next position: the cache offset, plus the
+    /// position delta after a prompt with images.
+    fn decode_step(&mut self, token: &Array) -> Result<Array> {
+        if self.position_delta == 0 {
+            return self.model.forward_last(token, &mut self.caches);
+        }
+        let position = self.tokens.len() as i64 + self.position_delta;
+        let positions = Array::from_slice(&[position as i32], &[1])?;
+        self.model.forward_embeddings(
+            &self.model.embed(token)?,
+            Some(&positions),
+            &mut self.caches,
+            true,
+        )
     }
 
     /// Records the value of a token fed by [`Session::step_pending`].
@@ -536,7 +678,13 @@ impl<'m> Session<'m> {
 
     /// Feeds one generated token; returns the logits for the next.
     pub fn step(&mut self, token: u32) -> Result<Array> {
-        let logits = prefill(self.model, &[token], &mut self.caches, None)?;
+        let logits = if self.position_delta == 0 {
+            prefill(self.model, &[token], &mut self.caches, None)?
+        } else {
+            check_token_ids(&[token], self.model.vocab_size())?;
+            let input = Array::from_slice(&[token as i32], &[1, 1])?;
+            self.decode_step(&input)?.reshape(&[-1])?
+        };
         let position = self.tokens.len();
         check_logits(&logits, || {
             format!("position {position} (after token {token})")

@@ -39,3 +39,4 @@ pub use registry::{
     WeightRoute, WeightTransform, WeightTransformFn, ADAPTERS_AVAILABLE, DESCRIPTORS,
 };
 pub use rerank::RerankerModel;
+pub use vision::load_vlm;

@@ -156,6 +156,12 @@ pub trait LanguageModel {
     /// Rows of the output head: the size of the last logits axis (token ids must be below it).
     fn vocab_size(&self) -> usize;
 
+    /// The model's vision side when it was loaded with a vision tower (a vision-language
+    /// checkpoint not loaded text-only); `None` for text models.
+    fn vision(&self) -> Option<&dyn crate::vision::VisionLanguage> {
+        None
+    }
+
     /// Whether one forward pass can advance several conversations by one token each, every
     /// layer given a [`LayerCache::Batch`] of their caches ([`crate::generate::DecodeBatch`]):
     /// true when every layer is key/value attention with fixed rope frequencies. Others

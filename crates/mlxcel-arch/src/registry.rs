@@ -74,7 +74,6 @@ macro_rules! for_each_model_registration {
             ExaoneMoe { names: ["exaone_moe"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::exaone_moe::Model, adapter: None },
             MiniMax { names: ["minimax"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::minimax::Model, adapter: None },
             Mistral3 { names: ["mistral3"], kind: Generation, dir: Mistral3Dynamic, weights: None, model: $crate::models::mistral3::Model, adapter: None },
-            QwenVl { names: ["qwen2_vl", "qwen2_5_vl"], kind: Generation, dir: ConfigBacked, weights: ConfigBacked, model: $crate::vision::qwen2_vl::Model, adapter: None },
             Mamba { names: ["mamba", "falcon_mamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba::Model, adapter: None },
             Mamba2 { names: ["mamba2"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::mamba2::Model, adapter: None },
             Jamba { names: ["jamba"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::jamba::Model, adapter: None },
@@ -82,6 +81,8 @@ macro_rules! for_each_model_registration {
             Qwen3Next { names: ["qwen3_next"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::qwen3_next::Model, adapter: None },
             Qwen3_5 { names: ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::qwen3_5::Model, adapter: None },
             Rwkv7 { names: ["rwkv7"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::rwkv7::Model, adapter: None },
+            Gemma3 { names: ["gemma3"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::gemma3::Model, adapter: Some("vision-language models take no adapters") },
+            QwenVl { names: ["qwen2_vl", "qwen2_5_vl"], kind: Generation, dir: Vlm, weights: None, model: $crate::vision::qwen2_vl::Model, adapter: Some("vision-language models take no adapters") },
             Bert { names: ["bert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             XlmRoberta { names: ["xlm-roberta"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             ModernBert { names: ["modernbert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Model, adapter: Some("encoders take no adapters") },
@@ -322,6 +323,9 @@ macro_rules! generation_models {
             }
             fn batched_decode(&self) -> bool {
                 match self { $(GenerationModel::$v(m) => m.batched_decode()),* }
+            }
+            fn vision(&self) -> Option<&dyn $crate::vision::VisionLanguage> {
+                match self { $(GenerationModel::$v(m) => m.vision()),* }
             }
         }
 

@@ -20,6 +20,7 @@ pub mod adapter;
 mod chat;
 mod embed;
 mod error;
+pub mod image;
 pub mod memory;
 mod pipeline;
 pub mod repack;
@@ -28,6 +29,7 @@ pub mod stream;
 pub mod surgery;
 mod textgen;
 mod tokenizer;
+pub mod vision;
 
 pub use chat::{ChatTemplate, Message, ToolCallFormat};
 pub use embed::{

@@ -8,7 +8,7 @@ use mlxcel_arch::config::sanitize_config_json;
 use mlxcel_arch::detection::{detect_kind, get_model_type};
 use mlxcel_arch::nn::lora::{AdapterMix, AdapterSet, RuntimeAdapters};
 use mlxcel_arch::{
-    load_config_backed, load_mistral3, load_nonstandard, model_load_policy, BuildOptions,
+    load_config_backed, load_mistral3, load_nonstandard, load_vlm, model_load_policy, BuildOptions,
     DirectoryRoute, GenerationModel, LoadedModel, ModelKind, ModelType,
 };
 use mlxcel_core::{Device, Dtype, Materialization, RuntimePolicy, WeightMap};
@@ -146,13 +146,83 @@ pub struct Loaded {
     /// The runtime (unfused) adapters, when any were loaded (see
     /// [`LoadOptions::runtime_adapters`]).
     pub adapters: Option<Rc<AdapterSet>>,
+    /// The image processor and prompt expansion of a vision-language model loaded with its
+    /// vision tower (and a tokenizer); `None` otherwise.
+    pub vision: Option<crate::vision::VisionProcessor>,
 }
 
 impl Loaded {
     /// A new session on the model that checks, before each request, that the mapped
     /// checkpoint files are unchanged (see [`mlxcel_core::MappedFiles`]).
     pub fn session(&self) -> mlxcel_arch::generate::Session<'_> {
-        mlxcel_arch::generate::Session::new(&self.model).with_mapped_files(self.mapped.clone())
+        mlxcel_arch::generate::Session::new(&self.model)
+            .with_mapped_files(self.mapped.clone())
+            .with_model_path(self.folder.display().to_string())
+    }
+
+    /// The vision processor, or the seed's error for a model without a vision tower.
+    fn vision_processor(&self) -> Result<&crate::vision::VisionProcessor> {
+        self.vision.as_ref().ok_or_else(|| {
+            LoadError::from(mlxcel_arch::vision::no_vision_tower(
+                &self.folder.display().to_string(),
+            ))
+        })
+    }
+
+    /// An image's pixel values as the model's HF processor computes them (resize, rescale,
+    /// normalise from `preprocessor_config.json`), with its content hash, for
+    /// [`crate::GenerateRequest::images`]. A model without a vision tower refuses images with
+    /// `model <path> was loaded without a vision tower (text-only checkpoint)`.
+    pub fn prepare_image(
+        &self,
+        image: &crate::image::RgbImage,
+    ) -> Result<mlxcel_arch::vision::ImageInput> {
+        self.vision_processor()?.prepare(image)
+    }
+
+    /// [`Loaded::prepare_image`] of an encoded PNG, JPEG or WebP image.
+    pub fn prepare_image_bytes(&self, bytes: &[u8]) -> Result<mlxcel_arch::vision::ImageInput> {
+        let processor = self.vision_processor()?;
+        processor.prepare(&crate::image::decode_image(bytes)?)
+    }
+
+    /// A user message's text with `images` image placeholders in front (where a chat template
+    /// puts image items before the text), to render with the chat template and then expand
+    /// with [`Loaded::expand_prompt_text`].
+    pub fn user_content_with_images(&self, text: &str, images: usize) -> Result<String> {
+        if images == 0 {
+            return Ok(text.to_string());
+        }
+        Ok(format!(
+            "{}{text}",
+            self.vision_processor()?.content_placeholder.repeat(images)
+        ))
+    }
+
+    /// A rendered prompt with each image placeholder expanded into the model's image tokens,
+    /// as the HF processor expands the text before tokenising it.
+    pub fn expand_prompt_text(
+        &self,
+        text: &str,
+        images: &[mlxcel_arch::vision::ImageInput],
+    ) -> Result<String> {
+        if images.is_empty() {
+            return Ok(text.to_string());
+        }
+        self.vision_processor()?.expand_text(text, images)
+    }
+
+    /// Token ids holding the model's image placeholder once per image, expanded into the
+    /// image-token runs (the expansion's text pieces tokenised on their own).
+    pub fn expand_image_tokens(
+        &self,
+        ids: &[u32],
+        images: &[mlxcel_arch::vision::ImageInput],
+    ) -> Result<Vec<u32>> {
+        if images.is_empty() {
+            return Ok(ids.to_vec());
+        }
+        self.vision_processor()?.expand_ids(ids, images)
     }
 
     /// The names of the runtime adapters (empty when none were loaded).
@@ -307,6 +377,7 @@ fn has_vision_weights(weights: &WeightMap) -> bool {
     weights.names().any(|n| {
         n.starts_with("vision_tower.")
             || n.starts_with("model.visual.")
+            || n.starts_with("visual.")
             || n.contains(".vision_tower.")
     })
 }
@@ -403,6 +474,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         DirectoryRoute::ConfigBacked
             | DirectoryRoute::Nonstandard
             | DirectoryRoute::Mistral3Dynamic
+            | DirectoryRoute::Vlm
     ) {
         return Err(LoadError::Unsupported(format!(
             "{}: {} loads through the {:?} route, which this build does not have yet",
@@ -440,6 +512,19 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     let mut report = Vec::new();
     if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
         let unused = mlxcel_arch::models::mistral3::unused_tensors(&weights);
+        if !unused.is_empty() {
+            report.push(format!(
+                "text-only load: {} vision-tower and projector tensors left out ({} .. {})",
+                unused.len(),
+                unused[0],
+                unused[unused.len() - 1]
+            ));
+        }
+    }
+    if policy.directory_route == DirectoryRoute::Vlm
+        && mlxcel_arch::detection::is_text_only(&config, has_vision_weights(&weights))
+    {
+        let unused = mlxcel_arch::vision::unused_vision_tensors(model_type, &weights);
         if !unused.is_empty() {
             report.push(format!(
                 "text-only load: {} vision-tower and projector tensors left out ({} .. {})",
@@ -513,6 +598,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     let model = match policy.directory_route {
         DirectoryRoute::Nonstandard => load_nonstandard(model_type, &config, weights, &build),
         DirectoryRoute::Mistral3Dynamic => load_mistral3(&config, weights, &build),
+        DirectoryRoute::Vlm => load_vlm(model_type, &config, weights, &build),
         _ => load_config_backed(model_type, &config, weights, &build),
     }
     .and_then(LoadedModel::into_generation)
@@ -526,6 +612,12 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         (Some(load_tokenizer(&folder)?), ChatTemplate::load(&folder)?)
     };
     let eos_token_ids = eos_token_ids(&folder, &config, tokenizer.as_ref());
+    let vision = match (&tokenizer, mlxcel_arch::LanguageModel::vision(&model)) {
+        (Some(t), Some(_)) => {
+            crate::vision::VisionProcessor::load(model_type, &folder, &config, t)?
+        }
+        _ => None,
+    };
     Ok(Loaded {
         model,
         tokenizer,
@@ -540,6 +632,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         mapped,
         surgery_applied: report.into_iter().chain(applied.take()).collect(),
         adapters: lora.map(|r| r.set),
+        vision,
     })
 }
 

@@ -32,6 +32,9 @@ pub struct GenerateRequest {
     /// Keep special tokens in the text (a harmony-format reply's channel markup, which a
     /// reader then parses); by default they are left out.
     pub keep_special_tokens: bool,
+    /// The prompt's images, in order (see [`crate::Loaded::prepare_image`]); the prompt must
+    /// be expanded ([`crate::Loaded::expand_image_tokens`]). Empty for text.
+    pub images: Vec<mlxcel_arch::vision::ImageInput>,
 }
 
 impl GenerateRequest {
@@ -72,6 +75,7 @@ impl Default for GenerateRequest {
             prefill_chunk: None,
             cancel: None,
             keep_special_tokens: false,
+            images: Vec::new(),
         }
     }
 }
@@ -305,7 +309,8 @@ impl GenerationProgress {
         session.check_files()?;
         request.validate()?;
         let start = Instant::now();
-        let (reused, logits) = session.prefill(prompt, request.prefill_chunk)?;
+        let (reused, logits) =
+            session.prefill_multimodal(prompt, &request.images, request.prefill_chunk)?;
         let progress = GenerationProgress {
             sampler: Sampler::new(request.sampling.clone()),
             text: with_text.then(|| DecodeProgress::new(!request.keep_special_tokens)),

@@ -99,6 +99,11 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The token string of `id` (e.g. `"<start_of_image>"`), `None` when not in the vocabulary.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// Vocabulary size, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

@@ -757,6 +757,7 @@ impl Model {
             prefill_chunk: options.prefill_chunk,
             cancel: Some(cancel.clone()),
             keep_special_tokens: options.keep_special_tokens,
+            images: Vec::new(),
         };
         let queue = Arc::new(Queue::default());
         let start = batch::Start {

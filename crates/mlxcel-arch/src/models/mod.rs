@@ -18,6 +18,7 @@ pub mod exaone4;
 pub mod exaone_moe;
 pub mod gemma;
 pub mod gemma2;
+pub mod gemma3;
 pub mod gemma3_text;
 pub mod glm4;
 pub mod glm4_moe;

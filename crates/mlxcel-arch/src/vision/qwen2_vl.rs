@@ -30,19 +30,19 @@ use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use std::ops::Range;
+
 use crate::cache::LayerCache;
 use crate::config::sanitize_config_json;
 use crate::model::{Architecture, LanguageModel, LayerKind};
 use crate::models::qwen2;
-use crate::models::transformer::{Decoder, DecoderArgs, DecoderSpec};
 use crate::nn::{Activation, Linear, Norm, NormKind};
-use crate::registry::parse_args;
+use crate::registry::{parse_args, GenerationModel};
+use crate::vision::{
+    ImageInput, LazyTower, MultimodalPrompt, VisionFamily, VisionLanguage, VlmConfig,
+};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
-
-/// The error an image sent to a checkpoint loaded without its vision tower gets (the loader
-/// prefixes the model's path).
-pub const NO_VISION_TOWER: &str = "was loaded without a vision tower (text-only checkpoint)";
 
 /// Which generation of the family a checkpoint is (its `model_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,14 +132,44 @@ impl Args {
         }
     }
 
+    /// The text decoder's config (`qwen2`) from `text_config` or the flat top level, checked:
+    /// the outer tying in, the `mrope` marker out of `rope_scaling`.
+    pub fn text_config_value(&self) -> Result<Value> {
+        self.text()?;
+        Ok(self.normalized_text()?.0)
+    }
+
     /// The text decoder's args from `text_config` or the flat top level.
     pub fn text(&self) -> Result<TextArgs> {
-        let in_text = |e: ModelError| match e {
+        let (text, mrope_section) = self.normalized_text()?;
+        let qwen2: qwen2::Args = parse_args(&text).map_err(|e| self.in_text(e))?;
+        let half = qwen2
+            .common
+            .head_dim
+            .unwrap_or(qwen2.common.hidden_size / qwen2.common.num_attention_heads.max(1))
+            / 2;
+        if mrope_section.iter().sum::<usize>() != half as usize {
+            return Err(self.in_text(ModelError::Config(format!(
+                "rope_scaling.mrope_section = {mrope_section:?}: must sum to head_dim / 2 = {half}"
+            ))));
+        }
+        Ok(TextArgs {
+            qwen2,
+            mrope_section,
+        })
+    }
+
+    /// A config error inside `text_config` says so.
+    fn in_text(&self, e: ModelError) -> ModelError {
+        match e {
             ModelError::Config(m) if self.text_config.is_some() => {
                 ModelError::Config(format!("text_config: {m}"))
             }
             other => other,
-        };
+        }
+    }
+
+    fn normalized_text(&self) -> Result<(Value, [usize; 3])> {
         let mut text = match &self.text_config {
             Some(Value::Object(t)) => t.clone(),
             Some(other) => {
@@ -163,12 +193,12 @@ impl Args {
             None => [16, 24, 24],
             Some(v) => {
                 let s: Vec<usize> = serde_json::from_value(v.clone()).map_err(|_| {
-                    in_text(ModelError::Config(format!(
+                    self.in_text(ModelError::Config(format!(
                         "rope_scaling.mrope_section = {v}: must be three non-negative integers"
                     )))
                 })?;
                 <[usize; 3]>::try_from(s.as_slice()).map_err(|_| {
-                    in_text(ModelError::Config(format!(
+                    self.in_text(ModelError::Config(format!(
                         "rope_scaling.mrope_section = {v}: must have three entries (temporal, height, width)"
                     )))
                 })?
@@ -183,21 +213,8 @@ impl Args {
         if plain {
             text.remove("rope_scaling");
         }
-        let qwen2: qwen2::Args = parse_args(&Value::Object(text)).map_err(in_text)?;
-        let half = qwen2
-            .common
-            .head_dim
-            .unwrap_or(qwen2.common.hidden_size / qwen2.common.num_attention_heads.max(1))
-            / 2;
-        if mrope_section.iter().sum::<usize>() != half as usize {
-            return Err(in_text(ModelError::Config(format!(
-                "rope_scaling.mrope_section = {mrope_section:?}: must sum to head_dim / 2 = {half}"
-            ))));
-        }
-        Ok(TextArgs {
-            qwen2,
-            mrope_section,
-        })
+        text.insert("model_type".into(), Value::from("qwen2"));
+        Ok((Value::Object(text), mrope_section))
     }
 
     /// The vision tower's args (`None` when the config leaves it out).
@@ -209,10 +226,6 @@ impl Args {
         serde_json::from_value(v)
             .map(Some)
             .map_err(|e| ModelError::Config(format!("vision_config: {e}")))
-    }
-
-    fn spec(&self) -> Result<DecoderSpec> {
-        self.text()?.qwen2.spec()
     }
 }
 
@@ -955,125 +968,249 @@ impl VisionTower {
 // The model
 // ---------------------------------------------------------------------------------------------
 
-/// One image as the tower takes it: the processor's patches and their grid.
+/// The outer config's facts the model keeps.
 #[derive(Debug, Clone)]
-pub struct ImagePatches {
-    /// `[t · h · w, channels · temporal · patch²]` (float32), from [`patchify`].
-    pub pixel_values: Array,
-    /// `[t, h, w]` in patches (`image_grid_thw`).
-    pub grid_thw: [i32; 3],
-}
-
-/// A prompt with its images merged in, ready for [`LanguageModel::forward_embeddings`].
-#[derive(Debug)]
-pub struct MultimodalPrompt {
-    /// `[1, L, hidden]`: token embeddings with each image's features on its placeholders.
-    pub embeddings: Array,
-    /// Per-frequency M-RoPE positions `[1, L, head_dim / 2]` (see [`mrope_positions`]).
-    pub positions: Array,
-    /// What decoding adds to the cache offset to get the next token's position (transformers'
-    /// `rope_deltas`): `max position + 1 − L`, 0 for text alone.
-    pub position_delta: i64,
-}
-
-/// A Qwen2-VL / Qwen2.5-VL checkpoint: the Qwen2 decoder with M-RoPE and, unless text only, the
-/// vision tower.
-#[derive(Debug)]
-pub struct Model {
-    decoder: Decoder,
-    vision: Option<VisionTower>,
-    mrope_section: [usize; 3],
+struct Outer {
+    family: Family,
     image_token_id: i32,
     video_token_id: i32,
+    mrope_section: [usize; 3],
+}
+
+/// A Qwen2-VL / Qwen2.5-VL checkpoint on the `Vlm` route: the registered Qwen2 decoder
+/// (positions per M-RoPE section) and, unless loaded text only, the lazy vision tower.
+#[derive(Debug)]
+pub struct Model {
+    text: GenerationModel,
+    tower: Option<LazyTower<VisionTower>>,
+    outer: Outer,
+}
+
+impl Family {
+    fn name(self) -> &'static str {
+        match self {
+            Family::Qwen2Vl => "Qwen2-VL",
+            Family::Qwen2_5Vl => "Qwen2.5-VL",
+        }
+    }
 }
 
 impl Model {
-    /// The vision tower (`None` for a checkpoint loaded as text only).
-    pub fn vision(&self) -> Option<&VisionTower> {
-        self.vision.as_ref()
+    /// The vision tower, `None` for a text-only load.
+    pub fn tower(&self) -> Option<&LazyTower<VisionTower>> {
+        self.tower.as_ref()
     }
 
-    /// The placeholder token of one merged image patch.
-    pub fn image_token_id(&self) -> i32 {
-        self.image_token_id
+    /// The family `model_type` names.
+    pub fn family(&self) -> Family {
+        self.outer.family
     }
 
-    /// Merges `images` (in prompt order) into the embeddings of `ids` and computes the M-RoPE
-    /// positions: each run of image tokens takes the next image's features. With no images the
-    /// positions are the plain `0..L` (M-RoPE of text is ordinary rope).
-    pub fn prompt(&self, ids: &[i32], images: &[ImagePatches]) -> Result<MultimodalPrompt> {
-        if ids.contains(&self.video_token_id) {
-            return Err(ModelError::Unsupported(format!(
-                "video placeholders (token {}) in the prompt: videos are not supported",
-                self.video_token_id
+    fn shape(&self) -> Result<&VisionShape> {
+        match &self.tower {
+            Some(t) => Ok(&t.get()?.shape),
+            None => Err(ModelError::Runtime("no vision tower".into())),
+        }
+    }
+
+    /// An image's `[t, h, w]` patch grid from its pixel size (`[1, channels, H, W]`, both sides
+    /// multiples of `patch · merge`), checked against the processor's grid when it reports one.
+    fn grid(&self, image: &ImageInput) -> Result<[i32; 3]> {
+        let s = self.shape()?;
+        let [tiles, channels, h, w] = image.shape();
+        let side = (s.patch * s.merge) as usize;
+        if tiles != 1 || channels != s.channels as usize || h % side != 0 || w % side != 0 {
+            return Err(ModelError::Runtime(format!(
+                "a {} image is one {}-channel picture with sides multiple of {side} (the processor's smart_resize); given pixel values of shape {:?}",
+                self.outer.family.name(),
+                s.channels,
+                image.shape()
             )));
         }
-        let placeholders = ids.iter().filter(|t| **t == self.image_token_id).count();
-        let l = ids.len() as i32;
-        let tokens = Array::from_slice(ids, &[1, l])?;
-        let mut embeddings = self.decoder.embed(&tokens)?;
-        if !images.is_empty() || placeholders > 0 {
-            let Some(tower) = &self.vision else {
-                return Err(ModelError::Unsupported(format!(
-                    "images in the prompt: the model {NO_VISION_TOWER}"
-                )));
-            };
-            let grids: Vec<[i32; 3]> = images.iter().map(|i| i.grid_thw).collect();
-            let needed: usize = grids
-                .iter()
-                .map(|g| image_token_count(*g, tower.shape.merge))
-                .sum();
-            if needed != placeholders {
+        let grid = [
+            1,
+            (h / s.patch as usize) as i32,
+            (w / s.patch as usize) as i32,
+        ];
+        if let Some(g) = image.grid_thw {
+            let g = [g[0] as i32, g[1] as i32, g[2] as i32];
+            if g != grid {
                 return Err(ModelError::Runtime(format!(
-                    "Image features and image tokens do not match: {placeholders} image tokens ({}) in the prompt, {needed} for the {} images",
-                    self.image_token_id,
-                    images.len()
+                    "image grid {g:?} does not match its {h}x{w} pixels (grid {grid:?})"
                 )));
             }
-            let pixels: Vec<Array> = images.iter().map(|i| i.pixel_values.clone()).collect();
-            let pixels = ops::concatenate(&pixels, 0)?;
-            let features = tower.forward(&pixels, &grids)?;
-            // Row i of the prompt: its token's embedding, or the next image feature.
-            let mut next = l;
-            let rows: Vec<i32> = (0..l)
-                .map(|i| {
-                    if ids[i as usize] == self.image_token_id {
-                        next += 1;
-                        next - 1
-                    } else {
-                        i
-                    }
-                })
-                .collect();
-            let all = ops::concatenate(
-                &[
-                    embeddings.squeeze(&[0])?,
-                    features.astype(embeddings.dtype()?)?,
-                ],
-                0,
-            )?;
-            embeddings = all
-                .take(&Array::from_slice(&rows, &[l])?, 0)?
-                .expand_dims(&[0])?;
-            let (pos, delta) = rope_index(ids, &grids, self.image_token_id, tower.shape.merge)?;
-            return Ok(MultimodalPrompt {
-                embeddings,
-                positions: mrope_positions(&pos, self.mrope_section)?,
-                position_delta: delta,
-            });
         }
-        let (pos, delta) = rope_index(ids, &[], self.image_token_id, 1)?;
-        Ok(MultimodalPrompt {
-            embeddings,
-            positions: mrope_positions(&pos, self.mrope_section)?,
-            position_delta: delta,
+        Ok(grid)
+    }
+
+    /// The prompt's M-RoPE axes and decode delta (see [`rope_index`]).
+    fn rope_index_of(&self, prompt: &MultimodalPrompt<'_>) -> Result<([Vec<i64>; 3], i64)> {
+        if prompt.tokens.contains(&(self.outer.video_token_id as u32)) {
+            return Err(ModelError::Unsupported(format!(
+                "video placeholders (token {}) in the prompt: videos are not supported",
+                self.outer.video_token_id
+            )));
+        }
+        let ids: Vec<i32> = prompt.tokens.iter().map(|t| *t as i32).collect();
+        let grids = prompt
+            .images
+            .iter()
+            .map(|i| self.grid(i))
+            .collect::<Result<Vec<_>>>()?;
+        let merge = if grids.is_empty() {
+            1
+        } else {
+            self.shape()?.merge
+        };
+        rope_index(&ids, &grids, self.outer.image_token_id, merge)
+    }
+}
+
+impl VisionFamily for Model {
+    type Tower = VisionTower;
+    const NAME: &'static str = "Qwen2-VL";
+    const VISION_PREFIXES: &'static [&'static str] = &["visual."];
+
+    fn config(config: &Value) -> Result<VlmConfig> {
+        let args: Args = parse_args(config)?;
+        args.family()?;
+        Ok(VlmConfig {
+            text_config: args.text_config_value()?,
+            text_type: crate::registry::ModelType::Qwen2,
+            vision_config: if args.wants_vision() {
+                args.vision_config.clone()
+            } else {
+                None
+            },
         })
+    }
+
+    /// Brings every layout to `visual.*` / `model.*` / `lm_head` (the mlx-vlm patch kernel back
+    /// to channels-first).
+    fn sanitize(config: &Value, weights: &mut WeightMap) -> Result<()> {
+        weights.rename_prefix("model.language_model.", "model.")?;
+        weights.rename_prefix("language_model.model.", "model.")?;
+        weights.rename_prefix("language_model.lm_head.", "lm_head.")?;
+        for prefix in RAW_VISION_PREFIXES {
+            if *prefix != "visual." {
+                weights.rename_prefix(prefix, "visual.")?;
+            }
+        }
+        let kernel = "visual.patch_embed.proj.weight";
+        let channels = config
+            .get("vision_config")
+            .and_then(|v| v.get("in_channels").or_else(|| v.get("in_chans")))
+            .and_then(Value::as_i64)
+            .unwrap_or(3) as i32;
+        if let Some(info) = weights.info(kernel) {
+            let s = info.shape.clone();
+            // mlx-vlm stores Conv3d kernels channels-last: [out, t, p, p, channels].
+            if s.len() == 5 && s[4] == channels && s[1] != channels {
+                let a = weights.take(kernel)?.transpose(&[0, 4, 1, 2, 3])?;
+                weights.insert(kernel, a)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn build_tower(config: &Value, vlm: &VlmConfig, w: &mut ModelWeights) -> Result<VisionTower> {
+        let args: Args = parse_args(config)?;
+        let family = args.family()?;
+        let v: VisionArgs = serde_json::from_value(vlm.vision_config.clone().unwrap_or_default())
+            .map_err(|e| ModelError::Config(format!("vision_config: {e}")))?;
+        let shape = VisionShape::resolve(family, &v)?;
+        let hidden = vlm
+            .text_config
+            .get("hidden_size")
+            .and_then(Value::as_i64)
+            .unwrap_or_default() as i32;
+        if shape.out != hidden {
+            return Err(ModelError::Config(format!(
+                "vision_config: the merger's output width {} is not the text hidden_size {hidden}",
+                shape.out
+            )));
+        }
+        VisionTower::build(family, shape, &mut w.scope("visual"))
+    }
+
+    fn assemble(
+        config: &Value,
+        text: GenerationModel,
+        tower: Option<LazyTower<VisionTower>>,
+    ) -> Result<Model> {
+        let args: Args = parse_args(config)?;
+        Ok(Model {
+            text,
+            tower,
+            outer: Outer {
+                family: args.family()?,
+                image_token_id: args.image_token_id,
+                video_token_id: args.video_token_id,
+                mrope_section: args.text()?.mrope_section,
+            },
+        })
+    }
+}
+
+/// The vision tower's tensor prefixes as checkpoints spell them (before sanitising): the hub's
+/// and transformers 5's save, transformers 5's module layout, mlx-vlm.
+pub const RAW_VISION_PREFIXES: &[&str] = &["visual.", "model.visual.", "vision_tower."];
+
+impl VisionLanguage for Model {
+    fn text(&self) -> &dyn LanguageModel {
+        &self.text
+    }
+
+    fn image_token_id(&self) -> u32 {
+        self.outer.image_token_id as u32
+    }
+
+    fn image_token_count(&self, image: &ImageInput) -> Result<usize> {
+        Ok(image_token_count(self.grid(image)?, self.shape()?.merge))
+    }
+
+    /// The processor's patches of the image ([`patchify`]) through the tower.
+    fn image_features(&self, image: &ImageInput) -> Result<Array> {
+        let tower = self
+            .tower
+            .as_ref()
+            .ok_or_else(|| ModelError::Runtime("no vision tower".into()))?
+            .get()?;
+        self.grid(image)?;
+        let s = &tower.shape;
+        let [_, c, h, w] = image.shape();
+        let (patches, grid) = patchify(
+            image.pixels(),
+            c,
+            h,
+            w,
+            s.patch as usize,
+            s.merge as usize,
+            s.temporal as usize,
+        )?;
+        let pixel_values = Array::from_slice(&patches, &[grid[1] * grid[2], s.patch_values()])?;
+        tower.forward(&pixel_values, &[grid])
+    }
+
+    /// Per-frequency M-RoPE positions of `range` ([`rope_index`] over the whole prompt).
+    fn positions(
+        &self,
+        prompt: &MultimodalPrompt<'_>,
+        range: Range<usize>,
+    ) -> Result<Option<Array>> {
+        let (pos, _) = self.rope_index_of(prompt)?;
+        let slice: [Vec<i64>; 3] = std::array::from_fn(|k| pos[k][range.clone()].to_vec());
+        Ok(Some(mrope_positions(&slice, self.outer.mrope_section)?))
+    }
+
+    fn position_delta(&self, prompt: &MultimodalPrompt<'_>) -> Result<i64> {
+        Ok(self.rope_index_of(prompt)?.1)
     }
 }
 
 impl LanguageModel for Model {
     fn embed(&self, tokens: &Array) -> Result<Array> {
-        self.decoder.embed(tokens)
+        self.text.embed(tokens)
     }
 
     fn forward_embeddings(
@@ -1083,92 +1220,47 @@ impl LanguageModel for Model {
         caches: &mut [LayerCache],
         last_only: bool,
     ) -> Result<Array> {
-        let h = self.decoder.body(embeddings.clone(), positions, caches)?;
-        self.decoder.head(&h, last_only)
+        self.text
+            .forward_embeddings(embeddings, positions, caches, last_only)
     }
 
     fn vocab_size(&self) -> usize {
-        self.decoder.vocab_size()
+        self.text.vocab_size()
     }
 
     fn layer_schedule(&self) -> Vec<LayerKind> {
-        self.decoder.layer_schedule()
+        self.text.layer_schedule()
     }
 
     /// Text only: a batch decodes every row at its cache offset, which is not the position of a
     /// conversation with images (offset plus its delta).
     fn batched_decode(&self) -> bool {
-        self.vision.is_none() && self.decoder.batched_decode()
+        self.tower.is_none() && self.text.batched_decode()
+    }
+
+    fn vision(&self) -> Option<&dyn VisionLanguage> {
+        self.tower.as_ref().map(|_| self as &dyn VisionLanguage)
     }
 }
 
-/// The vision tower's tensor prefixes, as checkpoints spell them, and the canonical one.
-const VISION_PREFIXES: &[&str] = &["model.visual.", "vision_tower.", "visual."];
-
 impl Architecture for Model {
-    type Args = Args;
+    type Args = Value;
 
-    /// Brings every layout to `visual.*` / `model.*` / `lm_head` (the mlx-vlm patch kernel back
-    /// to channels-first), and drops the tower when the config loads text only.
-    fn sanitize(args: &Args, weights: &mut WeightMap, quant: Option<&QuantConfig>) -> Result<()> {
-        weights.rename_prefix("model.language_model.", "model.")?;
-        weights.rename_prefix("language_model.model.", "model.")?;
-        weights.rename_prefix("language_model.lm_head.", "lm_head.")?;
-        for prefix in &VISION_PREFIXES[..2] {
-            weights.rename_prefix(prefix, "visual.")?;
-        }
-        if !args.wants_vision() {
-            let tower: Vec<String> = weights
-                .names()
-                .filter(|n| n.starts_with("visual."))
-                .map(str::to_string)
-                .collect();
-            for name in tower {
-                weights.remove(&name);
-            }
-        }
-        let kernel = "visual.patch_embed.proj.weight";
-        if let (Some(info), Some(v)) = (weights.info(kernel), args.vision()?) {
-            let channels = v.in_channels.unwrap_or(3);
-            let s = info.shape.clone();
-            // mlx-vlm stores Conv3d kernels channels-last: [out, t, p, p, channels].
-            if s.len() == 5 && s[4] == channels && s[1] != channels {
-                let a = weights.take(kernel)?.transpose(&[0, 4, 1, 2, 3])?;
-                weights.insert(kernel, a)?;
-            }
-        }
-        args.text()?.qwen2.sanitize(weights, quant)
+    fn sanitize(args: &Value, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        <Model as VisionFamily>::sanitize(args, weights)
     }
 
-    fn cache_schedule(args: &Args) -> Result<Vec<LayerKind>> {
-        Ok(args.spec()?.layer_schedule())
+    fn cache_schedule(args: &Value) -> Result<Vec<LayerKind>> {
+        let vlm = <Model as VisionFamily>::config(args)?;
+        crate::registry::cache_schedule(vlm.text_type, &vlm.text_config)
     }
 
-    fn build(args: &Args, w: &mut ModelWeights) -> Result<Self> {
-        let family = args.family()?;
-        let text = args.text()?;
-        let decoder = Decoder::build(&text.qwen2.spec()?, w)?;
-        let vision = match args.vision()? {
-            Some(v) if w.contains("visual.patch_embed.proj.weight") => {
-                let shape = VisionShape::resolve(family, &v)?;
-                if shape.out != text.qwen2.common.hidden_size {
-                    return Err(ModelError::Config(format!(
-                        "vision_config: the merger's output width {} is not the text hidden_size {}",
-                        shape.out, text.qwen2.common.hidden_size
-                    )));
-                }
-                let mut scope = w.scope("visual");
-                Some(VisionTower::build(family, shape, &mut scope)?)
-            }
-            _ => None,
-        };
-        Ok(Model {
-            decoder,
-            vision,
-            mrope_section: text.mrope_section,
-            image_token_id: args.image_token_id,
-            video_token_id: args.video_token_id,
-        })
+    /// Loads through the `Vlm` route ([`crate::vision::load_vlm`]): the text decoder through
+    /// the registry, the tower lazily.
+    fn build(_args: &Value, _w: &mut ModelWeights) -> Result<Self> {
+        Err(ModelError::Unsupported(
+            "Qwen2-VL builds through the Vlm route (mlxcel_arch::vision::load_vlm)".into(),
+        ))
     }
 }
 
