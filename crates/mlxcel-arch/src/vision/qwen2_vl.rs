@@ -249,8 +249,11 @@ pub struct VisionArgs {
     #[serde(default)]
     pub out_hidden_size: Option<i32>,
     /// `num_heads`.
-    #[serde(default, alias = "num_attention_heads")]
+    #[serde(default)]
     pub num_heads: Option<i32>,
+    /// `num_attention_heads` (transformers' attribute alias of `num_heads`).
+    #[serde(default)]
+    pub num_attention_heads: Option<i32>,
     /// `mlp_ratio`: Qwen2-VL's MLP width over `embed_dim`.
     #[serde(default)]
     pub mlp_ratio: Option<f64>,
@@ -260,12 +263,18 @@ pub struct VisionArgs {
     /// `hidden_act`: `quick_gelu` (Qwen2-VL) or `silu` (Qwen2.5-VL) by default.
     #[serde(default)]
     pub hidden_act: Option<String>,
-    /// `in_channels` (`in_chans` in the hub configs).
-    #[serde(default, alias = "in_chans")]
+    /// `in_channels`.
+    #[serde(default)]
     pub in_channels: Option<i32>,
-    /// `patch_size` (`spatial_patch_size` in some hub configs).
-    #[serde(default, alias = "spatial_patch_size")]
+    /// `in_chans`: the hub configs' spelling of `in_channels` (both may be present).
+    #[serde(default)]
+    pub in_chans: Option<i32>,
+    /// `patch_size`.
+    #[serde(default)]
     pub patch_size: Option<i32>,
+    /// `spatial_patch_size`: the hub configs' second spelling of `patch_size`.
+    #[serde(default)]
+    pub spatial_patch_size: Option<i32>,
     /// `spatial_merge_size`: patches merged per side into one text token.
     #[serde(default)]
     pub spatial_merge_size: Option<i32>,
@@ -325,7 +334,7 @@ impl VisionShape {
 
     fn resolve(family: Family, v: &VisionArgs) -> Result<VisionShape> {
         let depth = v.depth.unwrap_or(32);
-        let heads = v.num_heads.unwrap_or(16);
+        let heads = v.num_heads.or(v.num_attention_heads).unwrap_or(16);
         let theta = v
             .rope_parameters
             .as_ref()
@@ -365,8 +374,8 @@ impl VisionShape {
             heads,
             mlp,
             out,
-            channels: v.in_channels.unwrap_or(3),
-            patch: v.patch_size.unwrap_or(14),
+            channels: v.in_channels.or(v.in_chans).unwrap_or(3),
+            patch: v.patch_size.or(v.spatial_patch_size).unwrap_or(14),
             merge: v.spatial_merge_size.unwrap_or(2),
             temporal: v.temporal_patch_size.unwrap_or(2),
             window,
@@ -1294,6 +1303,133 @@ mod tests {
         assert_eq!(delta, 6 - 9);
         assert!(rope_index(&ids, &[[1, 4, 4]], 9, 2).is_err());
         assert!(rope_index(&ids, &[], 9, 2).is_err());
+    }
+
+    /// Qwen/Qwen2-VL-2B-Instruct's `config.json` as the hub ships it (flat, `in_chans`,
+    /// `rope_scaling` type `mrope`).
+    fn qwen2_vl_2b() -> Value {
+        serde_json::from_str(
+            r#"{
+            "architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+            "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 1536,
+            "initializer_range": 0.02, "intermediate_size": 8960, "max_position_embeddings": 32768,
+            "max_window_layers": 28, "model_type": "qwen2_vl", "num_attention_heads": 12,
+            "num_hidden_layers": 28, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
+            "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": true,
+            "use_sliding_window": false,
+            "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                "in_chans": 3, "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2,
+                "spatial_patch_size": 14, "temporal_patch_size": 2},
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+            "vocab_size": 151936
+        }"#,
+        )
+        .unwrap()
+    }
+
+    /// Qwen/Qwen2.5-VL-3B-Instruct's `config.json` (flat, window attention keys).
+    fn qwen2_5_vl_3b() -> Value {
+        serde_json::from_str(
+            r#"{
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+            "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 2048,
+            "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 128000,
+            "max_window_layers": 70, "model_type": "qwen2_5_vl", "num_attention_heads": 16,
+            "num_hidden_layers": 36, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
+            "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": true,
+            "use_sliding_window": false,
+            "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                "intermediate_size": 3420, "num_heads": 16, "in_chans": 3, "out_hidden_size": 2048,
+                "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+                "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                "tokens_per_second": 2, "temporal_patch_size": 2},
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+            "vocab_size": 151936
+        }"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn hub_configs_give_the_released_shapes() {
+        let config = crate::config::sanitize_config_json(qwen2_vl_2b());
+        let vlm = <Model as VisionFamily>::config(&config).unwrap();
+        assert_eq!(vlm.text_type, crate::registry::ModelType::Qwen2);
+        assert_eq!(vlm.text_config["hidden_size"], 1536);
+        assert_eq!(vlm.text_config["tie_word_embeddings"], true);
+        assert!(vlm.text_config.get("rope_scaling").is_none());
+        let args: Args = parse_args(&config).unwrap();
+        assert_eq!(args.text().unwrap().mrope_section, [16, 24, 24]);
+        let v: VisionArgs = serde_json::from_value(vlm.vision_config.unwrap()).unwrap();
+        let s = VisionShape::resolve(Family::Qwen2Vl, &v).unwrap();
+        assert_eq!(
+            (s.width, s.mlp, s.out, s.heads, s.depth),
+            (1280, 5120, 1536, 16, 32)
+        );
+        assert_eq!(
+            (s.patch_values(), s.window, s.act.as_str()),
+            (1176, None, "quick_gelu")
+        );
+        assert_eq!(
+            <Model as Architecture>::cache_schedule(&config)
+                .unwrap()
+                .len(),
+            28
+        );
+
+        let config = crate::config::sanitize_config_json(qwen2_5_vl_3b());
+        let vlm = <Model as VisionFamily>::config(&config).unwrap();
+        let v: VisionArgs = serde_json::from_value(vlm.vision_config.unwrap()).unwrap();
+        let s = VisionShape::resolve(Family::Qwen2_5Vl, &v).unwrap();
+        assert_eq!((s.width, s.mlp, s.out), (1280, 3420, 2048));
+        assert_eq!(
+            (s.window, s.full_attention.clone()),
+            (Some(112), vec![7, 15, 23, 31])
+        );
+        // 112-pixel windows are 4×4 merged units
+        assert_eq!(window_layout(&[[1, 8, 8]], 2, 112 / 2 / 14).1, vec![64]);
+    }
+
+    #[test]
+    fn hub_configs_load_text_only_by_the_rules() {
+        for base in [qwen2_vl_2b(), qwen2_5_vl_3b()] {
+            let mut lm_only = base.clone();
+            lm_only["language_model_only"] = Value::Bool(true);
+            let mut no_vision = base.clone();
+            no_vision.as_object_mut().unwrap().remove("vision_config");
+            let mut empty = base.clone();
+            empty["vision_config"] = serde_json::json!({});
+            let mut null = base.clone();
+            null["vision_config"] = Value::Null;
+            for config in [lm_only, no_vision, empty, null] {
+                let config = crate::config::sanitize_config_json(config);
+                let vlm = <Model as VisionFamily>::config(&config).unwrap();
+                assert!(vlm.vision_config.is_none(), "{config}");
+                assert_eq!(
+                    vlm.text_config["num_hidden_layers"],
+                    base["num_hidden_layers"]
+                );
+            }
+            let vlm = <Model as VisionFamily>::config(&crate::config::sanitize_config_json(base))
+                .unwrap();
+            assert!(vlm.vision_config.is_some());
+        }
+    }
+
+    #[test]
+    fn mrope_sections_must_cover_the_rotary_half() {
+        let mut c = qwen2_vl_2b();
+        c["rope_scaling"]["mrope_section"] = serde_json::json!([16, 24, 16]);
+        let err = <Model as VisionFamily>::config(&crate::config::sanitize_config_json(c))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("mrope_section") && err.contains("64"), "{err}");
     }
 
     #[test]
