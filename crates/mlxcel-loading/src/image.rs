@@ -162,7 +162,8 @@ impl Resample {
                     0.0
                 } else {
                     let x = x * std::f64::consts::PI;
-                    x.sin() / x * (0.54 + 0.46 * x.cos())
+                    // Pillow's constants are C floats.
+                    x.sin() / x * (0.54f32 as f64 + 0.46f32 as f64 * x.cos())
                 }
             }),
             Resample::Bicubic => (2.0, |x| {
@@ -276,23 +277,34 @@ fn convolve(img: &RgbImage, taps: &[Taps], horizontal: bool) -> RgbImage {
 }
 
 /// `image` resized to `width × height` exactly as PIL's `Image.resize(size, resample)` does it
-/// (no `box`, no `reducing_gap`): the same size is returned unchanged; otherwise a horizontal
-/// pass then a vertical one (each only when its size changes), rounding to 8 bits after each.
+/// (no `box`, no `reducing_gap`; Pillow 13's `Resample.c`): the same size is returned
+/// unchanged; otherwise one pass per axis whose size changes, rounding to 8 bits after each.
 pub fn resize(image: &RgbImage, width: usize, height: usize, filter: Resample) -> RgbImage {
     if image.width == width && image.height == height {
         return image.clone();
     }
     if filter == Resample::Nearest {
-        // PIL maps nearest through an affine transform sampled at pixel centres.
-        let (sx, sy) = (
-            image.width as f64 / width as f64,
-            image.height as f64 / height as f64,
+        // PIL maps nearest through `ImagingScaleAffine`: source coordinates accumulated in
+        // steps of the scale from the first pixel centre (the accumulation's rounding decides
+        // some pixels), truncated.
+        let positions = |n_in: usize, n_out: usize| -> Vec<usize> {
+            let step = n_in as f64 / n_out as f64;
+            let mut at = step * 0.5;
+            (0..n_out)
+                .map(|_| {
+                    let p = (at as usize).min(n_in - 1);
+                    at += step;
+                    p
+                })
+                .collect()
+        };
+        let (xs, ys) = (
+            positions(image.width, width),
+            positions(image.height, height),
         );
         let mut data = Vec::with_capacity(width * height * 3);
-        for y in 0..height {
-            let iy = (((y as f64 + 0.5) * sy) as usize).min(image.height - 1);
-            for x in 0..width {
-                let ix = (((x as f64 + 0.5) * sx) as usize).min(image.width - 1);
+        for &iy in &ys {
+            for &ix in &xs {
                 for c in 0..3 {
                     data.push(image.pixel(ix, iy, c));
                 }
@@ -304,14 +316,21 @@ pub fn resize(image: &RgbImage, width: usize, height: usize, filter: Resample) -
             data,
         };
     }
-    let mut out = image.clone();
-    if width != image.width {
-        out = convolve(&out, &taps(image.width, width, filter), true);
+    let horizontal = |img: &RgbImage| convolve(img, &taps(image.width, width, filter), true);
+    let vertical = |img: &RgbImage| convolve(img, &taps(image.height, height, filter), false);
+    match (width != image.width, height != image.height) {
+        (true, false) => horizontal(image),
+        (false, true) => vertical(image),
+        // Pillow (13) runs the vertical pass first when the height shrinks by more than twice
+        // as many rows as the width loses columns; the order changes the 8-bit rounding
+        // between the passes.
+        _ if !(image.height > height
+            && (image.height - height) as i64 > 2 * (image.width as i64 - width as i64)) =>
+        {
+            vertical(&horizontal(image))
+        }
+        _ => horizontal(&vertical(image)),
     }
-    if height != image.height {
-        out = convolve(&out, &taps(image.height, height, filter), false);
-    }
-    out
 }
 
 /// Channel-first `f32` pixel values of one image, `[3, height, width]`.

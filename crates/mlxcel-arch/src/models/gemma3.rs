@@ -6,10 +6,12 @@
 //! (transformers' `token_type_ids` block mask), the rest causally.
 //!
 //! A text-only checkpoint (see [`crate::detection::is_text_only`]) loads the text decoder alone.
-//! Checkpoint spellings: transformers 5 (`model.language_model.*`, `model.vision_tower.*`,
-//! `model.multi_modal_projector.*`, top-level `lm_head`), earlier hub and mlx-vlm ones
-//! (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`; mlx-vlm's patch
-//! convolution in MLX's layout).
+//! Checkpoint spellings: `model.language_model.*` / `model.vision_tower.*` /
+//! `model.multi_modal_projector.*` with a top-level `lm_head`, and `language_model.model.*` /
+//! `language_model.lm_head` / `vision_tower.*` / `multi_modal_projector.*` (what transformers
+//! 5.24 writes, and hub / mlx-vlm checkpoints); the tower's modules directly under
+//! `vision_tower.` or under `vision_tower.vision_model.` (hub); mlx-vlm's patch convolution in
+//! MLX's layout.
 
 use mlxcel_core::{Array, WeightMap};
 use mlxcel_quant::QuantConfig;
@@ -171,13 +173,16 @@ impl VisionFamily for Model {
 
     fn sanitize(config: &Value, weights: &mut WeightMap) -> Result<()> {
         weights.rename_prefix("model.vision_tower.", "vision_tower.")?;
+        // Hub checkpoints nest the tower's modules under `vision_model.`; transformers 5 saves
+        // them directly under `vision_tower.`.
+        weights.rename_prefix("vision_tower.vision_model.", "vision_tower.")?;
         weights.rename_prefix("model.multi_modal_projector.", "multi_modal_projector.")?;
         weights.rename_prefix("model.language_model.", "model.")?;
         weights.rename_prefix("language_model.", "")?;
         // SigLIP's pooling head does not touch `last_hidden_state`, which Gemma 3 reads.
         let head: Vec<String> = weights
             .names()
-            .filter(|n| n.starts_with("vision_tower.vision_model.head."))
+            .filter(|n| n.starts_with("vision_tower.head."))
             .map(str::to_string)
             .collect();
         for n in head {
@@ -190,7 +195,7 @@ impl VisionFamily for Model {
             .unwrap_or(3) as usize;
         patch_embedding_to_torch_layout(
             weights,
-            "vision_tower.vision_model.embeddings.patch_embedding.weight",
+            "vision_tower.embeddings.patch_embedding.weight",
             channels,
         )
     }
@@ -216,7 +221,7 @@ impl VisionFamily for Model {
             .and_then(Value::as_u64)
             .ok_or_else(|| ModelError::Config("text_config.hidden_size missing".into()))?
             as i32;
-        let siglip = SiglipVision::build(&sc, &mut w.scope("vision_tower").scope("vision_model"))?;
+        let siglip = SiglipVision::build(&sc, &mut w.scope("vision_tower"))?;
         let mut p = w.scope("multi_modal_projector");
         let soft_emb_norm = p.norm(
             "mm_soft_emb_norm",

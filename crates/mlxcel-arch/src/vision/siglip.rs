@@ -147,7 +147,7 @@ pub struct SiglipVision {
 }
 
 impl SiglipVision {
-    /// Builds the tower from `w` scoped at `vision_model` (`embeddings.*`, `encoder.layers.*`,
+    /// Builds the tower from `w` scoped at the tower's root (`embeddings.*`, `encoder.layers.*`,
     /// `post_layernorm`).
     pub fn build(config: &SiglipConfig, w: &mut ModelWeights) -> Result<SiglipVision> {
         let (h, c, p) = (
