@@ -100,7 +100,6 @@ fn every_registered_fixture_matches_its_reference() {
             || entry.kind == "f32-cross-encoder"
             || entry.kind == "f32-sentence-transformers"
             || entry.kind == "f32-generative-reranker"
-            || entry.kind == "vlm-transformers"
             || ModelType::from_model_type(&entry.model_type).is_none()
         {
             continue;

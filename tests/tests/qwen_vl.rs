@@ -11,7 +11,7 @@ use mlxcel_arch::{GenerationModel, LanguageModel};
 use mlxcel_core::{Array, WeightMap};
 use mlxcel_loading::image::load_image;
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
-use mlxcel_tests::{copy_fixture, fixtures_dir, max_abs_diff, model_dir};
+use mlxcel_tests::{fixtures_dir, max_abs_diff};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
@@ -29,6 +29,21 @@ struct Golden {
     text_ids: Vec<u32>,
     text_logits: Vec<f32>,
     meta: Value,
+}
+
+/// A Qwen VL fixture's folder (`tests/fixtures/vision/<name>`).
+fn model_dir(name: &str) -> std::path::PathBuf {
+    fixtures_dir().join("vision").join(name)
+}
+
+/// A fixture copied into a temporary folder, to edit.
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(model_dir(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    dir
 }
 
 fn golden(name: &str) -> Golden {
