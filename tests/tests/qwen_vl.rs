@@ -303,6 +303,36 @@ fn image_prompts_match_transformers() {
                 eprintln!("{name}: decode logits max |Δ| {diff:.2e}, greedy {greedy:?}");
             }
         }
+        // Two such conversations decoded side by side (`step_batch`, the server's path for
+        // models that do not batch) keep their own position deltas.
+        let mut states = Vec::new();
+        let mut first = Vec::new();
+        for _ in 0..2 {
+            let mut s = loaded.session();
+            let (_, logits) = s.prefill_multimodal(&g.ids, &images, None).unwrap();
+            first.push(mlxcel_arch::generate::argmax_token(&logits).unwrap());
+            states.push(s.into_state());
+        }
+        let mut tokens = first;
+        let mut greedy = vec![tokens[0]];
+        for _ in 1..g.greedy.len() {
+            let mut refs: Vec<&mut mlxcel_arch::generate::SessionState> =
+                states.iter_mut().collect();
+            let logits =
+                mlxcel_arch::generate::step_batch(&loaded.model, &mut refs, &tokens).unwrap();
+            let rows = to_vec(&logits);
+            let vocab = rows.len() / 2;
+            tokens = (0..2)
+                .map(|r| {
+                    let row = Array::from_slice(&rows[r * vocab..(r + 1) * vocab], &[vocab as i32])
+                        .unwrap();
+                    mlxcel_arch::generate::argmax_token(&row).unwrap()
+                })
+                .collect();
+            assert_eq!(tokens[0], tokens[1]);
+            greedy.push(tokens[0]);
+        }
+        assert_eq!(greedy, g.greedy, "{name}: greedy through step_batch");
         // The same conversation again reuses its whole prefix (images included) and decodes
         // the same; a text prompt after it starts from plain positions.
         let mut s = loaded.session();

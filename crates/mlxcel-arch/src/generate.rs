@@ -182,6 +182,24 @@ impl SessionState {
     }
 }
 
+/// One token `[1, 1]` through `model` at rotary position `position`: the plain next position
+/// of the caches when `delta` is 0, else explicitly (after a prompt with images whose M-RoPE
+/// positions ran ahead of or behind the token count, see
+/// [`crate::vision::VisionLanguage::position_delta`]). Logits `[1, 1, vocab]`.
+fn decode_one(
+    model: &dyn LanguageModel,
+    token: &Array,
+    caches: &mut [LayerCache],
+    position: i64,
+    delta: i64,
+) -> Result<Array> {
+    if delta == 0 {
+        return model.forward_last(token, caches);
+    }
+    let positions = Array::from_slice(&[position as i32], &[1])?;
+    model.forward_embeddings(&model.embed(token)?, Some(&positions), caches, true)
+}
+
 /// One decode step of several conversations, each its own forward pass (for models that do not
 /// batch, see [`DecodeBatch`]): feeds `tokens[i]` to `states[i]` and returns each one's next
 /// logits, `[B, vocab]` (row `i` for `states[i]`); each state records its token. On an error
@@ -195,9 +213,9 @@ pub fn step_batch(
     let mut rows = Vec::with_capacity(states.len());
     for (s, id) in states.iter_mut().zip(tokens) {
         let input = Array::from_slice(&[*id as i32], &[1, 1])?;
+        let position = s.tokens.len() as i64 + s.position_delta;
         rows.push(
-            model
-                .forward_last(&input, &mut s.caches)?
+            decode_one(model, &input, &mut s.caches, position, s.position_delta)?
                 .reshape(&[1, -1])?,
         );
         s.tokens.push(*id);
@@ -658,16 +676,13 @@ impl<'m> Session<'m> {
     /// One token `[1, 1]` through the model at the next position: the cache offset, plus the
     /// position delta after a prompt with images.
     fn decode_step(&mut self, token: &Array) -> Result<Array> {
-        if self.position_delta == 0 {
-            return self.model.forward_last(token, &mut self.caches);
-        }
         let position = self.tokens.len() as i64 + self.position_delta;
-        let positions = Array::from_slice(&[position as i32], &[1])?;
-        self.model.forward_embeddings(
-            &self.model.embed(token)?,
-            Some(&positions),
+        decode_one(
+            self.model,
+            token,
             &mut self.caches,
-            true,
+            position,
+            self.position_delta,
         )
     }
 
