@@ -14,15 +14,17 @@
 //! - **text decoder**: the Qwen2 decoder ([`crate::models::qwen2`]) with M-RoPE: each rotary
 //!   frequency section (`mrope_section`) turns with the temporal, height or width position of
 //!   the token ([`rope_index`], transformers' `get_rope_index`), and decode continues at the
-//!   cache offset plus the prompt's position delta ([`MultimodalPrompt::position_delta`]).
+//!   cache offset plus the prompt's position delta ([`crate::vision::VisionLanguage::position_delta`]).
 //!
 //! Checkpoints name the parts `visual.*` / `model.*` / `lm_head` (the hub releases, and what
 //! transformers 5 saves), `model.visual.*` / `model.language_model.*` (transformers 5's module
 //! layout) or `vision_tower.*` / `language_model.model.*` / `language_model.lm_head` (mlx-vlm,
 //! with the patch-embedding kernel channels-last); all are read. The config is either flat (the
 //! hub's: text keys at the top, `rope_scaling: {type: mrope, mrope_section}`) or nested
-//! (`text_config`). Without a vision tower (`vision_config` missing or empty,
-//! `language_model_only: true`, or no vision weights) the model loads as text only.
+//! (`text_config`). The model loads through the `Vlm` route ([`crate::vision::load_vlm`]): the
+//! registered `qwen2` decoder from the normalised text config, the tower lazily (read at the
+//! first image). Without a vision tower (`vision_config` missing, null or empty,
+//! `language_model_only: true`, or no vision weights) it loads as text only. Videos are refused.
 
 use mlxcel_core::ops::{self, AttentionMask};
 use mlxcel_core::{Array, Dtype, WeightMap};
