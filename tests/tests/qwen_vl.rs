@@ -262,6 +262,58 @@ fn pixel_values_grids_and_expansion_match_the_processor() {
     }
 }
 
+/// transformers 5 saves the Qwen2-VL image processor with `size: {shortest_edge,
+/// longest_edge}` instead of `min_pixels`/`max_pixels`, and `processor_config.json` may carry it
+/// as `image_processor`: all read alike. `min_pixels`/`max_pixels` win over `size`, as in
+/// `Qwen2VLImageProcessor.__init__`.
+#[test]
+fn processor_config_spellings_read_alike() {
+    let name = "qwen2_5_vl";
+    let g = golden(name);
+    let saved = serde_json::json!({
+        "do_convert_rgb": true, "do_normalize": true, "do_rescale": true, "do_resize": true,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "merge_size": 2, "patch_size": 14, "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": 9408, "shortest_edge": 3136},
+        "temporal_patch_size": 2
+    });
+    let reference = {
+        let loaded = load(&model_dir(name));
+        images(&loaded, &g)
+    };
+    let variants = [
+        ("preprocessor_config.json", saved.clone()),
+        (
+            "processor_config.json",
+            serde_json::json!({"image_processor": saved.clone()}),
+        ),
+        ("preprocessor_config.json", {
+            // max_pixels wins over size.longest_edge: b (50x70) must then shrink to 28x28.
+            let mut v = saved.clone();
+            v["max_pixels"] = serde_json::json!(784);
+            v
+        }),
+    ];
+    for (k, (file, json)) in variants.into_iter().enumerate() {
+        let dir = copy_fixture(name);
+        std::fs::remove_file(dir.path().join("preprocessor_config.json")).unwrap();
+        std::fs::write(dir.path().join(file), json.to_string()).unwrap();
+        let loaded = load(dir.path());
+        let got = images(&loaded, &g);
+        if k < 2 {
+            for (a, b) in got.iter().zip(&reference) {
+                assert_eq!(a.shape(), b.shape(), "{file}");
+                assert_eq!(a.pixels(), b.pixels(), "{file}");
+            }
+        } else {
+            assert_eq!(got[1].shape(), [1, 3, 28, 28], "max_pixels over size");
+        }
+    }
+}
+
 #[test]
 fn image_prompts_match_transformers() {
     for name in FIXTURES {
