@@ -53,7 +53,7 @@ fn ids(bytes: &[u8]) -> Vec<u32> {
         .collect()
 }
 
-/// The Gemma 3 fixture's references.
+/// A vision fixture's references (Gemma 3's, LLaVA's).
 struct Gemma3Ref {
     prompt_ids: Vec<u32>,
     pixel_values: Vec<f32>,
@@ -65,7 +65,11 @@ struct Gemma3Ref {
 }
 
 fn gemma3_reference() -> Gemma3Ref {
-    let bytes = std::fs::read(gemma3_dir().join("reference.safetensors")).expect("reference");
+    family_reference(&gemma3_dir())
+}
+
+fn family_reference(dir: &Path) -> Gemma3Ref {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).expect("reference");
     let st = SafeTensors::deserialize(&bytes).expect("safetensors");
     let get = |n: &str| tensor_bytes(&st, n).1;
     Gemma3Ref {
@@ -76,7 +80,7 @@ fn gemma3_reference() -> Gemma3Ref {
         text_prompt_ids: ids(&get("text_prompt_ids")),
         text_logits: f32s(&get("text_logits")),
         meta: serde_json::from_str(
-            &std::fs::read_to_string(gemma3_dir().join("reference.json")).expect("meta"),
+            &std::fs::read_to_string(dir.join("reference.json")).expect("meta"),
         )
         .expect("json"),
     }
@@ -376,6 +380,31 @@ fn gemma3_text_prompt_matches_transformers_and_the_tower_stays_lazy() {
         .prefill_multimodal(&r.prompt_ids, &images, None)
         .unwrap();
     assert!(tower.materialized());
+
+    // --estimate-memory counts the tower apart, as lazy: the SigLIP tower and projector's f32
+    // bytes, not in the weights.
+    let est = |dir: &Path| {
+        let config = mlxcel_loading::read_config(dir).unwrap();
+        mlxcel_loading::memory::estimate(dir, &config, mlxcel_core::Dtype::Float32, 64, 16).unwrap()
+    };
+    let full = est(&gemma3_dir());
+    let tensors =
+        SafeTensors::deserialize(&std::fs::read(gemma3_dir().join("model.safetensors")).unwrap())
+            .unwrap()
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| {
+                n.starts_with("vision_tower.") || n.starts_with("multi_modal_projector.")
+            })
+            .map(|(_, t)| t.data().len() as u64)
+            .sum::<u64>();
+    assert_eq!(full.vision_tower_lazy, tensors);
+    assert!(full
+        .weights
+        .keys()
+        .all(|(role, _)| !role.starts_with("vision")));
+    let text_only = text_only_variant(|c| c["language_model_only"] = json!(true), false);
+    assert_eq!(est(text_only.path()).vision_tower_lazy, 0);
 }
 
 /// The fixture with `edit` applied to its config (and, with `drop_vision`, its vision tensors
@@ -486,4 +515,94 @@ fn gemma3_image_count_mismatches_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("3 image(s) given"), "{err}");
+}
+
+#[test]
+fn llava_matches_transformers() {
+    let dir = vision_dir().join("llava");
+    let r = family_reference(&dir);
+    let loaded = load(&dir);
+    let GenerationModel::Llava(model) = &loaded.model else {
+        panic!("a Llava model");
+    };
+    assert!(!model.tower().unwrap().materialized());
+    // Pixel values (shortest edge 40 bicubic, center crop 32, CLIP mean/std; the RGBA image
+    // composited over white) as CLIPImageProcessor computes them.
+    let images = fixture_images(&loaded, &r);
+    let got: Vec<f32> = images.iter().flat_map(|i| i.pixels().to_vec()).collect();
+    let (d, _) = max_abs_diff(&got, &r.pixel_values);
+    eprintln!("llava pixel values: max |Δ| = {d:e}");
+    assert!(d <= 1e-5, "pixel values differ by {d}");
+    // The prompt: 16 `<image>` positions per image (4x4 patches, class dropped).
+    let text = r.meta["user_text"].as_str().unwrap();
+    let content = loaded.user_content_with_images(text, 2).unwrap();
+    let rendered = loaded
+        .chat_template
+        .as_ref()
+        .unwrap()
+        .render(&[Message::user(&content)], true)
+        .unwrap();
+    let expanded = loaded.expand_prompt_text(&rendered, &images).unwrap();
+    let prompt = loaded
+        .tokenizer
+        .as_ref()
+        .unwrap()
+        .encode(&expanded, false)
+        .unwrap();
+    assert_eq!(prompt, r.prompt_ids);
+    assert_eq!(prompt.iter().filter(|t| **t == 512).count(), 32);
+    // Logits over the whole expanded prompt, and greedy.
+    let logits = loaded
+        .multimodal_logits(&r.prompt_ids, &images)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let (d, at) = max_abs_diff(&logits, &r.logits);
+    let tol = tolerance(&r.logits);
+    eprintln!(
+        "llava logits (2 images, {} positions): max |Δ| = {d:e} (tolerance {tol:e})",
+        r.prompt_ids.len()
+    );
+    assert!(d <= tol, "logits differ by {d} at {at}");
+    let request = GenerateRequest {
+        max_new_tokens: r.greedy_ids.len(),
+        images: images.clone(),
+        ..GenerateRequest::default()
+    };
+    let (out, _) = generate_text(
+        &mut loaded.session(),
+        None,
+        &r.prompt_ids,
+        &request,
+        |_| {},
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(out, r.greedy_ids);
+    let text_logits = mlxcel_tests::logits_for(&loaded.model, &r.text_prompt_ids);
+    let (d, _) = max_abs_diff(&text_logits, &r.text_logits);
+    assert!(d <= tolerance(&r.text_logits), "text-only prompt: {d}");
+
+    // Text-only: `vision_config: null`.
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    mlxcel_tests::edit_config(tmp.path(), |c| c["vision_config"] = Value::Null);
+    let text_only = load(tmp.path());
+    assert!(text_only.model.vision().is_none());
+    let logits = mlxcel_tests::logits_for(&text_only.model, &r.text_prompt_ids);
+    let (d, _) = max_abs_diff(&logits, &r.text_logits);
+    assert!(d <= tolerance(&r.text_logits), "text-only load: {d}");
+    assert_eq!(
+        text_only
+            .multimodal_logits(&r.prompt_ids, &images)
+            .unwrap_err()
+            .to_string(),
+        format!(
+            "model {} was loaded without a vision tower (text-only checkpoint)",
+            tmp.path().display()
+        )
+    );
 }

@@ -84,6 +84,11 @@ pub struct GenerateFlags {
     /// Comma-separated prompt token ids (machine use).
     #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
+    /// An image (PNG, JPEG or WebP; repeatable, in order) for a vision-language model: put
+    /// before the --user text (or the last user message of --messages); with --prompt or
+    /// --prompt-ids the prompt holds the model's image placeholder once per image.
+    #[arg(long, value_name = "FILE")]
+    pub image: Vec<PathBuf>,
     /// Print the generated ids, comma-separated, on stdout instead of text.
     #[arg(long)]
     pub print_ids: bool,
@@ -237,6 +242,13 @@ fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
             gib(est.expert_arena)
         );
     }
+    if est.vision_tower_lazy > 0 {
+        println!(
+            "vision tower     {:>23} ({:.3} GiB, lazy: on disk until the first image, not in the total)",
+            est.vision_tower_lazy,
+            gib(est.vision_tower_lazy)
+        );
+    }
     println!(
         "total            {:>23} ({:.3} GiB)",
         est.total(),
@@ -315,14 +327,44 @@ fn check_context(flags: &RunFlags, tokens: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn templated(loaded: &Loaded, messages: &[Message]) -> anyhow::Result<Vec<u32>> {
+/// Reads and preprocesses `paths` for `loaded` (the seed's error when it has no vision tower;
+/// a file that cannot be read or decoded is named).
+pub fn prepare_images(
+    loaded: &Loaded,
+    paths: &[PathBuf],
+) -> anyhow::Result<Vec<mlxcel_arch::vision::ImageInput>> {
+    if paths.is_empty() {
+        return Ok(Vec::new());
+    }
+    if loaded.vision.is_none() {
+        return Err(
+            mlxcel_arch::vision::no_vision_tower(&loaded.folder.display().to_string()).into(),
+        );
+    }
+    paths
+        .iter()
+        .map(|path| {
+            let image = mlxcel_loading::image::load_image(path)?;
+            Ok(loaded.prepare_image(&image)?)
+        })
+        .collect()
+}
+
+/// The chat template over `messages` (whose text holds one image placeholder per image of
+/// `images`), with the placeholders expanded as the model's processor does (per image for
+/// Qwen's dynamic resolution), tokenised.
+fn templated(
+    loaded: &Loaded,
+    messages: &[Message],
+    images: &[mlxcel_arch::vision::ImageInput],
+) -> anyhow::Result<Vec<u32>> {
     let template = loaded.chat_template.as_ref().with_context(|| {
         format!(
             "{} has no chat template; use --prompt for raw completion",
             loaded.folder.display()
         )
     })?;
-    let text = template.render(messages, true)?;
+    let text = loaded.expand_prompt_text(&template.render(messages, true)?, images)?;
     let tokenizer = loaded
         .tokenizer
         .as_ref()
@@ -333,9 +375,13 @@ fn templated(loaded: &Loaded, messages: &[Message]) -> anyhow::Result<Vec<u32>> 
 pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     let run = &flags.run;
     let need_tokenizer = flags.prompt_ids.is_none() || !flags.print_ids;
+    // Image placeholders are expanded through the tokenizer.
+    let need_tokenizer = need_tokenizer || !flags.image.is_empty();
     let Some(loaded) = load(run, need_tokenizer)? else {
         return Ok(());
     };
+    let images = prepare_images(&loaded, &flags.image)?;
+    let n = images.len();
     let mut messages = Vec::new();
     if let Some(system) = &run.system {
         messages.push(Message::new("system", system));
@@ -345,7 +391,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         if let Some(bad) = ids.iter().find(|t| **t as usize >= vocab) {
             bail!("--prompt-ids: token {bad} is outside the vocabulary of {vocab}");
         }
-        ids.clone()
+        loaded.expand_image_tokens(ids, &images)?
     } else if let Some(text) = &flags.prompt {
         if run.system.is_some() {
             bail!("--system applies to chat prompts (--messages or --user), not to --prompt");
@@ -354,13 +400,24 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
             .tokenizer
             .as_ref()
             .context("model has no tokenizer")?
-            .encode(text, true)?
+            .encode(&loaded.expand_prompt_text(text, &images)?, true)?
     } else if let Some(source) = &flags.messages {
         messages.extend(read_messages(source)?);
-        templated(&loaded, &messages)?
+        if n > 0 {
+            let last = messages
+                .iter_mut()
+                .rev()
+                .find(|m| m.role == "user")
+                .context("--image needs a user message in --messages")?;
+            last.content = loaded.user_content_with_images(&last.content, n)?;
+        }
+        templated(&loaded, &messages, &images)?
     } else if let Some(user) = &flags.user {
-        messages.push(Message::new("user", user));
-        templated(&loaded, &messages)?
+        messages.push(Message::new(
+            "user",
+            &loaded.user_content_with_images(user, n)?,
+        ));
+        templated(&loaded, &messages, &images)?
     } else {
         bail!("give a prompt: --prompt TEXT, --user TEXT, --messages FILE|- or --prompt-ids 1,2,3");
     };
@@ -375,6 +432,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     };
     let mut stdout = std::io::stdout();
     let mut req = request(run, &loaded);
+    req.images = images;
     if flags.ignore_eos {
         req.eos_token_ids.clear();
     }
@@ -440,7 +498,9 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
 }
 
 /// Interactive chat: one line per user turn; the session's caches carry over, and each turn's
-/// prompt (the whole conversation re-rendered as text) reuses the prefix they hold.
+/// prompt (the whole conversation re-rendered as text) reuses the prefix they hold. A line
+/// `/image PATH` attaches an image to the next user turn (vision-language models); the
+/// conversation's images stay part of every later prompt (and of the reused prefix's identity).
 pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
     let Some(loaded) = load(&flags, true)? else {
         return Ok(());
@@ -454,6 +514,8 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
         messages.push(Message::new("system", system));
     }
     let mut session = loaded.session();
+    let mut images = Vec::new();
+    let mut pending = 0;
     let stdin = std::io::stdin();
     let interactive = std::io::IsTerminal::is_terminal(&stdin);
     loop {
@@ -468,16 +530,33 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
         if line.is_empty() {
             continue;
         }
-        messages.push(Message::new("user", line));
-        let prompt = templated(&loaded, &messages)?;
+        if let Some(path) = line.strip_prefix("/image ") {
+            match prepare_images(&loaded, &[PathBuf::from(path.trim())]) {
+                Ok(mut image) => {
+                    images.append(&mut image);
+                    pending += 1;
+                    eprintln!("[image {} attached to the next message]", images.len());
+                }
+                Err(e) => eprintln!("error: {e:#}"),
+            }
+            continue;
+        }
+        messages.push(Message::new(
+            "user",
+            &loaded.user_content_with_images(line, pending)?,
+        ));
+        pending = 0;
+        let prompt = templated(&loaded, &messages, &images)?;
         check_context(&flags, prompt.len())?;
         let mut reply = String::new();
         let mut stdout = std::io::stdout();
+        let mut req = request(&flags, &loaded);
+        req.images = images.clone();
         let (_, stats) = generate_text(
             &mut session,
             Some(tokenizer),
             &prompt,
-            &request(&flags, &loaded),
+            &req,
             |text| {
                 reply.push_str(text);
                 let _ = stdout.write_all(text.as_bytes());

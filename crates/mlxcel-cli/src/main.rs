@@ -1,5 +1,7 @@
 //! `mlxcel`: the command-line interface. Argument parsing and printing only; everything else goes
-//! through the library crates' public API.
+//! through the library crates' public API. Vision-language models take images with
+//! `generate --image FILE` (repeatable), `logits --image FILE` (the prompt ids hold the image
+//! placeholder once per image) and a `/image PATH` line in `chat`.
 
 mod convert;
 mod embed;
@@ -12,7 +14,6 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use mlxcel_core::Array;
 use mlxcel_loading::{load_model, LanguageModel, LoadOptions};
 
 #[derive(Parser)]
@@ -35,9 +36,13 @@ enum Command {
     Logits {
         #[arg(long)]
         model: PathBuf,
-        /// Comma-separated token ids.
+        /// Comma-separated token ids. With --image, the model's image placeholder (Gemma 3:
+        /// `<start_of_image>`) once per image, expanded as the model's processor expands it.
         #[arg(long, value_delimiter = ',', required = true)]
         prompt_ids: Vec<u32>,
+        /// An image for the prompt's next placeholder (PNG, JPEG or WebP; repeatable, in order).
+        #[arg(long, value_name = "FILE")]
+        image: Vec<PathBuf>,
         #[arg(long)]
         out: PathBuf,
         /// Weight-surgery YAML applied at load (default: `MLXCEL_SURGERY`).
@@ -192,11 +197,20 @@ fn run() -> anyhow::Result<()> {
         Some(Command::Logits {
             model,
             prompt_ids,
+            image,
             out,
             surgery,
             adapter,
             lora_fuse,
-        }) => logits(&model, &prompt_ids, &out, surgery, adapter, lora_fuse)?,
+        }) => logits(
+            &model,
+            &prompt_ids,
+            &image,
+            &out,
+            surgery,
+            adapter,
+            lora_fuse,
+        )?,
         Some(Command::Inspect {
             model,
             estimate_memory,
@@ -366,13 +380,15 @@ fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Resul
 fn logits(
     model: &std::path::Path,
     ids: &[u32],
+    images: &[PathBuf],
     out: &std::path::Path,
     surgery: Option<PathBuf>,
     adapter: Option<PathBuf>,
     lora_fuse: bool,
 ) -> anyhow::Result<()> {
     let options = LoadOptions {
-        skip_tokenizer: true,
+        // The image placeholder's expansion is tokenised text.
+        skip_tokenizer: images.is_empty(),
         policy: Some(mlxcel_core::policy::current()),
         surgery,
         adapter,
@@ -384,12 +400,11 @@ fn logits(
     if let Some(bad) = ids.iter().find(|t| **t as usize >= vocab) {
         bail!("--prompt-ids: token {bad} is outside the vocabulary of {vocab}");
     }
-    let input: Vec<i32> = ids.iter().map(|t| *t as i32).collect();
-    let tokens = Array::from_slice(&input, &[1, input.len() as i32])?;
-    let mut caches = loaded.model.make_caches();
+    let prepared = generate::prepare_images(&loaded, images)?;
+    let ids = loaded.expand_image_tokens(ids, &prepared)?;
+    let ids = ids.as_slice();
     let logits = loaded
-        .model
-        .forward(&tokens, &mut caches)?
+        .multimodal_logits(ids, &prepared)?
         .astype(mlxcel_core::Dtype::Float32)?;
     let values = logits.to_vec::<f32>()?;
     if let Some(i) = values.iter().position(|v| v.is_nan()) {

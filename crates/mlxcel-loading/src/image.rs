@@ -565,8 +565,8 @@ impl ImageProcessor {
 /// transformers' `center_crop` of an 8-bit image (an image smaller than the crop is padded
 /// with zeros around, as the numpy backend does).
 pub fn center_crop(image: &RgbImage, height: usize, width: usize) -> RgbImage {
-    let top = (image.height as i64 - height as i64) / 2;
-    let left = (image.width as i64 - width as i64) / 2;
+    let top = (image.height as i64 - height as i64).div_euclid(2);
+    let left = (image.width as i64 - width as i64).div_euclid(2);
     let mut data = vec![0u8; height * width * 3];
     for y in 0..height {
         let sy = y as i64 + top;

@@ -29,7 +29,10 @@ pub fn tensor_role(name: &str) -> &'static str {
         "vision (unused)"
     } else if name.contains("embed_tokens") || name.contains("wte") || name.contains("embed_in.") {
         "embedding"
-    } else if name.starts_with("lm_head") || name.contains("embed_out.") {
+    } else if name.starts_with("lm_head")
+        || name.starts_with("language_model.lm_head")
+        || name.contains("embed_out.")
+    {
         "lm_head"
     } else if name.contains("norm") || name.contains(".ln_") {
         "norm"
@@ -67,6 +70,10 @@ pub struct MemoryEstimate {
     pub transient: u64,
     /// Slot arenas of streamed routed experts (0 when experts are resident).
     pub expert_arena: u64,
+    /// A vision-language model's vision tower and projector (at the compute dtype): not in
+    /// `weights` or the total, since they stay on disk until the first image (then they are
+    /// resident too). 0 for text models and text-only loads.
+    pub vision_tower_lazy: u64,
     /// The device the run uses (MLX's default device).
     pub device: Device,
     /// The device's (or, for the CPU, the system's) memory.
@@ -128,11 +135,26 @@ pub fn estimate(
     chunk: u64,
 ) -> Result<MemoryEstimate> {
     let weights = WeightMap::open(folder)?;
+    let model_type = mlxcel_arch::detection::get_model_type(config, false)?;
+    // A vision-language checkpoint loaded with its tower keeps it on disk until the first image.
+    let has_vision = weights.names().any(|n| tensor_role(n) == "vision (unused)");
+    let lazy_tower = model_type.descriptor().directory_route == mlxcel_arch::DirectoryRoute::Vlm
+        && !mlxcel_arch::detection::is_text_only(config, has_vision);
+    let mut vision_tower_lazy = 0u64;
     let mut by_role: BTreeMap<(String, String), u64> = BTreeMap::new();
     for name in weights.names() {
         let Some(info) = weights.info(name) else {
             continue;
         };
+        if lazy_tower && tensor_role(name) == "vision (unused)" {
+            let bytes = if info.dtype.is_float() {
+                info.numel() * dtype.size_of()
+            } else {
+                info.nbytes()
+            };
+            vision_tower_lazy = vision_tower_lazy.saturating_add(bytes as u64);
+            continue;
+        }
         // What the load leaves out is never held.
         if tensor_role(name).ends_with("(unused)") {
             continue;
@@ -154,11 +176,15 @@ pub fn estimate(
             .or_default();
         *slot = slot.saturating_add(bytes);
     }
-    let heads = num(config, "num_attention_heads").unwrap_or(1).max(1);
-    let hidden = num(config, "hidden_size").unwrap_or(0);
+    // A vision-language config keeps the decoder's widths in `text_config`.
+    let text = config
+        .get("text_config")
+        .filter(|t| t.is_object())
+        .unwrap_or(config);
+    let heads = num(text, "num_attention_heads").unwrap_or(1).max(1);
+    let hidden = num(text, "hidden_size").unwrap_or(0);
     // The model's own cache schedule: what each layer keeps per position, and how many
     // positions (sliding-window rings hold at most window + chunk rows).
-    let model_type = mlxcel_arch::detection::get_model_type(config, false)?;
     let schedule = mlxcel_arch::cache_schedule(model_type, config)?;
     let kv_bytes_per_token: u64 = schedule.iter().map(|k| k.bytes_per_token(dtype)).sum();
     // Growth happens in steps of 256 positions.
@@ -172,10 +198,10 @@ pub fn estimate(
                 .saturating_add(k.fixed_bytes(dtype))
         })
         .fold(0u64, u64::saturating_add);
-    let vocab = num(config, "vocab_size").unwrap_or(0);
-    let inter = num(config, "intermediate_size")
+    let vocab = num(text, "vocab_size").unwrap_or(0);
+    let inter = num(text, "intermediate_size")
         .unwrap_or(hidden.saturating_mul(4))
-        .max(num(config, "moe_intermediate_size").unwrap_or(0));
+        .max(num(text, "moe_intermediate_size").unwrap_or(0));
     let f = dtype.size_of() as u64;
     // Logits of one chunk (f32), a few activations of the widest layer, attention scores.
     let transient = chunk
@@ -207,6 +233,7 @@ pub fn estimate(
         kv_bytes_per_token,
         transient,
         expert_arena,
+        vision_tower_lazy,
         device,
         available,
     })

@@ -225,6 +225,48 @@ impl Loaded {
         self.vision_processor()?.expand_ids(ids, images)
     }
 
+    /// Logits `[len, vocab]` at every position of one pass over `prompt` (expanded, see
+    /// [`Loaded::expand_image_tokens`]) with its `images`, from fresh caches: what
+    /// `mlxcel logits --image` writes. Without images, the text forward pass.
+    pub fn multimodal_logits(
+        &self,
+        prompt: &[u32],
+        images: &[mlxcel_arch::vision::ImageInput],
+    ) -> Result<mlxcel_core::Array> {
+        use mlxcel_arch::vision::{forward_multimodal, FeatureCache, MultimodalPrompt};
+        use mlxcel_arch::LanguageModel;
+        let model_err = |source| LoadError::Model {
+            folder: self.folder.clone(),
+            source,
+        };
+        let mut caches = self.model.make_caches();
+        let logits = if images.is_empty() {
+            let ids: Vec<i32> = prompt.iter().map(|t| *t as i32).collect();
+            let tokens = mlxcel_core::Array::from_slice(&ids, &[1, ids.len() as i32])?;
+            self.model
+                .forward(&tokens, &mut caches)
+                .map_err(model_err)?
+        } else {
+            let vision = self.model.vision().ok_or_else(|| {
+                LoadError::from(mlxcel_arch::vision::no_vision_tower(
+                    &self.folder.display().to_string(),
+                ))
+            })?;
+            let mm = MultimodalPrompt::new(vision, prompt, images).map_err(model_err)?;
+            forward_multimodal(
+                vision,
+                &mm,
+                0..prompt.len(),
+                &mut FeatureCache::default(),
+                &mut caches,
+                false,
+            )
+            .map_err(model_err)?
+        };
+        let vocab = self.model.vocab_size() as i32;
+        Ok(logits.reshape(&[-1, vocab])?)
+    }
+
     /// The names of the runtime adapters (empty when none were loaded).
     pub fn adapter_names(&self) -> Vec<String> {
         self.adapters

@@ -6,6 +6,7 @@
 //! | family | image processor (PIL backend) | placeholder | expansion |
 //! |---|---|---|---|
 //! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5 | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n` |
+//! | LLaVA | `CLIPImageProcessor`: shortest edge 224, bicubic, center crop 224, rescale 1/255, CLIP mean/std | `<image>` (`image_token_index`) | `<image>` × patches (+1 under `full`) |
 //! | Qwen2-VL, Qwen2.5-VL | `Qwen2VLImageProcessor`: `smart_resize` to multiples of `patch_size · merge_size` within `[min_pixels, max_pixels]`, bicubic, rescale 1/255, CLIP mean/std | `<\|image_pad\|>` (`image_token_id`; a user message's image is `<\|vision_start\|><\|image_pad\|><\|vision_end\|>`) | `<\|image_pad\|>` × (that image's `grid_h · grid_w / merge_size²`) |
 
 use mlxcel_arch::vision::qwen2_vl::smart_resize;
@@ -221,6 +222,47 @@ impl VisionProcessor {
                     expansion_ids: Vec::new(),
                     content_placeholder,
                     dynamic: Some(dynamic),
+                }))
+            }
+            ModelType::Llava => {
+                // CLIPImageProcessor's defaults.
+                let defaults = ImageProcessor {
+                    do_resize: true,
+                    size: ResizeTarget::ShortestEdge(224),
+                    resample: Resample::Bicubic,
+                    center_crop: Some((224, 224)),
+                    rescale: Some(1.0 / 255.0),
+                    normalize: Some((
+                        [0.48145466, 0.4578275, 0.40821073],
+                        [0.26862954, 0.26130258, 0.27577711],
+                    )),
+                };
+                let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
+                let id = config_id(config, &["image_token_index", "image_token_id"], 32000);
+                let text = token_text(tokenizer, id, "image_token_index")?;
+                // LlavaProcessor: the placeholder repeated once per image position (patches,
+                // plus the class position under the `full` strategy).
+                let vision = config.get("vision_config");
+                let dim = |k: &str, d: u64| {
+                    vision
+                        .and_then(|v| v.get(k))
+                        .and_then(Value::as_u64)
+                        .unwrap_or(d) as usize
+                };
+                let side = dim("image_size", 224) / dim("patch_size", 32).max(1);
+                let full = config
+                    .get("vision_feature_select_strategy")
+                    .and_then(Value::as_str)
+                    == Some("full");
+                let n = side * side + usize::from(full);
+                Ok(Some(VisionProcessor {
+                    image,
+                    placeholder_id: id,
+                    expansion_text: text.repeat(n),
+                    content_placeholder: text.clone(),
+                    placeholder: text,
+                    expansion_ids: vec![id; n],
+                    dynamic: None,
                 }))
             }
             _ => Ok(None),

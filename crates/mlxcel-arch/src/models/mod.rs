@@ -30,6 +30,7 @@ pub mod hunyuan;
 pub mod jamba;
 pub mod llama;
 pub mod llama4;
+pub mod llava;
 pub mod mamba;
 pub mod mamba2;
 pub mod minimax;

@@ -1,0 +1,189 @@
+//! `mlxcel generate --image`, `mlxcel logits --image` and `mlxcel chat`'s `/image` on the tiny
+//! Gemma 3 vision-language fixture (`tests/fixtures/vision/gemma3`, transformers 5.24.0).
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+fn mlxcel() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_mlxcel"))
+}
+
+fn vision(path: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/vision")
+        .join(path)
+}
+
+fn reference() -> (serde_json::Value, Vec<u8>) {
+    let bytes = std::fs::read(vision("gemma3/reference.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    (header, bytes[8 + n..].to_vec())
+}
+
+fn tensor<T>(name: &str, parse: impl Fn(&[u8]) -> T) -> Vec<T> {
+    let (header, data) = reference();
+    let off = &header[name]["data_offsets"];
+    let (a, b) = (
+        off[0].as_u64().unwrap() as usize,
+        off[1].as_u64().unwrap() as usize,
+    );
+    data[a..b].chunks_exact(4).map(parse).collect()
+}
+
+fn ids(name: &str) -> Vec<u32> {
+    tensor(name, |c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+}
+
+const IMAGES: [&str; 2] = ["images/gradient.png", "images/lossless.webp"];
+const USER: &str = "The river flows past the old mill.";
+
+#[test]
+fn generate_with_images_prints_transformers_greedy_ids() {
+    let out = mlxcel()
+        .args([
+            "generate",
+            "--quiet",
+            "--print-ids",
+            "--max-new",
+            "16",
+            "--model",
+        ])
+        .arg(vision("gemma3"))
+        .arg("--image")
+        .arg(vision(IMAGES[0]))
+        .arg("--image")
+        .arg(vision(IMAGES[1]))
+        .args(["--user", USER])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want: Vec<String> = ids("greedy_ids").iter().map(u32::to_string).collect();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want.join(","));
+}
+
+/// The reference prompt with each image's expansion (`\n\n` = ids 201 201, `<start_of_image>`
+/// 512, 4 × `<image_soft_token>` 513, `<end_of_image>` 514, `\n\n`) collapsed back to the
+/// placeholder 512, as a caller holding unexpanded ids has it.
+fn unexpanded_prompt() -> Vec<u32> {
+    let full = ids("prompt_ids");
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < full.len() {
+        if full[i..].starts_with(&[201, 201, 512]) {
+            assert_eq!(&full[i + 3..i + 10], &[513, 513, 513, 513, 514, 201, 201]);
+            out.push(512);
+            i += 10;
+        } else {
+            out.push(full[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+#[test]
+fn logits_with_images_match_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let npy = dir.path().join("logits.npy");
+    let prompt: Vec<String> = unexpanded_prompt().iter().map(u32::to_string).collect();
+    let out = mlxcel()
+        .args(["logits", "--model"])
+        .arg(vision("gemma3"))
+        .arg("--image")
+        .arg(vision(IMAGES[0]))
+        .arg("--image")
+        .arg(vision(IMAGES[1]))
+        .args(["--prompt-ids", &prompt.join(",")])
+        .arg("--out")
+        .arg(&npy)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&npy).unwrap();
+    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let got: Vec<f32> = bytes[10 + header_len..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let want = tensor("logits", |c| f32::from_le_bytes(c.try_into().unwrap()));
+    assert_eq!(got.len(), want.len(), "47 expanded positions x 515");
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 3e-4, "logits differ by {worst}");
+
+    // The ids must hold the placeholder once per image.
+    let out = mlxcel()
+        .args(["logits", "--model"])
+        .arg(vision("gemma3"))
+        .arg("--image")
+        .arg(vision(IMAGES[0]))
+        .args(["--prompt-ids", "1,2,3", "--out"])
+        .arg(&npy)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("0 time(s) for 1 image(s)"), "{err}");
+}
+
+#[test]
+fn chat_attaches_images_and_text_only_models_refuse_them() {
+    let mut child = mlxcel()
+        .args(["chat", "--max-new", "4", "--model"])
+        .arg(vision("gemma3"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    writeln!(
+        child.stdin.take().unwrap(),
+        "/image {}\n{USER}",
+        vision(IMAGES[0]).display()
+    )
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("[image 1 attached to the next message]"),
+        "{err}"
+    );
+    // The reference prompt less one image's expansion (10 ids: `\n\n`, boi, 4 soft tokens, eoi,
+    // `\n\n`).
+    let want = format!("[prompt {} tokens", ids("prompt_ids").len() - 10);
+    assert!(err.contains(&want), "{err}");
+
+    // A model without a vision tower refuses an image with the seed's message.
+    let text_model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models/gemma3_text");
+    let out = mlxcel()
+        .args(["generate", "--quiet", "--model"])
+        .arg(&text_model)
+        .arg("--image")
+        .arg(vision(IMAGES[0]))
+        .args(["--user", "hi"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let folder = std::fs::canonicalize(&text_model).unwrap_or(text_model.clone());
+    assert!(
+        err.contains("was loaded without a vision tower (text-only checkpoint)")
+            && (err.contains(&text_model.display().to_string())
+                || err.contains(&folder.display().to_string())),
+        "{err}"
+    );
+}
