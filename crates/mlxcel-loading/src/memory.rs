@@ -22,6 +22,9 @@ pub fn tensor_role(name: &str) -> &'static str {
         "multi_modal_projector.",
         "model.vision_tower.",
         "model.multi_modal_projector.",
+        // Qwen2-VL / Qwen2.5-VL's tower and merger (hub and transformers 5 layouts)
+        "visual.",
+        "model.visual.",
     ]
     .iter()
     .any(|p| name.starts_with(p))
