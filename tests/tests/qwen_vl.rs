@@ -391,6 +391,18 @@ fn image_prompts_match_transformers() {
         session_greedy(&mut s, &g.ids, &images, None, 2);
         let (greedy, _) = session_greedy(&mut s, &g.ids, &images, None, g.greedy.len());
         assert_eq!(greedy, g.greedy, "{name}: greedy after prefix reuse");
+        // A second turn: the conversation so far (its reply included) plus more text reuses
+        // the cached prefix, and the new positions continue after the images' grid positions
+        // (the same logits as a fresh prefill of the whole turn).
+        let mut turn2 = g.ids.clone();
+        turn2.extend(&g.greedy[..4]);
+        turn2.extend(&g.text_ids[..5]);
+        let (reused, second) = s.prefill_multimodal(&turn2, &images, Some(3)).unwrap();
+        assert!(reused >= g.ids.len(), "{name}: reused {reused}");
+        let fresh = prompt_logits(&loaded, &turn2, &images, turn2.len());
+        let vocab = second.size();
+        let (diff, _) = max_abs_diff(&to_vec(&second), &fresh[fresh.len() - vocab..]);
+        assert!(diff <= 1e-4, "{name}: second turn after reuse: {diff:.2e}");
         let (_, logits) = s.prefill(&g.text_ids, None).unwrap();
         let tail = &g.text_logits[g.text_logits.len() - logits.size()..];
         let (diff, _) = max_abs_diff(&to_vec(&logits), tail);
