@@ -611,7 +611,7 @@ enum VisionMlp {
         gate: Linear,
         up: Linear,
         down: Linear,
-        act: Activation,
+        act: VisionAct,
     },
 }
 
@@ -650,7 +650,14 @@ impl VisionMlp {
                 up,
                 down,
                 act,
-            } => down.forward(&act.gated(&gate.forward(x)?, &up.forward(x)?)?),
+            } => {
+                let (g, u) = (gate.forward(x)?, up.forward(x)?);
+                let h = match act {
+                    VisionAct::Known(a) => a.gated(&g, &u)?,
+                    VisionAct::QuickGelu => act.apply(&g)?.multiply(&u)?,
+                };
+                down.forward(&h)
+            }
         }
     }
 }
@@ -774,15 +781,7 @@ impl VisionTower {
                             gate: m.linear("gate_proj", e, mlp, true)?,
                             up: m.linear("up_proj", e, mlp, true)?,
                             down: m.linear("down_proj", mlp, e, true)?,
-                            act: match act {
-                                VisionAct::Known(a) => a,
-                                VisionAct::QuickGelu => {
-                                    return Err(ModelError::Unsupported(
-                                        "vision_config.hidden_act = quick_gelu in a gated MLP"
-                                            .into(),
-                                    ))
-                                }
-                            },
+                            act,
                         },
                     }
                 };
