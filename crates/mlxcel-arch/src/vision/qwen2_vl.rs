@@ -680,6 +680,8 @@ pub struct VisionTower {
     shape: VisionShape,
     /// The patch-embedding kernel as a linear layer (`[width, patch_values]`, no bias).
     patch_embed: Linear,
+    /// The tower's compute dtype (its weights'): pixel values are cast to it.
+    dtype: Dtype,
     blocks: Vec<VisionBlock>,
     merger_norm: Norm,
     merger_fc1: Linear,
@@ -759,6 +761,7 @@ impl VisionTower {
             )?;
             Linear::dense(kernel.reshape(&[e, shape.patch_values()])?, None)?
         };
+        let dtype = w.dtype();
         let norm_kind = match family {
             Family::Qwen2Vl => NormKind::Layer,
             Family::Qwen2_5Vl => NormKind::Rms,
@@ -822,6 +825,7 @@ impl VisionTower {
             family,
             shape,
             patch_embed,
+            dtype,
             blocks,
             merger_norm,
             merger_fc1,
@@ -899,7 +903,7 @@ impl VisionTower {
         let unit = m * m;
         let (heads, e) = (s.heads, s.width);
         let head_dim = e / heads;
-        let dtype = self.patch_embed.dense_weight(Dtype::Float32)?.dtype()?;
+        let dtype = self.dtype;
         let mut x = self.patch_embed.forward(&pixel_values.astype(dtype)?)?;
         let (mut cos, mut sin) = self.rope_tables(grids)?;
         let frames: Vec<usize> = grids
