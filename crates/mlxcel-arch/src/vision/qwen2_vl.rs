@@ -930,7 +930,8 @@ impl VisionTower {
             }
             None => (None, None),
         };
-        let (cos, sin) = (cos.astype(dtype)?, sin.astype(dtype)?);
+        // The rotation runs in float32 and is cast back, as transformers'
+        // `apply_rotary_pos_emb_vision` does (`cos`/`sin` stay float32).
         let scale = (head_dim as f32).powf(-0.5);
         for block in &self.blocks {
             let h = block.norm1.forward(&x)?;
@@ -938,7 +939,11 @@ impl VisionTower {
             let parts = qkv.split_equal(3, 1)?;
             let heads_of = |a: &Array, rope: bool| -> Result<Array> {
                 let a = a.reshape(&[n, heads, head_dim])?;
-                let a = if rope { rotate(&a, &cos, &sin)? } else { a };
+                let a = if rope {
+                    rotate(&a.astype(Dtype::Float32)?, &cos, &sin)?.astype(dtype)?
+                } else {
+                    a
+                };
                 Ok(a.transpose(&[1, 0, 2])?.expand_dims(&[0])?)
             };
             let (q, k, v) = (
