@@ -194,7 +194,8 @@ fn embedding_and_vlm_checkpoints_are_not_mistaken_for_text_models() {
             serde_json::json!({"hidden_size": 32}),
         );
     });
-    assert!(load_error(dir.path()).contains("`gemma3`"));
+    let err = load_error(dir.path());
+    assert!(err.contains("`gemma3`"), "{err}");
 }
 
 #[test]

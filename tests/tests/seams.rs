@@ -310,10 +310,12 @@ fn runtime_errors_are_not_config_errors() {
 #[test]
 fn the_registry_claims_adapters_only_where_fused_adapters_load() {
     // Fused LoRA adapters load on every generation type (dense checkpoints; quantized bases and
-    // expert adapters are refused when applied); encoders take none.
+    // expert adapters are refused when applied) but vision-language ones (the seed: VLM rows
+    // refuse adapters with their own message); encoders take none.
     const { assert!(mlxcel_arch::ADAPTERS_AVAILABLE) };
     for t in ModelType::ALL {
-        let generation = t.descriptor().kind == mlxcel_arch::ModelKind::Generation;
+        let generation = t.descriptor().kind == mlxcel_arch::ModelKind::Generation
+            && t.descriptor().directory_route != mlxcel_arch::DirectoryRoute::Vlm;
         assert_eq!(
             mlxcel_arch::adapter_support(*t).is_ok(),
             generation,

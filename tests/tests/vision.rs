@@ -606,3 +606,153 @@ fn llava_matches_transformers() {
         )
     );
 }
+
+#[test]
+fn processor_config_spellings_and_unsupported_options() {
+    let r = gemma3_reference();
+    // The image processor nested in `processor_config.json` (how newer checkpoints ship it)
+    // reads the same.
+    let nested = text_only_variant(|_| {}, false);
+    let pre: Value = serde_json::from_str(
+        &std::fs::read_to_string(nested.path().join("preprocessor_config.json")).unwrap(),
+    )
+    .unwrap();
+    std::fs::remove_file(nested.path().join("preprocessor_config.json")).unwrap();
+    std::fs::write(
+        nested.path().join("processor_config.json"),
+        json!({"image_processor": pre, "image_seq_length": 4}).to_string(),
+    )
+    .unwrap();
+    let loaded = load(nested.path());
+    let images = fixture_images(&loaded, &r);
+    let got: Vec<f32> = images.iter().flat_map(|i| i.pixels().to_vec()).collect();
+    assert!(max_abs_diff(&got, &r.pixel_values).0 <= 1e-5);
+
+    // A processor option this build lacks is refused, naming the file and key.
+    let pas = text_only_variant(|_| {}, false);
+    let mut pre = pre.clone();
+    pre["do_pan_and_scan"] = json!(true);
+    std::fs::write(pas.path().join("preprocessor_config.json"), pre.to_string()).unwrap();
+    let loaded = load(pas.path());
+    let bytes = std::fs::read(image_path("gradient.png")).unwrap();
+    let err = loaded.prepare_image_bytes(&bytes).unwrap_err().to_string();
+    assert!(
+        err.contains("preprocessor_config.json") && err.contains("do_pan_and_scan"),
+        "{err}"
+    );
+    // A bad value names the key.
+    let bad = text_only_variant(|_| {}, false);
+    pre["do_pan_and_scan"] = json!(false);
+    pre["resample"] = json!(9);
+    std::fs::write(bad.path().join("preprocessor_config.json"), pre.to_string()).unwrap();
+    let err = load_model(bad.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("resample = 9"), "{err}");
+}
+
+/// The Gemma 3 fixture with a nonzero `position_delta` (as Qwen2-VL's M-RoPE has), to check
+/// that decode steps after a multimodal prefill run at `offset + delta`.
+struct Shifted<'m> {
+    inner: &'m GenerationModel,
+    delta: i64,
+}
+
+impl mlxcel_arch::vision::VisionLanguage for Shifted<'_> {
+    fn text(&self) -> &dyn LanguageModel {
+        self.inner.vision().unwrap().text()
+    }
+    fn image_token_id(&self) -> u32 {
+        self.inner.vision().unwrap().image_token_id()
+    }
+    fn image_token_count(
+        &self,
+        image: &mlxcel_arch::vision::ImageInput,
+    ) -> mlxcel_arch::Result<usize> {
+        self.inner.vision().unwrap().image_token_count(image)
+    }
+    fn image_features(
+        &self,
+        image: &mlxcel_arch::vision::ImageInput,
+    ) -> mlxcel_arch::Result<mlxcel_core::Array> {
+        self.inner.vision().unwrap().image_features(image)
+    }
+    fn bidirectional_images(&self) -> bool {
+        true
+    }
+    fn position_delta(&self, _: &MultimodalPrompt<'_>) -> mlxcel_arch::Result<i64> {
+        Ok(self.delta)
+    }
+}
+
+impl LanguageModel for Shifted<'_> {
+    fn embed(&self, tokens: &mlxcel_core::Array) -> mlxcel_arch::Result<mlxcel_core::Array> {
+        self.inner.embed(tokens)
+    }
+    fn forward_embeddings(
+        &self,
+        embeddings: &mlxcel_core::Array,
+        positions: Option<&mlxcel_core::Array>,
+        caches: &mut [mlxcel_arch::LayerCache],
+        last_only: bool,
+    ) -> mlxcel_arch::Result<mlxcel_core::Array> {
+        self.inner
+            .forward_embeddings(embeddings, positions, caches, last_only)
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn layer_schedule(&self) -> Vec<mlxcel_arch::LayerKind> {
+        self.inner.layer_schedule()
+    }
+    fn vision(&self) -> Option<&dyn mlxcel_arch::vision::VisionLanguage> {
+        Some(self)
+    }
+}
+
+#[test]
+fn decode_steps_follow_the_position_delta() {
+    let r = gemma3_reference();
+    let loaded = load(&gemma3_dir());
+    let images = fixture_images(&loaded, &r);
+    let next = r.greedy_ids[0];
+    let step = |delta: i64| {
+        let model = Shifted {
+            inner: &loaded.model,
+            delta,
+        };
+        let mut s = mlxcel_arch::generate::Session::new(&model);
+        s.prefill_multimodal(&r.prompt_ids, &images, None).unwrap();
+        s.step(next).unwrap().to_vec::<f32>().unwrap()
+    };
+    // By hand: the prompt, then the token at the explicit position len + 5.
+    let vision = loaded.model.vision().unwrap();
+    let mm = MultimodalPrompt::new(vision, &r.prompt_ids, &images).unwrap();
+    let mut caches = loaded.model.make_caches();
+    forward_multimodal(
+        vision,
+        &mm,
+        0..r.prompt_ids.len(),
+        &mut FeatureCache::default(),
+        &mut caches,
+        true,
+    )
+    .unwrap();
+    let token = mlxcel_core::Array::from_slice(&[next as i32], &[1, 1]).unwrap();
+    let position = mlxcel_core::Array::from_slice(&[r.prompt_ids.len() as i32 + 5], &[1]).unwrap();
+    let want = loaded
+        .model
+        .forward_embeddings(
+            &loaded.model.embed(&token).unwrap(),
+            Some(&position),
+            &mut caches,
+            true,
+        )
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let (d, _) = max_abs_diff(&step(5), &want);
+    assert!(d <= 1e-5, "delta 5: {d}");
+    let (d0, _) = max_abs_diff(&step(0), &want);
+    assert!(d0 > 1e-4, "the delta must move the rotary position ({d0})");
+}

@@ -49,6 +49,16 @@ pub enum ModelError {
     /// rule or adapter file and the tensor. Nothing of the edit was applied.
     #[error("{0}")]
     Transform(String),
+    /// An error in one part of a composite model (a vision-language model's text decoder or
+    /// vision tower), naming the part.
+    #[error("{part}: {source}")]
+    InPart {
+        /// The part, e.g. ``model_type `gemma3`: text decoder `gemma3_text` (text_config)``.
+        part: String,
+        /// What went wrong there.
+        #[source]
+        source: Box<ModelError>,
+    },
     /// Something this build does not support, with the reason.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -143,11 +143,11 @@ pub struct Session<'m> {
     /// The positions of the images the caches hold, with each image's content hash: part of
     /// the prefix identity (the same image-token ids with another image are not a match).
     image_runs: Vec<(std::ops::Range<usize>, u64)>,
-    /// What decoding adds to the cache offset to get a token's rotary position after a prompt
-    /// with images ([`crate::vision::VisionLanguage::position_delta`]; 0 otherwise).
-    position_delta: i64,
     /// The model's folder, for error messages.
     model_path: Option<String>,
+    /// Rotary positions run this far ahead of the cache offset after a multimodal prompt
+    /// ([`crate::vision::VisionLanguage::position_delta`]); 0 otherwise.
+    position_delta: i64,
 }
 
 /// What a [`Session`] holds besides the model: its caches and the tokens they hold. Kept apart
@@ -182,24 +182,6 @@ impl SessionState {
     }
 }
 
-/// One token `[1, 1]` through `model` at rotary position `position`: the plain next position
-/// of the caches when `delta` is 0, else explicitly (after a prompt with images whose M-RoPE
-/// positions ran ahead of or behind the token count, see
-/// [`crate::vision::VisionLanguage::position_delta`]). Logits `[1, 1, vocab]`.
-fn decode_one(
-    model: &dyn LanguageModel,
-    token: &Array,
-    caches: &mut [LayerCache],
-    position: i64,
-    delta: i64,
-) -> Result<Array> {
-    if delta == 0 {
-        return model.forward_last(token, caches);
-    }
-    let positions = Array::from_slice(&[position as i32], &[1])?;
-    model.forward_embeddings(&model.embed(token)?, Some(&positions), caches, true)
-}
-
 /// One decode step of several conversations, each its own forward pass (for models that do not
 /// batch, see [`DecodeBatch`]): feeds `tokens[i]` to `states[i]` and returns each one's next
 /// logits, `[B, vocab]` (row `i` for `states[i]`); each state records its token. On an error
@@ -213,11 +195,14 @@ pub fn step_batch(
     let mut rows = Vec::with_capacity(states.len());
     for (s, id) in states.iter_mut().zip(tokens) {
         let input = Array::from_slice(&[*id as i32], &[1, 1])?;
-        let position = s.tokens.len() as i64 + s.position_delta;
-        rows.push(
-            decode_one(model, &input, &mut s.caches, position, s.position_delta)?
-                .reshape(&[1, -1])?,
-        );
+        let logits = if s.position_delta == 0 {
+            model.forward_last(&input, &mut s.caches)?
+        } else {
+            let offset = s.caches.first().map_or(0, LayerCache::offset) as i64;
+            let position = Array::from_slice(&[(offset + s.position_delta) as i32], &[1])?;
+            model.forward_embeddings(&model.embed(&input)?, Some(&position), &mut s.caches, true)?
+        };
+        rows.push(logits.reshape(&[1, -1])?);
         s.tokens.push(*id);
     }
     Ok(mlxcel_core::ops::concatenate(&rows, 0)?)
@@ -263,6 +248,11 @@ impl DecodeBatch {
             if !model.batched_decode() {
                 return Err(ModelError::Unsupported(
                     "this model decodes each conversation on its own (no batched decode)".into(),
+                ));
+            }
+            if states.iter().any(|s| s.position_delta != 0) {
+                return Err(ModelError::Unsupported(
+                    "a conversation whose rotary positions run ahead of its length (a multimodal prompt) decodes on its own".into(),
                 ));
             }
             let layers = states.first().map_or(0, |s| s.caches.len());
@@ -359,11 +349,11 @@ impl<'m> Session<'m> {
             caches: state.caches,
             tokens: state.tokens,
             image_runs: state.image_runs,
-            position_delta: state.position_delta,
             snapshots: state.snapshots,
             policy: state.policy,
             mapped: None,
             model_path: None,
+            position_delta: state.position_delta,
         }
     }
 
@@ -549,8 +539,8 @@ impl<'m> Session<'m> {
         self.snapshots.retain(|s| s.position <= reuse);
         self.tokens.truncate(reuse);
         self.image_runs.retain(|r| r.0.end <= reuse);
-        // A text prompt keeps no image (the common prefix stops at the first one it held), so
-        // its positions are the plain offsets.
+        // No image is held before `reuse` (the common prefix stops at the first), so text
+        // positions are the cache offsets again.
         self.position_delta = 0;
         let logits = self.prefill_with_snapshots(&prompt[reuse..], reuse, chunk)?;
         check_logits(&logits, || {
@@ -670,20 +660,26 @@ impl<'m> Session<'m> {
     /// reading this token, so building the graph overlaps the device's work. Call
     /// [`Session::record_token`] with the token's value once read.
     pub fn step_pending(&mut self, token: &Array) -> Result<Array> {
-        Ok(self.decode_step(token)?.reshape(&[-1])?)
+        self.forward_token(token)
     }
 
-    /// One token `[1, 1]` through the model at the next position: the cache offset, plus the
-    /// position delta after a prompt with images.
-    fn decode_step(&mut self, token: &Array) -> Result<Array> {
-        let position = self.tokens.len() as i64 + self.position_delta;
-        decode_one(
-            self.model,
-            token,
-            &mut self.caches,
-            position,
-            self.position_delta,
-        )
+    /// One token `[1, 1]` through the model: logits `[vocab]`. After a multimodal prompt whose
+    /// positions run ahead of the cache ([`Session::prefill_multimodal`]), at the explicit
+    /// position `offset + delta`.
+    fn forward_token(&mut self, token: &Array) -> Result<Array> {
+        let logits = if self.position_delta == 0 {
+            self.model.forward_last(token, &mut self.caches)?
+        } else {
+            let offset = self.caches.first().map_or(0, LayerCache::offset) as i64;
+            let position = Array::from_slice(&[(offset + self.position_delta) as i32], &[1])?;
+            self.model.forward_embeddings(
+                &self.model.embed(token)?,
+                Some(&position),
+                &mut self.caches,
+                true,
+            )?
+        };
+        Ok(logits.reshape(&[-1])?)
     }
 
     /// Records the value of a token fed by [`Session::step_pending`].
@@ -693,13 +689,9 @@ impl<'m> Session<'m> {
 
     /// Feeds one generated token; returns the logits for the next.
     pub fn step(&mut self, token: u32) -> Result<Array> {
-        let logits = if self.position_delta == 0 {
-            prefill(self.model, &[token], &mut self.caches, None)?
-        } else {
-            check_token_ids(&[token], self.model.vocab_size())?;
-            let input = Array::from_slice(&[token as i32], &[1, 1])?;
-            self.decode_step(&input)?.reshape(&[-1])?
-        };
+        check_token_ids(&[token], self.model.vocab_size())?;
+        let logits = self.forward_token(&Array::from_slice(&[token as i32], &[1, 1])?)?;
+        logits.eval()?;
         let position = self.tokens.len();
         check_logits(&logits, || {
             format!("position {position} (after token {token})")

@@ -30,8 +30,8 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
     } else {
         get_model_type(&config, false)
     };
-    match model_type {
-        Ok(t) => {
+    match model_type.as_ref() {
+        Ok(&t) => {
             let p = model_load_policy(t);
             println!(
                 "type      {} ({})",
@@ -45,6 +45,16 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
         }
         Err(e) => println!("type      unsupported: {e}"),
     }
+    // A vision-language checkpoint loaded with its tower keeps it on disk until the first image.
+    let has_vision = weights.names().any(|n| role(n) == "vision (unused)");
+    let lazy_tower = model_type.as_ref().is_ok_and(|t| {
+        t.descriptor().directory_route == mlxcel_arch::DirectoryRoute::Vlm
+            && !mlxcel_arch::detection::is_text_only(&config, has_vision)
+    });
+    let role = |name: &str| match role(name) {
+        "vision (unused)" if lazy_tower => "vision (lazy)",
+        other => other,
+    };
     let quant = mlxcel_quant::QuantConfig::from_config(&config)?;
     let group = quant.as_ref().map_or(64, |q| q.group_size);
     let mut roles: BTreeMap<&str, RoleStats> = BTreeMap::new();

@@ -187,3 +187,35 @@ fn chat_attaches_images_and_text_only_models_refuse_them() {
         "{err}"
     );
 }
+
+#[test]
+fn inspect_and_estimate_memory_show_the_lazy_tower() {
+    let out = mlxcel()
+        .arg("inspect")
+        .arg(vision("gemma3"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("routes    directory Vlm"), "{text}");
+    assert!(text.contains("vision (lazy)"), "{text}");
+    let out = mlxcel()
+        .args(["generate", "--estimate-memory", "--user", "hi", "--model"])
+        .arg(vision("llava"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("vision tower") && text.contains("lazy: on disk until the first image"),
+        "{text}"
+    );
+}

@@ -410,6 +410,33 @@ pub struct ImageProcessor {
     pub normalize: Option<([f64; 3], [f64; 3])>,
 }
 
+/// The image processor object of a model folder and the file it came from:
+/// `preprocessor_config.json`, else the `image_processor` object of `processor_config.json`.
+pub fn processor_json(folder: &Path) -> Result<Option<(Value, String)>> {
+    for (file, key) in [
+        ("preprocessor_config.json", None),
+        ("processor_config.json", Some("image_processor")),
+    ] {
+        let path = folder.join(file);
+        if !path.is_file() {
+            continue;
+        }
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| LoadError::file(&path, e.to_string()))?;
+        let json: Value = serde_json::from_str(&text)
+            .map_err(|e| LoadError::file(&path, format!("invalid JSON: {e}")))?;
+        let obj = match key {
+            Some(k) => match json.get(k) {
+                Some(o) => o.clone(),
+                None => continue,
+            },
+            None => json,
+        };
+        return Ok(Some((obj, path.display().to_string())));
+    }
+    Ok(None)
+}
+
 fn field<'a>(obj: &'a Value, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
@@ -517,28 +544,10 @@ impl ImageProcessor {
     /// the `image_processor` object of `processor_config.json`, over `defaults`; `None` when
     /// the folder has neither.
     pub fn load(folder: &Path, defaults: &ImageProcessor) -> Result<Option<ImageProcessor>> {
-        for (file, key) in [
-            ("preprocessor_config.json", None),
-            ("processor_config.json", Some("image_processor")),
-        ] {
-            let path = folder.join(file);
-            if !path.is_file() {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path)
-                .map_err(|e| LoadError::file(&path, e.to_string()))?;
-            let json: Value = serde_json::from_str(&text)
-                .map_err(|e| LoadError::file(&path, format!("invalid JSON: {e}")))?;
-            let obj = match key {
-                Some(k) => match json.get(k) {
-                    Some(o) => o,
-                    None => continue,
-                },
-                None => &json,
-            };
-            return ImageProcessor::from_json(obj, defaults, &path.display().to_string()).map(Some);
+        match processor_json(folder)? {
+            Some((json, file)) => ImageProcessor::from_json(&json, defaults, &file).map(Some),
+            None => Ok(None),
         }
-        Ok(None)
     }
 
     /// The image resized and cropped as the processor does, before rescaling (8-bit).

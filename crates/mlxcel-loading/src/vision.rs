@@ -39,6 +39,9 @@ pub struct VisionProcessor {
     /// Qwen's dynamic resolution: the image is resized by `smart_resize`, and its placeholder
     /// repeated once per merged patch (instead of the fixed expansion).
     pub dynamic: Option<DynamicResolution>,
+    /// Why images cannot be prepared as the checkpoint's processor would (a processor option
+    /// this build lacks), refused at [`VisionProcessor::prepare`] instead of computed otherwise.
+    pub unsupported: Option<String>,
 }
 
 /// The Qwen2-VL processor's size rule: `smart_resize` (transformers) to sides that are
@@ -82,28 +85,12 @@ fn qwen_image_processor(folder: &std::path::Path) -> Result<(ImageProcessor, Dyn
             [0.26862954, 0.26130258, 0.27577711],
         )),
     };
-    let mut raw = Value::Object(Default::default());
-    for (file, key) in [
-        ("preprocessor_config.json", None),
-        ("processor_config.json", Some("image_processor")),
-    ] {
-        let path = folder.join(file);
-        if !path.is_file() {
-            continue;
-        }
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| LoadError::file(&path, e.to_string()))?;
-        let json: Value = serde_json::from_str(&text)
-            .map_err(|e| LoadError::file(&path, format!("invalid JSON: {e}")))?;
-        match key {
-            Some(k) => match json.get(k) {
-                Some(o) => raw = o.clone(),
-                None => continue,
-            },
-            None => raw = json,
-        }
-        break;
-    }
+    let (mut raw, file) = crate::image::processor_json(folder)?.unwrap_or_else(|| {
+        (
+            Value::Object(Default::default()),
+            "preprocessor_config.json".into(),
+        )
+    });
     let num = |keys: &[(&str, Option<&str>)], default: usize| -> usize {
         keys.iter()
             .find_map(|(k, inner)| {
@@ -132,7 +119,7 @@ fn qwen_image_processor(folder: &std::path::Path) -> Result<(ImageProcessor, Dyn
     if let Value::Object(o) = &mut raw {
         o.remove("size");
     }
-    let image = ImageProcessor::from_json(&raw, &defaults, "preprocessor_config.json")?;
+    let image = ImageProcessor::from_json(&raw, &defaults, &file)?;
     Ok((image, dynamic))
 }
 
@@ -174,6 +161,12 @@ impl VisionProcessor {
                     normalize: Some(([0.5; 3], [0.5; 3])),
                 };
                 let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
+                // Pan and scan adds crops per image, each its own image-token run.
+                let unsupported = crate::image::processor_json(folder)?.and_then(|(json, file)| {
+                    (json.get("do_pan_and_scan").and_then(Value::as_bool) == Some(true)).then(|| {
+                        format!("{file}: do_pan_and_scan = true (Gemma 3's pan-and-scan crops) is not supported yet")
+                    })
+                });
                 let boi = config_id(config, &["boi_token_index", "boi_token_id"], 255_999);
                 let eoi = config_id(config, &["eoi_token_index", "eoi_token_id"], 256_000);
                 let img = config_id(config, &["image_token_index", "image_token_id"], 262_144);
@@ -201,6 +194,7 @@ impl VisionProcessor {
                     expansion_text,
                     expansion_ids,
                     dynamic: None,
+                    unsupported,
                 }))
             }
             ModelType::QwenVl => {
@@ -222,6 +216,7 @@ impl VisionProcessor {
                     expansion_ids: Vec::new(),
                     content_placeholder,
                     dynamic: Some(dynamic),
+                    unsupported: None,
                 }))
             }
             ModelType::Llava => {
@@ -263,6 +258,7 @@ impl VisionProcessor {
                     placeholder: text,
                     expansion_ids: vec![id; n],
                     dynamic: None,
+                    unsupported: None,
                 }))
             }
             _ => Ok(None),
@@ -271,6 +267,9 @@ impl VisionProcessor {
 
     /// Pixel values of `image` as the HF processor computes them, with their content hash.
     pub fn prepare(&self, image: &RgbImage) -> Result<ImageInput> {
+        if let Some(why) = &self.unsupported {
+            return Err(LoadError::Unsupported(why.clone()));
+        }
         let PixelValues {
             height,
             width,

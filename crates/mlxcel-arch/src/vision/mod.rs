@@ -127,8 +127,9 @@ pub trait VisionLanguage {
         Ok(None)
     }
 
-    /// What decoding after `prompt` adds to the cache offset to get a token's rotary position
-    /// (Qwen's M-RoPE: the image grids take fewer positions than tokens); 0 for 1-D rope.
+    /// How far the position ids after `prompt` run ahead of its length (Qwen2-VL's
+    /// `rope_deltas`: images take fewer rotary positions than tokens): decode steps after a
+    /// multimodal prefill are given the explicit position `offset + delta`. 0 for 1-D rope.
     fn position_delta(&self, prompt: &MultimodalPrompt<'_>) -> Result<i64> {
         let _ = prompt;
         Ok(0)
@@ -522,8 +523,8 @@ fn text_only(config: &Value, weights: &WeightMap, prefixes: &[&str]) -> bool {
 pub fn unused_vision_tensors(model_type: ModelType, weights: &WeightMap) -> Vec<String> {
     let prefixes: &[&str] = match model_type {
         ModelType::Gemma3 => crate::models::gemma3::RAW_VISION_PREFIXES,
-        ModelType::QwenVl => qwen2_vl::RAW_VISION_PREFIXES,
         ModelType::Llava => crate::models::llava::RAW_VISION_PREFIXES,
+        ModelType::QwenVl => qwen2_vl::RAW_VISION_PREFIXES,
         _ => return Vec::new(),
     };
     let mut names: Vec<String> = weights
@@ -557,20 +558,30 @@ pub fn build_family<F: VisionFamily>(
     for n in &text_names {
         vision.remove(n);
     }
-    let text =
-        load_config_backed(vlm.text_type, &vlm.text_config, weights, options)?.into_generation()?;
+    let model_type = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or(F::NAME);
+    let in_part = |part: String| {
+        move |e: ModelError| ModelError::InPart {
+            part,
+            source: Box::new(e),
+        }
+    };
+    let text_name = vlm.text_type.descriptor().names[0];
+    let text = load_config_backed(vlm.text_type, &vlm.text_config, weights, options)
+        .and_then(LoadedModel::into_generation)
+        .map_err(in_part(format!(
+            "model_type `{model_type}`: text decoder `{text_name}` (text_config)"
+        )))?;
     let tower = if text_only {
         None
     } else {
         let name = format!("{} vision tower", F::NAME);
-        Some(LazyTower::new(
-            &name,
-            config,
-            &vlm,
-            vision,
-            options,
-            F::build_tower,
-        )?)
+        Some(
+            LazyTower::new(&name, config, &vlm, vision, options, F::build_tower)
+                .map_err(in_part(format!("model_type `{model_type}`: vision tower")))?,
+        )
     };
     F::assemble(config, text, tower)
 }
@@ -586,11 +597,11 @@ pub fn load_vlm(
         ModelType::Gemma3 => Ok(LoadedModel::Generation(GenerationModel::Gemma3(Box::new(
             build_family::<crate::models::gemma3::Model>(config, weights, options)?,
         )))),
-        ModelType::QwenVl => Ok(LoadedModel::Generation(GenerationModel::QwenVl(Box::new(
-            build_family::<qwen2_vl::Model>(config, weights, options)?,
-        )))),
         ModelType::Llava => Ok(LoadedModel::Generation(GenerationModel::Llava(Box::new(
             build_family::<crate::models::llava::Model>(config, weights, options)?,
+        )))),
+        ModelType::QwenVl => Ok(LoadedModel::Generation(GenerationModel::QwenVl(Box::new(
+            build_family::<qwen2_vl::Model>(config, weights, options)?,
         )))),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Vlm route",
@@ -617,7 +628,7 @@ pub fn text_config_with_defaults(
         }
     };
     let obj = text.as_object_mut().expect("an object");
-    if let Some(Value::Object(d)) = Some(defaults) {
+    if let Value::Object(d) = defaults {
         for (k, v) in d {
             obj.entry(k.clone()).or_insert_with(|| v.clone());
         }
