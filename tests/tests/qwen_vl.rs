@@ -615,3 +615,36 @@ fn bfloat16_compute_runs_the_whole_model() {
         eprintln!("{name}: bfloat16 logits max |Δ| {diff:.2e}");
     }
 }
+
+/// `mlxcel_models::Model` with `Generation::images`: the ids prompt holds `<|image_pad|>` once
+/// per image and is expanded per image (dynamic resolution); greedy ids equal transformers'.
+#[test]
+fn the_high_level_model_takes_qwen_images() {
+    use mlxcel_models::{Generation, Model};
+    for name in FIXTURES {
+        let g = golden(name);
+        let model = Model::load(model_dir(name)).build().unwrap();
+        let images: Vec<_> = g.meta["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| load_image(fixtures_dir().join(p.as_str().unwrap())).unwrap())
+            .collect();
+        let mut collapsed = Vec::new();
+        for &t in &g.ids {
+            if !(t == IMAGE_TOKEN && collapsed.last() == Some(&IMAGE_TOKEN)) {
+                collapsed.push(t);
+            }
+        }
+        let options = Generation {
+            max_new_tokens: Some(g.greedy.len()),
+            images,
+            ..Generation::default()
+        };
+        let mut ids = Vec::new();
+        for piece in model.generate(collapsed, options).unwrap() {
+            ids.extend(piece.unwrap().tokens);
+        }
+        assert_eq!(ids, g.greedy, "{name}");
+    }
+}

@@ -756,3 +756,76 @@ fn decode_steps_follow_the_position_delta() {
     let (d0, _) = max_abs_diff(&step(0), &want);
     assert!(d0 > 1e-4, "the delta must move the rotary position ({d0})");
 }
+
+#[test]
+fn the_high_level_model_takes_images() {
+    use mlxcel_models::{Generation, Model};
+    let r = gemma3_reference();
+    let model = Model::load(gemma3_dir()).build().unwrap();
+    let images: Vec<_> = r.meta["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| load_image(image_path(n.as_str().unwrap())).unwrap())
+        .collect();
+    let options = Generation {
+        max_new_tokens: Some(r.greedy_ids.len()),
+        images: images.clone(),
+        ..Generation::default()
+    };
+    let text = r.meta["user_text"].as_str().unwrap();
+    let mut session = model.session();
+    let (first, stats) = session
+        .generate(vec![Message::user(text)], options.clone())
+        .unwrap()
+        .finish()
+        .unwrap();
+    assert_eq!(stats.prompt_tokens, r.prompt_ids.len());
+    // The reference's ids come back (greedy) through the ids prompt too.
+    let collapsed: Vec<u32> = {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < r.prompt_ids.len() {
+            if r.prompt_ids[i..].starts_with(&[201, 201, 512]) {
+                out.push(512);
+                i += 10;
+            } else {
+                out.push(r.prompt_ids[i]);
+                i += 1;
+            }
+        }
+        out
+    };
+    let mut ids = Vec::new();
+    let stream = model.generate(collapsed, options.clone()).unwrap();
+    for piece in stream {
+        ids.extend(piece.unwrap().tokens);
+    }
+    assert_eq!(ids, r.greedy_ids);
+    // The same conversation again in the session (its caches hold the reply too; the
+    // sliding-window layer cannot rewind past its 8 rows, so it starts over) answers the same.
+    let (second, _) = session
+        .generate(vec![Message::user(text)], options)
+        .unwrap()
+        .finish()
+        .unwrap();
+    assert_eq!(first, second);
+    // A text model refuses images.
+    let text_model = Model::load(mlxcel_tests::model_dir("gemma3_text"))
+        .build()
+        .unwrap();
+    let err = text_model
+        .generate(
+            "hi",
+            Generation {
+                images: vec![images[0].clone()],
+                ..Generation::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.ends_with("was loaded without a vision tower (text-only checkpoint)"),
+        "{err}"
+    );
+}

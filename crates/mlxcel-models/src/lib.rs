@@ -81,6 +81,7 @@ pub use mlxcel_arch as arch;
 pub use mlxcel_arch::nn::lora::AdapterMix;
 pub use mlxcel_core::{Device, Dtype, RuntimePolicy};
 pub use mlxcel_loading as loading;
+pub use mlxcel_loading::image::{decode_image, load_image, RgbImage};
 pub use mlxcel_loading::{
     EmbedOptions, FinishReason, GenerationStats, LogitsProcessor, Message, ModelType,
     RerankOptions, ScoreActivation, TokenBytes, TokenLogprob, ToolCallFormat,
@@ -228,6 +229,11 @@ pub struct Generation {
     /// Keep special tokens in the pieces' text (a harmony-format reply's channel markup, see
     /// [`ToolCallFormat::Harmony`]); by default they are left out.
     pub keep_special_tokens: bool,
+    /// Images for a vision-language model, in prompt order (decode PNG, JPEG or WebP bytes
+    /// with [`decode_image`]). They go before the text of the last user message of a
+    /// conversation prompt; a text or ids prompt holds the model's image placeholder once per
+    /// image. A model without a vision tower refuses them.
+    pub images: Vec<RgbImage>,
 }
 
 /// A [`LogitsProcessor`] that a [`Generation`] can carry to the model's worker thread. Clones
@@ -419,6 +425,8 @@ impl ModelBuilder {
                 info: state.info(),
                 tokenizer: state.tokenizer.clone(),
                 template: state.loaded.chat_template.take().map(Arc::new),
+                vision: state.loaded.vision.clone(),
+                folder: state.loaded.folder.clone(),
             };
             Ok((state, ready))
         })?;
@@ -428,6 +436,8 @@ impl ModelBuilder {
                 info: ready.info,
                 tokenizer: ready.tokenizer,
                 template: ready.template,
+                vision: ready.vision,
+                folder: ready.folder,
                 next_session: AtomicU64::new(1),
                 token_bytes: std::sync::OnceLock::new(),
             }),
@@ -446,6 +456,8 @@ struct Ready {
     info: ModelInfo,
     tokenizer: Option<Arc<mlxcel_loading::Tokenizer>>,
     template: Option<Arc<mlxcel_loading::ChatTemplate>>,
+    vision: Option<mlxcel_loading::vision::VisionProcessor>,
+    folder: PathBuf,
 }
 
 /// Parked conversations by id: their caches and the adapter mix they were computed under.
@@ -504,6 +516,9 @@ struct Shared {
     info: ModelInfo,
     tokenizer: Option<Arc<mlxcel_loading::Tokenizer>>,
     template: Option<Arc<mlxcel_loading::ChatTemplate>>,
+    /// The image processor and prompt expansion of a vision-language model with its tower.
+    vision: Option<mlxcel_loading::vision::VisionProcessor>,
+    folder: PathBuf,
     next_session: AtomicU64,
     token_bytes: std::sync::OnceLock<Arc<Vec<TokenBytes>>>,
 }
@@ -637,6 +652,52 @@ impl Model {
         Ok(ids)
     }
 
+    /// The prompt's ids with `images` expanded into the model's image tokens (see
+    /// [`Generation::images`]), and the images' pixel values.
+    fn prompt_with_images(
+        &self,
+        prompt: &Prompt,
+        images: &[RgbImage],
+    ) -> Result<(Vec<u32>, Vec<mlxcel_arch::vision::ImageInput>)> {
+        if images.is_empty() {
+            return Ok((self.prompt_ids(prompt)?, Vec::new()));
+        }
+        let vision = self.shared.vision.as_ref().ok_or_else(|| {
+            Error::Model(mlxcel_arch::vision::no_vision_tower(
+                &self.shared.folder.display().to_string(),
+            ))
+        })?;
+        let inputs = images
+            .iter()
+            .map(|i| vision.prepare(i))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let n = images.len();
+        let with_images = |messages: &[Message]| -> Result<Vec<Message>> {
+            let mut messages = messages.to_vec();
+            let last = messages
+                .iter_mut()
+                .rev()
+                .find(|m| m.role == "user")
+                .ok_or_else(|| Error::Invalid("images need a user message".to_string()))?;
+            last.content = format!("{}{}", vision.content_placeholder.repeat(n), last.content);
+            Ok(messages)
+        };
+        let ids = match prompt {
+            Prompt::Messages(m) => {
+                let text = self.chat_text(&with_images(m)?)?;
+                self.encode(&vision.expand_text(&text, &inputs)?, false)?
+            }
+            Prompt::MessagesWithTools { messages, tools } => {
+                let text = self.chat_text_with_tools(&with_images(messages)?, tools)?;
+                self.encode(&vision.expand_text(&text, &inputs)?, false)?
+            }
+            Prompt::Text(t) => self.encode(&vision.expand_text(t, &inputs)?, true)?,
+            Prompt::Ids(ids) => vision.expand_ids(ids, &inputs)?,
+        };
+        self.check_ids(&ids)?;
+        Ok((ids, inputs))
+    }
+
     /// Next-token logits after `ids` (one forward pass with fresh caches): `vocab_size` values.
     /// Runs with the default adapter mix ([`ModelInfo::default_adapters`]).
     pub fn logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
@@ -722,7 +783,7 @@ impl Model {
         prompt: Prompt,
         options: Generation,
     ) -> Result<TokenStream> {
-        let ids = self.prompt_ids(&prompt)?;
+        let (ids, images) = self.prompt_with_images(&prompt, &options.images)?;
         let info = &self.shared.info;
         let room = info
             .context_length
@@ -757,7 +818,7 @@ impl Model {
             prefill_chunk: options.prefill_chunk,
             cancel: Some(cancel.clone()),
             keep_special_tokens: options.keep_special_tokens,
-            images: Vec::new(),
+            images,
         };
         let queue = Arc::new(Queue::default());
         let start = batch::Start {
