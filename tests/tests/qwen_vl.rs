@@ -648,3 +648,35 @@ fn the_high_level_model_takes_qwen_images() {
         assert_eq!(ids, g.greedy, "{name}");
     }
 }
+
+/// A vision config the tower cannot be built from is refused at load (the lazy tower is
+/// checked then), naming the field; so is a tower missing a tensor.
+#[test]
+fn bad_vision_configs_and_tensors_are_refused_at_load() {
+    let dir = copy_fixture("qwen2_vl");
+    edit_config(dir.path(), |c| {
+        c["vision_config"]["num_heads"] = serde_json::json!(3);
+    });
+    let err = load_model(dir.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("vision_config") && err.contains("num_heads"),
+        "{err}"
+    );
+
+    let dir = copy_fixture("qwen2_5_vl");
+    let map = WeightMap::open(dir.path()).unwrap();
+    let keep: Vec<(String, Array)> = map
+        .names()
+        .filter(|n| *n != "visual.blocks.1.mlp.up_proj.weight")
+        .map(|n| (n.to_string(), map.get(n).unwrap()))
+        .collect();
+    drop(map);
+    mlxcel_core::weights::save_safetensors(dir.path().join("model.safetensors"), &keep, None)
+        .unwrap();
+    let err = load_model(dir.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("visual.blocks.1.mlp.up_proj.weight"), "{err}");
+}

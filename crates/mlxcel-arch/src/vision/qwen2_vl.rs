@@ -1135,8 +1135,9 @@ impl VisionFamily for Model {
     fn build_tower(config: &Value, vlm: &VlmConfig, w: &mut ModelWeights) -> Result<VisionTower> {
         let args: Args = parse_args(config)?;
         let family = args.family()?;
-        let v: VisionArgs = serde_json::from_value(vlm.vision_config.clone().unwrap_or_default())
-            .map_err(|e| ModelError::Config(format!("vision_config: {e}")))?;
+        let v = args
+            .vision()?
+            .ok_or_else(|| ModelError::Config("vision_config: missing".into()))?;
         let shape = VisionShape::resolve(family, &v)?;
         let hidden = vlm
             .text_config
