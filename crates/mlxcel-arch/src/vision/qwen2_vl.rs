@@ -930,8 +930,6 @@ impl VisionTower {
             }
             None => (None, None),
         };
-        // The rotation runs in float32 and is cast back, as transformers'
-        // `apply_rotary_pos_emb_vision` does (`cos`/`sin` stay float32).
         let scale = (head_dim as f32).powf(-0.5);
         for block in &self.blocks {
             let h = block.norm1.forward(&x)?;
@@ -940,6 +938,8 @@ impl VisionTower {
             let heads_of = |a: &Array, rope: bool| -> Result<Array> {
                 let a = a.reshape(&[n, heads, head_dim])?;
                 let a = if rope {
+                    // In float32 and cast back, as transformers' `apply_rotary_pos_emb_vision`
+                    // (`cos`/`sin` are float32).
                     rotate(&a.astype(Dtype::Float32)?, &cos, &sin)?.astype(dtype)?
                 } else {
                     a
