@@ -829,3 +829,88 @@ fn the_high_level_model_takes_images() {
         "{err}"
     );
 }
+
+/// The fixture's tensors renamed by `rename` (and the patch convolution transposed to MLX's
+/// `[out, kh, kw, in]` layout when `mlx_conv`), written into a copy of the folder.
+fn respelled(dir: &Path, rename: impl Fn(&str) -> String, mlx_conv: bool) -> tempfile::TempDir {
+    let out = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, out.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, t) in st.tensors() {
+        let (mut shape, mut data) = (t.shape().to_vec(), t.data().to_vec());
+        if mlx_conv && name.ends_with("patch_embedding.weight") {
+            // [O, C, kh, kw] → [O, kh, kw, C] (f32).
+            let (o, c, h, w) = (shape[0], shape[1], shape[2], shape[3]);
+            let src = f32s(&data);
+            let mut dst = vec![0f32; src.len()];
+            for a in 0..o {
+                for b in 0..c {
+                    for y in 0..h {
+                        for x in 0..w {
+                            dst[((a * h + y) * w + x) * c + b] = src[((a * c + b) * h + y) * w + x];
+                        }
+                    }
+                }
+            }
+            data = dst.iter().flat_map(|v| v.to_le_bytes()).collect();
+            shape = vec![o, h, w, c];
+        }
+        owned.push((rename(&name), shape, data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, s, d)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, &None, &out.path().join("model.safetensors")).unwrap();
+    out
+}
+
+#[test]
+fn other_checkpoint_spellings_give_the_same_logits() {
+    for family in ["gemma3", "llava"] {
+        let dir = vision_dir().join(family);
+        let r = family_reference(&dir);
+        // transformers' module paths (`model.language_model.*`, `model.vision_tower.*`, a
+        // top-level `lm_head`), and hub / mlx-vlm ones (`vision_tower.vision_model.*`, the
+        // patch convolution in MLX's layout).
+        let module_paths = |n: &str| {
+            if let Some(rest) = n.strip_prefix("language_model.model.") {
+                format!("model.language_model.{rest}")
+            } else if let Some(rest) = n.strip_prefix("language_model.lm_head") {
+                format!("lm_head{rest}")
+            } else {
+                format!("model.{n}")
+            }
+        };
+        let hub = |n: &str| match n.strip_prefix("vision_tower.") {
+            Some(rest) => format!("vision_tower.vision_model.{rest}"),
+            None => n.to_string(),
+        };
+        for (what, copy) in [
+            ("module paths", respelled(&dir, module_paths, false)),
+            ("hub / mlx-vlm", respelled(&dir, hub, true)),
+        ] {
+            let loaded = load(copy.path());
+            assert!(loaded.model.vision().is_some(), "{family} {what}");
+            let images = fixture_images(&loaded, &r);
+            let logits = loaded
+                .multimodal_logits(&r.prompt_ids, &images)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            let (d, _) = max_abs_diff(&logits, &r.logits);
+            assert!(d <= tolerance(&r.logits), "{family} {what}: {d}");
+        }
+    }
+}
