@@ -32,6 +32,9 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cpu_linear.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_linear_kernels.inc");
     println!("cargo:rerun-if-changed=cpp/cpu_attention.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_scan.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_decode.cc");
+    println!("cargo:rerun-if-changed=cpp/cpu_decode_kernels.inc");
     println!("cargo:rerun-if-changed=cpp/cuda_compile.cc");
     println!("cargo:rerun-if-changed=cpp/cuda_launch.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_kernels.h");
@@ -72,6 +75,8 @@ fn main() {
         .file("cpp/shim.cc")
         .file("cpp/cpu_linear.cc")
         .file("cpp/cpu_attention.cc")
+        .file("cpp/cpu_scan.cc")
+        .file("cpp/cpu_decode.cc")
         .file("cpp/cuda_compile.cc")
         .file("cpp/cuda_launch.cc")
         .include(&include)

@@ -200,3 +200,63 @@ fn special_tokens_stay_in_the_text_when_asked() {
         Some(mlxcel_models::ToolCallFormat::Harmony)
     );
 }
+
+/// Greedy generations without hooks run one step ahead of the host (the next step is queued
+/// on the device's picks before they are read). Rows that end at different steps leave such a
+/// batch with caches that still agree with their tokens: each conversation's next turn, which
+/// reuses those caches, equals the same turn computed from scratch.
+#[test]
+fn pipelined_greedy_rows_leave_consistent_caches() {
+    let name = "llama";
+    let model = Model::load(model_dir(name)).build().unwrap();
+    let ids = reference(name).prompt_ids;
+    let greedy = |n| Generation {
+        max_new_tokens: Some(n),
+        extra_eos_token_ids: vec![],
+        ..Generation::default()
+    };
+    let firsts: Vec<(Vec<u32>, usize)> = vec![
+        (ids[..5].to_vec(), 4),
+        (ids[3..20].to_vec(), 11),
+        (ids[8..14].to_vec(), 7),
+        (ids[1..30].to_vec(), 16),
+    ];
+    let solo: Vec<Vec<u32>> = firsts
+        .iter()
+        .map(|(p, n)| collect(model.generate(Prompt::Ids(p.clone()), greedy(*n)).unwrap()).tokens)
+        .collect();
+    let before = model.batch_stats().unwrap();
+    let mut sessions: Vec<_> = firsts.iter().map(|_| model.session()).collect();
+    let streams: Vec<_> = sessions
+        .iter_mut()
+        .zip(&firsts)
+        .map(|(s, (p, n))| s.generate(Prompt::Ids(p.clone()), greedy(*n)).unwrap())
+        .collect();
+    let together: Vec<Vec<u32>> = streams.into_iter().map(|s| collect(s).tokens).collect();
+    assert_eq!(together, solo);
+    let after = model.batch_stats().unwrap();
+    assert!(after.largest >= 2, "largest batch {}", after.largest);
+    // Second turns: prompt + reply + more ids, resumed from each session's caches, against a
+    // fresh model run of the same ids.
+    for (i, (session, ((prompt, _), reply))) in sessions
+        .iter_mut()
+        .zip(firsts.iter().zip(&together))
+        .enumerate()
+    {
+        let cached = session.cached_tokens().unwrap();
+        let mut turn: Vec<u32> = prompt.iter().chain(reply).copied().collect();
+        assert!(turn.starts_with(&cached), "row {i}: caches hold {cached:?}");
+        turn.extend(&ids[20..26]);
+        let mut resumed = session
+            .generate(Prompt::Ids(turn.clone()), greedy(6))
+            .unwrap();
+        let tokens: Vec<u32> = resumed.by_ref().flat_map(|p| p.unwrap().tokens).collect();
+        assert!(
+            resumed.stats().unwrap().reused_tokens >= prompt.len(),
+            "row {i}"
+        );
+        let fresh = collect(model.generate(Prompt::Ids(turn), greedy(6)).unwrap()).tokens;
+        assert_eq!(tokens, fresh, "row {i}");
+    }
+    assert!(before.steps < after.steps);
+}

@@ -21,6 +21,15 @@ fn mlx_kernel_paths_match_the_reference() {
         "qwen3_moe",
         "olmoe",
         "llama-affine4-g64",
+        // State-space layers: the MLX graph of their scans (chunked SSD, parallel scan, RWKV-7's
+        // per-position delta rule), which the CPU recurrence kernels replace when on.
+        "mamba",
+        "mamba2",
+        "jamba",
+        "bamba",
+        "nemotron_h",
+        "falcon_h1",
+        "rwkv7",
     ] {
         assert_matches_reference_with(name, 1e-3, Some(policy.clone()));
         assert!(!mlxcel_core::ops::cpu_kernels_active().unwrap());

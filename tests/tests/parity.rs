@@ -143,6 +143,9 @@ fn state_space_families_load_through_the_nonstandard_route() {
         ("qwen3_5_moe", ModelType::Qwen3_5),
         ("qwen3_5_moe_text", ModelType::Qwen3_5),
         ("rwkv7", ModelType::Rwkv7),
+        ("nemotron_h", ModelType::NemotronH),
+        ("recurrent_gemma", ModelType::RecurrentGemma),
+        ("falcon_h1", ModelType::FalconH1),
     ] {
         let model_type = ModelType::from_model_type(t).unwrap();
         assert_eq!(model_type, expected, "{t}");
@@ -211,4 +214,19 @@ fn gpt_neox_loads_pythia_style_checkpoints() {
 
     let diff = distance_to_reference(dir.path(), name);
     assert!(diff < 2e-4, "{diff:.2e}");
+}
+
+/// Gemma 3n (its own test so it can run alone): the text model, the full checkpoint loaded text
+/// only, and an mlx-lm 4-bit conversion.
+#[test]
+fn gemma3n_fixtures_match_their_references() {
+    let index = fixture_index();
+    let mine: Vec<_> = index
+        .iter()
+        .filter(|e| e.model_type.starts_with("gemma3n"))
+        .collect();
+    assert!(!mine.is_empty(), "no gemma3n fixtures in the index");
+    for entry in mine {
+        check(&entry.name, &entry.kind);
+    }
 }

@@ -10,6 +10,7 @@ use mlxcel_arch::vision::{forward_multimodal, FeatureCache, ImageInput, Multimod
 use mlxcel_arch::{GenerationModel, LanguageModel};
 use mlxcel_core::{Array, WeightMap};
 use mlxcel_loading::image::load_image;
+use mlxcel_loading::vision::PreparedImage;
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
 use mlxcel_tests::{fixtures_dir, max_abs_diff};
 use safetensors::SafeTensors;
@@ -104,6 +105,20 @@ fn images(loaded: &Loaded, g: &Golden) -> Vec<ImageInput> {
         .map(|p| {
             let img = load_image(fixtures_dir().join(p.as_str().unwrap())).unwrap();
             loaded.prepare_image(&img).unwrap()
+        })
+        .collect()
+}
+
+/// The fixture's images prepared for a prompt: each one input and its own expansion (one
+/// placeholder per merged patch).
+fn prepared(loaded: &Loaded, g: &Golden) -> Vec<PreparedImage> {
+    g.meta["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let img = load_image(fixtures_dir().join(p.as_str().unwrap())).unwrap();
+            loaded.prepare_for_prompt(&img).unwrap()
         })
         .collect()
 }
@@ -227,7 +242,14 @@ fn pixel_values_grids_and_expansion_match_the_processor() {
                 unexpanded.push(t);
             }
         }
-        let expanded = loaded.expand_image_tokens(&unexpanded, &images).unwrap();
+        let prepared = prepared(&loaded, &g);
+        assert!(prepared
+            .iter()
+            .zip(&images)
+            .all(|(p, i)| p.inputs.len() == 1 && p.inputs[0].pixels() == i.pixels()));
+        let expanded = loaded
+            .expand_image_tokens_for(&unexpanded, &prepared)
+            .unwrap();
         assert_eq!(expanded, g.ids, "{name}: expanded ids");
         let counts: Vec<u64> = images
             .iter()
@@ -243,14 +265,14 @@ fn pixel_values_grids_and_expansion_match_the_processor() {
         // ... and in text, through the tokenizer.
         let tok = loaded.tokenizer.as_ref().unwrap();
         let text = tok.decode(&unexpanded, false).unwrap();
-        let text = loaded.expand_prompt_text(&text, &images).unwrap();
+        let text = loaded.expand_prompt_text_for(&text, &prepared).unwrap();
         assert_eq!(
             tok.encode(&text, false).unwrap(),
             g.ids,
             "{name}: expanded text"
         );
         assert!(loaded
-            .expand_image_tokens(&unexpanded, &images[..1])
+            .expand_image_tokens_for(&unexpanded, &prepared[..1])
             .is_err());
         // The whole chain, PNG to logits.
         let logits = prompt_logits(&loaded, &g.ids, &images, g.ids.len());

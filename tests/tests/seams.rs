@@ -223,6 +223,7 @@ fn a_decoder_builds_under_any_tensor_prefix() {
             dtype: Dtype::Float32,
             materialization: Materialization::Eager,
             stream: None,
+            external_ple: None,
             fuse_projections: false,
             transform: None,
             runtime_adapters: None,

@@ -109,6 +109,25 @@ fn rwkv7_prefix_reuse_resumes_from_a_snapshot() {
 }
 
 #[test]
+fn nemotron_h_prefix_reuse_restores_mamba_layers_and_rewinds_attention() {
+    resumes_from_the_last_snapshot("nemotron_h");
+}
+
+/// Falcon-H1's layers each hold keys and values and a Mamba-2 state: the snapshot restores the
+/// states and the keys are cut back.
+#[test]
+fn falcon_h1_prefix_reuse_restores_states_and_rewinds_the_same_layers_attention() {
+    resumes_from_the_last_snapshot("falcon_h1");
+}
+
+/// RecurrentGemma's local attention keeps a ring of 8 positions, which cannot be cut back to
+/// the snapshot at 24 once it has moved on to 40: its snapshots hold the rings as well.
+#[test]
+fn recurrent_gemma_prefix_reuse_restores_rg_lru_layers_and_attention_rings() {
+    resumes_from_the_last_snapshot("recurrent_gemma");
+}
+
+#[test]
 fn appending_to_the_conversation_reuses_everything_without_a_snapshot() {
     let loaded = load("mamba");
     let model = &loaded.model;
@@ -211,6 +230,31 @@ fn jamba_follows_transformers_where_mlx_lm_renormalises_the_routing() {
     );
 }
 
+/// mlx-lm's RecurrentGemma scales the embeddings by the exact `sqrt(hidden)` and normalises the
+/// first position's RG-LRU input; transformers (followed here) keeps the normaliser in bfloat16
+/// and leaves the first input unnormalised (`models/recurrent_gemma/mlx_lm_diff.json`).
+#[test]
+fn recurrent_gemma_follows_transformers_where_mlx_lm_normalises_differently() {
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("recurrent_gemma");
+    assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
+    assert!(
+        to_mlx_lm > 1e-3,
+        "mlx-lm's recurrent_gemma now matches transformers? {to_mlx_lm:.2e}"
+    );
+}
+
+/// mlx-lm's Falcon-H1 drops muP multipliers transformers applies (and differs further); mlxcel
+/// follows transformers (`models/falcon_h1/mlx_lm_diff.json`).
+#[test]
+fn falcon_h1_follows_transformers_where_mlx_lm_differs() {
+    let (to_transformers, to_mlx_lm) = distances_to_transformers_and_mlx_lm("falcon_h1");
+    assert!(to_transformers < 2e-4, "{to_transformers:.2e}");
+    assert!(
+        to_mlx_lm > 1.0,
+        "mlx-lm's falcon_h1 now matches transformers? {to_mlx_lm:.3}"
+    );
+}
+
 /// Prefills `prompt` in chunks of `chunk` (one pass for `None`): the last position's logits
 /// and every state cache's arrays, flattened.
 fn prefill_states(
@@ -224,18 +268,25 @@ fn prefill_states(
         .unwrap()
         .to_vec::<f32>()
         .unwrap();
+    // Recurrent layers' states, Falcon-H1's (next to its keys) included.
     let states: Vec<Vec<f32>> = caches
         .iter()
         .filter_map(|c| match c {
-            LayerCache::State(s) => Some(s.arrays.iter().flatten().flat_map(|a| {
-                a.astype(mlxcel_core::Dtype::Float32)
-                    .unwrap()
-                    .to_vec::<f32>()
-                    .unwrap()
-            })),
+            LayerCache::State(_) => Some(c),
+            LayerCache::Pair(pair) => Some(&pair.1),
             _ => None,
         })
-        .map(Iterator::collect)
+        .map(|c| {
+            c.planes()
+                .into_iter()
+                .flat_map(|a| {
+                    a.astype(mlxcel_core::Dtype::Float32)
+                        .unwrap()
+                        .to_vec::<f32>()
+                        .unwrap()
+                })
+                .collect()
+        })
         .collect();
     assert!(!states.is_empty(), "{name}: no state caches");
     (logits, states)
@@ -274,6 +325,9 @@ fn chunked_prefill_leaves_the_same_state_as_one_pass() {
         "jamba",
         "bamba",
         "qwen3_next",
+        "nemotron_h",
+        "recurrent_gemma",
+        "falcon_h1",
     ] {
         chunked_equals_one_pass(name, &reference(name).prompt_ids, &[1, 3, 16]);
     }

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use mlxcel_arch::vision::{forward_multimodal, FeatureCache, MultimodalPrompt};
 use mlxcel_arch::{GenerationModel, LanguageModel};
 use mlxcel_loading::image::{decode_image, load_image, resize, Resample, RgbImage};
+use mlxcel_loading::vision::PreparedImage;
 use mlxcel_loading::{generate_text, load_model, GenerateRequest, LoadOptions, Loaded, Message};
 use mlxcel_tests::max_abs_diff;
 use safetensors::SafeTensors;
@@ -104,6 +105,19 @@ fn fixture_images(loaded: &Loaded, r: &Gemma3Ref) -> Vec<mlxcel_arch::vision::Im
         .map(|n| {
             let bytes = std::fs::read(image_path(n.as_str().expect("name"))).expect("image");
             loaded.prepare_image_bytes(&bytes).expect("prepare")
+        })
+        .collect()
+}
+
+/// The reference's images prepared for a prompt (inputs and each image's expansion).
+fn fixture_prepared(loaded: &Loaded, r: &Gemma3Ref) -> Vec<PreparedImage> {
+    r.meta["images"]
+        .as_array()
+        .expect("images")
+        .iter()
+        .map(|n| {
+            let image = load_image(image_path(n.as_str().expect("name"))).expect("image");
+            loaded.prepare_for_prompt(&image).expect("prepare")
         })
         .collect()
 }
@@ -204,7 +218,12 @@ fn gemma3_pixel_values_and_prompt_match_the_processor() {
     let content = loaded.user_content_with_images(text, 2).unwrap();
     let template = loaded.chat_template.as_ref().expect("template");
     let rendered = template.render(&[Message::user(&content)], true).unwrap();
-    let expanded = loaded.expand_prompt_text(&rendered, &images).unwrap();
+    let prepared = fixture_prepared(&loaded, &r);
+    assert!(prepared
+        .iter()
+        .zip(&images)
+        .all(|(p, i)| p.inputs.len() == 1 && p.inputs[0].pixels() == i.pixels()));
+    let expanded = loaded.expand_prompt_text_for(&rendered, &prepared).unwrap();
     let tokenizer = loaded.tokenizer.as_ref().unwrap();
     let prompt = tokenizer.encode(&expanded, false).unwrap();
     assert_eq!(prompt, r.prompt_ids, "expanded prompt ids");
@@ -216,15 +235,26 @@ fn gemma3_pixel_values_and_prompt_match_the_processor() {
     );
     // The same expansion from ids that hold the placeholder once per image.
     let unexpanded = tokenizer.encode(&rendered, false).unwrap();
-    let by_ids = loaded.expand_image_tokens(&unexpanded, &images).unwrap();
+    let by_ids = loaded
+        .expand_image_tokens_for(&unexpanded, &prepared)
+        .unwrap();
     assert_eq!(by_ids, r.prompt_ids, "ids-level expansion");
     // Counts that do not match are refused.
-    let three = [images[0].clone(), images[1].clone(), images[0].clone()];
+    let three = [
+        prepared[0].clone(),
+        prepared[1].clone(),
+        prepared[0].clone(),
+    ];
     let err = loaded
-        .expand_prompt_text(&rendered, &three)
+        .expand_prompt_text_for(&rendered, &three)
         .unwrap_err()
         .to_string();
     assert!(err.contains("2 image placeholder(s)"), "{err}");
+    let err = loaded
+        .expand_image_tokens_for(&unexpanded, &prepared[..1])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("2 time(s) for 1 image(s)"), "{err}");
 }
 
 #[test]
@@ -542,7 +572,9 @@ fn llava_matches_transformers() {
         .unwrap()
         .render(&[Message::user(&content)], true)
         .unwrap();
-    let expanded = loaded.expand_prompt_text(&rendered, &images).unwrap();
+    let expanded = loaded
+        .expand_prompt_text_for(&rendered, &fixture_prepared(&loaded, &r))
+        .unwrap();
     let prompt = loaded
         .tokenizer
         .as_ref()
@@ -608,7 +640,7 @@ fn llava_matches_transformers() {
 }
 
 #[test]
-fn processor_config_spellings_and_unsupported_options() {
+fn processor_config_spellings_and_pan_and_scan() {
     let r = gemma3_reference();
     // The image processor nested in `processor_config.json` (how newer checkpoints ship it)
     // reads the same.
@@ -628,18 +660,63 @@ fn processor_config_spellings_and_unsupported_options() {
     let got: Vec<f32> = images.iter().flat_map(|i| i.pixels().to_vec()).collect();
     assert!(max_abs_diff(&got, &r.pixel_values).0 <= 1e-5);
 
-    // A processor option this build lacks is refused, naming the file and key.
+    // Pan and scan: a wide image becomes the original and two crops, framed in the prompt as
+    // Gemma3Processor frames them; pixel values, ids and logits as transformers'.
     let pas = text_only_variant(|_| {}, false);
     let mut pre = pre.clone();
     pre["do_pan_and_scan"] = json!(true);
+    pre["pan_and_scan_min_crop_size"] = json!(8);
+    pre["pan_and_scan_max_num_crops"] = json!(4);
+    pre["pan_and_scan_min_ratio_to_activate"] = json!(1.2);
     std::fs::write(pas.path().join("preprocessor_config.json"), pre.to_string()).unwrap();
     let loaded = load(pas.path());
-    let bytes = std::fs::read(image_path("gradient.png")).unwrap();
-    let err = loaded.prepare_image_bytes(&bytes).unwrap_err().to_string();
+    let bytes = std::fs::read(gemma3_dir().join("pan_and_scan.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let want_ids = ids(&tensor_bytes(&st, "prompt_ids").1);
+    let want_pixels = f32s(&tensor_bytes(&st, "pixel_values").1);
+    let want_logits = f32s(&tensor_bytes(&st, "logits").1);
+    let image = load_image(image_path("gradient.png")).unwrap();
+    let prepared = loaded.prepare_for_prompt(&image).unwrap();
+    assert_eq!(prepared.inputs.len(), 3, "the original and two crops");
+    let got: Vec<f32> = prepared
+        .inputs
+        .iter()
+        .flat_map(|i| i.pixels().to_vec())
+        .collect();
+    assert!(max_abs_diff(&got, &want_pixels).0 <= 1e-5);
+    let content = loaded
+        .user_content_with_images(r.meta["user_text"].as_str().unwrap(), 1)
+        .unwrap();
+    let rendered = loaded
+        .chat_template
+        .as_ref()
+        .unwrap()
+        .render(&[Message::user(&content)], true)
+        .unwrap();
+    let text = loaded
+        .expand_prompt_text_for(&rendered, std::slice::from_ref(&prepared))
+        .unwrap();
+    let prompt = loaded
+        .tokenizer
+        .as_ref()
+        .unwrap()
+        .encode(&text, false)
+        .unwrap();
+    assert_eq!(prompt, want_ids);
+    let logits = loaded
+        .multimodal_logits(&prompt, &prepared.inputs)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let (d, _) = max_abs_diff(&logits, &want_logits);
+    eprintln!("gemma3 pan and scan logits: max |Δ| = {d:e}");
     assert!(
-        err.contains("preprocessor_config.json") && err.contains("do_pan_and_scan"),
-        "{err}"
+        d <= tolerance(&want_logits),
+        "pan-and-scan logits differ by {d}"
     );
+    // The single-input path refuses it rather than dropping the crops.
+    let err = loaded.prepare_image(&image).unwrap_err().to_string();
+    assert!(err.contains("prepare_for_prompt"), "{err}");
     // A bad value names the key.
     let bad = text_only_variant(|_| {}, false);
     pre["do_pan_and_scan"] = json!(false);
@@ -913,4 +990,33 @@ fn other_checkpoint_spellings_give_the_same_logits() {
             assert!(d <= tolerance(&r.logits), "{family} {what}: {d}");
         }
     }
+}
+
+#[test]
+fn llava_image_processor_pads_to_a_square_when_asked() {
+    let dir = vision_dir().join("llava");
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let want = f32s(&tensor_bytes(&st, "pixel_values_padded").1);
+    let copy = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, copy.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let path = copy.path().join("preprocessor_config.json");
+    let mut pre: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    pre["image_processor_type"] = json!("LlavaImageProcessor");
+    pre["do_pad"] = json!(true);
+    std::fs::write(&path, pre.to_string()).unwrap();
+    let loaded = load(copy.path());
+    let r = family_reference(&dir);
+    let got: Vec<f32> = fixture_images(&loaded, &r)
+        .iter()
+        .flat_map(|i| i.pixels().to_vec())
+        .collect();
+    let (d, _) = max_abs_diff(&got, &want);
+    assert!(d <= 1e-5, "padded pixel values differ by {d}");
+    // Without the padding they differ (the images are not square).
+    let (d, _) = max_abs_diff(&r.pixel_values, &want);
+    assert!(d > 1e-2);
 }

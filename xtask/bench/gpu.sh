@@ -26,7 +26,12 @@ if [ "$mode" = stage ]; then
   mkdir -p "$root/.device/run"
   cp "$root/target/release/mlxcel" "$root/target/release/examples/cuda_kernels" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" \
      "$here/mlx_lm_bench.py" "$here/make_random_model.py" \
-     "$here/cuda/prefill_probe.py" "$root/.device/run/"
+     "$here/cuda/prefill_probe.py" "$here/make_plan_model.py" "$here/gpu_serve.sh" "$here/gpu_serve_configs.sh" "$here/same_replies.py" "$here/serve_client.py" "$root/.device/run/"
+  # Plans of the CPU bench's state-space models, built there by make_plan_model.py (gpu_probe.sh ssm).
+  mkdir -p "$root/.device/run/plans"
+  for m in mamba2 jamba; do
+    (cd "$root" && cargo xtask synth-plan $m --bits 4) > "$root/.device/run/plans/$m-4bit.json"
+  done
   grep -qx '/.device/' "$root/.git/info/exclude" 2>/dev/null || \
     grep -qx '/.device/' "$root/.gitignore" || echo '/.device/' >> "$root/.git/info/exclude"
   du -sh "$root/.device/run"

@@ -10,6 +10,9 @@
 #   gpu_probe.sh qwen3-30b-a3b   the same on the 30B-A3B MoE shape (4-bit)
 #   gpu_probe.sh fold        the kernel checks, then the 8B 4-bit shape with the GEMV's folded
 #                            ops on and off (greedy ids of both), then speed against mlx-lm
+#   gpu_probe.sh ssm         the CPU bench's Mamba-2- and Jamba-shaped 4-bit models, built from
+#                            plans/{mamba2,jamba}-4bit.json (`cargo xtask synth-plan mamba2
+#                            --bits 4 > .device/run/plans/mamba2-4bit.json`, likewise jamba)
 # Each engine runs once to fill MLX's kernel cache, then RUNS (default 2) measured passes;
 # prompt 512 ids, 128 new tokens, EOS ignored. Every process generates twice (`--repeat 2`):
 # run 1 pays first-use costs in the process (GPU kernel modules, first touch of the weights),
@@ -52,6 +55,9 @@ model() {
     llama-8b-bf16) make="make llama-8b $M --dense" ;;
     qwen3-30b-a3b-4bit) make="make qwen3-30b-a3b $M" ;;
   esac
+  if [ -f "$here/plans/$1.json" ]; then
+    python3 "$here/make_plan_model.py" "$here/plans/$1.json" "$M" | tail -1
+  fi
   [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" $make | tail -1
   python3 "$here/make_random_model.py" floor "$M"
 }
@@ -113,6 +119,13 @@ fold)
   done
   CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0"
   ;;
+ssm)
+  for shape in mamba2-4bit jamba-4bit; do
+    echo "== $shape"
+    model $shape
+    passes "default MLXCEL_NOTHING=1"
+  done
+  ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes (SHAPES: a subset).
   for shape in ${SHAPES:-llama-8b-4bit llama-8b-bf16 qwen3-30b-a3b-4bit}; do
@@ -121,5 +134,5 @@ final)
     passes "default MLXCEL_NOTHING=1"
   done
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | final" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | ssm | final" >&2; exit 2 ;;
 esac

@@ -59,6 +59,15 @@ enum Command {
         #[arg(long)]
         prompts: Option<std::path::PathBuf>,
     },
+    /// Print a synthetic benchmark model's plan (config and tensor shapes, JSON) for building
+    /// it where there is no Rust toolchain (`xtask/bench/make_plan_model.py` on the GPU machine).
+    SynthPlan {
+        /// mamba2 | jamba | qwen3_next | llama-1b | qwen3-moe
+        model: String,
+        /// Affine bits (group 64); omit for bfloat16.
+        #[arg(long)]
+        bits: Option<i32>,
+    },
     /// Benchmark mlxcel against mlx-lm (load, prefill, decode, peak RSS); writes
     /// target/bench/results.{md,json}.
     Bench(bench::BenchArgs),
@@ -72,6 +81,18 @@ fn main() -> anyhow::Result<()> {
                 mlxcel_core::mlx_version()?,
                 mlxcel_core::MLX_LIB_DIR
             );
+        }
+        Command::SynthPlan { model, bits } => {
+            let quant = bits.map(|b| mlxcel_core::ops::QuantSpec::affine(64, b));
+            let synthetic = match model.as_str() {
+                "mamba2" => bench::synth::mamba2(quant),
+                "jamba" => bench::synth::jamba(quant),
+                "qwen3_next" => bench::synth::qwen3_next(quant),
+                "llama-1b" => bench::synth::llama_1b(quant),
+                "qwen3-moe" => bench::synth::qwen3_moe(quant),
+                other => anyhow::bail!("no synthetic model {other:?}"),
+            };
+            println!("{}", serde_json::to_string(&synthetic.plan())?);
         }
         Command::FetchModels { quiet } => {
             for dir in fetch::fetch_models(quiet)? {

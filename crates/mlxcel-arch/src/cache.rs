@@ -186,6 +186,10 @@ pub enum LayerCache {
     Batch(BatchCache),
     /// One bidirectional pass (see [`LayerCache::bidirectional`]).
     Bidirectional(BidirectionalCache),
+    /// A layer running attention and a recurrent mixer side by side (Falcon-H1): the
+    /// attention's keys and values (a standard cache), then the mixer's state. It rewinds no
+    /// further than its state; a snapshot keeps only the state and the keys are cut back.
+    Pair(Box<(LayerCache, LayerCache)>),
 }
 
 /// A bidirectional pass over right-padded rows: no keys are kept; the mask hides padding keys.
@@ -239,6 +243,63 @@ impl LayerCache {
         LayerCache::State(StateCache::default())
     }
 
+    /// An empty [`LayerCache::Pair`]: keys and values for every position, and a state.
+    pub fn attention_and_state() -> LayerCache {
+        LayerCache::Pair(Box::new((LayerCache::standard(), LayerCache::state())))
+    }
+
+    /// The attention cache and the state of a [`LayerCache::Pair`].
+    pub fn pair_mut(&mut self) -> Result<(&mut LayerCache, &mut LayerCache)> {
+        match self {
+            LayerCache::Pair(pair) => {
+                let (kv, state) = &mut **pair;
+                Ok((kv, state))
+            }
+            other => Err(other.wrong_kind("parallel attention and state-space")),
+        }
+    }
+
+    /// Whether the cache holds a recurrent state (prefix reuse across a divergence restores a
+    /// snapshot of it instead of rewinding).
+    pub fn is_recurrent(&self) -> bool {
+        matches!(self, LayerCache::State(_) | LayerCache::Pair(_))
+    }
+
+    /// What a prefix-reuse snapshot keeps of this cache: recurrent states and sliding-window
+    /// rings (which cannot be cut back once moved on, and are as small as a state); a pair's
+    /// state (its keys and values are cut back instead); `None` for caches that rewind.
+    pub fn snapshot(&self) -> Option<LayerCache> {
+        match self {
+            LayerCache::State(_) | LayerCache::Rotating(_) => Some(self.clone()),
+            LayerCache::Pair(pair) => Some(LayerCache::Pair(Box::new((
+                LayerCache::standard(),
+                pair.1.clone(),
+            )))),
+            _ => None,
+        }
+    }
+
+    /// Whether [`LayerCache::restore`] of a snapshot taken at `position` can put this cache
+    /// back (a pair's keys and values must reach back to it).
+    pub fn can_restore(&self, position: usize) -> bool {
+        match self {
+            LayerCache::Pair(pair) => pair.0.can_rewind(position),
+            _ => true,
+        }
+    }
+
+    /// Puts the cache back to `snapshot` (from [`LayerCache::snapshot`]) taken at `position`.
+    pub fn restore(&mut self, snapshot: LayerCache, position: usize) -> Result<()> {
+        match (self, snapshot) {
+            (LayerCache::Pair(pair), LayerCache::Pair(saved)) => {
+                pair.0.rewind(position)?;
+                pair.1 = saved.1;
+            }
+            (cache, snapshot) => *cache = snapshot,
+        }
+        Ok(())
+    }
+
     /// A cache that reads layer `source`'s cache instead of holding its own.
     pub fn shared(source: usize) -> LayerCache {
         LayerCache::Shared { source, offset: 0 }
@@ -288,6 +349,7 @@ impl LayerCache {
             // Each row has its own ([`BatchCache::positions`]); the furthest is the batch's.
             LayerCache::Batch(b) => b.positions.iter().copied().max().unwrap_or(0),
             LayerCache::Bidirectional(c) => c.offset,
+            LayerCache::Pair(pair) => pair.1.offset(),
         }
     }
 
@@ -300,6 +362,7 @@ impl LayerCache {
             LayerCache::Shared { .. } => "shared",
             LayerCache::Batch(_) => "batched",
             LayerCache::Bidirectional(_) => "bidirectional",
+            LayerCache::Pair(_) => "attention and state",
         }
     }
 
@@ -356,6 +419,7 @@ impl LayerCache {
             // A batch's rows are cut back one by one, once split ([`BatchCache::split`]).
             LayerCache::Batch(_) => usize::MAX,
             LayerCache::Bidirectional(c) => c.offset,
+            LayerCache::Pair(pair) => pair.0.rewind_floor().max(pair.1.rewind_floor()),
         }
     }
 
@@ -379,7 +443,7 @@ impl LayerCache {
             // Rows past the offset are overwritten by the next update.
             LayerCache::Standard(c) | LayerCache::Latent(c) => c.offset = position,
             // `can_rewind` allowed only the current position.
-            LayerCache::State(_) | LayerCache::Bidirectional(_) => {}
+            LayerCache::State(_) | LayerCache::Bidirectional(_) | LayerCache::Pair(_) => {}
             LayerCache::Shared { offset, .. } => *offset = position,
             LayerCache::Batch(_) => unreachable!("can_rewind refuses a batch"),
             LayerCache::Rotating(c) => {
@@ -400,16 +464,26 @@ impl LayerCache {
         Ok(())
     }
 
-    /// Bytes held by the cache buffers.
-    pub fn nbytes(&self) -> usize {
+    /// The arrays the cache holds (keys and values, or a state's arrays).
+    pub fn planes(&self) -> Vec<&Array> {
         let planes: Vec<&Option<Array>> = match self {
             LayerCache::Standard(c) | LayerCache::Latent(c) => vec![&c.keys, &c.values],
             LayerCache::Rotating(c) => vec![&c.keys, &c.values],
             LayerCache::State(c) => c.arrays.iter().collect(),
             LayerCache::Shared { .. } | LayerCache::Bidirectional(_) => vec![],
-            LayerCache::Batch(b) => return b.keys.nbytes() + b.values.nbytes(),
+            LayerCache::Batch(b) => return vec![&b.keys, &b.values],
+            LayerCache::Pair(pair) => {
+                let mut planes = pair.0.planes();
+                planes.extend(pair.1.planes());
+                return planes;
+            }
         };
-        planes.into_iter().flatten().map(Array::nbytes).sum()
+        planes.into_iter().flatten().collect()
+    }
+
+    /// Bytes held by the cache buffers.
+    pub fn nbytes(&self) -> usize {
+        self.planes().into_iter().map(Array::nbytes).sum()
     }
 
     /// Moves a shared cache's position along with its source layer's.
@@ -456,6 +530,36 @@ impl StandardCache {
             Mask::window_with_blocks(prev, l, first, end - first, window, &self.blocks)?
         };
         Ok((k_out, v_out, mask))
+    }
+}
+
+impl StandardCache {
+    /// For the CPU decode engine: the key and value buffers with room for one more row (grown
+    /// like [`StandardCache::update`] grows them, `[1, kv_heads, capacity, head_dim]` in `like`'s
+    /// dtype) and the row it goes to. The engine writes the row into the buffers in place;
+    /// [`StandardCache::advance_one`] then records it.
+    pub(crate) fn decode_buffers(&mut self, like: &Array) -> Result<(&Array, &Array, usize)> {
+        let prev = self.offset;
+        if prev + 1 > rows(&self.keys)? {
+            let cap = (prev + 1).div_ceil(STEP as usize) * STEP as usize;
+            let keys = grow_rows(self.keys.as_ref(), prev, cap, like)?;
+            let values = grow_rows(self.values.as_ref(), prev, cap, like)?;
+            keys.eval()?;
+            values.eval()?;
+            self.keys = Some(keys);
+            self.values = Some(values);
+        }
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => Ok((k, v, prev)),
+            _ => Err(crate::ModelError::Runtime(
+                "internal: cache grown above".into(),
+            )),
+        }
+    }
+
+    /// Records the row the CPU decode engine wrote.
+    pub(crate) fn advance_one(&mut self) {
+        self.offset += 1;
     }
 }
 
@@ -700,6 +804,62 @@ pub struct BatchCache {
     positions: Vec<usize>,
     /// The ring width of a sliding-window layer's caches.
     ring: Option<usize>,
+    /// Shared by the layers of one batch (see [`BatchCache::share_step_inputs`]).
+    step_inputs: StepInputs,
+}
+
+/// The row positions and padding masks of a decode batch's current step. Every layer derives
+/// the same ones from the same pads and length, so the layers of one batch share them: one
+/// host-built array per step instead of one per layer, which on a GPU is one upload instead of
+/// dozens.
+/// A cloned cache gets a set of its own (a clone may go on with other rows or steps).
+#[derive(Default)]
+struct StepInputs(std::sync::Arc<std::sync::Mutex<StepArrays>>);
+
+impl Clone for StepInputs {
+    fn clone(&self) -> StepInputs {
+        StepInputs::default()
+    }
+}
+
+impl std::fmt::Debug for StepInputs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepInputs")
+    }
+}
+
+#[derive(Default)]
+struct StepArrays {
+    /// The batch length these arrays were built for (a new step starts a new set).
+    len: usize,
+    positions: Option<Array>,
+    /// Padding masks by the first visible column.
+    masks: Vec<(usize, Array)>,
+}
+
+impl StepInputs {
+    /// The array cached for step `len` under `pick`, else `build`'s, cached.
+    fn get_or_build(
+        &self,
+        len: usize,
+        pick: impl Fn(&mut StepArrays) -> Option<&mut Array>,
+        store: impl FnOnce(&mut StepArrays, Array),
+        build: impl FnOnce() -> Result<Array>,
+    ) -> Result<Array> {
+        let mut arrays = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if arrays.len != len {
+            *arrays = StepArrays {
+                len,
+                ..StepArrays::default()
+            };
+        }
+        if let Some(a) = pick(&mut arrays) {
+            return Ok(a.clone());
+        }
+        let a = build()?;
+        store(&mut arrays, a.clone());
+        Ok(a)
+    }
 }
 
 /// A cache's held keys and values in temporal order `[1, H, S, D]`, the positions processed,
@@ -772,7 +932,20 @@ impl BatchCache {
             len,
             positions: held.iter().map(|h| h.2).collect(),
             ring,
+            step_inputs: StepInputs::default(),
         })
+    }
+
+    /// Makes every layer of `caches` (one batch's, all [`LayerCache::Batch`]) share one set of
+    /// per-step positions and masks: they are equal across layers, so each step builds them
+    /// once.
+    pub fn share_step_inputs(caches: &mut [LayerCache]) {
+        let shared = StepInputs::default();
+        for c in caches {
+            if let LayerCache::Batch(b) = c {
+                b.step_inputs = StepInputs(shared.0.clone());
+            }
+        }
     }
 
     /// Rows in the batch.
@@ -782,8 +955,16 @@ impl BatchCache {
 
     /// Each row's next position `[B]` (int32), for the rotary embedding.
     pub fn positions(&self) -> Result<Array> {
-        let p: Vec<i32> = self.positions.iter().map(|p| *p as i32).collect();
-        Ok(Array::from_slice(&p, &[p.len() as i32])?)
+        // Before this layer's update (rope comes first), so the step is `len + 1`.
+        self.step_inputs.get_or_build(
+            self.len + 1,
+            |a| a.positions.as_mut(),
+            |a, p| a.positions = Some(p),
+            || {
+                let p: Vec<i32> = self.positions.iter().map(|p| *p as i32).collect();
+                Ok(Array::from_slice(&p, &[p.len() as i32])?)
+            },
+        )
     }
 
     /// Appends one position per row (`k` `[B, H, 1, D]`); returns the keys and values a query
@@ -823,13 +1004,27 @@ impl BatchCache {
         if self.pads.iter().all(|p| *p <= first) {
             return Ok((keys, values, Mask::None));
         }
-        let width = self.len - first;
-        let keep: Vec<bool> = self
-            .pads
-            .iter()
-            .flat_map(|pad| (first..self.len).map(move |col| col >= *pad))
-            .collect();
-        let mask = Array::from_slice(&keep, &[self.rows() as i32, 1, 1, width as i32])?;
+        let (len, rows, pads) = (self.len, self.rows(), &self.pads);
+        let mask = self.step_inputs.get_or_build(
+            len,
+            |a| {
+                a.masks
+                    .iter_mut()
+                    .find(|(f, _)| *f == first)
+                    .map(|(_, m)| m)
+            },
+            |a, m| a.masks.push((first, m)),
+            || {
+                let keep: Vec<bool> = pads
+                    .iter()
+                    .flat_map(|pad| (first..len).map(move |col| col >= *pad))
+                    .collect();
+                Ok(Array::from_slice(
+                    &keep,
+                    &[rows as i32, 1, 1, (len - first) as i32],
+                )?)
+            },
+        )?;
         Ok((keys, values, Mask::Array(mask)))
     }
 

@@ -25,10 +25,15 @@ pub fn prefill(
     }
     let step = chunk.unwrap_or(tokens.len()).max(1);
     let mut last = None;
-    for piece in tokens.chunks(step) {
+    let pieces: Vec<&[u32]> = tokens.chunks(step).collect();
+    for (k, piece) in pieces.iter().enumerate() {
         let ids: Vec<i32> = piece.iter().map(|t| *t as i32).collect();
         let input = Array::from_slice(&ids, &[1, ids.len() as i32])?;
         let row = model.forward_last(&input, caches)?.reshape(&[-1])?;
+        // Gather-ahead: the next chunk's per-token reads overlap this chunk's compute.
+        if let Some(next) = pieces.get(k + 1) {
+            model.prefetch(next)?;
+        }
         // Evaluate per chunk so the graph (and memory) stays bounded by one chunk.
         row.eval()?;
         last = Some(row);
@@ -118,8 +123,10 @@ impl Default for SnapshotPolicy {
     }
 }
 
-/// The recurrent layers' caches after the first `position` tokens (`None` for the other
-/// layers, which rewind instead).
+/// The caches that cannot be cut back after the first `position` tokens: recurrent layers'
+/// states and sliding-window rings (a ring has moved past the rows the position needs once
+/// its window has; it is as small as a state); `None` for the other layers, which rewind
+/// instead.
 #[derive(Debug, Clone)]
 struct StateSnapshot {
     position: usize,
@@ -129,9 +136,10 @@ struct StateSnapshot {
 /// A conversation's model state: the caches and the tokens they hold. A new request reuses the
 /// longest common prefix with what the caches hold (rewinding them to the first differing token)
 /// instead of starting over. Recurrent layers cannot rewind: for them the session resumes from
-/// the last [`SnapshotPolicy`] snapshot within the common prefix. It falls back to a full
-/// prefill only when no such point exists (or a sliding-window ring no longer holds the rows
-/// the resumed position needs).
+/// the last [`SnapshotPolicy`] snapshot within the common prefix (which also holds the models'
+/// sliding-window rings). It falls back to a full prefill only when no such point exists (or,
+/// in a model without recurrent layers, a ring no longer holds the rows the resumed position
+/// needs).
 pub struct Session<'m> {
     model: &'m dyn LanguageModel,
     caches: Vec<LayerCache>,
@@ -264,7 +272,8 @@ impl DecodeBatch {
                 .collect::<Result<Vec<_>>>()
         })();
         match merged {
-            Ok(caches) => {
+            Ok(mut caches) => {
+                crate::cache::BatchCache::share_step_inputs(&mut caches);
                 let mut states = states;
                 // The merged caches hold the rows now; the states get them back on the split.
                 for s in &mut states {
@@ -304,6 +313,34 @@ impl DecodeBatch {
             s.tokens.push(*t);
         }
         Ok(logits)
+    }
+
+    /// Feeds each conversation the token the device is still computing for it (`ids`, `[B]`
+    /// int32, e.g. the argmax of the previous step's logits) and returns the next logits
+    /// `[B, vocab]` without waiting: the caller queues this step before reading `ids`, so
+    /// building the graph overlaps the device's work. Call [`DecodeBatch::record`] with the
+    /// values once read. On an error the caches may be partly extended: discard the batch.
+    pub fn step_pending(&mut self, model: &dyn LanguageModel, ids: &Array) -> Result<Array> {
+        let rows = self.states.len() as i32;
+        if ids.size() != self.states.len() {
+            return Err(ModelError::Runtime(format!(
+                "a batched step needs one token per conversation ({} tokens for {rows} \
+                 conversations)",
+                ids.size()
+            )));
+        }
+        let input = ids.reshape(&[rows, 1])?;
+        Ok(model
+            .forward_last(&input, &mut self.caches)?
+            .reshape(&[rows, -1])?)
+    }
+
+    /// Records the values of the tokens fed by [`DecodeBatch::step_pending`], one per
+    /// conversation.
+    pub fn record(&mut self, tokens: &[u32]) {
+        for (s, t) in self.states.iter_mut().zip(tokens) {
+            s.tokens.push(*t);
+        }
     }
 
     /// The conversations with their own caches again, in batch order.
@@ -564,7 +601,10 @@ impl<'m> Session<'m> {
                     .caches
                     .iter()
                     .zip(&s.states)
-                    .all(|(c, state)| state.is_some() || c.can_rewind(s.position))
+                    .all(|(c, state)| match state {
+                        Some(_) => c.can_restore(s.position),
+                        None => c.can_rewind(s.position),
+                    })
         });
         let Some(snapshot) = usable.cloned() else {
             self.caches = self.model.make_caches();
@@ -572,7 +612,7 @@ impl<'m> Session<'m> {
         };
         for (cache, state) in self.caches.iter_mut().zip(snapshot.states) {
             match state {
-                Some(state) => *cache = state,
+                Some(state) => cache.restore(state, snapshot.position)?,
                 None => cache.rewind(snapshot.position)?,
             }
         }
@@ -588,10 +628,7 @@ impl<'m> Session<'m> {
         start: usize,
         chunk: Option<usize>,
     ) -> Result<Array> {
-        let recurrent = self
-            .caches
-            .iter()
-            .any(|c| matches!(c, LayerCache::State(_)));
+        let recurrent = self.caches.iter().any(LayerCache::is_recurrent);
         let interval = self.policy.interval;
         if !recurrent || self.policy.max_snapshots == 0 || interval == 0 {
             return prefill(self.model, tokens, &mut self.caches, chunk);
@@ -612,21 +649,16 @@ impl<'m> Session<'m> {
         last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))
     }
 
-    /// Records the recurrent layers' state after `position` tokens.
+    /// Records the recurrent layers' state (and the sliding-window rings) after `position`
+    /// tokens.
     fn take_snapshot(&mut self, position: usize) -> Result<()> {
-        let states: Vec<Option<LayerCache>> = self
-            .caches
-            .iter()
-            .map(|c| matches!(c, LayerCache::State(_)).then(|| c.clone()))
-            .collect();
+        let states: Vec<Option<LayerCache>> =
+            self.caches.iter().map(LayerCache::snapshot).collect();
         // Evaluated now, so a snapshot holds its arrays and not the graph that made them.
         let arrays: Vec<&Array> = states
             .iter()
             .flatten()
-            .flat_map(|c| match c {
-                LayerCache::State(s) => s.arrays.iter().flatten().collect::<Vec<_>>(),
-                _ => Vec::new(),
-            })
+            .flat_map(LayerCache::planes)
             .collect();
         mlxcel_core::ops::eval_all(arrays)?;
         self.snapshots.retain(|s| s.position != position);

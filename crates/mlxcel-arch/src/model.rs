@@ -42,6 +42,24 @@ pub enum LayerKind {
         /// Elements of the scan state (float32 whatever the compute dtype).
         state: u64,
     },
+    /// Attention over the keys and values of an earlier layer (KV sharing, Gemma 3n): holds
+    /// nothing of its own ([`LayerCache::Shared`]).
+    Shared {
+        /// The layer whose keys and values it reads.
+        source: usize,
+    },
+    /// Global attention and a recurrent mixer side by side in one layer (Falcon-H1): keys and
+    /// values of every position, and a fixed-size window and state.
+    AttentionAndState {
+        /// Key/value heads.
+        kv_heads: i32,
+        /// Width of one head.
+        head_dim: i32,
+        /// Elements of the convolution window.
+        window: u64,
+        /// Elements of the scan state (float32).
+        state: u64,
+    },
 }
 
 impl LayerKind {
@@ -49,11 +67,14 @@ impl LayerKind {
     pub fn bytes_per_token(&self, dtype: Dtype) -> u64 {
         let features = match *self {
             LayerKind::GlobalAttention { kv_heads, head_dim }
+            | LayerKind::AttentionAndState {
+                kv_heads, head_dim, ..
+            }
             | LayerKind::SlidingAttention {
                 kv_heads, head_dim, ..
             } => 2 * kv_heads as u64 * head_dim as u64,
             LayerKind::LatentAttention { latent, rope } => latent as u64 + rope as u64,
-            LayerKind::Recurrent { .. } => 0,
+            LayerKind::Recurrent { .. } | LayerKind::Shared { .. } => 0,
         };
         features * dtype.size_of() as u64
     }
@@ -62,7 +83,8 @@ impl LayerKind {
     /// and its float32 state); 0 for attention layers.
     pub fn fixed_bytes(&self, dtype: Dtype) -> u64 {
         match *self {
-            LayerKind::Recurrent { window, state } => {
+            LayerKind::Recurrent { window, state }
+            | LayerKind::AttentionAndState { window, state, .. } => {
                 window * dtype.size_of() as u64 + state * Dtype::Float32.size_of() as u64
             }
             _ => 0,
@@ -72,7 +94,10 @@ impl LayerKind {
     /// Whether the layer's cache is a recurrent state, which cannot be cut back to an earlier
     /// position (prefix reuse restores a snapshot instead).
     pub fn is_recurrent(&self) -> bool {
-        matches!(self, LayerKind::Recurrent { .. })
+        matches!(
+            self,
+            LayerKind::Recurrent { .. } | LayerKind::AttentionAndState { .. }
+        )
     }
 
     /// Positions this layer's cache holds after `context` tokens processed in chunks of
@@ -91,6 +116,8 @@ impl LayerKind {
             LayerKind::SlidingAttention { window, .. } => LayerCache::rotating(window),
             LayerKind::LatentAttention { .. } => LayerCache::latent(),
             LayerKind::Recurrent { .. } => LayerCache::state(),
+            LayerKind::Shared { source } => LayerCache::shared(source),
+            LayerKind::AttentionAndState { .. } => LayerCache::attention_and_state(),
         }
     }
 }
@@ -160,6 +187,14 @@ pub trait LanguageModel {
     /// checkpoint not loaded text-only); `None` for text models.
     fn vision(&self) -> Option<&dyn crate::vision::VisionLanguage> {
         None
+    }
+
+    /// A hint from chunked prefill that the next pass will run `next_tokens`: a model that reads
+    /// per-token data from disk (an external per-layer-embedding table) starts reading it while
+    /// the current pass computes (gather-ahead). The default has nothing to read.
+    fn prefetch(&self, next_tokens: &[u32]) -> Result<()> {
+        let _ = next_tokens;
+        Ok(())
     }
 
     /// Whether one forward pass can advance several conversations by one token each, every

@@ -11,7 +11,15 @@
 //!   MoE with a shared expert) by [`load_qwen3_next`];
 //! - Qwen3.5 and Qwen3.5-MoE (the same hybrid; their vision-language configs and checkpoints
 //!   read for the text decoder) by [`load_qwen3_5`];
-//! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`].
+//! - RWKV-7 (attention-free; fla-hub's and mlx-lm's layouts) by [`load_rwkv7`];
+//! - Gemma 3n (`gemma3n_text`, and the text decoder of a `gemma3n` checkpoint loaded text only)
+//!   by [`load_gemma3n`].
+//! - Nemotron-H (single-branch layers: Mamba-2, attention, relu² MLP or MoE) by
+//!   [`load_nemotron_h`];
+//! - RecurrentGemma (Griffin's RG-LRU layers with local attention) by
+//!   [`load_recurrent_gemma`];
+//! - Falcon-H1 (attention and Mamba-2 side by side in every layer, muP multipliers) by
+//!   [`load_falcon_h1`].
 //!
 //! Each loader normalises its family's config, then builds through
 //! [`crate::registry::build_architecture`] (the architecture's sanitiser, the load-time weight
@@ -20,7 +28,10 @@
 use mlxcel_core::WeightMap;
 use serde_json::{Map, Value};
 
-use crate::models::{bamba, jamba, mamba, mamba2, qwen3_5, qwen3_next, rwkv7};
+use crate::models::{
+    bamba, falcon_h1, gemma3n, jamba, mamba, mamba2, nemotron_h, qwen3_5, qwen3_next,
+    recurrent_gemma, rwkv7,
+};
 use crate::registry::{build_architecture, BuildOptions, GenerationModel, LoadedModel};
 use crate::{ModelError, ModelType, Result};
 
@@ -39,6 +50,10 @@ pub fn load_nonstandard(
         ModelType::Qwen3Next => load_qwen3_next(config, weights, options),
         ModelType::Qwen3_5 => load_qwen3_5(config, weights, options),
         ModelType::Rwkv7 => load_rwkv7(config, weights, options),
+        ModelType::Gemma3n => load_gemma3n(config, weights, options),
+        ModelType::NemotronH => load_nemotron_h(config, weights, options),
+        ModelType::RecurrentGemma => load_recurrent_gemma(config, weights, options),
+        ModelType::FalconH1 => load_falcon_h1(config, weights, options),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Nonstandard route",
             other.name()
@@ -156,10 +171,15 @@ pub fn load_qwen3_next(
     )))
 }
 
-/// The text config of a Qwen3.5 checkpoint: a vision-language config's `text_config` (with the
+/// The text config of a Qwen3.5 checkpoint (see [`text_config`]).
+pub fn qwen3_5_text_config(config: &Value) -> Result<Value> {
+    text_config(config)
+}
+
+/// The text config of a checkpoint that may be a multimodal one: its `text_config` (with the
 /// top level's `tie_word_embeddings` where the text config lacks it, normalised like any
 /// config.json), or a text-only config as it is.
-pub fn qwen3_5_text_config(config: &Value) -> Result<Value> {
+pub fn text_config(config: &Value) -> Result<Value> {
     let Some(obj) = config.as_object() else {
         return Err(ModelError::Config("config.json is not an object".into()));
     };
@@ -200,4 +220,57 @@ pub fn load_rwkv7(
     Ok(LoadedModel::Generation(GenerationModel::Rwkv7(Box::new(
         model,
     ))))
+}
+
+/// Gemma 3n's text decoder, from a `gemma3n_text` config or a `gemma3n` one's `text_config`
+/// (see [`gemma3n`]); a full checkpoint's vision and audio towers are left out. The model
+/// records that it was loaded without them ([`gemma3n::Model`] has no tower to take an image).
+pub fn load_gemma3n(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    // `gemma3n::Args` reads a multimodal config's `text_config` itself.
+    let model = build_architecture::<gemma3n::Model>("Gemma3n", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::Gemma3n(Box::new(
+        model,
+    ))))
+}
+
+/// Nemotron-H, from transformers' `layers_block_type` configs or the older
+/// `hybrid_override_pattern` ones (see [`nemotron_h`]).
+pub fn load_nemotron_h(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<nemotron_h::Model>("NemotronH", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::NemotronH(
+        Box::new(model),
+    )))
+}
+
+/// RecurrentGemma (Griffin), as transformers and mlx-lm store it (see [`recurrent_gemma`]).
+pub fn load_recurrent_gemma(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model =
+        build_architecture::<recurrent_gemma::Model>("RecurrentGemma", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::RecurrentGemma(
+        Box::new(model),
+    )))
+}
+
+/// Falcon-H1, from transformers' layout or mlx-lm's folded one (see [`falcon_h1`]).
+pub fn load_falcon_h1(
+    config: &Value,
+    weights: WeightMap,
+    options: &BuildOptions,
+) -> Result<LoadedModel> {
+    let model = build_architecture::<falcon_h1::Model>("FalconH1", config, weights, options)?;
+    Ok(LoadedModel::Generation(GenerationModel::FalconH1(
+        Box::new(model),
+    )))
 }

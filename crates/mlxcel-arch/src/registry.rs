@@ -81,9 +81,13 @@ macro_rules! for_each_model_registration {
             Qwen3Next { names: ["qwen3_next"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::qwen3_next::Model, adapter: None },
             Qwen3_5 { names: ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::qwen3_5::Model, adapter: None },
             Rwkv7 { names: ["rwkv7"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::rwkv7::Model, adapter: None },
+            Gemma3n { names: ["gemma3n", "gemma3n_text"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::gemma3n::Model, adapter: None },
             Gemma3 { names: ["gemma3"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::gemma3::Model, adapter: Some("vision-language models take no adapters") },
             QwenVl { names: ["qwen2_vl", "qwen2_5_vl"], kind: Generation, dir: Vlm, weights: None, model: $crate::vision::qwen2_vl::Model, adapter: Some("vision-language models take no adapters") },
             Llava { names: ["llava"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::llava::Model, adapter: Some("vision-language models take no adapters") },
+            NemotronH { names: ["nemotron_h"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::nemotron_h::Model, adapter: None },
+            RecurrentGemma { names: ["recurrent_gemma"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::recurrent_gemma::Model, adapter: None },
+            FalconH1 { names: ["falcon_h1"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::falcon_h1::Model, adapter: None },
             Bert { names: ["bert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             XlmRoberta { names: ["xlm-roberta"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::bert::Model, adapter: Some("encoders take no adapters") },
             ModernBert { names: ["modernbert"], kind: Embedding, dir: ConfigBacked, weights: ConfigBacked, model: $crate::models::modernbert::Model, adapter: Some("encoders take no adapters") },
@@ -196,6 +200,9 @@ pub struct BuildOptions {
     pub materialization: Materialization,
     /// Stream the routed experts of the layers this covers instead of loading them.
     pub stream: Option<crate::weights::ExpertStreamSetup>,
+    /// The per-layer-embedding table on disk (`ple_storage` in `config.json`, see
+    /// `mlxcel_stream::ple`): the checkpoint's own copy, if any, is never loaded.
+    pub external_ple: Option<std::rc::Rc<mlxcel_stream::ple::PleStore>>,
     /// Fuse linear layers that read the same input (q/k/v, gate/up) into one at load, when
     /// they share a storage format. Saves arrays and kernel launches per decode step (what
     /// bounds decode on a GPU) at the cost of one copy of those weights while loading.
@@ -257,9 +264,26 @@ pub fn build_architecture<M: Architecture>(
             }
         }
     }
+    if options.external_ple.is_some() {
+        // The table is read from disk: drop the checkpoint's (still lazy) copy and its planes.
+        let base = mlxcel_stream::ple::PLE_TENSOR_SUFFIX.trim_end_matches(".weight");
+        let table: Vec<String> = weights
+            .names()
+            .filter(|n| {
+                [".weight", ".scales", ".biases"]
+                    .iter()
+                    .any(|p| n.ends_with(&format!("{base}{p}")))
+            })
+            .map(str::to_string)
+            .collect();
+        for n in table {
+            weights.remove(&n);
+        }
+    }
     drop_unused_buffers(&mut weights);
     let mut w = ModelWeights::new(weights, options.quant.clone(), options.dtype)
         .with_stream(options.stream.clone())
+        .with_external_ple(options.external_ple.clone())
         .with_fused_projections(options.fuse_projections)
         .with_runtime_adapters(options.runtime_adapters.clone());
     let model = M::build(&args, &mut w.scope(&options.prefix))?;
@@ -313,11 +337,22 @@ macro_rules! generation_models {
             fn forward_embeddings(&self, embeddings: &mlxcel_core::Array, positions: Option<&mlxcel_core::Array>, caches: &mut [LayerCache], last_only: bool) -> Result<mlxcel_core::Array> {
                 match self { $(GenerationModel::$v(m) => m.forward_embeddings(embeddings, positions, caches, last_only)),* }
             }
+            // Token ids reach the architecture itself: some read more than the embeddings of
+            // them (Gemma 3n's per-layer inputs).
+            fn forward(&self, tokens: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
+                match self { $(GenerationModel::$v(m) => m.forward(tokens, caches)),* }
+            }
+            fn forward_last(&self, tokens: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
+                match self { $(GenerationModel::$v(m) => m.forward_last(tokens, caches)),* }
+            }
             fn final_hidden_states(&self, embeddings: &mlxcel_core::Array, caches: &mut [LayerCache]) -> Result<mlxcel_core::Array> {
                 match self { $(GenerationModel::$v(m) => m.final_hidden_states(embeddings, caches)),* }
             }
             fn vocab_size(&self) -> usize {
                 match self { $(GenerationModel::$v(m) => m.vocab_size()),* }
+            }
+            fn prefetch(&self, next_tokens: &[u32]) -> Result<()> {
+                match self { $(GenerationModel::$v(m) => m.prefetch(next_tokens)),* }
             }
             fn layer_schedule(&self) -> Vec<LayerKind> {
                 match self { $(GenerationModel::$v(m) => m.layer_schedule()),* }

@@ -48,7 +48,8 @@ const RULES: &[(&str, Rule)] = &[
     ("num_attention_heads", Rule::PosInt(HEADS)),
     ("num_key_value_heads", Rule::PosInt(HEADS)),
     ("head_dim", Rule::PosInt(HEADS)),
-    ("intermediate_size", Rule::PosInt(DIM)),
+    // One per layer in Gemma 3n's configs.
+    ("intermediate_size", Rule::PosIntOrList(DIM)),
     ("moe_intermediate_size", Rule::PosIntOrList(DIM)),
     ("moe_topk", Rule::PosIntOrList(HEADS)),
     ("num_shared_expert", Rule::PosIntOrList(HEADS)),

@@ -27,6 +27,10 @@ pub struct ModelWeights {
     used: BTreeSet<String>,
     kept: Vec<Array>,
     stream: Option<ExpertStreamSetup>,
+    /// An external per-layer-embedding table for the model to take (see
+    /// [`ModelWeights::external_ple`]); `ple_taken` records that it did.
+    ple: Option<std::rc::Rc<mlxcel_stream::ple::PleStore>>,
+    ple_taken: bool,
     fuse_projections: bool,
     /// Runtime LoRA adapters not yet attached to a linear layer (see [`ModelWeights::finish`]).
     lora: Option<RuntimeAdapters>,
@@ -84,6 +88,7 @@ impl std::fmt::Debug for ModelWeights {
             .field("quant", &self.quant)
             .field("dtype", &self.dtype)
             .field("stream", &self.stream.is_some())
+            .field("external_ple", &self.ple.is_some())
             .field("fuse_projections", &self.fuse_projections)
             .field("scope", &self.scope)
             .finish()
@@ -100,6 +105,8 @@ impl ModelWeights {
             used: BTreeSet::new(),
             kept: Vec::new(),
             stream: None,
+            ple: None,
+            ple_taken: false,
             fuse_projections: false,
             lora: None,
             scope: Vec::new(),
@@ -143,6 +150,23 @@ impl ModelWeights {
     pub fn with_stream(mut self, setup: Option<ExpertStreamSetup>) -> ModelWeights {
         self.stream = setup;
         self
+    }
+
+    /// Reads the per-layer-embedding table from `store` (on disk) instead of the checkpoint.
+    pub fn with_external_ple(
+        mut self,
+        store: Option<std::rc::Rc<mlxcel_stream::ple::PleStore>>,
+    ) -> ModelWeights {
+        self.ple = store;
+        self
+    }
+
+    /// The external per-layer-embedding table, when `config.json` declares one (`ple_storage`):
+    /// a model with such a table takes it here instead of its resident tensor. A table nobody
+    /// takes is an error at [`ModelWeights::finish`].
+    pub fn external_ple(&mut self) -> Option<std::rc::Rc<mlxcel_stream::ple::PleStore>> {
+        self.ple_taken |= self.ple.is_some();
+        self.ple.clone()
     }
 
     /// The compute dtype float tensors are cast to.
@@ -568,6 +592,31 @@ impl ModelWeights {
         intermediate: i32,
         act: crate::nn::Activation,
     ) -> Result<crate::nn::RoutedExperts> {
+        self.experts_at(prefix, experts, hidden, intermediate, act, true)
+    }
+
+    /// Plain routed experts `down(act(up(x)))` at `prefix` (`{prefix}.switch_mlp.{up,down}_proj`,
+    /// no gate projection: Nemotron-H), always resident.
+    pub fn plain_routed_experts(
+        &mut self,
+        prefix: &str,
+        experts: i32,
+        hidden: i32,
+        intermediate: i32,
+        act: crate::nn::Activation,
+    ) -> Result<crate::nn::RoutedExperts> {
+        self.experts_at(prefix, experts, hidden, intermediate, act, false)
+    }
+
+    fn experts_at(
+        &mut self,
+        prefix: &str,
+        experts: i32,
+        hidden: i32,
+        intermediate: i32,
+        act: crate::nn::Activation,
+        gated: bool,
+    ) -> Result<crate::nn::RoutedExperts> {
         use crate::nn::{RoutedExperts, StreamedGlu, SwitchGlu};
         let prefix = &self.path(prefix);
         let s = format!("{prefix}.switch_mlp");
@@ -576,13 +625,18 @@ impl ModelWeights {
             .as_ref()
             .and_then(|st| st.manifest.layer(prefix).cloned());
         let (Some(entry), Some(setup)) = (entry, self.stream.clone()) else {
-            return Ok(RoutedExperts::Resident(SwitchGlu {
-                gate: self.switch_linear_at(
+            let gate = if gated {
+                Some(self.switch_linear_at(
                     &format!("{s}.gate_proj"),
                     experts,
                     hidden,
                     intermediate,
-                )?,
+                )?)
+            } else {
+                None
+            };
+            return Ok(RoutedExperts::Resident(SwitchGlu {
+                gate,
                 up: self.switch_linear_at(
                     &format!("{s}.up_proj"),
                     experts,
@@ -599,6 +653,11 @@ impl ModelWeights {
                 biases: None,
             }));
         };
+        if !gated {
+            return Err(ModelError::Unsupported(format!(
+                "{prefix}: streaming plain (ungated) experts"
+            )));
+        }
         if entry.experts != experts as usize {
             return Err(ModelError::Config(format!(
                 "{prefix}: the expert stream has {} experts, the config {experts}",
@@ -707,6 +766,11 @@ impl ModelWeights {
                 .unwrap_or("a runtime adapter");
             return Err(ModelError::Transform(format!(
                 "{origin}: `{module}` is not a linear layer of {model} that takes runtime adapters (an adapter for another architecture, or a module only a fused adapter can change)"
+            )));
+        }
+        if self.ple.is_some() && !self.ple_taken {
+            return Err(ModelError::Config(format!(
+                "`ple_storage` in config.json puts a per-layer-embedding table on disk, but {model} has no per-layer embeddings"
             )));
         }
         let unused: Vec<String> = self

@@ -197,6 +197,9 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
     if let (false, Some((plan, _))) = (flags.quiet, &loaded.expert_stream) {
         eprintln!("{}", plan.describe());
     }
+    if let (false, Some(plan)) = (flags.quiet, &loaded.external_ple) {
+        eprintln!("{}", plan.describe());
+    }
     Ok(Some(loaded))
 }
 
@@ -249,6 +252,13 @@ fn print_estimate(est: &mlxcel_loading::memory::MemoryEstimate, context: u64) {
             gib(est.vision_tower_lazy)
         );
     }
+    if est.ple_rows > 0 {
+        println!(
+            "ple rows         {:>23} ({:.3} GiB, external per-layer-embedding table: its row cache, or the table with MLXCEL_PLE_IO=ram)",
+            est.ple_rows,
+            gib(est.ple_rows)
+        );
+    }
     println!(
         "total            {:>23} ({:.3} GiB)",
         est.total(),
@@ -294,6 +304,9 @@ fn print_stats(stats: &GenerationStats, loaded: &Loaded, quiet: bool) {
             s.read_seconds
         );
     }
+    if let Some(plan) = &loaded.external_ple {
+        eprintln!("\n{}", plan.stats.borrow().describe());
+    }
     let peak = mlxcel_core::memory::peak_bytes().unwrap_or(0);
     eprintln!(
         "\n[prompt {} tokens ({} reused), prefill {:.1} tok/s, decode {} tokens at {:.1} tok/s, peak memory {:.1} MiB, finish {:?}]",
@@ -332,7 +345,7 @@ fn check_context(flags: &RunFlags, tokens: usize) -> anyhow::Result<()> {
 pub fn prepare_images(
     loaded: &Loaded,
     paths: &[PathBuf],
-) -> anyhow::Result<Vec<mlxcel_arch::vision::ImageInput>> {
+) -> anyhow::Result<Vec<mlxcel_loading::vision::PreparedImage>> {
     if paths.is_empty() {
         return Ok(Vec::new());
     }
@@ -345,18 +358,27 @@ pub fn prepare_images(
         .iter()
         .map(|path| {
             let image = mlxcel_loading::image::load_image(path)?;
-            Ok(loaded.prepare_image(&image)?)
+            Ok(loaded.prepare_for_prompt(&image)?)
         })
         .collect()
 }
 
-/// The chat template over `messages` (whose text holds one image placeholder per image of
-/// `images`), with the placeholders expanded as the model's processor does (per image for
-/// Qwen's dynamic resolution), tokenised.
+/// The model inputs of `images`, in prompt order.
+fn inputs(
+    images: &[mlxcel_loading::vision::PreparedImage],
+) -> Vec<mlxcel_arch::vision::ImageInput> {
+    images
+        .iter()
+        .flat_map(|i| i.inputs.iter().cloned())
+        .collect()
+}
+
+/// The chat template over `messages` (whose text holds one image placeholder per image), with
+/// the placeholders expanded as the model's processor does, tokenised.
 fn templated(
     loaded: &Loaded,
     messages: &[Message],
-    images: &[mlxcel_arch::vision::ImageInput],
+    images: &[mlxcel_loading::vision::PreparedImage],
 ) -> anyhow::Result<Vec<u32>> {
     let template = loaded.chat_template.as_ref().with_context(|| {
         format!(
@@ -364,7 +386,7 @@ fn templated(
             loaded.folder.display()
         )
     })?;
-    let text = loaded.expand_prompt_text(&template.render(messages, true)?, images)?;
+    let text = loaded.expand_prompt_text_for(&template.render(messages, true)?, images)?;
     let tokenizer = loaded
         .tokenizer
         .as_ref()
@@ -391,7 +413,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         if let Some(bad) = ids.iter().find(|t| **t as usize >= vocab) {
             bail!("--prompt-ids: token {bad} is outside the vocabulary of {vocab}");
         }
-        loaded.expand_image_tokens(ids, &images)?
+        loaded.expand_image_tokens_for(ids, &images)?
     } else if let Some(text) = &flags.prompt {
         if run.system.is_some() {
             bail!("--system applies to chat prompts (--messages or --user), not to --prompt");
@@ -400,7 +422,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
             .tokenizer
             .as_ref()
             .context("model has no tokenizer")?
-            .encode(&loaded.expand_prompt_text(text, &images)?, true)?
+            .encode(&loaded.expand_prompt_text_for(text, &images)?, true)?
     } else if let Some(source) = &flags.messages {
         messages.extend(read_messages(source)?);
         if n > 0 {
@@ -432,7 +454,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     };
     let mut stdout = std::io::stdout();
     let mut req = request(run, &loaded);
-    req.images = images;
+    req.images = inputs(&images);
     if flags.ignore_eos {
         req.eos_token_ids.clear();
     }
@@ -551,7 +573,7 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
         let mut reply = String::new();
         let mut stdout = std::io::stdout();
         let mut req = request(&flags, &loaded);
-        req.images = images.clone();
+        req.images = inputs(&images);
         let (_, stats) = generate_text(
             &mut session,
             Some(tokenizer),

@@ -96,6 +96,24 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
         stats.bytes += bytes;
         *stats.formats.entry(format).or_default() += params;
     }
+    // An external per-layer-embedding table is on disk: its parameters count, while the bytes
+    // held are its row cache (or, with MLXCEL_PLE_IO=ram, the table).
+    let policy = mlxcel_core::policy::current();
+    if let Some(line) = mlxcel_loading::ple::describe_footprint(&folder, &config, &policy)? {
+        println!("ple       {line}");
+        if let (Some(table), Some((held, _))) = (
+            roles.remove("per-layer embed"),
+            mlxcel_loading::ple::footprint(&folder, &config, &policy)?,
+        ) {
+            roles.insert(
+                "per-layer embed (row cache)",
+                RoleStats {
+                    bytes: held,
+                    ..table
+                },
+            );
+        }
+    }
     let total_params: u64 = roles.values().map(|r| r.params).sum();
     let total_bytes: u64 = roles.values().map(|r| r.bytes).sum();
     println!(

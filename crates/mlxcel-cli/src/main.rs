@@ -142,6 +142,20 @@ enum Command {
         #[arg(long)]
         verify: bool,
     },
+    /// Write (or with --verify, check) the external view of a model's per-layer-embedding
+    /// table (Gemma 3n): `ple-store.json` (mlx-vlm's manifest v2, with SHA-256s), the row file
+    /// when quantizing, and `ple_storage` in config.json, so the table stays on disk.
+    PrepareExternalPle {
+        #[arg(long)]
+        model: PathBuf,
+        /// `affine4`: rows quantized to MLX affine 4-bit, groups of 32, in `ple-q4.rows`
+        /// (default: rows as the checkpoint stores them, read in place).
+        #[arg(long)]
+        quantize: Option<String>,
+        /// Check the manifest, the row files' SHA-256s and every row against the checkpoint.
+        #[arg(long)]
+        verify: bool,
+    },
 }
 
 /// Output piped into a program that stops reading (`mlxcel arch | head`) ends mlxcel quietly, as
@@ -330,6 +344,11 @@ fn run() -> anyhow::Result<()> {
         Some(Command::PrepareExpertStream { model, verify }) => {
             prepare_expert_stream(&model, verify)?
         }
+        Some(Command::PrepareExternalPle {
+            model,
+            quantize,
+            verify,
+        }) => prepare_external_ple(&model, quantize.as_deref(), verify)?,
     }
     Ok(())
 }
@@ -353,6 +372,47 @@ fn load_reranker(
         r.info().load_seconds
     );
     Ok(r)
+}
+
+fn prepare_external_ple(
+    model: &std::path::Path,
+    quantize: Option<&str>,
+    verify: bool,
+) -> anyhow::Result<()> {
+    use mlxcel_stream::ple::PrepareQuant;
+    let quant = match quantize {
+        None => PrepareQuant::AsStored,
+        Some("affine4") => PrepareQuant::Affine4,
+        Some(other) => anyhow::bail!("--quantize {other}: expected affine4"),
+    };
+    if verify && quantize.is_some() {
+        anyhow::bail!("--verify checks the view as written: drop --quantize");
+    }
+    let layout = if verify {
+        mlxcel_loading::ple::verify_external_ple(model)?
+    } else {
+        let layout = mlxcel_loading::ple::prepare_external_ple(model, quant, |done, total| {
+            eprint!("\r[prepare-external-ple] row {done}/{total}");
+        })?;
+        eprintln!();
+        layout
+    };
+    println!(
+        "{} {}: {} rows × {} ({}), {:.1} MiB in {}",
+        if verify { "verified" } else { "prepared" },
+        layout.manifest_path.display(),
+        layout.row_count,
+        layout.row_width,
+        layout.format.describe(),
+        layout.table_bytes() as f64 / (1 << 20) as f64,
+        layout
+            .files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
 }
 
 fn prepare_expert_stream(model: &std::path::Path, verify: bool) -> anyhow::Result<()> {
@@ -401,10 +461,11 @@ fn logits(
         bail!("--prompt-ids: token {bad} is outside the vocabulary of {vocab}");
     }
     let prepared = generate::prepare_images(&loaded, images)?;
-    let ids = loaded.expand_image_tokens(ids, &prepared)?;
+    let ids = loaded.expand_image_tokens_for(ids, &prepared)?;
     let ids = ids.as_slice();
+    let inputs: Vec<_> = prepared.iter().flat_map(|i| i.inputs.clone()).collect();
     let logits = loaded
-        .multimodal_logits(ids, &prepared)?
+        .multimodal_logits(ids, &inputs)?
         .astype(mlxcel_core::Dtype::Float32)?;
     let values = logits.to_vec::<f32>()?;
     if let Some(i) = values.iter().position(|v| v.is_nan()) {

@@ -401,3 +401,162 @@ fn inspect_reports_the_parts_a_text_load_leaves_out() {
         "{exaone}"
     );
 }
+
+#[test]
+fn prepare_external_ple_writes_a_view_that_generates_and_inspects_as_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture("gemma3n_text")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = mlxcel();
+        cmd.args(args);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.output().unwrap()
+    };
+    let model = dir.path().to_str().unwrap();
+    let out = run(&["prepare-external-ple", "--model", model], &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.starts_with("prepared "), "{stdout}");
+    assert!(
+        stdout.contains("ple-store.json: 128 rows × 64 (unquantized float32)"),
+        "{stdout}"
+    );
+    let out = run(&["prepare-external-ple", "--model", model, "--verify"], &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("verified "));
+
+    let (prompt, greedy) = reference_ids("gemma3n_text");
+    let ids: Vec<String> = prompt.iter().map(i32::to_string).collect();
+    let want: Vec<String> = greedy.iter().map(i32::to_string).collect();
+    let args = [
+        "generate",
+        "--print-ids",
+        "--max-new",
+        "16",
+        "--prefill-chunk",
+        "3",
+        "--model",
+        model,
+        "--prompt-ids",
+        &ids.join(","),
+    ];
+    let out = run(
+        &args,
+        &[
+            ("MLXCEL_PLE_IO", "direct"),
+            ("MLXCEL_PLE_CACHE_BYTES", "2560"),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want.join(","));
+    assert!(
+        stderr.contains("[PLE table: 128 rows × 64 (unquantized float32), 0.0 MiB on disk; MLXCEL_PLE_IO=direct, a row cache of 0.0 MiB (10 rows)]"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("[PLE rows: "), "{stderr}");
+
+    let out = run(
+        &["inspect", model, "--estimate-memory"],
+        &[("MLXCEL_PLE_IO", "ram")],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("ple       [PLE table: 128 rows × 64"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("the whole table in memory"), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("per-layer embed (row cache)")),
+        "{stdout}"
+    );
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("ple rows                           32768")),
+        "{stdout}"
+    );
+
+    let out = run(
+        &[
+            "prepare-external-ple",
+            "--model",
+            model,
+            "--quantize",
+            "int8",
+        ],
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--quantize int8: expected affine4"));
+    let out = run(
+        &[
+            "prepare-external-ple",
+            "--model",
+            model,
+            "--quantize",
+            "affine4",
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("(affine 4-bit g32)"));
+    let rows = dir.path().join("ple-q4.rows");
+    let mut bytes = std::fs::read(&rows).unwrap();
+    bytes[7] ^= 0x10;
+    std::fs::write(&rows, bytes).unwrap();
+    let out = run(&["prepare-external-ple", "--model", model, "--verify"], &[]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the row file is corrupt or was changed"),
+        "{stderr}"
+    );
+}
+
+/// `mlxcel inspect` on a full Gemma 3n checkpoint: the audio tower and both multimodal embedders
+/// are listed as unused roles (the text-only load leaves them out), the per-layer table as its
+/// own role.
+#[test]
+fn inspect_reports_gemma3n_towers_left_out() {
+    let out = mlxcel()
+        .arg("inspect")
+        .arg(fixture("gemma3n"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("type      Gemma3n ("), "{text}");
+    assert!(text.contains("routes    directory Nonstandard"), "{text}");
+    for role in ["audio (unused)", "vision (unused)", "per-layer embed"] {
+        assert!(text.lines().any(|l| l.starts_with(role)), "{role}: {text}");
+    }
+}

@@ -44,20 +44,6 @@ struct AttentionArgs {
   int64_t ms[4];
 };
 
-float dot(const float* a, const float* b, int64_t n) {
-  // Four independent partial sums let the compiler vectorise and pipeline the loop.
-  float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    s0 += a[i] * b[i];
-    s1 += a[i + 1] * b[i + 1];
-    s2 += a[i + 2] * b[i + 2];
-    s3 += a[i + 3] * b[i + 3];
-  }
-  for (; i < n; ++i) s0 += a[i] * b[i];
-  return (s0 + s1) + (s2 + s3);
-}
-
 // One query row: out = softmax(scale * q . K^T) V over the keys it may see.
 void attend_row(const AttentionArgs& a, int64_t b, int64_t hq, int64_t l,
                 std::vector<float>& scores) {
@@ -67,26 +53,12 @@ void attend_row(const AttentionArgs& a, int64_t b, int64_t hq, int64_t l,
   const float* v = a.v + b * a.vs[0] + hk * a.vs[1];
   float* out = a.out + ((b * a.Hq + hq) * a.L + l) * a.D;
   const int64_t visible = a.causal ? std::min(a.S, a.S - a.L + l + 1) : a.S;
-  std::fill(out, out + a.D, 0.0f);
-  if (visible <= 0) return;
+  if (visible <= 0) {
+    std::fill(out, out + a.D, 0.0f);
+    return;
+  }
   scores.resize(size_t(visible));
-  float top = -INFINITY;
-  for (int64_t s = 0; s < visible; ++s) {
-    scores[s] = a.scale * dot(q, k + s * a.ks[2], a.D);
-    top = std::max(top, scores[s]);
-  }
-  float total = 0.0f;
-  for (int64_t s = 0; s < visible; ++s) {
-    scores[s] = std::exp(scores[s] - top);
-    total += scores[s];
-  }
-  for (int64_t s = 0; s < visible; ++s) {
-    const float p = scores[s];
-    const float* vr = v + s * a.vs[2];
-    for (int64_t d = 0; d < a.D; ++d) out[d] += p * vr[d];
-  }
-  const float inv = 1.0f / total;
-  for (int64_t d = 0; d < a.D; ++d) out[d] *= inv;
+  attend_row_vec(q, k, a.ks[2], v, a.vs[2], visible, int(a.D), a.scale, scores.data(), out);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)

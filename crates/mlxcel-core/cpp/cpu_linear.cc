@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -48,6 +49,21 @@ struct LinearArgs {
   ElemKind weight_kind;
   ElemKind scale_kind;
 };
+
+// The weight of a GEMM: dense (`bits` 0, elements of `kind`) or MLX affine-quantized.
+struct GemmWeight {
+  const void* w;
+  ElemKind kind;
+  const void* scales;
+  const void* biases;
+  ElemKind scale_kind;
+  int group_size;
+  int bits;
+};
+
+GemmWeight gemm_weight(const LinearArgs& a) {
+  return {a.w, a.weight_kind, a.scales, a.biases, a.scale_kind, a.group_size, a.bits};
+}
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MLXCEL_HAVE_AVX2_KERNELS 1
@@ -88,8 +104,8 @@ namespace generic {
 #undef MLXCEL_LANES
 
 using RowsFn = void (*)(const LinearArgs&, int64_t, int64_t);
-using GemmFn = void (*)(const float*, const void*, ElemKind, const float*, float*, int64_t,
-                        int64_t, int, int);
+using GemmFn = void (*)(const float*, const GemmWeight&, const float*, float*, int64_t, int64_t,
+                        int, int);
 using EpilogueFn = void (*)(float*, const float*, int64_t, int);
 
 // The kernels of the best instruction set this CPU has.
@@ -119,13 +135,25 @@ const Kernels& kernels() {
   return k;
 }
 
-// From this many rows of x on, a dense product runs as the packed GEMM (cpu_gemm_kernels.inc);
-// below, the row kernels, which read each weight once for all rows, are faster.
+// From this many rows of x on, a product runs as the packed GEMM (cpu_gemm_kernels.inc; a
+// quantized weight is dequantized panel by panel as it is packed); below, the row kernels,
+// which read each weight once for all rows, are faster.
 constexpr int64_t kGemmMinRows = 16;
+// Quantized weights also pay for dequantizing each panel once per product, so the GEMM takes
+// over from more rows (prompts and prefill chunks; short ones stay on the row kernels).
+constexpr int64_t kQuantGemmMinRows = 64;
+
+bool use_gemm(const LinearArgs& a) {
+  return a.M >= (a.bits > 0 ? kQuantGemmMinRows : kGemmMinRows);
+}
 
 // A fixed set of worker threads that split one range at a time. The thread that submits the
-// work (MLX's CPU stream thread) takes a share itself. Workers sleep on a condition variable
-// between calls; a decode step issues a few hundred calls, so threads are never spawned per call.
+// work (MLX's CPU stream thread, or the decode engine's caller) takes a share itself. A decode
+// step issues a few hundred calls a few microseconds apart, so threads are never spawned per
+// call and stay hot between calls: a worker spins on the job counter for a while
+// (`kSpinNanos`) before it sleeps on a condition variable, and the submitter spins on the
+// completion count the same way. Waking a sleeping thread costs tens of microseconds; a call's
+// work is often less than that.
 class Pool {
  public:
   explicit Pool(int threads) {
@@ -134,7 +162,7 @@ class Pool {
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     wake_.notify_all();
     for (auto& t : workers_) t.join();
@@ -149,22 +177,46 @@ class Pool {
       return;
     }
     std::lock_guard<std::mutex> submit(submit_mu_);
+    job_ = &fn;
+    tasks_ = tasks;
+    next_.store(0, std::memory_order_relaxed);
+    busy_.store(int(workers_.size()), std::memory_order_relaxed);
     {
+      // The counter changes under the mutex so a worker about to sleep cannot miss it.
       std::lock_guard<std::mutex> lock(mu_);
-      job_ = &fn;
-      tasks_ = tasks;
-      next_.store(0);
-      busy_ = int(workers_.size());
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     drain(fn, tasks);
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return busy_ == 0; });
+    if (!spin_until([this] { return busy_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_.wait(lock, [this] { return busy_.load(std::memory_order_acquire) == 0; });
+    }
     job_ = nullptr;
   }
 
  private:
+  static constexpr int64_t kSpinNanos = 200000;
+
+  static inline void cpu_relax() {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+  }
+
+  // Spins until `ready()` or `kSpinNanos` pass; whether it became ready.
+  template <class F>
+  static bool spin_until(F ready) {
+    auto start = std::chrono::steady_clock::now();
+    for (int i = 0;; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+      if ((i & 255) == 255 &&
+          std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kSpinNanos))
+        return ready();
+    }
+  }
+
   void drain(const std::function<void(int)>& fn, int tasks) {
     for (int i = next_.fetch_add(1); i < tasks; i = next_.fetch_add(1)) fn(i);
   }
@@ -172,20 +224,20 @@ class Pool {
   void worker_loop() {
     uint64_t seen = 0;
     for (;;) {
-      const std::function<void(int)>* fn;
-      int tasks;
-      {
+      auto fresh = [&] {
+        return stop_.load(std::memory_order_acquire) ||
+               generation_.load(std::memory_order_acquire) != seen;
+      };
+      if (!spin_until(fresh)) {
         std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        fn = job_;
-        tasks = tasks_;
+        wake_.wait(lock, fresh);
       }
-      drain(*fn, tasks);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (--busy_ == 0) done_.notify_one();
+      if (stop_.load()) return;
+      seen = generation_.load(std::memory_order_acquire);
+      drain(*job_, tasks_);
+      if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        { std::lock_guard<std::mutex> lock(mu_); }
+        done_.notify_one();
       }
     }
   }
@@ -198,9 +250,9 @@ class Pool {
   const std::function<void(int)>* job_ = nullptr;
   int tasks_ = 0;
   std::atomic<int> next_{0};
-  int busy_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<int> busy_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 // Threads the policy asks for (MLXCEL_CPU_THREADS, set through `set_cpu_threads`); 0: default.
@@ -281,6 +333,43 @@ std::vector<float> group_sums(const LinearArgs& a) {
     }
   return sums;
 }
+
+}  // namespace
+
+void linear_parts(const LinearPart* parts, int count) {
+  static const ElemKind kinds[3] = {ElemKind::F32, ElemKind::BF16, ElemKind::F16};
+  std::vector<LinearArgs> args;
+  std::vector<std::vector<float>> sums(size_t(std::max(count, 0)));
+  for (int i = 0; i < count; ++i) {
+    const LinearPart& p = parts[i];
+    if (p.M == 0 || p.N == 0) continue;
+    LinearArgs a{};
+    a.x = p.x;
+    a.w = p.w;
+    a.scales = p.scales;
+    a.biases = p.biases;
+    a.out = p.out;
+    a.M = p.M;
+    a.N = p.N;
+    a.K = p.K;
+    a.group_size = p.group_size;
+    a.bits = p.bits;
+    a.weight_kind = kinds[std::clamp(p.weight_kind, 0, 2)];
+    a.scale_kind = kinds[std::clamp(p.scale_kind, 0, 2)];
+    if (use_gemm(a)) {
+      kernels().gemm(a.x, gemm_weight(a), nullptr, a.out, a.M, a.N, a.K, 0);
+      continue;
+    }
+    if (a.bits > 0) {
+      sums[size_t(i)] = group_sums(a);
+      a.xsum = sums[size_t(i)].data();
+    }
+    args.push_back(a);
+  }
+  if (!args.empty()) run_parts(args);
+}
+
+namespace {
 
 // The routed-expert form: pair p multiplies x row p / pairs_per_row by expert ids[p]'s matrix
 // into output row p. Consecutive pairs on one expert with consecutive x rows (prefill, pairs
@@ -376,8 +465,8 @@ class CpuLinear : public CpuPrimitive {
 
     schedule(inputs, out, [a, ids, pairs, pairs_per_row, experts, w_stride, s_stride, bias, act]() {
       if (a.M == 0 || a.N == 0) return;
-      if (a.bits == 0 && !ids && a.M >= kGemmMinRows) {
-        kernels().gemm(a.x, a.w, a.weight_kind, bias, a.out, a.M, a.N, a.K, act);
+      if (!ids && use_gemm(a)) {
+        kernels().gemm(a.x, gemm_weight(a), bias, a.out, a.M, a.N, a.K, act);
         return;
       }
       std::vector<LinearArgs> parts =

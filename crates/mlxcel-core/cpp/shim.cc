@@ -212,6 +212,8 @@ Ptr array_borrowing_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int
   return wrap(array(std::move(borrowed), shape_of(shape), dt));
 }
 
+bool array_is_donatable(const array& a) { return a.is_donatable(); }
+
 size_t array_data_address(const array& a) {
   return reinterpret_cast<size_t>(a.data<void>());
 }

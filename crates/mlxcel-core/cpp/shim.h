@@ -42,6 +42,28 @@ struct CudaBinary {
 
 using Ptr = std::unique_ptr<array>;
 
+// The CPU decode engine (cpu_decode.cc); its state is defined there.
+struct CpuDecoderState;
+struct CpuDecoder {
+  std::unique_ptr<CpuDecoderState> state;
+  CpuDecoder();
+  ~CpuDecoder();
+};
+std::unique_ptr<CpuDecoder> cpu_decoder_new(int32_t hidden, int32_t heads, int32_t kv_heads,
+                                            int32_t head_dim, int32_t layers, float eps,
+                                            float attn_scale, rust::Slice<const float> inv_freq,
+                                            bool traditional);
+void cpu_decoder_set_linear(CpuDecoder& d, int32_t layer, int32_t role, const array& w,
+                            const array* scales, const array* biases, const array* bias,
+                            int32_t group_size, int32_t bits);
+void cpu_decoder_set_norm(CpuDecoder& d, int32_t layer, int32_t role, const array& w);
+void cpu_decoder_finish(CpuDecoder& d);
+int64_t cpu_decoder_vocab(const CpuDecoder& d);
+void cpu_decoder_step(CpuDecoder& d, const array& x, rust::Slice<const size_t> keys,
+                      rust::Slice<const size_t> values, rust::Slice<const int64_t> capacity,
+                      int64_t position, rust::Slice<float> logits);
+bool array_is_donatable(const array& a);
+
 rust::String mlx_version();
 DeviceKind default_device_kind();
 void set_default_device_kind(DeviceKind kind);
@@ -149,6 +171,15 @@ Ptr gated_activation(rust::Str kind, const array& gate, const array& up, bool fu
 // float mask broadcastable to [B, Hq, L, S] (`mask` non-null, then `causal` must be false).
 Ptr cpu_attention(const array& q, const array& k, const array& v, const array* mask, float scale,
                   bool causal);
+// The selective state-space recurrence on mlxcel's CPU pool (cpu_scan.cc): float32 x [B, L, H, P],
+// dt [B, L, H], A [H, N] (the same for every n when `per_head_decay`), B and C [B, L, G, N],
+// initial state [B, H, P, N]; out [B, L·H·P + H·P·N]: y [L, H, P] then the last state per row.
+Ptr cpu_selective_scan(const array& x, const array& dt, const array& a, const array& bm,
+                       const array& cm, const array& h0, bool per_head_decay);
+// RWKV-7's generalised delta rule on mlxcel's CPU pool (cpu_scan.cc): float32 r, w, k, v, a, b
+// [B, L, H, D], state [B, H, D(v), D(k)]; out [B, L·H·D + H·D·D]: y [L, H, D] then the last state.
+Ptr cpu_delta_rule_scan(const array& r, const array& w, const array& k, const array& v,
+                        const array& a, const array& b, const array& s0);
 Ptr rms_norm(const array& x, const array* weight, float eps);
 Ptr layer_norm(const array& x, const array* weight, const array* bias, float eps);
 Ptr rope(const array& x, int32_t dims, bool traditional, float base, bool has_base, float scale,

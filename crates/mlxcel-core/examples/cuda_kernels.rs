@@ -87,7 +87,7 @@ fn check() -> R<Vec<String>> {
                     if group_size == 64 {
                         failures.extend(check_folds(&wq, &scales, &biases, spec, dtype)?);
                     }
-                    for rows in [1, 3] {
+                    for rows in [1, 3, 8, 13] {
                         let x = random(&[rows, k], dtype, 99)?;
                         let ours = cuda_kernels::qmv(&x, &wq, &scales, &biases, spec)?;
                         let mlx =
@@ -136,7 +136,7 @@ fn check_folds(
     let mut failures = Vec::new();
     let (n, k) = (wq.dim(0)?, wq.dim(1)? * 32 / spec.bits);
     let mlx_matmul = |x: &Array| ops::quantized_matmul(x, wq, scales, Some(biases), true, spec);
-    for rows in [1, 3] {
+    for rows in [1, 3, 8, 13] {
         let x = random(&[rows, k], dtype, 5)?.mul_scalar(3.0)?;
         let gate_up = random(&[rows, 2 * k], dtype, 6)?.mul_scalar(4.0)?;
         let norm_w = random(&[k], dtype, 7)?.add_scalar(1.0)?;
@@ -303,6 +303,28 @@ fn speed() -> R<()> {
             );
         }
         println!("{line}");
+        // Decode batches: the GEMV with several activation rows (MLXCEL_CUDA_QMV_ROWS sets how
+        // many share a block's weight reads) against MLX's quantized matmul.
+        let mut batch = format!("{n}x{k} 4-bit g64 GEMV by activation rows, ours/MLX:");
+        for rows in [1, 2, 4, 8, 16] {
+            let x = random(&[rows, k], Dtype::Bfloat16, 13)?;
+            ops::eval_all(std::slice::from_ref(&x))?;
+            let ours = time(100, &|| {
+                Ok(cuda_kernels::qmv(&x, &wq, &scales, &biases, spec)?)
+            })?;
+            let mlx = time(100, &|| {
+                Ok(ops::quantized_matmul(
+                    &x,
+                    &wq,
+                    &scales,
+                    Some(&biases),
+                    true,
+                    spec,
+                )?)
+            })?;
+            batch += &format!(" {rows}: {:.1}/{:.1} us", ours * 1e6, mlx * 1e6);
+        }
+        println!("{batch}");
         let gemm = time(30, &|| {
             let dense = cuda_kernels::dequantize(&wq, &scales, &biases, spec, bf16)?;
             Ok(x512.matmul(&dense.t()?)?)
@@ -338,6 +360,10 @@ fn main() -> R<()> {
         ..policy
     })?;
     let started = Instant::now();
+    if std::env::args().any(|a| a == "--speed") {
+        // Timings only (after a checked run of the same build).
+        return speed();
+    }
     let result = check().and_then(|failures| {
         println!(
             "checks took {:.1} s (first use compiles or loads the module)",

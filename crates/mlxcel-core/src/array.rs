@@ -132,6 +132,12 @@ impl Array {
         Ok(bridge::array_data_address(self.as_ref())?)
     }
 
+    /// Whether nothing else holds this array or its buffer, so writing into the buffer in place
+    /// changes no other array (what MLX checks before donating an input's buffer).
+    pub fn is_exclusive(&self) -> Result<bool> {
+        Ok(bridge::array_is_donatable(self.as_ref())?)
+    }
+
     /// A zero-dimensional array holding `value` converted to `dtype`.
     pub fn scalar(value: f64, dtype: Dtype) -> Result<Array> {
         Ok(Array::from_raw(bridge::array_scalar_f64(value, dtype)?))

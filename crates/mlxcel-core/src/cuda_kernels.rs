@@ -52,6 +52,10 @@ const DEFAULT_QMV_SHAPE: (i32, i32) = crate::policy::DEFAULT_QMV_SHAPE.pair();
 /// and 31.6 for the plain GEMV; silu-gate in + residual out on its down projection
 /// (4096x14336): 22.8 us at 16x16 against 16.9 plain (and 29 at 4x8).
 const RMSNORM_FOLDED_SHAPE: (i32, i32) = (4, 8);
+/// The launch shape of GEMVs over several activation rows (decode batches): two output rows
+/// per block keep the per-thread accumulators (`MB * RPW` of them) few while each block
+/// multiplies up to 8 activation rows per weight read.
+const BATCH_QMV_SHAPE: (i32, i32) = (4, 2);
 const GATED_FOLDED_SHAPE: (i32, i32) = (16, 16);
 const BITS: [i32; 2] = [4, 8];
 const DTYPES: [Dtype; 3] = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
@@ -108,6 +112,8 @@ enum KernelId {
         bits: i32,
         dtype: Dtype,
         shape: (i32, i32),
+        /// Activation rows per block (`MB` of qmv.cu).
+        rows_per_block: i32,
         fold: GemvFold,
     },
 }
@@ -129,8 +135,9 @@ impl KernelId {
                 bits,
                 dtype,
                 shape,
+                rows_per_block,
                 fold,
-            } => qmv_entry(bits, dtype, shape, fold),
+            } => qmv_entry(bits, dtype, shape, rows_per_block, fold),
         }
     }
 }
@@ -152,12 +159,12 @@ fn dequant_entry(bits: i32, dtype: Dtype) -> Entry {
     }
 }
 
-fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), fold: GemvFold) -> Entry {
+fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), mb: i32, fold: GemvFold) -> Entry {
     let (t, threads) = (type_name(dtype), nw * 32);
     let GemvFold { pre, residual } = fold;
     let res = i32::from(residual);
     let name = format!(
-        "mlxcel_qmv_b{bits}_{}_{nw}x{rpw}{}{}",
+        "mlxcel_qmv_b{bits}_{}_{nw}x{rpw}_m{mb}{}{}",
         dtype.name(),
         ["", "_rmsnorm", "_silugate"][pre as usize],
         if residual { "_residual" } else { "" }
@@ -180,9 +187,9 @@ fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), fold: GemvFold) -> 
     let wrapper = format!(
         "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const uint32_t* w, \
          const {t}* scales, const {t}* biases, const {t}* x, {aux}{res_arg}{t}* out, \
-         int n_rows, int words_per_row, int groups_per_row{eps_arg}) {{ \
-         qmv<{bits}, {nw}, {rpw}, 1, {fast}, {pre}, {res}, {t}>(w, scales, biases, x, {}, {}, \
-         out, n_rows, words_per_row, groups_per_row, {}); }}\n",
+         int n_rows, int words_per_row, int groups_per_row, int m_rows{eps_arg}) {{ \
+         qmv<{bits}, {nw}, {rpw}, {mb}, 1, {fast}, {pre}, {res}, {t}>(w, scales, biases, x, {}, \
+         {}, out, n_rows, words_per_row, groups_per_row, m_rows, {}); }}\n",
         if pre == 1 { "aux" } else { "nullptr" },
         if residual { "res" } else { "nullptr" },
         if pre == 1 {
@@ -208,7 +215,13 @@ pub fn module_source() -> String {
             for pre in 0..3 {
                 for residual in [false, true] {
                     let fold = GemvFold { pre, residual };
-                    src += &qmv_entry(bits, dtype, gemv_launch_shape(pre), fold).wrapper;
+                    src += &qmv_entry(bits, dtype, gemv_launch_shape(pre), 1, fold).wrapper;
+                    // Shared-row blocks (`MLXCEL_CUDA_QMV_ROWS`), which never fold an RMSNorm.
+                    if pre != 1 {
+                        for mb in [2, 4, 8] {
+                            src += &qmv_entry(bits, dtype, BATCH_QMV_SHAPE, mb, fold).wrapper;
+                        }
+                    }
                 }
             }
         }
@@ -477,7 +490,10 @@ pub fn gemv_applies(
             r.shape() == out && r.dtype()? == dtype
         }
     };
-    Ok(row_ok && residual_ok && rows <= QMV_MAX_ROWS)
+    // An RMSNorm folded into a many-row GEMV would have every block normalise every row
+    // (more L2 traffic than the weights): batches normalise once, unfolded.
+    let fold_ok = rows == 1 || !shared_row_blocks() || !matches!(input, GemvInput::RmsNorm { .. });
+    Ok(row_ok && residual_ok && fold_ok && rows <= QMV_MAX_ROWS)
 }
 
 /// `x @ dequantize(w)^T` on mlxcel's GEMV (see `qmv_applies`; `ops::quantized_matmul` picks it
@@ -503,8 +519,20 @@ pub fn gemv(
     input: GemvInput<'_>,
     residual: Option<&Array>,
 ) -> Result<Array> {
-    let shape = gemv_launch_shape(input.pre());
+    let rows = (x.size() / x.dim(-1)?.max(1) as usize) as i32;
+    let (shape, _) = gemv_plan(rows, input.pre());
     gemv_shaped(x, weight, scales, biases, spec, input, residual, shape)
+}
+
+/// The launch shape and activation rows per block of a GEMV over `rows` activation rows with
+/// input op `pre`: one row takes its tuned shape ([`gemv_launch_shape`]); several take
+/// [`BATCH_QMV_SHAPE`], their blocks sharing weight reads across rows.
+fn gemv_plan(rows: i32, pre: i32) -> ((i32, i32), i32) {
+    if rows <= 1 || !shared_row_blocks() {
+        return (gemv_launch_shape(pre), 1);
+    }
+    let shape = BATCH_QMV_SHAPE;
+    (shape, activation_rows_per_block(rows, shape.1))
 }
 
 /// [`gemv`] launched with `(warps, rows)` per block (for measuring launch shapes).
@@ -527,8 +555,9 @@ pub fn gemv_shaped(
     let mut shape = x.shape();
     *shape.last_mut().expect("x has a last dimension") = n;
     let blocks = (n + rpw - 1) / rpw;
+    let mb = activation_rows_per_block(rows, rpw);
     let mut inputs = vec![weight.clone(), scales.clone(), biases.clone(), x.clone()];
-    let mut scalars = vec![n, words, groups];
+    let mut scalars = vec![n, words, groups, rows];
     if let GemvInput::RmsNorm { weight: w, eps } = input {
         inputs.push(w.clone());
         scalars.push(eps.to_bits() as i32);
@@ -543,15 +572,34 @@ pub fn gemv_shaped(
             bits: spec.bits,
             dtype,
             shape: (nw, rpw),
+            rows_per_block: mb,
             fold,
         },
         &inputs,
         shape,
         dtype,
         &scalars,
-        [blocks * nw * 32, rows, 1],
+        [blocks * nw * 32, (rows + mb - 1) / mb, 1],
         [nw * 32, 1, 1],
     )
+}
+
+/// Whether several activation rows share GEMV blocks (`MLXCEL_CUDA_QMV_ROWS` above 1; off by
+/// default). With it off, each row of a decode batch has blocks of its own in the one-row
+/// launch shapes: the configuration measured on the H200 (docs/performance.md, serving).
+fn shared_row_blocks() -> bool {
+    crate::policy::with(|p| p.cuda_qmv_rows) > 1
+}
+
+/// How many of `rows` activation rows one GEMV block multiplies (`MB` of qmv.cu): each block
+/// reads its weight rows once for all of them, so a decode batch of 8 streams the matrix once
+/// rather than 8 times. A power of two (few compiled variants), at most 8, and at most 16
+/// accumulators per thread (`MB * RPW`) so wide shapes do not spill registers.
+/// `MLXCEL_CUDA_QMV_ROWS` lowers the cap.
+fn activation_rows_per_block(rows: i32, rpw: i32) -> i32 {
+    let set = crate::policy::with(|p| p.cuda_qmv_rows);
+    let cap = (16 / rpw.max(1)).clamp(1, 8).min(set.max(1));
+    (rows.max(1) as u32).next_power_of_two().min(cap as u32) as i32
 }
 
 #[cfg(test)]
@@ -595,8 +643,10 @@ mod tests {
         let image = bridge::cuda_compile(&source, "mlxcel_all", 90).expect("the module compiles");
         assert!(image.starts_with(b"\x7fELF"), "a cubin is an ELF image");
         for name in [
-            "mlxcel_qmv_b4_bfloat16_4x8_rmsnorm",
-            "mlxcel_qmv_b8_float32_16x16_silugate_residual",
+            "mlxcel_qmv_b4_bfloat16_4x8_m1_rmsnorm",
+            "mlxcel_qmv_b4_bfloat16_4x2_m8",
+            "mlxcel_qmv_b4_bfloat16_4x2_m2_silugate_residual",
+            "mlxcel_qmv_b8_float32_16x16_m1_silugate_residual",
             "mlxcel_gather_2",
         ] {
             assert!(source.contains(name), "{name} missing from the module");

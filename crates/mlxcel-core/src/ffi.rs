@@ -108,6 +108,8 @@ pub(crate) mod bridge {
         ) -> Result<UniquePtr<MlxArray>>;
         /// Address of the array's first element (tests: did a borrow avoid the copy?).
         fn array_data_address(a: &MlxArray) -> Result<usize>;
+        /// Whether nothing else holds the array or its buffer (MLX would write into it in place).
+        fn array_is_donatable(a: &MlxArray) -> Result<bool>;
         fn array_scalar_f64(value: f64, dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
         fn array_shape(a: &MlxArray) -> Result<Vec<i32>>;
         fn array_dtype(a: &MlxArray) -> Result<Dtype>;
@@ -300,6 +302,57 @@ pub(crate) mod bridge {
             activation: i32,
         ) -> Result<UniquePtr<MlxArray>>;
 
+        /// The CPU decode engine (cpp/cpu_decode.cc).
+        type CpuDecoder;
+        /// A decoder of `layers` layers; `inv_freq`: the rotated pairs' frequencies.
+        fn cpu_decoder_new(
+            hidden: i32,
+            heads: i32,
+            kv_heads: i32,
+            head_dim: i32,
+            layers: i32,
+            eps: f32,
+            attn_scale: f32,
+            inv_freq: &[f32],
+            traditional: bool,
+        ) -> Result<UniquePtr<CpuDecoder>>;
+        /// Sets projection `role` (0-6: q k v o gate up down; 7 with layer -1: the head).
+        ///
+        /// # Safety
+        /// `scales`, `biases` and `bias` are null or point to live arrays.
+        unsafe fn cpu_decoder_set_linear(
+            d: Pin<&mut CpuDecoder>,
+            layer: i32,
+            role: i32,
+            w: &MlxArray,
+            scales: *const MlxArray,
+            biases: *const MlxArray,
+            bias: *const MlxArray,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<()>;
+        /// Sets norm `role` (0 input, 1 post-attention, 2 query, 3 key; 4 with layer -1: final).
+        fn cpu_decoder_set_norm(
+            d: Pin<&mut CpuDecoder>,
+            layer: i32,
+            role: i32,
+            w: &MlxArray,
+        ) -> Result<()>;
+        /// Checks that every part is set with matching shapes and evaluates the weights.
+        fn cpu_decoder_finish(d: Pin<&mut CpuDecoder>) -> Result<()>;
+        /// Rows of the output head.
+        fn cpu_decoder_vocab(d: &CpuDecoder) -> Result<i64>;
+        /// One decode step: `x` the embedded token, the caches' buffer addresses.
+        fn cpu_decoder_step(
+            d: Pin<&mut CpuDecoder>,
+            x: &MlxArray,
+            keys: &[usize],
+            values: &[usize],
+            capacity: &[i64],
+            position: i64,
+            logits: &mut [f32],
+        ) -> Result<()>;
+
         /// Routed experts on mlxcel's CPU kernel: x rows against the experts `ids` names.
         fn cpu_gather_linear(
             x: &MlxArray,
@@ -322,6 +375,30 @@ pub(crate) mod bridge {
             mask: *const MlxArray,
             scale: f32,
             causal: bool,
+        ) -> Result<UniquePtr<MlxArray>>;
+
+        /// The selective state-space recurrence on mlxcel's CPU pool (Mamba-1 and Mamba-2):
+        /// y and the last state, packed per batch row.
+        fn cpu_selective_scan(
+            x: &MlxArray,
+            dt: &MlxArray,
+            a: &MlxArray,
+            bm: &MlxArray,
+            cm: &MlxArray,
+            h0: &MlxArray,
+            per_head_decay: bool,
+        ) -> Result<UniquePtr<MlxArray>>;
+
+        /// RWKV-7's generalised delta rule on mlxcel's CPU pool: y and the last state, packed
+        /// per batch row.
+        fn cpu_delta_rule_scan(
+            r: &MlxArray,
+            w: &MlxArray,
+            k: &MlxArray,
+            v: &MlxArray,
+            a: &MlxArray,
+            b: &MlxArray,
+            s0: &MlxArray,
         ) -> Result<UniquePtr<MlxArray>>;
 
         // ---- fast (fused) kernels ----
@@ -441,5 +518,6 @@ pub(crate) mod bridge {
 
 // SAFETY: a `CudaBinary` is a compiled module image and kernel name, immutable after creation,
 // plus the loaded functions, which C++ sets once under the struct's own mutex.
+unsafe impl Send for bridge::CpuDecoder {}
 unsafe impl Send for bridge::CudaBinary {}
 unsafe impl Sync for bridge::CudaBinary {}

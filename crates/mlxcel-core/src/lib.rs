@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 mod array;
+pub mod cpu_decode;
 pub mod cuda_kernels;
 mod device;
 mod dtype;

@@ -825,6 +825,88 @@ pub fn gather_mm(
     }))
 }
 
+/// The selective state-space recurrence of Mamba-1 and Mamba-2 on mlxcel's CPU kernel
+/// (`cpp/cpu_scan.cc`), position after position: `s = exp(dt · A) ⊙ s + dt · x · Bᵀ`,
+/// `y = s · C`, for `x` `[B, L, H, P]`, `dt` `[B, L, H]`, `a` `[H, N]` (`per_head_decay`: one
+/// value per head, read from column 0), `bm`, `cm` `[B, L, G, N]` (head `h` reads group
+/// `h / (H / G)`) and the initial state `h0` `[B, H, P, N]`, all float32. Returns `y`
+/// `[B, L, H, P]` and the last state `[B, H, P, N]`, or `None` where the CPU kernels are not in
+/// use (the caller then runs its MLX graph).
+pub fn cpu_selective_scan(
+    x: &Array,
+    dt: &Array,
+    a: &Array,
+    bm: &Array,
+    cm: &Array,
+    h0: &Array,
+    per_head_decay: bool,
+) -> Result<Option<(Array, Array)>> {
+    if !cpu_kernels_active()? {
+        return Ok(None);
+    }
+    for t in [x, dt, a, bm, cm, h0] {
+        if t.dtype()? != Dtype::Float32 {
+            return Ok(None);
+        }
+    }
+    let packed = wrap(bridge::cpu_selective_scan(
+        x.as_ref(),
+        dt.as_ref(),
+        a.as_ref(),
+        bm.as_ref(),
+        cm.as_ref(),
+        h0.as_ref(),
+        per_head_decay,
+    )?);
+    let (b, l, h, p) = (x.dim(0)?, x.dim(1)?, x.dim(2)?, x.dim(3)?);
+    let n = bm.dim(3)?;
+    let ys = l * h * p;
+    let y = packed.slice_axis(1, 0, ys)?.reshape(&[b, l, h, p])?;
+    let state = packed
+        .slice_axis(1, ys, ys + h * p * n)?
+        .reshape(&[b, h, p, n])?;
+    Ok(Some((y, state)))
+}
+
+/// RWKV-7's generalised delta rule on mlxcel's CPU kernel (`cpp/cpu_scan.cc`), position after
+/// position: `S = S · diag(w) + v kᵀ + (S a) bᵀ`, `y = S r`, for `r`, `w`, `k`, `v`, `a`, `b`
+/// `[B, L, H, D]` and the state `[B, H, D(v), D(k)]`, all float32. Returns `y` `[B, L, H, D]`
+/// and the last state, or `None` where the CPU kernels are not in use.
+pub fn cpu_delta_rule_scan(
+    r: &Array,
+    w: &Array,
+    k: &Array,
+    v: &Array,
+    a: &Array,
+    b: &Array,
+    state: &Array,
+) -> Result<Option<(Array, Array)>> {
+    if !cpu_kernels_active()? {
+        return Ok(None);
+    }
+    for t in [r, w, k, v, a, b, state] {
+        if t.dtype()? != Dtype::Float32 {
+            return Ok(None);
+        }
+    }
+    let packed = wrap(bridge::cpu_delta_rule_scan(
+        r.as_ref(),
+        w.as_ref(),
+        k.as_ref(),
+        v.as_ref(),
+        a.as_ref(),
+        b.as_ref(),
+        state.as_ref(),
+    )?);
+    let (batch, l, h, d) = (r.dim(0)?, r.dim(1)?, r.dim(2)?, r.dim(3)?);
+    let ys = l * h * d;
+    let y = packed.slice_axis(1, 0, ys)?.reshape(&[batch, l, h, d])?;
+    let last = packed
+        .slice_axis(1, ys, ys + h * d * d)?
+        .reshape(&[batch, h, d, d])?;
+    Ok(Some((y, last)))
+}
+
 /// Fused attention `softmax(q k^T * scale + mask) v` over `[B, H, L, D]` inputs; `k`/`v` may
 /// have fewer heads than `q` (grouped-query attention). `sinks` (`[H]`) adds a per-head logit
 /// that takes probability mass but contributes no value.

@@ -47,6 +47,32 @@ impl CachePolicy {
     }
 }
 
+/// How rows of an external per-layer-embedding table are read (`MLXCEL_PLE_IO`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PleIo {
+    /// Map the row files and copy rows out of the mapping (the default).
+    Mmap,
+    /// `O_DIRECT` reads into aligned buffers, bypassing the page cache; a truncated file is an
+    /// error, never a fault.
+    Direct,
+    /// Read the whole table into memory at load.
+    Ram,
+}
+
+impl PleIo {
+    /// The word `MLXCEL_PLE_IO` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            PleIo::Mmap => "mmap",
+            PleIo::Direct => "direct",
+            PleIo::Ram => "ram",
+        }
+    }
+}
+
+/// The default row cache of external per-layer embeddings (`MLXCEL_PLE_CACHE_BYTES`): 0.5 GiB.
+pub const DEFAULT_PLE_CACHE_BYTES: u64 = 512 << 20;
+
 /// How mlxcel's CUDA kernels are launched (`MLXCEL_CUDA_LAUNCH`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CudaLaunch {
@@ -105,6 +131,11 @@ pub struct RuntimePolicy {
     /// `MLXCEL_EXPERT_VERIFY`: check each expert read from disk against its hash in the
     /// manifest (default on; `0` only to measure what the check costs).
     pub expert_verify: bool,
+    /// `MLXCEL_PLE_IO`: `mmap` (default), `direct` or `ram`.
+    pub ple_io: PleIo,
+    /// `MLXCEL_PLE_CACHE_BYTES`: bytes of the LRU row cache of an external per-layer-embedding
+    /// table (default [`DEFAULT_PLE_CACHE_BYTES`]; 0 = no cache).
+    pub ple_cache_bytes: u64,
     /// `MLXCEL_DEQUANT_ROWS`: from this many activation rows quantized layers run as
     /// dequantize + dense GEMM (0 = never; setting it also covers routed experts). `None`:
     /// 256 on a GPU, never on the CPU.
@@ -113,6 +144,10 @@ pub struct RuntimePolicy {
     pub warm_up: Option<bool>,
     /// `MLXCEL_CPU_KERNELS`: mlxcel's CPU linear kernel instead of MLX's (default on).
     pub cpu_kernels: bool,
+    /// `MLXCEL_CPU_DECODE`: single-token decode steps of dense attention-only decoders run on
+    /// mlxcel's CPU decode engine (one call per token) instead of an MLX graph (default on;
+    /// only with `cpu_kernels`, on the CPU).
+    pub cpu_decode: bool,
     /// `MLXCEL_CPU_THREADS`: threads of mlxcel's CPU kernel (1-64). `None`: all cores, at
     /// most 16. Takes effect when the kernel's thread pool starts (its first use).
     pub cpu_threads: Option<usize>,
@@ -126,8 +161,14 @@ pub struct RuntimePolicy {
     /// `MLXCEL_CUDA_QMV_FOLD_SHAPE`: the launch shape of folding GEMVs. `None`: 4x8 after an
     /// RMSNorm, 16x16 after a gate.
     pub cuda_qmv_fold_shape: Option<LaunchShape>,
+    /// `MLXCEL_CUDA_QMV_ROWS`: at most this many activation rows of a decode batch share one
+    /// GEMV block's weight reads (1, 2, 4 or 8). Default 1: every row has its own blocks.
+    pub cuda_qmv_rows: i32,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
+    /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
+    /// the current one's tokens (default on; 0 reads every step's tokens first).
+    pub batch_pipeline: bool,
     /// `MLXCEL_CUDA_DEQUANT`: mlxcel's CUDA dequantize kernel for GPU prefill (default on).
     pub cuda_dequant: bool,
     /// `MLXCEL_FUSE_PROJECTIONS`: fuse q/k/v and gate/up projections at load. `None`: on for a
@@ -150,14 +191,19 @@ impl RuntimePolicy {
         expert_cache_policy: CachePolicy::Lfu,
         expert_read_threads: 4,
         expert_verify: true,
+        ple_io: PleIo::Mmap,
+        ple_cache_bytes: DEFAULT_PLE_CACHE_BYTES,
         dequant_rows: None,
         warm_up: None,
         cpu_kernels: true,
+        cpu_decode: true,
         cpu_threads: None,
         zero_copy: true,
         cuda_qmv: Some(DEFAULT_QMV_SHAPE),
         cuda_qmv_fold: true,
         cuda_qmv_fold_shape: None,
+        cuda_qmv_rows: 1,
+        batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
         fuse_projections: None,
@@ -165,21 +211,26 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 18] = [
+    pub const VARIABLES: [&'static str; 23] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
         "MLXCEL_EXPERT_CACHE_POLICY",
         "MLXCEL_EXPERT_READ_THREADS",
         "MLXCEL_EXPERT_VERIFY",
+        "MLXCEL_PLE_IO",
+        "MLXCEL_PLE_CACHE_BYTES",
         "MLXCEL_DEQUANT_ROWS",
         "MLXCEL_WARM_UP",
         "MLXCEL_CPU_KERNELS",
+        "MLXCEL_CPU_DECODE",
         "MLXCEL_CPU_THREADS",
         "MLXCEL_ZERO_COPY",
         "MLXCEL_CUDA_QMV",
         "MLXCEL_CUDA_QMV_FOLD",
         "MLXCEL_CUDA_QMV_FOLD_SHAPE",
+        "MLXCEL_CUDA_QMV_ROWS",
+        "MLXCEL_BATCH_PIPELINE",
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
         "MLXCEL_FUSE_PROJECTIONS",
@@ -245,6 +296,17 @@ impl RuntimePolicy {
         if let Some(v) = get("MLXCEL_EXPERT_VERIFY") {
             p.expert_verify = v.switch()?;
         }
+        if let Some(v) = get("MLXCEL_PLE_IO") {
+            p.ple_io = match v.word().as_str() {
+                "mmap" => PleIo::Mmap,
+                "direct" => PleIo::Direct,
+                "ram" => PleIo::Ram,
+                _ => return Err(v.error("mmap, direct or ram")),
+            };
+        }
+        if let Some(v) = get("MLXCEL_PLE_CACHE_BYTES") {
+            p.ple_cache_bytes = v.number("a byte count")?;
+        }
         if let Some(v) = get("MLXCEL_DEQUANT_ROWS") {
             p.dequant_rows = Some(v.number("a number of rows (0 = never)")?);
         }
@@ -253,6 +315,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CPU_KERNELS") {
             p.cpu_kernels = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CPU_DECODE") {
+            p.cpu_decode = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CPU_THREADS") {
             p.cpu_threads = Some(v.in_range("a number of threads from 1 to 64", 1, 64)?);
@@ -272,6 +337,18 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_QMV_FOLD_SHAPE") {
             p.cuda_qmv_fold_shape = Some(v.shape("a launch shape NWxRPW such as 4x8")?);
+        }
+        if let Some(v) = get("MLXCEL_CUDA_QMV_ROWS") {
+            p.cuda_qmv_rows = match v.word().as_str() {
+                "1" => 1,
+                "2" => 2,
+                "4" => 4,
+                "8" => 8,
+                _ => return Err(v.error("1, 2, 4 or 8")),
+            };
+        }
+        if let Some(v) = get("MLXCEL_BATCH_PIPELINE") {
+            p.batch_pipeline = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_LAUNCH") {
             p.cuda_launch = match v.word().as_str() {
@@ -441,6 +518,21 @@ mod tests {
     }
 
     #[test]
+    fn external_ple() {
+        let v = "MLXCEL_PLE_IO";
+        assert_eq!(parse(&[]).unwrap().ple_io, PleIo::Mmap);
+        assert_eq!(one(v, "direct").ple_io, PleIo::Direct);
+        assert_eq!(one(v, "RAM").ple_io, PleIo::Ram);
+        assert_eq!(one(v, "mmap").ple_io, PleIo::Mmap);
+        rejects(v, "o_direct");
+        let v = "MLXCEL_PLE_CACHE_BYTES";
+        assert_eq!(parse(&[]).unwrap().ple_cache_bytes, 512 << 20);
+        assert_eq!(one(v, "0").ple_cache_bytes, 0);
+        assert_eq!(one(v, "4096").ple_cache_bytes, 4096);
+        rejects(v, "1G");
+    }
+
+    #[test]
     fn materialization() {
         let v = "MLXCEL_WEIGHT_MATERIALIZATION";
         assert_eq!(
@@ -491,9 +583,10 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 6] = [
+        let cases: [(&str, Get); 7] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
+            ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
             ("MLXCEL_ZERO_COPY", |p| Some(p.zero_copy)),
             ("MLXCEL_CUDA_QMV_FOLD", |p| Some(p.cuda_qmv_fold)),
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),

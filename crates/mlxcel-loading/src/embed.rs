@@ -448,6 +448,7 @@ pub(crate) fn build_task_model(
         dtype,
         materialization: runtime.weight_materialization,
         stream: None,
+        external_ple: None,
         fuse_projections: false,
         transform: None,
         runtime_adapters: None,

@@ -599,6 +599,28 @@ pub fn center_crop(image: &RgbImage, height: usize, width: usize) -> RgbImage {
     }
 }
 
+/// `image` centred on a square of `colour` as wide as its longer side (transformers'
+/// `pad_to_square`: the offset is the floor of half the difference); a square image is
+/// returned as is.
+pub fn pad_to_square(image: &RgbImage, colour: [u8; 3]) -> RgbImage {
+    let side = image.width.max(image.height);
+    if image.width == image.height {
+        return image.clone();
+    }
+    let (top, left) = ((side - image.height) / 2, (side - image.width) / 2);
+    let mut data: Vec<u8> = std::iter::repeat_n(colour, side * side).flatten().collect();
+    for y in 0..image.height {
+        let src = &image.data[y * image.width * 3..(y + 1) * image.width * 3];
+        let at = ((y + top) * side + left) * 3;
+        data[at..at + src.len()].copy_from_slice(src);
+    }
+    RgbImage {
+        width: side,
+        height: side,
+        data,
+    }
+}
+
 /// Channel-first values of an 8-bit image: `v · rescale` (in f64, stored as f32, as
 /// transformers' `rescale`), then `(v - mean) / std` per channel.
 pub fn to_pixel_values(

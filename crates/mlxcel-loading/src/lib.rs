@@ -23,6 +23,7 @@ mod error;
 pub mod image;
 pub mod memory;
 mod pipeline;
+pub mod ple;
 pub mod repack;
 mod rerank;
 pub mod stream;

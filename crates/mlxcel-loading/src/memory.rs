@@ -18,10 +18,22 @@ pub fn tensor_role(name: &str) -> &'static str {
     if name.starts_with("mtp.") {
         "mtp (unused)"
     } else if [
+        "audio_tower.",
+        "embed_audio.",
+        "model.audio_tower.",
+        "model.embed_audio.",
+    ]
+    .iter()
+    .any(|p| name.starts_with(p))
+    {
+        "audio (unused)"
+    } else if [
         "vision_tower.",
         "multi_modal_projector.",
+        "embed_vision.",
         "model.vision_tower.",
         "model.multi_modal_projector.",
+        "model.embed_vision.",
         // Qwen2-VL / Qwen2.5-VL's tower and merger (hub and transformers 5 layouts)
         "visual.",
         "model.visual.",
@@ -30,6 +42,9 @@ pub fn tensor_role(name: &str) -> &'static str {
     .any(|p| name.starts_with(p))
     {
         "vision (unused)"
+    } else if name.contains("embed_tokens_per_layer") {
+        // Gemma 3n's per-layer embedding table (the largest tensor of its checkpoints).
+        "per-layer embed"
     } else if name.contains("embed_tokens") || name.contains("wte") || name.contains("embed_in.") {
         "embedding"
     } else if name.starts_with("lm_head")
@@ -77,6 +92,10 @@ pub struct MemoryEstimate {
     /// `weights` or the total, since they stay on disk until the first image (then they are
     /// resident too). 0 for text models and text-only loads.
     pub vision_tower_lazy: u64,
+    /// What an external per-layer-embedding table holds in memory: its row cache, or the
+    /// table in `MLXCEL_PLE_IO=ram` mode (0 when the table is resident and counted among the
+    /// weights).
+    pub ple_rows: u64,
     /// The device the run uses (MLX's default device).
     pub device: Device,
     /// The device's (or, for the CPU, the system's) memory.
@@ -95,6 +114,7 @@ impl MemoryEstimate {
             .saturating_add(self.kv_cache)
             .saturating_add(self.transient)
             .saturating_add(self.expert_arena)
+            .saturating_add(self.ple_rows)
     }
 
     /// Whether the run fits, leaving 10% of the device for the system and MLX's allocator.
@@ -230,7 +250,16 @@ pub fn estimate(
         by_role.retain(|(role, _), _| role != "routed experts");
         expert_arena = plan.arena_bytes();
     }
+    // An external per-layer-embedding table stays on disk: its cache (or, in `ram` mode, the
+    // table) counts instead.
+    let policy = mlxcel_core::RuntimePolicy::from_env()?;
+    let mut ple_rows = 0;
+    if let Some((resident, _on_disk)) = crate::ple::footprint(folder, config, &policy)? {
+        by_role.retain(|(role, _), _| role != "per-layer embed");
+        ple_rows = resident;
+    }
     Ok(MemoryEstimate {
+        ple_rows,
         weights: by_role,
         kv_cache,
         kv_bytes_per_token,
@@ -259,6 +288,17 @@ mod tests {
                 "attention",
             ),
             ("model.layers.0.mlp.act_fn.alpha_p", "dense mlp"),
+            (
+                "model.language_model.embed_tokens_per_layer.weight",
+                "per-layer embed",
+            ),
+            (
+                "model.audio_tower.conformer.0.norm.weight",
+                "audio (unused)",
+            ),
+            ("model.language_model.embed_tokens.weight", "embedding"),
+            ("model.embed_audio.embedding.weight", "audio (unused)"),
+            ("model.embed_vision.embedding.weight", "vision (unused)"),
         ] {
             assert_eq!(tensor_role(name), role, "{name}");
         }

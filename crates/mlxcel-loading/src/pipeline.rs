@@ -137,6 +137,9 @@ pub struct Loaded {
         crate::stream::StreamPlan,
         Rc<RefCell<mlxcel_stream::StreamStats>>,
     )>,
+    /// Set when the per-layer-embedding table is read from disk (`ple_storage`): the store
+    /// and its counters.
+    pub external_ple: Option<crate::ple::PlePlan>,
     /// The checkpoint files the weights are mapped from, with their identity at load.
     pub mapped: mlxcel_core::MappedFiles,
     /// What the load-time weight edits did, one line each: the tensors a text-only load of a
@@ -180,6 +183,41 @@ impl Loaded {
         self.vision_processor()?.prepare(image)
     }
 
+    /// An image prepared for a prompt ([`crate::vision::PreparedImage`]): its model inputs
+    /// (one per tile for families that split images) and its own placeholder expansion, for
+    /// [`Loaded::expand_prompt_text_for`] / [`Loaded::expand_image_tokens_for`]. Families whose
+    /// image-token count depends on the image need this path.
+    pub fn prepare_for_prompt(
+        &self,
+        image: &crate::image::RgbImage,
+    ) -> Result<crate::vision::PreparedImage> {
+        self.vision_processor()?.prepare_for_prompt(image)
+    }
+
+    /// A rendered prompt with its `k`-th image placeholder replaced by `images[k]`'s expansion.
+    pub fn expand_prompt_text_for(
+        &self,
+        text: &str,
+        images: &[crate::vision::PreparedImage],
+    ) -> Result<String> {
+        if images.is_empty() {
+            return Ok(text.to_string());
+        }
+        self.vision_processor()?.expand_text_for(text, images)
+    }
+
+    /// Token ids with their `k`-th image placeholder replaced by `images[k]`'s expansion ids.
+    pub fn expand_image_tokens_for(
+        &self,
+        ids: &[u32],
+        images: &[crate::vision::PreparedImage],
+    ) -> Result<Vec<u32>> {
+        if images.is_empty() {
+            return Ok(ids.to_vec());
+        }
+        self.vision_processor()?.expand_ids_for(ids, images)
+    }
+
     /// [`Loaded::prepare_image`] of an encoded PNG, JPEG or WebP image.
     pub fn prepare_image_bytes(&self, bytes: &[u8]) -> Result<mlxcel_arch::vision::ImageInput> {
         let processor = self.vision_processor()?;
@@ -188,7 +226,7 @@ impl Loaded {
 
     /// A user message's text with `images` image placeholders in front (where a chat template
     /// puts image items before the text), to render with the chat template and then expand
-    /// with [`Loaded::expand_prompt_text`].
+    /// with [`Loaded::expand_prompt_text_for`].
     pub fn user_content_with_images(&self, text: &str, images: usize) -> Result<String> {
         if images == 0 {
             return Ok(text.to_string());
@@ -199,34 +237,8 @@ impl Loaded {
         ))
     }
 
-    /// A rendered prompt with each image placeholder expanded into the model's image tokens,
-    /// as the HF processor expands the text before tokenising it.
-    pub fn expand_prompt_text(
-        &self,
-        text: &str,
-        images: &[mlxcel_arch::vision::ImageInput],
-    ) -> Result<String> {
-        if images.is_empty() {
-            return Ok(text.to_string());
-        }
-        self.vision_processor()?.expand_text(text, images)
-    }
-
-    /// Token ids holding the model's image placeholder once per image, expanded into the
-    /// image-token runs (the expansion's text pieces tokenised on their own).
-    pub fn expand_image_tokens(
-        &self,
-        ids: &[u32],
-        images: &[mlxcel_arch::vision::ImageInput],
-    ) -> Result<Vec<u32>> {
-        if images.is_empty() {
-            return Ok(ids.to_vec());
-        }
-        self.vision_processor()?.expand_ids(ids, images)
-    }
-
     /// Logits `[len, vocab]` at every position of one pass over `prompt` (expanded, see
-    /// [`Loaded::expand_image_tokens`]) with its `images`, from fresh caches: what
+    /// [`Loaded::expand_image_tokens_for`]) with its `images`, from fresh caches: what
     /// `mlxcel logits --image` writes. Without images, the text forward pass.
     pub fn multimodal_logits(
         &self,
@@ -552,16 +564,31 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     // On a quantized base the adapter stays unfused unless fusing was asked for.
     let mut report = Vec::new();
-    if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
-        let unused = mlxcel_arch::models::mistral3::unused_tensors(&weights);
-        if !unused.is_empty() {
-            report.push(format!(
-                "text-only load: {} vision-tower and projector tensors left out ({} .. {})",
-                unused.len(),
-                unused[0],
-                unused[unused.len() - 1]
-            ));
-        }
+    let left_out = if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
+        Some((
+            "vision-tower and projector",
+            mlxcel_arch::models::mistral3::unused_tensors(&weights),
+        ))
+    } else if model_type == ModelType::Gemma3n {
+        Some((
+            "vision/audio-tower and embedder",
+            mlxcel_arch::models::gemma3n::unused_tensors(&weights),
+        ))
+    } else {
+        None
+    };
+    if let Some((what, unused)) = left_out.filter(|(_, u)| !u.is_empty()) {
+        report.push(format!(
+            "text-only load: {} {what} tensors left out ({} .. {})",
+            unused.len(),
+            unused[0],
+            unused[unused.len() - 1]
+        ));
+    } else if model_type == ModelType::Gemma3n && config.get("vision_config").is_some() {
+        // A multimodal config whose checkpoint holds no tower tensors: text only all the same.
+        report.push(
+            "text-only load: the checkpoint has no vision or audio tower tensors; the text decoder alone is built".into(),
+        );
     }
     if policy.directory_route == DirectoryRoute::Vlm
         && mlxcel_arch::detection::is_text_only(&config, has_vision_weights(&weights))
@@ -626,6 +653,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         crate::memory::available_memory()?,
     )?;
     let stats = Rc::new(RefCell::new(mlxcel_stream::StreamStats::default()));
+    let external_ple = crate::ple::open(&folder, &config, &runtime)?;
     let gpu = mlxcel_core::default_device()? == Device::Gpu;
     let build = BuildOptions {
         prefix: String::new(),
@@ -633,6 +661,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         dtype,
         materialization,
         stream: plan.as_ref().map(|p| p.setup(stats.clone())),
+        external_ple: external_ple.as_ref().map(|p| p.store.clone()),
         fuse_projections: runtime.fuse_projections.unwrap_or(gpu),
         transform,
         runtime_adapters: lora.clone(),
@@ -671,6 +700,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         chat_template,
         load_seconds: started.elapsed().as_secs_f64(),
         expert_stream: plan.map(|p| (p, stats)),
+        external_ple,
         mapped,
         surgery_applied: report.into_iter().chain(applied.take()).collect(),
         adapters: lora.map(|r| r.set),

@@ -1,11 +1,13 @@
 //! The processor side of vision-language models, per family: the image processor's defaults
 //! (over which `preprocessor_config.json` is read), the placeholder a prompt carries per image
 //! and its expansion into the run of image tokens the model fills — in text, as the HF
-//! processor expands it before tokenising, or in ids for callers that bring token ids.
+//! processor expands it before tokenising, or in ids for callers that bring token ids (piece by
+//! piece: exact where the expansion's pieces tokenise alone as in context, which holds for the
+//! special-token runs; Gemma 3's pan-and-scan framing text may merge differently).
 //!
 //! | family | image processor (PIL backend) | placeholder | expansion |
 //! |---|---|---|---|
-//! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5 | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n` |
+//! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5; pan and scan (crops as extra inputs) | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n`; with crops `Here is the original image {seq} and here are some crops to help you see better {seq} {seq}` |
 //! | LLaVA | `CLIPImageProcessor`: shortest edge 224, bicubic, center crop 224, rescale 1/255, CLIP mean/std | `<image>` (`image_token_index`) | `<image>` × patches (+1 under `full`) |
 //! | Qwen2-VL, Qwen2.5-VL | `Qwen2VLImageProcessor`: `smart_resize` to multiples of `patch_size · merge_size` within `[min_pixels, max_pixels]`, bicubic, rescale 1/255, CLIP mean/std | `<\|image_pad\|>` (`image_token_id`; a user message's image is `<\|vision_start\|><\|image_pad\|><\|vision_end\|>`) | `<\|image_pad\|>` × (that image's `grid_h · grid_w / merge_size²`) |
 
@@ -20,9 +22,87 @@ use crate::image::{
 use crate::tokenizer::Tokenizer;
 use crate::{LoadError, Result};
 
+/// One image as its family's processor prepares it for a prompt: the model inputs it becomes
+/// and what replaces its placeholder. Families whose image-token count depends on the image
+/// (tiles, crops, dynamic resolution) give each image its own expansion; the others share a
+/// fixed one.
+#[derive(Debug, Clone)]
+pub struct PreparedImage {
+    /// The model inputs, in prompt order (one per tile or crop; one for single-tile families).
+    pub inputs: Vec<ImageInput>,
+    /// What replaces this image's placeholder in the prompt text.
+    pub expansion_text: String,
+    /// The same, as ids.
+    pub expansion_ids: Vec<u32>,
+}
+
+/// Gemma 3's pan-and-scan settings (the image processor's, else `Gemma3Processor`'s defaults
+/// 256, 4, 1.2).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PanAndScan {
+    /// `pan_and_scan_min_crop_size`: no crop narrower than this.
+    pub min_crop_size: usize,
+    /// `pan_and_scan_max_num_crops`.
+    pub max_num_crops: usize,
+    /// `pan_and_scan_min_ratio_to_activate`: the aspect ratio from which crops are made.
+    pub min_ratio: f64,
+}
+
+impl PanAndScan {
+    /// The crops of `image` (transformers' `pan_and_scan`: 2 to `max_num_crops` along the
+    /// longer side, none when the image is not elongated enough or a crop would be too small;
+    /// the last crop cut at the border as numpy slicing does).
+    pub fn crops(&self, image: &RgbImage) -> Vec<RgbImage> {
+        let (h, w) = (image.height, image.width);
+        let (nw, nh) = if w >= h {
+            if (w as f64 / h as f64) < self.min_ratio {
+                return Vec::new();
+            }
+            let n = ((w as f64 / h as f64 + 0.5).floor() as usize)
+                .min((w as f64 / self.min_crop_size as f64).floor() as usize)
+                .max(2)
+                .min(self.max_num_crops);
+            (n, 1)
+        } else {
+            if (h as f64 / w as f64) < self.min_ratio {
+                return Vec::new();
+            }
+            let n = ((h as f64 / w as f64 + 0.5).floor() as usize)
+                .min((h as f64 / self.min_crop_size as f64).floor() as usize)
+                .max(2)
+                .min(self.max_num_crops);
+            (1, n)
+        };
+        let (cw, ch) = (w.div_ceil(nw), h.div_ceil(nh));
+        if cw.min(ch) < self.min_crop_size {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for r in 0..nh {
+            for c in 0..nw {
+                let (y0, x0) = (r * ch, c * cw);
+                let (y1, x1) = ((y0 + ch).min(h), (x0 + cw).min(w));
+                let mut data = Vec::with_capacity((y1 - y0) * (x1 - x0) * 3);
+                for y in y0..y1 {
+                    data.extend_from_slice(&image.data[(y * w + x0) * 3..(y * w + x1) * 3]);
+                }
+                out.push(RgbImage {
+                    width: x1 - x0,
+                    height: y1 - y0,
+                    data,
+                });
+            }
+        }
+        out
+    }
+}
+
 /// How one family's processor prepares images and expands prompts.
 #[derive(Debug, Clone)]
 pub struct VisionProcessor {
+    /// The family this processor was loaded for (what varies per image is in the fields
+    /// below: `dynamic`, `pan_and_scan`).
+    pub family: ModelType,
     /// The image processor (the checkpoint's config over the family's defaults).
     pub image: ImageProcessor,
     /// The token a prompt holds once per image before expansion.
@@ -39,9 +119,15 @@ pub struct VisionProcessor {
     /// Qwen's dynamic resolution: the image is resized by `smart_resize`, and its placeholder
     /// repeated once per merged patch (instead of the fixed expansion).
     pub dynamic: Option<DynamicResolution>,
-    /// Why images cannot be prepared as the checkpoint's processor would (a processor option
-    /// this build lacks), refused at [`VisionProcessor::prepare`] instead of computed otherwise.
-    pub unsupported: Option<String>,
+    /// Gemma 3's pan and scan (`do_pan_and_scan`): crops of a wide or tall image added as
+    /// extra images, framed by text in the prompt.
+    pub pan_and_scan: Option<PanAndScan>,
+    /// The tokenised pieces of the pan-and-scan framing (`"Here is the original image "`,
+    /// `" and here are some crops to help you see better "`, `" "`), for the ids path.
+    pub framing_ids: [Vec<u32>; 3],
+    /// Pad each image to a square of this colour (centred) before resizing:
+    /// `LlavaImageProcessor`'s `do_pad`, the colour `int(mean · 255)` per channel.
+    pub square_pad: Option<[u8; 3]>,
 }
 
 /// The Qwen2-VL processor's size rule: `smart_resize` (transformers) to sides that are
@@ -72,7 +158,7 @@ impl DynamicResolution {
 fn qwen_image_processor(folder: &std::path::Path) -> Result<(ImageProcessor, DynamicResolution)> {
     let defaults = ImageProcessor {
         do_resize: true,
-        // Replaced per image by `smart_resize` (see `VisionProcessor::prepare`).
+        // Replaced per image by `smart_resize` (see `VisionProcessor::prepare_one`).
         size: ResizeTarget::Exact {
             height: 0,
             width: 0,
@@ -162,11 +248,21 @@ impl VisionProcessor {
                 };
                 let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
                 // Pan and scan adds crops per image, each its own image-token run.
-                let unsupported = crate::image::processor_json(folder)?.and_then(|(json, file)| {
-                    (json.get("do_pan_and_scan").and_then(Value::as_bool) == Some(true)).then(|| {
-                        format!("{file}: do_pan_and_scan = true (Gemma 3's pan-and-scan crops) is not supported yet")
-                    })
+                let pan_and_scan = crate::image::processor_json(folder)?.and_then(|(json, _)| {
+                    let num = |k: &str, d: f64| json.get(k).and_then(Value::as_f64).unwrap_or(d);
+                    (json.get("do_pan_and_scan").and_then(Value::as_bool) == Some(true)).then(
+                        || PanAndScan {
+                            min_crop_size: num("pan_and_scan_min_crop_size", 256.0) as usize,
+                            max_num_crops: num("pan_and_scan_max_num_crops", 4.0) as usize,
+                            min_ratio: num("pan_and_scan_min_ratio_to_activate", 1.2),
+                        },
+                    )
                 });
+                let framing_ids = [
+                    tokenizer.encode("Here is the original image ", false)?,
+                    tokenizer.encode(" and here are some crops to help you see better ", false)?,
+                    tokenizer.encode(" ", false)?,
+                ];
                 let boi = config_id(config, &["boi_token_index", "boi_token_id"], 255_999);
                 let eoi = config_id(config, &["eoi_token_index", "eoi_token_id"], 256_000);
                 let img = config_id(config, &["image_token_index", "image_token_id"], 262_144);
@@ -187,6 +283,7 @@ impl VisionProcessor {
                 expansion_ids.push(eoi);
                 expansion_ids.extend(&newlines);
                 Ok(Some(VisionProcessor {
+                    family: model_type,
                     image,
                     placeholder_id: boi,
                     content_placeholder: boi_t.clone(),
@@ -194,7 +291,9 @@ impl VisionProcessor {
                     expansion_text,
                     expansion_ids,
                     dynamic: None,
-                    unsupported,
+                    pan_and_scan,
+                    framing_ids,
+                    square_pad: None,
                 }))
             }
             ModelType::QwenVl => {
@@ -208,7 +307,9 @@ impl VisionProcessor {
                     token_text(tokenizer, start, "vision_start_token_id")?,
                     token_text(tokenizer, end, "vision_end_token_id")?
                 );
+                // The expansion depends on the image (see `prepare_for_prompt`): no fixed one.
                 Ok(Some(VisionProcessor {
+                    family: model_type,
                     image,
                     placeholder_id: pad,
                     placeholder: pad_t,
@@ -216,7 +317,9 @@ impl VisionProcessor {
                     expansion_ids: Vec::new(),
                     content_placeholder,
                     dynamic: Some(dynamic),
-                    unsupported: None,
+                    pan_and_scan: None,
+                    framing_ids: Default::default(),
+                    square_pad: None,
                 }))
             }
             ModelType::Llava => {
@@ -233,6 +336,17 @@ impl VisionProcessor {
                     )),
                 };
                 let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
+                // LlavaImageProcessor (not CLIPImageProcessor) may pad to a square first.
+                let square_pad = crate::image::processor_json(folder)?.and_then(|(json, _)| {
+                    let llava = json.get("image_processor_type").and_then(Value::as_str)
+                        == Some("LlavaImageProcessor");
+                    (llava && json.get("do_pad").and_then(Value::as_bool) == Some(true)).then(
+                        || {
+                            let mean = image.normalize.map_or([0.0; 3], |(m, _)| m);
+                            mean.map(|m| (m * 255.0) as u8)
+                        },
+                    )
+                });
                 let id = config_id(config, &["image_token_index", "image_token_id"], 32000);
                 let text = token_text(tokenizer, id, "image_token_index")?;
                 // LlavaProcessor: the placeholder repeated once per image position (patches,
@@ -251,6 +365,7 @@ impl VisionProcessor {
                     == Some("full");
                 let n = side * side + usize::from(full);
                 Ok(Some(VisionProcessor {
+                    family: model_type,
                     image,
                     placeholder_id: id,
                     expansion_text: text.repeat(n),
@@ -258,7 +373,9 @@ impl VisionProcessor {
                     placeholder: text,
                     expansion_ids: vec![id; n],
                     dynamic: None,
-                    unsupported: None,
+                    pan_and_scan: None,
+                    framing_ids: Default::default(),
+                    square_pad,
                 }))
             }
             _ => Ok(None),
@@ -267,9 +384,24 @@ impl VisionProcessor {
 
     /// Pixel values of `image` as the HF processor computes them, with their content hash.
     pub fn prepare(&self, image: &RgbImage) -> Result<ImageInput> {
-        if let Some(why) = &self.unsupported {
-            return Err(LoadError::Unsupported(why.clone()));
+        if self.pan_and_scan.is_some() {
+            return Err(LoadError::Unsupported(
+                "pan and scan (do_pan_and_scan) makes several inputs per image: prepare images with `prepare_for_prompt`".into(),
+            ));
         }
+        self.prepare_one(image)
+    }
+
+    /// One model input of `image` (padded, resized, rescaled, normalised), with its hash.
+    fn prepare_one(&self, image: &RgbImage) -> Result<ImageInput> {
+        let padded;
+        let image = match self.square_pad {
+            Some(colour) => {
+                padded = crate::image::pad_to_square(image, colour);
+                &padded
+            }
+            None => image,
+        };
         let PixelValues {
             height,
             width,
@@ -301,44 +433,80 @@ impl VisionProcessor {
         ImageInput::new(data, [1, 3, height, width], hash).map_err(LoadError::from)
     }
 
-    /// How many image tokens each image's placeholder expands to (Qwen's dynamic resolution;
-    /// `None` for a fixed expansion).
-    fn dynamic_counts(&self, images: &[ImageInput]) -> Option<Vec<usize>> {
-        self.dynamic.map(|d| {
-            images
-                .iter()
-                .map(|i| d.tokens(i.shape()[2], i.shape()[3]))
-                .collect()
+    /// `image` prepared for a prompt: its inputs and its expansion ([`PreparedImage`]). Gemma 3
+    /// and LLaVA: one input and the family's fixed expansion (Gemma 3's pan and scan adds its
+    /// crops, framed); Qwen2-VL: one input, resized by `smart_resize`, and its placeholder once
+    /// per merged patch. A family whose inputs or expansion depend on the image adds its arm
+    /// here.
+    pub fn prepare_for_prompt(&self, image: &RgbImage) -> Result<PreparedImage> {
+        if let Some(d) = &self.dynamic {
+            let input = self.prepare_one(image)?;
+            let n = d.tokens(input.shape()[2], input.shape()[3]);
+            return Ok(PreparedImage {
+                inputs: vec![input],
+                expansion_text: self.placeholder.repeat(n),
+                expansion_ids: vec![self.placeholder_id; n],
+            });
+        }
+        if let Some(pas) = self.pan_and_scan {
+            let crops = pas.crops(image);
+            if !crops.is_empty() {
+                // Gemma3Processor: "Here is the original image {seq} and here are some crops
+                // to help you see better {seq} {seq}".
+                let mut inputs = vec![self.prepare_one(image)?];
+                for c in &crops {
+                    inputs.push(self.prepare_one(c)?);
+                }
+                let seqs = vec![self.expansion_text.as_str(); crops.len()].join(" ");
+                let [original, crops_intro, space] = &self.framing_ids;
+                let mut ids = original.clone();
+                ids.extend(&self.expansion_ids);
+                ids.extend(crops_intro);
+                for i in 0..crops.len() {
+                    if i > 0 {
+                        ids.extend(space);
+                    }
+                    ids.extend(&self.expansion_ids);
+                }
+                return Ok(PreparedImage {
+                    inputs,
+                    expansion_text: format!(
+                        "Here is the original image {} and here are some crops to help you see better {seqs}",
+                        self.expansion_text
+                    ),
+                    expansion_ids: ids,
+                });
+            }
+        }
+        Ok(PreparedImage {
+            inputs: vec![self.prepare_one(image)?],
+            expansion_text: self.expansion_text.clone(),
+            expansion_ids: self.expansion_ids.clone(),
         })
     }
 
-    /// `text` with each placeholder replaced by the expansion (the `k`-th by the `k`-th
-    /// image's under dynamic resolution); the error says how many placeholders were found when
-    /// they are not one per image.
-    pub fn expand_text(&self, text: &str, images: &[ImageInput]) -> Result<String> {
-        let found = text.matches(self.placeholder.as_str()).count();
-        if found != images.len() {
+    /// `text` with its `k`-th placeholder replaced by `images[k]`'s expansion; the error says
+    /// how many placeholders were found when they are not one per image.
+    pub fn expand_text_for(&self, text: &str, images: &[PreparedImage]) -> Result<String> {
+        let pieces: Vec<&str> = text.split(self.placeholder.as_str()).collect();
+        if pieces.len() != images.len() + 1 {
             return Err(LoadError::Unsupported(format!(
-                "the prompt has {found} image placeholder(s) `{}` for {} image(s)",
+                "the prompt has {} image placeholder(s) `{}` for {} image(s)",
+                pieces.len() - 1,
                 self.placeholder,
                 images.len()
             )));
         }
-        let Some(counts) = self.dynamic_counts(images) else {
-            return Ok(text.replace(self.placeholder.as_str(), &self.expansion_text));
-        };
-        let mut pieces = text.split(self.placeholder.as_str());
-        let mut out = pieces.next().unwrap_or_default().to_string();
-        for (piece, n) in pieces.zip(counts) {
-            out.push_str(&self.placeholder.repeat(n));
+        let mut out = String::from(pieces[0]);
+        for (piece, image) in pieces[1..].iter().zip(images) {
+            out.push_str(&image.expansion_text);
             out.push_str(piece);
         }
         Ok(out)
     }
 
-    /// `ids` with each placeholder id replaced by the expansion ids (the `k`-th image's count
-    /// of placeholders under dynamic resolution).
-    pub fn expand_ids(&self, ids: &[u32], images: &[ImageInput]) -> Result<Vec<u32>> {
+    /// `ids` with the `k`-th placeholder id replaced by `images[k]`'s expansion ids.
+    pub fn expand_ids_for(&self, ids: &[u32], images: &[PreparedImage]) -> Result<Vec<u32>> {
         let found = ids.iter().filter(|t| **t == self.placeholder_id).count();
         if found != images.len() {
             return Err(LoadError::Unsupported(format!(
@@ -347,19 +515,13 @@ impl VisionProcessor {
                 images.len()
             )));
         }
-        let counts = self.dynamic_counts(images);
-        let mut out = Vec::with_capacity(ids.len() + images.len() * self.expansion_ids.len());
-        let mut k = 0;
+        let mut next = images.iter();
+        let mut out = Vec::with_capacity(ids.len());
         for &t in ids {
-            if t != self.placeholder_id {
-                out.push(t);
-                continue;
+            match (t == self.placeholder_id).then(|| next.next()).flatten() {
+                Some(image) => out.extend(&image.expansion_ids),
+                None => out.push(t),
             }
-            match &counts {
-                Some(c) => out.extend(std::iter::repeat_n(t, c[k])),
-                None => out.extend(&self.expansion_ids),
-            }
-            k += 1;
         }
         Ok(out)
     }

@@ -258,10 +258,15 @@ impl ModelState {
             .extend(group.drain(MAX_BATCH.min(group.len())..));
         self.count(group.len(), group.len());
         let tokens: Vec<u32> = group.iter().map(|(r, _)| r.next).collect();
+        let greedy = group.iter().any(|(r, _)| r.device_greedy());
         let mut states: Vec<&mut SessionState> = group.iter_mut().map(|(_, s)| s).collect();
         let model: &dyn LanguageModel = &self.loaded.model;
-        let stepped = step_batch(model, &mut states, &tokens);
-        let rows = group.into_iter().map(|(r, s)| (r, Some(s))).collect();
+        let stepped = step_batch(model, &mut states, &tokens).and_then(|l| read_step(l, greedy));
+        let rows = group
+            .into_iter()
+            .enumerate()
+            .map(|(i, (r, s))| (i, r, Some(s)))
+            .collect();
         // Rows with their own state go back to the queue or end inside.
         self.advance_rows(rows, stepped, None);
     }
@@ -276,7 +281,16 @@ impl ModelState {
         let in_batch = self.batch.as_ref().map_or(0, |b| b.rows.len());
         let joining = in_batch < MAX_BATCH && self.running.iter().any(|(r, _)| r.mix == mix);
         if joining {
-            self.form_batch(mix);
+            if let Some(mut batch) = self.batch.take() {
+                if let Some(pending) = batch.pending.take() {
+                    // Tokens still on the device are read before the batch changes; the
+                    // joiners merge at the next step.
+                    let read = pending.read();
+                    return self.finish_step(batch, read);
+                }
+                self.batch = Some(batch);
+            }
+            self.form_batch(mix.clone());
         }
         let Some(batch) = self.batch.as_ref() else {
             return;
@@ -292,27 +306,103 @@ impl ModelState {
         let Some(mut batch) = self.batch.take() else {
             return;
         };
-        self.count(batch.rows.len(), 1);
-        let tokens: Vec<u32> = batch.rows.iter().map(|r| r.next).collect();
-        let model: &dyn LanguageModel = &self.loaded.model;
-        let stepped = batch.decode.step(model, &tokens);
-        let Batch { rows, decode, mix } = batch;
-        let rows: Vec<(Running, Option<SessionState>)> =
-            rows.into_iter().map(|r| (r, None)).collect();
-        let (kept, finished) = self.advance_rows(rows, stepped, Some(&decode));
-        // Everyone went on: the batch stays as it is, unless other adapter mixes wait for a
-        // turn.
+        // Greedy rows without hooks can take their next token on the device: the next step
+        // is queued before this one's tokens are read, as the single-stream loop does, so the
+        // host builds one step's graph while the device runs the previous one. Not while other
+        // adapter mixes wait for a turn (the batch is split after this step).
+        let others_wait = self.running.iter().any(|(r, _)| r.mix != mix);
+        let pipelined = !others_wait
+            && batch.rows.iter().all(Running::device_greedy)
+            && mlxcel_core::policy::with(|p| p.batch_pipeline);
+        match batch.pending.take() {
+            Some(pending) if pipelined => {
+                self.count(batch.rows.len(), 1);
+                let model: &dyn LanguageModel = &self.loaded.model;
+                let next = batch
+                    .decode
+                    .step_pending(model, &pending.ids)
+                    .and_then(DevicePicks::of)
+                    .and_then(|next| next.queue().map(|()| next));
+                match next {
+                    Ok(next) => {
+                        let read = pending.read();
+                        if let Ok(Stepped {
+                            picks: Some((ids, _)),
+                            ..
+                        }) = &read
+                        {
+                            let fed: Vec<u32> = ids.iter().map(|t| *t as u32).collect();
+                            batch.decode.record(&fed);
+                        }
+                        batch.pending = Some(next);
+                        self.finish_step(batch, read);
+                    }
+                    Err(e) => self.finish_step(batch, Err(e)),
+                }
+            }
+            Some(pending) => {
+                let read = pending.read();
+                self.finish_step(batch, read);
+            }
+            None => {
+                self.count(batch.rows.len(), 1);
+                let model: &dyn LanguageModel = &self.loaded.model;
+                let tokens: Vec<u32> = batch.rows.iter().map(|r| r.next).collect();
+                let logits = batch.decode.step(model, &tokens);
+                if pipelined {
+                    let queued = logits
+                        .and_then(DevicePicks::of)
+                        .and_then(|p| p.queue().map(|()| p));
+                    match queued {
+                        Ok(picks) => {
+                            batch.pending = Some(picks);
+                            self.batch = Some(batch);
+                        }
+                        Err(e) => self.finish_step(batch, Err(e)),
+                    }
+                } else {
+                    let greedy = batch.rows.iter().any(Running::device_greedy);
+                    let read = logits.and_then(|l| read_step(l, greedy));
+                    self.finish_step(batch, read);
+                }
+            }
+        }
+    }
+
+    /// Passes each row of `batch` its token from `stepped`; keeps the batch as it is when
+    /// everyone goes on, else splits it: the finished generations park their caches, the
+    /// others take theirs back to the queue (the batch is re-formed at the next step).
+    fn finish_step(&mut self, batch: Batch, stepped: mlxcel_arch::Result<Stepped>) {
+        let Batch {
+            rows,
+            decode,
+            mix,
+            pending,
+        } = batch;
+        let rows = rows
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| (i, r, None))
+            .collect();
+        let (mut kept, mut finished) = self.advance_rows(rows, stepped, Some(&decode));
         let others_wait = self.running.iter().any(|(r, _)| r.mix != mix);
         if kept.len() == decode.len() && !others_wait {
             self.batch = Some(Batch {
                 rows: kept.into_iter().map(|(_, r)| r).collect(),
                 decode,
                 mix,
+                pending,
             });
             return;
         }
-        // Someone left: every conversation takes its own caches back (the batch is re-formed
-        // at the next step), the finished ones park theirs.
+        if let Some(pending) = pending {
+            // The batch splits while the survivors' next tokens are on the device: read them
+            // (never fed, so each conversation's caches and tokens still agree).
+            let rows = kept.into_iter().map(|(i, r)| (i, r, None)).collect();
+            let (still, ended) = self.advance_rows(rows, pending.read(), Some(&decode));
+            kept = still;
+            finished.extend(ended);
+        }
         match decode.into_states() {
             Ok(states) => {
                 let mut states: Vec<Option<SessionState>> = states.into_iter().map(Some).collect();
@@ -335,12 +425,7 @@ impl ModelState {
                 }
             }
             Err(e) => {
-                for (_, r) in finished {
-                    r.feed.push(Event::Failed(Error::Model(ModelError::Runtime(
-                        e.to_string(),
-                    ))));
-                }
-                for (_, r) in kept {
+                for (_, r) in finished.into_iter().chain(kept) {
                     r.feed.push(Event::Failed(Error::Model(ModelError::Runtime(
                         e.to_string(),
                     ))));
@@ -376,7 +461,14 @@ impl ModelState {
         self.running = rest;
         let (rows, states): (Vec<Running>, Vec<SessionState>) = members.into_iter().unzip();
         match DecodeBatch::new(&self.loaded.model, states) {
-            Ok(decode) => self.batch = Some(Batch { rows, decode, mix }),
+            Ok(decode) => {
+                self.batch = Some(Batch {
+                    rows,
+                    decode,
+                    mix,
+                    pending: None,
+                })
+            }
             Err((_, states)) => {
                 // Not batchable after all (it should be, by `batched_decode`): one at a time.
                 for row in rows.into_iter().zip(states).rev() {
@@ -387,35 +479,23 @@ impl ModelState {
         }
     }
 
-    /// Takes each row's next token from its logits row and passes it on. Rows stepped on
-    /// their own (`Some` state) go back to the queue or end here. Batch rows (`None`, their
-    /// tokens in `batch`) come back with their index in it: those that go on, and those that
-    /// ended (their caches are still in the batch).
+    /// Takes each row's next token from its logits row (or its device pick) and passes it on.
+    /// Rows are given with their index in the step's logits. Rows stepped on their own (`Some`
+    /// state) go back to the queue or end here. Batch rows (`None`, their tokens in `batch`)
+    /// come back with their index: those that go on, and those that ended (their caches are
+    /// still in the batch).
     fn advance_rows(
         &mut self,
-        rows: Vec<(Running, Option<SessionState>)>,
-        stepped: mlxcel_arch::Result<mlxcel_core::Array>,
+        rows: Vec<(usize, Running, Option<SessionState>)>,
+        stepped: mlxcel_arch::Result<Stepped>,
         batch: Option<&DecodeBatch>,
     ) -> (IndexedRows, IndexedRows) {
-        let any_device_greedy = rows.iter().any(|(r, _)| r.device_greedy());
-        let picked = stepped.and_then(|logits| {
-            // Greedy rows without hooks pick on the device, in one read for the batch.
-            let picks = if any_device_greedy {
-                let ids = logits.argmax(-1, false)?.astype(Dtype::Int32)?;
-                let nan = logits.isnan()?.any(&[-1], false)?.astype(Dtype::Int32)?;
-                mlxcel_core::ops::eval_all([&ids, &nan])?;
-                Some((ids.to_vec::<i32>()?, nan.to_vec::<i32>()?))
-            } else {
-                None
-            };
-            Ok((logits, picks))
-        });
-        let (logits, picks) = match picked {
+        let Stepped { logits, picks } = match stepped {
             Ok(p) => p,
             Err(e) => {
                 // The caches may be half-extended: these conversations start over next time.
                 let message = e.to_string();
-                for (r, _) in rows {
+                for (_, r, _) in rows {
                     r.feed.push(Event::Failed(Error::Model(ModelError::Runtime(
                         message.clone(),
                     ))));
@@ -426,7 +506,7 @@ impl ModelState {
         let tokenizer = self.tokenizer.clone();
         let tokenizer = tokenizer.as_deref();
         let (mut kept, mut ended) = (Vec::new(), Vec::new());
-        for (i, (mut r, state)) in rows.into_iter().enumerate() {
+        for (i, mut r, state) in rows {
             let history: &[u32] = match (&state, batch) {
                 (Some(s), _) => s.tokens(),
                 (None, Some(b)) => b.tokens(i),
@@ -476,6 +556,58 @@ pub(crate) struct Batch {
     rows: Vec<Running>,
     decode: DecodeBatch,
     mix: AdapterMix,
+    /// The rows' next tokens, picked on the device and not read yet (nor fed): the batch runs
+    /// one step ahead of the host (see `step_batch`).
+    pending: Option<DevicePicks>,
+}
+
+/// A step's logits `[B, vocab]` with each row's greedy pick and NaN flag, still on the device.
+pub(crate) struct DevicePicks {
+    logits: mlxcel_core::Array,
+    ids: mlxcel_core::Array,
+    nan: mlxcel_core::Array,
+}
+
+impl DevicePicks {
+    fn of(logits: mlxcel_core::Array) -> mlxcel_arch::Result<DevicePicks> {
+        let ids = logits.argmax(-1, false)?.astype(Dtype::Int32)?;
+        let nan = logits.isnan()?.any(&[-1], false)?.astype(Dtype::Int32)?;
+        Ok(DevicePicks { logits, ids, nan })
+    }
+
+    /// Starts computing the picks without waiting for them.
+    fn queue(&self) -> mlxcel_arch::Result<()> {
+        Ok(mlxcel_core::ops::async_eval_all([&self.ids, &self.nan])?)
+    }
+
+    /// Waits for the picks and reads them.
+    fn read(self) -> mlxcel_arch::Result<Stepped> {
+        mlxcel_core::ops::eval_all([&self.ids, &self.nan])?;
+        let picks = (self.ids.to_vec::<i32>()?, self.nan.to_vec::<i32>()?);
+        Ok(Stepped {
+            logits: self.logits,
+            picks: Some(picks),
+        })
+    }
+}
+
+/// A step's logits `[B, vocab]`, and the greedy rows' picks and NaN flags read to the host
+/// (when any row picks greedily on the device).
+pub(crate) struct Stepped {
+    logits: mlxcel_core::Array,
+    picks: Option<(Vec<i32>, Vec<i32>)>,
+}
+
+/// `logits` with the device picks read, when `greedy` (some row picks on the device).
+fn read_step(logits: mlxcel_core::Array, greedy: bool) -> mlxcel_arch::Result<Stepped> {
+    if greedy {
+        DevicePicks::of(logits)?.read()
+    } else {
+        Ok(Stepped {
+            logits,
+            picks: None,
+        })
+    }
 }
 
 impl Background for ModelState {

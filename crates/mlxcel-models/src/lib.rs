@@ -667,10 +667,11 @@ impl Model {
                 &self.shared.folder.display().to_string(),
             ))
         })?;
-        let inputs = images
+        let prepared = images
             .iter()
-            .map(|i| vision.prepare(i))
+            .map(|i| vision.prepare_for_prompt(i))
             .collect::<std::result::Result<Vec<_>, _>>()?;
+        let inputs = prepared.iter().flat_map(|p| p.inputs.clone()).collect();
         let n = images.len();
         let with_images = |messages: &[Message]| -> Result<Vec<Message>> {
             let mut messages = messages.to_vec();
@@ -685,14 +686,14 @@ impl Model {
         let ids = match prompt {
             Prompt::Messages(m) => {
                 let text = self.chat_text(&with_images(m)?)?;
-                self.encode(&vision.expand_text(&text, &inputs)?, false)?
+                self.encode(&vision.expand_text_for(&text, &prepared)?, false)?
             }
             Prompt::MessagesWithTools { messages, tools } => {
                 let text = self.chat_text_with_tools(&with_images(messages)?, tools)?;
-                self.encode(&vision.expand_text(&text, &inputs)?, false)?
+                self.encode(&vision.expand_text_for(&text, &prepared)?, false)?
             }
-            Prompt::Text(t) => self.encode(&vision.expand_text(t, &inputs)?, true)?,
-            Prompt::Ids(ids) => vision.expand_ids(ids, &inputs)?,
+            Prompt::Text(t) => self.encode(&vision.expand_text_for(t, &prepared)?, true)?,
+            Prompt::Ids(ids) => vision.expand_ids_for(ids, &prepared)?,
         };
         self.check_ids(&ids)?;
         Ok((ids, inputs))

@@ -5,7 +5,6 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Instant;
@@ -13,6 +12,7 @@ use std::time::Instant;
 use mlxcel_core::{ops, Array, Dtype};
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::io::{self, read_threads};
 use crate::manifest::{parse_hash, LayerEntry};
 use crate::{Result, StreamError};
 
@@ -128,12 +128,6 @@ impl SlotMap {
         }
         (slots, loads)
     }
-}
-
-/// How many reads run at once (`MLXCEL_EXPERT_READ_THREADS` of the installed
-/// [`mlxcel_core::policy`], default 4).
-fn read_threads() -> usize {
-    mlxcel_core::policy::with(|p| p.expert_read_threads).max(1)
 }
 
 /// Whether each expert read from disk is checked against its xxh3 in the manifest
@@ -307,48 +301,20 @@ impl LayerStream {
     fn read(&self, loads: &[(usize, usize)]) -> Result<Vec<Vec<u8>>> {
         let stride = self.entry.expert_stride;
         let len = self.entry.read_len() as usize;
-        let threads = read_threads().min(loads.len()).max(1);
-        let per_thread = loads.len().div_ceil(threads);
         let mut out: Vec<Vec<u8>> = vec![Vec::new(); loads.len()];
         let hashes = self.hashes.as_deref();
-        let (path, prefix) = (&self.path, &self.entry.prefix);
-        let results: Vec<Result<()>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = out
-                .chunks_mut(per_thread)
-                .zip(loads.chunks(per_thread))
-                .map(|(bufs, jobs)| {
-                    let file = &self.file;
-                    scope.spawn(move || -> Result<()> {
-                        for (buf, (expert, _)) in bufs.iter_mut().zip(jobs) {
-                            *buf = vec![0u8; len];
-                            file.read_exact_at(buf, *expert as u64 * stride)
-                                .map_err(|e| StreamError::io(path, e))?;
-                            if let Some(want) = hashes.and_then(|h| h.get(*expert)) {
-                                let got = xxh3_64(buf);
-                                if got != *want {
-                                    return Err(corrupt(path, prefix, *expert, got, *want));
-                                }
-                            }
-                        }
-                        Ok(())
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(StreamError::io(
-                            &self.path,
-                            std::io::Error::other("read thread panicked"),
-                        ))
-                    })
-                })
-                .collect()
-        });
-        for r in results {
-            r?;
-        }
+        let (path, prefix, file) = (&self.path, &self.entry.prefix, &self.file);
+        io::parallel(path, loads, &mut out, read_threads(), |(expert, _), buf| {
+            *buf = vec![0u8; len];
+            io::read_exact_at(file, path, *expert as u64 * stride, buf)?;
+            if let Some(want) = hashes.and_then(|h| h.get(*expert)) {
+                let got = xxh3_64(buf);
+                if got != *want {
+                    return Err(corrupt(path, prefix, *expert, got, *want));
+                }
+            }
+            Ok(())
+        })?;
         Ok(out)
     }
 }

@@ -1,6 +1,7 @@
 //! # mlxcel-stream
 //!
-//! Owns what keeps huge models off memory: routed-expert streaming from disk.
+//! Owns what keeps huge models off memory: routed-expert streaming from disk and external
+//! per-layer-embedding rows.
 //!
 //! - [`manifest`]: the prepared layout (one page-aligned blob per expert per MoE layer, a
 //!   manifest with offsets, sizes, SHA-256s, per-expert xxh3s and source identity), its writer and
@@ -9,13 +10,16 @@
 //!   bounded parallel `pread`s of missing experts, each checked against its hash;
 //! - [`StreamConfig`]: the `MLXCEL_EXPERT_*` switches (from [`mlxcel_core::RuntimePolicy`]).
 //!
-//! External per-layer-embedding row storage is the other half of this crate's charter and is
-//! not built yet.
+//! - [`ple`]: external per-layer-embedding storage: mlx-vlm's v2 manifest, rows read on demand
+//!   (`MLXCEL_PLE_IO`, an LRU row cache, gather-ahead), `prepare-external-ple`'s writer;
+//! - [`io`]: what both share: exact and `O_DIRECT` reads, bounded parallel reads, SHA-256.
 
 #![warn(missing_docs)]
 
 pub mod arena;
+pub mod io;
 pub mod manifest;
+pub mod ple;
 
 use std::path::{Path, PathBuf};
 

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::io::hex;
 use crate::{Result, StreamError};
 
 /// The folder inside a model folder that holds the prepared layout.
@@ -166,10 +167,6 @@ impl Manifest {
             .map(|l| l.expert_bytes().saturating_mul(l.experts as u64))
             .fold(0u64, u64::saturating_add)
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The hex form of an xxh3-64 as the manifest writes it.

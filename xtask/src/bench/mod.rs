@@ -7,11 +7,13 @@
 //! engines; the table reports medians and ratios mlxcel / mlx-lm. See docs/performance.md.
 
 mod embed;
+mod external_ple;
+mod llama_cpp;
 mod proc;
 mod serve;
 mod stats;
 mod stream;
-mod synth;
+pub mod synth;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -44,6 +46,11 @@ pub struct BenchArgs {
     /// arenas (writes target/bench/expert_stream.md).
     #[arg(long)]
     expert_stream: bool,
+    /// Instead of the plan: the Gemma-3n-E2B-shaped 4-bit model with its per-layer-embedding
+    /// table resident against on disk (`prepare-external-ple`) in each `MLXCEL_PLE_IO` mode
+    /// (writes target/bench/external_ple.md).
+    #[arg(long)]
+    external_ple: bool,
     /// Instead of the plan: sentences/s of `mlxcel embed` against sentence-transformers (torch,
     /// CPU) on all-MiniLM-L6-v2, batches of 32 (writes target/bench/embeddings.md; installs
     /// torch into the bench venv on first use).
@@ -54,6 +61,14 @@ pub struct BenchArgs {
     /// target/bench/serve.md).
     #[arg(long)]
     serve: bool,
+    /// Instead of the plan: mlxcel against llama.cpp (llama-cpp-python) on the same weights,
+    /// SmolLM2-135M Q4_1 at 128/32 and 512/128 (writes target/bench/llama_cpp.md; installs
+    /// llama-cpp-python into the bench venv on first use).
+    #[arg(long)]
+    llama_cpp: bool,
+    /// Threads of both engines in `--llama-cpp` (default 2).
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +107,7 @@ enum ModelId {
     Mamba2Q4,
     JambaQ4,
     Qwen3NextQ4,
+    Gemma3nE2bQ4,
 }
 
 impl ModelId {
@@ -105,6 +121,7 @@ impl ModelId {
             ModelId::Mamba2Q4 => "synthetic-mamba2-130m-4bit-g64",
             ModelId::JambaQ4 => "synthetic-jamba-mini-4bit-g64",
             ModelId::Qwen3NextQ4 => "synthetic-qwen3next-mini-4bit-g64",
+            ModelId::Gemma3nE2bQ4 => "synthetic-gemma3n-e2b-4bit-g32",
         }
     }
 }
@@ -351,8 +368,10 @@ fn ensure_model(p: &Paths, id: ModelId) -> Result<PathBuf> {
         | ModelId::Qwen3Moe4
         | ModelId::Mamba2Q4
         | ModelId::JambaQ4
-        | ModelId::Qwen3NextQ4 => {
+        | ModelId::Qwen3NextQ4
+        | ModelId::Gemma3nE2bQ4 => {
             let (m, seed) = match id {
+                ModelId::Gemma3nE2bQ4 => (synth::gemma3n_e2b(Some(QuantSpec::affine(32, 4))), 6),
                 ModelId::Llama1bBf16 => (synth::llama_1b(None), 1),
                 ModelId::Llama1b4 => (synth::llama_1b(q4), 1),
                 ModelId::Mamba2Q4 => (synth::mamba2(q4), 3),
@@ -529,12 +548,55 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         println!("{table}");
         return Ok(());
     }
+    if args.external_ple {
+        let model = ensure_model(&p, ModelId::Gemma3nE2bQ4)?;
+        let bin = mlxcel_binary(&p)?;
+        let prompt = prompt_ids(32, 262_144, 7);
+        let table = external_ple::run(&bin, &p.logs, &model, &prompt, 16, args.runs.unwrap_or(2))?;
+        let out = p.bench.join("external_ple.md");
+        std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+        println!("{table}");
+        return Ok(());
+    }
     if args.serve {
         let model = ensure_model(&p, ModelId::Smol4)?;
         let bin = mlxcel_binary(&p)?;
         let py = python(&p)?;
         let table = serve::run(&p.logs, &bin, &py, &model, args.runs.unwrap_or(3))?;
         let out = p.bench.join("serve.md");
+        std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+        println!("{table}");
+        return Ok(());
+    }
+    if args.llama_cpp {
+        let smol = ensure_model(&p, ModelId::Smol4)?;
+        let gguf = crate::fetch::cache_dir()?
+            .join("downloads")
+            .join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        if !gguf.is_file() {
+            bail!(
+                "{} is missing: run `cargo xtask fetch-models`",
+                gguf.display()
+            );
+        }
+        let models = vec![llama_cpp::Weights {
+            name: "SmolLM2-135M Q4_1",
+            gguf,
+            vocab: vocab_of(&smol)?,
+            mlx: smol,
+        }];
+        let bin = mlxcel_binary(&p)?;
+        let py = llama_cpp::python(|| python(&p))?;
+        let table = llama_cpp::run(
+            &p,
+            &bin,
+            &py,
+            &models,
+            &[(128, 32), (512, 128)],
+            args.runs.unwrap_or(3),
+            args.threads,
+        )?;
+        let out = p.bench.join("llama_cpp.md");
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");
         return Ok(());

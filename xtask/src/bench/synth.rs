@@ -3,7 +3,7 @@
 //! Everything is written into a staging folder and renamed into place when complete.
 
 use std::collections::HashMap;
-use std::io::{BufWriter, Write};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -16,6 +16,8 @@ use crate::staging::{publish, staging_for};
 
 /// Standard deviation of the random weights (uniform in ±std·√3).
 const STD: f64 = 0.02;
+/// Tensors of more elements than this are generated in row chunks of about a quarter of it.
+const HUGE: u64 = 1 << 29;
 
 /// How a tensor is made.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -129,6 +131,26 @@ impl Synthetic {
             .sum()
     }
 
+    /// The model as a plan another program can build: `config`, and per tensor its name,
+    /// shape, fill (`random`: uniform with standard deviation `std`, or `ones`) and
+    /// quantization. The GPU machine has no Rust toolchain; `xtask/bench/make_plan_model.py`
+    /// builds the same shapes there with Python MLX (other random values).
+    pub fn plan(&self) -> Value {
+        let tensors: Vec<Value> = self
+            .items
+            .iter()
+            .map(|item| {
+                json!({
+                    "name": item.name,
+                    "shape": item.shape,
+                    "fill": match item.fill { Fill::Random => "random", Fill::Ones => "ones" },
+                    "quantization": quant_json(item.quant),
+                })
+            })
+            .collect();
+        json!({"config": self.config, "dtype": "bfloat16", "std": STD, "tensors": tensors})
+    }
+
     /// Writes `config.json` and `model.safetensors` into `dest` (via a staging folder).
     pub fn write(
         &self,
@@ -157,44 +179,83 @@ impl Synthetic {
         }
         let path = staging.join("model.safetensors");
         let file = std::fs::File::create(&path).with_context(|| format!("{}", path.display()))?;
-        let mut out = BufWriter::with_capacity(8 << 20, file);
-        out.write_all(&(text.len() as u64).to_le_bytes())?;
-        out.write_all(text.as_bytes())?;
+        let data_start = 8 + text.len() as u64;
+        file.set_len(data_start + offset)?;
+        let mut head = (text.len() as u64).to_le_bytes().to_vec();
+        head.extend_from_slice(text.as_bytes());
+        file.write_all_at(&head, 0)?;
+        // Each plane's offset in the file, in layout order.
+        let mut plane_at = Vec::with_capacity(sizes.len());
+        let mut at = data_start;
+        for n in &sizes {
+            plane_at.push(at);
+            at += n;
+        }
         let mut next = 0usize;
         for (i, item) in self.items.iter().enumerate() {
             progress(i, self.items.len());
-            let key = random::key(seed.wrapping_mul(1_000_003).wrapping_add(i as u64))?;
-            let base = match item.fill {
-                Fill::Ones => mlxcel_core::ops::ones(&item.shape, Dtype::Float32)?,
-                Fill::Random => random::uniform(&item.shape, Dtype::Float32, &key)?
-                    .add_scalar(-0.5)?
-                    .mul_scalar(2.0 * STD * 3f64.sqrt())?,
+            let planes = if item.quant.is_some() { 3 } else { 1 };
+            let rows = item.shape.first().copied().unwrap_or(1).max(1);
+            let numel: u64 = item.shape.iter().map(|x| *x as u64).product();
+            // Tensors past HUGE elements are made in row chunks (one key each, written at their
+            // place in every plane), so memory holds a chunk; smaller ones in one piece, as before.
+            let chunk_rows = if numel > HUGE {
+                ((HUGE / 4) / (numel / rows as u64).max(1)).max(1) as i32
+            } else {
+                rows
             };
-            let base = base.astype(self.dtype)?;
-            let planes: Vec<Array> = match item.quant {
-                None => vec![base],
-                Some(q) => {
-                    let p = base.quantize(q)?;
-                    let biases = p.biases.context("affine quantization without biases")?;
-                    vec![p.weight, p.scales, biases]
+            let mut written = vec![0u64; planes];
+            let mut start = 0;
+            while start < rows {
+                let stop = (start + chunk_rows).min(rows);
+                let mut shape = item.shape.clone();
+                if let Some(first) = shape.first_mut() {
+                    *first = stop - start;
                 }
-            };
-            for plane in planes {
-                let bytes = plane.to_bytes()?;
-                let (name, _, _) = &layout[next];
-                if bytes.len() as u64 != sizes[next] {
+                let key_index = if chunk_rows == rows {
+                    seed.wrapping_mul(1_000_003).wrapping_add(i as u64)
+                } else {
+                    seed.wrapping_mul(1_000_003)
+                        .wrapping_add(i as u64)
+                        .wrapping_mul(65_537)
+                        .wrapping_add(start as u64)
+                };
+                let key = random::key(key_index)?;
+                let base = match item.fill {
+                    Fill::Ones => mlxcel_core::ops::ones(&shape, Dtype::Float32)?,
+                    Fill::Random => random::uniform(&shape, Dtype::Float32, &key)?
+                        .add_scalar(-0.5)?
+                        .mul_scalar(2.0 * STD * 3f64.sqrt())?,
+                };
+                let base = base.astype(self.dtype)?;
+                let arrays: Vec<Array> = match item.quant {
+                    None => vec![base],
+                    Some(q) => {
+                        let p = base.quantize(q)?;
+                        let biases = p.biases.context("affine quantization without biases")?;
+                        vec![p.weight, p.scales, biases]
+                    }
+                };
+                for (k, plane) in arrays.into_iter().enumerate() {
+                    let bytes = plane.to_bytes()?;
+                    file.write_all_at(&bytes, plane_at[next + k] + written[k])?;
+                    written[k] += bytes.len() as u64;
+                }
+                start = stop;
+            }
+            for (k, w) in written.iter().enumerate() {
+                let (name, _, _) = &layout[next + k];
+                if *w != sizes[next + k] {
                     bail!(
-                        "{name}: wrote {} bytes, the header says {}",
-                        bytes.len(),
-                        sizes[next]
+                        "{name}: wrote {w} bytes, the header says {}",
+                        sizes[next + k]
                     );
                 }
-                out.write_all(&bytes)?;
-                next += 1;
             }
+            next += planes;
         }
-        out.flush()?;
-        drop(out);
+        file.sync_all()?;
+        drop(file);
         std::fs::write(
             staging.join("config.json"),
             serde_json::to_string_pretty(&self.config)?,
@@ -244,6 +305,131 @@ pub fn llama_1b(quant: Option<QuantSpec>) -> Synthetic {
         m.linear(format!("{p}.mlp.gate_proj"), &[inter, h], quant);
         m.linear(format!("{p}.mlp.up_proj"), &[inter, h], quant);
         m.linear(format!("{p}.mlp.down_proj"), &[h, inter], quant);
+    }
+    m.dense("model.norm.weight".into(), &[h], Fill::Ones);
+    m
+}
+
+/// A Gemma-3n-E2B-shaped text model (`gemma3n_text`): hidden 2048, 30 layers (4 sliding of
+/// window 512 then 1 full, six times), 8 heads (2 KV, head_dim 256), intermediate
+/// 8192, the last 10 layers sharing keys and values, activation sparsity 0.95 on the first 10,
+/// AltUp of 4, LAuReL rank 64, vocab 262400, and the per-layer-embedding table of 262144 rows ×
+/// 30·256 values (2.01 G parameters). Quantized as mlx-vlm's external-PLE layout expects (affine
+/// 4-bit g32, bf16 scales and biases) when `quant` is set; AltUp and LAuReL matrices, tiny, stay
+/// dense.
+pub fn gemma3n_e2b(quant: Option<QuantSpec>) -> Synthetic {
+    let (h, layers, heads, kv, hd, inter, vocab) = (2048, 30, 8, 2, 256, 8192, 262_400);
+    let (ple_rows, ple_dim, shared, altup, laurel) = (262_144, 256, 10, 4, 64);
+    let types: Vec<&str> = (0..layers)
+        .map(|i| {
+            if i % 5 == 4 {
+                "full_attention"
+            } else {
+                "sliding_attention"
+            }
+        })
+        .collect();
+    let sparsity: Vec<f64> = (0..layers)
+        .map(|i| if i < 10 { 0.95 } else { 0.0 })
+        .collect();
+    let config = json!({
+        "architectures": ["Gemma3nForCausalLM"],
+        "model_type": "gemma3n_text",
+        "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": vec![inter; layers as usize],
+        "vocab_size": vocab, "vocab_size_per_layer_input": ple_rows,
+        "hidden_size_per_layer_input": ple_dim, "num_kv_shared_layers": shared,
+        "altup_num_inputs": altup, "altup_active_idx": 0, "altup_coef_clip": 120.0,
+        "altup_correct_scale": true, "laurel_rank": laurel, "layer_types": types,
+        "activation_sparsity_pattern": sparsity, "sliding_window": 512,
+        "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": true,
+        "attention_bias": false,
+        "rope_parameters": {
+            "full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "bfloat16",
+    });
+    let mut m = Synthetic::bf16(config, quant);
+    m.linear("model.embed_tokens".into(), &[vocab, h], quant);
+    m.linear(
+        "model.embed_tokens_per_layer".into(),
+        &[ple_rows, layers * ple_dim],
+        quant,
+    );
+    m.linear(
+        "model.per_layer_model_projection".into(),
+        &[layers * ple_dim, h],
+        quant,
+    );
+    m.dense(
+        "model.per_layer_projection_norm.weight".into(),
+        &[ple_dim],
+        Fill::Ones,
+    );
+    for name in ["altup_projections", "altup_unembed_projections"] {
+        for j in 0..altup - 1 {
+            m.linear(format!("model.{name}.{j}"), &[h, h], quant);
+        }
+    }
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        m.dense(format!("{p}.input_layernorm.weight"), &[h], Fill::Ones);
+        m.linear(format!("{p}.self_attn.q_proj"), &[heads * hd, h], quant);
+        m.dense(format!("{p}.self_attn.q_norm.weight"), &[hd], Fill::Ones);
+        if i < layers - shared {
+            m.linear(format!("{p}.self_attn.k_proj"), &[kv * hd, h], quant);
+            m.linear(format!("{p}.self_attn.v_proj"), &[kv * hd, h], quant);
+            m.dense(format!("{p}.self_attn.k_norm.weight"), &[hd], Fill::Ones);
+        }
+        m.linear(format!("{p}.self_attn.o_proj"), &[h, heads * hd], quant);
+        for norm in [
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+            "post_per_layer_input_norm",
+        ] {
+            m.dense(format!("{p}.{norm}.weight"), &[h], Fill::Ones);
+        }
+        m.linear(format!("{p}.mlp.gate_proj"), &[inter, h], quant);
+        m.linear(format!("{p}.mlp.up_proj"), &[inter, h], quant);
+        m.linear(format!("{p}.mlp.down_proj"), &[h, inter], quant);
+        let a = format!("{p}.altup");
+        m.dense(format!("{a}.correct_output_scale"), &[h], Fill::Ones);
+        m.dense(
+            format!("{a}.correction_coefs.weight"),
+            &[altup, altup],
+            Fill::Random,
+        );
+        m.dense(
+            format!("{a}.modality_router.weight"),
+            &[altup, h],
+            Fill::Random,
+        );
+        m.dense(
+            format!("{a}.prediction_coefs.weight"),
+            &[altup * altup, altup],
+            Fill::Random,
+        );
+        m.dense(format!("{a}.router_norm.weight"), &[h], Fill::Ones);
+        m.dense(
+            format!("{p}.laurel.linear_left.weight"),
+            &[laurel, h],
+            Fill::Random,
+        );
+        m.dense(
+            format!("{p}.laurel.linear_right.weight"),
+            &[h, laurel],
+            Fill::Random,
+        );
+        m.dense(
+            format!("{p}.laurel.post_laurel_norm.weight"),
+            &[h],
+            Fill::Ones,
+        );
+        m.linear(format!("{p}.per_layer_input_gate"), &[ple_dim, h], quant);
+        m.linear(format!("{p}.per_layer_projection"), &[h, ple_dim], quant);
     }
     m.dense("model.norm.weight".into(), &[h], Fill::Ones);
     m
@@ -594,6 +780,9 @@ mod tests {
             "{}",
             gb(&qwen3_next(q))
         );
+        // 2.01 G parameters of per-layer table plus ~2.5 G others, 4-bit g32 (5 bits each).
+        let e2b = gemma3n_e2b(Some(QuantSpec::affine(32, 4)));
+        assert!((2.6..3.2).contains(&gb(&e2b)), "{}", gb(&e2b));
         let names: Vec<String> = qwen3_moe(q).layout().into_iter().map(|l| l.0).collect();
         assert!(names.contains(&"model.layers.3.mlp.switch_mlp.down_proj.scales".to_string()));
         assert!(names.contains(&"model.layers.3.mlp.gate.weight".to_string()));

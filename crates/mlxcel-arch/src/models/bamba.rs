@@ -12,7 +12,7 @@ use serde::Deserialize;
 use super::common::{base_spec, CommonArgs};
 use super::mamba2::{check_positive, dt_limit};
 use super::transformer::{DecoderArgs, DecoderSpec, Mamba2Spec, MixerSpec, Transformer};
-use crate::nn::ssm::Mamba2Dims;
+use crate::nn::ssm::{GatedNorm, Mamba2Dims};
 use crate::sanitize::{conv_weights_to_torch_layout, rename_in_layers};
 use crate::{ModelError, Result};
 
@@ -153,6 +153,7 @@ impl DecoderArgs for Args {
             conv_bias: self.mamba_conv_bias,
             proj_bias: self.mamba_proj_bias,
             norm_eps: common.rms_norm_eps,
+            gated_norm: GatedNorm::GateThenNorm,
             dt_limit: dt_limit(self.time_step_limit.as_deref())?,
         });
         let attention = self.attn_layer_indices.clone().unwrap_or_default();

@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use super::mamba::{inner_width, mixer_only_spec, sanitize_backbone};
 use super::transformer::{DecoderArgs, DecoderSpec, Mamba2Spec, MixerSpec, Transformer};
-use crate::nn::ssm::Mamba2Dims;
+use crate::nn::ssm::{GatedNorm, Mamba2Dims};
 use crate::{ModelError, Result};
 
 fn yes() -> bool {
@@ -126,6 +126,7 @@ impl DecoderArgs for Args {
             conv_bias: self.use_conv_bias,
             proj_bias: self.use_bias,
             norm_eps: self.layer_norm_epsilon,
+            gated_norm: GatedNorm::GateThenNorm,
             dt_limit: dt_limit(self.time_step_limit.as_deref())?,
         });
         Ok(mixer_only_spec(

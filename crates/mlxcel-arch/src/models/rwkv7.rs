@@ -18,10 +18,12 @@
 //! is a token-shifted squared-ReLU MLP.
 //!
 //! Each layer's [`LayerCache::State`] holds three arrays: the time mixer's last input (the token
-//! shift), its state (float32) and the channel mixer's last input. Prefill runs the recurrence
-//! position by position inside one graph (mlx-lm's CPU path does the same; a chunked form of the
-//! generalised delta rule is future work), continuing from the cached state, so any split of a
-//! prompt gives the state of one pass.
+//! shift), its state (float32) and the channel mixer's last input. On the CPU with mlxcel's
+//! kernels on, a prefill chunk's recurrence is one call of the CPU delta-rule kernel
+//! (`ops::cpu_delta_rule_scan`, position after position per head over the thread pool);
+//! otherwise it runs position by position inside one graph (mlx-lm's path does the same; a
+//! chunked matrix form of the generalised delta rule is future work). Either way it continues
+//! from the cached state, so any split of a prompt gives the state of one pass.
 
 use mlxcel_core::{ops, Array, Dtype, WeightMap};
 use mlxcel_quant::QuantConfig;
@@ -208,6 +210,11 @@ impl TimeMix {
         b: &Array,
         mut state: Array,
     ) -> Result<(Array, Array)> {
+        // mlxcel's CPU kernel runs the whole prompt in one call (the graph below is one set of
+        // ops per position).
+        if let Some(scanned) = ops::cpu_delta_rule_scan(r, w, k, v, a, b, &state)? {
+            return Ok(scanned);
+        }
         let l = r.dim(1)?;
         let at =
             |x: &Array, t: i32| -> Result<Array> { Ok(x.slice_axis(1, t, t + 1)?.squeeze(&[1])?) };

@@ -19,9 +19,12 @@ use mlxcel_core::{Array, WeightMap};
 use mlxcel_quant::QuantConfig;
 use serde::de::DeserializeOwned;
 
+mod cpu_decode;
+
 use crate::cache::LayerCache;
 use crate::model::{Architecture, LanguageModel, LayerKind};
-use crate::nn::ssm::{BcdtNorms, CausalConv, Mamba2Dims, MambaDims, PlainRms};
+use crate::nn::griffin::RgLruBlock;
+use crate::nn::ssm::{BcdtNorms, CausalConv, GatedNorm, Mamba2Dims, MambaDims, PlainRms};
 use crate::nn::{
     Activation, Attention, AttentionConfig, Embedding, GroupLimit, LatentAttention, LatentDims,
     LightningAttention, Linear, LinearInput, Mamba2Mixer, MambaMixer, Mlp, Norm, NormKind,
@@ -130,6 +133,9 @@ pub enum FfnSpec {
     },
     /// A mixture of experts (`mlp.gate` router, `mlp.switch_mlp.*` experts).
     Moe(MoeSpec),
+    /// A mixture of plain experts `down(act(up(x)))`, routed and shared alike (no gate
+    /// projections: Nemotron-H).
+    PlainMoe(MoeSpec),
     /// No feed-forward block (the [`BlockTopology::MixerOnly`] blocks of state-space stacks).
     None,
 }
@@ -188,6 +194,8 @@ pub struct Mamba2Spec {
     pub proj_bias: bool,
     /// Epsilon of the gated RMSNorm.
     pub norm_eps: f32,
+    /// Where the output gate sits relative to the norm (or that there is no norm).
+    pub gated_norm: GatedNorm,
     /// The clamp of the time step after its softplus (`time_step_limit`).
     pub dt_limit: (f64, f64),
 }
@@ -228,6 +236,17 @@ pub struct GatedDeltaSpec {
     pub layout: DeltaLayout,
 }
 
+/// Griffin's recurrent block (RecurrentGemma's RG-LRU layers, `mixer.*`).
+#[derive(Debug, Clone)]
+pub struct RgLruSpec {
+    /// Width of the recurrence (`lru_width`).
+    pub width: i32,
+    /// Heads of its block-diagonal gates (`num_attention_heads`).
+    pub heads: i32,
+    /// Width of the causal convolution (`conv1d_width`).
+    pub conv_kernel: i32,
+}
+
 /// The token mixer of one layer.
 #[derive(Debug, Clone)]
 pub enum MixerSpec {
@@ -244,14 +263,27 @@ pub enum MixerSpec {
     Lightning(LightningSpec),
     /// The gated delta rule (Qwen3-Next's linear attention).
     GatedDelta(GatedDeltaSpec),
+    /// Griffin's RG-LRU recurrent block.
+    RgLru(RgLruSpec),
+    /// Attention (under `self_attn`) and a Mamba-2 mixer (under `mamba`) side by side on the
+    /// same normed input, their outputs summed (Falcon-H1).
+    AttentionWithMamba2(Mamba2Spec),
+    /// No token mixer: in a [`BlockTopology::MixerOnly`] stack, the layer is its feed-forward
+    /// block alone, `h += ffn(input_layernorm(h))` (Nemotron-H's MLP and MoE layers).
+    None,
 }
 
 impl MixerSpec {
     /// The scope the mixer's tensors are read under within its layer.
     fn scope(&self) -> &'static str {
         match self {
-            MixerSpec::Attention | MixerSpec::Latent(_) | MixerSpec::Lightning(_) => "self_attn",
-            MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) => "mixer",
+            MixerSpec::Attention
+            | MixerSpec::Latent(_)
+            | MixerSpec::Lightning(_)
+            | MixerSpec::AttentionWithMamba2(_) => "self_attn",
+            MixerSpec::Mamba(_) | MixerSpec::Mamba2(_) | MixerSpec::RgLru(_) | MixerSpec::None => {
+                "mixer"
+            }
             MixerSpec::GatedDelta(_) => "linear_attn",
         }
     }
@@ -398,6 +430,21 @@ impl DecoderSpec {
                     window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
                     state: (m.dims.value_heads * m.dims.key_dim * m.dims.value_dim) as u64,
                 },
+                (MixerSpec::AttentionWithMamba2(m), _) => LayerKind::AttentionAndState {
+                    kv_heads: self.kv_heads,
+                    head_dim: self.head_dim,
+                    window: ((m.conv_kernel - 1) * m.dims.conv_dim()) as u64,
+                    state: (m.dims.inner * m.dims.state) as u64,
+                },
+                (MixerSpec::RgLru(m), _) => LayerKind::Recurrent {
+                    window: ((m.conv_kernel - 1) * m.width) as u64,
+                    state: m.width as u64,
+                },
+                // Nothing to keep; an empty state cache moves on with the others.
+                (MixerSpec::None, _) => LayerKind::Recurrent {
+                    window: 0,
+                    state: 0,
+                },
                 (MixerSpec::Latent(l), _) => LayerKind::LatentAttention {
                     latent: l.dims.kv_lora_rank,
                     rope: l.dims.qk_rope,
@@ -434,13 +481,19 @@ impl DecoderSpec {
             )));
         }
         let mixer_only = self.topology == BlockTopology::MixerOnly;
-        if self
-            .ffn
-            .iter()
-            .any(|f| matches!(f, FfnSpec::None) != mixer_only)
-        {
+        // A MixerOnly layer has one branch, its mixer or (without a mixer) its feed-forward;
+        // every other layer has both.
+        if self.ffn.iter().zip(&self.mixers).any(|(f, m)| {
+            let no_ffn = matches!(f, FfnSpec::None);
+            let no_mixer = matches!(m, MixerSpec::None);
+            if mixer_only {
+                no_ffn == no_mixer
+            } else {
+                no_ffn || no_mixer
+            }
+        }) {
             return Err(ModelError::Config(
-                "internal: a block has no feed-forward exactly when its topology is MixerOnly"
+                "internal: a MixerOnly layer has a mixer or a feed-forward, other layers both"
                     .into(),
             ));
         }
@@ -464,6 +517,10 @@ enum Mixer {
     Mamba2(Box<Mamba2Mixer>),
     Lightning(Box<LightningAttention>),
     GatedDelta(Box<GatedDeltaNet>),
+    RgLru(Box<RgLruBlock>),
+    AttentionWithMamba2(Box<(Attention, Mamba2Mixer)>),
+    /// See [`MixerSpec::None`].
+    None,
 }
 
 impl Mixer {
@@ -493,6 +550,24 @@ impl Mixer {
                 })
             }
             Mixer::GatedDelta(m) => m.forward(x, norm, residual, cache),
+            Mixer::RgLru(m) => m.forward(x, norm, residual, cache),
+            Mixer::AttentionWithMamba2(pair) => {
+                let (attention, mamba) = &**pair;
+                let x = match norm {
+                    Some(n) => n.forward(x)?,
+                    None => x.clone(),
+                };
+                let (kv, state) = cache.pair_mut()?;
+                let a = attention.forward(&x, None, None, kv, positions)?;
+                let y = mamba.forward(&x, None, Some(&a), state)?;
+                Ok(match residual {
+                    Some(r) => r.add(&y)?,
+                    None => y,
+                })
+            }
+            Mixer::None => Err(ModelError::Runtime(
+                "internal: a layer without a token mixer was asked to mix".into(),
+            )),
         }
     }
 }
@@ -647,6 +722,18 @@ impl Block {
         residual_scale: Option<f64>,
     ) -> Result<Array> {
         let mixer = &self.mixer;
+        if let (BlockNorms::MixerOnly { mixer_in }, Mixer::None, Some(ffn)) =
+            (&self.norms, mixer, &self.ffn)
+        {
+            // The layer's (empty) state cache moves on with the others' positions.
+            if let LayerCache::State(s) = cache {
+                s.advance(h.dim(1)? as usize);
+            }
+            return match residual_scale {
+                None => ffn.forward_fused(h, Some(mixer_in), Some(h)),
+                Some(s) => add_scaled(h, &ffn.forward_fused(h, Some(mixer_in), None)?, Some(s)),
+            };
+        }
         if let BlockNorms::MixerOnly { mixer_in } = &self.norms {
             return match residual_scale {
                 None => mixer.forward(h, Some(mixer_in), Some(h), cache, positions),
@@ -742,6 +829,8 @@ pub struct Decoder {
     final_softcap: Option<f64>,
     vocab: usize,
     schedule: Vec<LayerKind>,
+    /// The CPU decode engine, when it covers this decoder (see `cpu_decode`).
+    cpu_decode: Option<cpu_decode::CpuDecode>,
 }
 
 fn norm(w: &mut ModelWeights, spec: &DecoderSpec, name: &str, dim: i32) -> Result<Norm> {
@@ -1013,11 +1102,41 @@ fn mamba2_mixer(w: &mut ModelWeights, spec: &DecoderSpec, m: &Mamba2Spec) -> Res
         dt_bias,
         a,
         d: skip,
-        norm_weight: w.tensor("norm.weight", &[d.inner])?,
+        norm_weight: match m.gated_norm {
+            GatedNorm::GateOnly => None,
+            _ => Some(w.tensor("norm.weight", &[d.inner])?),
+        },
+        gated_norm: m.gated_norm,
         norm_eps: m.norm_eps,
         out_proj: w.linear("out_proj", d.inner, spec.hidden, m.proj_bias)?,
         dt_limit: m.dt_limit,
         dims: d,
+    })
+}
+
+/// Griffin's recurrent block under the open scope (`mixer`).
+fn rg_lru(w: &mut ModelWeights, spec: &DecoderSpec, m: &RgLruSpec) -> Result<RgLruBlock> {
+    if m.heads <= 0 || m.width % m.heads != 0 {
+        return Err(ModelError::Config(format!(
+            "lru_width {} is not a multiple of num_attention_heads {}",
+            m.width, m.heads
+        )));
+    }
+    let (h, bw) = (spec.hidden, m.width / m.heads);
+    let log_decay = RgLruBlock::log_decay_of(&w.tensor("rg_lru.recurrent_param", &[m.width])?)?;
+    w.keep_all([&log_decay]);
+    Ok(RgLruBlock {
+        linear_y: w.linear("linear_y", h, m.width, true)?,
+        linear_x: w.linear("linear_x", h, m.width, true)?,
+        linear_out: w.linear("linear_out", m.width, h, true)?,
+        conv: causal_conv(w, m.width, m.conv_kernel, true)?,
+        input_gate_weight: w.tensor("rg_lru.input_gate_weight", &[m.heads, bw, bw])?,
+        input_gate_bias: w.tensor("rg_lru.input_gate_bias", &[m.heads, bw])?,
+        recurrent_gate_weight: w.tensor("rg_lru.recurrent_gate_weight", &[m.heads, bw, bw])?,
+        recurrent_gate_bias: w.tensor("rg_lru.recurrent_gate_bias", &[m.heads, bw])?,
+        log_decay,
+        act: spec.act,
+        heads: m.heads,
     })
 }
 
@@ -1106,7 +1225,8 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                 "internal: no feed-forward block to build".into(),
             ))
         }
-        FfnSpec::Moe(m) => {
+        FfnSpec::Moe(m) | FfnSpec::PlainMoe(m) => {
+            let plain = matches!(ffn, FfnSpec::PlainMoe(_));
             let correction_bias = if m.correction_bias {
                 let b = w.tensor("gate.e_score_correction_bias", &[m.experts])?;
                 Some(b.astype(mlxcel_core::Dtype::Float32)?)
@@ -1124,7 +1244,11 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                     m.normalize,
                 )
             };
-            let mut experts = w.routed_experts("", m.experts, h, m.intermediate, spec.act)?;
+            let mut experts = if plain {
+                w.plain_routed_experts("", m.experts, h, m.intermediate, spec.act)?
+            } else {
+                w.routed_experts("", m.experts, h, m.intermediate, spec.act)?
+            };
             if m.expert_bias {
                 let RoutedExperts::Resident(glu) = &mut experts else {
                     return Err(ModelError::Unsupported(
@@ -1147,7 +1271,7 @@ fn feed_forward(w: &mut ModelWeights, spec: &DecoderSpec, ffn: &FfnSpec) -> Resu
                     } else {
                         None
                     };
-                    let mlp = mlp(&mut w.scope("shared_expert"), spec, s.intermediate, true)?;
+                    let mlp = mlp(&mut w.scope("shared_expert"), spec, s.intermediate, !plain)?;
                     Some((mlp, gate))
                 }
                 None => None,
@@ -1200,7 +1324,11 @@ impl Decoder {
             let mut layers = body.scope("layers");
             for i in 0..spec.layers() {
                 let mut l = layers.scope(i);
-                let mixer = {
+                let mixer = if let MixerSpec::AttentionWithMamba2(m) = &spec.mixers[i] {
+                    let attention = attention(&mut l.scope("self_attn"), spec, i)?;
+                    let mamba = mamba2_mixer(&mut l.scope("mamba"), spec, m)?;
+                    Mixer::AttentionWithMamba2(Box::new((attention, mamba)))
+                } else {
                     let mut a = l.scope(spec.mixers[i].scope());
                     match &spec.mixers[i] {
                         MixerSpec::Attention => Mixer::Attention(attention(&mut a, spec, i)?),
@@ -1219,6 +1347,9 @@ impl Decoder {
                         MixerSpec::GatedDelta(m) => {
                             Mixer::GatedDelta(Box::new(gated_delta(&mut a, spec, m)?))
                         }
+                        MixerSpec::RgLru(m) => Mixer::RgLru(Box::new(rg_lru(&mut a, spec, m)?)),
+                        MixerSpec::None => Mixer::None,
+                        MixerSpec::AttentionWithMamba2(_) => unreachable!("built above"),
                     }
                 };
                 let ffn = match &spec.ffn[i] {
@@ -1276,12 +1407,21 @@ impl Decoder {
             let head = w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?;
             (Some(head), None)
         };
+        let cpu_decode = cpu_decode::CpuDecode::build(cpu_decode::Parts {
+            spec,
+            blocks: &blocks,
+            embed: &embed,
+            lm_head: lm_head.as_ref(),
+            tied_head_bias: tied_head_bias.is_some(),
+            final_norm: &final_norm,
+        })?;
         Ok(Decoder {
             embed,
             blocks,
             norm: final_norm,
             lm_head,
             tied_head_bias,
+            cpu_decode,
             embed_scale: spec.embed_scale,
             residual_scale: spec.residual_scale,
             logit_scale: spec.logit_scale,
@@ -1418,6 +1558,11 @@ impl<A> LanguageModel for Transformer<A> {
         caches: &mut [LayerCache],
         last_only: bool,
     ) -> Result<Array> {
+        if let Some(engine) = &self.decoder.cpu_decode {
+            if let Some(logits) = engine.step(embeddings, positions, caches)? {
+                return Ok(logits);
+            }
+        }
         let h = self.decoder.body(embeddings.clone(), positions, caches)?;
         self.decoder.head(&h, last_only)
     }

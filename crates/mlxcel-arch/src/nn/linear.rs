@@ -121,6 +121,14 @@ impl Linear {
             Activation::GeluTanh => ops::KernelActivation::GeluTanh,
             Activation::Gelu => ops::KernelActivation::Gelu,
             Activation::Relu => ops::KernelActivation::Relu,
+            // The kernel's relu, then the square.
+            Activation::Relu2 => {
+                let y = match self.on_cpu_kernel(x, ops::KernelActivation::Relu)? {
+                    Some(y) => y,
+                    None => Activation::Relu.apply(&self.forward(x)?)?,
+                };
+                return Ok(y.square()?);
+            }
             // Not in the kernel: the layer, then the activation.
             Activation::XIelu(_) | Activation::OaiSwiglu => {
                 return act.apply(&self.forward(x)?);

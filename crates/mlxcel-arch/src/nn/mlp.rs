@@ -16,6 +16,8 @@ pub enum Activation {
     Gelu,
     /// `relu`.
     Relu,
+    /// `relu2`: `relu(x)²` (Nemotron-H's MLPs and experts).
+    Relu2,
     /// `xielu` (Apertus): a learned activation with per-layer parameters, read from the
     /// checkpoint's `mlp.act_fn.*` when the MLP is built.
     XIelu(XIeluParams),
@@ -68,6 +70,7 @@ impl Activation {
             "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu_tanh" => Activation::GeluTanh,
             "gelu" | "gelu_exact" => Activation::Gelu,
             "relu" => Activation::Relu,
+            "relu2" => Activation::Relu2,
             _ => return None,
         })
     }
@@ -80,7 +83,7 @@ impl Activation {
             Activation::Silu => GatedActivation::Silu,
             Activation::GeluTanh => GatedActivation::GeluTanh,
             Activation::Gelu => GatedActivation::Gelu,
-            Activation::Relu | Activation::XIelu(_) => {
+            Activation::Relu | Activation::Relu2 | Activation::XIelu(_) => {
                 return Ok(self.apply(gate)?.multiply(up)?)
             }
             Activation::OaiSwiglu => {
@@ -111,6 +114,7 @@ impl Activation {
                 x.multiply(&e.add_scalar(1.0)?)?.mul_scalar(0.5)?
             }
             Activation::Relu => x.maximum(&x.scalar_like(0.0)?)?,
+            Activation::Relu2 => x.maximum(&x.scalar_like(0.0)?)?.square()?,
             Activation::XIelu(p) => {
                 let linear = x.mul_scalar(p.beta as f64)?;
                 let positive = x.square()?.mul_scalar(p.alpha_p as f64)?.add(&linear)?;

@@ -1,11 +1,12 @@
 //! Building blocks shared by the architectures: linear layers (dense or quantized), embeddings,
 //! norms, rotary embeddings, attention, MLPs, mixture-of-experts layers, state-space and
-//! linear-attention (gated DeltaNet) mixers and
+//! linear-attention (gated DeltaNet) mixers, Griffin's RG-LRU block and
 //! runtime LoRA adapters.
 
 mod attention;
 pub mod calibration;
 pub mod gated_delta;
+pub mod griffin;
 mod lightning;
 mod linear;
 pub mod lora;

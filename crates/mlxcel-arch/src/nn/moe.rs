@@ -148,8 +148,9 @@ impl GroupLimit {
 /// The experts' gated MLP: `down(act(gate(x)) * up(x))` with per-row expert choice.
 #[derive(Debug, Clone)]
 pub struct SwitchGlu {
-    /// `switch_mlp.gate_proj`: `[experts, intermediate, hidden]`.
-    pub gate: SwitchLinear,
+    /// `switch_mlp.gate_proj`: `[experts, intermediate, hidden]`; `None` for plain experts
+    /// `down(act(up(x)))` (Nemotron-H).
+    pub gate: Option<SwitchLinear>,
     /// `switch_mlp.up_proj`: `[experts, intermediate, hidden]`.
     pub up: SwitchLinear,
     /// `switch_mlp.down_proj`: `[experts, hidden, intermediate]`.
@@ -194,11 +195,16 @@ impl SwitchGlu {
                         .broadcast_to(&[t, k])?,
                 )
             };
-            let g = self.gate.forward_rows(&xs, rows.as_ref(), ids, false)?;
             let u = self.up.forward_rows(&xs, rows.as_ref(), ids, false)?;
-            let g = add_expert_bias(g, self.bias(0), ids)?;
             let u = add_expert_bias(u, self.bias(1), ids)?;
-            let h = self.act.gated(&g, &u)?;
+            let h = match &self.gate {
+                Some(gate) => {
+                    let g = gate.forward_rows(&xs, rows.as_ref(), ids, false)?;
+                    self.act
+                        .gated(&add_expert_bias(g, self.bias(0), ids)?, &u)?
+                }
+                None => self.act.apply(&u)?,
+            };
             let y = add_expert_bias(self.down.forward(&h, ids, false)?, self.bias(2), ids)?;
             return Ok(y.reshape(&[t, k, d])?);
         }
@@ -209,11 +215,16 @@ impl SwitchGlu {
         let sorted_ids = flat.take(&order, 0)?;
         let token_of = order.floor_divide(&order.scalar_like(k as f64)?)?;
         let rows = x.take(&token_of, 0)?.reshape(&[t * k, 1, d])?;
-        let g = self.gate.forward(&rows, &sorted_ids, true)?;
         let u = self.up.forward(&rows, &sorted_ids, true)?;
-        let g = add_expert_bias(g, self.bias(0), &sorted_ids)?;
         let u = add_expert_bias(u, self.bias(1), &sorted_ids)?;
-        let h = self.act.gated(&g, &u)?;
+        let h = match &self.gate {
+            Some(gate) => {
+                let g = gate.forward(&rows, &sorted_ids, true)?;
+                self.act
+                    .gated(&add_expert_bias(g, self.bias(0), &sorted_ids)?, &u)?
+            }
+            None => self.act.apply(&u)?,
+        };
         let y = self.down.forward(&h, &sorted_ids, true)?;
         let y = add_expert_bias(y, self.bias(2), &sorted_ids)?;
         Ok(y.take(&inverse, 0)?.reshape(&[t, k, d])?)

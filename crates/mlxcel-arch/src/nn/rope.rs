@@ -238,6 +238,37 @@ impl RotaryEmbedding {
         })
     }
 
+    /// For the CPU decode engine: the angle per position of each rotated pair (`inv_freq`, a
+    /// linear scaling folded in), whether pairs are interleaved, when the periods are fixed and
+    /// unscaled afterwards (default, linear, llama3, yarn without an attention factor); `None`
+    /// for position-dependent scalings (dynamic NTK, longrope) and yarn's attention factor.
+    pub(crate) fn fixed_inv_freq(&self) -> Result<Option<(Vec<f32>, bool)>> {
+        let Scaling::Fixed {
+            freqs,
+            scale,
+            attention_factor,
+        } = &self.scaling
+        else {
+            return Ok(None);
+        };
+        if *attention_factor != 1.0 {
+            return Ok(None);
+        }
+        // As MLX's rope computes them: from the periods when given, else base^(-2i/dims).
+        let inv: Vec<f32> = match freqs {
+            Some(periods) => periods
+                .to_vec::<f32>()?
+                .iter()
+                .map(|p| (1.0 / *p) * *scale)
+                .collect(),
+            None => default_inv_freq(self.base, self.dims)
+                .iter()
+                .map(|f| (*f as f32) * *scale)
+                .collect(),
+        };
+        Ok(Some((inv, self.traditional)))
+    }
+
     /// Applies the rotation to `x` `[B, H, L, D]` whose first row is at position `offset`.
     pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
         let length = x.dim(-2)? as usize;

@@ -4,10 +4,12 @@
 //!
 //! A state-space layer keeps no keys and values: its [`LayerCache::State`] holds the last
 //! `kernel - 1` inputs of the convolution (the *window*) and the scan's recurrent state, both of
-//! fixed size. Prefill runs the scan as a graph of whole-chunk MLX ops — Mamba-1 as a
-//! Hillis-Steele scan over blocks of [`SCAN_BLOCK`] positions, Mamba-2 as the chunked SSD
-//! (quadratic within a chunk, a recurrence over chunk states between them) — and a decode step
-//! runs the one-token recurrence. Either way the layer starts from, and leaves, the state in the
+//! fixed size. On the CPU with mlxcel's kernels on, both scans run as one call of the CPU
+//! recurrence kernel (`ops::cpu_selective_scan`: position after position, rows over the thread
+//! pool), prefill and decode alike. Otherwise (GPUs, `MLXCEL_CPU_KERNELS=0`) prefill runs the
+//! scan as a graph of whole-chunk MLX ops — Mamba-1 as a Hillis-Steele scan over blocks of
+//! [`SCAN_BLOCK`] positions, Mamba-2 as the chunked SSD (quadratic within a chunk, a recurrence
+//! over chunk states between them) — and a decode step runs the one-token recurrence. Either way the layer starts from, and leaves, the state in the
 //! cache, so any split of a prompt into prefill chunks gives the same state as one pass.
 //!
 //! The scans run in float32 whatever the compute dtype (decay products of many steps lose
@@ -85,6 +87,12 @@ impl CausalConv {
     /// `x` `[B, L, C]` and the previous window `[B, kernel - 1, C]` (zeros when `None`) →
     /// `silu(conv(x))` `[B, L, C]` and the new window.
     pub fn forward(&self, x: &Array, window: Option<&Array>) -> Result<(Array, Array)> {
+        let (y, window) = self.convolve(x, window)?;
+        Ok((silu(&y)?, window))
+    }
+
+    /// [`CausalConv::forward`] without the SiLU (Griffin's recurrent block).
+    pub fn convolve(&self, x: &Array, window: Option<&Array>) -> Result<(Array, Array)> {
         let k = self.kernel()?;
         let (b, l, c) = (x.dim(0)?, x.dim(1)?, x.dim(2)?);
         let window = match window {
@@ -109,7 +117,7 @@ impl CausalConv {
             y = y.add(bias)?;
         }
         let new_window = padded.slice_axis(1, l, l + k - 1)?;
-        Ok((silu(&y)?, new_window))
+        Ok((y, new_window))
     }
 }
 
@@ -178,7 +186,7 @@ pub struct MambaMixer {
 /// `h_t = a_t ⊙ h_{t-1} + b_t` for every `t` of a block, `a`, `b` `[B, T, ...]`, from `h0`
 /// `[B, ...]`: a Hillis-Steele scan (log2 T steps of whole-block ops; every product is of decays
 /// ≤ 1, so nothing overflows). Returns all `h_t`.
-fn linear_recurrence(a: &Array, b: &Array, h0: &Array) -> Result<Array> {
+pub(crate) fn linear_recurrence(a: &Array, b: &Array, h0: &Array) -> Result<Array> {
     let t = a.dim(1)?;
     let (mut a, mut b) = (a.clone(), b.clone());
     let mut step = 1;
@@ -213,6 +221,18 @@ impl MambaMixer {
         cm: &Array,
         h0: Array,
     ) -> Result<(Array, Array)> {
+        // mlxcel's CPU kernel runs the recurrence directly: each channel a head of one.
+        if let Some((y, h)) = ops::cpu_selective_scan(
+            &x.expand_dims(&[-1])?,
+            dt,
+            &self.a,
+            &bm.expand_dims(&[2])?,
+            &cm.expand_dims(&[2])?,
+            &h0.expand_dims(&[2])?,
+            false,
+        )? {
+            return Ok((y.squeeze(&[-1])?, h.squeeze(&[2])?));
+        }
         let l = x.dim(1)?;
         let mut h = h0;
         let mut ys = Vec::new();
@@ -314,6 +334,17 @@ impl Mamba2Dims {
     }
 }
 
+/// Where Mamba-2's output gate `silu(z)` sits relative to its grouped RMSNorm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatedNorm {
+    /// `norm(y · silu(z))` (Mamba-2, Bamba, Nemotron-H; Falcon-H1's default).
+    GateThenNorm,
+    /// `norm(y) · silu(z)` (Falcon-H1's `mamba_norm_before_gate`).
+    NormThenGate,
+    /// `y · silu(z)`, no norm (Falcon-H1 without `mamba_rms_norm`).
+    GateOnly,
+}
+
 /// Mamba-2's mixer: multi-head SSD with grouped `B`/`C` and a gated RMSNorm.
 #[derive(Debug)]
 pub struct Mamba2Mixer {
@@ -327,8 +358,11 @@ pub struct Mamba2Mixer {
     pub a: Array,
     /// The skip connection `[heads]`, float32.
     pub d: Array,
-    /// The gated RMSNorm's weight `[inner]`, over groups of `inner / groups` features.
-    pub norm_weight: Array,
+    /// The gated RMSNorm's weight `[inner]`, over groups of `inner / groups` features (`None`
+    /// for [`GatedNorm::GateOnly`]).
+    pub norm_weight: Option<Array>,
+    /// Where the gate sits.
+    pub gated_norm: GatedNorm,
     /// The gated RMSNorm's epsilon.
     pub norm_eps: f32,
     /// inner → hidden.
@@ -533,22 +567,39 @@ impl Mamba2Mixer {
             Some(s) => s,
             None => ops::zeros(&[b, d.heads, d.head_dim, d.state], Dtype::Float32)?,
         };
-        let (y, h) = if l == 1 {
-            self.step(&xs, &dt, &bm, &cm, &h0)?
-        } else {
-            self.ssd(&xs, &dt, &bm, &cm, &h0)?
+        // mlxcel's CPU kernel runs the recurrence directly (prefill and decode alike).
+        let a = self
+            .a
+            .reshape(&[d.heads, 1])?
+            .broadcast_to(&[d.heads, d.state])?;
+        let (y, h) = match ops::cpu_selective_scan(&xs, &dt, &a, &bm, &cm, &h0, true)? {
+            Some(scanned) => scanned,
+            None if l == 1 => self.step(&xs, &dt, &bm, &cm, &h0)?,
+            None => self.ssd(&xs, &dt, &bm, &cm, &h0)?,
         };
         let y = y
             .add(&xs.multiply(&self.d.expand_dims(&[-1])?)?)?
             .reshape(&[b, l, d.inner])?;
-        // Gated RMSNorm: normalise y · silu(z) over each group's features.
-        let gated = y.multiply(&silu(&f32(z)?)?)?;
-        let normed = gated
-            .reshape(&[b, l, d.groups, d.inner / d.groups])?
-            .rms_norm(None, self.norm_eps)?
-            .reshape(&[b, l, d.inner])?
-            .astype(dtype)?
-            .multiply(&self.norm_weight)?;
+        // Gated RMSNorm over each group's features (float32, the weight applied in the compute
+        // dtype after the norm as transformers' Mamba-2 does, in float32 before the gate as its
+        // Falcon-H1 does).
+        let gate = silu(&f32(z)?)?;
+        let group_norm = |a: &Array| -> Result<Array> {
+            Ok(a.reshape(&[b, l, d.groups, d.inner / d.groups])?
+                .rms_norm(None, self.norm_eps)?
+                .reshape(&[b, l, d.inner])?)
+        };
+        let weight = |a: Array| -> Result<Array> {
+            Ok(match &self.norm_weight {
+                Some(w) => a.multiply(w)?,
+                None => a,
+            })
+        };
+        let normed = match self.gated_norm {
+            GatedNorm::GateThenNorm => weight(group_norm(&y.multiply(&gate)?)?.astype(dtype)?)?,
+            GatedNorm::NormThenGate => weight(group_norm(&y)?)?.multiply(&gate)?.astype(dtype)?,
+            GatedNorm::GateOnly => y.multiply(&gate)?.astype(dtype)?,
+        };
         write_state(cache, window, h, l as usize);
         self.out_proj
             .forward_fused(&normed, LinearInput::Plain, residual)

@@ -20,13 +20,16 @@
 //   aux    T      [K] (PRE 1; else unused)
 //   res    T      [M, N] (RES 1; else unused)
 //   out    T      [M, N]          (any shape with M*N elements; dtype = x's dtype)
-//   n_rows, words_per_row, groups_per_row: N, K*BITS/32 and K/gs; eps (PRE 1)
+//   n_rows, words_per_row, groups_per_row, m_rows: N, K*BITS/32, K/gs and M; eps (PRE 1)
 // Integer template args: BITS (4 or 8), NW (warps per block), RPW (output rows per block),
+//   MB (activation rows per block: each weight chunk is loaded once and used for all MB rows,
+//   so a decode batch reads the matrix ceil(M/MB) times instead of M times),
 //   NOALLOC (1: weights read with ld.global.nc.L1::no_allocate, 0: plain ld.global.nc),
 //   FAST (4 bits only; 1: two elements per LOP3 with a ~2e-5 relative perturbation, see
 //   qmv_header.cuh; use 0 for float32 outputs or when bit-faithful float math is wanted),
 //   PRE and RES as above.
-// Launch: threadgroup (NW*32, 1, 1), grid (ceil(N/RPW) * NW*32, M, 1)  (grid is in threads).
+// Launch: threadgroup (NW*32, 1, 1), grid (ceil(N/RPW) * NW*32, ceil(M/MB), 1)  (grid is in
+// threads).
 // N, K and the group size are arguments, so one compiled kernel serves every matrix of a model; gs must be a power of two >= 32 (MLX: 32, 64,
 // 128). K must be a multiple of 32 and x 16-byte aligned (true for MLX-allocated rows).
 //
@@ -88,13 +91,16 @@ __device__ __forceinline__ float qmv_inv_rms(const T* xrow, int k_len, float eps
   for (int i = 0; i < NW; ++i) {
     total += qmv_ss[i];
   }
+  // Every thread has read the partial sums before the next call overwrites them.
+  __syncthreads();
   return rsqrtf(total / (float)k_len + eps);
 }
 
-template <int BITS, int NW, int RPW, int NOALLOC, int FAST, int PRE, int RES, typename T>
+template <int BITS, int NW, int RPW, int MB, int NOALLOC, int FAST, int PRE, int RES,
+          typename T>
 __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T* biases,
                                     const T* x, const T* aux, const T* res, T* out, int n_rows,
-                                    int words_per_row, int groups_per_row, float eps) {
+                                    int words_per_row, int groups_per_row, int m_rows, float eps) {
   constexpr int QMV_EPW = 32 / BITS;     // elements per uint32
   constexpr int QMV_EPC = 4 * QMV_EPW;   // elements per 16-byte chunk
   constexpr int QMV_NT = NW * 32;        // threads per block
@@ -104,6 +110,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
   static_assert(BITS == 4 || BITS == 8, "qmv: BITS must be 4 or 8");
   static_assert(NW >= 1 && NW <= 32, "qmv: NW must be in 1..32");
   static_assert(RPW >= 1 && RPW <= QMV_NT, "qmv: RPW must be in 1..NW*32");
+  static_assert(MB >= 1 && MB * RPW <= QMV_NT, "qmv: MB * RPW must be in 1..NW*32");
   static_assert(PRE >= 0 && PRE <= 2 && (RES == 0 || RES == 1), "qmv: PRE 0..2, RES 0/1");
 
   const int k_len = words_per_row * QMV_EPW;
@@ -112,7 +119,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
   const int gshift = 31 - __clz(chunks_per_group);
 
   const int tid = threadIdx.x;
-  const int m = blockIdx.y;
+  const int m0 = blockIdx.y * MB;
   const int row0 = blockIdx.x * RPW;
 
   // Rows past the end are clamped for loading (always in bounds) and never stored.
@@ -124,18 +131,29 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
     wbase[r] = (size_t)n * (size_t)words_per_row;
     gbase[r] = n * groups_per_row;
   }
-  const auto* xrow = x + (size_t)m * (size_t)(PRE == 2 ? 2 * k_len : k_len);
-  const float inv_rms = (PRE == 1) ? qmv_inv_rms<NW>(xrow, k_len, eps) : 1.0f;
-
-  float acc[RPW];
+  // The block's activation rows; rows past M repeat the last one and are never stored.
+  const T* xrows[MB];
+  float inv_rms[MB];
 #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    acc[r] = 0.0f;
+  for (int b = 0; b < MB; ++b) {
+    const int m = (m0 + b < m_rows) ? (m0 + b) : (m_rows - 1);
+    xrows[b] = x + (size_t)m * (size_t)(PRE == 2 ? 2 * k_len : k_len);
+    inv_rms[b] = (PRE == 1) ? qmv_inv_rms<NW>(xrows[b], k_len, eps) : 1.0f;
+  }
+
+  float acc[MB][RPW];
+#pragma unroll
+  for (int b = 0; b < MB; ++b) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      acc[b][r] = 0.0f;
+    }
   }
 
 #pragma unroll 2
   for (int c = tid; c < chunks_per_row; c += QMV_NT) {
-    // Issue every weight load of this step first (RPW * 16 bytes in flight per thread).
+    // Issue every weight load of this step first (RPW * 16 bytes in flight per thread); each
+    // weight chunk is read once for all MB activation rows.
     uint4 wv[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
@@ -150,57 +168,94 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
       bs[r] = qmv_to_float(biases[gbase[r] + g]);
     }
 
-    float d[RPW];
+    float d[MB][RPW];
+    float xsum[MB];
+    float xhi[MB];  // FAST: sum of the activations of elements 4..7 of every word
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      d[r] = 0.0f;
-    }
-    float xsum = 0.0f;
-    float xhi = 0.0f;  // FAST: sum of the activations of elements 4..7 of every word
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float xf[QMV_EPW];
-      qmv_input<PRE>(xrow, aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms, xf);
-      qmv_add_sums<QMV_FAST>(xf, xsum, xhi);
+    for (int b = 0; b < MB; ++b) {
+      xsum[b] = 0.0f;
+      xhi[b] = 0.0f;
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        d[r] = qmv_dot_word<BITS, FAST>(qmv_word(wv[r], k), xf, d[r]);
+        d[b][r] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 4 && MB == 1; ++k) {
+      // One activation row: unpack and multiply in one pass (qmv_dot_word).
+      float xf[QMV_EPW];
+      qmv_input<PRE>(xrows[0], aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms[0], xf);
+      qmv_add_sums<QMV_FAST>(xf, xsum[0], xhi[0]);
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        d[0][r] = qmv_dot_word<BITS, FAST>(qmv_word(wv[r], k), xf, d[0][r]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 4 && MB > 1; ++k) {
+      // Each activation row's inputs once per word, then each weight word unpacked once and
+      // used by every row (see qmv_unpack_word).
+      float xf[MB][QMV_EPW];
+#pragma unroll
+      for (int b = 0; b < MB; ++b) {
+        qmv_input<PRE>(xrows[b], aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms[b], xf[b]);
+        qmv_add_sums<QMV_FAST>(xf[b], xsum[b], xhi[b]);
+      }
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        float q[QMV_EPW];
+        qmv_unpack_word<BITS, FAST>(qmv_word(wv[r], k), q);
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {
+          d[b][r] = qmv_dot_unpacked<BITS, FAST>(q, xf[b], d[b][r]);
+        }
       }
     }
     // d = sum (offset + q) x  ->  scale * (d - sum offset * x) + bias * xsum
-    const float xoff = QMV_FAST ? fmaf(QMV_HI_EXTRA, xhi, QMV_OFF * xsum) : QMV_OFF * xsum;
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
+      const float xoff =
+          QMV_FAST ? fmaf(QMV_HI_EXTRA, xhi[b], QMV_OFF * xsum[b]) : QMV_OFF * xsum[b];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        acc[b][r] = fmaf(sc[r], d[b][r] - xoff, fmaf(bs[r], xsum[b], acc[b][r]));
+      }
+    }
+  }
+
+#pragma unroll
+  for (int b = 0; b < MB; ++b) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      acc[r] = fmaf(sc[r], d[r] - xoff, fmaf(bs[r], xsum, acc[r]));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        acc[b][r] += __shfl_xor_sync(0xffffffffu, acc[b][r], o);
+      }
     }
   }
 
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-    }
-  }
-
-  __shared__ float qmv_red[NW][RPW];
+  __shared__ float qmv_red[NW][MB * RPW];
   const int lane = tid & 31;
   const int warp = tid >> 5;
   if (lane == 0) {
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      qmv_red[warp][r] = acc[r];
+    for (int b = 0; b < MB; ++b) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        qmv_red[warp][b * RPW + r] = acc[b][r];
+      }
     }
   }
   __syncthreads();
-  if (tid < RPW) {
+  if (tid < MB * RPW) {
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < NW; ++i) {
       s += qmv_red[i][tid];
     }
-    const int n = row0 + tid;
-    if (n < n_rows) {
+    const int m = m0 + tid / RPW;
+    const int n = row0 + tid % RPW;
+    if (n < n_rows && m < m_rows) {
       const size_t at = (size_t)m * (size_t)n_rows + n;
       if constexpr (RES == 1) {
         // MLX rounds the product, then the sum.

@@ -193,3 +193,62 @@ __device__ __forceinline__ float qmv_dot_word(uint32_t w, const float* xf, float
   }
   return a0 + a1;
 }
+
+// ---- the same for several activation rows ------------------------------------------------
+//
+// A decode batch multiplies each weight word with several activation rows. Unpacking a word
+// once and reusing its floats for every row (instead of qmv_dot_word per row) saves most of
+// the integer work, which is what bounds a many-row GEMV. qmv_dot_unpacked accumulates in
+// exactly qmv_dot_word's order (two partial sums, the same element split), so each row's
+// result is bitwise the one-row kernel's.
+
+// The 32/BITS weights of `w` as the floats qmv_dot_word multiplies.
+template <int BITS, int FAST>
+__device__ __forceinline__ void qmv_unpack_word(uint32_t w, float (&q)[32 / BITS]) {
+  if constexpr (BITS == 4 && FAST != 0) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint32_t v = ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u;
+      q[p] = __uint_as_float(v << 16);
+      q[p + 4] = __uint_as_float(v);
+    }
+  } else if constexpr (BITS == 4) {
+    const uint32_t hi = w >> 16;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t t = (j < 4) ? (w << (16 - 4 * j)) : (j == 4 ? w : (hi << (32 - 4 * j)));
+      q[j] = __uint_as_float((t & 0x000F0000u) | 0x43000000u);
+    }
+  } else {
+    static_assert(BITS == 8, "qmv: BITS must be 4 or 8");
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t t = (j < 2) ? (w << (15 - 8 * j)) : (w >> (8 * j - 15));
+      q[j] = __uint_as_float((t & 0x007F8000u) | 0x43800000u);
+    }
+  }
+}
+
+// acc + sum_j q[j] * xf[j] for unpacked weights, in qmv_dot_word<BITS, FAST>'s order.
+template <int BITS, int FAST>
+__device__ __forceinline__ float qmv_dot_unpacked(const float (&q)[32 / BITS], const float* xf,
+                                                  float acc) {
+  float a0 = acc, a1 = 0.0f;
+  if constexpr (BITS == 4 && FAST != 0) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      a0 = fmaf(q[p], xf[p], a0);
+      a1 = fmaf(q[p + 4], xf[p + 4], a1);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 32 / BITS; ++j) {
+      if (j & 1) {
+        a1 = fmaf(q[j], xf[j], a1);
+      } else {
+        a0 = fmaf(q[j], xf[j], a0);
+      }
+    }
+  }
+  return a0 + a1;
+}

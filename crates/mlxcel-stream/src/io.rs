@@ -1,0 +1,286 @@
+//! The disk side shared by expert streaming and external per-layer-embedding rows: exact
+//! positioned reads (a short file is an error naming it, never a fault), `O_DIRECT` reads into
+//! aligned buffers, bounded parallel reads on scoped threads, and SHA-256 of files.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+use crate::{Result, StreamError};
+
+/// Alignment of `O_DIRECT` reads: offsets, lengths and buffer addresses are multiples of it
+/// (the logical block size of every common file system divides 4096).
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// How many reads run at once (`MLXCEL_EXPERT_READ_THREADS` of the installed
+/// [`mlxcel_core::policy`], default 4): expert blobs and PLE rows share the setting.
+pub fn read_threads() -> usize {
+    mlxcel_core::policy::with(|p| p.expert_read_threads).max(1)
+}
+
+/// The error for a read that found fewer bytes than the layout promised.
+fn truncated(path: &Path, offset: u64, want: usize, got: usize) -> StreamError {
+    StreamError::io(
+        path,
+        std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("file is truncated: {want} bytes expected at offset {offset}, {got} found"),
+        ),
+    )
+}
+
+/// Fills `buf` from `offset` of `file` with `pread`s; end of file first is an error saying the
+/// file is truncated.
+pub fn read_exact_at(file: &File, path: &Path, offset: u64, buf: &mut [u8]) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => return Err(truncated(path, offset, buf.len(), done)),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(StreamError::io(path, e)),
+        }
+    }
+    Ok(())
+}
+
+/// A heap buffer whose start is [`DIRECT_ALIGN`]-aligned, as `O_DIRECT` requires.
+pub struct AlignedBuf {
+    storage: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    /// `len` zeroed bytes.
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        let storage = vec![0u8; len + DIRECT_ALIGN];
+        let start = storage.as_ptr().align_offset(DIRECT_ALIGN);
+        AlignedBuf {
+            storage,
+            start,
+            len,
+        }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.storage[self.start..self.start + self.len]
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.storage[self.start..self.start + self.len]
+    }
+}
+
+/// Opens `path` for reads that bypass the page cache: `O_DIRECT` on Linux, `F_NOCACHE` on
+/// macOS. A file system that refuses direct I/O is an error naming the file.
+pub fn open_direct(path: &Path) -> Result<File> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .map_err(|e| {
+                let hint = if e.raw_os_error() == Some(libc::EINVAL) {
+                    std::io::Error::new(
+                        e.kind(),
+                        "the file system does not support O_DIRECT reads (MLXCEL_PLE_IO=direct); use mmap or ram",
+                    )
+                } else {
+                    e
+                };
+                StreamError::io(path, hint)
+            })
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let file = File::open(path).map_err(|e| StreamError::io(path, e))?;
+        #[cfg(target_os = "macos")]
+        {
+            use std::os::unix::io::AsRawFd;
+            // SAFETY: fcntl on a descriptor this function owns; F_NOCACHE takes an int flag.
+            unsafe {
+                libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1);
+            }
+        }
+        Ok(file)
+    }
+}
+
+/// Reads `out.len()` bytes at `offset` of a file opened with [`open_direct`]: the aligned
+/// blocks covering the range go into `scratch` (grown as needed), the range is copied out. A file
+/// that ends before the range does is an error saying it is truncated.
+pub fn read_direct(
+    file: &File,
+    path: &Path,
+    offset: u64,
+    out: &mut [u8],
+    scratch: &mut AlignedBuf,
+) -> Result<()> {
+    let align = DIRECT_ALIGN as u64;
+    let first = offset / align * align;
+    let end = offset + out.len() as u64;
+    let last = end.div_ceil(align) * align;
+    let span = (last - first) as usize;
+    if scratch.len < span {
+        *scratch = AlignedBuf::zeroed(span);
+    }
+    let buf = &mut scratch.storage[scratch.start..scratch.start + span];
+    let mut done = 0usize;
+    // O_DIRECT reads return whole blocks; the last one may be short at end of file.
+    while done < span {
+        match file.read_at(&mut buf[done..], first + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(StreamError::io(path, e)),
+        }
+    }
+    let need = (end - first) as usize;
+    if done < need {
+        let got = done.saturating_sub((offset - first) as usize);
+        return Err(truncated(path, offset, out.len(), got));
+    }
+    let skip = (offset - first) as usize;
+    out.copy_from_slice(&buf[skip..skip + out.len()]);
+    Ok(())
+}
+
+/// Runs `work` over `jobs` on at most `threads` scoped threads (contiguous runs of jobs per
+/// thread), each thread owning the matching run of `outputs`. The first error wins; a panicking
+/// thread is an error naming `path`.
+pub fn parallel<J: Sync, O: Send>(
+    path: &Path,
+    jobs: &[J],
+    outputs: &mut [O],
+    threads: usize,
+    work: impl Fn(&J, &mut O) -> Result<()> + Sync,
+) -> Result<()> {
+    debug_assert_eq!(jobs.len(), outputs.len());
+    if jobs.is_empty() {
+        return Ok(());
+    }
+    let threads = threads.min(jobs.len()).max(1);
+    if threads == 1 {
+        for (job, out) in jobs.iter().zip(outputs.iter_mut()) {
+            work(job, out)?;
+        }
+        return Ok(());
+    }
+    let per_thread = jobs.len().div_ceil(threads);
+    let work = &work;
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = outputs
+            .chunks_mut(per_thread)
+            .zip(jobs.chunks(per_thread))
+            .map(|(outs, jobs)| {
+                scope.spawn(move || -> Result<()> {
+                    for (job, out) in jobs.iter().zip(outs.iter_mut()) {
+                        work(job, out)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(StreamError::io(
+                        path,
+                        std::io::Error::other("read thread panicked"),
+                    ))
+                })
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+/// Lower-case hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// SHA-256 (hex) of a whole file, read in 1 MiB pieces.
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut file = File::open(path).map_err(|e| StreamError::io(path, e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| StreamError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex(&hasher.finalize()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn direct_reads_any_range_and_refuse_a_short_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.bin");
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let file = open_direct(&path).unwrap();
+        let mut scratch = AlignedBuf::zeroed(0);
+        for (off, len) in [
+            (0usize, 1usize),
+            (4095, 2),
+            (5000, 5000),
+            (9999, 1),
+            (123, 4096),
+        ] {
+            let mut out = vec![0u8; len];
+            read_direct(&file, &path, off as u64, &mut out, &mut scratch).unwrap();
+            assert_eq!(out, &data[off..off + len], "{off}+{len}");
+        }
+        let mut out = vec![0u8; 10];
+        let err = read_direct(&file, &path, 9995, &mut out, &mut scratch).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("file is truncated: 10 bytes expected at offset 9995, 5 found"),
+            "{err}"
+        );
+        let plain = File::open(&path).unwrap();
+        let err = read_exact_at(&plain, &path, 9995, &mut out).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("file is truncated: 10 bytes expected at offset 9995, 5 found"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn parallel_runs_every_job_and_reports_the_first_error() {
+        let jobs: Vec<u32> = (0..37).collect();
+        let mut out = vec![0u32; jobs.len()];
+        parallel(Path::new("x"), &jobs, &mut out, 4, |j, o| {
+            *o = j * 2;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(out, jobs.iter().map(|j| j * 2).collect::<Vec<_>>());
+        let err = parallel(Path::new("x"), &jobs, &mut out, 3, |j, _| {
+            if *j == 20 {
+                Err(StreamError::Config("job 20".into()))
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap_err();
+        assert_eq!(err.to_string(), "job 20");
+    }
+}
