@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use mlxcel_arch::vision::{forward_multimodal, FeatureCache, MultimodalPrompt};
 use mlxcel_arch::{GenerationModel, LanguageModel};
 use mlxcel_loading::image::{decode_image, load_image, resize, Resample, RgbImage};
+use mlxcel_loading::vision::PreparedImage;
 use mlxcel_loading::{generate_text, load_model, GenerateRequest, LoadOptions, Loaded, Message};
 use mlxcel_tests::max_abs_diff;
 use safetensors::SafeTensors;
@@ -104,6 +105,19 @@ fn fixture_images(loaded: &Loaded, r: &Gemma3Ref) -> Vec<mlxcel_arch::vision::Im
         .map(|n| {
             let bytes = std::fs::read(image_path(n.as_str().expect("name"))).expect("image");
             loaded.prepare_image_bytes(&bytes).expect("prepare")
+        })
+        .collect()
+}
+
+/// The reference's images prepared for a prompt (inputs and each image's expansion).
+fn fixture_prepared(loaded: &Loaded, r: &Gemma3Ref) -> Vec<PreparedImage> {
+    r.meta["images"]
+        .as_array()
+        .expect("images")
+        .iter()
+        .map(|n| {
+            let image = load_image(image_path(n.as_str().expect("name"))).expect("image");
+            loaded.prepare_for_prompt(&image).expect("prepare")
         })
         .collect()
 }
@@ -204,7 +218,12 @@ fn gemma3_pixel_values_and_prompt_match_the_processor() {
     let content = loaded.user_content_with_images(text, 2).unwrap();
     let template = loaded.chat_template.as_ref().expect("template");
     let rendered = template.render(&[Message::user(&content)], true).unwrap();
-    let expanded = loaded.expand_prompt_text(&rendered, 2).unwrap();
+    let prepared = fixture_prepared(&loaded, &r);
+    assert!(prepared
+        .iter()
+        .zip(&images)
+        .all(|(p, i)| p.inputs.len() == 1 && p.inputs[0].pixels() == i.pixels()));
+    let expanded = loaded.expand_prompt_text_for(&rendered, &prepared).unwrap();
     let tokenizer = loaded.tokenizer.as_ref().unwrap();
     let prompt = tokenizer.encode(&expanded, false).unwrap();
     assert_eq!(prompt, r.prompt_ids, "expanded prompt ids");
@@ -216,34 +235,18 @@ fn gemma3_pixel_values_and_prompt_match_the_processor() {
     );
     // The same expansion from ids that hold the placeholder once per image.
     let unexpanded = tokenizer.encode(&rendered, false).unwrap();
-    let by_ids = loaded.expand_image_tokens(&unexpanded, 2).unwrap();
+    let by_ids = loaded
+        .expand_image_tokens_for(&unexpanded, &prepared)
+        .unwrap();
     assert_eq!(by_ids, r.prompt_ids, "ids-level expansion");
-    // The per-image path (families whose expansion depends on the image use it) gives the
-    // same: one input per image here, each with its own expansion.
-    let prepared: Vec<_> = r.meta["images"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| {
-            let image = load_image(image_path(n.as_str().unwrap())).unwrap();
-            loaded.prepare_for_prompt(&image).unwrap()
-        })
-        .collect();
-    assert!(prepared.iter().all(|p| p.inputs.len() == 1));
-    let expanded_for = loaded.expand_prompt_text_for(&rendered, &prepared).unwrap();
-    assert_eq!(
-        tokenizer.encode(&expanded_for, false).unwrap(),
-        r.prompt_ids
-    );
-    assert_eq!(
-        loaded
-            .expand_image_tokens_for(&unexpanded, &prepared)
-            .unwrap(),
-        r.prompt_ids
-    );
     // Counts that do not match are refused.
+    let three = [
+        prepared[0].clone(),
+        prepared[1].clone(),
+        prepared[0].clone(),
+    ];
     let err = loaded
-        .expand_prompt_text(&rendered, 3)
+        .expand_prompt_text_for(&rendered, &three)
         .unwrap_err()
         .to_string();
     assert!(err.contains("2 image placeholder(s)"), "{err}");
@@ -569,7 +572,9 @@ fn llava_matches_transformers() {
         .unwrap()
         .render(&[Message::user(&content)], true)
         .unwrap();
-    let expanded = loaded.expand_prompt_text(&rendered, 2).unwrap();
+    let expanded = loaded
+        .expand_prompt_text_for(&rendered, &fixture_prepared(&loaded, &r))
+        .unwrap();
     let prompt = loaded
         .tokenizer
         .as_ref()

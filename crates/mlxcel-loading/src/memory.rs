@@ -34,6 +34,9 @@ pub fn tensor_role(name: &str) -> &'static str {
         "model.vision_tower.",
         "model.multi_modal_projector.",
         "model.embed_vision.",
+        // Qwen2-VL / Qwen2.5-VL's tower and merger (hub and transformers 5 layouts)
+        "visual.",
+        "model.visual.",
     ]
     .iter()
     .any(|p| name.starts_with(p))

@@ -194,7 +194,7 @@ impl Loaded {
     /// An image prepared for a prompt ([`crate::vision::PreparedImage`]): its model inputs
     /// (one per tile for families that split images) and its own placeholder expansion, for
     /// [`Loaded::expand_prompt_text_for`] / [`Loaded::expand_image_tokens_for`]. Families whose
-    /// image-token count depends on the image need this path; the others may use either.
+    /// image-token count depends on the image need this path.
     pub fn prepare_for_prompt(
         &self,
         image: &crate::image::RgbImage,
@@ -234,37 +234,19 @@ impl Loaded {
 
     /// A user message's text with `images` image placeholders in front (where a chat template
     /// puts image items before the text), to render with the chat template and then expand
-    /// with [`Loaded::expand_prompt_text`].
+    /// with [`Loaded::expand_prompt_text_for`].
     pub fn user_content_with_images(&self, text: &str, images: usize) -> Result<String> {
         if images == 0 {
             return Ok(text.to_string());
         }
         Ok(format!(
             "{}{text}",
-            self.vision_processor()?.placeholder.repeat(images)
+            self.vision_processor()?.content_placeholder.repeat(images)
         ))
     }
 
-    /// A rendered prompt with each image placeholder expanded into the model's image tokens,
-    /// as the HF processor expands the text before tokenising it.
-    pub fn expand_prompt_text(&self, text: &str, images: usize) -> Result<String> {
-        if images == 0 {
-            return Ok(text.to_string());
-        }
-        self.vision_processor()?.expand_text(text, images)
-    }
-
-    /// Token ids holding the model's image placeholder once per image, expanded into the
-    /// image-token runs (the expansion's text pieces tokenised on their own).
-    pub fn expand_image_tokens(&self, ids: &[u32], images: usize) -> Result<Vec<u32>> {
-        if images == 0 {
-            return Ok(ids.to_vec());
-        }
-        self.vision_processor()?.expand_ids(ids, images)
-    }
-
     /// Logits `[len, vocab]` at every position of one pass over `prompt` (expanded, see
-    /// [`Loaded::expand_image_tokens`]) with its `images`, from fresh caches: what
+    /// [`Loaded::expand_image_tokens_for`]) with its `images`, from fresh caches: what
     /// `mlxcel logits --image` writes. Without images, the text forward pass.
     pub fn multimodal_logits(
         &self,
@@ -457,6 +439,7 @@ fn has_vision_weights(weights: &WeightMap) -> bool {
     weights.names().any(|n| {
         n.starts_with("vision_tower.")
             || n.starts_with("model.visual.")
+            || n.starts_with("visual.")
             || n.contains(".vision_tower.")
     })
 }

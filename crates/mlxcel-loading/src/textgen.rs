@@ -32,8 +32,8 @@ pub struct GenerateRequest {
     /// Keep special tokens in the text (a harmony-format reply's channel markup, which a
     /// reader then parses); by default they are left out.
     pub keep_special_tokens: bool,
-    /// The prompt's images, in order (see [`crate::Loaded::prepare_image`]); the prompt must
-    /// be expanded ([`crate::Loaded::expand_image_tokens`]). Empty for text.
+    /// The prompt's images' inputs, in order ([`crate::vision::PreparedImage::inputs`]); the prompt must
+    /// be expanded ([`crate::Loaded::expand_image_tokens_for`]). Empty for text.
     pub images: Vec<mlxcel_arch::vision::ImageInput>,
 }
 

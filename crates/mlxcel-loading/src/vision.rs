@@ -9,12 +9,16 @@
 //! |---|---|---|---|
 //! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5; pan and scan (crops as extra inputs) | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n`; with crops `Here is the original image {seq} and here are some crops to help you see better {seq} {seq}` |
 //! | LLaVA | `CLIPImageProcessor`: shortest edge 224, bicubic, center crop 224, rescale 1/255, CLIP mean/std | `<image>` (`image_token_index`) | `<image>` × patches (+1 under `full`) |
+//! | Qwen2-VL, Qwen2.5-VL | `Qwen2VLImageProcessor`: `smart_resize` to multiples of `patch_size · merge_size` within `[min_pixels, max_pixels]`, bicubic, rescale 1/255, CLIP mean/std | `<\|image_pad\|>` (`image_token_id`; a user message's image is `<\|vision_start\|><\|image_pad\|><\|vision_end\|>`) | `<\|image_pad\|>` × (that image's `grid_h · grid_w / merge_size²`) |
 
+use mlxcel_arch::vision::qwen2_vl::smart_resize;
 use mlxcel_arch::vision::ImageInput;
 use mlxcel_arch::ModelType;
 use serde_json::Value;
 
-use crate::image::{ImageProcessor, PixelValues, Resample, ResizeTarget, RgbImage};
+use crate::image::{
+    resize, to_pixel_values, ImageProcessor, PixelValues, Resample, ResizeTarget, RgbImage,
+};
 use crate::tokenizer::Tokenizer;
 use crate::{LoadError, Result};
 
@@ -96,8 +100,8 @@ impl PanAndScan {
 /// How one family's processor prepares images and expands prompts.
 #[derive(Debug, Clone)]
 pub struct VisionProcessor {
-    /// The family (a family whose expansion depends on the image computes it in
-    /// [`VisionProcessor::prepare_for_prompt`] by this).
+    /// The family this processor was loaded for (what varies per image is in the fields
+    /// below: `dynamic`, `pan_and_scan`).
     pub family: ModelType,
     /// The image processor (the checkpoint's config over the family's defaults).
     pub image: ImageProcessor,
@@ -109,6 +113,12 @@ pub struct VisionProcessor {
     pub expansion_text: String,
     /// The same expansion as ids (tokenised piece by piece).
     pub expansion_ids: Vec<u32>,
+    /// What a user message holds per image before the chat template renders it (the
+    /// placeholder, or Qwen's `<|vision_start|><|image_pad|><|vision_end|>`).
+    pub content_placeholder: String,
+    /// Qwen's dynamic resolution: the image is resized by `smart_resize`, and its placeholder
+    /// repeated once per merged patch (instead of the fixed expansion).
+    pub dynamic: Option<DynamicResolution>,
     /// Gemma 3's pan and scan (`do_pan_and_scan`): crops of a wide or tall image added as
     /// extra images, framed by text in the prompt.
     pub pan_and_scan: Option<PanAndScan>,
@@ -118,6 +128,85 @@ pub struct VisionProcessor {
     /// Pad each image to a square of this colour (centred) before resizing:
     /// `LlavaImageProcessor`'s `do_pad`, the colour `int(mean · 255)` per channel.
     pub square_pad: Option<[u8; 3]>,
+}
+
+/// The Qwen2-VL processor's size rule: `smart_resize` (transformers) to sides that are
+/// multiples of `patch · merge` with a pixel count in `[min_pixels, max_pixels]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DynamicResolution {
+    /// `patch_size`.
+    pub patch: usize,
+    /// `merge_size`.
+    pub merge: usize,
+    /// `min_pixels` (else `size.shortest_edge`, default 56·56).
+    pub min_pixels: usize,
+    /// `max_pixels` (else `size.longest_edge`, default 28·28·1280).
+    pub max_pixels: usize,
+}
+
+impl DynamicResolution {
+    /// Image tokens of an image whose pixel values are `height × width`.
+    fn tokens(&self, height: usize, width: usize) -> usize {
+        (height / self.patch) * (width / self.patch) / (self.merge * self.merge)
+    }
+}
+
+/// The Qwen2-VL image processor of a model folder: `preprocessor_config.json` (or
+/// `processor_config.json`'s `image_processor`) over `Qwen2VLImageProcessor`'s defaults;
+/// `min_pixels`/`max_pixels` win over `size`'s `shortest_edge`/`longest_edge` as in its
+/// constructor.
+fn qwen_image_processor(folder: &std::path::Path) -> Result<(ImageProcessor, DynamicResolution)> {
+    let defaults = ImageProcessor {
+        do_resize: true,
+        // Replaced per image by `smart_resize` (see `VisionProcessor::prepare_one`).
+        size: ResizeTarget::Exact {
+            height: 0,
+            width: 0,
+        },
+        resample: Resample::Bicubic,
+        center_crop: None,
+        rescale: Some(1.0 / 255.0),
+        normalize: Some((
+            [0.48145466, 0.4578275, 0.40821073],
+            [0.26862954, 0.26130258, 0.27577711],
+        )),
+    };
+    let (mut raw, file) = crate::image::processor_json(folder)?.unwrap_or_else(|| {
+        (
+            Value::Object(Default::default()),
+            "preprocessor_config.json".into(),
+        )
+    });
+    let num = |keys: &[(&str, Option<&str>)], default: usize| -> usize {
+        keys.iter()
+            .find_map(|(k, inner)| {
+                let v = raw.get(*k)?;
+                match inner {
+                    Some(i) => v.get(*i)?.as_u64(),
+                    None => v.as_u64(),
+                }
+            })
+            .map(|v| v as usize)
+            .unwrap_or(default)
+    };
+    let dynamic = DynamicResolution {
+        patch: num(&[("patch_size", None)], 14),
+        merge: num(&[("merge_size", None)], 2),
+        min_pixels: num(
+            &[("min_pixels", None), ("size", Some("shortest_edge"))],
+            56 * 56,
+        ),
+        max_pixels: num(
+            &[("max_pixels", None), ("size", Some("longest_edge"))],
+            28 * 28 * 1280,
+        ),
+    };
+    // `size` is Qwen's pixel bounds, not a shortest-edge resize: read the rest only.
+    if let Value::Object(o) = &mut raw {
+        o.remove("size");
+    }
+    let image = ImageProcessor::from_json(&raw, &defaults, &file)?;
+    Ok((image, dynamic))
 }
 
 fn config_id(config: &Value, keys: &[&str], default: u32) -> u32 {
@@ -197,11 +286,39 @@ impl VisionProcessor {
                     family: model_type,
                     image,
                     placeholder_id: boi,
+                    content_placeholder: boi_t.clone(),
                     placeholder: boi_t,
                     expansion_text,
                     expansion_ids,
+                    dynamic: None,
                     pan_and_scan,
                     framing_ids,
+                    square_pad: None,
+                }))
+            }
+            ModelType::QwenVl => {
+                let (image, dynamic) = qwen_image_processor(folder)?;
+                let pad = config_id(config, &["image_token_id"], 151_655);
+                let start = config_id(config, &["vision_start_token_id"], 151_652);
+                let end = config_id(config, &["vision_end_token_id"], 151_653);
+                let pad_t = token_text(tokenizer, pad, "image_token_id")?;
+                let content_placeholder = format!(
+                    "{}{pad_t}{}",
+                    token_text(tokenizer, start, "vision_start_token_id")?,
+                    token_text(tokenizer, end, "vision_end_token_id")?
+                );
+                // The expansion depends on the image (see `prepare_for_prompt`): no fixed one.
+                Ok(Some(VisionProcessor {
+                    family: model_type,
+                    image,
+                    placeholder_id: pad,
+                    placeholder: pad_t,
+                    expansion_text: String::new(),
+                    expansion_ids: Vec::new(),
+                    content_placeholder,
+                    dynamic: Some(dynamic),
+                    pan_and_scan: None,
+                    framing_ids: Default::default(),
                     square_pad: None,
                 }))
             }
@@ -252,8 +369,10 @@ impl VisionProcessor {
                     image,
                     placeholder_id: id,
                     expansion_text: text.repeat(n),
+                    content_placeholder: text.clone(),
                     placeholder: text,
                     expansion_ids: vec![id; n],
+                    dynamic: None,
                     pan_and_scan: None,
                     framing_ids: Default::default(),
                     square_pad,
@@ -287,7 +406,24 @@ impl VisionProcessor {
             height,
             width,
             data,
-        } = self.image.preprocess(image);
+        } = match &self.dynamic {
+            None => self.image.preprocess(image),
+            Some(d) => {
+                let (h, w) = smart_resize(
+                    image.height,
+                    image.width,
+                    d.patch * d.merge,
+                    d.min_pixels,
+                    d.max_pixels,
+                )?;
+                let resized = if self.image.do_resize {
+                    resize(image, w, h, self.image.resample)
+                } else {
+                    image.clone()
+                };
+                to_pixel_values(&resized, self.image.rescale, self.image.normalize)
+            }
+        };
         let hash = PixelValues {
             height,
             width,
@@ -298,9 +434,20 @@ impl VisionProcessor {
     }
 
     /// `image` prepared for a prompt: its inputs and its expansion ([`PreparedImage`]). Gemma 3
-    /// and LLaVA: one input and the family's fixed expansion; a family whose inputs or
-    /// expansion depend on the image adds its arm here (by [`VisionProcessor::family`]).
+    /// and LLaVA: one input and the family's fixed expansion (Gemma 3's pan and scan adds its
+    /// crops, framed); Qwen2-VL: one input, resized by `smart_resize`, and its placeholder once
+    /// per merged patch. A family whose inputs or expansion depend on the image adds its arm
+    /// here.
     pub fn prepare_for_prompt(&self, image: &RgbImage) -> Result<PreparedImage> {
+        if let Some(d) = &self.dynamic {
+            let input = self.prepare_one(image)?;
+            let n = d.tokens(input.shape()[2], input.shape()[3]);
+            return Ok(PreparedImage {
+                inputs: vec![input],
+                expansion_text: self.placeholder.repeat(n),
+                expansion_ids: vec![self.placeholder_id; n],
+            });
+        }
         if let Some(pas) = self.pan_and_scan {
             let crops = pas.crops(image);
             if !crops.is_empty() {
@@ -374,39 +521,6 @@ impl VisionProcessor {
             match (t == self.placeholder_id).then(|| next.next()).flatten() {
                 Some(image) => out.extend(&image.expansion_ids),
                 None => out.push(t),
-            }
-        }
-        Ok(out)
-    }
-
-    /// `text` with each placeholder replaced by the expansion; the error says how many
-    /// placeholders were found when they are not `images`.
-    pub fn expand_text(&self, text: &str, images: usize) -> Result<String> {
-        let found = text.matches(self.placeholder.as_str()).count();
-        if found != images {
-            return Err(LoadError::Unsupported(format!(
-                "the prompt has {found} image placeholder(s) `{}` for {images} image(s)",
-                self.placeholder
-            )));
-        }
-        Ok(text.replace(self.placeholder.as_str(), &self.expansion_text))
-    }
-
-    /// `ids` with each placeholder id replaced by the expansion ids.
-    pub fn expand_ids(&self, ids: &[u32], images: usize) -> Result<Vec<u32>> {
-        let found = ids.iter().filter(|t| **t == self.placeholder_id).count();
-        if found != images {
-            return Err(LoadError::Unsupported(format!(
-                "the prompt ids hold the image token {} {found} time(s) for {images} image(s)",
-                self.placeholder_id
-            )));
-        }
-        let mut out = Vec::with_capacity(ids.len() + images * self.expansion_ids.len());
-        for &t in ids {
-            if t == self.placeholder_id {
-                out.extend(&self.expansion_ids);
-            } else {
-                out.push(t);
             }
         }
         Ok(out)

@@ -680,7 +680,7 @@ impl Model {
                 .rev()
                 .find(|m| m.role == "user")
                 .ok_or_else(|| Error::Invalid("images need a user message".to_string()))?;
-            last.content = format!("{}{}", vision.placeholder.repeat(n), last.content);
+            last.content = format!("{}{}", vision.content_placeholder.repeat(n), last.content);
             Ok(messages)
         };
         let ids = match prompt {

@@ -400,7 +400,9 @@ impl RotaryEmbedding {
 
     /// Applies the rotation at explicit positions `positions` (`[L]` or `[B, L]`, integers)
     /// instead of consecutive positions from an offset: what M-RoPE sections and inputs merged
-    /// from other towers need. Computed with element-wise ops (MLX's fused rope takes only an
+    /// from other towers need. `[B, L, dims / 2]` gives each rotary frequency its own position
+    /// (M-RoPE: the temporal, height or width position of the frequency's section, see
+    /// `vision::qwen2_vl::mrope_positions`). Computed with element-wise ops (MLX's fused rope takes only an
     /// offset); equals [`RotaryEmbedding::forward`] at `offset..offset + L`.
     pub fn forward_at(&self, x: &Array, positions: &Array) -> Result<Array> {
         let (periods, scale, attention_factor) = match &self.scaling {
@@ -431,9 +433,11 @@ impl RotaryEmbedding {
         let pos = match pos.ndim() {
             1 => pos.reshape(&[1, 1, -1, 1])?,
             2 => pos.reshape(&[pos.dim(0)?, 1, -1, 1])?,
+            3 if pos.dim(2)? == half => pos.reshape(&[pos.dim(0)?, 1, -1, half])?,
             n => {
                 return Err(ModelError::Runtime(format!(
-                    "position ids must be [L] or [B, L], got {n} dimensions"
+                    "position ids must be [L], [B, L] or per frequency [B, L, {half}], got shape {:?} ({n} dimensions)",
+                    positions.shape()
                 )))
             }
         };

@@ -25,6 +25,7 @@
 //! registry row with `dir: Vlm`.
 
 pub mod clip;
+pub mod qwen2_vl;
 pub mod siglip;
 
 use std::ops::Range;
@@ -523,6 +524,7 @@ pub fn unused_vision_tensors(model_type: ModelType, weights: &WeightMap) -> Vec<
     let prefixes: &[&str] = match model_type {
         ModelType::Gemma3 => crate::models::gemma3::RAW_VISION_PREFIXES,
         ModelType::Llava => crate::models::llava::RAW_VISION_PREFIXES,
+        ModelType::QwenVl => qwen2_vl::RAW_VISION_PREFIXES,
         _ => return Vec::new(),
     };
     let mut names: Vec<String> = weights
@@ -597,6 +599,9 @@ pub fn load_vlm(
         )))),
         ModelType::Llava => Ok(LoadedModel::Generation(GenerationModel::Llava(Box::new(
             build_family::<crate::models::llava::Model>(config, weights, options)?,
+        )))),
+        ModelType::QwenVl => Ok(LoadedModel::Generation(GenerationModel::QwenVl(Box::new(
+            build_family::<qwen2_vl::Model>(config, weights, options)?,
         )))),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Vlm route",
