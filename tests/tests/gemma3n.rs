@@ -177,3 +177,55 @@ fn cache_schedule_reads_the_nested_text_config() {
     assert_eq!(schedule, loaded.model.layer_schedule());
     assert_eq!(schedule[3], LayerKind::Shared { source: 1 });
 }
+
+/// A full Gemma 3n checkpoint as the hub ships it, with its MobileNet vision tower's tensors
+/// (`model.vision_tower.timm_model.*`, which the fixture cannot have: transformers needs timm
+/// to build the tower): the text decoder loads alone with the same logits, the load names the
+/// tower among what it left out, and an image is refused with the seed's message.
+#[test]
+fn vision_tower_tensors_are_left_out_and_images_refused() {
+    let dir = copy_fixture("gemma3n");
+    // Two tower tensors in a shard of their own, as a sharded hub checkpoint has them.
+    let conv: Vec<u8> = (0..16 * 3 * 3 * 3)
+        .flat_map(|i| (i as f32 * 1e-3).to_le_bytes())
+        .collect();
+    let bias: Vec<u8> = (0..16).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let tensors = [
+        (
+            "model.vision_tower.timm_model.conv_stem.conv.weight",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![16, 3, 3, 3], &conv)
+                .unwrap(),
+        ),
+        (
+            "model.vision_tower.timm_model.conv_stem.bn.bias",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![16], &bias).unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(tensors, &None, &dir.path().join("model-vision.safetensors"))
+        .unwrap();
+    let loaded = load_without_tokenizer(dir.path());
+    let line = loaded
+        .surgery_applied
+        .iter()
+        .find(|l| l.starts_with("text-only load:"))
+        .unwrap_or_else(|| panic!("no text-only line in {:?}", loaded.surgery_applied));
+    assert!(line.contains("model.vision_tower."), "{line}");
+    let r = reference("gemma3n");
+    let with_tower = logits_for(&loaded.model, &r.prompt_ids);
+    let without = logits_for(
+        &load_without_tokenizer(model_dir("gemma3n")).model,
+        &r.prompt_ids,
+    );
+    assert_eq!(max_abs_diff(&with_tower, &without).0, 0.0);
+    assert!(loaded.model.vision().is_none());
+    let png =
+        std::fs::read(mlxcel_tests::fixtures_dir().join("vision/images/gradient.png")).unwrap();
+    let want = format!(
+        "model {} was loaded without a vision tower (text-only checkpoint)",
+        dir.path().display()
+    );
+    assert_eq!(
+        loaded.prepare_image_bytes(&png).unwrap_err().to_string(),
+        want
+    );
+}
