@@ -731,3 +731,77 @@ fn quantized_targets_are_dequantized_edited_and_requantized() {
         ],
     );
 }
+
+/// `scale`, `add` (a value and a tensor from a file), `replace` and `interpolate` against the
+/// same edits done with numpy (`make_surgery_ops.py`): each edited tensor's checksum, and the
+/// edited model's logits against transformers running the numpy-edited checkpoint.
+#[test]
+fn element_wise_ops_match_numpy_and_transformers() {
+    let dir = mlxcel_tests::fixtures_dir().join("surgery");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("ops-reference.json")).unwrap())
+            .unwrap();
+    let goldens = WeightMap::open_file(dir.join("ops-reference.safetensors")).unwrap();
+    let ids = prompt();
+    let cases = json.as_object().unwrap();
+    assert_eq!(cases.len(), 4);
+    for (case, c) in cases {
+        // The YAML names its inputs under `ops/`, relative to itself.
+        let tmp = tempfile::tempdir().unwrap();
+        let ops = tmp.path().join("ops");
+        std::fs::create_dir_all(ops.join("other")).unwrap();
+        for f in [
+            "delta.safetensors",
+            "head.safetensors",
+            "other/model.safetensors",
+        ] {
+            std::fs::copy(dir.join("ops").join(f), ops.join(f)).unwrap();
+        }
+        let path = write_yaml(tmp.path(), c["yaml"].as_str().unwrap());
+        let folder = model_dir(FIXTURE);
+        let mut w = WeightMap::open(&folder).unwrap();
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap())
+                .unwrap();
+        Surgery::load(&path)
+            .unwrap()
+            .apply(&mut w, &mut config, None)
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
+        let tensors = c["tensors"].as_object().unwrap();
+        assert!(!tensors.is_empty(), "{case}");
+        for (name, want) in tensors {
+            let (shape, sum, wsum) = checksum(&w.get(name).unwrap());
+            let want_shape: Vec<i32> = want["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_i64().unwrap() as i32)
+                .collect();
+            assert_eq!(shape, want_shape, "{case}: {name} shape");
+            for (got, key) in [(sum, "sum"), (wsum, "wsum")] {
+                let want = want[key].as_f64().unwrap();
+                assert!(
+                    (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "{case}: {name} {key} {got} vs numpy {want}"
+                );
+            }
+        }
+        let loaded = load(&folder, Some(path)).unwrap_or_else(|e| panic!("{case}: {e}"));
+        let got = logits_for(&loaded.model, &ids);
+        let want = goldens
+            .get(&format!("{case}.logits"))
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        let (diff, at) = max_abs_diff(&got, &want);
+        // The parity suite's float32 bound (tests/tests/parity.rs): rounding grows with the
+        // logits' scale.
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let bound = 1e-4f32.max(5e-5 * scale);
+        assert!(
+            diff <= bound,
+            "{case}: edited model vs transformers: max |Δ| {diff:.2e} at {at} (bound {bound:.2e})"
+        );
+        println!("{case}: max |Δ| vs transformers {diff:.2e}");
+    }
+}
