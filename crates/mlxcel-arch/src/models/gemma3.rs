@@ -14,11 +14,9 @@
 //! MLX's layout.
 
 use mlxcel_core::{Array, WeightMap};
-use mlxcel_quant::QuantConfig;
 use serde_json::{json, Value};
 
-use crate::cache::LayerCache;
-use crate::model::{Architecture, LanguageModel, LayerKind};
+use crate::model::LanguageModel;
 use crate::nn::{Norm, NormKind};
 use crate::registry::GenerationModel;
 use crate::vision::siglip::{patch_embedding_to_torch_layout, SiglipConfig, SiglipVision};
@@ -290,57 +288,4 @@ impl VisionLanguage for Model {
     }
 }
 
-impl LanguageModel for Model {
-    fn embed(&self, tokens: &Array) -> Result<Array> {
-        self.text.embed(tokens)
-    }
-
-    fn forward_embeddings(
-        &self,
-        embeddings: &Array,
-        positions: Option<&Array>,
-        caches: &mut [LayerCache],
-        last_only: bool,
-    ) -> Result<Array> {
-        self.text
-            .forward_embeddings(embeddings, positions, caches, last_only)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.text.vocab_size()
-    }
-
-    fn layer_schedule(&self) -> Vec<LayerKind> {
-        self.text.layer_schedule()
-    }
-
-    fn batched_decode(&self) -> bool {
-        self.text.batched_decode()
-    }
-
-    fn vision(&self) -> Option<&dyn VisionLanguage> {
-        self.tower.as_ref().map(|_| self as &dyn VisionLanguage)
-    }
-}
-
-impl Architecture for Model {
-    type Args = Value;
-
-    fn sanitize(args: &Value, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
-        <Model as VisionFamily>::sanitize(args, weights)
-    }
-
-    fn cache_schedule(args: &Value) -> Result<Vec<LayerKind>> {
-        let vlm = <Model as VisionFamily>::config(args)?;
-        crate::registry::cache_schedule(vlm.text_type, &vlm.text_config)
-    }
-
-    /// Gemma 3 loads through the `Vlm` route ([`crate::vision::load_vlm`]), which builds the
-    /// text decoder through the registry and the tower lazily; this single-map build is not
-    /// reachable from any route (the row has no weight route).
-    fn build(_args: &Value, _w: &mut ModelWeights) -> Result<Self> {
-        Err(ModelError::Unsupported(
-            "Gemma3 builds through the Vlm route (mlxcel_arch::vision::load_vlm)".into(),
-        ))
-    }
-}
+crate::vision::vlm_model_impls!(Model, "Gemma3");

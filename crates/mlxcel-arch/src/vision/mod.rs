@@ -40,6 +40,94 @@ use crate::registry::{load_config_backed, BuildOptions, GenerationModel, LoadedM
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
+/// The [`LanguageModel`] and [`crate::model::Architecture`] impls every vision-language family
+/// shares: its text decoder (`self.text`) does the language work, its tower (`self.tower`,
+/// loaded or not) answers [`LanguageModel::vision`], and the row builds through the `Vlm` route
+/// only ([`load_vlm`]). `batched_decode = |m| ...` overrides whether conversations may decode
+/// as one batch (Qwen's M-RoPE positions are not the cache offset once an image is in).
+macro_rules! vlm_model_impls {
+    ($model:ty, $name:literal) => {
+        $crate::vision::vlm_model_impls!(
+            $model,
+            $name,
+            batched_decode = |m: &$model| { m.text.batched_decode() }
+        );
+    };
+    ($model:ty, $name:literal, batched_decode = $batched:expr) => {
+        impl $crate::model::LanguageModel for $model {
+            fn embed(&self, tokens: &mlxcel_core::Array) -> $crate::Result<mlxcel_core::Array> {
+                self.text.embed(tokens)
+            }
+
+            fn forward_embeddings(
+                &self,
+                embeddings: &mlxcel_core::Array,
+                positions: Option<&mlxcel_core::Array>,
+                caches: &mut [$crate::cache::LayerCache],
+                last_only: bool,
+            ) -> $crate::Result<mlxcel_core::Array> {
+                self.text
+                    .forward_embeddings(embeddings, positions, caches, last_only)
+            }
+
+            fn vocab_size(&self) -> usize {
+                self.text.vocab_size()
+            }
+
+            fn layer_schedule(&self) -> Vec<$crate::model::LayerKind> {
+                self.text.layer_schedule()
+            }
+
+            fn batched_decode(&self) -> bool {
+                let batched: fn(&$model) -> bool = $batched;
+                batched(self)
+            }
+
+            fn vision(&self) -> Option<&dyn $crate::vision::VisionLanguage> {
+                self.tower
+                    .as_ref()
+                    .map(|_| self as &dyn $crate::vision::VisionLanguage)
+            }
+        }
+
+        impl $crate::model::Architecture for $model {
+            type Args = serde_json::Value;
+
+            fn sanitize(
+                args: &serde_json::Value,
+                weights: &mut mlxcel_core::WeightMap,
+                _quant: Option<&mlxcel_quant::QuantConfig>,
+            ) -> $crate::Result<()> {
+                <$model as $crate::vision::VisionFamily>::sanitize(args, weights)
+            }
+
+            fn cache_schedule(
+                args: &serde_json::Value,
+            ) -> $crate::Result<Vec<$crate::model::LayerKind>> {
+                let vlm = <$model as $crate::vision::VisionFamily>::config(args)?;
+                $crate::registry::cache_schedule(vlm.text_type, &vlm.text_config)
+            }
+
+            /// Loads through the `Vlm` route ([`crate::vision::load_vlm`]): the text decoder
+            /// through the registry, the tower lazily; this single-map build is never reached
+            /// (the row has no weight route).
+            fn build(
+                _args: &serde_json::Value,
+                _w: &mut $crate::weights::ModelWeights,
+            ) -> $crate::Result<Self> {
+                Err($crate::ModelError::Unsupported(
+                    concat!(
+                        $name,
+                        " builds through the Vlm route (mlxcel_arch::vision::load_vlm)"
+                    )
+                    .into(),
+                ))
+            }
+        }
+    };
+}
+pub(crate) use vlm_model_impls;
+
 /// The error for an image sent to a model without a vision tower, exactly as the seed words
 /// it: `model <path> was loaded without a vision tower (text-only checkpoint)`.
 pub fn no_vision_tower(path: &str) -> ModelError {

@@ -28,15 +28,13 @@
 
 use mlxcel_core::ops::{self, AttentionMask};
 use mlxcel_core::{Array, Dtype, WeightMap};
-use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use std::ops::Range;
 
-use crate::cache::LayerCache;
 use crate::config::sanitize_config_json;
-use crate::model::{Architecture, LanguageModel, LayerKind};
+use crate::model::LanguageModel;
 use crate::models::qwen2;
 use crate::nn::{Activation, Linear, Norm, NormKind};
 use crate::registry::{parse_args, GenerationModel};
@@ -1228,61 +1226,13 @@ impl VisionLanguage for Model {
     }
 }
 
-impl LanguageModel for Model {
-    fn embed(&self, tokens: &Array) -> Result<Array> {
-        self.text.embed(tokens)
-    }
-
-    fn forward_embeddings(
-        &self,
-        embeddings: &Array,
-        positions: Option<&Array>,
-        caches: &mut [LayerCache],
-        last_only: bool,
-    ) -> Result<Array> {
-        self.text
-            .forward_embeddings(embeddings, positions, caches, last_only)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.text.vocab_size()
-    }
-
-    fn layer_schedule(&self) -> Vec<LayerKind> {
-        self.text.layer_schedule()
-    }
-
-    /// Text only: a batch decodes every row at its cache offset, which is not the position of a
-    /// conversation with images (offset plus its delta).
-    fn batched_decode(&self) -> bool {
-        self.tower.is_none() && self.text.batched_decode()
-    }
-
-    fn vision(&self) -> Option<&dyn VisionLanguage> {
-        self.tower.as_ref().map(|_| self as &dyn VisionLanguage)
-    }
-}
-
-impl Architecture for Model {
-    type Args = Value;
-
-    fn sanitize(args: &Value, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
-        <Model as VisionFamily>::sanitize(args, weights)
-    }
-
-    fn cache_schedule(args: &Value) -> Result<Vec<LayerKind>> {
-        let vlm = <Model as VisionFamily>::config(args)?;
-        crate::registry::cache_schedule(vlm.text_type, &vlm.text_config)
-    }
-
-    /// Loads through the `Vlm` route ([`crate::vision::load_vlm`]): the text decoder through
-    /// the registry, the tower lazily.
-    fn build(_args: &Value, _w: &mut ModelWeights) -> Result<Self> {
-        Err(ModelError::Unsupported(
-            "Qwen2-VL builds through the Vlm route (mlxcel_arch::vision::load_vlm)".into(),
-        ))
-    }
-}
+// Text only in a batch: a batch decodes every row at its cache offset, which is not the
+// position of a conversation with images (offset plus its delta).
+crate::vision::vlm_model_impls!(
+    Model,
+    "Qwen2-VL",
+    batched_decode = |m: &Model| { m.tower.is_none() && m.text.batched_decode() }
+);
 
 #[cfg(test)]
 mod tests {
@@ -1388,7 +1338,7 @@ mod tests {
             (1176, None, "quick_gelu")
         );
         assert_eq!(
-            <Model as Architecture>::cache_schedule(&config)
+            <Model as crate::model::Architecture>::cache_schedule(&config)
                 .unwrap()
                 .len(),
             28
