@@ -540,7 +540,18 @@ impl StandardCache {
     /// [`StandardCache::advance_one`] then records it.
     pub(crate) fn decode_buffers(&mut self, like: &Array) -> Result<(&Array, &Array, usize)> {
         let prev = self.offset;
-        if prev + 1 > rows(&self.keys)? {
+        // A cache split from a decode batch holds strided views of the batch's buffers
+        // ([`BatchCache::split`]); the engine needs dense ones, so those are copied once.
+        let strided = |a: &Option<Array>| -> Result<bool> {
+            match a {
+                Some(a) => {
+                    a.eval()?;
+                    Ok(!a.is_row_contiguous()?)
+                }
+                None => Ok(false),
+            }
+        };
+        if prev + 1 > rows(&self.keys)? || strided(&self.keys)? || strided(&self.values)? {
             let cap = (prev + 1).div_ceil(STEP as usize) * STEP as usize;
             let keys = grow_rows(self.keys.as_ref(), prev, cap, like)?;
             let values = grow_rows(self.values.as_ref(), prev, cap, like)?;

@@ -213,6 +213,7 @@ Ptr array_borrowing_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int
 }
 
 bool array_is_donatable(const array& a) { return a.is_donatable(); }
+bool array_is_row_contiguous(const array& a) { return a.flags().row_contiguous; }
 
 size_t array_data_address(const array& a) {
   return reinterpret_cast<size_t>(a.data<void>());

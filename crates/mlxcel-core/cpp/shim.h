@@ -70,6 +70,7 @@ void cpu_decoder_step(CpuDecoder& d, const array& x, rust::Slice<const size_t> k
                       rust::Slice<const size_t> values, rust::Slice<const int64_t> capacity,
                       int64_t position, rust::Slice<float> logits);
 bool array_is_donatable(const array& a);
+bool array_is_row_contiguous(const array& a);
 
 rust::String mlx_version();
 DeviceKind default_device_kind();

@@ -138,6 +138,13 @@ impl Array {
         Ok(bridge::array_is_donatable(self.as_ref())?)
     }
 
+    /// Whether the (evaluated) array is laid out row-major with no gaps: not a strided view
+    /// such as a slice along an inner axis, so element `i` is at offset `i` from
+    /// [`Array::data_address`].
+    pub fn is_row_contiguous(&self) -> Result<bool> {
+        Ok(bridge::array_is_row_contiguous(self.as_ref())?)
+    }
+
     /// A zero-dimensional array holding `value` converted to `dtype`.
     pub fn scalar(value: f64, dtype: Dtype) -> Result<Array> {
         Ok(Array::from_raw(bridge::array_scalar_f64(value, dtype)?))

@@ -211,7 +211,11 @@ impl CpuDecoder {
             }
             k.eval()?;
             v.eval()?;
-            if !k.is_exclusive()? || !v.is_exclusive()? {
+            // The kernel writes row `position` at `(g * capacity + position) * head_dim`: only
+            // a dense buffer nothing else reads may be written that way.
+            let writable =
+                |a: &Array| -> Result<bool> { Ok(a.is_exclusive()? && a.is_row_contiguous()?) };
+            if !writable(k)? || !writable(v)? {
                 return Ok(None);
             }
             k_addr.push(k.data_address()?);

@@ -112,6 +112,7 @@ pub(crate) mod bridge {
         fn array_data_address(a: &MlxArray) -> Result<usize>;
         /// Whether nothing else holds the array or its buffer (MLX would write into it in place).
         fn array_is_donatable(a: &MlxArray) -> Result<bool>;
+        fn array_is_row_contiguous(a: &MlxArray) -> Result<bool>;
         fn array_scalar_f64(value: f64, dtype: Dtype) -> Result<UniquePtr<MlxArray>>;
         fn array_shape(a: &MlxArray) -> Result<Vec<i32>>;
         fn array_dtype(a: &MlxArray) -> Result<Dtype>;

@@ -146,9 +146,9 @@ pub struct RuntimePolicy {
     pub cpu_kernels: bool,
     /// `MLXCEL_CPU_DECODE`: single-token decode steps of dense attention-only decoders run on
     /// mlxcel's CPU decode engine (one call per token) instead of an MLX graph (only with
-    /// `cpu_kernels`, on the CPU). Default off: a conversation resumed from a shorter cached
-    /// prefix decodes wrong tokens on it (tests/tests/cpu_decode.rs,
-    /// `a_rewound_conversation_decodes_as_a_fresh_one`).
+    /// `cpu_kernels`, on the CPU) when a generation decodes alone (a decode batch of several
+    /// conversations stays an MLX graph). Default off until a quiet-machine benchmark shows it
+    /// faster than the graph (on the shared 2-core machine it was not: docs/performance.md).
     pub cpu_decode: bool,
     /// `MLXCEL_CPU_THREADS`: threads of mlxcel's CPU kernel (1-64). `None`: all cores, at
     /// most 16. Takes effect when the kernel's thread pool starts (its first use).
@@ -179,6 +179,10 @@ pub struct RuntimePolicy {
     /// `MLXCEL_SURGERY`: a weight-surgery YAML file applied at load when the caller gives none
     /// (`mlxcel_loading::LoadOptions::surgery`); it must exist.
     pub surgery: Option<std::path::PathBuf>,
+    /// `MLXCEL_EMBED_PAD_TO`: embedding and reranker batches pad their width up to a multiple
+    /// of this (1-256), so a run of mixed lengths meets few distinct shapes (each new shape costs
+    /// the GPU backend first-use work). `None`: 1 on the CPU, 32 on a GPU.
+    pub embed_pad_to: Option<usize>,
 }
 
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
@@ -210,10 +214,11 @@ impl RuntimePolicy {
         cuda_dequant: true,
         fuse_projections: None,
         surgery: None,
+        embed_pad_to: None,
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 23] = [
+    pub const VARIABLES: [&'static str; 24] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -237,6 +242,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_DEQUANT",
         "MLXCEL_FUSE_PROJECTIONS",
         "MLXCEL_SURGERY",
+        "MLXCEL_EMBED_PAD_TO",
     ];
 
     /// Parses the process environment (the only reader of these variables). A variable that is
@@ -371,6 +377,9 @@ impl RuntimePolicy {
                 return Err(v.error("the path of an existing surgery YAML file"));
             }
             p.surgery = Some(path);
+        }
+        if let Some(v) = get("MLXCEL_EMBED_PAD_TO") {
+            p.embed_pad_to = Some(v.in_range("a multiple from 1 to 256", 1, 256)?);
         }
         Ok(p)
     }
@@ -600,6 +609,17 @@ mod tests {
             for bad in ["yes", "2", "true", "off"] {
                 rejects(var, bad);
             }
+        }
+    }
+
+    #[test]
+    fn embed_pad_to() {
+        let v = "MLXCEL_EMBED_PAD_TO";
+        assert_eq!(RuntimePolicy::default().embed_pad_to, None);
+        assert_eq!(one(v, "32").embed_pad_to, Some(32));
+        assert_eq!(one(v, "1").embed_pad_to, Some(1));
+        for bad in ["0", "257", "wide", "-8"] {
+            rejects(v, bad);
         }
     }
 

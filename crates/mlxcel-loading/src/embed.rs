@@ -522,10 +522,11 @@ pub(crate) fn length_sorted_batches(lengths: &[usize], batch_size: usize) -> Vec
         .collect()
 }
 
-/// `rows` right-padded with `pad` to the longest: ids and attention mask (1 = token), both
-/// `[rows, longest]` int32.
+/// `rows` right-padded with `pad` to the longest, rounded up to the runtime policy's
+/// [`pad_multiple`]: ids and attention mask (1 = token), both `[rows, width]` int32.
 pub(crate) fn padded(rows: &[&[u32]], pad: u32) -> Result<(Array, Array)> {
-    let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let longest = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let width = longest.div_ceil(pad_multiple()?) * pad_multiple()?;
     let mut tok = Vec::with_capacity(rows.len() * width);
     let mut mask = Vec::with_capacity(rows.len() * width);
     for row in rows {
@@ -539,6 +540,43 @@ pub(crate) fn padded(rows: &[&[u32]], pad: u32) -> Result<(Array, Array)> {
         Array::from_slice(&tok, &shape)?,
         Array::from_slice(&mask, &shape)?,
     ))
+}
+
+/// The multiple batch widths are padded up to: `MLXCEL_EMBED_PAD_TO`, else 1 on the CPU (no
+/// extra work) and 32 on a GPU, where every new `[rows, width]` shape pays the backend's
+/// first-use costs and a few padded columns cost nothing measurable.
+pub(crate) fn pad_multiple() -> Result<usize> {
+    if let Some(n) = mlxcel_core::policy::with(|p| p.embed_pad_to) {
+        return Ok(n);
+    }
+    Ok(match mlxcel_core::default_device()? {
+        mlxcel_core::Device::Gpu => 32,
+        _ => 1,
+    })
+}
+
+/// Runs `forward` over `lengths.len()` inputs in [`length_sorted_batches`] of `batch_size`,
+/// queueing each batch on the device before reading the previous one back, so the host builds
+/// batch k+1's graph while the device computes batch k. `store` receives each batch's input
+/// indices and its output as float32, `[rows, ...]` row-major, in batch order.
+pub(crate) fn pipelined_batches(
+    lengths: &[usize],
+    batch_size: usize,
+    mut forward: impl FnMut(&[usize]) -> Result<Array>,
+    mut store: impl FnMut(&[usize], Vec<f32>),
+) -> Result<()> {
+    let mut queued: Option<(Vec<usize>, Array)> = None;
+    for chunk in length_sorted_batches(lengths, batch_size) {
+        let out = forward(&chunk)?.astype(Dtype::Float32)?;
+        mlxcel_core::ops::async_eval_all([&out])?;
+        if let Some((rows, previous)) = queued.replace((chunk, out)) {
+            store(&rows, previous.to_vec::<f32>()?);
+        }
+    }
+    if let Some((rows, last)) = queued {
+        store(&rows, last.to_vec::<f32>()?);
+    }
+    Ok(())
 }
 
 /// A loaded embedding model (from [`load_embedding_model`]).
@@ -763,20 +801,22 @@ impl EmbeddingLoaded {
         check_rows(ids, self.max_tokens, self.model.vocab_size())?;
         let mut out: Vec<Vec<f32>> = vec![Vec::new(); ids.len()];
         let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
-        for chunk in length_sorted_batches(&lengths, batch_size) {
+        let forward = |chunk: &[usize]| -> Result<Array> {
             let rows: Vec<&[u32]> = chunk.iter().map(|&i| ids[i].as_slice()).collect();
             let (tok, mask) = padded(&rows, self.pad_id)?;
             let hidden = self.model.hidden_states(&tok, &mask)?;
-            let mut emb = self.head.apply(&hidden, &mask)?;
-            if let Some(d) = dimensions {
-                emb = truncate_dimensions(&emb, d, self.head.normalize)?;
+            let emb = self.head.apply(&hidden, &mask)?;
+            match dimensions {
+                Some(d) => Ok(truncate_dimensions(&emb, d, self.head.normalize)?),
+                None => Ok(emb),
             }
-            let d = emb.dim(-1)? as usize;
-            let values = emb.astype(Dtype::Float32)?.to_vec::<f32>()?;
+        };
+        pipelined_batches(&lengths, batch_size, forward, |chunk, values| {
+            let d = values.len() / chunk.len();
             for (row, &i) in chunk.iter().enumerate() {
                 out[i] = values[row * d..(row + 1) * d].to_vec();
             }
-        }
+        })?;
         Ok(out)
     }
 }

@@ -18,8 +18,8 @@ use mlxcel_core::{Array, Dtype};
 use serde_json::Value;
 
 use crate::embed::{
-    build_task_model, check_rows, confined, encoder_tokenizer, length_sorted_batches,
-    open_task_checkpoint, overflowed, pad_token_id, padded, read_json, TaskCheckpoint,
+    build_task_model, check_rows, confined, encoder_tokenizer, open_task_checkpoint, overflowed,
+    pad_token_id, padded, pipelined_batches, read_json, TaskCheckpoint,
 };
 use crate::pipeline::LoadOptions;
 use crate::tokenizer::Tokenizer;
@@ -387,7 +387,7 @@ impl RerankerLoaded {
         };
         let mut out = vec![0f32; pairs.len()];
         let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
-        for chunk in length_sorted_batches(&lengths, batch_size) {
+        let forward = |chunk: &[usize]| -> Result<Array> {
             let rows: Vec<&[u32]> = chunk.iter().map(|&i| ids[i].as_slice()).collect();
             let (tok, mask) = padded(&rows, self.pad_id)?;
             let types: Vec<&[u32]> = chunk
@@ -395,15 +395,18 @@ impl RerankerLoaded {
                 .map(|&i| pairs[i].type_ids.as_slice())
                 .collect();
             let (types, _) = padded(&types, 0)?;
-            let mut logits = model.logits(&tok, &types, &mask)?.astype(Dtype::Float32)?;
-            if activate {
-                logits = self.activation.apply(&logits)?;
-            }
-            let values = logits.to_vec::<f32>()?;
+            let logits = model.logits(&tok, &types, &mask)?.astype(Dtype::Float32)?;
+            Ok(if activate {
+                self.activation.apply(&logits)?
+            } else {
+                logits
+            })
+        };
+        pipelined_batches(&lengths, batch_size, forward, |chunk, values| {
             for (row, &i) in chunk.iter().enumerate() {
                 out[i] = values[row];
             }
-        }
+        })?;
         Ok(out)
     }
 }

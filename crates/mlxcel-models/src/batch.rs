@@ -224,7 +224,12 @@ impl ModelState {
     /// One decode step: of the batch, for a model that batches, else of the generations at the
     /// front of the queue that share its adapter mix, one after the other.
     fn step(&mut self) {
-        if self.loaded.model.batched_decode() {
+        // A lone generation with the CPU decode engine on decodes on its own caches: the engine
+        // runs a step as one call, which a decode batch (even of one row) never reaches.
+        let lone_on_engine = self.batch.is_none()
+            && self.running.len() == 1
+            && mlxcel_core::policy::with(|p| p.cpu_decode);
+        if self.loaded.model.batched_decode() && !lone_on_engine {
             self.step_batch();
         } else {
             self.step_each();
