@@ -120,10 +120,18 @@ fold)
   CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0"
   ;;
 ssm)
+  # The CUDA selective scan's check, then mlxcel with the scan kernel everywhere (default), at
+  # decode only, and off (MLX graphs), against mlx-lm; greedy ids of the three first.
+  timeout 120 "$here/cuda_kernels" --scan
   for shape in mamba2-4bit jamba-4bit; do
     echo "== $shape"
     model $shape
-    passes "default MLXCEL_NOTHING=1"
+    for s in 1 decode 0; do
+      echo -n "  greedy ids, MLXCEL_CUDA_SCAN=$s: "
+      MLXCEL_CUDA_SCAN=$s "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 24 \
+        --ignore-eos --print-ids --quiet 2>&1 | tail -1 | md5sum
+    done
+    passes "default MLXCEL_NOTHING=1" "scan-decode MLXCEL_CUDA_SCAN=decode" "scan-off MLXCEL_CUDA_SCAN=0"
   done
   ;;
 final)

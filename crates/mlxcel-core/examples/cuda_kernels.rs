@@ -3,10 +3,12 @@
 //!
 //!     cuda_kernels            correctness on assorted shapes, then timings on Llama-8B shapes
 //!     cuda_kernels --source   print the generated module source (to compile-check with NVRTC)
+//!     cuda_kernels --scan     the selective scan's check only
 //!
 //! Reference: MLX's `dequantize` and `quantized_matmul` on the same planes. The dequantized
 //! values must be bit-equal (both compute `scale * q + bias` in float32 and round once); the GEMV
-//! must agree within the output dtype's rounding over K terms. The last line is
+//! must agree within the output dtype's rounding over K terms. The selective scan is checked
+//! against the recurrence written out in MLX ops, position by position (float32, relative 1e-5). The last line is
 //! `CUDA_KERNELS ok` or `CUDA_KERNELS fail <why>`.
 
 use std::time::Instant;
@@ -59,8 +61,92 @@ fn time(iters: usize, f: &dyn Fn() -> R<Array>) -> R<f64> {
     Ok(per[2])
 }
 
-fn check() -> R<Vec<String>> {
+/// The recurrence of `ops::selective_scan` in MLX ops, one position at a time: `y` `[B, L, H, P]`
+/// and the last state.
+fn scan_reference(
+    x: &Array,
+    dt: &Array,
+    a: &Array,
+    bm: &Array,
+    cm: &Array,
+    h0: &Array,
+) -> R<(Array, Array)> {
+    let (b, l, h) = (x.dim(0)?, x.dim(1)?, x.dim(2)?);
+    let (g, n) = (bm.dim(2)?, bm.dim(3)?);
+    // Each head's group of B and C: [B, L, H, N].
+    let per_head = |m: &Array| -> R<Array> {
+        Ok(m.reshape(&[b, l, g, 1, n])?
+            .broadcast_to(&[b, l, g, h / g, n])?
+            .reshape(&[b, l, h, n])?)
+    };
+    let (bh, ch) = (per_head(bm)?, per_head(cm)?);
+    let mut s = h0.clone();
+    let mut ys = Vec::new();
+    for t in 0..l {
+        let at = |m: &Array| m.slice_axis(1, t, t + 1)?.squeeze(&[1]);
+        let d = at(dt)?.reshape(&[b, h, 1, 1])?;
+        let decay = d.multiply(&a.reshape(&[1, h, 1, n])?)?.exp()?;
+        let input = d
+            .multiply(&at(x)?.expand_dims(&[-1])?)?
+            .multiply(&at(&bh)?.expand_dims(&[2])?)?;
+        s = decay.multiply(&s)?.add(&input)?;
+        ys.push(
+            s.multiply(&at(&ch)?.expand_dims(&[2])?)?
+                .sum(&[-1], false)?,
+        );
+    }
+    Ok((ops::stack(&ys, 1)?, s))
+}
+
+/// The CUDA selective scan on Mamba-2-like (one decay per head, grouped B/C, N = 128) and
+/// Mamba-1-like (one channel per head, N = 16) shapes, prefill lengths and one-position steps.
+fn check_scan() -> R<Vec<String>> {
     let mut failures = Vec::new();
+    let f32 = Dtype::Float32;
+    for (b, l, h, p, g, n, per_head) in [
+        (1, 37, 24, 64, 1, 128, true),
+        (2, 1, 24, 64, 2, 128, true),
+        (2, 19, 96, 1, 1, 16, false),
+        (1, 1, 512, 1, 1, 16, false),
+        (1, 9, 4, 8, 4, 200, true),
+    ] {
+        let seed = (b * l * h * p * n) as u64;
+        let x = random(&[b, l, h, p], f32, seed)?;
+        // dt > 0 and A < 0, as softplus and -exp(A_log) give them.
+        let dt = random(&[b, l, h], f32, seed + 1)?
+            .abs()?
+            .multiply(&Array::scalar(0.5, f32)?)?;
+        let mut a = random(&[h, n], f32, seed + 2)?
+            .abs()?
+            .add(&Array::scalar(0.1, f32)?)?
+            .negative()?;
+        if per_head {
+            a = a.slice_axis(1, 0, 1)?.broadcast_to(&[h, n])?;
+        }
+        let bm = random(&[b, l, g, n], f32, seed + 3)?;
+        let cm = random(&[b, l, g, n], f32, seed + 4)?;
+        let h0 = random(&[b, h, p, n], f32, seed + 5)?;
+        let packed = cuda_kernels::selective_scan(&x, &dt, &a, &bm, &cm, &h0, per_head)?;
+        let ys = l * h * p;
+        let y = packed.slice_axis(1, 0, ys)?.reshape(&[b, l, h, p])?;
+        let state = packed
+            .slice_axis(1, ys, ys + h * p * n)?
+            .reshape(&[b, h, p, n])?;
+        let (y_ref, state_ref) = scan_reference(&x, &dt, &a, &bm, &cm, &h0)?;
+        for (what, ours, mlx) in [("y", &y, &y_ref), ("state", &state, &state_ref)] {
+            let (diff, scale) = max_abs(ours, mlx)?;
+            let label = format!("scan B{b} L{l} H{h} P{p} G{g} N{n} {what}");
+            println!("{label}: max|ours - MLX| {diff:.3e} (output scale {scale:.2})");
+            if diff.is_nan() || diff > 1e-5 * scale.max(1.0) {
+                failures.push(label);
+            }
+        }
+    }
+    Ok(failures)
+}
+
+fn check() -> R<Vec<String>> {
+    let mut failures = check_scan()?;
     let dtypes = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
     for (n, k) in [(64, 256), (1001, 384), (4096, 4096), (1024, 4096)] {
         for bits in [4, 8] {
@@ -360,6 +446,19 @@ fn main() -> R<()> {
         ..policy
     })?;
     let started = Instant::now();
+    if std::env::args().any(|a| a == "--scan") {
+        // The selective scan's check alone.
+        let failures = check_scan()?;
+        println!(
+            "CUDA_KERNELS {}",
+            if failures.is_empty() {
+                "ok".to_string()
+            } else {
+                format!("fail {}", failures.join("; "))
+            }
+        );
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--speed") {
         // Timings only (after a checked run of the same build).
         return speed();

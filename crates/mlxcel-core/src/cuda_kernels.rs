@@ -14,6 +14,10 @@
 //!   graph node, and a transformer block's RMSNorms, gate activation and residual adds are four
 //!   nodes of about twenty. `MLXCEL_CUDA_QMV_FOLD=0` keeps them separate.
 //!
+//! - **selective scan** (`scan.cu`): Mamba-1/Mamba-2's recurrence, one graph node per layer
+//!   instead of the MLX graphs of `mlxcel_arch::nn::ssm` ([`selective_scan`]).
+//!   `MLXCEL_CUDA_SCAN=0` keeps the graphs, `decode` uses it for one-position steps only.
+//!
 //! Each is compiled with the NVRTC that MLX's CUDA build loads into the process, at its first use
 //! on a machine: the cubin is cached under [`crate::cache_dir`]`/cuda/`, keyed by the source and
 //! the GPU architecture, so later processes only load it (MLX's `fast::cuda_kernel` recompiles
@@ -36,6 +40,7 @@ const PRELUDE: &str = include_str!("../kernels/cuda/prelude.cuh");
 const HEADER: &str = include_str!("../kernels/cuda/qmv_header.cuh");
 const QMV: &str = include_str!("../kernels/cuda/qmv.cu");
 const DEQUANT: &str = include_str!("../kernels/cuda/dequant.cu");
+const SCAN: &str = include_str!("../kernels/cuda/scan.cu");
 /// In every module: the launcher's copy of an input that is not row-contiguous.
 const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
 /// Up to this many rows of activations take the GEMV (decode, batched decode of concurrent
@@ -58,6 +63,10 @@ const RMSNORM_FOLDED_SHAPE: (i32, i32) = (4, 8);
 const BATCH_QMV_SHAPE: (i32, i32) = (4, 2);
 const GATED_FOLDED_SHAPE: (i32, i32) = (16, 16);
 const BITS: [i32; 2] = [4, 8];
+/// The scan's block size (four warps, one (batch, head, channel) row each).
+const SCAN_THREADS: i32 = 128;
+/// The scan kernel's instantiations: states per lane (N up to 256).
+const SCAN_STATES_PER_LANE: [i32; 4] = [1, 2, 4, 8];
 const DTYPES: [Dtype; 3] = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
 
 /// Whether GEMVs may fold their neighbouring ops in (`MLXCEL_CUDA_QMV_FOLD=0`: never, for
@@ -116,6 +125,10 @@ enum KernelId {
         rows_per_block: i32,
         fold: GemvFold,
     },
+    /// `J` of scan.cu: states per lane, `ceil(N / 32)` rounded up to a power of two.
+    Scan {
+        states_per_lane: i32,
+    },
 }
 
 /// Which neighbouring ops a GEMV kernel folds in (`PRE` and `RES` of qmv.cu).
@@ -138,6 +151,7 @@ impl KernelId {
                 rows_per_block,
                 fold,
             } => qmv_entry(bits, dtype, shape, rows_per_block, fold),
+            KernelId::Scan { states_per_lane } => scan_entry(states_per_lane),
         }
     }
 }
@@ -205,10 +219,28 @@ fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), mb: i32, fold: Gemv
     }
 }
 
+fn scan_entry(j: i32) -> Entry {
+    let name = format!("mlxcel_selective_scan_j{j}");
+    let wrapper = format!(
+        "extern \"C\" __global__ void __launch_bounds__({SCAN_THREADS}) {name}(const float* x, \
+         const float* dt, const float* a, const float* bm, const float* cm, const float* h0, \
+         float* out, int B, int L, int H, int P, int G, int N, int per_head) {{ \
+         selective_scan<{j}>(x, dt, a, bm, cm, h0, out, B, L, H, P, G, N, per_head); }}\n"
+    );
+    Entry {
+        name,
+        kernel: SCAN,
+        wrapper,
+    }
+}
+
 /// Every kernel of this build in one source (public so it can be compile-checked with NVRTC off
 /// the GPU machine: `cargo run -p mlxcel-core --example cuda_kernels -- --source`).
 pub fn module_source() -> String {
-    let mut src = [PRELUDE, HEADER, QMV, DEQUANT, GATHER].join("\n");
+    let mut src = [PRELUDE, HEADER, QMV, DEQUANT, SCAN, GATHER].join("\n");
+    for j in SCAN_STATES_PER_LANE {
+        src += &scan_entry(j).wrapper;
+    }
     for bits in BITS {
         for dtype in DTYPES {
             src += &dequant_entry(bits, dtype).wrapper;
@@ -665,4 +697,64 @@ mod tests {
             assert_eq!(parse(bad), None, "{bad}");
         }
     }
+}
+
+/// Whether [`selective_scan`] takes a scan of `x` `[B, L, H, P]` with `bm` `[B, L, G, N]`: on a
+/// GPU, enabled for this many positions (`MLXCEL_CUDA_SCAN`), `N` at most 256, `G` dividing `H`
+/// (the caller has checked every operand is float32).
+pub(crate) fn scan_applies(x: &Array, bm: &Array) -> Result<bool> {
+    use crate::policy::CudaScan;
+    let enabled = match crate::policy::with(|p| p.cuda_scan) {
+        CudaScan::Off => false,
+        CudaScan::Decode => x.dim(1)? == 1,
+        CudaScan::All => true,
+    };
+    if !enabled || !on_gpu()? || x.ndim() != 4 || bm.ndim() != 4 {
+        return Ok(false);
+    }
+    let (h, g, n) = (x.dim(2)?, bm.dim(2)?, bm.dim(3)?);
+    Ok(g > 0 && h % g == 0 && (1..=256).contains(&n))
+}
+
+/// The selective scan on mlxcel's CUDA kernel (`scan.cu`), for `ops::selective_scan`: operands
+/// as that function describes them (float32), the output packed as `[B, L·H·P + H·P·N]` (`y`,
+/// then the last state), as the CPU kernel's is.
+pub fn selective_scan(
+    x: &Array,
+    dt: &Array,
+    a: &Array,
+    bm: &Array,
+    cm: &Array,
+    h0: &Array,
+    per_head_decay: bool,
+) -> Result<Array> {
+    let (b, l, h, p) = (x.dim(0)?, x.dim(1)?, x.dim(2)?, x.dim(3)?);
+    let (g, n) = (bm.dim(2)?, bm.dim(3)?);
+    let states_per_lane = SCAN_STATES_PER_LANE
+        .into_iter()
+        .find(|&j| j * 32 >= n)
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "selective scan: {n} states per channel (at most 256)"
+            ))
+        })?;
+    let rows = i64::from(b) * i64::from(h) * i64::from(p);
+    let threads = i32::try_from(rows * 32)
+        .map_err(|_| Error::Invalid(format!("selective scan: {rows} rows")))?;
+    call(
+        KernelId::Scan { states_per_lane },
+        &[
+            x.clone(),
+            dt.clone(),
+            a.clone(),
+            bm.clone(),
+            cm.clone(),
+            h0.clone(),
+        ],
+        vec![b, l * h * p + h * p * n],
+        Dtype::Float32,
+        &[b, l, h, p, g, n, i32::from(per_head_decay)],
+        [threads, 1, 1],
+        [SCAN_THREADS, 1, 1],
+    )
 }

@@ -869,13 +869,14 @@ pub fn gather_mm(
 }
 
 /// The selective state-space recurrence of Mamba-1 and Mamba-2 on mlxcel's CPU kernel
-/// (`cpp/cpu_scan.cc`), position after position: `s = exp(dt · A) ⊙ s + dt · x · Bᵀ`,
+/// (`cpp/cpu_scan.cc`) or, on a GPU, its CUDA twin (`kernels/cuda/scan.cu`, see
+/// [`crate::cuda_kernels::selective_scan`]), position after position: `s = exp(dt · A) ⊙ s + dt · x · Bᵀ`,
 /// `y = s · C`, for `x` `[B, L, H, P]`, `dt` `[B, L, H]`, `a` `[H, N]` (`per_head_decay`: one
 /// value per head, read from column 0), `bm`, `cm` `[B, L, G, N]` (head `h` reads group
 /// `h / (H / G)`) and the initial state `h0` `[B, H, P, N]`, all float32. Returns `y`
-/// `[B, L, H, P]` and the last state `[B, H, P, N]`, or `None` where the CPU kernels are not in
-/// use (the caller then runs its MLX graph).
-pub fn cpu_selective_scan(
+/// `[B, L, H, P]` and the last state `[B, H, P, N]`, or `None` where neither kernel is in use
+/// (the caller then runs its MLX graph).
+pub fn selective_scan(
     x: &Array,
     dt: &Array,
     a: &Array,
@@ -884,23 +885,26 @@ pub fn cpu_selective_scan(
     h0: &Array,
     per_head_decay: bool,
 ) -> Result<Option<(Array, Array)>> {
-    if !cpu_kernels_active()? {
-        return Ok(None);
-    }
     for t in [x, dt, a, bm, cm, h0] {
         if t.dtype()? != Dtype::Float32 {
             return Ok(None);
         }
     }
-    let packed = wrap(bridge::cpu_selective_scan(
-        x.as_ref(),
-        dt.as_ref(),
-        a.as_ref(),
-        bm.as_ref(),
-        cm.as_ref(),
-        h0.as_ref(),
-        per_head_decay,
-    )?);
+    let packed = if cpu_kernels_active()? {
+        wrap(bridge::cpu_selective_scan(
+            x.as_ref(),
+            dt.as_ref(),
+            a.as_ref(),
+            bm.as_ref(),
+            cm.as_ref(),
+            h0.as_ref(),
+            per_head_decay,
+        )?)
+    } else if crate::cuda_kernels::scan_applies(x, bm)? {
+        crate::cuda_kernels::selective_scan(x, dt, a, bm, cm, h0, per_head_decay)?
+    } else {
+        return Ok(None);
+    };
     let (b, l, h, p) = (x.dim(0)?, x.dim(1)?, x.dim(2)?, x.dim(3)?);
     let n = bm.dim(3)?;
     let ys = l * h * p;

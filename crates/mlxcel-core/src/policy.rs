@@ -183,6 +183,21 @@ pub struct RuntimePolicy {
     /// of this (1-256), so a run of mixed lengths meets few distinct shapes (each new shape costs
     /// the GPU backend first-use work). `None`: 1 on the CPU, 32 on a GPU.
     pub embed_pad_to: Option<usize>,
+    /// `MLXCEL_CUDA_SCAN`: where Mamba's selective scan runs on mlxcel's CUDA kernel instead of
+    /// MLX graphs on a GPU: `1` prefill and decode (default), `decode` one-position steps only,
+    /// `0` never.
+    pub cuda_scan: CudaScan,
+}
+
+/// Where the CUDA selective-scan kernel runs (`MLXCEL_CUDA_SCAN`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaScan {
+    /// Never: MLX graphs (chunked SSD, Hillis-Steele blocks, the one-step recurrence).
+    Off,
+    /// Decode steps (one position) only; prefill runs the MLX graphs.
+    Decode,
+    /// Prefill and decode.
+    All,
 }
 
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
@@ -215,10 +230,11 @@ impl RuntimePolicy {
         fuse_projections: None,
         surgery: None,
         embed_pad_to: None,
+        cuda_scan: CudaScan::All,
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 24] = [
+    pub const VARIABLES: [&'static str; 25] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -243,6 +259,7 @@ impl RuntimePolicy {
         "MLXCEL_FUSE_PROJECTIONS",
         "MLXCEL_SURGERY",
         "MLXCEL_EMBED_PAD_TO",
+        "MLXCEL_CUDA_SCAN",
     ];
 
     /// Parses the process environment (the only reader of these variables). A variable that is
@@ -367,6 +384,14 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_DEQUANT") {
             p.cuda_dequant = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_SCAN") {
+            p.cuda_scan = match v.word().as_str() {
+                "1" => CudaScan::All,
+                "decode" => CudaScan::Decode,
+                "0" => CudaScan::Off,
+                _ => return Err(v.error("1, decode or 0")),
+            };
         }
         if let Some(v) = get("MLXCEL_FUSE_PROJECTIONS") {
             p.fuse_projections = Some(v.switch()?);
@@ -609,6 +634,18 @@ mod tests {
             for bad in ["yes", "2", "true", "off"] {
                 rejects(var, bad);
             }
+        }
+    }
+
+    #[test]
+    fn cuda_scan() {
+        let v = "MLXCEL_CUDA_SCAN";
+        assert_eq!(RuntimePolicy::default().cuda_scan, CudaScan::All);
+        assert_eq!(one(v, "0").cuda_scan, CudaScan::Off);
+        assert_eq!(one(v, " Decode ").cuda_scan, CudaScan::Decode);
+        assert_eq!(one(v, "1").cuda_scan, CudaScan::All);
+        for bad in ["2", "prefill", "yes"] {
+            rejects(v, bad);
         }
     }
 

@@ -73,7 +73,7 @@ fn check_scan(dims: (usize, usize, usize, usize, usize, usize), per_head_decay: 
             array(&rows, shape, F32)
         };
         let len = (to - from) as i32;
-        ops::cpu_selective_scan(
+        ops::selective_scan(
             &cut(&x, h * p, &[bi, len, hi, pi]),
             &cut(&dt, h, &[bi, len, hi]),
             &array(&a, &[hi, ni], F32),

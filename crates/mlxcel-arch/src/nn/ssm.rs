@@ -5,12 +5,14 @@
 //! A state-space layer keeps no keys and values: its [`LayerCache::State`] holds the last
 //! `kernel - 1` inputs of the convolution (the *window*) and the scan's recurrent state, both of
 //! fixed size. On the CPU with mlxcel's kernels on, both scans run as one call of the CPU
-//! recurrence kernel (`ops::cpu_selective_scan`: position after position, rows over the thread
-//! pool), prefill and decode alike. Otherwise (GPUs, `MLXCEL_CPU_KERNELS=0`) prefill runs the
-//! scan as a graph of whole-chunk MLX ops — Mamba-1 as a Hillis-Steele scan over blocks of
-//! [`SCAN_BLOCK`] positions, Mamba-2 as the chunked SSD (quadratic within a chunk, a recurrence
-//! over chunk states between them) — and a decode step runs the one-token recurrence. Either way the layer starts from, and leaves, the state in the
-//! cache, so any split of a prompt into prefill chunks gives the same state as one pass.
+//! recurrence kernel (`ops::selective_scan`: position after position, rows over the thread
+//! pool), prefill and decode alike; on a GPU as one call of its CUDA twin (`MLXCEL_CUDA_SCAN`).
+//! Otherwise (`MLXCEL_CPU_KERNELS=0`, `MLXCEL_CUDA_SCAN=0`) prefill runs the scan as a graph of
+//! whole-chunk MLX ops — Mamba-1 as a Hillis-Steele scan over blocks of [`SCAN_BLOCK`]
+//! positions, Mamba-2 as the chunked SSD (quadratic within a chunk, a recurrence over chunk
+//! states between them) — and a decode step runs the one-token recurrence. Either way the
+//! layer starts from, and leaves, the state in the cache, so any split of a prompt into prefill
+//! chunks gives the same state as one pass.
 //!
 //! The scans run in float32 whatever the compute dtype (decay products of many steps lose
 //! everything in half precision); the state is kept in float32.
@@ -221,8 +223,8 @@ impl MambaMixer {
         cm: &Array,
         h0: Array,
     ) -> Result<(Array, Array)> {
-        // mlxcel's CPU kernel runs the recurrence directly: each channel a head of one.
-        if let Some((y, h)) = ops::cpu_selective_scan(
+        // mlxcel's CPU or CUDA kernel runs the recurrence directly: each channel a head of one.
+        if let Some((y, h)) = ops::selective_scan(
             &x.expand_dims(&[-1])?,
             dt,
             &self.a,
@@ -567,12 +569,12 @@ impl Mamba2Mixer {
             Some(s) => s,
             None => ops::zeros(&[b, d.heads, d.head_dim, d.state], Dtype::Float32)?,
         };
-        // mlxcel's CPU kernel runs the recurrence directly (prefill and decode alike).
+        // mlxcel's CPU or CUDA kernel runs the recurrence directly (prefill and decode alike).
         let a = self
             .a
             .reshape(&[d.heads, 1])?
             .broadcast_to(&[d.heads, d.state])?;
-        let (y, h) = match ops::cpu_selective_scan(&xs, &dt, &a, &bm, &cm, &h0, true)? {
+        let (y, h) = match ops::selective_scan(&xs, &dt, &a, &bm, &cm, &h0, true)? {
             Some(scanned) => scanned,
             None if l == 1 => self.step(&xs, &dt, &bm, &cm, &h0)?,
             None => self.ssd(&xs, &dt, &bm, &cm, &h0)?,
