@@ -634,6 +634,66 @@ fn activation_rows_per_block(rows: i32, rpw: i32) -> i32 {
     (rows.max(1) as u32).next_power_of_two().min(cap as u32) as i32
 }
 
+/// Whether [`selective_scan`] takes a scan of `x` `[B, L, H, P]` with `bm` `[B, L, G, N]`: on a
+/// GPU, enabled for this many positions (`MLXCEL_CUDA_SCAN`), `N` at most 256, `G` dividing `H`
+/// (the caller has checked every operand is float32).
+pub(crate) fn scan_applies(x: &Array, bm: &Array) -> Result<bool> {
+    use crate::policy::CudaScan;
+    let enabled = match crate::policy::with(|p| p.cuda_scan) {
+        CudaScan::Off => false,
+        CudaScan::Decode => x.dim(1)? == 1,
+        CudaScan::All => true,
+    };
+    if !enabled || !on_gpu()? || x.ndim() != 4 || bm.ndim() != 4 {
+        return Ok(false);
+    }
+    let (h, g, n) = (x.dim(2)?, bm.dim(2)?, bm.dim(3)?);
+    Ok(g > 0 && h % g == 0 && (1..=256).contains(&n))
+}
+
+/// The selective scan on mlxcel's CUDA kernel (`scan.cu`), for `ops::selective_scan`: operands
+/// as that function describes them (float32), the output packed as `[B, L·H·P + H·P·N]` (`y`,
+/// then the last state), as the CPU kernel's is.
+pub fn selective_scan(
+    x: &Array,
+    dt: &Array,
+    a: &Array,
+    bm: &Array,
+    cm: &Array,
+    h0: &Array,
+    per_head_decay: bool,
+) -> Result<Array> {
+    let (b, l, h, p) = (x.dim(0)?, x.dim(1)?, x.dim(2)?, x.dim(3)?);
+    let (g, n) = (bm.dim(2)?, bm.dim(3)?);
+    let states_per_lane = SCAN_STATES_PER_LANE
+        .into_iter()
+        .find(|&j| j * 32 >= n)
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "selective scan: {n} states per channel (at most 256)"
+            ))
+        })?;
+    let rows = i64::from(b) * i64::from(h) * i64::from(p);
+    let threads = i32::try_from(rows * 32)
+        .map_err(|_| Error::Invalid(format!("selective scan: {rows} rows")))?;
+    call(
+        KernelId::Scan { states_per_lane },
+        &[
+            x.clone(),
+            dt.clone(),
+            a.clone(),
+            bm.clone(),
+            cm.clone(),
+            h0.clone(),
+        ],
+        vec![b, l * h * p + h * p * n],
+        Dtype::Float32,
+        &[b, l, h, p, g, n, i32::from(per_head_decay)],
+        [threads, 1, 1],
+        [SCAN_THREADS, 1, 1],
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -697,64 +757,4 @@ mod tests {
             assert_eq!(parse(bad), None, "{bad}");
         }
     }
-}
-
-/// Whether [`selective_scan`] takes a scan of `x` `[B, L, H, P]` with `bm` `[B, L, G, N]`: on a
-/// GPU, enabled for this many positions (`MLXCEL_CUDA_SCAN`), `N` at most 256, `G` dividing `H`
-/// (the caller has checked every operand is float32).
-pub(crate) fn scan_applies(x: &Array, bm: &Array) -> Result<bool> {
-    use crate::policy::CudaScan;
-    let enabled = match crate::policy::with(|p| p.cuda_scan) {
-        CudaScan::Off => false,
-        CudaScan::Decode => x.dim(1)? == 1,
-        CudaScan::All => true,
-    };
-    if !enabled || !on_gpu()? || x.ndim() != 4 || bm.ndim() != 4 {
-        return Ok(false);
-    }
-    let (h, g, n) = (x.dim(2)?, bm.dim(2)?, bm.dim(3)?);
-    Ok(g > 0 && h % g == 0 && (1..=256).contains(&n))
-}
-
-/// The selective scan on mlxcel's CUDA kernel (`scan.cu`), for `ops::selective_scan`: operands
-/// as that function describes them (float32), the output packed as `[B, L·H·P + H·P·N]` (`y`,
-/// then the last state), as the CPU kernel's is.
-pub fn selective_scan(
-    x: &Array,
-    dt: &Array,
-    a: &Array,
-    bm: &Array,
-    cm: &Array,
-    h0: &Array,
-    per_head_decay: bool,
-) -> Result<Array> {
-    let (b, l, h, p) = (x.dim(0)?, x.dim(1)?, x.dim(2)?, x.dim(3)?);
-    let (g, n) = (bm.dim(2)?, bm.dim(3)?);
-    let states_per_lane = SCAN_STATES_PER_LANE
-        .into_iter()
-        .find(|&j| j * 32 >= n)
-        .ok_or_else(|| {
-            Error::Invalid(format!(
-                "selective scan: {n} states per channel (at most 256)"
-            ))
-        })?;
-    let rows = i64::from(b) * i64::from(h) * i64::from(p);
-    let threads = i32::try_from(rows * 32)
-        .map_err(|_| Error::Invalid(format!("selective scan: {rows} rows")))?;
-    call(
-        KernelId::Scan { states_per_lane },
-        &[
-            x.clone(),
-            dt.clone(),
-            a.clone(),
-            bm.clone(),
-            cm.clone(),
-            h0.clone(),
-        ],
-        vec![b, l * h * p + h * p * n],
-        Dtype::Float32,
-        &[b, l, h, p, g, n, i32::from(per_head_decay)],
-        [threads, 1, 1],
-        [SCAN_THREADS, 1, 1],
-    )
 }
