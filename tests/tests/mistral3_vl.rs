@@ -468,6 +468,7 @@ fn processor_settings_are_checked() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("[BRK]"), "{err}");
+    assert!(err.contains("language_model_only"), "{err}");
     // A processor whose merge differs from the model's is refused.
     std::fs::write(
         copy.path().join("processor_config.json"),

@@ -1,7 +1,7 @@
 //! `mlxcel logits --image ... --prompt-ids ...` on the tiny Mistral 3 (Pixtral) fixture
 //! (`tests/fixtures/vision/mistral3`, transformers 5.24.0): the unexpanded ids (one `[IMG]`
 //! per image) are expanded into rows with `[IMG_BREAK]` / `[IMG_END]` as PixtralProcessor does,
-//! and the logits match transformers'.
+//! and the logits match transformers'; `mlxcel generate --image` continues as transformers does.
 
 use std::process::Command;
 
@@ -110,6 +110,36 @@ fn logits_with_images_match_transformers() {
             "{prompt}: logits differ by {worst}"
         );
     }
+}
+
+/// The chat path: the template puts one `[IMG]` per image, the processor expands each into
+/// its rows; the greedy continuation is transformers'.
+#[test]
+fn generate_with_two_images_prints_transformers_greedy_ids() {
+    let mut cmd = mlxcel();
+    cmd.args([
+        "generate",
+        "--quiet",
+        "--print-ids",
+        "--max-new",
+        "16",
+        "--model",
+    ])
+    .arg(vision("mistral3"));
+    for i in ["gradient.png", "alpha.png"] {
+        cmd.arg("--image").arg(vision(&format!("images/{i}")));
+    }
+    let out = cmd
+        .args(["--user", "The river flows past the old mill."])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want: Vec<String> = ids("greedy_ids2").iter().map(u32::to_string).collect();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want.join(","));
 }
 
 #[test]

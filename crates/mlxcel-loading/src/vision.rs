@@ -730,7 +730,8 @@ fn pixtral_processor(
             .to_string();
         let id = tokenizer.token_to_id(&text).ok_or_else(|| {
             LoadError::Unsupported(format!(
-                "the tokenizer has no token `{text}` ({key} of the Pixtral processor)"
+                "{}: the tokenizer has no token `{text}` ({key} of the Pixtral processor), which prompts with images need; `\"language_model_only\": true` in config.json loads the text tower alone",
+                folder.display()
             ))
         })?;
         Ok((id, text))
