@@ -143,7 +143,7 @@ fn generate_with_two_images_prints_transformers_greedy_ids() {
 }
 
 #[test]
-fn inspect_shows_the_lazy_pixtral_tower() {
+fn inspect_and_estimate_memory_show_the_lazy_pixtral_tower() {
     let out = mlxcel()
         .arg("inspect")
         .arg(vision("mistral3"))
@@ -161,6 +161,21 @@ fn inspect_shows_the_lazy_pixtral_tower() {
     );
     assert!(
         text.lines().any(|l| l.starts_with("vision (lazy)")),
+        "{text}"
+    );
+    let out = mlxcel()
+        .args(["generate", "--estimate-memory", "--user", "hi", "--model"])
+        .arg(vision("mistral3"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("vision tower") && text.contains("lazy: on disk until the first image"),
         "{text}"
     );
 }
