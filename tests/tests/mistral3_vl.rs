@@ -480,3 +480,35 @@ fn processor_settings_are_checked() {
         .to_string();
     assert!(err.contains("spatial_merge_size 1"), "{err}");
 }
+
+#[test]
+fn bad_vision_configs_and_tensors_are_refused_naming_them() {
+    let edit = |f: &dyn Fn(&mut Value)| {
+        let copy = respelled(|n| Some(n.to_string()), false);
+        let path = copy.path().join("config.json");
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        f(&mut config);
+        std::fs::write(&path, config.to_string()).unwrap();
+        load_model(copy.path(), &LoadOptions::default())
+            .unwrap_err()
+            .to_string()
+    };
+    let err = edit(&|c| c["vision_feature_layer"] = json!([-1, -2]));
+    assert!(err.contains("vision_feature_layer"), "{err}");
+    let err = edit(&|c| c["vision_feature_layer"] = json!(5));
+    assert!(err.contains("vision_feature_layer = 5"), "{err}");
+    let err = edit(&|c| c["vision_config"]["hidden_act"] = json!("swishy"));
+    assert!(err.contains("vision_config.hidden_act"), "{err}");
+    let err = edit(&|c| c["projector_hidden_act"] = json!("swishy"));
+    assert!(err.contains("projector_hidden_act"), "{err}");
+    // A missing projector tensor is named at load, before any image.
+    let copy = respelled(
+        |n| (n != "multi_modal_projector.norm.weight").then(|| n.to_string()),
+        false,
+    );
+    let err = load_model(copy.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("multi_modal_projector.norm.weight"), "{err}");
+}

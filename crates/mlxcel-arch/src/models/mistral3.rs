@@ -489,9 +489,11 @@ pub fn load(
     options: &crate::registry::BuildOptions,
 ) -> Result<crate::registry::LoadedModel> {
     use crate::registry::{build_architecture, GenerationModel, LoadedModel};
+    // The tower's tensors decide (as the loader's text-only report does): a projector alone
+    // is left out with the rest.
     let has_vision = weights
         .names()
-        .any(|n| UNUSED_PREFIXES.iter().any(|p| n.starts_with(p)));
+        .any(|n| n.starts_with("vision_tower.") || n.starts_with("model.vision_tower."));
     if crate::detection::is_text_only(config, has_vision) {
         let model = build_architecture::<Model>("Mistral3", config, weights, options)?;
         return Ok(LoadedModel::Generation(GenerationModel::Mistral3(
