@@ -27,14 +27,30 @@ fn mistral3_routes_by_the_nested_text_config() {
         ModelType::Mistral3.descriptor().directory_route,
         DirectoryRoute::Mistral3Dynamic
     );
-    // With the vision tower and projector in the checkpoint: text_config.model_type ministral3.
+    // With the vision tower and projector in the checkpoint: text_config.model_type ministral3,
+    // and the Pixtral tower built (lazily; see mistral3_vl.rs).
     let loaded = load_model(model_dir("mistral3"), &options()).unwrap();
     assert_eq!(loaded.model_type, ModelType::Mistral3);
     assert!(
-        matches!(&loaded.model, GenerationModel::Mistral3(m) if matches!(**m, mistral3::Model::Ministral3(_))),
+        matches!(&loaded.model, GenerationModel::Mistral3(m) if matches!(m.text_tower(), mistral3::Text::Ministral3(_)) && m.tower().is_some()),
         "text_config.model_type ministral3 builds the Ministral 3 tower"
     );
-    // The left-out tensors are reported, not refused as unexpected.
+    assert!(
+        loaded.surgery_applied.is_empty(),
+        "{:?}",
+        loaded.surgery_applied
+    );
+    // Loaded text-only (`language_model_only`), the left-out tensors are reported, not
+    // refused as unexpected.
+    let dir = copy_fixture("mistral3");
+    let mut config = read_config(dir.path());
+    config["language_model_only"] = json!(true);
+    write_config(dir.path(), &config);
+    let loaded = load_model(dir.path(), &options()).unwrap();
+    assert!(
+        matches!(&loaded.model, GenerationModel::Mistral3(m) if m.tower().is_none()),
+        "language_model_only loads the text tower alone"
+    );
     let report = loaded.surgery_applied.join("\n");
     assert!(
         report.contains("text-only load: 15 vision-tower and projector tensors left out"),
@@ -45,7 +61,7 @@ fn mistral3_routes_by_the_nested_text_config() {
     let loaded = load_model(model_dir("mistral3-mistral-text"), &options()).unwrap();
     assert_eq!(loaded.model_type, ModelType::Mistral3);
     assert!(
-        matches!(&loaded.model, GenerationModel::Mistral3(m) if matches!(**m, mistral3::Model::Llama(_))),
+        matches!(&loaded.model, GenerationModel::Mistral3(m) if matches!(m.text_tower(), mistral3::Text::Llama(_)) && m.tower().is_none()),
         "text_config.model_type mistral builds the Llama fallback"
     );
     assert!(

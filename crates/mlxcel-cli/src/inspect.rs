@@ -48,8 +48,10 @@ pub fn run(path: &Path) -> anyhow::Result<()> {
     // A vision-language checkpoint loaded with its tower keeps it on disk until the first image.
     let has_vision = weights.names().any(|n| role(n) == "vision (unused)");
     let lazy_tower = model_type.as_ref().is_ok_and(|t| {
-        t.descriptor().directory_route == mlxcel_arch::DirectoryRoute::Vlm
-            && !mlxcel_arch::detection::is_text_only(&config, has_vision)
+        matches!(
+            t.descriptor().directory_route,
+            mlxcel_arch::DirectoryRoute::Vlm | mlxcel_arch::DirectoryRoute::Mistral3Dynamic
+        ) && !mlxcel_arch::detection::is_text_only(&config, has_vision)
     });
     let role = |name: &str| match role(name) {
         "vision (unused)" if lazy_tower => "vision (lazy)",

@@ -371,8 +371,8 @@ fn rerank_prints_reference_scores_in_input_order_or_sorted() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no documents"));
 }
 
-/// `mlxcel inspect` on the special routes: Mistral 3's text-only route with its unused vision
-/// tower, and K-EXAONE's multi-token-prediction block, each listed as its own unused role.
+/// `mlxcel inspect` on the special routes: Mistral 3's route with its lazy vision tower, and
+/// K-EXAONE's multi-token-prediction block, each listed as its own unused role.
 #[test]
 fn inspect_reports_the_parts_a_text_load_leaves_out() {
     let run = |name: &str| {
@@ -391,7 +391,7 @@ fn inspect_reports_the_parts_a_text_load_leaves_out() {
         "{mistral3}"
     );
     assert!(
-        mistral3.lines().any(|l| l.starts_with("vision (unused)")),
+        mistral3.lines().any(|l| l.starts_with("vision (lazy)")),
         "{mistral3}"
     );
     let exaone = run("exaone_moe");

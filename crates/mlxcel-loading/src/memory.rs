@@ -258,8 +258,10 @@ pub fn estimate_rank(
     let own = part.layers(schedule.len())?;
     // A vision-language checkpoint loaded with its tower keeps it on disk until the first image.
     let has_vision = weights.names().any(|n| tensor_role(n) == "vision (unused)");
-    let lazy_tower = model_type.descriptor().directory_route == mlxcel_arch::DirectoryRoute::Vlm
-        && !mlxcel_arch::detection::is_text_only(config, has_vision);
+    let lazy_tower = matches!(
+        model_type.descriptor().directory_route,
+        mlxcel_arch::DirectoryRoute::Vlm | mlxcel_arch::DirectoryRoute::Mistral3Dynamic
+    ) && !mlxcel_arch::detection::is_text_only(config, has_vision);
     let mut vision_tower_lazy = 0u64;
     let mut by_role: BTreeMap<(String, String), u64> = BTreeMap::new();
     for name in weights.names() {

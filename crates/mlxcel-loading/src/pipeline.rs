@@ -575,7 +575,10 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     };
     // On a quantized base the adapter stays unfused unless fusing was asked for.
     let mut report = Vec::new();
-    let left_out = if policy.directory_route == DirectoryRoute::Mistral3Dynamic {
+    // A Mistral 3 checkpoint with its vision tower builds it (lazily) unless text-only.
+    let left_out = if policy.directory_route == DirectoryRoute::Mistral3Dynamic
+        && mlxcel_arch::detection::is_text_only(&config, has_vision_weights(&weights))
+    {
         Some((
             "vision-tower and projector",
             mlxcel_arch::models::mistral3::unused_tensors(&weights),

@@ -9,6 +9,7 @@
 //! |---|---|---|---|
 //! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5; pan and scan (crops as extra inputs) | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n`; with crops `Here is the original image {seq} and here are some crops to help you see better {seq} {seq}` |
 //! | LLaVA | `CLIPImageProcessor`: shortest edge 224, bicubic, center crop 224, rescale 1/255, CLIP mean/std | `<image>` (`image_token_index`) | `<image>` × patches (+1 under `full`) |
+//! | Mistral 3 (Pixtral) | `PixtralImageProcessor`: both sides fit `size.longest_edge` (shrunk by the larger ratio, floored), then rounded up to multiples of `patch_size · spatial_merge_size`, bicubic, rescale 1/255, CLIP mean/std; no tiling | `[IMG]` (`image_token_index`) | per merged-patch row `[IMG]` × cols + `[IMG_BREAK]`, the last break `[IMG_END]` |
 //! | Qwen2-VL, Qwen2.5-VL | `Qwen2VLImageProcessor`: `smart_resize` to multiples of `patch_size · merge_size` within `[min_pixels, max_pixels]`, bicubic, rescale 1/255, CLIP mean/std | `<\|image_pad\|>` (`image_token_id`; a user message's image is `<\|vision_start\|><\|image_pad\|><\|vision_end\|>`) | `<\|image_pad\|>` × (that image's `grid_h · grid_w / merge_size²`) |
 
 use mlxcel_arch::vision::qwen2_vl::smart_resize;
@@ -128,6 +129,55 @@ pub struct VisionProcessor {
     /// Pad each image to a square of this colour (centred) before resizing:
     /// `LlavaImageProcessor`'s `do_pad`, the colour `int(mean · 255)` per channel.
     pub square_pad: Option<[u8; 3]>,
+    /// Mistral 3's Pixtral processor: the image resized to fit `longest_edge` in multiples of
+    /// the merged patch, and its placeholder expanded into rows with break markers.
+    pub pixtral: Option<PixtralLayout>,
+}
+
+/// The Pixtral processor's resize and prompt expansion (`PixtralProcessor` with its
+/// `PixtralImageProcessor`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PixtralLayout {
+    /// `patch_size · spatial_merge_size`: the sides are multiples of it, and each such square
+    /// is one `[IMG]` token.
+    pub unit: usize,
+    /// `size.longest_edge` (or `size.height`, `size.width`): the bounds of the resize.
+    pub max_height: usize,
+    /// See `max_height`.
+    pub max_width: usize,
+    /// `[IMG_BREAK]`'s id and text.
+    pub break_id: u32,
+    /// Its text.
+    pub break_text: String,
+    /// `[IMG_END]`'s id.
+    pub end_id: u32,
+    /// Its text.
+    pub end_text: String,
+}
+
+impl PixtralLayout {
+    /// transformers' `get_resize_output_image_size` (Pixtral): shrink by the larger of the
+    /// two ratios to the bounds (floored, never enlarged), then round each side up to a
+    /// multiple of `unit`.
+    pub fn output_size(&self, height: usize, width: usize) -> Result<(usize, usize)> {
+        let ratio =
+            (height as f64 / self.max_height as f64).max(width as f64 / self.max_width as f64);
+        let (mut h, mut w) = (height, width);
+        if ratio > 1.0 {
+            h = (height as f64 / ratio).floor() as usize;
+            w = (width as f64 / ratio).floor() as usize;
+        }
+        if h == 0 || w == 0 {
+            return Err(LoadError::Unsupported(format!(
+                "an image of {width}x{height} pixels shrinks to nothing within {}x{} (too elongated)",
+                self.max_width, self.max_height
+            )));
+        }
+        Ok((
+            h.div_ceil(self.unit) * self.unit,
+            w.div_ceil(self.unit) * self.unit,
+        ))
+    }
 }
 
 /// The Qwen2-VL processor's size rule: `smart_resize` (transformers) to sides that are
@@ -234,6 +284,7 @@ impl VisionProcessor {
         tokenizer: &Tokenizer,
     ) -> Result<Option<VisionProcessor>> {
         match model_type {
+            ModelType::Mistral3 => pixtral_processor(folder, config, tokenizer).map(Some),
             ModelType::Gemma3 => {
                 let defaults = ImageProcessor {
                     do_resize: true,
@@ -294,6 +345,7 @@ impl VisionProcessor {
                     pan_and_scan,
                     framing_ids,
                     square_pad: None,
+                    pixtral: None,
                 }))
             }
             ModelType::QwenVl => {
@@ -320,6 +372,7 @@ impl VisionProcessor {
                     pan_and_scan: None,
                     framing_ids: Default::default(),
                     square_pad: None,
+                    pixtral: None,
                 }))
             }
             ModelType::Llava => {
@@ -376,6 +429,7 @@ impl VisionProcessor {
                     pan_and_scan: None,
                     framing_ids: Default::default(),
                     square_pad,
+                    pixtral: None,
                 }))
             }
             _ => Ok(None),
@@ -406,9 +460,18 @@ impl VisionProcessor {
             height,
             width,
             data,
-        } = match &self.dynamic {
-            None => self.image.preprocess(image),
-            Some(d) => {
+        } = match (&self.dynamic, &self.pixtral) {
+            (None, Some(layout)) => {
+                let (h, w) = layout.output_size(image.height, image.width)?;
+                let resized = if self.image.do_resize {
+                    resize(image, w, h, self.image.resample)
+                } else {
+                    image.clone()
+                };
+                to_pixel_values(&resized, self.image.rescale, self.image.normalize)
+            }
+            (None, None) => self.image.preprocess(image),
+            (Some(d), _) => {
                 let (h, w) = smart_resize(
                     image.height,
                     image.width,
@@ -439,6 +502,37 @@ impl VisionProcessor {
     /// per merged patch. A family whose inputs or expansion depend on the image adds its arm
     /// here.
     pub fn prepare_for_prompt(&self, image: &RgbImage) -> Result<PreparedImage> {
+        if let Some(layout) = &self.pixtral {
+            // PixtralProcessor: per row of merged patches `[IMG]` × cols then `[IMG_BREAK]`,
+            // the last break replaced by `[IMG_END]`.
+            let input = self.prepare_one(image)?;
+            let [_, _, h, w] = input.shape();
+            if h % layout.unit != 0 || w % layout.unit != 0 {
+                return Err(LoadError::Unsupported(format!(
+                    "image of {w}x{h} pixels after preprocessing: Pixtral needs sides that are multiples of {} (set do_resize)",
+                    layout.unit
+                )));
+            }
+            let (rows, cols) = (h / layout.unit, w / layout.unit);
+            let mut text = String::new();
+            let mut ids = Vec::with_capacity(rows * (cols + 1));
+            for r in 0..rows {
+                text.push_str(&self.placeholder.repeat(cols));
+                ids.extend(std::iter::repeat_n(self.placeholder_id, cols));
+                let last = r + 1 == rows;
+                text.push_str(if last {
+                    &layout.end_text
+                } else {
+                    &layout.break_text
+                });
+                ids.push(if last { layout.end_id } else { layout.break_id });
+            }
+            return Ok(PreparedImage {
+                inputs: vec![input],
+                expansion_text: text,
+                expansion_ids: ids,
+            });
+        }
         if let Some(d) = &self.dynamic {
             let input = self.prepare_one(image)?;
             let n = d.tokens(input.shape()[2], input.shape()[3]);
@@ -525,4 +619,148 @@ impl VisionProcessor {
         }
         Ok(out)
     }
+}
+
+/// Mistral 3's processor (`PixtralProcessor` over `PixtralImageProcessor`): the image processor
+/// from `preprocessor_config.json` over its defaults (longest edge 1024, bicubic, rescale
+/// 1/255, CLIP mean/std), the processor's `patch_size` / `spatial_merge_size` and token names
+/// from `processor_config.json` (else the model config's `vision_config.patch_size` and
+/// `spatial_merge_size`, and `[IMG_BREAK]` / `[IMG_END]`), the image token from
+/// `image_token_index`. The break and end tokens must be in the tokenizer.
+fn pixtral_processor(
+    folder: &std::path::Path,
+    config: &Value,
+    tokenizer: &Tokenizer,
+) -> Result<VisionProcessor> {
+    let defaults = ImageProcessor {
+        do_resize: true,
+        // Replaced per image by the Pixtral size rule (see `PixtralLayout::output_size`).
+        size: ResizeTarget::Exact {
+            height: 0,
+            width: 0,
+        },
+        resample: Resample::Bicubic,
+        center_crop: None,
+        rescale: Some(1.0 / 255.0),
+        normalize: Some((
+            [0.48145466, 0.4578275, 0.40821073],
+            [0.26862954, 0.26130258, 0.27577711],
+        )),
+    };
+    let (mut raw, file) = crate::image::processor_json(folder)?.unwrap_or_else(|| {
+        (
+            Value::Object(Default::default()),
+            "preprocessor_config.json".into(),
+        )
+    });
+    // `size` is Pixtral's bounds (`longest_edge`), not a shortest-edge resize.
+    let (max_height, max_width) = match raw.get("size").filter(|v| !v.is_null()) {
+        None => (1024, 1024),
+        Some(size) => {
+            let dim = |k: &str| size.get(k).and_then(Value::as_u64).map(|v| v as usize);
+            match (dim("longest_edge"), dim("height"), dim("width")) {
+                (Some(l), _, _) if l > 0 => (l, l),
+                (None, Some(h), Some(w)) if h > 0 && w > 0 => (h, w),
+                _ => {
+                    return Err(LoadError::Unsupported(format!(
+                    "{file}: `size` must have a positive `longest_edge`, or `height` and `width`"
+                )))
+                }
+            }
+        }
+    };
+    if let Value::Object(o) = &mut raw {
+        o.remove("size");
+    }
+    let image = ImageProcessor::from_json(&raw, &defaults, &file)?;
+    // PixtralProcessor's own settings.
+    let processor_path = folder.join("processor_config.json");
+    let processor: Value = if processor_path.is_file() {
+        let text = std::fs::read_to_string(&processor_path)
+            .map_err(|e| LoadError::file(&processor_path, e.to_string()))?;
+        serde_json::from_str(&text)
+            .map_err(|e| LoadError::file(&processor_path, format!("invalid JSON: {e}")))?
+    } else {
+        Value::Object(Default::default())
+    };
+    let positive = |v: Option<&Value>, what: &str, default: usize| -> Result<usize> {
+        match v.filter(|v| !v.is_null()) {
+            None => Ok(default),
+            Some(v) => v
+                .as_u64()
+                .filter(|n| *n > 0)
+                .map(|n| n as usize)
+                .ok_or_else(|| {
+                    LoadError::Unsupported(format!("{what} = {v}: must be a positive integer"))
+                }),
+        }
+    };
+    let model_patch = positive(
+        config
+            .get("vision_config")
+            .and_then(|v| v.get("patch_size")),
+        "config.json: vision_config.patch_size",
+        16,
+    )?;
+    let model_merge = positive(
+        config.get("spatial_merge_size"),
+        "config.json: spatial_merge_size",
+        2,
+    )?;
+    let patch = positive(
+        processor.get("patch_size"),
+        "processor_config.json: patch_size",
+        model_patch,
+    )?;
+    let merge = positive(
+        processor.get("spatial_merge_size"),
+        "processor_config.json: spatial_merge_size",
+        model_merge,
+    )?;
+    if (patch, merge) != (model_patch, model_merge) {
+        return Err(LoadError::Unsupported(format!(
+            "processor_config.json: patch_size {patch} and spatial_merge_size {merge} differ from the model's ({model_patch}, {model_merge})"
+        )));
+    }
+    let named = |key: &str, default: &str| -> Result<(u32, String)> {
+        let text = processor
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or(default)
+            .to_string();
+        let id = tokenizer.token_to_id(&text).ok_or_else(|| {
+            LoadError::Unsupported(format!(
+                "{}: the tokenizer has no token `{text}` ({key} of the Pixtral processor), which prompts with images need; `\"language_model_only\": true` in config.json loads the text tower alone",
+                folder.display()
+            ))
+        })?;
+        Ok((id, text))
+    };
+    let (break_id, break_text) = named("image_break_token", "[IMG_BREAK]")?;
+    let (end_id, end_text) = named("image_end_token", "[IMG_END]")?;
+    let img = config_id(config, &["image_token_index", "image_token_id"], 10);
+    let img_text = token_text(tokenizer, img, "image_token_index")?;
+    Ok(VisionProcessor {
+        family: ModelType::Mistral3,
+        image,
+        placeholder_id: img,
+        content_placeholder: img_text.clone(),
+        placeholder: img_text,
+        // The expansion depends on the image (see `prepare_for_prompt`): no fixed one.
+        expansion_text: String::new(),
+        expansion_ids: Vec::new(),
+        dynamic: None,
+        pan_and_scan: None,
+        framing_ids: Default::default(),
+        square_pad: None,
+        pixtral: Some(PixtralLayout {
+            unit: patch * merge,
+            max_height,
+            max_width,
+            break_id,
+            break_text,
+            end_id,
+            end_text,
+        }),
+    })
 }

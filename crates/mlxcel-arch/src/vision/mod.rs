@@ -25,6 +25,7 @@
 //! registry row with `dir: Vlm`.
 
 pub mod clip;
+pub mod pixtral;
 pub mod qwen2_vl;
 pub mod siglip;
 
@@ -228,10 +229,22 @@ pub trait VisionLanguage {
     fn bidirectional_images(&self) -> bool {
         false
     }
+
+    /// `Some((rows, cols))` when `image`'s features are not one contiguous run of the image
+    /// token but `rows` runs of `cols`, each followed by one marker token of the family's own
+    /// (Pixtral's `[IMG_BREAK]`, the last one `[IMG_END]`), which keeps its text embedding.
+    /// The markers still belong to the image: its [`MultimodalPrompt::runs`] span them (prefix
+    /// reuse keys them by the image, chunked prefill never splits them). `None`: one run.
+    fn image_rows(&self, image: &ImageInput) -> Result<Option<(usize, usize)>> {
+        let _ = image;
+        Ok(None)
+    }
 }
 
 /// An expanded prompt and its images: the `k`-th run of [`VisionLanguage::image_token_id`]
-/// belongs to the `k`-th image and must be exactly as long as that image's feature count.
+/// belongs to the `k`-th image and must be exactly as long as that image's feature count (or,
+/// for an image laid out in rows ([`VisionLanguage::image_rows`]), the `k`-th group of row
+/// runs, each row followed by one marker token).
 #[derive(Debug, Clone)]
 pub struct MultimodalPrompt<'a> {
     /// The expanded prompt.
@@ -239,6 +252,9 @@ pub struct MultimodalPrompt<'a> {
     /// The images, in prompt order.
     pub images: &'a [ImageInput],
     runs: Vec<Range<usize>>,
+    /// The positions of each image that take its features, in feature order (the image's
+    /// run itself unless it is laid out in rows).
+    feature_runs: Vec<Vec<Range<usize>>>,
 }
 
 impl<'a> MultimodalPrompt<'a> {
@@ -262,29 +278,74 @@ impl<'a> MultimodalPrompt<'a> {
         }
         // Adjacent images of the same length form one run: split it by the images' counts.
         let mut split = Vec::new();
+        let mut feature_runs = Vec::new();
         let counts = images
             .iter()
             .map(|im| model.image_token_count(im))
             .collect::<Result<Vec<_>>>()?;
+        let layouts = images
+            .iter()
+            .map(|im| model.image_rows(im))
+            .collect::<Result<Vec<_>>>()?;
         let mut next = 0;
-        for run in runs {
-            let mut at = run.start;
-            while at < run.end {
-                let Some(&n) = counts.get(next) else {
+        let mut ri = 0;
+        let mut at = runs.first().map_or(0, |r| r.start);
+        while ri < runs.len() {
+            let run = runs[ri].clone();
+            let Some(&n) = counts.get(next) else {
+                return Err(ModelError::Runtime(format!(
+                    "the prompt has more image-token positions (id {id}) than its {} image(s) fill",
+                    images.len()
+                )));
+            };
+            if let Some((rows, cols)) = layouts[next] {
+                // Rows of `cols` image tokens, one marker after each: whole runs, one apart.
+                if rows * cols != n || at != run.start {
                     return Err(ModelError::Runtime(format!(
-                        "the prompt has more image-token positions (id {id}) than its {} image(s) fill",
-                        images.len()
-                    )));
-                };
-                if at + n > run.end {
-                    return Err(ModelError::Runtime(format!(
-                        "image {next} needs {n} image-token positions (id {id}); the prompt's run at {at} has {}",
-                        run.end - at
+                        "image {next} ({rows} rows of {cols}) does not start a run of image tokens (id {id}) at {at}"
                     )));
                 }
-                split.push(at..at + n);
-                at += n;
+                let mut pieces = Vec::with_capacity(rows);
+                for row in 0..rows {
+                    let r = runs.get(ri + row).cloned().ok_or_else(|| {
+                        ModelError::Runtime(format!(
+                            "image {next} needs {rows} rows of {cols} image tokens (id {id}); the prompt has {row}"
+                        ))
+                    })?;
+                    let after_marker = pieces.last().map(|p: &Range<usize>| p.end + 1);
+                    if r.len() != cols || after_marker.is_some_and(|m| m != r.start) {
+                        return Err(ModelError::Runtime(format!(
+                            "image {next} needs {rows} rows of {cols} image tokens (id {id}), each followed by one marker token; row {row} is the run {r:?}"
+                        )));
+                    }
+                    pieces.push(r);
+                }
+                let end = pieces[rows - 1].end + 1;
+                if end > tokens.len() {
+                    return Err(ModelError::Runtime(format!(
+                        "image {next}: the prompt ends before the marker after its last row"
+                    )));
+                }
+                split.push(pieces[0].start..end);
+                feature_runs.push(pieces);
+                ri += rows;
+                at = runs.get(ri).map_or(0, |r| r.start);
                 next += 1;
+                continue;
+            }
+            if at + n > run.end {
+                return Err(ModelError::Runtime(format!(
+                    "image {next} needs {n} image-token positions (id {id}); the prompt's run at {at} has {}",
+                    run.end - at
+                )));
+            }
+            split.push(at..at + n);
+            feature_runs.push(std::iter::once(at..at + n).collect());
+            at += n;
+            next += 1;
+            if at == run.end {
+                ri += 1;
+                at = runs.get(ri).map_or(0, |r| r.start);
             }
         }
         if next != images.len() {
@@ -297,12 +358,19 @@ impl<'a> MultimodalPrompt<'a> {
             tokens,
             images,
             runs: split,
+            feature_runs,
         })
     }
 
-    /// The positions each image fills, in image order.
+    /// The positions each image fills, in image order (with an image laid out in rows, its
+    /// markers too: from its first image token to the marker after its last row).
     pub fn runs(&self) -> &[Range<usize>] {
         &self.runs
+    }
+
+    /// The positions that take each image's features, in image and feature order.
+    pub fn feature_runs(&self) -> &[Vec<Range<usize>>] {
+        &self.feature_runs
     }
 
     /// The identity of each position for prefix reuse: the token id for text, and for an
@@ -361,7 +429,7 @@ impl FeatureCache {
             return Ok(f.clone());
         }
         let f = model.image_features(&prompt.images[i])?;
-        let want = prompt.runs[i].len() as i32;
+        let want = prompt.feature_runs[i].iter().map(Range::len).sum::<usize>() as i32;
         if f.ndim() != 2 || f.dim(0)? != want {
             return Err(ModelError::Runtime(format!(
                 "image {i}: the tower gave features of shape {:?}, expected [{want}, hidden]",
@@ -399,7 +467,19 @@ pub fn multimodal_embeddings(
     let embedded = text.embed(&Array::from_slice(&ids, &[1, ids.len() as i32])?)?;
     let mut pieces = Vec::new();
     let mut at = range.start;
-    for (i, run) in prompt.runs.iter().enumerate() {
+    // Each piece of an image's feature positions with the index of its first feature.
+    let feature_pieces = prompt
+        .feature_runs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, runs)| {
+            runs.iter().scan(0, move |first, r| {
+                let piece = (i, r.clone(), *first);
+                *first += r.len();
+                Some(piece)
+            })
+        });
+    for (i, run, first) in feature_pieces {
         let (s, e) = (run.start.max(range.start), run.end.min(range.end));
         if s >= e {
             continue;
@@ -413,7 +493,11 @@ pub fn multimodal_embeddings(
         }
         let f = features.get(model, prompt, i)?;
         let f = f
-            .slice_axis(0, (s - run.start) as i32, (e - run.start) as i32)?
+            .slice_axis(
+                0,
+                (first + s - run.start) as i32,
+                (first + e - run.start) as i32,
+            )?
             .astype(embedded.dtype()?)?
             .expand_dims(&[0])?;
         pieces.push(f);
