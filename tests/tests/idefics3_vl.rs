@@ -644,3 +644,30 @@ fn bad_configs_tensors_and_tiles_are_refused() {
     let two = ImageInput::new(vec![0.0; 2 * 3 * 32 * 32], [2, 3, 32, 32], 1).unwrap();
     assert!(vision.image_token_count(&two).is_err());
 }
+
+/// `mlxcel_models::Model` with `Generation::images`: the ids prompt holds `<image>` once per
+/// image and each is expanded into its tiles' framed runs; greedy ids equal transformers'.
+#[test]
+fn the_high_level_model_takes_split_images() {
+    use mlxcel_models::{Generation, Model};
+    let g = Golden::load();
+    let model = Model::load(model_dir()).build().unwrap();
+    let images: Vec<_> = image_paths(&g)
+        .iter()
+        .map(|p| load_image(fixtures_dir().join(p)).unwrap())
+        .collect();
+    let want = g.ids("greedy_ids");
+    let options = Generation {
+        max_new_tokens: Some(want.len()),
+        images,
+        ..Generation::default()
+    };
+    let mut ids = Vec::new();
+    for piece in model
+        .generate(unexpanded(&g.ids("prompt_ids")), options)
+        .unwrap()
+    {
+        ids.extend(piece.unwrap().tokens);
+    }
+    assert_eq!(ids, want);
+}

@@ -109,3 +109,20 @@ fn logits_with_split_images_match_transformers() {
         .fold(0f32, f32::max);
     assert!(worst <= 3e-4, "logits differ by {worst}");
 }
+
+#[test]
+fn inspect_shows_the_lazy_tower_and_connector() {
+    let out = mlxcel()
+        .arg("inspect")
+        .arg(vision("idefics3"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("routes    directory Vlm"), "{text}");
+    assert!(text.contains("vision (lazy)"), "{text}");
+}
