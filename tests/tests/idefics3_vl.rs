@@ -671,3 +671,21 @@ fn the_high_level_model_takes_split_images() {
     }
     assert_eq!(ids, want);
 }
+
+/// At half precision the tower and decoder run in bfloat16 end to end (pixel values cast to the
+/// tower's dtype): a smoke test of the dtype plumbing, not a parity bound.
+#[test]
+fn bfloat16_compute_runs_the_whole_model() {
+    let g = Golden::load();
+    let options = LoadOptions {
+        dtype: Some(mlxcel_core::Dtype::Bfloat16),
+        ..Default::default()
+    };
+    let loaded = load_model(model_dir(), &options).unwrap();
+    let ids = g.ids("prompt_ids");
+    let logits = prompt_logits(&loaded, &ids, &g.tiles("pixel_values"), ids.len());
+    assert!(logits.iter().all(|v| v.is_finite()));
+    let (diff, at) = max_abs_diff(&logits, &g.f32s("logits"));
+    assert!(diff < 3.0, "bfloat16 logits max |Δ| {diff:.2e} at {at}");
+    eprintln!("bfloat16 logits max |Δ| {diff:.2e}");
+}
