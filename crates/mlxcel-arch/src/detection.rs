@@ -26,6 +26,7 @@ const VLM_TYPES: &[&str] = &[
     "llava",
     "mistral3",
     "idefics3",
+    "smolvlm",
     "paligemma",
     "mllama",
 ];

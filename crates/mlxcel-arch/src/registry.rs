@@ -85,6 +85,7 @@ macro_rules! for_each_model_registration {
             Gemma3 { names: ["gemma3"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::gemma3::Model, adapter: Some("vision-language models take no adapters") },
             QwenVl { names: ["qwen2_vl", "qwen2_5_vl"], kind: Generation, dir: Vlm, weights: None, model: $crate::vision::qwen2_vl::Model, adapter: Some("vision-language models take no adapters") },
             Llava { names: ["llava"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::llava::Model, adapter: Some("vision-language models take no adapters") },
+            Idefics3 { names: ["idefics3", "smolvlm"], kind: Generation, dir: Vlm, weights: None, model: $crate::models::idefics3::Model, adapter: Some("vision-language models take no adapters") },
             NemotronH { names: ["nemotron_h"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::nemotron_h::Model, adapter: None },
             RecurrentGemma { names: ["recurrent_gemma"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::recurrent_gemma::Model, adapter: None },
             FalconH1 { names: ["falcon_h1"], kind: Generation, dir: Nonstandard, weights: None, model: $crate::models::falcon_h1::Model, adapter: None },

@@ -37,6 +37,11 @@ pub fn tensor_role(name: &str) -> &'static str {
         // Qwen2-VL / Qwen2.5-VL's tower and merger (hub and transformers 5 layouts)
         "visual.",
         "model.visual.",
+        // Idefics3 / SmolVLM's tower and connector
+        "vision_model.",
+        "connector.",
+        "model.vision_model.",
+        "model.connector.",
     ]
     .iter()
     .any(|p| name.starts_with(p))

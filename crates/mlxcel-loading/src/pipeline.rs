@@ -441,6 +441,9 @@ fn has_vision_weights(weights: &WeightMap) -> bool {
             || n.starts_with("model.visual.")
             || n.starts_with("visual.")
             || n.contains(".vision_tower.")
+            // Idefics3 / SmolVLM's tower and connector (transformers and mlx-vlm layouts)
+            || n.starts_with("model.vision_model.")
+            || n.starts_with("vision_model.")
     })
 }
 

@@ -10,6 +10,7 @@
 //! | Gemma 3 | `Gemma3ImageProcessor`: 224×224 exact resize, bilinear, rescale 1/255, mean = std = 0.5; pan and scan (crops as extra inputs) | `<start_of_image>` (`boi_token_index`) | `\n\n<start_of_image>` + `<image_soft_token>` × `mm_tokens_per_image` + `<end_of_image>\n\n`; with crops `Here is the original image {seq} and here are some crops to help you see better {seq} {seq}` |
 //! | LLaVA | `CLIPImageProcessor`: shortest edge 224, bicubic, center crop 224, rescale 1/255, CLIP mean/std | `<image>` (`image_token_index`) | `<image>` × patches (+1 under `full`) |
 //! | Mistral 3 (Pixtral) | `PixtralImageProcessor`: both sides fit `size.longest_edge` (shrunk by the larger ratio, floored), then rounded up to multiples of `patch_size · spatial_merge_size`, bicubic, rescale 1/255, CLIP mean/std; no tiling | `[IMG]` (`image_token_index`) | per merged-patch row `[IMG]` × cols + `[IMG_BREAK]`, the last break `[IMG_END]` |
+//! | Idefics3, SmolVLM | `Idefics3ImageProcessor`: longest edge to `size.longest_edge` (other side even), Lanczos; with `do_image_splitting` resized to multiples of `max_image_size.longest_edge` and cut into such tiles plus the whole image resized to one tile (the global image), else resized to one tile; rescale 1/255, mean = std = 0.5 | `<image>` (`image_token_id`) | per tile `<fake_token_around_image><row_r_col_c>` + `<image>` × `image_seq_len`, `\n` after each row, then `\n<fake_token_around_image><global-img>` + `<image>` × `image_seq_len` + `<fake_token_around_image>` (no tiles: the global part alone, without the leading `\n`) |
 //! | Qwen2-VL, Qwen2.5-VL | `Qwen2VLImageProcessor`: `smart_resize` to multiples of `patch_size · merge_size` within `[min_pixels, max_pixels]`, bicubic, rescale 1/255, CLIP mean/std | `<\|image_pad\|>` (`image_token_id`; a user message's image is `<\|vision_start\|><\|image_pad\|><\|vision_end\|>`) | `<\|image_pad\|>` × (that image's `grid_h · grid_w / merge_size²`) |
 
 use mlxcel_arch::vision::qwen2_vl::smart_resize;
@@ -98,6 +99,296 @@ impl PanAndScan {
     }
 }
 
+/// transformers' `MAX_IMAGE_SIZE` for Idefics3: no resized side beyond this.
+const IDEFICS3_MAX_IMAGE_SIZE: usize = 4096;
+
+/// Idefics3 / SmolVLM's image processor settings and the pieces of its prompt expansion
+/// (`Idefics3ImageProcessor` + `Idefics3Processor`, identical for SmolVLM).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Idefics3Tiling {
+    /// `size.longest_edge` when `do_resize` (default 4 · 364): the image's longer side is
+    /// first resized to it, up or down.
+    pub longest_edge: Option<usize>,
+    /// `max_image_size.longest_edge` (default 364): the side of every tile.
+    pub tile: usize,
+    /// `do_image_splitting` (default true).
+    pub split: bool,
+    /// `<image>` positions per tile: the model's `(image_size / patch_size)² / scale_factor²`.
+    pub image_seq_len: usize,
+    /// `<fake_token_around_image>`, as text and id.
+    pub fake: (String, u32),
+    /// `<global-img>`, as text and its ids.
+    pub global: (String, Vec<u32>),
+    /// The ids of `<row_{r}_col_{c}>` for `r, c` in `1 ..= grid`, row-major (`grid` as large as
+    /// the resize allows).
+    pub row_col_ids: Vec<Vec<u32>>,
+    /// Tiles per side the table covers.
+    pub grid: usize,
+    /// The ids of `"\n"` (after a row of tiles) and `"\n\n"` (after the last row, before the
+    /// global image), each tokenised alone as it stands between special tokens.
+    pub newline_ids: [Vec<u32>; 2],
+}
+
+/// `int(x)` of a positive double, as Python truncates it.
+fn py_int(x: f64) -> usize {
+    x.max(0.0) as usize
+}
+
+/// `_resize_output_size_rescale_to_max_len`: the longer side to `max_len` (up or down), the
+/// other by the aspect ratio, truncated and then made even; sides at least 1.
+fn idefics3_rescale_to_max_len(height: usize, width: usize, max_len: usize) -> (usize, usize) {
+    let aspect = width as f64 / height as f64;
+    // The derived side is made even (rounded up).
+    let even = |v: usize| v + v % 2;
+    let (h, w) = if width >= height {
+        (even(py_int(max_len as f64 / aspect)), max_len)
+    } else {
+        (max_len, even(py_int(max_len as f64 * aspect)))
+    };
+    (h.max(1), w.max(1))
+}
+
+/// `_resize_output_size_scale_below_upper_bound`: a longer side beyond `max_len` down to it.
+fn idefics3_scale_below(height: usize, width: usize, max_len: usize) -> (usize, usize) {
+    let aspect = width as f64 / height as f64;
+    let (mut h, mut w) = (height, width);
+    if width >= height && width > max_len {
+        w = max_len;
+        h = py_int(w as f64 / aspect);
+    } else if height > width && height > max_len {
+        h = max_len;
+        w = py_int(h as f64 * aspect);
+    }
+    (h.max(1), w.max(1))
+}
+
+/// `resize_for_vision_encoder`: the longer side up to a multiple of `tile`, the other from the
+/// aspect ratio, then up to a multiple of `tile` too.
+fn idefics3_tile_multiple(height: usize, width: usize, tile: usize) -> (usize, usize) {
+    let aspect = width as f64 / height as f64;
+    if width >= height {
+        let w = width.div_ceil(tile) * tile;
+        let h = py_int(w as f64 / aspect).div_ceil(tile) * tile;
+        (h, w)
+    } else {
+        let h = height.div_ceil(tile) * tile;
+        let w = py_int(h as f64 * aspect).div_ceil(tile) * tile;
+        (h, w)
+    }
+}
+
+impl Idefics3Tiling {
+    /// The 8-bit tiles of `image` in the processor's order (row-major tiles, then the global
+    /// image; the global image alone when there are no tiles) and the tile grid `(rows,
+    /// columns)`, `(0, 0)` without tiles. Every tile is `tile × tile`.
+    pub fn tiles(&self, image: &RgbImage, resample: Resample) -> (Vec<RgbImage>, usize, usize) {
+        let mut img = image.clone();
+        if let Some(edge) = self.longest_edge {
+            let (h, w) = idefics3_rescale_to_max_len(img.height, img.width, edge);
+            let (h, w) = idefics3_scale_below(h, w, IDEFICS3_MAX_IMAGE_SIZE);
+            img = resize(&img, w, h, resample);
+        }
+        let m = self.tile;
+        if !self.split {
+            return (vec![resize(&img, m, m, resample)], 0, 0);
+        }
+        let (h, w) = idefics3_tile_multiple(img.height, img.width, m);
+        img = resize(&img, w, h, resample);
+        if img.height <= m && img.width <= m {
+            return (vec![img], 0, 0);
+        }
+        let (rows, cols) = ((img.height - m) / m + 1, (img.width - m) / m + 1);
+        let mut out = Vec::with_capacity(rows * cols + 1);
+        for r in 0..rows {
+            for c in 0..cols {
+                let mut data = Vec::with_capacity(m * m * 3);
+                for y in r * m..(r + 1) * m {
+                    let at = (y * img.width + c * m) * 3;
+                    data.extend_from_slice(&img.data[at..at + m * 3]);
+                }
+                out.push(RgbImage {
+                    width: m,
+                    height: m,
+                    data,
+                });
+            }
+        }
+        out.push(resize(&img, m, m, resample));
+        (out, rows, cols)
+    }
+
+    /// The expansion of an image with a `rows × cols` tile grid, as text (over the image
+    /// token's text `image`) and ids (over its id).
+    fn expansion(
+        &self,
+        rows: usize,
+        cols: usize,
+        image: (&str, u32),
+    ) -> Result<(String, Vec<u32>)> {
+        let (fake_t, fake) = (&self.fake.0, self.fake.1);
+        let run_t = image.0.repeat(self.image_seq_len);
+        let run: Vec<u32> = vec![image.1; self.image_seq_len];
+        let mut text = String::new();
+        let mut ids = Vec::new();
+        if rows > 0 || cols > 0 {
+            if rows > self.grid || cols > self.grid {
+                return Err(LoadError::Unsupported(format!(
+                    "an image of {rows}x{cols} tiles: the processor's expansion table covers {0}x{0} (size.longest_edge / max_image_size.longest_edge)",
+                    self.grid
+                )));
+            }
+            for r in 0..rows {
+                for c in 0..cols {
+                    text.push_str(&format!("{fake_t}<row_{}_col_{}>{run_t}", r + 1, c + 1));
+                    ids.push(fake);
+                    ids.extend(&self.row_col_ids[r * self.grid + c]);
+                    ids.extend(&run);
+                }
+                text.push('\n');
+                if r + 1 < rows {
+                    ids.extend(&self.newline_ids[0]);
+                }
+            }
+            // The last row's "\n" and the global image's leading "\n" tokenise together.
+            text.push('\n');
+            ids.extend(&self.newline_ids[1]);
+        }
+        text.push_str(&format!("{fake_t}{}{run_t}{fake_t}", self.global.0));
+        ids.push(fake);
+        ids.extend(&self.global.1);
+        ids.extend(&run);
+        ids.push(fake);
+        Ok((text, ids))
+    }
+}
+
+/// The Idefics3 / SmolVLM processor of a model folder: `preprocessor_config.json` (or
+/// `processor_config.json`'s `image_processor`) over `Idefics3ImageProcessor`'s defaults, the
+/// special tokens from the tokenizer, `image_seq_len` from the model config.
+fn idefics3_processor(
+    model_type: ModelType,
+    folder: &std::path::Path,
+    config: &Value,
+    tokenizer: &Tokenizer,
+) -> Result<VisionProcessor> {
+    let defaults = ImageProcessor {
+        do_resize: true,
+        // Replaced by the longest-edge rule (see `Idefics3Tiling::tiles`).
+        size: ResizeTarget::Exact {
+            height: 0,
+            width: 0,
+        },
+        resample: Resample::Lanczos,
+        center_crop: None,
+        rescale: Some(1.0 / 255.0),
+        normalize: Some(([0.5; 3], [0.5; 3])),
+    };
+    let (mut raw, file) = crate::image::processor_json(folder)?.unwrap_or_else(|| {
+        (
+            Value::Object(Default::default()),
+            "preprocessor_config.json".into(),
+        )
+    });
+    let edge = |key: &str, default: usize| -> Result<usize> {
+        match raw.get(key).filter(|v| !v.is_null()) {
+            None => Ok(default),
+            Some(v) => v
+                .get("longest_edge")
+                .and_then(Value::as_u64)
+                .filter(|e| *e > 0)
+                .map(|e| e as usize)
+                .ok_or_else(|| {
+                    LoadError::Unsupported(format!(
+                        "{file}: `{key}` must have a positive `longest_edge` (Idefics3ImageProcessor)"
+                    ))
+                }),
+        }
+    };
+    let longest = edge("size", 4 * 364)?;
+    let tile = edge("max_image_size", 364)?;
+    let split = match raw.get("do_image_splitting").filter(|v| !v.is_null()) {
+        None => true,
+        Some(v) => v.as_bool().ok_or_else(|| {
+            LoadError::Unsupported(format!(
+                "{file}: `do_image_splitting` must be true or false"
+            ))
+        })?,
+    };
+    // `size` is a longest edge here, which the shared reader does not take: read the rest.
+    if let Value::Object(o) = &mut raw {
+        o.remove("size");
+    }
+    let image = ImageProcessor::from_json(&raw, &defaults, &file)?;
+    // The model's tile length (what the connector makes of one tile).
+    let vision = config.get("vision_config");
+    let dim = |k: &str, d: u64| {
+        vision
+            .and_then(|v| v.get(k))
+            .and_then(Value::as_u64)
+            .unwrap_or(d) as usize
+    };
+    let scale = config
+        .get("scale_factor")
+        .and_then(Value::as_u64)
+        .unwrap_or(2)
+        .max(1) as usize;
+    let side = dim("image_size", 224) / dim("patch_size", 32).max(1);
+    let image_seq_len = side * side / (scale * scale);
+    let id = config_id(config, &["image_token_id"], 128_257);
+    let image_t = token_text(tokenizer, id, "image_token_id")?;
+    let fake_t = "<fake_token_around_image>";
+    let fake = tokenizer.token_to_id(fake_t).ok_or_else(|| {
+        LoadError::Unsupported(format!(
+            "the tokenizer has no `{fake_t}` token, which Idefics3's prompt expansion needs"
+        ))
+    })?;
+    let global_t = "<global-img>";
+    // Tiles per side the resize can make (no resize: up to transformers' MAX_IMAGE_SIZE).
+    let grid = if image.do_resize {
+        longest
+    } else {
+        IDEFICS3_MAX_IMAGE_SIZE
+    }
+    .div_ceil(tile)
+    .max(1);
+    let mut row_col_ids = Vec::with_capacity(grid * grid);
+    for r in 1..=grid {
+        for c in 1..=grid {
+            row_col_ids.push(tokenizer.encode(&format!("<row_{r}_col_{c}>"), false)?);
+        }
+    }
+    let tiling = Idefics3Tiling {
+        longest_edge: image.do_resize.then_some(longest),
+        tile,
+        split,
+        image_seq_len,
+        fake: (fake_t.to_string(), fake),
+        global: (global_t.to_string(), tokenizer.encode(global_t, false)?),
+        row_col_ids,
+        grid,
+        newline_ids: [
+            tokenizer.encode("\n", false)?,
+            tokenizer.encode("\n\n", false)?,
+        ],
+    };
+    Ok(VisionProcessor {
+        family: model_type,
+        image,
+        placeholder_id: id,
+        placeholder: image_t.clone(),
+        // The expansion depends on the image's tile grid (see `prepare_for_prompt`).
+        expansion_text: String::new(),
+        expansion_ids: Vec::new(),
+        content_placeholder: image_t,
+        dynamic: None,
+        pan_and_scan: None,
+        framing_ids: Default::default(),
+        square_pad: None,
+        pixtral: None,
+        tiling: Some(tiling),
+    })
+}
+
 /// How one family's processor prepares images and expands prompts.
 #[derive(Debug, Clone)]
 pub struct VisionProcessor {
@@ -132,6 +423,8 @@ pub struct VisionProcessor {
     /// Mistral 3's Pixtral processor: the image resized to fit `longest_edge` in multiples of
     /// the merged patch, and its placeholder expanded into rows with break markers.
     pub pixtral: Option<PixtralLayout>,
+    /// Idefics3 / SmolVLM's image splitting and framed expansion (see [`Idefics3Tiling`]).
+    pub tiling: Option<Idefics3Tiling>,
 }
 
 /// The Pixtral processor's resize and prompt expansion (`PixtralProcessor` with its
@@ -346,6 +639,7 @@ impl VisionProcessor {
                     framing_ids,
                     square_pad: None,
                     pixtral: None,
+                    tiling: None,
                 }))
             }
             ModelType::QwenVl => {
@@ -373,6 +667,7 @@ impl VisionProcessor {
                     framing_ids: Default::default(),
                     square_pad: None,
                     pixtral: None,
+                    tiling: None,
                 }))
             }
             ModelType::Llava => {
@@ -430,7 +725,11 @@ impl VisionProcessor {
                     framing_ids: Default::default(),
                     square_pad,
                     pixtral: None,
+                    tiling: None,
                 }))
+            }
+            ModelType::Idefics3 => {
+                idefics3_processor(model_type, folder, config, tokenizer).map(Some)
             }
             _ => Ok(None),
         }
@@ -438,6 +737,17 @@ impl VisionProcessor {
 
     /// Pixel values of `image` as the HF processor computes them, with their content hash.
     pub fn prepare(&self, image: &RgbImage) -> Result<ImageInput> {
+        if self.tiling.is_some() {
+            // One input when the processor makes one tile (no splitting, or a small image).
+            let mut prepared = self.prepare_for_prompt(image)?;
+            if prepared.inputs.len() != 1 {
+                return Err(LoadError::Unsupported(format!(
+                    "image splitting (do_image_splitting) makes {} inputs of this image: prepare images with `prepare_for_prompt`",
+                    prepared.inputs.len()
+                )));
+            }
+            return Ok(prepared.inputs.remove(0));
+        }
         if self.pan_and_scan.is_some() {
             return Err(LoadError::Unsupported(
                 "pan and scan (do_pan_and_scan) makes several inputs per image: prepare images with `prepare_for_prompt`".into(),
@@ -531,6 +841,26 @@ impl VisionProcessor {
                 inputs: vec![input],
                 expansion_text: text,
                 expansion_ids: ids,
+            });
+        }
+        if let Some(t) = &self.tiling {
+            // Idefics3: the tiles (and global image) as separate inputs, each its own run.
+            let (tiles, rows, cols) = t.tiles(image, self.image.resample);
+            let inputs = tiles
+                .iter()
+                .map(|tile| {
+                    let pv = to_pixel_values(tile, self.image.rescale, self.image.normalize);
+                    let hash = pv.content_hash();
+                    ImageInput::new(pv.data, [1, 3, pv.height, pv.width], hash)
+                        .map_err(LoadError::from)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let (expansion_text, expansion_ids) =
+                t.expansion(rows, cols, (&self.placeholder, self.placeholder_id))?;
+            return Ok(PreparedImage {
+                inputs,
+                expansion_text,
+                expansion_ids,
             });
         }
         if let Some(d) = &self.dynamic {
@@ -753,6 +1083,7 @@ fn pixtral_processor(
         pan_and_scan: None,
         framing_ids: Default::default(),
         square_pad: None,
+        tiling: None,
         pixtral: Some(PixtralLayout {
             unit: patch * merge,
             max_height,

@@ -29,6 +29,7 @@ pub mod gpt_oss;
 pub mod gptj;
 pub mod granite;
 pub mod hunyuan;
+pub mod idefics3;
 pub mod jamba;
 pub mod llama;
 pub mod llama4;

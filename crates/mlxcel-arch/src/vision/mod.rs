@@ -697,6 +697,7 @@ pub fn unused_vision_tensors(model_type: ModelType, weights: &WeightMap) -> Vec<
         ModelType::Gemma3 => crate::models::gemma3::RAW_VISION_PREFIXES,
         ModelType::Llava => crate::models::llava::RAW_VISION_PREFIXES,
         ModelType::QwenVl => qwen2_vl::RAW_VISION_PREFIXES,
+        ModelType::Idefics3 => crate::models::idefics3::RAW_VISION_PREFIXES,
         _ => return Vec::new(),
     };
     let mut names: Vec<String> = weights
@@ -775,6 +776,11 @@ pub fn load_vlm(
         ModelType::QwenVl => Ok(LoadedModel::Generation(GenerationModel::QwenVl(Box::new(
             build_family::<qwen2_vl::Model>(config, weights, options)?,
         )))),
+        ModelType::Idefics3 => Ok(LoadedModel::Generation(GenerationModel::Idefics3(
+            Box::new(build_family::<crate::models::idefics3::Model>(
+                config, weights, options,
+            )?),
+        ))),
         other => Err(ModelError::Unsupported(format!(
             "{} has no loader on the Vlm route",
             other.name()

@@ -200,35 +200,126 @@ impl SiglipVision {
         &self.config
     }
 
+    /// The compute dtype of the tower's weights (pixel values are cast to it).
+    pub fn dtype(&self) -> Result<mlxcel_core::Dtype> {
+        Ok(self.patch_weight.dtype()?)
+    }
+
     /// Pixel values `[N, C, S, S]` (S = `image_size`) → `last_hidden_state`
     /// `[N, patches, hidden]`.
     pub fn forward(&self, pixels: &Array) -> Result<Array> {
         let c = &self.config;
         let shape = pixels.shape();
-        let (s, p) = (c.image_size as i32, c.patch_size as i32);
+        let s = c.image_size as i32;
         if shape.len() != 4 || shape[1] != c.num_channels as i32 || shape[2] != s || shape[3] != s {
             return Err(ModelError::Runtime(format!(
                 "pixel values of shape {shape:?}: the tower takes [N, {}, {s}, {s}]",
                 c.num_channels
             )));
         }
-        let (n, g, h) = (shape[0], s / p, c.hidden_size as i32);
-        // The stride-p convolution as a matmul over flattened (channel, row, column) patches.
+        let x = self.patch_embeddings(pixels)?.add(&self.positions)?;
+        self.encode(x, None)
+    }
+
+    /// The NaViT-style entry (transformers' `Idefics3VisionTransformer` / SmolVLM's): pixel
+    /// values `[N, C, H, W]` (H, W multiples of `patch_size`, any size) of which only the
+    /// top-left `valid[i] = (rows, columns)` patches of image `i` are real — the processor pads
+    /// bottom and right, and `pixel_attention_mask` marks the rest. The real patches take
+    /// position ids bucketed from their fractional coordinates onto the `image_size` grid
+    /// ([`navit_position_ids`]), padded patches position 0, and no query attends to a padded
+    /// key. → `last_hidden_state` `[N, patches, hidden]` (padded positions included, as
+    /// transformers returns them).
+    pub fn forward_navit(&self, pixels: &Array, valid: &[(usize, usize)]) -> Result<Array> {
+        let c = &self.config;
+        let shape = pixels.shape();
+        let p = c.patch_size as i32;
+        if shape.len() != 4
+            || shape[1] != c.num_channels as i32
+            || shape[2] % p != 0
+            || shape[3] % p != 0
+            || shape[2] == 0
+            || shape[3] == 0
+        {
+            return Err(ModelError::Runtime(format!(
+                "pixel values of shape {shape:?}: the tower takes [N, {}, H, W] with H and W multiples of {p}",
+                c.num_channels
+            )));
+        }
+        let (n, gh, gw) = (
+            shape[0] as usize,
+            (shape[2] / p) as usize,
+            (shape[3] / p) as usize,
+        );
+        if valid.len() != n {
+            return Err(ModelError::Runtime(format!(
+                "{} valid-patch extents for {n} images",
+                valid.len()
+            )));
+        }
+        let per_side = c.patches_per_side();
+        let mut ids = Vec::with_capacity(n * gh * gw);
+        let mut keep = Vec::with_capacity(n * gh * gw);
+        for &(rows, cols) in valid {
+            if rows == 0 || cols == 0 || rows > gh || cols > gw {
+                return Err(ModelError::Runtime(format!(
+                    "valid patches {rows}x{cols}: must be within the {gh}x{gw} patch grid and not empty"
+                )));
+            }
+            let (bh, bw) = (
+                navit_position_ids(rows, gh, per_side),
+                navit_position_ids(cols, gw, per_side),
+            );
+            for (r, &pr) in bh.iter().enumerate() {
+                for (col, &pc) in bw.iter().enumerate() {
+                    let real = r < rows && col < cols;
+                    ids.push(if real { (pr * per_side + pc) as i32 } else { 0 });
+                    keep.push(real);
+                }
+            }
+        }
+        let len = (gh * gw) as i32;
+        let pos = self
+            .positions
+            .take(&Array::from_slice(&ids, &[n as i32, len])?, 0)?;
+        let x = self.patch_embeddings(pixels)?.add(&pos)?;
+        let mask = if keep.iter().all(|k| *k) {
+            None
+        } else {
+            Some(Array::from_slice(&keep, &[n as i32, 1, 1, len])?)
+        };
+        self.encode(x, mask.as_ref())
+    }
+
+    /// The stride-p patch convolution `[N, C, H, W]` → `[N, (H/p)·(W/p), hidden]`, row-major
+    /// over the patch grid, as a matmul over flattened (channel, row, column) patches.
+    fn patch_embeddings(&self, pixels: &Array) -> Result<Array> {
+        let c = &self.config;
+        let shape = pixels.shape();
+        let p = c.patch_size as i32;
+        let (n, gh, gw, h) = (shape[0], shape[2] / p, shape[3] / p, c.hidden_size as i32);
         let patches = pixels
-            .reshape(&[n, c.num_channels as i32, g, p, g, p])?
+            .reshape(&[n, c.num_channels as i32, gh, p, gw, p])?
             .transpose(&[0, 2, 4, 1, 3, 5])?
-            .reshape(&[n, g * g, -1])?;
+            .reshape(&[n, gh * gw, -1])?;
         let kernel = self.patch_weight.reshape(&[h, -1])?;
-        let mut x = patches
-            .matmul(&kernel.t()?)?
-            .add(&self.patch_bias)?
-            .add(&self.positions)?;
+        Ok(patches.matmul(&kernel.t()?)?.add(&self.patch_bias)?)
+    }
+
+    /// The encoder layers and the final norm over embeddings `[N, L, hidden]`; `keys`, when
+    /// given, is a boolean `[N, 1, 1, L]` (true = a real key).
+    fn encode(&self, mut x: Array, keys: Option<&Array>) -> Result<Array> {
+        let c = &self.config;
+        let (n, l) = (x.dim(0)?, x.dim(1)?);
+        let h = c.hidden_size as i32;
         let heads = c.num_attention_heads as i32;
         let hd = h / heads;
         let scale = (hd as f32).powf(-0.5);
         let split = |t: &Array| -> Result<Array> {
-            Ok(t.reshape(&[n, g * g, heads, hd])?
-                .transpose(&[0, 2, 1, 3])?)
+            Ok(t.reshape(&[n, l, heads, hd])?.transpose(&[0, 2, 1, 3])?)
+        };
+        let mask = match keys {
+            Some(k) => AttentionMask::Array(k),
+            None => AttentionMask::None,
         };
         for layer in &self.layers {
             let y = layer.norm1.forward(&x)?;
@@ -237,10 +328,9 @@ impl SiglipVision {
                 split(&layer.k.forward(&y)?)?,
                 split(&layer.v.forward(&y)?)?,
             );
-            let a =
-                ops::scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::None, None)?
-                    .transpose(&[0, 2, 1, 3])?
-                    .reshape(&[n, g * g, h])?;
+            let a = ops::scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?
+                .transpose(&[0, 2, 1, 3])?
+                .reshape(&[n, l, h])?;
             x = x.add(&layer.out.forward(&a)?)?;
             let y = layer.norm2.forward(&x)?;
             let y = layer
@@ -250,4 +340,43 @@ impl SiglipVision {
         }
         self.post_norm.forward(&x)
     }
+}
+
+/// Position-grid buckets of `grid` patches along one side of which the first `real` are real
+/// (NaViT, as `Idefics3VisionEmbeddings`): patch `i` sits at fractional coordinate
+/// `i · (1 / real)` (float32, clamped below 1 − 1e-6) and takes the number of boundaries
+/// `k / per_side` (k = 1 .. per_side − 1) at or below it (`torch.bucketize(..., right=True)`).
+///
+/// The boundaries are `torch.arange(1 / per_side, 1.0, 1 / per_side)` in float32, computed as
+/// PyTorch's CPU kernel computes them: in vectors of 8 values (two at a time), each value the
+/// float32 of `base + step · i` in double, where `base` is the vector's first value rounded to
+/// float32; the tail past the last pair of vectors `start + step · idx` in double. The last
+/// bit matters: at some grid sizes (19, 25, 29, 31, ...) a whole image's coordinates land on a
+/// boundary and transformers' position ids are not simply `0 .. per_side`.
+pub fn navit_position_ids(real: usize, grid: usize, per_side: usize) -> Vec<usize> {
+    const V: usize = 8;
+    let step = 1.0 / per_side as f64;
+    // `arange`'s length: ceil((end - start) / step) in double.
+    let count = ((1.0 - step) / step).ceil().max(0.0) as usize;
+    let vectorised = count / (2 * V) * (2 * V);
+    let bounds: Vec<f32> = (0..count)
+        .map(|j| {
+            if j < vectorised {
+                let first = j / V * V;
+                let base = (step + step * first as f64) as f32 as f64;
+                (base + step * (j - first) as f64) as f32
+            } else {
+                (step + step * j as f64) as f32
+            }
+        })
+        .collect();
+    let frac_step = 1.0f32 / real as f32;
+    // `clamp(max=1.0 - 1e-6)`: the Python double rounded to float32.
+    let top = (1.0f64 - 1e-6) as f32;
+    (0..grid)
+        .map(|i| {
+            let at = (i as f32 * frac_step).min(top);
+            bounds.iter().take_while(|b| **b <= at).count()
+        })
+        .collect()
 }
