@@ -5,31 +5,12 @@
 
 use std::process::Command;
 
-fn mlxcel() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_mlxcel"))
-}
+mod common;
 
-fn vision(path: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/vision")
-        .join(path)
-}
-
-fn tensor<T>(name: &str, parse: impl Fn(&[u8]) -> T) -> Vec<T> {
-    let bytes = std::fs::read(vision("idefics3/reference.safetensors")).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    let off = &header[name]["data_offsets"];
-    let (a, b) = (
-        off[0].as_u64().unwrap() as usize,
-        off[1].as_u64().unwrap() as usize,
-    );
-    data[a..b].chunks_exact(4).map(parse).collect()
-}
+use common::{assert_ok, max_abs_diff, mlxcel, read_npy_f32, vision, Reference};
 
 fn ids(name: &str) -> Vec<u32> {
-    tensor(name, |c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+    Reference::open("idefics3").ids(name)
 }
 
 /// gradient.png: 2x2 tiles + global; grey.png: 2x1 tiles + global.
@@ -71,11 +52,7 @@ fn generate_with_split_images_prints_transformers_greedy_ids() {
     let out = with_images(mlxcel().args(["generate", "--quiet", "--print-ids", "--max-new", "16"]))
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let want: Vec<String> = ids("greedy_ids").iter().map(u32::to_string).collect();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want.join(","));
 }
@@ -89,24 +66,11 @@ fn logits_with_split_images_match_transformers() {
         .arg(&npy)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let bytes = std::fs::read(&npy).unwrap();
-    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    let got: Vec<f32> = bytes[10 + header_len..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    let want = tensor("logits", |c| f32::from_le_bytes(c.try_into().unwrap()));
+    assert_ok(&out);
+    let got = read_npy_f32(&npy);
+    let want = Reference::open("idefics3").f32s("logits");
     assert_eq!(got.len(), want.len(), "83 expanded positions x 552");
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let worst = max_abs_diff(&got, &want);
     assert!(worst <= 3e-4, "logits differ by {worst}");
 }
 
@@ -118,11 +82,7 @@ fn inspect_shows_the_lazy_tower_and_connector() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     assert!(text.contains("routes    directory Vlm"), "{text}");
     assert!(text.contains("vision (lazy)"), "{text}");
 }

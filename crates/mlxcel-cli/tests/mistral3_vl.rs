@@ -3,33 +3,12 @@
 //! per image) are expanded into rows with `[IMG_BREAK]` / `[IMG_END]` as PixtralProcessor does,
 //! and the logits match transformers'; `mlxcel generate --image` continues as transformers does.
 
-use std::process::Command;
+mod common;
 
-fn mlxcel() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_mlxcel"))
-}
-
-fn vision(path: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/vision")
-        .join(path)
-}
-
-fn tensor<T>(name: &str, parse: impl Fn(&[u8]) -> T) -> Vec<T> {
-    let bytes = std::fs::read(vision("mistral3/reference.safetensors")).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    let off = &header[name]["data_offsets"];
-    let (a, b) = (
-        off[0].as_u64().unwrap() as usize,
-        off[1].as_u64().unwrap() as usize,
-    );
-    data[a..b].chunks_exact(4).map(parse).collect()
-}
+use common::{assert_ok, max_abs_diff, mlxcel, read_npy_f32, vision, Reference};
 
 fn ids(name: &str) -> Vec<u32> {
-    tensor(name, |c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+    Reference::open("mistral3").ids(name)
 }
 
 /// `[IMG]`, `[IMG_BREAK]`, `[IMG_END]` in the fixture's tokenizer.
@@ -70,17 +49,8 @@ fn run_logits(images: &[&str], prompt: &[u32]) -> Vec<f32> {
         .arg(&npy)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let bytes = std::fs::read(&npy).unwrap();
-    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    bytes[10 + header_len..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+    assert_ok(&out);
+    read_npy_f32(&npy)
 }
 
 #[test]
@@ -97,13 +67,9 @@ fn logits_with_images_match_transformers() {
             "{prompt}"
         );
         let got = run_logits(images, &short);
-        let want = tensor(logits, |c| f32::from_le_bytes(c.try_into().unwrap()));
+        let want = Reference::open("mistral3").f32s(logits);
         assert_eq!(got.len(), want.len(), "{prompt}: expanded positions x 515");
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let worst = max_abs_diff(&got, &want);
         let peak = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         assert!(
             worst <= (2e-5 * peak).max(2e-4),
@@ -133,11 +99,7 @@ fn generate_with_two_images_prints_transformers_greedy_ids() {
         .args(["--user", "The river flows past the old mill."])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let want: Vec<String> = ids("greedy_ids2").iter().map(u32::to_string).collect();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want.join(","));
 }
@@ -149,11 +111,7 @@ fn inspect_and_estimate_memory_show_the_lazy_pixtral_tower() {
         .arg(vision("mistral3"))
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("routes    directory Mistral3Dynamic"),
@@ -169,11 +127,7 @@ fn inspect_and_estimate_memory_show_the_lazy_pixtral_tower() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     assert!(
         text.contains("vision tower") && text.contains("lazy: on disk until the first image"),
         "{text}"

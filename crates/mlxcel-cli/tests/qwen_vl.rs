@@ -5,40 +5,17 @@
 
 use std::process::Command;
 
+mod common;
+
+use common::{max_abs_diff, mlxcel, read_npy_f32, vision, Reference};
+
 const MODELS: [&str; 2] = ["qwen2_vl", "qwen2_5_vl"];
 const IMAGES: [&str; 2] = ["images/qwen_vl_a.png", "images/qwen_vl_b.png"];
 const IMAGE_PAD: u32 = 514;
 
-fn mlxcel() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_mlxcel"))
-}
-
-fn vision(path: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/vision")
-        .join(path)
-}
-
-/// A tensor of the fixture's `reference.safetensors`, 4-byte values parsed by `parse`.
-fn tensor<T>(model: &str, name: &str, parse: impl Fn(&[u8]) -> T) -> Vec<T> {
-    let bytes = std::fs::read(vision(&format!("{model}/reference.safetensors"))).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let off = &header[name]["data_offsets"];
-    let (a, b) = (
-        off[0].as_u64().unwrap() as usize,
-        off[1].as_u64().unwrap() as usize,
-    );
-    bytes[8 + n + a..8 + n + b]
-        .chunks_exact(4)
-        .map(parse)
-        .collect()
-}
-
+/// Token ids stored in the fixture's `reference.safetensors`.
 fn ids(model: &str, name: &str) -> Vec<u32> {
-    tensor(model, name, |c| {
-        i32::from_le_bytes(c.try_into().unwrap()) as u32
-    })
+    Reference::open(model).ids(name)
 }
 
 /// The golden prompt with each image's run of `<|image_pad|>` collapsed to one.
@@ -104,26 +81,15 @@ fn logits_with_images_match_transformers() {
             "{model}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let bytes = std::fs::read(&npy).unwrap();
-        let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-        let got: Vec<f32> = bytes[10 + header_len..]
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let want = tensor(model, "logits", |c| {
-            f32::from_le_bytes(c.try_into().unwrap())
-        });
+        let got = read_npy_f32(&npy);
+        let want = Reference::open(model).f32s("logits");
         assert_eq!(
             got.len(),
             want.len(),
             "{model}: 30 expanded positions x 516"
         );
         let biggest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let worst = max_abs_diff(&got, &want);
         assert!(
             worst <= 2e-4f32.max(2e-5 * biggest),
             "{model}: logits differ by {worst}"

@@ -1,38 +1,14 @@
 //! `mlxcel generate --image`, `mlxcel logits --image` and `mlxcel chat`'s `/image` on the tiny
 //! Gemma 3 vision-language fixture (`tests/fixtures/vision/gemma3`, transformers 5.24.0).
 
+mod common;
+
+use common::{assert_ok, max_abs_diff, mlxcel, read_npy_f32, vision, Reference};
 use std::io::Write;
-use std::process::{Command, Stdio};
-
-fn mlxcel() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_mlxcel"))
-}
-
-fn vision(path: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/vision")
-        .join(path)
-}
-
-fn reference() -> (serde_json::Value, Vec<u8>) {
-    let bytes = std::fs::read(vision("gemma3/reference.safetensors")).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    (header, bytes[8 + n..].to_vec())
-}
-
-fn tensor<T>(name: &str, parse: impl Fn(&[u8]) -> T) -> Vec<T> {
-    let (header, data) = reference();
-    let off = &header[name]["data_offsets"];
-    let (a, b) = (
-        off[0].as_u64().unwrap() as usize,
-        off[1].as_u64().unwrap() as usize,
-    );
-    data[a..b].chunks_exact(4).map(parse).collect()
-}
+use std::process::Stdio;
 
 fn ids(name: &str) -> Vec<u32> {
-    tensor(name, |c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+    Reference::open("gemma3").ids(name)
 }
 
 const IMAGES: [&str; 2] = ["images/gradient.png", "images/lossless.webp"];
@@ -57,11 +33,7 @@ fn generate_with_images_prints_transformers_greedy_ids() {
         .args(["--user", USER])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let want: Vec<String> = ids("greedy_ids").iter().map(u32::to_string).collect();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want.join(","));
 }
@@ -103,24 +75,11 @@ fn logits_with_images_match_transformers() {
         .arg(&npy)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let bytes = std::fs::read(&npy).unwrap();
-    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    let got: Vec<f32> = bytes[10 + header_len..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    let want = tensor("logits", |c| f32::from_le_bytes(c.try_into().unwrap()));
+    assert_ok(&out);
+    let got = read_npy_f32(&npy);
+    let want = Reference::open("gemma3").f32s("logits");
     assert_eq!(got.len(), want.len(), "47 expanded positions x 515");
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let worst = max_abs_diff(&got, &want);
     assert!(worst <= 3e-4, "logits differ by {worst}");
 
     // The ids must hold the placeholder once per image.
@@ -196,11 +155,7 @@ fn inspect_and_estimate_memory_show_the_lazy_tower() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     assert!(text.contains("routes    directory Vlm"), "{text}");
     assert!(text.contains("vision (lazy)"), "{text}");
     let out = mlxcel()
@@ -209,11 +164,7 @@ fn inspect_and_estimate_memory_show_the_lazy_tower() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     assert!(
         text.contains("vision tower") && text.contains("lazy: on disk until the first image"),
         "{text}"
