@@ -283,12 +283,7 @@ fn idefics3_processor(
         rescale: Some(1.0 / 255.0),
         normalize: Some(([0.5; 3], [0.5; 3])),
     };
-    let (mut raw, file) = crate::image::processor_json(folder)?.unwrap_or_else(|| {
-        (
-            Value::Object(Default::default()),
-            "preprocessor_config.json".into(),
-        )
-    });
+    let (mut raw, file) = processor_json_or_empty(folder)?;
     let edge = |key: &str, default: usize| -> Result<usize> {
         match raw.get(key).filter(|v| !v.is_null()) {
             None => Ok(default),
@@ -473,6 +468,24 @@ impl PixtralLayout {
     }
 }
 
+/// The mean and standard deviation CLIP's image processor normalises with (LLaVA, Qwen2-VL,
+/// Pixtral).
+const CLIP_MEAN_STD: ([f64; 3], [f64; 3]) = (
+    [0.48145466, 0.4578275, 0.40821073],
+    [0.26862954, 0.26130258, 0.27577711],
+);
+
+/// The folder's processor JSON and its file name, or an empty object (every field at the
+/// family's default) named `preprocessor_config.json` when the folder has none.
+fn processor_json_or_empty(folder: &std::path::Path) -> Result<(Value, String)> {
+    Ok(crate::image::processor_json(folder)?.unwrap_or_else(|| {
+        (
+            Value::Object(Default::default()),
+            "preprocessor_config.json".into(),
+        )
+    }))
+}
+
 /// The Qwen2-VL processor's size rule: `smart_resize` (transformers) to sides that are
 /// multiples of `patch · merge` with a pixel count in `[min_pixels, max_pixels]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -509,17 +522,9 @@ fn qwen_image_processor(folder: &std::path::Path) -> Result<(ImageProcessor, Dyn
         resample: Resample::Bicubic,
         center_crop: None,
         rescale: Some(1.0 / 255.0),
-        normalize: Some((
-            [0.48145466, 0.4578275, 0.40821073],
-            [0.26862954, 0.26130258, 0.27577711],
-        )),
+        normalize: Some(CLIP_MEAN_STD),
     };
-    let (mut raw, file) = crate::image::processor_json(folder)?.unwrap_or_else(|| {
-        (
-            Value::Object(Default::default()),
-            "preprocessor_config.json".into(),
-        )
-    });
+    let (mut raw, file) = processor_json_or_empty(folder)?;
     let num = |keys: &[(&str, Option<&str>)], default: usize| -> usize {
         keys.iter()
             .find_map(|(k, inner)| {
@@ -678,10 +683,7 @@ impl VisionProcessor {
                     resample: Resample::Bicubic,
                     center_crop: Some((224, 224)),
                     rescale: Some(1.0 / 255.0),
-                    normalize: Some((
-                        [0.48145466, 0.4578275, 0.40821073],
-                        [0.26862954, 0.26130258, 0.27577711],
-                    )),
+                    normalize: Some(CLIP_MEAN_STD),
                 };
                 let image = ImageProcessor::load(folder, &defaults)?.unwrap_or(defaults);
                 // LlavaImageProcessor (not CLIPImageProcessor) may pad to a square first.
@@ -972,17 +974,9 @@ fn pixtral_processor(
         resample: Resample::Bicubic,
         center_crop: None,
         rescale: Some(1.0 / 255.0),
-        normalize: Some((
-            [0.48145466, 0.4578275, 0.40821073],
-            [0.26862954, 0.26130258, 0.27577711],
-        )),
+        normalize: Some(CLIP_MEAN_STD),
     };
-    let (mut raw, file) = crate::image::processor_json(folder)?.unwrap_or_else(|| {
-        (
-            Value::Object(Default::default()),
-            "preprocessor_config.json".into(),
-        )
-    });
+    let (mut raw, file) = processor_json_or_empty(folder)?;
     // `size` is Pixtral's bounds (`longest_edge`), not a shortest-edge resize.
     let (max_height, max_width) = match raw.get("size").filter(|v| !v.is_null()) {
         None => (1024, 1024),
