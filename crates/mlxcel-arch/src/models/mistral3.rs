@@ -238,7 +238,7 @@ impl VisionArgs {
     }
 
     /// `(rows, cols)` of merged patches of an image input, which must be one tile whose sides
-    /// are multiples of [`VisionArgs::unit`] (as the Pixtral processor resizes them).
+    /// are multiples of `VisionArgs::unit` (as the Pixtral processor resizes them).
     pub fn grid(&self, image: &ImageInput) -> Result<(usize, usize)> {
         let [tiles, _, h, w] = image.shape();
         let unit = self.unit();
