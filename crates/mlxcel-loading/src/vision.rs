@@ -475,6 +475,22 @@ const CLIP_MEAN_STD: ([f64; 3], [f64; 3]) = (
     [0.26862954, 0.26130258, 0.27577711],
 );
 
+/// The defaults of processors that choose each image's size themselves (Qwen2-VL, Pixtral):
+/// bicubic, rescale 1/255, CLIP normalisation; `size` is a placeholder the family replaces.
+fn sized_per_image_defaults() -> ImageProcessor {
+    ImageProcessor {
+        do_resize: true,
+        size: ResizeTarget::Exact {
+            height: 0,
+            width: 0,
+        },
+        resample: Resample::Bicubic,
+        center_crop: None,
+        rescale: Some(1.0 / 255.0),
+        normalize: Some(CLIP_MEAN_STD),
+    }
+}
+
 /// The folder's processor JSON and its file name, or an empty object (every field at the
 /// family's default) named `preprocessor_config.json` when the folder has none.
 fn processor_json_or_empty(folder: &std::path::Path) -> Result<(Value, String)> {
@@ -512,18 +528,8 @@ impl DynamicResolution {
 /// `min_pixels`/`max_pixels` win over `size`'s `shortest_edge`/`longest_edge` as in its
 /// constructor.
 fn qwen_image_processor(folder: &std::path::Path) -> Result<(ImageProcessor, DynamicResolution)> {
-    let defaults = ImageProcessor {
-        do_resize: true,
-        // Replaced per image by `smart_resize` (see `VisionProcessor::prepare_one`).
-        size: ResizeTarget::Exact {
-            height: 0,
-            width: 0,
-        },
-        resample: Resample::Bicubic,
-        center_crop: None,
-        rescale: Some(1.0 / 255.0),
-        normalize: Some(CLIP_MEAN_STD),
-    };
+    // The size is replaced per image by `smart_resize` (see `VisionProcessor::prepare_one`).
+    let defaults = sized_per_image_defaults();
     let (mut raw, file) = processor_json_or_empty(folder)?;
     let num = |keys: &[(&str, Option<&str>)], default: usize| -> usize {
         keys.iter()
@@ -964,18 +970,8 @@ fn pixtral_processor(
     config: &Value,
     tokenizer: &Tokenizer,
 ) -> Result<VisionProcessor> {
-    let defaults = ImageProcessor {
-        do_resize: true,
-        // Replaced per image by the Pixtral size rule (see `PixtralLayout::output_size`).
-        size: ResizeTarget::Exact {
-            height: 0,
-            width: 0,
-        },
-        resample: Resample::Bicubic,
-        center_crop: None,
-        rescale: Some(1.0 / 255.0),
-        normalize: Some(CLIP_MEAN_STD),
-    };
+    // The size is replaced per image by the Pixtral rule (see `PixtralLayout::output_size`).
+    let defaults = sized_per_image_defaults();
     let (mut raw, file) = processor_json_or_empty(folder)?;
     // `size` is Pixtral's bounds (`longest_edge`), not a shortest-edge resize.
     let (max_height, max_width) = match raw.get("size").filter(|v| !v.is_null()) {
