@@ -48,6 +48,10 @@ struct LinearArgs {
   int bits;  // 0: dense
   ElemKind weight_kind;
   ElemKind scale_kind;
+  // Set by `prepare_q8` when this product runs on int8 activations (`q8_rows`): x quantized per
+  // block of 32 and laid out for the weight's bit width, and each int32 lane's block scale.
+  const int8_t* xq;
+  const float* xq_lane_scale;
 };
 
 // The weight of a GEMM: dense (`bits` 0, elements of `kind`) or MLX affine-quantized.
@@ -93,6 +97,18 @@ namespace avx512 {
 #undef MLXCEL_LANES
 #undef MLXCEL_AVX512_REGION
 #pragma GCC pop_options
+
+// One-row products on int8 activations (`MLXCEL_CPU_ACTIVATIONS=q8`): VNNI dot products.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")
+// GCC 12 warns inside its own AVX-512 headers (`_mm512_undefined_ps` as a pass-through operand).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace vnni {
+#include "cpu_q8_kernels.inc"
+}
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
 #endif
 
 #define MLXCEL_LANES 8
@@ -111,6 +127,9 @@ using EpilogueFn = void (*)(float*, const float*, int64_t, int);
 // The kernels of the best instruction set this CPU has.
 struct Kernels {
   RowsFn rows = generic::run_rows;
+  // One-row products on int8 activations; null where the CPU has no AVX-512 VNNI.
+  RowsFn q8_rows = nullptr;
+  void (*q8_quantize)(const float*, int, int, int8_t*, float*, float*) = nullptr;
   GemmFn gemm = generic::gemm_run;
   EpilogueFn epilogue = generic::epilogue_row;
 };
@@ -122,11 +141,17 @@ const Kernels& kernels() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {
-      k = {avx2::run_rows, avx2::gemm_run, avx2::epilogue_row};
+      k.rows = avx2::run_rows;
+      k.gemm = avx2::gemm_run;
+      k.epilogue = avx2::epilogue_row;
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) {
         k.gemm = avx512::gemm_run;
         k.epilogue = avx512::epilogue_row;
+        if (__builtin_cpu_supports("avx512vnni")) {
+          k.q8_rows = vnni::q8_rows;
+          k.q8_quantize = vnni::q8_quantize_row;
+        }
       }
     }
 #endif
@@ -255,6 +280,9 @@ class Pool {
   std::atomic<bool> stop_{false};
 };
 
+// Whether one-row quantized products run on int8 activations (`set_cpu_int8_activations`).
+std::atomic<bool> int8_activations{false};
+
 // Threads the policy asks for (MLXCEL_CPU_THREADS, set through `set_cpu_threads`); 0: default.
 std::mutex pool_mu;
 int requested_threads = 0;
@@ -295,6 +323,8 @@ void set_cpu_threads(int32_t threads) {
   requested_threads = threads;
 }
 
+void set_cpu_int8_activations(bool on) { int8_activations.store(on); }
+
 // Shared with the other CPU kernels (cpu_kernels.h).
 void parallel_for(int tasks, const std::function<void(int)>& fn) { pool().run(tasks, fn); }
 int parallel_threads() { return pool().threads(); }
@@ -305,6 +335,7 @@ namespace {
 // output columns over the pool.
 void run_parts(const std::vector<LinearArgs>& parts) {
   const RowsFn rows = kernels().rows;
+  const RowsFn q8_rows = kernels().q8_rows;
   int64_t work = 0;
   for (const auto& a : parts) work += a.N * int64_t(a.K) * std::max<int64_t>(a.M, 1);
   // Work below ~64K weight elements x rows is not worth waking the pool for.
@@ -315,15 +346,22 @@ void run_parts(const std::vector<LinearArgs>& parts) {
     // Equal, even-sized spans of output columns (the blocked path pairs rows).
     const int64_t span = ((a.N + chunks - 1) / chunks + 1) & ~int64_t(1);
     const int64_t begin = int64_t(t % chunks) * span;
-    if (begin < a.N) rows(a, begin, std::min(a.N, begin + span));
+    if (begin < a.N) (a.xq ? q8_rows : rows)(a, begin, std::min(a.N, begin + span));
   });
 }
 
+// What a quantized product computes from its x before the kernel runs, kept alive for the call.
+struct PartScratch {
+  std::vector<float> sums;
+  std::vector<int8_t> xq;
+  std::vector<float> xq_lane_scale;
+};
+
 // sum(x) per quantization group of each row of `a.x` ([a.M, groups]), shared by every output
 // column of a quantized product.
-std::vector<float> group_sums(const LinearArgs& a) {
+void group_sums(const LinearArgs& a, std::vector<float>& sums) {
   const int groups = a.K / a.group_size;
-  std::vector<float> sums(size_t(a.M) * groups, 0.0f);
+  sums.assign(size_t(a.M) * groups, 0.0f);
   for (int64_t m = 0; m < a.M; ++m)
     for (int g = 0; g < groups; ++g) {
       const float* xs = a.x + size_t(m) * a.K + size_t(g) * a.group_size;
@@ -331,7 +369,36 @@ std::vector<float> group_sums(const LinearArgs& a) {
       for (int k = 0; k < a.group_size; ++k) s += xs[k];
       sums[size_t(m) * groups + g] = s;
     }
-  return sums;
+}
+
+// The int8 activation of a one-row 4- or 8-bit product when the policy asks for it and the CPU
+// has VNNI; other products keep float activations.
+void prepare_q8(LinearArgs& a, PartScratch& s) {
+  const Kernels& k = kernels();
+  if (!int8_activations.load(std::memory_order_relaxed) || !k.q8_rows || a.M != 1) return;
+  if (!(a.bits == 4 && a.K % 64 == 0) && a.bits != 8) return;
+  s.xq.resize(size_t(a.K));
+  s.xq_lane_scale.resize(size_t(a.K) / (a.bits == 4 ? 8 : 4));
+  std::vector<float> block_sums(size_t(a.K) / 32);
+  k.q8_quantize(a.x, a.K, a.bits, s.xq.data(), s.xq_lane_scale.data(), block_sums.data());
+  // The bias term's group sums from the rounded x (cpu_q8_kernels.inc says why).
+  const int blocks_per_group = a.group_size / 32;
+  for (size_t g = 0; g < s.sums.size(); ++g) {
+    float sum = 0.0f;
+    for (int b = 0; b < blocks_per_group; ++b) sum += block_sums[g * blocks_per_group + b];
+    s.sums[g] = sum;
+  }
+  a.xq = s.xq.data();
+  a.xq_lane_scale = s.xq_lane_scale.data();
+}
+
+// Everything a quantized product's kernel reads besides x and the weight: group sums, and the
+// int8 activation where it applies.
+void prepare_quantized(LinearArgs& a, PartScratch& s) {
+  if (a.bits == 0) return;
+  group_sums(a, s.sums);
+  a.xsum = s.sums.data();
+  prepare_q8(a, s);
 }
 
 }  // namespace
@@ -339,7 +406,7 @@ std::vector<float> group_sums(const LinearArgs& a) {
 void linear_parts(const LinearPart* parts, int count) {
   static const ElemKind kinds[3] = {ElemKind::F32, ElemKind::BF16, ElemKind::F16};
   std::vector<LinearArgs> args;
-  std::vector<std::vector<float>> sums(size_t(std::max(count, 0)));
+  std::vector<PartScratch> scratch(size_t(std::max(count, 0)));
   for (int i = 0; i < count; ++i) {
     const LinearPart& p = parts[i];
     if (p.M == 0 || p.N == 0) continue;
@@ -360,10 +427,7 @@ void linear_parts(const LinearPart* parts, int count) {
       kernels().gemm(a.x, gemm_weight(a), nullptr, a.out, a.M, a.N, a.K, 0);
       continue;
     }
-    if (a.bits > 0) {
-      sums[size_t(i)] = group_sums(a);
-      a.xsum = sums[size_t(i)].data();
-    }
+    prepare_quantized(a, scratch[size_t(i)]);
     args.push_back(a);
   }
   if (!args.empty()) run_parts(args);
@@ -523,13 +587,8 @@ class CpuLinear : public CpuPrimitive {
       std::vector<LinearArgs> parts =
           ids ? expert_parts(a, ids, pairs, pairs_per_row, experts, w_stride, s_stride)
               : std::vector<LinearArgs>{a};
-      std::vector<std::vector<float>> sums(parts.size());
-      if (a.bits > 0) {
-        for (size_t i = 0; i < parts.size(); ++i) {
-          sums[i] = group_sums(parts[i]);
-          parts[i].xsum = sums[i].data();
-        }
-      }
+      std::vector<PartScratch> scratch(parts.size());
+      for (size_t i = 0; i < parts.size(); ++i) prepare_quantized(parts[i], scratch[i]);
       run_parts(parts);
       if (lora_a) add_low_rank(a.x, lora_a, lora_b, a.out, a.M, a.K, rank, a.N);
       if (bias || act) {

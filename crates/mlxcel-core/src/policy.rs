@@ -150,6 +150,12 @@ pub struct RuntimePolicy {
     /// conversations stays an MLX graph). Default off until a quiet-machine benchmark shows it
     /// faster than the graph (on the shared 2-core machine it was not: docs/performance.md).
     pub cpu_decode: bool,
+    /// `MLXCEL_CPU_ACTIVATIONS`: `f32` (default) or `q8`. With `q8`, one-row products of
+    /// 4- and 8-bit affine weights on mlxcel's CPU kernel (decode steps) quantize the activation
+    /// to int8 per block of 32, as llama.cpp does, and run as integer dot products (AVX-512
+    /// VNNI; CPUs without it keep float32). Faster, not bit-faithful to MLX: logits move by the
+    /// activation's rounding (docs/performance.md).
+    pub cpu_int8_activations: bool,
     /// `MLXCEL_CPU_THREADS`: threads of mlxcel's CPU kernel (1-64). `None`: all cores, at
     /// most 16. Takes effect when the kernel's thread pool starts (its first use).
     pub cpu_threads: Option<usize>,
@@ -218,6 +224,7 @@ impl RuntimePolicy {
         warm_up: None,
         cpu_kernels: true,
         cpu_decode: false,
+        cpu_int8_activations: false,
         cpu_threads: None,
         zero_copy: true,
         cuda_qmv: Some(DEFAULT_QMV_SHAPE),
@@ -234,7 +241,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 25] = [
+    pub const VARIABLES: [&'static str; 26] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -247,6 +254,7 @@ impl RuntimePolicy {
         "MLXCEL_WARM_UP",
         "MLXCEL_CPU_KERNELS",
         "MLXCEL_CPU_DECODE",
+        "MLXCEL_CPU_ACTIVATIONS",
         "MLXCEL_CPU_THREADS",
         "MLXCEL_ZERO_COPY",
         "MLXCEL_CUDA_QMV",
@@ -343,6 +351,13 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CPU_DECODE") {
             p.cpu_decode = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CPU_ACTIVATIONS") {
+            p.cpu_int8_activations = match v.word().as_str() {
+                "f32" => false,
+                "q8" => true,
+                _ => return Err(v.error("f32 or q8")),
+            };
         }
         if let Some(v) = get("MLXCEL_CPU_THREADS") {
             p.cpu_threads = Some(v.in_range("a number of threads from 1 to 64", 1, 64)?);
@@ -487,6 +502,7 @@ pub fn install(policy: &RuntimePolicy) -> Result<()> {
         }
     };
     crate::ffi::bridge::set_cpu_threads(threads)?;
+    crate::ffi::bridge::set_cpu_int8_activations(policy.cpu_int8_activations)?;
     crate::ffi::bridge::set_cuda_launch_mlx(policy.cuda_launch == CudaLaunch::Mlx)?;
     let mut installed = INSTALLED.write().unwrap_or_else(|e| e.into_inner());
     *installed = policy.clone();
@@ -645,6 +661,17 @@ mod tests {
         assert_eq!(one(v, " Decode ").cuda_scan, CudaScan::Decode);
         assert_eq!(one(v, "1").cuda_scan, CudaScan::All);
         for bad in ["2", "prefill", "yes"] {
+            rejects(v, bad);
+        }
+    }
+
+    #[test]
+    fn cpu_activations() {
+        let v = "MLXCEL_CPU_ACTIVATIONS";
+        assert!(!RuntimePolicy::default().cpu_int8_activations);
+        assert!(one(v, "q8").cpu_int8_activations);
+        assert!(!one(v, " F32 ").cpu_int8_activations);
+        for bad in ["1", "int8", "q4"] {
             rejects(v, bad);
         }
     }

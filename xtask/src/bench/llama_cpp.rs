@@ -6,7 +6,8 @@
 //! affine 4-bit, the Q8_0 tied embedding → affine 8-bit). Both get the same prompt ids, token
 //! counts and thread count (`--threads`, default 2: `MLXCEL_CPU_THREADS` and llama.cpp's
 //! `n_threads`/`n_threads_batch`). Runs alternate between the engines — mlxcel with its CPU decode
-//! engine, mlxcel with `MLXCEL_CPU_DECODE=0` (the MLX graph: the "before"), llama.cpp — and the
+//! engine, the same with int8 activations (`MLXCEL_CPU_ACTIVATIONS=q8`), mlxcel with
+//! `MLXCEL_CPU_DECODE=0` (the MLX graph: the "before"), llama.cpp — and the
 //! table gives medians, ratios against llama.cpp, the greedy ids' agreement (reported, not
 //! failed: llama.cpp quantizes activations to 8 bits, so near-ties can flip) and the machine's
 //! load average before and after (the machine may be shared; ratios of the same run hold up
@@ -29,16 +30,25 @@ const LLAMA_CPP_PIN: &str = "llama-cpp-python==0.3.36";
 enum Engine {
     /// mlxcel as shipped: the CPU decode engine on.
     Mlxcel,
+    /// mlxcel's CPU decode engine with `MLXCEL_CPU_ACTIVATIONS=q8`: decode products on int8
+    /// activations, the arithmetic llama.cpp's quantized dot products use.
+    MlxcelInt8,
     /// mlxcel with `MLXCEL_CPU_DECODE=0`: every decode step an MLX graph.
     MlxcelGraph,
     LlamaCpp,
 }
 
 impl Engine {
-    const ALL: [Engine; 3] = [Engine::Mlxcel, Engine::MlxcelGraph, Engine::LlamaCpp];
+    const ALL: [Engine; 4] = [
+        Engine::Mlxcel,
+        Engine::MlxcelInt8,
+        Engine::MlxcelGraph,
+        Engine::LlamaCpp,
+    ];
     fn label(self) -> &'static str {
         match self {
             Engine::Mlxcel => "mlxcel",
+            Engine::MlxcelInt8 => "mlxcel, int8 activations",
             Engine::MlxcelGraph => "mlxcel, MLX graph decode",
             Engine::LlamaCpp => "llama.cpp",
         }
@@ -125,7 +135,7 @@ pub fn run(
             for run in 0..runs {
                 for (i, engine) in Engine::ALL.iter().enumerate() {
                     let mut cmd = match engine {
-                        Engine::Mlxcel | Engine::MlxcelGraph => {
+                        Engine::Mlxcel | Engine::MlxcelInt8 | Engine::MlxcelGraph => {
                             let mut c = Command::new(bin);
                             c.arg("generate").arg("--model").arg(&w.mlx).args([
                                 "--quiet",
@@ -137,7 +147,19 @@ pub fn run(
                             c.env("MLXCEL_CPU_THREADS", threads.to_string());
                             c.env(
                                 "MLXCEL_CPU_DECODE",
-                                if *engine == Engine::Mlxcel { "1" } else { "0" },
+                                if *engine == Engine::MlxcelGraph {
+                                    "0"
+                                } else {
+                                    "1"
+                                },
+                            );
+                            c.env(
+                                "MLXCEL_CPU_ACTIVATIONS",
+                                if *engine == Engine::MlxcelInt8 {
+                                    "q8"
+                                } else {
+                                    "f32"
+                                },
                             );
                             c
                         }
@@ -190,15 +212,18 @@ pub fn run(
             };
             let agree =
                 |a: &[String], b: &[String]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
-            let (ours, graph, theirs) = (
+            let (ours, int8, graph, theirs) = (
                 get(Engine::Mlxcel),
+                get(Engine::MlxcelInt8),
                 get(Engine::MlxcelGraph),
                 get(Engine::LlamaCpp),
             );
             let agreement = format!(
-                "greedy ids: engine = graph {}/{new}; mlxcel = llama.cpp for the first {}/{new}",
+                "greedy ids, identical for the first n of {new}: engine = graph {}; mlxcel = llama.cpp {}; int8 activations = mlxcel {}, = llama.cpp {}",
                 agree(&ours, &graph),
-                agree(&ours, &theirs)
+                agree(&ours, &theirs),
+                agree(&int8, &ours),
+                agree(&int8, &theirs)
             );
             rows.push(Row {
                 weights: w.name.to_string(),
