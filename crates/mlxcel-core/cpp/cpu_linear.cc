@@ -179,6 +179,14 @@ bool use_gemm(const LinearArgs& a) {
 // (`kSpinNanos`) before it sleeps on a condition variable, and the submitter spins on the
 // completion count the same way. Waking a sleeping thread costs tens of microseconds; a call's
 // work is often less than that.
+//
+// Tasks are claimed, not assigned: the submitter waits for the tasks to be done, never for a
+// worker to show up. On a machine with more runnable threads than cores a worker may not run
+// for milliseconds; the submitter then does every task itself instead of spinning while the
+// worker it waits for cannot get a core (that made the decode engine slower than MLX's graph
+// on a loaded machine). A claim names its call's generation, so a worker arriving after its
+// call has ended claims nothing from the next one. Spinning threads yield their core now and
+// then, for the same reason.
 class Pool {
  public:
   explicit Pool(int threads) {
@@ -202,22 +210,23 @@ class Pool {
       return;
     }
     std::lock_guard<std::mutex> submit(submit_mu_);
-    job_ = &fn;
-    tasks_ = tasks;
-    next_.store(0, std::memory_order_relaxed);
-    busy_.store(int(workers_.size()), std::memory_order_relaxed);
+    const uint32_t gen = ++last_generation_;
+    job_.store(&fn, std::memory_order_relaxed);
+    tasks_.store(tasks, std::memory_order_relaxed);
+    completed_.store(0, std::memory_order_relaxed);
+    claim_.store(uint64_t(gen) << 32, std::memory_order_release);
     {
       // The counter changes under the mutex so a worker about to sleep cannot miss it.
       std::lock_guard<std::mutex> lock(mu_);
-      generation_.fetch_add(1, std::memory_order_release);
+      generation_.store(gen, std::memory_order_release);
     }
     wake_.notify_all();
-    drain(fn, tasks);
-    if (!spin_until([this] { return busy_.load(std::memory_order_acquire) == 0; })) {
+    drain(gen, fn, tasks);
+    auto all_done = [&] { return completed_.load(std::memory_order_acquire) == tasks; };
+    if (!spin_until(all_done)) {
       std::unique_lock<std::mutex> lock(mu_);
-      done_.wait(lock, [this] { return busy_.load(std::memory_order_acquire) == 0; });
+      done_.wait(lock, all_done);
     }
-    job_ = nullptr;
   }
 
  private:
@@ -229,25 +238,41 @@ class Pool {
 #endif
   }
 
-  // Spins until `ready()` or `kSpinNanos` pass; whether it became ready.
+  // Spins until `ready()` or `kSpinNanos` pass, yielding the core every 256 rounds; whether it
+  // became ready.
   template <class F>
   static bool spin_until(F ready) {
     auto start = std::chrono::steady_clock::now();
     for (int i = 0;; ++i) {
       if (ready()) return true;
       cpu_relax();
-      if ((i & 255) == 255 &&
-          std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kSpinNanos))
-        return ready();
+      if ((i & 255) == 255) {
+        if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kSpinNanos))
+          return ready();
+        std::this_thread::yield();
+      }
     }
   }
 
-  void drain(const std::function<void(int)>& fn, int tasks) {
-    for (int i = next_.fetch_add(1); i < tasks; i = next_.fetch_add(1)) fn(i);
+  // Claims and runs tasks of call `gen` until none are left (or that call is over).
+  void drain(uint32_t gen, const std::function<void(int)>& fn, int tasks) {
+    uint64_t c = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      if (uint32_t(c >> 32) != gen || int(uint32_t(c)) >= tasks) return;
+      if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel,
+                                        std::memory_order_acquire))
+        continue;
+      fn(int(uint32_t(c)));
+      if (completed_.fetch_add(1, std::memory_order_acq_rel) + 1 == tasks) {
+        { std::lock_guard<std::mutex> lock(mu_); }
+        done_.notify_one();
+      }
+      c = claim_.load(std::memory_order_acquire);
+    }
   }
 
   void worker_loop() {
-    uint64_t seen = 0;
+    uint32_t seen = 0;
     for (;;) {
       auto fresh = [&] {
         return stop_.load(std::memory_order_acquire) ||
@@ -259,11 +284,10 @@ class Pool {
       }
       if (stop_.load()) return;
       seen = generation_.load(std::memory_order_acquire);
-      drain(*job_, tasks_);
-      if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        { std::lock_guard<std::mutex> lock(mu_); }
-        done_.notify_one();
-      }
+      // The job and count were stored before the generation was published; if a newer call has
+      // replaced them meanwhile, `drain` finds the claim counter on another generation and
+      // runs nothing.
+      drain(seen, *job_.load(std::memory_order_relaxed), tasks_.load(std::memory_order_relaxed));
     }
   }
 
@@ -272,11 +296,13 @@ class Pool {
   std::mutex mu_;
   std::condition_variable wake_;
   std::condition_variable done_;
-  const std::function<void(int)>* job_ = nullptr;
-  int tasks_ = 0;
-  std::atomic<int> next_{0};
-  std::atomic<int> busy_{0};
-  std::atomic<uint64_t> generation_{0};
+  uint32_t last_generation_ = 0;  // under submit_mu_
+  std::atomic<const std::function<void(int)>*> job_{nullptr};
+  std::atomic<int> tasks_{0};
+  // The current call's generation (high 32 bits) and next unclaimed task (low 32 bits).
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int> completed_{0};
+  std::atomic<uint32_t> generation_{0};
   std::atomic<bool> stop_{false};
 };
 
