@@ -31,7 +31,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/shim.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_linear.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_linear_kernels.inc");
-    println!("cargo:rerun-if-changed=cpp/cpu_q8_kernels.inc");
+    println!("cargo:rerun-if-changed=cpp/cpu_gemv_avx512.inc");
     println!("cargo:rerun-if-changed=cpp/cpu_attention.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_scan.cc");
     println!("cargo:rerun-if-changed=cpp/cpu_decode.cc");

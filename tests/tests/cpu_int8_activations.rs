@@ -1,5 +1,5 @@
 //! `MLXCEL_CPU_ACTIVATIONS=q8`: one-row 4- and 8-bit products on int8 activations (AVX-512 VNNI,
-//! cpp/cpu_q8_kernels.inc). The kernel is checked against the arithmetic it claims, written out
+//! cpp/cpu_gemv_avx512.inc). The kernel is checked against the arithmetic it claims, written out
 //! here in f64 from MLX's own quantized planes (x rounded to int8 per block of 32, half to even,
 //! scale max|x| / 127), on every layout it reads: 4-bit (full 128-element chunks and a 64-element
 //! tail) and 8-bit (64-element chunks and a 32-element tail), groups of 32, 64 and 128, scales in

@@ -62,9 +62,13 @@ fn check(name: &str, kind: &str) {
         .unwrap();
     let full_last = &got[got.len() - reference.vocab..];
     let (d, _) = max_abs_diff(&last, full_last);
+    // The one-row head product runs on another kernel than the many-row one (the AVX-512
+    // decode GEMV where the CPU has it), summing in another order: float32 rounding of the
+    // logits' scale, nothing more.
+    let scale = full_last.iter().fold(1f32, |m, v| m.max(v.abs()));
     assert!(
-        d <= 1e-5,
-        "{name}: forward_last differs from the full forward by {d:.2e}"
+        d <= 2e-6 * scale.max(5.0),
+        "{name}: forward_last differs from the full forward by {d:.2e} (logits up to {scale:.1})"
     );
     let (diff, at) = max_abs_diff(&got, &reference.logits);
     let pos = at / reference.vocab;

@@ -52,6 +52,10 @@ struct LinearArgs {
   // block of 32 and laid out for the weight's bit width, and each int32 lane's block scale.
   const int8_t* xq;
   const float* xq_lane_scale;
+  // Set by `prepare_f32_gemv` when a one-row product runs on the AVX-512 float kernel
+  // (`f32_rows`): x in its 4-bit layout (8-bit products read `x`).
+  bool avx512_gemv;
+  const float* x_layout;
 };
 
 // The weight of a GEMM: dense (`bits` 0, elements of `kind`) or MLX affine-quantized.
@@ -105,7 +109,7 @@ namespace avx512 {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace vnni {
-#include "cpu_q8_kernels.inc"
+#include "cpu_gemv_avx512.inc"
 }
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
@@ -130,6 +134,9 @@ struct Kernels {
   // One-row products on int8 activations; null where the CPU has no AVX-512 VNNI.
   RowsFn q8_rows = nullptr;
   void (*q8_quantize)(const float*, int, int, int8_t*, float*, float*) = nullptr;
+  // One-row products on float activations with AVX-512 (on VNNI CPUs: the same region).
+  RowsFn f32_gemv = nullptr;
+  void (*f32_gemv_layout)(const float*, int, float*) = nullptr;
   GemmFn gemm = generic::gemm_run;
   EpilogueFn epilogue = generic::epilogue_row;
 };
@@ -151,6 +158,8 @@ const Kernels& kernels() {
         if (__builtin_cpu_supports("avx512vnni")) {
           k.q8_rows = vnni::q8_rows;
           k.q8_quantize = vnni::q8_quantize_row;
+          k.f32_gemv = vnni::f32_rows;
+          k.f32_gemv_layout = vnni::f32_gemv_layout;
         }
       }
     }
@@ -362,6 +371,7 @@ namespace {
 void run_parts(const std::vector<LinearArgs>& parts) {
   const RowsFn rows = kernels().rows;
   const RowsFn q8_rows = kernels().q8_rows;
+  const RowsFn f32_gemv = kernels().f32_gemv;
   int64_t work = 0;
   for (const auto& a : parts) work += a.N * int64_t(a.K) * std::max<int64_t>(a.M, 1);
   // Work below ~64K weight elements x rows is not worth waking the pool for.
@@ -372,7 +382,8 @@ void run_parts(const std::vector<LinearArgs>& parts) {
     // Equal, even-sized spans of output columns (the blocked path pairs rows).
     const int64_t span = ((a.N + chunks - 1) / chunks + 1) & ~int64_t(1);
     const int64_t begin = int64_t(t % chunks) * span;
-    if (begin < a.N) (a.xq ? q8_rows : rows)(a, begin, std::min(a.N, begin + span));
+    const RowsFn kernel = a.xq ? q8_rows : a.avx512_gemv ? f32_gemv : rows;
+    if (begin < a.N) kernel(a, begin, std::min(a.N, begin + span));
   });
 }
 
@@ -381,6 +392,7 @@ struct PartScratch {
   std::vector<float> sums;
   std::vector<int8_t> xq;
   std::vector<float> xq_lane_scale;
+  std::vector<float> x_layout;
 };
 
 // sum(x) per quantization group of each row of `a.x` ([a.M, groups]), shared by every output
@@ -407,7 +419,7 @@ void prepare_q8(LinearArgs& a, PartScratch& s) {
   s.xq_lane_scale.resize(size_t(a.K) / (a.bits == 4 ? 8 : 4));
   std::vector<float> block_sums(size_t(a.K) / 32);
   k.q8_quantize(a.x, a.K, a.bits, s.xq.data(), s.xq_lane_scale.data(), block_sums.data());
-  // The bias term's group sums from the rounded x (cpu_q8_kernels.inc says why).
+  // The bias term's group sums from the rounded x (cpu_gemv_avx512.inc says why).
   const int blocks_per_group = a.group_size / 32;
   for (size_t g = 0; g < s.sums.size(); ++g) {
     float sum = 0.0f;
@@ -418,13 +430,26 @@ void prepare_q8(LinearArgs& a, PartScratch& s) {
   a.xq_lane_scale = s.xq_lane_scale.data();
 }
 
+// The AVX-512 float kernel for a one-row 4- or 8-bit product the int8 path did not take.
+void prepare_f32_gemv(LinearArgs& a, PartScratch& s) {
+  const Kernels& k = kernels();
+  if (a.xq || !k.f32_gemv || a.M != 1 || (a.bits != 4 && a.bits != 8)) return;
+  if (a.bits == 4) {
+    s.x_layout.resize(size_t(a.K));
+    k.f32_gemv_layout(a.x, a.K, s.x_layout.data());
+    a.x_layout = s.x_layout.data();
+  }
+  a.avx512_gemv = true;
+}
+
 // Everything a quantized product's kernel reads besides x and the weight: group sums, and the
-// int8 activation where it applies.
+// int8 activation or the float kernel's layout of x where they apply.
 void prepare_quantized(LinearArgs& a, PartScratch& s) {
   if (a.bits == 0) return;
   group_sums(a, s.sums);
   a.xsum = s.sums.data();
   prepare_q8(a, s);
+  prepare_f32_gemv(a, s);
 }
 
 }  // namespace

@@ -79,7 +79,18 @@ pub fn python(venv_python: impl FnOnce() -> Result<PathBuf>) -> Result<PathBuf> 
     };
     if !has(&py) {
         eprintln!("bench: installing {LLAMA_CPP_PIN} (native build) into the bench venv");
-        let ok = Command::new(&py)
+        let mut pip = Command::new(&py);
+        // ggml's AMX matmul (built natively where the CPU reports AMX) crashed with SIGSEGV in
+        // `ggml_backend_amx_mul_mat` on the Sapphire-Rapids-class VM of 2026-12-02 (the first
+        // Q4_1 product); llama.cpp's AVX-512/VNNI kernels run there. `CMAKE_ARGS` set by the
+        // caller wins.
+        if std::env::var_os("CMAKE_ARGS").is_none() {
+            pip.env(
+                "CMAKE_ARGS",
+                "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF",
+            );
+        }
+        let ok = pip
             .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
             .args([LLAMA_CPP_PIN, "numpy"])
             .status()
