@@ -1,6 +1,9 @@
 //! Routed-expert streaming: for every MoE fixture, streamed and resident runs give identical
 //! logits and greedy ids (with and without chunked prefill) for every arena size from top-k
-//! slots per layer up to all experts; tampered stream layouts are refused with the reason.
+//! slots per layer up to all experts, and identical logits with each way of reading
+//! (`MLXCEL_EXPERT_IO`: direct, dontneed, cached, and direct falling back on a file system that
+//! refuses `O_DIRECT`); tampered stream layouts are refused with the reason, and a stream file
+//! truncated after load stops generation with an error naming it.
 
 use std::fs;
 use std::path::Path;
@@ -8,7 +11,7 @@ use std::path::Path;
 use mlxcel_arch::generate::greedy;
 use mlxcel_loading::stream::{prepare_expert_stream, verify_expert_stream};
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
-use mlxcel_stream::{manifest, CachePolicy, StreamConfig, StreamMode};
+use mlxcel_stream::{manifest, CachePolicy, ExpertIo, StreamConfig, StreamMode};
 use mlxcel_tests::{copy_fixture, logits_for, reference};
 
 fn load(dir: &Path, stream: StreamConfig) -> Loaded {
@@ -53,6 +56,7 @@ fn check(name: &str) {
                 mode: StreamMode::On,
                 arena_bytes: Some(per_slot * slots as u64),
                 policy,
+                ..Default::default()
             };
             let streamed = load(dir.path(), on);
             let (plan, stats) = streamed.expert_stream.as_ref().expect("streaming");
@@ -93,15 +97,142 @@ fn check(name: &str) {
 
 #[test]
 fn streamed_equals_resident_for_every_moe_fixture() {
-    for name in [
-        "qwen3_moe",
-        "qwen3_moe-affine4-g64",
-        "mixtral",
-        "mixtral-affine4-g32",
-        "qwen2_moe",
-        "olmoe",
-    ] {
+    for name in MOE_FIXTURES {
         check(name);
+    }
+}
+
+/// The MoE fixtures, dense and quantized.
+const MOE_FIXTURES: [&str; 6] = [
+    "qwen3_moe",
+    "qwen3_moe-affine4-g64",
+    "mixtral",
+    "mixtral-affine4-g32",
+    "qwen2_moe",
+    "olmoe",
+];
+
+/// Streaming with top-k slots per layer (the most reads) in `io` mode on the prepared copy in
+/// `dir`: its logits of the reference prompt, and the stats.
+fn streamed_logits(
+    dir: &Path,
+    prompt: &[u32],
+    io: ExpertIo,
+) -> (Vec<f32>, mlxcel_stream::StreamStats) {
+    let (_, m) = manifest::open(dir).unwrap().expect("prepared");
+    let per_slot: u64 = m.layers.iter().map(|l| l.expert_stride).sum();
+    let config: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let top_k = config["num_experts_per_tok"].as_u64().unwrap();
+    let streamed = load(
+        dir,
+        StreamConfig {
+            mode: StreamMode::On,
+            arena_bytes: Some(per_slot * top_k),
+            io,
+            ..Default::default()
+        },
+    );
+    let got = logits_for(&streamed.model, prompt);
+    let stats = streamed
+        .expert_stream
+        .as_ref()
+        .expect("streaming")
+        .1
+        .borrow()
+        .clone();
+    (got, stats)
+}
+
+#[test]
+fn every_io_mode_gives_the_resident_logits() {
+    for name in MOE_FIXTURES {
+        let dir = copy_fixture(name);
+        prepare_expert_stream(dir.path(), |_, _| {}).unwrap();
+        let r = reference(name);
+        let off = StreamConfig {
+            mode: StreamMode::Off,
+            ..Default::default()
+        };
+        let want = logits_for(&load(dir.path(), off).model, &r.prompt_ids);
+        for io in [ExpertIo::Direct, ExpertIo::Dontneed, ExpertIo::Cached] {
+            let (got, s) = streamed_logits(dir.path(), &r.prompt_ids, io);
+            assert_eq!(got, want, "{name}: io {io:?}: logits");
+            assert!(s.misses > 0 && s.bytes_read > 0, "{name} {io:?}: {s:?}");
+            // The temporary folder is on a disk file system here; a refusal would show.
+            assert_eq!(s.io, Some(io), "{name}: io in effect");
+            assert!(s.reuse_base > 0 && s.top_decile_share() > 0.0, "{s:?}");
+        }
+    }
+    eprintln!("streamed = resident with direct, dontneed and cached reads");
+}
+
+/// tmpfs refuses `O_DIRECT`: `direct` falls back to `dontneed` and the logits do not change.
+#[test]
+fn direct_reads_fall_back_where_refused() {
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        eprintln!("skip: no /dev/shm");
+        return;
+    }
+    let name = "qwen3_moe-affine4-g64";
+    let src = copy_fixture(name);
+    let dir = tempfile::tempdir_in(shm).unwrap();
+    for entry in fs::read_dir(src.path()).unwrap() {
+        let path = entry.unwrap().path();
+        fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    prepare_expert_stream(dir.path(), |_, _| {}).unwrap();
+    let probe = dir.path().join("config.json");
+    if mlxcel_stream::io::try_open_direct(&probe).is_ok() {
+        eprintln!("skip: /dev/shm accepts O_DIRECT here");
+        return;
+    }
+    let r = reference(name);
+    let off = StreamConfig {
+        mode: StreamMode::Off,
+        ..Default::default()
+    };
+    let want = logits_for(&load(dir.path(), off).model, &r.prompt_ids);
+    let (got, s) = streamed_logits(dir.path(), &r.prompt_ids, ExpertIo::Direct);
+    assert_eq!(got, want);
+    assert_eq!(s.io, Some(ExpertIo::Dontneed), "fell back: {s:?}");
+}
+
+/// A stream file cut short after the load checked its size: the read that runs past its end
+/// stops generation with an error naming the file, in every IO mode.
+#[test]
+fn a_stream_file_truncated_after_load_is_an_error_naming_it() {
+    let name = "qwen3_moe-affine4-g64";
+    let dir = copy_fixture(name);
+    let m = prepare_expert_stream(dir.path(), |_, _| {}).unwrap();
+    let r = reference(name);
+    let per_slot: u64 = m.layers.iter().map(|l| l.expert_stride).sum();
+    let file = dir
+        .path()
+        .join(manifest::STREAM_DIR)
+        .join(&m.layers[0].file);
+    let original = fs::read(&file).unwrap();
+    for io in [ExpertIo::Direct, ExpertIo::Dontneed, ExpertIo::Cached] {
+        fs::write(&file, &original).unwrap();
+        let streamed = load(
+            dir.path(),
+            StreamConfig {
+                mode: StreamMode::On,
+                arena_bytes: Some(per_slot * 2),
+                io,
+                ..Default::default()
+            },
+        );
+        // Only the first expert's blob is left, and half of it.
+        fs::write(&file, &original[..m.layers[0].expert_stride as usize / 2]).unwrap();
+        let err = greedy(&streamed.model, &r.prompt_ids, 4, None, |_| false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&m.layers[0].file) && err.contains("truncated"),
+            "{io:?}: {err}"
+        );
     }
 }
 

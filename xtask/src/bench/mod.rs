@@ -43,8 +43,10 @@ pub struct BenchArgs {
     /// Print the plan and exit.
     #[arg(long)]
     dry_run: bool,
-    /// Instead of the plan: routed-expert streaming on the MoE shape, resident vs LRU vs LFU
-    /// arenas (writes target/bench/expert_stream.md).
+    /// Instead of the plan: routed-expert streaming on the MoE shape with skewed and uniform
+    /// routers, resident against arenas of 10% and 25% of the experts read in each
+    /// `MLXCEL_EXPERT_IO` mode, and the disk's sequential read floor (writes
+    /// target/bench/expert_stream.md).
     #[arg(long)]
     expert_stream: bool,
     /// Instead of the plan: the Gemma-3n-E2B-shaped 4-bit model with its per-layer-embedding
@@ -111,6 +113,7 @@ enum ModelId {
     Llama1bBf16,
     Llama1b4,
     Qwen3Moe4,
+    Qwen3Moe4Skewed,
     Mamba2Q4,
     JambaQ4,
     Qwen3NextQ4,
@@ -125,6 +128,7 @@ impl ModelId {
             ModelId::Llama1bBf16 => "synthetic-llama3.2-1b-bf16",
             ModelId::Llama1b4 => "synthetic-llama3.2-1b-4bit-g64",
             ModelId::Qwen3Moe4 => "synthetic-qwen3moe-1gb-4bit-g64",
+            ModelId::Qwen3Moe4Skewed => "synthetic-qwen3moe-1gb-4bit-g64-skewed",
             ModelId::Mamba2Q4 => "synthetic-mamba2-130m-4bit-g64",
             ModelId::JambaQ4 => "synthetic-jamba-mini-4bit-g64",
             ModelId::Qwen3NextQ4 => "synthetic-qwen3next-mini-4bit-g64",
@@ -373,6 +377,7 @@ fn ensure_model(p: &Paths, id: ModelId) -> Result<PathBuf> {
         ModelId::Llama1bBf16
         | ModelId::Llama1b4
         | ModelId::Qwen3Moe4
+        | ModelId::Qwen3Moe4Skewed
         | ModelId::Mamba2Q4
         | ModelId::JambaQ4
         | ModelId::Qwen3NextQ4
@@ -384,7 +389,9 @@ fn ensure_model(p: &Paths, id: ModelId) -> Result<PathBuf> {
                 ModelId::Mamba2Q4 => (synth::mamba2(q4), 3),
                 ModelId::JambaQ4 => (synth::jamba(q4), 4),
                 ModelId::Qwen3NextQ4 => (synth::qwen3_next(q4), 5),
-                _ => (synth::qwen3_moe(q4), 2),
+                // The same seed: the two differ in their routers' row scales only.
+                ModelId::Qwen3Moe4Skewed => (synth::qwen3_moe(q4, synth::Routing::Skewed), 2),
+                _ => (synth::qwen3_moe(q4, synth::Routing::Uniform), 2),
             };
             eprintln!(
                 "  {:.2} GB of random weights (seed {seed})",
@@ -547,9 +554,12 @@ fn command_for(
 pub fn bench(args: BenchArgs) -> Result<()> {
     let p = paths()?;
     if args.expert_stream {
-        let model = ensure_model(&p, ModelId::Qwen3Moe4)?;
+        let models = [
+            ("skewed", ensure_model(&p, ModelId::Qwen3Moe4Skewed)?),
+            ("uniform", ensure_model(&p, ModelId::Qwen3Moe4)?),
+        ];
         let prompt = prompt_ids(32, 32000, 7);
-        let table = stream::compare_policies(&model, &prompt, 16)?;
+        let table = stream::compare(&models, &prompt, 64)?;
         let out = p.bench.join("expert_stream.md");
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");

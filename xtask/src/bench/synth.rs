@@ -24,6 +24,48 @@ const HUGE: u64 = 1 << 29;
 enum Fill {
     Random,
     Ones,
+    /// A router `[experts, hidden]`: random rows, row `e` scaled by `(1 + rank(e))^-alpha`
+    /// with the ranks a seeded permutation per tensor (see [`Routing::Skewed`]).
+    ZipfRows(f64),
+}
+
+/// How the synthetic MoE models' routers route.
+///
+/// Random routers route almost uniformly, which no trained model does: the streaming benchmark
+/// would measure only the worst case. `Skewed` scales each router row by a Zipf weight, so an
+/// expert's logit `s_e (g_e . x)` spreads with its rank: the few large-`s_e` experts top the
+/// top-k whenever their (slowly drifting) projection of the hidden state is positive, and the
+/// rest rarely do. Popularity follows the ranks (a different permutation in every layer);
+/// consecutive tokens, whose hidden states are close, keep choosing the same leaders.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Routing {
+    /// Random router rows (the worst case for an expert cache).
+    Uniform,
+    /// Zipf-scaled router rows, exponent 1.
+    Skewed,
+}
+
+/// The Zipf exponent of [`Routing::Skewed`].
+const ZIPF_ALPHA: f64 = 1.0;
+
+/// The row scales of a [`Fill::ZipfRows`] tensor of `rows` rows: `(1 + rank)^-alpha`, ranks a
+/// permutation seeded by `key` (a small xorshift: the layout must not depend on MLX's RNG).
+fn zipf_scales(rows: usize, alpha: f64, key: u64) -> Vec<f32> {
+    let mut state = key ^ 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut rank: Vec<usize> = (0..rows).collect();
+    for i in (1..rows).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        rank.swap(i, j);
+    }
+    rank.iter()
+        .map(|r| (1.0 + *r as f64).powf(-alpha) as f32)
+        .collect()
 }
 
 /// One entry of a synthetic checkpoint: a dense float tensor or a quantized linear/embedding
@@ -143,7 +185,11 @@ impl Synthetic {
                 json!({
                     "name": item.name,
                     "shape": item.shape,
-                    "fill": match item.fill { Fill::Random => "random", Fill::Ones => "ones" },
+                    "fill": match item.fill {
+                        Fill::Random => "random".to_string(),
+                        Fill::Ones => "ones".to_string(),
+                        Fill::ZipfRows(a) => format!("zipf_rows:{a}"),
+                    },
                     "quantization": quant_json(item.quant),
                 })
             })
@@ -226,6 +272,16 @@ impl Synthetic {
                     Fill::Random => random::uniform(&shape, Dtype::Float32, &key)?
                         .add_scalar(-0.5)?
                         .mul_scalar(2.0 * STD * 3f64.sqrt())?,
+                    Fill::ZipfRows(alpha) => {
+                        let all = zipf_scales(rows as usize, alpha, key_index);
+                        let part = &all[start as usize..stop as usize];
+                        let mut column = vec![1i32; shape.len()];
+                        column[0] = stop - start;
+                        random::uniform(&shape, Dtype::Float32, &key)?
+                            .add_scalar(-0.5)?
+                            .mul_scalar(2.0 * STD * 3f64.sqrt())?
+                            .multiply(&Array::from_slice(part, &column)?)?
+                    }
                 };
                 let base = base.astype(self.dtype)?;
                 let arrays: Vec<Array> = match item.quant {
@@ -437,8 +493,13 @@ pub fn gemma3n_e2b(quant: Option<QuantSpec>) -> Synthetic {
 
 /// A Qwen3-MoE-shaped model of about 1 GB at 4-bit: hidden 1024, 16 layers, 16 heads (4 KV,
 /// head_dim 128), 64 experts top-8 with moe_intermediate 512, vocab 32000, untied head. Experts
-/// in mlx-lm's stacked `switch_mlp` layout; the router `mlp.gate` stays dense bf16.
-pub fn qwen3_moe(quant: Option<QuantSpec>) -> Synthetic {
+/// in mlx-lm's stacked `switch_mlp` layout; the router `mlp.gate` stays dense bf16 and routes
+/// as `routing` says.
+pub fn qwen3_moe(quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
+    let router = match routing {
+        Routing::Uniform => Fill::Random,
+        Routing::Skewed => Fill::ZipfRows(ZIPF_ALPHA),
+    };
     let (h, layers, heads, kv, hd, experts, top_k, moe_inter, vocab) =
         (1024, 16, 16, 4, 128, 64, 8, 512, 32000);
     let config = json!({
@@ -465,7 +526,7 @@ pub fn qwen3_moe(quant: Option<QuantSpec>) -> Synthetic {
             &[h],
             Fill::Ones,
         );
-        m.dense(format!("{p}.mlp.gate.weight"), &[experts, h], Fill::Random);
+        m.dense(format!("{p}.mlp.gate.weight"), &[experts, h], router);
         let s = format!("{p}.mlp.switch_mlp");
         m.linear(format!("{s}.gate_proj"), &[experts, moe_inter, h], quant);
         m.linear(format!("{s}.up_proj"), &[experts, moe_inter, h], quant);
@@ -769,9 +830,9 @@ mod tests {
         );
         assert!((2.4..2.6).contains(&gb(&llama_1b(None))));
         assert!(
-            (0.9..1.1).contains(&gb(&qwen3_moe(q))),
+            (0.9..1.1).contains(&gb(&qwen3_moe(q, Routing::Uniform))),
             "{}",
-            gb(&qwen3_moe(q))
+            gb(&qwen3_moe(q, Routing::Uniform))
         );
         assert!((0.06..0.09).contains(&gb(&mamba2(q))), "{}", gb(&mamba2(q)));
         assert!((0.11..0.15).contains(&gb(&jamba(q))), "{}", gb(&jamba(q)));
@@ -783,8 +844,27 @@ mod tests {
         // 2.01 G parameters of per-layer table plus ~2.5 G others, 4-bit g32 (5 bits each).
         let e2b = gemma3n_e2b(Some(QuantSpec::affine(32, 4)));
         assert!((2.6..3.2).contains(&gb(&e2b)), "{}", gb(&e2b));
-        let names: Vec<String> = qwen3_moe(q).layout().into_iter().map(|l| l.0).collect();
+        let names: Vec<String> = qwen3_moe(q, Routing::Uniform)
+            .layout()
+            .into_iter()
+            .map(|l| l.0)
+            .collect();
         assert!(names.contains(&"model.layers.3.mlp.switch_mlp.down_proj.scales".to_string()));
         assert!(names.contains(&"model.layers.3.mlp.gate.weight".to_string()));
+    }
+
+    #[test]
+    fn zipf_scales_are_a_seeded_permutation_of_the_zipf_weights() {
+        let a = zipf_scales(64, 1.0, 7);
+        assert_eq!(a, zipf_scales(64, 1.0, 7));
+        assert_ne!(a, zipf_scales(64, 1.0, 8));
+        let mut sorted = a.clone();
+        sorted.sort_by(|x, y| y.total_cmp(x));
+        for (r, got) in sorted.iter().enumerate() {
+            assert!(
+                (got - 1.0 / (1.0 + r as f32)).abs() < 1e-6,
+                "rank {r}: {got}"
+            );
+        }
     }
 }

@@ -291,6 +291,7 @@ impl StreamedGlu {
         let mut experts: Vec<usize> = pairs.iter().map(|p| chosen[*p] as usize).collect();
         experts.dedup();
         let mut layer = self.layer.borrow_mut();
+        layer.observe(&chosen, k);
         let capacity = layer.capacity();
         let waves = experts.len().div_ceil(capacity);
         let mut outputs = Vec::with_capacity(waves);
