@@ -113,6 +113,7 @@ enum ModelId {
     Llama1bBf16,
     Llama1b4,
     Qwen3Moe4,
+    Qwen3Moe4Uniform,
     Qwen3Moe4Skewed,
     Mamba2Q4,
     JambaQ4,
@@ -128,7 +129,8 @@ impl ModelId {
             ModelId::Llama1bBf16 => "synthetic-llama3.2-1b-bf16",
             ModelId::Llama1b4 => "synthetic-llama3.2-1b-4bit-g64",
             ModelId::Qwen3Moe4 => "synthetic-qwen3moe-1gb-4bit-g64",
-            ModelId::Qwen3Moe4Skewed => "synthetic-qwen3moe-1gb-4bit-g64-skewed",
+            ModelId::Qwen3Moe4Uniform => "synthetic-qwen3moe-1gb-4bit-g64-uniform-routing",
+            ModelId::Qwen3Moe4Skewed => "synthetic-qwen3moe-1gb-4bit-g64-skewed-routing",
             ModelId::Mamba2Q4 => "synthetic-mamba2-130m-4bit-g64",
             ModelId::JambaQ4 => "synthetic-jamba-mini-4bit-g64",
             ModelId::Qwen3NextQ4 => "synthetic-qwen3next-mini-4bit-g64",
@@ -377,6 +379,7 @@ fn ensure_model(p: &Paths, id: ModelId) -> Result<PathBuf> {
         ModelId::Llama1bBf16
         | ModelId::Llama1b4
         | ModelId::Qwen3Moe4
+        | ModelId::Qwen3Moe4Uniform
         | ModelId::Qwen3Moe4Skewed
         | ModelId::Mamba2Q4
         | ModelId::JambaQ4
@@ -389,9 +392,10 @@ fn ensure_model(p: &Paths, id: ModelId) -> Result<PathBuf> {
                 ModelId::Mamba2Q4 => (synth::mamba2(q4), 3),
                 ModelId::JambaQ4 => (synth::jamba(q4), 4),
                 ModelId::Qwen3NextQ4 => (synth::qwen3_next(q4), 5),
-                // The same seed: the two differ in their routers' row scales only.
+                // The same seed: the three differ in their embedding and routers only.
+                ModelId::Qwen3Moe4Uniform => (synth::qwen3_moe(q4, synth::Routing::Uniform), 2),
                 ModelId::Qwen3Moe4Skewed => (synth::qwen3_moe(q4, synth::Routing::Skewed), 2),
-                _ => (synth::qwen3_moe(q4, synth::Routing::Uniform), 2),
+                _ => (synth::qwen3_moe(q4, synth::Routing::Random), 2),
             };
             eprintln!(
                 "  {:.2} GB of random weights (seed {seed})",
@@ -556,7 +560,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if args.expert_stream {
         let models = [
             ("skewed", ensure_model(&p, ModelId::Qwen3Moe4Skewed)?),
-            ("uniform", ensure_model(&p, ModelId::Qwen3Moe4)?),
+            ("uniform", ensure_model(&p, ModelId::Qwen3Moe4Uniform)?),
         ];
         let prompt = prompt_ids(32, 32000, 7);
         let table = stream::compare(&models, &prompt, 64)?;

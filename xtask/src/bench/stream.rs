@@ -85,8 +85,17 @@ fn measure(model: &Path, stream: StreamConfig, prompt: &[u32], new: usize) -> Re
         },
     )?;
     let mut session = Session::new(&loaded.model);
+    // Sampled, not greedy: a random model's greedy continuation soon repeats one token, whose
+    // identical hidden states would route identically and flatter every cache. With a fixed
+    // seed every configuration generates the same tokens (streamed logits are the resident
+    // ones, bit for bit).
     let request = GenerateRequest {
         max_new_tokens: new,
+        sampling: mlxcel_arch::sampling::SamplingParams {
+            temperature: 1.0,
+            seed: 1,
+            ..Default::default()
+        },
         ..Default::default()
     };
     let (_, stats) = generate_text(&mut session, None, prompt, &request, |_| {}, |_| {})?;
@@ -133,21 +142,14 @@ pub fn compare(models: &[(&str, PathBuf)], prompt: &[u32], new_tokens: usize) ->
             .as_u64()
             .unwrap_or(1) as usize;
         let per_slot: u64 = m.layers.iter().map(|l| l.expert_stride).sum();
-        let resident = measure(
-            model,
-            StreamConfig {
-                mode: StreamMode::Off,
-                ..Default::default()
-            },
-            prompt,
-            new_tokens,
-        )?;
-        let row = format!(
-            "| {routing} | resident | {:.2} | 100% | {:.2} | – | – | – | – | – | – | – |\n",
-            resident.decode, resident.prefill
-        );
-        eprint!("{row}");
-        table.push_str(&row);
+        let off = StreamConfig {
+            mode: StreamMode::Off,
+            ..Default::default()
+        };
+        // Resident before and after the streamed runs: on a shared machine the mean of the two
+        // is a fairer base than either.
+        let before = measure(model, off.clone(), prompt, new_tokens)?;
+        let mut rows = Vec::new();
         for share in ARENA_SHARES {
             let slots = (experts * share).div_ceil(100).max(top_k).min(experts);
             for io in [ExpertIo::Direct, ExpertIo::Dontneed, ExpertIo::Cached] {
@@ -158,24 +160,44 @@ pub fn compare(models: &[(&str, PathBuf)], prompt: &[u32], new_tokens: usize) ->
                     io,
                 };
                 let r = measure(model, stream, prompt, new_tokens)?;
-                let s = r.stats.context("streaming was on")?;
-                let row = format!(
-                    "| {routing} | {share}% arena ({slots}/{experts} slots), {} | {:.2} | {:.0}% | {:.2} | {:.1}% | {:.0} | {:.2} | {:.2} | {:.0}% | {:.1}% | {:.1}% |\n",
-                    s.io.map_or("-", ExpertIo::name),
-                    r.decode,
-                    100.0 * r.decode / resident.decode.max(1e-9),
-                    r.prefill,
-                    100.0 * s.hit_rate(),
-                    s.bytes_read as f64 / (1 << 20) as f64,
-                    s.read_seconds,
-                    s.read_gb_per_second(),
-                    100.0 * s.read_gb_per_second() / floor_n.max(1e-9),
-                    100.0 * s.reuse_rate(),
-                    100.0 * s.top_decile_share(),
+                eprintln!(
+                    "  {routing} {share}% {}: decode {:.2} tok/s",
+                    io.name(),
+                    r.decode
                 );
-                eprint!("{row}");
-                table.push_str(&row);
+                rows.push((share, slots, r));
             }
+        }
+        let after = measure(model, off, prompt, new_tokens)?;
+        let base = (before.decode + after.decode) / 2.0;
+        for (label, r) in [("resident (before)", &before), ("resident (after)", &after)] {
+            let row = format!(
+                "| {routing} | {label} | {:.2} | {:.0}% | {:.2} | – | – | – | – | – | – | – |\n",
+                r.decode,
+                100.0 * r.decode / base.max(1e-9),
+                r.prefill
+            );
+            eprint!("{row}");
+            table.push_str(&row);
+        }
+        for (share, slots, r) in rows {
+            let s = r.stats.as_ref().context("streaming was on")?;
+            let row = format!(
+                "| {routing} | {share}% arena ({slots}/{experts} slots), {} | {:.2} | {:.0}% | {:.2} | {:.1}% | {:.0} | {:.2} | {:.2} | {:.0}% | {:.1}% | {:.1}% |\n",
+                s.io.map_or("-", ExpertIo::name),
+                r.decode,
+                100.0 * r.decode / base.max(1e-9),
+                r.prefill,
+                100.0 * s.hit_rate(),
+                s.bytes_read as f64 / (1 << 20) as f64,
+                s.read_seconds,
+                s.read_gb_per_second(),
+                100.0 * s.read_gb_per_second() / floor_n.max(1e-9),
+                100.0 * s.reuse_rate(),
+                100.0 * s.top_decile_share(),
+            );
+            eprint!("{row}");
+            table.push_str(&row);
         }
     }
     report.push_str(&table);

@@ -24,33 +24,70 @@ const HUGE: u64 = 1 << 29;
 enum Fill {
     Random,
     Ones,
-    /// A router `[experts, hidden]`: random rows, row `e` scaled by `(1 + rank(e))^-alpha`
-    /// with the ranks a seeded permutation per tensor (see [`Routing::Skewed`]).
-    ZipfRows(f64),
+    /// A token embedding `[vocab, hidden]` whose rows are random with standard deviation
+    /// [`TOKEN_STD`] plus one vector shared by every row, of per-element RMS [`SHARED_RMS`], along
+    /// [`shared_direction`] (see [`Routing`]).
+    TokenEmbedding,
+    /// A router `[experts, hidden]`: random rows (as [`Fill::Random`]) made orthogonal to the
+    /// shared direction, plus `beta * (1 + rank(e))^-ZIPF_ALPHA` times it for expert `e`; the
+    /// ranks a seeded permutation per tensor (see [`Routing`]).
+    Router {
+        /// 0: no bias ([`Routing::Uniform`]); [`BIAS_BETA`] for [`Routing::Skewed`].
+        beta: f64,
+    },
 }
 
-/// How the synthetic MoE models' routers route.
+/// How the synthetic Qwen3-MoE models route.
 ///
-/// Random routers route almost uniformly, which no trained model does: the streaming benchmark
-/// would measure only the worst case. `Skewed` scales each router row by a Zipf weight, so an
-/// expert's logit `s_e (g_e . x)` spreads with its rank: the few large-`s_e` experts top the
-/// top-k whenever their (slowly drifting) projection of the hidden state is positive, and the
-/// rest rarely do. Popularity follows the ranks (a different permutation in every layer);
-/// consecutive tokens, whose hidden states are close, keep choosing the same leaders.
+/// With the plain random weights ([`Routing::Random`]), the residual stream is dominated by
+/// the layers' outputs (std 0.02 weights over hidden states of RMS 1 give outputs far larger
+/// than a std-0.02 token embedding), which barely change from one token to the next: a random
+/// router then picks nearly the same experts for every token, whatever the input — neither
+/// uniform nor like a trained model. The two routing benchmarks therefore make the current token
+/// dominate the residual stream (token embeddings of std [`TOKEN_STD`]) and give every token a
+/// shared component along one direction `u` (RMS [`SHARED_RMS`]), the stand-in for what all
+/// tokens of a trained model have in common:
+/// - [`Routing::Uniform`]: random router rows made orthogonal to `u`: each token routes by
+///   its own embedding, close to uniformly and independently (the worst case for a cache);
+/// - [`Routing::Skewed`]: the same rows plus `BIAS_BETA * (1 + rank)^-ZIPF_ALPHA * u` for
+///   the expert of that rank (a seeded permutation per layer). Since every hidden state has a
+///   large positive component along `u`, this is a per-expert bias with Zipf-like weights on
+///   top of the token-dependent logits: a few experts are chosen by most tokens, the rest by
+///   the token. Consecutive tokens share the popular experts (the reuse rate) and the slowly
+///   changing part of the context the attention layers add.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Routing {
-    /// Random router rows (the worst case for an expert cache).
+    /// The plain random model (the main plan's MoE shape).
+    Random,
+    /// Token-dominated hidden states, random routers.
     Uniform,
-    /// Zipf-scaled router rows, exponent 1.
+    /// Token-dominated hidden states, routers with Zipf-weighted biases.
     Skewed,
 }
 
-/// The Zipf exponent of [`Routing::Skewed`].
+/// Standard deviation of the token-specific part of [`Fill::TokenEmbedding`] rows.
+const TOKEN_STD: f64 = 2.0;
+/// Per-element RMS of the component every [`Fill::TokenEmbedding`] row shares.
+const SHARED_RMS: f64 = 1.0;
+/// The Zipf exponent of [`Routing::Skewed`]'s biases.
 const ZIPF_ALPHA: f64 = 1.0;
+/// The scale of [`Routing::Skewed`]'s biases (the most popular expert's router row gains
+/// `BIAS_BETA * u`, `u` of unit norm).
+const BIAS_BETA: f64 = 0.5;
+/// The key of the shared direction (fixed: the embedding and the routers must agree on it).
+const SHARED_KEY: u64 = 0x5eed_0a11;
 
-/// The row scales of a [`Fill::ZipfRows`] tensor of `rows` rows: `(1 + rank)^-alpha`, ranks a
-/// permutation seeded by `key` (a small xorshift: the layout must not depend on MLX's RNG).
-fn zipf_scales(rows: usize, alpha: f64, key: u64) -> Vec<f32> {
+/// The unit vector `[1, hidden]` all [`Fill::TokenEmbedding`] rows share a component along.
+fn shared_direction(hidden: i32) -> Result<Array> {
+    let u = random::uniform(&[1, hidden], Dtype::Float32, &random::key(SHARED_KEY)?)?
+        .add_scalar(-0.5)?;
+    let norm = u.multiply(&u)?.sum(&[1], true)?.sqrt()?;
+    Ok(u.divide(&norm)?)
+}
+
+/// The Zipf weights `(1 + rank)^-alpha` of `rows` experts, ranks a permutation seeded by `key`
+/// (a small xorshift: the layout must not depend on MLX's RNG).
+fn zipf_weights(rows: usize, alpha: f64, key: u64) -> Vec<f32> {
     let mut state = key ^ 0x9e37_79b9_7f4a_7c15;
     let mut next = || {
         state ^= state << 13;
@@ -188,7 +225,8 @@ impl Synthetic {
                     "fill": match item.fill {
                         Fill::Random => "random".to_string(),
                         Fill::Ones => "ones".to_string(),
-                        Fill::ZipfRows(a) => format!("zipf_rows:{a}"),
+                        Fill::TokenEmbedding => format!("token_embedding:{TOKEN_STD}:{SHARED_RMS}"),
+                        Fill::Router { beta } => format!("router:{ZIPF_ALPHA}:{beta}"),
                     },
                     "quantization": quant_json(item.quant),
                 })
@@ -272,15 +310,31 @@ impl Synthetic {
                     Fill::Random => random::uniform(&shape, Dtype::Float32, &key)?
                         .add_scalar(-0.5)?
                         .mul_scalar(2.0 * STD * 3f64.sqrt())?,
-                    Fill::ZipfRows(alpha) => {
-                        let all = zipf_scales(rows as usize, alpha, key_index);
-                        let part = &all[start as usize..stop as usize];
-                        let mut column = vec![1i32; shape.len()];
-                        column[0] = stop - start;
+                    Fill::TokenEmbedding => {
+                        let h = *shape.last().unwrap_or(&1);
                         random::uniform(&shape, Dtype::Float32, &key)?
                             .add_scalar(-0.5)?
-                            .mul_scalar(2.0 * STD * 3f64.sqrt())?
-                            .multiply(&Array::from_slice(part, &column)?)?
+                            .mul_scalar(2.0 * TOKEN_STD * 3f64.sqrt())?
+                            .add(
+                                &shared_direction(h)?.mul_scalar(SHARED_RMS * (h as f64).sqrt())?,
+                            )?
+                    }
+                    Fill::Router { beta } => {
+                        let h = *shape.last().unwrap_or(&1);
+                        let u = shared_direction(h)?;
+                        let all = zipf_weights(rows as usize, ZIPF_ALPHA, key_index);
+                        let part = &all[start as usize..stop as usize];
+                        let bias = Array::from_slice(part, &[stop - start, 1])?
+                            .mul_scalar(beta)?
+                            .multiply(&u)?;
+                        let g = random::uniform(&shape, Dtype::Float32, &key)?
+                            .add_scalar(-0.5)?
+                            .mul_scalar(2.0 * STD * 3f64.sqrt())?;
+                        // Without their part along `u`, the rows see only what differs between
+                        // tokens (a random row's chance projection on `u` would act as a bias of
+                        // its own, a few tenths of the logits' spread).
+                        let along = g.multiply(&u)?.sum(&[1], true)?;
+                        g.subtract(&along.multiply(&u)?)?.add(&bias)?
                     }
                 };
                 let base = base.astype(self.dtype)?;
@@ -494,11 +548,12 @@ pub fn gemma3n_e2b(quant: Option<QuantSpec>) -> Synthetic {
 /// A Qwen3-MoE-shaped model of about 1 GB at 4-bit: hidden 1024, 16 layers, 16 heads (4 KV,
 /// head_dim 128), 64 experts top-8 with moe_intermediate 512, vocab 32000, untied head. Experts
 /// in mlx-lm's stacked `switch_mlp` layout; the router `mlp.gate` stays dense bf16 and routes
-/// as `routing` says.
+/// as `routing` says (only the token embedding and the routers differ).
 pub fn qwen3_moe(quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
-    let router = match routing {
-        Routing::Uniform => Fill::Random,
-        Routing::Skewed => Fill::ZipfRows(ZIPF_ALPHA),
+    let (embedding, router) = match routing {
+        Routing::Random => (Fill::Random, Fill::Random),
+        Routing::Uniform => (Fill::TokenEmbedding, Fill::Router { beta: 0.0 }),
+        Routing::Skewed => (Fill::TokenEmbedding, Fill::Router { beta: BIAS_BETA }),
     };
     let (h, layers, heads, kv, hd, experts, top_k, moe_inter, vocab) =
         (1024, 16, 16, 4, 128, 64, 8, 512, 32000);
@@ -515,7 +570,12 @@ pub fn qwen3_moe(quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     });
     let mut m = Synthetic::bf16(config, quant);
-    m.linear("model.embed_tokens".into(), &[vocab, h], quant);
+    m.items.push(Item {
+        name: "model.embed_tokens".into(),
+        shape: vec![vocab, h],
+        fill: embedding,
+        quant,
+    });
     for i in 0..layers {
         let p = format!("model.layers.{i}");
         m.attention(&p, (h, heads, kv, hd), quant);
@@ -830,9 +890,9 @@ mod tests {
         );
         assert!((2.4..2.6).contains(&gb(&llama_1b(None))));
         assert!(
-            (0.9..1.1).contains(&gb(&qwen3_moe(q, Routing::Uniform))),
+            (0.9..1.1).contains(&gb(&qwen3_moe(q, Routing::Random))),
             "{}",
-            gb(&qwen3_moe(q, Routing::Uniform))
+            gb(&qwen3_moe(q, Routing::Random))
         );
         assert!((0.06..0.09).contains(&gb(&mamba2(q))), "{}", gb(&mamba2(q)));
         assert!((0.11..0.15).contains(&gb(&jamba(q))), "{}", gb(&jamba(q)));
@@ -844,7 +904,7 @@ mod tests {
         // 2.01 G parameters of per-layer table plus ~2.5 G others, 4-bit g32 (5 bits each).
         let e2b = gemma3n_e2b(Some(QuantSpec::affine(32, 4)));
         assert!((2.6..3.2).contains(&gb(&e2b)), "{}", gb(&e2b));
-        let names: Vec<String> = qwen3_moe(q, Routing::Uniform)
+        let names: Vec<String> = qwen3_moe(q, Routing::Random)
             .layout()
             .into_iter()
             .map(|l| l.0)
@@ -854,10 +914,10 @@ mod tests {
     }
 
     #[test]
-    fn zipf_scales_are_a_seeded_permutation_of_the_zipf_weights() {
-        let a = zipf_scales(64, 1.0, 7);
-        assert_eq!(a, zipf_scales(64, 1.0, 7));
-        assert_ne!(a, zipf_scales(64, 1.0, 8));
+    fn zipf_weights_are_a_seeded_permutation() {
+        let a = zipf_weights(64, 1.0, 7);
+        assert_eq!(a, zipf_weights(64, 1.0, 7));
+        assert_ne!(a, zipf_weights(64, 1.0, 8));
         let mut sorted = a.clone();
         sorted.sort_by(|x, y| y.total_cmp(x));
         for (r, got) in sorted.iter().enumerate() {
