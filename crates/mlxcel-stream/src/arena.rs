@@ -152,6 +152,16 @@ impl SlotMap {
         self.occupant.len()
     }
 
+    /// Empties `slots`: their experts were planned in but never arrived (a failed read), so
+    /// the next request for them must load them again.
+    pub fn forget(&mut self, slots: &[usize]) {
+        for &s in slots {
+            if let Some(e) = self.occupant.get_mut(s).and_then(Option::take) {
+                self.slot_of.remove(&e);
+            }
+        }
+    }
+
     /// Slots for `needed` (distinct experts, at most `capacity`): the slot of each, and the
     /// (expert, slot) pairs that must be loaded. Victims never hold an expert of `needed`.
     pub fn plan(&mut self, needed: &[usize]) -> (Vec<usize>, Vec<(usize, usize)>) {
@@ -382,6 +392,16 @@ impl LayerStream {
     /// Missing experts are read with bounded parallel `pread`s and written into free or evicted
     /// slots. Callers evaluate everything that read a slot before the next call can evict it.
     pub fn ensure(&mut self, experts: &[usize]) -> Result<Vec<usize>> {
+        let fetched = self.fetch(experts)?;
+        self.install(fetched)
+    }
+
+    /// The first half of [`LayerStream::ensure`]: picks the slots of `experts` and reads the
+    /// missing ones from disk, without touching the arena, so the reads can overlap the
+    /// computation of a previous wave that still reads slots these will replace. Hand the
+    /// result to [`LayerStream::install`] once that computation is evaluated, or to
+    /// [`LayerStream::abandon`].
+    pub fn fetch(&mut self, experts: &[usize]) -> Result<Fetched> {
         if experts.len() > self.capacity() {
             return Err(StreamError::Layout {
                 path: self.path.clone(),
@@ -405,11 +425,23 @@ impl LayerStream {
             stats.hits += (experts.len() - loads.len()) as u64;
         }
         if loads.is_empty() {
-            return Ok(slots);
+            return Ok(Fetched {
+                slots,
+                loads,
+                blobs: Vec::new(),
+            });
         }
         let started = Instant::now();
         let refused = AtomicBool::new(false);
-        let blobs = self.read(&loads, &refused)?;
+        let blobs = match self.read(&loads, &refused) {
+            Ok(b) => b,
+            Err(e) => {
+                // Those slots lost their old experts and never got the new ones.
+                let lost: Vec<usize> = loads.iter().map(|(_, s)| *s).collect();
+                self.slots.forget(&lost);
+                return Err(e);
+            }
+        };
         let read_seconds = started.elapsed().as_secs_f64();
         if refused.load(Ordering::Relaxed) {
             // The open succeeded but the reads were refused: read this layer as `dontneed`
@@ -418,30 +450,62 @@ impl LayerStream {
             self.io = ExpertIo::Dontneed;
             self.stats.borrow_mut().io = Some(ExpertIo::Dontneed);
         }
-        for ((_, slot), blob) in loads.iter().zip(&blobs) {
-            let blob = blob.bytes();
-            for (i, plane) in self.entry.planes.iter().enumerate() {
-                let bytes = &blob[plane.offset as usize..(plane.offset + plane.nbytes) as usize];
-                let stored = Dtype::from_name(&plane.dtype).unwrap_or(Dtype::Uint8);
-                let mut shape = vec![1];
-                shape.extend(&plane.shape);
-                let mut update = Array::from_bytes(bytes, &shape, stored)?;
-                let held = held_dtype(&plane.dtype, self.float_dtype);
-                if held != stored {
-                    update = update.astype(held)?;
-                }
-                let mut start = vec![0; shape.len()];
-                start[0] = *slot as i32;
-                let mut stop = self.arena[i].shape();
-                stop[0] = *slot as i32 + 1;
-                self.arena[i] =
-                    self.arena[i].slice_update(&update, &start, &stop, &vec![1; shape.len()])?;
-            }
-        }
         let mut stats = self.stats.borrow_mut();
         stats.bytes_read += blobs.iter().map(|b| b.len as u64).sum::<u64>();
         stats.read_seconds += read_seconds;
+        Ok(Fetched {
+            slots,
+            loads,
+            blobs,
+        })
+    }
+
+    /// The second half of [`LayerStream::ensure`]: writes the experts `fetched` read into their
+    /// slots; returns the slot of each expert asked for.
+    pub fn install(&mut self, fetched: Fetched) -> Result<Vec<usize>> {
+        let Fetched {
+            slots,
+            loads,
+            blobs,
+        } = fetched;
+        for (k, ((_, slot), blob)) in loads.iter().zip(&blobs).enumerate() {
+            if let Err(e) = self.write_slot(*slot, blob.bytes()) {
+                // This slot and the ones not yet written hold other bytes than the map says.
+                let lost: Vec<usize> = loads[k..].iter().map(|(_, s)| *s).collect();
+                self.slots.forget(&lost);
+                return Err(e);
+            }
+        }
         Ok(slots)
+    }
+
+    /// Copies one expert's bytes into `slot` of every plane's arena.
+    fn write_slot(&mut self, slot: usize, blob: &[u8]) -> Result<()> {
+        for (i, plane) in self.entry.planes.iter().enumerate() {
+            let bytes = &blob[plane.offset as usize..(plane.offset + plane.nbytes) as usize];
+            let stored = Dtype::from_name(&plane.dtype).unwrap_or(Dtype::Uint8);
+            let mut shape = vec![1];
+            shape.extend(&plane.shape);
+            let mut update = Array::from_bytes(bytes, &shape, stored)?;
+            let held = held_dtype(&plane.dtype, self.float_dtype);
+            if held != stored {
+                update = update.astype(held)?;
+            }
+            let mut start = vec![0; shape.len()];
+            start[0] = slot as i32;
+            let mut stop = self.arena[i].shape();
+            stop[0] = slot as i32 + 1;
+            self.arena[i] =
+                self.arena[i].slice_update(&update, &start, &stop, &vec![1; shape.len()])?;
+        }
+        Ok(())
+    }
+
+    /// Drops a [`Fetched`] that will not be installed (the computation it waited for failed):
+    /// its slots are emptied, so the slot map never claims an expert the arena does not hold.
+    pub fn abandon(&mut self, fetched: Fetched) {
+        let lost: Vec<usize> = fetched.loads.iter().map(|(_, s)| *s).collect();
+        self.slots.forget(&lost);
     }
 
     /// Reads the blobs of `loads` concurrently, at most [`read_threads`] at a time, each
@@ -492,6 +556,25 @@ impl LayerStream {
             },
         )?;
         Ok(out)
+    }
+}
+
+/// Experts read by [`LayerStream::fetch`], waiting for [`LayerStream::install`].
+pub struct Fetched {
+    /// The slot of each expert asked for.
+    slots: Vec<usize>,
+    /// `(expert, slot)` of each expert read.
+    loads: Vec<(usize, usize)>,
+    /// Their bytes, in `loads` order.
+    blobs: Vec<Blob>,
+}
+
+impl std::fmt::Debug for Fetched {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fetched")
+            .field("slots", &self.slots)
+            .field("loads", &self.loads)
+            .finish_non_exhaustive()
     }
 }
 

@@ -23,7 +23,7 @@ pub mod ple;
 
 use std::path::{Path, PathBuf};
 
-pub use arena::{CachePolicy, ExpertIo, LayerStream, SlotMap, StreamStats};
+pub use arena::{CachePolicy, ExpertIo, Fetched, LayerStream, SlotMap, StreamStats};
 pub use manifest::{Manifest, STREAM_DIR};
 /// When to stream (`MLXCEL_EXPERT_STREAM`).
 pub use mlxcel_core::policy::StreamMode;
