@@ -199,6 +199,71 @@ fn direct_reads_fall_back_where_refused() {
     assert_eq!(s.io, Some(ExpertIo::Dontneed), "fell back: {s:?}");
 }
 
+/// Bytes of `path` in the page cache (`mincore` over a mapping of it).
+fn cached_bytes(path: &Path) -> usize {
+    let file = fs::File::open(path).unwrap();
+    let len = file.metadata().unwrap().len() as usize;
+    if len == 0 {
+        return 0;
+    }
+    // SAFETY: a read-only mapping of a file no one writes while it is mapped; only its page
+    // residency is asked for, never its bytes.
+    let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    let mut resident = vec![0u8; len.div_ceil(page)];
+    // SAFETY: the mapping is page-aligned and `len` long; `resident` has one byte per page.
+    let rc = unsafe {
+        libc::mincore(
+            map.as_ptr() as *mut libc::c_void,
+            len,
+            resident.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "mincore {}", path.display());
+    resident.iter().filter(|r| **r & 1 == 1).count() * page
+}
+
+/// Drops the stream files of `dir` from the page cache (written back first: dirty pages stay).
+fn drop_stream_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let stream = dir.join(manifest::STREAM_DIR);
+    let mut files = Vec::new();
+    for entry in fs::read_dir(&stream).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "bin") {
+            let file = fs::File::open(&path).unwrap();
+            file.sync_all().unwrap();
+            mlxcel_stream::io::drop_cached(&file, 0, 0);
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// `direct` and `dontneed` reads leave no page of the stream files in the page cache, so a
+/// streamed model's memory is its arena however large the files; `cached` reads do leave them.
+#[test]
+fn direct_and_dontneed_reads_leave_the_page_cache_alone() {
+    let name = "mixtral-affine4-g32";
+    let dir = copy_fixture(name);
+    prepare_expert_stream(dir.path(), |_, _| {}).unwrap();
+    let r = reference(name);
+    for io in [ExpertIo::Direct, ExpertIo::Dontneed, ExpertIo::Cached] {
+        let files = drop_stream_files(dir.path());
+        let before: usize = files.iter().map(|f| cached_bytes(f)).sum();
+        if before > 0 {
+            eprintln!("skip: this file system keeps the stream files cached ({before} bytes)");
+            return;
+        }
+        let (_, s) = streamed_logits(dir.path(), &r.prompt_ids, io);
+        let after: usize = files.iter().map(|f| cached_bytes(f)).sum();
+        match io {
+            ExpertIo::Cached => assert!(after > 0, "cached reads leave pages: {s:?}"),
+            _ => assert_eq!(after, 0, "{io:?} left {after} bytes cached after {s:?}"),
+        }
+    }
+}
+
 /// A stream file cut short after the load checked its size: the read that runs past its end
 /// stops generation with an error naming the file, in every IO mode, and the model recovers
 /// once the file is whole again.

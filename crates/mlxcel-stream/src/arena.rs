@@ -289,6 +289,9 @@ impl LayerStream {
             },
             other => (None, other),
         };
+        if io == ExpertIo::Dontneed {
+            io::no_readahead(&file);
+        }
         let hashes = entry
             .expert_xxh3
             .iter()
@@ -448,6 +451,7 @@ impl LayerStream {
             // from now on (the blobs above were already re-read that way).
             self.direct = None;
             self.io = ExpertIo::Dontneed;
+            io::no_readahead(&self.file);
             self.stats.borrow_mut().io = Some(ExpertIo::Dontneed);
         }
         let mut stats = self.stats.borrow_mut();

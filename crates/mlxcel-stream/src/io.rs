@@ -150,20 +150,49 @@ pub fn error_refuses_direct(e: &StreamError) -> bool {
     matches!(e, StreamError::Io { source, .. } if refuses_direct(source))
 }
 
-/// Drops `len` bytes at `offset` of `file` from the page cache (`POSIX_FADV_DONTNEED`): after
-/// a read whose bytes were copied elsewhere, so a streamed model does not fill memory with
-/// cached expert files. Advice only: a failure is ignored (the read itself succeeded), and it
-/// does nothing where `posix_fadvise` does not exist.
-pub fn drop_cached(file: &File, offset: u64, len: usize) {
+/// Turns off the kernel's readahead for `file` (`POSIX_FADV_RANDOM`): with `dontneed` reads,
+/// pages read ahead past a range would stay cached after the range itself is dropped (measured:
+/// 635 of 864 MiB of stream files left in the page cache after one run). Advice only, as
+/// [`drop_cached`].
+pub fn no_readahead(file: &File) {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::io::AsRawFd;
         // SAFETY: advice on a descriptor `file` keeps open for the call; no memory is passed.
         unsafe {
+            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = file;
+    }
+}
+
+/// Drops `len` bytes at `offset` of `file` (0: to the end), widened to whole pages, from the
+/// page cache (`POSIX_FADV_DONTNEED`): after a read whose bytes were copied elsewhere, so a
+/// streamed model does not fill memory with cached expert files. Advice only: a failure is ignored (the read itself succeeded), and it
+/// does nothing where `posix_fadvise` does not exist.
+pub fn drop_cached(file: &File, offset: u64, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::io::AsRawFd;
+        // The kernel drops only whole pages inside the range: widen it to page boundaries, or
+        // the partial last page of every read stays cached (`len` 0 means "to the end").
+        // SAFETY: sysconf has no preconditions.
+        let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(1) as u64;
+        let start = offset / page * page;
+        let span = if len == 0 {
+            0
+        } else {
+            (offset + len as u64).div_ceil(page) * page - start
+        };
+        // SAFETY: advice on a descriptor `file` keeps open for the call; no memory is passed.
+        unsafe {
             libc::posix_fadvise(
                 file.as_raw_fd(),
-                offset as libc::off_t,
-                len as libc::off_t,
+                start as libc::off_t,
+                span as libc::off_t,
                 libc::POSIX_FADV_DONTNEED,
             );
         }
