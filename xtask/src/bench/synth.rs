@@ -155,14 +155,25 @@ impl Synthetic {
 
     /// A matrix `[.., out, in]` stored as `<prefix>.weight` (quantized when `quant` is set).
     fn linear(&mut self, prefix: String, shape: &[i32], quant: Option<QuantSpec>) {
+        self.linear_filled(prefix, shape, quant, Fill::Random);
+    }
+
+    /// [`Synthetic::linear`] made by `fill`.
+    fn linear_filled(
+        &mut self,
+        prefix: String,
+        shape: &[i32],
+        quant: Option<QuantSpec>,
+        fill: Fill,
+    ) {
         match quant {
             Some(_) => self.items.push(Item {
                 name: prefix,
                 shape: shape.to_vec(),
-                fill: Fill::Random,
+                fill,
                 quant,
             }),
-            None => self.dense(format!("{prefix}.weight"), shape, Fill::Random),
+            None => self.dense(format!("{prefix}.weight"), shape, fill),
         }
     }
 
@@ -550,19 +561,74 @@ pub fn gemma3n_e2b(quant: Option<QuantSpec>) -> Synthetic {
 /// in mlx-lm's stacked `switch_mlp` layout; the router `mlp.gate` stays dense bf16 and routes
 /// as `routing` says (only the token embedding and the routers differ).
 pub fn qwen3_moe(quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
+    qwen3_moe_shaped(
+        MoeDims {
+            hidden: 1024,
+            layers: 16,
+            heads: 16,
+            kv_heads: 4,
+            head_dim: 128,
+            intermediate: 3072,
+            experts: 64,
+            top_k: 8,
+            moe_intermediate: 512,
+            vocab: 32000,
+        },
+        quant,
+        routing,
+    )
+}
+
+/// A Qwen3-30B-A3B-shaped model (~17 GB at 4-bit g64): hidden 2048, 48 layers, 32 heads (4 KV,
+/// head_dim 128), 128 experts top-8 with moe_intermediate 768, vocab 151936, untied head;
+/// routed as `routing` says.
+pub fn qwen3_30b_a3b(quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
+    qwen3_moe_shaped(
+        MoeDims {
+            hidden: 2048,
+            layers: 48,
+            heads: 32,
+            kv_heads: 4,
+            head_dim: 128,
+            intermediate: 6144,
+            experts: 128,
+            top_k: 8,
+            moe_intermediate: 768,
+            vocab: 151_936,
+        },
+        quant,
+        routing,
+    )
+}
+
+/// The sizes of a Qwen3-MoE-shaped model.
+struct MoeDims {
+    hidden: i32,
+    layers: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    intermediate: i32,
+    experts: i32,
+    top_k: i32,
+    moe_intermediate: i32,
+    vocab: i32,
+}
+
+fn qwen3_moe_shaped(d: MoeDims, quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
     let (embedding, router) = match routing {
         Routing::Random => (Fill::Random, Fill::Random),
         Routing::Uniform => (Fill::TokenEmbedding, Fill::Router { beta: 0.0 }),
         Routing::Skewed => (Fill::TokenEmbedding, Fill::Router { beta: BIAS_BETA }),
     };
-    let (h, layers, heads, kv, hd, experts, top_k, moe_inter, vocab) =
-        (1024, 16, 16, 4, 128, 64, 8, 512, 32000);
+    let (h, hd, experts, moe_inter, vocab) =
+        (d.hidden, d.head_dim, d.experts, d.moe_intermediate, d.vocab);
     let config = json!({
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": 3072,
-        "num_experts": experts, "num_experts_per_tok": top_k,
+        "hidden_size": h, "num_hidden_layers": d.layers, "num_attention_heads": d.heads,
+        "num_key_value_heads": d.kv_heads, "head_dim": hd, "intermediate_size": d.intermediate,
+        "num_experts": experts, "num_experts_per_tok": d.top_k,
         "moe_intermediate_size": moe_inter, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "norm_topk_prob": true, "vocab_size": vocab, "tie_word_embeddings": false,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
@@ -570,15 +636,10 @@ pub fn qwen3_moe(quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     });
     let mut m = Synthetic::bf16(config, quant);
-    m.items.push(Item {
-        name: "model.embed_tokens".into(),
-        shape: vec![vocab, h],
-        fill: embedding,
-        quant,
-    });
-    for i in 0..layers {
+    m.linear_filled("model.embed_tokens".into(), &[vocab, h], quant, embedding);
+    for i in 0..d.layers {
         let p = format!("model.layers.{i}");
-        m.attention(&p, (h, heads, kv, hd), quant);
+        m.attention(&p, (h, d.heads, d.kv_heads, hd), quant);
         m.dense(format!("{p}.self_attn.q_norm.weight"), &[hd], Fill::Ones);
         m.dense(format!("{p}.self_attn.k_norm.weight"), &[hd], Fill::Ones);
         m.dense(
@@ -895,6 +956,9 @@ mod tests {
             gb(&qwen3_moe(q, Routing::Random))
         );
         assert!((0.06..0.09).contains(&gb(&mamba2(q))), "{}", gb(&mamba2(q)));
+        let big = qwen3_30b_a3b(q, Routing::Skewed);
+        assert!((16.5..17.8).contains(&gb(&big)), "{}", gb(&big));
+        assert_eq!(big.config["num_experts"], 128);
         assert!((0.11..0.15).contains(&gb(&jamba(q))), "{}", gb(&jamba(q)));
         assert!(
             (0.1..0.3).contains(&gb(&qwen3_next(q))),
