@@ -296,7 +296,10 @@ impl StreamedGlu {
         let waves: Vec<&[usize]> = experts.chunks(capacity).collect();
         let mut outputs = Vec::with_capacity(waves.len());
         let mut sequence: Vec<usize> = Vec::with_capacity(t * k);
-        let mut next = Some(layer.fetch(waves[0])?);
+        let mut next = match waves.first() {
+            Some(first) => Some(layer.fetch(first)?),
+            None => None,
+        };
         for (i, wave) in waves.iter().enumerate() {
             let fetched = next.take().expect("fetched before its wave");
             let slots = layer.install(fetched)?;
