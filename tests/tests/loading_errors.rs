@@ -333,6 +333,7 @@ fn load_options_overrides_win_over_the_policy() {
             mode: mlxcel_stream::StreamMode::On,
             arena_bytes: Some(1 << 20),
             policy: mlxcel_stream::CachePolicy::Lru,
+            io: mlxcel_stream::ExpertIo::Dontneed,
         }),
         ..Default::default()
     };
@@ -346,6 +347,7 @@ fn load_options_overrides_win_over_the_policy() {
     assert_eq!(got.expert_stream, mlxcel_stream::StreamMode::On);
     assert_eq!(got.expert_arena_bytes, Some(1 << 20));
     assert_eq!(got.expert_cache_policy, mlxcel_stream::CachePolicy::Lru);
+    assert_eq!(got.expert_io, mlxcel_stream::ExpertIo::Dontneed);
     // Fields without an override keep the policy's.
     assert_eq!(got.dequant_rows, Some(7));
 }

@@ -89,7 +89,7 @@ fn main() -> anyhow::Result<()> {
                 "jamba" => bench::synth::jamba(quant),
                 "qwen3_next" => bench::synth::qwen3_next(quant),
                 "llama-1b" => bench::synth::llama_1b(quant),
-                "qwen3-moe" => bench::synth::qwen3_moe(quant),
+                "qwen3-moe" => bench::synth::qwen3_moe(quant, bench::synth::Routing::Random),
                 other => anyhow::bail!("no synthetic model {other:?}"),
             };
             println!("{}", serde_json::to_string(&synthetic.plan())?);

@@ -121,6 +121,8 @@ pub struct ExpertStreamSetup {
     pub slots_per_layer: usize,
     /// Which resident expert gives up its slot on a miss.
     pub policy: mlxcel_stream::CachePolicy,
+    /// How expert bytes are read (`O_DIRECT`, page cache dropped after each read, or cached).
+    pub io: mlxcel_stream::ExpertIo,
     /// Counters shared by all layers, read by the caller after a run.
     pub stats: std::rc::Rc<std::cell::RefCell<mlxcel_stream::StreamStats>>,
 }
@@ -1092,6 +1094,7 @@ impl ModelWeights {
             &entry,
             setup.slots_per_layer,
             setup.policy,
+            setup.io,
             self.dtype,
             setup.stats.clone(),
         )?;

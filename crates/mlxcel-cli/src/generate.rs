@@ -303,15 +303,7 @@ fn print_stats(stats: &GenerationStats, loaded: &Loaded, quiet: bool) {
         return;
     }
     if let Some((_, s)) = &loaded.expert_stream {
-        let s = s.borrow();
-        eprintln!(
-            "\n[experts: {} hits, {} misses ({:.1}% hit rate), {:.1} MiB read in {:.2}s]",
-            s.hits,
-            s.misses,
-            100.0 * s.hit_rate(),
-            s.bytes_read as f64 / (1 << 20) as f64,
-            s.read_seconds
-        );
+        eprintln!("\n{}", s.borrow().describe());
     }
     if let Some(plan) = &loaded.external_ple {
         eprintln!("\n{}", plan.stats.borrow().describe());

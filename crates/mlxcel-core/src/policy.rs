@@ -47,6 +47,44 @@ impl CachePolicy {
     }
 }
 
+/// How streamed experts are read from disk (`MLXCEL_EXPERT_IO`).
+///
+/// The page cache is what makes a streamed model "fit": with `cached` reads, a model larger
+/// than memory pushes everything else out of the cache, and a benchmark on a warm cache measures
+/// memory copies, not the disk. So reads bypass it by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertIo {
+    /// `O_DIRECT` reads into aligned bounce buffers (the default); a file system that refuses
+    /// direct I/O falls back to [`ExpertIo::Dontneed`] (logged once).
+    Direct,
+    /// Ordinary `pread`s, then `posix_fadvise(POSIX_FADV_DONTNEED)` over the range read, so the
+    /// pages leave the cache right after the copy into the slot.
+    Dontneed,
+    /// Ordinary `pread`s through the page cache (what streaming did before `MLXCEL_EXPERT_IO`).
+    Cached,
+}
+
+impl ExpertIo {
+    /// The word `MLXCEL_EXPERT_IO` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertIo::Direct => "direct",
+            ExpertIo::Dontneed => "dontneed",
+            ExpertIo::Cached => "cached",
+        }
+    }
+
+    /// `direct`, `dontneed` or `cached` (any case).
+    pub fn from_name(name: &str) -> Option<ExpertIo> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "direct" => Some(ExpertIo::Direct),
+            "dontneed" => Some(ExpertIo::Dontneed),
+            "cached" => Some(ExpertIo::Cached),
+            _ => None,
+        }
+    }
+}
+
 /// How rows of an external per-layer-embedding table are read (`MLXCEL_PLE_IO`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PleIo {
@@ -131,6 +169,8 @@ pub struct RuntimePolicy {
     /// `MLXCEL_EXPERT_VERIFY`: check each expert read from disk against its hash in the
     /// manifest (default on; `0` only to measure what the check costs).
     pub expert_verify: bool,
+    /// `MLXCEL_EXPERT_IO`: `direct` (default), `dontneed` or `cached`.
+    pub expert_io: ExpertIo,
     /// `MLXCEL_PLE_IO`: `mmap` (default), `direct` or `ram`.
     pub ple_io: PleIo,
     /// `MLXCEL_PLE_CACHE_BYTES`: bytes of the LRU row cache of an external per-layer-embedding
@@ -218,6 +258,7 @@ impl RuntimePolicy {
         expert_cache_policy: CachePolicy::Lfu,
         expert_read_threads: 4,
         expert_verify: true,
+        expert_io: ExpertIo::Direct,
         ple_io: PleIo::Mmap,
         ple_cache_bytes: DEFAULT_PLE_CACHE_BYTES,
         dequant_rows: None,
@@ -248,6 +289,7 @@ impl RuntimePolicy {
         "MLXCEL_EXPERT_CACHE_POLICY",
         "MLXCEL_EXPERT_READ_THREADS",
         "MLXCEL_EXPERT_VERIFY",
+        "MLXCEL_EXPERT_IO",
         "MLXCEL_PLE_IO",
         "MLXCEL_PLE_CACHE_BYTES",
         "MLXCEL_DEQUANT_ROWS",
@@ -328,6 +370,10 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_EXPERT_VERIFY") {
             p.expert_verify = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_EXPERT_IO") {
+            p.expert_io =
+                ExpertIo::from_name(&v.raw).ok_or_else(|| v.error("direct, dontneed or cached"))?;
         }
         if let Some(v) = get("MLXCEL_PLE_IO") {
             p.ple_io = match v.word().as_str() {
@@ -621,6 +667,12 @@ mod tests {
         assert_eq!(one(v, "1").expert_read_threads, 1);
         rejects(v, "0");
         rejects(v, "-2");
+        let v = "MLXCEL_EXPERT_IO";
+        assert_eq!(parse(&[]).unwrap().expert_io, ExpertIo::Direct);
+        assert_eq!(one(v, "dontneed").expert_io, ExpertIo::Dontneed);
+        assert_eq!(one(v, " CACHED ").expert_io, ExpertIo::Cached);
+        assert_eq!(one(v, "direct").expert_io, ExpertIo::Direct);
+        rejects(v, "o_direct");
     }
 
     #[test]

@@ -97,6 +97,7 @@ impl LoadOptions {
             policy.expert_stream = stream.mode;
             policy.expert_arena_bytes = stream.arena_bytes;
             policy.expert_cache_policy = stream.policy;
+            policy.expert_io = stream.io;
         }
         if let Some(w) = self.warm_up {
             policy.warm_up = Some(w);

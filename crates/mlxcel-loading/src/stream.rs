@@ -46,13 +46,14 @@ impl StreamPlan {
             .max()
             .unwrap_or(0);
         format!(
-            "[Expert arena: {} layers × {} slots × {:.2} MiB = {:.1} MiB ({:.1} MiB of experts on disk), {:?} policy]",
+            "[Expert arena: {} layers × {} slots × {:.2} MiB = {:.1} MiB ({:.1} MiB of experts on disk), {:?} policy, io {}]",
             self.manifest.layers.len(),
             self.slots_per_layer,
             per_slot as f64 / (1 << 20) as f64,
             self.arena_bytes() as f64 / (1 << 20) as f64,
             self.manifest.total_expert_bytes() as f64 / (1 << 20) as f64,
-            self.config.policy
+            self.config.policy,
+            self.config.io.name()
         )
     }
 
@@ -63,6 +64,7 @@ impl StreamPlan {
             manifest: self.manifest.clone(),
             slots_per_layer: self.slots_per_layer,
             policy: self.config.policy,
+            io: self.config.io,
             stats,
         }
     }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use mlxcel_core::{ops, Array, Dtype};
@@ -18,6 +19,8 @@ use crate::{Result, StreamError};
 
 /// Which resident expert gives up its slot on a miss (defined with the runtime policy).
 pub use mlxcel_core::policy::CachePolicy;
+/// How expert bytes are read from disk (defined with the runtime policy).
+pub use mlxcel_core::policy::ExpertIo;
 
 /// Counters shared by every layer of a model.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -26,16 +29,84 @@ pub struct StreamStats {
     pub hits: u64,
     /// Experts requested that had to be read from disk.
     pub misses: u64,
-    /// Bytes read from stream files.
+    /// Bytes read from stream files (the experts' bytes; a direct read's alignment padding is
+    /// not counted).
     pub bytes_read: u64,
     /// Wall-clock seconds spent in those reads (parallel reads counted once).
     pub read_seconds: f64,
+    /// How expert bytes were read: the mode asked for, or `dontneed` after the file system
+    /// refused `O_DIRECT`. `None` before any layer was opened.
+    pub io: Option<ExpertIo>,
+    /// Of the experts each token selected, how many the previous token of the same layer had
+    /// selected too (summed over tokens that had a previous one).
+    pub reused: u64,
+    /// Selections of tokens that had a previous token in their layer: the denominator of
+    /// [`StreamStats::reuse_rate`].
+    pub reuse_base: u64,
+    /// Per streamed layer (in the order they were opened), how often each expert was selected.
+    pub selections: Vec<Vec<u64>>,
 }
 
 impl StreamStats {
     /// `hits / (hits + misses)`, 0 before any request.
     pub fn hit_rate(&self) -> f64 {
         self.hits as f64 / (self.hits + self.misses).max(1) as f64
+    }
+
+    /// Read bandwidth while reading, in GB/s (10^9 bytes); 0 before any read.
+    pub fn read_gb_per_second(&self) -> f64 {
+        if self.read_seconds > 0.0 {
+            self.bytes_read as f64 / self.read_seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    /// The fraction of a token's selected experts that the previous token in the same layer
+    /// had also selected: what an arena holding just the last token's experts would hit.
+    pub fn reuse_rate(&self) -> f64 {
+        self.reused as f64 / self.reuse_base.max(1) as f64
+    }
+
+    /// The share of selections taken by the most popular tenth of a layer's experts (at least
+    /// one), averaged over layers: 0.1 for perfectly uniform routing, towards 1 for a few
+    /// experts taking everything. 0 before any selection.
+    pub fn top_decile_share(&self) -> f64 {
+        let shares: Vec<f64> = self
+            .selections
+            .iter()
+            .filter_map(|counts| {
+                let total: u64 = counts.iter().sum();
+                if total == 0 {
+                    return None;
+                }
+                let mut sorted = counts.clone();
+                sorted.sort_unstable_by(|a, b| b.cmp(a));
+                let top = counts.len().div_ceil(10).max(1);
+                Some(sorted[..top].iter().sum::<u64>() as f64 / total as f64)
+            })
+            .collect();
+        if shares.is_empty() {
+            0.0
+        } else {
+            shares.iter().sum::<f64>() / shares.len() as f64
+        }
+    }
+
+    /// The one-line summary the CLI prints after a run.
+    pub fn describe(&self) -> String {
+        format!(
+            "[experts: {} hits, {} misses ({:.1}% hit rate), {:.1} MiB read in {:.2}s ({:.2} GB/s, io {}); routing: {:.1}% reuse between consecutive tokens, top-10% experts take {:.1}% of selections]",
+            self.hits,
+            self.misses,
+            100.0 * self.hit_rate(),
+            self.bytes_read as f64 / (1 << 20) as f64,
+            self.read_seconds,
+            self.read_gb_per_second(),
+            self.io.map_or("-", ExpertIo::name),
+            100.0 * self.reuse_rate(),
+            100.0 * self.top_decile_share(),
+        )
     }
 }
 
@@ -79,6 +150,16 @@ impl SlotMap {
     /// Number of slots.
     pub fn capacity(&self) -> usize {
         self.occupant.len()
+    }
+
+    /// Empties `slots`: their experts were planned in but never arrived (a failed read), so
+    /// the next request for them must load them again.
+    pub fn forget(&mut self, slots: &[usize]) {
+        for &s in slots {
+            if let Some(e) = self.occupant.get_mut(s).and_then(Option::take) {
+                self.slot_of.remove(&e);
+            }
+        }
     }
 
     /// Slots for `needed` (distinct experts, at most `capacity`): the slot of each, and the
@@ -141,7 +222,16 @@ fn verify_reads() -> bool {
 pub struct LayerStream {
     entry: LayerEntry,
     path: PathBuf,
+    /// Opened normally: `pread`s of `dontneed` and `cached`, and the fallback of `direct`.
     file: File,
+    /// Opened with `O_DIRECT` when reads are `direct`; dropped when the file system refuses.
+    direct: Option<File>,
+    /// How reads go now (`direct` becomes `dontneed` on a refusal).
+    io: ExpertIo,
+    /// Where this layer's selection counts sit in `stats.selections`.
+    stats_index: usize,
+    /// The experts the previous token of this layer selected (sorted), for the reuse rate.
+    previous: Vec<u32>,
     /// Per expert the xxh3-64 its bytes must have; `None` when reads are not checked.
     hashes: Option<Vec<u64>>,
     slots: SlotMap,
@@ -158,6 +248,7 @@ impl std::fmt::Debug for LayerStream {
             .field("path", &self.path)
             .field("experts", &self.entry.experts)
             .field("capacity", &self.capacity())
+            .field("io", &self.io)
             .field("float_dtype", &self.float_dtype)
             .finish_non_exhaustive()
     }
@@ -173,18 +264,34 @@ fn held_dtype(stored: &str, float_dtype: Dtype) -> Dtype {
 }
 
 impl LayerStream {
-    /// Opens a layer's stream with `capacity` slots. Float planes (dense expert weights, affine
-    /// scales and biases) are held in `float_dtype`, the model's compute dtype.
+    /// Opens a layer's stream with `capacity` slots, read as `io` says. Float planes (dense
+    /// expert weights, affine scales and biases) are held in `float_dtype`, the model's compute
+    /// dtype.
     pub fn open(
         dir: &Path,
         entry: &LayerEntry,
         capacity: usize,
         policy: CachePolicy,
+        io: ExpertIo,
         float_dtype: Dtype,
         stats: Rc<RefCell<StreamStats>>,
     ) -> Result<LayerStream> {
         let path = dir.join(&entry.file);
         let file = File::open(&path).map_err(|e| StreamError::io(&path, e))?;
+        let (direct, io) = match io {
+            ExpertIo::Direct => match io::try_open_direct(&path) {
+                Ok(f) => (Some(f), ExpertIo::Direct),
+                Err(e) if io::refuses_direct(&e) => {
+                    direct_refused(&path);
+                    (None, ExpertIo::Dontneed)
+                }
+                Err(e) => return Err(StreamError::io(&path, e)),
+            },
+            other => (None, other),
+        };
+        if io == ExpertIo::Dontneed {
+            io::no_readahead(&file);
+        }
         let hashes = entry
             .expert_xxh3
             .iter()
@@ -208,10 +315,20 @@ impl LayerStream {
                 Ok(ops::zeros(&shape, dtype)?)
             })
             .collect::<Result<Vec<_>>>()?;
+        let stats_index = {
+            let mut s = stats.borrow_mut();
+            s.io = Some(io);
+            s.selections.push(vec![0; entry.experts]);
+            s.selections.len() - 1
+        };
         Ok(LayerStream {
             entry: entry.clone(),
             path,
             file,
+            direct,
+            io,
+            stats_index,
+            previous: Vec::new(),
             hashes: verify_reads().then_some(hashes),
             slots: SlotMap::new(capacity, policy),
             arena,
@@ -239,10 +356,55 @@ impl LayerStream {
             .map(|i| &self.arena[i])
     }
 
+    /// Records the router's choices for the routing statistics: `chosen` is `[tokens, k]`
+    /// row-major, tokens in sequence order (the reuse rate compares each with the one before,
+    /// across calls).
+    pub fn observe(&mut self, chosen: &[u32], k: usize) {
+        if k == 0 {
+            return;
+        }
+        let mut stats = self.stats.borrow_mut();
+        let stats = &mut *stats;
+        let counts = &mut stats.selections[self.stats_index];
+        for token in chosen.chunks(k) {
+            for &e in token {
+                if let Some(c) = counts.get_mut(e as usize) {
+                    *c += 1;
+                }
+            }
+            let mut now = token.to_vec();
+            now.sort_unstable();
+            now.dedup();
+            if !self.previous.is_empty() {
+                stats.reused += now
+                    .iter()
+                    .filter(|e| self.previous.binary_search(e).is_ok())
+                    .count() as u64;
+                stats.reuse_base += now.len() as u64;
+            }
+            self.previous = now;
+        }
+    }
+
+    /// How this layer reads now: the mode asked for, or `dontneed` after a refused `O_DIRECT`.
+    pub fn io(&self) -> ExpertIo {
+        self.io
+    }
+
     /// Makes `experts` (distinct, at most `capacity`) resident; returns the slot of each.
     /// Missing experts are read with bounded parallel `pread`s and written into free or evicted
     /// slots. Callers evaluate everything that read a slot before the next call can evict it.
     pub fn ensure(&mut self, experts: &[usize]) -> Result<Vec<usize>> {
+        let fetched = self.fetch(experts)?;
+        self.install(fetched)
+    }
+
+    /// The first half of [`LayerStream::ensure`]: picks the slots of `experts` and reads the
+    /// missing ones from disk, without touching the arena, so the reads can overlap the
+    /// computation of a previous wave that still reads slots these will replace. Hand the
+    /// result to [`LayerStream::install`] once that computation is evaluated, or to
+    /// [`LayerStream::abandon`].
+    pub fn fetch(&mut self, experts: &[usize]) -> Result<Fetched> {
         if experts.len() > self.capacity() {
             return Err(StreamError::Layout {
                 path: self.path.clone(),
@@ -266,56 +428,191 @@ impl LayerStream {
             stats.hits += (experts.len() - loads.len()) as u64;
         }
         if loads.is_empty() {
-            return Ok(slots);
+            return Ok(Fetched {
+                slots,
+                loads,
+                blobs: Vec::new(),
+            });
         }
         let started = Instant::now();
-        let blobs = self.read(&loads)?;
-        let read_seconds = started.elapsed().as_secs_f64();
-        for ((_, slot), blob) in loads.iter().zip(&blobs) {
-            for (i, plane) in self.entry.planes.iter().enumerate() {
-                let bytes = &blob[plane.offset as usize..(plane.offset + plane.nbytes) as usize];
-                let stored = Dtype::from_name(&plane.dtype).unwrap_or(Dtype::Uint8);
-                let mut shape = vec![1];
-                shape.extend(&plane.shape);
-                let mut update = Array::from_bytes(bytes, &shape, stored)?;
-                let held = held_dtype(&plane.dtype, self.float_dtype);
-                if held != stored {
-                    update = update.astype(held)?;
-                }
-                let mut start = vec![0; shape.len()];
-                start[0] = *slot as i32;
-                let mut stop = self.arena[i].shape();
-                stop[0] = *slot as i32 + 1;
-                self.arena[i] =
-                    self.arena[i].slice_update(&update, &start, &stop, &vec![1; shape.len()])?;
+        let refused = AtomicBool::new(false);
+        let blobs = match self.read(&loads, &refused) {
+            Ok(b) => b,
+            Err(e) => {
+                // Those slots lost their old experts and never got the new ones.
+                let lost: Vec<usize> = loads.iter().map(|(_, s)| *s).collect();
+                self.slots.forget(&lost);
+                return Err(e);
             }
+        };
+        let read_seconds = started.elapsed().as_secs_f64();
+        if refused.load(Ordering::Relaxed) {
+            // The open succeeded but the reads were refused: read this layer as `dontneed`
+            // from now on (the blobs above were already re-read that way).
+            self.direct = None;
+            self.io = ExpertIo::Dontneed;
+            io::no_readahead(&self.file);
+            self.stats.borrow_mut().io = Some(ExpertIo::Dontneed);
         }
         let mut stats = self.stats.borrow_mut();
-        stats.bytes_read += blobs.iter().map(|b| b.len() as u64).sum::<u64>();
+        stats.bytes_read += blobs.iter().map(|b| b.len as u64).sum::<u64>();
         stats.read_seconds += read_seconds;
+        Ok(Fetched {
+            slots,
+            loads,
+            blobs,
+        })
+    }
+
+    /// The second half of [`LayerStream::ensure`]: writes the experts `fetched` read into their
+    /// slots; returns the slot of each expert asked for.
+    pub fn install(&mut self, fetched: Fetched) -> Result<Vec<usize>> {
+        let Fetched {
+            slots,
+            loads,
+            blobs,
+        } = fetched;
+        for (k, ((_, slot), blob)) in loads.iter().zip(&blobs).enumerate() {
+            if let Err(e) = self.write_slot(*slot, blob.bytes()) {
+                // This slot and the ones not yet written hold other bytes than the map says.
+                let lost: Vec<usize> = loads[k..].iter().map(|(_, s)| *s).collect();
+                self.slots.forget(&lost);
+                return Err(e);
+            }
+        }
         Ok(slots)
     }
 
+    /// Copies one expert's bytes into `slot` of every plane's arena.
+    fn write_slot(&mut self, slot: usize, blob: &[u8]) -> Result<()> {
+        for (i, plane) in self.entry.planes.iter().enumerate() {
+            let bytes = &blob[plane.offset as usize..(plane.offset + plane.nbytes) as usize];
+            let stored = Dtype::from_name(&plane.dtype).unwrap_or(Dtype::Uint8);
+            let mut shape = vec![1];
+            shape.extend(&plane.shape);
+            let mut update = Array::from_bytes(bytes, &shape, stored)?;
+            let held = held_dtype(&plane.dtype, self.float_dtype);
+            if held != stored {
+                update = update.astype(held)?;
+            }
+            let mut start = vec![0; shape.len()];
+            start[0] = slot as i32;
+            let mut stop = self.arena[i].shape();
+            stop[0] = slot as i32 + 1;
+            self.arena[i] =
+                self.arena[i].slice_update(&update, &start, &stop, &vec![1; shape.len()])?;
+        }
+        Ok(())
+    }
+
+    /// Drops a [`Fetched`] that will not be installed (the computation it waited for failed):
+    /// its slots are emptied, so the slot map never claims an expert the arena does not hold.
+    pub fn abandon(&mut self, fetched: Fetched) {
+        let lost: Vec<usize> = fetched.loads.iter().map(|(_, s)| *s).collect();
+        self.slots.forget(&lost);
+    }
+
     /// Reads the blobs of `loads` concurrently, at most [`read_threads`] at a time, each
-    /// checked against its expert's hash in the manifest before it can reach a slot.
-    fn read(&self, loads: &[(usize, usize)]) -> Result<Vec<Vec<u8>>> {
+    /// checked against its expert's hash in the manifest before it can reach a slot. A direct
+    /// read the file system refuses is redone as `dontneed` and flags `refused`.
+    fn read(&self, loads: &[(usize, usize)], refused: &AtomicBool) -> Result<Vec<Blob>> {
         let stride = self.entry.expert_stride;
         let len = self.entry.read_len() as usize;
-        let mut out: Vec<Vec<u8>> = vec![Vec::new(); loads.len()];
+        let mut out: Vec<Blob> = (0..loads.len()).map(|_| Blob::empty(len)).collect();
         let hashes = self.hashes.as_deref();
         let (path, prefix, file) = (&self.path, &self.entry.prefix, &self.file);
-        io::parallel(path, loads, &mut out, read_threads(), |(expert, _), buf| {
-            *buf = vec![0u8; len];
-            io::read_exact_at(file, path, *expert as u64 * stride, buf)?;
-            if let Some(want) = hashes.and_then(|h| h.get(*expert)) {
-                let got = xxh3_64(buf);
-                if got != *want {
-                    return Err(corrupt(path, prefix, *expert, got, *want));
+        let (direct, mode) = (self.direct.as_ref(), self.io);
+        io::parallel(
+            path,
+            loads,
+            &mut out,
+            read_threads(),
+            |(expert, _), blob| {
+                let offset = *expert as u64 * stride;
+                let mut buffered = mode;
+                if let Some(direct) = direct {
+                    match io::read_direct_span(direct, path, offset, len, &mut blob.buf) {
+                        Ok(skip) => blob.skip = skip,
+                        Err(e) if io::error_refuses_direct(&e) => {
+                            if !refused.swap(true, Ordering::Relaxed) {
+                                direct_refused(path);
+                            }
+                            buffered = ExpertIo::Dontneed;
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
-            }
-            Ok(())
-        })?;
+                if buffered != ExpertIo::Direct {
+                    blob.buf.resize(len);
+                    blob.skip = 0;
+                    io::read_exact_at(file, path, offset, blob.buf.as_mut_slice())?;
+                    if buffered == ExpertIo::Dontneed {
+                        io::drop_cached(file, offset, len);
+                    }
+                }
+                if let Some(want) = hashes.and_then(|h| h.get(*expert)) {
+                    let got = xxh3_64(blob.bytes());
+                    if got != *want {
+                        return Err(corrupt(path, prefix, *expert, got, *want));
+                    }
+                }
+                Ok(())
+            },
+        )?;
         Ok(out)
+    }
+}
+
+/// Experts read by [`LayerStream::fetch`], waiting for [`LayerStream::install`].
+pub struct Fetched {
+    /// The slot of each expert asked for.
+    slots: Vec<usize>,
+    /// `(expert, slot)` of each expert read.
+    loads: Vec<(usize, usize)>,
+    /// Their bytes, in `loads` order.
+    blobs: Vec<Blob>,
+}
+
+impl std::fmt::Debug for Fetched {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fetched")
+            .field("slots", &self.slots)
+            .field("loads", &self.loads)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One expert's bytes as read: `len` bytes from `skip` in `buf` (a direct read's buffer holds
+/// the aligned blocks around them).
+struct Blob {
+    buf: io::AlignedBuf,
+    skip: usize,
+    len: usize,
+}
+
+impl Blob {
+    fn empty(len: usize) -> Blob {
+        Blob {
+            buf: io::AlignedBuf::zeroed(0),
+            skip: 0,
+            len,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.buf.as_slice()[self.skip..self.skip + self.len]
+    }
+}
+
+/// Says once per process that `O_DIRECT` was refused and reads fall back to `dontneed`: the
+/// run goes on (the bytes are the same), but its read figures are no longer direct reads.
+fn direct_refused(path: &Path) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "[experts: {}: the file system refuses O_DIRECT reads; MLXCEL_EXPERT_IO=direct falls back to dontneed]",
+            path.display()
+        );
     }
 }
 
@@ -351,6 +648,32 @@ mod tests {
         let (_, loads) = lfu.plan(&[2]);
         assert_eq!(loads.len(), 1);
         assert_eq!(lfu.plan(&[0]).1.len(), 0, "LFU kept 0");
+    }
+
+    #[test]
+    fn routing_statistics() {
+        let mut s = StreamStats {
+            selections: vec![vec![0; 20], vec![5; 20]],
+            ..Default::default()
+        };
+        // Layer 0: experts 0 and 1 (the top 10% of 20) take 30 of 40 selections.
+        s.selections[0][0] = 20;
+        s.selections[0][1] = 10;
+        s.selections[0][7] = 10;
+        // Layer 1 is uniform: its top two take 10%.
+        assert!((s.top_decile_share() - (0.75 + 0.1) / 2.0).abs() < 1e-12);
+        assert_eq!(StreamStats::default().top_decile_share(), 0.0);
+        s.bytes_read = 3_000_000_000;
+        s.read_seconds = 2.0;
+        assert!((s.read_gb_per_second() - 1.5).abs() < 1e-12);
+        s.reused = 3;
+        s.reuse_base = 12;
+        assert!((s.reuse_rate() - 0.25).abs() < 1e-12);
+        let line = s.describe();
+        assert!(
+            line.contains("1.50 GB/s") && line.contains("25.0% reuse"),
+            "{line}"
+        );
     }
 
     #[test]

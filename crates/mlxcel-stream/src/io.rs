@@ -66,6 +66,26 @@ impl AlignedBuf {
         }
     }
 
+    /// Makes it `len` bytes long, reallocating (zeroed) when it cannot hold them; bytes kept
+    /// are not cleared (every user overwrites what it reads).
+    pub fn resize(&mut self, len: usize) {
+        if self.capacity() < len {
+            *self = AlignedBuf::zeroed(len);
+        }
+        self.len = len;
+    }
+
+    /// Bytes it can hold without reallocating.
+    pub fn capacity(&self) -> usize {
+        self.storage.len() - self.start
+    }
+
+    /// The start address modulo [`DIRECT_ALIGN`] (0: what `O_DIRECT` needs).
+    #[cfg(test)]
+    fn as_ptr_aligned(&self) -> usize {
+        self.as_slice().as_ptr() as usize % DIRECT_ALIGN
+    }
+
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         &self.storage[self.start..self.start + self.len]
@@ -80,6 +100,22 @@ impl AlignedBuf {
 /// Opens `path` for reads that bypass the page cache: `O_DIRECT` on Linux, `F_NOCACHE` on
 /// macOS. A file system that refuses direct I/O is an error naming the file.
 pub fn open_direct(path: &Path) -> Result<File> {
+    try_open_direct(path).map_err(|e| {
+        let hint = if refuses_direct(&e) {
+            std::io::Error::new(
+                e.kind(),
+                "the file system does not support O_DIRECT reads (MLXCEL_PLE_IO=direct); use mmap or ram",
+            )
+        } else {
+            e
+        };
+        StreamError::io(path, hint)
+    })
+}
+
+/// [`open_direct`] with the OS error as it came, so that a caller with a fallback can tell a
+/// file system that refuses direct I/O ([`refuses_direct`]) from a missing file.
+pub fn try_open_direct(path: &Path) -> std::io::Result<File> {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::fs::OpenOptionsExt;
@@ -87,21 +123,10 @@ pub fn open_direct(path: &Path) -> Result<File> {
             .read(true)
             .custom_flags(libc::O_DIRECT)
             .open(path)
-            .map_err(|e| {
-                let hint = if e.raw_os_error() == Some(libc::EINVAL) {
-                    std::io::Error::new(
-                        e.kind(),
-                        "the file system does not support O_DIRECT reads (MLXCEL_PLE_IO=direct); use mmap or ram",
-                    )
-                } else {
-                    e
-                };
-                StreamError::io(path, hint)
-            })
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let file = File::open(path).map_err(|e| StreamError::io(path, e))?;
+        let file = File::open(path)?;
         #[cfg(target_os = "macos")]
         {
             use std::os::unix::io::AsRawFd;
@@ -111,6 +136,70 @@ pub fn open_direct(path: &Path) -> Result<File> {
             }
         }
         Ok(file)
+    }
+}
+
+/// Whether `e` is a file system refusing `O_DIRECT` (tmpfs and some FUSE and network file
+/// systems answer `EINVAL`, at `open` or at the first read).
+pub fn refuses_direct(e: &std::io::Error) -> bool {
+    e.raw_os_error() == Some(libc::EINVAL)
+}
+
+/// Whether a [`StreamError`] from [`read_direct_span`] is a file system refusing `O_DIRECT`.
+pub fn error_refuses_direct(e: &StreamError) -> bool {
+    matches!(e, StreamError::Io { source, .. } if refuses_direct(source))
+}
+
+/// Turns off the kernel's readahead for `file` (`POSIX_FADV_RANDOM`): with `dontneed` reads,
+/// pages read ahead past a range would stay cached after the range itself is dropped (measured:
+/// 635 of 864 MiB of stream files left in the page cache after one run). Advice only, as
+/// [`drop_cached`].
+pub fn no_readahead(file: &File) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: advice on a descriptor `file` keeps open for the call; no memory is passed.
+        unsafe {
+            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = file;
+    }
+}
+
+/// Drops `len` bytes at `offset` of `file` (0: to the end), widened to whole pages, from the
+/// page cache (`POSIX_FADV_DONTNEED`): after a read whose bytes were copied elsewhere, so a
+/// streamed model does not fill memory with cached expert files. Advice only: a failure is ignored (the read itself succeeded), and it
+/// does nothing where `posix_fadvise` does not exist.
+pub fn drop_cached(file: &File, offset: u64, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::io::AsRawFd;
+        // The kernel drops only whole pages inside the range: widen it to page boundaries, or
+        // the partial last page of every read stays cached (`len` 0 means "to the end").
+        // SAFETY: sysconf has no preconditions.
+        let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(1) as u64;
+        let start = offset / page * page;
+        let span = if len == 0 {
+            0
+        } else {
+            (offset + len as u64).div_ceil(page) * page - start
+        };
+        // SAFETY: advice on a descriptor `file` keeps open for the call; no memory is passed.
+        unsafe {
+            libc::posix_fadvise(
+                file.as_raw_fd(),
+                start as libc::off_t,
+                span as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            );
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (file, offset, len);
     }
 }
 
@@ -124,19 +213,35 @@ pub fn read_direct(
     out: &mut [u8],
     scratch: &mut AlignedBuf,
 ) -> Result<()> {
+    let skip = read_direct_span(file, path, offset, out.len(), scratch)?;
+    out.copy_from_slice(&scratch.as_slice()[skip..skip + out.len()]);
+    Ok(())
+}
+
+/// Reads the [`DIRECT_ALIGN`]-aligned blocks covering `len` bytes at `offset` of a file opened
+/// with [`open_direct`] into `buf` (reallocated when too small: `O_DIRECT` wants aligned
+/// offsets, lengths and addresses, which an arbitrary tensor range is not); returns where the
+/// range starts in `buf`. A file that ends before the range does is an error saying it is
+/// truncated; a file system refusing direct reads is an `Io` error with `EINVAL`
+/// ([`error_refuses_direct`]).
+pub fn read_direct_span(
+    file: &File,
+    path: &Path,
+    offset: u64,
+    len: usize,
+    buf: &mut AlignedBuf,
+) -> Result<usize> {
     let align = DIRECT_ALIGN as u64;
     let first = offset / align * align;
-    let end = offset + out.len() as u64;
+    let end = offset + len as u64;
     let last = end.div_ceil(align) * align;
     let span = (last - first) as usize;
-    if scratch.len < span {
-        *scratch = AlignedBuf::zeroed(span);
-    }
-    let buf = &mut scratch.storage[scratch.start..scratch.start + span];
+    buf.resize(span);
+    let bytes = &mut buf.storage[buf.start..buf.start + span];
     let mut done = 0usize;
     // O_DIRECT reads return whole blocks; the last one may be short at end of file.
     while done < span {
-        match file.read_at(&mut buf[done..], first + done as u64) {
+        match file.read_at(&mut bytes[done..], first + done as u64) {
             Ok(0) => break,
             Ok(n) => done += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -144,13 +249,11 @@ pub fn read_direct(
         }
     }
     let need = (end - first) as usize;
-    if done < need {
-        let got = done.saturating_sub((offset - first) as usize);
-        return Err(truncated(path, offset, out.len(), got));
-    }
     let skip = (offset - first) as usize;
-    out.copy_from_slice(&buf[skip..skip + out.len()]);
-    Ok(())
+    if done < need {
+        return Err(truncated(path, offset, len, done.saturating_sub(skip)));
+    }
+    Ok(skip)
 }
 
 /// Runs `work` over `jobs` on at most `threads` scoped threads (contiguous runs of jobs per
@@ -261,6 +364,51 @@ mod tests {
                 .contains("file is truncated: 10 bytes expected at offset 9995, 5 found"),
             "{err}"
         );
+    }
+
+    /// The bounce-buffer read at unaligned offsets and lengths (in one block, across block
+    /// boundaries, up to the end of the file, with a buffer reused across sizes) gives the bytes
+    /// an ordinary read gives.
+    #[test]
+    fn direct_spans_match_ordinary_reads_at_unaligned_ranges() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("g.bin");
+        let size = 5 * DIRECT_ALIGN + 777;
+        let data: Vec<u8> = (0..size as u64)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        std::fs::write(&path, &data).unwrap();
+        let direct = match try_open_direct(&path) {
+            Ok(f) => f,
+            Err(e) if refuses_direct(&e) => {
+                eprintln!("skip: the temporary folder refuses O_DIRECT");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let plain = File::open(&path).unwrap();
+        let mut buf = AlignedBuf::zeroed(0);
+        let a = DIRECT_ALIGN;
+        for (off, len) in [
+            (1, 1),
+            (a - 1, 2),
+            (a, a),
+            (a + 3, 3 * a - 5),
+            (17, size - 17),
+            (size - 1, 1),
+            (2 * a + 100, 10),
+            (0, size),
+        ] {
+            let skip = read_direct_span(&direct, &path, off as u64, len, &mut buf).unwrap();
+            assert_eq!(buf.as_ptr_aligned(), 0, "{off}+{len}: buffer alignment");
+            assert_eq!(buf.as_slice().len() % a, 0, "{off}+{len}: whole blocks");
+            let mut want = vec![0u8; len];
+            read_exact_at(&plain, &path, off as u64, &mut want).unwrap();
+            assert_eq!(&buf.as_slice()[skip..skip + len], &want[..], "{off}+{len}");
+        }
+        let err = read_direct_span(&direct, &path, size as u64 - 2, 3, &mut buf).unwrap_err();
+        assert!(err.to_string().contains("file is truncated"), "{err}");
+        assert!(!error_refuses_direct(&err));
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub mod ple;
 
 use std::path::{Path, PathBuf};
 
-pub use arena::{CachePolicy, LayerStream, SlotMap, StreamStats};
+pub use arena::{CachePolicy, ExpertIo, Fetched, LayerStream, SlotMap, StreamStats};
 pub use manifest::{Manifest, STREAM_DIR};
 /// When to stream (`MLXCEL_EXPERT_STREAM`).
 pub use mlxcel_core::policy::StreamMode;
@@ -80,6 +80,8 @@ pub struct StreamConfig {
     pub arena_bytes: Option<u64>,
     /// `MLXCEL_EXPERT_CACHE_POLICY` (`lfu` default, or `lru`).
     pub policy: CachePolicy,
+    /// `MLXCEL_EXPERT_IO` (`direct` default, `dontneed` or `cached`).
+    pub io: ExpertIo,
 }
 
 impl Default for StreamConfig {
@@ -88,6 +90,7 @@ impl Default for StreamConfig {
             mode: StreamMode::Auto,
             arena_bytes: None,
             policy: CachePolicy::Lfu,
+            io: ExpertIo::Direct,
         }
     }
 }
@@ -99,6 +102,7 @@ impl StreamConfig {
             mode: policy.expert_stream,
             arena_bytes: policy.expert_arena_bytes,
             policy: policy.expert_cache_policy,
+            io: policy.expert_io,
         }
     }
 

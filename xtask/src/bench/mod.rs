@@ -43,10 +43,17 @@ pub struct BenchArgs {
     /// Print the plan and exit.
     #[arg(long)]
     dry_run: bool,
-    /// Instead of the plan: routed-expert streaming on the MoE shape, resident vs LRU vs LFU
-    /// arenas (writes target/bench/expert_stream.md).
+    /// Instead of the plan: routed-expert streaming on the MoE shape with skewed and uniform
+    /// routers, resident against arenas of 10% and 25% of the experts read in each
+    /// `MLXCEL_EXPERT_IO` mode, and the disk's sequential read floor (writes
+    /// target/bench/expert_stream.md).
     #[arg(long)]
     expert_stream: bool,
+    /// With `--expert-stream`: the Qwen3-30B-A3B shape (~17 GB at 4-bit, skewed routing only;
+    /// generating it takes ~17 GB of disk, and preparing its stream as much again) instead of
+    /// the ~1 GB shape.
+    #[arg(long, requires = "expert_stream")]
+    large: bool,
     /// Instead of the plan: the Gemma-3n-E2B-shaped 4-bit model with its per-layer-embedding
     /// table resident against on disk (`prepare-external-ple`) in each `MLXCEL_PLE_IO` mode
     /// (writes target/bench/external_ple.md).
@@ -111,6 +118,9 @@ enum ModelId {
     Llama1bBf16,
     Llama1b4,
     Qwen3Moe4,
+    Qwen3Moe4Uniform,
+    Qwen3Moe4Skewed,
+    Qwen3Moe30bA3bSkewed,
     Mamba2Q4,
     JambaQ4,
     Qwen3NextQ4,
@@ -125,6 +135,9 @@ impl ModelId {
             ModelId::Llama1bBf16 => "synthetic-llama3.2-1b-bf16",
             ModelId::Llama1b4 => "synthetic-llama3.2-1b-4bit-g64",
             ModelId::Qwen3Moe4 => "synthetic-qwen3moe-1gb-4bit-g64",
+            ModelId::Qwen3Moe4Uniform => "synthetic-qwen3moe-1gb-4bit-g64-uniform-routing",
+            ModelId::Qwen3Moe4Skewed => "synthetic-qwen3moe-1gb-4bit-g64-skewed-routing",
+            ModelId::Qwen3Moe30bA3bSkewed => "synthetic-qwen3-30b-a3b-4bit-g64-skewed-routing",
             ModelId::Mamba2Q4 => "synthetic-mamba2-130m-4bit-g64",
             ModelId::JambaQ4 => "synthetic-jamba-mini-4bit-g64",
             ModelId::Qwen3NextQ4 => "synthetic-qwen3next-mini-4bit-g64",
@@ -373,6 +386,9 @@ fn ensure_model(p: &Paths, id: ModelId) -> Result<PathBuf> {
         ModelId::Llama1bBf16
         | ModelId::Llama1b4
         | ModelId::Qwen3Moe4
+        | ModelId::Qwen3Moe4Uniform
+        | ModelId::Qwen3Moe4Skewed
+        | ModelId::Qwen3Moe30bA3bSkewed
         | ModelId::Mamba2Q4
         | ModelId::JambaQ4
         | ModelId::Qwen3NextQ4
@@ -384,7 +400,13 @@ fn ensure_model(p: &Paths, id: ModelId) -> Result<PathBuf> {
                 ModelId::Mamba2Q4 => (synth::mamba2(q4), 3),
                 ModelId::JambaQ4 => (synth::jamba(q4), 4),
                 ModelId::Qwen3NextQ4 => (synth::qwen3_next(q4), 5),
-                _ => (synth::qwen3_moe(q4), 2),
+                // The same seed: the three differ in their embedding and routers only.
+                ModelId::Qwen3Moe4Uniform => (synth::qwen3_moe(q4, synth::Routing::Uniform), 2),
+                ModelId::Qwen3Moe4Skewed => (synth::qwen3_moe(q4, synth::Routing::Skewed), 2),
+                ModelId::Qwen3Moe30bA3bSkewed => {
+                    (synth::qwen3_30b_a3b(q4, synth::Routing::Skewed), 2)
+                }
+                _ => (synth::qwen3_moe(q4, synth::Routing::Random), 2),
             };
             eprintln!(
                 "  {:.2} GB of random weights (seed {seed})",
@@ -547,10 +569,21 @@ fn command_for(
 pub fn bench(args: BenchArgs) -> Result<()> {
     let p = paths()?;
     if args.expert_stream {
-        let model = ensure_model(&p, ModelId::Qwen3Moe4)?;
+        let models = if args.large {
+            vec![("skewed", ensure_model(&p, ModelId::Qwen3Moe30bA3bSkewed)?)]
+        } else {
+            vec![
+                ("skewed", ensure_model(&p, ModelId::Qwen3Moe4Skewed)?),
+                ("uniform", ensure_model(&p, ModelId::Qwen3Moe4Uniform)?),
+            ]
+        };
         let prompt = prompt_ids(32, 32000, 7);
-        let table = stream::compare_policies(&model, &prompt, 16)?;
-        let out = p.bench.join("expert_stream.md");
+        let table = stream::compare(&models, &prompt, 64)?;
+        let out = p.bench.join(if args.large {
+            "expert_stream_large.md"
+        } else {
+            "expert_stream.md"
+        });
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");
         return Ok(());

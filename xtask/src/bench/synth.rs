@@ -24,6 +24,85 @@ const HUGE: u64 = 1 << 29;
 enum Fill {
     Random,
     Ones,
+    /// A token embedding `[vocab, hidden]` whose rows are random with standard deviation
+    /// [`TOKEN_STD`] plus one vector shared by every row, of per-element RMS [`SHARED_RMS`], along
+    /// [`shared_direction`] (see [`Routing`]).
+    TokenEmbedding,
+    /// A router `[experts, hidden]`: random rows (as [`Fill::Random`]) made orthogonal to the
+    /// shared direction, plus `beta * (1 + rank(e))^-ZIPF_ALPHA` times it for expert `e`; the
+    /// ranks a seeded permutation per tensor (see [`Routing`]).
+    Router {
+        /// 0: no bias ([`Routing::Uniform`]); [`BIAS_BETA`] for [`Routing::Skewed`].
+        beta: f64,
+    },
+}
+
+/// How the synthetic Qwen3-MoE models route.
+///
+/// With the plain random weights ([`Routing::Random`]), the residual stream is dominated by
+/// the layers' outputs (std 0.02 weights over hidden states of RMS 1 give outputs far larger
+/// than a std-0.02 token embedding), which barely change from one token to the next: a random
+/// router then picks nearly the same experts for every token, whatever the input — neither
+/// uniform nor like a trained model. The two routing benchmarks therefore make the current token
+/// dominate the residual stream (token embeddings of std [`TOKEN_STD`]) and give every token a
+/// shared component along one direction `u` (RMS [`SHARED_RMS`]), the stand-in for what all
+/// tokens of a trained model have in common:
+/// - [`Routing::Uniform`]: random router rows made orthogonal to `u`: each token routes by
+///   its own embedding, close to uniformly and independently (the worst case for a cache);
+/// - [`Routing::Skewed`]: the same rows plus `BIAS_BETA * (1 + rank)^-ZIPF_ALPHA * u` for
+///   the expert of that rank (a seeded permutation per layer). Since every hidden state has a
+///   large positive component along `u`, this is a per-expert bias with Zipf-like weights on
+///   top of the token-dependent logits: a few experts are chosen by most tokens, the rest by
+///   the token. Consecutive tokens share the popular experts (the reuse rate) and the slowly
+///   changing part of the context the attention layers add.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Routing {
+    /// The plain random model (the main plan's MoE shape).
+    Random,
+    /// Token-dominated hidden states, random routers.
+    Uniform,
+    /// Token-dominated hidden states, routers with Zipf-weighted biases.
+    Skewed,
+}
+
+/// Standard deviation of the token-specific part of [`Fill::TokenEmbedding`] rows.
+const TOKEN_STD: f64 = 2.0;
+/// Per-element RMS of the component every [`Fill::TokenEmbedding`] row shares.
+const SHARED_RMS: f64 = 1.0;
+/// The Zipf exponent of [`Routing::Skewed`]'s biases.
+const ZIPF_ALPHA: f64 = 1.0;
+/// The scale of [`Routing::Skewed`]'s biases (the most popular expert's router row gains
+/// `BIAS_BETA * u`, `u` of unit norm).
+const BIAS_BETA: f64 = 0.5;
+/// The key of the shared direction (fixed: the embedding and the routers must agree on it).
+const SHARED_KEY: u64 = 0x5eed_0a11;
+
+/// The unit vector `[1, hidden]` all [`Fill::TokenEmbedding`] rows share a component along.
+fn shared_direction(hidden: i32) -> Result<Array> {
+    let u = random::uniform(&[1, hidden], Dtype::Float32, &random::key(SHARED_KEY)?)?
+        .add_scalar(-0.5)?;
+    let norm = u.multiply(&u)?.sum(&[1], true)?.sqrt()?;
+    Ok(u.divide(&norm)?)
+}
+
+/// The Zipf weights `(1 + rank)^-alpha` of `rows` experts, ranks a permutation seeded by `key`
+/// (a small xorshift: the layout must not depend on MLX's RNG).
+fn zipf_weights(rows: usize, alpha: f64, key: u64) -> Vec<f32> {
+    let mut state = key ^ 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut rank: Vec<usize> = (0..rows).collect();
+    for i in (1..rows).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        rank.swap(i, j);
+    }
+    rank.iter()
+        .map(|r| (1.0 + *r as f64).powf(-alpha) as f32)
+        .collect()
 }
 
 /// One entry of a synthetic checkpoint: a dense float tensor or a quantized linear/embedding
@@ -76,14 +155,25 @@ impl Synthetic {
 
     /// A matrix `[.., out, in]` stored as `<prefix>.weight` (quantized when `quant` is set).
     fn linear(&mut self, prefix: String, shape: &[i32], quant: Option<QuantSpec>) {
+        self.linear_filled(prefix, shape, quant, Fill::Random);
+    }
+
+    /// [`Synthetic::linear`] made by `fill`.
+    fn linear_filled(
+        &mut self,
+        prefix: String,
+        shape: &[i32],
+        quant: Option<QuantSpec>,
+        fill: Fill,
+    ) {
         match quant {
             Some(_) => self.items.push(Item {
                 name: prefix,
                 shape: shape.to_vec(),
-                fill: Fill::Random,
+                fill,
                 quant,
             }),
-            None => self.dense(format!("{prefix}.weight"), shape, Fill::Random),
+            None => self.dense(format!("{prefix}.weight"), shape, fill),
         }
     }
 
@@ -143,7 +233,12 @@ impl Synthetic {
                 json!({
                     "name": item.name,
                     "shape": item.shape,
-                    "fill": match item.fill { Fill::Random => "random", Fill::Ones => "ones" },
+                    "fill": match item.fill {
+                        Fill::Random => "random".to_string(),
+                        Fill::Ones => "ones".to_string(),
+                        Fill::TokenEmbedding => format!("token_embedding:{TOKEN_STD}:{SHARED_RMS}"),
+                        Fill::Router { beta } => format!("router:{ZIPF_ALPHA}:{beta}"),
+                    },
                     "quantization": quant_json(item.quant),
                 })
             })
@@ -226,6 +321,32 @@ impl Synthetic {
                     Fill::Random => random::uniform(&shape, Dtype::Float32, &key)?
                         .add_scalar(-0.5)?
                         .mul_scalar(2.0 * STD * 3f64.sqrt())?,
+                    Fill::TokenEmbedding => {
+                        let h = *shape.last().unwrap_or(&1);
+                        random::uniform(&shape, Dtype::Float32, &key)?
+                            .add_scalar(-0.5)?
+                            .mul_scalar(2.0 * TOKEN_STD * 3f64.sqrt())?
+                            .add(
+                                &shared_direction(h)?.mul_scalar(SHARED_RMS * (h as f64).sqrt())?,
+                            )?
+                    }
+                    Fill::Router { beta } => {
+                        let h = *shape.last().unwrap_or(&1);
+                        let u = shared_direction(h)?;
+                        let all = zipf_weights(rows as usize, ZIPF_ALPHA, key_index);
+                        let part = &all[start as usize..stop as usize];
+                        let bias = Array::from_slice(part, &[stop - start, 1])?
+                            .mul_scalar(beta)?
+                            .multiply(&u)?;
+                        let g = random::uniform(&shape, Dtype::Float32, &key)?
+                            .add_scalar(-0.5)?
+                            .mul_scalar(2.0 * STD * 3f64.sqrt())?;
+                        // Without their part along `u`, the rows see only what differs between
+                        // tokens (a random row's chance projection on `u` would act as a bias of
+                        // its own, a few tenths of the logits' spread).
+                        let along = g.multiply(&u)?.sum(&[1], true)?;
+                        g.subtract(&along.multiply(&u)?)?.add(&bias)?
+                    }
                 };
                 let base = base.astype(self.dtype)?;
                 let arrays: Vec<Array> = match item.quant {
@@ -437,16 +558,77 @@ pub fn gemma3n_e2b(quant: Option<QuantSpec>) -> Synthetic {
 
 /// A Qwen3-MoE-shaped model of about 1 GB at 4-bit: hidden 1024, 16 layers, 16 heads (4 KV,
 /// head_dim 128), 64 experts top-8 with moe_intermediate 512, vocab 32000, untied head. Experts
-/// in mlx-lm's stacked `switch_mlp` layout; the router `mlp.gate` stays dense bf16.
-pub fn qwen3_moe(quant: Option<QuantSpec>) -> Synthetic {
-    let (h, layers, heads, kv, hd, experts, top_k, moe_inter, vocab) =
-        (1024, 16, 16, 4, 128, 64, 8, 512, 32000);
+/// in mlx-lm's stacked `switch_mlp` layout; the router `mlp.gate` stays dense bf16 and routes
+/// as `routing` says (only the token embedding and the routers differ).
+pub fn qwen3_moe(quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
+    qwen3_moe_shaped(
+        MoeDims {
+            hidden: 1024,
+            layers: 16,
+            heads: 16,
+            kv_heads: 4,
+            head_dim: 128,
+            intermediate: 3072,
+            experts: 64,
+            top_k: 8,
+            moe_intermediate: 512,
+            vocab: 32000,
+        },
+        quant,
+        routing,
+    )
+}
+
+/// A Qwen3-30B-A3B-shaped model (~17 GB at 4-bit g64): hidden 2048, 48 layers, 32 heads (4 KV,
+/// head_dim 128), 128 experts top-8 with moe_intermediate 768, vocab 151936, untied head;
+/// routed as `routing` says.
+pub fn qwen3_30b_a3b(quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
+    qwen3_moe_shaped(
+        MoeDims {
+            hidden: 2048,
+            layers: 48,
+            heads: 32,
+            kv_heads: 4,
+            head_dim: 128,
+            intermediate: 6144,
+            experts: 128,
+            top_k: 8,
+            moe_intermediate: 768,
+            vocab: 151_936,
+        },
+        quant,
+        routing,
+    )
+}
+
+/// The sizes of a Qwen3-MoE-shaped model.
+struct MoeDims {
+    hidden: i32,
+    layers: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    intermediate: i32,
+    experts: i32,
+    top_k: i32,
+    moe_intermediate: i32,
+    vocab: i32,
+}
+
+fn qwen3_moe_shaped(d: MoeDims, quant: Option<QuantSpec>, routing: Routing) -> Synthetic {
+    let (embedding, router) = match routing {
+        Routing::Random => (Fill::Random, Fill::Random),
+        Routing::Uniform => (Fill::TokenEmbedding, Fill::Router { beta: 0.0 }),
+        Routing::Skewed => (Fill::TokenEmbedding, Fill::Router { beta: BIAS_BETA }),
+    };
+    let (h, hd, experts, moe_inter, vocab) =
+        (d.hidden, d.head_dim, d.experts, d.moe_intermediate, d.vocab);
     let config = json!({
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": 3072,
-        "num_experts": experts, "num_experts_per_tok": top_k,
+        "hidden_size": h, "num_hidden_layers": d.layers, "num_attention_heads": d.heads,
+        "num_key_value_heads": d.kv_heads, "head_dim": hd, "intermediate_size": d.intermediate,
+        "num_experts": experts, "num_experts_per_tok": d.top_k,
         "moe_intermediate_size": moe_inter, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "norm_topk_prob": true, "vocab_size": vocab, "tie_word_embeddings": false,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
@@ -454,10 +636,10 @@ pub fn qwen3_moe(quant: Option<QuantSpec>) -> Synthetic {
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     });
     let mut m = Synthetic::bf16(config, quant);
-    m.linear("model.embed_tokens".into(), &[vocab, h], quant);
-    for i in 0..layers {
+    m.linear_filled("model.embed_tokens".into(), &[vocab, h], quant, embedding);
+    for i in 0..d.layers {
         let p = format!("model.layers.{i}");
-        m.attention(&p, (h, heads, kv, hd), quant);
+        m.attention(&p, (h, d.heads, d.kv_heads, hd), quant);
         m.dense(format!("{p}.self_attn.q_norm.weight"), &[hd], Fill::Ones);
         m.dense(format!("{p}.self_attn.k_norm.weight"), &[hd], Fill::Ones);
         m.dense(
@@ -465,7 +647,7 @@ pub fn qwen3_moe(quant: Option<QuantSpec>) -> Synthetic {
             &[h],
             Fill::Ones,
         );
-        m.dense(format!("{p}.mlp.gate.weight"), &[experts, h], Fill::Random);
+        m.dense(format!("{p}.mlp.gate.weight"), &[experts, h], router);
         let s = format!("{p}.mlp.switch_mlp");
         m.linear(format!("{s}.gate_proj"), &[experts, moe_inter, h], quant);
         m.linear(format!("{s}.up_proj"), &[experts, moe_inter, h], quant);
@@ -769,11 +951,14 @@ mod tests {
         );
         assert!((2.4..2.6).contains(&gb(&llama_1b(None))));
         assert!(
-            (0.9..1.1).contains(&gb(&qwen3_moe(q))),
+            (0.9..1.1).contains(&gb(&qwen3_moe(q, Routing::Random))),
             "{}",
-            gb(&qwen3_moe(q))
+            gb(&qwen3_moe(q, Routing::Random))
         );
         assert!((0.06..0.09).contains(&gb(&mamba2(q))), "{}", gb(&mamba2(q)));
+        let big = qwen3_30b_a3b(q, Routing::Skewed);
+        assert!((16.5..17.8).contains(&gb(&big)), "{}", gb(&big));
+        assert_eq!(big.config["num_experts"], 128);
         assert!((0.11..0.15).contains(&gb(&jamba(q))), "{}", gb(&jamba(q)));
         assert!(
             (0.1..0.3).contains(&gb(&qwen3_next(q))),
@@ -783,8 +968,27 @@ mod tests {
         // 2.01 G parameters of per-layer table plus ~2.5 G others, 4-bit g32 (5 bits each).
         let e2b = gemma3n_e2b(Some(QuantSpec::affine(32, 4)));
         assert!((2.6..3.2).contains(&gb(&e2b)), "{}", gb(&e2b));
-        let names: Vec<String> = qwen3_moe(q).layout().into_iter().map(|l| l.0).collect();
+        let names: Vec<String> = qwen3_moe(q, Routing::Random)
+            .layout()
+            .into_iter()
+            .map(|l| l.0)
+            .collect();
         assert!(names.contains(&"model.layers.3.mlp.switch_mlp.down_proj.scales".to_string()));
         assert!(names.contains(&"model.layers.3.mlp.gate.weight".to_string()));
+    }
+
+    #[test]
+    fn zipf_weights_are_a_seeded_permutation() {
+        let a = zipf_weights(64, 1.0, 7);
+        assert_eq!(a, zipf_weights(64, 1.0, 7));
+        assert_ne!(a, zipf_weights(64, 1.0, 8));
+        let mut sorted = a.clone();
+        sorted.sort_by(|x, y| y.total_cmp(x));
+        for (r, got) in sorted.iter().enumerate() {
+            assert!(
+                (got - 1.0 / (1.0 + r as f32)).abs() < 1e-6,
+                "rank {r}: {got}"
+            );
+        }
     }
 }

@@ -291,12 +291,18 @@ impl StreamedGlu {
         let mut experts: Vec<usize> = pairs.iter().map(|p| chosen[*p] as usize).collect();
         experts.dedup();
         let mut layer = self.layer.borrow_mut();
+        layer.observe(&chosen, k);
         let capacity = layer.capacity();
-        let waves = experts.len().div_ceil(capacity);
-        let mut outputs = Vec::with_capacity(waves);
+        let waves: Vec<&[usize]> = experts.chunks(capacity).collect();
+        let mut outputs = Vec::with_capacity(waves.len());
         let mut sequence: Vec<usize> = Vec::with_capacity(t * k);
-        for wave in experts.chunks(capacity) {
-            let slots = layer.ensure(wave)?;
+        let mut next = match waves.first() {
+            Some(first) => Some(layer.fetch(first)?),
+            None => None,
+        };
+        for (i, wave) in waves.iter().enumerate() {
+            let fetched = next.take().expect("fetched before its wave");
+            let slots = layer.install(fetched)?;
             let slot_of: std::collections::HashMap<usize, usize> =
                 wave.iter().copied().zip(slots).collect();
             let mut rows: Vec<usize> = pairs
@@ -319,9 +325,20 @@ impl StreamedGlu {
             let u = self.projection(&layer, 1)?.forward(&xs, &idx, true)?;
             let h = self.act.gated(&g, &u)?;
             let y = self.projection(&layer, 2)?.forward(&h, &idx, true)?;
-            if waves > 1 {
-                // The next wave may evict these slots: finish reading them first.
-                y.eval()?;
+            if waves.len() > 1 {
+                // Waves are pipelined: this wave computes while the next one's experts are
+                // read (into host buffers; the slots they replace are written only after
+                // this wave, which reads them, is evaluated).
+                mlxcel_core::ops::async_eval_all([&y])?;
+                if let Some(following) = waves.get(i + 1) {
+                    next = Some(layer.fetch(following)?);
+                }
+                if let Err(e) = y.eval() {
+                    if let Some(pending) = next.take() {
+                        layer.abandon(pending);
+                    }
+                    return Err(e.into());
+                }
             }
             outputs.push(y);
             sequence.extend(rows);
