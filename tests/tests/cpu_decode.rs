@@ -1,4 +1,4 @@
-//! mlxcel's CPU decode engine (`MLXCEL_CPU_DECODE`, off by default) against the MLX
+//! mlxcel's CPU decode engine (`MLXCEL_CPU_DECODE`, on by default) against the MLX
 //! graph it replaces: the same model loaded twice, once per path, must give the same decode-step
 //! logits (within 1e-3, printed) and the same greedy ids, across chunked prefill, decode steps,
 //! growing caches and prefix reuse (a second prompt that rewinds the caches). Its own test binary,

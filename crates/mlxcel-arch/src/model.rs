@@ -205,6 +205,13 @@ pub trait LanguageModel {
         false
     }
 
+    /// Whether a single-token step of one conversation runs on mlxcel's CPU decode engine (one
+    /// call per token; `MLXCEL_CPU_DECODE`), which a decode batch never reaches: a lone
+    /// generation then decodes on its own caches.
+    fn decodes_on_cpu_engine(&self) -> bool {
+        false
+    }
+
     /// One entry per layer: what its cache holds.
     fn layer_schedule(&self) -> Vec<LayerKind>;
 

@@ -370,6 +370,9 @@ macro_rules! generation_models {
             fn batched_decode(&self) -> bool {
                 match self { $(GenerationModel::$v(m) => m.batched_decode()),* }
             }
+            fn decodes_on_cpu_engine(&self) -> bool {
+                match self { $(GenerationModel::$v(m) => m.decodes_on_cpu_engine()),* }
+            }
             fn vision(&self) -> Option<&dyn $crate::vision::VisionLanguage> {
                 match self { $(GenerationModel::$v(m) => m.vision()),* }
             }

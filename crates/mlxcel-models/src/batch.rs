@@ -228,7 +228,7 @@ impl ModelState {
         // runs a step as one call, which a decode batch (even of one row) never reaches.
         let lone_on_engine = self.batch.is_none()
             && self.running.len() == 1
-            && mlxcel_core::policy::with(|p| p.cpu_decode);
+            && self.loaded.model.decodes_on_cpu_engine();
         if self.loaded.model.batched_decode() && !lone_on_engine {
             self.step_batch();
         } else {

@@ -26,6 +26,11 @@ use super::{prompt_ids, Paths};
 
 const LLAMA_CPP_PIN: &str = "llama-cpp-python==0.3.36";
 
+const LLAMA_CPP_X86_CMAKE_ARGS: &str = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+     -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+     -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF \
+     -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Engine {
     /// mlxcel as shipped: the CPU decode engine on.
@@ -80,15 +85,13 @@ pub fn python(venv_python: impl FnOnce() -> Result<PathBuf>) -> Result<PathBuf> 
     if !has(&py) {
         eprintln!("bench: installing {LLAMA_CPP_PIN} (native build) into the bench venv");
         let mut pip = Command::new(&py);
-        // ggml's AMX matmul (built natively where the CPU reports AMX) crashed with SIGSEGV in
-        // `ggml_backend_amx_mul_mat` on the Sapphire-Rapids-class VM of 2026-12-02 (the first
-        // Q4_1 product); llama.cpp's AVX-512/VNNI kernels run there. `CMAKE_ARGS` set by the
-        // caller wins.
-        if std::env::var_os("CMAKE_ARGS").is_none() {
-            pip.env(
-                "CMAKE_ARGS",
-                "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF",
-            );
+        // ggml's AMX matmul (in a native build wherever the CPU reports AMX) crashed with SIGSEGV
+        // in `ggml_backend_amx_mul_mat` on the first matmul on the Sapphire-Rapids-class VM of
+        // 2026-12-02, so llama.cpp is built for the x86-64 features it uses besides AMX
+        // (AVX-512 with VNNI/VBMI/BF16, AVX2, FMA, F16C); `GGML_AMX_*=OFF` alone does not stop
+        // `GGML_NATIVE` from enabling it. `CMAKE_ARGS` set by the caller wins (other CPUs).
+        if std::env::var_os("CMAKE_ARGS").is_none() && cfg!(target_arch = "x86_64") {
+            pip.env("CMAKE_ARGS", LLAMA_CPP_X86_CMAKE_ARGS);
         }
         let ok = pip
             .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])

@@ -2014,6 +2014,10 @@ impl<A> LanguageModel for Transformer<A> {
     fn batched_decode(&self) -> bool {
         self.decoder.batched_decode()
     }
+
+    fn decodes_on_cpu_engine(&self) -> bool {
+        self.decoder.cpu_decode.is_some()
+    }
 }
 
 impl<A: DecoderArgs> Architecture for Transformer<A> {

@@ -84,6 +84,10 @@ macro_rules! vlm_model_impls {
                 batched(self)
             }
 
+            fn decodes_on_cpu_engine(&self) -> bool {
+                self.text.decodes_on_cpu_engine()
+            }
+
             fn vision(&self) -> Option<&dyn $crate::vision::VisionLanguage> {
                 self.tower
                     .as_ref()
