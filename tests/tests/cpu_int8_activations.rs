@@ -67,81 +67,62 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// sum_b (s_g d_b) sum_{k in b} q_k xq_k + sum_g b_g sum_{b in g} d_b sum_{k in b} xq_k, in f64,
-/// from MLX's planes.
-fn int8_reference(
-    x: &[f32],
-    codes: &[u32],
-    scales: &[f32],
-    biases: &[f32],
-    n: usize,
+/// A quantized weight read back from MLX's planes: codes, and scales and biases as f32.
+struct Planes {
+    codes: Vec<u32>,
+    scales: Vec<f32>,
+    biases: Vec<f32>,
     k: usize,
-    spec: QuantSpec,
-) -> Vec<f64> {
-    let bits = spec.bits as usize;
-    let gs = spec.group_size as usize;
-    let groups = k / gs;
-    let words = k * bits / 32;
-    // x per block of 32: the kernel's rounding (x * (127 / amax) in f32, ties to even).
-    let mut xq = vec![0i32; k];
-    let mut d = vec![0f64; k / 32];
-    for b in 0..k / 32 {
-        let block = &x[b * 32..b * 32 + 32];
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let inv = if amax > 0.0 { 127.0f32 / amax } else { 0.0 };
-        d[b] = f64::from(amax / 127.0f32);
-        for (i, v) in block.iter().enumerate() {
-            xq[b * 32 + i] = (v * inv).round_ties_even() as i32;
-        }
-    }
-    (0..n)
-        .map(|row| {
-            let code = |e: usize| {
-                let w = codes[row * words + e * bits / 32];
-                (w >> ((e * bits) % 32)) & ((1 << bits) - 1)
-            };
-            let mut y = 0f64;
-            for b in 0..k / 32 {
-                let dot: i64 = (0..32)
-                    .map(|i| i64::from(code(b * 32 + i)) * i64::from(xq[b * 32 + i]))
-                    .sum();
-                y += f64::from(scales[row * groups + b * 32 / gs]) * d[b] * dot as f64;
-            }
-            for b in 0..k / 32 {
-                let sum: i64 = xq[b * 32..b * 32 + 32].iter().map(|&q| i64::from(q)).sum();
-                y += f64::from(biases[row * groups + b * 32 / gs]) * d[b] * sum as f64;
-            }
-            y
-        })
-        .collect()
+    bits: usize,
+    group_size: usize,
 }
 
-/// The exact float product of the dequantized weight, for scale.
-fn float_reference(
-    x: &[f32],
-    codes: &[u32],
-    scales: &[f32],
-    biases: &[f32],
-    n: usize,
-    k: usize,
-    spec: QuantSpec,
-) -> Vec<f64> {
-    let bits = spec.bits as usize;
-    let gs = spec.group_size as usize;
-    let groups = k / gs;
-    let words = k * bits / 32;
-    (0..n)
-        .map(|row| {
-            (0..k)
-                .map(|e| {
-                    let w = codes[row * words + e * bits / 32];
-                    let q = (w >> ((e * bits) % 32)) & ((1 << bits) - 1);
-                    let g = row * groups + e / gs;
-                    (f64::from(scales[g]) * f64::from(q) + f64::from(biases[g])) * f64::from(x[e])
-                })
-                .sum()
-        })
-        .collect()
+impl Planes {
+    /// Code of element `e` of row `row`.
+    fn code(&self, row: usize, e: usize) -> u32 {
+        let w = self.codes[row * self.k * self.bits / 32 + e * self.bits / 32];
+        (w >> ((e * self.bits) % 32)) & ((1 << self.bits) - 1)
+    }
+
+    /// Index of the scale and bias of element `e` of row `row`.
+    fn group(&self, row: usize, e: usize) -> usize {
+        row * (self.k / self.group_size) + e / self.group_size
+    }
+
+    /// sum_b (s_g d_b) sum_{k in b} q_k xq_k + sum_g b_g sum_{b in g} d_b sum_{k in b} xq_k,
+    /// in f64: the int8 path's arithmetic.
+    fn int8_product(&self, x: &[f32], row: usize) -> f64 {
+        let mut y = 0f64;
+        for b in 0..self.k / 32 {
+            // The kernel's rounding: x * (127 / amax) in f32, ties to even.
+            let block = &x[b * 32..b * 32 + 32];
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let inv = if amax > 0.0 { 127.0f32 / amax } else { 0.0 };
+            let d = f64::from(amax / 127.0f32);
+            let (mut dot, mut sum) = (0i64, 0i64);
+            for (i, v) in block.iter().enumerate() {
+                let q = i64::from((v * inv).round_ties_even() as i32);
+                dot += i64::from(self.code(row, b * 32 + i)) * q;
+                sum += q;
+            }
+            let g = self.group(row, b * 32);
+            y += d
+                * (f64::from(self.scales[g]) * dot as f64 + f64::from(self.biases[g]) * sum as f64);
+        }
+        y
+    }
+
+    /// The exact float product of the dequantized row.
+    fn float_product(&self, x: &[f32], row: usize) -> f64 {
+        (0..self.k)
+            .map(|e| {
+                let g = self.group(row, e);
+                let w = f64::from(self.scales[g]) * f64::from(self.code(row, e))
+                    + f64::from(self.biases[g]);
+                w * f64::from(x[e])
+            })
+            .sum()
+    }
 }
 
 #[test]
@@ -177,19 +158,17 @@ fn int8_products_compute_the_int8_arithmetic() {
                 .unwrap()
                 .to_vec::<f32>()
                 .unwrap();
-        let codes = q.weight.to_vec::<u32>().unwrap();
-        let s = scales
-            .astype(Dtype::Float32)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap();
-        let b = biases
-            .astype(Dtype::Float32)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap();
-        let want = int8_reference(&x, &codes, &s, &b, n, k, spec);
-        let exact = float_reference(&x, &codes, &s, &b, n, k, spec);
+        let f32s = |a: &Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+        let planes = Planes {
+            codes: q.weight.to_vec::<u32>().unwrap(),
+            scales: f32s(&scales),
+            biases: f32s(&biases),
+            k,
+            bits: bits as usize,
+            group_size: gs as usize,
+        };
+        let want: Vec<f64> = (0..n).map(|r| planes.int8_product(&x, r)).collect();
+        let exact: Vec<f64> = (0..n).map(|r| planes.float_product(&x, r)).collect();
         let magnitude = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
         let what = format!("{bits}-bit g{gs} K={k} {sdtype:?} scales");
         let (mut off_int8, mut off_float) = (0f64, 0f64);
