@@ -13,8 +13,12 @@
 //! load average before and after (the machine may be shared; ratios of the same run hold up
 //! better than absolute numbers).
 //!
+//! Models: SmolLM2-135M-Instruct (128/32 and 512/128) and a Llama-3.2-1B-shaped model with random
+//! weights (128/32; see [`llama_1b_gguf`]).
+//!
 //! The Python is `MLXCEL_BENCH_LLAMA_CPP_PYTHON`, else the bench venv (`target/bench/venv`),
-//! where `llama-cpp-python==0.3.36` is installed on first use (a native build: minutes).
+//! where `llama-cpp-python==0.3.36` (a native build: minutes) and `gguf` are installed on first
+//! use.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -25,6 +29,9 @@ use super::stats::{self, fmt, fmt_ratio, ratio, summarize, Sample};
 use super::{prompt_ids, Paths};
 
 const LLAMA_CPP_PIN: &str = "llama-cpp-python==0.3.36";
+
+/// Writes the 1B-class GGUF (`make_gguf_1b.py`); pure Python.
+const GGUF_PIN: &str = "gguf==0.19.0";
 
 const LLAMA_CPP_X86_CMAKE_ARGS: &str = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
      -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
@@ -60,12 +67,61 @@ impl Engine {
     }
 }
 
-/// One model both engines read: the GGUF and mlxcel's import of it.
+/// One model both engines read: the GGUF and mlxcel's import of it, and the (prompt, new)
+/// lengths to run.
 pub struct Weights {
     pub name: &'static str,
     pub gguf: PathBuf,
     pub mlx: PathBuf,
     pub vocab: u64,
+    pub lengths: Vec<(usize, usize)>,
+}
+
+/// The 1B-class case: a Llama-3.2-1B-shaped GGUF with random Q4_1 layers and a Q8_0 embedding
+/// (`xtask/bench/make_gguf_1b.py`, written with the `gguf` package, SmolLM2's tokenizer), and
+/// mlxcel's lossless import of it (`mlxcel convert --gguf`), both made once under
+/// target/bench/models. `vocab` is left 0 for the caller to read from the import.
+pub fn llama_1b_gguf(p: &Paths, py: &Path, bin: &Path, tokenizer_gguf: &Path) -> Result<Weights> {
+    let gguf = p.models.join("llama-1b-shape-q4_1.gguf");
+    let mlx = p.models.join("llama-1b-shape-q4_1-mlx");
+    std::fs::create_dir_all(&p.models)?;
+    if !gguf.is_file() {
+        eprintln!("bench: writing {}", gguf.display());
+        let script = p.root.join("xtask").join("bench").join("make_gguf_1b.py");
+        let partial = gguf.with_extension("gguf.partial");
+        let ok = Command::new(py)
+            .arg(&script)
+            .arg(tokenizer_gguf)
+            .arg(&partial)
+            .status()
+            .context("running make_gguf_1b.py")?
+            .success();
+        if !ok {
+            bail!("make_gguf_1b.py failed");
+        }
+        std::fs::rename(&partial, &gguf)?;
+    }
+    if !mlx.join("config.json").is_file() {
+        let _ = std::fs::remove_dir_all(&mlx);
+        let ok = Command::new(bin)
+            .args(["convert", "--gguf"])
+            .arg(&gguf)
+            .arg("--out")
+            .arg(&mlx)
+            .status()
+            .context("running mlxcel convert")?
+            .success();
+        if !ok {
+            bail!("mlxcel convert --gguf {} failed", gguf.display());
+        }
+    }
+    Ok(Weights {
+        name: "Llama-1B-shape Q4_1",
+        gguf,
+        mlx,
+        vocab: 0,
+        lengths: Vec::new(),
+    })
 }
 
 /// The Python that imports `llama_cpp` (installing the pinned package into `venv_python`'s venv
@@ -77,7 +133,7 @@ pub fn python(venv_python: impl FnOnce() -> Result<PathBuf>) -> Result<PathBuf> 
     let py = venv_python()?;
     let has = |py: &Path| {
         Command::new(py)
-            .args(["-c", "import llama_cpp, numpy"])
+            .args(["-c", "import llama_cpp, numpy, gguf"])
             .output()
             .map(|o| o.status.success())
             .unwrap_or(false)
@@ -95,7 +151,7 @@ pub fn python(venv_python: impl FnOnce() -> Result<PathBuf>) -> Result<PathBuf> 
         }
         let ok = pip
             .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
-            .args([LLAMA_CPP_PIN, "numpy"])
+            .args([LLAMA_CPP_PIN, "numpy", GGUF_PIN])
             .status()
             .context("running pip install")?
             .success();
@@ -127,7 +183,6 @@ pub fn run(
     bin: &Path,
     py: &Path,
     models: &[Weights],
-    lengths: &[(usize, usize)],
     runs: usize,
     threads: usize,
 ) -> Result<String> {
@@ -140,7 +195,7 @@ pub fn run(
     let started = std::time::Instant::now();
     let mut rows = Vec::new();
     for w in models {
-        for &(prompt, new) in lengths {
+        for &(prompt, new) in &w.lengths {
             let ids = prompt_ids(prompt, w.vocab, 7);
             let ids = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
             let mut samples: Vec<(Engine, Vec<Sample>)> =

@@ -619,23 +619,24 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                 gguf.display()
             );
         }
-        let models = vec![llama_cpp::Weights {
-            name: "SmolLM2-135M Q4_1",
-            gguf,
-            vocab: vocab_of(&smol)?,
-            mlx: smol,
-        }];
-        let bin = mlxcel_binary(&p)?;
         let py = llama_cpp::python(|| python(&p))?;
-        let table = llama_cpp::run(
-            &p,
-            &bin,
-            &py,
-            &models,
-            &[(128, 32), (512, 128)],
-            args.runs.unwrap_or(3),
-            args.threads,
-        )?;
+        let bin = mlxcel_binary(&p)?;
+        let one_b = llama_cpp::llama_1b_gguf(&p, &py, &bin, &gguf)?;
+        let models = vec![
+            llama_cpp::Weights {
+                name: "SmolLM2-135M Q4_1",
+                gguf,
+                vocab: vocab_of(&smol)?,
+                mlx: smol,
+                lengths: vec![(128, 32), (512, 128)],
+            },
+            llama_cpp::Weights {
+                vocab: vocab_of(&one_b.mlx)?,
+                lengths: vec![(128, 32)],
+                ..one_b
+            },
+        ];
+        let table = llama_cpp::run(&p, &bin, &py, &models, args.runs.unwrap_or(3), args.threads)?;
         let out = p.bench.join("llama_cpp.md");
         std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
         println!("{table}");
