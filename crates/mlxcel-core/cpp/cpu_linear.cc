@@ -410,17 +410,19 @@ void group_sums(const LinearArgs& a, std::vector<float>& sums) {
 }
 
 // The int8 activation of a one-row 4- or 8-bit product when the policy asks for it and the CPU
-// has VNNI; other products keep float activations.
-void prepare_q8(LinearArgs& a, PartScratch& s) {
+// has VNNI, with its group sums; whether it applies (other products keep float activations).
+bool prepare_q8(LinearArgs& a, PartScratch& s) {
   const Kernels& k = kernels();
-  if (!int8_activations.load(std::memory_order_relaxed) || !k.q8_rows || a.M != 1) return;
-  if (!(a.bits == 4 && a.K % 64 == 0) && a.bits != 8) return;
+  if (!int8_activations.load(std::memory_order_relaxed) || !k.q8_rows || a.M != 1) return false;
+  if (!(a.bits == 4 && a.K % 64 == 0) && a.bits != 8) return false;
   s.xq.resize(size_t(a.K));
   s.xq_lane_scale.resize(size_t(a.K) / (a.bits == 4 ? 8 : 4));
   std::vector<float> block_sums(size_t(a.K) / 32);
   k.q8_quantize(a.x, a.K, a.bits, s.xq.data(), s.xq_lane_scale.data(), block_sums.data());
-  // The bias term's group sums from the rounded x (cpu_gemv_avx512.inc says why).
+  // The bias term's group sums from the rounded x (cpu_gemv_avx512.inc says why), in place of
+  // `group_sums`' exact ones.
   const int blocks_per_group = a.group_size / 32;
+  s.sums.resize(size_t(a.K / a.group_size));
   for (size_t g = 0; g < s.sums.size(); ++g) {
     float sum = 0.0f;
     for (int b = 0; b < blocks_per_group; ++b) sum += block_sums[g * blocks_per_group + b];
@@ -428,12 +430,14 @@ void prepare_q8(LinearArgs& a, PartScratch& s) {
   }
   a.xq = s.xq.data();
   a.xq_lane_scale = s.xq_lane_scale.data();
+  a.xsum = s.sums.data();
+  return true;
 }
 
-// The AVX-512 float kernel for a one-row 4- or 8-bit product the int8 path did not take.
+// The AVX-512 float kernel for a one-row 4- or 8-bit product (one the int8 path did not take).
 void prepare_f32_gemv(LinearArgs& a, PartScratch& s) {
   const Kernels& k = kernels();
-  if (a.xq || !k.f32_gemv || a.M != 1 || (a.bits != 4 && a.bits != 8)) return;
+  if (!k.f32_gemv || a.M != 1 || (a.bits != 4 && a.bits != 8)) return;
   if (a.bits == 4) {
     s.x_layout.resize(size_t(a.K));
     k.f32_gemv_layout(a.x, a.K, s.x_layout.data());
@@ -445,10 +449,9 @@ void prepare_f32_gemv(LinearArgs& a, PartScratch& s) {
 // Everything a quantized product's kernel reads besides x and the weight: group sums, and the
 // int8 activation or the float kernel's layout of x where they apply.
 void prepare_quantized(LinearArgs& a, PartScratch& s) {
-  if (a.bits == 0) return;
+  if (a.bits == 0 || prepare_q8(a, s)) return;
   group_sums(a, s.sums);
   a.xsum = s.sums.data();
-  prepare_q8(a, s);
   prepare_f32_gemv(a, s);
 }
 

@@ -440,8 +440,7 @@ impl LayerStream {
             Ok(b) => b,
             Err(e) => {
                 // Those slots lost their old experts and never got the new ones.
-                let lost: Vec<usize> = loads.iter().map(|(_, s)| *s).collect();
-                self.slots.forget(&lost);
+                self.forget_loads(&loads);
                 return Err(e);
             }
         };
@@ -475,8 +474,7 @@ impl LayerStream {
         for (k, ((_, slot), blob)) in loads.iter().zip(&blobs).enumerate() {
             if let Err(e) = self.write_slot(*slot, blob.bytes()) {
                 // This slot and the ones not yet written hold other bytes than the map says.
-                let lost: Vec<usize> = loads[k..].iter().map(|(_, s)| *s).collect();
-                self.slots.forget(&lost);
+                self.forget_loads(&loads[k..]);
                 return Err(e);
             }
         }
@@ -508,7 +506,12 @@ impl LayerStream {
     /// Drops a [`Fetched`] that will not be installed (the computation it waited for failed):
     /// its slots are emptied, so the slot map never claims an expert the arena does not hold.
     pub fn abandon(&mut self, fetched: Fetched) {
-        let lost: Vec<usize> = fetched.loads.iter().map(|(_, s)| *s).collect();
+        self.forget_loads(&fetched.loads);
+    }
+
+    /// Empties the slots of `(expert, slot)` loads that did not reach the arena.
+    fn forget_loads(&mut self, loads: &[(usize, usize)]) {
+        let lost: Vec<usize> = loads.iter().map(|(_, s)| *s).collect();
         self.slots.forget(&lost);
     }
 

@@ -171,8 +171,8 @@ pub fn no_readahead(file: &File) {
 
 /// Drops `len` bytes at `offset` of `file` (0: to the end), widened to whole pages, from the
 /// page cache (`POSIX_FADV_DONTNEED`): after a read whose bytes were copied elsewhere, so a
-/// streamed model does not fill memory with cached expert files. Advice only: a failure is ignored (the read itself succeeded), and it
-/// does nothing where `posix_fadvise` does not exist.
+/// streamed model does not fill memory with cached expert files. Advice only: a failure is
+/// ignored (the read itself succeeded), and it does nothing where `posix_fadvise` does not exist.
 pub fn drop_cached(file: &File, offset: u64, len: usize) {
     #[cfg(target_os = "linux")]
     {
