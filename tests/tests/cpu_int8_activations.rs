@@ -192,6 +192,59 @@ fn int8_products_compute_the_int8_arithmetic() {
     }
 }
 
+/// The default float32-activation one-row product (`f32_rows` on AVX-512 CPUs, the row kernel
+/// elsewhere) against the dequantized product in f64, on every layout the 4-bit permute kernel
+/// reads: whole 128-element chunks, part chunks of 32, 64 and 96 elements, and groups of 32, 64
+/// and 128 spanning four, two or one of a chunk's lane sets.
+#[test]
+fn float_products_are_exact_on_every_layout() {
+    let _one = ONE_POLICY.lock().unwrap_or_else(|e| e.into_inner());
+    mlxcel_core::policy::install(&policy(false)).unwrap();
+    let n = 24;
+    let cases = [
+        (4, 32, 576, Dtype::Bfloat16),
+        (4, 64, 1536, Dtype::Float16),
+        (4, 128, 640, Dtype::Float32),
+        (4, 32, 96, Dtype::Float16),
+        (4, 32, 32, Dtype::Bfloat16),
+        (4, 64, 2112, Dtype::Bfloat16),
+        (8, 32, 576, Dtype::Float16),
+        (8, 64, 1536, Dtype::Bfloat16),
+        (8, 32, 96, Dtype::Float32),
+    ];
+    for (case, &(bits, gs, k, sdtype)) in cases.iter().enumerate() {
+        let spec = QuantSpec::affine(gs, bits);
+        let x = values(k, 7 + case as u64);
+        let w = values(n * k, 300 + case as u64);
+        let w = Array::from_slice(&w, &[n as i32, k as i32]).unwrap();
+        let q = w.quantize(spec).unwrap();
+        let scales = q.scales.astype(sdtype).unwrap();
+        let biases = q.biases.clone().unwrap().astype(sdtype).unwrap();
+        let xa = Array::from_slice(&x, &[1, k as i32]).unwrap();
+        let got =
+            mlxcel_core::ops::quantized_matmul(&xa, &q.weight, &scales, Some(&biases), true, spec)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+        let f32s = |a: &Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+        let planes = Planes {
+            codes: q.weight.to_vec::<u32>().unwrap(),
+            scales: f32s(&scales),
+            biases: f32s(&biases),
+            k,
+            bits: bits as usize,
+            group_size: gs as usize,
+        };
+        let exact: Vec<f64> = (0..n).map(|r| planes.float_product(&x, r)).collect();
+        let magnitude = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let off = (0..n).fold(0f64, |m, i| m.max((f64::from(got[i]) - exact[i]).abs()));
+        let what = format!("{bits}-bit g{gs} K={k} {sdtype:?} scales");
+        eprintln!("{what}: max |kernel - float| {off:.2e}, outputs up to {magnitude:.2}");
+        // Float32 sums of exact products (the int8 path is ~1e-3 of the outputs away).
+        assert!(off <= 4e-6 * magnitude, "{what}: the float product is off by {off:.2e}");
+    }
+}
+
 fn row(a: &Array) -> Vec<f32> {
     a.reshape(&[-1]).unwrap().to_vec::<f32>().unwrap()
 }

@@ -439,7 +439,8 @@ void prepare_f32_gemv(LinearArgs& a, PartScratch& s) {
   const Kernels& k = kernels();
   if (!k.f32_gemv || a.M != 1 || (a.bits != 4 && a.bits != 8)) return;
   if (a.bits == 4) {
-    s.x_layout.resize(size_t(a.K));
+    // Whole chunks of 128 (a last part chunk is padded with zeros).
+    s.x_layout.resize((size_t(a.K) + 127) / 128 * 128);
     k.f32_gemv_layout(a.x, a.K, s.x_layout.data());
     a.x_layout = s.x_layout.data();
   }
