@@ -4,7 +4,8 @@
 //!     cuda_kernels            correctness on assorted shapes, then timings on Llama-8B shapes
 //!     cuda_kernels --source   print the generated module source (to compile-check with NVRTC)
 //!     cuda_kernels --scan     the selective scan's check only
-//!     cuda_kernels --mma      the tensor-core batch GEMV's check and timings only
+//!     cuda_kernels --mma      the tensor-core batch GEMV's check and timings only (the full
+//!                             run includes them when MLXCEL_CUDA_QMV_MMA=1)
 //!
 //! Reference: MLX's `dequantize` and `quantized_matmul` on the same planes. The dequantized
 //! values must be bit-equal (both compute `scale * q + bias` in float32 and round once); the GEMV
@@ -296,7 +297,10 @@ fn speed_mma() -> R<()> {
 
 fn check() -> R<Vec<String>> {
     let mut failures = check_scan()?;
-    failures.extend(check_mma()?);
+    // The tensor-core batch GEMV when it is switched on (else `--mma` checks it alone).
+    if policy::current().cuda_qmv_mma {
+        failures.extend(check_mma()?);
+    }
     let dtypes = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
     for (n, k) in [(64, 256), (1001, 384), (4096, 4096), (1024, 4096)] {
         for bits in [4, 8] {
@@ -632,7 +636,9 @@ fn main() -> R<()> {
             started.elapsed().as_secs_f64()
         );
         speed()?;
-        speed_mma()?;
+        if policy::current().cuda_qmv_mma {
+            speed_mma()?;
+        }
         Ok(failures)
     });
     match result {
