@@ -10,6 +10,9 @@
 #   gpu_probe.sh qwen3-30b-a3b   the same on the 30B-A3B MoE shape (4-bit)
 #   gpu_probe.sh fold        the kernel checks, then the 8B 4-bit shape with the GEMV's folded
 #                            ops on and off (greedy ids of both), then speed against mlx-lm
+#   gpu_probe.sh mma         the tensor-core batch GEMV (MLXCEL_CUDA_QMV_MMA): its check against
+#                            MLX's quantized matmul, then timings against the one-row kernel
+#                            per row and MLX (cuda_kernels --mma)
 #   gpu_probe.sh ssm         the CPU bench's Mamba-2- and Jamba-shaped 4-bit models, built from
 #                            plans/{mamba2,jamba}-4bit.json (`cargo xtask synth-plan mamba2
 #                            --bits 4 > .device/run/plans/mamba2-4bit.json`, likewise jamba)
@@ -118,6 +121,9 @@ fold)
       --ignore-eos --print-ids --quiet 2>&1 | tail -1
   done
   CENSUS=1 passes "default MLXCEL_NOTHING=1" "no-fold MLXCEL_CUDA_QMV_FOLD=0"
+  ;;
+mma)
+  timeout 500 "$here/cuda_kernels" --mma | grep -v "max|ours - MLX| [0-9.e+-]* (output"
   ;;
 ssm)
   # The CUDA selective scan's check, then mlxcel with the scan kernel everywhere (default), at

@@ -4,6 +4,8 @@
 //!     cuda_kernels            correctness on assorted shapes, then timings on Llama-8B shapes
 //!     cuda_kernels --source   print the generated module source (to compile-check with NVRTC)
 //!     cuda_kernels --scan     the selective scan's check only
+//!     cuda_kernels --mma      the tensor-core batch GEMV's check and timings only (the full
+//!                             run includes them when MLXCEL_CUDA_QMV_MMA=1)
 //!
 //! Reference: MLX's `dequantize` and `quantized_matmul` on the same planes. The dequantized
 //! values must be bit-equal (both compute `scale * q + bias` in float32 and round once); the GEMV
@@ -145,8 +147,160 @@ fn check_scan() -> R<Vec<String>> {
     Ok(failures)
 }
 
+/// Runs `f` with `MLXCEL_CUDA_QMV_MMA` set to `on` (the installed policy otherwise kept).
+fn with_mma<T>(on: bool, f: impl FnOnce() -> R<T>) -> R<T> {
+    let before = policy::current();
+    policy::install(&RuntimePolicy {
+        cuda_qmv_mma: on,
+        ..before.clone()
+    })?;
+    let result = f();
+    policy::install(&before)?;
+    result
+}
+
+/// A 4-bit affine matrix `[n, k]` quantized from random values: weight, scales, biases.
+fn quantized(n: i32, k: i32, group_size: i32, dtype: Dtype, seed: u64) -> R<[Array; 3]> {
+    let spec = QuantSpec {
+        mode: QuantMode::Affine,
+        group_size,
+        bits: 4,
+    };
+    let q = random(&[n, k], dtype, seed)?.quantize(spec)?;
+    let biases = q.biases.expect("affine has biases");
+    ops::eval_all(&[q.weight.clone(), q.scales.clone(), biases.clone()])?;
+    Ok([q.weight, q.scales, biases])
+}
+
+/// The tensor-core GEMV over decode batches (`gemv_mma`, both block shapes, and `qmv` with
+/// `MLXCEL_CUDA_QMV_MMA=1`, with and without a residual) against MLX's `quantized_matmul`.
+fn check_mma() -> R<Vec<String>> {
+    let mut failures = Vec::new();
+    for (n, k) in [(48, 64), (4096, 4096), (14336, 4096), (4096, 14336)] {
+        for group_size in [32, 64, 128] {
+            if k % group_size != 0 {
+                continue;
+            }
+            for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+                let spec = QuantSpec {
+                    mode: QuantMode::Affine,
+                    group_size,
+                    bits: 4,
+                };
+                let [wq, scales, biases] =
+                    quantized(n, k, group_size, dtype, (n + k + group_size) as u64)?;
+                for rows in [2, 3, 8, 9, 16] {
+                    let x = random(&[rows, k], dtype, 100 + rows as u64)?;
+                    let mlx = ops::quantized_matmul(&x, &wq, &scales, Some(&biases), true, spec)?;
+                    let what = format!("{rows}x{k} @ {n}x{k} 4-bit g{group_size} {}", dtype.name());
+                    for shape in cuda_kernels::QMV_MMA_SHAPES {
+                        let ours =
+                            cuda_kernels::gemv_mma(&x, &wq, &scales, &biases, None, Some(shape))?;
+                        let label = format!("qmv_mma {}x{} {what}", shape.0, shape.1);
+                        if !close(&label, &ours, &mlx, dtype, 4.0)? {
+                            failures.push(label);
+                        }
+                    }
+                    // Through the dispatch, as layers call it, with a residual now and then.
+                    let res = random(&[rows, n], dtype, 7)?.mul_scalar(10.0)?;
+                    let folded = rows % 2 == 1;
+                    let ours = with_mma(true, || {
+                        let residual = folded.then_some(&res);
+                        let input = cuda_kernels::GemvInput::Plain;
+                        Ok(cuda_kernels::gemv(
+                            &x, &wq, &scales, &biases, spec, input, residual,
+                        )?)
+                    })?;
+                    let (reference, bound) = if folded {
+                        (res.add(&mlx)?, 8.0)
+                    } else {
+                        (mlx, 4.0)
+                    };
+                    let label = format!(
+                        "qmv_mma dispatch{} {what}",
+                        if folded { "+residual" } else { "" }
+                    );
+                    if !close(&label, &ours, &reference, dtype, bound)? {
+                        failures.push(label);
+                    }
+                }
+            }
+        }
+    }
+    Ok(failures)
+}
+
+/// Decode-batch GEMVs of 8 rows: the tensor-core kernel (both block shapes) against the
+/// one-row kernel launched per row (today's default for batches) and MLX's quantized matmul,
+/// in microseconds and GB/s of weights (packed words, scales and biases) moved.
+fn speed_mma() -> R<()> {
+    let bf16 = Dtype::Bfloat16;
+    let spec = QuantSpec {
+        mode: QuantMode::Affine,
+        group_size: 64,
+        bits: 4,
+    };
+    for (n, k) in [(14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096)] {
+        let [wq, scales, biases] = quantized(n, k, 64, bf16, 21)?;
+        let bytes = (wq.nbytes() + scales.nbytes() + biases.nbytes()) as f64;
+        let gbs = |t: f64| bytes / t / 1e9;
+        for rows in [2, 4, 8, 16] {
+            let x = random(&[rows, k], bf16, 22)?;
+            ops::eval_all(std::slice::from_ref(&x))?;
+            let mut line = format!("{n}x{k} 4-bit g64 bf16, {rows} rows:");
+            for shape in cuda_kernels::QMV_MMA_SHAPES {
+                let t = time(200, &|| {
+                    Ok(cuda_kernels::gemv_mma(
+                        &x,
+                        &wq,
+                        &scales,
+                        &biases,
+                        None,
+                        Some(shape),
+                    )?)
+                })?;
+                line += &format!(
+                    " mma {}x{} {:.1} us ({:.0} GB/s);",
+                    shape.0,
+                    shape.1,
+                    t * 1e6,
+                    gbs(t)
+                );
+            }
+            let per_row = with_mma(false, || {
+                time(200, &|| {
+                    Ok(cuda_kernels::qmv(&x, &wq, &scales, &biases, spec)?)
+                })
+            })?;
+            let mlx = time(200, &|| {
+                Ok(ops::quantized_matmul(
+                    &x,
+                    &wq,
+                    &scales,
+                    Some(&biases),
+                    true,
+                    spec,
+                )?)
+            })?;
+            line += &format!(
+                " one-row kernel per row {:.1} us ({:.0} GB/s); MLX {:.1} us ({:.0} GB/s)",
+                per_row * 1e6,
+                gbs(per_row),
+                mlx * 1e6,
+                gbs(mlx)
+            );
+            println!("{line}");
+        }
+    }
+    Ok(())
+}
+
 fn check() -> R<Vec<String>> {
     let mut failures = check_scan()?;
+    // The tensor-core batch GEMV when it is switched on (else `--mma` checks it alone).
+    if policy::current().cuda_qmv_mma {
+        failures.extend(check_mma()?);
+    }
     let dtypes = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
     for (n, k) in [(64, 256), (1001, 384), (4096, 4096), (1024, 4096)] {
         for bits in [4, 8] {
@@ -459,6 +613,19 @@ fn main() -> R<()> {
         );
         return Ok(());
     }
+    if std::env::args().any(|a| a == "--mma") {
+        // The tensor-core batch GEMV alone: its check, then its timings.
+        let result = check_mma().and_then(|failures| {
+            speed_mma()?;
+            Ok(failures)
+        });
+        match result {
+            Ok(f) if f.is_empty() => println!("CUDA_KERNELS ok"),
+            Ok(f) => println!("CUDA_KERNELS fail {}", f.join("; ")),
+            Err(e) => println!("CUDA_KERNELS fail {e}"),
+        }
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--speed") {
         // Timings only (after a checked run of the same build).
         return speed();
@@ -469,6 +636,9 @@ fn main() -> R<()> {
             started.elapsed().as_secs_f64()
         );
         speed()?;
+        if policy::current().cuda_qmv_mma {
+            speed_mma()?;
+        }
         Ok(failures)
     });
     match result {

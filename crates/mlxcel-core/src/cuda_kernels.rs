@@ -14,6 +14,13 @@
 //!   graph node, and a transformer block's RMSNorms, gate activation and residual adds are four
 //!   nodes of about twenty. `MLXCEL_CUDA_QMV_FOLD=0` keeps them separate.
 //!
+//! - **qmv_mma** (`qmv_mma.cu`): the decode GEMV over a batch of 2..=16 activation rows
+//!   (concurrent decode steps) of 4-bit weights with bf16/f16 activations, on tensor cores: each
+//!   weight is read once for all rows and the integer codes times the activations are
+//!   accumulated by `mma.sync` (exact products, float32 sums), scale and bias folded per group.
+//!   Off by default until measured; `MLXCEL_CUDA_QMV_MMA=1` turns it on ([`gemv`] then takes
+//!   it for plain-input GEMVs, with or without a residual).
+//!
 //! - **selective scan** (`scan.cu`): Mamba-1/Mamba-2's recurrence, one graph node per layer
 //!   instead of the MLX graphs of `mlxcel_arch::nn::ssm` ([`selective_scan`]).
 //!   `MLXCEL_CUDA_SCAN=0` keeps the graphs, `decode` uses it for one-position steps only.
@@ -39,6 +46,7 @@ use crate::{Array, Dtype, Error, Result};
 const PRELUDE: &str = include_str!("../kernels/cuda/prelude.cuh");
 const HEADER: &str = include_str!("../kernels/cuda/qmv_header.cuh");
 const QMV: &str = include_str!("../kernels/cuda/qmv.cu");
+const QMV_MMA: &str = include_str!("../kernels/cuda/qmv_mma.cu");
 const DEQUANT: &str = include_str!("../kernels/cuda/dequant.cu");
 const SCAN: &str = include_str!("../kernels/cuda/scan.cu");
 /// In every module: the launcher's copy of an input that is not row-contiguous.
@@ -68,6 +76,11 @@ const SCAN_THREADS: i32 = 128;
 /// The scan kernel's instantiations: states per lane (N up to 256).
 const SCAN_STATES_PER_LANE: [i32; 4] = [1, 2, 4, 8];
 const DTYPES: [Dtype; 3] = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
+/// The tensor-core GEMV's block shapes, (warps, 16-row tiles of output features) (`NW`, `RT`
+/// of qmv_mma.cu; the warps split K): those whose shared memory fits the 48 KB static limit.
+pub const QMV_MMA_SHAPES: [(i32, i32); 3] = [(4, 1), (8, 1), (4, 2)];
+/// Its activation dtypes (the mma's operand types).
+const QMV_MMA_DTYPES: [Dtype; 2] = [Dtype::Bfloat16, Dtype::Float16];
 
 /// Whether GEMVs may fold their neighbouring ops in (`MLXCEL_CUDA_QMV_FOLD=0`: never, for
 /// comparisons; the GEMV itself stays on).
@@ -125,6 +138,17 @@ enum KernelId {
         rows_per_block: i32,
         fold: GemvFold,
     },
+    /// The tensor-core GEMV (qmv_mma.cu), 4-bit weights.
+    QmvMma {
+        dtype: Dtype,
+        /// Warps per block (`NW`).
+        warps: i32,
+        /// 16-row tiles of output features per block (`RT`).
+        row_tiles: i32,
+        /// 8-row tiles of activation rows (`NT`: 1 up to 8 rows, 2 up to 16).
+        act_tiles: i32,
+        residual: bool,
+    },
     /// `J` of scan.cu: states per lane, `ceil(N / 32)` rounded up to a power of two.
     Scan {
         states_per_lane: i32,
@@ -151,6 +175,13 @@ impl KernelId {
                 rows_per_block,
                 fold,
             } => qmv_entry(bits, dtype, shape, rows_per_block, fold),
+            KernelId::QmvMma {
+                dtype,
+                warps,
+                row_tiles,
+                act_tiles,
+                residual,
+            } => qmv_mma_entry(dtype, (warps, row_tiles), act_tiles, residual),
             KernelId::Scan { states_per_lane } => scan_entry(states_per_lane),
         }
     }
@@ -219,6 +250,34 @@ fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), mb: i32, fold: Gemv
     }
 }
 
+fn qmv_mma_entry(dtype: Dtype, (nw, rt): (i32, i32), nt: i32, residual: bool) -> Entry {
+    let t = type_name(dtype);
+    let name = format!(
+        "mlxcel_qmv_mma_b4_{}_{nw}w_r{rt}_n{nt}{}",
+        dtype.name(),
+        if residual { "_residual" } else { "" }
+    );
+    let (res_arg, res) = if residual {
+        (format!("const {t}* res, "), "res")
+    } else {
+        (String::new(), "nullptr")
+    };
+    let wrapper = format!(
+        "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const uint32_t* w, \
+         const {t}* scales, const {t}* biases, const {t}* x, {res_arg}{t}* out, int n_rows, \
+         int words_per_row, int groups_per_row, int m_rows) {{ \
+         qmv_mma<{nw}, {rt}, {nt}, {r}, {t}>(w, scales, biases, x, {res}, out, n_rows, \
+         words_per_row, groups_per_row, m_rows); }}\n",
+        threads = nw * 32,
+        r = i32::from(residual),
+    );
+    Entry {
+        name,
+        kernel: QMV_MMA,
+        wrapper,
+    }
+}
+
 fn scan_entry(j: i32) -> Entry {
     let name = format!("mlxcel_selective_scan_j{j}");
     let wrapper = format!(
@@ -237,9 +296,18 @@ fn scan_entry(j: i32) -> Entry {
 /// Every kernel of this build in one source (public so it can be compile-checked with NVRTC off
 /// the GPU machine: `cargo run -p mlxcel-core --example cuda_kernels -- --source`).
 pub fn module_source() -> String {
-    let mut src = [PRELUDE, HEADER, QMV, DEQUANT, SCAN, GATHER].join("\n");
+    let mut src = [PRELUDE, HEADER, QMV, QMV_MMA, DEQUANT, SCAN, GATHER].join("\n");
     for j in SCAN_STATES_PER_LANE {
         src += &scan_entry(j).wrapper;
+    }
+    for dtype in QMV_MMA_DTYPES {
+        for shape in QMV_MMA_SHAPES {
+            for nt in [1, 2] {
+                for residual in [false, true] {
+                    src += &qmv_mma_entry(dtype, shape, nt, residual).wrapper;
+                }
+            }
+        }
     }
     for bits in BITS {
         for dtype in DTYPES {
@@ -552,8 +620,84 @@ pub fn gemv(
     residual: Option<&Array>,
 ) -> Result<Array> {
     let rows = (x.size() / x.dim(-1)?.max(1) as usize) as i32;
+    if mma_enabled() && qmv_mma_takes(rows, spec, x.dtype()?, input) {
+        return gemv_mma(x, weight, scales, biases, residual, None);
+    }
     let (shape, _) = gemv_plan(rows, input.pre());
     gemv_shaped(x, weight, scales, biases, spec, input, residual, shape)
+}
+
+fn mma_enabled() -> bool {
+    crate::policy::with(|p| p.cuda_qmv_mma)
+}
+
+/// Whether the tensor-core GEMV (qmv_mma.cu) computes a GEMV [`gemv_applies`] took, when
+/// `MLXCEL_CUDA_QMV_MMA` is on: 2..=16 activation rows, 4-bit weights, bf16/f16 activations,
+/// a plain input (a residual may be folded).
+fn qmv_mma_takes(rows: i32, spec: QuantSpec, dtype: Dtype, input: GemvInput<'_>) -> bool {
+    (2..=QMV_MAX_ROWS as i32).contains(&rows)
+        && spec.bits == 4
+        && QMV_MMA_DTYPES.contains(&dtype)
+        && matches!(input, GemvInput::Plain)
+}
+
+/// `x @ dequantize(w)^T (+ residual)` on the tensor-core GEMV (qmv_mma.cu) whatever the policy
+/// says (for checks and measurements; [`gemv`] picks it under `MLXCEL_CUDA_QMV_MMA=1`): `x`
+/// holds 1..=16 rows of `K` bf16/f16 activations, the matrix is affine 4-bit with scales and
+/// biases in `x`'s dtype (see [`gemv_applies`]). `shape` is one of [`QMV_MMA_SHAPES`], (warps,
+/// 16-row tiles of output features) per block; `None` picks by `K`.
+pub fn gemv_mma(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: &Array,
+    residual: Option<&Array>,
+    shape: Option<(i32, i32)>,
+) -> Result<Array> {
+    let dtype = x.dtype()?;
+    let rows = (x.size() / x.dim(-1)?.max(1) as usize) as i32;
+    if !QMV_MMA_DTYPES.contains(&dtype) || !(1..=QMV_MAX_ROWS as i32).contains(&rows) {
+        return Err(Error::Invalid(format!(
+            "qmv_mma: {rows} rows of {} activations (1..=16 of bfloat16/float16)",
+            dtype.name()
+        )));
+    }
+    let [n, words, groups] = matrix_scalars(weight, scales)?;
+    if x.dim(-1)? != words * 8 || words % 4 != 0 {
+        return Err(Error::Invalid(format!(
+            "qmv_mma: {} activations per row for a 4-bit matrix of {words} words per row",
+            x.dim(-1)?
+        )));
+    }
+    // Long rows take more warps per block (more weight bytes in flight per block, as a matrix
+    // of few output features has few blocks); unmeasured, to be tuned on the GPU.
+    let (nw, rt) = shape.unwrap_or(if words * 8 >= 8192 { (8, 1) } else { (4, 1) });
+    if !QMV_MMA_SHAPES.contains(&(nw, rt)) {
+        return Err(Error::Invalid(format!(
+            "qmv_mma: block shape {nw}x{rt} (one of {QMV_MMA_SHAPES:?})"
+        )));
+    }
+    let mut out_shape = x.shape();
+    *out_shape.last_mut().expect("x has a last dimension") = n;
+    let mut inputs = vec![weight.clone(), scales.clone(), biases.clone(), x.clone()];
+    inputs.extend(residual.cloned());
+    let blocks = (n + 16 * rt - 1) / (16 * rt);
+    let threads = nw * 32;
+    call(
+        KernelId::QmvMma {
+            dtype,
+            warps: nw,
+            row_tiles: rt,
+            act_tiles: if rows > 8 { 2 } else { 1 },
+            residual: residual.is_some(),
+        },
+        &inputs,
+        out_shape,
+        dtype,
+        &[n, words, groups, rows],
+        [blocks * threads, 1, 1],
+        [threads, 1, 1],
+    )
 }
 
 /// The launch shape and activation rows per block of a GEMV over `rows` activation rows with
@@ -739,6 +883,8 @@ mod tests {
             "mlxcel_qmv_b4_bfloat16_4x2_m8",
             "mlxcel_qmv_b4_bfloat16_4x2_m2_silugate_residual",
             "mlxcel_qmv_b8_float32_16x16_m1_silugate_residual",
+            "mlxcel_qmv_mma_b4_bfloat16_4w_r2_n2_residual",
+            "mlxcel_qmv_mma_b4_float16_8w_r1_n1",
             "mlxcel_gather_2",
         ] {
             assert!(source.contains(name), "{name} missing from the module");

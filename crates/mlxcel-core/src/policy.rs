@@ -212,6 +212,11 @@ pub struct RuntimePolicy {
     /// `MLXCEL_CUDA_QMV_ROWS`: at most this many activation rows of a decode batch share one
     /// GEMV block's weight reads (1, 2, 4 or 8). Default 1: every row has its own blocks.
     pub cuda_qmv_rows: i32,
+    /// `MLXCEL_CUDA_QMV_MMA`: GEMVs over 2 to 16 activation rows (decode batches) of 4-bit
+    /// weights with bf16/f16 activations run on the tensor-core kernel (`qmv_mma.cu`: each
+    /// weight read once for all rows, the products on mma.sync) instead of one-row blocks per
+    /// row. Default off until measured on a GPU; `1` turns it on.
+    pub cuda_qmv_mma: bool,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -272,6 +277,7 @@ impl RuntimePolicy {
         cuda_qmv_fold: true,
         cuda_qmv_fold_shape: None,
         cuda_qmv_rows: 1,
+        cuda_qmv_mma: false,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -282,7 +288,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 27] = [
+    pub const VARIABLES: [&'static str; 28] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -303,6 +309,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV_FOLD",
         "MLXCEL_CUDA_QMV_FOLD_SHAPE",
         "MLXCEL_CUDA_QMV_ROWS",
+        "MLXCEL_CUDA_QMV_MMA",
         "MLXCEL_BATCH_PIPELINE",
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
@@ -432,6 +439,9 @@ impl RuntimePolicy {
                 "8" => 8,
                 _ => return Err(v.error("1, 2, 4 or 8")),
             };
+        }
+        if let Some(v) = get("MLXCEL_CUDA_QMV_MMA") {
+            p.cuda_qmv_mma = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_BATCH_PIPELINE") {
             p.batch_pipeline = v.switch()?;
@@ -687,12 +697,13 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 7] = [
+        let cases: [(&str, Get); 8] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
             ("MLXCEL_ZERO_COPY", |p| Some(p.zero_copy)),
             ("MLXCEL_CUDA_QMV_FOLD", |p| Some(p.cuda_qmv_fold)),
+            ("MLXCEL_CUDA_QMV_MMA", |p| Some(p.cuda_qmv_mma)),
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
             ("MLXCEL_FUSE_PROJECTIONS", |p| p.fuse_projections),
         ];
