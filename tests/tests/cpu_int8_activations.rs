@@ -241,7 +241,10 @@ fn float_products_are_exact_on_every_layout() {
         let what = format!("{bits}-bit g{gs} K={k} {sdtype:?} scales");
         eprintln!("{what}: max |kernel - float| {off:.2e}, outputs up to {magnitude:.2}");
         // Float32 sums of exact products (the int8 path is ~1e-3 of the outputs away).
-        assert!(off <= 4e-6 * magnitude, "{what}: the float product is off by {off:.2e}");
+        assert!(
+            off <= 4e-6 * magnitude,
+            "{what}: the float product is off by {off:.2e}"
+        );
     }
 }
 
