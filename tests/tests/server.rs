@@ -1793,3 +1793,324 @@ fn rerank_endpoint_matches_sentence_transformers() {
     assert_eq!(r.status, 404, "{}", r.body);
     assert!(r.body.contains("no reranker is loaded"), "{}", r.body);
 }
+
+/// Standard base64 with padding (the test's own, so it checks the server's decoder).
+fn b64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            out.push(if i <= chunk.len() {
+                char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize])
+            } else {
+                '='
+            });
+        }
+    }
+    out
+}
+
+fn vision_image(name: &str) -> (Vec<u8>, String) {
+    let bytes = std::fs::read(
+        mlxcel_tests::fixtures_dir()
+            .join("vision/images")
+            .join(name),
+    )
+    .expect("a committed image");
+    let mime = if name.ends_with(".jpg") {
+        "image/jpeg"
+    } else {
+        "image/png"
+    };
+    let url = format!("data:{mime};base64,{}", b64(&bytes));
+    (bytes, url)
+}
+
+/// A chat request whose user message holds `text` and, when given, an image part (in the
+/// nested `{"url": ...}` shape, or as the plain string some clients send).
+fn image_chat(text: &str, url: Option<&str>, nested: bool, max_tokens: usize) -> Value {
+    let mut content = vec![json!({"type": "text", "text": text})];
+    if let Some(url) = url {
+        content.push(if nested {
+            json!({"type": "image_url", "image_url": {"url": url, "detail": "auto"}})
+        } else {
+            json!({"type": "image_url", "image_url": url})
+        });
+    }
+    json!({
+        "messages": [
+            {"role": "system", "content": "Look closely."},
+            {"role": "user", "content": content},
+        ],
+        "max_tokens": max_tokens, "temperature": 0,
+    })
+}
+
+/// The reply text of a chat response, streamed or not, and its usage's prompt tokens.
+fn chat_reply(r: &Reply) -> (String, u64) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    if r.headers.contains("text/event-stream") {
+        let chunks: Vec<Value> = r
+            .events()
+            .iter()
+            .filter(|e| *e != "[DONE]")
+            .map(|e| serde_json::from_str(e).expect("a JSON chunk"))
+            .collect();
+        let text = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        let prompt = chunks
+            .iter()
+            .find_map(|c| c["usage"]["prompt_tokens"].as_u64())
+            .expect("a usage chunk");
+        (text, prompt)
+    } else {
+        let j = r.json();
+        (
+            j["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            j["usage"]["prompt_tokens"].as_u64().expect("usage"),
+        )
+    }
+}
+
+/// `image_url` parts with base64 data URLs reach a vision-language model (the tiny Llava
+/// fixture): each reply equals `Model::generate` with `Generation::images` (greedy), streamed
+/// or not, alone or batched with others; another image (behind the very same prompt tokens,
+/// which the prefix cache must not confuse) or none gives another reply.
+#[test]
+fn chat_images_reach_a_vision_model() {
+    let model = Model::load(mlxcel_tests::fixtures_dir().join("vision/llava"))
+        .build()
+        .expect("the llava fixture loads");
+    assert!(model.takes_images());
+    let text = "What is in the picture?";
+    let max_tokens = 16;
+    let images = ["gradient.png", "photo.jpg", "alpha.png"];
+    let library = |image: Option<&[u8]>| {
+        let images = image
+            .map(|b| vec![mlxcel_models::decode_image(b).expect("decodes")])
+            .unwrap_or_default();
+        let (text, stats) = model
+            .generate(
+                vec![Message::new("system", "Look closely."), Message::user(text)],
+                Generation {
+                    max_new_tokens: Some(max_tokens),
+                    images,
+                    ..Generation::default()
+                },
+            )
+            .and_then(|s| s.finish())
+            .expect("Model::generate");
+        (text, stats.prompt_tokens as u64)
+    };
+    let loaded: Vec<(Vec<u8>, String)> = images.iter().map(|n| vision_image(n)).collect();
+    let want: Vec<(String, u64)> = loaded.iter().map(|(b, _)| library(Some(b))).collect();
+    let plain = library(None);
+    // The fixture's images are 16 tokens each.
+    assert!(want[0].1 >= plain.1 + 16, "{} vs {}", want[0].1, plain.1);
+    assert_ne!(
+        want[0].0, want[1].0,
+        "the images must give different replies"
+    );
+    assert_ne!(want[0].0, plain.0, "the image must change the reply");
+
+    let server = start(
+        &model,
+        ServerConfig {
+            parallel: 4,
+            sessions: 2,
+            ..ServerConfig::default()
+        },
+    );
+    let addr = server.addr();
+    // One after the other, alternating images behind the same tokens (the prefix cache picks
+    // the session holding the other image's conversation), nested and plain-string parts,
+    // streamed and not.
+    for (round, i) in [0, 1, 0, 2, 1].into_iter().enumerate() {
+        let mut body = image_chat(text, Some(&loaded[i].1), round % 2 == 0, max_tokens);
+        if round % 2 == 1 {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let got = chat_reply(&post(addr, "/v1/chat/completions", &body));
+        assert_eq!(
+            got, want[i],
+            "round {round}: {} over HTTP vs Model::generate",
+            images[i]
+        );
+    }
+    let got = chat_reply(&post(
+        addr,
+        "/v1/chat/completions",
+        &image_chat(text, None, true, max_tokens),
+    ));
+    assert_eq!(got, plain, "no image");
+
+    // At once (continuous batching), with a text-only request among them.
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(4));
+    let threads: Vec<_> = [Some(0), Some(1), None, Some(2)]
+        .into_iter()
+        .map(|i| {
+            let barrier = barrier.clone();
+            let body = image_chat(text, i.map(|i| loaded[i].1.as_str()), true, max_tokens);
+            std::thread::spawn(move || {
+                barrier.wait();
+                chat_reply(&post(addr, "/v1/chat/completions", &body))
+            })
+        })
+        .collect();
+    let got: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(
+        got,
+        vec![
+            want[0].clone(),
+            want[1].clone(),
+            plain.clone(),
+            want[2].clone()
+        ],
+        "concurrent image requests vs Model::generate"
+    );
+}
+
+/// PNG's chunk checksum (CRC-32, IEEE).
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                crc >> 1 ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// What the server refuses about images, each a 400 (413 for a too large one) naming the field.
+#[test]
+fn chat_images_refused_name_the_field() {
+    let vlm = Model::load(mlxcel_tests::fixtures_dir().join("vision/llava"))
+        .build()
+        .expect("the llava fixture loads");
+    let server = start(&vlm, ServerConfig::default());
+    let addr = server.addr();
+    let field = "messages[1].content[1].image_url.url";
+    let refused = |body: &Value, status: u16, param: &str, says: &str| {
+        let r = post(addr, "/v1/chat/completions", body);
+        assert_eq!(r.status, status, "{}", r.body);
+        let e = &r.json()["error"];
+        assert_eq!(e["param"], param, "{}", r.body);
+        let message = e["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "`{says}` not in: {message}");
+    };
+    for url in [
+        "http://127.0.0.1:9/cat.png",
+        "https://example.com/cat.png",
+        "file:///etc/hostname",
+    ] {
+        refused(
+            &image_chat("hi", Some(url), true, 4),
+            400,
+            field,
+            "never fetches",
+        );
+    }
+    refused(
+        &image_chat(
+            "hi",
+            Some("data:image/png;base64,iVBORw0K*GgoAAAA"),
+            true,
+            4,
+        ),
+        400,
+        field,
+        "invalid base64",
+    );
+    refused(
+        &image_chat(
+            "hi",
+            Some(&format!(
+                "data:image/png;base64,{}",
+                b64(b"not an image at all")
+            )),
+            true,
+            4,
+        ),
+        400,
+        field,
+        "not a PNG, JPEG or WebP image",
+    );
+    // A PNG whose header declares 10000x10000 pixels: refused before decoding.
+    let (png, _) = vision_image("gradient.png");
+    let mut huge = png.clone();
+    huge[16..20].copy_from_slice(&10_000u32.to_be_bytes());
+    huge[20..24].copy_from_slice(&10_000u32.to_be_bytes());
+    let crc = crc32(&huge[12..29]);
+    huge[29..33].copy_from_slice(&crc.to_be_bytes());
+    refused(
+        &image_chat(
+            "hi",
+            Some(&format!("data:image/png;base64,{}", b64(&huge))),
+            true,
+            4,
+        ),
+        413,
+        field,
+        "megapixels",
+    );
+    // Images only in the last user message.
+    let url = format!("data:image/png;base64,{}", b64(&png));
+    let early = json!({"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]},
+        {"role": "assistant", "content": "A gradient."},
+        {"role": "user", "content": "And its colours?"},
+    ]});
+    refused(
+        &early,
+        400,
+        "messages[0].content[0].image_url.url",
+        "last user message",
+    );
+    let assistant = json!({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": url}}]},
+    ]});
+    refused(
+        &assistant,
+        400,
+        "messages[1].content[0].type",
+        "user messages",
+    );
+    drop(server);
+
+    // A text-only model has no vision tower.
+    let text_model = fixture_model();
+    assert!(!text_model.takes_images());
+    let server = start(&text_model, ServerConfig::default());
+    let r = post(
+        server.addr(),
+        "/v1/chat/completions",
+        &image_chat("hi", Some(&url), false, 4),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = &r.json()["error"];
+    assert_eq!(e["param"], "messages[1].content[1].image_url");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no vision tower"),
+        "{}",
+        r.body
+    );
+}

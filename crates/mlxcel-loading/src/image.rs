@@ -91,6 +91,18 @@ pub fn decode_image(bytes: &[u8]) -> Result<RgbImage> {
     RgbImage::new(width, height, data)
 }
 
+/// The width and height of a PNG, JPEG or WebP image, read from its header without decoding
+/// its pixels: what a caller checks before [`decode_image`] allocates `width · height` pixels
+/// for an image it got from elsewhere (a small file may declare a huge image).
+pub fn image_dimensions(bytes: &[u8]) -> Result<(usize, usize)> {
+    let format = image::guess_format(bytes)
+        .map_err(|e| LoadError::Unsupported(format!("not a PNG, JPEG or WebP image: {e}")))?;
+    let (width, height) = image::ImageReader::with_format(std::io::Cursor::new(bytes), format)
+        .into_dimensions()
+        .map_err(|e| LoadError::Unsupported(format!("cannot read the {format:?} image: {e}")))?;
+    Ok((width as usize, height as usize))
+}
+
 /// Reads and decodes an image file ([`decode_image`]); errors name the file.
 pub fn load_image(path: impl AsRef<Path>) -> Result<RgbImage> {
     let path = path.as_ref();

@@ -81,7 +81,7 @@ pub use mlxcel_arch as arch;
 pub use mlxcel_arch::nn::lora::AdapterMix;
 pub use mlxcel_core::{Device, Dtype, RuntimePolicy};
 pub use mlxcel_loading as loading;
-pub use mlxcel_loading::image::{decode_image, load_image, RgbImage};
+pub use mlxcel_loading::image::{decode_image, image_dimensions, load_image, RgbImage};
 pub use mlxcel_loading::{
     EmbedOptions, FinishReason, GenerationStats, LogitsProcessor, Message, ModelType,
     RerankOptions, ScoreActivation, TokenBytes, TokenLogprob, ToolCallFormat,
@@ -650,6 +650,20 @@ impl Model {
         }
         self.check_ids(&ids)?;
         Ok(ids)
+    }
+
+    /// Whether the model takes images ([`Generation::images`]): a vision-language model loaded
+    /// with its vision tower.
+    pub fn takes_images(&self) -> bool {
+        self.shared.vision.is_some()
+    }
+
+    /// The token ids a generation of `prompt` with `images` prefills (see
+    /// [`Generation::images`]): the image placeholders are expanded into the model's image
+    /// tokens, so the count is the prompt's length in the model's context. Without images it is
+    /// [`Model::prompt_ids`]; a model without a vision tower refuses images.
+    pub fn prompt_ids_with_images(&self, prompt: &Prompt, images: &[RgbImage]) -> Result<Vec<u32>> {
+        Ok(self.prompt_with_images(prompt, images)?.0)
     }
 
     /// The prompt's ids with `images` expanded into the model's image tokens (see

@@ -97,6 +97,36 @@ pub(crate) struct Request {
     pub tool_choice: ToolChoice,
     /// `response_format` `json_object` / `json_schema`: the grammar the output must follow.
     pub json: Option<Grammar>,
+    /// The chat's images (`image_url` content parts of the last user message), in order.
+    pub images: Vec<ImagePart>,
+}
+
+/// An image of a chat message (an `image_url` content part with a base64 `data:` URL): its
+/// encoded bytes, not decoded yet (the server decodes them off the async threads).
+#[derive(Debug, Clone)]
+pub(crate) struct ImagePart {
+    /// The request field it came from (`messages[i].content[j].image_url.url`).
+    pub field: String,
+    /// The encoded image (PNG, JPEG or WebP).
+    pub bytes: Vec<u8>,
+}
+
+/// Largest encoded image (bytes after base64 decoding) a request may carry: 413 past it.
+pub(crate) const MAX_IMAGE_BYTES: usize = 20 << 20;
+/// Largest image (width · height) a request may carry: 413 past it.
+pub(crate) const MAX_IMAGE_PIXELS: usize = 40_000_000;
+
+impl ApiError {
+    /// A 413 naming the request field `param`.
+    pub fn too_large(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param: Some(param.into()),
+            code: Some("image_too_large"),
+        }
+    }
 }
 
 /// `tool_choice`.
@@ -249,10 +279,11 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
     }
     let field = |name: &str| obj.get(name).filter(|v| !v.is_null());
 
-    let input = if chat {
-        Input::Chat(messages(field("messages"))?)
+    let (input, images) = if chat {
+        let (messages, images) = messages(field("messages"))?;
+        (Input::Chat(messages), images)
     } else {
-        Input::Text(prompt(field("prompt"))?)
+        (Input::Text(prompt(field("prompt"))?), Vec::new())
     };
     if let Some(v) = field("model") {
         if !v.is_string() {
@@ -499,6 +530,7 @@ pub(crate) fn parse(body: &[u8], chat: bool) -> Result<Request, ApiError> {
         include_usage,
         model,
         adapter,
+        images,
     })
 }
 
@@ -711,7 +743,10 @@ fn number(
     }
 }
 
-fn messages(v: Option<&Value>) -> Result<Vec<Message>, ApiError> {
+/// The chat's messages and their images (which must all be in the last user message: the
+/// model sees a conversation's images at the start of its last user message, see
+/// `mlxcel_models::Generation::images`).
+fn messages(v: Option<&Value>) -> Result<(Vec<Message>, Vec<ImagePart>), ApiError> {
     let Some(v) = v else {
         return Err(ApiError::invalid("messages", "`messages` is required"));
     };
@@ -722,6 +757,7 @@ fn messages(v: Option<&Value>) -> Result<Vec<Message>, ApiError> {
         ));
     };
     let mut out = Vec::with_capacity(items.len());
+    let mut images = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let Some(m) = item.as_object() else {
             return Err(ApiError::invalid(
@@ -729,12 +765,114 @@ fn messages(v: Option<&Value>) -> Result<Vec<Message>, ApiError> {
                 "a message must be an object",
             ));
         };
-        out.push(message(i, m)?);
+        let (message, own) = message(i, m)?;
+        out.push(message);
+        images.push(own);
+    }
+    let last_user = out.iter().rposition(|m| m.role == "user");
+    for (i, own) in images.iter().enumerate() {
+        if let (Some(image), true) = (own.first(), Some(i) != last_user) {
+            return Err(ApiError::invalid(
+                image.field.clone(),
+                format!(
+                    "images are supported only in the last user message (messages[{}]): the \
+                     model sees a conversation's images at the start of that message",
+                    last_user.unwrap_or(i)
+                ),
+            ));
+        }
+    }
+    Ok((out, images.into_iter().flatten().collect()))
+}
+
+/// The encoded bytes of an image given as a base64 `data:` URL (`field` names it in errors).
+/// Other URLs are refused: the server never fetches a URL or reads a file for a request.
+fn data_url(field: &str, url: &str) -> Result<Vec<u8>, ApiError> {
+    let invalid = |message: String| ApiError::invalid(field, message);
+    let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
+    if scheme.as_deref() != Some("data") {
+        let shown: String = url.chars().take(40).collect();
+        return Err(invalid(format!(
+            "`{field}` must be a base64 `data:` URL (data:image/png;base64,...), not `{shown}`: \
+             this server never fetches http(s) URLs or reads files"
+        )));
+    }
+    let Some((meta, data)) = url[5..].split_once(',') else {
+        return Err(invalid(format!(
+            "`{field}`: a `data:` URL needs a `,` before its data"
+        )));
+    };
+    let mut params = meta.split(';');
+    let media = params
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    if !media.is_empty() && !media.starts_with("image/") {
+        return Err(invalid(format!(
+            "`{field}`: the data URL's media type `{media}` is not an image type"
+        )));
+    }
+    if !params.any(|p| p.trim().eq_ignore_ascii_case("base64")) {
+        return Err(invalid(format!(
+            "`{field}`: only base64 data URLs are supported (data:image/png;base64,...)"
+        )));
+    }
+    // Base64 takes 4 characters per 3 bytes: refuse a too large image before decoding it.
+    if data.len() / 4 * 3 > MAX_IMAGE_BYTES {
+        return Err(ApiError::too_large(
+            field,
+            format!(
+                "`{field}`: the image is larger than the {} MiB an image may have",
+                MAX_IMAGE_BYTES >> 20
+            ),
+        ));
+    }
+    let bytes = base64_decode(data).map_err(|e| invalid(format!("`{field}`: {e}")))?;
+    if bytes.is_empty() {
+        return Err(invalid(format!("`{field}`: the image data is empty")));
+    }
+    Ok(bytes)
+}
+
+/// Decodes base64 (the standard or URL-safe alphabet, padding optional; ASCII whitespace, as
+/// line-wrapped data holds, is skipped).
+pub(crate) fn base64_decode(text: &str) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(text.len() / 4 * 3);
+    let (mut acc, mut bits, mut padding) = (0u32, 0u32, 0usize);
+    for (at, c) in text.bytes().enumerate() {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' | b'-' => 62,
+            b'/' | b'_' => 63,
+            b'=' => {
+                padding += 1;
+                continue;
+            }
+            c if c.is_ascii_whitespace() => continue,
+            _ => return Err(format!("invalid base64: unexpected byte {c:#04x} at {at}")),
+        };
+        if padding > 0 {
+            return Err(format!("invalid base64: data after padding at {at}"));
+        }
+        acc = acc << 6 | u32::from(v);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    // A lone 6-bit group cannot end the data, nor padding beyond the 3 characters' worth.
+    if bits == 6 || padding > 2 || acc != 0 {
+        return Err("invalid base64: the data is truncated or its last character is wrong".into());
     }
     Ok(out)
 }
 
-fn message(i: usize, m: &Map<String, Value>) -> Result<Message, ApiError> {
+fn message(i: usize, m: &Map<String, Value>) -> Result<(Message, Vec<ImagePart>), ApiError> {
     for (key, v) in m {
         match key.as_str() {
             "role" | "content" | "name" | "tool_call_id" | "tool_calls" => {}
@@ -757,6 +895,7 @@ fn message(i: usize, m: &Map<String, Value>) -> Result<Message, ApiError> {
             ))
         }
     };
+    let mut images = Vec::new();
     let content = match m.get("content") {
         None | Some(Value::Null) if role == "assistant" => String::new(),
         Some(Value::String(s)) => s.clone(),
@@ -772,10 +911,11 @@ fn message(i: usize, m: &Map<String, Value>) -> Result<Message, ApiError> {
                             "a text part needs a string `text`",
                         ))
                     }
+                    (Some("image_url"), _) => images.push(image_part(i, j, role, part)?),
                     _ => {
                         return Err(ApiError::invalid(
                             format!("messages[{i}].content[{j}].type"),
-                            "only content parts of type `text` are supported",
+                            "only content parts of type `text` and `image_url` are supported",
                         ))
                     }
                 }
@@ -785,7 +925,7 @@ fn message(i: usize, m: &Map<String, Value>) -> Result<Message, ApiError> {
         _ => {
             return Err(ApiError::invalid(
                 format!("messages[{i}].content"),
-                "`content` must be a string or a list of text parts",
+                "`content` must be a string or a list of text and image_url parts",
             ))
         }
     };
@@ -821,7 +961,48 @@ fn message(i: usize, m: &Map<String, Value>) -> Result<Message, ApiError> {
             ))
         }
     }
-    Ok(message)
+    Ok((message, images))
+}
+
+/// Content part `j` of message `i`, of type `image_url`: `{"type": "image_url", "image_url":
+/// {"url": "data:image/png;base64,...", "detail": ...}}` (`detail` is ignored), or with the URL
+/// as `image_url` itself, as some clients send it.
+fn image_part(i: usize, j: usize, role: &str, part: &Value) -> Result<ImagePart, ApiError> {
+    let at = format!("messages[{i}].content[{j}]");
+    if role != "user" {
+        return Err(ApiError::invalid(
+            format!("{at}.type"),
+            format!("images are accepted only in user messages, not in a {role} message"),
+        ));
+    }
+    let (field, url) = match part.get("image_url") {
+        Some(Value::String(url)) => (format!("{at}.image_url"), url),
+        Some(Value::Object(o)) => {
+            if let Some(key) = o.keys().find(|k| !matches!(k.as_str(), "url" | "detail")) {
+                return Err(ApiError::invalid(
+                    format!("{at}.image_url.{key}"),
+                    format!("`{at}.image_url.{key}` is not supported by this server"),
+                ));
+            }
+            match o.get("url") {
+                Some(Value::String(url)) => (format!("{at}.image_url.url"), url),
+                _ => {
+                    return Err(ApiError::invalid(
+                        format!("{at}.image_url.url"),
+                        "an image part needs a string `url` (data:image/png;base64,...)",
+                    ))
+                }
+            }
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                format!("{at}.image_url"),
+                "an image part needs `image_url`: {\"url\": \"data:image/png;base64,...\"}",
+            ))
+        }
+    };
+    let bytes = data_url(&field, url)?;
+    Ok(ImagePart { field, bytes })
 }
 
 /// An assistant's earlier tool call, with its `arguments` text parsed into the JSON object
@@ -917,6 +1098,14 @@ mod tests {
                 true
             )
             .as_deref(),
+            Some("messages[0].content[0].image_url")
+        );
+        assert_eq!(
+            param(
+                r#"{"messages":[{"role":"user","content":[{"type":"input_audio"}]}]}"#,
+                true
+            )
+            .as_deref(),
             Some("messages[0].content[0].type")
         );
         assert_eq!(
@@ -925,6 +1114,122 @@ mod tests {
         );
         assert!(parse(b"{not json", true).is_err());
         assert!(parse(b"[]", true).is_err());
+    }
+
+    fn image_request(messages: Value) -> Result<Request, ApiError> {
+        parse(json!({"messages": messages}).to_string().as_bytes(), true)
+    }
+
+    #[test]
+    fn image_url_parts() {
+        let png = "data:image/png;base64,iVBORw0KGgo=";
+        let r = image_request(json!([{"role": "user", "content": [
+            {"type": "text", "text": "what is it?"},
+            {"type": "image_url", "image_url": {"url": png, "detail": "low"}},
+            {"type": "image_url", "image_url": png},
+        ]}]))
+        .map_err(|e| e.message)
+        .unwrap();
+        assert_eq!(r.images.len(), 2);
+        assert_eq!(r.images[0].field, "messages[0].content[1].image_url.url");
+        assert_eq!(r.images[1].field, "messages[0].content[2].image_url");
+        assert_eq!(r.images[0].bytes, b"\x89PNG\r\n\x1a\n");
+        match r.input {
+            Input::Chat(m) => assert_eq!(m[0].content, "what is it?"),
+            Input::Text(_) => panic!("chat expected"),
+        }
+        let refused = |messages: Value| {
+            let e = image_request(messages).unwrap_err();
+            (e.status.as_u16(), e.param.unwrap_or_default(), e.message)
+        };
+        let part = |url: &str| json!({"type": "image_url", "image_url": {"url": url}});
+        for url in [
+            "https://example.com/cat.png",
+            "file:///etc/passwd",
+            "/etc/passwd",
+        ] {
+            let (status, param, message) =
+                refused(json!([{"role": "user", "content": [part(url)]}]));
+            assert_eq!(
+                (status, param.as_str()),
+                (400, "messages[0].content[0].image_url.url")
+            );
+            assert!(message.contains("never fetches"), "{message}");
+        }
+        let (status, param, _) = refused(json!([{"role": "user", "content": [
+            {"type": "text", "text": "x"}, part("data:image/png;base64,iVBO!!Kgo=")]}]));
+        assert_eq!(
+            (status, param.as_str()),
+            (400, "messages[0].content[1].image_url.url")
+        );
+        let (status, _, message) =
+            refused(json!([{"role": "user", "content": [part("data:image/png,rawbytes")]}]));
+        assert!(status == 400 && message.contains("base64"), "{message}");
+        let (status, _, _) =
+            refused(json!([{"role": "user", "content": [part("data:text/plain;base64,aGk=")]}]));
+        assert_eq!(status, 400);
+        // Not in other roles, not before the last user message.
+        let (status, param, message) = refused(json!([
+            {"role": "system", "content": [part(png)]},
+            {"role": "user", "content": "hi"},
+        ]));
+        assert_eq!(
+            (status, param.as_str()),
+            (400, "messages[0].content[0].type")
+        );
+        assert!(message.contains("user messages"), "{message}");
+        let (status, param, message) = refused(json!([
+            {"role": "user", "content": [part(png)]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "and now?"},
+        ]));
+        assert_eq!(
+            (status, param.as_str()),
+            (400, "messages[0].content[0].image_url.url")
+        );
+        assert!(
+            message.contains("last user message (messages[2])"),
+            "{message}"
+        );
+        let (_, param, _) = refused(json!([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": png, "bogus": 1}}]}]));
+        assert_eq!(param, "messages[0].content[0].image_url.bogus");
+        // Too large: refused before decoding.
+        let big = format!(
+            "data:image/png;base64,{}",
+            "A".repeat(MAX_IMAGE_BYTES / 3 * 4 + 8)
+        );
+        let (status, param, _) = refused(json!([{"role": "user", "content": [part(&big)]}]));
+        assert_eq!(
+            (status, param.as_str()),
+            (413, "messages[0].content[0].image_url.url")
+        );
+    }
+
+    #[test]
+    fn base64_decodes_what_base64_encodes() {
+        for plain in [
+            &b""[..],
+            b"f",
+            b"fo",
+            b"foo",
+            b"foob",
+            b"fooba",
+            b"foobar",
+            &[0, 255, 254, 3],
+        ] {
+            let coded = base64(plain);
+            assert_eq!(base64_decode(&coded).unwrap(), plain, "{coded}");
+            assert_eq!(base64_decode(coded.trim_end_matches('=')).unwrap(), plain);
+        }
+        assert_eq!(base64_decode("Zm9v\nYmFy").unwrap(), b"foobar");
+        assert_eq!(
+            base64_decode("_-8=").unwrap(),
+            base64_decode("/+8=").unwrap()
+        );
+        for bad in ["Z", "Zm9vY", "Zg==Zg==", "Zh==", "Zm9v*"] {
+            assert!(base64_decode(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

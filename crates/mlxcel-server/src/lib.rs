@@ -23,7 +23,9 @@
 //! Chat requests may ask for `logprobs`, declare `tools` (passed to the chat template; calls in
 //! the reply come back as `tool_calls`, see the `tools` module) and set `response_format`
 //! (`json_object` / `json_schema`, enforced by constrained decoding: the `grammar` and
-//! `constraint` modules).
+//! `constraint` modules). A vision-language model's chat requests may carry images as
+//! `image_url` content parts with base64 `data:` URLs (never fetched URLs or files), in the last
+//! user message; they become [`Generation::images`].
 //!
 //! Up to [`ServerConfig::parallel`] generations run at once, batched on the model's worker (each
 //! decode step advances all of them in one forward pass: continuous batching, see
@@ -704,7 +706,16 @@ async fn handle(
 ) -> Result<Response, ApiError> {
     s.authorize(&headers)?;
     let body = read_body(body, s.config.body_limit).await?;
-    let request = api::parse(&body, chat)?;
+    let mut request = api::parse(&body, chat)?;
+    let parts = std::mem::take(&mut request.images);
+    if let Some(part) = parts.first() {
+        if !s.model.takes_images() {
+            return Err(ApiError::invalid(
+                part.field.clone(),
+                format!("model `{}` has no vision tower: it takes no images", s.name),
+            ));
+        }
+    }
     let (prompt, field) = match request.input.clone() {
         Input::Chat(messages) if !request.tools.is_empty() => {
             let tools = request.tools.clone();
@@ -718,11 +729,34 @@ async fn handle(
         Input::Chat(messages) => (Prompt::Messages(messages), "messages"),
         Input::Text(text) => (Prompt::Text(text), "prompt"),
     };
+    let images = if parts.is_empty() {
+        Vec::new()
+    } else {
+        tokio::task::spawn_blocking(move || decode_images(&parts))
+            .await
+            .map_err(|e| internal(format!("decoding the images failed: {e}")))??
+    };
     let model = s.model.clone();
-    let ids = tokio::task::spawn_blocking(move || model.prompt_ids(&prompt))
-        .await
-        .map_err(|e| internal(format!("tokenizing failed: {e}")))?
-        .map_err(|e| ApiError::invalid(field, e.to_string()))?;
+    let (ids, prompt) = tokio::task::spawn_blocking(move || {
+        let ids = if images.is_empty() {
+            model.prompt_ids(&prompt)
+        } else {
+            model.prompt_ids_with_images(&prompt, &images)
+        };
+        ids.map(|ids| (ids, (prompt, images)))
+    })
+    .await
+    .map_err(|e| internal(format!("tokenizing failed: {e}")))?
+    .map_err(|e| ApiError::invalid(field, e.to_string()))?;
+    // The ids prompt when there are no images. With images, the messages themselves: the
+    // model expands them again as it prefills; the ids above (expanded) size the prompt and
+    // pick the session. A session's caches are reused only where tokens and images both agree
+    // (the model keys cached image positions on the images' pixel hashes), so another image
+    // behind the same placeholder tokens is never served from the cache.
+    let (prompt, images) = match prompt {
+        (_, images) if images.is_empty() => (Prompt::Ids(ids.clone()), images),
+        (prompt, images) => (prompt, images),
+    };
     if let Some(context) = s.model.info().context_length {
         let room = context.saturating_sub(ids.len());
         if room == 0 {
@@ -866,11 +900,12 @@ async fn handle(
         adapters: mix,
         logprobs: request.logprobs,
         logits_processor,
+        images,
         ..Generation::default()
     };
     let (tx, rx) = mpsc::channel::<Event>(64);
     let (started_tx, started_rx) = tokio::sync::oneshot::channel::<Result<(), ApiError>>();
-    tokio::spawn(drive(s.clone(), ids, options, tx, started_tx));
+    tokio::spawn(drive(s.clone(), ids, prompt, options, tx, started_tx));
     // The task answers once generation started (or failed to).
     started_rx
         .await
@@ -912,6 +947,34 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     })
 }
 
+/// Decodes a request's images, refusing (naming the field) one that is not a PNG, JPEG or WebP
+/// image or that is larger than [`api::MAX_IMAGE_PIXELS`] (checked from its header, before its
+/// pixels are decoded).
+fn decode_images(parts: &[api::ImagePart]) -> Result<Vec<mlxcel_models::RgbImage>, ApiError> {
+    parts
+        .iter()
+        .map(|part| {
+            let refused = |e: mlxcel_models::Error| {
+                ApiError::invalid(part.field.clone(), format!("`{}`: {e}", part.field))
+            };
+            let (width, height) =
+                mlxcel_models::image_dimensions(&part.bytes).map_err(|e| refused(e.into()))?;
+            if width.saturating_mul(height) > api::MAX_IMAGE_PIXELS {
+                return Err(ApiError::too_large(
+                    part.field.clone(),
+                    format!(
+                        "`{}`: the image is {width}x{height}; an image may have at most {} \
+                         megapixels",
+                        part.field,
+                        api::MAX_IMAGE_PIXELS / 1_000_000
+                    ),
+                ));
+            }
+            mlxcel_models::decode_image(&part.bytes).map_err(|e| refused(e.into()))
+        })
+        .collect()
+}
+
 fn internal(message: impl Into<String>) -> ApiError {
     ApiError::other(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
 }
@@ -922,6 +985,7 @@ fn internal(message: impl Into<String>) -> ApiError {
 async fn drive(
     s: Shared,
     ids: Vec<u32>,
+    prompt: Prompt,
     options: Generation,
     tx: mpsc::Sender<Event>,
     started: tokio::sync::oneshot::Sender<Result<(), ApiError>>,
@@ -947,12 +1011,9 @@ async fn drive(
                 slot.busy = true;
                 // Unknown until the generation has ended.
                 slot.tokens.clear();
-                (
-                    Some(index),
-                    slot.session.generate(Prompt::Ids(ids), options),
-                )
+                (Some(index), slot.session.generate(prompt, options))
             }
-            None => (None, s.model.generate(Prompt::Ids(ids), options)),
+            None => (None, s.model.generate(prompt, options)),
         }
     };
     match stream {
