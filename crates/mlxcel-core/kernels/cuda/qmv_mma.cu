@@ -193,7 +193,7 @@ __device__ __forceinline__ void qmv_mma(const uint32_t* w, const T* scales, cons
     const int idx = i * 32 + lane;
     const int row = idx >> 2, ch = idx & 3;
     const int n = (n0 + row < n_rows) ? (n0 + row) : (n_rows - 1);
-    csrc[i] = w + (size_t)n * (size_t)words_per_row + ch * 4;
+    csrc[i] = w + (size_t)n * (size_t)words_per_row;  // + the chunk's words at issue
     cchunk[i] = ch;
     cdst[i] = row * ROW_BYTES + ((ch ^ ((row >> 1) & 3)) * 16);
   }
