@@ -195,7 +195,9 @@ fn check_mma() -> R<Vec<String>> {
                     // (../shared/device/README.md): there the reference is mlxcel's one-row
                     // GEMV per row, itself checked against MLX's one-row product above.
                     let mlx = if k < 512 {
-                        with_mma(false, || Ok(cuda_kernels::qmv(&x, &wq, &scales, &biases, spec)?))?
+                        with_mma(false, || {
+                            Ok(cuda_kernels::qmv(&x, &wq, &scales, &biases, spec)?)
+                        })?
                     } else {
                         ops::quantized_matmul(&x, &wq, &scales, Some(&biases), true, spec)?
                     };
