@@ -125,6 +125,42 @@ impl Planes {
     }
 }
 
+/// `x @ W^T` through the installed policy's one-row product, for `n` rows of a random `K`-wide
+/// weight (seeded by `seed`) quantized at `bits`/`gs` with scales and biases in `sdtype`; with
+/// the weight's planes read back for the reference arithmetic.
+fn one_row_product(
+    x: &[f32],
+    n: usize,
+    bits: i32,
+    gs: i32,
+    sdtype: Dtype,
+    seed: u64,
+) -> (Vec<f32>, Planes) {
+    let k = x.len();
+    let spec = QuantSpec::affine(gs, bits);
+    let w = values(n * k, seed);
+    let w = Array::from_slice(&w, &[n as i32, k as i32]).unwrap();
+    let q = w.quantize(spec).unwrap();
+    let scales = q.scales.astype(sdtype).unwrap();
+    let biases = q.biases.clone().unwrap().astype(sdtype).unwrap();
+    let xa = Array::from_slice(x, &[1, k as i32]).unwrap();
+    let got =
+        mlxcel_core::ops::quantized_matmul(&xa, &q.weight, &scales, Some(&biases), true, spec)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+    let f32s = |a: &Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+    let planes = Planes {
+        codes: q.weight.to_vec::<u32>().unwrap(),
+        scales: f32s(&scales),
+        biases: f32s(&biases),
+        k,
+        bits: bits as usize,
+        group_size: gs as usize,
+    };
+    (got, planes)
+}
+
 #[test]
 fn int8_products_compute_the_int8_arithmetic() {
     let _one = ONE_POLICY.lock().unwrap_or_else(|e| e.into_inner());
@@ -145,28 +181,8 @@ fn int8_products_compute_the_int8_arithmetic() {
         (8, 32, 96, Dtype::Float32),
     ];
     for (case, &(bits, gs, k, sdtype)) in cases.iter().enumerate() {
-        let spec = QuantSpec::affine(gs, bits);
         let x = values(k, 1 + case as u64);
-        let w = values(n * k, 100 + case as u64);
-        let w = Array::from_slice(&w, &[n as i32, k as i32]).unwrap();
-        let q = w.quantize(spec).unwrap();
-        let scales = q.scales.astype(sdtype).unwrap();
-        let biases = q.biases.clone().unwrap().astype(sdtype).unwrap();
-        let xa = Array::from_slice(&x, &[1, k as i32]).unwrap();
-        let got =
-            mlxcel_core::ops::quantized_matmul(&xa, &q.weight, &scales, Some(&biases), true, spec)
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap();
-        let f32s = |a: &Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
-        let planes = Planes {
-            codes: q.weight.to_vec::<u32>().unwrap(),
-            scales: f32s(&scales),
-            biases: f32s(&biases),
-            k,
-            bits: bits as usize,
-            group_size: gs as usize,
-        };
+        let (got, planes) = one_row_product(&x, n, bits, gs, sdtype, 100 + case as u64);
         let want: Vec<f64> = (0..n).map(|r| planes.int8_product(&x, r)).collect();
         let exact: Vec<f64> = (0..n).map(|r| planes.float_product(&x, r)).collect();
         let magnitude = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
@@ -213,28 +229,8 @@ fn float_products_are_exact_on_every_layout() {
         (8, 32, 96, Dtype::Float32),
     ];
     for (case, &(bits, gs, k, sdtype)) in cases.iter().enumerate() {
-        let spec = QuantSpec::affine(gs, bits);
         let x = values(k, 7 + case as u64);
-        let w = values(n * k, 300 + case as u64);
-        let w = Array::from_slice(&w, &[n as i32, k as i32]).unwrap();
-        let q = w.quantize(spec).unwrap();
-        let scales = q.scales.astype(sdtype).unwrap();
-        let biases = q.biases.clone().unwrap().astype(sdtype).unwrap();
-        let xa = Array::from_slice(&x, &[1, k as i32]).unwrap();
-        let got =
-            mlxcel_core::ops::quantized_matmul(&xa, &q.weight, &scales, Some(&biases), true, spec)
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap();
-        let f32s = |a: &Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
-        let planes = Planes {
-            codes: q.weight.to_vec::<u32>().unwrap(),
-            scales: f32s(&scales),
-            biases: f32s(&biases),
-            k,
-            bits: bits as usize,
-            group_size: gs as usize,
-        };
+        let (got, planes) = one_row_product(&x, n, bits, gs, sdtype, 300 + case as u64);
         let exact: Vec<f64> = (0..n).map(|r| planes.float_product(&x, r)).collect();
         let magnitude = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
         let off = (0..n).fold(0f64, |m, i| m.max((f64::from(got[i]) - exact[i]).abs()));
