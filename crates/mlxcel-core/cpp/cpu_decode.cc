@@ -58,8 +58,8 @@ namespace generic {
 #undef MLXCEL_LANES
 
 struct DecodeKernels {
-  void (*attend)(const float*, const float*, int64_t, const float*, int64_t, int64_t, int, float,
-                 float*, float*) = generic::attend_one_head;
+  void (*attend)(const float*, int, const float*, int64_t, const float*, int64_t, int64_t, int,
+                 float, float*, int64_t, float*, float*, float*) = generic::attend_heads;
   void (*silu_mul)(const float*, const float*, float*, int64_t) = generic::silu_mul;
 };
 
@@ -69,7 +69,7 @@ const DecodeKernels& decode_kernels() {
 #ifdef MLXCEL_HAVE_X86_DECODE
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      k.attend = avx2::attend_one_head;
+      k.attend = avx2::attend_heads;
       k.silu_mul = avx2::silu_mul;
     }
 #endif
@@ -82,7 +82,10 @@ const DecodeKernels& decode_kernels() {
 
 void attend_row_vec(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
                     int64_t n, int D, float scale, float* scores, float* out) {
-  decode_kernels().attend(q, k, ks, v, vs, n, D, scale, scores, out);
+  float top = 0.0f, total = 0.0f;
+  decode_kernels().attend(q, 1, k, ks, v, vs, n, D, scale, scores, n, out, &top, &total);
+  const float inv = 1.0f / total;
+  for (int d = 0; d < D; ++d) out[d] *= inv;
 }
 
 namespace {
@@ -165,6 +168,9 @@ struct CpuDecoderState {
   bool ready = false;
   // Scratch, sized at `finish`.
   std::vector<float> h, xn, q, k, v, attn, o, gate, up, act, scores, cos, sin;
+  // Attention over key ranges, per range and query head: the unnormalised output, the top
+  // score and the sum of exponentials (`merge_key_splits`).
+  std::vector<float> part_out, part_top, part_total;
 };
 
 CpuDecoder::CpuDecoder() : state(std::make_unique<CpuDecoderState>()) {}
@@ -331,6 +337,27 @@ void rope_heads(const CpuDecoderState& d, float* x, int n) {
   }
 }
 
+// d.attn = each query head's attention from its `splits` key ranges' partial results: the
+// ranges' sums rescaled to the largest top score, then divided by the total.
+void merge_key_splits(CpuDecoderState& d, int splits) {
+  const int H = d.heads, D = d.head_dim;
+  for (int h = 0; h < H; ++h) {
+    float top = -INFINITY;
+    for (int p = 0; p < splits; ++p) top = std::max(top, d.part_top[size_t(p) * H + h]);
+    float total = 0.0f;
+    float* out = d.attn.data() + size_t(h) * D;
+    std::fill(out, out + D, 0.0f);
+    for (int p = 0; p < splits; ++p) {
+      const float w = std::exp(d.part_top[size_t(p) * H + h] - top);
+      total += w * d.part_total[size_t(p) * H + h];
+      const float* part = d.part_out.data() + (size_t(p) * H + h) * D;
+      for (int i = 0; i < D; ++i) out[i] += w * part[i];
+    }
+    const float inv = 1.0f / total;
+    for (int i = 0; i < D; ++i) out[i] *= inv;
+  }
+}
+
 }  // namespace
 
 void cpu_decoder_step(CpuDecoder& wrapper, const array& x, rust::Slice<const size_t> keys,
@@ -356,7 +383,17 @@ void cpu_decoder_step(CpuDecoder& wrapper, const array& x, rust::Slice<const siz
     d.cos[i] = float(std::cos(theta));
     d.sin[i] = float(std::sin(theta));
   }
+  // Key ranges per key/value head: enough tasks for the pool (four per thread) where the
+  // attention is worth spreading, each range at least 32 keys.
+  int splits = 1;
+  if (n * H * D >= (int64_t(1) << 15)) {
+    const int want = (4 * parallel_threads() + G - 1) / G;
+    splits = int(std::clamp<int64_t>(n / 32, 1, want));
+  }
   d.scores.resize(size_t(H) * size_t(n));
+  d.part_out.resize(size_t(splits) * H * D);
+  d.part_top.resize(size_t(splits) * H);
+  d.part_total.resize(size_t(splits) * H);
   float* h = d.h.data();
   std::memcpy(h, x.data<float>(), sizeof(float) * size_t(d.hidden));
 
@@ -392,18 +429,26 @@ void cpu_decoder_step(CpuDecoder& wrapper, const array& x, rust::Slice<const siz
       std::memcpy(vc + (size_t(g) * cap + position) * D, d.v.data() + size_t(g) * D,
                   sizeof(float) * D);
     }
-    // Heads over the pool: each reads its key/value head's first n rows.
-    auto head = [&](int hh) {
-      const int g = hh / rep;
-      kern.attend(d.q.data() + size_t(hh) * D, kc + size_t(g) * cap * D, D,
-                  vc + size_t(g) * cap * D, D, n, D, d.scale, d.scores.data() + size_t(hh) * n,
-                  d.attn.data() + size_t(hh) * D);
+    // Per key/value head, its `rep` query heads in one pass over its first n rows, the rows
+    // split into `splits` ranges so that every thread of the pool has work; the ranges' partial
+    // results merge below.
+    auto task = [&](int i) {
+      const int g = i / splits, part = i % splits;
+      const int64_t t0 = n * part / splits, t1 = n * (part + 1) / splits;
+      const size_t h0 = size_t(g) * rep;
+      kern.attend(d.q.data() + h0 * D, rep, kc + (size_t(g) * cap + t0) * D, D,
+                  vc + (size_t(g) * cap + t0) * D, D, t1 - t0, D, d.scale,
+                  d.scores.data() + h0 * n + t0, n,
+                  d.part_out.data() + (size_t(part) * H + h0) * D,
+                  d.part_top.data() + size_t(part) * H + h0,
+                  d.part_total.data() + size_t(part) * H + h0);
     };
-    if (n * H * D < (int64_t(1) << 15)) {
-      for (int hh = 0; hh < H; ++hh) head(hh);
+    if (splits * G == 1 || n * H * D < (int64_t(1) << 15)) {
+      for (int i = 0; i < splits * G; ++i) task(i);
     } else {
-      parallel_for(H, head);
+      parallel_for(splits * G, task);
     }
+    merge_key_splits(d, splits);
     const LinearPart op = l.o.part(d.attn.data(), d.o.data());
     linear_parts(&op, 1);
     l.o.add_bias(d.o.data());

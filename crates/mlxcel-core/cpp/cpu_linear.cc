@@ -376,7 +376,7 @@ void run_parts(const std::vector<LinearArgs>& parts) {
   for (const auto& a : parts) work += a.N * int64_t(a.K) * std::max<int64_t>(a.M, 1);
   // Work below ~64K weight elements x rows is not worth waking the pool for.
   const int threads = work < (int64_t(1) << 16) ? 1 : pool().threads();
-  const int chunks = threads;
+  const int chunks = threads > 1 ? threads * 4 : 1;
   pool().run(int(parts.size()) * chunks, [&](int t) {
     const LinearArgs& a = parts[t / chunks];
     // Equal, even-sized spans of output columns (the blocked path pairs rows).
