@@ -2,23 +2,13 @@
 # GPU serving throughput: `mlxcel serve` against `mlx_lm.server` on one H200 (both batch
 # concurrent requests), 1 and 8 concurrent greedy chat clients, on a random Llama-3.1-8B-shaped
 # 4-bit checkpoint paired with SmolLM2's tokenizer (vocabulary 49152).
-# Here: `xtask/bench/gpu.sh stage`, then copy SmolLM2's tokenizer.json and
-# tokenizer_config.json into .device/run/. On the GPU machine (after unpack.sh):
+# Here: `xtask/bench/gpu.sh stage`, then copy SmolLM2's tokenizer.json (or an xz of it) and
+# tokenizer_config.json into .device/run/ (gpu_serve_model.sh makes the model). On the GPU machine (after unpack.sh):
 #   bash .device/run/gpu_serve.sh      (results: $OUT/serve.md and the server logs)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp}
-model=$HOME/bench-models/llama-8b-4bit-v49k
-python3 "$here/make_random_model.py" make llama-8b "$model" --vocab 49152
-cp "$here/tokenizer.json" "$here/tokenizer_config.json" "$model/"
-# The tokenizer's special ids (SmolLM2: <|im_start|> 1, <|im_end|> 2), not Llama 3's.
-python3 - "$model/config.json" <<'PY'
-import json, sys
-p = sys.argv[1]
-c = json.load(open(p))
-c.update(bos_token_id=1, eos_token_id=2)
-json.dump(c, open(p, "w"), indent=1)
-PY
+model=$(bash "$here/gpu_serve_model.sh")
 "$here/mlxcel" serve --model "$model" --port 8101 --parallel 8 >"$out/serve-mlxcel.log" 2>&1 &
 ours=$!
 python3 -m mlx_lm server --model "$model" --port 8102 --decode-concurrency 8 \

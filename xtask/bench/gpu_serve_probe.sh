@@ -2,23 +2,11 @@
 # Where a batched serving step's time goes, on the GPU machine: one server at a time per
 # configuration (`bash gpu_serve_probe.sh "ENV=V ..." ...`), 8 clients at 128 and 512 new tokens
 # (a longer generation dilutes the joins and prefills), then the server's batching counters.
-# Builds the model gpu_serve.sh uses when it is missing.
+# The model is gpu_serve_model.sh's (made when missing).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp}
-model=$HOME/bench-models/llama-8b-4bit-v49k
-if [ ! -f "$model/tokenizer.json" ]; then
-  [ -f "$here/tokenizer.json" ] || xz -dkf "$here/tokenizer.json.xz"
-  python3 "$here/make_random_model.py" make llama-8b "$model" --vocab 49152 >/dev/null
-  cp "$here/tokenizer.json" "$here/tokenizer_config.json" "$model/"
-  python3 - "$model/config.json" <<'PY'
-import json, sys
-p = sys.argv[1]
-c = json.load(open(p))
-c.update(bos_token_id=1, eos_token_id=2)
-json.dump(c, open(p, "w"), indent=1)
-PY
-fi
+model=$(bash "$here/gpu_serve_model.sh")
 for cfg in "$@"; do
   env $cfg "$here/mlxcel" serve --model "$model" --port 8105 --parallel 8 >"$out/probe-serve.log" 2>&1 &
   pid=$!
