@@ -1794,24 +1794,10 @@ fn rerank_endpoint_matches_sentence_transformers() {
     assert!(r.body.contains("no reranker is loaded"), "{}", r.body);
 }
 
-/// Standard base64 with padding (the test's own, so it checks the server's decoder).
+/// Standard base64 with padding, by the `base64` crate (not the server's code: the tests check
+/// the server's decoder against an independent encoder).
 fn b64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for i in 0..4 {
-            out.push(if i <= chunk.len() {
-                char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize])
-            } else {
-                '='
-            });
-        }
-    }
-    out
+    base64::encode(bytes)
 }
 
 fn vision_image(name: &str) -> (Vec<u8>, String) {

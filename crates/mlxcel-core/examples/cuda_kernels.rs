@@ -63,6 +63,29 @@ fn time(iters: usize, f: &dyn Fn() -> R<Array>) -> R<f64> {
     Ok(per[2])
 }
 
+/// Seconds per call of mlxcel's GEMV (`cuda_kernels::qmv`, under the installed policy) and of
+/// MLX's `quantized_matmul` on the same operands.
+fn time_qmv_and_mlx(
+    x: &Array,
+    wq: &Array,
+    scales: &Array,
+    biases: &Array,
+    spec: QuantSpec,
+) -> R<(f64, f64)> {
+    let ours = time(200, &|| Ok(cuda_kernels::qmv(x, wq, scales, biases, spec)?))?;
+    let mlx = time(200, &|| {
+        Ok(ops::quantized_matmul(
+            x,
+            wq,
+            scales,
+            Some(biases),
+            true,
+            spec,
+        )?)
+    })?;
+    Ok((ours, mlx))
+}
+
 /// The recurrence of `ops::selective_scan` in MLX ops, one position at a time: `y` `[B, L, H, P]`
 /// and the last state.
 fn scan_reference(
@@ -276,21 +299,8 @@ fn speed_mma() -> R<()> {
                     gbs(t)
                 );
             }
-            let per_row = with_mma(false, || {
-                time(200, &|| {
-                    Ok(cuda_kernels::qmv(&x, &wq, &scales, &biases, spec)?)
-                })
-            })?;
-            let mlx = time(200, &|| {
-                Ok(ops::quantized_matmul(
-                    &x,
-                    &wq,
-                    &scales,
-                    Some(&biases),
-                    true,
-                    spec,
-                )?)
-            })?;
+            let (per_row, mlx) =
+                with_mma(false, || time_qmv_and_mlx(&x, &wq, &scales, &biases, spec))?;
             line += &format!(
                 " one-row kernel per row {:.1} us ({:.0} GB/s); MLX {:.1} us ({:.0} GB/s)",
                 per_row * 1e6,
@@ -489,19 +499,7 @@ fn speed() -> R<()> {
                 Some(bf16),
             )?)
         })?;
-        let ours_mv = time(200, &|| {
-            Ok(cuda_kernels::qmv(&x1, &wq, &scales, &biases, spec)?)
-        })?;
-        let mlx_mv = time(200, &|| {
-            Ok(ops::quantized_matmul(
-                &x1,
-                &wq,
-                &scales,
-                Some(&biases),
-                true,
-                spec,
-            )?)
-        })?;
+        let (ours_mv, mlx_mv) = time_qmv_and_mlx(&x1, &wq, &scales, &biases, spec)?;
         // The folded variants: what decode runs for a block's first projection (RMSNorm in)
         // and its down projection (silu-gate in, residual out).
         let norm_w = random(&[k], Dtype::Bfloat16, 10)?;
