@@ -215,7 +215,9 @@ pub struct RuntimePolicy {
     /// `MLXCEL_CUDA_QMV_MMA`: GEMVs over 2 to 16 activation rows (decode batches) of 4-bit
     /// weights with bf16/f16 activations run on the tensor-core kernel (`qmv_mma.cu`: each
     /// weight read once for all rows, the products on mma.sync) instead of one-row blocks per
-    /// row. Default off until measured on a GPU; `1` turns it on.
+    /// row; such a batch then runs its pre-norms and gating as separate ops (the kernel has no
+    /// folded forms). Default on (8 concurrent streams on an H200: 3.3x one stream, against
+    /// 1.4x with one-row blocks); `0` turns it off.
     pub cuda_qmv_mma: bool,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
@@ -277,7 +279,7 @@ impl RuntimePolicy {
         cuda_qmv_fold: true,
         cuda_qmv_fold_shape: None,
         cuda_qmv_rows: 1,
-        cuda_qmv_mma: false,
+        cuda_qmv_mma: true,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
