@@ -2100,3 +2100,56 @@ fn chat_images_refused_name_the_field() {
         r.body
     );
 }
+
+/// A model whose routed experts stream from disk reports its arena in `/metrics` (the seed's
+/// `mlxcel_expert_arena_*`), counting what a request selected and read; a resident model
+/// reports no arena.
+#[test]
+fn metrics_report_the_expert_arena() {
+    let dir = mlxcel_tests::copy_fixture("qwen3_moe");
+    let manifest = mlxcel_loading::stream::prepare_expert_stream(dir.path(), |_, _| {})
+        .expect("the expert-stream layout");
+    let per_slot: u64 = manifest.layers.iter().map(|l| l.expert_stride).sum();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
+            .unwrap();
+    let top_k = config["num_experts_per_tok"].as_u64().unwrap();
+    let policy = mlxcel_core::RuntimePolicy {
+        expert_stream: mlxcel_stream::StreamMode::On,
+        expert_arena_bytes: Some(per_slot * top_k),
+        ..mlxcel_core::RuntimePolicy::default()
+    };
+    let model = Model::load(dir.path())
+        .policy(policy)
+        .build()
+        .expect("the streamed model loads");
+    let server = start(&model, ServerConfig::default());
+    let addr = server.addr();
+    assert_eq!(
+        gauge(addr, "mlxcel_expert_arena_slots_per_layer"),
+        top_k as f64
+    );
+    assert_eq!(
+        gauge(addr, "mlxcel_expert_arena_bytes"),
+        (per_slot * top_k) as f64
+    );
+    let selected = |addr| {
+        gauge(addr, "mlxcel_expert_arena_hits_total")
+            + gauge(addr, "mlxcel_expert_arena_misses_total")
+    };
+    let before = selected(addr);
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "one two three", "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(selected(addr) > before, "the request selected no experts");
+    // An arena of top-k slots cannot hold every layer's choices: some experts were read.
+    assert!(gauge(addr, "mlxcel_expert_arena_misses_total") > 0.0);
+    assert!(gauge(addr, "mlxcel_expert_arena_read_bytes_total") > 0.0);
+    drop(server);
+    let resident = start(&fixture_model(), ServerConfig::default());
+    let m = http(resident.addr(), "GET", "/metrics", &[], "");
+    assert!(!m.body.contains("mlxcel_expert_arena"), "{}", m.body);
+}

@@ -265,6 +265,24 @@ impl Generation {
     pub const DEFAULT_MAX_NEW_TOKENS: usize = 512;
 }
 
+/// The routed-expert arena of a model whose experts stream from disk, since load
+/// ([`Model::expert_arena_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ExpertArenaStats {
+    /// Bytes of all streamed layers' arenas.
+    pub arena_bytes: u64,
+    /// Expert slots per streamed layer.
+    pub slots_per_layer: usize,
+    /// Experts a token selected that were resident.
+    pub hits: u64,
+    /// Experts a token selected that were read from disk.
+    pub misses: u64,
+    /// Bytes read from the stream files.
+    pub bytes_read: u64,
+    /// Wall-clock seconds spent reading them.
+    pub read_seconds: f64,
+}
+
 /// MLX's allocator counters (all models of the process share one allocator).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryStats {
@@ -782,6 +800,25 @@ impl Model {
     /// for the worker, so it counts every step before the jobs submitted before it.
     pub fn batch_stats(&self) -> Result<BatchStats> {
         self.shared.worker.run(|w| Ok(w.batching))
+    }
+
+    /// The routed-expert arena's counters since load, when experts stream from disk (`None`
+    /// when the model keeps them resident). It waits for the worker, as [`Model::batch_stats`]
+    /// does.
+    pub fn expert_arena_stats(&self) -> Result<Option<ExpertArenaStats>> {
+        self.shared.worker.run(|w| {
+            Ok(w.loaded.expert_stream.as_ref().map(|(plan, stats)| {
+                let s = stats.borrow();
+                ExpertArenaStats {
+                    arena_bytes: plan.arena_bytes(),
+                    slots_per_layer: plan.slots_per_layer,
+                    hits: s.hits,
+                    misses: s.misses,
+                    bytes_read: s.bytes_read,
+                    read_seconds: s.read_seconds,
+                }
+            }))
+        })
     }
 
     /// A new conversation whose caches persist between its requests.

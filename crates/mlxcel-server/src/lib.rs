@@ -541,10 +541,12 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Result<Response
     let pending = m.pending.load(Ordering::Relaxed);
     let running = m.running.load(Ordering::Relaxed);
     let model = s.model.clone();
-    let batching = tokio::task::spawn_blocking(move || model.batch_stats())
-        .await
-        .map_err(|_| internal("the metrics task stopped"))?
-        .map_err(|e| internal(e.to_string()))?;
+    let (batching, arena) = tokio::task::spawn_blocking(move || {
+        Ok::<_, mlxcel_models::Error>((model.batch_stats()?, model.expert_arena_stats()?))
+    })
+    .await
+    .map_err(|_| internal("the metrics task stopped"))?
+    .map_err(|e| internal(e.to_string()))?;
     let mut out = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, lines: &[(&str, String)]| {
         out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
@@ -650,6 +652,45 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Result<Response
         "The largest batch one decode pass advanced.",
         &[("", batching.largest.to_string())],
     );
+    // The seed's routed-expert arena counters, when experts stream from disk.
+    if let Some(a) = arena {
+        metric(
+            "mlxcel_expert_arena_bytes",
+            "gauge",
+            "Bytes of the routed-expert arenas (all streamed layers).",
+            &[("", a.arena_bytes.to_string())],
+        );
+        metric(
+            "mlxcel_expert_arena_slots_per_layer",
+            "gauge",
+            "Expert slots per streamed layer.",
+            &[("", a.slots_per_layer.to_string())],
+        );
+        metric(
+            "mlxcel_expert_arena_hits_total",
+            "counter",
+            "Selected experts that were resident in the arena.",
+            &[("", a.hits.to_string())],
+        );
+        metric(
+            "mlxcel_expert_arena_misses_total",
+            "counter",
+            "Selected experts read from disk into the arena.",
+            &[("", a.misses.to_string())],
+        );
+        metric(
+            "mlxcel_expert_arena_read_bytes_total",
+            "counter",
+            "Bytes of experts read from the stream files.",
+            &[("", a.bytes_read.to_string())],
+        );
+        metric(
+            "mlxcel_expert_arena_read_seconds_total",
+            "counter",
+            "Wall-clock seconds spent reading experts.",
+            &[("", a.read_seconds.to_string())],
+        );
+    }
     metric(
         "mlxcel_kv_cache_tokens",
         "gauge",
