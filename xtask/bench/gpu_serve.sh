@@ -3,7 +3,8 @@
 # concurrent requests), 1 and 8 concurrent greedy chat clients, on a random Llama-3.1-8B-shaped
 # 4-bit checkpoint paired with SmolLM2's tokenizer (vocabulary 49152).
 # Here: `xtask/bench/gpu.sh stage`, then copy SmolLM2's tokenizer.json (or an xz of it) and
-# tokenizer_config.json into .device/run/ (gpu_serve_model.sh makes the model). On the GPU machine (after unpack.sh):
+# tokenizer_config.json into .device/run/ (gpu_serve_model.sh makes the model from them).
+# On the GPU machine (after unpack.sh):
 #   bash .device/run/gpu_serve.sh      (results: $OUT/serve.md and the server logs)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Two mlxcel serve configurations side by side on the GPU machine (same model as gpu_serve.sh,
-# which must have built it): `bash gpu_serve_configs.sh "ENV=V ..." "ENV=V ..."`, 1 and 8
-# clients, runs alternating between the two servers.
+# Two mlxcel serve configurations side by side on the GPU machine (the model is
+# gpu_serve_model.sh's, made when missing): `bash gpu_serve_configs.sh "ENV=V ..." "ENV=V ..."`,
+# 1 and 8 clients, runs alternating between the two servers.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp}
-model=$HOME/bench-models/llama-8b-4bit-v49k
-[ -f "$model/tokenizer.json" ] || { echo "run gpu_serve.sh first" >&2; exit 1; }
+model=$(bash "$here/gpu_serve_model.sh")
 env ${1:-MLXCEL_NOTHING=1} "$here/mlxcel" serve --model "$model" --port 8103 --parallel 8 >"$out/serve-a.log" 2>&1 &
 a=$!
 env ${2:-MLXCEL_NOTHING=1} "$here/mlxcel" serve --model "$model" --port 8104 --parallel 8 >"$out/serve-b.log" 2>&1 &
