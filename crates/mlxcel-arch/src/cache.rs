@@ -353,7 +353,7 @@ impl LayerCache {
         }
     }
 
-    fn kind_name(&self) -> &'static str {
+    pub(crate) fn kind_name(&self) -> &'static str {
         match self {
             LayerCache::Standard(_) => "standard KV",
             LayerCache::Rotating(_) => "rotating KV",
@@ -427,6 +427,19 @@ impl LayerCache {
     /// [`LayerCache::rewind_floor`]).
     pub fn can_rewind(&self, position: usize) -> bool {
         self.rewind_floor() <= position && position <= self.offset()
+    }
+
+    /// Whether, after `extra` more positions, the cache could still be cut back to where it is
+    /// now (speculative decoding feeds draft tokens it may have to take back): caches that keep
+    /// every position can; a sliding-window ring only while nothing has left its window yet; a
+    /// recurrent state never (it cannot be un-applied).
+    pub fn can_take_back(&self, extra: usize) -> bool {
+        match self {
+            LayerCache::Standard(_) | LayerCache::Latent(_) | LayerCache::Shared { .. } => true,
+            LayerCache::Rotating(c) => c.offset + extra <= c.window,
+            LayerCache::State(_) | LayerCache::Batch(_) | LayerCache::Bidirectional(_) => false,
+            LayerCache::Pair(pair) => pair.0.can_take_back(extra) && pair.1.can_take_back(extra),
+        }
     }
 
     /// Cuts the cache back to its first `position` tokens (see [`LayerCache::can_rewind`]).

@@ -714,6 +714,61 @@ impl<'m> Session<'m> {
         Ok(logits.reshape(&[-1])?)
     }
 
+    /// The model's vocabulary size (rows of its output head).
+    pub fn vocab_size(&self) -> usize {
+        self.model.vocab_size()
+    }
+
+    /// Whether `extra` more positions could be fed and then taken back
+    /// ([`Session::truncate`]): every cache can ([`LayerCache::can_take_back`]) and positions
+    /// are the cache offsets (no image has moved them). Speculative decoding feeds draft tokens
+    /// only when this holds.
+    pub fn can_speculate(&self, extra: usize) -> bool {
+        self.position_delta == 0 && self.caches.iter().all(|c| c.can_take_back(extra))
+    }
+
+    /// Feeds `tokens` (`[1, n]` int32, possibly still being computed) in one forward pass and
+    /// returns the logits after each of them, `[n, vocab]`, unevaluated: how speculative
+    /// decoding checks a draft's tokens in one pass. Record their values with
+    /// [`Session::record_tokens`] once read.
+    pub fn feed_pending(&mut self, tokens: &Array) -> Result<Array> {
+        let n = tokens.dim(1)?;
+        let logits = self.model.forward(tokens, &mut self.caches)?;
+        Ok(logits.reshape(&[n, -1])?)
+    }
+
+    /// Records the values of tokens fed by [`Session::feed_pending`].
+    pub fn record_tokens(&mut self, tokens: &[u32]) {
+        self.tokens.extend_from_slice(tokens);
+    }
+
+    /// Takes back every token after the first `len` (caches and tokens): the draft tokens
+    /// verification rejected. An error, changing nothing, when a cache cannot be cut back there
+    /// (see [`Session::can_speculate`]).
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.tokens.len() {
+            return Err(ModelError::Runtime(format!(
+                "cannot cut a conversation of {} tokens back to {len}",
+                self.tokens.len()
+            )));
+        }
+        if let Some(c) = self.caches.iter().find(|c| !c.can_rewind(len)) {
+            return Err(ModelError::Runtime(format!(
+                "cannot take the conversation back to {len} tokens: a {} cache at position {} rewinds no further than {}",
+                c.kind_name(),
+                c.offset(),
+                c.rewind_floor()
+            )));
+        }
+        for c in &mut self.caches {
+            c.rewind(len)?;
+        }
+        self.tokens.truncate(len);
+        self.snapshots.retain(|s| s.position <= len);
+        self.image_runs.retain(|r| r.0.end <= len);
+        Ok(())
+    }
+
     /// Records the value of a token fed by [`Session::step_pending`].
     pub fn record_token(&mut self, token: u32) {
         self.tokens.push(token);

@@ -34,6 +34,11 @@ pub struct ConvertFlags {
     /// A built-in recipe (affine4-g64, mxfp4, mixed_3_6, ...) or a YAML recipe file.
     #[arg(long)]
     pub recipe: Option<String>,
+    /// With --hf (any checkpoint, quantized or not): write an early-exit draft model for
+    /// `--draft-model` instead: the first N layers with the model's own embedding, final norm
+    /// and head (same tokenizer by construction).
+    #[arg(long, value_name = "N", conflicts_with_all = ["gguf", "quantize", "recipe", "bits", "group_size"])]
+    pub early_exit: Option<usize>,
     /// No progress bar or report.
     #[arg(long)]
     pub quiet: bool,
@@ -95,6 +100,19 @@ pub fn run(flags: ConvertFlags) -> anyhow::Result<()> {
                     "imported {} tensors ({affine} as MLX affine) from {} into {}",
                     report.tensors.len(),
                     gguf.display(),
+                    flags.out.display()
+                );
+            }
+            Ok(())
+        }
+        (None, Some(hf)) if flags.early_exit.is_some() => {
+            let layers = flags.early_exit.unwrap_or(0);
+            check_out(&flags.out)?;
+            mlxcel_loading::speculative::write_early_exit_draft(hf, &flags.out, layers)?;
+            if !flags.quiet {
+                eprintln!(
+                    "wrote the first {layers} layers of {} as a draft model into {}",
+                    hf.display(),
                     flags.out.display()
                 );
             }

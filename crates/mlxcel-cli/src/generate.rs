@@ -66,6 +66,13 @@ pub struct RunFlags {
     /// Run even when the estimate exceeds the device's memory.
     #[arg(long)]
     pub force: bool,
+    /// Speculative decoding: a smaller model sharing the tokenizer proposes tokens that the
+    /// model checks in one pass (greedy output unchanged; text prompts only).
+    #[arg(long, value_name = "DIR")]
+    pub draft_model: Option<PathBuf>,
+    /// Tokens the draft model proposes per round.
+    #[arg(long, default_value_t = 4, requires = "draft_model")]
+    pub draft_tokens: usize,
     /// Benchmarks only: random weights made on the device (from this seed) instead of the
     /// checkpoint's bytes, e.g. a header-only sparse checkpoint of a shape no disk holds.
     #[arg(long, hide = true, value_name = "SEED")]
@@ -141,7 +148,77 @@ fn check_flags(flags: &RunFlags) -> anyhow::Result<()> {
     if flags.max_context == Some(0) {
         bail!("--max-context 0: must be at least 1 token");
     }
+    if flags.draft_tokens == 0 {
+        bail!("--draft-tokens 0: the draft model must propose at least 1 token a round");
+    }
     Ok(())
+}
+
+/// The `--draft-model`, loaded like the model (same runtime policy; no adapter or surgery),
+/// after checking it shares the model's tokenizer.
+fn load_draft(flags: &RunFlags, loaded: &Loaded) -> anyhow::Result<Option<Loaded>> {
+    let Some(path) = &flags.draft_model else {
+        return Ok(None);
+    };
+    let path = crate::convert::resolve_gguf(path, flags.quiet)?;
+    let options = LoadOptions {
+        policy: Some(mlxcel_core::policy::current()),
+        ..Default::default()
+    };
+    let draft =
+        load_model(&path, &options).with_context(|| format!("--draft-model {}", path.display()))?;
+    match (&loaded.tokenizer, &draft.tokenizer) {
+        (Some(m), Some(d)) => mlxcel_loading::check_draft_tokenizer(
+            (&loaded.folder, m),
+            (&draft.folder, d),
+        )?,
+        _ => bail!(
+            "--draft-model needs both models' tokenizers to check they agree: {} or {} has no tokenizer.json",
+            loaded.folder.display(),
+            draft.folder.display()
+        ),
+    }
+    if !flags.quiet {
+        eprintln!(
+            "[draft {} ({}) loaded in {:.2}s, {} tokens a round]",
+            draft.folder.display(),
+            draft.model_type.name(),
+            draft.load_seconds,
+            flags.draft_tokens
+        );
+    }
+    Ok(Some(draft))
+}
+
+/// One generation in `session`, through the draft model when there is one.
+#[allow(clippy::too_many_arguments)]
+fn run_generation(
+    session: &mut mlxcel_arch::generate::Session<'_>,
+    draft: Option<(&Loaded, usize)>,
+    tokenizer: Option<&mlxcel_loading::Tokenizer>,
+    prompt: &[u32],
+    req: &GenerateRequest,
+    on_text: impl FnMut(&str),
+) -> anyhow::Result<(Vec<u32>, GenerationStats)> {
+    Ok(match draft {
+        Some((draft, tokens)) => {
+            let mut draft_session = draft.session();
+            mlxcel_loading::generate_text_speculative(
+                session,
+                mlxcel_loading::Draft {
+                    session: &mut draft_session,
+                    tokens,
+                },
+                tokenizer,
+                prompt,
+                req,
+                Default::default(),
+                on_text,
+                |_, _| {},
+            )?
+        }
+        None => generate_text(session, tokenizer, prompt, req, on_text, |_| {})?,
+    })
 }
 
 fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>> {
@@ -319,6 +396,16 @@ fn print_stats(stats: &GenerationStats, loaded: &Loaded, quiet: bool) {
         peak as f64 / (1 << 20) as f64,
         stats.finish
     );
+    if let Some(s) = &stats.speculation {
+        eprintln!(
+            "[speculative: {} rounds, {:.2} tokens a round, {} of {} drafted tokens accepted ({:.1}%)]",
+            s.rounds,
+            s.tokens_per_round(),
+            s.accepted,
+            s.proposed,
+            100.0 * s.acceptance_rate()
+        );
+    }
 }
 
 fn request(flags: &RunFlags, loaded: &Loaded) -> GenerateRequest {
@@ -399,10 +486,11 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     let run = &flags.run;
     let need_tokenizer = flags.prompt_ids.is_none() || !flags.print_ids;
     // Image placeholders are expanded through the tokenizer.
-    let need_tokenizer = need_tokenizer || !flags.image.is_empty();
+    let need_tokenizer = need_tokenizer || !flags.image.is_empty() || run.draft_model.is_some();
     let Some(loaded) = load(run, need_tokenizer)? else {
         return Ok(());
     };
+    let draft = load_draft(run, &loaded)?;
     let images = prepare_images(&loaded, &flags.image)?;
     let n = images.len();
     let mut messages = Vec::new();
@@ -461,8 +549,9 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     }
     for _ in 0..flags.repeat.max(1) {
         let mut session = loaded.session();
-        let (ids, stats) = generate_text(
+        let (ids, stats) = run_generation(
             &mut session,
+            draft.as_ref().map(|d| (d, run.draft_tokens)),
             tokenizer,
             &prompt,
             &req,
@@ -470,7 +559,6 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
                 let _ = stdout.write_all(text.as_bytes());
                 let _ = stdout.flush();
             },
-            |_| {},
         )?;
         if flags.print_ids {
             println!(
@@ -516,6 +604,9 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
         "decode_tps": stats.decode_tokens_per_second(),
         "peak_mlx_bytes": mlxcel_core::memory::peak_bytes().unwrap_or(0),
         "vmhwm_bytes": vmhwm,
+        "draft_rounds": stats.speculation.map(|s| s.rounds),
+        "draft_proposed": stats.speculation.map(|s| s.proposed),
+        "draft_accepted": stats.speculation.map(|s| s.accepted),
     });
     eprintln!("{json}");
 }
@@ -528,6 +619,7 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
     let Some(loaded) = load(&flags, true)? else {
         return Ok(());
     };
+    let draft = load_draft(&flags, &loaded)?;
     let tokenizer = loaded
         .tokenizer
         .as_ref()
@@ -575,8 +667,9 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
         let mut stdout = std::io::stdout();
         let mut req = request(&flags, &loaded);
         req.images = inputs(&images);
-        let (_, stats) = generate_text(
+        let (_, stats) = run_generation(
             &mut session,
+            draft.as_ref().map(|d| (d, flags.draft_tokens)),
             Some(tokenizer),
             &prompt,
             &req,
@@ -585,7 +678,6 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
                 let _ = stdout.write_all(text.as_bytes());
                 let _ = stdout.flush();
             },
-            |_| {},
         )?;
         println!();
         print_stats(&stats, &loaded, flags.quiet);

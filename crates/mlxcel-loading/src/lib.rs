@@ -26,6 +26,7 @@ mod pipeline;
 pub mod ple;
 pub mod repack;
 mod rerank;
+pub mod speculative;
 pub mod stream;
 pub mod surgery;
 mod textgen;
@@ -47,8 +48,9 @@ pub use rerank::{
     RerankerBackbone, RerankerLoaded, ScoreActivation, QWEN3_RERANKER_INSTRUCTION,
     QWEN3_RERANKER_MAX_LENGTH, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX,
 };
+pub use speculative::{check_draft_tokenizer, generate_text_speculative, Draft};
 pub use textgen::{
     generate_text, generate_text_with, FinishReason, GenerateRequest, GenerationProgress,
-    GenerationStats, LogitsProcessor, StepHooks, TokenLogprob,
+    GenerationStats, LogitsProcessor, SpeculationStats, StepHooks, TokenLogprob,
 };
 pub use tokenizer::{load_tokenizer, DecodeProgress, StreamDecoder, TokenBytes, Tokenizer};

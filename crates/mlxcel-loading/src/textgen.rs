@@ -116,6 +116,34 @@ pub struct GenerationStats {
     pub decode_step_census: Vec<(String, usize)>,
     /// Why generation ended.
     pub finish: FinishReason,
+    /// How speculative decoding went, when a draft model proposed tokens
+    /// ([`crate::speculative::generate_text_speculative`]).
+    pub speculation: Option<SpeculationStats>,
+}
+
+/// Speculative decoding's measurements: each round the draft model proposes up to its token
+/// budget, the model checks them in one pass and keeps the longest prefix it agrees with, plus
+/// one token of its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpeculationStats {
+    /// Verification passes of the model (each yields at least one token).
+    pub rounds: usize,
+    /// Tokens the draft proposed.
+    pub proposed: usize,
+    /// Proposed tokens the model agreed with (and kept).
+    pub accepted: usize,
+}
+
+impl SpeculationStats {
+    /// Share of proposed tokens kept (0 when none were proposed).
+    pub fn acceptance_rate(&self) -> f64 {
+        self.accepted as f64 / self.proposed.max(1) as f64
+    }
+
+    /// Tokens each verification pass yielded on average (kept proposals plus the model's own).
+    pub fn tokens_per_round(&self) -> f64 {
+        (self.accepted + self.rounds) as f64 / self.rounds.max(1) as f64
+    }
 }
 
 impl GenerationStats {
@@ -171,7 +199,7 @@ impl StopFilter {
     }
 }
 
-fn nan_error(step: usize) -> crate::LoadError {
+pub(crate) fn nan_error(step: usize) -> crate::LoadError {
     crate::LoadError::from(mlxcel_arch::ModelError::Runtime(format!(
         "the model produced NaN logits at generation step {step}: the checkpoint's weights (or the config's scales) give non-finite activations"
     )))
@@ -281,19 +309,20 @@ pub fn generate_text(
 /// [`GenerationProgress::finish`].
 #[derive(Debug)]
 pub struct GenerationProgress {
-    request: GenerateRequest,
+    pub(crate) request: GenerateRequest,
     sampler: Sampler,
     text: Option<DecodeProgress>,
     stop: StopFilter,
-    generated: Vec<u32>,
+    pub(crate) generated: Vec<u32>,
     finish: FinishReason,
     prompt_tokens: usize,
     reused_tokens: usize,
-    prefill_seconds: f64,
-    decode_start: Instant,
+    pub(crate) prefill_seconds: f64,
+    pub(crate) decode_start: Instant,
     graph_seconds: f64,
     dispatch_seconds: f64,
     census: Vec<(String, usize)>,
+    pub(crate) speculation: Option<SpeculationStats>,
 }
 
 impl GenerationProgress {
@@ -328,6 +357,7 @@ impl GenerationProgress {
             graph_seconds: 0.0,
             dispatch_seconds: 0.0,
             census: Vec::new(),
+            speculation: None,
         };
         Ok((progress, logits))
     }
@@ -360,8 +390,18 @@ impl GenerationProgress {
         history: &[u32],
         hooks: &mut StepHooks<'_>,
     ) -> Result<(u32, Option<TokenLogprob>)> {
+        let row = logits.astype(Dtype::Float32)?.to_vec::<f32>()?;
+        self.pick_row(row, history, hooks)
+    }
+
+    /// [`GenerationProgress::pick`] from logits already on the host.
+    pub(crate) fn pick_row(
+        &mut self,
+        mut row: Vec<f32>,
+        history: &[u32],
+        hooks: &mut StepHooks<'_>,
+    ) -> Result<(u32, Option<TokenLogprob>)> {
         let step = self.generated.len();
-        let mut row = logits.astype(Dtype::Float32)?.to_vec::<f32>()?;
         if row.iter().any(|v| v.is_nan()) {
             return Err(nan_error(step));
         }
@@ -438,6 +478,7 @@ impl GenerationProgress {
             decode_dispatch_seconds: self.dispatch_seconds,
             decode_step_census: self.census,
             finish: self.finish,
+            speculation: self.speculation,
         };
         Ok((self.generated, stats))
     }
