@@ -26,7 +26,7 @@ if [ "$mode" = stage ]; then
   mkdir -p "$root/.device/run"
   cp "$root/target/release/mlxcel" "$root/target/release/examples/cuda_kernels" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" "$here/gpu_dist.sh" \
      "$here/mlx_lm_bench.py" "$here/make_random_model.py" \
-     "$here/cuda/prefill_probe.py" "$here/make_plan_model.py" "$here/gpu_embed.sh" "$here/st_embed_bench.py" "$here/gpu_serve.sh" "$here/gpu_serve_configs.sh" "$here/gpu_serve_probe.sh" "$here/gpu_serve_model.sh" "$here/same_replies.py" "$here/serve_client.py" "$root/.device/run/"
+     "$here/cuda/prefill_probe.py" "$here/make_plan_model.py" "$here/gpu_embed.sh" "$here/st_embed_bench.py" "$here/gpu_serve.sh" "$here/gpu_serve_configs.sh" "$here/gpu_serve_probe.sh" "$here/gpu_serve_model.sh" "$here/same_replies.py" "$here/serve_client.py" "$here/gpu_speculative_ids.sh" "$root/.device/run/"
   # Plans of the CPU bench's state-space models, built there by make_plan_model.py (gpu_probe.sh ssm).
   mkdir -p "$root/.device/run/plans"
   for m in mamba2 jamba; do

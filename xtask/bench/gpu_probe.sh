@@ -13,6 +13,11 @@
 #   gpu_probe.sh mma         the tensor-core batch GEMV (MLXCEL_CUDA_QMV_MMA): its check against
 #                            MLX's quantized matmul, then timings against the one-row kernel
 #                            per row and MLX (cuda_kernels --mma)
+#   gpu_probe.sh speculative the 8B 4-bit shape decoding plainly and with an early-exit draft
+#                            of itself (its first EARLY=4 layers, `mlxcel convert --early-exit`)
+#                            proposing 2 and 4 tokens a round, against mlx-lm plain and with the
+#                            same draft; on the random model and on ones whose later layers are
+#                            damped so the draft agrees more often (DAMPS, make_random_model.py)
 #   gpu_probe.sh ssm         the CPU bench's Mamba-2- and Jamba-shaped 4-bit models, built from
 #                            plans/{mamba2,jamba}-4bit.json (`cargo xtask synth-plan mamba2
 #                            --bits 4 > .device/run/plans/mamba2-4bit.json`, likewise jamba)
@@ -32,21 +37,31 @@ for i, l in enumerate(lines):
     s=json.loads(l)
     extra=" (graph %.0f%%, async_eval %.0f%%, token wait %.0f%% of decode)" % (100*s["decode_graph_s"]/s["decode_s"], 100*s["decode_dispatch_s"]/s["decode_s"], 100*(1-(s["decode_graph_s"]+s["decode_dispatch_s"])/s["decode_s"])) if "decode_graph_s" in s else ""
     if "decode_step_arrays" in s: extra += " %d arrays/step" % s["decode_step_arrays"]
+    if s.get("draft_proposed"): extra += " draft: %d rounds, %d of %d accepted" % (s["draft_rounds"], s["draft_accepted"], s["draft_proposed"])
+    elif "draft_accepted" in s: extra += " draft: %d tokens from the draft" % s["draft_accepted"]
     print("%s[run %d] load %.2f s  prefill %.0f tok/s  decode %.1f tok/s%s" % ("\n      " if i else "", i+1, s["load_s"], s["prefill_tps"], s["decode_tps"], extra), end="")
     if i == 0 and "decode_step_census" in s and __import__("os").environ.get("CENSUS"): print("\n      census: " + ", ".join(s["decode_step_census"]), end="")
 print()'
 ids=$(python3 -c "import random; r=random.Random(7); print(','.join(str(r.randrange(1000, 32000)) for _ in range(512)))")
 
-mlxcel() {  # label, env assignments...
-  local label=$1; shift
-  echo -n "  mlxcel $label: "
-  env "$@" "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 128 --ignore-eos \
-    --stats-json --print-ids --quiet --repeat 2 2>&1 >/dev/null | python3 -c "$fmt"
+# Splits a configuration's words into env assignments (ENVS) and --flags (FLAGS).
+split_config() {
+  ENVS=(); FLAGS=()
+  for word in "$@"; do case $word in --*) FLAGS+=("$word") ;; *) ENVS+=("$word") ;; esac; done
 }
-mlxlm() {  # [label, env assignments...]
+mlxcel() {  # label, env assignments and --flags...
+  local label=$1; shift
+  split_config "$@"
+  echo -n "  mlxcel $label: "
+  env "${ENVS[@]}" "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 128 --ignore-eos \
+    --stats-json --print-ids --quiet --repeat 2 ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 >/dev/null | python3 -c "$fmt"
+}
+mlxlm() {  # [label, env assignments and --flags...]
   local label=${1:-}; shift || true
+  split_config "$@"
   echo -n "  mlx-lm${label:+ $label}: "
-  env "$@" python3 "$here/mlx_lm_bench.py" "$M" --prompt-ids "$ids" --max-new 128 --repeat 2 2>&1 >/dev/null | python3 -c "$fmt"
+  env "${ENVS[@]}" python3 "$here/mlx_lm_bench.py" "$M" --prompt-ids "$ids" --max-new 128 --repeat 2 \
+    ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 >/dev/null | python3 -c "$fmt"
 }
 
 # Generates model folder $1 (llama-8b-4bit | llama-8b-bf16 | qwen3-30b-a3b-4bit) if absent; sets M.
@@ -125,6 +140,32 @@ fold)
 mma)
   timeout 500 "$here/cuda_kernels" --mma | grep -v "max|ours - MLX| [0-9.e+-]* (output"
   ;;
+speculative)
+  # Per model: greedy ids plain and with the draft, then one process per configuration
+  # (--repeat 2: run 2 is the steady state). DAMPS: the models, "none" the plain random one,
+  # a number the --damp of layers EARLY (default 4) onwards (see make_random_model.py).
+  early=${EARLY:-4}
+  for damp in ${DAMPS:-none 0.2 0}; do
+    if [ "$damp" = none ]; then model llama-8b-4bit; else
+      M=$models/llama-8b-4bit-damp$damp
+      [ -f "$M/config.json" ] || python3 "$here/make_random_model.py" make llama-8b "$M" \
+        --damp-after "$early" --damp "$damp" | tail -1
+    fi
+    D=$M-early$early
+    [ -f "$D/config.json" ] || "$here/mlxcel" convert --hf "$M" --out "$D" --early-exit "$early" --quiet
+    echo "== $(basename "$M"), draft: its first $early layers"
+    for flags in "" "--draft-model=$D --draft-tokens=4"; do
+      echo -n "  greedy ids ${flags:-plain}: "
+      "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 64 --ignore-eos --print-ids \
+        --quiet $flags 2>&1 | tail -1 | md5sum
+    done
+    mlxcel default MLXCEL_NOTHING=1
+    mlxcel draft-k2 --draft-model=$D --draft-tokens=2
+    mlxcel draft-k4 --draft-model=$D --draft-tokens=4
+    mlxlm
+    mlxlm draft-k2 --draft-model=$D --num-draft-tokens=2
+  done
+  ;;
 ssm)
   # The CUDA selective scan's check, then mlxcel with the scan kernel everywhere (default), at
   # decode only, and off (MLX graphs), against mlx-lm; greedy ids of the three first.
@@ -148,5 +189,5 @@ final)
     passes "default MLXCEL_NOTHING=1"
   done
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | ssm | final" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | ssm | final" >&2; exit 2 ;;
 esac

@@ -11,6 +11,11 @@ Needs only Python `mlx` (the GPU machine has no Rust toolchain):
       is a hole of a sparse file (no disk blocks, no Python mlx needed), for shapes no disk
       holds; run them with `mlxcel generate --random-weights SEED` (each rank makes its own
       shard's random weights on the device, see xtask/bench/gpu_dist.sh)
+  make_random_model.py make llama-8b OUTDIR --damp-after 4 --damp 0.2   layers 4 and later
+      write damp x their updates into the residual stream (o_proj and down_proj scaled): the
+      first 4 layers then predict what all 32 do as often as the damping allows, a stand-in for
+      a trained model whose early-exit draft (`mlxcel convert --early-exit 4`) agrees often
+      (the speculative-decoding benchmark; 0 makes the later layers no-ops)
   make_random_model.py floor MODELDIR [--bandwidth GBPS]
       prints JSON: weight bytes, bytes read per decoded token, measured device copy bandwidth
       (a large MLX array copy: read + write bytes / time) and the decode floor in tok/s.
@@ -129,7 +134,17 @@ def sparse_entries(items, dense):
             yield f"{name}.biases", "BF16", (*out, inp // GROUP)
 
 
-def make(shape, out, dense=False, vocab=None, sparse=False):
+def damped(name, damp_after, damp):
+    """The factor for weight `name`: `damp` for the residual-writing projections of layers at
+    or after `damp_after`, else 1."""
+    if damp_after is None or not name.endswith(("o_proj", "down_proj")):
+        return 1.0
+    parts = name.split(".")
+    layer = int(parts[parts.index("layers") + 1])
+    return damp if layer >= damp_after else 1.0
+
+
+def make(shape, out, dense=False, vocab=None, sparse=False, damp_after=None, damp=1.0):
     c = dict(SHAPES[shape])
     if vocab:
         # To pair the shape with a smaller real tokenizer (the serving benchmark).
@@ -174,7 +189,8 @@ def make(shape, out, dense=False, vocab=None, sparse=False):
             if kind == "ones":
                 tensors[name] = mx.ones(shp, dtype=mx.bfloat16)
                 continue
-            w = ((mx.random.uniform(shape=shp, key=key) - 0.5) * (2 * 0.02 * math.sqrt(3))).astype(mx.bfloat16)
+            scale = 2 * 0.02 * math.sqrt(3) * damped(name, damp_after, damp)
+            w = ((mx.random.uniform(shape=shp, key=key) - 0.5) * scale).astype(mx.bfloat16)
             if kind == "dense":
                 tensors[name] = w
             elif dense:
@@ -249,12 +265,14 @@ def main():
     m.add_argument("--vocab", type=int, help="vocabulary size instead of the shape's")
     m.add_argument("--sparse", action="store_true",
                    help="headers only, data regions as holes (run with --random-weights)")
+    m.add_argument("--damp-after", type=int, help="first layer whose o_proj/down_proj are damped")
+    m.add_argument("--damp", type=float, default=1.0, help="factor on those projections")
     fl = sub.add_parser("floor")
     fl.add_argument("model")
     fl.add_argument("--bandwidth", type=float, help="GB/s (measured when absent)")
     args = ap.parse_args()
     if args.cmd == "make":
-        make(args.shape, args.out, args.dense, args.vocab, args.sparse)
+        make(args.shape, args.out, args.dense, args.vocab, args.sparse, args.damp_after, args.damp)
     else:
         total, read = bytes_per_token(args.model)
         bw = args.bandwidth or bandwidth_gbps()

@@ -13,6 +13,10 @@ measurements on stderr, with the same keys and definitions as `mlxcel generate -
   peak_mlx_bytes  mx.get_peak_memory()
 
 usage: mlx_lm_bench.py MODEL --prompt-ids 1,2,3 --max-new N [--dtype f32] [--print-ids]
+                       [--draft-model DIR --num-draft-tokens K]
+
+With --draft-model, mlx-lm's speculative_generate_step decodes (greedy), and the stats line adds
+draft_accepted: the generated tokens that came from the draft.
 """
 import argparse
 import json
@@ -43,6 +47,8 @@ def main():
     ap.add_argument("--print-ids", action="store_true")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the generation this many times in the process, a stats line each")
+    ap.add_argument("--draft-model")
+    ap.add_argument("--num-draft-tokens", type=int, default=2)
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -53,6 +59,7 @@ def main():
     prompt = [int(t) for t in args.prompt_ids.split(",") if t]
     t0 = time.perf_counter()
     model, _config = load_model(Path(args.model), lazy=False)
+    draft = load_model(Path(args.draft_model), lazy=False)[0] if args.draft_model else None
     if args.dtype == "f32":
         # MLX's Linux CPU backend emulates bf16/f16 and accumulates quantized matmuls in the
         # activation dtype; mlxcel computes in float32 there. Cast every float parameter
@@ -73,7 +80,17 @@ def main():
         ids = []
         t_start = time.perf_counter()
         t_first = None
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=args.max_new):
+        from_draft = 0
+        if draft is None:
+            steps = ((t, False) for t, _ in generate_step(mx.array(prompt), model, max_tokens=args.max_new))
+        else:
+            from mlx_lm.generate import speculative_generate_step
+
+            steps = ((t, d) for t, _, d in speculative_generate_step(
+                mx.array(prompt), model, draft, num_draft_tokens=args.num_draft_tokens,
+                max_tokens=args.max_new))
+        for token, drafted in steps:
+            from_draft += int(bool(drafted))
             tok = token if isinstance(token, int) else int(token.item())
             if t_first is None:
                 t_first = time.perf_counter()
@@ -100,6 +117,8 @@ def main():
             "peak_mlx_bytes": mx.get_peak_memory(),
             "vmhwm_bytes": vmhwm_bytes(),
         }
+        if draft is not None:
+            stats["draft_accepted"] = from_draft
         sys.stderr.write(json.dumps(stats) + "\n")
 
 

@@ -737,6 +737,26 @@ impl<'m> Session<'m> {
         Ok(logits.reshape(&[n, -1])?)
     }
 
+    /// Makes the caches hold `context` and returns the logits after its last token, `[vocab]`,
+    /// unevaluated when it can: the held prefix is kept, the caches are cut back to it and the
+    /// rest is fed in one pass (a draft model catching up with the tokens the model kept). When
+    /// the caches cannot be cut back there it is [`Session::prefill`] (evaluated).
+    pub fn catch_up(&mut self, context: &[u32]) -> Result<Array> {
+        let common = self
+            .common_prefix(context, &[])
+            .min(context.len().saturating_sub(1));
+        if context.is_empty() || !self.caches.iter().all(|c| c.can_rewind(common)) {
+            return Ok(self.prefill(context, None)?.1);
+        }
+        check_token_ids(&context[common..], self.model.vocab_size())?;
+        self.truncate(common)?;
+        let rest: Vec<i32> = context[common..].iter().map(|t| *t as i32).collect();
+        let ids = Array::from_slice(&rest, &[1, rest.len() as i32])?;
+        let logits = self.model.forward_last(&ids, &mut self.caches)?;
+        self.tokens.extend_from_slice(&context[common..]);
+        Ok(logits.reshape(&[-1])?)
+    }
+
     /// Records the values of tokens fed by [`Session::feed_pending`].
     pub fn record_tokens(&mut self, tokens: &[u32]) {
         self.tokens.extend_from_slice(tokens);

@@ -67,7 +67,8 @@ pub struct RunFlags {
     #[arg(long)]
     pub force: bool,
     /// Speculative decoding: a smaller model sharing the tokenizer proposes tokens that the
-    /// model checks in one pass (greedy output unchanged; text prompts only).
+    /// model checks in one pass (greedy output unchanged; text prompts only). Not yet faster
+    /// than plain decoding: see docs/performance.md.
     #[arg(long, value_name = "DIR")]
     pub draft_model: Option<PathBuf>,
     /// Tokens the draft model proposes per round.
@@ -162,6 +163,7 @@ fn load_draft(flags: &RunFlags, loaded: &Loaded) -> anyhow::Result<Option<Loaded
     };
     let path = crate::convert::resolve_gguf(path, flags.quiet)?;
     let options = LoadOptions {
+        skip_tokenizer: loaded.tokenizer.is_none(),
         policy: Some(mlxcel_core::policy::current()),
         ..Default::default()
     };
@@ -172,11 +174,18 @@ fn load_draft(flags: &RunFlags, loaded: &Loaded) -> anyhow::Result<Option<Loaded
             (&loaded.folder, m),
             (&draft.folder, d),
         )?,
-        _ => bail!(
-            "--draft-model needs both models' tokenizers to check they agree: {} or {} has no tokenizer.json",
-            loaded.folder.display(),
-            draft.folder.display()
+        // Token ids in, ids out (--prompt-ids --print-ids) loads no tokenizer: the ids must
+        // at least index the same vocabulary.
+        _ if loaded.model.vocab_size() != draft.model.vocab_size() => bail!(
+            "--draft-model {}: its vocabulary has {} ids and the model's {}; a draft must share the model's tokenizer",
+            draft.folder.display(),
+            draft.model.vocab_size(),
+            loaded.model.vocab_size()
         ),
+        _ if !flags.quiet => eprintln!(
+            "[no tokenizers loaded to compare: the draft's token ids are taken to be the model's]"
+        ),
+        _ => {}
     }
     if !flags.quiet {
         eprintln!(
@@ -486,7 +495,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
     let run = &flags.run;
     let need_tokenizer = flags.prompt_ids.is_none() || !flags.print_ids;
     // Image placeholders are expanded through the tokenizer.
-    let need_tokenizer = need_tokenizer || !flags.image.is_empty() || run.draft_model.is_some();
+    let need_tokenizer = need_tokenizer || !flags.image.is_empty();
     let Some(loaded) = load(run, need_tokenizer)? else {
         return Ok(());
     };
@@ -604,10 +613,16 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
         "decode_tps": stats.decode_tokens_per_second(),
         "peak_mlx_bytes": mlxcel_core::memory::peak_bytes().unwrap_or(0),
         "vmhwm_bytes": vmhwm,
-        "draft_rounds": stats.speculation.map(|s| s.rounds),
-        "draft_proposed": stats.speculation.map(|s| s.proposed),
-        "draft_accepted": stats.speculation.map(|s| s.accepted),
     });
+    let json = match (json, stats.speculation) {
+        (serde_json::Value::Object(mut fields), Some(s)) => {
+            fields.insert("draft_rounds".into(), s.rounds.into());
+            fields.insert("draft_proposed".into(), s.proposed.into());
+            fields.insert("draft_accepted".into(), s.accepted.into());
+            serde_json::Value::Object(fields)
+        }
+        (json, _) => json,
+    };
     eprintln!("{json}");
 }
 

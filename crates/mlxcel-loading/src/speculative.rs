@@ -92,12 +92,8 @@ fn propose_and_feed(
     if k > 0 {
         let mut context = session.tokens().to_vec();
         context.push(last);
-        // Reuses what the draft holds; feeds what it has not seen (one or two tokens).
-        let t = std::time::Instant::now();
-        let (_, logits) = draft.prefill(&context, None)?;
-        if std::env::var("SPEC_TRACE").is_ok() {
-            eprintln!("TRACE draft prefill {:?}", t.elapsed());
-        }
+        // Keeps what the draft holds; feeds what it has not seen (one or two tokens), queued.
+        let logits = draft.catch_up(&context)?;
         let vocab = session.vocab_size();
         let mut pick = draft_pick(&logits, vocab)?;
         fed.push(pick.clone());
@@ -166,17 +162,12 @@ pub fn generate_text_speculative(
         {
             k = 0;
         }
-        let t0 = std::time::Instant::now();
         let (fed, logits) = propose_and_feed(session, draft.session, last, k)?;
-        let t1 = std::time::Instant::now();
         let mut kept = 0;
         if greedy {
             let picks = logits.argmax(-1, false)?.astype(Dtype::Int32)?;
             let nan = logits.isnan()?.any(&[0, 1], false)?.astype(Dtype::Int32)?;
             mlxcel_core::ops::eval_all([&fed, &picks, &nan])?;
-            if std::env::var("SPEC_TRACE").is_ok() {
-                eprintln!("TRACE build {:?} eval {:?}", t1 - t0, t1.elapsed());
-            }
             if nan.to_vec::<i32>()?[0] != 0 {
                 return Err(nan_error(g.generated.len()));
             }
