@@ -749,7 +749,13 @@ fn every_decoder_takes_runtime_adapters_on_its_projections() {
         runtime
             .select_adapters(&AdapterMix::weighted("x", 0.0))
             .unwrap();
-        assert_eq!(logits_for(&runtime.model, &ids), base, "{name}: weight 0");
+        // Weight 0 is the base model up to float rounding: two passes of the same model on
+        // the CPU may sum in another order (seen once in CI at 4e-6 relative, under load).
+        let (off, at) = max_abs_diff(&logits_for(&runtime.model, &ids), &base);
+        assert!(
+            off <= 1e-5 * scale,
+            "{name}: weight 0 moves the logits by {off:.2e} at {at}"
+        );
         eprintln!(
             "{name}: {} projections adapted, runtime vs fused {diff:.1e}; left out: {left_out:?}",
             adapted.len()
