@@ -791,7 +791,7 @@ impl<'m> Session<'m> {
 
     /// Records the value of a token fed by [`Session::step_pending`].
     pub fn record_token(&mut self, token: u32) {
-        self.tokens.push(token);
+        self.record_tokens(&[token]);
     }
 
     /// Feeds one generated token; returns the logits for the next.
