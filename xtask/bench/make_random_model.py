@@ -144,7 +144,39 @@ def damped(name, damp_after, damp):
     return damp if layer >= damp_after else 1.0
 
 
-def make(shape, out, dense=False, vocab=None, sparse=False, damp_after=None, damp=1.0):
+# Routing constants of xtask/src/bench/synth.rs (TOKEN_STD, SHARED_RMS, ZIPF_ALPHA, BIAS_BETA).
+TOKEN_STD, SHARED_RMS, ZIPF_ALPHA, BIAS_BETA = 2.0, 1.0, 1.0, 0.5
+
+
+def shared_direction(mx, h):
+    """The unit vector [1, h] every token embedding has a component along."""
+    u = mx.random.uniform(shape=(1, h), key=mx.random.key(0x5EED0A11)) - 0.5
+    return u / mx.sqrt((u * u).sum(axis=1, keepdims=True))
+
+
+def routed_fill(mx, name, shp, key, routing):
+    """The float32 values of `name` under `routing`, or None where it changes nothing."""
+    if routing is None:
+        return None
+    h = shp[-1]
+    if name == "model.embed_tokens":
+        tok = (mx.random.uniform(shape=shp, key=key) - 0.5) * (2 * TOKEN_STD * math.sqrt(3))
+        return tok + shared_direction(mx, h) * (SHARED_RMS * math.sqrt(h))
+    if name.endswith(".mlp.gate.weight"):
+        u = shared_direction(mx, h)
+        g = (mx.random.uniform(shape=shp, key=key) - 0.5) * (2 * 0.02 * math.sqrt(3))
+        g = g - (g * u).sum(axis=1, keepdims=True) * u
+        if routing == "skewed":
+            layer = int(name.split(".")[2])
+            ranks = mx.random.permutation(shp[0], key=mx.random.key(777 + layer))
+            zipf = (1.0 + ranks.astype(mx.float32)) ** -ZIPF_ALPHA
+            g = g + (BIAS_BETA * zipf)[:, None] * u
+        return g
+    return None
+
+
+def make(shape, out, dense=False, vocab=None, sparse=False, damp_after=None, damp=1.0,
+         routing=None):
     c = dict(SHAPES[shape])
     if vocab:
         # To pair the shape with a smaller real tokenizer (the serving benchmark).
@@ -190,7 +222,10 @@ def make(shape, out, dense=False, vocab=None, sparse=False, damp_after=None, dam
                 tensors[name] = mx.ones(shp, dtype=mx.bfloat16)
                 continue
             scale = 2 * 0.02 * math.sqrt(3) * damped(name, damp_after, damp)
-            w = ((mx.random.uniform(shape=shp, key=key) - 0.5) * scale).astype(mx.bfloat16)
+            w = routed_fill(mx, name, shp, key, routing)
+            if w is None:
+                w = (mx.random.uniform(shape=shp, key=key) - 0.5) * scale
+            w = w.astype(mx.bfloat16)
             if kind == "dense":
                 tensors[name] = w
             elif dense:
@@ -267,12 +302,17 @@ def main():
                    help="headers only, data regions as holes (run with --random-weights)")
     m.add_argument("--damp-after", type=int, help="first layer whose o_proj/down_proj are damped")
     m.add_argument("--damp", type=float, default=1.0, help="factor on those projections")
+    m.add_argument("--routing", choices=["uniform", "skewed"],
+                   help="MoE shapes: routing like the CPU streaming benchmark's (see above)")
     fl = sub.add_parser("floor")
     fl.add_argument("model")
     fl.add_argument("--bandwidth", type=float, help="GB/s (measured when absent)")
     args = ap.parse_args()
     if args.cmd == "make":
-        make(args.shape, args.out, args.dense, args.vocab, args.sparse, args.damp_after, args.damp)
+        if args.routing and "num_experts" not in SHAPES[args.shape]:
+            ap.error("--routing needs an MoE shape")
+        make(args.shape, args.out, args.dense, args.vocab, args.sparse, args.damp_after, args.damp,
+             args.routing)
     else:
         total, read = bytes_per_token(args.model)
         bw = args.bandwidth or bandwidth_gbps()

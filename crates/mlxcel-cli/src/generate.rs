@@ -623,6 +623,29 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
         }
         (json, _) => json,
     };
+    let json = match (json, &loaded.expert_stream) {
+        (serde_json::Value::Object(mut fields), Some((plan, s))) => {
+            let s = s.borrow();
+            fields.insert(
+                "expert_stream".into(),
+                serde_json::json!({
+                    "slots_per_layer": plan.slots_per_layer,
+                    "arena_bytes": plan.arena_bytes(),
+                    "hits": s.hits,
+                    "misses": s.misses,
+                    "hit_rate": s.hit_rate(),
+                    "bytes_read": s.bytes_read,
+                    "read_s": s.read_seconds,
+                    "read_gbps": s.read_gb_per_second(),
+                    "io": s.io.map(|io| io.name()),
+                    "reuse": s.reuse_rate(),
+                    "top_decile_share": s.top_decile_share(),
+                }),
+            );
+            serde_json::Value::Object(fields)
+        }
+        (json, _) => json,
+    };
     eprintln!("{json}");
 }
 

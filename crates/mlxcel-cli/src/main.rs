@@ -492,5 +492,10 @@ fn logits(
         vocab,
         out.display()
     );
+    // With streamed experts, say so: the logits are meant to equal resident ones bit for bit,
+    // and a comparison is only worth something if the experts really came from the arena.
+    if let Some((plan, stats)) = &loaded.expert_stream {
+        eprintln!("{}\n{}", plan.describe(), stats.borrow().describe());
+    }
     Ok(())
 }
