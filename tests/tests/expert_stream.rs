@@ -377,3 +377,77 @@ fn tampered_layouts_are_refused() {
     };
     assert!(err.contains("prepare-expert-stream"), "{err}");
 }
+
+/// Logits of each decode step: the prompt prefilled, then each of `continuation` fed alone.
+fn decode_logits(
+    model: &dyn mlxcel_arch::LanguageModel,
+    prompt: &[u32],
+    continuation: &[u32],
+) -> Vec<Vec<f32>> {
+    let mut session = mlxcel_arch::generate::Session::new(model);
+    let (_, first) = session.prefill(prompt, None).unwrap();
+    let mut out = vec![first
+        .astype(mlxcel_core::Dtype::Float32)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()];
+    for &t in continuation {
+        let logits = session.step(t).unwrap();
+        out.push(
+            logits
+                .astype(mlxcel_core::Dtype::Float32)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
+        );
+    }
+    out
+}
+
+/// Decode steps read the next streamed layer's predicted experts ahead: the logits of every
+/// step stay the resident ones, bit for bit, with and without reading ahead, at the smallest
+/// arena (the most misses), and the reads ahead happen and are used.
+#[test]
+fn reading_ahead_changes_no_decode_logits() {
+    for name in MOE_FIXTURES {
+        let dir = copy_fixture(name);
+        let manifest = prepare_expert_stream(dir.path(), |_, _| {}).unwrap();
+        let r = reference(name);
+        let off = StreamConfig {
+            mode: StreamMode::Off,
+            ..Default::default()
+        };
+        let resident = load(dir.path(), off);
+        let want = decode_logits(&resident.model, &r.prompt_ids, &r.greedy_ids);
+        let top_k = resident.config["num_experts_per_tok"].as_u64().unwrap();
+        let per_slot: u64 = manifest.layers.iter().map(|l| l.expert_stride).sum();
+        for prefetch in [true, false] {
+            let on = StreamConfig {
+                mode: StreamMode::On,
+                arena_bytes: Some(per_slot * top_k),
+                prefetch,
+                ..Default::default()
+            };
+            let streamed = load(dir.path(), on);
+            let got = decode_logits(&streamed.model, &r.prompt_ids, &r.greedy_ids);
+            assert!(
+                got == want,
+                "{name}: read-ahead {prefetch}: decode logits differ"
+            );
+            let s = streamed.expert_stream.as_ref().unwrap().1.borrow().clone();
+            if prefetch && manifest.layers.len() > 1 {
+                assert!(s.prefetched > 0 && s.prefetch_used > 0, "{name}: {s:?}");
+                assert!(
+                    s.prefetch_used <= s.prefetched && s.prefetch_used <= s.misses,
+                    "{s:?}"
+                );
+            } else {
+                assert_eq!((s.prefetched, s.prefetch_used), (0, 0), "{name}: {s:?}");
+            }
+            eprintln!(
+                "{name}: read-ahead {prefetch}: {} misses, {} read ahead, {} used",
+                s.misses, s.prefetched, s.prefetch_used
+            );
+        }
+    }
+}

@@ -334,6 +334,7 @@ fn load_options_overrides_win_over_the_policy() {
             arena_bytes: Some(1 << 20),
             policy: mlxcel_stream::CachePolicy::Lru,
             io: mlxcel_stream::ExpertIo::Dontneed,
+            prefetch: false,
         }),
         ..Default::default()
     };
@@ -348,6 +349,7 @@ fn load_options_overrides_win_over_the_policy() {
     assert_eq!(got.expert_arena_bytes, Some(1 << 20));
     assert_eq!(got.expert_cache_policy, mlxcel_stream::CachePolicy::Lru);
     assert_eq!(got.expert_io, mlxcel_stream::ExpertIo::Dontneed);
+    assert!(!got.expert_prefetch);
     // Fields without an override keep the policy's.
     assert_eq!(got.dequant_rows, Some(7));
 }

@@ -1099,7 +1099,8 @@ impl ModelWeights {
             setup.stats.clone(),
         )?;
         Ok(RoutedExperts::Streamed(Box::new(StreamedGlu {
-            layer: std::cell::RefCell::new(layer),
+            layer: std::rc::Rc::new(std::cell::RefCell::new(layer)),
+            next: None,
             specs,
             act,
         })))

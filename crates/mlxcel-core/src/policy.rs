@@ -171,6 +171,10 @@ pub struct RuntimePolicy {
     pub expert_verify: bool,
     /// `MLXCEL_EXPERT_IO`: `direct` (default), `dontneed` or `cached`.
     pub expert_io: ExpertIo,
+    /// `MLXCEL_EXPERT_PREFETCH`: during decode, each streamed MoE layer predicts the next
+    /// streamed layer's experts (that layer's router on this layer's input) and starts reading
+    /// the missing ones (default on; `0` to measure what it gains).
+    pub expert_prefetch: bool,
     /// `MLXCEL_PLE_IO`: `mmap` (default), `direct` or `ram`.
     pub ple_io: PleIo,
     /// `MLXCEL_PLE_CACHE_BYTES`: bytes of the LRU row cache of an external per-layer-embedding
@@ -266,6 +270,7 @@ impl RuntimePolicy {
         expert_read_threads: 4,
         expert_verify: true,
         expert_io: ExpertIo::Direct,
+        expert_prefetch: true,
         ple_io: PleIo::Mmap,
         ple_cache_bytes: DEFAULT_PLE_CACHE_BYTES,
         dequant_rows: None,
@@ -290,7 +295,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 28] = [
+    pub const VARIABLES: [&'static str; 29] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -298,6 +303,7 @@ impl RuntimePolicy {
         "MLXCEL_EXPERT_READ_THREADS",
         "MLXCEL_EXPERT_VERIFY",
         "MLXCEL_EXPERT_IO",
+        "MLXCEL_EXPERT_PREFETCH",
         "MLXCEL_PLE_IO",
         "MLXCEL_PLE_CACHE_BYTES",
         "MLXCEL_DEQUANT_ROWS",
@@ -379,6 +385,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_EXPERT_VERIFY") {
             p.expert_verify = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_EXPERT_PREFETCH") {
+            p.expert_prefetch = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_EXPERT_IO") {
             p.expert_io =

@@ -98,6 +98,7 @@ impl LoadOptions {
             policy.expert_arena_bytes = stream.arena_bytes;
             policy.expert_cache_policy = stream.policy;
             policy.expert_io = stream.io;
+            policy.expert_prefetch = stream.prefetch;
         }
         if let Some(w) = self.warm_up {
             policy.warm_up = Some(w);

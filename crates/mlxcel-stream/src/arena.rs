@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use mlxcel_core::{ops, Array, Dtype};
@@ -32,8 +34,17 @@ pub struct StreamStats {
     /// Bytes read from stream files (the experts' bytes; a direct read's alignment padding is
     /// not counted).
     pub bytes_read: u64,
-    /// Wall-clock seconds spent in those reads (parallel reads counted once).
+    /// Wall-clock seconds spent in those reads (parallel reads counted once; a read ahead
+    /// counts its own duration, so reads overlapping each other make
+    /// [`StreamStats::read_gb_per_second`] a lower bound).
     pub read_seconds: f64,
+    /// Seconds the computation waited for expert reads (its own, or ones started ahead and not
+    /// finished yet): what streaming costs a step beyond the arithmetic.
+    pub wait_seconds: f64,
+    /// Experts read ahead of their layer's turn (predicted by the previous streamed layer).
+    pub prefetched: u64,
+    /// Of those, the experts their layer then needed (the rest were read for nothing).
+    pub prefetch_used: u64,
     /// How expert bytes were read: the mode asked for, or `dontneed` after the file system
     /// refused `O_DIRECT`. `None` before any layer was opened.
     pub io: Option<ExpertIo>,
@@ -93,10 +104,15 @@ impl StreamStats {
         }
     }
 
+    /// The share of experts read ahead that their layer then needed; 0 before any.
+    pub fn prefetch_accuracy(&self) -> f64 {
+        self.prefetch_used as f64 / self.prefetched.max(1) as f64
+    }
+
     /// The one-line summary the CLI prints after a run.
     pub fn describe(&self) -> String {
         format!(
-            "[experts: {} hits, {} misses ({:.1}% hit rate), {:.1} MiB read in {:.2}s ({:.2} GB/s, io {}); routing: {:.1}% reuse between consecutive tokens, top-10% experts take {:.1}% of selections]",
+            "[experts: {} hits, {} misses ({:.1}% hit rate), {:.1} MiB read in {:.2}s ({:.2} GB/s, io {}), waited {:.2}s; {} read ahead ({:.1}% then needed); routing: {:.1}% reuse between consecutive tokens, top-10% experts take {:.1}% of selections]",
             self.hits,
             self.misses,
             100.0 * self.hit_rate(),
@@ -104,6 +120,9 @@ impl StreamStats {
             self.read_seconds,
             self.read_gb_per_second(),
             self.io.map_or("-", ExpertIo::name),
+            self.wait_seconds,
+            self.prefetched,
+            100.0 * self.prefetch_accuracy(),
             100.0 * self.reuse_rate(),
             100.0 * self.top_decile_share(),
         )
@@ -150,6 +169,11 @@ impl SlotMap {
     /// Number of slots.
     pub fn capacity(&self) -> usize {
         self.occupant.len()
+    }
+
+    /// Whether `expert` sits in a slot.
+    pub fn holds(&self, expert: usize) -> bool {
+        self.slot_of.contains_key(&expert)
     }
 
     /// Empties `slots`: their experts were planned in but never arrived (a failed read), so
@@ -218,22 +242,53 @@ fn verify_reads() -> bool {
     mlxcel_core::policy::with(|p| p.expert_verify)
 }
 
+/// Reads experts from one layer's stream file; shared with the background thread of a read
+/// ahead ([`LayerStream::prefetch`]).
+struct Reader {
+    path: PathBuf,
+    /// The layer's prefix, for errors.
+    prefix: String,
+    /// Opened normally: `pread`s of `dontneed` and `cached`, and the fallback of `direct`.
+    file: File,
+    /// Opened with `O_DIRECT` when reads are `direct`; `None` once the file system refused.
+    direct: Option<File>,
+    /// How reads go (`direct` becomes `dontneed` on a refusal, in a new reader).
+    io: ExpertIo,
+    /// Per expert the xxh3-64 its bytes must have; `None` when reads are not checked.
+    hashes: Option<Vec<u64>>,
+    /// Bytes from one expert's start to the next's.
+    stride: u64,
+    /// Bytes read per expert.
+    len: usize,
+    /// Bytes and nanoseconds of finished reads ahead, not yet added to the stats (a read
+    /// ahead nobody waits for finishes on its own; the layer's next fetch counts it).
+    ahead_bytes: AtomicU64,
+    ahead_nanos: AtomicU64,
+}
+
+/// Reads of predicted experts running on a background thread.
+struct ReadAhead {
+    experts: Vec<usize>,
+    reads: JoinHandle<AheadResult>,
+}
+
+/// What a [`ReadAhead`] thread returns: the blobs in `experts` order, and whether the file
+/// system refused `O_DIRECT` on the way.
+struct AheadResult {
+    blobs: Result<Vec<Blob>>,
+    refused: bool,
+}
+
 /// One MoE layer's streamed experts.
 pub struct LayerStream {
     entry: LayerEntry,
-    path: PathBuf,
-    /// Opened normally: `pread`s of `dontneed` and `cached`, and the fallback of `direct`.
-    file: File,
-    /// Opened with `O_DIRECT` when reads are `direct`; dropped when the file system refuses.
-    direct: Option<File>,
-    /// How reads go now (`direct` becomes `dontneed` on a refusal).
-    io: ExpertIo,
+    reader: Arc<Reader>,
     /// Where this layer's selection counts sit in `stats.selections`.
     stats_index: usize,
     /// The experts the previous token of this layer selected (sorted), for the reuse rate.
     previous: Vec<u32>,
-    /// Per expert the xxh3-64 its bytes must have; `None` when reads are not checked.
-    hashes: Option<Vec<u64>>,
+    /// Experts being read ahead of this layer's next call, if any.
+    ahead: Option<ReadAhead>,
     slots: SlotMap,
     /// One array per plane, `[capacity, ..plane shape]`, in manifest order.
     arena: Vec<Array>,
@@ -245,10 +300,10 @@ impl std::fmt::Debug for LayerStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The arena arrays, hashes and file handle say little; name the layer and its sizes.
         f.debug_struct("LayerStream")
-            .field("path", &self.path)
+            .field("path", &self.reader.path)
             .field("experts", &self.entry.experts)
             .field("capacity", &self.capacity())
-            .field("io", &self.io)
+            .field("io", &self.reader.io)
             .field("float_dtype", &self.float_dtype)
             .finish_non_exhaustive()
     }
@@ -323,13 +378,21 @@ impl LayerStream {
         };
         Ok(LayerStream {
             entry: entry.clone(),
-            path,
-            file,
-            direct,
-            io,
+            reader: Arc::new(Reader {
+                path,
+                prefix: entry.prefix.clone(),
+                file,
+                direct,
+                io,
+                hashes: verify_reads().then_some(hashes),
+                stride: entry.expert_stride,
+                len: entry.read_len() as usize,
+                ahead_bytes: AtomicU64::new(0),
+                ahead_nanos: AtomicU64::new(0),
+            }),
             stats_index,
             previous: Vec::new(),
-            hashes: verify_reads().then_some(hashes),
+            ahead: None,
             slots: SlotMap::new(capacity, policy),
             arena,
             float_dtype,
@@ -388,7 +451,56 @@ impl LayerStream {
 
     /// How this layer reads now: the mode asked for, or `dontneed` after a refused `O_DIRECT`.
     pub fn io(&self) -> ExpertIo {
-        self.io
+        self.reader.io
+    }
+
+    /// Starts reading, on a background thread, those of `experts` (a prediction of what this
+    /// layer's next call needs; at most `capacity` are taken) that are not resident. The next
+    /// [`LayerStream::fetch`] takes the blobs it needs from these reads, waiting for them if
+    /// they have not finished, and drops the rest. Does nothing while earlier reads ahead are
+    /// unclaimed, or when no thread can be started (the experts are then read on demand).
+    pub fn prefetch(&mut self, experts: &[usize]) {
+        if self.ahead.is_some() {
+            return;
+        }
+        let mut wanted: Vec<usize> = experts
+            .iter()
+            .copied()
+            .filter(|e| *e < self.entry.experts && !self.slots.holds(*e))
+            .collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        wanted.truncate(self.capacity());
+        if wanted.is_empty() {
+            return;
+        }
+        let reader = Arc::clone(&self.reader);
+        let threads = read_threads();
+        let list = wanted.clone();
+        let spawned = std::thread::Builder::new()
+            .name("mlxcel-expert-read-ahead".into())
+            .spawn(move || {
+                let started = Instant::now();
+                let refused = AtomicBool::new(false);
+                let blobs = reader.read(&list, threads, &refused);
+                if let Ok(b) = &blobs {
+                    let bytes = b.iter().map(|b| b.len as u64).sum::<u64>();
+                    reader.ahead_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    let nanos = started.elapsed().as_nanos() as u64;
+                    reader.ahead_nanos.fetch_add(nanos, Ordering::Relaxed);
+                }
+                AheadResult {
+                    blobs,
+                    refused: refused.load(Ordering::Relaxed),
+                }
+            });
+        if let Ok(reads) = spawned {
+            self.stats.borrow_mut().prefetched += wanted.len() as u64;
+            self.ahead = Some(ReadAhead {
+                experts: wanted,
+                reads,
+            });
+        }
     }
 
     /// Makes `experts` (distinct, at most `capacity`) resident; returns the slot of each.
@@ -407,7 +519,7 @@ impl LayerStream {
     pub fn fetch(&mut self, experts: &[usize]) -> Result<Fetched> {
         if experts.len() > self.capacity() {
             return Err(StreamError::Layout {
-                path: self.path.clone(),
+                path: self.reader.path.clone(),
                 message: format!(
                     "{} experts needed at once but the arena has {} slots",
                     experts.len(),
@@ -417,7 +529,7 @@ impl LayerStream {
         }
         if let Some(bad) = experts.iter().find(|e| **e >= self.entry.experts) {
             return Err(StreamError::Layout {
-                path: self.path.clone(),
+                path: self.reader.path.clone(),
                 message: format!("expert {bad} out of range ({} experts)", self.entry.experts),
             });
         }
@@ -427,7 +539,14 @@ impl LayerStream {
             stats.misses += loads.len() as u64;
             stats.hits += (experts.len() - loads.len()) as u64;
         }
+        // Reads ahead none of `loads` needs are left to finish on their own (a wait would only
+        // delay this call); the ones it needs are waited for once its own reads are done.
+        let ahead = self
+            .ahead
+            .take()
+            .filter(|a| loads.iter().any(|(e, _)| a.experts.contains(e)));
         if loads.is_empty() {
+            self.count_reads_ahead();
             return Ok(Fetched {
                 slots,
                 loads,
@@ -436,31 +555,92 @@ impl LayerStream {
         }
         let started = Instant::now();
         let refused = AtomicBool::new(false);
-        let blobs = match self.read(&loads, &refused) {
-            Ok(b) => b,
+        let threads = read_threads();
+        // What is not being read ahead is read now, while the reads ahead go on.
+        let ahead_has = |e: &usize| ahead.as_ref().is_some_and(|a| a.experts.contains(e));
+        let now: Vec<usize> = loads
+            .iter()
+            .map(|(e, _)| *e)
+            .filter(|e| !ahead_has(e))
+            .collect();
+        let read_now = self.reader.read(&now, threads, &refused);
+        let read_now_seconds = started.elapsed().as_secs_f64();
+        let mut blob_of: HashMap<usize, Blob> = HashMap::new();
+        let mut late = Vec::new();
+        if let Some(a) = ahead {
+            let result = a.reads.join().unwrap_or_else(|_| AheadResult {
+                blobs: Err(StreamError::Config(
+                    "an expert read-ahead thread panicked".into(),
+                )),
+                refused: false,
+            });
+            if result.refused {
+                refused.store(true, Ordering::Relaxed);
+            }
+            let needed = |e: &usize| loads.iter().any(|(l, _)| l == e);
+            match result.blobs {
+                Ok(blobs) => {
+                    for (e, b) in a.experts.into_iter().zip(blobs) {
+                        if needed(&e) {
+                            blob_of.insert(e, b);
+                        }
+                    }
+                    self.stats.borrow_mut().prefetch_used += blob_of.len() as u64;
+                }
+                // A failed read ahead costs nothing but time: what is needed of it is read
+                // again below, and that read reports the error if it persists.
+                Err(_) => late.extend(a.experts.into_iter().filter(needed)),
+            }
+        }
+        let mut bytes = 0u64;
+        let read_late = match read_now {
+            Ok(blobs) => {
+                bytes += blobs.iter().map(|b| b.len as u64).sum::<u64>();
+                blob_of.extend(now.into_iter().zip(blobs));
+                self.reader.read(&late, threads, &refused)
+            }
+            Err(e) => Err(e),
+        };
+        let blobs = match read_late {
+            Ok(blobs) => {
+                bytes += blobs.iter().map(|b| b.len as u64).sum::<u64>();
+                blob_of.extend(late.into_iter().zip(blobs));
+                loads
+                    .iter()
+                    .map(|(e, _)| blob_of.remove(e).expect("every load was read"))
+                    .collect::<Vec<Blob>>()
+            }
             Err(e) => {
                 // Those slots lost their old experts and never got the new ones.
                 self.forget_loads(&loads);
                 return Err(e);
             }
         };
-        let read_seconds = started.elapsed().as_secs_f64();
-        if refused.load(Ordering::Relaxed) {
+        self.count_reads_ahead();
+        if refused.load(Ordering::Relaxed) && self.reader.direct.is_some() {
             // The open succeeded but the reads were refused: read this layer as `dontneed`
             // from now on (the blobs above were already re-read that way).
-            self.direct = None;
-            self.io = ExpertIo::Dontneed;
-            io::no_readahead(&self.file);
+            self.reader = Arc::new(self.reader.buffered()?);
             self.stats.borrow_mut().io = Some(ExpertIo::Dontneed);
         }
         let mut stats = self.stats.borrow_mut();
-        stats.bytes_read += blobs.iter().map(|b| b.len as u64).sum::<u64>();
-        stats.read_seconds += read_seconds;
+        stats.bytes_read += bytes;
+        stats.read_seconds += read_now_seconds;
+        stats.wait_seconds += started.elapsed().as_secs_f64();
         Ok(Fetched {
             slots,
             loads,
             blobs,
         })
+    }
+
+    /// Adds the finished reads ahead's bytes and time to the stats.
+    fn count_reads_ahead(&self) {
+        let bytes = self.reader.ahead_bytes.swap(0, Ordering::Relaxed);
+        let nanos = self.reader.ahead_nanos.swap(0, Ordering::Relaxed);
+        let mut stats = self.stats.borrow_mut();
+        stats.bytes_read += bytes;
+        stats.read_seconds += nanos as f64 * 1e-9;
     }
 
     /// The second half of [`LayerStream::ensure`]: writes the experts `fetched` read into their
@@ -514,55 +694,71 @@ impl LayerStream {
         let lost: Vec<usize> = loads.iter().map(|(_, s)| *s).collect();
         self.slots.forget(&lost);
     }
+}
 
-    /// Reads the blobs of `loads` concurrently, at most [`read_threads`] at a time, each
-    /// checked against its expert's hash in the manifest before it can reach a slot. A direct
-    /// read the file system refuses is redone as `dontneed` and flags `refused`.
-    fn read(&self, loads: &[(usize, usize)], refused: &AtomicBool) -> Result<Vec<Blob>> {
-        let stride = self.entry.expert_stride;
-        let len = self.entry.read_len() as usize;
-        let mut out: Vec<Blob> = (0..loads.len()).map(|_| Blob::empty(len)).collect();
+impl Reader {
+    /// Reads the blobs of `experts` concurrently, at most `threads` at a time, each checked
+    /// against its expert's hash in the manifest before it can reach a slot. A direct read the
+    /// file system refuses is redone as `dontneed` and flags `refused`.
+    fn read(&self, experts: &[usize], threads: usize, refused: &AtomicBool) -> Result<Vec<Blob>> {
+        let (stride, len) = (self.stride, self.len);
+        let mut out: Vec<Blob> = (0..experts.len()).map(|_| Blob::empty(len)).collect();
         let hashes = self.hashes.as_deref();
-        let (path, prefix, file) = (&self.path, &self.entry.prefix, &self.file);
+        let (path, prefix, file) = (&self.path, &self.prefix, &self.file);
         let (direct, mode) = (self.direct.as_ref(), self.io);
-        io::parallel(
-            path,
-            loads,
-            &mut out,
-            read_threads(),
-            |(expert, _), blob| {
-                let offset = *expert as u64 * stride;
-                let mut buffered = mode;
-                if let Some(direct) = direct {
-                    match io::read_direct_span(direct, path, offset, len, &mut blob.buf) {
-                        Ok(skip) => blob.skip = skip,
-                        Err(e) if io::error_refuses_direct(&e) => {
-                            if !refused.swap(true, Ordering::Relaxed) {
-                                direct_refused(path);
-                            }
-                            buffered = ExpertIo::Dontneed;
+        io::parallel(path, experts, &mut out, threads, |expert, blob| {
+            let offset = *expert as u64 * stride;
+            let mut buffered = mode;
+            if let Some(direct) = direct {
+                match io::read_direct_span(direct, path, offset, len, &mut blob.buf) {
+                    Ok(skip) => blob.skip = skip,
+                    Err(e) if io::error_refuses_direct(&e) => {
+                        if !refused.swap(true, Ordering::Relaxed) {
+                            direct_refused(path);
                         }
-                        Err(e) => return Err(e),
+                        buffered = ExpertIo::Dontneed;
                     }
+                    Err(e) => return Err(e),
                 }
-                if buffered != ExpertIo::Direct {
-                    blob.buf.resize(len);
-                    blob.skip = 0;
-                    io::read_exact_at(file, path, offset, blob.buf.as_mut_slice())?;
-                    if buffered == ExpertIo::Dontneed {
-                        io::drop_cached(file, offset, len);
-                    }
+            }
+            if buffered != ExpertIo::Direct {
+                blob.buf.resize(len);
+                blob.skip = 0;
+                io::read_exact_at(file, path, offset, blob.buf.as_mut_slice())?;
+                if buffered == ExpertIo::Dontneed {
+                    io::drop_cached(file, offset, len);
                 }
-                if let Some(want) = hashes.and_then(|h| h.get(*expert)) {
-                    let got = xxh3_64(blob.bytes());
-                    if got != *want {
-                        return Err(corrupt(path, prefix, *expert, got, *want));
-                    }
+            }
+            if let Some(want) = hashes.and_then(|h| h.get(*expert)) {
+                let got = xxh3_64(blob.bytes());
+                if got != *want {
+                    return Err(corrupt(path, prefix, *expert, got, *want));
                 }
-                Ok(())
-            },
-        )?;
+            }
+            Ok(())
+        })?;
         Ok(out)
+    }
+
+    /// This reader without `O_DIRECT`: `dontneed` reads, readahead off (after a refusal).
+    fn buffered(&self) -> Result<Reader> {
+        let file = self
+            .file
+            .try_clone()
+            .map_err(|e| StreamError::io(&self.path, e))?;
+        io::no_readahead(&file);
+        Ok(Reader {
+            path: self.path.clone(),
+            prefix: self.prefix.clone(),
+            file,
+            direct: None,
+            io: ExpertIo::Dontneed,
+            hashes: self.hashes.clone(),
+            stride: self.stride,
+            len: self.len,
+            ahead_bytes: AtomicU64::new(0),
+            ahead_nanos: AtomicU64::new(0),
+        })
     }
 }
 

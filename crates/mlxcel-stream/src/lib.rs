@@ -82,6 +82,9 @@ pub struct StreamConfig {
     pub policy: CachePolicy,
     /// `MLXCEL_EXPERT_IO` (`direct` default, `dontneed` or `cached`).
     pub io: ExpertIo,
+    /// `MLXCEL_EXPERT_PREFETCH` (default on): decode steps read the next streamed layer's
+    /// predicted experts ahead.
+    pub prefetch: bool,
 }
 
 impl Default for StreamConfig {
@@ -91,6 +94,7 @@ impl Default for StreamConfig {
             arena_bytes: None,
             policy: CachePolicy::Lfu,
             io: ExpertIo::Direct,
+            prefetch: true,
         }
     }
 }
@@ -103,6 +107,7 @@ impl StreamConfig {
             arena_bytes: policy.expert_arena_bytes,
             policy: policy.expert_cache_policy,
             io: policy.expert_io,
+            prefetch: policy.expert_prefetch,
         }
     }
 

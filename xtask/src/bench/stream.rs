@@ -116,7 +116,7 @@ pub fn compare(models: &[(&str, PathBuf)], prompt: &[u32], new_tokens: usize) ->
     let mut report = String::new();
     let mut floor_n = 0.0;
     let mut table = String::from(
-        "| routing | configuration | decode tok/s | % of resident | prefill tok/s | hit rate | MiB read | read s | read GB/s | % of floor | reuse | top-10% share |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| routing | configuration | decode tok/s | % of resident | prefill tok/s | hit rate | MiB read | read s | read GB/s | % of floor | waited s | read ahead (used) | reuse | top-10% share |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for (i, (routing, model)) in models.iter().enumerate() {
         if manifest::open(model)?.is_none() {
@@ -152,27 +152,35 @@ pub fn compare(models: &[(&str, PathBuf)], prompt: &[u32], new_tokens: usize) ->
         let mut rows = Vec::new();
         for share in ARENA_SHARES {
             let slots = (experts * share).div_ceil(100).max(top_k).min(experts);
-            for io in [ExpertIo::Direct, ExpertIo::Dontneed, ExpertIo::Cached] {
+            // Each IO mode reading ahead (the default), and direct reads without it.
+            for (io, prefetch) in [
+                (ExpertIo::Direct, true),
+                (ExpertIo::Direct, false),
+                (ExpertIo::Dontneed, true),
+                (ExpertIo::Cached, true),
+            ] {
                 let stream = StreamConfig {
                     mode: StreamMode::On,
                     arena_bytes: Some(per_slot * slots as u64),
                     policy: CachePolicy::Lfu,
                     io,
+                    prefetch,
                 };
                 let r = measure(model, stream, prompt, new_tokens)?;
                 eprintln!(
-                    "  {routing} {share}% {}: decode {:.2} tok/s",
+                    "  {routing} {share}% {}{}: decode {:.2} tok/s",
                     io.name(),
+                    if prefetch { "" } else { ", no read-ahead" },
                     r.decode
                 );
-                rows.push((share, slots, r));
+                rows.push((share, slots, prefetch, r));
             }
         }
         let after = measure(model, off, prompt, new_tokens)?;
         let base = (before.decode + after.decode) / 2.0;
         for (label, r) in [("resident (before)", &before), ("resident (after)", &after)] {
             let row = format!(
-                "| {routing} | {label} | {:.2} | {:.0}% | {:.2} | – | – | – | – | – | – | – |\n",
+                "| {routing} | {label} | {:.2} | {:.0}% | {:.2} | – | – | – | – | – | – | – | – | – |\n",
                 r.decode,
                 100.0 * r.decode / base.max(1e-9),
                 r.prefill
@@ -180,11 +188,12 @@ pub fn compare(models: &[(&str, PathBuf)], prompt: &[u32], new_tokens: usize) ->
             eprint!("{row}");
             table.push_str(&row);
         }
-        for (share, slots, r) in rows {
+        for (share, slots, prefetch, r) in rows {
             let s = r.stats.as_ref().context("streaming was on")?;
             let row = format!(
-                "| {routing} | {share}% arena ({slots}/{experts} slots), {} | {:.2} | {:.0}% | {:.2} | {:.1}% | {:.0} | {:.2} | {:.2} | {:.0}% | {:.1}% | {:.1}% |\n",
+                "| {routing} | {share}% arena ({slots}/{experts} slots), {}{} | {:.2} | {:.0}% | {:.2} | {:.1}% | {:.0} | {:.2} | {:.2} | {:.0}% | {:.2} | {} ({:.0}%) | {:.1}% | {:.1}% |\n",
                 s.io.map_or("-", ExpertIo::name),
+                if prefetch { "" } else { ", no read-ahead" },
                 r.decode,
                 100.0 * r.decode / base.max(1e-9),
                 r.prefill,
@@ -193,6 +202,9 @@ pub fn compare(models: &[(&str, PathBuf)], prompt: &[u32], new_tokens: usize) ->
                 s.read_seconds,
                 s.read_gb_per_second(),
                 100.0 * s.read_gb_per_second() / floor_n.max(1e-9),
+                s.wait_seconds,
+                s.prefetched,
+                100.0 * s.prefetch_accuracy(),
                 100.0 * s.reuse_rate(),
                 100.0 * s.top_decile_share(),
             );

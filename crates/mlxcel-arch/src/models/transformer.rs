@@ -1710,6 +1710,15 @@ impl Decoder {
                 });
             }
         }
+        crate::nn::link_streamed_layers(blocks.iter_mut().filter_map(|b| match &mut b.ffn {
+            Some(FeedForward::Moe(moe)) => {
+                let MoeBlock {
+                    router, experts, ..
+                } = &mut **moe;
+                Some((&*router, experts))
+            }
+            _ => None,
+        }));
         let final_norm = norm(&mut body, spec, "norm", h)?;
         drop(body);
         // Tied heads reuse the embedding table (no second copy); an untied config without

@@ -24,7 +24,8 @@ pub use linear::{dequantize_rows_threshold, Embedding, Linear, LinearInput, Swit
 pub use mla::{LatentAttention, LatentDims, QueryProjection};
 pub use mlp::{Activation, Mlp, XIeluParams, OAI_SWIGLU_ALPHA, OAI_SWIGLU_LIMIT};
 pub use moe::{
-    GroupLimit, GroupScore, RoutedExperts, Router, RouterScoring, StreamedGlu, SwitchGlu,
+    link_streamed_layers, GroupLimit, GroupScore, NextStreamed, RoutedExperts, Router,
+    RouterScoring, StreamedGlu, SwitchGlu,
 };
 pub use norm::{Norm, NormKind};
 pub use rope::{RopeConfig, RotaryEmbedding};

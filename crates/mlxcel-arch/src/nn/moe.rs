@@ -2,6 +2,9 @@
 //! (token, expert) pairs sorted by expert, and each projection runs as one `gather_qmm` /
 //! `gather_mm` over the sorted rows — no per-expert loop.
 
+use std::cell::RefCell;
+use std::rc::Rc;
+
 use mlxcel_core::{Array, Dtype};
 
 use super::{Activation, Linear, SwitchLinear};
@@ -240,9 +243,16 @@ const SORT_FROM_PAIRS: i32 = 64;
 /// a prefill chunk needs more experts than there are slots: each expert is fetched once per
 /// chunk for all rows routed to it), and each projection runs as one gathered matmul with slot
 /// indices into the arena.
+///
+/// During decode a layer also starts reading the next streamed layer's experts (see
+/// [`NextStreamed`]), so those reads overlap this layer's experts and the next layer's attention.
 pub struct StreamedGlu {
-    /// The layer's expert stream: its manifest entry, slot arena and statistics.
-    pub layer: std::cell::RefCell<mlxcel_stream::LayerStream>,
+    /// The layer's expert stream: its manifest entry, slot arena and statistics (shared with
+    /// the previous streamed layer, which reads ahead into it).
+    pub layer: Rc<RefCell<mlxcel_stream::LayerStream>>,
+    /// The model's next streamed layer, whose experts this one predicts; set once the model's
+    /// layers are built ([`link_streamed_layers`]).
+    pub next: Option<NextStreamed>,
     /// Per projection (gate, up, down): the quantization, `None` for dense expert weights.
     pub specs: [Option<mlxcel_core::ops::QuantSpec>; 3],
     /// Applied to the gate.
@@ -255,6 +265,41 @@ impl std::fmt::Debug for StreamedGlu {
             .field("prefix", &self.layer.borrow().entry().prefix)
             .finish()
     }
+}
+
+/// The next streamed MoE layer as the previous one sees it: its router, applied to the previous
+/// layer's input, predicts the experts it will choose (the residual stream changes little from
+/// one layer to the next, which is what makes cross-layer prediction work for trained MoEs), and
+/// its stream reads the missing ones ahead. A wrong guess costs disk time, never a wrong
+/// result: the layer still routes by its own router and loads whatever it then lacks.
+#[derive(Clone)]
+pub struct NextStreamed {
+    /// The next streamed layer's router.
+    pub router: Router,
+    /// Its expert stream.
+    pub stream: Rc<RefCell<mlxcel_stream::LayerStream>>,
+}
+
+/// Links each streamed layer of `layers` (in model order: a layer's router and its routed
+/// experts) to the next streamed one, so decode steps read ahead (see [`NextStreamed`]).
+pub fn link_streamed_layers<'a>(
+    layers: impl DoubleEndedIterator<Item = (&'a Router, &'a mut RoutedExperts)>,
+) {
+    let mut next: Option<NextStreamed> = None;
+    for (router, experts) in layers.rev() {
+        if let RoutedExperts::Streamed(glu) = experts {
+            glu.next = next.take();
+            next = Some(NextStreamed {
+                router: router.clone(),
+                stream: Rc::clone(&glu.layer),
+            });
+        }
+    }
+}
+
+/// Whether decode steps read the next streamed layer's experts ahead (`MLXCEL_EXPERT_PREFETCH`).
+fn reads_ahead() -> bool {
+    mlxcel_core::policy::with(|p| p.expert_prefetch)
 }
 
 impl StreamedGlu {
@@ -284,6 +329,21 @@ impl StreamedGlu {
         let shape = ids.shape();
         let (t, k) = (shape[0] as usize, shape[1] as usize);
         let d = x.dim(-1)?;
+        // The next streamed layer's choices for the same rows, predicted by its router from
+        // this layer's input: decode steps only (a prefill chunk's experts come in waves,
+        // pipelined already), and only where they fit that layer's arena.
+        let predicted = match &self.next {
+            Some(next)
+                if reads_ahead()
+                    && next.router.top_k as usize == k
+                    && t * k <= next.stream.borrow().capacity() =>
+            {
+                let p = next.router.route(x)?.0.astype(Dtype::Uint32)?;
+                mlxcel_core::ops::async_eval_all([&p])?;
+                Some(p)
+            }
+            _ => None,
+        };
         let chosen: Vec<u32> = ids.astype(Dtype::Uint32)?.to_vec::<u32>()?;
         // (token, expert) pairs sorted by expert; the distinct experts in order.
         let mut pairs: Vec<usize> = (0..t * k).collect();
@@ -300,6 +360,12 @@ impl StreamedGlu {
             Some(first) => Some(layer.fetch(first)?),
             None => None,
         };
+        // This layer's own reads are done: the next layer's start now, and run while this
+        // layer's experts and the next layer's attention compute.
+        if let (Some(following), Some(p)) = (&self.next, predicted) {
+            let guess: Vec<usize> = p.to_vec::<u32>()?.into_iter().map(|e| e as usize).collect();
+            following.stream.borrow_mut().prefetch(&guess);
+        }
         for (i, wave) in waves.iter().enumerate() {
             let fetched = next.take().expect("fetched before its wave");
             let slots = layer.install(fetched)?;
