@@ -8,9 +8,12 @@
 #   gpu_stream.sh large      Qwen3-30B-A3B shape, 4-bit (17 GB), routing ROUTING (make_random_model.py
 #                            --routing): the disk floor, resident decode (before and after), and
 #                            decode with the experts streamed at arenas of 10% and 25% of each
-#                            layer's routed experts; seeded sampling, so every run generates the
-#                            same tokens (streamed logits are resident ones)
-# Env: ROUTING (skewed), PROMPT (32 ids), NEW (128), IOS (direct for 10%; "direct cached" for 25%).
+#                            layer's routed experts, direct reads with and without reading ahead
+#                            (MLXCEL_EXPERT_PREFETCH); seeded sampling, so every run generates the
+#                            same tokens where streamed logits equal resident ones; last, the
+#                            logits of a 1-id and a 16-id prompt, streamed against resident
+# Env: ROUTING (skewed), PROMPT (32 ids), NEW (128), CONFIGS (share:io:prefetch ..., default
+# "0.10:direct:1 0.10:direct:0 0.25:direct:1 0.25:direct:0").
 # Results: $OUT (default ./gpu-stream-out): logs, rows.jsonl, printed table.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -77,14 +80,27 @@ print(f\"load {s['load_s']:.2f} s, prefill {s['prefill_tps']:.1f} tok/s, decode 
 MLXCEL_EXPERT_STREAM=0 "$bin" generate --model "$model" --prompt-ids "$ids" --max-new 4 --force --quiet \
   > /dev/null 2>&1 || true  # warm-up: kernel caches and the page cache of the checkpoint
 run resident-before MLXCEL_EXPERT_STREAM=0
-for share in 0.10 0.25; do
+for c in ${CONFIGS:-0.10:direct:1 0.10:direct:0 0.25:direct:1 0.25:direct:0}; do
+  IFS=: read -r share io ahead <<< "$c"
   read -r arena slots experts <<< "$(py arena "$model" "$share")"
-  ios=${IOS:-direct}; [ "$share" = 0.25 ] && ios=${IOS:-direct cached}
-  for io in $ios; do
-    run "stream-$share-$io" MLXCEL_EXPERT_STREAM=1 MLXCEL_EXPERT_ARENA_BYTES="$arena" MLXCEL_EXPERT_IO="$io"
-  done
+  run "stream-$share-$io-ahead$ahead" MLXCEL_EXPERT_STREAM=1 MLXCEL_EXPERT_ARENA_BYTES="$arena" \
+    MLXCEL_EXPERT_IO="$io" MLXCEL_EXPERT_PREFETCH="$ahead"
 done
 run resident-after MLXCEL_EXPERT_STREAM=0
-for a in resident-before stream-0.10-direct; do
-  cmp -s "$OUT/logs/$a.out" "$OUT/logs/resident-after.out" || echo "NOTE: $a generated other ids than resident-after"
+for f in "$OUT"/logs/resident-before.out "$OUT"/logs/stream-*.out; do
+  cmp -s "$f" "$OUT/logs/resident-after.out" || echo "NOTE: $(basename "$f" .out) generated other ids than resident-after"
+done
+# Streamed against resident logits on this model (bf16): a 1-id prompt (a decode-shaped pass:
+# one row, top-k experts) and 16 ids (sorted gathers, several rows per expert).
+read -r arena slots experts <<< "$(py arena "$model" 0.25)"
+for n in 1 16; do
+  few=$(echo "$ids" | cut -d, -f1-$n)
+  MLXCEL_EXPERT_STREAM=0 "$bin" logits --model "$model" --prompt-ids "$few" --out "$OUT/large-$n-resident.npy" > /dev/null 2>&1
+  MLXCEL_EXPERT_STREAM=1 MLXCEL_EXPERT_ARENA_BYTES=$arena "$bin" logits --model "$model" \
+    --prompt-ids "$few" --out "$OUT/large-$n-streamed.npy" > /dev/null 2>&1
+  if verdict=$(py same "$OUT/large-$n-resident.npy" "$OUT/large-$n-streamed.npy"); then
+    echo "logits of a $n-id prompt: streamed = resident, bit for bit"
+  else
+    echo "logits of a $n-id prompt: streamed differs from resident: $verdict"
+  fi
 done
