@@ -138,6 +138,39 @@ impl Array {
         Ok(bridge::array_is_donatable(self.as_ref())?)
     }
 
+    /// Copies `bytes` into this array's buffer from byte `offset`, in place, and returns
+    /// whether it did. Only where that changes nothing but this array: its buffer in host memory
+    /// on the CPU backend, evaluated (done here), row-major with no gaps, and held by nothing
+    /// else ([`Array::is_exclusive`]); otherwise nothing is written and the caller updates it
+    /// the functional way (`slice_update`). MLX's own copy for such an update goes element by
+    /// element (~0.3-0.75 ms per MiB measured on the 2-core machine); this is one `memcpy`.
+    pub fn write_bytes_in_place(&mut self, offset: usize, bytes: &[u8]) -> Result<bool> {
+        if crate::default_device()? != crate::Device::Cpu {
+            return Ok(false);
+        }
+        let end = offset.checked_add(bytes.len());
+        if end.is_none_or(|end| end > self.nbytes()) {
+            return Err(Error::Invalid(format!(
+                "in-place write of {} bytes at {offset} past the end of a {}-byte array",
+                bytes.len(),
+                self.nbytes()
+            )));
+        }
+        self.eval()?;
+        if !self.is_exclusive()? || !self.is_row_contiguous()? {
+            return Ok(false);
+        }
+        let start = self.data_address()? + offset;
+        // SAFETY: the range lies inside this evaluated, row-contiguous array's host buffer
+        // (checked above), which no other array, view or pending computation holds
+        // (`is_exclusive`: MLX's own test before it donates a buffer), and `&mut self` keeps
+        // this handle from being read meanwhile.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), start as *mut u8, bytes.len());
+        }
+        Ok(true)
+    }
+
     /// Whether the (evaluated) array is laid out row-major with no gaps: not a strided view
     /// such as a slice along an inner axis, so element `i` is at offset `i` from
     /// [`Array::data_address`].

@@ -970,3 +970,54 @@ fn gated_activations_fused_and_unfused_match_the_definition() {
         }
     }
 }
+
+/// In-place byte writes land where asked in an array nothing else holds, equal what
+/// `slice_update` computes, and are refused (nothing written) while another array shares the
+/// buffer, or for a view; out-of-range writes are errors.
+#[test]
+fn in_place_writes_only_into_exclusive_buffers() {
+    let rows = [[1u32, 2, 3], [4, 5, 6], [7, 8, 9]];
+    let flat: Vec<u32> = rows.iter().flatten().copied().collect();
+    let make = || {
+        let a = Array::from_slice(&flat, &[3, 3])
+            .unwrap()
+            .add_scalar(0.0)
+            .unwrap();
+        a.astype(Dtype::Uint32).unwrap()
+    };
+    let update = [40u32, 50, 60];
+    let bytes: Vec<u8> = update.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let expected = make()
+        .slice_update(
+            &Array::from_slice(&update, &[1, 3]).unwrap(),
+            &[1, 0],
+            &[2, 3],
+            &[1, 1],
+        )
+        .unwrap()
+        .to_vec::<u32>()
+        .unwrap();
+    let mut a = make();
+    assert!(
+        a.write_bytes_in_place(12, &bytes).unwrap(),
+        "exclusive buffer"
+    );
+    assert_eq!(a.to_vec::<u32>().unwrap(), expected);
+    // A second handle on the same array: refused, both unchanged.
+    let mut b = make();
+    b.eval().unwrap();
+    let other = b.clone();
+    assert!(!b.write_bytes_in_place(12, &bytes).unwrap());
+    assert_eq!(other.to_vec::<u32>().unwrap(), flat);
+    drop(other);
+    // A view sharing the buffer (a row of `c`): refused while the view lives.
+    let c = make();
+    c.eval().unwrap();
+    let row = c.slice(&[0, 0], &[1, 3], &[1, 1]).unwrap();
+    row.eval().unwrap();
+    let mut c2 = c.clone();
+    drop(c);
+    assert!(!c2.write_bytes_in_place(0, &bytes).unwrap());
+    assert_eq!(row.to_vec::<u32>().unwrap(), vec![1, 2, 3]);
+    assert!(a.write_bytes_in_place(30, &bytes).is_err(), "past the end");
+}

@@ -661,11 +661,18 @@ impl LayerStream {
         Ok(slots)
     }
 
-    /// Copies one expert's bytes into `slot` of every plane's arena.
+    /// Copies one expert's bytes into `slot` of every plane's arena: in place where the plane
+    /// is held as stored and its buffer is the arena's alone (the CPU backend), else through
+    /// MLX (`slice_update`, converting float planes to the compute dtype).
     fn write_slot(&mut self, slot: usize, blob: &[u8]) -> Result<()> {
         for (i, plane) in self.entry.planes.iter().enumerate() {
             let bytes = &blob[plane.offset as usize..(plane.offset + plane.nbytes) as usize];
             let stored = Dtype::from_name(&plane.dtype).unwrap_or(Dtype::Uint8);
+            if held_dtype(&plane.dtype, self.float_dtype) == stored
+                && self.arena[i].write_bytes_in_place(slot * bytes.len(), bytes)?
+            {
+                continue;
+            }
             let mut shape = vec![1];
             shape.extend(&plane.shape);
             let mut update = Array::from_bytes(bytes, &shape, stored)?;
