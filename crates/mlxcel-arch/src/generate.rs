@@ -493,19 +493,7 @@ impl<'m> Session<'m> {
             .cloned()
             .zip(images.iter().map(|i| i.hash()))
             .collect();
-        let mut reuse = self
-            .common_prefix(prompt, &runs)
-            .min(prompt.len().saturating_sub(1));
-        if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {
-            for c in &mut self.caches {
-                c.rewind(reuse)?;
-            }
-        } else {
-            reuse = self.restore_snapshot(reuse)?;
-        }
-        self.snapshots.retain(|s| s.position <= reuse);
-        self.tokens.truncate(reuse);
-        self.image_runs.clear();
+        let reuse = self.resume_point(prompt, &runs)?;
         let mut features = FeatureCache::default();
         let mut start = reuse;
         let mut last = None;
@@ -562,20 +550,7 @@ impl<'m> Session<'m> {
     /// Makes the caches hold `prompt`; returns how many leading tokens were reused and the
     /// logits after the last prompt token.
     pub fn prefill(&mut self, prompt: &[u32], chunk: Option<usize>) -> Result<(usize, Array)> {
-        let common = self.common_prefix(prompt, &[]);
-        // At least the last prompt token is recomputed: its logits start the reply.
-        let mut reuse = common.min(prompt.len().saturating_sub(1));
-        if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {
-            for c in &mut self.caches {
-                c.rewind(reuse)?;
-            }
-        } else {
-            reuse = self.restore_snapshot(reuse)?;
-        }
-        // Snapshots past the resumed position hold tokens the new prompt may not share.
-        self.snapshots.retain(|s| s.position <= reuse);
-        self.tokens.truncate(reuse);
-        self.image_runs.retain(|r| r.0.end <= reuse);
+        let reuse = self.resume_point(prompt, &[])?;
         // No image is held before `reuse` (the common prefix stops at the first), so text
         // positions are the cache offsets again.
         self.position_delta = 0;
@@ -588,6 +563,38 @@ impl<'m> Session<'m> {
         })?;
         self.tokens.extend_from_slice(&prompt[reuse..]);
         Ok((reuse, logits))
+    }
+
+    /// Puts the caches back to the longest prefix of `prompt` they can continue from: the
+    /// tokens (and, with `runs`, the images) they share with it, but never its last token,
+    /// whose logits start the reply. Rewound where every cache can, else from a snapshot (or
+    /// from scratch); the tokens, snapshots and image runs past it are forgotten. Returns its
+    /// length.
+    fn resume_point(
+        &mut self,
+        prompt: &[u32],
+        runs: &[(std::ops::Range<usize>, u64)],
+    ) -> Result<usize> {
+        let mut reuse = self
+            .common_prefix(prompt, runs)
+            .min(prompt.len().saturating_sub(1));
+        if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {
+            for c in &mut self.caches {
+                c.rewind(reuse)?;
+            }
+        } else {
+            reuse = self.restore_snapshot(reuse)?;
+        }
+        self.forget_after(reuse);
+        Ok(reuse)
+    }
+
+    /// Forgets the tokens past the first `len`, with the snapshots and image runs that hold
+    /// any of them (the caches are cut back by the caller).
+    fn forget_after(&mut self, len: usize) {
+        self.tokens.truncate(len);
+        self.snapshots.retain(|s| s.position <= len);
+        self.image_runs.retain(|r| r.0.end <= len);
     }
 
     /// Puts the caches back to the last snapshot at or before `position` whose position every
@@ -783,9 +790,7 @@ impl<'m> Session<'m> {
         for c in &mut self.caches {
             c.rewind(len)?;
         }
-        self.tokens.truncate(len);
-        self.snapshots.retain(|s| s.position <= len);
-        self.image_runs.retain(|r| r.0.end <= len);
+        self.forget_after(len);
         Ok(())
     }
 

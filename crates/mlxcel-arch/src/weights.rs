@@ -123,6 +123,8 @@ pub struct ExpertStreamSetup {
     pub policy: mlxcel_stream::CachePolicy,
     /// How expert bytes are read (`O_DIRECT`, page cache dropped after each read, or cached).
     pub io: mlxcel_stream::ExpertIo,
+    /// Whether decode steps read the next streamed layer's predicted experts ahead.
+    pub prefetch: bool,
     /// Counters shared by all layers, read by the caller after a run.
     pub stats: std::rc::Rc<std::cell::RefCell<mlxcel_stream::StreamStats>>,
 }
@@ -1101,6 +1103,7 @@ impl ModelWeights {
         Ok(RoutedExperts::Streamed(Box::new(StreamedGlu {
             layer: std::rc::Rc::new(std::cell::RefCell::new(layer)),
             next: None,
+            reads_ahead: setup.prefetch,
             specs,
             act,
         })))

@@ -65,6 +65,7 @@ impl StreamPlan {
             slots_per_layer: self.slots_per_layer,
             policy: self.config.policy,
             io: self.config.io,
+            prefetch: self.config.prefetch,
             stats,
         }
     }

@@ -253,6 +253,9 @@ pub struct StreamedGlu {
     /// The model's next streamed layer, whose experts this one predicts; set once the model's
     /// layers are built ([`link_streamed_layers`]).
     pub next: Option<NextStreamed>,
+    /// Whether decode steps predict and read ahead into `next` (`MLXCEL_EXPERT_PREFETCH` at
+    /// load: fixed per model, since the installed policy is process-wide).
+    pub reads_ahead: bool,
     /// Per projection (gate, up, down): the quantization, `None` for dense expert weights.
     pub specs: [Option<mlxcel_core::ops::QuantSpec>; 3],
     /// Applied to the gate.
@@ -297,11 +300,6 @@ pub fn link_streamed_layers<'a>(
     }
 }
 
-/// Whether decode steps read the next streamed layer's experts ahead (`MLXCEL_EXPERT_PREFETCH`).
-fn reads_ahead() -> bool {
-    mlxcel_core::policy::with(|p| p.expert_prefetch)
-}
-
 impl StreamedGlu {
     fn projection(&self, layer: &mlxcel_stream::LayerStream, index: usize) -> Result<SwitchLinear> {
         let name = mlxcel_stream::manifest::PROJECTIONS[index];
@@ -334,7 +332,7 @@ impl StreamedGlu {
         // pipelined already), and only where they fit that layer's arena.
         let predicted = match &self.next {
             Some(next)
-                if reads_ahead()
+                if self.reads_ahead
                     && next.router.top_k as usize == k
                     && t * k <= next.stream.borrow().capacity() =>
             {
