@@ -575,9 +575,7 @@ impl<'m> Session<'m> {
         prompt: &[u32],
         runs: &[(std::ops::Range<usize>, u64)],
     ) -> Result<usize> {
-        let mut reuse = self
-            .common_prefix(prompt, runs)
-            .min(prompt.len().saturating_sub(1));
+        let mut reuse = self.reusable_prefix(prompt, runs);
         if reuse > 0 && self.caches.iter().all(|c| c.can_rewind(reuse)) {
             for c in &mut self.caches {
                 c.rewind(reuse)?;
@@ -587,6 +585,13 @@ impl<'m> Session<'m> {
         }
         self.forget_after(reuse);
         Ok(reuse)
+    }
+
+    /// How much of `prompt` the held tokens (and, with `runs`, images) share, but never its
+    /// last token: that one is always fed, its logits start the reply.
+    fn reusable_prefix(&self, prompt: &[u32], runs: &[(std::ops::Range<usize>, u64)]) -> usize {
+        self.common_prefix(prompt, runs)
+            .min(prompt.len().saturating_sub(1))
     }
 
     /// Forgets the tokens past the first `len`, with the snapshots and image runs that hold
@@ -749,9 +754,7 @@ impl<'m> Session<'m> {
     /// rest is fed in one pass (a draft model catching up with the tokens the model kept). When
     /// the caches cannot be cut back there it is [`Session::prefill`] (evaluated).
     pub fn catch_up(&mut self, context: &[u32]) -> Result<Array> {
-        let common = self
-            .common_prefix(context, &[])
-            .min(context.len().saturating_sub(1));
+        let common = self.reusable_prefix(context, &[]);
         if context.is_empty() || !self.caches.iter().all(|c| c.can_rewind(common)) {
             return Ok(self.prefill(context, None)?.1);
         }

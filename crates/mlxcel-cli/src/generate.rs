@@ -594,7 +594,7 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
             line.split_whitespace().nth(1)?.parse::<u64>().ok()
         })
         .map(|kib| kib * 1024);
-    let json = serde_json::json!({
+    let mut json = serde_json::json!({
         "engine": "mlxcel",
         "dtype": loaded.dtype.to_string(),
         "device": mlxcel_core::default_device().map(|d| format!("{d:?}")).unwrap_or_default(),
@@ -614,41 +614,31 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
         "peak_mlx_bytes": mlxcel_core::memory::peak_bytes().unwrap_or(0),
         "vmhwm_bytes": vmhwm,
     });
-    let json = match (json, stats.speculation) {
-        (serde_json::Value::Object(mut fields), Some(s)) => {
-            fields.insert("draft_rounds".into(), s.rounds.into());
-            fields.insert("draft_proposed".into(), s.proposed.into());
-            fields.insert("draft_accepted".into(), s.accepted.into());
-            serde_json::Value::Object(fields)
-        }
-        (json, _) => json,
-    };
-    let json = match (json, &loaded.expert_stream) {
-        (serde_json::Value::Object(mut fields), Some((plan, s))) => {
-            let s = s.borrow();
-            fields.insert(
-                "expert_stream".into(),
-                serde_json::json!({
-                    "slots_per_layer": plan.slots_per_layer,
-                    "arena_bytes": plan.arena_bytes(),
-                    "hits": s.hits,
-                    "misses": s.misses,
-                    "hit_rate": s.hit_rate(),
-                    "bytes_read": s.bytes_read,
-                    "read_s": s.read_seconds,
-                    "read_gbps": s.read_gb_per_second(),
-                    "wait_s": s.wait_seconds,
-                    "prefetched": s.prefetched,
-                    "prefetch_used": s.prefetch_used,
-                    "io": s.io.map(|io| io.name()),
-                    "reuse": s.reuse_rate(),
-                    "top_decile_share": s.top_decile_share(),
-                }),
-            );
-            serde_json::Value::Object(fields)
-        }
-        (json, _) => json,
-    };
+    // Fields present only when their feature ran.
+    if let Some(s) = stats.speculation {
+        json["draft_rounds"] = s.rounds.into();
+        json["draft_proposed"] = s.proposed.into();
+        json["draft_accepted"] = s.accepted.into();
+    }
+    if let Some((plan, s)) = &loaded.expert_stream {
+        let s = s.borrow();
+        json["expert_stream"] = serde_json::json!({
+            "slots_per_layer": plan.slots_per_layer,
+            "arena_bytes": plan.arena_bytes(),
+            "hits": s.hits,
+            "misses": s.misses,
+            "hit_rate": s.hit_rate(),
+            "bytes_read": s.bytes_read,
+            "read_s": s.read_seconds,
+            "read_gbps": s.read_gb_per_second(),
+            "wait_s": s.wait_seconds,
+            "prefetched": s.prefetched,
+            "prefetch_used": s.prefetch_used,
+            "io": s.io.map(|io| io.name()),
+            "reuse": s.reuse_rate(),
+            "top_decile_share": s.top_decile_share(),
+        });
+    }
     eprintln!("{json}");
 }
 

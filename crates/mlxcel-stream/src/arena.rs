@@ -484,8 +484,9 @@ impl LayerStream {
                 let refused = AtomicBool::new(false);
                 let blobs = reader.read(&list, threads, &refused);
                 if let Ok(b) = &blobs {
-                    let bytes = b.iter().map(|b| b.len as u64).sum::<u64>();
-                    reader.ahead_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    reader
+                        .ahead_bytes
+                        .fetch_add(total_len(b), Ordering::Relaxed);
                     let nanos = started.elapsed().as_nanos() as u64;
                     reader.ahead_nanos.fetch_add(nanos, Ordering::Relaxed);
                 }
@@ -564,7 +565,7 @@ impl LayerStream {
             .filter(|e| !ahead_has(e))
             .collect();
         let read_now = self.reader.read(&now, threads, &refused);
-        let read_now_seconds = started.elapsed().as_secs_f64();
+        let mut own_read_seconds = started.elapsed().as_secs_f64();
         let mut blob_of: HashMap<usize, Blob> = HashMap::new();
         let mut late = Vec::new();
         if let Some(a) = ahead {
@@ -593,23 +594,21 @@ impl LayerStream {
             }
         }
         let mut bytes = 0u64;
-        let read_late = match read_now {
-            Ok(blobs) => {
-                bytes += blobs.iter().map(|b| b.len as u64).sum::<u64>();
-                blob_of.extend(now.into_iter().zip(blobs));
-                self.reader.read(&late, threads, &refused)
-            }
-            Err(e) => Err(e),
-        };
+        let read_late = read_now.and_then(|blobs| {
+            bytes += total_len(&blobs);
+            blob_of.extend(now.into_iter().zip(blobs));
+            let late_started = Instant::now();
+            let blobs = self.reader.read(&late, threads, &refused)?;
+            own_read_seconds += late_started.elapsed().as_secs_f64();
+            bytes += total_len(&blobs);
+            blob_of.extend(late.into_iter().zip(blobs));
+            Ok(())
+        });
         let blobs = match read_late {
-            Ok(blobs) => {
-                bytes += blobs.iter().map(|b| b.len as u64).sum::<u64>();
-                blob_of.extend(late.into_iter().zip(blobs));
-                loads
-                    .iter()
-                    .map(|(e, _)| blob_of.remove(e).expect("every load was read"))
-                    .collect::<Vec<Blob>>()
-            }
+            Ok(()) => loads
+                .iter()
+                .map(|(e, _)| blob_of.remove(e).expect("every load was read"))
+                .collect::<Vec<Blob>>(),
             Err(e) => {
                 // Those slots lost their old experts and never got the new ones.
                 self.forget_loads(&loads);
@@ -625,7 +624,7 @@ impl LayerStream {
         }
         let mut stats = self.stats.borrow_mut();
         stats.bytes_read += bytes;
-        stats.read_seconds += read_now_seconds;
+        stats.read_seconds += own_read_seconds;
         stats.wait_seconds += started.elapsed().as_secs_f64();
         Ok(Fetched {
             slots,
@@ -808,6 +807,11 @@ impl Blob {
     fn bytes(&self) -> &[u8] {
         &self.buf.as_slice()[self.skip..self.skip + self.len]
     }
+}
+
+/// The experts' bytes in `blobs` (a direct read's alignment padding not counted).
+fn total_len(blobs: &[Blob]) -> u64 {
+    blobs.iter().map(|b| b.len as u64).sum()
 }
 
 /// Says once per process that `O_DIRECT` was refused and reads fall back to `dontneed`: the
