@@ -73,6 +73,30 @@ GemmWeight gemm_weight(const LinearArgs& a) {
   return {a.w, a.weight_kind, a.scales, a.biases, a.scale_kind, a.group_size, a.bits};
 }
 
+// Software prefetch. perf put half of the AVX-512 one-row kernels' samples on their weight loads: the
+// hardware prefetchers do not run far enough ahead of two cores streaming weights, and decode
+// read 11 GB/s where the same cores stream 22 GB/s from the same mapping. Each block of rows
+// therefore asks for the lines it will read `kPrefetchBytes` (rounded up to whole blocks, so that
+// every line of a later block is asked for once) ahead; prefetches past the end of the weight are
+// harmless hints. 2 KiB was best of 1-16 KiB on SmolLM2 and the 1B shape (1.3-1.5x decode).
+constexpr size_t kPrefetchBytes = 2048;
+
+// The distance, in bytes, from a block of `span` bytes to the block it prefetches.
+static inline size_t prefetch_distance(size_t span) {
+  return span * std::max<size_t>(1, (kPrefetchBytes + span - 1) / span);
+}
+
+// Asks for `count` scales and biases from element `first` on.
+static inline void prefetch_scales(const LinearArgs& a, size_t first, size_t count) {
+  const size_t elem = a.scale_kind == ElemKind::F32 ? 4 : 2;
+  const char* s = static_cast<const char*>(a.scales) + first * elem;
+  const char* b = static_cast<const char*>(a.biases) + first * elem;
+  for (size_t off = 0; off < count * elem; off += 64) {
+    __builtin_prefetch(s + off);
+    __builtin_prefetch(b + off);
+  }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MLXCEL_HAVE_AVX2_KERNELS 1
 #pragma GCC push_options
