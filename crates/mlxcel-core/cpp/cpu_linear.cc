@@ -244,8 +244,15 @@ class Pool {
     }
     std::lock_guard<std::mutex> submit(submit_mu_);
     const uint32_t gen = ++last_generation_;
-    job_.store(&fn, std::memory_order_relaxed);
-    tasks_.store(tasks, std::memory_order_relaxed);
+    // Close the previous call's claims before publishing this call's job. A worker that saw
+    // the previous generation and then reads this job and count must find no open claim of its
+    // generation: it would run one of this call's tasks under the old claim and count it on top
+    // of this call's own run of it, so that the count reached `tasks` with a task still running
+    // (the caller read half-written outputs; the next calls' counts overshot and hung). Whoever
+    // reads the job below (acquire) sees this store.
+    claim_.store((uint64_t(gen) << 32) | kClosed, std::memory_order_release);
+    job_.store(&fn, std::memory_order_release);
+    tasks_.store(tasks, std::memory_order_release);
     completed_.store(0, std::memory_order_relaxed);
     claim_.store(uint64_t(gen) << 32, std::memory_order_release);
     {
@@ -264,6 +271,8 @@ class Pool {
 
  private:
   static constexpr int64_t kSpinNanos = 200000;
+  // A claim index no call reaches (tasks are counted in an int).
+  static constexpr uint64_t kClosed = 0x7FFFFFFF;
 
   static inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -318,9 +327,9 @@ class Pool {
       if (stop_.load()) return;
       seen = generation_.load(std::memory_order_acquire);
       // The job and count were stored before the generation was published; if a newer call has
-      // replaced them meanwhile, `drain` finds the claim counter on another generation and
-      // runs nothing.
-      drain(seen, *job_.load(std::memory_order_relaxed), tasks_.load(std::memory_order_relaxed));
+      // replaced them meanwhile, `drain` finds the claim counter closed or on another
+      // generation and runs nothing (`run` says why the order matters).
+      drain(seen, *job_.load(std::memory_order_acquire), tasks_.load(std::memory_order_acquire));
     }
   }
 
@@ -386,6 +395,33 @@ void set_cpu_int8_activations(bool on) { int8_activations.store(on); }
 
 // Shared with the other CPU kernels (cpu_kernels.h).
 void parallel_for(int tasks, const std::function<void(int)>& fn) { pool().run(tasks, fn); }
+
+int64_t cpu_pool_check(int32_t calls) {
+  if (calls < 0) throw std::invalid_argument("mlxcel cpu_pool_check: negative call count");
+  constexpr int kMaxTasks = 9;
+  std::vector<std::atomic<int>> runs(size_t(calls) * kMaxTasks);
+  for (auto& r : runs) r.store(0);
+  int64_t bad = 0;
+  auto exactly_once = [&](int call, int tasks) {
+    for (int t = 0; t < tasks; ++t)
+      if (runs[size_t(call) * kMaxTasks + t].load() != 1) return false;
+    return true;
+  };
+  for (int c = 0; c < calls; ++c) {
+    const int tasks = 2 + c % (kMaxTasks - 1);
+    pool().run(tasks, [&, c](int t) {
+      runs[size_t(c) * kMaxTasks + t].fetch_add(1);
+      // A few hundred nanoseconds of work, like the decode engine's smallest tasks.
+      volatile int spin = 0;
+      for (int i = 0; i < 64 * (1 + t % 3); ++i) spin = spin + i;
+    });
+    if (!exactly_once(c, tasks)) ++bad;
+  }
+  // A task run late, after its call returned, shows up now.
+  for (int c = 0; c < calls; ++c)
+    if (!exactly_once(c, 2 + c % (kMaxTasks - 1))) ++bad;
+  return bad;
+}
 int parallel_threads() { return pool().threads(); }
 
 namespace {

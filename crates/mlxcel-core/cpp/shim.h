@@ -215,6 +215,9 @@ std::unique_ptr<CustomKernel> custom_kernel_new(rust::Str backend, rust::Str nam
 // The runtime policy's values for the C++ kernels (set by mlxcel_core::policy::install).
 // Threads of the CPU kernel's pool (0: default), before its first use (cpu_linear.cc).
 void set_cpu_threads(int32_t threads);
+// Runs `calls` back-to-back calls of the CPU kernel's thread pool with 2-9 tasks each; returns
+// how many calls did not run each of their tasks exactly once before returning (0 when sound).
+int64_t cpu_pool_check(int32_t calls);
 // One-row 4/8-bit CPU products on int8-quantized activations (cpu_gemv_avx512.inc).
 void set_cpu_int8_activations(bool on);
 // Launch mlxcel's CUDA kernels through MLX's precompiled_cuda_kernel (cuda_launch.cc).

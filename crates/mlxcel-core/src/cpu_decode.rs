@@ -235,3 +235,12 @@ impl CpuDecoder {
         Ok(Some(logits))
     }
 }
+
+/// Checks the CPU kernels' thread pool (shared by the linear kernel, the attention and this
+/// engine): runs `calls` back-to-back pool calls of 2-9 short tasks each and returns how many of
+/// them did not run every task exactly once before returning (0 on a sound pool). For tests
+/// and diagnostics; it uses the process's pool, so it also exercises its sizing.
+pub fn check_thread_pool(calls: u32) -> Result<u64> {
+    let calls = i32::try_from(calls).map_err(|_| Error::Mlx("too many calls".into()))?;
+    Ok(bridge::cpu_pool_check(calls)? as u64)
+}

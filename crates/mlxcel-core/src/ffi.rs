@@ -504,6 +504,7 @@ pub(crate) mod bridge {
         // an mlxcel primitive (cpp/cuda_launch.cc).
         // The runtime policy's values for the C++ kernels (see `policy::install`).
         fn set_cpu_threads(threads: i32) -> Result<()>;
+        fn cpu_pool_check(calls: i32) -> Result<i64>;
         fn set_cpu_int8_activations(on: bool) -> Result<()>;
         fn set_cuda_launch_mlx(through_mlx: bool) -> Result<()>;
         fn cuda_device_arch() -> Result<i32>;

@@ -177,6 +177,27 @@ fn large_layers_split_over_threads_and_keep_batch_dims() {
 }
 
 #[test]
+fn the_thread_pool_runs_every_task_once_before_a_call_returns() {
+    // Regression: a worker that had seen one call could pick up the next call's job while the
+    // previous call's claim counter was still open, run one of the new call's tasks under the
+    // old claim and count it twice, so that a call returned with a task still writing its
+    // outputs (a parity fixture's logits came out wrong, then the pool hung). Back-to-back
+    // calls with changing task counts, as the decode engine makes, are where that window opens.
+    // The broken pool also hung (a count past `tasks` never equals it): fail instead of waiting.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(mlxcel_core::cpu_decode::check_thread_pool(200_000).unwrap());
+    });
+    let bad = rx
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("the thread pool hung: a call never saw its tasks complete");
+    assert_eq!(
+        bad, 0,
+        "{bad} pool calls returned before each task ran exactly once"
+    );
+}
+
+#[test]
 fn mismatched_shapes_are_errors_not_aborts() {
     let (x, _) = random_matrix(2, 64, 1, Dtype::Float32);
     let (w, _) = random_matrix(8, 32, 2, Dtype::Float32);

@@ -14,7 +14,7 @@
 //! better than absolute numbers).
 //!
 //! Models: SmolLM2-135M-Instruct (128/32 and 512/128) and a Llama-3.2-1B-shaped model with random
-//! weights (128/32; see [`llama_1b_gguf`]).
+//! weights (the same lengths; see [`llama_1b_gguf`]).
 //!
 //! The Python is `MLXCEL_BENCH_LLAMA_CPP_PYTHON`, else the bench venv (`target/bench/venv`),
 //! where `llama-cpp-python==0.3.36` (a native build: minutes) and `gguf` are installed on first

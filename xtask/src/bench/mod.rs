@@ -632,7 +632,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             },
             llama_cpp::Weights {
                 vocab: vocab_of(&one_b.mlx)?,
-                lengths: vec![(128, 32)],
+                lengths: vec![(128, 32), (512, 128)],
                 ..one_b
             },
         ];
