@@ -260,10 +260,18 @@ struct Reader {
     stride: u64,
     /// Bytes read per expert.
     len: usize,
-    /// Bytes and nanoseconds of finished reads ahead, not yet added to the stats (a read
-    /// ahead nobody waits for finishes on its own; the layer's next fetch counts it).
-    ahead_bytes: AtomicU64,
-    ahead_nanos: AtomicU64,
+    /// Finished reads ahead not yet in the stats; shared with the buffered reader that
+    /// replaces this one after an `O_DIRECT` refusal, so a read ahead still running on this
+    /// reader is counted all the same.
+    ahead: Arc<AheadTally>,
+}
+
+/// Bytes and nanoseconds of finished reads ahead, not yet added to the stats (a read ahead
+/// nobody waits for finishes on its own; the layer's next fetch counts it).
+#[derive(Default)]
+struct AheadTally {
+    bytes: AtomicU64,
+    nanos: AtomicU64,
 }
 
 /// Reads of predicted experts running on a background thread.
@@ -387,8 +395,7 @@ impl LayerStream {
                 hashes: verify_reads().then_some(hashes),
                 stride: entry.expert_stride,
                 len: entry.read_len() as usize,
-                ahead_bytes: AtomicU64::new(0),
-                ahead_nanos: AtomicU64::new(0),
+                ahead: Arc::default(),
             }),
             stats_index,
             previous: Vec::new(),
@@ -485,10 +492,11 @@ impl LayerStream {
                 let blobs = reader.read(&list, threads, &refused);
                 if let Ok(b) = &blobs {
                     reader
-                        .ahead_bytes
+                        .ahead
+                        .bytes
                         .fetch_add(total_len(b), Ordering::Relaxed);
                     let nanos = started.elapsed().as_nanos() as u64;
-                    reader.ahead_nanos.fetch_add(nanos, Ordering::Relaxed);
+                    reader.ahead.nanos.fetch_add(nanos, Ordering::Relaxed);
                 }
                 AheadResult {
                     blobs,
@@ -635,8 +643,8 @@ impl LayerStream {
 
     /// Adds the finished reads ahead's bytes and time to the stats.
     fn count_reads_ahead(&self) {
-        let bytes = self.reader.ahead_bytes.swap(0, Ordering::Relaxed);
-        let nanos = self.reader.ahead_nanos.swap(0, Ordering::Relaxed);
+        let bytes = self.reader.ahead.bytes.swap(0, Ordering::Relaxed);
+        let nanos = self.reader.ahead.nanos.swap(0, Ordering::Relaxed);
         let mut stats = self.stats.borrow_mut();
         stats.bytes_read += bytes;
         stats.read_seconds += nanos as f64 * 1e-9;
@@ -762,8 +770,7 @@ impl Reader {
             hashes: self.hashes.clone(),
             stride: self.stride,
             len: self.len,
-            ahead_bytes: AtomicU64::new(0),
-            ahead_nanos: AtomicU64::new(0),
+            ahead: Arc::clone(&self.ahead),
         })
     }
 }
