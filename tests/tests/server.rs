@@ -198,6 +198,52 @@ fn check_chat(model: &Model, addr: SocketAddr, max_tokens: usize) {
     assert!(cached > 0, "follow-up turn reused nothing: {}", r.body);
 }
 
+/// Dropping the handle stops the server only after the requests in flight are answered, and
+/// returns once the server thread is gone (its listener closed, its hold on the model released):
+/// a server still generating at process exit would run MLX while the C++ runtime tears it down.
+#[test]
+fn dropping_the_handle_answers_requests_in_flight_and_waits_for_the_server() {
+    let model = fixture_model();
+    let server = start(&model, ServerConfig::default());
+    let addr = server.addr();
+    let (started_tx, started) = std::sync::mpsc::channel::<()>();
+    let client = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0.0,
+                          "stream": true})
+        .to_string();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).unwrap();
+        // The first event: the request is admitted and generating.
+        let mut raw = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&raw).contains("data: ") {
+            let n = s.read(&mut buf).expect("a response");
+            assert!(n > 0, "closed before the first event");
+            raw.extend_from_slice(&buf[..n]);
+        }
+        started_tx.send(()).unwrap();
+        s.read_to_end(&mut raw).unwrap();
+        String::from_utf8(raw).expect("utf-8 response")
+    });
+    started.recv().expect("the client saw its first event");
+    drop(server);
+    assert!(
+        TcpStream::connect(addr).is_err(),
+        "the listener is closed once the handle is dropped"
+    );
+    let reply = client.join().expect("the client thread");
+    assert!(
+        reply.contains("data: [DONE]"),
+        "the request in flight was answered to its end: {reply}"
+    );
+}
+
 #[test]
 fn fixture_model_over_http() {
     let model = fixture_model();

@@ -117,12 +117,22 @@ impl Default for ServerConfig {
     }
 }
 
-/// A server running on its own thread (see [`spawn`]); dropping it stops the server.
+/// A server running on its own thread (see [`spawn`]); dropping it stops the server and waits
+/// (up to [`STOP_WAIT`]) until the requests in flight are answered and the server's hold on the
+/// model is released.
 #[derive(Debug)]
 pub struct ServerHandle {
     addr: SocketAddr,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Closed when the server thread ends (its runtime, blocking tasks and model handles gone).
+    stopped: std::sync::mpsc::Receiver<()>,
 }
+
+/// How long dropping a [`ServerHandle`] waits for the server to stop. Why wait at all: a server
+/// still generating when the process exits runs MLX on its model's thread while the C++ runtime
+/// tears MLX's globals down, which corrupts the heap (seen as a test binary aborting in
+/// `malloc_consolidate` after all its tests passed).
+pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl ServerHandle {
     /// The address it listens on (the real port when bound to port 0).
@@ -136,6 +146,8 @@ impl Drop for ServerHandle {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
+        // Disconnected when the thread ends; a timeout leaves it to finish on its own.
+        let _ = self.stopped.recv_timeout(STOP_WAIT);
     }
 }
 
@@ -151,10 +163,15 @@ pub fn spawn(
     let addr = listener.local_addr()?;
     let runtime = runtime()?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let (stopped_tx, stopped) = std::sync::mpsc::channel::<()>();
     let app = router(model, config);
     std::thread::Builder::new()
         .name("mlxcel-server".into())
         .spawn(move || {
+            // Locals drop in reverse order: the runtime (which waits for its blocking tasks,
+            // the last holders of the model) before the stop signal.
+            let _stopped = stopped_tx;
+            let runtime = runtime;
             runtime.block_on(async move {
                 let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                     return;
@@ -169,6 +186,7 @@ pub fn spawn(
     Ok(ServerHandle {
         addr,
         shutdown: Some(tx),
+        stopped,
     })
 }
 
