@@ -406,7 +406,8 @@ fn decode_logits(
 
 /// Decode steps read the next streamed layer's predicted experts ahead: the logits of every
 /// step stay the resident ones, bit for bit, with and without reading ahead, at the smallest
-/// arena (the most misses), and the reads ahead happen and are used.
+/// arena (the most misses), and the reads ahead happen and are used. The same holds with slots
+/// written through MLX's `slice_update` instead of in place.
 #[test]
 fn reading_ahead_changes_no_decode_logits() {
     for name in MOE_FIXTURES {
@@ -421,18 +422,19 @@ fn reading_ahead_changes_no_decode_logits() {
         let want = decode_logits(&resident.model, &r.prompt_ids, &r.greedy_ids);
         let top_k = resident.config["num_experts_per_tok"].as_u64().unwrap();
         let per_slot: u64 = manifest.layers.iter().map(|l| l.expert_stride).sum();
-        for prefetch in [true, false] {
+        for (prefetch, in_place) in [(true, true), (false, true), (true, false)] {
             let on = StreamConfig {
                 mode: StreamMode::On,
                 arena_bytes: Some(per_slot * top_k),
                 prefetch,
+                in_place,
                 ..Default::default()
             };
             let streamed = load(dir.path(), on);
             let got = decode_logits(&streamed.model, &r.prompt_ids, &r.greedy_ids);
             assert!(
                 got == want,
-                "{name}: read-ahead {prefetch}: decode logits differ"
+                "{name}: read-ahead {prefetch}, in place {in_place}: decode logits differ"
             );
             let s = streamed.expert_stream.as_ref().unwrap().1.borrow().clone();
             if prefetch && manifest.layers.len() > 1 {

@@ -335,6 +335,7 @@ fn load_options_overrides_win_over_the_policy() {
             policy: mlxcel_stream::CachePolicy::Lru,
             io: mlxcel_stream::ExpertIo::Dontneed,
             prefetch: false,
+            in_place: false,
         }),
         ..Default::default()
     };
@@ -350,6 +351,7 @@ fn load_options_overrides_win_over_the_policy() {
     assert_eq!(got.expert_cache_policy, mlxcel_stream::CachePolicy::Lru);
     assert_eq!(got.expert_io, mlxcel_stream::ExpertIo::Dontneed);
     assert!(!got.expert_prefetch);
+    assert!(!got.expert_in_place);
     // Fields without an override keep the policy's.
     assert_eq!(got.dequant_rows, Some(7));
 }

@@ -12,8 +12,9 @@
 #                            (MLXCEL_EXPERT_PREFETCH); seeded sampling, so every run generates the
 #                            same tokens where streamed logits equal resident ones; last, the
 #                            logits of a 1-id and a 16-id prompt, streamed against resident
-# Env: ROUTING (skewed), PROMPT (32 ids), NEW (128), CONFIGS (share:io:prefetch ..., default
-# "0.10:direct:1 0.10:direct:0 0.25:direct:1 0.25:direct:0").
+# Env: ROUTING (skewed), PROMPT (32 ids), NEW (128), CONFIGS (share:io:prefetch[:in_place] ...,
+# default "0.10:direct:1 0.10:direct:0 0.25:direct:1 0.25:direct:0"; in_place 0 writes the
+# slots through MLX's slice_update, MLXCEL_EXPERT_IN_PLACE=0).
 # Results: $OUT (default ./gpu-stream-out): logs, rows.jsonl, printed table.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -81,10 +82,12 @@ MLXCEL_EXPERT_STREAM=0 "$bin" generate --model "$model" --prompt-ids "$ids" --ma
   > /dev/null 2>&1 || true  # warm-up: kernel caches and the page cache of the checkpoint
 run resident-before MLXCEL_EXPERT_STREAM=0
 for c in ${CONFIGS:-0.10:direct:1 0.10:direct:0 0.25:direct:1 0.25:direct:0}; do
-  IFS=: read -r share io ahead <<< "$c"
+  IFS=: read -r share io ahead in_place <<< "$c"
+  in_place=${in_place:-1}
   read -r arena slots experts <<< "$(py arena "$model" "$share")"
-  run "stream-$share-$io-ahead$ahead" MLXCEL_EXPERT_STREAM=1 MLXCEL_EXPERT_ARENA_BYTES="$arena" \
-    MLXCEL_EXPERT_IO="$io" MLXCEL_EXPERT_PREFETCH="$ahead"
+  run "stream-$share-$io-ahead$ahead$([ "$in_place" = 1 ] || echo -slice-update)" \
+    MLXCEL_EXPERT_STREAM=1 MLXCEL_EXPERT_ARENA_BYTES="$arena" \
+    MLXCEL_EXPERT_IO="$io" MLXCEL_EXPERT_PREFETCH="$ahead" MLXCEL_EXPERT_IN_PLACE="$in_place"
 done
 run resident-after MLXCEL_EXPERT_STREAM=0
 for f in "$OUT"/logs/resident-before.out "$OUT"/logs/stream-*.out; do

@@ -125,6 +125,8 @@ pub struct ExpertStreamSetup {
     pub io: mlxcel_stream::ExpertIo,
     /// Whether decode steps read the next streamed layer's predicted experts ahead.
     pub prefetch: bool,
+    /// Whether experts read from disk are copied straight into their slots (else through MLX).
+    pub in_place: bool,
     /// Counters shared by all layers, read by the caller after a run.
     pub stats: std::rc::Rc<std::cell::RefCell<mlxcel_stream::StreamStats>>,
 }
@@ -1091,7 +1093,7 @@ impl ModelWeights {
             .map(str::to_string)
             .collect();
         self.used.extend(names);
-        let layer = mlxcel_stream::LayerStream::open(
+        let mut layer = mlxcel_stream::LayerStream::open(
             &setup.dir,
             &entry,
             setup.slots_per_layer,
@@ -1100,6 +1102,7 @@ impl ModelWeights {
             self.dtype,
             setup.stats.clone(),
         )?;
+        layer.write_in_place(setup.in_place);
         Ok(RoutedExperts::Streamed(Box::new(StreamedGlu {
             layer: std::rc::Rc::new(std::cell::RefCell::new(layer)),
             next: None,

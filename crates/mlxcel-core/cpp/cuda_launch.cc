@@ -77,6 +77,8 @@ struct LaunchApi {
   int (*module_load_data)(CUmodule*, const void*);
   int (*module_get_function)(CUfunction*, CUmodule, const char*);
   int (*get_error_string)(int, const char**);
+  int (*memcpy_htod)(void* device, const void* host, size_t bytes);
+  int (*ctx_synchronize)();
 };
 
 // The address of `symbol`, a function local to the shared library that defines `anchor` (not
@@ -162,6 +164,8 @@ const LaunchApi* resolved_launch_api() {
     get(a.module_load_data, "cuModuleLoadData");
     get(a.module_get_function, "cuModuleGetFunction");
     get(a.get_error_string, "cuGetErrorString");
+    get(a.memcpy_htod, "cuMemcpyHtoD_v2");
+    get(a.ctx_synchronize, "cuCtxSynchronize");
     return found ? &a : nullptr;
   }();
   return api;
@@ -185,12 +189,8 @@ void check(const LaunchApi& api, int status, const std::string& what) {
   }
 }
 
-// Loads `binary`'s module into the current context (MLX's: the device's primary context), once.
-void load(const LaunchApi& api, const CudaBinary& binary) {
-  std::lock_guard<std::mutex> lock(binary.mutex);
-  if (binary.function != nullptr) {
-    return;
-  }
+// Makes MLX's context (the device's primary context) current on this thread.
+void use_mlx_context(const LaunchApi& api) {
   CUcontext context = nullptr;
   int status = api.ctx_get_current(&context);
   if (status == CUDA_ERROR_NOT_INITIALIZED) {
@@ -204,6 +204,15 @@ void load(const LaunchApi& api, const CudaBinary& binary) {
     check(api, api.primary_ctx_retain(&context, device), "cuDevicePrimaryCtxRetain");
     check(api, api.ctx_set_current(context), "cuCtxSetCurrent");
   }
+}
+
+// Loads `binary`'s module into the current context (MLX's: the device's primary context), once.
+void load(const LaunchApi& api, const CudaBinary& binary) {
+  std::lock_guard<std::mutex> lock(binary.mutex);
+  if (binary.function != nullptr) {
+    return;
+  }
+  use_mlx_context(api);
   CUmodule module = nullptr;
   check(api, api.module_load_data(&module, binary.image.data()),
         "loading the module of " + binary.kernel);
@@ -319,6 +328,31 @@ class MlxcelKernel : public mx::Primitive {
 };
 
 }  // namespace
+
+bool write_device_bytes(const mx::array& a, size_t offset, rust::Slice<const uint8_t> bytes) {
+  const LaunchApi* api = resolved_launch_api();
+  if (api == nullptr || a.buffer().ptr() == nullptr) {
+    return false;
+  }
+  if (offset > a.nbytes() || bytes.size() > a.nbytes() - offset) {
+    throw std::invalid_argument("mlxcel: device write of " + std::to_string(bytes.size()) +
+                                " bytes at " + std::to_string(offset) + " past the end of a " +
+                                std::to_string(a.nbytes()) + "-byte array");
+  }
+  use_mlx_context(*api);
+  // Kernels that read the old bytes may still be queued on MLX's streams (evaluating an array
+  // waits for its producers, not for its readers): wait for all work first. A copy from
+  // pageable memory may return before its DMA lands, so wait for it too before MLX's next
+  // kernel can read the slot. Both waits cost microseconds when the device is idle, which it
+  // is here: the caller has just waited for the router output that chose these experts.
+  check(*api, api->ctx_synchronize(), "cuCtxSynchronize");
+  // Not `a.data()`: on a device buffer that moves the array to unified memory for the host.
+  check(*api, api->memcpy_htod(static_cast<char*>(device_pointer(a)) + offset, bytes.data(),
+                               bytes.size()),
+        "cuMemcpyHtoD");
+  check(*api, api->ctx_synchronize(), "cuCtxSynchronize");
+  return true;
+}
 
 void set_cuda_launch_mlx(bool through_mlx) {
   launch_through_mlx.store(through_mlx, std::memory_order_relaxed);

@@ -222,6 +222,11 @@ int64_t cpu_pool_check(int32_t calls);
 void set_cpu_int8_activations(bool on);
 // Launch mlxcel's CUDA kernels through MLX's precompiled_cuda_kernel (cuda_launch.cc).
 void set_cuda_launch_mlx(bool through_mlx);
+// Copies `bytes` into `a`'s device buffer from byte `offset` with the CUDA driver, after all
+// queued device work and before returning (cuda_launch.cc); false when MLX's CUDA backend is not
+// in the process. The caller checks that nothing else holds `a`.
+bool write_device_bytes(const mlx::core::array& a, size_t offset,
+                        rust::Slice<const uint8_t> bytes);
 int32_t cuda_device_arch();
 rust::Vec<uint8_t> cuda_compile(rust::Str source, rust::Str name, int32_t arch);
 std::unique_ptr<CudaBinary> cuda_binary_new(rust::Slice<const uint8_t> image, rust::Str kernel);

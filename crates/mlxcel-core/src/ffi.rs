@@ -507,6 +507,7 @@ pub(crate) mod bridge {
         fn cpu_pool_check(calls: i32) -> Result<i64>;
         fn set_cpu_int8_activations(on: bool) -> Result<()>;
         fn set_cuda_launch_mlx(through_mlx: bool) -> Result<()>;
+        fn write_device_bytes(a: &MlxArray, offset: usize, bytes: &[u8]) -> Result<bool>;
         fn cuda_device_arch() -> Result<i32>;
         fn cuda_compile(source: &str, name: &str, arch: i32) -> Result<Vec<u8>>;
         fn cuda_binary_new(image: &[u8], kernel: &str) -> Result<UniquePtr<CudaBinary>>;

@@ -175,6 +175,10 @@ pub struct RuntimePolicy {
     /// streamed layer's experts (that layer's router on this layer's input) and starts reading
     /// the missing ones (default on; `0` to measure what it gains).
     pub expert_prefetch: bool,
+    /// `MLXCEL_EXPERT_IN_PLACE`: experts read from disk are copied straight into their arena
+    /// slots (a `memcpy` on the CPU, a driver copy on CUDA) where the arena's buffer is its own
+    /// (default on; `0` writes every slot through MLX's `slice_update`, to measure the gain).
+    pub expert_in_place: bool,
     /// `MLXCEL_PLE_IO`: `mmap` (default), `direct` or `ram`.
     pub ple_io: PleIo,
     /// `MLXCEL_PLE_CACHE_BYTES`: bytes of the LRU row cache of an external per-layer-embedding
@@ -271,6 +275,7 @@ impl RuntimePolicy {
         expert_verify: true,
         expert_io: ExpertIo::Direct,
         expert_prefetch: true,
+        expert_in_place: true,
         ple_io: PleIo::Mmap,
         ple_cache_bytes: DEFAULT_PLE_CACHE_BYTES,
         dequant_rows: None,
@@ -295,7 +300,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 29] = [
+    pub const VARIABLES: [&'static str; 30] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -304,6 +309,7 @@ impl RuntimePolicy {
         "MLXCEL_EXPERT_VERIFY",
         "MLXCEL_EXPERT_IO",
         "MLXCEL_EXPERT_PREFETCH",
+        "MLXCEL_EXPERT_IN_PLACE",
         "MLXCEL_PLE_IO",
         "MLXCEL_PLE_CACHE_BYTES",
         "MLXCEL_DEQUANT_ROWS",
@@ -388,6 +394,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_EXPERT_PREFETCH") {
             p.expert_prefetch = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_EXPERT_IN_PLACE") {
+            p.expert_in_place = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_EXPERT_IO") {
             p.expert_io =

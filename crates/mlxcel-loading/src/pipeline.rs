@@ -99,6 +99,7 @@ impl LoadOptions {
             policy.expert_cache_policy = stream.policy;
             policy.expert_io = stream.io;
             policy.expert_prefetch = stream.prefetch;
+            policy.expert_in_place = stream.in_place;
         }
         if let Some(w) = self.warm_up {
             policy.warm_up = Some(w);

@@ -66,6 +66,7 @@ impl StreamPlan {
             policy: self.config.policy,
             io: self.config.io,
             prefetch: self.config.prefetch,
+            in_place: self.config.in_place,
             stats,
         }
     }

@@ -301,6 +301,9 @@ pub struct LayerStream {
     /// One array per plane, `[capacity, ..plane shape]`, in manifest order.
     arena: Vec<Array>,
     float_dtype: Dtype,
+    /// Misses are copied straight into their slots where the arena's buffers allow it
+    /// ([`LayerStream::write_in_place`]).
+    in_place: bool,
     stats: Rc<RefCell<StreamStats>>,
 }
 
@@ -403,8 +406,17 @@ impl LayerStream {
             slots: SlotMap::new(capacity, policy),
             arena,
             float_dtype,
+            in_place: true,
             stats,
         })
+    }
+
+    /// Whether misses are copied straight into their slots (default): a host `memcpy` on the
+    /// CPU backend, one CUDA driver copy on MLX's CUDA backend, where the arena's buffer is held
+    /// by nothing else; `false` writes every slot through MLX's `slice_update` (to measure
+    /// the gain; the bytes are the same).
+    pub fn write_in_place(&mut self, on: bool) {
+        self.in_place = on;
     }
 
     /// Number of arena slots (experts resident at once).
@@ -669,13 +681,16 @@ impl LayerStream {
     }
 
     /// Copies one expert's bytes into `slot` of every plane's arena: in place where the plane
-    /// is held as stored and its buffer is the arena's alone (the CPU backend), else through
+    /// is held as stored and its buffer is the arena's alone (a host `memcpy` on the CPU
+    /// backend, a driver copy into device memory on CUDA), else through
     /// MLX (`slice_update`, converting float planes to the compute dtype).
     fn write_slot(&mut self, slot: usize, blob: &[u8]) -> Result<()> {
+        let in_place = self.in_place;
         for (i, plane) in self.entry.planes.iter().enumerate() {
             let bytes = &blob[plane.offset as usize..(plane.offset + plane.nbytes) as usize];
             let stored = Dtype::from_name(&plane.dtype).unwrap_or(Dtype::Uint8);
-            if held_dtype(&plane.dtype, self.float_dtype) == stored
+            if in_place
+                && held_dtype(&plane.dtype, self.float_dtype) == stored
                 && self.arena[i].write_bytes_in_place(slot * bytes.len(), bytes)?
             {
                 continue;

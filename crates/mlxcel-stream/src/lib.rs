@@ -85,6 +85,9 @@ pub struct StreamConfig {
     /// `MLXCEL_EXPERT_PREFETCH` (default on): decode steps read the next streamed layer's
     /// predicted experts ahead.
     pub prefetch: bool,
+    /// `MLXCEL_EXPERT_IN_PLACE` (default on): experts read from disk are copied straight into
+    /// their arena slots where the arena's buffer is its own, else through MLX's `slice_update`.
+    pub in_place: bool,
 }
 
 impl Default for StreamConfig {
@@ -95,6 +98,7 @@ impl Default for StreamConfig {
             policy: CachePolicy::Lfu,
             io: ExpertIo::Direct,
             prefetch: true,
+            in_place: true,
         }
     }
 }
@@ -108,6 +112,7 @@ impl StreamConfig {
             policy: policy.expert_cache_policy,
             io: policy.expert_io,
             prefetch: policy.expert_prefetch,
+            in_place: policy.expert_in_place,
         }
     }
 

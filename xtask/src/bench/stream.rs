@@ -165,6 +165,7 @@ pub fn compare(models: &[(&str, PathBuf)], prompt: &[u32], new_tokens: usize) ->
                     policy: CachePolicy::Lfu,
                     io,
                     prefetch,
+                    in_place: true,
                 };
                 let r = measure(model, stream, prompt, new_tokens)?;
                 eprintln!(
