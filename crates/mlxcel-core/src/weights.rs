@@ -303,6 +303,34 @@ pub fn zero_copy_enabled() -> bool {
     crate::policy::with(|p| p.zero_copy) && crate::default_device().ok() == Some(crate::Device::Cpu)
 }
 
+/// The array of `bytes`, the range of `shard`'s mapped file from byte `start`: borrowed from
+/// the map on the CPU ([`zero_copy_enabled`]), else copied by MLX.
+fn file_array(
+    shard: &Shard,
+    start: usize,
+    bytes: &[u8],
+    shape: &[i32],
+    dtype: Dtype,
+) -> crate::Result<Array> {
+    if bytes.is_empty() {
+        return Array::from_bytes(bytes, shape, dtype);
+    }
+    // Fault the range in with one call: far cheaper than a fault per page during a copy, and
+    // for borrowed tensors it keeps the faults out of the first forward pass. An old kernel
+    // without MADV_POPULATE_READ just faults them later.
+    let _ = shard
+        .map
+        .advise_range(Advice::PopulateRead, start, bytes.len());
+    let aligned = (bytes.as_ptr() as usize) % dtype.size_of().max(1) == 0;
+    if zero_copy_enabled() && aligned {
+        // SAFETY: `bytes` lies in `shard.map`, which the owner keeps mapped; the mapping is
+        // private, so nothing modifies it behind MLX's back.
+        unsafe { Array::borrowing_bytes(bytes, shape, dtype, Box::new(shard.map.clone())) }
+    } else {
+        Array::from_bytes(bytes, shape, dtype)
+    }
+}
+
 impl WeightMap {
     /// An empty map rooted at `folder` (for building checkpoints in memory).
     pub fn empty(folder: impl Into<PathBuf>) -> WeightMap {
@@ -645,30 +673,8 @@ impl WeightMap {
                         format!("tensor `{name}` lies outside the file"),
                     )
                 })?;
-                let aligned = (bytes.as_ptr() as usize) % entry.info.dtype.size_of().max(1) == 0;
-                // Fault the range in with one call: far cheaper than a fault per page during a
-                // copy, and for borrowed tensors it keeps the faults out of the first forward
-                // pass. An old kernel without MADV_POPULATE_READ just faults them later.
-                if !bytes.is_empty() {
-                    let _ = shard
-                        .map
-                        .advise_range(Advice::PopulateRead, *start, *end - *start);
-                }
-                let array = if zero_copy_enabled() && aligned && !bytes.is_empty() {
-                    // SAFETY: `bytes` lies in `shard.map`, which the owner keeps mapped; the
-                    // mapping is private, so nothing modifies it behind MLX's back.
-                    unsafe {
-                        Array::borrowing_bytes(
-                            bytes,
-                            &entry.info.shape,
-                            entry.info.dtype,
-                            Box::new(shard.map.clone()),
-                        )
-                    }
-                } else {
-                    Array::from_bytes(bytes, &entry.info.shape, entry.info.dtype)
-                };
-                array.map_err(|e| Error::checkpoint(&shard.path, format!("tensor `{name}`: {e}")))
+                file_array(shard, *start, bytes, &entry.info.shape, entry.info.dtype)
+                    .map_err(|e| Error::checkpoint(&shard.path, format!("tensor `{name}`: {e}")))
             }
         }
     }
@@ -745,26 +751,13 @@ impl WeightMap {
         let (lo, hi) = (start as usize * run, end as usize * run);
         let stride = shape[axis] as usize * run;
         let array = if outer == 1 {
-            let part = &bytes[lo..hi];
-            let aligned = (part.as_ptr() as usize) % elem.max(1) == 0;
-            if zero_copy_enabled() && aligned && !part.is_empty() {
-                let offset = start_byte + lo;
-                let _ = shard
-                    .map
-                    .advise_range(Advice::PopulateRead, offset, part.len());
-                // SAFETY: `part` lies in `shard.map`, kept mapped by the owner; the mapping is
-                // private, so nothing modifies it behind MLX's back.
-                unsafe {
-                    Array::borrowing_bytes(
-                        part,
-                        &sliced,
-                        entry.info.dtype,
-                        Box::new(shard.map.clone()),
-                    )
-                }
-            } else {
-                Array::from_bytes(part, &sliced, entry.info.dtype)
-            }
+            file_array(
+                shard,
+                start_byte + lo,
+                &bytes[lo..hi],
+                &sliced,
+                entry.info.dtype,
+            )
         } else {
             let mut out = Vec::with_capacity(outer * (hi - lo));
             for o in 0..outer {
