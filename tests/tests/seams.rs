@@ -326,3 +326,36 @@ fn the_registry_claims_adapters_only_where_fused_adapters_load() {
         );
     }
 }
+
+/// The load's phases are each measured and add up to its wall time; the warm-up step's share is
+/// zero when it is off and positive when it runs.
+#[test]
+fn load_phases_add_up_to_the_load_time() {
+    for warm_up in [false, true] {
+        let loaded = load_model(
+            model_dir("llama"),
+            &LoadOptions {
+                warm_up: Some(warm_up),
+                ..options()
+            },
+        )
+        .expect("the llama fixture loads");
+        let p = loaded.load_phases;
+        let sum = p.prepare + p.build + p.warm_up + p.tokenizer;
+        for (name, v) in [
+            ("prepare", p.prepare),
+            ("build", p.build),
+            ("warm_up", p.warm_up),
+            ("tokenizer", p.tokenizer),
+        ] {
+            assert!(v >= 0.0, "{name}: {v}");
+        }
+        assert!(p.build > 0.0 && p.tokenizer > 0.0, "{p:?}");
+        assert!(
+            (sum - loaded.load_seconds).abs() <= 0.01 * loaded.load_seconds + 1e-3,
+            "phases {p:?} add up to {sum}, the load took {}",
+            loaded.load_seconds
+        );
+        assert_eq!(p.warm_up > 0.0, warm_up, "warm-up {warm_up}: {p:?}");
+    }
+}

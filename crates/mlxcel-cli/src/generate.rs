@@ -600,6 +600,12 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
         "device": mlxcel_core::default_device().map(|d| format!("{d:?}")).unwrap_or_default(),
         "mlx_version": mlxcel_core::mlx_version().unwrap_or_default(),
         "load_s": loaded.load_seconds,
+        "load_phases_s": {
+            "prepare": loaded.load_phases.prepare,
+            "build": loaded.load_phases.build,
+            "warm_up": loaded.load_phases.warm_up,
+            "tokenizer": loaded.load_phases.tokenizer,
+        },
         "prompt_tokens": stats.prompt_tokens,
         "prefill_s": stats.prefill_seconds,
         "prefill_tps": stats.prefill_tokens_per_second(),

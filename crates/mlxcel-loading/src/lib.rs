@@ -41,7 +41,7 @@ pub use error::{LoadError, Result};
 pub use mlxcel_arch::{LanguageModel, LoadedModel, ModelType};
 pub use mlxcel_core::RuntimePolicy;
 pub use pipeline::{
-    compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, Loaded,
+    compute_dtype, load_model, read_config, resolve_model_dir, LoadOptions, LoadPhases, Loaded,
 };
 pub use rerank::{
     load_generative_reranker, load_reranker_model, EncodedPair, GenerativeScorer, RerankOptions,

@@ -121,6 +121,21 @@ fn warm_up(model: &GenerationModel) -> mlxcel_arch::Result<()> {
     Ok(())
 }
 
+/// Where [`load_model`]'s time went, in seconds (they add up to [`Loaded::load_seconds`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LoadPhases {
+    /// Reading `config.json`, mapping and indexing the checkpoint, adapters, the streaming plan.
+    pub prepare: f64,
+    /// Building the model: each tensor handed to MLX (a copy into MLX's memory, except on the
+    /// CPU, where arrays borrow the mapped file), load-time fusion and edits, and evaluating
+    /// the weights (eager materialization).
+    pub build: f64,
+    /// The warm-up decode step (on by default on a GPU: first use of every weight and kernel).
+    pub warm_up: f64,
+    /// Tokenizer, chat template and image processor.
+    pub tokenizer: f64,
+}
+
 /// A loaded generation model with what was learned on the way (from [`load_model`]).
 #[derive(Debug)]
 pub struct Loaded {
@@ -143,6 +158,8 @@ pub struct Loaded {
     pub chat_template: Option<ChatTemplate>,
     /// Wall time of [`load_model`], warm-up included.
     pub load_seconds: f64,
+    /// Where that time went.
+    pub load_phases: LoadPhases,
     /// Set when routed experts stream from disk: the arena and its counters.
     pub expert_stream: Option<(
         crate::stream::StreamPlan,
@@ -709,6 +726,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         runtime_adapters: lora.clone(),
         parallelism: options.parallelism.clone(),
     };
+    let building = std::time::Instant::now();
     let model = match policy.directory_route {
         DirectoryRoute::Nonstandard => load_nonstandard(model_type, &config, weights, &build),
         DirectoryRoute::Mistral3Dynamic => load_mistral3(&config, weights, &build),
@@ -717,9 +735,14 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
     }
     .and_then(LoadedModel::into_generation)
     .map_err(model_err)?;
-    if runtime.warm_up.unwrap_or(gpu) {
+    let warming = std::time::Instant::now();
+    let warm_up_seconds = if runtime.warm_up.unwrap_or(gpu) {
         warm_up(&model).map_err(model_err)?;
-    }
+        warming.elapsed().as_secs_f64()
+    } else {
+        0.0
+    };
+    let tokenizing = std::time::Instant::now();
     let (tokenizer, chat_template) = if options.skip_tokenizer {
         (None, None)
     } else {
@@ -742,6 +765,12 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         eos_token_ids,
         chat_template,
         load_seconds: started.elapsed().as_secs_f64(),
+        load_phases: LoadPhases {
+            prepare: (building - started).as_secs_f64(),
+            build: (warming - building).as_secs_f64(),
+            warm_up: warm_up_seconds,
+            tokenizer: tokenizing.elapsed().as_secs_f64(),
+        },
         expert_stream: plan.map(|p| (p, stats)),
         external_ple,
         mapped,
