@@ -59,7 +59,17 @@ fn both(
         [prompt, &spec[..spec.len() - 1]].concat(),
         "the model's caches hold the prompt and the kept tokens"
     );
-    (plain, spec, stats.speculation.expect("speculative stats"))
+    let s = stats.speculation.expect("speculative stats");
+    // The rounds' graph-building and evaluation times are measured and lie within decode time.
+    if s.rounds > 0 {
+        assert!(s.build_seconds > 0.0 && s.eval_seconds > 0.0, "{s:?}");
+        assert!(
+            s.build_seconds + s.eval_seconds <= stats.decode_seconds + 1e-6,
+            "{s:?} against {} s of decode",
+            stats.decode_seconds
+        );
+    }
+    (plain, spec, s)
 }
 
 #[test]

@@ -407,12 +407,14 @@ fn print_stats(stats: &GenerationStats, loaded: &Loaded, quiet: bool) {
     );
     if let Some(s) = &stats.speculation {
         eprintln!(
-            "[speculative: {} rounds, {:.2} tokens a round, {} of {} drafted tokens accepted ({:.1}%)]",
+            "[speculative: {} rounds, {:.2} tokens a round, {} of {} drafted tokens accepted ({:.1}%); per round {:.2} ms building the graph, {:.2} ms evaluating it]",
             s.rounds,
             s.tokens_per_round(),
             s.accepted,
             s.proposed,
-            100.0 * s.acceptance_rate()
+            100.0 * s.acceptance_rate(),
+            1e3 * s.build_seconds / s.rounds.max(1) as f64,
+            1e3 * s.eval_seconds / s.rounds.max(1) as f64,
         );
     }
 }
@@ -625,6 +627,8 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
         json["draft_rounds"] = s.rounds.into();
         json["draft_proposed"] = s.proposed.into();
         json["draft_accepted"] = s.accepted.into();
+        json["draft_build_s"] = s.build_seconds.into();
+        json["draft_eval_s"] = s.eval_seconds.into();
     }
     if let Some((plan, s)) = &loaded.expert_stream {
         let s = s.borrow();

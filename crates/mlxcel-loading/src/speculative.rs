@@ -162,17 +162,23 @@ pub fn generate_text_speculative(
         {
             k = 0;
         }
+        let building = std::time::Instant::now();
         let (fed, logits) = propose_and_feed(session, draft.session, last, k)?;
         let mut kept = 0;
+        // This pass's graph-building and evaluation seconds (counted when it was a round).
+        let (build_seconds, eval_seconds);
         if greedy {
             let picks = logits.argmax(-1, false)?.astype(Dtype::Int32)?;
             let nan = logits.isnan()?.any(&[0, 1], false)?.astype(Dtype::Int32)?;
+            let evaluating = std::time::Instant::now();
+            build_seconds = (evaluating - building).as_secs_f64();
             mlxcel_core::ops::eval_all([&fed, &picks, &nan])?;
             if nan.to_vec::<i32>()?[0] != 0 {
                 return Err(nan_error(g.generated.len()));
             }
             let fed: Vec<u32> = fed.to_vec::<i32>()?.iter().map(|t| *t as u32).collect();
             let picks: Vec<u32> = picks.to_vec::<i32>()?.iter().map(|t| *t as u32).collect();
+            eval_seconds = evaluating.elapsed().as_secs_f64();
             session.record_tokens(&fed);
             while kept < k && fed[kept + 1] == picks[kept] {
                 kept += 1;
@@ -187,8 +193,11 @@ pub fn generate_text_speculative(
             }
         } else {
             let rows = logits.astype(Dtype::Float32)?;
+            let evaluating = std::time::Instant::now();
+            build_seconds = (evaluating - building).as_secs_f64();
             let fed_ids: Vec<u32> = fed.to_vec::<i32>()?.iter().map(|t| *t as u32).collect();
             let rows = rows.to_vec::<f32>()?;
+            eval_seconds = evaluating.elapsed().as_secs_f64();
             session.record_tokens(&fed_ids);
             let vocab = rows.len() / fed_ids.len();
             for (i, row) in rows.chunks(vocab).enumerate() {
@@ -208,6 +217,8 @@ pub fn generate_text_speculative(
             stats.rounds += 1;
             stats.proposed += k;
             stats.accepted += kept;
+            stats.build_seconds += build_seconds;
+            stats.eval_seconds += eval_seconds;
             // The draft was fed d1..d(k-1); it catches up next round.
             let fed: Vec<u32> = session.tokens()[held + 1..held + k].to_vec();
             draft.session.record_tokens(&fed);

@@ -124,7 +124,7 @@ pub struct GenerationStats {
 /// Speculative decoding's measurements: each round the draft model proposes up to its token
 /// budget, the model checks them in one pass and keeps the longest prefix it agrees with, plus
 /// one token of its own.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SpeculationStats {
     /// Verification passes of the model (each yields at least one token).
     pub rounds: usize,
@@ -132,6 +132,13 @@ pub struct SpeculationStats {
     pub proposed: usize,
     /// Proposed tokens the model agreed with (and kept).
     pub accepted: usize,
+    /// Host time building the rounds' graphs: the draft's proposal steps and the model's
+    /// checking pass, queued without being evaluated.
+    pub build_seconds: f64,
+    /// Time evaluating them until the picks are on the host: the draft's and the model's work
+    /// on the device, and the wait for it. The rest of decode time is emitting tokens and
+    /// bookkeeping.
+    pub eval_seconds: f64,
 }
 
 impl SpeculationStats {
