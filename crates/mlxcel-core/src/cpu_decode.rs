@@ -241,6 +241,11 @@ impl CpuDecoder {
 /// them did not run every task exactly once before returning (0 on a sound pool). For tests
 /// and diagnostics; it uses the process's pool, so it also exercises its sizing.
 pub fn check_thread_pool(calls: u32) -> Result<u64> {
-    let calls = i32::try_from(calls).map_err(|_| Error::Mlx("too many calls".into()))?;
+    let calls = i32::try_from(calls).map_err(|_| {
+        Error::Invalid(format!(
+            "check_thread_pool: {calls} calls, at most {} are supported",
+            i32::MAX
+        ))
+    })?;
     Ok(bridge::cpu_pool_check(calls)? as u64)
 }

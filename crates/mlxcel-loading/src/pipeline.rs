@@ -121,7 +121,8 @@ fn warm_up(model: &GenerationModel) -> mlxcel_arch::Result<()> {
     Ok(())
 }
 
-/// Where [`load_model`]'s time went, in seconds (they add up to [`Loaded::load_seconds`]).
+/// Where [`load_model`]'s time went, in seconds (they add up to [`Loaded::load_seconds`] but for
+/// the microseconds between the phases).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct LoadPhases {
     /// Reading `config.json`, mapping and indexing the checkpoint, adapters, the streaming plan.
