@@ -38,6 +38,8 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cpu_decode_kernels.inc");
     println!("cargo:rerun-if-changed=cpp/cuda_compile.cc");
     println!("cargo:rerun-if-changed=cpp/cuda_launch.cc");
+    println!("cargo:rerun-if-changed=cpp/cuda_decode.cc");
+    println!("cargo:rerun-if-changed=cpp/cuda_api.h");
     println!("cargo:rerun-if-changed=cpp/cpu_kernels.h");
     println!("cargo:rerun-if-changed=cpp/cpu_vec_math.inc");
     println!("cargo:rerun-if-changed=cpp/cpu_gemm_kernels.inc");
@@ -80,6 +82,7 @@ fn main() {
         .file("cpp/cpu_decode.cc")
         .file("cpp/cuda_compile.cc")
         .file("cpp/cuda_launch.cc")
+        .file("cpp/cuda_decode.cc")
         .include(&include)
         .include(&out)
         .flag_if_supported("-std=c++20")

@@ -32,6 +32,18 @@ if [ "$mode" = stage ]; then
   for f in qwen3_moe qwen3_moe-affine4-g64 mixtral mixtral-affine4-g32 qwen2_moe olmoe; do
     rm -rf "$root/.device/run/fixtures/$f"; cp -r "$root/tests/fixtures/models/$f" "$root/.device/run/fixtures/"
   done
+  # The CUDA decode step's test binary and the fixtures it reads (gpu_probe.sh decode).
+  test_bin=$(cd "$root" && MLXCEL_LINK=name cargo test --release -p mlxcel-tests --test cuda_decode \
+    --no-run --message-format=json 2>/dev/null | python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="cuda_decode": print(m["executable"])')
+  cp "$test_bin" "$root/.device/run/cuda_decode_test"
+  mkdir -p "$root/.device/run/fixtures-decode/models"
+  for f in llama-affine4-g32 llama-affine4-g64 llama-affine8-g64 qwen3-affine4-g64; do
+    rm -rf "$root/.device/run/fixtures-decode/models/$f"
+    cp -r "$root/tests/fixtures/models/$f" "$root/.device/run/fixtures-decode/models/"
+  done
   # Plans of the CPU bench's state-space models, built there by make_plan_model.py (gpu_probe.sh ssm).
   mkdir -p "$root/.device/run/plans"
   for m in mamba2 jamba; do

@@ -18,6 +18,10 @@
 #                            proposing 2 and 4 tokens a round, against mlx-lm plain and with the
 #                            same draft; on the random model and on ones whose later layers are
 #                            damped so the draft agrees more often (DAMPS, make_random_model.py)
+#   gpu_probe.sh decode      the CUDA decode step (MLXCEL_CUDA_DECODE): its test against the MLX
+#                            graph on the quantized llama/qwen3 fixtures (the cuda_decode test
+#                            binary, staged with its fixtures), then the 8B 4-bit shape's greedy
+#                            ids with the step on and off, then speed against mlx-lm
 #   gpu_probe.sh ssm         the CPU bench's Mamba-2- and Jamba-shaped 4-bit models, built from
 #                            plans/{mamba2,jamba}-4bit.json (`cargo xtask synth-plan mamba2
 #                            --bits 4 > .device/run/plans/mamba2-4bit.json`, likewise jamba)
@@ -166,6 +170,17 @@ speculative)
     mlxlm draft-k2 --draft-model=$D --num-draft-tokens=2
   done
   ;;
+decode)
+  MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout 300 "$here/cuda_decode_test" --ignored \
+    --nocapture --test-threads 1 2>&1 | grep -v "^$" | tail -12
+  model llama-8b-4bit
+  for f in 1 0; do
+    echo -n "  greedy ids, MLXCEL_CUDA_DECODE=$f: "
+    MLXCEL_CUDA_DECODE=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 64 \
+      --ignore-eos --print-ids --quiet 2>&1 | tail -1 | cut -c1-60
+  done
+  CENSUS=1 passes "step MLXCEL_CUDA_DECODE=1" "graph MLXCEL_CUDA_DECODE=0"
+  ;;
 ssm)
   # The CUDA selective scan's check, then mlxcel with the scan kernel everywhere (default), at
   # decode only, and off (MLX graphs), against mlx-lm; greedy ids of the three first.
@@ -189,5 +204,5 @@ final)
     passes "default MLXCEL_NOTHING=1"
   done
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | ssm | final" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | ssm | final" >&2; exit 2 ;;
 esac

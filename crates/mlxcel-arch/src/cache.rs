@@ -130,6 +130,10 @@ pub struct StandardCache {
     /// Blocks of positions attended bidirectionally during the next updates (see
     /// [`LayerCache::set_bidirectional_blocks`]).
     blocks: Vec<(usize, usize)>,
+    /// Set while `keys` and `values` are buffers this cache made for the GPU decode step and
+    /// no other cache shares (see [`StandardCache::owned_decode_buffers`]): cloning the cache
+    /// clones the token, and a graph update drops it.
+    owner: Option<std::sync::Arc<()>>,
 }
 
 /// Keys and values of a sliding-window layer: a ring of `window` rows (plus, during a chunk,
@@ -524,6 +528,7 @@ impl StandardCache {
         }
         let keys = write_rows(self.keys.as_ref().expect("grown above"), k, prev)?;
         let values = write_rows(self.values.as_ref().expect("grown above"), v, prev)?;
+        self.owner = None;
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
         self.offset = end;
@@ -577,6 +582,50 @@ impl StandardCache {
             (Some(k), Some(v)) => Ok((k, v, prev)),
             _ => Err(crate::ModelError::Runtime(
                 "internal: cache grown above".into(),
+            )),
+        }
+    }
+
+    /// For the GPU decode step, which writes row `offset` of the buffers in place when it runs,
+    /// later: the key and value buffers with room for one more row (`[1, kv_heads, capacity,
+    /// head_dim]` in `like`'s dtype, dense) and that row. MLX cannot tell whether a buffer is
+    /// shared while earlier steps are still in flight (they hold it too), so the cache owns its
+    /// buffers outright: unless it made them itself and nothing has cloned it since, it copies
+    /// the rows it holds into new buffers first (after a prompt, a graph step, a clone, and at
+    /// each growth step of [`STEP`] rows).
+    pub(crate) fn owned_decode_buffers(&mut self, like: &Array) -> Result<(Array, Array, usize)> {
+        let prev = self.offset;
+        let owned = self
+            .owner
+            .as_ref()
+            .is_some_and(|o| std::sync::Arc::strong_count(o) == 1);
+        let typed = |a: &Option<Array>| -> Result<bool> {
+            Ok(a.as_ref().map(Array::dtype).transpose()? == Some(like.dtype()?))
+        };
+        if !owned || prev + 1 > rows(&self.keys)? || !typed(&self.keys)? || !typed(&self.values)? {
+            let cap = (prev + 1).div_ceil(STEP as usize) * STEP as usize;
+            let fresh = |old: Option<&Array>| -> Result<Array> {
+                let old = old.map(|o| o.astype(like.dtype()?)).transpose()?;
+                // Zeros alone are a broadcast scalar, not a buffer of their own.
+                let a = grow_rows(old.as_ref(), prev, cap, like)?.contiguous()?;
+                a.eval()?;
+                Ok(a)
+            };
+            let keys = fresh(self.keys.as_ref())?;
+            let values = fresh(self.values.as_ref())?;
+            if !keys.is_row_contiguous()? || !values.is_row_contiguous()? {
+                return Err(crate::ModelError::Runtime(
+                    "internal: a new cache buffer is not dense".into(),
+                ));
+            }
+            self.keys = Some(keys);
+            self.values = Some(values);
+            self.owner = Some(std::sync::Arc::new(()));
+        }
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => Ok((k.clone(), v.clone(), prev)),
+            _ => Err(crate::ModelError::Runtime(
+                "internal: cache made above".into(),
             )),
         }
     }
@@ -1075,6 +1124,7 @@ impl BatchCache {
                     values: Some(v),
                     offset,
                     blocks: Vec::new(),
+                    owner: None,
                 }),
                 Some(window) => LayerCache::Rotating(RotatingCache {
                     window,

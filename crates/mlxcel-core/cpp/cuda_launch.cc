@@ -38,48 +38,16 @@
 #include <vector>
 
 #include "mlx/primitives.h"
+#include "mlxcel-core/cpp/cuda_api.h"
 #include "mlxcel-core/src/ffi.rs.h"
 
 namespace mlxcel {
 
 namespace mx = mlx::core;
 
+namespace cuda {
+
 namespace {
-
-// CUDA's dim3: the same layout, hence the same calling convention when passed by value.
-struct Dim3 {
-  unsigned int x, y, z;
-};
-using CUfunction = void*;
-using CUmodule = void*;
-using CUcontext = void*;
-using CUdevice = int;
-constexpr int CUDA_ERROR_NOT_INITIALIZED = 3;
-
-struct LaunchApi {
-  // MLX's CUDA backend.
-  void* (*command_encoder)(mx::Stream);
-  void (*set_input)(void* encoder, const mx::array&);
-  void (*set_output)(void* encoder, const mx::array&);
-  void (*add_kernel)(void* encoder, CUfunction, Dim3 grid, Dim3 block, Dim3 cluster,
-                     uint32_t shared_bytes, void** params);
-  void (*add_completed_handler)(void* encoder, std::function<void()>);
-  // Stream-ordered device memory, as MLX's kernels allocate their outputs (`allocator::malloc`
-  // hands out managed memory, which a kernel's first write migrates page by page: prefill's
-  // dequantized layers ran at a seventh of their speed in it).
-  mx::allocator::Data (*malloc_async)(size_t, mx::cu::CommandEncoder&);
-  // The driver.
-  int (*init)(unsigned int);
-  int (*ctx_get_current)(CUcontext*);
-  int (*ctx_set_current)(CUcontext);
-  int (*device_get)(CUdevice*, int);
-  int (*primary_ctx_retain)(CUcontext*, CUdevice);
-  int (*module_load_data)(CUmodule*, const void*);
-  int (*module_get_function)(CUfunction*, CUmodule, const char*);
-  int (*get_error_string)(int, const char**);
-  int (*memcpy_htod)(void* device, const void* host, size_t bytes);
-  int (*ctx_synchronize)();
-};
 
 // The address of `symbol`, a function local to the shared library that defines `anchor` (not
 // exported, so not visible to dlsym), from the library's ELF symbol table; null if absent (e.g. a
@@ -133,7 +101,8 @@ void* local_symbol(const void* anchor, const char* symbol) {
 // Set by `set_cuda_launch_mlx` (the runtime policy's MLXCEL_CUDA_LAUNCH=mlx).
 std::atomic<bool> launch_through_mlx{false};
 
-// The entry points when all are in the process, else null.
+}  // namespace
+
 const LaunchApi* resolved_launch_api() {
   static const LaunchApi* api = []() -> const LaunchApi* {
     static LaunchApi a;
@@ -171,6 +140,8 @@ const LaunchApi* resolved_launch_api() {
   return api;
 }
 
+namespace {
+
 // The entry points for new launches: null when not all are in the process or the policy
 // launches through MLX.
 const LaunchApi* launch_api() {
@@ -179,6 +150,8 @@ const LaunchApi* launch_api() {
   }
   return resolved_launch_api();
 }
+
+}  // namespace
 
 void check(const LaunchApi& api, int status, const std::string& what) {
   if (status != 0) {
@@ -189,7 +162,6 @@ void check(const LaunchApi& api, int status, const std::string& what) {
   }
 }
 
-// Makes MLX's context (the device's primary context) current on this thread.
 void use_mlx_context(const LaunchApi& api) {
   CUcontext context = nullptr;
   int status = api.ctx_get_current(&context);
@@ -206,7 +178,6 @@ void use_mlx_context(const LaunchApi& api) {
   }
 }
 
-// Loads `binary`'s module into the current context (MLX's: the device's primary context), once.
 void load(const LaunchApi& api, const CudaBinary& binary) {
   std::lock_guard<std::mutex> lock(binary.mutex);
   if (binary.function != nullptr) {
@@ -225,14 +196,21 @@ void load(const LaunchApi& api, const CudaBinary& binary) {
     binary.gather[i] = function("mlxcel_gather_" + std::to_string(1 << i));
   }
   binary.function = function(binary.kernel);
+  binary.module = module;
 }
 
-// The device address of `a`'s first element: MLX's CUDA buffers begin with their device pointer
-// (`cu::CudaBuffer::data`) and an array's offset is in bytes (see `gpu_ptr` in MLX's
-// backend/cuda/utils.h).
+void* function(const LaunchApi& api, const CudaBinary& binary, const std::string& name) {
+  load(api, binary);
+  CUfunction f = nullptr;
+  check(api, api.module_get_function(&f, binary.module, name.c_str()), "finding kernel " + name);
+  return f;
+}
+
 void* device_pointer(const mx::array& a) {
   return static_cast<char*>(*static_cast<void* const*>(a.buffer().ptr())) + a.offset();
 }
+
+namespace {
 
 constexpr int MAX_GATHER_DIMS = 8;
 constexpr unsigned int GATHER_THREADS = 256;
@@ -243,6 +221,35 @@ struct GatherLayout {
   long long strides[MAX_GATHER_DIMS];
   int ndim;
 };
+
+}  // namespace
+
+mx::array row_contiguous_copy(const LaunchApi& api, void* encoder, const CudaBinary& binary,
+                            const mx::array& in) {
+  mx::array copy(in.shape(), in.dtype(), nullptr, {});
+  copy.set_data(api.malloc_async(copy.nbytes(), *static_cast<mx::cu::CommandEncoder*>(encoder)));
+  GatherLayout layout{};
+  layout.ndim = static_cast<int>(in.ndim());
+  for (int d = 0; d < layout.ndim; ++d) {
+    layout.shape[d] = in.shape(d);
+    layout.strides[d] = in.strides()[d];
+  }
+  void* source = device_pointer(in);
+  void* target = device_pointer(copy);
+  long long n = static_cast<long long>(in.size());
+  void* params[] = {&source, &target, &n, &layout};
+  int which = in.itemsize() == 1 ? 0 : in.itemsize() == 2 ? 1 : in.itemsize() == 4 ? 2 : 3;
+  unsigned int blocks = static_cast<unsigned int>((n + GATHER_THREADS - 1) / GATHER_THREADS);
+  api.set_input(encoder, in);
+  api.set_output(encoder, copy);
+  api.add_kernel(encoder, binary.gather[which], Dim3{blocks, 1, 1}, Dim3{GATHER_THREADS, 1, 1},
+                 Dim3{1, 1, 1}, 0, params);
+  api.add_completed_handler(encoder, [copy]() {});
+  return copy;
+}
+
+
+namespace {
 
 class MlxcelKernel : public mx::Primitive {
  public:
@@ -266,7 +273,7 @@ class MlxcelKernel : public mx::Primitive {
     args.reserve(inputs.size());
     auto& enc = *static_cast<mx::cu::CommandEncoder*>(encoder);
     for (const auto& in : inputs) {
-      args.push_back(in.flags().row_contiguous ? in : row_contiguous_copy(api, encoder, in));
+      args.push_back(in.flags().row_contiguous ? in : row_contiguous_copy(api, encoder, binary_, in));
     }
     for (auto& out : outputs) {
       out.set_data(api.malloc_async(out.nbytes(), enc));
@@ -296,31 +303,6 @@ class MlxcelKernel : public mx::Primitive {
   const char* name() const override { return "MlxcelKernel"; }
 
  private:
-  // `in` copied to a fresh row-contiguous array by the module's gather kernel; the copy lives
-  // until the graph has run.
-  mx::array row_contiguous_copy(const LaunchApi& api, void* encoder, const mx::array& in) {
-    mx::array copy(in.shape(), in.dtype(), nullptr, {});
-    copy.set_data(api.malloc_async(copy.nbytes(), *static_cast<mx::cu::CommandEncoder*>(encoder)));
-    GatherLayout layout{};
-    layout.ndim = static_cast<int>(in.ndim());
-    for (int d = 0; d < layout.ndim; ++d) {
-      layout.shape[d] = in.shape(d);
-      layout.strides[d] = in.strides()[d];
-    }
-    void* source = device_pointer(in);
-    void* target = device_pointer(copy);
-    long long n = static_cast<long long>(in.size());
-    void* params[] = {&source, &target, &n, &layout};
-    int which = in.itemsize() == 1 ? 0 : in.itemsize() == 2 ? 1 : in.itemsize() == 4 ? 2 : 3;
-    unsigned int blocks = static_cast<unsigned int>((n + GATHER_THREADS - 1) / GATHER_THREADS);
-    api.set_input(encoder, in);
-    api.set_output(encoder, copy);
-    api.add_kernel(encoder, binary_.gather[which], Dim3{blocks, 1, 1}, Dim3{GATHER_THREADS, 1, 1},
-                   Dim3{1, 1, 1}, 0, params);
-    api.add_completed_handler(encoder, [copy]() {});
-    return copy;
-  }
-
   const CudaBinary& binary_;
   Dim3 blocks_;
   Dim3 threads_;
@@ -328,6 +310,10 @@ class MlxcelKernel : public mx::Primitive {
 };
 
 }  // namespace
+
+}  // namespace cuda
+
+using namespace cuda;
 
 bool write_device_bytes(const mx::array& a, size_t offset, rust::Slice<const uint8_t> bytes) {
   const LaunchApi* api = resolved_launch_api();

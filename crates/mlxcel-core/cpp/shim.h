@@ -40,6 +40,8 @@ struct CudaBinary {
   mutable std::mutex mutex;
   mutable void* function = nullptr;
   mutable void* gather[4] = {};
+  // The loaded module (a CUmodule), for modules holding several kernels (the decode step's).
+  mutable void* module = nullptr;
 };
 
 using Ptr = std::unique_ptr<array>;
@@ -69,6 +71,27 @@ int64_t cpu_decoder_vocab(const CpuDecoder& d);
 void cpu_decoder_step(CpuDecoder& d, const array& x, rust::Slice<const size_t> keys,
                       rust::Slice<const size_t> values, rust::Slice<const int64_t> capacity,
                       int64_t position, rust::Slice<float> logits);
+// The CUDA decode step (cuda_decode.cc); its state is defined there and shared with the steps
+// in flight.
+struct CudaDecoderState;
+struct CudaDecoder {
+  std::shared_ptr<CudaDecoderState> state;
+  CudaDecoder();
+  ~CudaDecoder();
+};
+std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16, int32_t hidden,
+                                              int32_t heads, int32_t kv_heads, int32_t head_dim,
+                                              int32_t layers, float eps, float attn_scale,
+                                              rust::Slice<const float> inv_freq, bool traditional,
+                                              rust::Slice<const int32_t> shapes);
+void cuda_decoder_set_linear(CudaDecoder& d, int32_t layer, int32_t role, const array& w,
+                             const array* scales, const array* biases, const array* bias,
+                             int32_t group_size, int32_t bits);
+void cuda_decoder_set_norm(CudaDecoder& d, int32_t layer, int32_t role, const array& w);
+void cuda_decoder_finish(CudaDecoder& d);
+std::unique_ptr<array> cuda_decoder_step(const CudaDecoder& d, const array& x,
+                                         const ArrayVec& keys, const ArrayVec& values,
+                                         int64_t position);
 bool array_is_donatable(const array& a);
 bool array_is_row_contiguous(const array& a);
 

@@ -32,6 +32,10 @@ pub enum LinearRole {
     Down,
     /// The output head (vocabulary logits).
     Head,
+    /// Queries, keys and values as one `[q | k | v]` projection (the CUDA step only).
+    Qkv,
+    /// The MLP gate and up projections as one `[gate | up]` projection (the CUDA step only).
+    GateUp,
 }
 
 /// A norm's place (all RMSNorm; the final norm is [`NormRole::Final`], layer `None`).

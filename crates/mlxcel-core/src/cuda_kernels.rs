@@ -49,6 +49,12 @@ const QMV: &str = include_str!("../kernels/cuda/qmv.cu");
 const QMV_MMA: &str = include_str!("../kernels/cuda/qmv_mma.cu");
 const DEQUANT: &str = include_str!("../kernels/cuda/dequant.cu");
 const SCAN: &str = include_str!("../kernels/cuda/scan.cu");
+/// The decode step's kernels (decode.cu) after the GEMV they call (qmv.cu).
+const QMV_AND_DECODE: &str = concat!(
+    include_str!("../kernels/cuda/qmv.cu"),
+    "\n",
+    include_str!("../kernels/cuda/decode.cu")
+);
 /// In every module: the launcher's copy of an input that is not row-contiguous.
 const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
 /// Up to this many rows of activations take the GEMV (decode, batched decode of concurrent
@@ -153,6 +159,10 @@ enum KernelId {
     Scan {
         states_per_lane: i32,
     },
+    /// Every kernel of the CUDA decode step (decode.cu) for activations of `dtype`.
+    Decoder {
+        dtype: Dtype,
+    },
 }
 
 /// Which neighbouring ops a GEMV kernel folds in (`PRE` and `RES` of qmv.cu).
@@ -183,6 +193,7 @@ impl KernelId {
                 residual,
             } => qmv_mma_entry(dtype, (warps, row_tiles), act_tiles, residual),
             KernelId::Scan { states_per_lane } => scan_entry(states_per_lane),
+            KernelId::Decoder { dtype } => decoder_entry(dtype),
         }
     }
 }
@@ -234,7 +245,7 @@ fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), mb: i32, fold: Gemv
          const {t}* scales, const {t}* biases, const {t}* x, {aux}{res_arg}{t}* out, \
          int n_rows, int words_per_row, int groups_per_row, int m_rows{eps_arg}) {{ \
          qmv<{bits}, {nw}, {rpw}, {mb}, 1, {fast}, {pre}, {res}, {t}>(w, scales, biases, x, {}, \
-         {}, out, n_rows, words_per_row, groups_per_row, m_rows, {}); }}\n",
+         {}, out, n_rows, words_per_row, groups_per_row, m_rows, {}, blockIdx.x); }}\n",
         if pre == 1 { "aux" } else { "nullptr" },
         if residual { "res" } else { "nullptr" },
         if pre == 1 {
@@ -293,10 +304,90 @@ fn scan_entry(j: i32) -> Entry {
     }
 }
 
+/// The launch shapes (warps, output rows per block) of the decode step's GEMVs: RMSNorm folded
+/// in (q|k|v, gate|up, the head), residual out (o), gated in and residual out (down); the same
+/// as the graph path's (see `gemv_launch_shape`).
+pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] =
+    [RMSNORM_FOLDED_SHAPE, DEFAULT_QMV_SHAPE, GATED_FOLDED_SHAPE];
+
+/// The kernels of the CUDA decode step (cpp/cuda_decode.cc names them the same way):
+/// `mlxcel_dec_qmv_b{4,8}_{rms,res,gated_res}_{dtype}`, `mlxcel_dec_rope_kv_{dtype}`,
+/// `mlxcel_dec_attn_{dtype}` and `mlxcel_dec_attn_combine_{dtype}`.
+fn decoder_entry(dtype: Dtype) -> Entry {
+    let (t, d) = (type_name(dtype), dtype.name());
+    let mut wrapper = String::new();
+    let folds = [("rms", 1, 0), ("res", 0, 1), ("gated_res", 2, 1)];
+    for bits in BITS {
+        for ((kind, pre, res), (nw, rpw)) in folds.into_iter().zip(DECODER_GEMV_SHAPES) {
+            wrapper += &format!(
+                "extern \"C\" __global__ void __launch_bounds__({threads}) \
+                 mlxcel_dec_qmv_b{bits}_{kind}_{d}(\
+                 const uint32_t* w0, const {t}* s0, const {t}* z0, {t}* o0, int n0, \
+                 const uint32_t* w1, const {t}* s1, const {t}* z1, {t}* o1, int n1, \
+                 const uint32_t* w2, const {t}* s2, const {t}* z2, {t}* o2, int n2, \
+                 const {t}* x, const {t}* aux, const {t}* res, int words_per_row, \
+                 int groups_per_row, int eps_bits) {{ \
+                 dec_qmv<{bits}, {nw}, {rpw}, {pre}, {res}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
+                 o1, n1, w2, s2, z2, o2, n2, x, aux, res, words_per_row, groups_per_row, \
+                 __int_as_float(eps_bits)); }}\n",
+                threads = nw * 32,
+            );
+        }
+    }
+    wrapper += &format!(
+        "extern \"C\" __global__ void __launch_bounds__(32) mlxcel_dec_rope_kv_{d}(\
+         const {t}* qkv, const {t}* q_bias, const {t}* k_bias, const {t}* v_bias, \
+         const {t}* q_norm, const {t}* k_norm, const float* inv_freq, {t}* q_out, \
+         {t}* k_cache, {t}* v_cache, int heads, int kv_heads, int head_dim, int rot_half, \
+         int traditional, int position, int capacity, int eps_bits) {{ \
+         dec_rope_kv<{t}>(qkv, q_bias, k_bias, v_bias, q_norm, k_norm, inv_freq, q_out, \
+         k_cache, v_cache, heads, kv_heads, head_dim, rot_half, traditional, position, \
+         capacity, __int_as_float(eps_bits)); }}\n\
+         extern \"C\" __global__ void __launch_bounds__(DEC_ATTN_THREADS) mlxcel_dec_attn_{d}(\
+         const {t}* q, const {t}* k_cache, const {t}* v_cache, float* partial, int heads, \
+         int kv_heads, int head_dim, int capacity, int len, int chunk, int n_chunks, \
+         int scale_bits) {{ \
+         dec_attn<{t}>(q, k_cache, v_cache, partial, heads, kv_heads, head_dim, capacity, len, \
+         chunk, n_chunks, __int_as_float(scale_bits)); }}\n\
+         extern \"C\" __global__ void mlxcel_dec_attn_combine_{d}(const float* partial, \
+         {t}* out, int head_dim, int n_chunks) {{ \
+         dec_attn_combine<{t}>(partial, out, head_dim, n_chunks); }}\n"
+    );
+    Entry {
+        name: format!("mlxcel_dec_rope_kv_{d}"),
+        kernel: QMV_AND_DECODE,
+        wrapper,
+    }
+}
+
+/// The compiled module of the CUDA decode step's kernels for `dtype` activations (bf16/f16),
+/// compiled at the first call on a machine and cached like every kernel here.
+pub fn decoder_binary(dtype: Dtype) -> Result<&'static CudaBinary> {
+    if !matches!(dtype, Dtype::Bfloat16 | Dtype::Float16) {
+        return Err(Error::Invalid(format!(
+            "the CUDA decode step runs on bfloat16/float16 activations, not {}",
+            dtype.name()
+        )));
+    }
+    binary(KernelId::Decoder { dtype })
+}
+
 /// Every kernel of this build in one source (public so it can be compile-checked with NVRTC off
 /// the GPU machine: `cargo run -p mlxcel-core --example cuda_kernels -- --source`).
 pub fn module_source() -> String {
-    let mut src = [PRELUDE, HEADER, QMV, QMV_MMA, DEQUANT, SCAN, GATHER].join("\n");
+    let mut src = [
+        PRELUDE,
+        HEADER,
+        QMV_AND_DECODE,
+        QMV_MMA,
+        DEQUANT,
+        SCAN,
+        GATHER,
+    ]
+    .join("\n");
+    for dtype in QMV_MMA_DTYPES {
+        src += &decoder_entry(dtype).wrapper;
+    }
     for j in SCAN_STATES_PER_LANE {
         src += &scan_entry(j).wrapper;
     }
@@ -892,6 +983,10 @@ mod tests {
             "mlxcel_qmv_mma_b4_bfloat16_4w_r2_n2_residual",
             "mlxcel_qmv_mma_b4_float16_8w_r1_n1",
             "mlxcel_gather_2",
+            "mlxcel_dec_qmv_b4_rms_bfloat16",
+            "mlxcel_dec_qmv_b8_gated_res_float16",
+            "mlxcel_dec_rope_kv_bfloat16",
+            "mlxcel_dec_attn_combine_float16",
         ] {
             assert!(source.contains(name), "{name} missing from the module");
         }

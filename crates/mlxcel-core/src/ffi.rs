@@ -355,6 +355,59 @@ pub(crate) mod bridge {
             position: i64,
             logits: &mut [f32],
         ) -> Result<()>;
+        /// The CUDA decode step (cpp/cuda_decode.cc), over the kernels of `binary`.
+        type CudaDecoder;
+        /// A decoder of `layers` layers on bf16 (`f16`: float16) activations; `shapes`: the
+        /// (warps, rows) launch shape of each GEMV kind.
+        #[allow(clippy::too_many_arguments)]
+        fn cuda_decoder_new(
+            binary: &CudaBinary,
+            f16: bool,
+            hidden: i32,
+            heads: i32,
+            kv_heads: i32,
+            head_dim: i32,
+            layers: i32,
+            eps: f32,
+            attn_scale: f32,
+            inv_freq: &[f32],
+            traditional: bool,
+            shapes: &[i32],
+        ) -> Result<UniquePtr<CudaDecoder>>;
+        /// As `cpu_decoder_set_linear` (affine 4/8-bit only; a bias on q/k/v only).
+        ///
+        /// # Safety
+        /// `scales`, `biases` and `bias` are null or point to live arrays.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn cuda_decoder_set_linear(
+            d: Pin<&mut CudaDecoder>,
+            layer: i32,
+            role: i32,
+            w: &MlxArray,
+            scales: *const MlxArray,
+            biases: *const MlxArray,
+            bias: *const MlxArray,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<()>;
+        /// As `cpu_decoder_set_norm`.
+        fn cuda_decoder_set_norm(
+            d: Pin<&mut CudaDecoder>,
+            layer: i32,
+            role: i32,
+            w: &MlxArray,
+        ) -> Result<()>;
+        /// Checks every part, evaluates the weights and loads the kernels.
+        fn cuda_decoder_finish(d: Pin<&mut CudaDecoder>) -> Result<()>;
+        /// The logits `[1, 1, vocab]` of one decode step, lazily: `x` the embedded token, the
+        /// layers' key/value buffers (row `position` is written in place when it runs).
+        fn cuda_decoder_step(
+            d: &CudaDecoder,
+            x: &MlxArray,
+            keys: &ArrayVec,
+            values: &ArrayVec,
+            position: i64,
+        ) -> Result<UniquePtr<MlxArray>>;
         /// `x @ w^T + (x @ lora_a) @ lora_b` on mlxcel's CPU kernel in one node (a runtime LoRA
         /// term: `lora_a` `[in, r]`, `lora_b` `[r, out]`, float32); `bits == 0`: `w` dense.
         /// # Safety

@@ -17,6 +17,7 @@
 
 mod array;
 pub mod cpu_decode;
+pub mod cuda_decode;
 pub mod cuda_kernels;
 mod device;
 pub mod distributed;

@@ -227,6 +227,13 @@ pub struct RuntimePolicy {
     /// folded forms). Default on (8 concurrent streams on an H200: 3.3x one stream, against
     /// 1.4x with one-row blocks); `0` turns it off.
     pub cuda_qmv_mma: bool,
+    /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
+    /// engine covers, with affine 4/8-bit weights and bf16/f16 activations, run on the GPU as
+    /// one mlxcel primitive that adds the whole step's kernels (~7 per layer, `decode.cu`) to
+    /// MLX's CUDA graph, instead of an MLX graph of ~14 arrays per layer (decode on a GPU is
+    /// bound by MLX's host time per array). Default off until measured on a GPU; `1` turns it
+    /// on.
+    pub cuda_decode: bool,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -290,6 +297,7 @@ impl RuntimePolicy {
         cuda_qmv_fold_shape: None,
         cuda_qmv_rows: 1,
         cuda_qmv_mma: true,
+        cuda_decode: false,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -462,6 +470,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_QMV_MMA") {
             p.cuda_qmv_mma = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DECODE") {
+            p.cuda_decode = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_BATCH_PIPELINE") {
             p.batch_pipeline = v.switch()?;
@@ -717,13 +728,14 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 8] = [
+        let cases: [(&str, Get); 9] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
             ("MLXCEL_ZERO_COPY", |p| Some(p.zero_copy)),
             ("MLXCEL_CUDA_QMV_FOLD", |p| Some(p.cuda_qmv_fold)),
             ("MLXCEL_CUDA_QMV_MMA", |p| Some(p.cuda_qmv_mma)),
+            ("MLXCEL_CUDA_DECODE", |p| Some(p.cuda_decode)),
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
             ("MLXCEL_FUSE_PROJECTIONS", |p| p.fuse_projections),
         ];

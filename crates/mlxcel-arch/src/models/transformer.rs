@@ -19,7 +19,7 @@ use mlxcel_core::{Array, WeightMap};
 use mlxcel_quant::QuantConfig;
 use serde::de::DeserializeOwned;
 
-mod cpu_decode;
+mod decode_engine;
 
 use crate::cache::LayerCache;
 use crate::model::{Architecture, LanguageModel, LayerKind};
@@ -956,8 +956,8 @@ pub struct Decoder {
     final_softcap: Option<f64>,
     vocab: usize,
     schedule: Vec<LayerKind>,
-    /// The CPU decode engine, when it covers this decoder (see `cpu_decode`).
-    cpu_decode: Option<cpu_decode::CpuDecode>,
+    /// The decode engine (CPU or CUDA), when one covers this decoder (see `decode_engine`).
+    decode_engine: Option<decode_engine::DecodeEngine>,
 }
 
 fn norm(w: &mut ModelWeights, spec: &DecoderSpec, name: &str, dim: i32) -> Result<Norm> {
@@ -1754,17 +1754,19 @@ impl Decoder {
             let head = w.linear("lm_head", h, spec.vocab, spec.lm_head_bias)?;
             (Some(head), None)
         };
-        // The CPU decode engine runs the whole model in one process: a model split over ranks
+        // The decode engines run the whole model in one process: a model split over ranks
         // (tensor-parallel partial sums, or one pipeline stage's layers) stays on the graph.
-        let cpu_decode = match (&embed, &tp_group, &stage) {
-            (Some(embed), None, None) => cpu_decode::CpuDecode::build(cpu_decode::Parts {
-                spec,
-                blocks: &blocks,
-                embed,
-                lm_head: lm_head.as_ref(),
-                tied_head_bias: tied_head_bias.is_some(),
-                final_norm: &final_norm,
-            })?,
+        let decode_engine = match (&embed, &tp_group, &stage) {
+            (Some(embed), None, None) => {
+                decode_engine::DecodeEngine::build(decode_engine::Parts {
+                    spec,
+                    blocks: &blocks,
+                    embed,
+                    lm_head: lm_head.as_ref(),
+                    tied_head_bias: tied_head_bias.is_some(),
+                    final_norm: &final_norm,
+                })?
+            }
             _ => None,
         };
         Ok(Decoder {
@@ -1778,7 +1780,7 @@ impl Decoder {
             lm_head,
             vocab_parallel,
             tied_head_bias,
-            cpu_decode,
+            decode_engine,
             embed_scale: spec.embed_scale,
             residual_scale: spec.residual_scale,
             logit_scale: spec.logit_scale,
@@ -1990,7 +1992,7 @@ impl<A> LanguageModel for Transformer<A> {
         caches: &mut [LayerCache],
         last_only: bool,
     ) -> Result<Array> {
-        if let Some(engine) = &self.decoder.cpu_decode {
+        if let Some(engine) = &self.decoder.decode_engine {
             if let Some(logits) = engine.step(embeddings, positions, caches)? {
                 return Ok(logits);
             }
@@ -2025,7 +2027,10 @@ impl<A> LanguageModel for Transformer<A> {
     }
 
     fn decodes_on_cpu_engine(&self) -> bool {
-        self.decoder.cpu_decode.is_some()
+        self.decoder
+            .decode_engine
+            .as_ref()
+            .is_some_and(decode_engine::DecodeEngine::on_cpu)
     }
 }
 

@@ -21,6 +21,8 @@
 //   res    T      [M, N] (RES 1; else unused)
 //   out    T      [M, N]          (any shape with M*N elements; dtype = x's dtype)
 //   n_rows, words_per_row, groups_per_row, m_rows: N, K*BITS/32, K/gs and M; eps (PRE 1)
+//   bx     the block's index along the output rows (blockIdx.x, or less where one launch covers
+//          several matrices: decode.cu)
 // Integer template args: BITS (4 or 8), NW (warps per block), RPW (output rows per block),
 //   MB (activation rows per block: each weight chunk is loaded once and used for all MB rows,
 //   so a decode batch reads the matrix ceil(M/MB) times instead of M times),
@@ -100,7 +102,8 @@ template <int BITS, int NW, int RPW, int MB, int NOALLOC, int FAST, int PRE, int
           typename T>
 __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T* biases,
                                     const T* x, const T* aux, const T* res, T* out, int n_rows,
-                                    int words_per_row, int groups_per_row, int m_rows, float eps) {
+                                    int words_per_row, int groups_per_row, int m_rows, float eps,
+                                    int bx) {
   constexpr int QMV_EPW = 32 / BITS;     // elements per uint32
   constexpr int QMV_EPC = 4 * QMV_EPW;   // elements per 16-byte chunk
   constexpr int QMV_NT = NW * 32;        // threads per block
@@ -120,7 +123,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
 
   const int tid = threadIdx.x;
   const int m0 = blockIdx.y * MB;
-  const int row0 = blockIdx.x * RPW;
+  const int row0 = bx * RPW;
 
   // Rows past the end are clamped for loading (always in bounds) and never stored.
   size_t wbase[RPW];

@@ -1,0 +1,597 @@
+// mlxcel's CUDA decode step: one token of one sequence through a llama-shaped decoder (the
+// decoders the CPU decode engine covers) as one MLX primitive, `CudaDecodeStep`, whose
+// evaluation adds every kernel of the step (kernels/cuda/decode.cu: ~7 per layer) to MLX's CUDA
+// graph.
+//
+// Why: decode on a GPU is bound by MLX's host time per array (~8 us each on an H200 host); the
+// MLX graph of an 8B decode step has ~460 arrays, so the step costs ~3.7 ms of host time however
+// fast its kernels are. Here the step is one array, and the kernels are graph nodes added
+// directly (a few microseconds each, no array bookkeeping).
+//
+// How: the weights are held here as MLX arrays (evaluated once by `finish`); each step takes the
+// embedded token and the layers' key/value buffers (`[1, kv_heads, capacity, head_dim]`, which
+// the caller owns exclusively: row `position` is written in place by the rope kernel) and returns
+// the logits. Scratch space is one stream-ordered allocation per step. Every node reads and
+// writes that scratch array, so MLX's encoder chains the nodes in order; the first node also
+// depends on the inputs, the last one is the producer of the logits and of the caches.
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/primitives.h"
+#include "mlx/transforms.h"
+#include "mlxcel-core/cpp/cuda_api.h"
+#include "mlxcel-core/cpp/shim.h"
+#include "mlxcel-core/src/ffi.rs.h"
+
+namespace mlxcel {
+
+namespace mx = mlx::core;
+using namespace cuda;
+
+namespace {
+
+// Projection roles (as `LinearRole` in src/cpu_decode.rs) and norm roles (`NormRole`).
+// ROLE_QKV and ROLE_GATE_UP: the fused `[q | k | v]` and `[gate | up]` projections (MLX loads
+// fuse them on a GPU), which replace the separate ones.
+enum {
+  ROLE_Q,
+  ROLE_K,
+  ROLE_V,
+  ROLE_O,
+  ROLE_GATE,
+  ROLE_UP,
+  ROLE_DOWN,
+  ROLE_HEAD,
+  ROLE_QKV,
+  ROLE_GATE_UP,
+  ROLES
+};
+enum { NORM_INPUT, NORM_POST, NORM_Q, NORM_K, NORM_FINAL };
+// The GEMV kinds of decode.cu: RMSNorm in; residual out; gated in and residual out.
+enum { GEMV_RMS, GEMV_RES, GEMV_GATED_RES };
+
+constexpr int MAX_HEAD_DIM = 256;      // DEC_MAX_HEAD_DIM of decode.cu
+constexpr int MAX_GROUP = 16;          // DEC_MAX_GROUP
+constexpr unsigned ATTN_THREADS = 128; // DEC_ATTN_THREADS
+constexpr int MAX_CHUNK = 128;         // keys per attention block (one per thread)
+// Attention blocks per step the chunking aims at (about two per SM of an H100/H200).
+constexpr int ATTN_BLOCKS = 264;
+
+struct QLinear {
+  std::optional<mx::array> w, scales, biases, bias;
+  int bits = 0;
+  int rows() const { return w->shape(0); }
+  int words() const { return w->shape(1); }
+  int groups() const { return scales->shape(1); }
+  int cols() const { return words() * 32 / bits; }
+};
+
+struct Layer {
+  QLinear linear[ROLES];  // ROLE_HEAD unused
+  std::optional<mx::array> norm[4];
+};
+
+// One kernel's arguments: 8-byte slots (pointers, or an int in the low 4 bytes), and the
+// pointers to them that a graph node takes (it copies the values when added).
+struct Args {
+  std::vector<uint64_t> slots;
+  std::vector<void*> ptrs;
+  Args& ptr(const void* p) {
+    slots.push_back(reinterpret_cast<uint64_t>(p));
+    return *this;
+  }
+  Args& i32(int32_t v) {
+    uint64_t s = 0;
+    std::memcpy(&s, &v, sizeof v);
+    slots.push_back(s);
+    return *this;
+  }
+  Args& f32(float v) {
+    int32_t bits;
+    std::memcpy(&bits, &v, sizeof v);
+    return i32(bits);
+  }
+  void** params() {
+    ptrs.clear();
+    for (auto& s : slots) {
+      ptrs.push_back(&s);
+    }
+    return ptrs.data();
+  }
+};
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+struct CudaDecoderState {
+  const CudaBinary* binary = nullptr;
+  mx::Dtype dtype = mx::bfloat16;
+  int hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, layers = 0;
+  float eps = 0, scale = 0;
+  bool traditional = false;
+  std::vector<float> inv_freq;
+  std::optional<mx::array> inv_freq_dev;
+  // (warps, rows per block) of each GEMV kind (DECODER_GEMV_SHAPES in src/cuda_kernels.rs).
+  int shape[3][2] = {};
+  std::vector<Layer> layer;
+  QLinear head;
+  std::optional<mx::array> final_norm;
+  // Kernels, loaded by `finish`: GEMVs by [bits == 8][kind], then rope, attention, combine.
+  void* gemv[2][3] = {};
+  void* rope = nullptr;
+  void* attn = nullptr;
+  void* combine = nullptr;
+  int inter = 0;  // widest MLP
+  bool finished = false;
+
+  std::string where(int l) const {
+    return l < 0 ? std::string("the output head") : "layer " + std::to_string(l);
+  }
+};
+
+CudaDecoder::CudaDecoder() = default;
+CudaDecoder::~CudaDecoder() = default;
+
+namespace {
+
+// A matrix's GEMV: up to three matrices of equal K (and packing) in one launch.
+struct Segment {
+  const QLinear* linear;
+  void* out;
+};
+
+class CudaDecodeStep : public mx::Primitive {
+ public:
+  CudaDecodeStep(mx::Stream stream, std::shared_ptr<const CudaDecoderState> state, int position)
+      : mx::Primitive(stream), state_(std::move(state)), position_(position) {}
+
+  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlxcel: the CUDA decode step was scheduled on the CPU");
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const CudaDecoderState& st = *state_;
+    const LaunchApi& api = *resolved_launch_api();
+    encoder_ = api.command_encoder(stream());
+    api_ = &api;
+    inputs_ = &inputs;
+    auto& enc = *static_cast<mx::cu::CommandEncoder*>(encoder_);
+    first_ = true;
+
+    mx::array x = inputs[0];
+    if (!x.flags().row_contiguous) {
+      x = row_contiguous_copy(api, encoder_, *st.binary, x);
+    }
+    x_ = &x;
+    mx::array& logits = outputs[0];
+    logits.set_data(api.malloc_async(logits.nbytes(), enc));
+    logits_ = &logits;
+
+    const int len = position_ + 1;
+    const int q_dim = st.heads * st.head_dim;
+    const int kv_dim = st.kv_heads * st.head_dim;
+    int chunk = ceil_div(len * st.kv_heads, ATTN_BLOCKS);
+    chunk = std::min(MAX_CHUNK, std::max(16, chunk));
+    const int n_chunks = ceil_div(len, chunk);
+
+    // The scratch arena: 256-byte aligned parts.
+    size_t bytes = 0;
+    auto part = [&bytes](size_t n) {
+      size_t at = bytes;
+      bytes += (n + 255) & ~size_t(255);
+      return at;
+    };
+    const size_t elt = mx::size_of(st.dtype);
+    const size_t h_at = part(st.hidden * elt);
+    const size_t qkv_at = part(size_t(q_dim + 2 * kv_dim) * elt);
+    const size_t q_at = part(size_t(q_dim) * elt);
+    const size_t attn_at = part(size_t(q_dim) * elt);
+    const size_t gu_at = part(size_t(2) * st.inter * elt);
+    const size_t partial_at = part(size_t(st.heads) * n_chunks * (st.head_dim + 2) * 4);
+    arena_.emplace(mx::Shape{static_cast<int>(bytes)}, mx::uint8, nullptr,
+                   std::vector<mx::array>{});
+    arena_->set_data(api.malloc_async(bytes, enc));
+    char* base = static_cast<char*>(device_pointer(*arena_));
+    char* h = base + h_at;
+    char* qkv = base + qkv_at;
+    char* q = base + q_at;
+    char* attn = base + attn_at;
+    char* gu = base + gu_at;
+    char* partial = base + partial_at;
+
+    const void* h_in = device_pointer(x);
+    for (int l = 0; l < st.layers; ++l) {
+      const Layer& ly = st.layer[l];
+      const mx::array& kc = inputs[1 + l];
+      const mx::array& vc = inputs[1 + st.layers + l];
+      const int capacity = kc.shape(2);
+      const QLinear& fused_qkv = ly.linear[ROLE_QKV];
+      const char* q_bias = static_cast<const char*>(ptr(ly.linear[ROLE_Q].bias));
+      const char* k_bias = static_cast<const char*>(ptr(ly.linear[ROLE_K].bias));
+      const char* v_bias = static_cast<const char*>(ptr(ly.linear[ROLE_V].bias));
+      if (fused_qkv.w) {
+        gemv(GEMV_RMS, {Segment{&fused_qkv, qkv}}, h_in, ptr(ly.norm[NORM_INPUT]), nullptr);
+        if (fused_qkv.bias) {
+          q_bias = static_cast<const char*>(device_pointer(*fused_qkv.bias));
+          k_bias = q_bias + q_dim * elt;
+          v_bias = q_bias + size_t(q_dim + kv_dim) * elt;
+        }
+      } else {
+        gemv(GEMV_RMS,
+             {Segment{&ly.linear[ROLE_Q], qkv}, Segment{&ly.linear[ROLE_K], qkv + q_dim * elt},
+              Segment{&ly.linear[ROLE_V], qkv + size_t(q_dim + kv_dim) * elt}},
+             h_in, ptr(ly.norm[NORM_INPUT]), nullptr);
+      }
+      Args rope;
+      rope.ptr(qkv)
+          .ptr(q_bias)
+          .ptr(k_bias)
+          .ptr(v_bias)
+          .ptr(ptr(ly.norm[NORM_Q]))
+          .ptr(ptr(ly.norm[NORM_K]))
+          .ptr(device_pointer(*st.inv_freq_dev))
+          .ptr(q)
+          .ptr(device_pointer(kc))
+          .ptr(device_pointer(vc))
+          .i32(st.heads)
+          .i32(st.kv_heads)
+          .i32(st.head_dim)
+          .i32(static_cast<int>(st.inv_freq.size()))
+          .i32(st.traditional ? 1 : 0)
+          .i32(position_)
+          .i32(capacity)
+          .f32(st.eps);
+      launch(st.rope, Dim3{unsigned(st.heads + st.kv_heads), 1, 1}, Dim3{32, 1, 1}, rope);
+      Args at;
+      at.ptr(q)
+          .ptr(device_pointer(kc))
+          .ptr(device_pointer(vc))
+          .ptr(partial)
+          .i32(st.heads)
+          .i32(st.kv_heads)
+          .i32(st.head_dim)
+          .i32(capacity)
+          .i32(len)
+          .i32(chunk)
+          .i32(n_chunks)
+          .f32(st.scale);
+      launch(st.attn, Dim3{unsigned(st.kv_heads), unsigned(n_chunks), 1},
+             Dim3{ATTN_THREADS, 1, 1}, at);
+      Args combine;
+      combine.ptr(partial).ptr(attn).i32(st.head_dim).i32(n_chunks);
+      launch(st.combine, Dim3{unsigned(st.heads), 1, 1},
+             Dim3{unsigned(std::min(st.head_dim, 128)), 1, 1}, combine);
+      gemv(GEMV_RES, {Segment{&ly.linear[ROLE_O], h}}, attn, nullptr, h_in);
+      if (ly.linear[ROLE_GATE_UP].w) {
+        gemv(GEMV_RMS, {Segment{&ly.linear[ROLE_GATE_UP], gu}}, h, ptr(ly.norm[NORM_POST]),
+             nullptr);
+      } else {
+        const int inter = ly.linear[ROLE_GATE].rows();
+        gemv(GEMV_RMS,
+             {Segment{&ly.linear[ROLE_GATE], gu}, Segment{&ly.linear[ROLE_UP], gu + inter * elt}},
+             h, ptr(ly.norm[NORM_POST]), nullptr);
+      }
+      gemv(GEMV_GATED_RES, {Segment{&ly.linear[ROLE_DOWN], h}}, gu, nullptr, h);
+      h_in = h;
+    }
+    gemv(GEMV_RMS, {Segment{&st.head, device_pointer(logits)}}, h, ptr(st.final_norm), nullptr,
+         /*last=*/true);
+    api.add_completed_handler(encoder_, [arena = *arena_]() {});
+    arena_.reset();
+  }
+
+  const char* name() const override { return "CudaDecodeStep"; }
+
+ private:
+  static const void* ptr(const std::optional<mx::array>& a) {
+    return a ? device_pointer(*a) : nullptr;
+  }
+
+  // Adds one kernel node after the previous one (see the file's comment on dependencies); the
+  // step's `last` node stands for the whole step: what reads the logits or the caches waits for
+  // it.
+  void launch(void* function, Dim3 grid, Dim3 block, Args& args, bool last = false) {
+    const LaunchApi& api = *api_;
+    const CudaDecoderState& st = *state_;
+    if (first_) {
+      // The embedding as read (a row-contiguous copy's node when it had to be copied), and the
+      // caches, which earlier graphs may still be writing.
+      api.set_input(encoder_, *x_);
+      for (const auto& in : *inputs_) {
+        api.set_input(encoder_, in);
+      }
+      first_ = false;
+    }
+    api.set_input(encoder_, *arena_);
+    api.set_output(encoder_, *arena_);
+    if (last) {
+      api.set_output(encoder_, *logits_);
+      for (int i = 1; i < 1 + 2 * st.layers; ++i) {
+        api.set_output(encoder_, (*inputs_)[i]);
+      }
+    }
+    api.add_kernel(encoder_, function, grid, block, Dim3{1, 1, 1}, 0, args.params());
+  }
+
+  // The GEMV of `kind` over `segments` (matrices of one K): consecutive segments of equal
+  // packing share a launch. `aux`: the RMSNorm weight (GEMV_RMS); `res`: the residual.
+  void gemv(int kind, std::initializer_list<Segment> segments, const void* x, const void* aux,
+            const void* res, bool last = false) {
+    const CudaDecoderState& st = *state_;
+    std::vector<Segment> all(segments);
+    const int nw = st.shape[kind][0];
+    const int rpw = st.shape[kind][1];
+    for (size_t i = 0; i < all.size();) {
+      const QLinear& first = *all[i].linear;
+      size_t j = i + 1;
+      while (j < all.size() && j - i < 3 && all[j].linear->bits == first.bits &&
+             all[j].linear->words() == first.words() &&
+             all[j].linear->groups() == first.groups()) {
+        ++j;
+      }
+      Args a;
+      unsigned blocks = 0;
+      for (size_t s = 0; s < 3; ++s) {
+        if (i + s < j) {
+          const QLinear& m = *all[i + s].linear;
+          a.ptr(device_pointer(*m.w))
+              .ptr(device_pointer(*m.scales))
+              .ptr(device_pointer(*m.biases))
+              .ptr(all[i + s].out)
+              .i32(m.rows());
+          blocks += unsigned(ceil_div(m.rows(), rpw));
+        } else {
+          a.ptr(nullptr).ptr(nullptr).ptr(nullptr).ptr(nullptr).i32(0);
+        }
+      }
+      a.ptr(x).ptr(aux).ptr(res).i32(first.words()).i32(first.groups()).f32(st.eps);
+      launch(st.gemv[first.bits == 8][kind], Dim3{blocks, 1, 1}, Dim3{unsigned(nw * 32), 1, 1},
+             a, last && j == all.size());
+      i = j;
+    }
+  }
+
+  std::shared_ptr<const CudaDecoderState> state_;
+  int position_;
+  // Set during eval_gpu only.
+  const LaunchApi* api_ = nullptr;
+  void* encoder_ = nullptr;
+  const std::vector<mx::array>* inputs_ = nullptr;
+  const mx::array* x_ = nullptr;
+  const mx::array* logits_ = nullptr;
+  std::optional<mx::array> arena_;
+  bool first_ = false;
+};
+
+void check_vector(const mx::array& a, int n, mx::Dtype dtype, const std::string& what) {
+  if (a.ndim() != 1 || a.shape(0) != n || a.dtype() != dtype) {
+    throw std::invalid_argument("mlxcel: cuda decoder: " + what + " must be [" +
+                                std::to_string(n) + "] in the activations' dtype");
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16, int32_t hidden,
+                                              int32_t heads, int32_t kv_heads, int32_t head_dim,
+                                              int32_t layers, float eps, float attn_scale,
+                                              rust::Slice<const float> inv_freq, bool traditional,
+                                              rust::Slice<const int32_t> shapes) {
+  if (hidden <= 0 || heads <= 0 || kv_heads <= 0 || head_dim <= 0 || layers <= 0 ||
+      heads % kv_heads != 0) {
+    throw std::invalid_argument("mlxcel: cuda decoder: invalid shape");
+  }
+  if (head_dim > MAX_HEAD_DIM || head_dim % 8 != 0 || heads / kv_heads > MAX_GROUP ||
+      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 6) {
+    throw std::invalid_argument(
+        "mlxcel: cuda decoder: head_dim a multiple of 8 up to 256, at most 16 query heads per "
+        "key/value head, rope within the head");
+  }
+  auto d = std::make_unique<CudaDecoder>();
+  auto st = std::make_shared<CudaDecoderState>();
+  st->binary = &binary;
+  st->dtype = f16 ? mx::float16 : mx::bfloat16;
+  st->hidden = hidden;
+  st->heads = heads;
+  st->kv_heads = kv_heads;
+  st->head_dim = head_dim;
+  st->layers = layers;
+  st->eps = eps;
+  st->scale = attn_scale;
+  st->traditional = traditional;
+  st->inv_freq.assign(inv_freq.begin(), inv_freq.end());
+  for (int k = 0; k < 3; ++k) {
+    st->shape[k][0] = shapes[2 * k];
+    st->shape[k][1] = shapes[2 * k + 1];
+  }
+  st->layer.resize(layers);
+  d->state = std::move(st);
+  return d;
+}
+
+void cuda_decoder_set_linear(CudaDecoder& d, int32_t layer, int32_t role, const mx::array& w,
+                             const mx::array* scales, const mx::array* biases,
+                             const mx::array* bias, int32_t group_size, int32_t bits) {
+  auto& st = *d.state;
+  if (st.finished) {
+    throw std::logic_error("mlxcel: cuda decoder: already finished");
+  }
+  const bool is_head = layer < 0 && role == ROLE_HEAD;
+  if (!is_head &&
+      (layer < 0 || layer >= st.layers || role < 0 || role >= ROLES || role == ROLE_HEAD)) {
+    throw std::invalid_argument("mlxcel: cuda decoder: no projection " + std::to_string(role) +
+                                " in " + st.where(layer));
+  }
+  if (scales == nullptr || biases == nullptr || (bits != 4 && bits != 8) ||
+      (group_size != 32 && group_size != 64 && group_size != 128) || w.ndim() != 2 ||
+      w.dtype() != mx::uint32 || scales->dtype() != st.dtype || biases->dtype() != st.dtype ||
+      scales->ndim() != 2 || scales->shape(0) != w.shape(0) ||
+      scales->shape(1) * group_size != w.shape(1) * 32 / bits || biases->shape() != scales->shape()) {
+    throw std::invalid_argument("mlxcel: cuda decoder: projection " + std::to_string(role) +
+                                " of " + st.where(layer) +
+                                " must be affine 4/8-bit, group 32/64/128, scales and biases in "
+                                "the activations' dtype");
+  }
+  if (bias != nullptr && role != ROLE_Q && role != ROLE_K && role != ROLE_V && role != ROLE_QKV) {
+    throw std::invalid_argument("mlxcel: cuda decoder: only q/k/v projections take a bias");
+  }
+  QLinear q;
+  q.w = w;
+  q.scales = *scales;
+  q.biases = *biases;
+  if (bias != nullptr) {
+    check_vector(*bias, w.shape(0), st.dtype, "the bias of projection " + std::to_string(role));
+    q.bias = *bias;
+  }
+  q.bits = bits;
+  (is_head ? st.head : st.layer[layer].linear[role]) = std::move(q);
+}
+
+void cuda_decoder_set_norm(CudaDecoder& d, int32_t layer, int32_t role, const mx::array& w) {
+  auto& st = *d.state;
+  if (st.finished) {
+    throw std::logic_error("mlxcel: cuda decoder: already finished");
+  }
+  if (layer < 0 && role == NORM_FINAL) {
+    check_vector(w, st.hidden, st.dtype, "the final norm");
+    st.final_norm = w;
+    return;
+  }
+  if (layer < 0 || layer >= st.layers || role < 0 || role > NORM_K) {
+    throw std::invalid_argument("mlxcel: cuda decoder: no norm " + std::to_string(role) + " in " +
+                                st.where(layer));
+  }
+  const int n = role >= NORM_Q ? st.head_dim : st.hidden;
+  check_vector(w, n, st.dtype, "norm " + std::to_string(role) + " of " + st.where(layer));
+  st.layer[layer].norm[role] = w;
+}
+
+void cuda_decoder_finish(CudaDecoder& d) {
+  auto& st = *d.state;
+  const LaunchApi* api = resolved_launch_api();
+  if (api == nullptr) {
+    throw std::runtime_error("mlxcel: cuda decoder: MLX's CUDA entry points are not available");
+  }
+  const int q_dim = st.heads * st.head_dim;
+  const int kv_dim = st.kv_heads * st.head_dim;
+  std::vector<mx::array> all;
+  auto need = [&](const QLinear& m, int rows, int cols, const std::string& what) {
+    if (!m.w || (rows > 0 && m.rows() != rows) || m.cols() != cols) {
+      throw std::invalid_argument("mlxcel: cuda decoder: " + what + " missing or of the wrong shape");
+    }
+    all.push_back(*m.w);
+    all.push_back(*m.scales);
+    all.push_back(*m.biases);
+    if (m.bias) {
+      all.push_back(*m.bias);
+    }
+  };
+  for (int l = 0; l < st.layers; ++l) {
+    const Layer& ly = st.layer[l];
+    const std::string at = " of " + st.where(l);
+    if (ly.linear[ROLE_QKV].w) {
+      need(ly.linear[ROLE_QKV], q_dim + 2 * kv_dim, st.hidden, "qkv" + at);
+    } else {
+      need(ly.linear[ROLE_Q], q_dim, st.hidden, "q" + at);
+      need(ly.linear[ROLE_K], kv_dim, st.hidden, "k" + at);
+      need(ly.linear[ROLE_V], kv_dim, st.hidden, "v" + at);
+    }
+    need(ly.linear[ROLE_O], st.hidden, q_dim, "o" + at);
+    const int inter = ly.linear[ROLE_DOWN].w ? ly.linear[ROLE_DOWN].cols() : 0;
+    if (inter <= 0 || inter % 8 != 0) {
+      throw std::invalid_argument("mlxcel: cuda decoder: the MLP width" + at +
+                                  " must be a multiple of 8");
+    }
+    if (ly.linear[ROLE_GATE_UP].w) {
+      need(ly.linear[ROLE_GATE_UP], 2 * inter, st.hidden, "gate_up" + at);
+    } else {
+      need(ly.linear[ROLE_GATE], inter, st.hidden, "gate" + at);
+      need(ly.linear[ROLE_UP], inter, st.hidden, "up" + at);
+    }
+    need(ly.linear[ROLE_DOWN], st.hidden, inter, "down" + at);
+    st.inter = std::max(st.inter, inter);
+    if (!ly.norm[NORM_INPUT] || !ly.norm[NORM_POST] || bool(ly.norm[NORM_Q]) != bool(ly.norm[NORM_K])) {
+      throw std::invalid_argument("mlxcel: cuda decoder: norms" + at + " missing");
+    }
+    for (const auto& n : ly.norm) {
+      if (n) {
+        all.push_back(*n);
+      }
+    }
+  }
+  need(st.head, 0, st.hidden, "the output head");
+  if (!st.final_norm) {
+    throw std::invalid_argument("mlxcel: cuda decoder: the final norm is missing");
+  }
+  all.push_back(*st.final_norm);
+  const int rot_half = static_cast<int>(st.inv_freq.size());
+  st.inv_freq_dev = mx::array(st.inv_freq.data(), mx::Shape{std::max(rot_half, 1)}, mx::float32);
+  if (rot_half == 0) {
+    st.inv_freq_dev = mx::zeros({1}, mx::float32);
+  }
+  all.push_back(*st.inv_freq_dev);
+  // Contiguous, evaluated weights: the kernels read them by address.
+  mx::eval(all);
+  for (auto& a : all) {
+    if (!a.flags().row_contiguous) {
+      throw std::invalid_argument("mlxcel: cuda decoder: a weight is not row-contiguous");
+    }
+  }
+  const std::string t = st.dtype == mx::float16 ? "float16" : "bfloat16";
+  const char* kinds[3] = {"rms", "res", "gated_res"};
+  for (int b = 0; b < 2; ++b) {
+    for (int k = 0; k < 3; ++k) {
+      st.gemv[b][k] = function(*api, *st.binary,
+                               "mlxcel_dec_qmv_b" + std::to_string(b ? 8 : 4) + "_" + kinds[k] +
+                                   "_" + t);
+    }
+  }
+  st.rope = function(*api, *st.binary, "mlxcel_dec_rope_kv_" + t);
+  st.attn = function(*api, *st.binary, "mlxcel_dec_attn_" + t);
+  st.combine = function(*api, *st.binary, "mlxcel_dec_attn_combine_" + t);
+  st.finished = true;
+}
+
+std::unique_ptr<array> cuda_decoder_step(const CudaDecoder& d, const mx::array& x,
+                                         const ArrayVec& keys, const ArrayVec& values,
+                                         int64_t position) {
+  const auto& st = *d.state;
+  if (!st.finished) {
+    throw std::logic_error("mlxcel: cuda decoder: step before finish");
+  }
+  if (x.shape() != mx::Shape{1, 1, st.hidden} || x.dtype() != st.dtype) {
+    throw std::invalid_argument("mlxcel: cuda decoder: the token's embedding must be [1, 1, " +
+                                std::to_string(st.hidden) + "] in the activations' dtype");
+  }
+  if (keys.items.size() != size_t(st.layers) || values.items.size() != size_t(st.layers)) {
+    throw std::invalid_argument("mlxcel: cuda decoder: one key and one value buffer per layer");
+  }
+  std::vector<mx::array> inputs{x};
+  for (const auto* list : {&keys, &values}) {
+    for (const auto& c : list->items) {
+      const bool ok = c.ndim() == 4 && c.shape(0) == 1 && c.shape(1) == st.kv_heads &&
+                      c.shape(3) == st.head_dim && c.dtype() == st.dtype &&
+                      position >= 0 && position < c.shape(2) &&
+                      c.status() != mx::array::Status::unscheduled && c.flags().row_contiguous;
+      if (!ok) {
+        throw std::invalid_argument(
+            "mlxcel: cuda decoder: a cache buffer must be an evaluated, row-contiguous [1, " +
+            std::to_string(st.kv_heads) + ", capacity > position, " +
+            std::to_string(st.head_dim) + "] array in the activations' dtype");
+      }
+      inputs.push_back(c);
+    }
+  }
+  const int vocab = st.head.rows();
+  auto primitive = std::make_shared<CudaDecodeStep>(mx::default_stream(mx::default_device()),
+                                                    d.state, static_cast<int>(position));
+  return std::make_unique<array>(
+      mx::array(mx::Shape{1, 1, vocab}, st.dtype, std::move(primitive), std::move(inputs)));
+}
+
+}  // namespace mlxcel

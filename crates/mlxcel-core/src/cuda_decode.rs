@@ -1,0 +1,175 @@
+//! mlxcel's CUDA decode step: one decode token of a dense attention-only decoder (the decoders
+//! the [CPU decode engine](crate::cpu_decode) covers) with affine 4/8-bit weights and bf16/f16
+//! activations as one MLX array, whose evaluation adds the whole step's kernels
+//! (`kernels/cuda/decode.cu`, ~7 per layer) to MLX's CUDA graph (see `cpp/cuda_decode.cc`).
+//! Decode on a GPU is bound by MLX's host time per array; the MLX graph of the same step has ~14
+//! arrays per layer.
+//!
+//! The model layer describes its weights once, as for the CPU engine ([`CudaDecoder::new`],
+//! [`CudaDecoder::set_linear`], [`CudaDecoder::set_norm`], [`CudaDecoder::finish`]); each
+//! [`CudaDecoder::step`] then takes the embedded token and the layers' key/value buffers and
+//! returns the logits, lazily: evaluating them writes the new key/value row into the buffers.
+
+use cxx::UniquePtr;
+
+use crate::array::ArrayList;
+use crate::cpu_decode::{DecoderShape, LinearRole, NormRole};
+use crate::ffi::bridge;
+use crate::{Array, Dtype, Error, Result};
+
+/// A built decode step (see the module docs).
+pub struct CudaDecoder {
+    raw: UniquePtr<bridge::CudaDecoder>,
+    layers: usize,
+    dtype: Dtype,
+}
+
+impl std::fmt::Debug for CudaDecoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDecoder")
+            .field("layers", &self.layers)
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+fn layer_index(layer: Option<usize>) -> i32 {
+    layer.map_or(-1, |l| l as i32)
+}
+
+/// Whether a projection's planes are ones the CUDA step reads: affine 4/8-bit, group 32/64/128,
+/// biases present, scales and biases in `dtype`.
+pub fn takes_linear(
+    w: &Array,
+    quant: Option<(&Array, &Array, i32, i32)>,
+    dtype: Dtype,
+) -> Result<bool> {
+    let Some((scales, biases, group, bits)) = quant else {
+        return Ok(false);
+    };
+    Ok(matches!(bits, 4 | 8)
+        && matches!(group, 32 | 64 | 128)
+        && w.dtype()? == Dtype::Uint32
+        && scales.dtype()? == dtype
+        && biases.dtype()? == dtype)
+}
+
+impl CudaDecoder {
+    /// A step of `shape` on `dtype` activations (bfloat16 or float16) with nothing set; its
+    /// kernels are compiled (or read from the cache) now.
+    pub fn new(shape: &DecoderShape, dtype: Dtype) -> Result<CudaDecoder> {
+        let binary = crate::cuda_kernels::decoder_binary(dtype)?;
+        let shapes: Vec<i32> = crate::cuda_kernels::DECODER_GEMV_SHAPES
+            .iter()
+            .flat_map(|&(nw, rpw)| [nw, rpw])
+            .collect();
+        let raw = bridge::cuda_decoder_new(
+            binary,
+            dtype == Dtype::Float16,
+            shape.hidden,
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+            shape.layers,
+            shape.eps,
+            shape.attn_scale,
+            &shape.inv_freq,
+            shape.traditional,
+            &shapes,
+        )?;
+        Ok(CudaDecoder {
+            raw,
+            layers: shape.layers.max(0) as usize,
+            dtype,
+        })
+    }
+
+    /// Sets a projection: MLX affine packed `w` with `quant = (scales, biases, group_size,
+    /// bits)` (see [`takes_linear`]); `bias` `[out]` (q/k/v only).
+    pub fn set_linear(
+        &mut self,
+        layer: Option<usize>,
+        role: LinearRole,
+        w: &Array,
+        quant: (&Array, &Array, i32, i32),
+        bias: Option<&Array>,
+    ) -> Result<()> {
+        let (scales, biases, group, bits) = quant;
+        let bias = bias.map_or(std::ptr::null(), |b| b.as_ref() as *const bridge::MlxArray);
+        // SAFETY: the pointers are null or borrow arrays alive for this call.
+        unsafe {
+            bridge::cuda_decoder_set_linear(
+                self.raw.pin_mut(),
+                layer_index(layer),
+                role as i32,
+                w.as_ref(),
+                scales.as_ref(),
+                biases.as_ref(),
+                bias,
+                group,
+                bits,
+            )?
+        };
+        Ok(())
+    }
+
+    /// Sets an RMSNorm weight (in the activations' dtype).
+    pub fn set_norm(&mut self, layer: Option<usize>, role: NormRole, w: &Array) -> Result<()> {
+        bridge::cuda_decoder_set_norm(
+            self.raw.pin_mut(),
+            layer_index(layer),
+            role as i32,
+            w.as_ref(),
+        )?;
+        Ok(())
+    }
+
+    /// Checks every part, evaluates the weights and loads the kernels; the step can run
+    /// afterwards.
+    pub fn finish(&mut self) -> Result<()> {
+        bridge::cuda_decoder_finish(self.raw.pin_mut())?;
+        Ok(())
+    }
+
+    /// Layers of the step.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    /// The activations' dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// The logits `[1, 1, vocab]` of the token embedded as `x` (`[1, 1, hidden]`) at
+    /// `position`, lazily. Evaluating them writes every layer's new key/value row into row
+    /// `position` of its buffers (`keys[i]`, `values[i]`: `[1, kv_heads, capacity, head_dim]`,
+    /// evaluated, row-contiguous, capacity above `position`), which nothing else may read as
+    /// they were: the caller owns them.
+    pub fn step(
+        &self,
+        x: &Array,
+        keys: &[Array],
+        values: &[Array],
+        position: usize,
+    ) -> Result<Array> {
+        if keys.len() != self.layers || values.len() != self.layers {
+            return Err(Error::Invalid(format!(
+                "cuda decoder: {} key and {} value buffers for {} layers",
+                keys.len(),
+                values.len(),
+                self.layers
+            )));
+        }
+        let keys = ArrayList::new(keys)?;
+        let values = ArrayList::new(values)?;
+        let out = bridge::cuda_decoder_step(
+            &self.raw,
+            x.as_ref(),
+            keys.as_ref(),
+            values.as_ref(),
+            position as i64,
+        )?;
+        Ok(Array::from_raw(out))
+    }
+}

@@ -1,0 +1,157 @@
+//! mlxcel's CUDA decode step (`MLXCEL_CUDA_DECODE`, on by default on a GPU) against the MLX
+//! graph it replaces: the same quantized model loaded twice in bf16, once per path, fed the same
+//! tokens, must give the same decode-step logits within bf16 rounding (printed), across chunked
+//! prefill, decode steps, a cache growth step and prefix reuse (a second prompt that rewinds the
+//! caches, after which the step writes over rows the first turn left behind).
+//!
+//! Needs MLX's CUDA backend and a GPU: `#[ignore]`d here; on the GPU machine run the test binary
+//! with `--ignored` and `MLXCEL_FIXTURES_DIR` (xtask/bench/gpu_probe.sh decode does).
+//! Its own test binary, because the installed policy is process-wide.
+
+use mlxcel_arch::generate::{argmax_token, Session};
+use mlxcel_arch::LanguageModel;
+use mlxcel_core::{Array, Dtype, RuntimePolicy};
+use mlxcel_loading::{load_model, LoadOptions, Loaded};
+use mlxcel_tests::{max_abs_diff, model_dir};
+
+/// Largest logit difference allowed, as a share of the largest logit (at least 1): both paths
+/// round every activation to bf16 (8 bits of mantissa), in different places and orders.
+const RELATIVE_TOLERANCE: f32 = 0.03;
+
+fn load(dir: &std::path::Path, engine: bool) -> Loaded {
+    let policy = RuntimePolicy {
+        cuda_decode: engine,
+        ..RuntimePolicy::default()
+    };
+    load_model(
+        dir,
+        &LoadOptions {
+            skip_tokenizer: true,
+            dtype: Some(Dtype::Bfloat16),
+            policy: Some(policy),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+/// The primitives of one decode step's graph (the token embedded and evaluated first).
+fn decode_step_census(model: &dyn LanguageModel) -> Vec<(String, usize)> {
+    let mut caches = model.make_caches();
+    let prompt = Array::from_slice(&[1i32, 2, 3], &[1, 3]).unwrap();
+    model
+        .forward_last(&prompt, &mut caches)
+        .unwrap()
+        .eval()
+        .unwrap();
+    let token = Array::from_slice(&[4i32], &[1, 1]).unwrap();
+    let embedded = model.embed(&token).unwrap();
+    embedded.eval().unwrap();
+    let logits = model
+        .forward_embeddings(&embedded, None, &mut caches, true)
+        .unwrap();
+    let census = mlxcel_core::ops::graph_census([&logits]).unwrap();
+    logits.eval().unwrap();
+    census
+}
+
+fn row(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::Float32)
+        .unwrap()
+        .reshape(&[-1])
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+}
+
+/// Runs both sessions through `prompt` (prefill in `chunk`s, reusing what they hold) and `steps`
+/// decode steps, both fed the graph's greedy token; returns the largest logit difference
+/// relative to the largest logit.
+fn run_both(
+    name: &str,
+    graph: &mut Session,
+    engine: &mut Session,
+    prompt: &[u32],
+    chunk: Option<usize>,
+    steps: usize,
+) -> f32 {
+    let (reused_g, mut lg) = graph.prefill(prompt, chunk).unwrap();
+    let (reused_e, mut le) = engine.prefill(prompt, chunk).unwrap();
+    assert_eq!(reused_g, reused_e, "{name}: reused prefix");
+    let mut worst = 0.0f32;
+    // Step 0 compares the prefills' logits (a second prompt's prefill reads the rows the
+    // engine's steps wrote), then each decode step's.
+    for step in 0..=steps {
+        if step > 0 {
+            let token = argmax_token(&lg).unwrap();
+            lg = graph.step(token).unwrap();
+            le = engine.step(token).unwrap();
+        }
+        let (g, e) = (row(&lg), row(&le));
+        let scale = g.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let (d, at) = max_abs_diff(&e, &g);
+        assert!(
+            d.is_finite() && d <= RELATIVE_TOLERANCE * scale,
+            "{name}: decode step {step} logits differ by {d:.3e} at {at} (largest logit {scale:.2})"
+        );
+        worst = worst.max(d / scale);
+    }
+    worst
+}
+
+fn check_model(name: &str, prompt: &[u32], steps: usize) -> f32 {
+    let dir = model_dir(name);
+    let graph = load(&dir, false);
+    let engine = load(&dir, true);
+    let on_graph = decode_step_census(&graph.model);
+    let on_engine = decode_step_census(&engine.model);
+    assert!(
+        !on_graph.iter().any(|(p, _)| p == "CudaDecodeStep"),
+        "{name}: the graph load must not use the CUDA step: {on_graph:?}"
+    );
+    assert_eq!(
+        on_engine,
+        [("CudaDecodeStep".to_string(), 1)],
+        "{name}: a decode step must be the CUDA step alone"
+    );
+    let mut sg = Session::new(&graph.model);
+    let mut se = Session::new(&engine.model);
+    let d1 = run_both(name, &mut sg, &mut se, prompt, Some(37), steps);
+    let mut second = prompt[..prompt.len() - 3].to_vec();
+    second.extend(prompt.iter().rev().take(7));
+    let d2 = run_both(name, &mut sg, &mut se, &second, None, steps);
+    d1.max(d2)
+}
+
+/// Seeded ids below `vocab`.
+fn prompt(n: usize, vocab: u32) -> Vec<u32> {
+    let mut x: u64 = 7;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % u64::from(vocab)) as u32
+        })
+        .collect()
+}
+
+fn on_gpu() -> bool {
+    mlxcel_core::default_device().ok() == Some(mlxcel_core::Device::Gpu)
+}
+
+#[test]
+#[ignore = "needs MLX's CUDA backend and a GPU (xtask/bench/gpu_probe.sh decode)"]
+fn cuda_step_matches_the_graph_on_quantized_fixtures() {
+    assert!(on_gpu(), "MLX's default device is not a GPU");
+    // 250 prompt positions and 12 steps cross the caches' 256-row growth step.
+    for name in [
+        "llama-affine4-g32",
+        "llama-affine4-g64",
+        "llama-affine8-g64",
+        "qwen3-affine4-g64",
+    ] {
+        let d = check_model(name, &prompt(250, 500), 12);
+        eprintln!("{name}: CUDA step vs graph max |Δ| logits {d:.2e} of the largest logit");
+    }
+}
