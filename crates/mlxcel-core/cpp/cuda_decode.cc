@@ -61,13 +61,16 @@ constexpr int MAX_CHUNK = 128;         // keys per attention block (one per thre
 // Attention blocks per step the chunking aims at (about two per SM of an H100/H200).
 constexpr int ATTN_BLOCKS = 264;
 
+// A projection: affine `bits`-bit (4 or 8) with scales and biases, or dense in the activations'
+// dtype (`bits` 16, no scales).
 struct QLinear {
   std::optional<mx::array> w, scales, biases, bias;
   int bits = 0;
+  bool dense() const { return bits == 16; }
   int rows() const { return w->shape(0); }
   int words() const { return w->shape(1); }
-  int groups() const { return scales->shape(1); }
-  int cols() const { return words() * 32 / bits; }
+  int groups() const { return dense() ? 0 : scales->shape(1); }
+  int cols() const { return dense() ? w->shape(1) : words() * 32 / bits; }
 };
 
 struct Layer {
@@ -121,8 +124,9 @@ struct CudaDecoderState {
   std::vector<Layer> layer;
   QLinear head;
   std::optional<mx::array> final_norm;
-  // Kernels, loaded by `finish`: GEMVs by [bits == 8][kind], then rope, attention, combine.
-  void* gemv[2][3] = {};
+  // Kernels, loaded by `finish`: GEMVs by [4-bit, 8-bit, dense][kind], then rope, attention,
+  // combine.
+  void* gemv[3][3] = {};
   void* rope = nullptr;
   void* attn = nullptr;
   void* combine = nullptr;
@@ -330,28 +334,32 @@ class CudaDecodeStep : public mx::Primitive {
       const QLinear& first = *all[i].linear;
       size_t j = i + 1;
       while (j < all.size() && j - i < 3 && all[j].linear->bits == first.bits &&
-             all[j].linear->words() == first.words() &&
+             all[j].linear->cols() == first.cols() &&
              all[j].linear->groups() == first.groups()) {
         ++j;
       }
       Args a;
       unsigned blocks = 0;
       for (size_t s = 0; s < 3; ++s) {
-        if (i + s < j) {
-          const QLinear& m = *all[i + s].linear;
-          a.ptr(device_pointer(*m.w))
-              .ptr(device_pointer(*m.scales))
-              .ptr(device_pointer(*m.biases))
-              .ptr(all[i + s].out)
-              .i32(m.rows());
-          blocks += unsigned(ceil_div(m.rows(), rpw));
-        } else {
-          a.ptr(nullptr).ptr(nullptr).ptr(nullptr).ptr(nullptr).i32(0);
+        const QLinear* m = i + s < j ? all[i + s].linear : nullptr;
+        a.ptr(m ? device_pointer(*m->w) : nullptr);
+        if (!first.dense()) {
+          a.ptr(m ? device_pointer(*m->scales) : nullptr)
+              .ptr(m ? device_pointer(*m->biases) : nullptr);
         }
+        a.ptr(m ? all[i + s].out : nullptr).i32(m ? m->rows() : 0);
+        blocks += m ? unsigned(ceil_div(m->rows(), rpw)) : 0;
       }
-      a.ptr(x).ptr(aux).ptr(res).i32(first.words()).i32(first.groups()).f32(st.eps);
-      launch(st.gemv[first.bits == 8][kind], Dim3{blocks, 1, 1}, Dim3{unsigned(nw * 32), 1, 1},
-             a, last && j == all.size());
+      a.ptr(x).ptr(aux).ptr(res);
+      if (first.dense()) {
+        a.i32(first.cols());
+      } else {
+        a.i32(first.words()).i32(first.groups());
+      }
+      a.f32(st.eps);
+      const int table = first.dense() ? 2 : first.bits == 8 ? 1 : 0;
+      launch(st.gemv[table][kind], Dim3{blocks, 1, 1}, Dim3{unsigned(nw * 32), 1, 1}, a,
+             last && j == all.size());
       i = j;
     }
   }
@@ -427,28 +435,34 @@ void cuda_decoder_set_linear(CudaDecoder& d, int32_t layer, int32_t role, const 
     throw std::invalid_argument("mlxcel: cuda decoder: no projection " + std::to_string(role) +
                                 " in " + st.where(layer));
   }
-  if (scales == nullptr || biases == nullptr || (bits != 4 && bits != 8) ||
-      (group_size != 32 && group_size != 64 && group_size != 128) || w.ndim() != 2 ||
-      w.dtype() != mx::uint32 || scales->dtype() != st.dtype || biases->dtype() != st.dtype ||
-      scales->ndim() != 2 || scales->shape(0) != w.shape(0) ||
-      scales->shape(1) * group_size != w.shape(1) * 32 / bits || biases->shape() != scales->shape()) {
+  const bool dense = scales == nullptr && biases == nullptr && bits == 0 && w.ndim() == 2 &&
+                     w.dtype() == st.dtype && w.shape(1) % 8 == 0;
+  const bool quantized =
+      scales != nullptr && biases != nullptr && (bits == 4 || bits == 8) &&
+      (group_size == 32 || group_size == 64 || group_size == 128) && w.ndim() == 2 &&
+      w.dtype() == mx::uint32 && scales->dtype() == st.dtype && biases->dtype() == st.dtype &&
+      scales->ndim() == 2 && scales->shape(0) == w.shape(0) &&
+      scales->shape(1) * group_size == w.shape(1) * 32 / bits && biases->shape() == scales->shape();
+  if (!dense && !quantized) {
     throw std::invalid_argument("mlxcel: cuda decoder: projection " + std::to_string(role) +
                                 " of " + st.where(layer) +
-                                " must be affine 4/8-bit, group 32/64/128, scales and biases in "
-                                "the activations' dtype");
+                                " must be affine 4/8-bit (group 32/64/128, scales and biases in "
+                                "the activations' dtype) or dense in the activations' dtype");
   }
   if (bias != nullptr && role != ROLE_Q && role != ROLE_K && role != ROLE_V && role != ROLE_QKV) {
     throw std::invalid_argument("mlxcel: cuda decoder: only q/k/v projections take a bias");
   }
   QLinear q;
   q.w = w;
-  q.scales = *scales;
-  q.biases = *biases;
+  if (quantized) {
+    q.scales = *scales;
+    q.biases = *biases;
+  }
   if (bias != nullptr) {
     check_vector(*bias, w.shape(0), st.dtype, "the bias of projection " + std::to_string(role));
     q.bias = *bias;
   }
-  q.bits = bits;
+  q.bits = dense ? 16 : bits;
   (is_head ? st.head : st.layer[layer].linear[role]) = std::move(q);
 }
 
@@ -485,8 +499,10 @@ void cuda_decoder_finish(CudaDecoder& d) {
       throw std::invalid_argument("mlxcel: cuda decoder: " + what + " missing or of the wrong shape");
     }
     all.push_back(*m.w);
-    all.push_back(*m.scales);
-    all.push_back(*m.biases);
+    if (!m.dense()) {
+      all.push_back(*m.scales);
+      all.push_back(*m.biases);
+    }
     if (m.bias) {
       all.push_back(*m.bias);
     }
@@ -544,11 +560,11 @@ void cuda_decoder_finish(CudaDecoder& d) {
   }
   const std::string t = st.dtype == mx::float16 ? "float16" : "bfloat16";
   const char* kinds[3] = {"rms", "res", "gated_res"};
-  for (int b = 0; b < 2; ++b) {
+  const char* tables[3] = {"qmv_b4", "qmv_b8", "dmv"};
+  for (int b = 0; b < 3; ++b) {
     for (int k = 0; k < 3; ++k) {
       st.gemv[b][k] = function(*api, *st.binary,
-                               "mlxcel_dec_qmv_b" + std::to_string(b ? 8 : 4) + "_" + kinds[k] +
-                                   "_" + t);
+                               std::string("mlxcel_dec_") + tables[b] + "_" + kinds[k] + "_" + t);
     }
   }
   st.rope = function(*api, *st.binary, "mlxcel_dec_rope_kv_" + t);

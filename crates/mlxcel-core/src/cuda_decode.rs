@@ -1,6 +1,6 @@
 //! mlxcel's CUDA decode step: one decode token of a dense attention-only decoder (the decoders
-//! the [CPU decode engine](crate::cpu_decode) covers) with affine 4/8-bit weights and bf16/f16
-//! activations as one MLX array, whose evaluation adds the whole step's kernels
+//! the [CPU decode engine](crate::cpu_decode) covers) with affine 4/8-bit or dense weights and
+//! bf16/f16 activations as one MLX array, whose evaluation adds the whole step's kernels
 //! (`kernels/cuda/decode.cu`, ~7 per layer) to MLX's CUDA graph (see `cpp/cuda_decode.cc`).
 //! Decode on a GPU is bound by MLX's host time per array; the MLX graph of the same step has ~14
 //! arrays per layer.
@@ -37,15 +37,16 @@ fn layer_index(layer: Option<usize>) -> i32 {
     layer.map_or(-1, |l| l as i32)
 }
 
-/// Whether a projection's planes are ones the CUDA step reads: affine 4/8-bit, group 32/64/128,
-/// biases present, scales and biases in `dtype`.
+/// Whether a projection's planes are ones the CUDA step reads: dense `[out, in]` in `dtype` (`in`
+/// a multiple of 8), or affine 4/8-bit, group 32/64/128, biases present, scales and biases in
+/// `dtype`.
 pub fn takes_linear(
     w: &Array,
     quant: Option<(&Array, &Array, i32, i32)>,
     dtype: Dtype,
 ) -> Result<bool> {
     let Some((scales, biases, group, bits)) = quant else {
-        return Ok(false);
+        return Ok(w.ndim() == 2 && w.dtype()? == dtype && w.dim(1)? % 8 == 0);
     };
     Ok(matches!(bits, 4 | 8)
         && matches!(group, 32 | 64 | 128)
@@ -84,17 +85,26 @@ impl CudaDecoder {
         })
     }
 
-    /// Sets a projection: MLX affine packed `w` with `quant = (scales, biases, group_size,
-    /// bits)` (see [`takes_linear`]); `bias` `[out]` (q/k/v only).
+    /// Sets a projection: dense `w` (`quant` `None`) or MLX affine packed with `quant =
+    /// Some((scales, biases, group_size, bits))` (see [`takes_linear`]); `bias` `[out]` (q/k/v
+    /// only).
     pub fn set_linear(
         &mut self,
         layer: Option<usize>,
         role: LinearRole,
         w: &Array,
-        quant: (&Array, &Array, i32, i32),
+        quant: Option<(&Array, &Array, i32, i32)>,
         bias: Option<&Array>,
     ) -> Result<()> {
-        let (scales, biases, group, bits) = quant;
+        let (scales, biases, group, bits) = match quant {
+            Some((s, b, g, bits)) => (
+                s.as_ref() as *const bridge::MlxArray,
+                b.as_ref() as *const bridge::MlxArray,
+                g,
+                bits,
+            ),
+            None => (std::ptr::null(), std::ptr::null(), 0, 0),
+        };
         let bias = bias.map_or(std::ptr::null(), |b| b.as_ref() as *const bridge::MlxArray);
         // SAFETY: the pointers are null or borrow arrays alive for this call.
         unsafe {
@@ -103,8 +113,8 @@ impl CudaDecoder {
                 layer_index(layer),
                 role as i32,
                 w.as_ref(),
-                scales.as_ref(),
-                biases.as_ref(),
+                scales,
+                biases,
                 bias,
                 group,
                 bits,

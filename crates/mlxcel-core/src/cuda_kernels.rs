@@ -311,7 +311,8 @@ pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] =
     [RMSNORM_FOLDED_SHAPE, DEFAULT_QMV_SHAPE, GATED_FOLDED_SHAPE];
 
 /// The kernels of the CUDA decode step (cpp/cuda_decode.cc names them the same way):
-/// `mlxcel_dec_qmv_b{4,8}_{rms,res,gated_res}_{dtype}`, `mlxcel_dec_rope_kv_{dtype}`,
+/// `mlxcel_dec_qmv_b{4,8}_{rms,res,gated_res}_{dtype}` (and `mlxcel_dec_dmv_..` for dense
+/// weights in the activations' dtype), `mlxcel_dec_rope_kv_{dtype}`,
 /// `mlxcel_dec_attn_{dtype}` and `mlxcel_dec_attn_combine_{dtype}`.
 fn decoder_entry(dtype: Dtype) -> Entry {
     let (t, d) = (type_name(dtype), dtype.name());
@@ -333,6 +334,17 @@ fn decoder_entry(dtype: Dtype) -> Entry {
                 threads = nw * 32,
             );
         }
+    }
+    for ((kind, pre, res), (nw, rpw)) in folds.into_iter().zip(DECODER_GEMV_SHAPES) {
+        wrapper += &format!(
+            "extern \"C\" __global__ void __launch_bounds__({threads}) \
+             mlxcel_dec_dmv_{kind}_{d}(const {t}* w0, {t}* o0, int n0, const {t}* w1, {t}* o1, \
+             int n1, const {t}* w2, {t}* o2, int n2, const {t}* x, const {t}* aux, \
+             const {t}* res, int k_len, int eps_bits) {{ \
+             dec_dmv3<{nw}, {rpw}, {pre}, {res}, {t}>(w0, o0, n0, w1, o1, n1, w2, o2, n2, x, aux, \
+             res, k_len, __int_as_float(eps_bits)); }}\n",
+            threads = nw * 32,
+        );
     }
     wrapper += &format!(
         "extern \"C\" __global__ void __launch_bounds__(32) mlxcel_dec_rope_kv_{d}(\
@@ -986,6 +998,7 @@ mod tests {
             "mlxcel_dec_qmv_b4_rms_bfloat16",
             "mlxcel_dec_qmv_b8_gated_res_float16",
             "mlxcel_dec_rope_kv_bfloat16",
+            "mlxcel_dec_dmv_gated_res_bfloat16",
             "mlxcel_dec_attn_combine_float16",
         ] {
             assert!(source.contains(name), "{name} missing from the module");

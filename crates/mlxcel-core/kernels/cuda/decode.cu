@@ -3,7 +3,8 @@
 // all added to MLX's CUDA graph by one primitive (decode on a GPU is bound by host time per
 // graph node; the MLX graph of the same step has ~14 arrays per layer).
 //
-// Per layer, on T (bf16/f16) activations:
+// Per layer, on T (bf16/f16) activations (GEMVs of affine 4/8-bit weights, or dense ones in T:
+// dec_dmv3):
 //   dec_qmv (PRE 1)  q|k|v = rms_norm(h) @ [Wq; Wk; Wv]^T      one launch over three matrices
 //   dec_rope_kv      biases, per-head q/k RMSNorm, rope; k and v written into the caches
 //   dec_attn         split-K attention partials over chunks of the cached keys
@@ -62,6 +63,114 @@ __device__ __forceinline__ float dec_warp_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   }
   return v;
+}
+
+// ---- the dense GEMV (weights in T) -------------------------------------------------------
+// out[n] = sum_k in(x)[k] * w[n, k] (+ res[n]), in() as PRE says (qmv.cu), for w [N, K] in T
+// with K a multiple of 8 and 16-byte aligned rows; the same work split as qmv: a block owns RPW
+// rows, its threads stride along K in 16-byte chunks (8 values) of each row.
+__device__ __forceinline__ void dec_unpack8(const uint4& v, float (&f)[8], const mlxcel_bf16*) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(u[i] << 16);
+    f[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
+  }
+}
+__device__ __forceinline__ void dec_unpack8(const uint4& v, float (&f)[8], const mlxcel_f16*) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = mlxcel_f16_bits_to_float((unsigned short)(u[i] & 0xFFFFu));
+    f[2 * i + 1] = mlxcel_f16_bits_to_float((unsigned short)(u[i] >> 16));
+  }
+}
+
+template <int NW, int RPW, int PRE, int RES, typename T>
+__device__ __forceinline__ void dec_dmv(const T* w, const T* x, const T* aux, const T* res, T* out,
+                                        int n_rows, int k_len, float eps, int bx) {
+  constexpr int NT = NW * 32;
+  const int tid = threadIdx.x;
+  const int row0 = bx * RPW;
+  const T* rows[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const int n = (row0 + r < n_rows) ? (row0 + r) : (n_rows - 1);
+    rows[r] = w + (size_t)n * (size_t)k_len;
+  }
+  const float inv_rms = (PRE == 1) ? qmv_inv_rms<NW>(x, k_len, eps) : 1.0f;
+  float acc[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    acc[r] = 0.0f;
+  }
+  const int chunks = k_len / 8;
+#pragma unroll 2
+  for (int c = tid; c < chunks; c += NT) {
+    uint4 wv[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      wv[r] = qmv_load_w<1>(reinterpret_cast<const uint32_t*>(rows[r] + c * 8));
+    }
+    float xf[8];
+    qmv_input<PRE>(x, aux, c * 8, k_len, inv_rms, xf);
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      float wf[8];
+      dec_unpack8(wv[r], wf, x);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc[r] = fmaf(wf[j], xf[j], acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    acc[r] = dec_warp_sum(acc[r]);
+  }
+  __shared__ float red[NW][RPW];
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      red[warp][r] = acc[r];
+    }
+  }
+  __syncthreads();
+  if (tid < RPW) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NW; ++i) {
+      s += red[i][tid];
+    }
+    const int n = row0 + tid;
+    if (n < n_rows) {
+      if constexpr (RES == 1) {
+        s = qmv_round(out, s) + qmv_to_float(res[n]);
+      }
+      qmv_store(out + n, s);
+    }
+  }
+}
+
+// The dense GEMV over up to three matrices sharing K (segments as dec_qmv's).
+template <int NW, int RPW, int PRE, int RES, typename T>
+__device__ __forceinline__ void dec_dmv3(const T* w0, T* o0, int n0, const T* w1, T* o1, int n1,
+                                         const T* w2, T* o2, int n2, const T* x, const T* aux,
+                                         const T* res, int k_len, float eps) {
+  const int b0 = (n0 + RPW - 1) / RPW;
+  const int b1 = (n1 + RPW - 1) / RPW;
+  int bx = blockIdx.x;
+  const T* w = w0;
+  T* o = o0;
+  int n = n0;
+  if (bx >= b0 + b1) {
+    w = w2, o = o2, n = n2, bx -= b0 + b1;
+  } else if (bx >= b0) {
+    w = w1, o = o1, n = n1, bx -= b0;
+  }
+  dec_dmv<NW, RPW, PRE, RES, T>(w, x, aux, res, o, n, k_len, eps, bx);
 }
 
 // One warp per head: blocks [0, heads) take the query heads of qkv (written roped to q_out),

@@ -5,8 +5,8 @@
 //!
 //! - On the CPU, [`mlxcel_core::cpu_decode`] (dense or affine-quantized weights, float32
 //!   activations) computes a step in one call.
-//! - On a GPU, [`mlxcel_core::cuda_decode`] (affine 4/8-bit weights, bf16/f16 activations, no
-//!   bias but on q/k/v) makes a step one MLX array whose evaluation adds the step's kernels to
+//! - On a GPU, [`mlxcel_core::cuda_decode`] (affine 4/8-bit or dense weights, bf16/f16
+//!   activations, no bias but on q/k/v) makes a step one MLX array whose evaluation adds the step's kernels to
 //!   MLX's CUDA graph.
 //!
 //! A single-token step of one sequence with plain key/value caches runs on the engine
@@ -430,8 +430,8 @@ fn build_cpu(plan: &Plan<'_>) -> Result<Option<CpuDecoder>> {
     Ok(Some(engine))
 }
 
-/// The CUDA step over `plan`: affine 4/8-bit projections with planes, norms and biases in the
-/// activations' `dtype`, biases on q/k/v only; anything else stays on the graph.
+/// The CUDA step over `plan`: affine 4/8-bit or dense projections with planes, norms and biases
+/// in the activations' `dtype`, biases on q/k/v only; anything else stays on the graph.
 fn build_cuda(plan: &Plan<'_>, dtype: Dtype) -> Result<Option<CudaDecoder>> {
     let s = &plan.shape;
     let fits = s.head_dim % 8 == 0
@@ -465,7 +465,6 @@ fn build_cuda(plan: &Plan<'_>, dtype: Dtype) -> Result<Option<CudaDecoder>> {
     let mut engine = CudaDecoder::new(s, dtype)?;
     for l in &plan.linears {
         let (w, quant) = l.planes;
-        let quant = quant.expect("checked above");
         engine.set_linear(l.layer, l.role, w, quant, l.bias)?;
     }
     for &(layer, role, w) in &plan.norms {
