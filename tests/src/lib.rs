@@ -141,6 +141,29 @@ pub fn logits_for(model: &dyn mlxcel_arch::LanguageModel, ids: &[u32]) -> Vec<f3
         .expect("f32 logits")
 }
 
+/// The primitives of one decode step's graph (`(name, count)`) after a three-token prompt, the
+/// token embedded and evaluated first: empty when the CPU decode engine computed it, the CUDA
+/// step's one array when that did. The step is evaluated before returning.
+pub fn decode_step_census(model: &dyn mlxcel_arch::LanguageModel) -> Vec<(String, usize)> {
+    use mlxcel_core::Array;
+    let mut caches = model.make_caches();
+    let prompt = Array::from_slice(&[1i32, 2, 3], &[1, 3]).unwrap();
+    model
+        .forward_last(&prompt, &mut caches)
+        .unwrap()
+        .eval()
+        .unwrap();
+    let token = Array::from_slice(&[4i32], &[1, 1]).unwrap();
+    let embedded = model.embed(&token).unwrap();
+    embedded.eval().unwrap();
+    let logits = model
+        .forward_embeddings(&embedded, None, &mut caches, true)
+        .unwrap();
+    let census = mlxcel_core::ops::graph_census([&logits]).unwrap();
+    logits.eval().unwrap();
+    census
+}
+
 /// Largest absolute difference and where it is.
 pub fn max_abs_diff(got: &[f32], want: &[f32]) -> (f32, usize) {
     assert_eq!(got.len(), want.len(), "logit counts differ");

@@ -8,7 +8,7 @@ use mlxcel_arch::generate::{argmax_token, Session};
 use mlxcel_arch::LanguageModel;
 use mlxcel_core::{Array, RuntimePolicy};
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
-use mlxcel_tests::{max_abs_diff, model_dir, reference};
+use mlxcel_tests::{decode_step_census, max_abs_diff, model_dir, reference};
 
 const TOLERANCE: f32 = 1e-3;
 
@@ -35,21 +35,11 @@ fn load(dir: &std::path::Path, engine: bool) -> Loaded {
 
 /// Whether a decode step of `model` builds no MLX graph (the engine computed it).
 fn engine_serves_decode(model: &dyn LanguageModel) -> bool {
-    let mut caches = model.make_caches();
-    let prompt = Array::from_slice(&[1i32, 2, 3], &[1, 3]).unwrap();
-    model
-        .forward_last(&prompt, &mut caches)
-        .unwrap()
-        .eval()
-        .unwrap();
-    let token = Array::from_slice(&[4i32], &[1, 1]).unwrap();
-    let embedded = model.embed(&token).unwrap();
-    embedded.eval().unwrap();
-    let logits = model
-        .forward_embeddings(&embedded, None, &mut caches, true)
-        .unwrap();
-    let census = mlxcel_core::ops::graph_census([&logits]).unwrap();
-    census.iter().map(|(_, n)| n).sum::<usize>() == 0
+    decode_step_census(model)
+        .iter()
+        .map(|(_, n)| n)
+        .sum::<usize>()
+        == 0
 }
 
 fn row(a: &Array) -> Vec<f32> {

@@ -92,8 +92,37 @@ impl std::fmt::Debug for CpuDecoder {
     }
 }
 
-fn layer_index(layer: Option<usize>) -> i32 {
+/// A layer as the engines' C++ side takes it: `-1` for the output head and final norm.
+pub(crate) fn layer_index(layer: Option<usize>) -> i32 {
     layer.map_or(-1, |l| l as i32)
+}
+
+/// A projection's quantization planes and bias as the engines' C++ side takes them: `(scales,
+/// biases, group_size, bits, bias)`, null pointers and zeros when dense / absent. The pointers
+/// borrow the arrays: use them while those live.
+pub(crate) type LinearPointers = (
+    *const bridge::MlxArray,
+    *const bridge::MlxArray,
+    i32,
+    i32,
+    *const bridge::MlxArray,
+);
+
+pub(crate) fn linear_pointers(
+    quant: Option<(&Array, &Array, i32, i32)>,
+    bias: Option<&Array>,
+) -> LinearPointers {
+    let (scales, biases, group, bits) = match quant {
+        Some((s, b, g, bits)) => (
+            s.as_ref() as *const bridge::MlxArray,
+            b.as_ref() as *const bridge::MlxArray,
+            g,
+            bits,
+        ),
+        None => (std::ptr::null(), std::ptr::null(), 0, 0),
+    };
+    let bias = bias.map_or(std::ptr::null(), |b| b.as_ref() as *const bridge::MlxArray);
+    (scales, biases, group, bits, bias)
 }
 
 impl CpuDecoder {
@@ -128,16 +157,7 @@ impl CpuDecoder {
         bias: Option<&Array>,
     ) -> Result<()> {
         let role = role as i32;
-        let (scales, biases, group, bits) = match quant {
-            Some((s, b, g, bits)) => (
-                s.as_ref() as *const bridge::MlxArray,
-                b.as_ref() as *const bridge::MlxArray,
-                g,
-                bits,
-            ),
-            None => (std::ptr::null(), std::ptr::null(), 0, 0),
-        };
-        let bias = bias.map_or(std::ptr::null(), |b| b.as_ref() as *const bridge::MlxArray);
+        let (scales, biases, group, bits, bias) = linear_pointers(quant, bias);
         // SAFETY: the pointers are null or borrow arrays alive for this call.
         unsafe {
             bridge::cpu_decoder_set_linear(

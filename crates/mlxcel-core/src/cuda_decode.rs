@@ -13,7 +13,7 @@
 use cxx::UniquePtr;
 
 use crate::array::ArrayList;
-use crate::cpu_decode::{DecoderShape, LinearRole, NormRole};
+use crate::cpu_decode::{layer_index, linear_pointers, DecoderShape, LinearRole, NormRole};
 use crate::ffi::bridge;
 use crate::{Array, Dtype, Error, Result};
 
@@ -31,10 +31,6 @@ impl std::fmt::Debug for CudaDecoder {
             .field("dtype", &self.dtype)
             .finish()
     }
-}
-
-fn layer_index(layer: Option<usize>) -> i32 {
-    layer.map_or(-1, |l| l as i32)
 }
 
 /// Whether a projection's planes are ones the CUDA step reads: dense `[out, in]` in `dtype` (`in`
@@ -96,16 +92,7 @@ impl CudaDecoder {
         quant: Option<(&Array, &Array, i32, i32)>,
         bias: Option<&Array>,
     ) -> Result<()> {
-        let (scales, biases, group, bits) = match quant {
-            Some((s, b, g, bits)) => (
-                s.as_ref() as *const bridge::MlxArray,
-                b.as_ref() as *const bridge::MlxArray,
-                g,
-                bits,
-            ),
-            None => (std::ptr::null(), std::ptr::null(), 0, 0),
-        };
-        let bias = bias.map_or(std::ptr::null(), |b| b.as_ref() as *const bridge::MlxArray);
+        let (scales, biases, group, bits, bias) = linear_pointers(quant, bias);
         // SAFETY: the pointers are null or borrow arrays alive for this call.
         unsafe {
             bridge::cuda_decoder_set_linear(

@@ -228,11 +228,11 @@ pub struct RuntimePolicy {
     /// 1.4x with one-row blocks); `0` turns it off.
     pub cuda_qmv_mma: bool,
     /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
-    /// engine covers, with affine 4/8-bit weights and bf16/f16 activations, run on the GPU as
-    /// one mlxcel primitive that adds the whole step's kernels (~7 per layer, `decode.cu`) to
-    /// MLX's CUDA graph, instead of an MLX graph of ~14 arrays per layer (decode on a GPU is
-    /// bound by MLX's host time per array). Default off until measured on a GPU; `1` turns it
-    /// on.
+    /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
+    /// GPU as one mlxcel primitive that adds the whole step's kernels (7 per layer, `decode.cu`)
+    /// to MLX's CUDA graph, instead of an MLX graph of ~14 arrays per layer (decode on a GPU is
+    /// bound by MLX's host time per array). Default off until its logits are shown to match the
+    /// graph's on the GPU (docs/performance.md, session 20); `1` turns it on.
     pub cuda_decode: bool,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
