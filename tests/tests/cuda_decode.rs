@@ -147,7 +147,8 @@ fn cuda_step_matches_the_graph_on_llama_and_qwen_fixtures() {
     assert!(on_gpu(), "MLX's default device is not a GPU");
     // 250 prompt positions and 12 steps cross the caches' 256-row growth step.
     let mut worst = Vec::new();
-    for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+    // f16 first: its rounding is ~8x finer than bf16's, so it tells a defect from rounding.
+    for dtype in [Dtype::Float16, Dtype::Bfloat16] {
         for name in [
             "llama-affine4-g32",
             "llama-affine4-g64",
