@@ -787,6 +787,65 @@ mod tests {
         }
     }
 
+    /// The buffers the GPU decode step writes in place belong to one cache only: the cache makes
+    /// its own copy after a graph update and after a clone, keeps it across steps (no copy per
+    /// token), keeps the rows it holds and grows by whole steps.
+    #[test]
+    fn decode_buffers_the_gpu_step_writes_are_owned_by_one_cache() {
+        let owned = |c: &mut LayerCache| -> (usize, usize, Vec<f32>, usize) {
+            let LayerCache::Standard(s) = c else {
+                unreachable!()
+            };
+            let like = Array::from_slice(&[0.0f32], &[1, 1, 1, 1]).unwrap();
+            let (k, v, at) = s.owned_decode_buffers(&like).unwrap();
+            assert!(k.is_row_contiguous().unwrap() && v.is_row_contiguous().unwrap());
+            (
+                k.data_address().unwrap(),
+                k.dim(2).unwrap() as usize,
+                rows_of(&k),
+                at,
+            )
+        };
+        let step = |c: &mut LayerCache| {
+            let LayerCache::Standard(s) = c else {
+                unreachable!()
+            };
+            s.advance_one();
+        };
+        let mut cache = LayerCache::standard();
+        let (graph_keys, _, _) = cache.update(&keys(0, 5), &keys(0, 5), None).unwrap();
+        graph_keys.eval().unwrap();
+        let graph_buffer = graph_keys.data_address().unwrap();
+        // After a graph update: new buffers, the rows held copied, room for the next row.
+        let (first, cap, held, at) = owned(&mut cache);
+        assert_ne!(first, graph_buffer);
+        assert_eq!((cap, at), (256, 5));
+        assert_eq!(&held[..5], &[0., 1., 2., 3., 4.]);
+        // The next steps write into the same buffers.
+        step(&mut cache);
+        assert_eq!(owned(&mut cache).0, first);
+        step(&mut cache);
+        assert_eq!(owned(&mut cache).0, first);
+        // A clone shares the buffers: the first of the two to step makes its own copy, after
+        // which the other holds the old ones alone and keeps them.
+        let mut clone = cache.clone();
+        let (mine, ..) = owned(&mut cache);
+        let (theirs, ..) = owned(&mut clone);
+        assert!(mine != first && theirs == first);
+        drop(clone);
+        assert_eq!(owned(&mut cache).0, mine);
+        // A graph update hands its buffers out as views: the next step copies again.
+        cache.update(&keys(7, 2), &keys(7, 2), None).unwrap();
+        let (after_graph, _, held, at) = owned(&mut cache);
+        assert_ne!(after_graph, mine);
+        assert_eq!((at, held[7], held[8]), (9, 7., 8.));
+        // Full buffers grow by a whole step, keeping every row.
+        let mut long = LayerCache::standard();
+        long.update(&keys(0, 256), &keys(0, 256), None).unwrap();
+        let (_, cap, held, at) = owned(&mut long);
+        assert_eq!((cap, at, held[255]), (512, 256, 255.));
+    }
+
     #[test]
     fn rewinding() {
         let mut standard = LayerCache::standard();
