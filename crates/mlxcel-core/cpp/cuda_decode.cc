@@ -545,11 +545,11 @@ void cuda_decoder_finish(CudaDecoder& d) {
     throw std::invalid_argument("mlxcel: cuda decoder: the final norm is missing");
   }
   all.push_back(*st.final_norm);
+  // A model without rope still passes the kernel a valid (unread) pointer.
   const int rot_half = static_cast<int>(st.inv_freq.size());
-  st.inv_freq_dev = mx::array(st.inv_freq.data(), mx::Shape{std::max(rot_half, 1)}, mx::float32);
-  if (rot_half == 0) {
-    st.inv_freq_dev = mx::zeros({1}, mx::float32);
-  }
+  st.inv_freq_dev = rot_half > 0
+                        ? mx::array(st.inv_freq.data(), mx::Shape{rot_half}, mx::float32)
+                        : mx::zeros({1}, mx::float32);
   all.push_back(*st.inv_freq_dev);
   // Contiguous, evaluated weights: the kernels read them by address.
   mx::eval(all);

@@ -178,6 +178,17 @@ void use_mlx_context(const LaunchApi& api) {
   }
 }
 
+namespace {
+
+// Kernel `name` of a loaded module; an error naming it when absent.
+CUfunction module_function(const LaunchApi& api, CUmodule module, const std::string& name) {
+  CUfunction f = nullptr;
+  check(api, api.module_get_function(&f, module, name.c_str()), "finding kernel " + name);
+  return f;
+}
+
+}  // namespace
+
 void load(const LaunchApi& api, const CudaBinary& binary) {
   std::lock_guard<std::mutex> lock(binary.mutex);
   if (binary.function != nullptr) {
@@ -187,23 +198,16 @@ void load(const LaunchApi& api, const CudaBinary& binary) {
   CUmodule module = nullptr;
   check(api, api.module_load_data(&module, binary.image.data()),
         "loading the module of " + binary.kernel);
-  auto function = [&](const std::string& name) {
-    CUfunction f = nullptr;
-    check(api, api.module_get_function(&f, module, name.c_str()), "finding kernel " + name);
-    return f;
-  };
   for (int i = 0; i < 4; ++i) {
-    binary.gather[i] = function("mlxcel_gather_" + std::to_string(1 << i));
+    binary.gather[i] = module_function(api, module, "mlxcel_gather_" + std::to_string(1 << i));
   }
-  binary.function = function(binary.kernel);
+  binary.function = module_function(api, module, binary.kernel);
   binary.module = module;
 }
 
 void* function(const LaunchApi& api, const CudaBinary& binary, const std::string& name) {
   load(api, binary);
-  CUfunction f = nullptr;
-  check(api, api.module_get_function(&f, binary.module, name.c_str()), "finding kernel " + name);
-  return f;
+  return module_function(api, binary.module, name);
 }
 
 void* device_pointer(const mx::array& a) {
@@ -225,7 +229,7 @@ struct GatherLayout {
 }  // namespace
 
 mx::array row_contiguous_copy(const LaunchApi& api, void* encoder, const CudaBinary& binary,
-                            const mx::array& in) {
+                              const mx::array& in) {
   mx::array copy(in.shape(), in.dtype(), nullptr, {});
   copy.set_data(api.malloc_async(copy.nbytes(), *static_cast<mx::cu::CommandEncoder*>(encoder)));
   GatherLayout layout{};
@@ -247,7 +251,6 @@ mx::array row_contiguous_copy(const LaunchApi& api, void* encoder, const CudaBin
   api.add_completed_handler(encoder, [copy]() {});
   return copy;
 }
-
 
 namespace {
 

@@ -310,6 +310,9 @@ fn scan_entry(j: i32) -> Entry {
 pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] =
     [RMSNORM_FOLDED_SHAPE, DEFAULT_QMV_SHAPE, GATED_FOLDED_SHAPE];
 
+/// The activation dtypes the CUDA decode step is compiled for.
+const DECODER_DTYPES: [Dtype; 2] = [Dtype::Bfloat16, Dtype::Float16];
+
 /// The kernels of the CUDA decode step (cpp/cuda_decode.cc names them the same way):
 /// `mlxcel_dec_qmv_b{4,8}_{rms,res,gated_res}_{dtype}` (and `mlxcel_dec_dmv_..` for dense
 /// weights in the activations' dtype), `mlxcel_dec_rope_kv_{dtype}`,
@@ -375,7 +378,7 @@ fn decoder_entry(dtype: Dtype) -> Entry {
 /// The compiled module of the CUDA decode step's kernels for `dtype` activations (bf16/f16),
 /// compiled at the first call on a machine and cached like every kernel here.
 pub fn decoder_binary(dtype: Dtype) -> Result<&'static CudaBinary> {
-    if !matches!(dtype, Dtype::Bfloat16 | Dtype::Float16) {
+    if !DECODER_DTYPES.contains(&dtype) {
         return Err(Error::Invalid(format!(
             "the CUDA decode step runs on bfloat16/float16 activations, not {}",
             dtype.name()
@@ -397,7 +400,7 @@ pub fn module_source() -> String {
         GATHER,
     ]
     .join("\n");
-    for dtype in QMV_MMA_DTYPES {
+    for dtype in DECODER_DTYPES {
         src += &decoder_entry(dtype).wrapper;
     }
     for j in SCAN_STATES_PER_LANE {

@@ -1,13 +1,13 @@
-//! The decode engines for the decoders they cover: every layer pre-norm RMSNorm, separate q/k/v
+//! The decode engines for the decoders they cover: every layer pre-norm RMSNorm, q/k/v
 //! projections (optional biases, optional per-head RMS query/key norms), fixed-period rope,
 //! global attention, a SwiGLU MLP, a plain or tied output head. That is the
 //! llama/qwen2/qwen3/mistral (without a window) family.
 //!
 //! - On the CPU, [`mlxcel_core::cpu_decode`] (dense or affine-quantized weights, float32
-//!   activations) computes a step in one call.
+//!   activations, q/k/v and gate/up as separate layers) computes a step in one call.
 //! - On a GPU, [`mlxcel_core::cuda_decode`] (affine 4/8-bit or dense weights, bf16/f16
-//!   activations, no bias but on q/k/v) makes a step one MLX array whose evaluation adds the step's kernels to
-//!   MLX's CUDA graph.
+//!   activations, no bias but on q/k/v; separate or fused q/k/v and gate/up) makes a step one
+//!   MLX array whose evaluation adds the step's kernels to MLX's CUDA graph.
 //!
 //! A single-token step of one sequence with plain key/value caches runs on the engine
 //! ([`DecodeEngine::step`]); everything else (prefill, batches, positions given, other caches or
@@ -20,6 +20,7 @@ use mlxcel_core::cpu_decode::{CpuDecoder, DecoderShape, LinearRole, NormRole};
 use mlxcel_core::cuda_decode::CudaDecoder;
 use mlxcel_core::ops::QuantMode;
 use mlxcel_core::{Array, Dtype};
+use mlxcel_quant::QuantizedWeight;
 
 use super::{Block, BlockNorms, BlockTopology, DecoderSpec, FeedForward, Mixer};
 use crate::cache::LayerCache;
@@ -72,22 +73,23 @@ type LinearPlanes<'a> = (&'a Array, Option<(&'a Array, &'a Array, i32, i32)>);
 fn planes(l: &Linear) -> Option<(LinearPlanes<'_>, Option<&Array>)> {
     match l {
         Linear::Dense { weight, bias, .. } => Some(((weight, None), bias.as_ref())),
-        Linear::Quantized { weight: q, bias } => {
-            let spec = q.spec;
-            let ok = spec.mode == QuantMode::Affine
-                && matches!(spec.bits, 2 | 4 | 8)
-                && spec.group_size % 32 == 0;
-            let biases = q.biases.as_ref()?;
-            ok.then_some((
-                (
-                    &q.weight,
-                    Some((&q.scales, biases, spec.group_size, spec.bits)),
-                ),
-                bias.as_ref(),
-            ))
-        }
+        Linear::Quantized { weight: q, bias } => Some((quantized_planes(q)?, bias.as_ref())),
         Linear::Adapted { .. } => None,
     }
+}
+
+/// A quantized matrix's planes when an engine reads its format: affine 2/4/8-bit with biases,
+/// groups a multiple of 32.
+fn quantized_planes(q: &QuantizedWeight) -> Option<LinearPlanes<'_>> {
+    let spec = q.spec;
+    let ok = spec.mode == QuantMode::Affine
+        && matches!(spec.bits, 2 | 4 | 8)
+        && spec.group_size % 32 == 0;
+    let biases = q.biases.as_ref()?;
+    ok.then_some((
+        &q.weight,
+        Some((&q.scales, biases, spec.group_size, spec.bits)),
+    ))
 }
 
 fn float_kind(a: &Array) -> Result<bool> {
@@ -248,24 +250,10 @@ fn plan(p: Parts<'_>) -> Result<Option<Plan<'_>>> {
         },
         (None, Embedding::Dense { table, .. }) => ((table, None), None),
         (None, Embedding::Adapted { .. }) => return Ok(None),
-        (None, Embedding::Quantized { table: q, .. }) => {
-            let spec = q.spec;
-            let (Some(biases), QuantMode::Affine, 2 | 4 | 8) =
-                (q.biases.as_ref(), spec.mode, spec.bits)
-            else {
-                return Ok(None);
-            };
-            if spec.group_size % 32 != 0 {
-                return Ok(None);
-            }
-            (
-                (
-                    &q.weight,
-                    Some((&q.scales, biases, spec.group_size, spec.bits)),
-                ),
-                None,
-            )
-        }
+        (None, Embedding::Quantized { table: q, .. }) => match quantized_planes(q) {
+            Some(found) => (found, None),
+            None => return Ok(None),
+        },
     };
     linears.push(LinearPart {
         layer: None,
@@ -369,6 +357,9 @@ impl DecodeEngine {
             return Ok(None);
         }
         let logits = match &self.engine {
+            // The CPU engine borrows the buffers (it writes them only while nothing else holds
+            // them: a clone here would make it decline); the CUDA step keeps its own handles
+            // until it runs, on buffers the caches own outright.
             Engine::Cpu(e) => {
                 let mut keys = Vec::with_capacity(caches.len());
                 let mut values = Vec::with_capacity(caches.len());
