@@ -1,8 +1,10 @@
 //! mlxcel's CUDA decode step (`MLXCEL_CUDA_DECODE`) against the MLX graph it replaces: the same
-//! quantized or dense model loaded twice in bf16 and in f16, once per path, fed the same tokens,
-//! must give the same logits within the dtype's rounding (printed per step), across a prompt fed
-//! one position at a time, decode steps, a cache growth step and prefix reuse (a second prompt
-//! that rewinds the caches, after which the step writes over rows the first turn left behind).
+//! quantized or dense model loaded twice in bf16 and in f16, once per path, fed the same tokens
+//! across a prompt fed one position at a time, decode steps, a cache growth step and prefix
+//! reuse (a second prompt that rewinds the caches, after which the step writes over rows the
+//! first turn left behind). Both paths' logits are measured against a float32 replay of the same
+//! tokens on MLX's CPU: the step may be no further from it than the graph is, plus a share of
+//! the dtype's rounding (each step's distances printed).
 //!
 //! Needs MLX's CUDA backend and a GPU: `#[ignore]`d here; on the GPU machine run the test binary
 //! with `--ignored` and `MLXCEL_FIXTURES_DIR` (xtask/bench/gpu_probe.sh decode does).
@@ -13,14 +15,16 @@ use mlxcel_core::{Array, Dtype, RuntimePolicy};
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
 use mlxcel_tests::{decode_step_census, max_abs_diff, model_dir};
 
-/// Largest logit difference allowed, as a share of the largest logit (at least 1), by
-/// activation dtype: both paths round every activation to it (bf16: 8 bits of mantissa, f16: 11),
-/// in different places and orders.
-fn tolerance(dtype: Dtype) -> f32 {
+/// How far the CUDA step may be from the float32 reference, beyond the graph's own distance
+/// from it: both paths round every activation to the dtype (bf16: 8 bits of mantissa, f16: 11)
+/// in different places and orders, the step keeps more of its sums in float32, so it must be
+/// no worse than the graph by more than this share of the largest logit. A defect (a row of
+/// the cache, a rope angle or a head off) moves the logits by tens of percent.
+fn slack(dtype: Dtype) -> f32 {
     if dtype == Dtype::Float16 {
-        0.006
+        2e-3
     } else {
-        0.04
+        1.5e-2
     }
 }
 
@@ -50,9 +54,17 @@ fn row(a: &Array) -> Vec<f32> {
         .unwrap()
 }
 
+/// One prompt and the decode steps after it, as fed to both GPU paths, with each path's
+/// logits after the prompt and after each step.
+struct Turn {
+    prompt: Vec<u32>,
+    tokens: Vec<u32>,
+    graph: Vec<Vec<f32>>,
+    engine: Vec<Vec<f32>>,
+}
+
 /// Runs both sessions through `prompt` (prefill in `chunk`s, reusing what they hold) and `steps`
-/// decode steps, both fed the graph's greedy token; returns each step's largest logit difference
-/// relative to the largest logit (step 0: the prefills').
+/// decode steps, both fed the graph's greedy token.
 fn run_both(
     name: &str,
     graph: &mut Session,
@@ -60,31 +72,69 @@ fn run_both(
     prompt: &[u32],
     chunk: Option<usize>,
     steps: usize,
-) -> Vec<f32> {
+) -> Turn {
     let (reused_g, mut lg) = graph.prefill(prompt, chunk).unwrap();
     let (reused_e, mut le) = engine.prefill(prompt, chunk).unwrap();
     assert_eq!(reused_g, reused_e, "{name}: reused prefix");
-    let mut diffs = Vec::new();
-    // Step 0 compares the prefills' logits (a second prompt's prefill reads the rows the
-    // engine's steps wrote), then each decode step's.
+    let mut turn = Turn {
+        prompt: prompt.to_vec(),
+        tokens: Vec::new(),
+        graph: Vec::new(),
+        engine: Vec::new(),
+    };
+    // Entry 0 holds the prefills' logits (a second prompt's prefill reads the rows the engine's
+    // steps wrote), then each decode step's.
     for step in 0..=steps {
         if step > 0 {
             let token = argmax_token(&lg).unwrap();
+            turn.tokens.push(token);
             lg = graph.step(token).unwrap();
             le = engine.step(token).unwrap();
         }
         let (g, e) = (row(&lg), row(&le));
-        let scale = g.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-        let (d, _) = max_abs_diff(&e, &g);
-        assert!(d.is_finite(), "{name}: step {step} logits are not finite");
-        diffs.push(d / scale);
+        assert!(
+            e.iter().all(|v| v.is_finite()),
+            "{name}: step {step} logits are not finite"
+        );
+        turn.graph.push(g);
+        turn.engine.push(e);
     }
-    diffs
+    turn
 }
 
-/// The largest relative logit difference over both prompts of `name` in `dtype` (per-step
-/// differences printed).
-fn check_model(name: &str, dtype: Dtype, prompt: &[u32], steps: usize) -> f32 {
+/// The float32 logits of `turns` replayed on MLX's CPU (the reference both GPU paths are
+/// measured against: MLX's CUDA float32 matmuls run in TF32, ../shared/device/README.md).
+fn reference(dir: &std::path::Path, turns: &[Turn]) -> Vec<Vec<Vec<f32>>> {
+    mlxcel_core::set_default_device(mlxcel_core::Device::Cpu).unwrap();
+    let model = load(dir, false, Dtype::Float32);
+    let mut session = Session::new(&model.model);
+    let logits = turns
+        .iter()
+        .map(|turn| {
+            let (_, first) = session.prefill(&turn.prompt, None).unwrap();
+            let mut out = vec![row(&first)];
+            for &token in &turn.tokens {
+                out.push(row(&session.step(token).unwrap()));
+            }
+            out
+        })
+        .collect();
+    drop(session);
+    drop(model);
+    mlxcel_core::set_default_device(mlxcel_core::Device::Gpu).unwrap();
+    logits
+}
+
+/// Per model and dtype: the largest distance from the float32 reference of the graph and of
+/// the CUDA step, and between the two, each as a share of the largest reference logit.
+#[derive(Clone, Copy, Default)]
+struct Distances {
+    graph: f32,
+    engine: f32,
+    between: f32,
+}
+
+fn check_model(name: &str, dtype: Dtype, prompt: &[u32], steps: usize) -> Distances {
     let dir = model_dir(name);
     let graph = load(&dir, false, dtype);
     let engine = load(&dir, true, dtype);
@@ -105,23 +155,37 @@ fn check_model(name: &str, dtype: Dtype, prompt: &[u32], steps: usize) -> f32 {
     // engine's rows are read back by its later steps), and no prefill runs MLX's CUTLASS
     // quantized GEMM, which compiles for 13-75 s per new shape on its first use (and is wrong
     // for K = 64: ../shared/device/README.md).
-    let d1 = run_both(name, &mut sg, &mut se, prompt, Some(1), steps);
-    let mut second = prompt[..prompt.len() - 3].to_vec();
-    second.extend(prompt.iter().rev().take(7));
-    let d2 = run_both(name, &mut sg, &mut se, &second, Some(1), steps);
-    let show = |d: &[f32]| {
-        d.iter()
-            .map(|v| format!("{v:.1e}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let first = run_both(name, &mut sg, &mut se, prompt, Some(1), steps);
+    let mut again = prompt[..prompt.len() - 3].to_vec();
+    again.extend(prompt.iter().rev().take(7));
+    let second = run_both(name, &mut sg, &mut se, &again, Some(1), steps);
+    drop((sg, se));
+    let turns = [first, second];
+    let reference = reference(&dir, &turns);
+    let mut worst = Distances::default();
+    let mut lines = Vec::new();
+    for (turn, want) in turns.iter().zip(&reference) {
+        let mut line = Vec::new();
+        for ((g, e), r) in turn.graph.iter().zip(&turn.engine).zip(want) {
+            let scale = r.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let d = Distances {
+                graph: max_abs_diff(g, r).0 / scale,
+                engine: max_abs_diff(e, r).0 / scale,
+                between: max_abs_diff(e, g).0 / scale,
+            };
+            line.push(format!("{:.1e}/{:.1e}", d.graph, d.engine));
+            worst.graph = worst.graph.max(d.graph);
+            worst.engine = worst.engine.max(d.engine);
+            worst.between = worst.between.max(d.between);
+        }
+        lines.push(line.join(" "));
+    }
     eprintln!(
-        "{name} {}: per step {} | {}",
+        "{name} {}: per step, graph/step distance from float32: {}",
         dtype.name(),
-        show(&d1),
-        show(&d2)
+        lines.join(" | ")
     );
-    d1.into_iter().chain(d2).fold(0.0, f32::max)
+    worst
 }
 
 /// Seeded ids below `vocab`.
@@ -165,16 +229,23 @@ fn cuda_step_matches_the_graph_on_llama_and_qwen_fixtures() {
     }
     for &(name, dtype, d) in &worst {
         eprintln!(
-            "{name} {}: CUDA step vs graph max |Δ| logits {d:.2e} of the largest",
-            dtype.name()
+            "{name} {}: max |Δ| logits from float32, graph {:.2e}, CUDA step {:.2e}; \
+             between them {:.2e} (of the largest)",
+            dtype.name(),
+            d.graph,
+            d.engine,
+            d.between
         );
     }
     for (name, dtype, d) in worst {
+        let allowed = 1.5 * d.graph + slack(dtype);
         assert!(
-            d <= tolerance(dtype),
-            "{name} {}: logits differ by {d:.2e} of the largest (allowed {:.1e})",
+            d.engine <= allowed,
+            "{name} {}: the CUDA step is {:.2e} of the largest logit from float32, the graph \
+             {:.2e} (allowed {allowed:.2e})",
             dtype.name(),
-            tolerance(dtype)
+            d.engine,
+            d.graph
         );
     }
 }

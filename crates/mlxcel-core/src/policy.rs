@@ -231,8 +231,9 @@ pub struct RuntimePolicy {
     /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
     /// GPU as one mlxcel primitive that adds the whole step's kernels (7 per layer, `decode.cu`)
     /// to MLX's CUDA graph, instead of an MLX graph of ~14 arrays per layer (decode on a GPU is
-    /// bound by MLX's host time per array). Default off until its logits are shown to match the
-    /// graph's on the GPU (docs/performance.md, session 20); `1` turns it on.
+    /// bound by MLX's host time per array). Default on: its logits are as close to a float32
+    /// reference as the graph's (tests/tests/cuda_decode.rs; docs/performance.md, session 21);
+    /// `0` turns it off.
     pub cuda_decode: bool,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
@@ -297,7 +298,7 @@ impl RuntimePolicy {
         cuda_qmv_fold_shape: None,
         cuda_qmv_rows: 1,
         cuda_qmv_mma: true,
-        cuda_decode: false,
+        cuda_decode: true,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
