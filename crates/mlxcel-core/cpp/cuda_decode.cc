@@ -1,6 +1,6 @@
 // mlxcel's CUDA decode step: one token of one sequence through a llama-shaped decoder (the
 // decoders the CPU decode engine covers) as one MLX primitive, `CudaDecodeStep`, whose
-// evaluation adds every kernel of the step (kernels/cuda/decode.cu: ~7 per layer) to MLX's CUDA
+// evaluation adds every kernel of the step (kernels/cuda/decode.cu: 5 per layer) to MLX's CUDA
 // graph.
 //
 // Why: decode on a GPU is bound by MLX's host time per array (~8 us each on an H200 host); the
@@ -14,6 +14,7 @@
 // the logits. Scratch space is one stream-ordered allocation per step. Every node reads and
 // writes that scratch array, so MLX's encoder chains the nodes in order; the first node also
 // depends on the inputs, the last one is the producer of the logits and of the caches.
+#include <array>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -51,8 +52,8 @@ enum {
   ROLES
 };
 enum { NORM_INPUT, NORM_POST, NORM_Q, NORM_K, NORM_FINAL };
-// The GEMV kinds of decode.cu: RMSNorm in; residual out; gated in and residual out.
-enum { GEMV_RMS, GEMV_RES, GEMV_GATED_RES };
+// The GEMV kinds of decode.cu: RMSNorm in; residual out; RMSNorm in and silu(gate) * up out.
+enum { GEMV_RMS, GEMV_RES, GEMV_GLU };
 
 constexpr int MAX_HEAD_DIM = 256;      // DEC_MAX_HEAD_DIM of decode.cu
 constexpr int MAX_GROUP = 16;          // DEC_MAX_GROUP
@@ -124,12 +125,12 @@ struct CudaDecoderState {
   std::vector<Layer> layer;
   QLinear head;
   std::optional<mx::array> final_norm;
-  // Kernels, loaded by `finish`: GEMVs by [4-bit, 8-bit, dense][kind], then rope, attention,
-  // combine.
+  // Kernels, loaded by `finish`: GEMVs by [4-bit, 8-bit, dense][kind], then attention.
   void* gemv[3][3] = {};
-  void* rope = nullptr;
-  void* attn = nullptr;
-  void* combine = nullptr;
+  void* attention = nullptr;
+  // One int32 per key/value head, 0 between launches: dec_attention's count of the blocks
+  // done (its last block sets it back). Steps run one at a time on MLX's stream.
+  std::optional<mx::array> counters;
   int inter = 0;  // widest MLP
   bool finished = false;
 
@@ -193,9 +194,8 @@ class CudaDecodeStep : public mx::Primitive {
     const size_t elt = mx::size_of(st.dtype);
     const size_t h_at = part(st.hidden * elt);
     const size_t qkv_at = part(size_t(q_dim + 2 * kv_dim) * elt);
-    const size_t q_at = part(size_t(q_dim) * elt);
     const size_t attn_at = part(size_t(q_dim) * elt);
-    const size_t gu_at = part(size_t(2) * st.inter * elt);
+    const size_t gu_at = part(size_t(st.inter) * elt);
     const size_t partial_at = part(size_t(st.heads) * n_chunks * (st.head_dim + 2) * 4);
     arena_.emplace(mx::Shape{static_cast<int>(bytes)}, mx::uint8, nullptr,
                    std::vector<mx::array>{});
@@ -203,9 +203,8 @@ class CudaDecodeStep : public mx::Primitive {
     char* base = static_cast<char*>(device_pointer(*arena_));
     char* h = base + h_at;
     char* qkv = base + qkv_at;
-    char* q = base + q_at;
     char* attn = base + attn_at;
-    char* gu = base + gu_at;
+    char* gu = base + gu_at;  // silu(gate) * up
     char* partial = base + partial_at;
 
     const void* h_in = device_pointer(x);
@@ -231,17 +230,19 @@ class CudaDecodeStep : public mx::Primitive {
               Segment{&ly.linear[ROLE_V], qkv + size_t(q_dim + kv_dim) * elt}},
              h_in, ptr(ly.norm[NORM_INPUT]), nullptr);
       }
-      Args rope;
-      rope.ptr(qkv)
+      Args at;
+      at.ptr(qkv)
           .ptr(q_bias)
           .ptr(k_bias)
           .ptr(v_bias)
           .ptr(ptr(ly.norm[NORM_Q]))
           .ptr(ptr(ly.norm[NORM_K]))
           .ptr(device_pointer(*st.inv_freq_dev))
-          .ptr(q)
           .ptr(device_pointer(kc))
           .ptr(device_pointer(vc))
+          .ptr(partial)
+          .ptr(device_pointer(*st.counters))
+          .ptr(attn)
           .i32(st.heads)
           .i32(st.kv_heads)
           .i32(st.head_dim)
@@ -249,38 +250,22 @@ class CudaDecodeStep : public mx::Primitive {
           .i32(st.traditional ? 1 : 0)
           .i32(position_)
           .i32(capacity)
-          .f32(st.eps);
-      launch(st.rope, Dim3{unsigned(st.heads + st.kv_heads), 1, 1}, Dim3{32, 1, 1}, rope);
-      Args at;
-      at.ptr(q)
-          .ptr(device_pointer(kc))
-          .ptr(device_pointer(vc))
-          .ptr(partial)
-          .i32(st.heads)
-          .i32(st.kv_heads)
-          .i32(st.head_dim)
-          .i32(capacity)
-          .i32(len)
           .i32(chunk)
           .i32(n_chunks)
+          .f32(st.eps)
           .f32(st.scale);
-      launch(st.attn, Dim3{unsigned(st.kv_heads), unsigned(n_chunks), 1},
+      launch(st.attention, Dim3{unsigned(st.kv_heads), unsigned(n_chunks), 1},
              Dim3{ATTN_THREADS, 1, 1}, at);
-      Args combine;
-      combine.ptr(partial).ptr(attn).i32(st.head_dim).i32(n_chunks);
-      launch(st.combine, Dim3{unsigned(st.heads), 1, 1},
-             Dim3{unsigned(std::min(st.head_dim, 128)), 1, 1}, combine);
       gemv(GEMV_RES, {Segment{&ly.linear[ROLE_O], h}}, attn, nullptr, h_in);
-      if (ly.linear[ROLE_GATE_UP].w) {
-        gemv(GEMV_RMS, {Segment{&ly.linear[ROLE_GATE_UP], gu}}, h, ptr(ly.norm[NORM_POST]),
-             nullptr);
+      const QLinear& fused_gate_up = ly.linear[ROLE_GATE_UP];
+      const int inter = ly.linear[ROLE_DOWN].cols();
+      if (fused_gate_up.w) {
+        glu(fused_gate_up, 0, fused_gate_up, inter, inter, gu, h, ptr(ly.norm[NORM_POST]));
       } else {
-        const int inter = ly.linear[ROLE_GATE].rows();
-        gemv(GEMV_RMS,
-             {Segment{&ly.linear[ROLE_GATE], gu}, Segment{&ly.linear[ROLE_UP], gu + inter * elt}},
-             h, ptr(ly.norm[NORM_POST]), nullptr);
+        glu(ly.linear[ROLE_GATE], 0, ly.linear[ROLE_UP], 0, inter, gu, h,
+            ptr(ly.norm[NORM_POST]));
       }
-      gemv(GEMV_GATED_RES, {Segment{&ly.linear[ROLE_DOWN], h}}, gu, nullptr, h);
+      gemv(GEMV_RES, {Segment{&ly.linear[ROLE_DOWN], h}}, gu, nullptr, h);
       h_in = h;
     }
     gemv(GEMV_RMS, {Segment{&st.head, device_pointer(logits)}}, h, ptr(st.final_norm), nullptr,
@@ -362,6 +347,54 @@ class CudaDecodeStep : public mx::Primitive {
              last && j == all.size());
       i = j;
     }
+  }
+
+  // The MLP's silu(gate) * up (`inter` values) into `out`, from rows [gate_row, gate_row +
+  // inter) of `gate` and [up_row, up_row + inter) of `up` (the fused gate|up matrix twice, or
+  // the two matrices) applied to rms_norm(x) * aux: one launch of the GLU GEMV.
+  void glu(const QLinear& gate, int gate_row, const QLinear& up, int up_row, int inter,
+           void* out, const void* x, const void* aux) {
+    const CudaDecoderState& st = *state_;
+    const size_t elt = mx::size_of(st.dtype);
+    const int rpw = st.shape[GEMV_GLU][1];
+    // A row's bytes of weights and of scales (and biases).
+    auto rows_of = [&](const QLinear& m, int row) {
+      const size_t w_row = m.dense() ? size_t(m.cols()) * elt : size_t(m.words()) * 4;
+      const size_t g_row = size_t(m.groups()) * elt;
+      const char* w = static_cast<const char*>(device_pointer(*m.w)) + row * w_row;
+      const char* s = m.dense() ? nullptr
+                                : static_cast<const char*>(device_pointer(*m.scales)) + row * g_row;
+      const char* z = m.dense() ? nullptr
+                                : static_cast<const char*>(device_pointer(*m.biases)) + row * g_row;
+      return std::array<const void*, 3>{w, s, z};
+    };
+    const auto g = rows_of(gate, gate_row);
+    const auto u = rows_of(up, up_row);
+    Args a;
+    a.ptr(g[0]);
+    if (!gate.dense()) {
+      a.ptr(g[1]).ptr(g[2]);
+    }
+    a.ptr(out).i32(inter).ptr(u[0]);
+    if (!gate.dense()) {
+      a.ptr(u[1]).ptr(u[2]);
+    }
+    a.ptr(nullptr).i32(inter).ptr(nullptr);
+    if (!gate.dense()) {
+      a.ptr(nullptr).ptr(nullptr);
+    }
+    a.ptr(nullptr).i32(0);
+    a.ptr(x).ptr(aux).ptr(nullptr);
+    if (gate.dense()) {
+      a.i32(gate.cols());
+    } else {
+      a.i32(gate.words()).i32(gate.groups());
+    }
+    a.f32(st.eps);
+    const int table = gate.dense() ? 2 : gate.bits == 8 ? 1 : 0;
+    const unsigned blocks = unsigned(ceil_div(inter, rpw / 2));
+    const unsigned threads = unsigned(st.shape[GEMV_GLU][0] * 32);
+    launch(st.gemv[table][GEMV_GLU], Dim3{blocks, 1, 1}, Dim3{threads, 1, 1}, a);
   }
 
   std::shared_ptr<const CudaDecoderState> state_;
@@ -528,6 +561,12 @@ void cuda_decoder_finish(CudaDecoder& d) {
     } else {
       need(ly.linear[ROLE_GATE], inter, st.hidden, "gate" + at);
       need(ly.linear[ROLE_UP], inter, st.hidden, "up" + at);
+      // One GLU launch reads both with one packing.
+      if (ly.linear[ROLE_GATE].bits != ly.linear[ROLE_UP].bits ||
+          ly.linear[ROLE_GATE].groups() != ly.linear[ROLE_UP].groups()) {
+        throw std::invalid_argument("mlxcel: cuda decoder: gate and up" + at +
+                                    " must have the same quantization");
+      }
     }
     need(ly.linear[ROLE_DOWN], st.hidden, inter, "down" + at);
     st.inter = std::max(st.inter, inter);
@@ -551,6 +590,9 @@ void cuda_decoder_finish(CudaDecoder& d) {
                         ? mx::array(st.inv_freq.data(), mx::Shape{rot_half}, mx::float32)
                         : mx::zeros({1}, mx::float32);
   all.push_back(*st.inv_freq_dev);
+  std::vector<int32_t> zeros(st.kv_heads, 0);
+  st.counters = mx::array(zeros.data(), mx::Shape{st.kv_heads}, mx::int32);
+  all.push_back(*st.counters);
   // Contiguous, evaluated weights: the kernels read them by address.
   mx::eval(all);
   for (auto& a : all) {
@@ -559,7 +601,7 @@ void cuda_decoder_finish(CudaDecoder& d) {
     }
   }
   const std::string t = st.dtype == mx::float16 ? "float16" : "bfloat16";
-  const char* kinds[3] = {"rms", "res", "gated_res"};
+  const char* kinds[3] = {"rms", "res", "glu"};
   const char* tables[3] = {"qmv_b4", "qmv_b8", "dmv"};
   for (int b = 0; b < 3; ++b) {
     for (int k = 0; k < 3; ++k) {
@@ -567,9 +609,7 @@ void cuda_decoder_finish(CudaDecoder& d) {
                                std::string("mlxcel_dec_") + tables[b] + "_" + kinds[k] + "_" + t);
     }
   }
-  st.rope = function(*api, *st.binary, "mlxcel_dec_rope_kv_" + t);
-  st.attn = function(*api, *st.binary, "mlxcel_dec_attn_" + t);
-  st.combine = function(*api, *st.binary, "mlxcel_dec_attn_combine_" + t);
+  st.attention = function(*api, *st.binary, "mlxcel_dec_attention_" + t);
   st.finished = true;
 }
 

@@ -1,7 +1,7 @@
 //! mlxcel's CUDA decode step: one decode token of a dense attention-only decoder (the decoders
 //! the [CPU decode engine](crate::cpu_decode) covers) with affine 4/8-bit or dense weights and
 //! bf16/f16 activations as one MLX array, whose evaluation adds the whole step's kernels
-//! (`kernels/cuda/decode.cu`, ~7 per layer) to MLX's CUDA graph (see `cpp/cuda_decode.cc`).
+//! (`kernels/cuda/decode.cu`, 5 per layer) to MLX's CUDA graph (see `cpp/cuda_decode.cc`).
 //! Decode on a GPU is bound by MLX's host time per array; the MLX graph of the same step has ~14
 //! arrays per layer.
 //!

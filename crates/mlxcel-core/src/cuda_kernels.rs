@@ -304,25 +304,28 @@ fn scan_entry(j: i32) -> Entry {
     }
 }
 
-/// The launch shapes (warps, output rows per block) of the decode step's GEMVs: RMSNorm folded
-/// in (q|k|v, gate|up, the head), residual out (o), gated in and residual out (down); the same
-/// as the graph path's (see `gemv_launch_shape`).
-pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] =
-    [RMSNORM_FOLDED_SHAPE, DEFAULT_QMV_SHAPE, GATED_FOLDED_SHAPE];
+/// The launch shapes (warps, weight rows per block) of the decode step's GEMVs: RMSNorm folded
+/// in (q|k|v, the head), residual out (o, down), RMSNorm in and silu(gate) * up out (gate|up:
+/// half as many outputs as rows per block); as the graph path's (see `gemv_launch_shape`).
+pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] = [
+    RMSNORM_FOLDED_SHAPE,
+    DEFAULT_QMV_SHAPE,
+    RMSNORM_FOLDED_SHAPE,
+];
 
 /// The activation dtypes the CUDA decode step is compiled for.
 const DECODER_DTYPES: [Dtype; 2] = [Dtype::Bfloat16, Dtype::Float16];
 
 /// The kernels of the CUDA decode step (cpp/cuda_decode.cc names them the same way):
-/// `mlxcel_dec_qmv_b{4,8}_{rms,res,gated_res}_{dtype}` (and `mlxcel_dec_dmv_..` for dense
-/// weights in the activations' dtype), `mlxcel_dec_rope_kv_{dtype}`,
-/// `mlxcel_dec_attn_{dtype}` and `mlxcel_dec_attn_combine_{dtype}`.
+/// `mlxcel_dec_qmv_b{4,8}_{rms,res,glu}_{dtype}` (and `mlxcel_dec_dmv_..` for dense
+/// weights in the activations' dtype) and `mlxcel_dec_attention_{dtype}`.
 fn decoder_entry(dtype: Dtype) -> Entry {
     let (t, d) = (type_name(dtype), dtype.name());
     let mut wrapper = String::new();
-    let folds = [("rms", 1, 0), ("res", 0, 1), ("gated_res", 2, 1)];
+    // (name, PRE, RES, GLU) of qmv.cu.
+    let folds = [("rms", 1, 0, 0), ("res", 0, 1, 0), ("glu", 1, 0, 1)];
     for bits in BITS {
-        for ((kind, pre, res), (nw, rpw)) in folds.into_iter().zip(DECODER_GEMV_SHAPES) {
+        for ((kind, pre, res, glu), (nw, rpw)) in folds.into_iter().zip(DECODER_GEMV_SHAPES) {
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__({threads}) \
                  mlxcel_dec_qmv_b{bits}_{kind}_{d}(\
@@ -331,45 +334,38 @@ fn decoder_entry(dtype: Dtype) -> Entry {
                  const uint32_t* w2, const {t}* s2, const {t}* z2, {t}* o2, int n2, \
                  const {t}* x, const {t}* aux, const {t}* res, int words_per_row, \
                  int groups_per_row, int eps_bits) {{ \
-                 dec_qmv<{bits}, {nw}, {rpw}, {pre}, {res}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
+                 dec_qmv<{bits}, {nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
                  o1, n1, w2, s2, z2, o2, n2, x, aux, res, words_per_row, groups_per_row, \
                  __int_as_float(eps_bits)); }}\n",
                 threads = nw * 32,
             );
         }
     }
-    for ((kind, pre, res), (nw, rpw)) in folds.into_iter().zip(DECODER_GEMV_SHAPES) {
+    for ((kind, pre, res, glu), (nw, rpw)) in folds.into_iter().zip(DECODER_GEMV_SHAPES) {
         wrapper += &format!(
             "extern \"C\" __global__ void __launch_bounds__({threads}) \
              mlxcel_dec_dmv_{kind}_{d}(const {t}* w0, {t}* o0, int n0, const {t}* w1, {t}* o1, \
              int n1, const {t}* w2, {t}* o2, int n2, const {t}* x, const {t}* aux, \
              const {t}* res, int k_len, int eps_bits) {{ \
-             dec_dmv3<{nw}, {rpw}, {pre}, {res}, {t}>(w0, o0, n0, w1, o1, n1, w2, o2, n2, x, aux, \
+             dec_dmv3<{nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, o0, n0, w1, o1, n1, w2, o2, n2, x, aux, \
              res, k_len, __int_as_float(eps_bits)); }}\n",
             threads = nw * 32,
         );
     }
     wrapper += &format!(
-        "extern \"C\" __global__ void __launch_bounds__(32) mlxcel_dec_rope_kv_{d}(\
-         const {t}* qkv, const {t}* q_bias, const {t}* k_bias, const {t}* v_bias, \
-         const {t}* q_norm, const {t}* k_norm, const float* inv_freq, {t}* q_out, \
-         {t}* k_cache, {t}* v_cache, int heads, int kv_heads, int head_dim, int rot_half, \
-         int traditional, int position, int capacity, int eps_bits) {{ \
-         dec_rope_kv<{t}>(qkv, q_bias, k_bias, v_bias, q_norm, k_norm, inv_freq, q_out, \
-         k_cache, v_cache, heads, kv_heads, head_dim, rot_half, traditional, position, \
-         capacity, __int_as_float(eps_bits)); }}\n\
-         extern \"C\" __global__ void __launch_bounds__(DEC_ATTN_THREADS) mlxcel_dec_attn_{d}(\
-         const {t}* q, const {t}* k_cache, const {t}* v_cache, float* partial, int heads, \
-         int kv_heads, int head_dim, int capacity, int len, int chunk, int n_chunks, \
-         int scale_bits) {{ \
-         dec_attn<{t}>(q, k_cache, v_cache, partial, heads, kv_heads, head_dim, capacity, len, \
-         chunk, n_chunks, __int_as_float(scale_bits)); }}\n\
-         extern \"C\" __global__ void mlxcel_dec_attn_combine_{d}(const float* partial, \
-         {t}* out, int head_dim, int n_chunks) {{ \
-         dec_attn_combine<{t}>(partial, out, head_dim, n_chunks); }}\n"
+        "extern \"C\" __global__ void __launch_bounds__(DEC_ATTN_THREADS) \
+         mlxcel_dec_attention_{d}(const {t}* qkv, const {t}* q_bias, const {t}* k_bias, \
+         const {t}* v_bias, const {t}* q_norm, const {t}* k_norm, const float* inv_freq, \
+         {t}* k_cache, {t}* v_cache, float* partial, int* counters, {t}* out, int heads, \
+         int kv_heads, int head_dim, int rot_half, int traditional, int position, int capacity, \
+         int chunk, int n_chunks, int eps_bits, int scale_bits) {{ \
+         dec_attention<{t}>(qkv, q_bias, k_bias, v_bias, q_norm, k_norm, inv_freq, k_cache, \
+         v_cache, partial, counters, out, heads, kv_heads, head_dim, rot_half, traditional, \
+         position, capacity, chunk, n_chunks, __int_as_float(eps_bits), \
+         __int_as_float(scale_bits)); }}\n"
     );
     Entry {
-        name: format!("mlxcel_dec_rope_kv_{d}"),
+        name: format!("mlxcel_dec_attention_{d}"),
         kernel: QMV_AND_DECODE,
         wrapper,
     }
@@ -999,10 +995,10 @@ mod tests {
             "mlxcel_qmv_mma_b4_float16_8w_r1_n1",
             "mlxcel_gather_2",
             "mlxcel_dec_qmv_b4_rms_bfloat16",
-            "mlxcel_dec_qmv_b8_gated_res_float16",
-            "mlxcel_dec_rope_kv_bfloat16",
-            "mlxcel_dec_dmv_gated_res_bfloat16",
-            "mlxcel_dec_attn_combine_float16",
+            "mlxcel_dec_qmv_b8_glu_float16",
+            "mlxcel_dec_attention_bfloat16",
+            "mlxcel_dec_dmv_glu_bfloat16",
+            "mlxcel_dec_attention_float16",
         ] {
             assert!(source.contains(name), "{name} missing from the module");
         }

@@ -229,7 +229,7 @@ pub struct RuntimePolicy {
     pub cuda_qmv_mma: bool,
     /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
     /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
-    /// GPU as one mlxcel primitive that adds the whole step's kernels (7 per layer, `decode.cu`)
+    /// GPU as one mlxcel primitive that adds the whole step's kernels (5 per layer, `decode.cu`)
     /// to MLX's CUDA graph, instead of an MLX graph of ~14 arrays per layer (decode on a GPU is
     /// bound by MLX's host time per array). Default on: its logits are as close to a float32
     /// reference as the graph's (tests/tests/cuda_decode.rs; docs/performance.md, session 21);

@@ -1,24 +1,26 @@
 // decode.cu: the kernels of mlxcel's CUDA decode step (cpp/cuda_decode.cc) besides the GEMV of
-// qmv.cu: one token of one sequence through a llama-shaped decoder as ~7 kernels per layer,
+// qmv.cu: one token of one sequence through a llama-shaped decoder as 5 kernels per layer,
 // all added to MLX's CUDA graph by one primitive (decode on a GPU is bound by host time per
 // graph node; the MLX graph of the same step has ~14 arrays per layer).
 //
 // Per layer, on T (bf16/f16) activations (GEMVs of affine 4/8-bit weights, or dense ones in T:
 // dec_dmv3):
 //   dec_qmv (PRE 1)  q|k|v = rms_norm(h) @ [Wq; Wk; Wv]^T      one launch over three matrices
-//   dec_rope_kv      biases, per-head q/k RMSNorm, rope; k and v written into the caches
-//   dec_attn         split-K attention partials over chunks of the cached keys
-//   dec_attn_combine the chunks merged into one output row per query head
+//   dec_attention    biases, per-head q/k RMSNorm, rope; k and v written into the caches;
+//                    split-K attention over chunks of the cached keys, the chunks merged by
+//                    the last block of each key/value head
 //   dec_qmv (RES 1)  h += attn @ Wo^T
-//   dec_qmv (PRE 1)  g|u = rms_norm(h) @ [Wg; Wu]^T
-//   dec_qmv (PRE 2, RES 1)  h += (silu(g) * u) @ Wd^T
+//   dec_qmv (PRE 1, GLU 1)  a = silu(rms_norm(h) @ Wg^T) * (rms_norm(h) @ Wu^T)
+//   dec_qmv (RES 1)  h += a @ Wd^T
 // Each rounds to T where MLX's ops would, so the step matches the MLX graph to T's precision.
 
 // ---- the GEMV over up to three matrices sharing K ------------------------------------------
 // Segment s (0..2): packed weights w_s [n_s, words_per_row], scales/biases [n_s, groups], output
 // o_s [n_s]; blocks [0, b_0) compute segment 0, the next b_1 segment 1, then segment 2, with
 // b_s = ceil(n_s / RPW) (a segment with n_s = 0 has no blocks). One activation row.
-template <int BITS, int NW, int RPW, int PRE, int RES, typename T>
+// GLU 1: segment 0 is the MLP's gate, segment 1 its up projection (n_1 = n_0, o_1 unused), and
+// o_0 gets silu(gate) * up (qmv's GLU), RPW/2 outputs per block.
+template <int BITS, int NW, int RPW, int PRE, int RES, int GLU, typename T>
 __device__ __forceinline__ void dec_qmv(const uint32_t* w0, const T* s0, const T* z0, T* o0,
                                         int n0, const uint32_t* w1, const T* s1, const T* z1,
                                         T* o1, int n1, const uint32_t* w2, const T* s2,
@@ -26,6 +28,12 @@ __device__ __forceinline__ void dec_qmv(const uint32_t* w0, const T* s0, const T
                                         const T* res, int words_per_row, int groups_per_row,
                                         float eps) {
   constexpr int FAST = BITS == 4 ? 1 : 0;
+  if constexpr (GLU != 0) {
+    qmv<BITS, NW, RPW, 1, 1, FAST, PRE, RES, T, 1>(w0, s0, z0, x, aux, res, o0, n0,
+                                                   words_per_row, groups_per_row, 1, eps,
+                                                   blockIdx.x, w1, s1, z1);
+    return;
+  }
   const int b0 = (n0 + RPW - 1) / RPW;
   const int b1 = (n1 + RPW - 1) / RPW;
   int bx = blockIdx.x;
@@ -45,7 +53,7 @@ __device__ __forceinline__ void dec_qmv(const uint32_t* w0, const T* s0, const T
                                               groups_per_row, 1, eps, bx);
 }
 
-// ---- rope and the cache write --------------------------------------------------------------
+// ---- helpers -------------------------------------------------------------------------------
 constexpr int DEC_MAX_HEAD_DIM = 256;
 // -inf (no math.h under NVRTC).
 #define DEC_NEG_INF __int_as_float(0xff800000)
@@ -86,23 +94,27 @@ __device__ __forceinline__ void dec_unpack8(const uint4& v, float (&f)[8], const
   }
 }
 
-template <int NW, int RPW, int PRE, int RES, typename T>
+// GLU as qmv's: rows r < RPW/2 from w, the rest from w_up, RPW/2 outputs per block.
+template <int NW, int RPW, int PRE, int RES, int GLU, typename T>
 __device__ __forceinline__ void dec_dmv(const T* w, const T* x, const T* aux, const T* res, T* out,
-                                        int n_rows, int k_len, float eps, int bx) {
+                                        int n_rows, int k_len, float eps, int bx,
+                                        const T* w_up = nullptr) {
   constexpr int NT = NW * 32;
+  constexpr int OUTS = GLU ? RPW / 2 : RPW;
   const int tid = threadIdx.x;
-  const int row0 = bx * RPW;
+  const int row0 = bx * OUTS;
   const T* rows[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
-    const int n = (row0 + r < n_rows) ? (row0 + r) : (n_rows - 1);
-    rows[r] = w + (size_t)n * (size_t)k_len;
+    const int i = row0 + r % OUTS;
+    const int n = (i < n_rows) ? i : (n_rows - 1);
+    rows[r] = ((GLU && r >= OUTS) ? w_up : w) + (size_t)n * (size_t)k_len;
   }
   const float inv_rms = (PRE == 1) ? qmv_inv_rms<NW>(x, k_len, eps) : 1.0f;
-  float acc[RPW];
+  float acc[1][RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
-    acc[r] = 0.0f;
+    acc[0][r] = 0.0f;
   }
   const int chunks = k_len / 8;
 #pragma unroll 2
@@ -120,45 +132,22 @@ __device__ __forceinline__ void dec_dmv(const T* w, const T* x, const T* aux, co
       dec_unpack8(wv[r], wf, x);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        acc[r] = fmaf(wf[j], xf[j], acc[r]);
+        acc[0][r] = fmaf(wf[j], xf[j], acc[0][r]);
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    acc[r] = dec_warp_sum(acc[r]);
-  }
-  __shared__ float red[NW][RPW];
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      red[warp][r] = acc[r];
-    }
-  }
-  __syncthreads();
-  if (tid < RPW) {
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NW; ++i) {
-      s += red[i][tid];
-    }
-    const int n = row0 + tid;
-    if (n < n_rows) {
-      if constexpr (RES == 1) {
-        s = qmv_round(out, s) + qmv_to_float(res[n]);
-      }
-      qmv_store(out + n, s);
-    }
-  }
+  qmv_finish<NW, RPW, 1, RES, GLU>(acc, res, out, n_rows, 1, row0, 0);
 }
 
-// The dense GEMV over up to three matrices sharing K (segments as dec_qmv's).
-template <int NW, int RPW, int PRE, int RES, typename T>
+// The dense GEMV over up to three matrices sharing K (segments and GLU as dec_qmv's).
+template <int NW, int RPW, int PRE, int RES, int GLU, typename T>
 __device__ __forceinline__ void dec_dmv3(const T* w0, T* o0, int n0, const T* w1, T* o1, int n1,
                                          const T* w2, T* o2, int n2, const T* x, const T* aux,
                                          const T* res, int k_len, float eps) {
+  if constexpr (GLU != 0) {
+    dec_dmv<NW, RPW, PRE, RES, 1, T>(w0, x, aux, res, o0, n0, k_len, eps, blockIdx.x, w1);
+    return;
+  }
   const int b0 = (n0 + RPW - 1) / RPW;
   const int b1 = (n1 + RPW - 1) / RPW;
   int bx = blockIdx.x;
@@ -170,34 +159,29 @@ __device__ __forceinline__ void dec_dmv3(const T* w0, T* o0, int n0, const T* w1
   } else if (bx >= b0) {
     w = w1, o = o1, n = n1, bx -= b0;
   }
-  dec_dmv<NW, RPW, PRE, RES, T>(w, x, aux, res, o, n, k_len, eps, bx);
+  dec_dmv<NW, RPW, PRE, RES, 0, T>(w, x, aux, res, o, n, k_len, eps, bx);
 }
 
-// One warp per head: blocks [0, heads) take the query heads of qkv (written roped to q_out),
-// blocks [heads, heads + kv_heads) the key heads (roped into row `position` of k_cache) and the
-// value heads (into v_cache). qkv = [q (heads*D) | k (kv_heads*D) | v (kv_heads*D)], each
-// projection's bias (nullable) added first, then the per-head RMSNorm (nullable, eps), then rope
-// on the first 2*rot_half dims (inv_freq: rot_half angles per position; traditional: adjacent
-// pairs, else halves). Caches are [kv_heads, capacity, D].
-template <typename T>
-__device__ __forceinline__ void dec_rope_kv(const T* qkv, const T* q_bias, const T* k_bias,
-                                            const T* v_bias, const T* q_norm, const T* k_norm,
-                                            const float* inv_freq, T* q_out, T* k_cache,
-                                            T* v_cache, int heads, int kv_heads, int head_dim,
-                                            int rot_half, int traditional, int position,
-                                            int capacity, float eps) {
-  __shared__ float row[DEC_MAX_HEAD_DIM];
-  const int lane = threadIdx.x;
-  const bool is_q = (int)blockIdx.x < heads;
-  const int head = is_q ? blockIdx.x : blockIdx.x - heads;
-  const T* src = qkv + (is_q ? 0 : heads * head_dim) + head * head_dim;
-  const T* bias = is_q ? q_bias : k_bias;
-  const T* norm = is_q ? q_norm : k_norm;
+// ---- attention: rope, the cache write, split-K attention and its combine, one launch -----
+constexpr int DEC_ATTN_THREADS = 128;
+constexpr int DEC_ATTN_WARPS = DEC_ATTN_THREADS / 32;
+constexpr int DEC_MAX_GROUP = 16;  // query heads per key/value head
+
+// One head of `src` (head_dim values of qkv) through its bias (nullable), the per-head RMSNorm
+// (nullable, eps) and rope on the first 2*rot_half dims (inv_freq: rot_half angles per
+// position; traditional: adjacent pairs, else halves), by one warp; store(d, value) takes the
+// results. `row`: the warp's own head_dim floats of shared memory.
+template <typename T, typename Store>
+__device__ __forceinline__ void dec_rope_head(const T* src, const T* bias, const T* norm,
+                                              const float* inv_freq, float* row, int head_dim,
+                                              int rot_half, int traditional, int position,
+                                              float eps, Store store) {
+  const int lane = threadIdx.x & 31;
   float ss = 0.0f;
   for (int d = lane; d < head_dim; d += 32) {
     float v = qmv_to_float(src[d]);
     if (bias != nullptr) {
-      v = qmv_round(src, v + qmv_to_float(bias[head * head_dim + d]));
+      v = qmv_round(src, v + qmv_to_float(bias[d]));
     }
     row[d] = v;
     ss = fmaf(v, v, ss);
@@ -209,8 +193,6 @@ __device__ __forceinline__ void dec_rope_kv(const T* qkv, const T* q_bias, const
     }
   }
   __syncwarp();
-  T* dst = is_q ? q_out + head * head_dim
-                : k_cache + ((size_t)head * capacity + position) * head_dim;
   for (int j = lane; j < rot_half; j += 32) {
     const int i0 = traditional ? 2 * j : j;
     const int i1 = traditional ? 2 * j + 1 : j + rot_half;
@@ -218,51 +200,87 @@ __device__ __forceinline__ void dec_rope_kv(const T* qkv, const T* q_bias, const
     sincosf((float)position * inv_freq[j], &sn, &cs);
     const float a = row[i0];
     const float b = row[i1];
-    qmv_store(dst + i0, a * cs - b * sn);
-    qmv_store(dst + i1, b * cs + a * sn);
+    store(i0, a * cs - b * sn);
+    store(i1, b * cs + a * sn);
   }
   for (int d = 2 * rot_half + lane; d < head_dim; d += 32) {
-    qmv_store(dst + d, row[d]);
+    store(d, row[d]);
   }
-  if (!is_q) {
-    const T* vsrc = qkv + (heads + kv_heads) * head_dim + head * head_dim;
-    T* vdst = v_cache + ((size_t)head * capacity + position) * head_dim;
-    for (int d = lane; d < head_dim; d += 32) {
-      float v = qmv_to_float(vsrc[d]);
-      if (v_bias != nullptr) {
-        v = v + qmv_to_float(v_bias[head * head_dim + d]);
-      }
-      qmv_store(vdst + d, v);
-    }
-  }
+  // The warp's next head reuses `row`.
+  __syncwarp();
 }
 
-// ---- attention -----------------------------------------------------------------------------
-constexpr int DEC_ATTN_THREADS = 128;
-constexpr int DEC_MAX_GROUP = 16;  // query heads per key/value head
+// A float another block of this kernel wrote (read from L2, past this SM's L1).
+__device__ __forceinline__ float dec_load_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
 
-// Block (g, c), 128 threads: the query heads of kv head g against keys [c*chunk, min(len,
-// (c+1)*chunk)) (chunk <= 128). Writes per (query head, chunk) the partial [max score, sum of
-// exp, sum of exp * v (D values)] to `partial` ([heads][n_chunks][D + 2] floats). q is
-// [heads*D], scores are scaled by `scale`. D a multiple of 8 (16-byte key loads).
+// Grid (kv_heads, n_chunks), DEC_ATTN_THREADS threads. Block (g, c) takes the query heads of
+// key/value head g against keys [c*chunk, min(len, (c+1)*chunk)), len = position + 1:
+//  1. the group's query heads of qkv = [q (heads*D) | k (kv_heads*D) | v (kv_heads*D)] through
+//     bias, per-head RMSNorm and rope (dec_rope_head), into shared memory;
+//  2. the block of the last chunk (the one holding `position`) writes head g's roped key and
+//     its value (plus bias) into row `position` of the caches ([kv_heads, capacity, D]);
+//  3. scores, softmax and the weighted values over its chunk, written to `partial` as [max
+//     score, sum of exp, sum of exp * v (D values)] per (query head, chunk) ([heads][n_chunks]
+//     [D + 2] floats; scores scaled by `scale`);
+//  4. the group's last block to finish (counters[g], which it sets back to 0 for the next
+//     layer) merges the chunks into out[h*D + d] for the group's heads.
+// D a multiple of 8 (16-byte key loads), at most DEC_MAX_HEAD_DIM; chunk <= DEC_ATTN_THREADS.
 template <typename T>
-__device__ __forceinline__ void dec_attn(const T* q, const T* k_cache, const T* v_cache,
-                                         float* partial, int heads, int kv_heads, int head_dim,
-                                         int capacity, int len, int chunk, int n_chunks,
-                                         float scale) {
+__device__ __forceinline__ void dec_attention(
+    const T* qkv, const T* q_bias, const T* k_bias, const T* v_bias, const T* q_norm,
+    const T* k_norm, const float* inv_freq, T* k_cache, T* v_cache, float* partial,
+    int* counters, T* out, int heads, int kv_heads, int head_dim, int rot_half, int traditional,
+    int position, int capacity, int chunk, int n_chunks, float eps, float scale) {
   __shared__ float qs[DEC_MAX_GROUP * DEC_MAX_HEAD_DIM];
   __shared__ float p[DEC_MAX_GROUP][DEC_ATTN_THREADS];
   __shared__ float stats[DEC_MAX_GROUP][2];
+  __shared__ float rows[DEC_ATTN_WARPS][DEC_MAX_HEAD_DIM];
+  __shared__ int last;
   const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
   const int group = heads / kv_heads;
   const int g = blockIdx.x;
   const int c = blockIdx.y;
+  const int len = position + 1;
   const int k0 = c * chunk;
   const int nk = min(len - k0, chunk);
-  for (int i = tid; i < group * head_dim; i += DEC_ATTN_THREADS) {
-    qs[i] = qmv_to_float(q[(size_t)g * group * head_dim + i]);
+
+  // 1. Every block of the group ropes the group's queries itself (a few hundred values).
+  for (int i = warp; i < group; i += DEC_ATTN_WARPS) {
+    const int h = g * group + i;
+    float* dst = qs + i * head_dim;
+    dec_rope_head(qkv + h * head_dim, q_bias != nullptr ? q_bias + h * head_dim : nullptr,
+                  q_norm, inv_freq, rows[warp], head_dim, rot_half, traditional, position, eps,
+                  [&](int d, float v) { dst[d] = qmv_round(qkv, v); });
+  }
+  // 2. The newest key and value; this block's threads read them back below (__syncthreads
+  // orders a block's global writes before its reads), no other block reads that row.
+  if (c == n_chunks - 1) {
+    const size_t at = ((size_t)g * capacity + position) * head_dim;
+    if (warp == 0) {
+      dec_rope_head(qkv + (heads + g) * head_dim,
+                    k_bias != nullptr ? k_bias + g * head_dim : nullptr, k_norm, inv_freq,
+                    rows[0], head_dim, rot_half, traditional, position, eps,
+                    [&](int d, float v) { qmv_store(k_cache + at + d, v); });
+    } else if (warp == 1) {
+      const T* vsrc = qkv + (heads + kv_heads + g) * head_dim;
+      for (int d = lane; d < head_dim; d += 32) {
+        float v = qmv_to_float(vsrc[d]);
+        if (v_bias != nullptr) {
+          v += qmv_to_float(v_bias[g * head_dim + d]);
+        }
+        qmv_store(v_cache + at + d, v);
+      }
+    }
   }
   __syncthreads();
+
+  // 3. One key per thread: its scores against the group's queries.
   if (tid < nk) {
     const T* krow = k_cache + ((size_t)g * capacity + k0 + tid) * head_dim;
     float s[DEC_MAX_GROUP];
@@ -291,8 +309,7 @@ __device__ __forceinline__ void dec_attn(const T* q, const T* k_cache, const T* 
     }
   }
   __syncthreads();
-  const int lane = tid & 31;
-  for (int h = tid >> 5; h < group; h += DEC_ATTN_THREADS / 32) {
+  for (int h = warp; h < group; h += DEC_ATTN_WARPS) {
     float m = DEC_NEG_INF;
     for (int j = lane; j < nk; j += 32) {
       m = fmaxf(m, p[h][j]);
@@ -311,6 +328,7 @@ __device__ __forceinline__ void dec_attn(const T* q, const T* k_cache, const T* 
     }
   }
   __syncthreads();
+  const int stride = head_dim + 2;
   for (int i = tid; i < group * head_dim; i += DEC_ATTN_THREADS) {
     const int h = i / head_dim;
     const int d = i - h * head_dim;
@@ -320,36 +338,48 @@ __device__ __forceinline__ void dec_attn(const T* q, const T* k_cache, const T* 
     for (int j = 0; j < nk; ++j) {
       acc = fmaf(p[h][j], qmv_to_float(vcol[(size_t)j * head_dim]), acc);
     }
-    float* out = partial + ((size_t)(g * group + h) * n_chunks + c) * (head_dim + 2);
-    out[2 + d] = acc;
+    float* dst = partial + ((size_t)(g * group + h) * n_chunks + c) * stride;
+    dst[2 + d] = acc;
     if (d == 0) {
-      out[0] = stats[h][0];
-      out[1] = stats[h][1];
+      dst[0] = stats[h][0];
+      dst[1] = stats[h][1];
     }
   }
-}
 
-// Block per query head: the chunks' partials merged, out[h*D + d] = attention output (T).
-template <typename T>
-__device__ __forceinline__ void dec_attn_combine(const float* partial, T* out, int head_dim,
-                                                 int n_chunks) {
-  const int h = blockIdx.x;
-  const int stride = head_dim + 2;
-  const float* base = partial + (size_t)h * n_chunks * stride;
-  float m = DEC_NEG_INF;
-  for (int c = 0; c < n_chunks; ++c) {
-    m = fmaxf(m, base[c * stride]);
+  // 4. The last block of the group to get here merges the chunks (the threadFenceReduction
+  // pattern: each block's partials are visible device-wide before it counts itself).
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    last = atomicAdd(counters + g, 1) == n_chunks - 1;
   }
-  float l = 0.0f;
-  for (int c = 0; c < n_chunks; ++c) {
-    l = fmaf(base[c * stride + 1], __expf(base[c * stride] - m), l);
+  __syncthreads();
+  if (!last) {
+    return;
   }
-  const float inv = 1.0f / l;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float acc = 0.0f;
-    for (int c = 0; c < n_chunks; ++c) {
-      acc = fmaf(base[c * stride + 2 + d], __expf(base[c * stride] - m), acc);
+  for (int i = warp; i < group; i += DEC_ATTN_WARPS) {
+    const int h = g * group + i;
+    const float* base = partial + (size_t)h * n_chunks * stride;
+    float m = DEC_NEG_INF;
+    for (int k = lane; k < n_chunks; k += 32) {
+      m = fmaxf(m, dec_load_cg(base + k * stride));
     }
-    qmv_store(out + h * head_dim + d, acc * inv);
+    m = dec_warp_max(m);
+    float l = 0.0f;
+    for (int k = lane; k < n_chunks; k += 32) {
+      l = fmaf(dec_load_cg(base + k * stride + 1), __expf(dec_load_cg(base + k * stride) - m), l);
+    }
+    const float inv = 1.0f / dec_warp_sum(l);
+    for (int d = lane; d < head_dim; d += 32) {
+      float acc = 0.0f;
+      for (int k = 0; k < n_chunks; ++k) {
+        acc = fmaf(dec_load_cg(base + k * stride + 2 + d),
+                   __expf(dec_load_cg(base + k * stride) - m), acc);
+      }
+      qmv_store(out + h * head_dim + d, acc * inv);
+    }
+  }
+  if (tid == 0) {
+    counters[g] = 0;
   }
 }

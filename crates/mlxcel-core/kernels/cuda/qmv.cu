@@ -43,6 +43,14 @@
 // every block compute its row's sum of squares first (K values from L2: cheap next to the
 // weights it streams).
 
+// silu(g) * u for g and u already in T, rounded to T after each op as MLX's graph
+// (`silu(gate) * up`, silu = x * sigmoid(x)) would.
+template <typename T>
+__device__ __forceinline__ float qmv_silu_gate(const T* like, float g, float u) {
+  const float sig = qmv_round(like, __fdividef(1.0f, 1.0f + __expf(-g)));
+  return qmv_round(like, qmv_round(like, g * sig) * u);
+}
+
 // N activations starting at element `k` of row `xrow`, prepared as PRE says.
 template <int PRE, int N, typename T>
 __device__ __forceinline__ void qmv_input(const T* xrow, const T* aux, int k, int k_len,
@@ -60,9 +68,7 @@ __device__ __forceinline__ void qmv_input(const T* xrow, const T* aux, int k, in
     qmv_load_x(xrow + k_len + k, uf);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const float g = xf[j];
-      const float sig = qmv_round(xrow, __fdividef(1.0f, 1.0f + __expf(-g)));
-      xf[j] = qmv_round(xrow, qmv_round(xrow, g * sig) * uf[j]);
+      xf[j] = qmv_silu_gate(xrow, xf[j], uf[j]);
     }
   }
 }
@@ -98,18 +104,90 @@ __device__ __forceinline__ float qmv_inv_rms(const T* xrow, int k_len, float eps
   return rsqrtf(total / (float)k_len + eps);
 }
 
+// The end of a GEMV block: acc[b][r] (each thread's partial sums of output row r for activation
+// row b) reduced over the block, then stored for rows row0.. of `out` ([m_rows, n_rows]), with
+// RES adding the residual. GLU (one activation row): rows r < RPW/2 are gate rows, the rest
+// the up rows of the same outputs, and output row0 + r gets silu(gate_r) * up_r.
+template <int NW, int RPW, int MB, int RES, int GLU, typename T>
+__device__ __forceinline__ void qmv_finish(float (&acc)[MB][RPW], const T* res, T* out,
+                                           int n_rows, int m_rows, int row0, int m0) {
+  static_assert(GLU == 0 || (MB == 1 && RES == 0 && RPW % 2 == 0),
+                "qmv: GLU takes one activation row, an even RPW and no residual");
+#pragma unroll
+  for (int b = 0; b < MB; ++b) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        acc[b][r] += __shfl_xor_sync(0xffffffffu, acc[b][r], o);
+      }
+    }
+  }
+  __shared__ float qmv_red[NW][MB * RPW];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        qmv_red[warp][b * RPW + r] = acc[b][r];
+      }
+    }
+  }
+  __syncthreads();
+  float s = 0.0f;
+  if (tid < MB * RPW) {
+#pragma unroll
+    for (int i = 0; i < NW; ++i) {
+      s += qmv_red[i][tid];
+    }
+  }
+  if constexpr (GLU != 0) {
+    // The projection's outputs rounded to T (MLX stores the gate|up product), then the gate.
+    constexpr int HALF = RPW / 2;
+    __shared__ float qmv_rows[RPW];
+    if (tid < RPW) {
+      qmv_rows[tid] = qmv_round(out, s);
+    }
+    __syncthreads();
+    const int n = row0 + tid;
+    if (tid < HALF && n < n_rows) {
+      qmv_store(out + n, qmv_silu_gate(out, qmv_rows[tid], qmv_rows[tid + HALF]));
+    }
+  } else if (tid < MB * RPW) {
+    const int m = m0 + tid / RPW;
+    const int n = row0 + tid % RPW;
+    if (n < n_rows && m < m_rows) {
+      const size_t at = (size_t)m * (size_t)n_rows + n;
+      if constexpr (RES == 1) {
+        // MLX rounds the product, then the sum.
+        s = qmv_round(out, s) + qmv_to_float(res[at]);
+      }
+      qmv_store(out + at, s);
+    }
+  }
+}
+
+// GLU 1 (decode.cu, one activation row): the block's rows are RPW/2 gate rows of (w, scales,
+// biases) and the same RPW/2 rows of the up matrix (w_up, scales_up, biases_up), and it stores
+// silu(gate) * up for its RPW/2 outputs (n_rows = the gate's rows): the MLP's gate|up
+// projection whose down projection then reads one plain row.
 template <int BITS, int NW, int RPW, int MB, int NOALLOC, int FAST, int PRE, int RES,
-          typename T>
+          typename T, int GLU = 0>
 __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T* biases,
                                     const T* x, const T* aux, const T* res, T* out, int n_rows,
                                     int words_per_row, int groups_per_row, int m_rows, float eps,
-                                    int bx) {
+                                    int bx, const uint32_t* w_up = nullptr,
+                                    const T* scales_up = nullptr, const T* biases_up = nullptr) {
   constexpr int QMV_EPW = 32 / BITS;     // elements per uint32
   constexpr int QMV_EPC = 4 * QMV_EPW;   // elements per 16-byte chunk
   constexpr int QMV_NT = NW * 32;        // threads per block
   constexpr float QMV_OFF = (BITS == 4) ? 128.0f : 256.0f;
   constexpr bool QMV_FAST = (BITS == 4) && (FAST != 0);
   constexpr float QMV_HI_EXTRA = 0.26171875f;  // 0x4300 / 65536, see qmv_dot_word<4, 1>
+  constexpr int OUTS = GLU ? RPW / 2 : RPW;    // output rows per block
   static_assert(BITS == 4 || BITS == 8, "qmv: BITS must be 4 or 8");
   static_assert(NW >= 1 && NW <= 32, "qmv: NW must be in 1..32");
   static_assert(RPW >= 1 && RPW <= QMV_NT, "qmv: RPW must be in 1..NW*32");
@@ -123,17 +201,52 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
 
   const int tid = threadIdx.x;
   const int m0 = blockIdx.y * MB;
-  const int row0 = bx * RPW;
+  const int row0 = bx * OUTS;
 
-  // Rows past the end are clamped for loading (always in bounds) and never stored.
+  // Rows past the end are clamped for loading (always in bounds) and never stored. Row r reads
+  // the up matrix where GLU says so (r is a constant of every unrolled loop: no select).
   size_t wbase[RPW];
   int gbase[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
-    const int n = (row0 + r < n_rows) ? (row0 + r) : (n_rows - 1);
+    const int i = row0 + r % OUTS;
+    const int n = (i < n_rows) ? i : (n_rows - 1);
     wbase[r] = (size_t)n * (size_t)words_per_row;
     gbase[r] = n * groups_per_row;
   }
+  auto w_of = [&](int r) { return (GLU && r >= OUTS) ? w_up : w; };
+  auto scales_of = [&](int r) { return (GLU && r >= OUTS) ? scales_up : scales; };
+  auto biases_of = [&](int r) { return (GLU && r >= OUTS) ? biases_up : biases; };
+
+  // One step's weights (16 bytes of each row) and its rows' group scales and biases.
+  // Scales and biases stay in T until used: converting them here would wait for their loads
+  // before the RMSNorm pass.
+  struct Step {
+    uint4 wv[RPW];
+    T sc[RPW];
+    T bs[RPW];
+  };
+  auto load = [&](int c, Step& st) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      st.wv[r] = qmv_load_w<NOALLOC>(w_of(r) + wbase[r] + (size_t)c * 4);
+    }
+    const int g = c >> gshift;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      st.sc[r] = scales_of(r)[gbase[r] + g];
+      st.bs[r] = biases_of(r)[gbase[r] + g];
+    }
+  };
+  // With an RMSNorm in, the first step's loads go out before its pass over x, which they then
+  // overlap (the pass reads x from L2 while the weights come from memory). Only there: the
+  // held step costs registers (the 16-row silu-gate kernels would spill more).
+  constexpr bool HOIST = PRE == 1;
+  Step first;
+  if (HOIST && tid < chunks_per_row) {
+    load(tid, first);
+  }
+
   // The block's activation rows; rows past M repeat the last one and are never stored.
   const T* xrows[MB];
   float inv_rms[MB];
@@ -153,24 +266,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
     }
   }
 
-#pragma unroll 2
-  for (int c = tid; c < chunks_per_row; c += QMV_NT) {
-    // Issue every weight load of this step first (RPW * 16 bytes in flight per thread); each
-    // weight chunk is read once for all MB activation rows.
-    uint4 wv[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      wv[r] = qmv_load_w<NOALLOC>(w + wbase[r] + (size_t)c * 4);
-    }
-    const int g = c >> gshift;
-    float sc[RPW];
-    float bs[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      sc[r] = qmv_to_float(scales[gbase[r] + g]);
-      bs[r] = qmv_to_float(biases[gbase[r] + g]);
-    }
-
+  auto consume = [&](int c, const Step& st) {
     float d[MB][RPW];
     float xsum[MB];
     float xhi[MB];  // FAST: sum of the activations of elements 4..7 of every word
@@ -191,7 +287,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
       qmv_add_sums<QMV_FAST>(xf, xsum[0], xhi[0]);
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        d[0][r] = qmv_dot_word<BITS, FAST>(qmv_word(wv[r], k), xf, d[0][r]);
+        d[0][r] = qmv_dot_word<BITS, FAST>(qmv_word(st.wv[r], k), xf, d[0][r]);
       }
     }
 #pragma unroll
@@ -207,7 +303,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
         float q[QMV_EPW];
-        qmv_unpack_word<BITS, FAST>(qmv_word(wv[r], k), q);
+        qmv_unpack_word<BITS, FAST>(qmv_word(st.wv[r], k), q);
 #pragma unroll
         for (int b = 0; b < MB; ++b) {
           d[b][r] = qmv_dot_unpacked<BITS, FAST>(q, xf[b], d[b][r]);
@@ -221,50 +317,26 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
           QMV_FAST ? fmaf(QMV_HI_EXTRA, xhi[b], QMV_OFF * xsum[b]) : QMV_OFF * xsum[b];
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        acc[b][r] = fmaf(sc[r], d[b][r] - xoff, fmaf(bs[r], xsum[b], acc[b][r]));
+        acc[b][r] = fmaf(qmv_to_float(st.sc[r]), d[b][r] - xoff,
+                         fmaf(qmv_to_float(st.bs[r]), xsum[b], acc[b][r]));
       }
     }
-  }
+  };
 
-#pragma unroll
-  for (int b = 0; b < MB; ++b) {
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        acc[b][r] += __shfl_xor_sync(0xffffffffu, acc[b][r], o);
-      }
+  int c0 = tid;
+  if constexpr (HOIST) {
+    if (c0 < chunks_per_row) {
+      consume(c0, first);
     }
+    c0 += QMV_NT;
   }
-
-  __shared__ float qmv_red[NW][MB * RPW];
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < MB; ++b) {
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        qmv_red[warp][b * RPW + r] = acc[b][r];
-      }
-    }
+#pragma unroll 2
+  for (int c = c0; c < chunks_per_row; c += QMV_NT) {
+    // Every weight load of this step is issued first (RPW * 16 bytes in flight per thread);
+    // each weight chunk is read once for all MB activation rows.
+    Step st;
+    load(c, st);
+    consume(c, st);
   }
-  __syncthreads();
-  if (tid < MB * RPW) {
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NW; ++i) {
-      s += qmv_red[i][tid];
-    }
-    const int m = m0 + tid / RPW;
-    const int n = row0 + tid % RPW;
-    if (n < n_rows && m < m_rows) {
-      const size_t at = (size_t)m * (size_t)n_rows + n;
-      if constexpr (RES == 1) {
-        // MLX rounds the product, then the sum.
-        s = qmv_round(out, s) + qmv_to_float(res[at]);
-      }
-      qmv_store(out + at, s);
-    }
-  }
+  qmv_finish<NW, RPW, MB, RES, GLU>(acc, res, out, n_rows, m_rows, row0, m0);
 }
