@@ -111,13 +111,26 @@ impl LoadOptions {
     }
 }
 
-/// One decode step on scratch caches, evaluated and dropped: compiles the kernels a decode
-/// step uses (MLX's GPU backends JIT-compile them on first use).
+/// Decode steps on scratch caches, evaluated and dropped: the first use of every weight and of
+/// the kernels a reply's decode uses (MLX's GPU backends JIT-compile some on first use, and
+/// that took ~0.1 s out of a first request's decode on an H100):
+/// - a step on empty caches;
+/// - a step on caches that were cloned (a clone shares its buffers, so the step copies the rows
+///   the caches hold into new ones, as the first step after a prompt does);
+/// - the greedy pick and the NaN check generation runs on each step's logits.
 fn warm_up(model: &GenerationModel) -> mlxcel_arch::Result<()> {
     use mlxcel_arch::LanguageModel;
     let mut caches = model.make_caches();
     let token = mlxcel_core::Array::from_slice(&[0i32], &[1, 1])?;
     model.forward_last(&token, &mut caches)?.eval()?;
+    let shared = caches.clone();
+    let logits = model.forward_last(&token, &mut caches)?;
+    let pick = logits
+        .argmax(-1, false)?
+        .astype(mlxcel_core::Dtype::Int32)?;
+    let nan = logits.reshape(&[-1])?.isnan()?.any(&[0], false)?;
+    mlxcel_core::ops::eval_all(&[pick, nan])?;
+    drop(shared);
     Ok(())
 }
 

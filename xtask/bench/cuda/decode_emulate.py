@@ -1,5 +1,6 @@
-"""Replays the decode step's rope/cache-write, attention and combine kernels (decode.cu) block by
-block on flat buffers, with the kernels' index arithmetic, and compares them with an independent
+"""Replays the decode step's attention kernel (decode.cu's dec_attention: rope, the cache write,
+split-K attention and the last block's merge) block by block, in a random block order, on flat
+buffers with the kernel's index arithmetic, and compares it with an independent
 reference: rope as MLX applies it (halves or adjacent pairs, the first 2*rot_half dims), grouped
 attention over the cached keys, softmax in float64. No GPU needed (numpy).
 
@@ -20,78 +21,78 @@ def bf16(x):
     return u.astype(np.uint32).view(np.float32)
 
 
-def rope_kv(qkv, inv_freq, k_cache, v_cache, heads, kv_heads, head_dim, traditional, position,
-            capacity):
-    """dec_rope_kv: blocks [0, heads) queries, then key/value heads; flat caches."""
+def rope_head(src, inv_freq, traditional, position):
+    """dec_rope_head without bias or norm: the head's roped values (before the store rounds)."""
     rot_half = len(inv_freq)
-    q_out = np.zeros(heads * head_dim, np.float32)
-    for block in range(heads + kv_heads):
-        is_q = block < heads
-        head = block if is_q else block - heads
-        src = (0 if is_q else heads * head_dim) + head * head_dim
-        row = qkv[src:src + head_dim].astype(np.float32)
-        dst = head * head_dim if is_q else (head * capacity + position) * head_dim
-        out = q_out if is_q else k_cache
-        for j in range(rot_half):
-            i0, i1 = (2 * j, 2 * j + 1) if traditional else (j, j + rot_half)
-            theta = np.float32(position) * np.float32(inv_freq[j])
-            sn, cs = np.sin(theta), np.cos(theta)
-            a, b = row[i0], row[i1]
-            out[dst + i0] = bf16(a * cs - b * sn)
-            out[dst + i1] = bf16(b * cs + a * sn)
-        for d in range(2 * rot_half, head_dim):
-            out[dst + d] = bf16(row[d])
-        if not is_q:
-            vsrc = (heads + kv_heads) * head_dim + head * head_dim
-            vdst = (head * capacity + position) * head_dim
-            v_cache[vdst:vdst + head_dim] = bf16(qkv[vsrc:vsrc + head_dim])
-    return q_out
+    row = src.astype(np.float32)
+    out = row.copy()
+    for j in range(rot_half):
+        i0, i1 = (2 * j, 2 * j + 1) if traditional else (j, j + rot_half)
+        theta = np.float32(position) * np.float32(inv_freq[j])
+        sn, cs = np.sin(theta), np.cos(theta)
+        a, b = row[i0], row[i1]
+        out[i0] = a * cs - b * sn
+        out[i1] = b * cs + a * sn
+    return out
 
 
-def attn(q, k_cache, v_cache, heads, kv_heads, head_dim, capacity, length, chunk, n_chunks,
-         scale):
-    """dec_attn: block (g, c) over keys [c*chunk, ...), partials [heads][n_chunks][D + 2]."""
+def attention(qkv, inv_freq, k_cache, v_cache, heads, kv_heads, head_dim, traditional, position,
+              capacity, chunk, n_chunks, scale, rng):
+    """dec_attention: blocks (g, c) run in a random order (as on a GPU); each ropes its group's
+    queries, the last chunk's block writes the new key/value row first, each writes its chunk's
+    partials, and the group's last block to finish (the counter) merges them."""
     group = heads // kv_heads
-    partial = np.zeros(heads * n_chunks * (head_dim + 2), np.float32)
-    for g in range(kv_heads):
-        for c in range(n_chunks):
-            k0 = c * chunk
-            nk = min(length - k0, chunk)
-            qs = q[g * group * head_dim:(g + 1) * group * head_dim].astype(np.float32)
-            p = np.zeros((group, nk), np.float32)
-            for tid in range(nk):
-                krow = (g * capacity + k0 + tid) * head_dim
-                k = k_cache[krow:krow + head_dim]
-                for h in range(group):
-                    p[h, tid] = np.float32(np.dot(qs[h * head_dim:(h + 1) * head_dim], k)) * scale
-            for h in range(group):
-                m = p[h].max()
-                e = np.exp(p[h] - m).astype(np.float32)
-                l = e.sum(dtype=np.float32)
-                for d in range(head_dim):
-                    vcol = (g * capacity + k0) * head_dim + d
-                    acc = np.float32(sum(e[j] * v_cache[vcol + j * head_dim] for j in range(nk)))
-                    out = ((g * group + h) * n_chunks + c) * (head_dim + 2)
-                    partial[out + 2 + d] = acc
-                    partial[out] = m
-                    partial[out + 1] = l
-    return partial
-
-
-def combine(partial, heads, head_dim, n_chunks):
-    """dec_attn_combine: one block per query head."""
+    length = position + 1
     stride = head_dim + 2
-    out = np.zeros(heads * head_dim, np.float32)
-    for h in range(heads):
-        base = h * n_chunks * stride
-        ms = np.array([partial[base + c * stride] for c in range(n_chunks)])
-        ls = np.array([partial[base + c * stride + 1] for c in range(n_chunks)])
-        m = ms.max()
-        w = np.exp(ms - m)
-        l = (ls * w).sum()
-        for d in range(head_dim):
-            acc = sum(partial[base + c * stride + 2 + d] * w[c] for c in range(n_chunks))
-            out[h * head_dim + d] = bf16(acc / l)
+    partial = np.full(heads * n_chunks * stride, np.nan, np.float32)
+    out = np.full(heads * head_dim, np.nan, np.float32)
+    counters = np.zeros(kv_heads, np.int64)
+    blocks = [(g, c) for g in range(kv_heads) for c in range(n_chunks)]
+    for i in rng.permutation(len(blocks)):
+        g, c = blocks[i]
+        k0 = c * chunk
+        nk = min(length - k0, chunk)
+        qs = np.concatenate([
+            bf16(rope_head(qkv[h * head_dim:(h + 1) * head_dim], inv_freq, traditional, position))
+            for h in range(g * group, (g + 1) * group)])
+        if c == n_chunks - 1:
+            at = (g * capacity + position) * head_dim
+            k_src = (heads + g) * head_dim
+            v_src = (heads + kv_heads + g) * head_dim
+            k_cache[at:at + head_dim] = bf16(
+                rope_head(qkv[k_src:k_src + head_dim], inv_freq, traditional, position))
+            v_cache[at:at + head_dim] = bf16(qkv[v_src:v_src + head_dim])
+        p = np.zeros((group, nk), np.float32)
+        for tid in range(nk):
+            krow = (g * capacity + k0 + tid) * head_dim
+            k = k_cache[krow:krow + head_dim]
+            for h in range(group):
+                p[h, tid] = np.float32(np.dot(qs[h * head_dim:(h + 1) * head_dim], k)) * scale
+        for h in range(group):
+            m = p[h].max()
+            e = np.exp(p[h] - m).astype(np.float32)
+            dst = ((g * group + h) * n_chunks + c) * stride
+            partial[dst] = m
+            partial[dst + 1] = e.sum(dtype=np.float32)
+            for d in range(head_dim):
+                vcol = (g * capacity + k0) * head_dim + d
+                partial[dst + 2 + d] = np.float32(
+                    sum(e[j] * v_cache[vcol + j * head_dim] for j in range(nk)))
+        counters[g] += 1
+        if counters[g] != n_chunks:
+            continue
+        counters[g] = 0
+        for h in range(g * group, (g + 1) * group):
+            base = h * n_chunks * stride
+            ms = np.array([partial[base + k * stride] for k in range(n_chunks)])
+            ls = np.array([partial[base + k * stride + 1] for k in range(n_chunks)])
+            m = ms.max()
+            w = np.exp(ms - m)
+            inv = 1.0 / (ls * w).sum()
+            for d in range(head_dim):
+                acc = sum(partial[base + k * stride + 2 + d] * w[k] for k in range(n_chunks))
+                out[h * head_dim + d] = bf16(acc * inv)
+    assert not counters.any(), "every group's counter is back at 0"
     return out
 
 
@@ -136,6 +137,12 @@ def check(heads, kv_heads, head_dim, rot_half, traditional, length, capacity, se
     inv_freq = (10000.0 ** (-np.arange(rot_half) * 2.0 / (2 * rot_half))).astype(np.float32)
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     qkv = bf16(rng.standard_normal(q_dim + 2 * kv_dim).astype(np.float32) * 2)
+    # Each group's first query head attends mostly to the newest key (rope keeps the dot product
+    # of a query and a key at one position), so a misplaced or missing newest row shows.
+    group = heads // kv_heads
+    for g in range(kv_heads):
+        q0 = g * group * head_dim
+        qkv[q_dim + g * head_dim:q_dim + (g + 1) * head_dim] = bf16(qkv[q0:q0 + head_dim] * 0.5)
     k_cache = np.zeros(kv_heads * capacity * head_dim, np.float32)
     v_cache = np.zeros_like(k_cache)
     k_hist = bf16(rng.standard_normal((kv_heads, position, head_dim)).astype(np.float32) * 2)
@@ -149,11 +156,8 @@ def check(heads, kv_heads, head_dim, rot_half, traditional, length, capacity, se
     # The host's chunking (cuda_decode.cc): about 264 blocks, 16..128 keys each.
     chunk = min(128, max(16, -(-length * kv_heads // 264)))
     n_chunks = -(-length // chunk)
-    q = rope_kv(qkv, inv_freq, k_cache, v_cache, heads, kv_heads, head_dim, traditional,
-                position, capacity)
-    partial = attn(q, k_cache, v_cache, heads, kv_heads, head_dim, capacity, length, chunk,
-                   n_chunks, scale)
-    got = combine(partial, heads, head_dim, n_chunks)
+    got = attention(qkv, inv_freq, k_cache, v_cache, heads, kv_heads, head_dim, traditional,
+                    position, capacity, chunk, n_chunks, scale, rng)
     want = reference(qkv, inv_freq, k_hist, v_hist, heads, kv_heads, head_dim, traditional,
                      position, scale)
     rel = np.abs(got - want).max() / np.abs(want).max()
