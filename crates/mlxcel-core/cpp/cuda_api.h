@@ -51,17 +51,7 @@ struct LaunchApi {
   int (*get_error_string)(int, const char**);
   int (*memcpy_htod)(void* device, const void* host, size_t bytes);
   int (*ctx_synchronize)();
-  int (*ctx_get_device)(CUdevice*);
-  int (*device_get_attribute)(int*, int attribute, CUdevice);
-  int (*occupancy_max_active_blocks)(int*, CUfunction, int block_size, size_t dynamic_smem);
 };
-
-// CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the driver's CUdevice_attribute.
-constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
-
-// How many blocks of `threads` threads of `function` the current context's device runs at once
-// (its SMs times the blocks one SM holds): the grid of a persistent kernel.
-int resident_blocks(const LaunchApi& api, void* function, int threads);
 
 // The entry points when all are in the process, else null.
 const LaunchApi* resolved_launch_api();

@@ -14,7 +14,6 @@
 // the logits. Scratch space is one stream-ordered allocation per step. Every node reads and
 // writes that scratch array, so MLX's encoder chains the nodes in order; the first node also
 // depends on the inputs, the last one is the producer of the logits and of the caches.
-#include <algorithm>
 #include <array>
 #include <cstring>
 #include <memory>
@@ -128,8 +127,6 @@ struct CudaDecoderState {
   std::optional<mx::array> final_norm;
   // Kernels, loaded by `finish`: GEMVs by [4-bit, 8-bit, dense][kind], then attention.
   void* gemv[3][3] = {};
-  // The blocks the quantized GEMVs launch at most (persistent blocks: dec_gemv), by [bits][kind].
-  int resident[2][3] = {};
   void* attention = nullptr;
   // One int32 per key/value head, 0 between launches: dec_attention's count of the blocks
   // done (its last block sets it back). Steps run one at a time on MLX's stream.
@@ -346,9 +343,6 @@ class CudaDecodeStep : public mx::Primitive {
       }
       a.f32(st.eps);
       const int table = first.dense() ? 2 : first.bits == 8 ? 1 : 0;
-      if (!first.dense()) {
-        blocks = std::min(blocks, unsigned(st.resident[table][kind]));
-      }
       launch(st.gemv[table][kind], Dim3{blocks, 1, 1}, Dim3{unsigned(nw * 32), 1, 1}, a,
              last && j == all.size());
       i = j;
@@ -398,10 +392,7 @@ class CudaDecodeStep : public mx::Primitive {
     }
     a.f32(st.eps);
     const int table = gate.dense() ? 2 : gate.bits == 8 ? 1 : 0;
-    unsigned blocks = unsigned(ceil_div(inter, rpw / 2));
-    if (!gate.dense()) {
-      blocks = std::min(blocks, unsigned(st.resident[table][GEMV_GLU]));
-    }
+    const unsigned blocks = unsigned(ceil_div(inter, rpw / 2));
     const unsigned threads = unsigned(st.shape[GEMV_GLU][0] * 32);
     launch(st.gemv[table][GEMV_GLU], Dim3{blocks, 1, 1}, Dim3{threads, 1, 1}, a);
   }
@@ -616,9 +607,6 @@ void cuda_decoder_finish(CudaDecoder& d) {
     for (int k = 0; k < 3; ++k) {
       st.gemv[b][k] = function(*api, *st.binary,
                                std::string("mlxcel_dec_") + tables[b] + "_" + kinds[k] + "_" + t);
-      if (b < 2) {
-        st.resident[b][k] = resident_blocks(*api, st.gemv[b][k], st.shape[k][0] * 32);
-      }
     }
   }
   st.attention = function(*api, *st.binary, "mlxcel_dec_attention_" + t);

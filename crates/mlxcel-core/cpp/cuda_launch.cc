@@ -28,7 +28,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -136,9 +135,6 @@ const LaunchApi* resolved_launch_api() {
     get(a.get_error_string, "cuGetErrorString");
     get(a.memcpy_htod, "cuMemcpyHtoD_v2");
     get(a.ctx_synchronize, "cuCtxSynchronize");
-    get(a.ctx_get_device, "cuCtxGetDevice");
-    get(a.device_get_attribute, "cuDeviceGetAttribute");
-    get(a.occupancy_max_active_blocks, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     return found ? &a : nullptr;
   }();
   return api;
@@ -180,19 +176,6 @@ void use_mlx_context(const LaunchApi& api) {
     check(api, api.primary_ctx_retain(&context, device), "cuDevicePrimaryCtxRetain");
     check(api, api.ctx_set_current(context), "cuCtxSetCurrent");
   }
-}
-
-int resident_blocks(const LaunchApi& api, void* function, int threads) {
-  use_mlx_context(api);
-  CUdevice device = 0;
-  check(api, api.ctx_get_device(&device), "cuCtxGetDevice");
-  int sms = 0;
-  check(api, api.device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
-        "cuDeviceGetAttribute");
-  int per_sm = 0;
-  check(api, api.occupancy_max_active_blocks(&per_sm, function, threads, 0),
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor");
-  return std::max(1, sms * per_sm);
 }
 
 namespace {

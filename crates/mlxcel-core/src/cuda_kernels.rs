@@ -334,7 +334,7 @@ fn decoder_entry(dtype: Dtype) -> Entry {
                  const uint32_t* w2, const {t}* s2, const {t}* z2, {t}* o2, int n2, \
                  const {t}* x, const {t}* aux, const {t}* res, int words_per_row, \
                  int groups_per_row, int eps_bits) {{ \
-                 dec_gemv<{bits}, {nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
+                 dec_qmv<{bits}, {nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
                  o1, n1, w2, s2, z2, o2, n2, x, aux, res, words_per_row, groups_per_row, \
                  __int_as_float(eps_bits)); }}\n",
                 threads = nw * 32,

@@ -5,103 +5,52 @@
 //
 // Per layer, on T (bf16/f16) activations (GEMVs of affine 4/8-bit weights, or dense ones in T:
 // dec_dmv3):
-//   dec_gemv (PRE 1) q|k|v = rms_norm(h) @ [Wq; Wk; Wv]^T      one launch over three matrices
+//   dec_qmv (PRE 1)  q|k|v = rms_norm(h) @ [Wq; Wk; Wv]^T      one launch over three matrices
 //   dec_attention    biases, per-head q/k RMSNorm, rope; k and v written into the caches;
 //                    split-K attention over chunks of the cached keys, the chunks merged by
 //                    the last block of each key/value head
-//   dec_gemv (RES 1) h += attn @ Wo^T
-//   dec_gemv (PRE 1, GLU 1)  a = silu(rms_norm(h) @ Wg^T) * (rms_norm(h) @ Wu^T)
-//   dec_gemv (RES 1) h += a @ Wd^T
+//   dec_qmv (RES 1)  h += attn @ Wo^T
+//   dec_qmv (PRE 1, GLU 1)  a = silu(rms_norm(h) @ Wg^T) * (rms_norm(h) @ Wu^T)
+//   dec_qmv (RES 1)  h += a @ Wd^T
 // Each rounds to T where MLX's ops would, so the step matches the MLX graph to T's precision.
 
 // ---- the GEMV over up to three matrices sharing K ------------------------------------------
 // Segment s (0..2): packed weights w_s [n_s, words_per_row], scales/biases [n_s, groups], output
-// o_s [n_s] (one activation row x). The segments' groups of RPW rows are numbered in order
-// (segment 0's first); GLU 1: segment 0 is the MLP's gate, segment 1 its up projection (n_1 =
-// n_0, o_1 unused), and o_0 gets silu(gate) * up (qmv's GLU), RPW/2 outputs per group.
-//
-// Blocks are persistent: block b takes groups b, b + gridDim.x, ... and loads each next step's
-// weights (the next chunk, or the next group's first) before computing the current one, so its
-// loads stay in flight while it computes. One group per block (qmv) left each block's memory
-// wait and its arithmetic in sequence: ~2.1 TB/s on an H100 and on an H200 alike. The launch
-// gives as many blocks as fit on the device at once (cuda_decode.cc), or fewer.
+// o_s [n_s]; blocks [0, b_0) compute segment 0, the next b_1 segment 1, then segment 2, with
+// b_s = ceil(n_s / RPW) (a segment with n_s = 0 has no blocks). One activation row.
+// GLU 1: segment 0 is the MLP's gate, segment 1 its up projection (n_1 = n_0, o_1 unused), and
+// o_0 gets silu(gate) * up (qmv's GLU), RPW/2 outputs per block.
 template <int BITS, int NW, int RPW, int PRE, int RES, int GLU, typename T>
-__device__ __forceinline__ void dec_gemv(const uint32_t* w0, const T* s0, const T* z0, T* o0,
-                                         int n0, const uint32_t* w1, const T* s1, const T* z1,
-                                         T* o1, int n1, const uint32_t* w2, const T* s2,
-                                         const T* z2, T* o2, int n2, const T* x, const T* aux,
-                                         const T* res, int words_per_row, int groups_per_row,
-                                         float eps) {
+__device__ __forceinline__ void dec_qmv(const uint32_t* w0, const T* s0, const T* z0, T* o0,
+                                        int n0, const uint32_t* w1, const T* s1, const T* z1,
+                                        T* o1, int n1, const uint32_t* w2, const T* s2,
+                                        const T* z2, T* o2, int n2, const T* x, const T* aux,
+                                        const T* res, int words_per_row, int groups_per_row,
+                                        float eps) {
   constexpr int FAST = BITS == 4 ? 1 : 0;
-  constexpr int EPC = 4 * (32 / BITS);  // elements per 16-byte chunk
-  constexpr int NT = NW * 32;
-  constexpr int OUTS = GLU ? RPW / 2 : RPW;
-  const int k_len = words_per_row * (32 / BITS);
-  const int chunks = words_per_row / 4;
-  const int gshift = 31 - __clz((k_len / groups_per_row) / EPC);
-  const int tid = threadIdx.x;
-  const int b0 = (n0 + OUTS - 1) / OUTS;
-  const int b1 = GLU ? 0 : (n1 + OUTS - 1) / OUTS;
-  const int b2 = GLU ? 0 : (n2 + OUTS - 1) / OUTS;
-  const int groups = b0 + b1 + b2;
-
-  // Group v: its segment's matrices and output, and its first row there.
-  struct Group {
-    const uint32_t* w;
-    const T* s;
-    const T* z;
-    T* o;
-    int n;
-    int row0;
-  };
-  auto group = [&](int v) {
-    if (v >= b0 + b1) {
-      return Group{w2, s2, z2, o2, n2, (v - b0 - b1) * OUTS};
-    }
-    if (v >= b0) {
-      return Group{w1, s1, z1, o1, n1, (v - b0) * OUTS};
-    }
-    return Group{w0, s0, z0, o0, n0, v * OUTS};
-  };
-  auto load = [&](const Group& at, int c, QmvStep<RPW, T>& st) {
-    size_t wbase[RPW];
-    int gbase[RPW];
-    qmv_rows<RPW, GLU>(at.row0, at.n, words_per_row, groups_per_row, wbase, gbase);
-    qmv_load_step<1, RPW, GLU>(st, at.w, at.s, at.z, w1, s1, z1, wbase, gbase, c, gshift);
-  };
-
-  // The first step's loads go out before the RMSNorm's pass over x (qmv's HOIST).
-  QmvStep<RPW, T> cur;
-  if ((int)blockIdx.x < groups && tid < chunks) {
-    load(group(blockIdx.x), tid, cur);
+  if constexpr (GLU != 0) {
+    qmv<BITS, NW, RPW, 1, 1, FAST, PRE, RES, T, 1>(w0, s0, z0, x, aux, res, o0, n0,
+                                                   words_per_row, groups_per_row, 1, eps,
+                                                   blockIdx.x, w1, s1, z1);
+    return;
   }
-  const T* const xrows[1] = {x};
-  const float inv_rms[1] = {(PRE == 1) ? qmv_inv_rms<NW>(x, k_len, eps) : 1.0f};
-
-  for (int v = blockIdx.x; v < groups; v += gridDim.x) {
-    const Group at = group(v);
-    float acc[1][RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      acc[0][r] = 0.0f;
-    }
-    for (int c = tid; c < chunks; c += NT) {
-      // The step after this one: the next chunk of this group, or the next group's first.
-      int next_c = c + NT;
-      int next_v = v;
-      if (next_c >= chunks) {
-        next_c = tid;
-        next_v = v + gridDim.x;
-      }
-      QmvStep<RPW, T> next;
-      if (next_v < groups) {
-        load(next_v == v ? at : group(next_v), next_c, next);
-      }
-      qmv_consume<BITS, 1, RPW, FAST, PRE>(cur, c, xrows, aux, k_len, inv_rms, acc);
-      cur = next;
-    }
-    qmv_finish<NW, RPW, 1, RES, GLU>(acc, res, at.o, at.n, 1, at.row0, 0);
+  const int b0 = (n0 + RPW - 1) / RPW;
+  const int b1 = (n1 + RPW - 1) / RPW;
+  int bx = blockIdx.x;
+  // The block's segment, picked before the one inlined GEMV (a GEMV per branch would triple
+  // the kernel's code and its compile time).
+  const uint32_t* w = w0;
+  const T* sc = s0;
+  const T* z = z0;
+  T* o = o0;
+  int n = n0;
+  if (bx >= b0 + b1) {
+    w = w2, sc = s2, z = z2, o = o2, n = n2, bx -= b0 + b1;
+  } else if (bx >= b0) {
+    w = w1, sc = s1, z = z1, o = o1, n = n1, bx -= b0;
   }
+  qmv<BITS, NW, RPW, 1, 1, FAST, PRE, RES, T>(w, sc, z, x, aux, res, o, n, words_per_row,
+                                              groups_per_row, 1, eps, bx);
 }
 
 // ---- helpers -------------------------------------------------------------------------------
@@ -190,8 +139,7 @@ __device__ __forceinline__ void dec_dmv(const T* w, const T* x, const T* aux, co
   qmv_finish<NW, RPW, 1, RES, GLU>(acc, res, out, n_rows, 1, row0, 0);
 }
 
-// The dense GEMV over up to three matrices sharing K (segments and GLU as dec_gemv's; one
-// group per block).
+// The dense GEMV over up to three matrices sharing K (segments and GLU as dec_qmv's).
 template <int NW, int RPW, int PRE, int RES, int GLU, typename T>
 __device__ __forceinline__ void dec_dmv3(const T* w0, T* o0, int n0, const T* w1, T* o1, int n1,
                                          const T* w2, T* o2, int n2, const T* x, const T* aux,

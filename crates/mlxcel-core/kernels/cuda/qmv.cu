@@ -168,128 +168,12 @@ __device__ __forceinline__ void qmv_finish(float (&acc)[MB][RPW], const T* res, 
       qmv_store(out + at, s);
     }
   }
-  // A block that goes on to another group (decode.cu's dec_gemv) reuses the shared arrays.
-  __syncthreads();
-}
-
-// One step of a GEMV block: 16 bytes of packed weights of each of its RPW rows (chunk c of the
-// row) and those rows' group scales and biases. Scales and biases stay in T until used:
-// converting them on load would wait for them (before an RMSNorm pass, say).
-template <int RPW, typename T>
-struct QmvStep {
-  uint4 wv[RPW];
-  T sc[RPW];
-  T bs[RPW];
-};
-
-// Where a block's RPW rows start: rows row0 + r % OUTS (OUTS = RPW, or RPW/2 under GLU, whose
-// rows r >= RPW/2 are the up matrix's), clamped to n_rows - 1 for loading (always in bounds;
-// never stored).
-template <int RPW, int GLU>
-__device__ __forceinline__ void qmv_rows(int row0, int n_rows, int words_per_row,
-                                         int groups_per_row, size_t (&wbase)[RPW],
-                                         int (&gbase)[RPW]) {
-  constexpr int OUTS = GLU ? RPW / 2 : RPW;
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const int i = row0 + r % OUTS;
-    const int n = (i < n_rows) ? i : (n_rows - 1);
-    wbase[r] = (size_t)n * (size_t)words_per_row;
-    gbase[r] = n * groups_per_row;
-  }
-}
-
-// Loads step `c` of the rows qmv_rows placed (r is a constant of every unrolled loop, so the
-// GLU choice of matrix is no select).
-template <int NOALLOC, int RPW, int GLU, typename T>
-__device__ __forceinline__ void qmv_load_step(QmvStep<RPW, T>& st, const uint32_t* w,
-                                              const T* scales, const T* biases,
-                                              const uint32_t* w_up, const T* scales_up,
-                                              const T* biases_up, const size_t (&wbase)[RPW],
-                                              const int (&gbase)[RPW], int c, int gshift) {
-  constexpr int OUTS = GLU ? RPW / 2 : RPW;
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    st.wv[r] = qmv_load_w<NOALLOC>(((GLU && r >= OUTS) ? w_up : w) + wbase[r] + (size_t)c * 4);
-  }
-  const int g = c >> gshift;
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    st.sc[r] = ((GLU && r >= OUTS) ? scales_up : scales)[gbase[r] + g];
-    st.bs[r] = ((GLU && r >= OUTS) ? biases_up : biases)[gbase[r] + g];
-  }
-}
-
-// acc[b][r] += step `st` (chunk c of RPW rows) times activation row b's inputs (as PRE says).
-template <int BITS, int MB, int RPW, int FAST, int PRE, typename T>
-__device__ __forceinline__ void qmv_consume(const QmvStep<RPW, T>& st, int c,
-                                            const T* const (&xrows)[MB], const T* aux,
-                                            int k_len, const float (&inv_rms)[MB],
-                                            float (&acc)[MB][RPW]) {
-  constexpr int QMV_EPW = 32 / BITS;    // elements per uint32
-  constexpr int QMV_EPC = 4 * QMV_EPW;  // elements per 16-byte chunk
-  constexpr float QMV_OFF = (BITS == 4) ? 128.0f : 256.0f;
-  constexpr bool QMV_FAST = (BITS == 4) && (FAST != 0);
-  constexpr float QMV_HI_EXTRA = 0.26171875f;  // 0x4300 / 65536, see qmv_dot_word<4, 1>
-  float d[MB][RPW];
-  float xsum[MB];
-  float xhi[MB];  // FAST: sum of the activations of elements 4..7 of every word
-#pragma unroll
-  for (int b = 0; b < MB; ++b) {
-    xsum[b] = 0.0f;
-    xhi[b] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      d[b][r] = 0.0f;
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < 4 && MB == 1; ++k) {
-    // One activation row: unpack and multiply in one pass (qmv_dot_word).
-    float xf[QMV_EPW];
-    qmv_input<PRE>(xrows[0], aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms[0], xf);
-    qmv_add_sums<QMV_FAST>(xf, xsum[0], xhi[0]);
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      d[0][r] = qmv_dot_word<BITS, FAST>(qmv_word(st.wv[r], k), xf, d[0][r]);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < 4 && MB > 1; ++k) {
-    // Each activation row's inputs once per word, then each weight word unpacked once and
-    // used by every row (see qmv_unpack_word).
-    float xf[MB][QMV_EPW];
-#pragma unroll
-    for (int b = 0; b < MB; ++b) {
-      qmv_input<PRE>(xrows[b], aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms[b], xf[b]);
-      qmv_add_sums<QMV_FAST>(xf[b], xsum[b], xhi[b]);
-    }
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      float q[QMV_EPW];
-      qmv_unpack_word<BITS, FAST>(qmv_word(st.wv[r], k), q);
-#pragma unroll
-      for (int b = 0; b < MB; ++b) {
-        d[b][r] = qmv_dot_unpacked<BITS, FAST>(q, xf[b], d[b][r]);
-      }
-    }
-  }
-  // d = sum (offset + q) x  ->  scale * (d - sum offset * x) + bias * xsum
-#pragma unroll
-  for (int b = 0; b < MB; ++b) {
-    const float xoff =
-        QMV_FAST ? fmaf(QMV_HI_EXTRA, xhi[b], QMV_OFF * xsum[b]) : QMV_OFF * xsum[b];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      acc[b][r] = fmaf(qmv_to_float(st.sc[r]), d[b][r] - xoff,
-                       fmaf(qmv_to_float(st.bs[r]), xsum[b], acc[b][r]));
-    }
-  }
 }
 
 // GLU 1 (decode.cu, one activation row): the block's rows are RPW/2 gate rows of (w, scales,
 // biases) and the same RPW/2 rows of the up matrix (w_up, scales_up, biases_up), and it stores
-// silu(gate) * up for its RPW/2 outputs (n_rows = the gate's rows).
+// silu(gate) * up for its RPW/2 outputs (n_rows = the gate's rows): the MLP's gate|up
+// projection whose down projection then reads one plain row.
 template <int BITS, int NW, int RPW, int MB, int NOALLOC, int FAST, int PRE, int RES,
           typename T, int GLU = 0>
 __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T* biases,
@@ -300,6 +184,9 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
   constexpr int QMV_EPW = 32 / BITS;     // elements per uint32
   constexpr int QMV_EPC = 4 * QMV_EPW;   // elements per 16-byte chunk
   constexpr int QMV_NT = NW * 32;        // threads per block
+  constexpr float QMV_OFF = (BITS == 4) ? 128.0f : 256.0f;
+  constexpr bool QMV_FAST = (BITS == 4) && (FAST != 0);
+  constexpr float QMV_HI_EXTRA = 0.26171875f;  // 0x4300 / 65536, see qmv_dot_word<4, 1>
   constexpr int OUTS = GLU ? RPW / 2 : RPW;    // output rows per block
   static_assert(BITS == 4 || BITS == 8, "qmv: BITS must be 4 or 8");
   static_assert(NW >= 1 && NW <= 32, "qmv: NW must be in 1..32");
@@ -315,18 +202,47 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
   const int tid = threadIdx.x;
   const int m0 = blockIdx.y * MB;
   const int row0 = bx * OUTS;
+
+  // Rows past the end are clamped for loading (always in bounds) and never stored. Row r reads
+  // the up matrix where GLU says so (r is a constant of every unrolled loop: no select).
   size_t wbase[RPW];
   int gbase[RPW];
-  qmv_rows<RPW, GLU>(row0, n_rows, words_per_row, groups_per_row, wbase, gbase);
-  auto load = [&](int c, QmvStep<RPW, T>& st) {
-    qmv_load_step<NOALLOC, RPW, GLU>(st, w, scales, biases, w_up, scales_up, biases_up, wbase,
-                                     gbase, c, gshift);
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const int i = row0 + r % OUTS;
+    const int n = (i < n_rows) ? i : (n_rows - 1);
+    wbase[r] = (size_t)n * (size_t)words_per_row;
+    gbase[r] = n * groups_per_row;
+  }
+  auto w_of = [&](int r) { return (GLU && r >= OUTS) ? w_up : w; };
+  auto scales_of = [&](int r) { return (GLU && r >= OUTS) ? scales_up : scales; };
+  auto biases_of = [&](int r) { return (GLU && r >= OUTS) ? biases_up : biases; };
+
+  // One step's weights (16 bytes of each row) and its rows' group scales and biases.
+  // Scales and biases stay in T until used: converting them here would wait for their loads
+  // before the RMSNorm pass.
+  struct Step {
+    uint4 wv[RPW];
+    T sc[RPW];
+    T bs[RPW];
+  };
+  auto load = [&](int c, Step& st) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      st.wv[r] = qmv_load_w<NOALLOC>(w_of(r) + wbase[r] + (size_t)c * 4);
+    }
+    const int g = c >> gshift;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      st.sc[r] = scales_of(r)[gbase[r] + g];
+      st.bs[r] = biases_of(r)[gbase[r] + g];
+    }
   };
   // With an RMSNorm in, the first step's loads go out before its pass over x, which they then
   // overlap (the pass reads x from L2 while the weights come from memory). Only there: the
   // held step costs registers (the 16-row silu-gate kernels would spill more).
   constexpr bool HOIST = PRE == 1;
-  QmvStep<RPW, T> first;
+  Step first;
   if (HOIST && tid < chunks_per_row) {
     load(tid, first);
   }
@@ -349,10 +265,68 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
       acc[b][r] = 0.0f;
     }
   }
+
+  auto consume = [&](int c, const Step& st) {
+    float d[MB][RPW];
+    float xsum[MB];
+    float xhi[MB];  // FAST: sum of the activations of elements 4..7 of every word
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
+      xsum[b] = 0.0f;
+      xhi[b] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        d[b][r] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 4 && MB == 1; ++k) {
+      // One activation row: unpack and multiply in one pass (qmv_dot_word).
+      float xf[QMV_EPW];
+      qmv_input<PRE>(xrows[0], aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms[0], xf);
+      qmv_add_sums<QMV_FAST>(xf, xsum[0], xhi[0]);
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        d[0][r] = qmv_dot_word<BITS, FAST>(qmv_word(st.wv[r], k), xf, d[0][r]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 4 && MB > 1; ++k) {
+      // Each activation row's inputs once per word, then each weight word unpacked once and
+      // used by every row (see qmv_unpack_word).
+      float xf[MB][QMV_EPW];
+#pragma unroll
+      for (int b = 0; b < MB; ++b) {
+        qmv_input<PRE>(xrows[b], aux, c * QMV_EPC + k * QMV_EPW, k_len, inv_rms[b], xf[b]);
+        qmv_add_sums<QMV_FAST>(xf[b], xsum[b], xhi[b]);
+      }
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        float q[QMV_EPW];
+        qmv_unpack_word<BITS, FAST>(qmv_word(st.wv[r], k), q);
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {
+          d[b][r] = qmv_dot_unpacked<BITS, FAST>(q, xf[b], d[b][r]);
+        }
+      }
+    }
+    // d = sum (offset + q) x  ->  scale * (d - sum offset * x) + bias * xsum
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
+      const float xoff =
+          QMV_FAST ? fmaf(QMV_HI_EXTRA, xhi[b], QMV_OFF * xsum[b]) : QMV_OFF * xsum[b];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        acc[b][r] = fmaf(qmv_to_float(st.sc[r]), d[b][r] - xoff,
+                         fmaf(qmv_to_float(st.bs[r]), xsum[b], acc[b][r]));
+      }
+    }
+  };
+
   int c0 = tid;
   if constexpr (HOIST) {
     if (c0 < chunks_per_row) {
-      qmv_consume<BITS, MB, RPW, FAST, PRE>(first, c0, xrows, aux, k_len, inv_rms, acc);
+      consume(c0, first);
     }
     c0 += QMV_NT;
   }
@@ -360,9 +334,9 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
   for (int c = c0; c < chunks_per_row; c += QMV_NT) {
     // Every weight load of this step is issued first (RPW * 16 bytes in flight per thread);
     // each weight chunk is read once for all MB activation rows.
-    QmvStep<RPW, T> st;
+    Step st;
     load(c, st);
-    qmv_consume<BITS, MB, RPW, FAST, PRE>(st, c, xrows, aux, k_len, inv_rms, acc);
+    consume(c, st);
   }
   qmv_finish<NW, RPW, MB, RES, GLU>(acc, res, out, n_rows, m_rows, row0, m0);
 }
