@@ -603,8 +603,21 @@ void cuda_decoder_finish(CudaDecoder& d) {
   const std::string t = st.dtype == mx::float16 ? "float16" : "bfloat16";
   const char* kinds[3] = {"rms", "res", "glu"};
   const char* tables[3] = {"qmv_b4", "qmv_b8", "dmv"};
+  // The module has the GEMVs of the weight formats the model uses only.
+  bool used[3] = {};
+  auto use = [&used](const QLinear& m) {
+    if (m.w) {
+      used[m.dense() ? 2 : m.bits == 8 ? 1 : 0] = true;
+    }
+  };
+  for (const Layer& ly : st.layer) {
+    for (const QLinear& m : ly.linear) {
+      use(m);
+    }
+  }
+  use(st.head);
   for (int b = 0; b < 3; ++b) {
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < 3 && used[b]; ++k) {
       st.gemv[b][k] = function(*api, *st.binary,
                                std::string("mlxcel_dec_") + tables[b] + "_" + kinds[k] + "_" + t);
     }

@@ -52,10 +52,14 @@ pub fn takes_linear(
 }
 
 impl CudaDecoder {
-    /// A step of `shape` on `dtype` activations (bfloat16 or float16) with nothing set; its
-    /// kernels are compiled (or read from the cache) now.
-    pub fn new(shape: &DecoderShape, dtype: Dtype) -> Result<CudaDecoder> {
-        let binary = crate::cuda_kernels::decoder_binary(dtype)?;
+    /// A step of `shape` on `dtype` activations (bfloat16 or float16) with nothing set, for
+    /// projections in `formats`; its kernels are compiled (or read from the cache) now.
+    pub fn new(
+        shape: &DecoderShape,
+        dtype: Dtype,
+        formats: crate::cuda_kernels::DecoderFormats,
+    ) -> Result<CudaDecoder> {
+        let binary = crate::cuda_kernels::decoder_binary(dtype, formats)?;
         let shapes: Vec<i32> = crate::cuda_kernels::DECODER_GEMV_SHAPES
             .iter()
             .flat_map(|&(nw, rpw)| [nw, rpw])

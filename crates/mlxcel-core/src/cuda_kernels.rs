@@ -159,9 +159,11 @@ enum KernelId {
     Scan {
         states_per_lane: i32,
     },
-    /// Every kernel of the CUDA decode step (decode.cu) for activations of `dtype`.
+    /// The CUDA decode step's kernels (decode.cu) for activations of `dtype` and the weight
+    /// formats in `formats`.
     Decoder {
         dtype: Dtype,
+        formats: DecoderFormats,
     },
 }
 
@@ -193,7 +195,7 @@ impl KernelId {
                 residual,
             } => qmv_mma_entry(dtype, (warps, row_tiles), act_tiles, residual),
             KernelId::Scan { states_per_lane } => scan_entry(states_per_lane),
-            KernelId::Decoder { dtype } => decoder_entry(dtype),
+            KernelId::Decoder { dtype, formats } => decoder_entry(dtype, formats),
         }
     }
 }
@@ -316,15 +318,68 @@ pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] = [
 /// The activation dtypes the CUDA decode step is compiled for.
 const DECODER_DTYPES: [Dtype; 2] = [Dtype::Bfloat16, Dtype::Float16];
 
+/// The weight formats a model's projections come in, for the CUDA decode step: its module holds
+/// the GEMVs of these alone (each format's three GEMVs are most of the module's compile time on
+/// a machine's first run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct DecoderFormats {
+    /// Affine 4-bit.
+    pub affine4: bool,
+    /// Affine 8-bit.
+    pub affine8: bool,
+    /// Weights in the activations' dtype.
+    pub dense: bool,
+}
+
+impl DecoderFormats {
+    /// Every format (the whole module, as `module_source` compile-checks it).
+    pub const ALL: DecoderFormats = DecoderFormats {
+        affine4: true,
+        affine8: true,
+        dense: true,
+    };
+
+    /// Adds the format of a projection: affine `Some(bits)` (4 or 8), dense `None`.
+    pub fn with(mut self, bits: Option<i32>) -> DecoderFormats {
+        match bits {
+            Some(4) => self.affine4 = true,
+            Some(8) => self.affine8 = true,
+            Some(_) => {}
+            None => self.dense = true,
+        }
+        self
+    }
+
+    /// For module names: `b4-b8-dense`, say.
+    fn label(self) -> String {
+        [
+            (self.affine4, "b4"),
+            (self.affine8, "b8"),
+            (self.dense, "dense"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, name)| *name)
+        .collect::<Vec<_>>()
+        .join("-")
+    }
+}
+
 /// The kernels of the CUDA decode step (cpp/cuda_decode.cc names them the same way):
 /// `mlxcel_dec_qmv_b{4,8}_{rms,res,glu}_{dtype}` (and `mlxcel_dec_dmv_..` for dense
-/// weights in the activations' dtype) and `mlxcel_dec_attention_{dtype}`.
-fn decoder_entry(dtype: Dtype) -> Entry {
+/// weights in the activations' dtype), those of `formats` only, and
+/// `mlxcel_dec_attention_{dtype}`.
+fn decoder_entry(dtype: Dtype, formats: DecoderFormats) -> Entry {
     let (t, d) = (type_name(dtype), dtype.name());
     let mut wrapper = String::new();
     // (name, PRE, RES, GLU) of qmv.cu.
     let folds = [("rms", 1, 0, 0), ("res", 0, 1, 0), ("glu", 1, 0, 1)];
-    for bits in BITS {
+    let affine = [(4, formats.affine4), (8, formats.affine8)];
+    for bits in affine
+        .into_iter()
+        .filter(|&(_, on)| on)
+        .map(|(bits, _)| bits)
+    {
         for ((kind, pre, res, glu), (nw, rpw)) in folds.into_iter().zip(DECODER_GEMV_SHAPES) {
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__({threads}) \
@@ -341,7 +396,8 @@ fn decoder_entry(dtype: Dtype) -> Entry {
             );
         }
     }
-    for ((kind, pre, res, glu), (nw, rpw)) in folds.into_iter().zip(DECODER_GEMV_SHAPES) {
+    let dense = folds.into_iter().zip(DECODER_GEMV_SHAPES);
+    for ((kind, pre, res, glu), (nw, rpw)) in dense.filter(|_| formats.dense) {
         wrapper += &format!(
             "extern \"C\" __global__ void __launch_bounds__({threads}) \
              mlxcel_dec_dmv_{kind}_{d}(const {t}* w0, {t}* o0, int n0, const {t}* w1, {t}* o1, \
@@ -365,22 +421,23 @@ fn decoder_entry(dtype: Dtype) -> Entry {
          __int_as_float(scale_bits)); }}\n"
     );
     Entry {
-        name: format!("mlxcel_dec_attention_{d}"),
+        name: format!("mlxcel_decoder_{d}_{}", formats.label()),
         kernel: QMV_AND_DECODE,
         wrapper,
     }
 }
 
-/// The compiled module of the CUDA decode step's kernels for `dtype` activations (bf16/f16),
-/// compiled at the first call on a machine and cached like every kernel here.
-pub fn decoder_binary(dtype: Dtype) -> Result<&'static CudaBinary> {
+/// The compiled module of the CUDA decode step's kernels for `dtype` activations (bf16/f16) and
+/// weights in `formats`, compiled at the first call on a machine and cached like every kernel
+/// here.
+pub fn decoder_binary(dtype: Dtype, formats: DecoderFormats) -> Result<&'static CudaBinary> {
     if !DECODER_DTYPES.contains(&dtype) {
         return Err(Error::Invalid(format!(
             "the CUDA decode step runs on bfloat16/float16 activations, not {}",
             dtype.name()
         )));
     }
-    binary(KernelId::Decoder { dtype })
+    binary(KernelId::Decoder { dtype, formats })
 }
 
 /// Every kernel of this build in one source (public so it can be compile-checked with NVRTC off
@@ -397,7 +454,7 @@ pub fn module_source() -> String {
     ]
     .join("\n");
     for dtype in DECODER_DTYPES {
-        src += &decoder_entry(dtype).wrapper;
+        src += &decoder_entry(dtype, DecoderFormats::ALL).wrapper;
     }
     for j in SCAN_STATES_PER_LANE {
         src += &scan_entry(j).wrapper;
@@ -1005,6 +1062,36 @@ mod tests {
         let err = bridge::cuda_compile("__global__ void k() { undefined_call(); }", "broken", 90)
             .expect_err("a bad source must not compile");
         assert!(err.to_string().contains("broken.cu"), "{err}");
+    }
+
+    /// A model's decoder module holds the GEMVs of its weight formats and the attention
+    /// kernel, nothing else (the module is named after the formats, so each set has its own
+    /// cache file).
+    #[test]
+    fn decoder_modules_hold_the_formats_asked_for() {
+        let formats = DecoderFormats::default().with(Some(4)).with(Some(4));
+        let entry = decoder_entry(Dtype::Bfloat16, formats);
+        assert_eq!(entry.name, "mlxcel_decoder_bfloat16_b4");
+        for kind in ["rms", "res", "glu"] {
+            assert!(entry
+                .wrapper
+                .contains(&format!("mlxcel_dec_qmv_b4_{kind}_bfloat16(")));
+        }
+        assert!(entry.wrapper.contains("mlxcel_dec_attention_bfloat16("));
+        assert!(!entry.wrapper.contains("_b8_") && !entry.wrapper.contains("mlxcel_dec_dmv_"));
+        let mixed = DecoderFormats::default().with(Some(8)).with(None);
+        let entry = decoder_entry(Dtype::Float16, mixed);
+        assert_eq!(entry.name, "mlxcel_decoder_float16_b8-dense");
+        assert!(entry.wrapper.contains("mlxcel_dec_qmv_b8_glu_float16("));
+        assert!(entry.wrapper.contains("mlxcel_dec_dmv_res_float16("));
+        assert!(!entry.wrapper.contains("_b4_"));
+        assert_eq!(
+            DecoderFormats::default()
+                .with(Some(4))
+                .with(Some(8))
+                .with(None),
+            DecoderFormats::ALL
+        );
     }
 
     #[test]

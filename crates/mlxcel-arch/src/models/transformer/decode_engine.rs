@@ -453,7 +453,12 @@ fn build_cuda(plan: &Plan<'_>, dtype: Dtype) -> Result<Option<CudaDecoder>> {
             return Ok(None);
         }
     }
-    let mut engine = CudaDecoder::new(s, dtype)?;
+    // The module holds the GEMVs of the model's weight formats alone.
+    let formats = plan.linears.iter().fold(
+        mlxcel_core::cuda_kernels::DecoderFormats::default(),
+        |f, l| f.with(l.planes.1.map(|(_, _, _, bits)| bits)),
+    );
+    let mut engine = CudaDecoder::new(s, dtype, formats)?;
     for l in &plan.linears {
         let (w, quant) = l.planes;
         engine.set_linear(l.layer, l.role, w, quant, l.bias)?;
