@@ -72,6 +72,8 @@ struct QLinear {
   int words() const { return w->shape(1); }
   int groups() const { return dense() ? 0 : scales->shape(1); }
   int cols() const { return dense() ? w->shape(1) : words() * 32 / bits; }
+  // Its kernels' row in CudaDecoderState::gemv: 4-bit, 8-bit, dense.
+  int table() const { return dense() ? 2 : bits == 8 ? 1 : 0; }
 };
 
 struct Layer {
@@ -335,15 +337,8 @@ class CudaDecodeStep : public mx::Primitive {
         a.ptr(m ? all[i + s].out : nullptr).i32(m ? m->rows() : 0);
         blocks += m ? unsigned(ceil_div(m->rows(), rpw)) : 0;
       }
-      a.ptr(x).ptr(aux).ptr(res);
-      if (first.dense()) {
-        a.i32(first.cols());
-      } else {
-        a.i32(first.words()).i32(first.groups());
-      }
-      a.f32(st.eps);
-      const int table = first.dense() ? 2 : first.bits == 8 ? 1 : 0;
-      launch(st.gemv[table][kind], Dim3{blocks, 1, 1}, Dim3{unsigned(nw * 32), 1, 1}, a,
+      tail_args(a, first, x, aux, res);
+      launch(st.gemv[first.table()][kind], Dim3{blocks, 1, 1}, Dim3{unsigned(nw * 32), 1, 1}, a,
              last && j == all.size());
       i = j;
     }
@@ -384,17 +379,23 @@ class CudaDecodeStep : public mx::Primitive {
       a.ptr(nullptr).ptr(nullptr);
     }
     a.ptr(nullptr).i32(0);
-    a.ptr(x).ptr(aux).ptr(nullptr);
-    if (gate.dense()) {
-      a.i32(gate.cols());
-    } else {
-      a.i32(gate.words()).i32(gate.groups());
-    }
-    a.f32(st.eps);
-    const int table = gate.dense() ? 2 : gate.bits == 8 ? 1 : 0;
+    tail_args(a, gate, x, aux, nullptr);
     const unsigned blocks = unsigned(ceil_div(inter, rpw / 2));
     const unsigned threads = unsigned(st.shape[GEMV_GLU][0] * 32);
-    launch(st.gemv[table][GEMV_GLU], Dim3{blocks, 1, 1}, Dim3{threads, 1, 1}, a);
+    launch(st.gemv[gate.table()][GEMV_GLU], Dim3{blocks, 1, 1}, Dim3{threads, 1, 1}, a);
+  }
+
+  // The arguments every GEMV kernel of decode.cu ends with: the input, the norm weight, the
+  // residual, K (as `m`'s packing gives it) and eps.
+  void tail_args(Args& a, const QLinear& m, const void* x, const void* aux,
+                 const void* res) const {
+    a.ptr(x).ptr(aux).ptr(res);
+    if (m.dense()) {
+      a.i32(m.cols());
+    } else {
+      a.i32(m.words()).i32(m.groups());
+    }
+    a.f32(state_->eps);
   }
 
   std::shared_ptr<const CudaDecoderState> state_;
@@ -607,7 +608,7 @@ void cuda_decoder_finish(CudaDecoder& d) {
   bool used[3] = {};
   auto use = [&used](const QLinear& m) {
     if (m.w) {
-      used[m.dense() ? 2 : m.bits == 8 ? 1 : 0] = true;
+      used[m.table()] = true;
     }
   };
   for (const Layer& ly : st.layer) {
