@@ -164,6 +164,16 @@ pub fn decode_step_census(model: &dyn mlxcel_arch::LanguageModel) -> Vec<(String
     census
 }
 
+/// An array's values as float32, flattened (logits of any float dtype, for comparing).
+pub fn floats(a: &mlxcel_core::Array) -> Vec<f32> {
+    a.astype(mlxcel_core::Dtype::Float32)
+        .unwrap()
+        .reshape(&[-1])
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+}
+
 /// Largest absolute difference and where it is.
 pub fn max_abs_diff(got: &[f32], want: &[f32]) -> (f32, usize) {
     assert_eq!(got.len(), want.len(), "logit counts differ");

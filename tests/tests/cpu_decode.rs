@@ -6,9 +6,9 @@
 
 use mlxcel_arch::generate::{argmax_token, Session};
 use mlxcel_arch::LanguageModel;
-use mlxcel_core::{Array, RuntimePolicy};
+use mlxcel_core::RuntimePolicy;
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
-use mlxcel_tests::{decode_step_census, max_abs_diff, model_dir, reference};
+use mlxcel_tests::{decode_step_census, floats, max_abs_diff, model_dir, reference};
 
 const TOLERANCE: f32 = 1e-3;
 
@@ -42,10 +42,6 @@ fn engine_serves_decode(model: &dyn LanguageModel) -> bool {
         == 0
 }
 
-fn row(a: &Array) -> Vec<f32> {
-    a.reshape(&[-1]).unwrap().to_vec::<f32>().unwrap()
-}
-
 /// Runs both sessions through `prompt` (prefill in `chunk`s, reusing what they hold) and
 /// `steps` greedy decode steps; returns the largest logit difference and checks the ids agree.
 fn run_both(
@@ -59,7 +55,7 @@ fn run_both(
     let (reused_g, lg) = graph.prefill(prompt, chunk).unwrap();
     let (reused_e, le) = engine.prefill(prompt, chunk).unwrap();
     assert_eq!(reused_g, reused_e, "{name}: reused prefix");
-    let (mut worst, _) = max_abs_diff(&row(&le), &row(&lg));
+    let (mut worst, _) = max_abs_diff(&floats(&le), &floats(&lg));
     let mut ids = Vec::new();
     let (mut lg, mut le) = (lg, le);
     for step in 0..steps {
@@ -68,7 +64,7 @@ fn run_both(
         ids.push(te);
         lg = graph.step(tg).unwrap();
         le = engine.step(te).unwrap();
-        let (d, at) = max_abs_diff(&row(&le), &row(&lg));
+        let (d, at) = max_abs_diff(&floats(&le), &floats(&lg));
         assert!(
             d <= TOLERANCE,
             "{name}: decode step {step} logits differ by {d:.2e} at {at}"

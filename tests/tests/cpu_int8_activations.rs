@@ -10,7 +10,7 @@
 use mlxcel_arch::generate::{argmax_token, Session};
 use mlxcel_core::{ops::QuantSpec, Array, Dtype, RuntimePolicy};
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
-use mlxcel_tests::fetched_smollm2;
+use mlxcel_tests::{fetched_smollm2, floats};
 
 /// The policy is process-wide and the tests switch it between float and int8: one at a time.
 static ONE_POLICY: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -245,10 +245,6 @@ fn float_products_are_exact_on_every_layout() {
     }
 }
 
-fn row(a: &Array) -> Vec<f32> {
-    a.reshape(&[-1]).unwrap().to_vec::<f32>().unwrap()
-}
-
 /// SmolLM2's prompt fed one token at a time (every product a one-row decode product), each
 /// position's top-5 logits against llama.cpp's on the same GGUF (`llama_cpp_top5.json`, whose
 /// dot products quantize activations the same way); returns the largest error relative to
@@ -275,7 +271,7 @@ fn smollm2_against_llama_cpp(loaded: &Loaded, int8: bool) -> (f64, usize) {
         if pos > 0 {
             logits = session.step(prompt[pos]).unwrap();
         }
-        let row = row(&logits);
+        let row = floats(&logits);
         let want_ids = ids(&golden["top5_ids"][pos]);
         for (k, id) in want_ids.iter().enumerate() {
             let want = golden["top5_logits"][pos][k].as_f64().unwrap();

@@ -11,9 +11,9 @@
 //! Its own test binary, because the installed policy is process-wide.
 
 use mlxcel_arch::generate::{argmax_token, Session};
-use mlxcel_core::{Array, Dtype, RuntimePolicy};
+use mlxcel_core::{Dtype, RuntimePolicy};
 use mlxcel_loading::{load_model, LoadOptions, Loaded};
-use mlxcel_tests::{decode_step_census, max_abs_diff, model_dir};
+use mlxcel_tests::{decode_step_census, floats, max_abs_diff, model_dir};
 
 /// How far the CUDA step may be from the float32 reference, beyond the graph's own distance
 /// from it: both paths round every activation to the dtype (bf16: 8 bits of mantissa, f16: 11)
@@ -43,15 +43,6 @@ fn load(dir: &std::path::Path, engine: bool, dtype: Dtype) -> Loaded {
         },
     )
     .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-}
-
-fn row(a: &Array) -> Vec<f32> {
-    a.astype(Dtype::Float32)
-        .unwrap()
-        .reshape(&[-1])
-        .unwrap()
-        .to_vec::<f32>()
-        .unwrap()
 }
 
 /// One prompt and the decode steps after it, as fed to both GPU paths, with each path's
@@ -91,7 +82,7 @@ fn run_both(
             lg = graph.step(token).unwrap();
             le = engine.step(token).unwrap();
         }
-        let (g, e) = (row(&lg), row(&le));
+        let (g, e) = (floats(&lg), floats(&le));
         assert!(
             e.iter().all(|v| v.is_finite()),
             "{name}: step {step} logits are not finite"
@@ -112,9 +103,9 @@ fn reference(dir: &std::path::Path, turns: &[Turn]) -> Vec<Vec<Vec<f32>>> {
         .iter()
         .map(|turn| {
             let (_, first) = session.prefill(&turn.prompt, None).unwrap();
-            let mut out = vec![row(&first)];
+            let mut out = vec![floats(&first)];
             for &token in &turn.tokens {
-                out.push(row(&session.step(token).unwrap()));
+                out.push(floats(&session.step(token).unwrap()));
             }
             out
         })

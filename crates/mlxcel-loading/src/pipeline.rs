@@ -117,7 +117,8 @@ impl LoadOptions {
 /// - a step on empty caches;
 /// - a step on caches that were cloned (a clone shares its buffers, so the step copies the rows
 ///   the caches hold into new ones, as the first step after a prompt does);
-/// - the greedy pick and the NaN check generation runs on each step's logits.
+/// - the greedy pick and the NaN check generation runs on each step's logits
+///   ([`crate::textgen::device_greedy_pick`]).
 fn warm_up(model: &GenerationModel) -> mlxcel_arch::Result<()> {
     use mlxcel_arch::LanguageModel;
     let mut caches = model.make_caches();
@@ -125,10 +126,7 @@ fn warm_up(model: &GenerationModel) -> mlxcel_arch::Result<()> {
     model.forward_last(&token, &mut caches)?.eval()?;
     let shared = caches.clone();
     let logits = model.forward_last(&token, &mut caches)?;
-    let pick = logits
-        .argmax(-1, false)?
-        .astype(mlxcel_core::Dtype::Int32)?;
-    let nan = logits.reshape(&[-1])?.isnan()?.any(&[0], false)?;
+    let (pick, nan) = crate::textgen::device_greedy_pick(&logits)?;
     mlxcel_core::ops::eval_all(&[pick, nan])?;
     drop(shared);
     Ok(())

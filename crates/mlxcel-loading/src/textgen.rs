@@ -491,6 +491,22 @@ impl GenerationProgress {
     }
 }
 
+/// One greedy step's pick, on the device: the token (`[1, 1]` int32) of `logits`, and a flag
+/// (int32 0/1) of whether they held a NaN (one reduction, evaluated in the same batch and read
+/// with the token), so bad weights stop generation with an error instead of decoding token 0
+/// forever. The load's warm-up runs it once, so a first request finds its kernels ready.
+pub(crate) fn device_greedy_pick(logits: &Array) -> mlxcel_core::Result<(Array, Array)> {
+    let token = logits
+        .argmax(-1, false)?
+        .astype(Dtype::Int32)?
+        .reshape(&[1, 1])?;
+    let nan = logits
+        .reshape(&[-1])?
+        .isnan()?
+        .any(&[0], false)?
+        .astype(Dtype::Int32)?;
+    Ok((token, nan))
+}
 /// [`generate_text`] with [`StepHooks`]: a logits processor, and each token's log-probability
 /// passed to `on_token` (when [`StepHooks::logprobs`] asks for them).
 pub fn generate_text_with(
@@ -507,24 +523,9 @@ pub fn generate_text_with(
     let max_new = request.max_new_tokens;
     // Greedy decoding picks tokens on the device and queues each step before reading the token
     // it feeds (as mlx-lm does), so the host builds the next graph while the device computes.
-    // With each token comes a flag: whether its logits held a NaN (one reduction, evaluated in
-    // the same batch and read with the token), so bad weights stop generation with an error
-    // instead of decoding token 0 forever.
-    let device_argmax = |logits: &Array| -> Result<(Array, Array)> {
-        let token = logits
-            .argmax(-1, false)?
-            .astype(Dtype::Int32)?
-            .reshape(&[1, 1])?;
-        let nan = logits
-            .reshape(&[-1])?
-            .isnan()?
-            .any(&[0], false)?
-            .astype(Dtype::Int32)?;
-        Ok((token, nan))
-    };
     // Hooks need the logits on the host, so they take the host path.
     let mut pending = if g.sampler.is_greedy() && !hooks.active() {
-        let first = device_argmax(&logits)?;
+        let first = device_greedy_pick(&logits)?;
         mlxcel_core::ops::async_eval_all([&first.0, &first.1])?;
         Some(first)
     } else {
@@ -535,7 +536,7 @@ pub fn generate_text_with(
             Some((current, nan)) => {
                 if g.generated.len() + 1 < max_new && !g.cancelled() {
                     let built = Instant::now();
-                    let next = device_argmax(&session.step_pending(&current)?)?;
+                    let next = device_greedy_pick(&session.step_pending(&current)?)?;
                     // The second step's graph: the first one also grows the KV caches after
                     // a prompt of a multiple of their growth step, which others rarely do.
                     if g.census.is_empty() && !g.generated.is_empty() {
