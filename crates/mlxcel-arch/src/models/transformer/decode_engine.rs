@@ -421,6 +421,22 @@ fn build_cpu(plan: &Plan<'_>) -> Result<Option<CpuDecoder>> {
     Ok(Some(engine))
 }
 
+/// Whether every layer's separate gate and up projections have one format (bits and group size,
+/// or both dense): the CUDA step computes `silu(gate) * up` in one launch over both, so a mixed
+/// recipe that quantizes them differently stays on the graph.
+fn gate_and_up_share_a_format(linears: &[LinearPart<'_>]) -> bool {
+    let format = |l: &LinearPart<'_>| l.planes.1.map(|(_, _, group, bits)| (group, bits));
+    linears
+        .iter()
+        .filter(|g| g.role == LinearRole::Gate)
+        .all(|g| {
+            linears
+                .iter()
+                .filter(|u| u.role == LinearRole::Up && u.layer == g.layer)
+                .all(|u| format(u) == format(g))
+        })
+}
+
 /// The CUDA step over `plan`: affine 4/8-bit or dense projections with planes, norms and biases
 /// in the activations' `dtype`, biases on q/k/v only; anything else stays on the graph.
 fn build_cuda(plan: &Plan<'_>, dtype: Dtype) -> Result<Option<CudaDecoder>> {
@@ -453,6 +469,9 @@ fn build_cuda(plan: &Plan<'_>, dtype: Dtype) -> Result<Option<CudaDecoder>> {
             return Ok(None);
         }
     }
+    if !gate_and_up_share_a_format(&plan.linears) {
+        return Ok(None);
+    }
     // The module holds the GEMVs of the model's weight formats alone.
     let formats = plan.linears.iter().fold(
         mlxcel_core::cuda_kernels::DecoderFormats::default(),
@@ -468,4 +487,40 @@ fn build_cuda(plan: &Plan<'_>, dtype: Dtype) -> Result<Option<CudaDecoder>> {
     }
     engine.finish()?;
     Ok(Some(engine))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A recipe that quantizes a layer's gate and up projections differently keeps the CUDA
+    /// step off (it would fail to build); one format for both, or other layers differing,
+    /// does not.
+    #[test]
+    fn gate_and_up_in_different_formats_keep_the_graph() {
+        let a = Array::from_slice(&[0.0f32], &[1, 1]).unwrap();
+        let part = |layer, role, quant: Option<(i32, i32)>| LinearPart {
+            layer: Some(layer),
+            role,
+            planes: (&a, quant.map(|(group, bits)| (&a, &a, group, bits))),
+            bias: None,
+        };
+        let same = [
+            part(0, LinearRole::Gate, Some((64, 4))),
+            part(0, LinearRole::Up, Some((64, 4))),
+            part(0, LinearRole::Down, Some((64, 8))),
+            part(1, LinearRole::Gate, None),
+            part(1, LinearRole::Up, None),
+        ];
+        assert!(gate_and_up_share_a_format(&same));
+        for up in [Some((64, 8)), Some((32, 4)), None] {
+            let mixed = [
+                part(0, LinearRole::Gate, Some((64, 4))),
+                part(0, LinearRole::Up, up),
+                part(1, LinearRole::Gate, Some((64, 4))),
+                part(1, LinearRole::Up, Some((64, 4))),
+            ];
+            assert!(!gate_and_up_share_a_format(&mixed), "{up:?}");
+        }
+    }
 }
