@@ -228,6 +228,7 @@ fn a_decoder_builds_under_any_tensor_prefix() {
             transform: None,
             runtime_adapters: None,
             parallelism: None,
+            mtp: false,
         };
         let model = match load_config_backed(model_type, &config, weights, &build) {
             Ok(LoadedModel::Generation(m)) => m,

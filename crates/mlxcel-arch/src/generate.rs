@@ -767,6 +767,80 @@ impl<'m> Session<'m> {
         Ok(logits.reshape(&[-1])?)
     }
 
+    /// The model this conversation runs.
+    pub fn model(&self) -> &'m dyn LanguageModel {
+        self.model
+    }
+
+    fn mtp(&self) -> Result<&'m dyn crate::model::MultiTokenPrediction> {
+        self.model.mtp().ok_or_else(|| {
+            ModelError::Unsupported(
+                "this model was loaded without multi-token-prediction layers".into(),
+            )
+        })
+    }
+
+    /// [`Session::prefill`] that also returns the hidden states after the final norm of the
+    /// prompt positions it fed (`[1, fed, hidden]`: those past the reused prefix), which the
+    /// model's multi-token-prediction layers read. Models with recurrent layers are refused
+    /// (multi-token prediction speculates, and their state cannot be taken back).
+    pub fn prefill_with_hidden(
+        &mut self,
+        prompt: &[u32],
+        chunk: Option<usize>,
+    ) -> Result<(usize, Array, Array)> {
+        let mtp = self.mtp()?;
+        if prompt.is_empty() {
+            return Err(ModelError::Runtime("cannot prefill an empty prompt".into()));
+        }
+        if chunk == Some(0) {
+            return Err(ModelError::Runtime(
+                "prefill chunk = 0: must be at least 1 token".into(),
+            ));
+        }
+        check_token_ids(prompt, self.model.vocab_size())?;
+        if self.caches.iter().any(LayerCache::is_recurrent) {
+            return Err(ModelError::Unsupported(
+                "multi-token prediction of a model with recurrent layers".into(),
+            ));
+        }
+        let reuse = self.resume_point(prompt, &[])?;
+        self.position_delta = 0;
+        let rest = &prompt[reuse..];
+        let mut hidden = Vec::new();
+        let mut last = None;
+        for piece in rest.chunks(chunk.unwrap_or(rest.len()).max(1)) {
+            let ids: Vec<i32> = piece.iter().map(|t| *t as i32).collect();
+            let input = Array::from_slice(&ids, &[1, ids.len() as i32])?;
+            let (logits, h) = mtp.forward_with_hidden(&input, &mut self.caches, true)?;
+            let row = logits.reshape(&[-1])?;
+            // Per chunk, so the graph stays bounded by one chunk.
+            mlxcel_core::ops::eval_all([&row, &h])?;
+            hidden.push(h);
+            last = Some(row);
+        }
+        let logits =
+            last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))?;
+        check_logits(&logits, || {
+            format!(
+                "generation step 0 (the logits after the {}-token prompt)",
+                prompt.len()
+            )
+        })?;
+        self.tokens.extend_from_slice(rest);
+        Ok((reuse, logits, mlxcel_core::ops::concatenate(&hidden, 1)?))
+    }
+
+    /// [`Session::feed_pending`] that also returns the hidden states after the final norm,
+    /// `[1, n, hidden]`: how self-speculative decoding checks the drafts of the model's
+    /// multi-token-prediction layers and gets what they read next.
+    pub fn feed_pending_with_hidden(&mut self, tokens: &Array) -> Result<(Array, Array)> {
+        let mtp = self.mtp()?;
+        let n = tokens.dim(1)?;
+        let (logits, hidden) = mtp.forward_with_hidden(tokens, &mut self.caches, false)?;
+        Ok((logits.reshape(&[n, -1])?, hidden))
+    }
+
     /// Records the values of tokens fed by [`Session::feed_pending`].
     pub fn record_tokens(&mut self, tokens: &[u32]) {
         self.tokens.extend_from_slice(tokens);

@@ -30,7 +30,7 @@ pub mod weights;
 pub use cache::{BatchCache, LayerCache, Mask};
 pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{ModelError, Result};
-pub use model::{Architecture, LanguageModel, LayerKind};
+pub use model::{Architecture, LanguageModel, LayerKind, MultiTokenPrediction};
 pub use models::mistral3::load as load_mistral3;
 pub use nonstandard::load_nonstandard;
 pub use registry::{

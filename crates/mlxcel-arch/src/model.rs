@@ -212,6 +212,13 @@ pub trait LanguageModel {
         false
     }
 
+    /// The checkpoint's multi-token-prediction layers, when they were built
+    /// (`BuildOptions::mtp`): self-speculative decoding drafts tokens with them. `None` for
+    /// the others.
+    fn mtp(&self) -> Option<&dyn MultiTokenPrediction> {
+        None
+    }
+
     /// One entry per layer: what its cache holds.
     fn layer_schedule(&self) -> Vec<LayerKind>;
 
@@ -231,6 +238,44 @@ pub trait LanguageModel {
             .map(|k| k.bytes_per_token(dtype))
             .sum()
     }
+}
+
+/// A model's multi-token-prediction (MTP) layers: DeepSeek-V3-style blocks that predict the
+/// token after next from the model's own hidden state at a position and the embedding of the
+/// token after it. Layer `d` (depth) combines `enorm(embed(t[i+1]))` and `hnorm(h[i])` through
+/// `eh_proj`, runs one decoder block (its own cache) and the output head after its own norm;
+/// depth `d + 1` reads depth `d`'s block output as its `h`. Speculative decoding proposes with
+/// them and checks the proposals with the model itself, so the output stays the model's.
+pub trait MultiTokenPrediction {
+    /// How many MTP layers the checkpoint carries (`num_nextn_predict_layers`).
+    fn mtp_layers(&self) -> usize;
+
+    /// Fresh caches, one per MTP layer.
+    fn mtp_caches(&self) -> Vec<LayerCache>;
+
+    /// Token ids `[1, L]` through the model, extending `caches`: the logits `[1, L, vocab]`
+    /// (or of the last position, `[1, 1, vocab]`, with `last_only`) and the hidden states
+    /// after the final norm `[1, L, hidden]` (all positions), which the MTP layers read.
+    fn forward_with_hidden(
+        &self,
+        tokens: &Array,
+        caches: &mut [LayerCache],
+        last_only: bool,
+    ) -> Result<(Array, Array)>;
+
+    /// MTP layer `depth` over `L` positions: `hidden` `[1, L, hidden]` (the model's at those
+    /// positions, or the previous depth's output), `next_tokens` `[1, L]` (the token after
+    /// each position), `positions` `[L]` (int32; where each row sits, for rope), extending
+    /// `cache`. Returns the logits `[1, L, vocab]` for the token after `next_tokens` and the
+    /// block's output `[1, L, hidden]` (the next depth's `hidden`).
+    fn mtp_forward(
+        &self,
+        depth: usize,
+        hidden: &Array,
+        next_tokens: &Array,
+        positions: &Array,
+        cache: &mut LayerCache,
+    ) -> Result<(Array, Array)>;
 }
 
 /// How a config-backed architecture is built: its `ModelArgs`, its checkpoint quirks, its

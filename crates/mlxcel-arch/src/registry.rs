@@ -216,6 +216,10 @@ pub struct BuildOptions {
     /// This process's part of a model spread over several (tensor or pipeline parallelism,
     /// see [`crate::parallel`]); `None` builds the whole model.
     pub parallelism: Option<crate::parallel::Parallelism>,
+    /// Build the multi-token-prediction layers the checkpoint carries (DeepSeek-V3, GLM-4.5),
+    /// for self-speculative decoding ([`crate::model::MultiTokenPrediction`]); a model
+    /// without them is an error. Off: they are skipped, never read.
+    pub mtp: bool,
 }
 
 /// The signature of a [`WeightTransform`]: the sanitised tensors and the config they go with.
@@ -295,7 +299,8 @@ pub fn build_architecture<M: Architecture>(
         .with_external_ple(options.external_ple.clone())
         .with_fused_projections(options.fuse_projections)
         .with_runtime_adapters(options.runtime_adapters.clone())
-        .with_parallelism(options.parallelism.clone());
+        .with_parallelism(options.parallelism.clone())
+        .with_mtp(options.mtp);
     let model = M::build(&args, &mut w.scope(&options.prefix))?;
     let kept = w.finish(name)?;
     options.materialization.apply(kept.iter())?;
@@ -375,6 +380,9 @@ macro_rules! generation_models {
             }
             fn vision(&self) -> Option<&dyn $crate::vision::VisionLanguage> {
                 match self { $(GenerationModel::$v(m) => m.vision()),* }
+            }
+            fn mtp(&self) -> Option<&dyn $crate::model::MultiTokenPrediction> {
+                match self { $(GenerationModel::$v(m) => m.mtp()),* }
             }
         }
 

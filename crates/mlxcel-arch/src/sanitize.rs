@@ -176,21 +176,18 @@ pub fn conv_weights_to_torch_layout(map: &mut WeightMap) -> Result<()> {
     Ok(())
 }
 
-/// Drops the tensors of `model.layers.{i}` for every `i >= layers`: the multi-token-prediction
-/// layers some checkpoints (DeepSeek-V3, GLM-4.5) store after the last decoder layer, which
-/// are not part of the forward pass.
-pub fn drop_layers_from(map: &mut WeightMap, layers: usize) {
-    let extra: Vec<String> = map
-        .names()
-        .filter(|name| {
+/// How many layers the checkpoint stores as `model.layers.{i}` with `i >= layers`: the
+/// multi-token-prediction layers DeepSeek-V3 and GLM-4.5 keep after the last decoder layer,
+/// which their sanitisers rewrite like the others (stacked experts, renames) so they can be
+/// built on request.
+pub fn layers_after(map: &WeightMap, layers: usize) -> usize {
+    map.names()
+        .filter_map(|name| {
             name.strip_prefix("model.layers.")
                 .and_then(|rest| rest.split('.').next())
                 .and_then(|i| i.parse::<usize>().ok())
-                .is_some_and(|i| i >= layers)
+                .filter(|i| *i >= layers)
         })
-        .map(str::to_string)
-        .collect();
-    for name in extra {
-        map.remove(&name);
-    }
+        .collect::<std::collections::BTreeSet<_>>()
+        .len()
 }

@@ -42,6 +42,9 @@ pub struct ModelWeights {
     tensor_parallel: Option<TensorParallel>,
     /// A pipeline-parallel job (see [`crate::parallel`]).
     pipeline: Option<crate::parallel::PipelinePlan>,
+    /// Build the multi-token-prediction layers the checkpoint carries (see
+    /// [`ModelWeights::wants_mtp`]).
+    mtp: bool,
 }
 
 /// Which part of a linear layer (or expert stack) this rank loads under tensor parallelism
@@ -164,7 +167,20 @@ impl ModelWeights {
             scope: Vec::new(),
             tensor_parallel: None,
             pipeline: None,
+            mtp: false,
         }
+    }
+
+    /// Builds the checkpoint's multi-token-prediction layers (for self-speculative decoding);
+    /// without it they are skipped, never read.
+    pub fn with_mtp(mut self, mtp: bool) -> ModelWeights {
+        self.mtp = mtp;
+        self
+    }
+
+    /// Whether the model should build its multi-token-prediction layers.
+    pub fn wants_mtp(&self) -> bool {
+        self.mtp
     }
 
     /// Builds this rank's part of a model spread over several processes (see

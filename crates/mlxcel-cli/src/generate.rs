@@ -71,9 +71,20 @@ pub struct RunFlags {
     /// than plain decoding: see docs/performance.md.
     #[arg(long, value_name = "DIR")]
     pub draft_model: Option<PathBuf>,
-    /// Tokens the draft model proposes per round.
-    #[arg(long, default_value_t = 4, requires = "draft_model")]
-    pub draft_tokens: usize,
+    /// Self-speculative decoding: `mtp` drafts with the multi-token-prediction layers the
+    /// checkpoint ships (DeepSeek-V3, GLM-4.5), loaded only with this flag; the model checks
+    /// the drafts in one pass (output unchanged; text prompts only).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "METHOD",
+        conflicts_with = "draft_model"
+    )]
+    pub speculative: Option<SpeculativeMethod>,
+    /// Tokens proposed per round: by the draft model (default 4), or by the MTP layers in
+    /// turn (default: one per MTP layer).
+    #[arg(long)]
+    pub draft_tokens: Option<usize>,
     /// Benchmarks only: random weights made on the device (from this seed) instead of the
     /// checkpoint's bytes, e.g. a header-only sparse checkpoint of a shape no disk holds.
     #[arg(long, hide = true, value_name = "SEED")]
@@ -149,10 +160,45 @@ fn check_flags(flags: &RunFlags) -> anyhow::Result<()> {
     if flags.max_context == Some(0) {
         bail!("--max-context 0: must be at least 1 token");
     }
-    if flags.draft_tokens == 0 {
-        bail!("--draft-tokens 0: the draft model must propose at least 1 token a round");
+    match flags.draft_tokens {
+        Some(0) => bail!("--draft-tokens 0: at least 1 token must be proposed a round"),
+        Some(_) if flags.draft_model.is_none() && flags.speculative.is_none() => {
+            bail!("--draft-tokens needs --draft-model DIR or --speculative mtp")
+        }
+        _ => {}
     }
     Ok(())
+}
+
+/// Where speculative decoding's proposals come from (`--speculative`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpeculativeMethod {
+    /// The checkpoint's multi-token-prediction layers.
+    Mtp,
+}
+
+/// How a generation proposes tokens: not at all, by a draft model, or by the model's MTP
+/// layers; with the tokens proposed per round.
+#[derive(Clone, Copy)]
+enum Speculator<'a> {
+    None,
+    Draft(&'a Loaded, usize),
+    Mtp(usize),
+}
+
+impl<'a> Speculator<'a> {
+    /// The speculator the flags ask for (`draft`: the loaded `--draft-model`).
+    fn of(flags: &RunFlags, loaded: &Loaded, draft: Option<&'a Loaded>) -> Speculator<'a> {
+        match (draft, flags.speculative) {
+            (Some(d), _) => Speculator::Draft(d, flags.draft_tokens.unwrap_or(4)),
+            (None, Some(SpeculativeMethod::Mtp)) => Speculator::Mtp(
+                flags
+                    .draft_tokens
+                    .unwrap_or_else(|| loaded.model.mtp().map_or(1, |m| m.mtp_layers()).max(1)),
+            ),
+            (None, None) => Speculator::None,
+        }
+    }
 }
 
 /// The `--draft-model`, loaded like the model (same runtime policy; no adapter or surgery),
@@ -193,24 +239,23 @@ fn load_draft(flags: &RunFlags, loaded: &Loaded) -> anyhow::Result<Option<Loaded
             draft.folder.display(),
             draft.model_type.name(),
             draft.load_seconds,
-            flags.draft_tokens
+            flags.draft_tokens.unwrap_or(4)
         );
     }
     Ok(Some(draft))
 }
 
-/// One generation in `session`, through the draft model when there is one.
-#[allow(clippy::too_many_arguments)]
+/// One generation in `session`, speculative when `speculator` says so.
 fn run_generation(
     session: &mut mlxcel_arch::generate::Session<'_>,
-    draft: Option<(&Loaded, usize)>,
+    speculator: Speculator<'_>,
     tokenizer: Option<&mlxcel_loading::Tokenizer>,
     prompt: &[u32],
     req: &GenerateRequest,
     on_text: impl FnMut(&str),
 ) -> anyhow::Result<(Vec<u32>, GenerationStats)> {
-    Ok(match draft {
-        Some((draft, tokens)) => {
+    Ok(match speculator {
+        Speculator::Draft(draft, tokens) => {
             let mut draft_session = draft.session();
             mlxcel_loading::generate_text_speculative(
                 session,
@@ -226,7 +271,17 @@ fn run_generation(
                 |_, _| {},
             )?
         }
-        None => generate_text(session, tokenizer, prompt, req, on_text, |_| {})?,
+        Speculator::Mtp(tokens) => mlxcel_loading::generate_text_mtp(
+            session,
+            tokens,
+            tokenizer,
+            prompt,
+            req,
+            Default::default(),
+            on_text,
+            |_, _| {},
+        )?,
+        Speculator::None => generate_text(session, tokenizer, prompt, req, on_text, |_| {})?,
     })
 }
 
@@ -275,6 +330,7 @@ fn load(flags: &RunFlags, need_tokenizer: bool) -> anyhow::Result<Option<Loaded>
         // This rank's part when `mlxcel launch` started the process.
         parallelism: crate::launch::parallelism_from_env()?,
         random_weights: flags.random_weights,
+        mtp: flags.speculative == Some(SpeculativeMethod::Mtp),
         ..Default::default()
     };
     let loaded = load_model(&model, &options)?;
@@ -562,7 +618,7 @@ pub fn generate(flags: GenerateFlags) -> anyhow::Result<()> {
         let mut session = loaded.session();
         let (ids, stats) = run_generation(
             &mut session,
-            draft.as_ref().map(|d| (d, run.draft_tokens)),
+            Speculator::of(run, &loaded, draft.as_ref()),
             tokenizer,
             &prompt,
             &req,
@@ -710,7 +766,7 @@ pub fn chat(flags: RunFlags) -> anyhow::Result<()> {
         req.images = inputs(&images);
         let (_, stats) = run_generation(
             &mut session,
-            draft.as_ref().map(|d| (d, flags.draft_tokens)),
+            Speculator::of(&flags, &loaded, draft.as_ref()),
             Some(tokenizer),
             &prompt,
             &req,

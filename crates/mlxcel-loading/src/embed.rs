@@ -453,6 +453,7 @@ pub(crate) fn build_task_model(
         transform: None,
         runtime_adapters: None,
         parallelism: None,
+        mtp: false,
     };
     let model = load_config_backed(model_type, config, weights, &build).map_err(|source| {
         LoadError::Model {

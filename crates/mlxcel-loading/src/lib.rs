@@ -48,7 +48,7 @@ pub use rerank::{
     RerankerBackbone, RerankerLoaded, ScoreActivation, QWEN3_RERANKER_INSTRUCTION,
     QWEN3_RERANKER_MAX_LENGTH, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX,
 };
-pub use speculative::{check_draft_tokenizer, generate_text_speculative, Draft};
+pub use speculative::{check_draft_tokenizer, generate_text_mtp, generate_text_speculative, Draft};
 pub use textgen::{
     generate_text, generate_text_with, FinishReason, GenerateRequest, GenerationProgress,
     GenerationStats, LogitsProcessor, SpeculationStats, StepHooks, TokenLogprob,

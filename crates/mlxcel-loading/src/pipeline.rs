@@ -77,6 +77,11 @@ pub struct LoadOptions {
     /// this seed, never read from its files ([`mlxcel_core::WeightMap::with_random_data`]):
     /// shapes too large for the disk, as header-only sparse files.
     pub random_weights: Option<u64>,
+    /// Build the multi-token-prediction layers the checkpoint carries (DeepSeek-V3, GLM-4.5),
+    /// for self-speculative decoding (`mlxcel generate --speculative mtp`,
+    /// [`crate::generate_text_mtp`]); a checkpoint without them is a load error naming the
+    /// missing tensor. Off (the default): they are never read.
+    pub mtp: bool,
 }
 
 impl LoadOptions {
@@ -737,6 +742,7 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loade
         transform,
         runtime_adapters: lora.clone(),
         parallelism: options.parallelism.clone(),
+        mtp: options.mtp,
     };
     let building = std::time::Instant::now();
     let model = match policy.directory_route {

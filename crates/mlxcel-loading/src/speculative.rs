@@ -15,6 +15,7 @@
 //! recurrent state).
 
 use mlxcel_arch::generate::Session;
+use mlxcel_arch::{LayerCache, MultiTokenPrediction};
 use mlxcel_core::{Array, Dtype};
 
 use crate::textgen::{
@@ -79,32 +80,96 @@ fn draft_pick(logits: &Array, model_vocab: usize) -> Result<Array> {
         .reshape(&[1, 1])?)
 }
 
-/// One round's queued work: the draft's `k` proposals chained behind `last`, and the model's
-/// logits after each of `[last, d1..dk]`, `[k + 1, vocab]`. Returns the fed ids `[1, k + 1]`
-/// and those logits, unevaluated. With `k = 0` it is a plain step.
-fn propose_and_feed(
-    session: &mut Session<'_>,
-    draft: &mut Session<'_>,
-    last: u32,
-    k: usize,
-) -> Result<(Array, Array)> {
-    let mut fed = vec![Array::from_slice(&[last as i32], &[1, 1])?];
-    if k > 0 {
-        let mut context = session.tokens().to_vec();
-        context.push(last);
-        // Keeps what the draft holds; feeds what it has not seen (one or two tokens), queued.
-        let logits = draft.catch_up(&context)?;
-        let vocab = session.vocab_size();
-        let mut pick = draft_pick(&logits, vocab)?;
-        fed.push(pick.clone());
-        for _ in 1..k {
-            pick = draft_pick(&draft.step_pending(&pick)?, vocab)?;
-            fed.push(pick.clone());
+/// Where a round's proposals come from: a draft model, or the model's own
+/// multi-token-prediction layers. The shared loop ([`speculate`]) checks them and keeps what
+/// the model agrees with.
+trait Proposer {
+    /// At most how many tokens it can propose after `last` now (0: this round is a plain step).
+    fn can_propose(&self, session: &Session<'_>, last: u32, wanted: usize) -> usize;
+
+    /// Queues the round: up to `k` proposals chained behind `last`, and the model's pass over
+    /// `[last, d1..dk]`. Returns the fed ids `[1, k + 1]` and the model's logits after each,
+    /// `[k + 1, vocab]`, unevaluated. With `k = 0` it is a plain step.
+    fn propose_and_feed(
+        &mut self,
+        session: &mut Session<'_>,
+        last: u32,
+        k: usize,
+    ) -> Result<(Array, Array)>;
+
+    /// After the round that fed `k + 1` tokens from position `held` on, before the model's
+    /// caches are cut back: the model emitted `emitted`, its picks at those positions (the
+    /// kept proposals and one token of its own); `going`: whether generation goes on (when it
+    /// stops, `emitted` may end early).
+    fn after_round(
+        &mut self,
+        session: &Session<'_>,
+        held: usize,
+        k: usize,
+        emitted: &[u32],
+        going: bool,
+    ) -> Result<()>;
+}
+
+/// A draft model as a [`Proposer`].
+struct DraftProposer<'d, 's, 'm> {
+    draft: &'d mut Draft<'s, 'm>,
+}
+
+impl Proposer for DraftProposer<'_, '_, '_> {
+    fn can_propose(&self, session: &Session<'_>, last: u32, wanted: usize) -> usize {
+        let draft = &self.draft.session;
+        if (last as usize) >= draft.vocab_size()
+            || !session.can_speculate(wanted + 1)
+            || !draft.can_speculate(wanted + 1)
+        {
+            return 0;
         }
+        wanted
     }
-    let fed = mlxcel_core::ops::concatenate(&fed, 1)?;
-    let logits = session.feed_pending(&fed)?;
-    Ok((fed, logits))
+
+    fn propose_and_feed(
+        &mut self,
+        session: &mut Session<'_>,
+        last: u32,
+        k: usize,
+    ) -> Result<(Array, Array)> {
+        let mut fed = vec![Array::from_slice(&[last as i32], &[1, 1])?];
+        if k > 0 {
+            let draft = &mut self.draft.session;
+            let mut context = session.tokens().to_vec();
+            context.push(last);
+            // Keeps what the draft holds; feeds what it has not seen (one or two tokens),
+            // queued.
+            let logits = draft.catch_up(&context)?;
+            let vocab = session.vocab_size();
+            let mut pick = draft_pick(&logits, vocab)?;
+            fed.push(pick.clone());
+            for _ in 1..k {
+                pick = draft_pick(&draft.step_pending(&pick)?, vocab)?;
+                fed.push(pick.clone());
+            }
+        }
+        let fed = mlxcel_core::ops::concatenate(&fed, 1)?;
+        let logits = session.feed_pending(&fed)?;
+        Ok((fed, logits))
+    }
+
+    fn after_round(
+        &mut self,
+        session: &Session<'_>,
+        held: usize,
+        k: usize,
+        _emitted: &[u32],
+        _going: bool,
+    ) -> Result<()> {
+        if k > 0 {
+            // The draft was fed d1..d(k-1); it catches up next round.
+            let fed: Vec<u32> = session.tokens()[held + 1..held + k].to_vec();
+            self.draft.session.record_tokens(&fed);
+        }
+        Ok(())
+    }
 }
 
 /// [`crate::generate_text_with`] with a draft model proposing up to `draft.tokens` tokens a
@@ -114,13 +179,13 @@ fn propose_and_feed(
 #[allow(clippy::too_many_arguments)]
 pub fn generate_text_speculative(
     session: &mut Session<'_>,
-    draft: Draft<'_, '_>,
+    mut draft: Draft<'_, '_>,
     tokenizer: Option<&Tokenizer>,
     prompt: &[u32],
     request: &GenerateRequest,
-    mut hooks: StepHooks<'_>,
-    mut on_text: impl FnMut(&str),
-    mut on_token: impl FnMut(u32, Option<TokenLogprob>),
+    hooks: StepHooks<'_>,
+    on_text: impl FnMut(&str),
+    on_token: impl FnMut(u32, Option<TokenLogprob>),
 ) -> Result<(Vec<u32>, GenerationStats)> {
     if draft.tokens == 0 {
         return Err(invalid(
@@ -144,27 +209,262 @@ pub fn generate_text_speculative(
     let draft_started = std::time::Instant::now();
     draft.session.prefill(prompt, request.prefill_chunk)?;
     g.prefill_seconds += draft_started.elapsed().as_secs_f64();
-    g.decode_start = std::time::Instant::now();
-    let mut stats = SpeculationStats::default();
+    let tokens = draft.tokens;
+    let mut proposer = DraftProposer { draft: &mut draft };
+    speculate(
+        session,
+        &mut proposer,
+        tokens,
+        g,
+        logits,
+        tokenizer,
+        hooks,
+        on_text,
+        on_token,
+    )
+}
+
+/// The model's multi-token-prediction layers as a [`Proposer`]: each round's drafts are
+/// queued at the end of the previous round, from the hidden states of the positions the
+/// model kept (see [`generate_text_mtp`]).
+struct MtpProposer<'m> {
+    mtp: &'m dyn MultiTokenPrediction,
+    /// One cache per MTP layer.
+    caches: Vec<LayerCache>,
+    /// Per cache: how many of its rows belong to positions the model kept (the rest are the
+    /// last round's chained drafts, taken back before the next feed).
+    confirmed: Vec<usize>,
+    /// Hidden states after the final norm of the last verification pass, `[1, k + 1, hidden]`.
+    hidden: Option<Array>,
+    /// The queued drafts for the token after `last` and on, `[1, 1]` int32 each.
+    drafts: Vec<Array>,
+    /// Tokens proposed per round.
+    tokens: usize,
+    vocab: usize,
+}
+
+impl MtpProposer<'_> {
+    /// Feeds MTP layer 0 the model's hidden states `hidden` `[1, L, hidden]` at positions
+    /// `first..first + L` with the tokens after them `next` (host values), then chains the
+    /// drafts: the first from layer 0's last row, each further one from the next layer (in
+    /// turn) over the previous draft.
+    fn feed_and_draft(&mut self, hidden: &Array, first: usize, next: &[u32]) -> Result<()> {
+        for (cache, kept) in self.caches.iter_mut().zip(&self.confirmed) {
+            cache.rewind(*kept)?;
+        }
+        let ids: Vec<i32> = next.iter().map(|t| *t as i32).collect();
+        let positions: Vec<i32> = (first..first + next.len()).map(|p| p as i32).collect();
+        let (logits, out) = self.mtp.mtp_forward(
+            0,
+            hidden,
+            &Array::from_slice(&ids, &[1, ids.len() as i32])?,
+            &Array::from_slice(&positions, &[positions.len() as i32])?,
+            &mut self.caches[0],
+        )?;
+        self.confirmed[0] += next.len();
+        let rows = logits.dim(1)?;
+        let mut pick = draft_pick(
+            &logits.slice_axis(1, rows - 1, rows)?.reshape(&[-1])?,
+            self.vocab,
+        )?;
+        let mut carried = out.slice_axis(1, rows - 1, rows)?;
+        self.drafts = vec![pick.clone()];
+        let layers = self.caches.len();
+        for j in 1..self.tokens {
+            let position = Array::from_slice(&[(first + next.len() - 1 + j) as i32], &[1])?;
+            let (logits, out) = self.mtp.mtp_forward(
+                j % layers,
+                &carried,
+                &pick,
+                &position,
+                &mut self.caches[j % layers],
+            )?;
+            pick = draft_pick(&logits.reshape(&[-1])?, self.vocab)?;
+            carried = out;
+            self.drafts.push(pick.clone());
+        }
+        Ok(())
+    }
+}
+
+impl Proposer for MtpProposer<'_> {
+    fn can_propose(&self, session: &Session<'_>, _last: u32, wanted: usize) -> usize {
+        let k = wanted.min(self.drafts.len());
+        if !session.can_speculate(k + 1) {
+            return 0;
+        }
+        k
+    }
+
+    fn propose_and_feed(
+        &mut self,
+        session: &mut Session<'_>,
+        last: u32,
+        k: usize,
+    ) -> Result<(Array, Array)> {
+        let mut fed = vec![Array::from_slice(&[last as i32], &[1, 1])?];
+        fed.extend(self.drafts.iter().take(k).cloned());
+        let fed = mlxcel_core::ops::concatenate(&fed, 1)?;
+        let (logits, hidden) = session.feed_pending_with_hidden(&fed)?;
+        self.hidden = Some(hidden);
+        Ok((fed, logits))
+    }
+
+    fn after_round(
+        &mut self,
+        _session: &Session<'_>,
+        held: usize,
+        _k: usize,
+        emitted: &[u32],
+        going: bool,
+    ) -> Result<()> {
+        let hidden = self
+            .hidden
+            .take()
+            .ok_or_else(|| invalid("internal: a round without hidden states".into()))?;
+        if !going {
+            return Ok(());
+        }
+        // Positions held..held + emitted.len() were fed the tokens the model kept; the token
+        // after each is its pick there.
+        let rows = hidden.slice_axis(1, 0, emitted.len() as i32)?;
+        self.feed_and_draft(&rows, held, emitted)
+    }
+}
+
+/// Self-speculative decoding: the model's multi-token-prediction layers (DeepSeek-V3,
+/// GLM-4.5; the model must be loaded with `LoadOptions::mtp`) propose `tokens` tokens a round
+/// (each further one from the next MTP layer in turn, over the previous one's output), the
+/// model checks them in one pass and keeps the longest prefix it agrees with plus one token of
+/// its own, as with a draft model (see the module docs): the output is the model's.
+///
+/// The MTP layers see the positions prefilled in this request and those generated after:
+/// a prefix reused from the session's caches has no MTP rows (the drafts, not the output,
+/// depend on it). Prompts with images are refused. The stats carry [`SpeculationStats`].
+#[allow(clippy::too_many_arguments)]
+pub fn generate_text_mtp(
+    session: &mut Session<'_>,
+    tokens: usize,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    request: &GenerateRequest,
+    mut hooks: StepHooks<'_>,
+    mut on_text: impl FnMut(&str),
+    mut on_token: impl FnMut(u32, Option<TokenLogprob>),
+) -> Result<(Vec<u32>, GenerationStats)> {
+    let Some(mtp) = session.model().mtp() else {
+        return Err(invalid(
+            "self-speculative decoding needs the model's multi-token-prediction layers: load it with them (`--speculative mtp`, `LoadOptions::mtp`)".into(),
+        ));
+    };
+    if tokens == 0 {
+        return Err(invalid(
+            "draft tokens = 0: the multi-token-prediction layers must propose at least 1 token a round".into(),
+        ));
+    }
+    if !request.images.is_empty() {
+        return Err(invalid(
+            "self-speculative decoding takes text prompts only".into(),
+        ));
+    }
+    let mut prefilled = None;
+    let (mut g, logits) = GenerationProgress::start_with(
+        session,
+        prompt,
+        request.clone(),
+        tokenizer.is_some(),
+        |session, prompt, chunk| {
+            let (reused, logits, hidden) = session.prefill_with_hidden(prompt, chunk)?;
+            prefilled = Some((reused, hidden));
+            Ok((reused, logits))
+        },
+    )?;
+    let (reused, hidden) =
+        prefilled.ok_or_else(|| invalid("internal: the prefill kept no hidden states".into()))?;
+    let mut proposer = MtpProposer {
+        mtp,
+        caches: mtp.mtp_caches(),
+        confirmed: vec![0; mtp.mtp_layers()],
+        hidden: None,
+        drafts: Vec::new(),
+        tokens,
+        vocab: session.vocab_size(),
+    };
     let max_new = request.max_new_tokens;
+    let (first, logprob) = g.pick(&logits, session.tokens(), &mut hooks)?;
+    // The MTP rows of the prompt: position i reads the token after it (the first pick after
+    // the last), queued behind the first verification pass.
+    let mut next: Vec<u32> = prompt[reused + 1..].to_vec();
+    next.push(first);
+    let drafting = std::time::Instant::now();
+    proposer.feed_and_draft(&hidden, reused, &next)?;
+    g.prefill_seconds += drafting.elapsed().as_secs_f64();
+    g.decode_start = std::time::Instant::now();
+    let going = g.generated.len() < max_new
+        && g.emit(first, logprob, tokenizer, &mut on_text, &mut on_token)?;
+    speculate_from(
+        session,
+        &mut proposer,
+        tokens,
+        g,
+        first,
+        going,
+        tokenizer,
+        hooks,
+        on_text,
+        on_token,
+    )
+}
+
+/// The shared loop: picks the first token from the prefill's `logits`, then runs rounds of
+/// `proposer` until the request ends.
+#[allow(clippy::too_many_arguments)]
+fn speculate(
+    session: &mut Session<'_>,
+    proposer: &mut dyn Proposer,
+    tokens: usize,
+    mut g: GenerationProgress,
+    logits: Array,
+    tokenizer: Option<&Tokenizer>,
+    mut hooks: StepHooks<'_>,
+    mut on_text: impl FnMut(&str),
+    mut on_token: impl FnMut(u32, Option<TokenLogprob>),
+) -> Result<(Vec<u32>, GenerationStats)> {
+    g.decode_start = std::time::Instant::now();
+    let (last, logprob) = g.pick(&logits, session.tokens(), &mut hooks)?;
+    let going = g.generated.len() < g.request.max_new_tokens
+        && g.emit(last, logprob, tokenizer, &mut on_text, &mut on_token)?;
+    speculate_from(
+        session, proposer, tokens, g, last, going, tokenizer, hooks, on_text, on_token,
+    )
+}
+
+/// The rounds after the first token `last` was emitted (`going`: whether generation goes on).
+#[allow(clippy::too_many_arguments)]
+fn speculate_from(
+    session: &mut Session<'_>,
+    proposer: &mut dyn Proposer,
+    tokens: usize,
+    mut g: GenerationProgress,
+    mut last: u32,
+    mut going: bool,
+    tokenizer: Option<&Tokenizer>,
+    mut hooks: StepHooks<'_>,
+    mut on_text: impl FnMut(&str),
+    mut on_token: impl FnMut(u32, Option<TokenLogprob>),
+) -> Result<(Vec<u32>, GenerationStats)> {
+    let mut stats = SpeculationStats::default();
+    let max_new = g.request.max_new_tokens;
     // Greedy picks are compared on the device's argmax; hooks need each row on the host.
     let greedy = g.is_greedy() && hooks.logprobs.is_none() && hooks.processor.is_none();
-    let (mut last, logprob) = g.pick(&logits, session.tokens(), &mut hooks)?;
-    let mut going = g.generated.len() < max_new
-        && g.emit(last, logprob, tokenizer, &mut on_text, &mut on_token)?;
     while going {
         let held = session.tokens().len();
         let budget = max_new - g.generated.len();
-        let mut k = draft.tokens.min(budget - 1);
-        if (last as usize) >= draft_vocab
-            || !session.can_speculate(k + 1)
-            || !draft.session.can_speculate(k + 1)
-        {
-            k = 0;
-        }
+        let k = proposer.can_propose(session, last, tokens.min(budget - 1));
         let building = std::time::Instant::now();
-        let (fed, logits) = propose_and_feed(session, draft.session, last, k)?;
+        let (fed, logits) = proposer.propose_and_feed(session, last, k)?;
         let mut kept = 0;
+        let mut emitted = Vec::with_capacity(k + 1);
         // This pass's graph-building and evaluation seconds (counted when it was a round).
         let (build_seconds, eval_seconds);
         if greedy {
@@ -185,6 +485,7 @@ pub fn generate_text_speculative(
             }
             for (i, &token) in picks.iter().enumerate().take(kept + 1) {
                 going = g.emit(token, None, tokenizer, &mut on_text, &mut on_token)?;
+                emitted.push(token);
                 last = token;
                 if !going {
                     kept = kept.min(i);
@@ -205,6 +506,7 @@ pub fn generate_text_speculative(
                 let history = &session.tokens()[..held + 1 + i];
                 let (token, logprob) = g.pick_row(row.to_vec(), history, &mut hooks)?;
                 going = g.emit(token, logprob, tokenizer, &mut on_text, &mut on_token)?;
+                emitted.push(token);
                 last = token;
                 let agreed = i < k && fed_ids[i + 1] == token;
                 if !going || !agreed {
@@ -219,12 +521,10 @@ pub fn generate_text_speculative(
             stats.accepted += kept;
             stats.build_seconds += build_seconds;
             stats.eval_seconds += eval_seconds;
-            // The draft was fed d1..d(k-1); it catches up next round.
-            let fed: Vec<u32> = session.tokens()[held + 1..held + k].to_vec();
-            draft.session.record_tokens(&fed);
         }
-        session.truncate(held + 1 + kept)?;
         going = going && g.generated.len() < max_new;
+        proposer.after_round(session, held, k, &emitted, going)?;
+        session.truncate(held + 1 + kept)?;
     }
     g.speculation = Some(stats);
     g.finish(tokenizer, on_text)

@@ -342,11 +342,25 @@ impl GenerationProgress {
         request: GenerateRequest,
         with_text: bool,
     ) -> Result<(GenerationProgress, Array)> {
+        let images = request.images.clone();
+        GenerationProgress::start_with(session, prompt, request, with_text, |s, p, chunk| {
+            Ok(s.prefill_multimodal(p, &images, chunk)?)
+        })
+    }
+
+    /// [`GenerationProgress::start`] with the prefill `prefill(session, prompt, chunk)`, which
+    /// returns how many prompt tokens the caches reused and the logits after the prompt.
+    pub fn start_with(
+        session: &mut Session<'_>,
+        prompt: &[u32],
+        request: GenerateRequest,
+        with_text: bool,
+        prefill: impl FnOnce(&mut Session<'_>, &[u32], Option<usize>) -> Result<(usize, Array)>,
+    ) -> Result<(GenerationProgress, Array)> {
         session.check_files()?;
         request.validate()?;
         let start = Instant::now();
-        let (reused, logits) =
-            session.prefill_multimodal(prompt, &request.images, request.prefill_chunk)?;
+        let (reused, logits) = prefill(session, prompt, request.prefill_chunk)?;
         let progress = GenerationProgress {
             sampler: Sampler::new(request.sampling.clone()),
             text: with_text.then(|| DecodeProgress::new(!request.keep_special_tokens)),

@@ -226,6 +226,7 @@ pub fn base_spec(
         final_softcap: None,
         tie_word_embeddings: c.tie_word_embeddings.unwrap_or(tie_default),
         lm_head_bias: false,
+        mtp: None,
     })
 }
 

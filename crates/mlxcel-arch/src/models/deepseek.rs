@@ -4,9 +4,9 @@
 //! dense MLPs on the first `first_k_dense_replace` layers and routed experts with ungated shared
 //! experts after. V2 routes by softmax (greedy, or limited to the best groups by their best
 //! expert); V3 by sigmoid with an `e_score_correction_bias` for the choice and groups scored by
-//! their two best experts. Both scale the routing weights by `routed_scaling_factor`; the
-//! multi-token-prediction layers some V3 checkpoints carry (`num_nextn_predict_layers`) are not
-//! part of the forward pass and are dropped.
+//! their two best experts. Both scale the routing weights by `routed_scaling_factor`. The
+//! multi-token-prediction layers V3 checkpoints carry (`num_nextn_predict_layers`) are built
+//! only for self-speculative decoding (see [`super::transformer::MtpSpec`]).
 
 use mlxcel_core::{Dtype, WeightMap};
 use mlxcel_quant::{QuantConfig, QuantizedWeight, TensorQuant};
@@ -14,11 +14,11 @@ use serde::Deserialize;
 
 use super::common::{base_spec, CommonArgs};
 use super::transformer::{
-    DecoderArgs, DecoderSpec, FfnSpec, LatentSpec, MixerSpec, MoeSpec, SharedExpertSpec,
+    DecoderArgs, DecoderSpec, FfnSpec, LatentSpec, MixerSpec, MoeSpec, MtpSpec, SharedExpertSpec,
     Transformer,
 };
 use crate::nn::{GroupLimit, GroupScore, LatentDims, RopeConfig, RouterScoring};
-use crate::sanitize::{rename_in_layers, stack_mlp_experts};
+use crate::sanitize::{layers_after, rename_in_layers, stack_mlp_experts};
 use crate::{ModelError, Result};
 
 fn one_i32() -> i32 {
@@ -98,6 +98,10 @@ pub struct Args {
     /// `rope_interleave` (V3): rope over interleaved pairs (V2 always interleaves).
     #[serde(default = "yes")]
     pub rope_interleave: bool,
+    /// `num_nextn_predict_layers` (V3): multi-token-prediction layers after the decoder
+    /// layers; default 0.
+    #[serde(default)]
+    pub num_nextn_predict_layers: usize,
 }
 
 /// DeepSeek V2's args.
@@ -223,25 +227,18 @@ impl Args {
                 }
             }
         }
+        if version == Version::V3 && self.num_nextn_predict_layers > 0 {
+            spec.mtp = Some(MtpSpec {
+                layers: self.num_nextn_predict_layers,
+            });
+        }
         Ok(spec)
     }
 
     fn sanitize(&self, weights: &mut WeightMap, quant: Option<&QuantConfig>) -> Result<()> {
+        // The multi-token-prediction layers after the decoder layers are rewritten alike.
         let n = self.common.num_hidden_layers;
-        // Multi-token-prediction layers sit after the last decoder layer.
-        let extra: Vec<String> = weights
-            .names()
-            .filter(|name| {
-                name.strip_prefix("model.layers.")
-                    .and_then(|rest| rest.split('.').next())
-                    .and_then(|i| i.parse::<usize>().ok())
-                    .is_some_and(|i| i >= n)
-            })
-            .map(str::to_string)
-            .collect();
-        for name in extra {
-            weights.remove(&name);
-        }
+        let n = n + layers_after(weights, n);
         if let Some(experts) = self.n_routed_experts {
             stack_mlp_experts(weights, n, experts as usize)?;
         }

@@ -3,15 +3,16 @@
 //! head in the rotate-half layout (GPT-NeoX's, unlike GLM-4's interleaved pairs); dense MLPs on
 //! the first `first_k_dense_replace` layers, DeepSeek-V3 routing after (see
 //! [`V3MoeArgs`]). The multi-token-prediction layers the checkpoints carry after the last
-//! decoder layer (`num_nextn_predict_layers`) are not part of the forward pass and are dropped.
+//! decoder layer (`num_nextn_predict_layers`) are built only for self-speculative decoding
+//! (see [`super::transformer::MtpSpec`]).
 
 use mlxcel_core::WeightMap;
 use mlxcel_quant::QuantConfig;
 use serde::Deserialize;
 
 use super::common::{base_spec, CommonArgs, V3MoeArgs, V3MoeDefaults};
-use super::transformer::{DecoderArgs, DecoderSpec, QkNormSpec, Transformer};
-use crate::sanitize::{drop_layers_from, rename_in_layers, stack_mlp_experts};
+use super::transformer::{DecoderArgs, DecoderSpec, MtpSpec, QkNormSpec, Transformer};
+use crate::sanitize::{layers_after, rename_in_layers, stack_mlp_experts};
 use crate::Result;
 
 /// The `config.json` keys of GLM-4.5 (read after [`crate::config::sanitize_config_json`]).
@@ -29,6 +30,10 @@ pub struct Args {
     /// `use_qk_norm`: per-head RMSNorm of queries and keys before rope; default false.
     #[serde(default)]
     pub use_qk_norm: bool,
+    /// `num_nextn_predict_layers`: multi-token-prediction layers after the decoder layers;
+    /// default 0.
+    #[serde(default)]
+    pub num_nextn_predict_layers: usize,
 }
 
 /// The GLM-4.5 decoder: the shared [`Transformer`] configured by [`Args`].
@@ -43,8 +48,9 @@ const DEFAULTS: V3MoeDefaults = V3MoeDefaults {
 
 impl DecoderArgs for Args {
     fn sanitize(&self, weights: &mut WeightMap, _quant: Option<&QuantConfig>) -> Result<()> {
+        // The multi-token-prediction layers after the decoder layers are rewritten alike.
         let n = self.common.num_hidden_layers;
-        drop_layers_from(weights, n);
+        let n = n + layers_after(weights, n);
         stack_mlp_experts(weights, n, self.moe.n_routed_experts as usize)?;
         rename_in_layers(weights, n, &[("mlp.shared_experts", "mlp.shared_expert")])
     }
@@ -59,6 +65,9 @@ impl DecoderArgs for Args {
             spec.qk_norm = QkNormSpec::PerHead;
         }
         self.moe.apply(&mut spec, DEFAULTS)?;
+        spec.mtp = (self.num_nextn_predict_layers > 0).then_some(MtpSpec {
+            layers: self.num_nextn_predict_layers,
+        });
         Ok(spec)
     }
 }

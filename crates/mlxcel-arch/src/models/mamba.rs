@@ -151,6 +151,7 @@ pub(crate) fn mixer_only_spec(
         final_softcap: None,
         tie_word_embeddings: tie,
         lm_head_bias: false,
+        mtp: None,
     }
 }
 

@@ -20,9 +20,12 @@ use mlxcel_quant::QuantConfig;
 use serde::de::DeserializeOwned;
 
 mod decode_engine;
+mod mtp;
+
+pub use mtp::MtpSpec;
 
 use crate::cache::LayerCache;
-use crate::model::{Architecture, LanguageModel, LayerKind};
+use crate::model::{Architecture, LanguageModel, LayerKind, MultiTokenPrediction};
 use crate::nn::griffin::RgLruBlock;
 use crate::nn::ssm::{BcdtNorms, CausalConv, GatedNorm, Mamba2Dims, MambaDims, PlainRms};
 use crate::nn::{
@@ -416,6 +419,8 @@ pub struct DecoderSpec {
     /// The output head has a bias (`lm_head.bias`, also next to a tied table: ERNIE 4.5 with
     /// `use_bias`).
     pub lm_head_bias: bool,
+    /// The multi-token-prediction layers stored after the decoder layers (built on request).
+    pub mtp: Option<MtpSpec>,
 }
 
 impl DecoderSpec {
@@ -958,6 +963,8 @@ pub struct Decoder {
     schedule: Vec<LayerKind>,
     /// The decode engine (CPU or CUDA), when one covers this decoder (see `decode_engine`).
     decode_engine: Option<decode_engine::DecodeEngine>,
+    /// The multi-token-prediction layers, when built (see `mtp`).
+    mtp: Option<mtp::Mtp>,
 }
 
 fn norm(w: &mut ModelWeights, spec: &DecoderSpec, name: &str, dim: i32) -> Result<Norm> {
@@ -1590,6 +1597,80 @@ pub(crate) fn check_token_ids(tokens: &Array, vocab: usize) -> Result<()> {
     }
 }
 
+/// Layer `i` of `spec` from the weights under `l`'s open scope (`model.layers.{i}`, or a
+/// multi-token-prediction layer's): its mixer, feed-forward block and norms. `reduce`: the
+/// tensor-parallel group its partial sums are completed over.
+fn build_block(
+    l: &mut ModelWeights,
+    spec: &DecoderSpec,
+    i: usize,
+    reduce: Option<mlxcel_core::distributed::Group>,
+) -> Result<Block> {
+    let h = spec.hidden;
+    let mixer = if let MixerSpec::AttentionWithMamba2(m) = &spec.mixers[i] {
+        let attention = attention(&mut l.scope("self_attn"), spec, i)?;
+        let mamba = mamba2_mixer(&mut l.scope("mamba"), spec, m)?;
+        Mixer::AttentionWithMamba2(Box::new((attention, mamba)))
+    } else {
+        let mut a = l.scope(spec.mixers[i].scope());
+        match &spec.mixers[i] {
+            MixerSpec::Attention => Mixer::Attention(attention(&mut a, spec, i)?),
+            MixerSpec::Latent(m) => Mixer::Latent(Box::new(latent_attention(&mut a, spec, m)?)),
+            MixerSpec::Mamba(m) => Mixer::Mamba(Box::new(mamba_mixer(&mut a, spec, m)?)),
+            MixerSpec::Mamba2(m) => Mixer::Mamba2(Box::new(mamba2_mixer(&mut a, spec, m)?)),
+            MixerSpec::Lightning(m) => {
+                Mixer::Lightning(Box::new(lightning_attention(&mut a, spec, m)?))
+            }
+            MixerSpec::GatedDelta(m) => Mixer::GatedDelta(Box::new(gated_delta(&mut a, spec, m)?)),
+            MixerSpec::RgLru(m) => Mixer::RgLru(Box::new(rg_lru(&mut a, spec, m)?)),
+            MixerSpec::None => Mixer::None,
+            MixerSpec::AttentionWithMamba2(_) => unreachable!("built above"),
+        }
+    };
+    let ffn = match &spec.ffn[i] {
+        FfnSpec::None => None,
+        f => Some(feed_forward(&mut l.scope("mlp"), spec, f)?),
+    };
+    let mut n = |name: &str| norm(l, spec, name, h);
+    let norms = match spec.topology {
+        BlockTopology::PreNorm => BlockNorms::PreNorm {
+            mixer_in: n("input_layernorm")?,
+            ffn_in: n("post_attention_layernorm")?,
+        },
+        BlockTopology::Sandwich => BlockNorms::Sandwich {
+            mixer_in: n("input_layernorm")?,
+            mixer_out: n("post_attention_layernorm")?,
+            ffn_in: n("pre_feedforward_layernorm")?,
+            ffn_out: n("post_feedforward_layernorm")?,
+        },
+        BlockTopology::PostNorm => BlockNorms::PostNorm {
+            mixer_out: n("post_attention_layernorm")?,
+            ffn_out: n("post_feedforward_layernorm")?,
+        },
+        BlockTopology::Parallel => BlockNorms::Parallel {
+            input: n("input_layernorm")?,
+        },
+        BlockTopology::ParallelTwoNorms => BlockNorms::ParallelTwoNorms {
+            mixer_in: n("input_layernorm")?,
+            ffn_in: n("post_attention_layernorm")?,
+        },
+        BlockTopology::MixerOnly => BlockNorms::MixerOnly {
+            mixer_in: n("input_layernorm")?,
+        },
+        BlockTopology::NormedResidual => BlockNorms::NormedResidual {
+            mixer_in: n("input_layernorm")?,
+            ffn_in: n("post_attention_layernorm")?,
+            scales: spec.block_scales[i],
+        },
+    };
+    Ok(Block {
+        norms,
+        mixer,
+        ffn,
+        reduce,
+    })
+}
+
 impl Decoder {
     /// Builds the decoder from the weights under `w`'s open scope (`model.*` and `lm_head`).
     pub fn build(spec: &DecoderSpec, w: &mut ModelWeights) -> Result<Decoder> {
@@ -1628,6 +1709,7 @@ impl Decoder {
             None
         };
         let mut blocks = Vec::with_capacity(own.len());
+        let mtp;
         {
             let mut layers = body.scope("layers");
             for i in 0..spec.layers() {
@@ -1636,79 +1718,19 @@ impl Decoder {
                     layers.skip(&i.to_string());
                     continue;
                 }
-                let mut l = layers.scope(i);
-                let mixer = if let MixerSpec::AttentionWithMamba2(m) = &spec.mixers[i] {
-                    let attention = attention(&mut l.scope("self_attn"), spec, i)?;
-                    let mamba = mamba2_mixer(&mut l.scope("mamba"), spec, m)?;
-                    Mixer::AttentionWithMamba2(Box::new((attention, mamba)))
-                } else {
-                    let mut a = l.scope(spec.mixers[i].scope());
-                    match &spec.mixers[i] {
-                        MixerSpec::Attention => Mixer::Attention(attention(&mut a, spec, i)?),
-                        MixerSpec::Latent(m) => {
-                            Mixer::Latent(Box::new(latent_attention(&mut a, spec, m)?))
-                        }
-                        MixerSpec::Mamba(m) => {
-                            Mixer::Mamba(Box::new(mamba_mixer(&mut a, spec, m)?))
-                        }
-                        MixerSpec::Mamba2(m) => {
-                            Mixer::Mamba2(Box::new(mamba2_mixer(&mut a, spec, m)?))
-                        }
-                        MixerSpec::Lightning(m) => {
-                            Mixer::Lightning(Box::new(lightning_attention(&mut a, spec, m)?))
-                        }
-                        MixerSpec::GatedDelta(m) => {
-                            Mixer::GatedDelta(Box::new(gated_delta(&mut a, spec, m)?))
-                        }
-                        MixerSpec::RgLru(m) => Mixer::RgLru(Box::new(rg_lru(&mut a, spec, m)?)),
-                        MixerSpec::None => Mixer::None,
-                        MixerSpec::AttentionWithMamba2(_) => unreachable!("built above"),
-                    }
-                };
-                let ffn = match &spec.ffn[i] {
-                    FfnSpec::None => None,
-                    f => Some(feed_forward(&mut l.scope("mlp"), spec, f)?),
-                };
-                let mut n = |name: &str| norm(&mut l, spec, name, h);
-                let norms = match spec.topology {
-                    BlockTopology::PreNorm => BlockNorms::PreNorm {
-                        mixer_in: n("input_layernorm")?,
-                        ffn_in: n("post_attention_layernorm")?,
-                    },
-                    BlockTopology::Sandwich => BlockNorms::Sandwich {
-                        mixer_in: n("input_layernorm")?,
-                        mixer_out: n("post_attention_layernorm")?,
-                        ffn_in: n("pre_feedforward_layernorm")?,
-                        ffn_out: n("post_feedforward_layernorm")?,
-                    },
-                    BlockTopology::PostNorm => BlockNorms::PostNorm {
-                        mixer_out: n("post_attention_layernorm")?,
-                        ffn_out: n("post_feedforward_layernorm")?,
-                    },
-                    BlockTopology::Parallel => BlockNorms::Parallel {
-                        input: n("input_layernorm")?,
-                    },
-                    BlockTopology::ParallelTwoNorms => BlockNorms::ParallelTwoNorms {
-                        mixer_in: n("input_layernorm")?,
-                        ffn_in: n("post_attention_layernorm")?,
-                    },
-                    BlockTopology::MixerOnly => BlockNorms::MixerOnly {
-                        mixer_in: n("input_layernorm")?,
-                    },
-                    BlockTopology::NormedResidual => BlockNorms::NormedResidual {
-                        mixer_in: n("input_layernorm")?,
-                        ffn_in: n("post_attention_layernorm")?,
-                        scales: spec.block_scales[i],
-                    },
-                };
-                let reduce = tp_group.clone();
-                blocks.push(Block {
-                    norms,
-                    mixer,
-                    ffn,
-                    reduce,
-                });
+                blocks.push(build_block(
+                    &mut layers.scope(i),
+                    spec,
+                    i,
+                    tp_group.clone(),
+                )?);
             }
+            if layers.wants_mtp() && (tp_group.is_some() || stage.is_some()) {
+                return Err(ModelError::Unsupported(
+                    "multi-token prediction of a model spread over several processes".into(),
+                ));
+            }
+            mtp = mtp::Mtp::build(&mut layers, spec)?;
         }
         crate::nn::link_streamed_layers(blocks.iter_mut().filter_map(|b| match &mut b.ffn {
             Some(FeedForward::Moe(moe)) => {
@@ -1781,6 +1803,7 @@ impl Decoder {
             vocab_parallel,
             tied_head_bias,
             decode_engine,
+            mtp,
             embed_scale: spec.embed_scale,
             residual_scale: spec.residual_scale,
             logit_scale: spec.logit_scale,
@@ -1893,7 +1916,7 @@ impl Decoder {
         } else {
             h.clone()
         };
-        let mut logits = match &self.lm_head {
+        let logits = match &self.lm_head {
             Some(head) => {
                 let part = head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?;
                 match &self.vocab_parallel {
@@ -1914,6 +1937,11 @@ impl Decoder {
                 }
             }
         };
+        self.scale_logits(logits)
+    }
+
+    /// The logit scale and soft-cap the architecture applies after its output head.
+    fn scale_logits(&self, mut logits: Array) -> Result<Array> {
         if let Some(s) = self.logit_scale {
             logits = logits.mul_scalar(s)?;
         }
@@ -2031,6 +2059,41 @@ impl<A> LanguageModel for Transformer<A> {
             .decode_engine
             .as_ref()
             .is_some_and(decode_engine::DecodeEngine::on_cpu)
+    }
+
+    fn mtp(&self) -> Option<&dyn MultiTokenPrediction> {
+        (self.decoder.mtp_count() > 0).then_some(self as &dyn MultiTokenPrediction)
+    }
+}
+
+impl<A> MultiTokenPrediction for Transformer<A> {
+    fn mtp_layers(&self) -> usize {
+        self.decoder.mtp_count()
+    }
+
+    fn mtp_caches(&self) -> Vec<LayerCache> {
+        self.decoder.mtp_caches()
+    }
+
+    fn forward_with_hidden(
+        &self,
+        tokens: &Array,
+        caches: &mut [LayerCache],
+        last_only: bool,
+    ) -> Result<(Array, Array)> {
+        self.decoder.forward_with_hidden(tokens, caches, last_only)
+    }
+
+    fn mtp_forward(
+        &self,
+        depth: usize,
+        hidden: &Array,
+        next_tokens: &Array,
+        positions: &Array,
+        cache: &mut LayerCache,
+    ) -> Result<(Array, Array)> {
+        self.decoder
+            .mtp_forward(depth, hidden, next_tokens, positions, cache)
     }
 }
 
