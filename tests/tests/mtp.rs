@@ -153,6 +153,26 @@ fn expected_acceptance(r: &MtpReference, new: usize) -> (usize, usize) {
     (rounds, accepted)
 }
 
+/// Self-speculative decoding of `prompt` with `k` drafts a round.
+fn speculate(
+    session: &mut mlxcel_arch::generate::Session<'_>,
+    k: usize,
+    prompt: &[u32],
+    req: &GenerateRequest,
+) -> (Vec<u32>, mlxcel_loading::GenerationStats) {
+    generate_text_mtp(
+        session,
+        k,
+        None,
+        prompt,
+        req,
+        StepHooks::default(),
+        |_| {},
+        |_, _| {},
+    )
+    .unwrap()
+}
+
 #[test]
 fn mtp_speculation_keeps_the_models_greedy_output() {
     for family in FAMILIES {
@@ -173,17 +193,7 @@ fn mtp_speculation_keeps_the_models_greedy_output() {
             "{family}: plain decoding vs transformers"
         );
         let mut session = loaded.session();
-        let (spec, stats) = generate_text_mtp(
-            &mut session,
-            1,
-            None,
-            prompt,
-            &req,
-            StepHooks::default(),
-            |_| {},
-            |_, _| {},
-        )
-        .unwrap();
+        let (spec, stats) = speculate(&mut session, 1, prompt, &req);
         assert_eq!(spec, plain, "{family}: MTP speculation changed the output");
         assert_eq!(
             session.tokens(),
@@ -206,18 +216,7 @@ fn mtp_speculation_keeps_the_models_greedy_output() {
         );
 
         // Two drafts a round (the one MTP layer chained over its own output): same output.
-        let mut session = loaded.session();
-        let (chained, stats) = generate_text_mtp(
-            &mut session,
-            2,
-            None,
-            prompt,
-            &req,
-            StepHooks::default(),
-            |_| {},
-            |_, _| {},
-        )
-        .unwrap();
+        let (chained, stats) = speculate(&mut loaded.session(), 2, prompt, &req);
         assert_eq!(chained, plain, "{family}: two drafts a round");
         let s = stats.speculation.unwrap();
         assert!(s.proposed > s.rounds, "{family}: {s:?}");

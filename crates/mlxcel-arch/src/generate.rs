@@ -70,6 +70,13 @@ pub fn check_logits(logits: &Array, at: impl FnOnce() -> String) -> Result<()> {
     Ok(())
 }
 
+/// [`check_logits`] of the logits after a `len`-token prompt (generation step 0).
+fn check_prompt_logits(logits: &Array, len: usize) -> Result<()> {
+    check_logits(logits, || {
+        format!("generation step 0 (the logits after the {len}-token prompt)")
+    })
+}
+
 /// The index of the largest logit.
 pub fn argmax_token(logits: &Array) -> Result<u32> {
     let idx = logits.argmax(-1, false)?.astype(Dtype::Uint32)?;
@@ -513,12 +520,7 @@ impl<'m> Session<'m> {
         }
         let logits =
             last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))?;
-        check_logits(&logits, || {
-            format!(
-                "generation step 0 (the logits after the {}-token prompt)",
-                prompt.len()
-            )
-        })?;
+        check_prompt_logits(&logits, prompt.len())?;
         self.tokens.extend_from_slice(&prompt[reuse..]);
         self.image_runs = runs;
         self.position_delta = vision.position_delta(&mm)?;
@@ -555,12 +557,7 @@ impl<'m> Session<'m> {
         // positions are the cache offsets again.
         self.position_delta = 0;
         let logits = self.prefill_with_snapshots(&prompt[reuse..], reuse, chunk)?;
-        check_logits(&logits, || {
-            format!(
-                "generation step 0 (the logits after the {}-token prompt)",
-                prompt.len()
-            )
-        })?;
+        check_prompt_logits(&logits, prompt.len())?;
         self.tokens.extend_from_slice(&prompt[reuse..]);
         Ok((reuse, logits))
     }
@@ -821,12 +818,7 @@ impl<'m> Session<'m> {
         }
         let logits =
             last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))?;
-        check_logits(&logits, || {
-            format!(
-                "generation step 0 (the logits after the {}-token prompt)",
-                prompt.len()
-            )
-        })?;
+        check_prompt_logits(&logits, prompt.len())?;
         self.tokens.extend_from_slice(rest);
         Ok((reuse, logits, mlxcel_core::ops::concatenate(&hidden, 1)?))
     }
