@@ -22,6 +22,10 @@
 #                            graph on the quantized llama/qwen3 fixtures (the cuda_decode test
 #                            binary, staged with its fixtures), then the 8B 4-bit shape's greedy
 #                            ids with the step on and off, then speed against mlx-lm
+#   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
+#                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
+#                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;
+#                            then the kernel caches on disk
 #   gpu_probe.sh ssm         the CPU bench's Mamba-2- and Jamba-shaped 4-bit models, built from
 #                            plans/{mamba2,jamba}-4bit.json (`cargo xtask synth-plan mamba2
 #                            --bits 4 > .device/run/plans/mamba2-4bit.json`, likewise jamba)
@@ -41,6 +45,7 @@ for i, l in enumerate(lines):
     s=json.loads(l)
     extra=" (graph %.0f%%, async_eval %.0f%%, token wait %.0f%% of decode)" % (100*s["decode_graph_s"]/s["decode_s"], 100*s["decode_dispatch_s"]/s["decode_s"], 100*(1-(s["decode_graph_s"]+s["decode_dispatch_s"])/s["decode_s"])) if "decode_graph_s" in s else ""
     if "decode_step_arrays" in s: extra += " %d arrays/step" % s["decode_step_arrays"]
+    if s.get("kernel_compile_s"): extra += " (mlxcel kernels compiled: %.1f s)" % s["kernel_compile_s"]
     if s.get("draft_proposed"): extra += " draft: %d rounds, %d of %d accepted" % (s["draft_rounds"], s["draft_accepted"], s["draft_proposed"])
     elif "draft_accepted" in s: extra += " draft: %d tokens from the draft" % s["draft_accepted"]
     print("%s[run %d] load %.2f s  prefill %.0f tok/s  decode %.1f tok/s%s" % ("\n      " if i else "", i+1, s["load_s"], s["prefill_tps"], s["decode_tps"], extra), end="")
@@ -206,5 +211,18 @@ final)
     passes "default MLXCEL_NOTHING=1"
   done
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | ssm | final" >&2; exit 2 ;;
+fresh)
+  for shape in ${SHAPES:-llama-8b-4bit llama-8b-bf16}; do
+    echo "== $shape (first process on this machine)"
+    model $shape
+    out=$(MLXCEL_KERNEL_LOG=1 "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 128 \
+      --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>&1 >/dev/null)
+    echo "$out" | grep '^\[mlxcel CUDA kernel' || echo "  (no mlxcel kernel compiled)"
+    echo -n "  mlxcel: "; echo "$out" | python3 -c "$fmt"
+  done
+  echo "== kernel caches on disk"
+  ls -la "$HOME/.cache/mlxcel/cuda" 2>/dev/null | tail -n +2
+  du -sh "$HOME"/.cache/* 2>/dev/null
+  ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | ssm | fresh | final" >&2; exit 2 ;;
 esac

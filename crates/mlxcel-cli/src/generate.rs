@@ -664,6 +664,8 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
             "warm_up": loaded.load_phases.warm_up,
             "tokenizer": loaded.load_phases.tokenizer,
         },
+        // mlxcel's CUDA kernels compiled in this process so far (load and this request).
+        "kernel_compile_s": mlxcel_core::cuda_kernels::compile_seconds(),
         "prompt_tokens": stats.prompt_tokens,
         "prefill_s": stats.prefill_seconds,
         "prefill_tps": stats.prefill_tokens_per_second(),

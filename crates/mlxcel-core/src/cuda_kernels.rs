@@ -483,6 +483,18 @@ fn fingerprint(text: &str) -> u64 {
     })
 }
 
+// `PREBUILT_CUBINS`: the cubins shipped in kernels/prebuilt/ (see build.rs).
+include!(concat!(env!("OUT_DIR"), "/prebuilt_cubins.rs"));
+
+/// Nanoseconds this process spent compiling mlxcel's CUDA kernels (NVRTC).
+static COMPILE_NANOS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Seconds this process spent compiling mlxcel's CUDA kernels: kernels neither shipped
+/// prebuilt for this GPU nor in the disk cache (0 on a machine that has run them before).
+pub fn compile_seconds() -> f64 {
+    COMPILE_NANOS.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
+}
+
 /// A kernel's compiled module, kept for the life of the process (like MLX's own loaded kernels),
 /// or why it could not be built.
 type Loaded = std::result::Result<&'static CudaBinary, String>;
@@ -500,15 +512,31 @@ fn binary(id: KernelId) -> Result<&'static CudaBinary> {
         let build = || -> Result<&'static CudaBinary> {
             let arch = bridge::cuda_device_arch()?;
             let source = entry.source();
-            let file = crate::cache_dir().map(|d| {
-                let key = fingerprint(&source);
-                d.join("cuda")
-                    .join(format!("{}-sm{arch}-{key:016x}.cubin", entry.name))
-            });
-            let image = match file.as_ref().and_then(|f| std::fs::read(f).ok()) {
+            let name = format!(
+                "{}-sm{arch}-{:016x}.cubin",
+                entry.name,
+                fingerprint(&source)
+            );
+            let shipped = PREBUILT_CUBINS
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, image)| image.to_vec());
+            let file = crate::cache_dir().map(|d| d.join("cuda").join(&name));
+            let cached = || file.as_ref().and_then(|f| std::fs::read(f).ok());
+            let image = match shipped.or_else(cached) {
                 Some(image) => image,
                 None => {
+                    let compiling = std::time::Instant::now();
                     let image = bridge::cuda_compile(&source, &entry.name, arch)?;
+                    let took = compiling.elapsed();
+                    COMPILE_NANOS
+                        .fetch_add(took.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                    if std::env::var_os("MLXCEL_KERNEL_LOG").is_some() {
+                        eprintln!(
+                            "[mlxcel CUDA kernel {name}: compiled in {:.2} s]",
+                            took.as_secs_f64()
+                        );
+                    }
                     if let Some(file) = &file {
                         save(file, &image);
                     }
