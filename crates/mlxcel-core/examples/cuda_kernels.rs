@@ -314,8 +314,58 @@ fn speed_mma() -> R<()> {
     Ok(())
 }
 
+/// rows.cu: the embedding lookup against MLX's `take` (bit-equal, every table dtype, ids with
+/// repeats and a 2-D shape) and `silu(gate) * up` of `[gate | up]` against MLX's compiled
+/// kernel of the split halves (within one unit in the last place: `expf` may differ).
+fn check_rows() -> R<Vec<String>> {
+    let mut failures = Vec::new();
+    let ids: Vec<i32> = vec![3, 0, 1000, 3, 517, 999, 42, 7];
+    let ids = Array::from_slice(&ids, &[2, 4])?;
+    for dtype in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
+        let table = random(&[1001, 96], dtype, 5)?;
+        let q = table.quantize(QuantSpec {
+            mode: QuantMode::Affine,
+            group_size: 32,
+            bits: 4,
+        })?;
+        for (what, t) in [
+            ("table", &table),
+            ("packed", &q.weight),
+            ("scales", &q.scales),
+        ] {
+            let ours = cuda_kernels::take_rows(t, &ids)?;
+            let mlx = t.take(&ids, 0)?;
+            let label = format!("take_rows {what} {} of {}", t.dtype()?.name(), dtype.name());
+            // Bit patterns compared as 32-bit words (half-precision rows pair up: 96 per row).
+            let bits = |a: &Array| -> R<Vec<u32>> {
+                Ok(a.reshape(&[-1])?
+                    .contiguous()?
+                    .view(Dtype::Uint32)?
+                    .to_vec::<u32>()?)
+            };
+            let same = ours.shape() == mlx.shape() && bits(&ours)? == bits(&mlx)?;
+            println!("{label}: {}", if same { "equal" } else { "DIFFERENT" });
+            if !same {
+                failures.push(label);
+            }
+        }
+        for rows in [1, 7, 512] {
+            let x = random(&[rows, 2 * 1408], dtype, rows as u64)?;
+            let ours = cuda_kernels::silu_halves(&x)?;
+            let parts = x.split_at(&[1408], -1)?;
+            let mlx = ops::gated_activation(ops::GatedActivation::Silu, &parts[0], &parts[1])?;
+            let label = format!("silu_halves {rows}x{} {}", 2 * 1408, dtype.name());
+            if !close(&label, &ours, &mlx, dtype, 1.0)? {
+                failures.push(label);
+            }
+        }
+    }
+    Ok(failures)
+}
+
 fn check() -> R<Vec<String>> {
     let mut failures = check_scan()?;
+    failures.extend(check_rows()?);
     // The tensor-core batch GEMV when it is switched on (else `--mma` checks it alone).
     if policy::current().cuda_qmv_mma {
         failures.extend(check_mma()?);
@@ -597,6 +647,16 @@ fn main() -> R<()> {
     policy::install(&policy)?;
     if std::env::args().any(|a| a == "--source") {
         print!("{}", cuda_kernels::module_source());
+        return Ok(());
+    }
+    // `--prebuild DIR`: the kernels shipped compiled (crates/mlxcel-core/kernels/prebuilt/),
+    // compiled for this GPU into DIR.
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--prebuild") {
+        let dir = args.get(i + 1).ok_or("--prebuild DIR")?;
+        for file in cuda_kernels::prebuild(std::path::Path::new(dir))? {
+            println!("{}", file.display());
+        }
         return Ok(());
     }
     // ops::dequantize and ops::quantized_matmul must be MLX's here, the references (the

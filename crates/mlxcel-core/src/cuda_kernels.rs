@@ -57,6 +57,7 @@ const QMV_AND_DECODE: &str = concat!(
 );
 /// In every module: the launcher's copy of an input that is not row-contiguous.
 const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
+const ROWS: &str = include_str!("../kernels/cuda/rows.cu");
 /// Up to this many rows of activations take the GEMV (decode, batched decode of concurrent
 /// requests: each row re-reads the weights, mostly from L2, which still beats MLX's quantized
 /// matmul at these sizes; measured in docs/performance.md, serving).
@@ -165,6 +166,14 @@ enum KernelId {
         dtype: Dtype,
         formats: DecoderFormats,
     },
+    /// rows.cu's `take_rows` over a table of `dtype`.
+    TakeRows {
+        dtype: Dtype,
+    },
+    /// rows.cu's `silu_halves` in `dtype`.
+    SiluHalves {
+        dtype: Dtype,
+    },
 }
 
 /// Which neighbouring ops a GEMV kernel folds in (`PRE` and `RES` of qmv.cu).
@@ -196,6 +205,8 @@ impl KernelId {
             } => qmv_mma_entry(dtype, (warps, row_tiles), act_tiles, residual),
             KernelId::Scan { states_per_lane } => scan_entry(states_per_lane),
             KernelId::Decoder { dtype, formats } => decoder_entry(dtype, formats),
+            KernelId::TakeRows { dtype } => rows_entry("take_rows", dtype),
+            KernelId::SiluHalves { dtype } => rows_entry("silu_halves", dtype),
         }
     }
 }
@@ -215,6 +226,125 @@ fn dequant_entry(bits: i32, dtype: Dtype) -> Entry {
         kernel: DEQUANT,
         wrapper,
     }
+}
+
+/// The C type of a rows.cu element.
+fn element_type(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::Uint32 => "uint32_t",
+        d => type_name(d),
+    }
+}
+
+/// rows.cu's `kernel` (`take_rows` or `silu_halves`) over elements of `dtype`.
+fn rows_entry(kernel: &str, dtype: Dtype) -> Entry {
+    let name = format!("mlxcel_{kernel}_{}", dtype.name());
+    let t = element_type(dtype);
+    let wrapper = if kernel == "take_rows" {
+        format!(
+            "extern \"C\" __global__ void {name}(const {t}* table, const int* ids, {t}* out, \
+             int n_ids, int row_len, int n_rows) {{ \
+             take_rows<{t}>(table, ids, out, n_ids, row_len, n_rows); }}\n"
+        )
+    } else {
+        format!(
+            "extern \"C\" __global__ void {name}(const {t}* x, {t}* out, int rows, int cols) {{ \
+             silu_halves<{t}>(x, out, rows, cols); }}\n"
+        )
+    };
+    Entry {
+        name,
+        kernel: ROWS,
+        wrapper,
+    }
+}
+
+/// Table dtypes [`take_rows`] reads: quantized tables' packed words and planes, dense tables.
+const TAKE_ROWS_DTYPES: [Dtype; 4] = [
+    Dtype::Uint32,
+    Dtype::Bfloat16,
+    Dtype::Float16,
+    Dtype::Float32,
+];
+
+/// Activation dtypes of [`silu_halves`].
+const SILU_HALVES_DTYPES: [Dtype; 3] = [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32];
+
+/// Threads per block of rows.cu's kernels.
+const ROWS_THREADS: i32 = 256;
+
+/// The launch grid (in threads) covering `n` outputs.
+fn rows_grid(n: i64) -> [i32; 3] {
+    let threads = (n + ROWS_THREADS as i64 - 1) / ROWS_THREADS as i64 * ROWS_THREADS as i64;
+    [threads as i32, 1, 1]
+}
+
+/// Whether [`take_rows`] takes this lookup: on a GPU (unless `MLXCEL_CUDA_ROWS=0`), a
+/// row-major 2-D table of a supported dtype, int32 ids, and sizes a 32-bit index covers.
+pub fn take_rows_applies(table: &Array, ids: &Array) -> Result<bool> {
+    if !rows_enabled() || !on_gpu()? || table.ndim() != 2 || ids.dtype()? != Dtype::Int32 {
+        return Ok(false);
+    }
+    let outputs = ids.size() as i64 * table.dim(1)? as i64;
+    Ok(TAKE_ROWS_DTYPES.contains(&table.dtype()?)
+        && (table.size() as i64) < i32::MAX as i64
+        && outputs < i32::MAX as i64 - ROWS_THREADS as i64)
+}
+
+/// `table[ids]` along the first axis, `[..ids, row_len]`, on mlxcel's kernel (see
+/// [`take_rows_applies`]); ids outside the table must have been refused before.
+pub fn take_rows(table: &Array, ids: &Array) -> Result<Array> {
+    let (n_rows, row_len) = (table.dim(0)?, table.dim(1)?);
+    let n_ids = ids.size() as i32;
+    let dtype = table.dtype()?;
+    let mut shape = ids.shape();
+    shape.push(row_len);
+    let flat = call(
+        KernelId::TakeRows { dtype },
+        &[table.clone(), ids.reshape(&[-1])?],
+        vec![n_ids, row_len],
+        dtype,
+        &[n_ids, row_len, n_rows],
+        rows_grid(n_ids as i64 * row_len as i64),
+        [ROWS_THREADS, 1, 1],
+    )?;
+    flat.reshape(&shape)
+}
+
+/// Whether [`silu_halves`] takes `x`: on a GPU (unless `MLXCEL_CUDA_ROWS=0`), a supported
+/// dtype, an even last axis, and sizes a 32-bit index covers.
+pub fn silu_halves_applies(x: &Array) -> Result<bool> {
+    if !rows_enabled() || !on_gpu()? || x.ndim() == 0 {
+        return Ok(false);
+    }
+    Ok(SILU_HALVES_DTYPES.contains(&x.dtype()?)
+        && x.dim(-1)? % 2 == 0
+        && (x.size() as i64) < i32::MAX as i64 - ROWS_THREADS as i64)
+}
+
+/// `silu(gate) * up` of `x = [gate | up]` along its last axis, `[.., last / 2]`, as one
+/// mlxcel kernel (see [`silu_halves_applies`]).
+pub fn silu_halves(x: &Array) -> Result<Array> {
+    let cols = x.dim(-1)? / 2;
+    let rows = (x.size() / (2 * cols.max(1) as usize)) as i32;
+    let dtype = x.dtype()?;
+    let mut shape = x.shape();
+    *shape.last_mut().expect("checked: at least one axis") = cols;
+    let flat = call(
+        KernelId::SiluHalves { dtype },
+        &[x.reshape(&[rows, 2 * cols])?],
+        vec![rows, cols],
+        dtype,
+        &[rows, cols],
+        rows_grid(rows as i64 * cols as i64),
+        [ROWS_THREADS, 1, 1],
+    )?;
+    flat.reshape(&shape)
+}
+
+/// `MLXCEL_CUDA_ROWS` (default on): rows.cu's kernels instead of MLX's JIT-compiled ones.
+fn rows_enabled() -> bool {
+    crate::policy::with(|p| p.cuda_rows)
 }
 
 fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), mb: i32, fold: GemvFold) -> Entry {
@@ -447,6 +577,13 @@ pub fn module_source() -> String {
     for j in SCAN_STATES_PER_LANE {
         src += &scan_entry(j).wrapper;
     }
+    src += ROWS;
+    for dtype in TAKE_ROWS_DTYPES {
+        src += &rows_entry("take_rows", dtype).wrapper;
+    }
+    for dtype in SILU_HALVES_DTYPES {
+        src += &rows_entry("silu_halves", dtype).wrapper;
+    }
     for dtype in QMV_MMA_DTYPES {
         for shape in QMV_MMA_SHAPES {
             for nt in [1, 2] {
@@ -495,6 +632,66 @@ pub fn compile_seconds() -> f64 {
     COMPILE_NANOS.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
 }
 
+/// The kernels shipped compiled in kernels/prebuilt/ (`cuda_kernels --prebuild DIR` on a GPU
+/// writes them): what the first load and request of a Llama-style model use, 4-bit, 8-bit or
+/// unquantized, with bf16 or f16 activations (measured with `gpu_probe.sh fresh`: the decode
+/// step's module, the prefill's dequantize kernel, the warm-up's RMSNorm-folded GEMV).
+/// Other kernels compile on first use, as do these when their source has changed since.
+fn prebuilt_set() -> Vec<KernelId> {
+    let mut ids = Vec::new();
+    for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+        for bits in BITS {
+            let formats = DecoderFormats::default().with(Some(bits));
+            ids.push(KernelId::Decoder { dtype, formats });
+            ids.push(KernelId::Dequant { bits, dtype });
+            ids.push(KernelId::Qmv {
+                bits,
+                dtype,
+                shape: RMSNORM_FOLDED_SHAPE,
+                rows_per_block: 1,
+                fold: GemvFold {
+                    pre: 1,
+                    residual: false,
+                },
+            });
+        }
+        let formats = DecoderFormats::default().with(None);
+        ids.push(KernelId::Decoder { dtype, formats });
+        ids.push(KernelId::SiluHalves { dtype });
+        ids.push(KernelId::TakeRows { dtype });
+    }
+    ids.push(KernelId::TakeRows {
+        dtype: Dtype::Uint32,
+    });
+    ids
+}
+
+/// A compiled module's file name (in the disk cache and kernels/prebuilt/): the kernel, the
+/// GPU architecture and a fingerprint of the source, so a changed kernel is never taken from
+/// an old file.
+fn binary_file_name(entry: &Entry, source: &str, arch: i32) -> String {
+    format!("{}-sm{arch}-{:016x}.cubin", entry.name, fingerprint(source))
+}
+
+/// Compiles [`prebuilt_set`] for this process's GPU into `dir` (created if needed), under the
+/// names `binary` looks them up by; returns the files written. Run on a GPU machine, then
+/// commit the files into `crates/mlxcel-core/kernels/prebuilt/`.
+pub fn prebuild(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+    let arch = bridge::cuda_device_arch()?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::Invalid(format!("{}: {e}", dir.display())))?;
+    let mut written = Vec::new();
+    for id in prebuilt_set() {
+        let entry = id.entry();
+        let source = entry.source();
+        let image = bridge::cuda_compile(&source, &entry.name, arch)?;
+        let file = dir.join(binary_file_name(&entry, &source, arch));
+        std::fs::write(&file, image)
+            .map_err(|e| Error::Invalid(format!("{}: {e}", file.display())))?;
+        written.push(file);
+    }
+    Ok(written)
+}
+
 /// A kernel's compiled module, kept for the life of the process (like MLX's own loaded kernels),
 /// or why it could not be built.
 type Loaded = std::result::Result<&'static CudaBinary, String>;
@@ -512,11 +709,7 @@ fn binary(id: KernelId) -> Result<&'static CudaBinary> {
         let build = || -> Result<&'static CudaBinary> {
             let arch = bridge::cuda_device_arch()?;
             let source = entry.source();
-            let name = format!(
-                "{}-sm{arch}-{:016x}.cubin",
-                entry.name,
-                fingerprint(&source)
-            );
+            let name = binary_file_name(&entry, &source, arch);
             let shipped = PREBUILT_CUBINS
                 .iter()
                 .find(|(n, _)| *n == name)
@@ -1021,6 +1214,33 @@ pub fn selective_scan(
 
 #[cfg(test)]
 mod tests {
+    /// Every cubin shipped in kernels/prebuilt/ is a kernel of [`super::prebuilt_set`]
+    /// compiled from today's source: a kernel edited since is flagged here (recompile with
+    /// `cuda_kernels --prebuild DIR` on a GPU, or delete the stale file; it then compiles on
+    /// first use).
+    #[test]
+    fn shipped_cubins_are_of_the_current_kernel_sources() {
+        for (file, image) in super::PREBUILT_CUBINS {
+            let arch: i32 = file
+                .rsplit_once("-sm")
+                .and_then(|(_, rest)| rest.split('-').next())
+                .and_then(|a| a.parse().ok())
+                .unwrap_or_else(|| panic!("{file}: no -sm<arch>- in the name"));
+            let current: Vec<String> = super::prebuilt_set()
+                .into_iter()
+                .map(|id| {
+                    let entry = id.entry();
+                    super::binary_file_name(&entry, &entry.source(), arch)
+                })
+                .collect();
+            assert!(
+                current.iter().any(|n| n == file),
+                "kernels/prebuilt/{file} is of no current kernel source (expected one of {current:?})"
+            );
+            assert!(!image.is_empty(), "{file} is empty");
+        }
+    }
+
     use super::*;
 
     /// NVRTC 12.9 from PyPI (the `nvidia-cuda-nvrtc-cu12` wheel: no GPU or driver needed),

@@ -526,6 +526,27 @@ pub enum GatedActivation {
     Gelu,
 }
 
+/// `act(gate) * up` of `x = [gate | up]` along its last axis (a fused gate/up projection's
+/// output), `[.., last / 2]`. SiLU on a GPU runs on mlxcel's kernel (`MLXCEL_CUDA_ROWS`), which
+/// ships compiled: MLX would JIT-compile its fused kernel on a machine's first prompt.
+pub fn gated_activation_halves(kind: GatedActivation, x: &Array) -> Result<Array> {
+    if kind == GatedActivation::Silu && crate::cuda_kernels::silu_halves_applies(x)? {
+        return crate::cuda_kernels::silu_halves(x);
+    }
+    let parts = x.split_at(&[x.dim(-1)? / 2], -1)?;
+    gated_activation(kind, &parts[0], &parts[1])
+}
+
+/// `table[ids]` along the table's first axis (an embedding lookup), `[..ids, row_len]`. On a GPU
+/// a 2-D table runs on mlxcel's kernel (`MLXCEL_CUDA_ROWS`), which ships compiled: MLX would
+/// JIT-compile its gather on a machine's first request.
+pub fn take_rows(table: &Array, ids: &Array) -> Result<Array> {
+    if crate::cuda_kernels::take_rows_applies(table, ids)? {
+        return crate::cuda_kernels::take_rows(table, ids);
+    }
+    table.take(ids, 0)
+}
+
 /// `act(gate) * up` for gated MLPs. On a GPU it runs as one kernel (a function compiled once
 /// with MLX's `compile`: decode is bound by per-kernel dispatch, and SiLU-and-multiply is
 /// otherwise three kernels, tanh-GELU-and-multiply nine). On the CPU the same ops run unfused:

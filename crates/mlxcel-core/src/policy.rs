@@ -242,6 +242,10 @@ pub struct RuntimePolicy {
     pub batch_pipeline: bool,
     /// `MLXCEL_CUDA_DEQUANT`: mlxcel's CUDA dequantize kernel for GPU prefill (default on).
     pub cuda_dequant: bool,
+    /// `MLXCEL_CUDA_ROWS`: mlxcel's CUDA kernels for embedding lookups and the prompt's
+    /// `silu(gate) * up` instead of MLX's, which MLX JIT-compiles on a machine's first request
+    /// (default on).
+    pub cuda_rows: bool,
     /// `MLXCEL_FUSE_PROJECTIONS`: fuse q/k/v and gate/up projections at load. `None`: on for a
     /// GPU, off on the CPU.
     pub fuse_projections: Option<bool>,
@@ -302,6 +306,7 @@ impl RuntimePolicy {
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
+        cuda_rows: true,
         fuse_projections: None,
         surgery: None,
         embed_pad_to: None,
@@ -309,7 +314,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 30] = [
+    pub const VARIABLES: [&'static str; 31] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -336,6 +341,7 @@ impl RuntimePolicy {
         "MLXCEL_BATCH_PIPELINE",
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
+        "MLXCEL_CUDA_ROWS",
         "MLXCEL_FUSE_PROJECTIONS",
         "MLXCEL_SURGERY",
         "MLXCEL_EMBED_PAD_TO",
@@ -487,6 +493,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_DEQUANT") {
             p.cuda_dequant = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_ROWS") {
+            p.cuda_rows = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_SCAN") {
             p.cuda_scan = match v.word().as_str() {
@@ -729,7 +738,7 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 9] = [
+        let cases: [(&str, Get); 10] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
@@ -738,6 +747,7 @@ mod tests {
             ("MLXCEL_CUDA_QMV_MMA", |p| Some(p.cuda_qmv_mma)),
             ("MLXCEL_CUDA_DECODE", |p| Some(p.cuda_decode)),
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
+            ("MLXCEL_CUDA_ROWS", |p| Some(p.cuda_rows)),
             ("MLXCEL_FUSE_PROJECTIONS", |p| p.fuse_projections),
         ];
         for (var, get) in cases {

@@ -269,10 +269,7 @@ impl Linear {
         let y = match input {
             LinearInput::Plain => self.forward(x)?,
             LinearInput::Normed(norm) => self.forward(&norm.forward(x)?)?,
-            LinearInput::Gated(act) => {
-                let parts = x.split_at(&[x.dim(-1)? / 2], -1)?;
-                self.forward(&act.gated(&parts[0], &parts[1])?)?
-            }
+            LinearInput::Gated(act) => self.forward(&act.gated_halves(x)?)?,
         };
         Ok(match residual {
             Some(r) => r.add(&y)?,
@@ -403,7 +400,7 @@ impl Embedding {
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match self {
             Embedding::Dense { table, dtype } => {
-                let rows = table.take(ids, 0)?;
+                let rows = ops::take_rows(table, ids)?;
                 Ok(if rows.dtype()? == *dtype {
                     rows
                 } else {
@@ -421,10 +418,10 @@ impl Embedding {
                         a
                     })
                 };
-                let w = q.weight.take(ids, 0)?;
-                let s = widen(q.scales.take(ids, 0)?)?;
+                let w = ops::take_rows(&q.weight, ids)?;
+                let s = widen(ops::take_rows(&q.scales, ids)?)?;
                 let b = match &q.biases {
-                    Some(b) => Some(widen(b.take(ids, 0)?)?),
+                    Some(b) => Some(widen(ops::take_rows(b, ids)?)?),
                     None => None,
                 };
                 Ok(ops::dequantize(&w, &s, b.as_ref(), q.spec, Some(*dtype))?)

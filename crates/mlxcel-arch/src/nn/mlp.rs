@@ -97,6 +97,22 @@ impl Activation {
         Ok(gated_activation(kind, gate, up)?)
     }
 
+    /// [`Activation::gated`] of `x = [gate | up]` split along its last axis (a fused gate/up
+    /// projection's output): SiLU, GELU and tanh-GELU as `ops::gated_activation_halves`.
+    pub fn gated_halves(self, x: &Array) -> Result<Array> {
+        use mlxcel_core::ops::{gated_activation_halves, GatedActivation};
+        let kind = match self {
+            Activation::Silu => GatedActivation::Silu,
+            Activation::GeluTanh => GatedActivation::GeluTanh,
+            Activation::Gelu => GatedActivation::Gelu,
+            _ => {
+                let parts = x.split_at(&[x.dim(-1)? / 2], -1)?;
+                return self.gated(&parts[0], &parts[1]);
+            }
+        };
+        Ok(gated_activation_halves(kind, x)?)
+    }
+
     /// The activation applied element-wise to `x` (any shape).
     pub fn apply(self, x: &Array) -> Result<Array> {
         Ok(match self {
