@@ -316,7 +316,9 @@ fn speed_mma() -> R<()> {
 
 /// rows.cu: the embedding lookup against MLX's `take` (bit-equal, every table dtype, ids with
 /// repeats and a 2-D shape) and `silu(gate) * up` of `[gate | up]` against MLX's compiled
-/// kernel of the split halves (within one unit in the last place: `expf` may differ).
+/// kernel of the split halves. Both round to the dtype after the sigmoid, the product with the
+/// gate and the product with up, but MLX's sigmoid rounds inside too: measured up to 1.5 units
+/// in the last place in bf16 (H100), 1 in f16.
 fn check_rows() -> R<Vec<String>> {
     let mut failures = Vec::new();
     let ids: Vec<i32> = vec![3, 0, 1000, 3, 517, 999, 42, 7];
@@ -355,7 +357,7 @@ fn check_rows() -> R<Vec<String>> {
             let parts = x.split_at(&[1408], -1)?;
             let mlx = ops::gated_activation(ops::GatedActivation::Silu, &parts[0], &parts[1])?;
             let label = format!("silu_halves {rows}x{} {}", 2 * 1408, dtype.name());
-            if !close(&label, &ours, &mlx, dtype, 1.0)? {
+            if !close(&label, &ours, &mlx, dtype, 2.0)? {
                 failures.push(label);
             }
         }
