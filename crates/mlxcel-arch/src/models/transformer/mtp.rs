@@ -75,7 +75,7 @@ impl Mtp {
         }
         if count == 0 {
             return Err(ModelError::Unsupported(
-                "this model has no multi-token-prediction layers (`num_nextn_predict_layers` is 0 or absent in config.json): use a draft model for speculative decoding".into(),
+                "no multi-token-prediction layers to build: mlxcel builds those of DeepSeek-V3 and GLM-4.5 checkpoints (`num_nextn_predict_layers` > 0 in config.json); use a draft model for speculative decoding".into(),
             ));
         }
         if n == 0 {
