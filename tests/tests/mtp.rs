@@ -48,13 +48,19 @@ fn reference(family: &str) -> MtpReference {
     }
 }
 
-fn load(family: &str, mtp: bool) -> mlxcel_loading::Result<Loaded> {
+/// The checkpoint in `dir`, with its MTP layers built when `mtp`.
+fn load_dir(dir: impl AsRef<std::path::Path>, mtp: bool) -> mlxcel_loading::Result<Loaded> {
     let options = LoadOptions {
         skip_tokenizer: true,
         mtp,
         ..Default::default()
     };
-    load_model(fixtures_dir().join("mtp").join(family), &options)
+    load_model(dir, &options)
+}
+
+/// The MTP fixture of `family`.
+fn load(family: &str, mtp: bool) -> mlxcel_loading::Result<Loaded> {
+    load_dir(fixtures_dir().join("mtp").join(family), mtp)
 }
 
 fn ids_array(ids: &[u32]) -> Array {
@@ -244,41 +250,20 @@ fn mtp_needs_the_layers_and_the_load_option() {
     .to_string();
     assert!(err.contains("multi-token-prediction layers"), "{err}");
     let plain = mlxcel_tests::logits_for(&loaded.model, &r.ids[..r.prompt_len]);
-    let base = load_model(
-        mlxcel_tests::model_dir("deepseek_v3"),
-        &LoadOptions {
-            skip_tokenizer: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let base = load_dir(mlxcel_tests::model_dir("deepseek_v3"), false).unwrap();
     let want = mlxcel_tests::logits_for(&base.model, &r.ids[..r.prompt_len]);
     assert_eq!(plain, want, "the MTP layer changed the model's own logits");
 
     // A checkpoint without MTP layers (the plain fixture; conversions that dropped them).
-    let err = load_model(
-        mlxcel_tests::model_dir("glm4_moe"),
-        &LoadOptions {
-            skip_tokenizer: true,
-            mtp: true,
-            ..Default::default()
-        },
-    )
-    .map(|_| ())
-    .expect_err("no MTP layers")
-    .to_string();
+    let err = load_dir(mlxcel_tests::model_dir("glm4_moe"), true)
+        .map(|_| ())
+        .expect_err("no MTP layers")
+        .to_string();
     assert!(err.contains("num_nextn_predict_layers"), "{err}");
     let dir = mlxcel_tests::copy_fixture("deepseek_v3");
-    let err = load_model(
-        dir.path(),
-        &LoadOptions {
-            skip_tokenizer: true,
-            mtp: true,
-            ..Default::default()
-        },
-    )
-    .map(|_| ())
-    .expect_err("config names an MTP layer the weights lack")
-    .to_string();
+    let err = load_dir(dir.path(), true)
+        .map(|_| ())
+        .expect_err("config names an MTP layer the weights lack")
+        .to_string();
     assert!(err.contains("model.layers.2.eh_proj.weight"), "{err}");
 }
