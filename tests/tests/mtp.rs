@@ -221,6 +221,22 @@ fn mtp_speculation_keeps_the_models_greedy_output() {
             "{family}: both outcomes ran"
         );
 
+        // A follow-up request in the same session: the caches' prefix is reused (the MTP rows
+        // start after it, at their real positions); the output is still plain decoding's.
+        let longer = [prompt, &spec[..6]].concat();
+        let short = GenerateRequest {
+            max_new_tokens: 8,
+            ..req.clone()
+        };
+        let (again, stats) = speculate(&mut session, 1, &longer, &short);
+        assert!(
+            stats.reused_tokens > prompt.len(),
+            "{family}: the prefix was reused"
+        );
+        let (fresh, _) =
+            generate_text(&mut loaded.session(), None, &longer, &short, |_| {}, |_| {}).unwrap();
+        assert_eq!(again, fresh, "{family}: MTP after a reused prefix");
+
         // Two drafts a round (the one MTP layer chained over its own output): same output.
         let (chained, stats) = speculate(&mut loaded.session(), 2, prompt, &req);
         assert_eq!(chained, plain, "{family}: two drafts a round");
