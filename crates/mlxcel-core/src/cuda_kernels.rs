@@ -673,9 +673,9 @@ fn binary_file_name(entry: &Entry, source: &str, arch: i32) -> String {
     format!("{}-sm{arch}-{:016x}.cubin", entry.name, fingerprint(source))
 }
 
-/// Compiles [`prebuilt_set`] for this process's GPU into `dir` (created if needed), under the
-/// names `binary` looks them up by; returns the files written. Run on a GPU machine, then
-/// commit the files into `crates/mlxcel-core/kernels/prebuilt/`.
+/// Compiles the kernels shipped prebuilt (`prebuilt_set`) for this process's GPU into `dir`
+/// (created if needed), under the names `binary` looks them up by; returns the files written.
+/// Run on a GPU machine, then commit the files into `crates/mlxcel-core/kernels/prebuilt/`.
 pub fn prebuild(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
     let arch = bridge::cuda_device_arch()?;
     std::fs::create_dir_all(dir).map_err(|e| Error::Invalid(format!("{}: {e}", dir.display())))?;
