@@ -14,22 +14,42 @@ pub fn prefill(
     caches: &mut [LayerCache],
     chunk: Option<usize>,
 ) -> Result<Array> {
+    prefill_chunks(model, tokens, caches, chunk, |input, caches| {
+        Ok(model.forward_last(input, caches)?.reshape(&[-1])?)
+    })
+}
+
+/// What [`prefill`] refuses: an empty prompt, an id outside the vocabulary, chunks of 0.
+fn check_prefill(tokens: &[u32], vocab: usize, chunk: Option<usize>) -> Result<()> {
     if tokens.is_empty() {
         return Err(ModelError::Runtime("cannot prefill an empty prompt".into()));
     }
-    check_token_ids(tokens, model.vocab_size())?;
+    check_token_ids(tokens, vocab)?;
     if chunk == Some(0) {
         return Err(ModelError::Runtime(
             "prefill chunk = 0: must be at least 1 token".into(),
         ));
     }
+    Ok(())
+}
+
+/// [`prefill`] with each chunk's pass `forward(ids [1, n], caches)` returning its last
+/// position's logits `[vocab]` (evaluated here, per chunk).
+fn prefill_chunks(
+    model: &dyn LanguageModel,
+    tokens: &[u32],
+    caches: &mut [LayerCache],
+    chunk: Option<usize>,
+    mut forward: impl FnMut(&Array, &mut [LayerCache]) -> Result<Array>,
+) -> Result<Array> {
+    check_prefill(tokens, model.vocab_size(), chunk)?;
     let step = chunk.unwrap_or(tokens.len()).max(1);
     let mut last = None;
     let pieces: Vec<&[u32]> = tokens.chunks(step).collect();
     for (k, piece) in pieces.iter().enumerate() {
         let ids: Vec<i32> = piece.iter().map(|t| *t as i32).collect();
         let input = Array::from_slice(&ids, &[1, ids.len() as i32])?;
-        let row = model.forward_last(&input, caches)?.reshape(&[-1])?;
+        let row = forward(&input, caches)?;
         // Gather-ahead: the next chunk's per-token reads overlap this chunk's compute.
         if let Some(next) = pieces.get(k + 1) {
             model.prefetch(next)?;
@@ -787,15 +807,8 @@ impl<'m> Session<'m> {
         chunk: Option<usize>,
     ) -> Result<(usize, Array, Array)> {
         let mtp = self.mtp()?;
-        if prompt.is_empty() {
-            return Err(ModelError::Runtime("cannot prefill an empty prompt".into()));
-        }
-        if chunk == Some(0) {
-            return Err(ModelError::Runtime(
-                "prefill chunk = 0: must be at least 1 token".into(),
-            ));
-        }
-        check_token_ids(prompt, self.model.vocab_size())?;
+        // Refused before the caches are touched.
+        check_prefill(prompt, self.model.vocab_size(), chunk)?;
         if self.caches.iter().any(LayerCache::is_recurrent) {
             return Err(ModelError::Unsupported(
                 "multi-token prediction of a model with recurrent layers".into(),
@@ -805,19 +818,20 @@ impl<'m> Session<'m> {
         self.position_delta = 0;
         let rest = &prompt[reuse..];
         let mut hidden = Vec::new();
-        let mut last = None;
-        for piece in rest.chunks(chunk.unwrap_or(rest.len()).max(1)) {
-            let ids: Vec<i32> = piece.iter().map(|t| *t as i32).collect();
-            let input = Array::from_slice(&ids, &[1, ids.len() as i32])?;
-            let (logits, h) = mtp.forward_with_hidden(&input, &mut self.caches, true)?;
-            let row = logits.reshape(&[-1])?;
-            // Per chunk, so the graph stays bounded by one chunk.
-            mlxcel_core::ops::eval_all([&row, &h])?;
-            hidden.push(h);
-            last = Some(row);
-        }
-        let logits =
-            last.ok_or_else(|| ModelError::Runtime("cannot prefill an empty prompt".into()))?;
+        let logits = prefill_chunks(
+            self.model,
+            rest,
+            &mut self.caches,
+            chunk,
+            |input, caches| {
+                let (logits, h) = mtp.forward_with_hidden(input, caches, true)?;
+                // Evaluated with the chunk's logits, so the graph stays bounded by one chunk.
+                let row = logits.reshape(&[-1])?;
+                mlxcel_core::ops::eval_all([&row, &h])?;
+                hidden.push(h);
+                Ok(row)
+            },
+        )?;
         check_prompt_logits(&logits, prompt.len())?;
         self.tokens.extend_from_slice(rest);
         Ok((reuse, logits, mlxcel_core::ops::concatenate(&hidden, 1)?))

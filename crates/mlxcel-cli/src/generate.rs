@@ -170,6 +170,9 @@ fn check_flags(flags: &RunFlags) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Tokens a draft model proposes per round without `--draft-tokens`.
+const DEFAULT_DRAFT_TOKENS: usize = 4;
+
 /// Where speculative decoding's proposals come from (`--speculative`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SpeculativeMethod {
@@ -190,11 +193,13 @@ impl<'a> Speculator<'a> {
     /// The speculator the flags ask for (`draft`: the loaded `--draft-model`).
     fn of(flags: &RunFlags, loaded: &Loaded, draft: Option<&'a Loaded>) -> Speculator<'a> {
         match (draft, flags.speculative) {
-            (Some(d), _) => Speculator::Draft(d, flags.draft_tokens.unwrap_or(4)),
+            (Some(d), _) => {
+                Speculator::Draft(d, flags.draft_tokens.unwrap_or(DEFAULT_DRAFT_TOKENS))
+            }
             (None, Some(SpeculativeMethod::Mtp)) => Speculator::Mtp(
                 flags
                     .draft_tokens
-                    .unwrap_or_else(|| loaded.model.mtp().map_or(1, |m| m.mtp_layers()).max(1)),
+                    .unwrap_or_else(|| loaded.model.mtp().map_or(1, |m| m.mtp_layers())),
             ),
             (None, None) => Speculator::None,
         }
@@ -239,7 +244,7 @@ fn load_draft(flags: &RunFlags, loaded: &Loaded) -> anyhow::Result<Option<Loaded
             draft.folder.display(),
             draft.model_type.name(),
             draft.load_seconds,
-            flags.draft_tokens.unwrap_or(4)
+            flags.draft_tokens.unwrap_or(DEFAULT_DRAFT_TOKENS)
         );
     }
     Ok(Some(draft))

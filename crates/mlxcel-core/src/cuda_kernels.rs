@@ -713,9 +713,12 @@ fn binary(id: KernelId) -> Result<&'static CudaBinary> {
             let shipped = PREBUILT_CUBINS
                 .iter()
                 .find(|(n, _)| *n == name)
-                .map(|(_, image)| image.to_vec());
+                .map(|(_, image)| std::borrow::Cow::Borrowed(*image));
             let file = crate::cache_dir().map(|d| d.join("cuda").join(&name));
-            let cached = || file.as_ref().and_then(|f| std::fs::read(f).ok());
+            let cached = || {
+                let image = std::fs::read(file.as_ref()?).ok()?;
+                Some(std::borrow::Cow::Owned(image))
+            };
             let image = match shipped.or_else(cached) {
                 Some(image) => image,
                 None => {
@@ -733,7 +736,7 @@ fn binary(id: KernelId) -> Result<&'static CudaBinary> {
                     if let Some(file) = &file {
                         save(file, &image);
                     }
-                    image
+                    std::borrow::Cow::Owned(image)
                 }
             };
             let binary = bridge::cuda_binary_new(&image, &entry.name)?;

@@ -84,8 +84,15 @@ fn draft_pick(logits: &Array, model_vocab: usize) -> Result<Array> {
 /// multi-token-prediction layers. The shared loop ([`speculate`]) checks them and keeps what
 /// the model agrees with.
 trait Proposer {
-    /// At most how many tokens it can propose after `last` now (0: this round is a plain step).
-    fn can_propose(&self, session: &Session<'_>, last: u32, wanted: usize) -> usize;
+    /// Called once with the model's first pick after the prompt, before the first round.
+    fn start(&mut self, first: u32) -> Result<()> {
+        let _ = first;
+        Ok(())
+    }
+
+    /// How many tokens it proposes after `last` this round: at most `budget` and its own
+    /// tokens a round (0: this round is a plain step).
+    fn can_propose(&self, session: &Session<'_>, last: u32, budget: usize) -> usize;
 
     /// Queues the round: up to `k` proposals chained behind `last`, and the model's pass over
     /// `[last, d1..dk]`. Returns the fed ids `[1, k + 1]` and the model's logits after each,
@@ -117,7 +124,8 @@ struct DraftProposer<'d, 's, 'm> {
 }
 
 impl Proposer for DraftProposer<'_, '_, '_> {
-    fn can_propose(&self, session: &Session<'_>, last: u32, wanted: usize) -> usize {
+    fn can_propose(&self, session: &Session<'_>, last: u32, budget: usize) -> usize {
+        let wanted = self.draft.tokens.min(budget);
         let draft = &self.draft.session;
         if (last as usize) >= draft.vocab_size()
             || !session.can_speculate(wanted + 1)
@@ -209,12 +217,10 @@ pub fn generate_text_speculative(
     let draft_started = std::time::Instant::now();
     draft.session.prefill(prompt, request.prefill_chunk)?;
     g.prefill_seconds += draft_started.elapsed().as_secs_f64();
-    let tokens = draft.tokens;
     let mut proposer = DraftProposer { draft: &mut draft };
     speculate(
         session,
         &mut proposer,
-        tokens,
         g,
         logits,
         tokenizer,
@@ -231,9 +237,13 @@ struct MtpProposer<'m> {
     mtp: &'m dyn MultiTokenPrediction,
     /// One cache per MTP layer.
     caches: Vec<LayerCache>,
-    /// Per cache: how many of its rows belong to positions the model kept (the rest are the
-    /// last round's chained drafts, taken back before the next feed).
-    confirmed: Vec<usize>,
+    /// How many rows of layer 0's cache belong to positions the model kept. Its other rows,
+    /// and all of the deeper layers', are the last round's chained drafts, taken back before
+    /// the next feed.
+    confirmed: usize,
+    /// The prompt's rows for [`Proposer::start`]: the first position fed, the model's hidden
+    /// states there, and the prompt tokens after each (the first pick completes them).
+    prompt: Option<(usize, Array, Vec<u32>)>,
     /// Hidden states after the final norm of the last verification pass, `[1, k + 1, hidden]`.
     hidden: Option<Array>,
     /// The queued drafts for the token after `last` and on, `[1, 1]` int32 each.
@@ -249,8 +259,8 @@ impl MtpProposer<'_> {
     /// drafts: the first from layer 0's last row, each further one from the next layer (in
     /// turn) over the previous draft.
     fn feed_and_draft(&mut self, hidden: &Array, first: usize, next: &[u32]) -> Result<()> {
-        for (cache, kept) in self.caches.iter_mut().zip(&self.confirmed) {
-            cache.rewind(*kept)?;
+        for (depth, cache) in self.caches.iter_mut().enumerate() {
+            cache.rewind(if depth == 0 { self.confirmed } else { 0 })?;
         }
         let ids: Vec<i32> = next.iter().map(|t| *t as i32).collect();
         let positions: Vec<i32> = (first..first + next.len()).map(|p| p as i32).collect();
@@ -261,7 +271,7 @@ impl MtpProposer<'_> {
             &Array::from_slice(&positions, &[positions.len() as i32])?,
             &mut self.caches[0],
         )?;
-        self.confirmed[0] += next.len();
+        self.confirmed += next.len();
         let rows = logits.dim(1)?;
         let mut pick = draft_pick(
             &logits.slice_axis(1, rows - 1, rows)?.reshape(&[-1])?,
@@ -288,8 +298,18 @@ impl MtpProposer<'_> {
 }
 
 impl Proposer for MtpProposer<'_> {
-    fn can_propose(&self, session: &Session<'_>, _last: u32, wanted: usize) -> usize {
-        let k = wanted.min(self.drafts.len());
+    fn start(&mut self, first: u32) -> Result<()> {
+        let (position, hidden, mut next) = self
+            .prompt
+            .take()
+            .ok_or_else(|| invalid("internal: the MTP layers started twice".into()))?;
+        // Position i reads the token after it: the last prompt position's is the first pick.
+        next.push(first);
+        self.feed_and_draft(&hidden, position, &next)
+    }
+
+    fn can_propose(&self, session: &Session<'_>, _last: u32, budget: usize) -> usize {
+        let k = budget.min(self.drafts.len());
         if !session.can_speculate(k + 1) {
             return 0;
         }
@@ -348,9 +368,9 @@ pub fn generate_text_mtp(
     tokenizer: Option<&Tokenizer>,
     prompt: &[u32],
     request: &GenerateRequest,
-    mut hooks: StepHooks<'_>,
-    mut on_text: impl FnMut(&str),
-    mut on_token: impl FnMut(u32, Option<TokenLogprob>),
+    hooks: StepHooks<'_>,
+    on_text: impl FnMut(&str),
+    on_token: impl FnMut(u32, Option<TokenLogprob>),
 ) -> Result<(Vec<u32>, GenerationStats)> {
     let Some(mtp) = session.model().mtp() else {
         return Err(invalid(
@@ -368,7 +388,7 @@ pub fn generate_text_mtp(
         ));
     }
     let mut prefilled = None;
-    let (mut g, logits) = GenerationProgress::start_with(
+    let (g, logits) = GenerationProgress::start_with(
         session,
         prompt,
         request.clone(),
@@ -384,31 +404,18 @@ pub fn generate_text_mtp(
     let mut proposer = MtpProposer {
         mtp,
         caches: mtp.mtp_caches(),
-        confirmed: vec![0; mtp.mtp_layers()],
+        confirmed: 0,
+        prompt: Some((reused, hidden, prompt[reused + 1..].to_vec())),
         hidden: None,
         drafts: Vec::new(),
         tokens,
         vocab: session.vocab_size(),
     };
-    let max_new = request.max_new_tokens;
-    let (first, logprob) = g.pick(&logits, session.tokens(), &mut hooks)?;
-    // The MTP rows of the prompt: position i reads the token after it (the first pick after
-    // the last), queued behind the first verification pass.
-    let mut next: Vec<u32> = prompt[reused + 1..].to_vec();
-    next.push(first);
-    let drafting = std::time::Instant::now();
-    proposer.feed_and_draft(&hidden, reused, &next)?;
-    g.prefill_seconds += drafting.elapsed().as_secs_f64();
-    g.decode_start = std::time::Instant::now();
-    let going = g.generated.len() < max_new
-        && g.emit(first, logprob, tokenizer, &mut on_text, &mut on_token)?;
-    speculate_from(
+    speculate(
         session,
         &mut proposer,
-        tokens,
         g,
-        first,
-        going,
+        logits,
         tokenizer,
         hooks,
         on_text,
@@ -416,13 +423,12 @@ pub fn generate_text_mtp(
     )
 }
 
-/// The shared loop: picks the first token from the prefill's `logits`, then runs rounds of
-/// `proposer` until the request ends.
+/// The shared loop: picks the first token from the prefill's `logits`, starts `proposer`
+/// with it, then runs rounds until the request ends.
 #[allow(clippy::too_many_arguments)]
 fn speculate(
     session: &mut Session<'_>,
     proposer: &mut dyn Proposer,
-    tokens: usize,
     mut g: GenerationProgress,
     logits: Array,
     tokenizer: Option<&Tokenizer>,
@@ -431,28 +437,10 @@ fn speculate(
     mut on_token: impl FnMut(u32, Option<TokenLogprob>),
 ) -> Result<(Vec<u32>, GenerationStats)> {
     g.decode_start = std::time::Instant::now();
-    let (last, logprob) = g.pick(&logits, session.tokens(), &mut hooks)?;
-    let going = g.generated.len() < g.request.max_new_tokens
+    let (mut last, logprob) = g.pick(&logits, session.tokens(), &mut hooks)?;
+    proposer.start(last)?;
+    let mut going = g.generated.len() < g.request.max_new_tokens
         && g.emit(last, logprob, tokenizer, &mut on_text, &mut on_token)?;
-    speculate_from(
-        session, proposer, tokens, g, last, going, tokenizer, hooks, on_text, on_token,
-    )
-}
-
-/// The rounds after the first token `last` was emitted (`going`: whether generation goes on).
-#[allow(clippy::too_many_arguments)]
-fn speculate_from(
-    session: &mut Session<'_>,
-    proposer: &mut dyn Proposer,
-    tokens: usize,
-    mut g: GenerationProgress,
-    mut last: u32,
-    mut going: bool,
-    tokenizer: Option<&Tokenizer>,
-    mut hooks: StepHooks<'_>,
-    mut on_text: impl FnMut(&str),
-    mut on_token: impl FnMut(u32, Option<TokenLogprob>),
-) -> Result<(Vec<u32>, GenerationStats)> {
     let mut stats = SpeculationStats::default();
     let max_new = g.request.max_new_tokens;
     // Greedy picks are compared on the device's argmax; hooks need each row on the host.
@@ -460,7 +448,7 @@ fn speculate_from(
     while going {
         let held = session.tokens().len();
         let budget = max_new - g.generated.len();
-        let k = proposer.can_propose(session, last, tokens.min(budget - 1));
+        let k = proposer.can_propose(session, last, budget - 1);
         let building = std::time::Instant::now();
         let (fed, logits) = proposer.propose_and_feed(session, last, k)?;
         let mut kept = 0;

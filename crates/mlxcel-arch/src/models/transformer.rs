@@ -1916,21 +1916,30 @@ impl Decoder {
         } else {
             h.clone()
         };
-        let logits = match &self.lm_head {
+        match &self.lm_head {
             Some(head) => {
                 let part = head.forward_fused(&h, LinearInput::Normed(&self.norm), None)?;
-                match &self.vocab_parallel {
+                self.scale_logits(match &self.vocab_parallel {
                     Some((group, parts)) => gather_vocab(group, parts, &part)?,
                     None => part,
-                }
+                })
             }
+            None => self.project_normed(&self.norm.forward(&h)?),
+        }
+    }
+
+    /// Logits of hidden states already through a final norm: the output head (the tied
+    /// table, with its bias, when there is no `lm_head`), the logit scale and soft-cap.
+    fn project_normed(&self, normed: &Array) -> Result<Array> {
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(normed)?,
             None => {
                 let embed = self.embed.as_ref().ok_or_else(|| {
                     ModelError::Runtime(
                         "internal: an output head on a pipeline stage without it".into(),
                     )
                 })?;
-                let logits = embed.as_linear(&self.norm.forward(&h)?)?;
+                let logits = embed.as_linear(normed)?;
                 match &self.tied_head_bias {
                     Some(b) => logits.add(b)?,
                     None => logits,
@@ -2062,38 +2071,10 @@ impl<A> LanguageModel for Transformer<A> {
     }
 
     fn mtp(&self) -> Option<&dyn MultiTokenPrediction> {
-        (self.decoder.mtp_count() > 0).then_some(self as &dyn MultiTokenPrediction)
-    }
-}
-
-impl<A> MultiTokenPrediction for Transformer<A> {
-    fn mtp_layers(&self) -> usize {
-        self.decoder.mtp_count()
-    }
-
-    fn mtp_caches(&self) -> Vec<LayerCache> {
-        self.decoder.mtp_caches()
-    }
-
-    fn forward_with_hidden(
-        &self,
-        tokens: &Array,
-        caches: &mut [LayerCache],
-        last_only: bool,
-    ) -> Result<(Array, Array)> {
-        self.decoder.forward_with_hidden(tokens, caches, last_only)
-    }
-
-    fn mtp_forward(
-        &self,
-        depth: usize,
-        hidden: &Array,
-        next_tokens: &Array,
-        positions: &Array,
-        cache: &mut LayerCache,
-    ) -> Result<(Array, Array)> {
         self.decoder
-            .mtp_forward(depth, hidden, next_tokens, positions, cache)
+            .mtp
+            .is_some()
+            .then_some(&self.decoder as &dyn MultiTokenPrediction)
     }
 }
 

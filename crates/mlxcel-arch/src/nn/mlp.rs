@@ -75,42 +75,44 @@ impl Activation {
         })
     }
 
+    /// The activations `ops::gated_activation` fuses with their multiply.
+    fn fused_kind(self) -> Option<mlxcel_core::ops::GatedActivation> {
+        use mlxcel_core::ops::GatedActivation;
+        match self {
+            Activation::Silu => Some(GatedActivation::Silu),
+            Activation::GeluTanh => Some(GatedActivation::GeluTanh),
+            Activation::Gelu => Some(GatedActivation::Gelu),
+            Activation::Relu | Activation::Relu2 | Activation::XIelu(_) | Activation::OaiSwiglu => {
+                None
+            }
+        }
+    }
+
     /// `act(gate) * up`, as one fused kernel where the backend allows (see
     /// `ops::gated_activation`).
     pub fn gated(self, gate: &Array, up: &Array) -> Result<Array> {
-        use mlxcel_core::ops::{gated_activation, GatedActivation};
-        let kind = match self {
-            Activation::Silu => GatedActivation::Silu,
-            Activation::GeluTanh => GatedActivation::GeluTanh,
-            Activation::Gelu => GatedActivation::Gelu,
-            Activation::Relu | Activation::Relu2 | Activation::XIelu(_) => {
-                return Ok(self.apply(gate)?.multiply(up)?)
-            }
-            Activation::OaiSwiglu => {
-                let limit = gate.scalar_like(OAI_SWIGLU_LIMIT)?;
-                let gate = gate.clip(None, Some(&limit))?;
-                let up = up.clip(Some(&up.scalar_like(-OAI_SWIGLU_LIMIT)?), Some(&limit))?;
-                let glu = gate.multiply(&gate.mul_scalar(OAI_SWIGLU_ALPHA)?.sigmoid()?)?;
-                return Ok(up.add_scalar(1.0)?.multiply(&glu)?);
-            }
-        };
-        Ok(gated_activation(kind, gate, up)?)
+        if let Some(kind) = self.fused_kind() {
+            return Ok(mlxcel_core::ops::gated_activation(kind, gate, up)?);
+        }
+        if let Activation::OaiSwiglu = self {
+            let limit = gate.scalar_like(OAI_SWIGLU_LIMIT)?;
+            let gate = gate.clip(None, Some(&limit))?;
+            let up = up.clip(Some(&up.scalar_like(-OAI_SWIGLU_LIMIT)?), Some(&limit))?;
+            let glu = gate.multiply(&gate.mul_scalar(OAI_SWIGLU_ALPHA)?.sigmoid()?)?;
+            return Ok(up.add_scalar(1.0)?.multiply(&glu)?);
+        }
+        // ReLU, ReLU² and xIELU: the activation, then the multiply.
+        Ok(self.apply(gate)?.multiply(up)?)
     }
 
     /// [`Activation::gated`] of `x = [gate | up]` split along its last axis (a fused gate/up
-    /// projection's output): SiLU, GELU and tanh-GELU as `ops::gated_activation_halves`.
+    /// projection's output): the fused kinds as `ops::gated_activation_halves`.
     pub fn gated_halves(self, x: &Array) -> Result<Array> {
-        use mlxcel_core::ops::{gated_activation_halves, GatedActivation};
-        let kind = match self {
-            Activation::Silu => GatedActivation::Silu,
-            Activation::GeluTanh => GatedActivation::GeluTanh,
-            Activation::Gelu => GatedActivation::Gelu,
-            _ => {
-                let parts = x.split_at(&[x.dim(-1)? / 2], -1)?;
-                return self.gated(&parts[0], &parts[1]);
-            }
-        };
-        Ok(gated_activation_halves(kind, x)?)
+        if let Some(kind) = self.fused_kind() {
+            return Ok(mlxcel_core::ops::gated_activation_halves(kind, x)?);
+        }
+        let parts = x.split_at(&[x.dim(-1)? / 2], -1)?;
+        self.gated(&parts[0], &parts[1])
     }
 
     /// The activation applied element-wise to `x` (any shape).

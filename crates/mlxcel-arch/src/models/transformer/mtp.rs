@@ -21,7 +21,7 @@ use mlxcel_core::Array;
 
 use super::{build_block, check_token_ids, norm, Block, Decoder, DecoderSpec};
 use crate::cache::LayerCache;
-use crate::model::LayerKind;
+use crate::model::{LayerKind, MultiTokenPrediction};
 use crate::nn::{Embedding, Linear, Norm};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -162,35 +162,25 @@ fn with_last_layer_repeated(spec: &DecoderSpec, count: usize) -> DecoderSpec {
 }
 
 impl Decoder {
-    fn mtp_layers(&self) -> Result<&Mtp> {
+    fn built_mtp(&self) -> Result<&Mtp> {
         self.mtp.as_ref().ok_or_else(|| {
             ModelError::Unsupported(
                 "the multi-token-prediction layers were not built (load with `mtp`)".into(),
             )
         })
     }
+}
 
-    /// Logits of hidden states already through a final norm: the output head, the tied
-    /// table's bias, the logit scale and soft-cap.
-    fn project_normed(&self, normed: &Array) -> Result<Array> {
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(normed)?,
-            None => {
-                let embed = self.embed.as_ref().ok_or_else(|| {
-                    ModelError::Runtime("internal: an output head without its table".into())
-                })?;
-                let logits = embed.as_linear(normed)?;
-                match &self.tied_head_bias {
-                    Some(b) => logits.add(b)?,
-                    None => logits,
-                }
-            }
-        };
-        self.scale_logits(logits)
+impl MultiTokenPrediction for Decoder {
+    fn mtp_layers(&self) -> usize {
+        self.mtp.as_ref().map_or(0, Mtp::len)
     }
 
-    /// See [`crate::model::MultiTokenPrediction::forward_with_hidden`].
-    pub(super) fn forward_with_hidden(
+    fn mtp_caches(&self) -> Vec<LayerCache> {
+        self.mtp.as_ref().map_or_else(Vec::new, Mtp::caches)
+    }
+
+    fn forward_with_hidden(
         &self,
         tokens: &Array,
         caches: &mut [LayerCache],
@@ -212,8 +202,7 @@ impl Decoder {
         Ok((self.project_normed(&rows)?, normed))
     }
 
-    /// See [`crate::model::MultiTokenPrediction::mtp_forward`].
-    pub(super) fn mtp_forward(
+    fn mtp_forward(
         &self,
         depth: usize,
         hidden: &Array,
@@ -221,7 +210,7 @@ impl Decoder {
         positions: &Array,
         cache: &mut LayerCache,
     ) -> Result<(Array, Array)> {
-        let mtp = self.mtp_layers()?;
+        let mtp = self.built_mtp()?;
         let layer = mtp.layers.get(depth).ok_or_else(|| {
             ModelError::Runtime(format!(
                 "multi-token-prediction depth {depth}: the model has {} MTP layers",
@@ -252,15 +241,5 @@ impl Decoder {
             None => self.project_normed(&normed)?,
         };
         Ok((logits, out))
-    }
-
-    /// How many MTP layers were built (0: none).
-    pub(super) fn mtp_count(&self) -> usize {
-        self.mtp.as_ref().map_or(0, Mtp::len)
-    }
-
-    /// Fresh caches for the MTP layers.
-    pub(super) fn mtp_caches(&self) -> Vec<LayerCache> {
-        self.mtp.as_ref().map_or_else(Vec::new, Mtp::caches)
     }
 }
