@@ -198,7 +198,7 @@ fn on_gpu() -> bool {
 
 #[test]
 #[ignore = "needs MLX's CUDA backend and a GPU (xtask/bench/gpu_probe.sh decode)"]
-fn cuda_step_matches_the_graph_on_llama_and_qwen_fixtures() {
+fn cuda_step_matches_the_graph_on_llama_qwen_and_moe_fixtures() {
     assert!(on_gpu(), "MLX's default device is not a GPU");
     // 250 prompt positions and 12 steps cross the caches' 256-row growth step.
     let mut worst = Vec::new();
@@ -213,6 +213,12 @@ fn cuda_step_matches_the_graph_on_llama_and_qwen_fixtures() {
             "llama",
             "qwen2",
             "qwen3",
+            // Routed experts (decode_moe.cu): renormalised softmax routing, 4-bit experts with
+            // an 8-bit router (qwen3_moe), group 32 (mixtral), dense experts cast at load.
+            "qwen3_moe-affine4-g64",
+            "mixtral-affine4-g32",
+            "qwen3_moe",
+            "mixtral",
         ] {
             let d = check_model(name, dtype, &prompt(250, 500), 12);
             worst.push((name, dtype, d));

@@ -40,7 +40,8 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="cuda_decode": print(m["executable"])')
   cp "$test_bin" "$root/.device/run/cuda_decode_test"
   mkdir -p "$root/.device/run/fixtures-decode/models"
-  for f in llama-affine4-g32 llama-affine4-g64 llama-affine8-g64 qwen3-affine4-g64 llama qwen2 qwen3; do
+  for f in llama-affine4-g32 llama-affine4-g64 llama-affine8-g64 qwen3-affine4-g64 llama qwen2 qwen3 \
+           qwen3_moe-affine4-g64 mixtral-affine4-g32 qwen3_moe mixtral; do
     rm -rf "$root/.device/run/fixtures-decode/models/$f"
     cp -r "$root/tests/fixtures/models/$f" "$root/.device/run/fixtures-decode/models/"
   done

@@ -37,7 +37,9 @@ namespace {
 
 // Projection roles (as `LinearRole` in src/cpu_decode.rs) and norm roles (`NormRole`).
 // ROLE_QKV and ROLE_GATE_UP: the fused `[q | k | v]` and `[gate | up]` projections (MLX loads
-// fuse them on a GPU), which replace the separate ones.
+// fuse them on a GPU), which replace the separate ones. A routed-expert layer has ROLE_ROUTER
+// (`[experts, hidden]`) and the expert stacks ROLE_EXPERT_* (`[experts, rows, words]`) instead
+// of the MLP's roles.
 enum {
   ROLE_Q,
   ROLE_K,
@@ -49,6 +51,10 @@ enum {
   ROLE_HEAD,
   ROLE_QKV,
   ROLE_GATE_UP,
+  ROLE_ROUTER,
+  ROLE_EXPERT_GATE,
+  ROLE_EXPERT_UP,
+  ROLE_EXPERT_DOWN,
   ROLES
 };
 enum { NORM_INPUT, NORM_POST, NORM_Q, NORM_K, NORM_FINAL };
@@ -61,24 +67,44 @@ constexpr unsigned ATTN_THREADS = 128; // DEC_ATTN_THREADS
 constexpr int MAX_CHUNK = 128;         // keys per attention block (one per thread)
 // Attention blocks per step the chunking aims at (about two per SM of an H100/H200).
 constexpr int ATTN_BLOCKS = 264;
+// decode_moe.cu's DEC_ROUTE_THREADS, DEC_MOE_THREADS, DEC_MOE_GROUPS (lane groups per block),
+// DEC_MOE_MAX_TOP_K and DEC_MOE_MAX_EXPERTS.
+constexpr unsigned ROUTE_THREADS = 256;
+constexpr unsigned MOE_THREADS = 128;
+constexpr int MOE_GROUPS = 16;
+constexpr int MAX_TOP_K = 32;
+constexpr int MAX_EXPERTS = 1024;
 
 // A projection: affine `bits`-bit (4 or 8) with scales and biases, or dense in the activations'
-// dtype (`bits` 16, no scales).
+// dtype (`bits` 16, no scales); `[rows, words]`, or a stack of experts' `[experts, rows, words]`.
 struct QLinear {
   std::optional<mx::array> w, scales, biases, bias;
   int bits = 0;
   bool dense() const { return bits == 16; }
-  int rows() const { return w->shape(0); }
-  int words() const { return w->shape(1); }
-  int groups() const { return dense() ? 0 : scales->shape(1); }
-  int cols() const { return dense() ? w->shape(1) : words() * 32 / bits; }
+  int experts() const { return w->ndim() == 3 ? w->shape(0) : 1; }
+  int rows() const { return w->shape(-2); }
+  int words() const { return w->shape(-1); }
+  int groups() const { return dense() ? 0 : scales->shape(-1); }
+  int cols() const { return dense() ? w->shape(-1) : words() * 32 / bits; }
+  // uint32 words per row however the weights are stored (dense: pairs of values).
+  int words32() const { return dense() ? cols() / 2 : words(); }
   // Its kernels' row in CudaDecoderState::gemv: 4-bit, 8-bit, dense.
   int table() const { return dense() ? 2 : bits == 8 ? 1 : 0; }
+};
+
+// How a routed-expert layer weighs its experts: softmax over the router's logits, the top_k
+// kept (renormalised when `normalize`), times `scale`. top_k 0: the layer has a dense MLP.
+struct Routing {
+  int top_k = 0;
+  bool normalize = false;
+  float scale = 1.0f;
 };
 
 struct Layer {
   QLinear linear[ROLES];  // ROLE_HEAD unused
   std::optional<mx::array> norm[4];
+  Routing routing;
+  bool moe() const { return routing.top_k > 0; }
 };
 
 // One kernel's arguments: 8-byte slots (pointers, or an int in the low 4 bytes), and the
@@ -127,13 +153,19 @@ struct CudaDecoderState {
   std::vector<Layer> layer;
   QLinear head;
   std::optional<mx::array> final_norm;
-  // Kernels, loaded by `finish`: GEMVs by [4-bit, 8-bit, dense][kind], then attention.
+  // Kernels, loaded by `finish`: GEMVs by [4-bit, 8-bit, dense][kind], then attention, then
+  // those of routed-expert layers (decode_moe.cu; the expert GEMVs by format as the GEMVs).
   void* gemv[3][3] = {};
   void* attention = nullptr;
+  void* route = nullptr;
+  void* moe_glu[3] = {};
+  void* moe_down[3] = {};
   // One int32 per key/value head, 0 between launches: dec_attention's count of the blocks
   // done (its last block sets it back). Steps run one at a time on MLX's stream.
   std::optional<mx::array> counters;
   int inter = 0;  // widest MLP
+  // Routed-expert layers: most experts, most kept per token, widest top_k * expert width.
+  int experts = 0, top_k = 0, moe_inter = 0;
   bool finished = false;
 
   std::string where(int l) const {
@@ -150,6 +182,16 @@ namespace {
 struct Segment {
   const QLinear* linear;
   void* out;
+};
+
+// The scratch parts of a routed-expert layer: the experts' normed input, the router's logits,
+// the chosen experts' ids (int32) and weights (float), their silu(gate) * up rows.
+struct Moe {
+  char* xn;
+  char* logits;
+  char* ids;
+  char* weights;
+  char* act;
 };
 
 class CudaDecodeStep : public mx::Primitive {
@@ -197,8 +239,14 @@ class CudaDecodeStep : public mx::Primitive {
     const size_t h_at = part(st.hidden * elt);
     const size_t qkv_at = part(size_t(q_dim + 2 * kv_dim) * elt);
     const size_t attn_at = part(size_t(q_dim) * elt);
-    const size_t gu_at = part(size_t(st.inter) * elt);
+    const size_t gu_at = part(size_t(std::max(st.inter, st.moe_inter)) * elt);
     const size_t partial_at = part(size_t(st.heads) * n_chunks * (st.head_dim + 2) * 4);
+    // Routed-expert layers: the experts' normed input, the router's logits, the chosen ids and
+    // their weights.
+    const size_t xn_at = part(st.top_k > 0 ? st.hidden * elt : 0);
+    const size_t logits_at = part(size_t(st.experts) * elt);
+    const size_t ids_at = part(size_t(st.top_k) * 4);
+    const size_t weights_at = part(size_t(st.top_k) * 4);
     arena_.emplace(mx::Shape{static_cast<int>(bytes)}, mx::uint8, nullptr,
                    std::vector<mx::array>{});
     arena_->set_data(api.malloc_async(bytes, enc));
@@ -206,8 +254,9 @@ class CudaDecodeStep : public mx::Primitive {
     char* h = base + h_at;
     char* qkv = base + qkv_at;
     char* attn = base + attn_at;
-    char* gu = base + gu_at;  // silu(gate) * up
+    char* gu = base + gu_at;  // silu(gate) * up (of each chosen expert)
     char* partial = base + partial_at;
+    const Moe moe{base + xn_at, base + logits_at, base + ids_at, base + weights_at, gu};
 
     const void* h_in = device_pointer(x);
     for (int l = 0; l < st.layers; ++l) {
@@ -259,6 +308,11 @@ class CudaDecodeStep : public mx::Primitive {
       launch(st.attention, Dim3{unsigned(st.kv_heads), unsigned(n_chunks), 1},
              Dim3{ATTN_THREADS, 1, 1}, at);
       gemv(GEMV_RES, {Segment{&ly.linear[ROLE_O], h}}, attn, nullptr, h_in);
+      h_in = h;
+      if (ly.moe()) {
+        experts(ly, moe, h);
+        continue;
+      }
       const QLinear& fused_gate_up = ly.linear[ROLE_GATE_UP];
       const int inter = ly.linear[ROLE_DOWN].cols();
       if (fused_gate_up.w) {
@@ -268,7 +322,6 @@ class CudaDecodeStep : public mx::Primitive {
             ptr(ly.norm[NORM_POST]));
       }
       gemv(GEMV_RES, {Segment{&ly.linear[ROLE_DOWN], h}}, gu, nullptr, h);
-      h_in = h;
     }
     gemv(GEMV_RMS, {Segment{&st.head, device_pointer(logits)}}, h, ptr(st.final_norm), nullptr,
          /*last=*/true);
@@ -385,6 +438,60 @@ class CudaDecodeStep : public mx::Primitive {
     launch(st.gemv[gate.table()][GEMV_GLU], Dim3{blocks, 1, 1}, Dim3{threads, 1, 1}, a);
   }
 
+  // A routed-expert feed-forward on `h` (in place): the router's GEMV, then decode_moe.cu's
+  // routing, the chosen experts' silu(gate) * up and their weighted down projections with the
+  // residual.
+  void experts(const Layer& ly, const Moe& m, char* h) {
+    const CudaDecoderState& st = *state_;
+    const QLinear& router = ly.linear[ROLE_ROUTER];
+    const QLinear& gate = ly.linear[ROLE_EXPERT_GATE];
+    const QLinear& up = ly.linear[ROLE_EXPERT_UP];
+    const QLinear& down = ly.linear[ROLE_EXPERT_DOWN];
+    const void* norm = ptr(ly.norm[NORM_POST]);
+    const int top_k = ly.routing.top_k;
+    const int inter = gate.rows();
+    gemv(GEMV_RMS, {Segment{&router, m.logits}}, h, norm, nullptr);
+    Args r;
+    r.ptr(m.logits)
+        .ptr(h)
+        .ptr(norm)
+        .ptr(m.xn)
+        .ptr(m.ids)
+        .ptr(m.weights)
+        .i32(router.rows())
+        .i32(top_k)
+        .i32(ly.routing.normalize ? 1 : 0)
+        .f32(ly.routing.scale)
+        .i32(st.hidden)
+        .f32(st.eps);
+    launch(st.route, Dim3{1, 1, 1}, Dim3{ROUTE_THREADS, 1, 1}, r);
+    Args g;
+    for (const QLinear* q : {&gate, &up}) {
+      g.ptr(device_pointer(*q->w)).ptr(ptr(q->scales)).ptr(ptr(q->biases));
+    }
+    g.ptr(m.ids).ptr(m.xn).ptr(m.act).i32(inter).i32(gate.words32()).i32(gate.groups()).i32(top_k);
+    launch(st.moe_glu[gate.table()], Dim3{unsigned(ceil_div(top_k * inter, MOE_GROUPS)), 1, 1},
+           Dim3{MOE_THREADS, 1, 1}, g);
+    // Rows per block: the block's lane groups cover every kept expert of each row.
+    const int outs = std::max(1, MOE_GROUPS / top_k);
+    Args d;
+    d.ptr(device_pointer(*down.w))
+        .ptr(ptr(down.scales))
+        .ptr(ptr(down.biases))
+        .ptr(m.ids)
+        .ptr(m.weights)
+        .ptr(m.act)
+        .ptr(h)
+        .ptr(h)
+        .i32(st.hidden)
+        .i32(down.words32())
+        .i32(down.groups())
+        .i32(top_k)
+        .i32(outs);
+    launch(st.moe_down[down.table()], Dim3{unsigned(ceil_div(st.hidden, outs)), 1, 1},
+           Dim3{MOE_THREADS, 1, 1}, d);
+  }
+
   // The arguments every GEMV kernel of decode.cu ends with: the input, the norm weight, the
   // residual, K (as `m`'s packing gives it) and eps.
   void tail_args(Args& a, const QLinear& m, const void* x, const void* aux,
@@ -469,18 +576,25 @@ void cuda_decoder_set_linear(CudaDecoder& d, int32_t layer, int32_t role, const 
     throw std::invalid_argument("mlxcel: cuda decoder: no projection " + std::to_string(role) +
                                 " in " + st.where(layer));
   }
-  const bool dense = scales == nullptr && biases == nullptr && bits == 0 && w.ndim() == 2 &&
-                     w.dtype() == st.dtype && w.shape(1) % 8 == 0;
+  // Expert stacks are `[experts, rows, words]`, every other projection `[rows, words]`.
+  const bool stacked =
+      role == ROLE_EXPERT_GATE || role == ROLE_EXPERT_UP || role == ROLE_EXPERT_DOWN;
+  const int ndim = stacked ? 3 : 2;
+  const bool dense = scales == nullptr && biases == nullptr && bits == 0 && w.ndim() == ndim &&
+                     w.dtype() == st.dtype && w.shape(-1) % 8 == 0;
   const bool quantized =
       scales != nullptr && biases != nullptr && (bits == 4 || bits == 8) &&
-      (group_size == 32 || group_size == 64 || group_size == 128) && w.ndim() == 2 &&
+      (group_size == 32 || group_size == 64 || group_size == 128) && w.ndim() == ndim &&
       w.dtype() == mx::uint32 && scales->dtype() == st.dtype && biases->dtype() == st.dtype &&
-      scales->ndim() == 2 && scales->shape(0) == w.shape(0) &&
-      scales->shape(1) * group_size == w.shape(1) * 32 / bits && biases->shape() == scales->shape();
+      scales->ndim() == ndim && scales->shape(0) == w.shape(0) &&
+      (ndim == 2 || scales->shape(1) == w.shape(1)) &&
+      scales->shape(-1) * group_size == w.shape(-1) * 32 / bits &&
+      biases->shape() == scales->shape();
   if (!dense && !quantized) {
     throw std::invalid_argument("mlxcel: cuda decoder: projection " + std::to_string(role) +
-                                " of " + st.where(layer) +
-                                " must be affine 4/8-bit (group 32/64/128, scales and biases in "
+                                " of " + st.where(layer) + " must be " +
+                                (stacked ? "a stack of experts, " : "") +
+                                "affine 4/8-bit (group 32/64/128, scales and biases in "
                                 "the activations' dtype) or dense in the activations' dtype");
   }
   if (bias != nullptr && role != ROLE_Q && role != ROLE_K && role != ROLE_V && role != ROLE_QKV) {
@@ -498,6 +612,19 @@ void cuda_decoder_set_linear(CudaDecoder& d, int32_t layer, int32_t role, const 
   }
   q.bits = dense ? 16 : bits;
   (is_head ? st.head : st.layer[layer].linear[role]) = std::move(q);
+}
+
+void cuda_decoder_set_routing(CudaDecoder& d, int32_t layer, int32_t top_k, bool normalize,
+                              float weight_scale) {
+  auto& st = *d.state;
+  if (st.finished) {
+    throw std::logic_error("mlxcel: cuda decoder: already finished");
+  }
+  if (layer < 0 || layer >= st.layers || top_k < 1 || top_k > MAX_TOP_K) {
+    throw std::invalid_argument("mlxcel: cuda decoder: routing of " + st.where(layer) +
+                                ": 1 to " + std::to_string(MAX_TOP_K) + " experts per token");
+  }
+  st.layer[layer].routing = Routing{top_k, normalize, weight_scale};
 }
 
 void cuda_decoder_set_norm(CudaDecoder& d, int32_t layer, int32_t role, const mx::array& w) {
@@ -541,6 +668,59 @@ void cuda_decoder_finish(CudaDecoder& d) {
       all.push_back(*m.bias);
     }
   };
+  // One GLU launch reads the gate and the up projection with one packing.
+  auto same_format = [](const QLinear& gate, const QLinear& up, const std::string& at) {
+    if (gate.bits != up.bits || gate.groups() != up.groups()) {
+      throw std::invalid_argument("mlxcel: cuda decoder: gate and up" + at +
+                                  " must have the same quantization");
+    }
+  };
+  auto need_mlp = [&](const Layer& ly, const std::string& at) {
+    const int inter = ly.linear[ROLE_DOWN].w ? ly.linear[ROLE_DOWN].cols() : 0;
+    if (inter <= 0 || inter % 8 != 0) {
+      throw std::invalid_argument("mlxcel: cuda decoder: the MLP width" + at +
+                                  " must be a multiple of 8");
+    }
+    if (ly.linear[ROLE_GATE_UP].w) {
+      need(ly.linear[ROLE_GATE_UP], 2 * inter, st.hidden, "gate_up" + at);
+    } else {
+      need(ly.linear[ROLE_GATE], inter, st.hidden, "gate" + at);
+      need(ly.linear[ROLE_UP], inter, st.hidden, "up" + at);
+      same_format(ly.linear[ROLE_GATE], ly.linear[ROLE_UP], at);
+    }
+    need(ly.linear[ROLE_DOWN], st.hidden, inter, "down" + at);
+    st.inter = std::max(st.inter, inter);
+  };
+  auto need_experts = [&](const Layer& ly, const std::string& at) {
+    const QLinear& router = ly.linear[ROLE_ROUTER];
+    const QLinear& down = ly.linear[ROLE_EXPERT_DOWN];
+    need(router, 0, st.hidden, "the router" + at);
+    const int experts = router.rows();
+    const int inter = down.w ? down.cols() : 0;
+    const int top_k = ly.routing.top_k;
+    if (experts > MAX_EXPERTS || top_k > experts || inter <= 0 || inter % 8 != 0) {
+      throw std::invalid_argument("mlxcel: cuda decoder: the experts" + at + " (" +
+                                  std::to_string(experts) + ", " + std::to_string(top_k) +
+                                  " per token, width " + std::to_string(inter) +
+                                  "): at most " + std::to_string(MAX_EXPERTS) +
+                                  " experts and a width a multiple of 8");
+    }
+    for (int role : {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN}) {
+      const QLinear& m = ly.linear[role];
+      if (m.w && m.experts() != experts) {
+        throw std::invalid_argument("mlxcel: cuda decoder: an expert stack" + at + " has " +
+                                    std::to_string(m.experts()) + " experts, the router " +
+                                    std::to_string(experts));
+      }
+    }
+    need(ly.linear[ROLE_EXPERT_GATE], inter, st.hidden, "the experts' gate" + at);
+    need(ly.linear[ROLE_EXPERT_UP], inter, st.hidden, "the experts' up" + at);
+    same_format(ly.linear[ROLE_EXPERT_GATE], ly.linear[ROLE_EXPERT_UP], at);
+    need(down, st.hidden, inter, "the experts' down" + at);
+    st.experts = std::max(st.experts, experts);
+    st.top_k = std::max(st.top_k, top_k);
+    st.moe_inter = std::max(st.moe_inter, top_k * inter);
+  };
   for (int l = 0; l < st.layers; ++l) {
     const Layer& ly = st.layer[l];
     const std::string at = " of " + st.where(l);
@@ -552,25 +732,11 @@ void cuda_decoder_finish(CudaDecoder& d) {
       need(ly.linear[ROLE_V], kv_dim, st.hidden, "v" + at);
     }
     need(ly.linear[ROLE_O], st.hidden, q_dim, "o" + at);
-    const int inter = ly.linear[ROLE_DOWN].w ? ly.linear[ROLE_DOWN].cols() : 0;
-    if (inter <= 0 || inter % 8 != 0) {
-      throw std::invalid_argument("mlxcel: cuda decoder: the MLP width" + at +
-                                  " must be a multiple of 8");
-    }
-    if (ly.linear[ROLE_GATE_UP].w) {
-      need(ly.linear[ROLE_GATE_UP], 2 * inter, st.hidden, "gate_up" + at);
+    if (ly.moe()) {
+      need_experts(ly, at);
     } else {
-      need(ly.linear[ROLE_GATE], inter, st.hidden, "gate" + at);
-      need(ly.linear[ROLE_UP], inter, st.hidden, "up" + at);
-      // One GLU launch reads both with one packing.
-      if (ly.linear[ROLE_GATE].bits != ly.linear[ROLE_UP].bits ||
-          ly.linear[ROLE_GATE].groups() != ly.linear[ROLE_UP].groups()) {
-        throw std::invalid_argument("mlxcel: cuda decoder: gate and up" + at +
-                                    " must have the same quantization");
-      }
+      need_mlp(ly, at);
     }
-    need(ly.linear[ROLE_DOWN], st.hidden, inter, "down" + at);
-    st.inter = std::max(st.inter, inter);
     if (!ly.norm[NORM_INPUT] || !ly.norm[NORM_POST] || bool(ly.norm[NORM_Q]) != bool(ly.norm[NORM_K])) {
       throw std::invalid_argument("mlxcel: cuda decoder: norms" + at + " missing");
     }
@@ -624,6 +790,18 @@ void cuda_decoder_finish(CudaDecoder& d) {
     }
   }
   st.attention = function(*api, *st.binary, "mlxcel_dec_attention_" + t);
+  if (st.top_k > 0) {
+    st.route = function(*api, *st.binary, "mlxcel_dec_route_" + t);
+    const char* formats[3] = {"b4", "b8", "dense"};
+    for (int b = 0; b < 3; ++b) {
+      if (used[b]) {
+        st.moe_glu[b] =
+            function(*api, *st.binary, std::string("mlxcel_dec_moe_glu_") + formats[b] + "_" + t);
+        st.moe_down[b] =
+            function(*api, *st.binary, std::string("mlxcel_dec_moe_down_") + formats[b] + "_" + t);
+      }
+    }
+  }
   st.finished = true;
 }
 

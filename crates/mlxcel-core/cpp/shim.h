@@ -87,6 +87,8 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
 void cuda_decoder_set_linear(CudaDecoder& d, int32_t layer, int32_t role, const array& w,
                              const array* scales, const array* biases, const array* bias,
                              int32_t group_size, int32_t bits);
+void cuda_decoder_set_routing(CudaDecoder& d, int32_t layer, int32_t top_k, bool normalize,
+                              float weight_scale);
 void cuda_decoder_set_norm(CudaDecoder& d, int32_t layer, int32_t role, const array& w);
 void cuda_decoder_finish(CudaDecoder& d);
 std::unique_ptr<array> cuda_decoder_step(const CudaDecoder& d, const array& x,

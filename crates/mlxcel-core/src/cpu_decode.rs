@@ -36,6 +36,14 @@ pub enum LinearRole {
     Qkv,
     /// The MLP gate and up projections as one `[gate | up]` projection (the CUDA step only).
     GateUp,
+    /// A routed-expert layer's router, `[experts, hidden]` (the CUDA step only).
+    Router,
+    /// The experts' gates, `[experts, intermediate, hidden]` (the CUDA step only).
+    ExpertGate,
+    /// The experts' up projections, `[experts, intermediate, hidden]` (the CUDA step only).
+    ExpertUp,
+    /// The experts' down projections, `[experts, hidden, intermediate]` (the CUDA step only).
+    ExpertDown,
 }
 
 /// A norm's place (all RMSNorm; the final norm is [`NormRole::Final`], layer `None`).

@@ -1,5 +1,6 @@
-//! mlxcel's CUDA decode step: one decode token of a dense attention-only decoder (the decoders
-//! the [CPU decode engine](crate::cpu_decode) covers) with affine 4/8-bit or dense weights and
+//! mlxcel's CUDA decode step: one decode token of an attention-only decoder (the decoders the
+//! [CPU decode engine](crate::cpu_decode) covers, and their softmax-routed mixture-of-experts
+//! kin: Qwen3-MoE, Mixtral) with affine 4/8-bit or dense weights and
 //! bf16/f16 activations as one MLX array, whose evaluation adds the whole step's kernels
 //! (`kernels/cuda/decode.cu`, 5 per layer) to MLX's CUDA graph (see `cpp/cuda_decode.cc`).
 //! Decode on a GPU is bound by MLX's host time per array; the MLX graph of the same step has ~14
@@ -33,16 +34,16 @@ impl std::fmt::Debug for CudaDecoder {
     }
 }
 
-/// Whether a projection's planes are ones the CUDA step reads: dense `[out, in]` in `dtype` (`in`
-/// a multiple of 8), or affine 4/8-bit, group 32/64/128, biases present, scales and biases in
-/// `dtype`.
+/// Whether a projection's planes are ones the CUDA step reads: dense `[out, in]` (or a stack of
+/// experts' `[experts, out, in]`) in `dtype` (`in` a multiple of 8), or affine 4/8-bit, group
+/// 32/64/128, biases present, scales and biases in `dtype`.
 pub fn takes_linear(
     w: &Array,
     quant: Option<(&Array, &Array, i32, i32)>,
     dtype: Dtype,
 ) -> Result<bool> {
     let Some((scales, biases, group, bits)) = quant else {
-        return Ok(w.ndim() == 2 && w.dtype()? == dtype && w.dim(1)? % 8 == 0);
+        return Ok(matches!(w.ndim(), 2 | 3) && w.dtype()? == dtype && w.dim(-1)? % 8 == 0);
     };
     Ok(matches!(bits, 4 | 8)
         && matches!(group, 32 | 64 | 128)
@@ -111,6 +112,26 @@ impl CudaDecoder {
                 bits,
             )?
         };
+        Ok(())
+    }
+
+    /// Makes `layer` a routed-expert layer (its projections [`LinearRole::Router`] and
+    /// `Expert*`): softmax over the router's logits, the `top_k` best experts kept (their
+    /// weights renormalised to sum to one when `normalize`), times `weight_scale`.
+    pub fn set_routing(
+        &mut self,
+        layer: usize,
+        top_k: i32,
+        normalize: bool,
+        weight_scale: f32,
+    ) -> Result<()> {
+        bridge::cuda_decoder_set_routing(
+            self.raw.pin_mut(),
+            layer_index(Some(layer)),
+            top_k,
+            normalize,
+            weight_scale,
+        )?;
         Ok(())
     }
 

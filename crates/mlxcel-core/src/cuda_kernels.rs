@@ -55,6 +55,15 @@ const QMV_AND_DECODE: &str = concat!(
     "\n",
     include_str!("../kernels/cuda/decode.cu")
 );
+/// The decode step's kernels with its routed-expert layers (decode_moe.cu), for models that
+/// have them; a model without keeps the module (and the cached cubins) of decode.cu alone.
+const QMV_DECODE_AND_MOE: &str = concat!(
+    include_str!("../kernels/cuda/qmv.cu"),
+    "\n",
+    include_str!("../kernels/cuda/decode.cu"),
+    "\n",
+    include_str!("../kernels/cuda/decode_moe.cu")
+);
 /// In every module: the launcher's copy of an input that is not row-contiguous.
 const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
 const ROWS: &str = include_str!("../kernels/cuda/rows.cu");
@@ -459,6 +468,8 @@ pub struct DecoderFormats {
     pub affine8: bool,
     /// Weights in the activations' dtype.
     pub dense: bool,
+    /// Routed-expert layers (decode_moe.cu's kernels, for each format above).
+    pub experts: bool,
 }
 
 impl DecoderFormats {
@@ -467,6 +478,7 @@ impl DecoderFormats {
         affine4: true,
         affine8: true,
         dense: true,
+        experts: true,
     };
 
     /// Adds the format of a projection: affine `Some(bits)` (4 or 8), dense `None`.
@@ -477,6 +489,12 @@ impl DecoderFormats {
             Some(_) => {}
             None => self.dense = true,
         }
+        self
+    }
+
+    /// With routed-expert layers.
+    pub fn with_experts(mut self) -> DecoderFormats {
+        self.experts = true;
         self
     }
 }
@@ -536,11 +554,46 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats) -> Entry {
          position, capacity, chunk, n_chunks, __int_as_float(eps_bits), \
          __int_as_float(scale_bits)); }}\n"
     );
+    if formats.experts {
+        wrapper += &format!(
+            "extern \"C\" __global__ void __launch_bounds__(DEC_ROUTE_THREADS) \
+             mlxcel_dec_route_{d}(const {t}* logits, const {t}* h, const {t}* norm, {t}* xn, \
+             int* ids, float* weights, int experts, int top_k, int normalize, int scale_bits, \
+             int hidden, int eps_bits) {{ dec_route<{t}>(logits, h, norm, xn, ids, weights, \
+             experts, top_k, normalize, __int_as_float(scale_bits), hidden, \
+             __int_as_float(eps_bits)); }}\n"
+        );
+        let expert_formats = [
+            (4, "b4", formats.affine4),
+            (8, "b8", formats.affine8),
+            (16, "dense", formats.dense),
+        ];
+        for (bits, f, _) in expert_formats.into_iter().filter(|&(_, _, on)| on) {
+            wrapper += &format!(
+                "extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
+                 mlxcel_dec_moe_glu_{f}_{d}(const uint32_t* gw, const {t}* gs, const {t}* gb, \
+                 const uint32_t* uw, const {t}* us, const {t}* ub, const int* ids, const {t}* x, \
+                 {t}* out, int inter, int words, int groups, int top_k) {{ \
+                 dec_moe_glu<{bits}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
+                 groups, top_k); }}\n\
+                 extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
+                 mlxcel_dec_moe_down_{f}_{d}(const uint32_t* dw, const {t}* ds, const {t}* db, \
+                 const int* ids, const float* weights, const {t}* a, const {t}* res, {t}* out, \
+                 int n_rows, int words, int groups, int top_k, int outs) {{ \
+                 dec_moe_down<{bits}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
+                 groups, top_k, outs); }}\n"
+            );
+        }
+    }
     Entry {
         // A kernel of the module (the loader resolves it first); each format set's source,
         // hence its cache file, differs.
         name: format!("mlxcel_dec_attention_{d}"),
-        kernel: QMV_AND_DECODE,
+        kernel: if formats.experts {
+            QMV_DECODE_AND_MOE
+        } else {
+            QMV_AND_DECODE
+        },
         wrapper,
     }
 }
@@ -564,7 +617,7 @@ pub fn module_source() -> String {
     let mut src = [
         PRELUDE,
         HEADER,
-        QMV_AND_DECODE,
+        QMV_DECODE_AND_MOE,
         QMV_MMA,
         DEQUANT,
         SCAN,
@@ -1295,6 +1348,10 @@ mod tests {
             "mlxcel_dec_attention_bfloat16",
             "mlxcel_dec_dmv_glu_bfloat16",
             "mlxcel_dec_attention_float16",
+            "mlxcel_dec_route_bfloat16",
+            "mlxcel_dec_moe_glu_b4_bfloat16",
+            "mlxcel_dec_moe_down_b8_float16",
+            "mlxcel_dec_moe_down_dense_bfloat16",
         ] {
             assert!(source.contains(name), "{name} missing from the module");
         }
@@ -1321,11 +1378,18 @@ mod tests {
         assert!(entry.wrapper.contains("mlxcel_dec_qmv_b8_glu_float16("));
         assert!(entry.wrapper.contains("mlxcel_dec_dmv_res_float16("));
         assert!(!entry.wrapper.contains("_b4_"));
+        assert!(!entry.wrapper.contains("moe") && entry.kernel == QMV_AND_DECODE);
+        let moe = decoder_entry(Dtype::Bfloat16, formats.with_experts());
+        for name in ["route", "moe_glu_b4", "moe_down_b4"] {
+            assert!(moe.wrapper.contains(&format!("mlxcel_dec_{name}_bfloat16(")));
+        }
+        assert!(!moe.wrapper.contains("_b8_") && moe.kernel == QMV_DECODE_AND_MOE);
         assert_eq!(
             DecoderFormats::default()
                 .with(Some(4))
                 .with(Some(8))
-                .with(None),
+                .with(None)
+                .with_experts(),
             DecoderFormats::ALL
         );
     }

@@ -390,6 +390,15 @@ pub(crate) mod bridge {
             group_size: i32,
             bits: i32,
         ) -> Result<()>;
+        /// Makes `layer` a routed-expert layer: softmax routing to `top_k` experts
+        /// (renormalised when `normalize`), weights times `weight_scale`.
+        fn cuda_decoder_set_routing(
+            d: Pin<&mut CudaDecoder>,
+            layer: i32,
+            top_k: i32,
+            normalize: bool,
+            weight_scale: f32,
+        ) -> Result<()>;
         /// As `cpu_decoder_set_norm`.
         fn cuda_decoder_set_norm(
             d: Pin<&mut CudaDecoder>,

@@ -1,7 +1,9 @@
 //! The decode engines for the decoders they cover: every layer pre-norm RMSNorm, q/k/v
 //! projections (optional biases, optional per-head RMS query/key norms), fixed-period rope,
 //! global attention, a SwiGLU MLP, a plain or tied output head. That is the
-//! llama/qwen2/qwen3/mistral (without a window) family.
+//! llama/qwen2/qwen3/mistral (without a window) family; on a GPU also its mixture-of-experts kin
+//! (Qwen3-MoE, Mixtral), whose feed-forward may be softmax-routed SwiGLU experts held in memory
+//! (no shared expert, no expert biases).
 //!
 //! - On the CPU, [`mlxcel_core::cpu_decode`] (dense or affine-quantized weights, float32
 //!   activations, q/k/v and gate/up as separate layers) computes a step in one call.
@@ -24,7 +26,10 @@ use mlxcel_quant::QuantizedWeight;
 
 use super::{Block, BlockNorms, BlockTopology, DecoderSpec, FeedForward, Mixer};
 use crate::cache::LayerCache;
-use crate::nn::{Activation, Embedding, Linear, Mlp, Norm, QkNorm, QkvProjection};
+use crate::nn::{
+    Activation, Embedding, Linear, Mlp, Norm, QkNorm, QkvProjection, RoutedExperts, RouterScoring,
+    SwitchLinear,
+};
 use crate::Result;
 
 /// An RMSNorm's weight when its epsilon is `eps` (the engine has one epsilon).
@@ -92,6 +97,15 @@ fn quantized_planes(q: &QuantizedWeight) -> Option<LinearPlanes<'_>> {
     ))
 }
 
+/// An expert stack's planes when an engine reads its format (see [`quantized_planes`]).
+fn stack_planes(l: &SwitchLinear) -> Option<LinearPlanes<'_>> {
+    match l {
+        SwitchLinear::Dense(w) => Some((w, None)),
+        SwitchLinear::Quantized(q) => quantized_planes(q),
+        SwitchLinear::Adapted { .. } => None,
+    }
+}
+
 fn float_kind(a: &Array) -> Result<bool> {
     Ok(matches!(
         a.dtype()?,
@@ -107,13 +121,23 @@ struct LinearPart<'a> {
     bias: Option<&'a Array>,
 }
 
-/// What the engines are given: the shape, every projection and every norm.
+/// How a routed-expert layer weighs its experts (see `CudaDecoder::set_routing`).
+struct Routing {
+    layer: usize,
+    top_k: i32,
+    normalize: bool,
+    weight_scale: f32,
+}
+
+/// What the engines are given: the shape, every projection and every norm, and the routing of
+/// the routed-expert layers (the CUDA step only).
 struct Plan<'a> {
     shape: DecoderShape,
     kv_heads: i32,
     head_dim: i32,
     linears: Vec<LinearPart<'a>>,
     norms: Vec<(Option<usize>, NormRole, &'a Array)>,
+    routings: Vec<Routing>,
 }
 
 /// Which engine a build is for.
@@ -167,6 +191,7 @@ fn plan(p: Parts<'_>) -> Result<Option<Plan<'_>>> {
     };
     let mut linears = Vec::new();
     let mut norms = Vec::new();
+    let mut routings = Vec::new();
     for (i, block) in p.blocks.iter().enumerate() {
         let BlockNorms::PreNorm { mixer_in, ffn_in } = &block.norms else {
             return Ok(None);
@@ -223,6 +248,14 @@ fn plan(p: Parts<'_>) -> Result<Option<Plan<'_>>> {
                 act: Activation::Silu,
                 ..
             })) => roles.extend([(LinearRole::GateUp, gate_up), (LinearRole::Down, down)]),
+            Some(FeedForward::Moe(moe)) => {
+                let Some((routing, experts)) = routed_experts(i, moe) else {
+                    return Ok(None);
+                };
+                roles.push((LinearRole::Router, &moe.router.gate));
+                routings.push(routing);
+                linears.extend(experts);
+            }
             _ => return Ok(None),
         }
         for (role, lin) in roles {
@@ -271,7 +304,52 @@ fn plan(p: Parts<'_>) -> Result<Option<Plan<'_>>> {
         shape,
         linears,
         norms,
+        routings,
     }))
+}
+
+/// Layer `layer`'s routing and expert stacks when the CUDA step covers its mixture of experts:
+/// softmax routing over all experts (no group limit or score correction), SwiGLU experts in
+/// memory without biases, no shared expert and no per-pair input scaling.
+fn routed_experts(layer: usize, moe: &super::MoeBlock) -> Option<(Routing, Vec<LinearPart<'_>>)> {
+    let r = &moe.router;
+    let plain_routing = r.scoring == RouterScoring::Softmax
+        && r.correction_bias.is_none()
+        && r.group_limit.is_none()
+        && r.top_k >= 1;
+    if !plain_routing || moe.shared.is_some() || moe.scale_inputs {
+        return None;
+    }
+    let RoutedExperts::Resident(glu) = &moe.experts else {
+        return None;
+    };
+    let gate = glu.gate.as_ref()?;
+    // The kernels' bounds (decode_moe.cu): up to 1024 experts, 32 of them per token.
+    let experts = stack_planes(&glu.up)?.0.dim(0).ok()?;
+    let fits = experts <= 1024 && r.top_k <= experts.min(32);
+    if !fits || glu.act != Activation::Silu || glu.biases.is_some() {
+        return None;
+    }
+    let mut parts = Vec::new();
+    for (role, stack) in [
+        (LinearRole::ExpertGate, gate),
+        (LinearRole::ExpertUp, &glu.up),
+        (LinearRole::ExpertDown, &glu.down),
+    ] {
+        parts.push(LinearPart {
+            layer: Some(layer),
+            role,
+            planes: stack_planes(stack)?,
+            bias: None,
+        });
+    }
+    let routing = Routing {
+        layer,
+        top_k: r.top_k,
+        normalize: r.normalize,
+        weight_scale: r.weight_scale,
+    };
+    Some((routing, parts))
 }
 
 impl DecodeEngine {
@@ -405,6 +483,9 @@ impl DecodeEngine {
 
 /// The CPU engine over `plan`: dense (float) or affine 2/4/8-bit projections.
 fn build_cpu(plan: &Plan<'_>) -> Result<Option<CpuDecoder>> {
+    if !plan.routings.is_empty() {
+        return Ok(None);
+    }
     let mut engine = CpuDecoder::new(&plan.shape)?;
     for l in &plan.linears {
         let (w, quant) = l.planes;
@@ -421,20 +502,23 @@ fn build_cpu(plan: &Plan<'_>) -> Result<Option<CpuDecoder>> {
     Ok(Some(engine))
 }
 
-/// Whether every layer's separate gate and up projections have one format (bits and group size,
-/// or both dense): the CUDA step computes `silu(gate) * up` in one launch over both, so a mixed
-/// recipe that quantizes them differently stays on the graph.
+/// Whether every layer's separate gate and up projections (an MLP's, or its experts') have one
+/// format (bits and group size, or both dense): the CUDA step computes `silu(gate) * up` in one
+/// launch over both, so a mixed recipe that quantizes them differently stays on the graph.
 fn gate_and_up_share_a_format(linears: &[LinearPart<'_>]) -> bool {
     let format = |l: &LinearPart<'_>| l.planes.1.map(|(_, _, group, bits)| (group, bits));
-    linears
-        .iter()
-        .filter(|g| g.role == LinearRole::Gate)
-        .all(|g| {
+    let pairs = [
+        (LinearRole::Gate, LinearRole::Up),
+        (LinearRole::ExpertGate, LinearRole::ExpertUp),
+    ];
+    pairs.into_iter().all(|(gate, up)| {
+        linears.iter().filter(|g| g.role == gate).all(|g| {
             linears
                 .iter()
-                .filter(|u| u.role == LinearRole::Up && u.layer == g.layer)
+                .filter(|u| u.role == up && u.layer == g.layer)
                 .all(|u| format(u) == format(g))
         })
+    })
 }
 
 /// The CUDA step over `plan`: affine 4/8-bit or dense projections with planes, norms and biases
@@ -473,14 +557,20 @@ fn build_cuda(plan: &Plan<'_>, dtype: Dtype) -> Result<Option<CudaDecoder>> {
         return Ok(None);
     }
     // The module holds the GEMVs of the model's weight formats alone.
-    let formats = plan.linears.iter().fold(
+    let mut formats = plan.linears.iter().fold(
         mlxcel_core::cuda_kernels::DecoderFormats::default(),
         |f, l| f.with(l.planes.1.map(|(_, _, _, bits)| bits)),
     );
+    if !plan.routings.is_empty() {
+        formats = formats.with_experts();
+    }
     let mut engine = CudaDecoder::new(s, dtype, formats)?;
     for l in &plan.linears {
         let (w, quant) = l.planes;
         engine.set_linear(l.layer, l.role, w, quant, l.bias)?;
+    }
+    for r in &plan.routings {
+        engine.set_routing(r.layer, r.top_k, r.normalize, r.weight_scale)?;
     }
     for &(layer, role, w) in &plan.norms {
         engine.set_norm(layer, role, w)?;

@@ -1,0 +1,266 @@
+// decode_moe.cu: the routed-expert layers of mlxcel's CUDA decode step (cpp/cuda_decode.cc),
+// after decode.cu in the decoder module of a model with mixture-of-experts layers (the module
+// of a model without them is built without this file, so its source and cached cubins stay
+// those of decode.cu alone).
+//
+// A softmax-routed MoE feed-forward (Qwen3-MoE, Mixtral: no shared expert) as 4 kernels, none
+// of which waits on the host for the router's choice (the MLX graph of the same layer reads
+// nothing back either, but costs ~30 arrays of host time):
+//   dec_qmv (PRE 1)  logits = rms_norm(h) @ Wr^T                  (decode.cu's GEMV, E rows)
+//   dec_route        xn = rms_norm(h) as the experts read it; softmax over the E logits in
+//                    float32, the top k, renormalised if asked, times a scale, rounded to T
+//   dec_moe_glu      a[s] = silu(xn @ Wg[e_s]^T) * (xn @ Wu[e_s]^T)   for each slot s < k
+//   dec_moe_down     h += sum_s w_s * (a[s] @ Wd[e_s]^T)
+// Each rounds to T where the MLX graph (nn/moe.rs) does: the projections' outputs, silu and
+// the product, each expert's output, its product with the (T) weight, the sum, the residual.
+//
+// Expert stacks are `[E, rows, words]` (MLX's `switch_mlp` layout), affine 4/8-bit with scales
+// and biases `[E, rows, groups]`, or dense in T (BITS 16, `words` then counting pairs of T).
+// Work split of the expert GEMVs: a lane group of DEC_MOE_LPR lanes owns one (slot, row) dot
+// product and strides along K in 16-byte chunks (32 elements at 4 bits), so every row is read
+// as whole 128-byte lines however short K is (an expert's down projection has K = 768 in
+// Qwen3-30B-A3B: 24 chunks, which qmv's 32-lanes-per-row split would leave a quarter idle).
+
+constexpr int DEC_MOE_LPR = 8;          // lanes per (slot, row) dot product
+constexpr int DEC_MOE_THREADS = 128;    // threads per block of the expert kernels
+constexpr int DEC_MOE_GROUPS = DEC_MOE_THREADS / DEC_MOE_LPR;
+constexpr int DEC_MOE_MAX_TOP_K = 32;
+constexpr int DEC_MOE_MAX_EXPERTS = 1024;
+constexpr int DEC_ROUTE_THREADS = 256;
+
+// The lanes of this thread's lane group, for shuffles that stay inside it (groups of one warp
+// may run different trip counts).
+__device__ __forceinline__ unsigned dec_moe_group_mask() {
+  const unsigned lane = threadIdx.x & 31;
+  return ((1u << DEC_MOE_LPR) - 1u) << (lane & ~unsigned(DEC_MOE_LPR - 1));
+}
+
+// R weight rows (w[r], with their scales s[r] and biases b[r] for affine BITS 4/8) dotted with
+// x (K values of T), by one lane group: the sums in every lane of the group. `words`: uint32
+// words per row (16-byte chunks: words / 4); `gshift`: log2 of chunks per quantization group.
+template <int BITS, int R, typename T>
+__device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const T* const (&s)[R],
+                                            const T* const (&b)[R], const T* x, int words,
+                                            int gshift, float (&acc)[R]) {
+  constexpr bool FAST = BITS == 4;
+  const int chunks = words / 4;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    acc[r] = 0.0f;
+  }
+#pragma unroll 2
+  for (int c = threadIdx.x & (DEC_MOE_LPR - 1); c < chunks; c += DEC_MOE_LPR) {
+    uint4 wv[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      wv[r] = qmv_load_w<1>(w[r] + (size_t)c * 4);
+    }
+    if constexpr (BITS == 16) {
+      float xf[8];
+      qmv_load_x<8>(x + c * 8, xf);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float wf[8];
+        dec_unpack8(wv[r], wf, x);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc[r] = fmaf(wf[j], xf[j], acc[r]);
+        }
+      }
+    } else {
+      constexpr int EPW = 32 / BITS;  // elements per word
+      constexpr float OFF = BITS == 4 ? 128.0f : 256.0f;
+      constexpr float HI_EXTRA = 0.26171875f;  // qmv_dot_word<4, 1>'s constant
+      const int g = c >> gshift;
+      float d[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        d[r] = 0.0f;
+      }
+      float xsum = 0.0f, xhi = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float xf[EPW];
+        qmv_load_x<EPW>(x + c * 4 * EPW + k * EPW, xf);
+        qmv_add_sums<FAST>(xf, xsum, xhi);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          d[r] = qmv_dot_word<BITS, FAST ? 1 : 0>(qmv_word(wv[r], k), xf, d[r]);
+        }
+      }
+      const float xoff = FAST ? fmaf(HI_EXTRA, xhi, OFF * xsum) : OFF * xsum;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        acc[r] = fmaf(qmv_to_float(s[r][g]), d[r] - xoff,
+                      fmaf(qmv_to_float(b[r][g]), xsum, acc[r]));
+      }
+    }
+  }
+  const unsigned mask = dec_moe_group_mask();
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int o = DEC_MOE_LPR / 2; o > 0; o >>= 1) {
+      acc[r] += __shfl_xor_sync(mask, acc[r], o);
+    }
+  }
+}
+
+// log2 of the 16-byte chunks per quantization group (0 for dense weights).
+template <int BITS>
+__device__ __forceinline__ int dec_moe_gshift(int words, int groups) {
+  if constexpr (BITS == 16) {
+    return 0;
+  } else {
+    const int chunks_per_group = (words / 4) / groups;
+    return 31 - __clz(chunks_per_group);
+  }
+}
+
+// One block of DEC_ROUTE_THREADS threads:
+//  1. xn = norm * rms_norm(h), rounded as the GEMVs' PRE 1 rounds it (the experts' input);
+//  2. warp 0: p = softmax(logits) in float32, the top_k experts by logit (the lowest id first
+//     among equal ones) into ids[0..top_k), their p (divided by the kept p's sum when
+//     `normalize`) times `scale`, rounded to T, into weights[].
+// experts <= DEC_MOE_MAX_EXPERTS, top_k <= min(experts, DEC_MOE_MAX_TOP_K), hidden % 8 == 0.
+template <typename T>
+__device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* norm, T* xn,
+                                          int* ids, float* weights, int experts, int top_k,
+                                          int normalize, float scale, int hidden, float eps) {
+  __shared__ float score[DEC_MOE_MAX_EXPERTS];
+  const int tid = threadIdx.x;
+  const float inv = qmv_inv_rms<DEC_ROUTE_THREADS / 32>(h, hidden, eps);
+  for (int i = tid; i < hidden; i += DEC_ROUTE_THREADS) {
+    const float v = qmv_round(h, qmv_to_float(h[i]) * inv);
+    qmv_store(xn + i, qmv_to_float(norm[i]) * v);
+  }
+  if (tid >= 32) {
+    return;
+  }
+  const int lane = tid;
+  float m = DEC_NEG_INF;
+  for (int i = lane; i < experts; i += 32) {
+    const float v = qmv_to_float(logits[i]);
+    score[i] = v;
+    m = fmaxf(m, v);
+  }
+  m = dec_warp_max(m);
+  float total = 0.0f;
+  for (int i = lane; i < experts; i += 32) {
+    total += __expf(score[i] - m);
+  }
+  total = dec_warp_sum(total);
+  __syncwarp();
+  float kept[DEC_MOE_MAX_TOP_K];
+  float kept_sum = 0.0f;
+  for (int s = 0; s < top_k; ++s) {
+    float best = DEC_NEG_INF;
+    int at = experts;
+    for (int i = lane; i < experts; i += 32) {
+      const float v = score[i];
+      if (v > best) {  // ascending i: the lowest id wins a tie within a lane
+        best = v;
+        at = i;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oa = __shfl_xor_sync(0xffffffffu, at, o);
+      if (ob > best || (ob == best && oa < at)) {
+        best = ob;
+        at = oa;
+      }
+    }
+    // A NaN or every logit -inf picks no expert: id 0 keeps the expert kernels in bounds
+    // (the logits, hence the output, are NaN or degenerate as on the graph).
+    at = at < experts ? at : 0;
+    const float p = __expf(best - m) / total;
+    kept[s] = p;
+    kept_sum += p;
+    if (lane == 0) {
+      ids[s] = at;
+    }
+    // Every lane has read score[at] before it is struck out.
+    __syncwarp();
+    if (lane == (at & 31)) {
+      score[at] = DEC_NEG_INF;
+    }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    for (int s = 0; s < top_k; ++s) {
+      const float p = normalize ? kept[s] / kept_sum : kept[s];
+      weights[s] = qmv_round(h, p * scale);
+    }
+  }
+}
+
+// a[s * inter + r] = silu(x @ Wg[e]^T)[r] * (x @ Wu[e]^T)[r], e = ids[s], for every slot s <
+// top_k and row r < inter; one lane group per (s, r). Grid: ceil(top_k * inter /
+// DEC_MOE_GROUPS) blocks of DEC_MOE_THREADS.
+template <int BITS, typename T>
+__device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, const T* gb,
+                                            const uint32_t* uw, const T* us, const T* ub,
+                                            const int* ids, const T* x, T* out, int inter,
+                                            int words, int groups, int top_k) {
+  const int item = blockIdx.x * DEC_MOE_GROUPS + (int)(threadIdx.x / DEC_MOE_LPR);
+  if (item >= top_k * inter) {
+    return;  // the whole lane group: its shuffles name its own lanes only
+  }
+  const int slot = item / inter;
+  const int r = item - slot * inter;
+  const size_t row = (size_t)ids[slot] * (size_t)inter + (size_t)r;
+  const size_t wo = row * (size_t)words;
+  const size_t go = row * (size_t)groups;
+  const uint32_t* w[2] = {gw + wo, uw + wo};
+  const T* s[2] = {gs + go, us + go};
+  const T* b[2] = {gb + go, ub + go};
+  float acc[2];
+  dec_moe_dot<BITS, 2>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
+  if ((threadIdx.x & (DEC_MOE_LPR - 1)) == 0) {
+    qmv_store(out + item, qmv_silu_gate(x, qmv_round(x, acc[0]), qmv_round(x, acc[1])));
+  }
+}
+
+// out[n] = res[n] + sum_s weights[s] * (a[s] @ Wd[e_s]^T)[n] for the block's `outs` rows n
+// (a: [top_k, K], K = the experts' width), each expert's output rounded to T, then its
+// product with its weight, then the sum and the residual, as the graph rounds them. Lane group
+// g takes the (slot, row) pairs g, g + DEC_MOE_GROUPS, ... of the block's top_k * outs; the
+// block sums each row's slots in slot order (no atomics: the same bits every run). out may be
+// res. Grid: ceil(n_rows / outs) blocks of DEC_MOE_THREADS; top_k * outs <= 2 *
+// DEC_MOE_MAX_TOP_K.
+template <int BITS, typename T>
+__device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, const T* db,
+                                             const int* ids, const float* weights, const T* a,
+                                             const T* res, T* out, int n_rows, int words,
+                                             int groups, int top_k, int outs) {
+  __shared__ float part[2 * DEC_MOE_MAX_TOP_K];
+  const int row0 = blockIdx.x * outs;
+  const int k_len = BITS == 16 ? 2 * words : words * (32 / BITS);
+  const int gshift = dec_moe_gshift<BITS>(words, groups);
+  for (int item = (int)(threadIdx.x / DEC_MOE_LPR); item < top_k * outs;
+       item += DEC_MOE_GROUPS) {
+    const int slot = item / outs;
+    const int n = min(row0 + item - slot * outs, n_rows - 1);
+    const size_t row = (size_t)ids[slot] * (size_t)n_rows + (size_t)n;
+    const uint32_t* w[1] = {dw + row * (size_t)words};
+    const T* s[1] = {ds + row * (size_t)groups};
+    const T* b[1] = {db + row * (size_t)groups};
+    float acc[1];
+    dec_moe_dot<BITS, 1>(w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift, acc);
+    if ((threadIdx.x & (DEC_MOE_LPR - 1)) == 0) {
+      part[item] = qmv_round(a, acc[0]);
+    }
+  }
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t < outs && row0 + t < n_rows) {
+    float sum = 0.0f;
+    for (int s = 0; s < top_k; ++s) {
+      sum += qmv_round(a, weights[s] * part[s * outs + t]);
+    }
+    const int n = row0 + t;
+    qmv_store(out + n, qmv_round(a, sum) + qmv_to_float(res[n]));
+  }
+}
