@@ -710,11 +710,25 @@ fn prebuilt_set() -> Vec<KernelId> {
         }
         let formats = DecoderFormats::default().with(None);
         ids.push(KernelId::Decoder { dtype, formats });
+        // A 4-bit MoE as mlx-lm writes it (8-bit routers: Qwen3-MoE's `quant_predicate`).
+        let formats = DecoderFormats::default()
+            .with(Some(4))
+            .with(Some(8))
+            .with_experts();
+        ids.push(KernelId::Decoder { dtype, formats });
         ids.push(KernelId::SiluHalves { dtype });
         ids.push(KernelId::TakeRows { dtype });
     }
     ids.push(KernelId::TakeRows {
         dtype: Dtype::Uint32,
+    });
+    // The benchmark's random 30B-A3B shape (xtask/bench/make_random_model.py: dense routers).
+    ids.push(KernelId::Decoder {
+        dtype: Dtype::Bfloat16,
+        formats: DecoderFormats::default()
+            .with(Some(4))
+            .with(None)
+            .with_experts(),
     });
     ids
 }
@@ -727,8 +741,9 @@ fn binary_file_name(entry: &Entry, source: &str, arch: i32) -> String {
 }
 
 /// Compiles the kernels shipped prebuilt (`prebuilt_set`) for this process's GPU into `dir`
-/// (created if needed), under the names `binary` looks them up by; returns the files written.
-/// Run on a GPU machine, then commit the files into `crates/mlxcel-core/kernels/prebuilt/`.
+/// (created if needed), under the names `binary` looks them up by, skipping those this build
+/// already ships for it; returns the files written. Run on a GPU machine, then commit the files
+/// into `crates/mlxcel-core/kernels/prebuilt/` (and delete the stale ones the CPU test names).
 pub fn prebuild(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
     let arch = bridge::cuda_device_arch()?;
     std::fs::create_dir_all(dir).map_err(|e| Error::Invalid(format!("{}: {e}", dir.display())))?;
@@ -736,8 +751,12 @@ pub fn prebuild(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
     for id in prebuilt_set() {
         let entry = id.entry();
         let source = entry.source();
+        let name = binary_file_name(&entry, &source, arch);
+        if PREBUILT_CUBINS.iter().any(|(shipped, _)| *shipped == name) {
+            continue;
+        }
         let image = bridge::cuda_compile(&source, &entry.name, arch)?;
-        let file = dir.join(binary_file_name(&entry, &source, arch));
+        let file = dir.join(name);
         std::fs::write(&file, image)
             .map_err(|e| Error::Invalid(format!("{}: {e}", file.display())))?;
         written.push(file);
