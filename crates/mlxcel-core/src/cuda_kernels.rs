@@ -1400,7 +1400,9 @@ mod tests {
         assert!(!entry.wrapper.contains("moe") && entry.kernel == QMV_AND_DECODE);
         let moe = decoder_entry(Dtype::Bfloat16, formats.with_experts());
         for name in ["route", "moe_glu_b4", "moe_down_b4"] {
-            assert!(moe.wrapper.contains(&format!("mlxcel_dec_{name}_bfloat16(")));
+            assert!(moe
+                .wrapper
+                .contains(&format!("mlxcel_dec_{name}_bfloat16(")));
         }
         assert!(!moe.wrapper.contains("_b8_") && moe.kernel == QMV_DECODE_AND_MOE);
         assert_eq!(
