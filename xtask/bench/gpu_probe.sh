@@ -24,7 +24,8 @@
 #                            ids with the step on and off, then speed against mlx-lm
 #   gpu_probe.sh moe         the CUDA decode step's routed-expert layers: the decode test (its
 #                            MoE fixtures included), then the 30B-A3B 4-bit shape's greedy ids
-#                            with the step on and off, then speed against mlx-lm
+#                            with the step on and off, then speed against mlx-lm (moe-shape:
+#                            without the test; GRAPH=0: without the MLX graph's speed)
 #   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
 #                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
 #                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;
@@ -206,16 +207,22 @@ ssm)
     passes "default MLXCEL_NOTHING=1" "scan-decode MLXCEL_CUDA_SCAN=decode" "scan-off MLXCEL_CUDA_SCAN=0"
   done
   ;;
-moe)
-  MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-400} "$here/cuda_decode_test" \
-    --ignored --nocapture --test-threads 1 2>&1 | grep -v "^$" | tail -60
+moe | moe-shape)
+  if [ "$what" = moe ]; then
+    MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-400} "$here/cuda_decode_test" \
+      --ignored --nocapture --test-threads 1 2>&1 | grep -v "^$" | tail -60
+  fi
   model qwen3-30b-a3b-4bit
   for f in 1 0; do
     echo -n "  greedy ids, MLXCEL_CUDA_DECODE=$f: "
     MLXCEL_CUDA_DECODE=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 64 \
       --ignore-eos --print-ids --quiet 2>&1 | tail -1 | cut -c1-60
   done
-  CENSUS=1 passes "step MLXCEL_CUDA_DECODE=1" "graph MLXCEL_CUDA_DECODE=0"
+  if [ "${GRAPH:-1}" = 1 ]; then
+    CENSUS=1 passes "step MLXCEL_CUDA_DECODE=1" "graph MLXCEL_CUDA_DECODE=0"
+  else
+    CENSUS=1 passes "step MLXCEL_CUDA_DECODE=1"
+  fi
   ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes (SHAPES: a subset).

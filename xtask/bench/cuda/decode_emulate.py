@@ -88,10 +88,12 @@ def attention(qkv, inv_freq, k_cache, v_cache, heads, kv_heads, head_dim, tradit
             ls = np.array([partial[base + k * stride + 1] for k in range(n_chunks)])
             m = ms.max()
             w = np.exp(ms - m)
-            inv = 1.0 / (ls * w).sum()
+            inv = np.float32(1.0 / (ls * w).sum())
+            # The kernel folds 1/l into each chunk's weight, then sums the weighted partials.
+            wl = (w * inv).astype(np.float32)
             for d in range(head_dim):
-                acc = sum(partial[base + k * stride + 2 + d] * w[k] for k in range(n_chunks))
-                out[h * head_dim + d] = bf16(acc * inv)
+                acc = sum(partial[base + k * stride + 2 + d] * wl[k] for k in range(n_chunks))
+                out[h * head_dim + d] = bf16(acc)
     assert not counters.any(), "every group's counter is back at 0"
     return out
 
