@@ -103,6 +103,27 @@ passes() {
   done
 }
 
+# The CUDA decode step against the MLX graph: the decode test (its fixtures, when $2 is "test"),
+# then shape $1's greedy ids with the step on and off, then speed against mlx-lm (GRAPH=0: the
+# step alone).
+step_against_graph() {
+  if [ "${2:-}" = test ]; then
+    MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-400} "$here/cuda_decode_test" \
+      --ignored --nocapture --test-threads 1 2>&1 | grep -v "^$" | tail -60
+  fi
+  model "$1"
+  for f in 1 0; do
+    echo -n "  greedy ids, MLXCEL_CUDA_DECODE=$f: "
+    MLXCEL_CUDA_DECODE=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 64 \
+      --ignore-eos --print-ids --quiet 2>&1 | tail -1 | cut -c1-60
+  done
+  if [ "${GRAPH:-1}" = 1 ]; then
+    CENSUS=1 passes "step MLXCEL_CUDA_DECODE=1" "graph MLXCEL_CUDA_DECODE=0"
+  else
+    CENSUS=1 passes "step MLXCEL_CUDA_DECODE=1"
+  fi
+}
+
 case $what in
 kernels)
   timeout 170 "$here/cuda_kernels"
@@ -180,15 +201,7 @@ speculative)
   done
   ;;
 decode)
-  MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout 300 "$here/cuda_decode_test" --ignored \
-    --nocapture --test-threads 1 2>&1 | grep -v "^$" | tail -40
-  model llama-8b-4bit
-  for f in 1 0; do
-    echo -n "  greedy ids, MLXCEL_CUDA_DECODE=$f: "
-    MLXCEL_CUDA_DECODE=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 64 \
-      --ignore-eos --print-ids --quiet 2>&1 | tail -1 | cut -c1-60
-  done
-  CENSUS=1 passes "step MLXCEL_CUDA_DECODE=1" "graph MLXCEL_CUDA_DECODE=0"
+  step_against_graph llama-8b-4bit test
   # The GEMVs alone on the 8B shapes (what bounds the step once the host no longer does).
   timeout 150 "$here/cuda_kernels" --speed
   ;;
@@ -208,21 +221,7 @@ ssm)
   done
   ;;
 moe | moe-shape)
-  if [ "$what" = moe ]; then
-    MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-400} "$here/cuda_decode_test" \
-      --ignored --nocapture --test-threads 1 2>&1 | grep -v "^$" | tail -60
-  fi
-  model qwen3-30b-a3b-4bit
-  for f in 1 0; do
-    echo -n "  greedy ids, MLXCEL_CUDA_DECODE=$f: "
-    MLXCEL_CUDA_DECODE=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 64 \
-      --ignore-eos --print-ids --quiet 2>&1 | tail -1 | cut -c1-60
-  done
-  if [ "${GRAPH:-1}" = 1 ]; then
-    CENSUS=1 passes "step MLXCEL_CUDA_DECODE=1" "graph MLXCEL_CUDA_DECODE=0"
-  else
-    CENSUS=1 passes "step MLXCEL_CUDA_DECODE=1"
-  fi
+  step_against_graph qwen3-30b-a3b-4bit $([ "$what" = moe ] && echo test)
   ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes (SHAPES: a subset).

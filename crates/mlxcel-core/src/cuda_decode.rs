@@ -34,6 +34,12 @@ impl std::fmt::Debug for CudaDecoder {
     }
 }
 
+/// Most experts a routed-expert layer of the step may have (decode_moe.cu's
+/// `DEC_MOE_MAX_EXPERTS`).
+pub const MAX_EXPERTS: i32 = 1024;
+/// Most experts per token (decode_moe.cu's `DEC_MOE_MAX_TOP_K`).
+pub const MAX_TOP_K: i32 = 32;
+
 /// Whether a projection's planes are ones the CUDA step reads: dense `[out, in]` (or a stack of
 /// experts' `[experts, out, in]`) in `dtype` (`in` a multiple of 8), or affine 4/8-bit, group
 /// 32/64/128, biases present, scales and biases in `dtype`.

@@ -324,10 +324,7 @@ fn routed_experts(layer: usize, moe: &super::MoeBlock) -> Option<(Routing, Vec<L
         return None;
     };
     let gate = glu.gate.as_ref()?;
-    // The kernels' bounds (decode_moe.cu): up to 1024 experts, 32 of them per token.
-    let experts = stack_planes(&glu.up)?.0.dim(0).ok()?;
-    let fits = experts <= 1024 && r.top_k <= experts.min(32);
-    if !fits || glu.act != Activation::Silu || glu.biases.is_some() {
+    if glu.act != Activation::Silu || glu.biases.is_some() {
         return None;
     }
     let mut parts = Vec::new();
@@ -342,6 +339,12 @@ fn routed_experts(layer: usize, moe: &super::MoeBlock) -> Option<(Routing, Vec<L
             planes: stack_planes(stack)?,
             bias: None,
         });
+    }
+    // The kernels' bounds on experts, and on experts per token.
+    let experts = parts[0].planes.0.dim(0).ok()?;
+    let top_k_fits = r.top_k <= experts.min(mlxcel_core::cuda_decode::MAX_TOP_K);
+    if experts > mlxcel_core::cuda_decode::MAX_EXPERTS || !top_k_fits {
+        return None;
     }
     let routing = Routing {
         layer,
