@@ -26,6 +26,9 @@
 #                            MoE fixtures included), then the 30B-A3B 4-bit shape's greedy ids
 #                            with the step on and off, then speed against mlx-lm (moe-shape:
 #                            without the test; GRAPH=0: without the MLX graph's speed)
+#   gpu_probe.sh gather      MoE prefill's routed-expert product (MLXCEL_CUDA_GATHER): its check
+#                            and timings (cuda_kernels --gather), then the 30B-A3B 4-bit shape's
+#                            greedy ids with it on and off, then speed against mlx-lm
 #   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
 #                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
 #                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;
@@ -223,6 +226,23 @@ ssm)
 moe | moe-shape)
   step_against_graph qwen3-30b-a3b-4bit $([ "$what" = moe ] && echo test)
   ;;
+gather)
+  # MoE prefill's routed-expert product (MLXCEL_CUDA_GATHER): its check against float32 and
+  # timings against dequantize + MLX's gathered matmul, then the 30B-A3B 4-bit shape's greedy
+  # ids with it on and off, then speed against mlx-lm (the first run of each process is a
+  # first request: it shows what MLX still JIT-compiles for a MoE prompt).
+  # (KERNELS=0: without the kernel check, when it has run already)
+  if [ "${KERNELS:-1}" = 1 ]; then
+    timeout ${KERNELS_TIMEOUT:-240} "$here/cuda_kernels" --gather 2>&1 | tail -40
+  fi
+  model qwen3-30b-a3b-4bit
+  for f in 1 0; do
+    echo -n "  greedy ids, MLXCEL_CUDA_GATHER=$f: "
+    MLXCEL_CUDA_GATHER=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 32 \
+      --ignore-eos --print-ids --quiet 2>&1 | tail -1 | cut -c1-60
+  done
+  passes "gather MLXCEL_CUDA_GATHER=1" "dequantize MLXCEL_CUDA_GATHER=0"
+  ;;
 final)
   # mlxcel's defaults against mlx-lm on the three shapes (SHAPES: a subset).
   for shape in ${SHAPES:-llama-8b-4bit llama-8b-bf16 qwen3-30b-a3b-4bit}; do
@@ -244,5 +264,5 @@ fresh)
   ls -la "$HOME/.cache/mlxcel/cuda" 2>/dev/null | tail -n +2
   du -sh "$HOME"/.cache/* 2>/dev/null
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | moe | ssm | fresh | final" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | moe | gather | ssm | fresh | final" >&2; exit 2 ;;
 esac

@@ -6,6 +6,7 @@
 //!     cuda_kernels --scan     the selective scan's check only
 //!     cuda_kernels --mma      the tensor-core batch GEMV's check and timings only (the full
 //!                             run includes them when MLXCEL_CUDA_QMV_MMA=1)
+//!     cuda_kernels --gather   the routed-expert product's (MoE prefill) check and timings only
 //!
 //! Reference: MLX's `dequantize` and `quantized_matmul` on the same planes. The dequantized
 //! values must be bit-equal (both compute `scale * q + bias` in float32 and round once); the GEMV
@@ -314,6 +315,162 @@ fn speed_mma() -> R<()> {
     Ok(())
 }
 
+/// `rows` expert ids in `0..experts`, sorted, skewed so that some experts get many rows, some
+/// one, and some none (a router's choices over a prompt look like that).
+fn sorted_ids(rows: i32, experts: i32, seed: u64) -> Vec<u32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut ids: Vec<u32> = (0..rows)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+            ((u * u * experts as f64) as u32).min(experts as u32 - 1)
+        })
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
+/// The routed-expert product over rows sorted by expert (`gather_qmm_sorted`, every block
+/// shape) against each expert's rows times its dequantized matrix in float32 on MLX's CPU (the
+/// GPU's float32 matmul runs in TF32), and through `ops::gather_qmm` as MoE prefill calls it.
+/// Shapes: small and ragged ones (few rows, features not a multiple of a block's, every group
+/// size), and Qwen3-30B-A3B's gate/up and down projections over a 512-token prompt's 4096
+/// (token, expert) rows.
+fn check_gather() -> R<Vec<String>> {
+    let mut failures = Vec::new();
+    let cases = [
+        // (experts, N, K, group size, rows)
+        (8, 96, 256, 32, 77),
+        (3, 40, 384, 64, 5),
+        (4, 48, 128, 128, 16),
+        (16, 72, 512, 64, 333),
+        (128, 768, 2048, 64, 4096),
+        (128, 2048, 768, 64, 4096),
+    ];
+    for (experts, n, k, group_size, rows) in cases {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+            if experts == 128 && dtype == Dtype::Float16 {
+                continue; // the big shapes once
+            }
+            let spec = QuantSpec {
+                mode: QuantMode::Affine,
+                group_size,
+                bits: 4,
+            };
+            let seed = (experts * n + k + rows) as u64;
+            let q = random(&[experts, n, k], dtype, seed)?.quantize(spec)?;
+            let (wq, scales) = (q.weight, q.scales);
+            let biases = q.biases.expect("affine has biases");
+            let x = random(&[rows, 1, k], dtype, seed + 1)?;
+            let ids_host = sorted_ids(rows, experts, seed + 2);
+            let ids = Array::from_slice(&ids_host, &[rows])?;
+            ops::eval_all(&[wq.clone(), scales.clone(), biases.clone(), x.clone()])?;
+            // Each expert's run of rows against its matrix, float32 on the CPU.
+            mlxcel_core::set_default_device(mlxcel_core::Device::Cpu)?;
+            let mut parts = Vec::new();
+            let mut start = 0;
+            while start < rows as usize {
+                let e = ids_host[start];
+                let end = start + ids_host[start..].iter().take_while(|&&i| i == e).count();
+                let at = |a: &Array| a.slice_axis(0, e as i32, e as i32 + 1)?.squeeze(&[0]);
+                let w = ops::dequantize(&at(&wq)?, &at(&scales)?, Some(&at(&biases)?), spec, None)?
+                    .astype(Dtype::Float32)?;
+                let xs = x
+                    .slice_axis(0, start as i32, end as i32)?
+                    .reshape(&[(end - start) as i32, k])?
+                    .astype(Dtype::Float32)?;
+                parts.push(xs.matmul(&w.transpose(&[1, 0])?)?);
+                start = end;
+            }
+            let reference = ops::concatenate(&parts, 0)?.reshape(&[rows, 1, n])?;
+            ops::eval_all(std::slice::from_ref(&reference))?;
+            mlxcel_core::set_default_device(mlxcel_core::Device::Gpu)?;
+            let what = format!(
+                "{rows} rows @ {experts}x{n}x{k} 4-bit g{group_size} {}",
+                dtype.name()
+            );
+            for shape in cuda_kernels::QMV_MMA_SHAPES {
+                let ours =
+                    cuda_kernels::gather_qmm_sorted(&x, &wq, &scales, &biases, &ids, Some(shape))?;
+                let label = format!("qmm_gather {}x{} {what}", shape.0, shape.1);
+                if ours.shape() != reference.shape()
+                    || !close(&label, &ours, &reference, dtype, 2.0)?
+                {
+                    failures.push(label);
+                }
+            }
+            // As SwitchGlu calls it (ops::gather_qmm with sorted ids picks the kernel).
+            let ours = ops::gather_qmm(
+                &x,
+                &wq,
+                &scales,
+                Some(&biases),
+                None,
+                Some(&ids),
+                true,
+                spec,
+                true,
+            )?;
+            let label = format!("ops::gather_qmm sorted {what}");
+            if ours.shape() != reference.shape() || !close(&label, &ours, &reference, dtype, 2.0)? {
+                failures.push(label);
+            }
+        }
+    }
+    Ok(failures)
+}
+
+/// Qwen3-30B-A3B's expert projections over a 512-token prompt (4096 sorted rows, 128 experts):
+/// the gathered kernel against the path it replaces (mlxcel's dequantize of the whole stack,
+/// then MLX's gathered matmul), in microseconds.
+fn speed_gather() -> R<()> {
+    let bf16 = Dtype::Bfloat16;
+    let spec = QuantSpec {
+        mode: QuantMode::Affine,
+        group_size: 64,
+        bits: 4,
+    };
+    for (n, k) in [(768, 2048), (2048, 768)] {
+        let (experts, rows) = (128, 4096);
+        let q = random(&[experts, n, k], bf16, 31)?.quantize(spec)?;
+        let (wq, scales) = (q.weight, q.scales);
+        let biases = q.biases.expect("affine has biases");
+        let x = random(&[rows, 1, k], bf16, 32)?;
+        let ids = Array::from_slice(&sorted_ids(rows, experts, 33), &[rows])?;
+        ops::eval_all(&[
+            wq.clone(),
+            scales.clone(),
+            biases.clone(),
+            x.clone(),
+            ids.clone(),
+        ])?;
+        let mut line = format!("gather {rows} rows @ {experts}x{n}x{k} 4-bit g64 bf16:");
+        for shape in cuda_kernels::QMV_MMA_SHAPES {
+            let t = time(20, &|| {
+                Ok(cuda_kernels::gather_qmm_sorted(
+                    &x,
+                    &wq,
+                    &scales,
+                    &biases,
+                    &ids,
+                    Some(shape),
+                )?)
+            })?;
+            line += &format!(" qmm_gather {}x{} {:.1} us;", shape.0, shape.1, t * 1e6);
+        }
+        let t = time(20, &|| {
+            let w = cuda_kernels::dequantize(&wq, &scales, &biases, spec, bf16)?
+                .transpose(&[0, 2, 1])?;
+            Ok(ops::gather_mm(&x, &w, None, Some(&ids), true)?)
+        })?;
+        line += &format!(" dequantize + MLX gather_mm {:.1} us", t * 1e6);
+        println!("{line}");
+    }
+    Ok(())
+}
+
 /// rows.cu: the embedding lookup against MLX's `take` (bit-equal, every table dtype, ids with
 /// repeats and a 2-D shape) and `silu(gate) * up` of `[gate | up]` against MLX's compiled
 /// kernel of the split halves. Both round to the dtype after the sigmoid, the product with the
@@ -368,6 +525,7 @@ fn check_rows() -> R<Vec<String>> {
 fn check() -> R<Vec<String>> {
     let mut failures = check_scan()?;
     failures.extend(check_rows()?);
+    failures.extend(check_gather()?);
     // The tensor-core batch GEMV when it is switched on (else `--mma` checks it alone).
     if policy::current().cuda_qmv_mma {
         failures.extend(check_mma()?);
@@ -686,6 +844,15 @@ fn main() -> R<()> {
         // The tensor-core batch GEMV alone: its check, then its timings.
         let result = check_mma().and_then(|failures| {
             speed_mma()?;
+            Ok(failures)
+        });
+        report(result);
+        return Ok(());
+    }
+    if std::env::args().any(|a| a == "--gather") {
+        // The routed-expert product alone: its check, then its timings.
+        let result = check_gather().and_then(|failures| {
+            speed_gather()?;
             Ok(failures)
         });
         report(result);

@@ -165,6 +165,15 @@ enum KernelId {
         act_tiles: i32,
         residual: bool,
     },
+    /// The routed-expert product over rows sorted by expert (qmm_gather of qmv_mma.cu), 4-bit
+    /// weights.
+    QmmGather {
+        dtype: Dtype,
+        /// Warps per block (`NW`).
+        warps: i32,
+        /// 16-row tiles of output features per block (`RT`).
+        row_tiles: i32,
+    },
     /// `J` of scan.cu: states per lane, `ceil(N / 32)` rounded up to a power of two.
     Scan {
         states_per_lane: i32,
@@ -212,6 +221,11 @@ impl KernelId {
                 act_tiles,
                 residual,
             } => qmv_mma_entry(dtype, (warps, row_tiles), act_tiles, residual),
+            KernelId::QmmGather {
+                dtype,
+                warps,
+                row_tiles,
+            } => qmm_gather_entry(dtype, (warps, row_tiles)),
             KernelId::Scan { states_per_lane } => scan_entry(states_per_lane),
             KernelId::Decoder { dtype, formats } => decoder_entry(dtype, formats),
             KernelId::TakeRows { dtype } => rows_entry("take_rows", dtype),
@@ -422,6 +436,24 @@ fn qmv_mma_entry(dtype: Dtype, (nw, rt): (i32, i32), nt: i32, residual: bool) ->
          words_per_row, groups_per_row, m_rows); }}\n",
         threads = nw * 32,
         r = i32::from(residual),
+    );
+    Entry {
+        name,
+        kernel: QMV_MMA,
+        wrapper,
+    }
+}
+
+fn qmm_gather_entry(dtype: Dtype, (nw, rt): (i32, i32)) -> Entry {
+    let t = type_name(dtype);
+    let name = format!("mlxcel_qmm_gather_b4_{}_{nw}w_r{rt}", dtype.name());
+    let wrapper = format!(
+        "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const uint32_t* w, \
+         const {t}* scales, const {t}* biases, const {t}* x, const uint32_t* ids, {t}* out, \
+         int n_rows, int words_per_row, int groups_per_row, int m_rows, int experts) {{ \
+         qmm_gather<{nw}, {rt}, {t}>(w, scales, biases, x, ids, out, n_rows, words_per_row, \
+         groups_per_row, m_rows, experts); }}\n",
+        threads = nw * 32,
     );
     Entry {
         name,
@@ -644,6 +676,7 @@ pub fn module_source() -> String {
                     src += &qmv_mma_entry(dtype, shape, nt, residual).wrapper;
                 }
             }
+            src += &qmm_gather_entry(dtype, shape).wrapper;
         }
     }
     for bits in BITS {
@@ -718,6 +751,12 @@ fn prebuilt_set() -> Vec<KernelId> {
         ids.push(KernelId::Decoder { dtype, formats });
         ids.push(KernelId::SiluHalves { dtype });
         ids.push(KernelId::TakeRows { dtype });
+        // MoE prefill's routed-expert product (4-bit experts).
+        ids.push(KernelId::QmmGather {
+            dtype,
+            warps: GATHER_SHAPE.0,
+            row_tiles: GATHER_SHAPE.1,
+        });
     }
     ids.push(KernelId::TakeRows {
         dtype: Dtype::Uint32,
@@ -1145,6 +1184,117 @@ pub fn gemv_mma(
         dtype,
         &[n, words, groups, rows],
         [blocks * threads, 1, 1],
+        [threads, 1, 1],
+    )
+}
+
+/// The block shape of the routed-expert product ([`gather_qmm_sorted`]) unless a caller picks
+/// one: (warps, 16-row tiles of output features), one of [`QMV_MMA_SHAPES`]. Two feature tiles
+/// per block halve how often the rows are read from L2 against one.
+pub const GATHER_SHAPE: (i32, i32) = (4, 2);
+
+/// Whether [`gather_qmm_sorted`] takes this routed-expert product: enabled
+/// (`MLXCEL_CUDA_GATHER`) and on a GPU; a 3-D stack `[E, N, K/8]` of affine 4-bit matrices with
+/// groups of 32, 64 or 128 and biases, scales and biases in `x`'s dtype (bf16/f16); `x` rows of
+/// `K` activations, one uint32 expert id per row; sizes a 32-bit index covers. The caller
+/// vouches that the ids are sorted.
+pub fn gather_qmm_applies(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    spec: QuantSpec,
+    ids: &Array,
+) -> Result<bool> {
+    if !crate::policy::with(|p| p.cuda_gather) || !on_gpu()? {
+        return Ok(false);
+    }
+    let Some(biases) = biases else {
+        return Ok(false);
+    };
+    let dtype = x.dtype()?;
+    if spec.mode != QuantMode::Affine
+        || spec.bits != 4
+        || !matches!(spec.group_size, 32 | 64 | 128)
+        || weight.ndim() != 3
+        || scales.ndim() != 3
+        || !QMV_MMA_DTYPES.contains(&dtype)
+        || weight.dtype()? != Dtype::Uint32
+        || scales.dtype()? != dtype
+        || biases.dtype()? != dtype
+        || biases.shape() != scales.shape()
+        || ids.dtype()? != Dtype::Uint32
+    {
+        return Ok(false);
+    }
+    let (experts, n, words) = (weight.dim(0)?, weight.dim(1)?, weight.dim(2)?);
+    let k = words as i64 * 8;
+    let rows = x.size() as i64 / (x.dim(-1)? as i64).max(1);
+    Ok(x.dim(-1)? as i64 == k
+        && k % spec.group_size as i64 == 0
+        && scales.shape() == [experts, n, (k / spec.group_size as i64) as i32]
+        && ids.size() as i64 == rows
+        && rows > 0
+        && (experts as i64) * (n as i64) * (words as i64) < i32::MAX as i64 * 4
+        && rows * n as i64 <= i32::MAX as i64
+        && rows * k <= i32::MAX as i64)
+}
+
+/// `out[m] = x[m] @ dequantize(weight[ids[m]])^T`: each activation row against the expert its
+/// id names, for rows sorted by expert (`ids` non-decreasing; MoE prefill sorts its (token,
+/// expert) pairs), on mlxcel's tensor-core kernel (qmm_gather of qmv_mma.cu; see
+/// [`gather_qmm_applies`] for what it takes). The result is `x`'s shape with the last axis
+/// `N`. `shape`: (warps, 16-row feature tiles) per block, one of [`QMV_MMA_SHAPES`]; `None`
+/// takes [`GATHER_SHAPE`].
+pub fn gather_qmm_sorted(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: &Array,
+    ids: &Array,
+    shape: Option<(i32, i32)>,
+) -> Result<Array> {
+    let dtype = x.dtype()?;
+    let (experts, n, words) = (weight.dim(0)?, weight.dim(1)?, weight.dim(2)?);
+    let groups = scales.dim(2)?;
+    let rows = (x.size() / x.dim(-1)?.max(1) as usize) as i32;
+    if !QMV_MMA_DTYPES.contains(&dtype) || x.dim(-1)? != words * 8 || ids.size() != rows as usize {
+        return Err(Error::Invalid(format!(
+            "qmm_gather: {rows} rows of {} {} activations and {} ids for 4-bit experts of \
+             {words} words per row",
+            x.dim(-1)?,
+            dtype.name(),
+            ids.size()
+        )));
+    }
+    let (nw, rt) = shape.unwrap_or(GATHER_SHAPE);
+    if !QMV_MMA_SHAPES.contains(&(nw, rt)) {
+        return Err(Error::Invalid(format!(
+            "qmm_gather: block shape {nw}x{rt} (one of {QMV_MMA_SHAPES:?})"
+        )));
+    }
+    let mut out_shape = x.shape();
+    *out_shape.last_mut().expect("x has a last dimension") = n;
+    let threads = nw * 32;
+    let row_tiles = (rows + 15) / 16;
+    let feature_tiles = (n + 16 * rt - 1) / (16 * rt);
+    call(
+        KernelId::QmmGather {
+            dtype,
+            warps: nw,
+            row_tiles: rt,
+        },
+        &[
+            weight.clone(),
+            scales.clone(),
+            biases.clone(),
+            x.clone(),
+            ids.reshape(&[-1])?,
+        ],
+        out_shape,
+        dtype,
+        &[n, words, groups, rows, experts],
+        [row_tiles * threads, feature_tiles, 1],
         [threads, 1, 1],
     )
 }

@@ -227,6 +227,12 @@ pub struct RuntimePolicy {
     /// folded forms). Default on (8 concurrent streams on an H200: 3.3x one stream, against
     /// 1.4x with one-row blocks); `0` turns it off.
     pub cuda_qmv_mma: bool,
+    /// `MLXCEL_CUDA_GATHER`: routed-expert products over (token, expert) rows sorted by expert
+    /// (MoE prefill) of affine 4-bit experts with bf16/f16 activations run on mlxcel's
+    /// tensor-core kernel (`qmm_gather` of `qmv_mma.cu`: each block reads an expert's weights
+    /// once for its rows of that expert), instead of dequantizing the whole stack for MLX's
+    /// gathered matmul. Default on; `0` turns it off.
+    pub cuda_gather: bool,
     /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
     /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
     /// GPU as one mlxcel primitive that adds the whole step's kernels (5 per layer, `decode.cu`)
@@ -302,6 +308,7 @@ impl RuntimePolicy {
         cuda_qmv_fold_shape: None,
         cuda_qmv_rows: 1,
         cuda_qmv_mma: true,
+        cuda_gather: true,
         cuda_decode: true,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
@@ -314,7 +321,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 31] = [
+    pub const VARIABLES: [&'static str; 32] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -338,6 +345,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV_FOLD_SHAPE",
         "MLXCEL_CUDA_QMV_ROWS",
         "MLXCEL_CUDA_QMV_MMA",
+        "MLXCEL_CUDA_GATHER",
         "MLXCEL_BATCH_PIPELINE",
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
@@ -493,6 +501,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_DEQUANT") {
             p.cuda_dequant = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_GATHER") {
+            p.cuda_gather = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_ROWS") {
             p.cuda_rows = v.switch()?;
@@ -738,7 +749,7 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 10] = [
+        let cases: [(&str, Get); 11] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
@@ -748,6 +759,7 @@ mod tests {
             ("MLXCEL_CUDA_DECODE", |p| Some(p.cuda_decode)),
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
             ("MLXCEL_CUDA_ROWS", |p| Some(p.cuda_rows)),
+            ("MLXCEL_CUDA_GATHER", |p| Some(p.cuda_gather)),
             ("MLXCEL_FUSE_PROJECTIONS", |p| p.fuse_projections),
         ];
         for (var, get) in cases {

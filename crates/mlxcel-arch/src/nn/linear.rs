@@ -487,7 +487,17 @@ impl SwitchLinear {
             }
             SwitchLinear::Quantized(q)
                 if sorted
-                    && dequantize_experts_for(x.dim(0)? as usize, q.weight.dim(0)? as usize) =>
+                    && dequantize_experts_for(x.dim(0)? as usize, q.weight.dim(0)? as usize)
+                    && !ops::gather_qmm_on_kernel(
+                        x,
+                        &q.weight,
+                        &q.scales,
+                        q.biases.as_ref(),
+                        rows,
+                        Some(experts),
+                        true,
+                        q.spec,
+                    )? =>
             {
                 // Prefill with several rows per expert on average: dequantize the stack once and
                 // use the dense gathered GEMM (see `dequantize_rows_threshold`).

@@ -151,10 +151,15 @@ struct qmm_ops<mlxcel_f16> {
   }
 };
 
+// One block's product: output features n0 .. n0 + 16*RT - 1 of one matrix against activation
+// rows m_begin .. m_end - 1 (at most 8*NT of them; row m of x and of out/res), stored into
+// out[m, n] (row-major [.., n_rows]). The block's shared memory is free again when it returns,
+// so a block may call it several times (qmm_gather: one call per expert of its rows).
 template <int NW, int RT, int NT, int RES, typename T>
-__device__ __forceinline__ void qmv_mma(const uint32_t* w, const T* scales, const T* biases,
-                                        const T* x, const T* res, T* out, int n_rows,
-                                        int words_per_row, int groups_per_row, int m_rows) {
+__device__ __forceinline__ void qmm_tile(const uint32_t* w, const T* scales, const T* biases,
+                                         const T* x, const T* res, T* out, int n_rows,
+                                         int words_per_row, int groups_per_row, int n0,
+                                         int m_begin, int m_end) {
   static_assert(NW >= 1 && NW <= 8, "qmv_mma: NW in 1..8");
   static_assert(RT == 1 || RT == 2 || RT == 4, "qmv_mma: RT 1, 2 or 4");
   static_assert(NT == 1 || NT == 2, "qmv_mma: NT 1 or 2");
@@ -175,7 +180,6 @@ __device__ __forceinline__ void qmv_mma(const uint32_t* w, const T* scales, cons
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int n0 = blockIdx.x * ROWS;
   const int k_len = words_per_row * 8;
   const int chunks_per_row = words_per_row / 4;
   const int steps = (chunks_per_row + QMM_CHUNKS - 1) / QMM_CHUNKS;
@@ -201,11 +205,11 @@ __device__ __forceinline__ void qmv_mma(const uint32_t* w, const T* scales, cons
   const int lm_row = ((lane >> 3) & 1) * 8 + (lane & 7);
   const int lm_chunk = lane >> 4;
 
-  // This lane's activation rows (B columns g and g + 8), clamped into M.
+  // This lane's activation rows (B columns g and g + 8), clamped into the block's rows.
   const T* xrow[NT];
 #pragma unroll
   for (int h = 0; h < NT; ++h) {
-    const int m = (g + 8 * h < m_rows) ? (g + 8 * h) : (m_rows - 1);
+    const int m = (m_begin + g + 8 * h < m_end) ? (m_begin + g + 8 * h) : (m_end - 1);
     xrow[h] = x + (size_t)m * (size_t)k_len + 8 * t;
   }
 
@@ -398,14 +402,15 @@ __device__ __forceinline__ void qmv_mma(const uint32_t* w, const T* scales, cons
   }
   __syncthreads();
   for (int e = threadIdx.x; e < ROWS * MCOLS; e += NW * 32) {
-    const int m = e / ROWS;
+    const int j = e / ROWS;  // the block's activation column
+    const int m = m_begin + j;
     const int nl = e % ROWS;
     const int n = n0 + nl;
-    if (m < m_rows && n < n_rows) {
+    if (m < m_end && n < n_rows) {
       float s = 0.0f;
 #pragma unroll
       for (int i = 0; i < NW; ++i) {
-        s += qmm_red[i][nl][m];
+        s += qmm_red[i][nl][j];
       }
       const size_t at = (size_t)m * (size_t)n_rows + n;
       if constexpr (RES == 1) {
@@ -414,5 +419,55 @@ __device__ __forceinline__ void qmv_mma(const uint32_t* w, const T* scales, cons
       }
       qmv_store(out + at, s);
     }
+  }
+  // Every thread has read the partial sums before a next call overwrites them.
+  __syncthreads();
+}
+
+// The decode-batch GEMV: block blockIdx.x takes output features 16*RT*blockIdx.x.. against
+// all m_rows (<= 8*NT) activation rows.
+template <int NW, int RT, int NT, int RES, typename T>
+__device__ __forceinline__ void qmv_mma(const uint32_t* w, const T* scales, const T* biases,
+                                        const T* x, const T* res, T* out, int n_rows,
+                                        int words_per_row, int groups_per_row, int m_rows) {
+  qmm_tile<NW, RT, NT, RES, T>(w, scales, biases, x, res, out, n_rows, words_per_row,
+                               groups_per_row, blockIdx.x * 16 * RT, 0, m_rows);
+}
+
+// ---- the routed-expert product over rows sorted by expert (MoE prefill) ----------------------
+//
+//   out[m, n] = sum_k x[m, k] * (scale[e, n, k/gs] * q[e, n, k] + bias[e, n, k/gs]),  e = ids[m]
+//
+// for a stack of E 4-bit matrices w [E, N, K/8] (scales/biases [E, N, K/gs]) and M activation
+// rows whose expert ids are non-decreasing (mlxcel_arch's SwitchGlu sorts its (token, expert)
+// pairs): each expert's rows are contiguous, so a block of 16 rows meets one expert, or a few
+// at its boundaries, and reads each of their weights once for all its rows of that expert
+// (MLX's gathered matmul re-reads them per row, or the prefill dequantized the whole stack).
+// Ids at or past E are clamped to E - 1 (defined memory; callers pass a router's ids).
+// Launch: threadgroup (NW*32, 1, 1), grid (ceil(M / 16) * NW*32, ceil(N / (16*RT)), 1) (in
+// threads): blockIdx.x the 16-row tile of M, blockIdx.y the 16*RT-feature tile of N, so the
+// blocks running together share features and stream the rows.
+template <int NW, int RT, typename T>
+__device__ __forceinline__ void qmm_gather(const uint32_t* w, const T* scales, const T* biases,
+                                           const T* x, const uint32_t* ids, T* out, int n_rows,
+                                           int words_per_row, int groups_per_row, int m_rows,
+                                           int experts) {
+  constexpr int MT = 16;  // rows per block: NT = 2 activation tiles
+  const int m_tile = blockIdx.x * MT;
+  const int m_last = (m_tile + MT < m_rows) ? (m_tile + MT) : m_rows;
+  const int n0 = blockIdx.y * 16 * RT;
+  const size_t w_stride = (size_t)n_rows * (size_t)words_per_row;
+  const size_t g_stride = (size_t)n_rows * (size_t)groups_per_row;
+  // The tile's runs of equal ids, in order (every thread walks the same ids: uniform).
+  for (int m = m_tile; m < m_last;) {
+    const uint32_t id = ids[m];
+    int end = m + 1;
+    while (end < m_last && ids[end] == id) {
+      ++end;
+    }
+    const size_t e = id < (uint32_t)experts ? id : (uint32_t)(experts - 1);
+    qmm_tile<NW, RT, 2, 0, T>(w + e * w_stride, scales + e * g_stride, biases + e * g_stride, x,
+                              nullptr, out, n_rows, words_per_row, groups_per_row, n0, m, end);
+    m = end;
   }
 }
