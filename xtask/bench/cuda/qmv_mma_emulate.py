@@ -11,7 +11,8 @@ PRMT pairing of activations, mma.sync.m16n8k16 fragments as the PTX ISA lays the
 loads and their shuffles at the group fold, the all-ones mma's activation sums, and the
 cross-warp reduction. Compares with x @ (scale * q + bias)^T in float64 over tails (N not a
 multiple of 16, K not a multiple of 128, idle warps), gs 32/64/128, 1 or 2 activation tiles
-and 1 or 2 row tiles. Keep it in step with the kernel when its layout changes. It checks the
+and 1 or 2 row tiles; and qmm_gather (rows sorted by expert id, a 16-row tile split into runs
+of one expert each) against each row times its expert's matrix. Keep it in step with the kernel when its layout changes. It checks the
 indexing, not the hardware semantics it assumes (those are the PTX ISA's).
 """
 
@@ -21,20 +22,24 @@ import numpy as np
 
 rng=np.random.default_rng(0)
 QS=4; QC=4
-def run(N,K,M,gs,NW,RT,NT):
+def run(N,K,M,gs,NW,RT,NT,E=None):
+    """E None: qmv_mma over M rows. E experts: qmm_gather over M rows with sorted expert ids."""
     words=K//8; groups=K//gs
-    q=rng.integers(0,16,size=(N,K))
-    w=np.zeros((N,words),dtype=np.uint64)
-    for j in range(8): w|= (q[:,j::8].astype(np.uint64) << np.uint64(4*j))
+    L=1 if E is None else E
+    q=rng.integers(0,16,size=(L,N,K))
+    w=np.zeros((L,N,words),dtype=np.uint64)
+    for j in range(8): w|= (q[:,:,j::8].astype(np.uint64) << np.uint64(4*j))
     w=w.astype(np.uint32)
-    sc=rng.standard_normal((N,groups)); bi=rng.standard_normal((N,groups)); x=rng.standard_normal((M,K))
-    ref=x @ (np.repeat(sc,gs,axis=1)*q + np.repeat(bi,gs,axis=1)).T
+    sc=rng.standard_normal((L,N,groups)); bi=rng.standard_normal((L,N,groups)); x=rng.standard_normal((M,K))
+    deq=np.repeat(sc,gs,axis=2)*q + np.repeat(bi,gs,axis=2)
+    ids=np.zeros(M,dtype=np.int64) if E is None else np.sort(rng.integers(0,E,size=M)**2//E)
+    ref=np.stack([x[m] @ deq[ids[m]].T for m in range(M)])
     out=np.full((M,N),np.nan)
     ROWS=16*RT; ROWB=QC*16; STB=ROWS*ROWB; COPIES=ROWS*QC//32; MC=8*NT
     cpr=words//4; steps=(cpr+QC-1)//QC; cpg=gs//32
-    wbytes=w.view(np.uint8).reshape(N,words*4)
-    for blk in range((N+ROWS-1)//ROWS):
-        n0=blk*ROWS
+    wbytes=w.view(np.uint8).reshape(L,N,words*4)
+    def tile(n0,m_begin,m_end,wbytes,sc,bi):
+        """One block: features n0.. of one matrix against rows m_begin..m_end-1 (qmm_tile)."""
         red=np.zeros((NW,ROWS,MC))
         for warp in range(NW):
             smem=np.zeros((QS,STB),dtype=np.uint8)
@@ -52,7 +57,7 @@ def run(N,K,M,gs,NW,RT,NT):
                     g,t=lane>>2,lane&3
                     for c in range(QC):
                         for h in range(NT):
-                            m=min(g+8*h,M-1); ch=s*QC+c
+                            m=min(m_begin+g+8*h,m_end-1); ch=s*QC+c
                             xv[lane,c,h]= x[m,ch*32+8*t:ch*32+8*t+8] if (s<steps and ch<cpr) else np.zeros(8)
                 return xv
             def load_sb(s):
@@ -142,10 +147,26 @@ def run(N,K,M,gs,NW,RT,NT):
                         for e in range(4):
                             red[warp, r*16+g+(e>>1)*8, h*8+2*t+(e&1)]=acc[L,r,h,e]
         for e in range(ROWS*MC):
-            m=e//ROWS; nl=e%ROWS; n=n0+nl
-            if m<M and n<N: out[m,n]=red[:,nl,m].sum()
+            j=e//ROWS; m=m_begin+j; nl=e%ROWS; n=n0+nl
+            if m<m_end and n<N: out[m,n]=red[:,nl,j].sum()
+    if E is None:
+        for blk in range((N+ROWS-1)//ROWS):
+            tile(blk*ROWS,0,M,wbytes[0],sc[0],bi[0])
+    else:
+        # qmm_gather: blockIdx.x the 16-row tile, blockIdx.y the feature tile; each run of equal
+        # ids in the tile through qmm_tile with that expert's matrix.
+        for mt in range(0,M,16):
+            last=min(mt+16,M)
+            for blk in range((N+ROWS-1)//ROWS):
+                m=mt
+                while m<last:
+                    e=ids[m]; end=m+1
+                    while end<last and ids[end]==e: end+=1
+                    tile(blk*ROWS,m,end,wbytes[e],sc[e],bi[e])
+                    m=end
     err=np.abs(out-ref).max()/max(1,np.abs(ref).max())
-    print(f"N{N} K{K} M{M} gs{gs} NW{NW} RT{RT} NT{NT}: rel err {err:.2e}", "OK" if err<1e-9 else "FAIL")
+    what=f"qmv_mma N{N}" if E is None else f"qmm_gather E{E} N{N}"
+    print(f"{what} K{K} M{M} gs{gs} NW{NW} RT{RT} NT{NT}: rel err {err:.2e}", "OK" if err<1e-9 else "FAIL")
     return err<1e-9
 ok=True
 for (N,K) in [(48,64),(40,384),(16,1024)]:
@@ -154,5 +175,9 @@ for (N,K) in [(48,64),(40,384),(16,1024)]:
         for M,NT in [(3,1),(8,1),(11,2),(16,2)]:
             for NW,RT in [(4,1),(8,1),(4,2)]:
                 ok&=run(N,K,M,gs,NW,RT,NT)
+for (E,N,K,M) in [(5,40,256,37),(3,16,384,16),(7,24,128,5)]:
+    for gs in [32,64,128]:
+        for NW,RT in [(4,1),(4,2)]:
+            ok&=run(N,K,M,gs,NW,RT,2,E)
 print("ALL OK" if ok else "SOME FAIL")
 sys.exit(0 if ok else 1)
