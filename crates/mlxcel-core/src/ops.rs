@@ -791,21 +791,12 @@ pub fn gather_qmm(
     spec: QuantSpec,
     sorted_indices: bool,
 ) -> Result<Array> {
-    if gather_qmm_on_kernel(
-        x,
-        weight,
-        scales,
-        biases,
-        lhs_indices,
-        rhs_indices,
-        transpose,
-        spec,
-    )? && sorted_indices
+    if let (None, Some(ids), Some(b), true, true) =
+        (lhs_indices, rhs_indices, biases, transpose, sorted_indices)
     {
-        let (Some(ids), Some(b)) = (rhs_indices, biases) else {
-            unreachable!("gather_qmm_on_kernel checked both");
-        };
-        return crate::cuda_kernels::gather_qmm_sorted(x, weight, scales, b, ids, None);
+        if crate::cuda_kernels::gather_qmm_applies(x, weight, scales, biases, spec, ids)? {
+            return crate::cuda_kernels::gather_qmm_sorted(x, weight, scales, b, ids, None);
+        }
     }
     if let (None, Some(ids), Some(b)) = (lhs_indices, rhs_indices, biases) {
         if transpose && cpu_gather_applies(x, weight, scales, ids, spec)? {
@@ -883,28 +874,6 @@ fn cpu_attention_applies(q: &Array, k: &Array, v: &Array) -> Result<bool> {
         && k.dtype()? == Dtype::Float32
         && v.dtype()? == Dtype::Float32
         && cpu_kernels_active()?)
-}
-
-/// Whether [`gather_qmm`] with sorted indices runs on mlxcel's CUDA kernel for these operands
-/// (rows already gathered, transposed experts; see `cuda_kernels::gather_qmm_applies`), so a
-/// caller need not prepare another path (MoE prefill would otherwise dequantize its experts).
-#[allow(clippy::too_many_arguments)]
-pub fn gather_qmm_on_kernel(
-    x: &Array,
-    weight: &Array,
-    scales: &Array,
-    biases: Option<&Array>,
-    lhs_indices: Option<&Array>,
-    rhs_indices: Option<&Array>,
-    transpose: bool,
-    spec: QuantSpec,
-) -> Result<bool> {
-    match (lhs_indices, rhs_indices) {
-        (None, Some(ids)) if transpose => {
-            crate::cuda_kernels::gather_qmm_applies(x, weight, scales, biases, spec, ids)
-        }
-        _ => Ok(false),
-    }
 }
 
 /// Dense counterpart of [`gather_qmm`]: `a[lhs] @ b[rhs]`.

@@ -440,6 +440,25 @@ impl Embedding {
     }
 }
 
+/// Whether `ops::gather_qmm` runs this sorted routed-expert product on mlxcel's CUDA kernel
+/// (rows already gathered): then the stack is not dequantized for it.
+fn sorted_on_cuda_kernel(
+    q: &QuantizedWeight,
+    x: &Array,
+    rows: Option<&Array>,
+    experts: &Array,
+) -> Result<bool> {
+    Ok(rows.is_none()
+        && mlxcel_core::cuda_kernels::gather_qmm_applies(
+            x,
+            &q.weight,
+            &q.scales,
+            q.biases.as_ref(),
+            q.spec,
+            experts,
+        )?)
+}
+
 /// A stack of per-expert linear layers `[experts, out, in]`, applied with gathered matmuls.
 #[derive(Debug, Clone)]
 pub enum SwitchLinear {
@@ -488,16 +507,7 @@ impl SwitchLinear {
             SwitchLinear::Quantized(q)
                 if sorted
                     && dequantize_experts_for(x.dim(0)? as usize, q.weight.dim(0)? as usize)
-                    && !ops::gather_qmm_on_kernel(
-                        x,
-                        &q.weight,
-                        &q.scales,
-                        q.biases.as_ref(),
-                        rows,
-                        Some(experts),
-                        true,
-                        q.spec,
-                    )? =>
+                    && !sorted_on_cuda_kernel(q, x, rows, experts)? =>
             {
                 // Prefill with several rows per expert on average: dequantize the stack once and
                 // use the dense gathered GEMM (see `dequantize_rows_threshold`).
