@@ -22,7 +22,6 @@
 // Qwen3-30B-A3B: 24 chunks, which qmv's 32-lanes-per-row split would leave a quarter idle).
 
 constexpr int DEC_MOE_LPR = 8;          // lanes per (slot, row) dot product
-constexpr int DEC_MOE_UNROLL = 4;       // 16-byte chunks a lane loads before using them
 constexpr int DEC_MOE_THREADS = 128;    // threads per block of the expert kernels
 constexpr int DEC_MOE_GROUPS = DEC_MOE_THREADS / DEC_MOE_LPR;
 constexpr int DEC_MOE_MAX_TOP_K = 32;
@@ -44,77 +43,56 @@ __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const
                                             const T* const (&b)[R], const T* x, int words,
                                             int gshift, float (&acc)[R]) {
   constexpr bool FAST = BITS == 4;
-  // Chunks each lane has in flight: an expert's row is short (K = 2048 is 8 chunks a lane),
-  // so loading one or two at a time left the kernel waiting on several round trips in turn.
-  constexpr int U = DEC_MOE_UNROLL;
   const int chunks = words / 4;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     acc[r] = 0.0f;
   }
-  for (int c0 = threadIdx.x & (DEC_MOE_LPR - 1); c0 < chunks; c0 += U * DEC_MOE_LPR) {
-    // Every load of the U chunks first (weights, and the scales and biases of their groups),
-    // then the arithmetic, chunk by chunk in the order of the one-at-a-time loop.
-    uint4 wv[U][R];
-    T sv[U][R], bv[U][R];
+#pragma unroll 2
+  for (int c = threadIdx.x & (DEC_MOE_LPR - 1); c < chunks; c += DEC_MOE_LPR) {
+    uint4 wv[R];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * DEC_MOE_LPR;
-      if (c < chunks) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          wv[u][r] = qmv_load_w<1>(w[r] + (size_t)c * 4);
-          if constexpr (BITS != 16) {
-            sv[u][r] = s[r][c >> gshift];
-            bv[u][r] = b[r][c >> gshift];
-          }
-        }
-      }
+    for (int r = 0; r < R; ++r) {
+      wv[r] = qmv_load_w<1>(w[r] + (size_t)c * 4);
     }
+    if constexpr (BITS == 16) {
+      float xf[8];
+      qmv_load_x<8>(x + c * 8, xf);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * DEC_MOE_LPR;
-      if (c >= chunks) {
-        break;
+      for (int r = 0; r < R; ++r) {
+        float wf[8];
+        dec_unpack8(wv[r], wf, x);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc[r] = fmaf(wf[j], xf[j], acc[r]);
+        }
       }
-      if constexpr (BITS == 16) {
-        float xf[8];
-        qmv_load_x<8>(x + c * 8, xf);
+    } else {
+      constexpr int EPW = 32 / BITS;  // elements per word
+      constexpr float OFF = BITS == 4 ? 128.0f : 256.0f;
+      constexpr float HI_EXTRA = 0.26171875f;  // qmv_dot_word<4, 1>'s constant
+      const int g = c >> gshift;
+      float d[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        d[r] = 0.0f;
+      }
+      float xsum = 0.0f, xhi = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float xf[EPW];
+        qmv_load_x<EPW>(x + c * 4 * EPW + k * EPW, xf);
+        qmv_add_sums<FAST>(xf, xsum, xhi);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          float wf[8];
-          dec_unpack8(wv[u][r], wf, x);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            acc[r] = fmaf(wf[j], xf[j], acc[r]);
-          }
+          d[r] = qmv_dot_word<BITS, FAST ? 1 : 0>(qmv_word(wv[r], k), xf, d[r]);
         }
-      } else {
-        constexpr int EPW = 32 / BITS;  // elements per word
-        constexpr float OFF = BITS == 4 ? 128.0f : 256.0f;
-        constexpr float HI_EXTRA = 0.26171875f;  // qmv_dot_word<4, 1>'s constant
-        float d[R];
+      }
+      const float xoff = FAST ? fmaf(HI_EXTRA, xhi, OFF * xsum) : OFF * xsum;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          d[r] = 0.0f;
-        }
-        float xsum = 0.0f, xhi = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          float xf[EPW];
-          qmv_load_x<EPW>(x + c * 4 * EPW + k * EPW, xf);
-          qmv_add_sums<FAST>(xf, xsum, xhi);
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            d[r] = qmv_dot_word<BITS, FAST ? 1 : 0>(qmv_word(wv[u][r], k), xf, d[r]);
-          }
-        }
-        const float xoff = FAST ? fmaf(HI_EXTRA, xhi, OFF * xsum) : OFF * xsum;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          acc[r] = fmaf(qmv_to_float(sv[u][r]), d[r] - xoff,
-                        fmaf(qmv_to_float(bv[u][r]), xsum, acc[r]));
-        }
+      for (int r = 0; r < R; ++r) {
+        acc[r] = fmaf(qmv_to_float(s[r][g]), d[r] - xoff,
+                      fmaf(qmv_to_float(b[r][g]), xsum, acc[r]));
       }
     }
   }
