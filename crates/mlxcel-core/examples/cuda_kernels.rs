@@ -171,16 +171,25 @@ fn check_scan() -> R<Vec<String>> {
     Ok(failures)
 }
 
-/// Runs `f` with `MLXCEL_CUDA_QMV_MMA` set to `on` (the installed policy otherwise kept).
-fn with_mma<T>(on: bool, f: impl FnOnce() -> R<T>) -> R<T> {
+/// Runs `f` under the installed policy as `change` alters it, then puts the policy back.
+fn with_policy<T>(change: impl FnOnce(&mut RuntimePolicy), f: impl FnOnce() -> R<T>) -> R<T> {
     let before = policy::current();
-    policy::install(&RuntimePolicy {
-        cuda_qmv_mma: on,
-        ..before.clone()
-    })?;
+    let mut altered = before.clone();
+    change(&mut altered);
+    policy::install(&altered)?;
     let result = f();
     policy::install(&before)?;
     result
+}
+
+/// Runs `f` with `MLXCEL_CUDA_QMV_MMA` set to `on`.
+fn with_mma<T>(on: bool, f: impl FnOnce() -> R<T>) -> R<T> {
+    with_policy(|p| p.cuda_qmv_mma = on, f)
+}
+
+/// Runs `f` with `MLXCEL_CUDA_GATHER` on.
+fn with_gather<T>(f: impl FnOnce() -> R<T>) -> R<T> {
+    with_policy(|p| p.cuda_gather = true, f)
 }
 
 /// A 4-bit affine matrix `[n, k]` quantized from random values: weight, scales, biases.
@@ -401,18 +410,21 @@ fn check_gather() -> R<Vec<String>> {
                     failures.push(label);
                 }
             }
-            // As SwitchGlu calls it (ops::gather_qmm with sorted ids picks the kernel).
-            let ours = ops::gather_qmm(
-                &x,
-                &wq,
-                &scales,
-                Some(&biases),
-                None,
-                Some(&ids),
-                true,
-                spec,
-                true,
-            )?;
+            // As SwitchGlu calls it (ops::gather_qmm with sorted ids picks the kernel under
+            // MLXCEL_CUDA_GATHER=1).
+            let ours = with_gather(|| {
+                Ok(ops::gather_qmm(
+                    &x,
+                    &wq,
+                    &scales,
+                    Some(&biases),
+                    None,
+                    Some(&ids),
+                    true,
+                    spec,
+                    true,
+                )?)
+            })?;
             let label = format!("ops::gather_qmm sorted {what}");
             if ours.shape() != reference.shape() || !close(&label, &ours, &reference, dtype, 2.0)? {
                 failures.push(label);

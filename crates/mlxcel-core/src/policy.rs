@@ -231,7 +231,9 @@ pub struct RuntimePolicy {
     /// (MoE prefill) of affine 4-bit experts with bf16/f16 activations run on mlxcel's
     /// tensor-core kernel (`qmm_gather` of `qmv_mma.cu`: each block reads an expert's weights
     /// once for its rows of that expert), instead of dequantizing the whole stack for MLX's
-    /// gathered matmul. Default on; `0` turns it off.
+    /// gathered matmul. Default off until it has run on a GPU (its lane-level emulation passes,
+    /// `xtask/bench/cuda/qmv_mma_emulate.py`; `cuda_kernels --gather` is its GPU check); `1`
+    /// turns it on.
     pub cuda_gather: bool,
     /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
     /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
@@ -308,7 +310,7 @@ impl RuntimePolicy {
         cuda_qmv_fold_shape: None,
         cuda_qmv_rows: 1,
         cuda_qmv_mma: true,
-        cuda_gather: true,
+        cuda_gather: false,
         cuda_decode: true,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
