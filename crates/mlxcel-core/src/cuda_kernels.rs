@@ -1194,9 +1194,8 @@ pub fn gemv_mma(
 pub const GATHER_SHAPE: (i32, i32) = (4, 2);
 
 /// Whether [`gather_qmm_sorted`] takes this routed-expert product: enabled
-/// (`MLXCEL_CUDA_GATHER`) and on a GPU; a 3-D stack `[E, N, K/8]` of affine 4-bit matrices with
-/// groups of 32, 64 or 128 and biases, scales and biases in `x`'s dtype (bf16/f16); `x` rows of
-/// `K` activations, one uint32 expert id per row; sizes a 32-bit index covers. The caller
+/// (`MLXCEL_CUDA_GATHER`) and on a GPU; affine 4-bit experts with groups of 32, 64 or 128 and
+/// biases, as `spec` says and the planes agree (see `gather_operands_fault`). The caller
 /// vouches that the ids are sorted.
 pub fn gather_qmm_applies(
     x: &Array,
@@ -1212,40 +1211,89 @@ pub fn gather_qmm_applies(
     let Some(biases) = biases else {
         return Ok(false);
     };
-    let dtype = x.dtype()?;
-    if spec.mode != QuantMode::Affine
-        || spec.bits != 4
-        || !matches!(spec.group_size, 32 | 64 | 128)
-        || weight.ndim() != 3
-        || scales.ndim() != 3
-        || !QMV_MMA_DTYPES.contains(&dtype)
-        || weight.dtype()? != Dtype::Uint32
-        || scales.dtype()? != dtype
-        || biases.dtype()? != dtype
-        || biases.shape() != scales.shape()
-        || ids.dtype()? != Dtype::Uint32
-    {
+    if spec.mode != QuantMode::Affine || spec.bits != 4 || scales.ndim() != 3 {
         return Ok(false);
+    }
+    // The planes' group size must be the one the caller quantized with.
+    let k = weight.dim(-1)? as i64 * 8;
+    if k != spec.group_size as i64 * scales.dim(2)? as i64 {
+        return Ok(false);
+    }
+    Ok(gather_operands_fault(x, weight, scales, biases, ids)?.is_none())
+}
+
+/// What keeps `qmm_gather` from reading these operands safely, if anything: a 3-D uint32 stack
+/// `[E, N, K/8]` (E > 0), scales and biases `[E, N, K/gs]` in `x`'s dtype (bf16/f16) with gs
+/// 32, 64 or 128, `x` rows of `K` activations, one uint32 expert id per row (at least one
+/// row), and sizes a 32-bit index covers.
+fn gather_operands_fault(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: &Array,
+    ids: &Array,
+) -> Result<Option<String>> {
+    let dtype = x.dtype()?;
+    if !QMV_MMA_DTYPES.contains(&dtype) {
+        return Ok(Some(format!(
+            "{} activations (bfloat16/float16)",
+            dtype.name()
+        )));
+    }
+    if weight.ndim() != 3 || weight.dtype()? != Dtype::Uint32 || weight.dim(0)? == 0 {
+        return Ok(Some(format!(
+            "a weight stack {:?} of {} (a non-empty uint32 [experts, N, K/8])",
+            weight.shape(),
+            weight.dtype()?.name()
+        )));
     }
     let (experts, n, words) = (weight.dim(0)?, weight.dim(1)?, weight.dim(2)?);
     let k = words as i64 * 8;
+    let groups = if scales.ndim() == 3 {
+        scales.dim(2)?
+    } else {
+        0
+    };
+    let group_size = if groups > 0 { k / groups as i64 } else { 0 };
+    if scales.shape() != [experts, n, groups]
+        || biases.shape() != scales.shape()
+        || scales.dtype()? != dtype
+        || biases.dtype()? != dtype
+        || !matches!(group_size, 32 | 64 | 128)
+        || group_size * groups as i64 != k
+    {
+        return Ok(Some(format!(
+            "scales {:?} and biases {:?} of {}/{} for {experts}x{n} rows of K = {k}              ([experts, N, K/gs] in the activations' {}, gs 32/64/128)",
+            scales.shape(),
+            biases.shape(),
+            scales.dtype()?.name(),
+            biases.dtype()?.name(),
+            dtype.name()
+        )));
+    }
     let rows = x.size() as i64 / (x.dim(-1)? as i64).max(1);
-    Ok(x.dim(-1)? as i64 == k
-        && k % spec.group_size as i64 == 0
-        && scales.shape() == [experts, n, (k / spec.group_size as i64) as i32]
-        && ids.size() as i64 == rows
-        && rows > 0
+    if x.dim(-1)? as i64 != k || ids.dtype()? != Dtype::Uint32 || ids.size() as i64 != rows {
+        return Ok(Some(format!(
+            "{rows} rows of {} activations and {} {} ids for experts of K = {k} (one uint32 id \
+             per row)",
+            x.dim(-1)?,
+            ids.size(),
+            ids.dtype()?.name()
+        )));
+    }
+    let fits = rows > 0
         && (experts as i64) * (n as i64) * (words as i64) < i32::MAX as i64 * 4
         && rows * n as i64 <= i32::MAX as i64
-        && rows * k <= i32::MAX as i64)
+        && rows * k <= i32::MAX as i64;
+    Ok((!fits).then(|| format!("{rows} rows of {experts}x{n}x{k} (1 to 2^31 - 1 outputs)")))
 }
 
 /// `out[m] = x[m] @ dequantize(weight[ids[m]])^T`: each activation row against the expert its
 /// id names, for rows sorted by expert (`ids` non-decreasing; MoE prefill sorts its (token,
 /// expert) pairs), on mlxcel's tensor-core kernel (qmm_gather of qmv_mma.cu; see
-/// [`gather_qmm_applies`] for what it takes). The result is `x`'s shape with the last axis
-/// `N`. `shape`: (warps, 16-row feature tiles) per block, one of [`QMV_MMA_SHAPES`]; `None`
-/// takes [`GATHER_SHAPE`].
+/// [`gather_qmm_applies`] for what it takes; operands it cannot read are an error). The result
+/// is `x`'s shape with the last axis `N`. `shape`: (warps, 16-row feature tiles) per block, one
+/// of [`QMV_MMA_SHAPES`]; `None` takes [`GATHER_SHAPE`].
 pub fn gather_qmm_sorted(
     x: &Array,
     weight: &Array,
@@ -1254,19 +1302,13 @@ pub fn gather_qmm_sorted(
     ids: &Array,
     shape: Option<(i32, i32)>,
 ) -> Result<Array> {
+    if let Some(fault) = gather_operands_fault(x, weight, scales, biases, ids)? {
+        return Err(Error::Invalid(format!("qmm_gather: {fault}")));
+    }
     let dtype = x.dtype()?;
     let (experts, n, words) = (weight.dim(0)?, weight.dim(1)?, weight.dim(2)?);
     let groups = scales.dim(2)?;
     let rows = (x.size() / x.dim(-1)?.max(1) as usize) as i32;
-    if !QMV_MMA_DTYPES.contains(&dtype) || x.dim(-1)? != words * 8 || ids.size() != rows as usize {
-        return Err(Error::Invalid(format!(
-            "qmm_gather: {rows} rows of {} {} activations and {} ids for 4-bit experts of \
-             {words} words per row",
-            x.dim(-1)?,
-            dtype.name(),
-            ids.size()
-        )));
-    }
     let (nw, rt) = shape.unwrap_or(GATHER_SHAPE);
     if !QMV_MMA_SHAPES.contains(&(nw, rt)) {
         return Err(Error::Invalid(format!(
@@ -1439,6 +1481,79 @@ pub fn selective_scan(
 
 #[cfg(test)]
 mod tests {
+    use crate::{Array, Dtype};
+
+    fn zeros(shape: &[i32], dtype: Dtype) -> Array {
+        crate::ops::zeros(shape, dtype).unwrap()
+    }
+
+    /// `qmm_gather`'s operand check passes a well-formed stack and names what is wrong with a
+    /// bad one, before any kernel could read past an operand (`gather_qmm_sorted` errors).
+    #[test]
+    fn gather_operands_are_checked_before_the_kernel() {
+        let (e, n, k, gs, rows) = (4, 48, 256, 64, 20);
+        let bf16 = Dtype::Bfloat16;
+        let w = zeros(&[e, n, k / 8], Dtype::Uint32);
+        let sc = zeros(&[e, n, k / gs], bf16);
+        let x = zeros(&[rows, 1, k], bf16);
+        let ids = zeros(&[rows], Dtype::Uint32);
+        let fault = |x: &Array, w: &Array, s: &Array, b: &Array, i: &Array| {
+            super::gather_operands_fault(x, w, s, b, i).unwrap()
+        };
+        assert_eq!(fault(&x, &w, &sc, &sc, &ids), None);
+        let cases: [(&str, Option<String>); 8] = [
+            (
+                "float32",
+                fault(&x.astype(Dtype::Float32).unwrap(), &w, &sc, &sc, &ids),
+            ),
+            (
+                "uint32 [experts",
+                fault(&x, &w.reshape(&[e * n, k / 8]).unwrap(), &sc, &sc, &ids),
+            ),
+            (
+                "scales [4, 24, 4]",
+                fault(&x, &w, &zeros(&[e, n / 2, k / gs], bf16), &sc, &ids),
+            ),
+            (
+                "scales [4, 48, 16]",
+                fault(&x, &w, &zeros(&[e, n, k / 16], bf16), &sc, &ids),
+            ),
+            (
+                "float16",
+                fault(&x, &w, &sc, &zeros(&[e, n, k / gs], Dtype::Float16), &ids),
+            ),
+            (
+                "int32 ids",
+                fault(&x, &w, &sc, &sc, &zeros(&[rows], Dtype::Int32)),
+            ),
+            (
+                "19 uint32 ids",
+                fault(&x, &w, &sc, &sc, &zeros(&[rows - 1], Dtype::Uint32)),
+            ),
+            (
+                "0 rows",
+                fault(
+                    &zeros(&[0, 1, k], bf16),
+                    &w,
+                    &sc,
+                    &sc,
+                    &zeros(&[0], Dtype::Uint32),
+                ),
+            ),
+        ];
+        for (culprit, found) in cases {
+            let found = found.unwrap_or_else(|| panic!("{culprit}: not refused"));
+            assert!(found.contains(culprit), "{culprit}: {found}");
+        }
+        let err = super::gather_qmm_sorted(&x, &w, &sc, &sc, &zeros(&[rows], Dtype::Int32), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("qmm_gather") && err.contains("int32 ids"),
+            "{err}"
+        );
+    }
+
     /// Every cubin shipped in kernels/prebuilt/ is a kernel of [`super::prebuilt_set`]
     /// compiled from today's source: a kernel edited since is flagged here (recompile with
     /// `cuda_kernels --prebuild DIR` on a GPU, or delete the stale file; it then compiles on
