@@ -246,3 +246,67 @@ fn cuda_step_matches_the_graph_on_llama_qwen_and_moe_fixtures() {
         );
     }
 }
+
+/// MoE prefill's routed-expert products on mlxcel's `qmm_gather` (`MLXCEL_CUDA_GATHER`) against
+/// the path it replaces: one prompt of 300 positions prefilled in one chunk, its (token,
+/// expert) rows sorted by expert, with the kernel on and with the expert stacks dequantized for
+/// MLX's gathered matmul (`MLXCEL_DEQUANT_ROWS=256`: every projection of the prompt, experts
+/// included, then runs as a dense GEMM, so no MLX quantized GEMM is compiled). Both are measured
+/// against the float32 replay on MLX's CPU, as the decode step is. The two must differ (the
+/// kernel ran: it keeps the integer codes and float32 sums where the other path rounds the
+/// weights to the dtype) and the kernel may be no further from float32 than the dequantized
+/// path, plus the dtype's slack.
+#[test]
+#[ignore = "needs MLX's CUDA backend and a GPU (xtask/bench/gpu_probe.sh gather)"]
+fn moe_prefill_on_qmm_gather_matches_the_dequantized_path() {
+    assert!(on_gpu(), "MLX's default device is not a GPU");
+    let tokens = prompt(300, 500);
+    let mut failures = Vec::new();
+    for dtype in [Dtype::Float16, Dtype::Bfloat16] {
+        for name in ["qwen3_moe-affine4-g64", "mixtral-affine4-g32"] {
+            let dir = model_dir(name);
+            let model = load(&dir, false, dtype);
+            let before = mlxcel_core::policy::current();
+            let prefill = |gather: bool| {
+                let policy = RuntimePolicy {
+                    cuda_gather: gather,
+                    dequant_rows: Some(256),
+                    ..before.clone()
+                };
+                mlxcel_core::policy::install(&policy).unwrap();
+                let mut session = Session::new(&model.model);
+                let (_, logits) = session.prefill(&tokens, None).unwrap();
+                floats(&logits)
+            };
+            let on = prefill(true);
+            let off = prefill(false);
+            mlxcel_core::policy::install(&before).unwrap();
+            drop(model);
+            let turn = Turn {
+                prompt: tokens.clone(),
+                tokens: Vec::new(),
+                graph: vec![off.clone()],
+                engine: vec![on.clone()],
+            };
+            let want = &reference(&dir, &[turn])[0][0];
+            let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let d_on = max_abs_diff(&on, want).0 / scale;
+            let d_off = max_abs_diff(&off, want).0 / scale;
+            let between = max_abs_diff(&on, &off).0 / scale;
+            eprintln!(
+                "{name} {}: prefill logits from float32, qmm_gather {d_on:.2e}, dequantized \
+                 {d_off:.2e}; between them {between:.2e} (of the largest)",
+                dtype.name()
+            );
+            let allowed = 1.5 * d_off + slack(dtype);
+            if !(on.iter().all(|v| v.is_finite()) && between > 0.0 && d_on <= allowed) {
+                failures.push(format!(
+                    "{name} {}: qmm_gather {d_on:.2e} from float32 (allowed {allowed:.2e}), \
+                     {between:.2e} from the dequantized path (0 = the kernel did not run)",
+                    dtype.name()
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

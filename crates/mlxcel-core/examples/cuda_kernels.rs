@@ -473,7 +473,9 @@ fn speed_gather() -> R<()> {
             line += &format!(" qmm_gather {}x{} {:.1} us;", shape.0, shape.1, t * 1e6);
         }
         let t = time(20, &|| {
-            let w = cuda_kernels::dequantize(&wq, &scales, &biases, spec, bf16)?
+            // ops::dequantize, as SwitchLinear's dequantized path calls it (mlxcel's kernel
+            // takes 2-D planes; a stack goes to MLX's).
+            let w = ops::dequantize(&wq, &scales, Some(&biases), spec, Some(bf16))?
                 .transpose(&[0, 2, 1])?;
             Ok(ops::gather_mm(&x, &w, None, Some(&ids), true)?)
         })?;
