@@ -39,6 +39,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cuda_compile.cc");
     println!("cargo:rerun-if-changed=cpp/cuda_launch.cc");
     println!("cargo:rerun-if-changed=cpp/cuda_decode.cc");
+    println!("cargo:rerun-if-changed=cpp/cuda_load.cc");
     println!("cargo:rerun-if-changed=cpp/cuda_api.h");
     println!("cargo:rerun-if-changed=cpp/cpu_kernels.h");
     println!("cargo:rerun-if-changed=cpp/cpu_vec_math.inc");
@@ -84,6 +85,7 @@ fn main() {
         .file("cpp/cuda_compile.cc")
         .file("cpp/cuda_launch.cc")
         .file("cpp/cuda_decode.cc")
+        .file("cpp/cuda_load.cc")
         .include(&include)
         .include(&out)
         .flag_if_supported("-std=c++20")

@@ -310,3 +310,58 @@ fn moe_prefill_on_qmm_gather_matches_the_dequantized_path() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Checkpoint tensors read straight into device memory (`MLXCEL_CUDA_LOAD=1`: pinned staging
+/// buffers and driver copies, cpp/cuda_load.cc) make the same model as MLX's copy into unified
+/// memory: the same bytes, so bit-equal logits over a prompt and decode steps, on quantized,
+/// dense and MoE fixtures in bf16 (dense ones cast after the read) and a file's tensors at every
+/// alignment the format allows.
+#[test]
+#[ignore = "needs MLX's CUDA backend and a GPU (xtask/bench/gpu_probe.sh load)"]
+fn tensors_read_into_device_memory_make_the_same_model() {
+    assert!(on_gpu(), "MLX's default device is not a GPU");
+    let tokens = prompt(40, 500);
+    for name in [
+        "llama-affine4-g64",
+        "qwen3",
+        "qwen3_moe-affine4-g64",
+        "mixtral",
+    ] {
+        let dir = model_dir(name);
+        let logits = |device_load: bool| {
+            let policy = RuntimePolicy {
+                cuda_load: device_load,
+                ..RuntimePolicy::default()
+            };
+            let model = load_model(
+                &dir,
+                &LoadOptions {
+                    skip_tokenizer: true,
+                    dtype: Some(Dtype::Bfloat16),
+                    policy: Some(policy),
+                    ..Default::default()
+                },
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+            let mut session = Session::new(&model.model);
+            let (_, mut last) = session.prefill(&tokens, Some(1)).unwrap();
+            let mut out = vec![floats(&last)];
+            for _ in 0..8 {
+                last = session.step(argmax_token(&last).unwrap()).unwrap();
+                out.push(floats(&last));
+            }
+            out
+        };
+        let (mapped, device) = (logits(false), logits(true));
+        for (step, (m, d)) in mapped.iter().zip(&device).enumerate() {
+            assert!(
+                m.iter()
+                    .map(|v| v.to_bits())
+                    .eq(d.iter().map(|v| v.to_bits())),
+                "{name}: step {step}: logits differ (max |Δ| {:.2e})",
+                max_abs_diff(m, d).0
+            );
+        }
+        eprintln!("{name}: {} steps bit-equal", mapped.len());
+    }
+}

@@ -29,6 +29,9 @@
 #   gpu_probe.sh gather      MoE prefill's routed-expert product (MLXCEL_CUDA_GATHER): its check
 #                            and timings (cuda_kernels --gather), then the 30B-A3B 4-bit shape's
 #                            greedy ids with it on and off, then speed against mlx-lm
+#   gpu_probe.sh load        checkpoint tensors read into device memory (MLXCEL_CUDA_LOAD): the
+#                            cuda_decode test of bit-equal models, then load time, first request
+#                            and steady state with it on and off against mlx-lm (SHAPES)
 #   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
 #                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
 #                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;
@@ -56,6 +59,7 @@ for i, l in enumerate(lines):
     if s.get("draft_proposed"): extra += " draft: %d rounds, %d of %d accepted" % (s["draft_rounds"], s["draft_accepted"], s["draft_proposed"])
     elif "draft_accepted" in s: extra += " draft: %d tokens from the draft" % s["draft_accepted"]
     print("%s[run %d] load %.2f s  prefill %.0f tok/s  decode %.1f tok/s%s" % ("\n      " if i else "", i+1, s["load_s"], s["prefill_tps"], s["decode_tps"], extra), end="")
+    if "load_phases_s" in s and __import__("os").environ.get("PHASES") and i == 0: print(" phases " + " ".join("%s %.2f" % kv for kv in s["load_phases_s"].items()), end="")
     if i == 0 and "decode_step_census" in s and __import__("os").environ.get("CENSUS"): print("\n      census: " + ", ".join(s["decode_step_census"]), end="")
 print()'
 ids=$(python3 -c "import random; r=random.Random(7); print(','.join(str(r.randrange(1000, 32000)) for _ in range(512)))")
@@ -251,6 +255,20 @@ final)
     passes "default MLXCEL_NOTHING=1"
   done
   ;;
+load)
+  # Checkpoint tensors read into device memory (MLXCEL_CUDA_LOAD=1: pinned staging buffers,
+  # cpp/cuda_load.cc) against MLX's copy into unified memory: the cuda_decode test that both
+  # make bit-equal models (fixtures staged by gpu.sh stage), then load time, the first
+  # request and the steady state on the 4-bit shapes (SHAPES) against mlx-lm, with the load's
+  # phases.
+  MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-200} "$here/cuda_decode_test" \
+    --ignored --nocapture --test-threads 1 tensors_read_into_device_memory 2>&1 | grep -v "^$" | tail -12
+  for shape in ${SHAPES:-llama-8b-4bit qwen3-30b-a3b-4bit}; do
+    echo "== $shape"
+    model $shape
+    PHASES=1 passes "device-load MLXCEL_CUDA_LOAD=1" "mapped MLXCEL_CUDA_LOAD=0"
+  done
+  ;;
 fresh)
   for shape in ${SHAPES:-llama-8b-4bit llama-8b-bf16}; do
     echo "== $shape (first process on this machine)"
@@ -264,5 +282,5 @@ fresh)
   ls -la "$HOME/.cache/mlxcel/cuda" 2>/dev/null | tail -n +2
   du -sh "$HOME"/.cache/* 2>/dev/null
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | moe | gather | ssm | fresh | final" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | moe | gather | load | ssm | fresh | final" >&2; exit 2 ;;
 esac

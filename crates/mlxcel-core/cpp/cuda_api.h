@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "mlx/array.h"
@@ -72,6 +73,12 @@ void* function(const LaunchApi& api, const CudaBinary& binary, const std::string
 // (`cu::CudaBuffer::data`) and an array's offset is in bytes (see `gpu_ptr` in MLX's
 // backend/cuda/utils.h).
 void* device_pointer(const mx::array& a);
+
+// `nbytes` bytes at byte `offset` of the open file `fd` in a new array of `shape` and `dtype`
+// in device memory, read through pinned staging buffers (cuda_load.cc); nullopt when the driver
+// entry points are not in the process.
+std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nbytes,
+                                             const mx::Shape& shape, mx::Dtype dtype);
 
 // `in` copied to a fresh row-contiguous array by the gather kernel of `binary`'s module (see
 // kernels/cuda/gather.cu), as a node of `encoder`'s graph; the copy lives until the graph has run.

@@ -15,6 +15,7 @@
 
 #include "mlx/primitives.h"
 #include "mlxcel-core/src/ffi.rs.h"
+#include "mlxcel-core/cpp/cuda_api.h"
 
 namespace mlxcel {
 
@@ -172,6 +173,14 @@ Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t>
   auto buffer = mx::allocator::malloc(data.size());
   if (data.size() > 0) parallel_copy(buffer.buffer().raw_ptr(), data.data(), data.size());
   return wrap(array(std::move(buffer), shape_of(shape), dt));
+}
+
+Ptr array_from_file_on_device(int32_t fd, uint64_t offset, size_t nbytes,
+                              rust::Slice<const int32_t> shape, Dtype dtype) {
+  auto dt = to_mlx(dtype);
+  check_byte_count(nbytes, shape, dt);
+  auto a = cuda::read_file_to_device(fd, offset, nbytes, shape_of(shape), dt);
+  return a ? wrap(std::move(*a)) : nullptr;
 }
 
 namespace {

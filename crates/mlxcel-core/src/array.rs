@@ -107,6 +107,23 @@ impl Array {
         )?))
     }
 
+    /// `nbytes` bytes at byte `offset` of `file` as a new array in device memory on MLX's
+    /// CUDA backend: read (not mapped) into pinned staging buffers and copied from them by the
+    /// CUDA driver (`cpp/cuda_load.cc`). `None` where the CUDA driver is not in the process.
+    pub fn from_file_on_device(
+        file: &std::fs::File,
+        offset: u64,
+        nbytes: usize,
+        shape: &[i32],
+        dtype: Dtype,
+    ) -> Result<Option<Array>> {
+        use std::os::fd::AsRawFd;
+        check_shape(shape)?;
+        let raw =
+            bridge::array_from_file_on_device(file.as_raw_fd(), offset, nbytes, shape, dtype)?;
+        Ok((!raw.is_null()).then(|| Array::from_raw(raw)))
+    }
+
     /// An array over `bytes` without copying them where MLX's allocator can wrap foreign
     /// memory (the CPU backend), else a copy. `owner` keeps `bytes` alive: it is dropped once
     /// MLX no longer uses them.

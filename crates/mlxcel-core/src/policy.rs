@@ -236,6 +236,13 @@ pub struct RuntimePolicy {
     /// docs/performance.md); `cuda_kernels --gather` and the `cuda_decode` test check it on a
     /// GPU. `0` turns it off.
     pub cuda_gather: bool,
+    /// `MLXCEL_CUDA_LOAD`: on MLX's CUDA backend, checkpoint tensors are read from their files
+    /// (no mapping) into pinned host buffers reused for the process and copied from them into
+    /// device memory by the CUDA driver, several readers overlapping reads and copies
+    /// (`cpp/cuda_load.cc`), instead of being copied from the mapped file into fresh unified
+    /// memory, whose pages the device then faults over on first use. `1` turns it on; off by
+    /// default until measured on a GPU.
+    pub cuda_load: bool,
     /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
     /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
     /// GPU as one mlxcel primitive that adds the whole step's kernels (5 per layer, `decode.cu`)
@@ -312,6 +319,7 @@ impl RuntimePolicy {
         cuda_qmv_rows: 1,
         cuda_qmv_mma: true,
         cuda_gather: true,
+        cuda_load: false,
         cuda_decode: true,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
@@ -324,7 +332,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 32] = [
+    pub const VARIABLES: [&'static str; 33] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -349,6 +357,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV_ROWS",
         "MLXCEL_CUDA_QMV_MMA",
         "MLXCEL_CUDA_GATHER",
+        "MLXCEL_CUDA_LOAD",
         "MLXCEL_BATCH_PIPELINE",
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
@@ -507,6 +516,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_GATHER") {
             p.cuda_gather = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_LOAD") {
+            p.cuda_load = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_ROWS") {
             p.cuda_rows = v.switch()?;
@@ -752,7 +764,7 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 11] = [
+        let cases: [(&str, Get); 12] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
@@ -763,6 +775,7 @@ mod tests {
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
             ("MLXCEL_CUDA_ROWS", |p| Some(p.cuda_rows)),
             ("MLXCEL_CUDA_GATHER", |p| Some(p.cuda_gather)),
+            ("MLXCEL_CUDA_LOAD", |p| Some(p.cuda_load)),
             ("MLXCEL_FUSE_PROJECTIONS", |p| p.fuse_projections),
         ];
         for (var, get) in cases {

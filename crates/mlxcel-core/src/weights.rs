@@ -74,6 +74,8 @@ struct Shard {
     /// Private copy-on-write mapping: arrays may borrow from it (see [`zero_copy_enabled`]),
     /// and a write through one (MLX reusing an input buffer) could never reach the file.
     map: Arc<MmapMut>,
+    /// The open file, for reads into device memory ([`device_load_enabled`]).
+    file: Arc<File>,
 }
 
 /// The tensors of a checkpoint folder.
@@ -284,14 +286,14 @@ fn tensor_past_end(bytes: &[u8]) -> Option<String> {
     None
 }
 
-fn open_shard(path: &Path) -> Result<(Arc<MmapMut>, FileStamp)> {
+fn open_shard(path: &Path) -> Result<(Arc<MmapMut>, FileStamp, Arc<File>)> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
     let stamp = FileStamp::of(&file.metadata().map_err(|e| Error::io(path, e))?);
     // SAFETY: private mapping (our writes never reach the file). If another process truncates
     // the file while it is mapped, reads fault; checkpoints are not modified in place while a
     // model loads.
     let map = unsafe { MmapOptions::new().map_copy(&file) }.map_err(|e| Error::io(path, e))?;
-    Ok((Arc::new(map), stamp))
+    Ok((Arc::new(map), stamp, Arc::new(file)))
 }
 
 /// Whether [`WeightMap::get`] hands out arrays that borrow the mapped file instead of copying
@@ -303,8 +305,15 @@ pub fn zero_copy_enabled() -> bool {
     crate::policy::with(|p| p.zero_copy) && crate::default_device().ok() == Some(crate::Device::Cpu)
 }
 
+/// Whether [`WeightMap::get`] reads file tensors straight into device memory
+/// ([`Array::from_file_on_device`]): on MLX's CUDA backend with `MLXCEL_CUDA_LOAD=1`.
+pub fn device_load_enabled() -> bool {
+    crate::policy::with(|p| p.cuda_load) && crate::default_device().ok() == Some(crate::Device::Gpu)
+}
+
 /// The array of `bytes`, the range of `shard`'s mapped file from byte `start`: borrowed from
-/// the map on the CPU ([`zero_copy_enabled`]), else copied by MLX.
+/// the map on the CPU ([`zero_copy_enabled`]), read into device memory on a GPU
+/// ([`device_load_enabled`]), else copied by MLX.
 fn file_array(
     shard: &Shard,
     start: usize,
@@ -314,6 +323,13 @@ fn file_array(
 ) -> crate::Result<Array> {
     if bytes.is_empty() {
         return Array::from_bytes(bytes, shape, dtype);
+    }
+    if device_load_enabled() {
+        if let Some(a) =
+            Array::from_file_on_device(&shard.file, start as u64, bytes.len(), shape, dtype)?
+        {
+            return Ok(a);
+        }
     }
     // Fault the range in with one call: far cheaper than a fault per page during a copy, and
     // for borrowed tensors it keeps the faults out of the first forward pass. An old kernel
@@ -495,7 +511,7 @@ impl WeightMap {
         let mut shards = Vec::with_capacity(files.len());
         let mut entries: BTreeMap<String, Entry> = BTreeMap::new();
         for (shard, path) in files.into_iter().enumerate() {
-            let (map, stamp) = open_shard(&path)?;
+            let (map, stamp, file) = open_shard(&path)?;
             let parsed = SafeTensors::deserialize(&map).map_err(|e| {
                 let detail = diagnose_header(&map)
                     .or_else(|| tensor_past_end(&map))
@@ -571,7 +587,12 @@ impl WeightMap {
                     },
                 );
             }
-            shards.push(Shard { path, stamp, map });
+            shards.push(Shard {
+                path,
+                stamp,
+                map,
+                file,
+            });
         }
         if let Some(index) = &index {
             if let Some((name, file)) = index.iter().find(|(name, _)| !entries.contains_key(*name))
