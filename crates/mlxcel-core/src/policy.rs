@@ -240,8 +240,10 @@ pub struct RuntimePolicy {
     /// (no mapping) into pinned host buffers reused for the process and copied from them into
     /// device memory by the CUDA driver, several readers overlapping reads and copies
     /// (`cpp/cuda_load.cc`), instead of being copied from the mapped file into fresh unified
-    /// memory, whose pages the device then faults over on first use. `1` turns it on; off by
-    /// default until measured on a GPU.
+    /// memory, whose pages the device then faults over on first use. On by default: on an
+    /// H100 the Llama-3.1-8B 4-bit shape loads in 0.65-0.74 s against 2.2 s that way and
+    /// mlx-lm's 1.07-1.56 s, Qwen3-30B-A3B 4-bit in 1.35-1.53 s against 4.4-6.1 s and 6.9-7.7
+    /// s, with bit-equal logits (session 25, docs/performance.md). `0` turns it off.
     pub cuda_load: bool,
     /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
     /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
@@ -319,7 +321,7 @@ impl RuntimePolicy {
         cuda_qmv_rows: 1,
         cuda_qmv_mma: true,
         cuda_gather: true,
-        cuda_load: false,
+        cuda_load: true,
         cuda_decode: true,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,

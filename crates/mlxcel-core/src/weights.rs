@@ -306,7 +306,7 @@ pub fn zero_copy_enabled() -> bool {
 }
 
 /// Whether [`WeightMap::get`] reads file tensors straight into device memory
-/// ([`Array::from_file_on_device`]): on MLX's CUDA backend with `MLXCEL_CUDA_LOAD=1`.
+/// ([`Array::from_file_on_device`]): on MLX's CUDA backend unless `MLXCEL_CUDA_LOAD=0`.
 pub fn device_load_enabled() -> bool {
     crate::policy::with(|p| p.cuda_load) && crate::default_device().ok() == Some(crate::Device::Gpu)
 }
