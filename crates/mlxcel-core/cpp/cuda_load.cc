@@ -65,12 +65,15 @@ const CopyApi* copy_api() {
   return api;
 }
 
-// 8 readers of 2 x 4 MiB: 64 MiB of pinned memory, allocated once. The reads from the page
-// cache are the limit: on an H100 host the Llama-3.1-8B 4-bit shape's 4.5 GB took 0.58-0.80 s
-// to build with 4 readers of 2 x 8 MiB and 0.53-0.60 s with these (session 25).
-constexpr int LANES = 8;
+// Each reader owns 2 pinned buffers of 2 MiB (allocated at its first use, then kept for the
+// process: pinned memory is slow to allocate). On an H100 host the Llama-3.1-8B 4-bit shape's
+// 4.5 GB took 0.58-0.80 s to build with 4 readers of 2 x 8 MiB, 0.53-0.60 s with 8 of 2 x 4
+// MiB, and 0.45-0.51 s with 8 of 2 x 2 MiB (smaller stages spread a tensor over more readers
+// and leave a shorter tail; 4 to 16 readers measured alike, 24 slower: session 25). How many
+// read a tensor is the runtime policy's (MLXCEL_CUDA_LOAD_READERS).
+constexpr int MAX_LANES = 32;
 constexpr int DEPTH = 2;
-constexpr size_t STAGE_BYTES = size_t(4) << 20;
+constexpr size_t STAGE_BYTES = size_t(2) << 20;
 
 struct Lane {
   CUstream stream = nullptr;
@@ -80,21 +83,24 @@ struct Lane {
 
 struct Staging {
   std::mutex busy;  // one tensor at a time owns the buffers
-  Lane lanes[LANES];
+  std::vector<Lane> lanes;
 };
 
-Staging& staging(const LaunchApi& api, const CopyApi& copy) {
-  static Staging* s = [&] {
-    auto* st = new Staging;  // lives for the process: pinned memory is slow to allocate
-    for (Lane& lane : st->lanes) {
-      check(api, copy.stream_create(&lane.stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-      for (int b = 0; b < DEPTH; ++b) {
-        check(api, copy.mem_host_alloc(&lane.buffer[b], STAGE_BYTES, 0), "cuMemHostAlloc");
-        check(api, copy.event_create(&lane.copied[b], CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-      }
+// The staging buffers, with at least `lanes` readers' (the caller holds `busy`).
+void ensure_lanes(const LaunchApi& api, const CopyApi& copy, Staging& st, int lanes) {
+  while (static_cast<int>(st.lanes.size()) < lanes) {
+    Lane lane;
+    check(api, copy.stream_create(&lane.stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (int b = 0; b < DEPTH; ++b) {
+      check(api, copy.mem_host_alloc(&lane.buffer[b], STAGE_BYTES, 0), "cuMemHostAlloc");
+      check(api, copy.event_create(&lane.copied[b], CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     }
-    return st;
-  }();
+    st.lanes.push_back(lane);
+  }
+}
+
+Staging& staging() {
+  static Staging* s = new Staging;  // lives for the process
   return *s;
 }
 
@@ -135,7 +141,8 @@ void run_lane(const LaunchApi& api, const CopyApi& copy, Lane& lane, int index, 
 }  // namespace
 
 std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nbytes,
-                                             const mx::Shape& shape, mx::Dtype dtype) {
+                                             const mx::Shape& shape, mx::Dtype dtype,
+                                             int readers) {
   const LaunchApi* api = resolved_launch_api();
   const CopyApi* copy = copy_api();
   if (api == nullptr || copy == nullptr || nbytes == 0) {
@@ -149,10 +156,11 @@ std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nby
   // freed): wait for that stream before other streams write into it.
   check(*api, api->ctx_synchronize(), "cuCtxSynchronize");
   char* device = static_cast<char*>(device_pointer(out));
-  Staging& st = staging(*api, *copy);
+  Staging& st = staging();
   std::lock_guard<std::mutex> hold(st.busy);
-  const int lanes =
-      static_cast<int>(std::min<size_t>(LANES, (nbytes + STAGE_BYTES - 1) / STAGE_BYTES));
+  const int lanes = static_cast<int>(std::min<size_t>(
+      std::clamp(readers, 1, MAX_LANES), (nbytes + STAGE_BYTES - 1) / STAGE_BYTES));
+  ensure_lanes(*api, *copy, st, lanes);
   std::vector<std::string> errors(lanes);
   auto lane_body = [&](int i) {
     try {
@@ -163,13 +171,13 @@ std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nby
       copy->stream_synchronize(st.lanes[i].stream);
     }
   };
-  std::vector<std::thread> readers;
+  std::vector<std::thread> helpers;
   for (int i = 1; i < lanes; ++i) {
-    readers.emplace_back(lane_body, i);
+    helpers.emplace_back(lane_body, i);
   }
   lane_body(0);
-  for (auto& r : readers) {
-    r.join();
+  for (auto& h : helpers) {
+    h.join();
   }
   for (const auto& e : errors) {
     if (!e.empty()) {

@@ -108,8 +108,9 @@ impl Array {
     }
 
     /// `nbytes` bytes at byte `offset` of `file` as a new array in device memory on MLX's
-    /// CUDA backend: read (not mapped) into pinned staging buffers and copied from them by the
-    /// CUDA driver (`cpp/cuda_load.cc`). `None` where the CUDA driver is not in the process.
+    /// CUDA backend: read (not mapped) into pinned staging buffers by the policy's
+    /// `cuda_load_readers` threads and copied from them by the CUDA driver
+    /// (`cpp/cuda_load.cc`). `None` where the CUDA driver is not in the process.
     pub fn from_file_on_device(
         file: &std::fs::File,
         offset: u64,
@@ -119,8 +120,15 @@ impl Array {
     ) -> Result<Option<Array>> {
         use std::os::fd::AsRawFd;
         check_shape(shape)?;
-        let raw =
-            bridge::array_from_file_on_device(file.as_raw_fd(), offset, nbytes, shape, dtype)?;
+        let readers = crate::policy::with(|p| p.cuda_load_readers) as i32;
+        let raw = bridge::array_from_file_on_device(
+            file.as_raw_fd(),
+            offset,
+            nbytes,
+            shape,
+            dtype,
+            readers,
+        )?;
         Ok((!raw.is_null()).then(|| Array::from_raw(raw)))
     }
 

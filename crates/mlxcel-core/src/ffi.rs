@@ -99,14 +99,15 @@ pub(crate) mod bridge {
             dtype: Dtype,
         ) -> Result<UniquePtr<MlxArray>>;
         /// `nbytes` bytes at byte `offset` of the open file `fd` in a new array in device
-        /// memory (MLX's CUDA backend, through pinned staging buffers: cpp/cuda_load.cc); null
-        /// where the CUDA driver is not in the process.
+        /// memory (MLX's CUDA backend, read by `readers` threads through pinned staging
+        /// buffers: cpp/cuda_load.cc); null where the CUDA driver is not in the process.
         fn array_from_file_on_device(
             fd: i32,
             offset: u64,
             nbytes: usize,
             shape: &[i32],
             dtype: Dtype,
+            readers: i32,
         ) -> Result<UniquePtr<MlxArray>>;
         /// An array over `data` without a copy where MLX's allocator allows it (the CPU
         /// backend), else a copy; `owner` is dropped when MLX no longer needs `data`.

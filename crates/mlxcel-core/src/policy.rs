@@ -241,10 +241,14 @@ pub struct RuntimePolicy {
     /// device memory by the CUDA driver, several readers overlapping reads and copies
     /// (`cpp/cuda_load.cc`), instead of being copied from the mapped file into fresh unified
     /// memory, whose pages the device then faults over on first use. On by default: on an
-    /// H100 the Llama-3.1-8B 4-bit shape loads in 0.65-0.74 s against 2.2 s that way and
-    /// mlx-lm's 1.07-1.56 s, Qwen3-30B-A3B 4-bit in 1.35-1.53 s against 4.4-6.1 s and 6.9-7.7
+    /// H100 the Llama-3.1-8B 4-bit shape loads in 0.54-0.60 s against 2.2 s that way and
+    /// mlx-lm's 1.03-1.14 s, Qwen3-30B-A3B 4-bit in 0.94-1.10 s against 4.4-6.1 s and 6.9-7.7
     /// s, with bit-equal logits (session 25, docs/performance.md). `0` turns it off.
     pub cuda_load: bool,
+    /// `MLXCEL_CUDA_LOAD_READERS`: how many threads read a tensor into device memory
+    /// (`cuda_load`), 1 to 32; default 8 (4 to 16 measured alike on an H100 host). Each
+    /// holds 4 MiB of pinned staging memory.
+    pub cuda_load_readers: usize,
     /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
     /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
     /// GPU as one mlxcel primitive that adds the whole step's kernels (5 per layer, `decode.cu`)
@@ -322,6 +326,7 @@ impl RuntimePolicy {
         cuda_qmv_mma: true,
         cuda_gather: true,
         cuda_load: true,
+        cuda_load_readers: 8,
         cuda_decode: true,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
@@ -334,7 +339,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 33] = [
+    pub const VARIABLES: [&'static str; 34] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -360,6 +365,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV_MMA",
         "MLXCEL_CUDA_GATHER",
         "MLXCEL_CUDA_LOAD",
+        "MLXCEL_CUDA_LOAD_READERS",
         "MLXCEL_BATCH_PIPELINE",
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
@@ -521,6 +527,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_LOAD") {
             p.cuda_load = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_LOAD_READERS") {
+            p.cuda_load_readers = v.in_range("a number of readers from 1 to 32", 1, 32)?;
         }
         if let Some(v) = get("MLXCEL_CUDA_ROWS") {
             p.cuda_rows = v.switch()?;
@@ -829,6 +838,17 @@ mod tests {
         assert_eq!(one(v, "1").cpu_threads, Some(1));
         assert_eq!(one(v, "64").cpu_threads, Some(64));
         for bad in ["0", "65", "four", "-1"] {
+            rejects(v, bad);
+        }
+    }
+
+    #[test]
+    fn cuda_load_readers() {
+        let v = "MLXCEL_CUDA_LOAD_READERS";
+        assert_eq!(RuntimePolicy::default().cuda_load_readers, 8);
+        assert_eq!(one(v, "1").cuda_load_readers, 1);
+        assert_eq!(one(v, "32").cuda_load_readers, 32);
+        for bad in ["0", "33", "eight", "-1"] {
             rejects(v, bad);
         }
     }
