@@ -3,6 +3,8 @@
 // the one-kernel primitive (cuda_launch.cc) and the decode step (cuda_decode.cc).
 #pragma once
 
+#include <dlfcn.h>
+
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -53,6 +55,15 @@ struct LaunchApi {
   int (*memcpy_htod)(void* device, const void* host, size_t bytes);
   int (*ctx_synchronize)();
 };
+
+// Points `slot` at the process's `symbol` (found with dlsym: MLX's CUDA backend and the driver
+// it loaded), clearing `found` when the symbol is missing.
+template <typename F>
+void resolve_symbol(F& slot, const char* symbol, bool& found) {
+  void* p = dlsym(RTLD_DEFAULT, symbol);
+  found = found && p != nullptr;
+  slot = reinterpret_cast<F>(p);
+}
 
 // The entry points when all are in the process, else null.
 const LaunchApi* resolved_launch_api();

@@ -107,11 +107,7 @@ const LaunchApi* resolved_launch_api() {
   static const LaunchApi* api = []() -> const LaunchApi* {
     static LaunchApi a;
     bool found = true;
-    auto get = [&found](auto& slot, const char* symbol) {
-      void* p = dlsym(RTLD_DEFAULT, symbol);
-      found = found && p != nullptr;
-      slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(p);
-    };
+    auto get = [&found](auto& slot, const char* symbol) { resolve_symbol(slot, symbol, found); };
     get(a.command_encoder, "_ZN3mlx4core2cu19get_command_encoderENS0_6StreamE");
     get(a.set_input, "_ZN3mlx4core2cu14CommandEncoder15set_input_arrayERKNS0_5arrayE");
     get(a.set_output, "_ZN3mlx4core2cu14CommandEncoder16set_output_arrayERKNS0_5arrayE");

@@ -48,11 +48,7 @@ const CopyApi* copy_api() {
   static const CopyApi* api = []() -> const CopyApi* {
     static CopyApi a;
     bool found = true;
-    auto get = [&found](auto& slot, const char* symbol) {
-      void* p = dlsym(RTLD_DEFAULT, symbol);
-      found = found && p != nullptr;
-      slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(p);
-    };
+    auto get = [&found](auto& slot, const char* symbol) { resolve_symbol(slot, symbol, found); };
     get(a.mem_host_alloc, "cuMemHostAlloc");
     get(a.memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
     get(a.stream_create, "cuStreamCreate");
