@@ -490,3 +490,25 @@ fn a_stack_reads_only_the_parts_a_slice_covers() {
         .is_err());
     assert!(map.stack("t", &["missing".to_string()]).is_err());
 }
+
+/// `Array::from_file_on_device` (the GPU loader, `MLXCEL_CUDA_LOAD`): a byte count that does not
+/// fill the shape is refused before anything is read or allocated, and where MLX has no CUDA
+/// backend (this CPU build) the answer is "not here" (the caller then copies through MLX), not an
+/// error. On a GPU the loader's bit-equality is `cuda_decode`'s
+/// `tensors_read_into_device_memory_make_the_same_model`.
+#[test]
+fn device_reads_check_the_byte_count_and_defer_without_cuda() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bytes.bin");
+    fs::write(&path, [0u8; 64]).unwrap();
+    let file = fs::File::open(&path).unwrap();
+    let err = Array::from_file_on_device(&file, 0, 12, &[4], Dtype::Float32).unwrap_err();
+    assert!(
+        err.to_string().contains("12 bytes do not fill"),
+        "unexpected error: {err}"
+    );
+    if mlxcel_core::default_device().unwrap() == mlxcel_core::Device::Cpu {
+        let read = Array::from_file_on_device(&file, 16, 16, &[4], Dtype::Float32).unwrap();
+        assert!(read.is_none(), "no CUDA backend, yet an array came back");
+    }
+}
