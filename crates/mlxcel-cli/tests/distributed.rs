@@ -442,8 +442,17 @@ fn peak_bytes(prefix: &[&str], model: &str) -> f64 {
 fn each_rank_holds_only_its_part_of_the_weights() {
     // qwen3_moe stores one tensor per expert: the stacked experts are sliced per expert, never
     // stacked whole. llama: plain linear layers.
+    //
+    // The yardstick is the checkpoint's tensor bytes (float32 fixtures, kept in float32 on the
+    // CPU): a process holding the whole model peaks above them, a rank holding its part (the
+    // replicated embedding, its half of the rest, activations) below. The peak of one process
+    // running the whole model is no yardstick: it moved between 1.30 and 1.94 MB for qwen3_moe
+    // from run to run (when its per-expert tensors are freed against when the stacked ones are
+    // made), while rank 0's peak repeats to the byte.
     for model in ["qwen3_moe", "llama"] {
-        let whole = peak_bytes(&[], model);
+        let whole = mlxcel_core::WeightMap::open(fixture(model))
+            .unwrap()
+            .total_bytes() as f64;
         for mode in ["tensor", "pipeline"] {
             let prefix = [
                 "launch",
@@ -456,10 +465,11 @@ fn each_rank_holds_only_its_part_of_the_weights() {
                 "--",
             ];
             let part = peak_bytes(&prefix, model);
-            eprintln!("{model} {mode}: rank 0 peak {part} of {whole} bytes");
+            eprintln!("{model} {mode}: rank 0 peak {part} bytes, the model's weights {whole}");
             assert!(
-                part < 0.75 * whole,
-                "{model} {mode}: rank 0 peaked at {part} bytes, one process at {whole}"
+                part < whole,
+                "{model} {mode}: rank 0 peaked at {part} bytes, more than the whole model's \
+                 {whole} bytes of weights"
             );
         }
     }
