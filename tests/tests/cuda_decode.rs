@@ -29,10 +29,18 @@ fn slack(dtype: Dtype) -> f32 {
 }
 
 fn load(dir: &std::path::Path, engine: bool, dtype: Dtype) -> Loaded {
-    let policy = RuntimePolicy {
-        cuda_decode: engine,
-        ..RuntimePolicy::default()
-    };
+    load_under(
+        dir,
+        dtype,
+        RuntimePolicy {
+            cuda_decode: engine,
+            ..RuntimePolicy::default()
+        },
+    )
+}
+
+/// The fixture in `dir` in `dtype`, loaded (and run) under `policy`.
+fn load_under(dir: &std::path::Path, dtype: Dtype, policy: RuntimePolicy) -> Loaded {
     load_model(
         dir,
         &LoadOptions {
@@ -314,8 +322,8 @@ fn moe_prefill_on_qmm_gather_matches_the_dequantized_path() {
 /// Checkpoint tensors read straight into device memory (`MLXCEL_CUDA_LOAD=1`: pinned staging
 /// buffers and driver copies, cpp/cuda_load.cc) make the same model as MLX's copy into unified
 /// memory: the same bytes, so bit-equal logits over a prompt and decode steps, on quantized,
-/// dense and MoE fixtures in bf16 (dense ones cast after the read) and a file's tensors at every
-/// alignment the format allows.
+/// dense and MoE fixtures in bf16 (dense ones cast after the read), each tensor read from
+/// whatever byte offset its file puts it at.
 #[test]
 #[ignore = "needs MLX's CUDA backend and a GPU (xtask/bench/gpu_probe.sh load)"]
 fn tensors_read_into_device_memory_make_the_same_model() {
@@ -333,16 +341,7 @@ fn tensors_read_into_device_memory_make_the_same_model() {
                 cuda_load: device_load,
                 ..RuntimePolicy::default()
             };
-            let model = load_model(
-                &dir,
-                &LoadOptions {
-                    skip_tokenizer: true,
-                    dtype: Some(Dtype::Bfloat16),
-                    policy: Some(policy),
-                    ..Default::default()
-                },
-            )
-            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+            let model = load_under(&dir, Dtype::Bfloat16, policy);
             let mut session = Session::new(&model.model);
             let (_, mut last) = session.prefill(&tokens, Some(1)).unwrap();
             let mut out = vec![floats(&last)];

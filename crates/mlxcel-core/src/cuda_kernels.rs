@@ -1263,7 +1263,8 @@ fn gather_operands_fault(
         || group_size * groups as i64 != k
     {
         return Ok(Some(format!(
-            "scales {:?} and biases {:?} of {}/{} for {experts}x{n} rows of K = {k}              ([experts, N, K/gs] in the activations' {}, gs 32/64/128)",
+            "scales {:?} and biases {:?} of {}/{} for {experts}x{n} rows of K = {k} \
+             ([experts, N, K/gs] in the activations' {}, gs 32/64/128)",
             scales.shape(),
             biases.shape(),
             scales.dtype()?.name(),

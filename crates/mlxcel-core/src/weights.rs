@@ -75,7 +75,7 @@ struct Shard {
     /// and a write through one (MLX reusing an input buffer) could never reach the file.
     map: Arc<MmapMut>,
     /// The open file, for reads into device memory ([`device_load_enabled`]).
-    file: Arc<File>,
+    file: File,
 }
 
 /// The tensors of a checkpoint folder.
@@ -286,14 +286,14 @@ fn tensor_past_end(bytes: &[u8]) -> Option<String> {
     None
 }
 
-fn open_shard(path: &Path) -> Result<(Arc<MmapMut>, FileStamp, Arc<File>)> {
+fn open_shard(path: &Path) -> Result<(Arc<MmapMut>, FileStamp, File)> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
     let stamp = FileStamp::of(&file.metadata().map_err(|e| Error::io(path, e))?);
     // SAFETY: private mapping (our writes never reach the file). If another process truncates
     // the file while it is mapped, reads fault; checkpoints are not modified in place while a
     // model loads.
     let map = unsafe { MmapOptions::new().map_copy(&file) }.map_err(|e| Error::io(path, e))?;
-    Ok((Arc::new(map), stamp, Arc::new(file)))
+    Ok((Arc::new(map), stamp, file))
 }
 
 /// Whether [`WeightMap::get`] hands out arrays that borrow the mapped file instead of copying
