@@ -32,6 +32,10 @@
 #   gpu_probe.sh load        checkpoint tensors read into device memory (MLXCEL_CUDA_LOAD): the
 #                            cuda_decode test of bit-equal models, then load time, first request
 #                            and steady state with it on and off against mlx-lm (SHAPES)
+#   gpu_probe.sh tc          the CUDA decode step's tensor-core GEMVs (MLXCEL_CUDA_DECODE_TC): the
+#                            decode test on its fixtures, then the 8B 4-bit shape's greedy ids
+#                            with them on and off, then speed by launch shape (TC_SHAPES) against
+#                            mlx-lm
 #   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
 #                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
 #                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;
@@ -132,6 +136,19 @@ step_against_graph() {
 }
 
 case $what in
+tc)
+  MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-300} "$here/cuda_decode_test" \
+    --ignored --nocapture --test-threads 1 cuda_step_matches 2>&1 | grep -v "^$" | tail -30
+  model llama-8b-4bit
+  for f in 1 0; do
+    echo -n "  greedy ids, MLXCEL_CUDA_DECODE_TC=$f: "
+    MLXCEL_CUDA_DECODE_TC=$f "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 64 \
+      --ignore-eos --print-ids --quiet 2>&1 | tail -1 | cut -c1-200
+  done
+  configs=()
+  for shape in ${TC_SHAPES:-8x16 4x16 8x32 16x16}; do configs+=("tc-$shape MLXCEL_CUDA_DECODE_TC=$shape"); done
+  passes "${configs[@]}" "qmv MLXCEL_CUDA_DECODE_TC=0"
+  ;;
 kernels)
   timeout 170 "$here/cuda_kernels"
   timeout 120 python3 "$here/prefill_probe.py"

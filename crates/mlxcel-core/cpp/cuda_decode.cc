@@ -60,6 +60,8 @@ enum {
 enum { NORM_INPUT, NORM_POST, NORM_Q, NORM_K, NORM_FINAL };
 // The GEMV kinds of decode.cu: RMSNorm in; residual out; RMSNorm in and silu(gate) * up out.
 enum { GEMV_RMS, GEMV_RES, GEMV_GLU };
+// The largest K of a tensor-core GEMV (its shared memory: 2K + K/16 bytes).
+constexpr int TC_MAX_K = 16384;
 
 constexpr int MAX_HEAD_DIM = 256;      // DEC_MAX_HEAD_DIM of decode.cu
 constexpr int MAX_GROUP = 16;          // DEC_MAX_GROUP
@@ -90,6 +92,12 @@ struct QLinear {
   int words32() const { return dense() ? cols() / 2 : words(); }
   // Its kernels' row in CudaDecoderState::gemv: 4-bit, 8-bit, dense.
   int table() const { return dense() ? 2 : bits == 8 ? 1 : 0; }
+  // Whether the tensor-core GEMV (qmv_tc.cu) takes it: 4-bit in groups of 64 or 128, and K
+  // small enough for the kernel's shared copy of x (2K + K/16 bytes, under 48 KB).
+  bool tensor_core_ok() const {
+    return bits == 4 && !dense() && (cols() / groups() == 64 || cols() / groups() == 128) &&
+           cols() <= TC_MAX_K;
+  }
 };
 
 // How a routed-expert layer weighs its experts: softmax over the router's logits, the top_k
@@ -150,12 +158,16 @@ struct CudaDecoderState {
   std::optional<mx::array> inv_freq_dev;
   // (warps, rows per block) of each GEMV kind (DECODER_GEMV_SHAPES in src/cuda_kernels.rs).
   int shape[3][2] = {};
+  // (warps, rows per block) of the tensor-core GEMVs of every kind; warps 0: none.
+  int tc_shape[2] = {};
   std::vector<Layer> layer;
   QLinear head;
   std::optional<mx::array> final_norm;
   // Kernels, loaded by `finish`: GEMVs by [4-bit, 8-bit, dense][kind], then attention, then
   // those of routed-expert layers (decode_moe.cu; the expert GEMVs by format as the GEMVs).
   void* gemv[3][3] = {};
+  // The tensor-core GEMVs by kind (4-bit weights `QLinear::tensor_core_ok` takes).
+  void* gemv_tc[3] = {};
   void* attention = nullptr;
   void* route = nullptr;
   void* moe_glu[3] = {};
@@ -339,7 +351,8 @@ class CudaDecodeStep : public mx::Primitive {
   // Adds one kernel node after the previous one (see the file's comment on dependencies); the
   // step's `last` node stands for the whole step: what reads the logits or the caches waits for
   // it.
-  void launch(void* function, Dim3 grid, Dim3 block, Args& args, bool last = false) {
+  void launch(void* function, Dim3 grid, Dim3 block, Args& args, bool last = false,
+              unsigned shared_bytes = 0) {
     const LaunchApi& api = *api_;
     const CudaDecoderState& st = *state_;
     if (first_) {
@@ -359,7 +372,22 @@ class CudaDecodeStep : public mx::Primitive {
         api.set_output(encoder_, (*inputs_)[i]);
       }
     }
-    api.add_kernel(encoder_, function, grid, block, Dim3{1, 1, 1}, 0, args.params());
+    api.add_kernel(encoder_, function, grid, block, Dim3{1, 1, 1}, shared_bytes, args.params());
+  }
+
+  // The kernel and launch shape of a GEMV of `kind` over `m` (and matrices like it).
+  struct GemvLaunch {
+    void* function;
+    int warps, rows;
+    unsigned shared_bytes;
+  };
+  GemvLaunch pick(const QLinear& m, int kind) const {
+    const CudaDecoderState& st = *state_;
+    if (st.gemv_tc[kind] != nullptr && m.tensor_core_ok()) {
+      const int k = m.cols();
+      return {st.gemv_tc[kind], st.tc_shape[0], st.tc_shape[1], unsigned(2 * k + k / 16)};
+    }
+    return {st.gemv[m.table()][kind], st.shape[kind][0], st.shape[kind][1], 0};
   }
 
   // The GEMV of `kind` over `segments` (matrices of one K): consecutive segments of equal
@@ -368,10 +396,10 @@ class CudaDecodeStep : public mx::Primitive {
             const void* res, bool last = false) {
     const CudaDecoderState& st = *state_;
     std::vector<Segment> all(segments);
-    const int nw = st.shape[kind][0];
-    const int rpw = st.shape[kind][1];
     for (size_t i = 0; i < all.size();) {
       const QLinear& first = *all[i].linear;
+      const GemvLaunch how = pick(first, kind);
+      const int rpw = how.rows;
       size_t j = i + 1;
       while (j < all.size() && j - i < 3 && all[j].linear->bits == first.bits &&
              all[j].linear->cols() == first.cols() &&
@@ -391,8 +419,8 @@ class CudaDecodeStep : public mx::Primitive {
         blocks += m ? unsigned(ceil_div(m->rows(), rpw)) : 0;
       }
       tail_args(a, first, x, aux, res);
-      launch(st.gemv[first.table()][kind], Dim3{blocks, 1, 1}, Dim3{unsigned(nw * 32), 1, 1}, a,
-             last && j == all.size());
+      launch(how.function, Dim3{blocks, 1, 1}, Dim3{unsigned(how.warps * 32), 1, 1}, a,
+             last && j == all.size(), how.shared_bytes);
       i = j;
     }
   }
@@ -404,7 +432,8 @@ class CudaDecodeStep : public mx::Primitive {
            void* out, const void* x, const void* aux) {
     const CudaDecoderState& st = *state_;
     const size_t elt = mx::size_of(st.dtype);
-    const int rpw = st.shape[GEMV_GLU][1];
+    const GemvLaunch how = pick(gate, GEMV_GLU);
+    const int rpw = how.rows;
     // A row's bytes of weights and of scales (and biases).
     auto rows_of = [&](const QLinear& m, int row) {
       const size_t w_row = m.dense() ? size_t(m.cols()) * elt : size_t(m.words()) * 4;
@@ -434,8 +463,8 @@ class CudaDecodeStep : public mx::Primitive {
     a.ptr(nullptr).i32(0);
     tail_args(a, gate, x, aux, nullptr);
     const unsigned blocks = unsigned(ceil_div(inter, rpw / 2));
-    const unsigned threads = unsigned(st.shape[GEMV_GLU][0] * 32);
-    launch(st.gemv[gate.table()][GEMV_GLU], Dim3{blocks, 1, 1}, Dim3{threads, 1, 1}, a);
+    const unsigned threads = unsigned(how.warps * 32);
+    launch(how.function, Dim3{blocks, 1, 1}, Dim3{threads, 1, 1}, a, false, how.shared_bytes);
   }
 
   // A routed-expert feed-forward on `h` (in place): the router's GEMV, then decode_moe.cu's
@@ -536,7 +565,7 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
     throw std::invalid_argument("mlxcel: cuda decoder: invalid shape");
   }
   if (head_dim > MAX_HEAD_DIM || head_dim % 8 != 0 || heads / kv_heads > MAX_GROUP ||
-      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 6) {
+      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 8) {
     throw std::invalid_argument(
         "mlxcel: cuda decoder: head_dim a multiple of 8 up to 256, at most 16 query heads per "
         "key/value head, rope within the head");
@@ -558,6 +587,8 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
     st->shape[k][0] = shapes[2 * k];
     st->shape[k][1] = shapes[2 * k + 1];
   }
+  st->tc_shape[0] = shapes[6];
+  st->tc_shape[1] = shapes[7];
   st->layer.resize(layers);
   d->state = std::move(st);
   return d;
@@ -787,6 +818,11 @@ void cuda_decoder_finish(CudaDecoder& d) {
     for (int k = 0; k < 3 && used[b]; ++k) {
       st.gemv[b][k] = function(*api, *st.binary,
                                std::string("mlxcel_dec_") + tables[b] + "_" + kinds[k] + "_" + t);
+    }
+  }
+  if (used[0] && st.tc_shape[0] > 0) {
+    for (int k = 0; k < 3; ++k) {
+      st.gemv_tc[k] = function(*api, *st.binary, std::string("mlxcel_dec_qmt_b4_") + kinds[k] + "_" + t);
     }
   }
   st.attention = function(*api, *st.binary, "mlxcel_dec_attention_" + t);

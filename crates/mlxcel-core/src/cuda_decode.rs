@@ -67,8 +67,11 @@ impl CudaDecoder {
         formats: crate::cuda_kernels::DecoderFormats,
     ) -> Result<CudaDecoder> {
         let binary = crate::cuda_kernels::decoder_binary(dtype, formats)?;
+        // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none).
+        let tc = crate::cuda_kernels::decoder_tc_shape().unwrap_or((0, 0));
         let shapes: Vec<i32> = crate::cuda_kernels::DECODER_GEMV_SHAPES
             .iter()
+            .chain([&tc])
             .flat_map(|&(nw, rpw)| [nw, rpw])
             .collect();
         let raw = bridge::cuda_decoder_new(

@@ -53,12 +53,16 @@ const SCAN: &str = include_str!("../kernels/cuda/scan.cu");
 const QMV_AND_DECODE: &str = concat!(
     include_str!("../kernels/cuda/qmv.cu"),
     "\n",
+    include_str!("../kernels/cuda/qmv_tc.cu"),
+    "\n",
     include_str!("../kernels/cuda/decode.cu")
 );
 /// The decode step's kernels with its routed-expert layers (decode_moe.cu), for models that
 /// have them; a model without keeps the module (and the cached cubins) of decode.cu alone.
 const QMV_DECODE_AND_MOE: &str = concat!(
     include_str!("../kernels/cuda/qmv.cu"),
+    "\n",
+    include_str!("../kernels/cuda/qmv_tc.cu"),
     "\n",
     include_str!("../kernels/cuda/decode.cu"),
     "\n",
@@ -486,6 +490,12 @@ pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] = [
     RMSNORM_FOLDED_SHAPE,
 ];
 
+/// The launch shape (warps, rows per block: 16 or 32) of the decode step's tensor-core GEMVs
+/// (qmv_tc.cu), or `None` when `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
+pub fn decoder_tc_shape() -> Option<(i32, i32)> {
+    crate::policy::with(|p| p.cuda_decode_tc.map(LaunchShape::pair))
+}
+
 /// The activation dtypes the CUDA decode step is compiled for.
 const DECODER_DTYPES: [Dtype; 2] = [Dtype::Bfloat16, Dtype::Float16];
 
@@ -536,6 +546,11 @@ impl DecoderFormats {
 /// weights in the activations' dtype), those of `formats` only, and
 /// `mlxcel_dec_attention_{dtype}`.
 fn decoder_entry(dtype: Dtype, formats: DecoderFormats) -> Entry {
+    decoder_entry_with(dtype, formats, decoder_tc_shape())
+}
+
+/// [`decoder_entry`] with the tensor-core GEMVs of launch shape `tc` (`None`: none).
+fn decoder_entry_with(dtype: Dtype, formats: DecoderFormats, tc: Option<(i32, i32)>) -> Entry {
     let (t, d) = (type_name(dtype), dtype.name());
     let mut wrapper = String::new();
     // (name, PRE, RES, GLU) of qmv.cu.
@@ -559,6 +574,26 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats) -> Entry {
                  o1, n1, w2, s2, z2, o2, n2, x, aux, res, words_per_row, groups_per_row, \
                  __int_as_float(eps_bits)); }}\n",
                 threads = nw * 32,
+            );
+        }
+    }
+    // The tensor-core GEMVs of 4-bit weights in groups of 64 or 128 (qmv_tc.cu), one launch
+    // shape for the three kinds (`MLXCEL_CUDA_DECODE_TC`).
+    if let Some((nw, rows)) = tc.filter(|_| formats.affine4) {
+        for (kind, pre, res, glu) in folds {
+            wrapper += &format!(
+                "extern \"C\" __global__ void __launch_bounds__({threads}) \
+                 mlxcel_dec_qmt_b4_{kind}_{d}(\
+                 const uint32_t* w0, const {t}* s0, const {t}* z0, {t}* o0, int n0, \
+                 const uint32_t* w1, const {t}* s1, const {t}* z1, {t}* o1, int n1, \
+                 const uint32_t* w2, const {t}* s2, const {t}* z2, {t}* o2, int n2, \
+                 const {t}* x, const {t}* aux, const {t}* res, int words_per_row, \
+                 int groups_per_row, int eps_bits) {{ \
+                 dec_qmt<{nw}, {rt}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
+                 o1, n1, w2, s2, z2, o2, n2, x, aux, res, words_per_row, groups_per_row, \
+                 __int_as_float(eps_bits)); }}\n",
+                threads = nw * 32,
+                rt = rows / 16,
             );
         }
     }
@@ -656,8 +691,10 @@ pub fn module_source() -> String {
         GATHER,
     ]
     .join("\n");
+    // The tensor-core GEMVs too, whatever the policy says (they are off by default).
+    let tc = Some(crate::policy::DEFAULT_DECODE_TC_SHAPE.pair());
     for dtype in DECODER_DTYPES {
-        src += &decoder_entry(dtype, DecoderFormats::ALL).wrapper;
+        src += &decoder_entry_with(dtype, DecoderFormats::ALL, tc).wrapper;
     }
     for j in SCAN_STATES_PER_LANE {
         src += &scan_entry(j).wrapper;

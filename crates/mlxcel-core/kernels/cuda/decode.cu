@@ -53,6 +53,38 @@ __device__ __forceinline__ void dec_qmv(const uint32_t* w0, const T* s0, const T
                                               groups_per_row, 1, eps, bx);
 }
 
+// The same on tensor cores (qmv_tc.cu: 4-bit weights in groups of 64 or 128, K <= 16384):
+// segments of RPW = 16*RT rows; GLU as dec_qmv's (8*RT outputs per block).
+template <int NW, int RT, int PRE, int RES, int GLU, typename T>
+__device__ __forceinline__ void dec_qmt(const uint32_t* w0, const T* s0, const T* z0, T* o0,
+                                        int n0, const uint32_t* w1, const T* s1, const T* z1,
+                                        T* o1, int n1, const uint32_t* w2, const T* s2,
+                                        const T* z2, T* o2, int n2, const T* x, const T* aux,
+                                        const T* res, int words_per_row, int groups_per_row,
+                                        float eps) {
+  if constexpr (GLU != 0) {
+    qmt<NW, RT, PRE, RES, 1, T>(w0, s0, z0, x, aux, res, o0, n0, words_per_row, groups_per_row,
+                                eps, blockIdx.x, w1, s1, z1);
+    return;
+  }
+  constexpr int RPW = 16 * RT;
+  const int b0 = (n0 + RPW - 1) / RPW;
+  const int b1 = (n1 + RPW - 1) / RPW;
+  int bx = blockIdx.x;
+  const uint32_t* w = w0;
+  const T* sc = s0;
+  const T* z = z0;
+  T* o = o0;
+  int n = n0;
+  if (bx >= b0 + b1) {
+    w = w2, sc = s2, z = z2, o = o2, n = n2, bx -= b0 + b1;
+  } else if (bx >= b0) {
+    w = w1, sc = s1, z = z1, o = o1, n = n1, bx -= b0;
+  }
+  qmt<NW, RT, PRE, RES, 0, T>(w, sc, z, x, aux, res, o, n, words_per_row, groups_per_row, eps,
+                              bx);
+}
+
 // ---- helpers -------------------------------------------------------------------------------
 constexpr int DEC_MAX_HEAD_DIM = 256;
 // -inf (no math.h under NVRTC).

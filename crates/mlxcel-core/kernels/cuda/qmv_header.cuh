@@ -252,3 +252,67 @@ __device__ __forceinline__ float qmv_dot_unpacked(const float (&q)[32 / BITS], c
   }
   return a0 + a1;
 }
+
+// ---- tensor-core operands (qmv_mma.cu, qmv_tc.cu) -------------------------------------
+
+// A T value from its bits.
+template <typename T>
+__device__ __forceinline__ float qmm_to_float(uint32_t bits) {
+  T v;
+  v.bits = (unsigned short)bits;
+  return qmv_to_float(v);
+}
+
+// Per-type constants and instructions: the nibble pair as exact T codes, the mma, and ones.
+template <typename T>
+struct qmm_ops;
+
+template <>
+struct qmm_ops<mlxcel_bf16> {
+  static constexpr uint32_t ONES = 0x3F803F80u;  // bf16 (1, 1)
+  static constexpr float OFF = 128.0f;
+  // ((w >> s) & 0x000F000F) | 0x43004300 is bf16 (128 + q_lo, 128 + q_hi), exactly (ulp 1).
+  static __device__ __forceinline__ uint32_t pair(uint32_t w, int s) {
+    return ((w >> s) & 0x000F000Fu) | 0x43004300u;
+  }
+  // The same minus 128: the codes q themselves, exactly.
+  static __device__ __forceinline__ uint32_t codes(uint32_t w, int s) {
+    const uint32_t v = pair(w, s);
+    uint32_t q;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(q) : "r"(v), "r"(0x3F803F80u), "r"(0xC300C300u));
+    return q;
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct qmm_ops<mlxcel_f16> {
+  static constexpr uint32_t ONES = 0x3C003C00u;  // f16 (1, 1)
+  static constexpr float OFF = 1024.0f;
+  // ((w >> s) & 0x000F000F) | 0x64006400 is f16 (1024 + q_lo, 1024 + q_hi), exactly (ulp 1).
+  static __device__ __forceinline__ uint32_t pair(uint32_t w, int s) {
+    return ((w >> s) & 0x000F000Fu) | 0x64006400u;
+  }
+  // The same minus 1024: the codes q themselves, exactly.
+  static __device__ __forceinline__ uint32_t codes(uint32_t w, int s) {
+    const uint32_t v = pair(w, s);
+    uint32_t q;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(q) : "r"(v), "r"(0x3C003C00u), "r"(0xE400E400u));
+    return q;
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
