@@ -95,8 +95,11 @@ struct QLinear {
   // Whether the tensor-core GEMV (qmv_tc.cu) takes it: 4-bit in groups of 64 or 128, and K
   // small enough for the kernel's shared copy of x (2K + K/16 bytes, under 48 KB).
   bool tensor_core_ok() const {
-    return bits == 4 && !dense() && (cols() / groups() == 64 || cols() / groups() == 128) &&
-           cols() <= TC_MAX_K;
+    if (bits != 4) {
+      return false;
+    }
+    const int group_size = cols() / groups();
+    return (group_size == 64 || group_size == 128) && cols() <= TC_MAX_K;
   }
 };
 
@@ -822,7 +825,8 @@ void cuda_decoder_finish(CudaDecoder& d) {
   }
   if (used[0] && st.tc_shape[0] > 0) {
     for (int k = 0; k < 3; ++k) {
-      st.gemv_tc[k] = function(*api, *st.binary, std::string("mlxcel_dec_qmt_b4_") + kinds[k] + "_" + t);
+      st.gemv_tc[k] =
+          function(*api, *st.binary, std::string("mlxcel_dec_qmt_b4_") + kinds[k] + "_" + t);
     }
   }
   st.attention = function(*api, *st.binary, "mlxcel_dec_attention_" + t);

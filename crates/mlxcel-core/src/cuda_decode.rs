@@ -66,12 +66,13 @@ impl CudaDecoder {
         dtype: Dtype,
         formats: crate::cuda_kernels::DecoderFormats,
     ) -> Result<CudaDecoder> {
-        let binary = crate::cuda_kernels::decoder_binary(dtype, formats)?;
+        // One read of the policy for the kernels and their launches (the shape is compiled in).
+        let tensor_cores = crate::cuda_kernels::decoder_tc_shape();
+        let binary = crate::cuda_kernels::decoder_binary(dtype, formats, tensor_cores)?;
         // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none).
-        let tc = crate::cuda_kernels::decoder_tc_shape().unwrap_or((0, 0));
         let shapes: Vec<i32> = crate::cuda_kernels::DECODER_GEMV_SHAPES
             .iter()
-            .chain([&tc])
+            .chain([&tensor_cores.unwrap_or((0, 0))])
             .flat_map(|&(nw, rpw)| [nw, rpw])
             .collect();
         let raw = bridge::cuda_decoder_new(

@@ -183,10 +183,12 @@ enum KernelId {
         states_per_lane: i32,
     },
     /// The CUDA decode step's kernels (decode.cu) for activations of `dtype` and the weight
-    /// formats in `formats`.
+    /// formats in `formats`, with the tensor-core GEMVs of launch shape `tensor_cores` (a
+    /// shape the launches must use too: it is part of the compiled kernels).
     Decoder {
         dtype: Dtype,
         formats: DecoderFormats,
+        tensor_cores: Option<(i32, i32)>,
     },
     /// rows.cu's `take_rows` over a table of `dtype`.
     TakeRows {
@@ -231,7 +233,11 @@ impl KernelId {
                 row_tiles,
             } => qmm_gather_entry(dtype, (warps, row_tiles)),
             KernelId::Scan { states_per_lane } => scan_entry(states_per_lane),
-            KernelId::Decoder { dtype, formats } => decoder_entry(dtype, formats),
+            KernelId::Decoder {
+                dtype,
+                formats,
+                tensor_cores,
+            } => decoder_entry(dtype, formats, tensor_cores),
             KernelId::TakeRows { dtype } => rows_entry("take_rows", dtype),
             KernelId::SiluHalves { dtype } => rows_entry("silu_halves", dtype),
         }
@@ -545,12 +551,9 @@ impl DecoderFormats {
 /// `mlxcel_dec_qmv_b{4,8}_{rms,res,glu}_{dtype}` (and `mlxcel_dec_dmv_..` for dense
 /// weights in the activations' dtype), those of `formats` only, and
 /// `mlxcel_dec_attention_{dtype}`.
-fn decoder_entry(dtype: Dtype, formats: DecoderFormats) -> Entry {
-    decoder_entry_with(dtype, formats, decoder_tc_shape())
-}
-
-/// [`decoder_entry`] with the tensor-core GEMVs of launch shape `tc` (`None`: none).
-fn decoder_entry_with(dtype: Dtype, formats: DecoderFormats, tc: Option<(i32, i32)>) -> Entry {
+/// With `tc`, also the tensor-core GEMVs `mlxcel_dec_qmt_b4_{rms,res,glu}_{dtype}` of that
+/// launch shape (4-bit formats only).
+fn decoder_entry(dtype: Dtype, formats: DecoderFormats, tc: Option<(i32, i32)>) -> Entry {
     let (t, d) = (type_name(dtype), dtype.name());
     let mut wrapper = String::new();
     // (name, PRE, RES, GLU) of qmv.cu.
@@ -666,16 +669,25 @@ fn decoder_entry_with(dtype: Dtype, formats: DecoderFormats, tc: Option<(i32, i3
 }
 
 /// The compiled module of the CUDA decode step's kernels for `dtype` activations (bf16/f16) and
-/// weights in `formats`, compiled at the first call on a machine and cached like every kernel
-/// here.
-pub fn decoder_binary(dtype: Dtype, formats: DecoderFormats) -> Result<&'static CudaBinary> {
+/// weights in `formats`, with tensor-core GEMVs of launch shape `tensor_cores`
+/// ([`decoder_tc_shape`]), compiled at the first call on a machine and cached like every
+/// kernel here.
+pub fn decoder_binary(
+    dtype: Dtype,
+    formats: DecoderFormats,
+    tensor_cores: Option<(i32, i32)>,
+) -> Result<&'static CudaBinary> {
     if !DECODER_DTYPES.contains(&dtype) {
         return Err(Error::Invalid(format!(
             "the CUDA decode step runs on bfloat16/float16 activations, not {}",
             dtype.name()
         )));
     }
-    binary(KernelId::Decoder { dtype, formats })
+    binary(KernelId::Decoder {
+        dtype,
+        formats,
+        tensor_cores,
+    })
 }
 
 /// Every kernel of this build in one source (public so it can be compile-checked with NVRTC off
@@ -694,7 +706,7 @@ pub fn module_source() -> String {
     // The tensor-core GEMVs too, whatever the policy says (they are off by default).
     let tc = Some(crate::policy::DEFAULT_DECODE_TC_SHAPE.pair());
     for dtype in DECODER_DTYPES {
-        src += &decoder_entry_with(dtype, DecoderFormats::ALL, tc).wrapper;
+        src += &decoder_entry(dtype, DecoderFormats::ALL, tc).wrapper;
     }
     for j in SCAN_STATES_PER_LANE {
         src += &scan_entry(j).wrapper;
@@ -762,10 +774,15 @@ pub fn compile_seconds() -> f64 {
 /// Other kernels compile on first use, as do these when their source has changed since.
 fn prebuilt_set() -> Vec<KernelId> {
     let mut ids = Vec::new();
+    let tensor_cores = decoder_tc_shape();
     for dtype in [Dtype::Bfloat16, Dtype::Float16] {
         for bits in BITS {
             let formats = DecoderFormats::default().with(Some(bits));
-            ids.push(KernelId::Decoder { dtype, formats });
+            ids.push(KernelId::Decoder {
+                dtype,
+                formats,
+                tensor_cores,
+            });
             ids.push(KernelId::Dequant { bits, dtype });
             ids.push(KernelId::Qmv {
                 bits,
@@ -779,13 +796,21 @@ fn prebuilt_set() -> Vec<KernelId> {
             });
         }
         let formats = DecoderFormats::default().with(None);
-        ids.push(KernelId::Decoder { dtype, formats });
+        ids.push(KernelId::Decoder {
+            dtype,
+            formats,
+            tensor_cores,
+        });
         // A 4-bit MoE as mlx-lm writes it (8-bit routers: Qwen3-MoE's `quant_predicate`).
         let formats = DecoderFormats::default()
             .with(Some(4))
             .with(Some(8))
             .with_experts();
-        ids.push(KernelId::Decoder { dtype, formats });
+        ids.push(KernelId::Decoder {
+            dtype,
+            formats,
+            tensor_cores,
+        });
         ids.push(KernelId::SiluHalves { dtype });
         ids.push(KernelId::TakeRows { dtype });
         // MoE prefill's routed-expert product (4-bit experts).
@@ -805,6 +830,7 @@ fn prebuilt_set() -> Vec<KernelId> {
             .with(Some(4))
             .with(None)
             .with_experts(),
+        tensor_cores,
     });
     ids
 }
@@ -1687,21 +1713,30 @@ mod tests {
     #[test]
     fn decoder_modules_hold_the_formats_asked_for() {
         let formats = DecoderFormats::default().with(Some(4)).with(Some(4));
-        let entry = decoder_entry(Dtype::Bfloat16, formats);
+        let entry = decoder_entry(Dtype::Bfloat16, formats, None);
         for kind in ["rms", "res", "glu"] {
             assert!(entry
                 .wrapper
                 .contains(&format!("mlxcel_dec_qmv_b4_{kind}_bfloat16(")));
         }
+        assert!(!entry.wrapper.contains("mlxcel_dec_qmt_"));
+        // The tensor-core GEMVs, of the shape asked for, with 4-bit weights only.
+        let tc = decoder_entry(Dtype::Bfloat16, formats, Some((4, 32)));
+        for kind in ["rms", "res", "glu"] {
+            assert!(tc
+                .wrapper
+                .contains(&format!("mlxcel_dec_qmt_b4_{kind}_bfloat16(")));
+        }
+        assert!(tc.wrapper.contains("dec_qmt<4, 2, "));
         assert!(entry.wrapper.contains("mlxcel_dec_attention_bfloat16("));
         assert!(!entry.wrapper.contains("_b8_") && !entry.wrapper.contains("mlxcel_dec_dmv_"));
         let mixed = DecoderFormats::default().with(Some(8)).with(None);
-        let entry = decoder_entry(Dtype::Float16, mixed);
+        let entry = decoder_entry(Dtype::Float16, mixed, Some((8, 16)));
         assert!(entry.wrapper.contains("mlxcel_dec_qmv_b8_glu_float16("));
         assert!(entry.wrapper.contains("mlxcel_dec_dmv_res_float16("));
-        assert!(!entry.wrapper.contains("_b4_"));
+        assert!(!entry.wrapper.contains("_b4_") && !entry.wrapper.contains("mlxcel_dec_qmt_"));
         assert!(!entry.wrapper.contains("moe") && entry.kernel == QMV_AND_DECODE);
-        let moe = decoder_entry(Dtype::Bfloat16, formats.with_experts());
+        let moe = decoder_entry(Dtype::Bfloat16, formats.with_experts(), None);
         for name in ["route", "moe_glu_b4", "moe_down_b4"] {
             assert!(moe
                 .wrapper

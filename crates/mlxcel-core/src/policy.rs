@@ -527,8 +527,7 @@ impl RuntimePolicy {
                 "0" => None,
                 "1" => Some(DEFAULT_DECODE_TC_SHAPE),
                 _ => Some(
-                    v.shape("0, 1 or a launch shape NWxRPW such as 8x16")
-                        .ok()
+                    LaunchShape::parse(&v.raw)
                         .filter(|s| s.warps <= 16 && matches!(s.rows, 16 | 32))
                         .ok_or_else(|| {
                             v.error("0, 1 or NWxRPW with 1 to 16 warps and 16 or 32 rows")
