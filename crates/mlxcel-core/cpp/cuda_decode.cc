@@ -66,7 +66,7 @@ constexpr int TC_MAX_K = 16384;
 constexpr int MAX_HEAD_DIM = 256;      // DEC_MAX_HEAD_DIM of decode.cu
 constexpr int MAX_GROUP = 16;          // DEC_MAX_GROUP
 constexpr unsigned ATTN_THREADS = 128; // DEC_ATTN_THREADS
-constexpr int MAX_CHUNK = 128;         // keys per attention block (one per thread)
+constexpr int MAX_CHUNK = 128;         // keys per attention block (a score each per thread)
 // Attention blocks per step the chunking aims at (about two per SM of an H100/H200).
 constexpr int ATTN_BLOCKS = 264;
 // decode_moe.cu's DEC_ROUTE_THREADS, DEC_MOE_THREADS, DEC_MOE_GROUPS (lane groups per block),
@@ -255,6 +255,7 @@ class CudaDecodeStep : public mx::Primitive {
     const size_t qkv_at = part(size_t(q_dim + 2 * kv_dim) * elt);
     const size_t attn_at = part(size_t(q_dim) * elt);
     const size_t gu_at = part(size_t(std::max(st.inter, st.moe_inter)) * elt);
+    // dec_attention's partials: each (head, chunk)'s D weighted values, then its 2 stats.
     const size_t partial_at = part(size_t(st.heads) * n_chunks * (st.head_dim + 2) * 4);
     // Routed-expert layers: the experts' normed input, the router's logits, the chosen ids and
     // their weights.

@@ -36,22 +36,42 @@ def rope_head(src, inv_freq, traditional, position):
     return out
 
 
+KEY_LANES = 8        # DEC_KEY_LANES: adjacent threads sharing a key or a value slice
+THREADS = 128        # DEC_ATTN_THREADS
+KEYS_PER_PASS = THREADS // KEY_LANES
+KEY_SLICES = 256 // (8 * KEY_LANES)
+HEAD_BATCH = 4
+
+
+def lane8_sum(parts):
+    """dec_lane8_sum: the xor-1, -2, -4 shuffle tree over 8 lanes' float32 values."""
+    a = [np.float32(x) for x in parts]
+    for o in (1, 2, 4):
+        a = [np.float32(a[i] + a[i ^ o]) for i in range(8)]
+    assert all(x == a[0] or (np.isnan(x) and np.isnan(a[0])) for x in a)
+    return a[0]
+
+
 def attention(qkv, inv_freq, k_cache, v_cache, heads, kv_heads, head_dim, traditional, position,
               capacity, chunk, n_chunks, scale, rng):
     """dec_attention: blocks (g, c) run in a random order (as on a GPU); each ropes its group's
     queries, the last chunk's block writes the new key/value row first, each writes its chunk's
-    partials, and the group's last block to finish (the counter) merges them."""
+    partials, and the group's last block to finish (the counter) merges them. Lanes are
+    replayed with the kernel's index arithmetic: which key, which 16-byte slice, which slot of
+    `partial`."""
     group = heads // kv_heads
     length = position + 1
-    stride = head_dim + 2
-    partial = np.full(heads * n_chunks * stride, np.nan, np.float32)
+    partial = np.full(heads * n_chunks * (head_dim + 2), np.nan, np.float32)
+    stats_at = heads * n_chunks * head_dim
     out = np.full(heads * head_dim, np.nan, np.float32)
     counters = np.zeros(kv_heads, np.int64)
     blocks = [(g, c) for g in range(kv_heads) for c in range(n_chunks)]
-    for i in rng.permutation(len(blocks)):
-        g, c = blocks[i]
+    for bi in rng.permutation(len(blocks)):
+        g, c = blocks[bi]
         k0 = c * chunk
         nk = min(length - k0, chunk)
+        keys = (g * capacity + k0) * head_dim
+        values = keys
         qs = np.concatenate([
             bf16(rope_head(qkv[h * head_dim:(h + 1) * head_dim], inv_freq, traditional, position))
             for h in range(g * group, (g + 1) * group)])
@@ -62,39 +82,80 @@ def attention(qkv, inv_freq, k_cache, v_cache, heads, kv_heads, head_dim, tradit
             k_cache[at:at + head_dim] = bf16(
                 rope_head(qkv[k_src:k_src + head_dim], inv_freq, traditional, position))
             v_cache[at:at + head_dim] = bf16(qkv[v_src:v_src + head_dim])
-        p = np.zeros((group, nk), np.float32)
-        for tid in range(nk):
-            krow = (g * capacity + k0 + tid) * head_dim
-            k = k_cache[krow:krow + head_dim]
-            for h in range(group):
-                p[h, tid] = np.float32(np.dot(qs[h * head_dim:(h + 1) * head_dim], k)) * scale
+        # 3. Scores: thread tid = 8 * slot + kl takes key j0 + u * 16 + slot, slices d = 8*kl + 64*i.
+        p = np.full((group, THREADS), np.nan, np.float32)
+        for j0 in range(0, nk, 2 * KEYS_PER_PASS):
+            for u in range(2):
+                for slot in range(KEYS_PER_PASS):
+                    j = j0 + u * KEYS_PER_PASS + slot
+                    if j >= nk:
+                        continue
+                    for h in range(group):
+                        parts = []
+                        for kl in range(KEY_LANES):
+                            a = np.float32(0)
+                            for i in range(KEY_SLICES):
+                                d = 8 * kl + 8 * KEY_LANES * i
+                                if d < head_dim:
+                                    k = k_cache[keys + j * head_dim + d:keys + j * head_dim + d + 8]
+                                    q = qs[h * head_dim + d:h * head_dim + d + 8]
+                                    a = np.float32(a + np.dot(q, k))
+                            parts.append(a)
+                        p[h, j] = lane8_sum(parts) * scale
+        # 4. Softmax and the weighted values: slice sl = s0 + slot, keys kl + 8 n.
         for h in range(group):
-            m = p[h].max()
-            e = np.exp(p[h] - m).astype(np.float32)
-            dst = ((g * group + h) * n_chunks + c) * stride
-            partial[dst] = m
-            partial[dst + 1] = e.sum(dtype=np.float32)
-            for d in range(head_dim):
-                vcol = (g * capacity + k0) * head_dim + d
-                partial[dst + 2 + d] = np.float32(
-                    sum(e[j] * v_cache[vcol + j * head_dim] for j in range(nk)))
+            m = p[h, :nk].max()
+            e = np.exp(p[h, :nk] - m).astype(np.float32)
+            p[h, :nk] = e
+            st = stats_at + ((g * group + h) * n_chunks + c) * 2
+            partial[st] = m
+            partial[st + 1] = e.sum(dtype=np.float32)
+        slices = head_dim // 8
+        for s0 in range(0, slices, KEYS_PER_PASS):
+            for slot in range(KEYS_PER_PASS):
+                sl = s0 + slot
+                if sl >= slices:
+                    continue
+                for h in range(group):
+                    acc = np.zeros((KEY_LANES, 8), np.float32)
+                    for j0 in range(0, nk, 4 * KEY_LANES):
+                        for u in range(4):
+                            for kl in range(KEY_LANES):
+                                j = j0 + u * KEY_LANES + kl
+                                if j < nk:
+                                    row = values + j * head_dim + 8 * sl
+                                    acc[kl] += p[h, j] * v_cache[row:row + 8]
+                    for e_ in range(8):
+                        dst = ((g * group + h) * n_chunks + c) * head_dim + 8 * sl + e_
+                        partial[dst] = lane8_sum(acc[:, e_])
         counters[g] += 1
         if counters[g] != n_chunks:
             continue
         counters[g] = 0
-        for h in range(g * group, (g + 1) * group):
-            base = h * n_chunks * stride
-            ms = np.array([partial[base + k * stride] for k in range(n_chunks)])
-            ls = np.array([partial[base + k * stride + 1] for k in range(n_chunks)])
-            m = ms.max()
-            w = np.exp(ms - m)
-            inv = np.float32(1.0 / (ls * w).sum())
-            # The kernel folds 1/l into each chunk's weight, then sums the weighted partials.
-            wl = (w * inv).astype(np.float32)
-            for d in range(head_dim):
-                acc = sum(partial[base + k * stride + 2 + d] * wl[k] for k in range(n_chunks))
-                out[h * head_dim + d] = bf16(acc)
+        # 5. The merge: per head, lanes fold chunks lane, lane + 32, ... online, then meet.
+        for i in range(group):
+            h = g * group + i
+            st = stats_at + h * n_chunks * 2
+            lane_m = np.full(32, -np.inf, np.float32)
+            lane_l = np.zeros(32, np.float32)
+            for k in range(n_chunks):
+                lane = k % 32
+                mk, lk = partial[st + 2 * k], partial[st + 2 * k + 1]
+                mx = max(lane_m[lane], mk)
+                lane_l[lane] = lane_l[lane] * np.exp(lane_m[lane] - mx) + lk * np.exp(mk - mx)
+                lane_m[lane] = mx
+            m = lane_m.max()
+            inv = np.float32(1.0 / (lane_l * np.exp(lane_m - m)).sum(dtype=np.float32))
+            for o4 in range(head_dim // 4):
+                d = 4 * o4
+                acc = np.zeros(4, np.float32)
+                for k in range(n_chunks):
+                    w = np.float32(np.exp(partial[st + 2 * k] - m))
+                    col = (h * n_chunks + k) * head_dim + d
+                    acc += w * partial[col:col + 4]
+                out[h * head_dim + d:h * head_dim + d + 4] = bf16(acc * inv)
     assert not counters.any(), "every group's counter is back at 0"
+    assert not np.isnan(out).any(), "every output was written"
     return out
 
 
@@ -175,6 +236,10 @@ def main():
         check(4, 2, 16, 4, True, 40, 256, 2),
         check(8, 2, 32, 16, False, 300, 512, 3),
         check(4, 4, 64, 16, False, 129, 256, 4),
+        check(8, 2, 80, 40, False, 77, 128, 5),
+        check(8, 2, 128, 64, False, 70, 128, 6),
+        check(16, 1, 256, 32, True, 41, 64, 7),
+        check(16, 16, 16, 8, False, 2000, 2048, 8),
     )
     if worst > 1e-2:
         print(f"decode_emulate: FAIL ({worst:.2e})")

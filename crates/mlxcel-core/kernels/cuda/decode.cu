@@ -242,27 +242,54 @@ __device__ __forceinline__ void dec_rope_head(const T* src, const T* bias, const
   __syncwarp();
 }
 
+// A sum over the 8 adjacent lanes that share one key or one value slice (the same in every one
+// of them afterwards). Every lane of the warp takes part.
+__device__ __forceinline__ float dec_lane8_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  return v;
+}
+// Asks L2 for the 128-byte line holding p (no register waits on it).
+__device__ __forceinline__ void dec_prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Grid (kv_heads, n_chunks), DEC_ATTN_THREADS threads. Block (g, c) takes the query heads of
 // key/value head g against keys [c*chunk, min(len, (c+1)*chunk)), len = position + 1:
+//  0. it asks L2 for its chunk's key and value rows, so that the loads below wait on L2, not
+//     on DRAM, while it ropes the queries;
 //  1. the group's query heads of qkv = [q (heads*D) | k (kv_heads*D) | v (kv_heads*D)] through
 //     bias, per-head RMSNorm and rope (dec_rope_head), into shared memory;
 //  2. the block of the last chunk (the one holding `position`) writes head g's roped key and
 //     its value (plus bias) into row `position` of the caches ([kv_heads, capacity, D]);
-//  3. scores, softmax and the weighted values over its chunk, written to `partial` as [max
-//     score, sum of exp, sum of exp * v (D values)] per (query head, chunk) ([heads][n_chunks]
-//     [D + 2] floats; scores scaled by `scale`);
-//  4. the group's last block to finish (counters[g], which it sets back to 0 for the next
-//     layer) merges the chunks into out[h*D + d] for the group's heads, every thread taking
-//     outputs in turn (a warp per head with a serial chain of loads per output took 30-40 us
-//     per layer on an H100 at 33 chunks).
+//  3. scores: DEC_KEY_LANES adjacent threads share a key, lane kl taking the 16-byte slices
+//     d = 8*kl + 64*i of it, every load of two passes (2 * DEC_KEYS_PER_PASS keys) issued
+//     before the first multiply; the lanes' sums meet by shuffles;
+//  4. softmax over the chunk, then the weighted values: DEC_KEY_LANES adjacent threads share an
+//     8-value slice of the rows, lane kl taking keys kl, kl + 8, ... (four loads in flight),
+//     DEC_HEAD_BATCH heads at a time; written to `partial` as the values [heads][n_chunks][D]
+//     followed by the stats [heads][n_chunks][max score, sum of exp] (floats; scores scaled by
+//     `scale`);
+//  5. the group's last block to finish (counters[g], which it sets back to 0 for the next
+//     layer) merges the chunks into out[h*D + d] for the group's heads, a thread per 4 outputs,
+//     each chunk's weight exp(m_k - m) computed where its partial values are read.
+// Each latency-bound step keeps its loads independent of each other: the kernel this replaced
+// (a thread per key, its 16 loads of a 128-value row one after another; the values a column
+// at a time) took 22 us per layer of an 8B model on an H100 for under a hundred cached rows.
 // D a multiple of 8 (16-byte key loads), at most DEC_MAX_HEAD_DIM; chunk <= DEC_ATTN_THREADS.
+// Sums are taken in a fixed order, so the output does not depend on block timing.
+constexpr int DEC_KEY_LANES = 8;
+constexpr int DEC_KEYS_PER_PASS = DEC_ATTN_THREADS / DEC_KEY_LANES;
+constexpr int DEC_KEY_SLICES = DEC_MAX_HEAD_DIM / (8 * DEC_KEY_LANES);
+constexpr int DEC_HEAD_BATCH = 4;
 template <typename T>
 __device__ __forceinline__ void dec_attention(
     const T* qkv, const T* q_bias, const T* k_bias, const T* v_bias, const T* q_norm,
     const T* k_norm, const float* inv_freq, T* k_cache, T* v_cache, float* partial,
     int* counters, T* out, int heads, int kv_heads, int head_dim, int rot_half, int traditional,
     int position, int capacity, int chunk, int n_chunks, float eps, float scale) {
-  __shared__ float qs[DEC_MAX_GROUP * DEC_MAX_HEAD_DIM];
+  __shared__ __align__(16) float qs[DEC_MAX_GROUP * DEC_MAX_HEAD_DIM];
   __shared__ float p[DEC_MAX_GROUP][DEC_ATTN_THREADS];
   __shared__ float stats[DEC_MAX_GROUP][2];
   __shared__ float rows[DEC_ATTN_WARPS][DEC_MAX_HEAD_DIM];
@@ -270,13 +297,27 @@ __device__ __forceinline__ void dec_attention(
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  const int kl = tid & (DEC_KEY_LANES - 1);
+  const int slot = tid / DEC_KEY_LANES;
   const int group = heads / kv_heads;
   const int g = blockIdx.x;
   const int c = blockIdx.y;
   const int len = position + 1;
   const int k0 = c * chunk;
   const int nk = min(len - k0, chunk);
+  const T* keys = k_cache + ((size_t)g * capacity + k0) * head_dim;
+  const T* values = v_cache + ((size_t)g * capacity + k0) * head_dim;
+  float* partial_values = partial;
+  float* partial_stats = partial + (size_t)heads * n_chunks * head_dim;
 
+  // 0. The chunk's rows are contiguous: nk * D values of each cache.
+  {
+    const int bytes = nk * head_dim * (int)sizeof(T);
+    for (int at = tid * 128; at < bytes; at += DEC_ATTN_THREADS * 128) {
+      dec_prefetch_l2(reinterpret_cast<const char*>(keys) + at);
+      dec_prefetch_l2(reinterpret_cast<const char*>(values) + at);
+    }
+  }
   // 1. Every block of the group ropes the group's queries itself (a few hundred values).
   for (int i = warp; i < group; i += DEC_ATTN_WARPS) {
     const int h = g * group + i;
@@ -307,35 +348,72 @@ __device__ __forceinline__ void dec_attention(
   }
   __syncthreads();
 
-  // 3. One key per thread: its scores against the group's queries.
-  if (tid < nk) {
-    const T* krow = k_cache + ((size_t)g * capacity + k0 + tid) * head_dim;
-    float s[DEC_MAX_GROUP];
+  // 3. Scores, two passes of DEC_KEYS_PER_PASS keys at a time (the loop bounds are the
+  // block's, so every lane reaches the shuffles).
+  for (int j0 = 0; j0 < nk; j0 += 2 * DEC_KEYS_PER_PASS) {
+    uint4 kv[2][DEC_KEY_SLICES];
 #pragma unroll
-    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
-      s[h] = 0.0f;
+    for (int u = 0; u < 2; ++u) {
+      const int j = j0 + u * DEC_KEYS_PER_PASS + slot;
+#pragma unroll
+      for (int i = 0; i < DEC_KEY_SLICES; ++i) {
+        const int d = 8 * kl + 8 * DEC_KEY_LANES * i;
+        kv[u][i] = make_uint4(0u, 0u, 0u, 0u);
+        if (j < nk && d < head_dim) {
+          kv[u][i] = *reinterpret_cast<const uint4*>(keys + (size_t)j * head_dim + d);
+        }
+      }
     }
-    for (int d = 0; d < head_dim; d += 8) {
-      float kf[8];
-      qmv_load_x<8>(krow + d, kf);
+    for (int h0 = 0; h0 < group; h0 += DEC_HEAD_BATCH) {
+      float s[2][DEC_HEAD_BATCH];
 #pragma unroll
-      for (int h = 0; h < DEC_MAX_GROUP; ++h) {
-        if (h < group) {
+      for (int u = 0; u < 2; ++u) {
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            s[h] = fmaf(qs[h * head_dim + d + j], kf[j], s[h]);
+        for (int b = 0; b < DEC_HEAD_BATCH; ++b) {
+          s[u][b] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < DEC_KEY_SLICES; ++i) {
+          const int d = 8 * kl + 8 * DEC_KEY_LANES * i;
+          if (d < head_dim) {
+            float kf[8];
+            dec_unpack8(kv[u][i], kf, qkv);
+#pragma unroll
+            for (int b = 0; b < DEC_HEAD_BATCH; ++b) {
+              if (h0 + b < group) {
+                const float* q = qs + (h0 + b) * head_dim + d;
+                const float4 qa = *reinterpret_cast<const float4*>(q);
+                const float4 qb = *reinterpret_cast<const float4*>(q + 4);
+                float a = s[u][b];
+                a = fmaf(qa.x, kf[0], a);
+                a = fmaf(qa.y, kf[1], a);
+                a = fmaf(qa.z, kf[2], a);
+                a = fmaf(qa.w, kf[3], a);
+                a = fmaf(qb.x, kf[4], a);
+                a = fmaf(qb.y, kf[5], a);
+                a = fmaf(qb.z, kf[6], a);
+                a = fmaf(qb.w, kf[7], a);
+                s[u][b] = a;
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int j = j0 + u * DEC_KEYS_PER_PASS + slot;
+#pragma unroll
+        for (int b = 0; b < DEC_HEAD_BATCH; ++b) {
+          const float sum = dec_lane8_sum(s[u][b]);
+          if (kl == b && h0 + b < group && j < nk) {
+            p[h0 + b][j] = sum * scale;
           }
         }
       }
     }
-#pragma unroll
-    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
-      if (h < group) {
-        p[h][tid] = s[h] * scale;
-      }
-    }
   }
   __syncthreads();
+  // 4. Softmax over the chunk, a warp per head.
   for (int h = warp; h < group; h += DEC_ATTN_WARPS) {
     float m = DEC_NEG_INF;
     for (int j = lane; j < nk; j += 32) {
@@ -350,30 +428,71 @@ __device__ __forceinline__ void dec_attention(
     }
     l = dec_warp_sum(l);
     if (lane == 0) {
-      stats[h][0] = m;
-      stats[h][1] = l;
+      float* st = partial_stats + ((size_t)(g * group + h) * n_chunks + c) * 2;
+      st[0] = m;
+      st[1] = l;
     }
   }
   __syncthreads();
-  const int stride = head_dim + 2;
-  for (int i = tid; i < group * head_dim; i += DEC_ATTN_THREADS) {
-    const int h = i / head_dim;
-    const int d = i - h * head_dim;
-    const T* vcol = v_cache + ((size_t)g * capacity + k0) * head_dim + d;
-    float acc = 0.0f;
-#pragma unroll 8
-    for (int j = 0; j < nk; ++j) {
-      acc = fmaf(p[h][j], qmv_to_float(vcol[(size_t)j * head_dim]), acc);
-    }
-    float* dst = partial + ((size_t)(g * group + h) * n_chunks + c) * stride;
-    dst[2 + d] = acc;
-    if (d == 0) {
-      dst[0] = stats[h][0];
-      dst[1] = stats[h][1];
+  // The weighted values: slice `slot` (+ DEC_KEYS_PER_PASS, ...) of D/8, keys kl + 8*n.
+  const int slices = head_dim / 8;
+  for (int s0 = 0; s0 < slices; s0 += DEC_KEYS_PER_PASS) {
+    const int sl = s0 + slot;
+    const bool on = sl < slices;
+    for (int h0 = 0; h0 < group; h0 += DEC_HEAD_BATCH) {
+      float acc[DEC_HEAD_BATCH][8];
+#pragma unroll
+      for (int b = 0; b < DEC_HEAD_BATCH; ++b) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          acc[b][e] = 0.0f;
+        }
+      }
+      for (int j0 = 0; j0 < nk; j0 += 4 * DEC_KEY_LANES) {
+        uint4 vv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + u * DEC_KEY_LANES + kl;
+          vv[u] = make_uint4(0u, 0u, 0u, 0u);
+          if (on && j < nk) {
+            vv[u] = *reinterpret_cast<const uint4*>(values + (size_t)j * head_dim + 8 * sl);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + u * DEC_KEY_LANES + kl;
+          if (on && j < nk) {
+            float vf[8];
+            dec_unpack8(vv[u], vf, qkv);
+#pragma unroll
+            for (int b = 0; b < DEC_HEAD_BATCH; ++b) {
+              if (h0 + b < group) {
+                const float w = p[h0 + b][j];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                  acc[b][e] = fmaf(w, vf[e], acc[b][e]);
+                }
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < DEC_HEAD_BATCH; ++b) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float sum = dec_lane8_sum(acc[b][e]);
+          // Lane kl stores value kl of the slice: 8 lanes, 32 contiguous bytes.
+          if (e == kl && on && h0 + b < group) {
+            partial_values[((size_t)(g * group + h0 + b) * n_chunks + c) * head_dim + 8 * sl + e] =
+                sum;
+          }
+        }
+      }
     }
   }
 
-  // 4. The last block of the group to get here merges the chunks (the threadFenceReduction
+  // 5. The last block of the group to get here merges the chunks (the threadFenceReduction
   // pattern: each block's partials are visible device-wide before it counts itself).
   __threadfence();
   __syncthreads();
@@ -384,60 +503,52 @@ __device__ __forceinline__ void dec_attention(
   if (!last) {
     return;
   }
-  // Each head's largest chunk max m and 1 / sum_k l_k exp(m_k - m), one warp per head.
+  // Each head's largest chunk max m and 1 / sum_k l_k exp(m_k - m), a warp per head: each lane
+  // folds its chunks online, then the lanes meet (the partials come from L2: __ldcg, as other
+  // blocks wrote them).
   for (int i = warp; i < group; i += DEC_ATTN_WARPS) {
-    const float* base = partial + (size_t)(g * group + i) * n_chunks * stride;
+    const float* st = partial_stats + (size_t)(g * group + i) * n_chunks * 2;
     float m = DEC_NEG_INF;
-    for (int k = lane; k < n_chunks; k += 32) {
-      m = fmaxf(m, __ldcg(base + k * stride));
-    }
-    m = dec_warp_max(m);
     float l = 0.0f;
     for (int k = lane; k < n_chunks; k += 32) {
-      l = fmaf(__ldcg(base + k * stride + 1), __expf(__ldcg(base + k * stride) - m), l);
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(st + 2 * k));
+      const float mx = fmaxf(m, ml.x);
+      l = l * __expf(m - mx) + ml.y * __expf(ml.x - mx);
+      m = mx;
     }
-    l = dec_warp_sum(l);
+    const float mx = dec_warp_max(m);
+    l = dec_warp_sum(l * __expf(m - mx));
     if (lane == 0) {
-      stats[i][0] = m;
+      stats[i][0] = mx;
       stats[i][1] = 1.0f / l;
     }
   }
-  // The outputs (group * head_dim, one thread each in turn) sum their chunks' partial values
-  // weighted by exp(m_k - m) / l, over tiles of chunks whose weights sit in `p` (free now);
-  // the running sums in `qs` (free too). Every load is independent of the others, so a thread
-  // keeps several in flight (the partials come from L2: __ldcg, as other blocks wrote them).
-  float* w = &p[0][0];
-  const int tile = DEC_MAX_GROUP * DEC_ATTN_THREADS / group;
-  const int outs = group * head_dim;
-  for (int o = tid; o < outs; o += DEC_ATTN_THREADS) {
-    qs[o] = 0.0f;
-  }
   __syncthreads();
-  for (int k0 = 0; k0 < n_chunks; k0 += tile) {
-    const int nt = min(tile, n_chunks - k0);
-    for (int j = tid; j < group * nt; j += DEC_ATTN_THREADS) {
-      const int i = j / nt;
-      const int k = j - i * nt;
-      const float mk = __ldcg(partial + ((size_t)(g * group + i) * n_chunks + k0 + k) * stride);
-      w[i * tile + k] = __expf(mk - stats[i][0]) * stats[i][1];
-    }
-    __syncthreads();
-    for (int o = tid; o < outs; o += DEC_ATTN_THREADS) {
-      const int i = o / head_dim;
-      const int d = o - i * head_dim;
-      const float* col = partial + ((size_t)(g * group + i) * n_chunks + k0) * stride + 2 + d;
-      const float* wi = w + i * tile;
-      float acc = 0.0f;
+  // A thread per 4 outputs: its float4 of every chunk's partial values, weighted by
+  // exp(m_k - m), loads independent of each other.
+  const int outs4 = group * head_dim / 4;
+  for (int o = tid; o < outs4; o += DEC_ATTN_THREADS) {
+    const int i = 4 * o / head_dim;
+    const int d = 4 * o - i * head_dim;
+    const float* col = partial_values + (size_t)(g * group + i) * n_chunks * head_dim + d;
+    const float* st = partial_stats + (size_t)(g * group + i) * n_chunks * 2;
+    const float m = stats[i][0];
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
-      for (int k = 0; k < nt; ++k) {
-        acc = fmaf(__ldcg(col + (size_t)k * stride), wi[k], acc);
-      }
-      qs[o] += acc;
+    for (int k = 0; k < n_chunks; ++k) {
+      const float w = __expf(__ldcg(st + 2 * k) - m);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(col + (size_t)k * head_dim));
+      acc.x = fmaf(w, v.x, acc.x);
+      acc.y = fmaf(w, v.y, acc.y);
+      acc.z = fmaf(w, v.z, acc.z);
+      acc.w = fmaf(w, v.w, acc.w);
     }
-    __syncthreads();
-  }
-  for (int o = tid; o < outs; o += DEC_ATTN_THREADS) {
-    qmv_store(out + (size_t)g * outs + o, qs[o]);
+    const float inv = stats[i][1];
+    T* dst = out + (size_t)g * group * head_dim + 4 * o;
+    qmv_store(dst, acc.x * inv);
+    qmv_store(dst + 1, acc.y * inv);
+    qmv_store(dst + 2, acc.z * inv);
+    qmv_store(dst + 3, acc.w * inv);
   }
   if (tid == 0) {
     counters[g] = 0;
