@@ -66,13 +66,15 @@ impl CudaDecoder {
         dtype: Dtype,
         formats: crate::cuda_kernels::DecoderFormats,
     ) -> Result<CudaDecoder> {
-        // One read of the policy for the kernels and their launches (the shape is compiled in).
-        let tensor_cores = crate::cuda_kernels::decoder_tc_shape();
-        let binary = crate::cuda_kernels::decoder_binary(dtype, formats, tensor_cores)?;
+        // One read of the policy for the kernels and their launches (the shapes are compiled
+        // in).
+        let launch = crate::cuda_kernels::decoder_shapes();
+        let binary = crate::cuda_kernels::decoder_binary(dtype, formats, launch)?;
         // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none).
-        let shapes: Vec<i32> = crate::cuda_kernels::DECODER_GEMV_SHAPES
+        let shapes: Vec<i32> = launch
+            .gemv
             .iter()
-            .chain([&tensor_cores.unwrap_or((0, 0))])
+            .chain([&launch.tensor_cores.unwrap_or((0, 0))])
             .flat_map(|&(nw, rpw)| [nw, rpw])
             .collect();
         let raw = bridge::cuda_decoder_new(

@@ -183,12 +183,12 @@ enum KernelId {
         states_per_lane: i32,
     },
     /// The CUDA decode step's kernels (decode.cu) for activations of `dtype` and the weight
-    /// formats in `formats`, with the tensor-core GEMVs of launch shape `tensor_cores` (a
-    /// shape the launches must use too: it is part of the compiled kernels).
+    /// formats in `formats`, of the launch shapes `shapes` (which the launches must use too:
+    /// they are part of the compiled kernels).
     Decoder {
         dtype: Dtype,
         formats: DecoderFormats,
-        tensor_cores: Option<(i32, i32)>,
+        shapes: DecoderShapes,
     },
     /// rows.cu's `take_rows` over a table of `dtype`.
     TakeRows {
@@ -236,8 +236,8 @@ impl KernelId {
             KernelId::Decoder {
                 dtype,
                 formats,
-                tensor_cores,
-            } => decoder_entry(dtype, formats, tensor_cores),
+                shapes,
+            } => decoder_entry(dtype, formats, shapes),
             KernelId::TakeRows { dtype } => rows_entry("take_rows", dtype),
             KernelId::SiluHalves { dtype } => rows_entry("silu_halves", dtype),
         }
@@ -487,19 +487,34 @@ fn scan_entry(j: i32) -> Entry {
     }
 }
 
-/// The launch shapes (warps, weight rows per block) of the decode step's GEMVs: RMSNorm folded
-/// in (q|k|v, the head), residual out (o, down), RMSNorm in and silu(gate) * up out (gate|up:
-/// half as many outputs as rows per block); as the graph path's (see `gemv_launch_shape`).
+/// The launch shapes (warps, weight rows per block) of the decode step's GEMVs by default:
+/// RMSNorm folded in (q|k|v, the head), residual out (o, down), RMSNorm in and silu(gate) * up
+/// out (gate|up: half as many outputs as rows per block); as the graph path's (see
+/// `gemv_launch_shape`). `MLXCEL_CUDA_DECODE_GEMV` picks others.
 pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] = [
-    RMSNORM_FOLDED_SHAPE,
-    DEFAULT_QMV_SHAPE,
-    RMSNORM_FOLDED_SHAPE,
+    crate::policy::DEFAULT_DECODE_GEMV_SHAPES[0].pair(),
+    crate::policy::DEFAULT_DECODE_GEMV_SHAPES[1].pair(),
+    crate::policy::DEFAULT_DECODE_GEMV_SHAPES[2].pair(),
 ];
 
-/// The launch shape (warps, rows per block: 16 or 32) of the decode step's tensor-core GEMVs
-/// (qmv_tc.cu), or `None` when `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
-pub fn decoder_tc_shape() -> Option<(i32, i32)> {
-    crate::policy::with(|p| p.cuda_decode_tc.map(LaunchShape::pair))
+/// The launch shapes of a decode step's kernels, compiled into its module: read from the
+/// policy once per decoder, for the module and its launches alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DecoderShapes {
+    /// (warps, rows per block) of the float GEMVs (qmv.cu) of the three kinds, in
+    /// [`DECODER_GEMV_SHAPES`]' order.
+    pub gemv: [(i32, i32); 3],
+    /// (warps, rows per block: 16 or 32) of the tensor-core GEMVs (qmv_tc.cu), or `None` when
+    /// `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
+    pub tensor_cores: Option<(i32, i32)>,
+}
+
+/// The decode step's launch shapes the policy asks for now.
+pub fn decoder_shapes() -> DecoderShapes {
+    crate::policy::with(|p| DecoderShapes {
+        gemv: p.cuda_decode_gemv.map(LaunchShape::pair),
+        tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
+    })
 }
 
 /// The activation dtypes the CUDA decode step is compiled for.
@@ -551,9 +566,9 @@ impl DecoderFormats {
 /// `mlxcel_dec_qmv_b{4,8}_{rms,res,glu}_{dtype}` (and `mlxcel_dec_dmv_..` for dense
 /// weights in the activations' dtype), those of `formats` only, and
 /// `mlxcel_dec_attention_{dtype}`.
-/// With `tc`, also the tensor-core GEMVs `mlxcel_dec_qmt_b4_{rms,res,glu}_{dtype}` of that
-/// launch shape (4-bit formats only).
-fn decoder_entry(dtype: Dtype, formats: DecoderFormats, tc: Option<(i32, i32)>) -> Entry {
+/// With `shapes.tensor_cores`, also the tensor-core GEMVs
+/// `mlxcel_dec_qmt_b4_{rms,res,glu}_{dtype}` of that launch shape (4-bit formats only).
+fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -> Entry {
     let (t, d) = (type_name(dtype), dtype.name());
     let mut wrapper = String::new();
     // (name, PRE, RES, GLU) of qmv.cu.
@@ -564,7 +579,7 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, tc: Option<(i32, i32)>) 
         .filter(|&(_, on)| on)
         .map(|(bits, _)| bits)
     {
-        for ((kind, pre, res, glu), (nw, rpw)) in folds.into_iter().zip(DECODER_GEMV_SHAPES) {
+        for ((kind, pre, res, glu), (nw, rpw)) in folds.into_iter().zip(shapes.gemv) {
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__({threads}) \
                  mlxcel_dec_qmv_b{bits}_{kind}_{d}(\
@@ -582,7 +597,7 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, tc: Option<(i32, i32)>) 
     }
     // The tensor-core GEMVs of 4-bit weights in groups of 64 or 128 (qmv_tc.cu), one launch
     // shape for the three kinds (`MLXCEL_CUDA_DECODE_TC`).
-    if let Some((nw, rows)) = tc.filter(|_| formats.affine4) {
+    if let Some((nw, rows)) = shapes.tensor_cores.filter(|_| formats.affine4) {
         for (kind, pre, res, glu) in folds {
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__({threads}) \
@@ -600,7 +615,7 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, tc: Option<(i32, i32)>) 
             );
         }
     }
-    let dense = folds.into_iter().zip(DECODER_GEMV_SHAPES);
+    let dense = folds.into_iter().zip(shapes.gemv);
     for ((kind, pre, res, glu), (nw, rpw)) in dense.filter(|_| formats.dense) {
         wrapper += &format!(
             "extern \"C\" __global__ void __launch_bounds__({threads}) \
@@ -669,13 +684,12 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, tc: Option<(i32, i32)>) 
 }
 
 /// The compiled module of the CUDA decode step's kernels for `dtype` activations (bf16/f16) and
-/// weights in `formats`, with tensor-core GEMVs of launch shape `tensor_cores`
-/// ([`decoder_tc_shape`]), compiled at the first call on a machine and cached like every
-/// kernel here.
+/// weights in `formats`, of launch shapes `shapes` ([`decoder_shapes`]), compiled at the first
+/// call on a machine and cached like every kernel here.
 pub fn decoder_binary(
     dtype: Dtype,
     formats: DecoderFormats,
-    tensor_cores: Option<(i32, i32)>,
+    shapes: DecoderShapes,
 ) -> Result<&'static CudaBinary> {
     if !DECODER_DTYPES.contains(&dtype) {
         return Err(Error::Invalid(format!(
@@ -686,7 +700,7 @@ pub fn decoder_binary(
     binary(KernelId::Decoder {
         dtype,
         formats,
-        tensor_cores,
+        shapes,
     })
 }
 
@@ -704,9 +718,12 @@ pub fn module_source() -> String {
     ]
     .join("\n");
     // The tensor-core GEMVs too, whatever the policy says (they are off by default).
-    let tc = Some(crate::policy::DEFAULT_DECODE_TC_SHAPE.pair());
+    let shapes = DecoderShapes {
+        gemv: DECODER_GEMV_SHAPES,
+        tensor_cores: Some(crate::policy::DEFAULT_DECODE_TC_SHAPE.pair()),
+    };
     for dtype in DECODER_DTYPES {
-        src += &decoder_entry(dtype, DecoderFormats::ALL, tc).wrapper;
+        src += &decoder_entry(dtype, DecoderFormats::ALL, shapes).wrapper;
     }
     for j in SCAN_STATES_PER_LANE {
         src += &scan_entry(j).wrapper;
@@ -774,14 +791,14 @@ pub fn compile_seconds() -> f64 {
 /// Other kernels compile on first use, as do these when their source has changed since.
 fn prebuilt_set() -> Vec<KernelId> {
     let mut ids = Vec::new();
-    let tensor_cores = decoder_tc_shape();
+    let shapes = decoder_shapes();
     for dtype in [Dtype::Bfloat16, Dtype::Float16] {
         for bits in BITS {
             let formats = DecoderFormats::default().with(Some(bits));
             ids.push(KernelId::Decoder {
                 dtype,
                 formats,
-                tensor_cores,
+                shapes,
             });
             ids.push(KernelId::Dequant { bits, dtype });
             ids.push(KernelId::Qmv {
@@ -799,7 +816,7 @@ fn prebuilt_set() -> Vec<KernelId> {
         ids.push(KernelId::Decoder {
             dtype,
             formats,
-            tensor_cores,
+            shapes,
         });
         // A 4-bit MoE as mlx-lm writes it (8-bit routers: Qwen3-MoE's `quant_predicate`).
         let formats = DecoderFormats::default()
@@ -809,7 +826,7 @@ fn prebuilt_set() -> Vec<KernelId> {
         ids.push(KernelId::Decoder {
             dtype,
             formats,
-            tensor_cores,
+            shapes,
         });
         ids.push(KernelId::SiluHalves { dtype });
         ids.push(KernelId::TakeRows { dtype });
@@ -830,7 +847,7 @@ fn prebuilt_set() -> Vec<KernelId> {
             .with(Some(4))
             .with(None)
             .with_experts(),
-        tensor_cores,
+        shapes,
     });
     ids
 }
@@ -1713,7 +1730,11 @@ mod tests {
     #[test]
     fn decoder_modules_hold_the_formats_asked_for() {
         let formats = DecoderFormats::default().with(Some(4)).with(Some(4));
-        let entry = decoder_entry(Dtype::Bfloat16, formats, None);
+        let plain = DecoderShapes {
+            gemv: DECODER_GEMV_SHAPES,
+            tensor_cores: None,
+        };
+        let entry = decoder_entry(Dtype::Bfloat16, formats, plain);
         for kind in ["rms", "res", "glu"] {
             assert!(entry
                 .wrapper
@@ -1721,7 +1742,11 @@ mod tests {
         }
         assert!(!entry.wrapper.contains("mlxcel_dec_qmt_"));
         // The tensor-core GEMVs, of the shape asked for, with 4-bit weights only.
-        let tc = decoder_entry(Dtype::Bfloat16, formats, Some((4, 32)));
+        let tc_shapes = |tc| DecoderShapes {
+            tensor_cores: Some(tc),
+            ..plain
+        };
+        let tc = decoder_entry(Dtype::Bfloat16, formats, tc_shapes((4, 32)));
         for kind in ["rms", "res", "glu"] {
             assert!(tc
                 .wrapper
@@ -1731,12 +1756,12 @@ mod tests {
         assert!(entry.wrapper.contains("mlxcel_dec_attention_bfloat16("));
         assert!(!entry.wrapper.contains("_b8_") && !entry.wrapper.contains("mlxcel_dec_dmv_"));
         let mixed = DecoderFormats::default().with(Some(8)).with(None);
-        let entry = decoder_entry(Dtype::Float16, mixed, Some((8, 16)));
+        let entry = decoder_entry(Dtype::Float16, mixed, tc_shapes((8, 16)));
         assert!(entry.wrapper.contains("mlxcel_dec_qmv_b8_glu_float16("));
         assert!(entry.wrapper.contains("mlxcel_dec_dmv_res_float16("));
         assert!(!entry.wrapper.contains("_b4_") && !entry.wrapper.contains("mlxcel_dec_qmt_"));
         assert!(!entry.wrapper.contains("moe") && entry.kernel == QMV_AND_DECODE);
-        let moe = decoder_entry(Dtype::Bfloat16, formats.with_experts(), None);
+        let moe = decoder_entry(Dtype::Bfloat16, formats.with_experts(), plain);
         for name in ["route", "moe_glu_b4", "moe_down_b4"] {
             assert!(moe
                 .wrapper

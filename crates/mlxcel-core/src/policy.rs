@@ -265,6 +265,11 @@ pub struct RuntimePolicy {
     /// GEMV (`qmv.cu`), which stays the path of groups of 32 and 8-bit weights always
     /// (docs/performance.md, session 26).
     pub cuda_decode_tc: Option<LaunchShape>,
+    /// `MLXCEL_CUDA_DECODE_GEMV`: the launch shapes `NWxRPW,NWxRPW,NWxRPW` of the CUDA decode
+    /// step's float GEMVs (qmv.cu): RMSNorm in (q|k|v, the head), residual out (o, down), and
+    /// gate|up (RPW rows of the two matrices, RPW/2 outputs: even). 1-32 warps and 1-32 rows
+    /// each. Default `4x8,4x4,4x8`.
+    pub cuda_decode_gemv: [LaunchShape; 3],
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -306,6 +311,13 @@ pub enum CudaScan {
 /// The GEMV's launch shape unless `MLXCEL_CUDA_QMV` picks another.
 pub const DEFAULT_QMV_SHAPE: LaunchShape = LaunchShape { warps: 4, rows: 4 };
 
+/// The decode step's float GEMV shapes unless `MLXCEL_CUDA_DECODE_GEMV` picks others: RMSNorm
+/// in, residual out, gate|up.
+pub const DEFAULT_DECODE_GEMV_SHAPES: [LaunchShape; 3] = [
+    LaunchShape { warps: 4, rows: 8 },
+    DEFAULT_QMV_SHAPE,
+    LaunchShape { warps: 4, rows: 8 },
+];
 /// The decode step's tensor-core GEMV shape unless `MLXCEL_CUDA_DECODE_TC` picks another.
 pub const DEFAULT_DECODE_TC_SHAPE: LaunchShape = LaunchShape { warps: 8, rows: 16 };
 
@@ -340,6 +352,7 @@ impl RuntimePolicy {
         cuda_load_readers: 8,
         cuda_decode: true,
         cuda_decode_tc: None,
+        cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -351,7 +364,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 35] = [
+    pub const VARIABLES: [&'static str; 36] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -376,6 +389,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV_ROWS",
         "MLXCEL_CUDA_QMV_MMA",
         "MLXCEL_CUDA_DECODE_TC",
+        "MLXCEL_CUDA_DECODE_GEMV",
         "MLXCEL_CUDA_GATHER",
         "MLXCEL_CUDA_LOAD",
         "MLXCEL_CUDA_LOAD_READERS",
@@ -533,6 +547,23 @@ impl RuntimePolicy {
                             v.error("0, 1 or NWxRPW with 1 to 16 warps and 16 or 32 rows")
                         })?,
                 ),
+            };
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DECODE_GEMV") {
+            let shapes: Vec<Option<LaunchShape>> =
+                v.raw.split(',').map(LaunchShape::parse).collect();
+            p.cuda_decode_gemv = match shapes[..] {
+                [Some(rms), Some(res), Some(glu)]
+                    if [rms, res, glu].iter().all(|s| s.rows <= 32) && glu.rows % 2 == 0 =>
+                {
+                    [rms, res, glu]
+                }
+                _ => {
+                    return Err(v.error(
+                        "three NWxRPW shapes (q|k|v and head, o and down, gate|up) of 1 to 32 \
+                         warps and 1 to 32 rows, gate|up's rows even",
+                    ))
+                }
             };
         }
         if let Some(v) = get("MLXCEL_BATCH_PIPELINE") {
@@ -886,6 +917,20 @@ mod tests {
         assert_eq!(one(v, "1").cuda_decode_tc, Some(DEFAULT_DECODE_TC_SHAPE));
         assert_eq!(one(v, "4x32").cuda_decode_tc, LaunchShape::new(4, 32));
         for bad in ["4x8", "32x16", "8x64", "8", "on"] {
+            rejects(v, bad);
+        }
+        let v = "MLXCEL_CUDA_DECODE_GEMV";
+        assert_eq!(
+            one(v, "8x16, 2x8,4x4").cuda_decode_gemv,
+            [(8, 16), (2, 8), (4, 4)].map(|(w, r)| LaunchShape::new(w, r).unwrap())
+        );
+        for bad in [
+            "4x8,4x4",
+            "4x8,4x4,4x3",
+            "4x8,4x64,4x8",
+            "1",
+            "4x8,4x4,4x8,4x8",
+        ] {
             rejects(v, bad);
         }
         let v = "MLXCEL_CUDA_QMV";
