@@ -28,13 +28,16 @@ fn slack(dtype: Dtype) -> f32 {
     }
 }
 
+/// Under the environment's policy (so that a GPU probe can test the step's variants, e.g.
+/// `MLXCEL_CUDA_DECODE_GEMV` or `MLXCEL_CUDA_DECODE_TC`), the step on or off.
 fn load(dir: &std::path::Path, engine: bool, dtype: Dtype) -> Loaded {
+    let from_env = RuntimePolicy::from_env().expect("the MLXCEL_* variables parse");
     load_under(
         dir,
         dtype,
         RuntimePolicy {
             cuda_decode: engine,
-            ..RuntimePolicy::default()
+            ..from_env
         },
     )
 }
