@@ -492,9 +492,9 @@ fn scan_entry(j: i32) -> Entry {
 /// out (gate|up: half as many outputs as rows per block); as the graph path's (see
 /// `gemv_launch_shape`). `MLXCEL_CUDA_DECODE_GEMV` picks others.
 pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] = [
-    crate::policy::DEFAULT_DECODE_GEMV_SHAPES[0].pair(),
-    crate::policy::DEFAULT_DECODE_GEMV_SHAPES[1].pair(),
-    crate::policy::DEFAULT_DECODE_GEMV_SHAPES[2].pair(),
+    crate::policy::DEFAULT_DECODE_GEMV_SHAPES[0].shape.pair(),
+    crate::policy::DEFAULT_DECODE_GEMV_SHAPES[1].shape.pair(),
+    crate::policy::DEFAULT_DECODE_GEMV_SHAPES[2].shape.pair(),
 ];
 
 /// The launch shapes of a decode step's kernels, compiled into its module: read from the
@@ -504,6 +504,8 @@ pub struct DecoderShapes {
     /// (warps, rows per block) of the float GEMVs (qmv.cu) of the three kinds, in
     /// [`DECODER_GEMV_SHAPES`]' order.
     pub gemv: [(i32, i32); 3],
+    /// Blocks per SM each of those GEMVs' registers must allow (0: the compiler's choice).
+    pub gemv_min_blocks: [i32; 3],
     /// (warps, rows per block: 16 or 32) of the tensor-core GEMVs (qmv_tc.cu), or `None` when
     /// `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
     pub tensor_cores: Option<(i32, i32)>,
@@ -512,7 +514,8 @@ pub struct DecoderShapes {
 /// The decode step's launch shapes the policy asks for now.
 pub fn decoder_shapes() -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
-        gemv: p.cuda_decode_gemv.map(LaunchShape::pair),
+        gemv: p.cuda_decode_gemv.map(|g| g.shape.pair()),
+        gemv_min_blocks: p.cuda_decode_gemv.map(|g| g.min_blocks),
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
     })
 }
@@ -573,15 +576,28 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
     let mut wrapper = String::new();
     // (name, PRE, RES, GLU) of qmv.cu.
     let folds = [("rms", 1, 0, 0), ("res", 0, 1, 0), ("glu", 1, 0, 1)];
+    // Each kind's `__launch_bounds__` arguments: its threads, then the blocks an SM must hold
+    // when the policy asks for them (the default's text is unchanged, as are its cubins).
+    let bounds: Vec<String> = shapes
+        .gemv
+        .iter()
+        .zip(shapes.gemv_min_blocks)
+        .map(|(&(nw, _), blocks)| match blocks {
+            0 => format!("{}", nw * 32),
+            b => format!("{}, {b}", nw * 32),
+        })
+        .collect();
     let affine = [(4, formats.affine4), (8, formats.affine8)];
     for bits in affine
         .into_iter()
         .filter(|&(_, on)| on)
         .map(|(bits, _)| bits)
     {
-        for ((kind, pre, res, glu), (nw, rpw)) in folds.into_iter().zip(shapes.gemv) {
+        for (((kind, pre, res, glu), (nw, rpw)), bounds) in
+            folds.into_iter().zip(shapes.gemv).zip(&bounds)
+        {
             wrapper += &format!(
-                "extern \"C\" __global__ void __launch_bounds__({threads}) \
+                "extern \"C\" __global__ void __launch_bounds__({bounds}) \
                  mlxcel_dec_qmv_b{bits}_{kind}_{d}(\
                  const uint32_t* w0, const {t}* s0, const {t}* z0, {t}* o0, int n0, \
                  const uint32_t* w1, const {t}* s1, const {t}* z1, {t}* o1, int n1, \
@@ -591,7 +607,6 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
                  dec_qmv<{bits}, {nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
                  o1, n1, w2, s2, z2, o2, n2, x, aux, res, words_per_row, groups_per_row, \
                  __int_as_float(eps_bits)); }}\n",
-                threads = nw * 32,
             );
         }
     }
@@ -615,16 +630,15 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             );
         }
     }
-    let dense = folds.into_iter().zip(shapes.gemv);
-    for ((kind, pre, res, glu), (nw, rpw)) in dense.filter(|_| formats.dense) {
+    let dense = folds.into_iter().zip(shapes.gemv).zip(&bounds);
+    for (((kind, pre, res, glu), (nw, rpw)), bounds) in dense.filter(|_| formats.dense) {
         wrapper += &format!(
-            "extern \"C\" __global__ void __launch_bounds__({threads}) \
+            "extern \"C\" __global__ void __launch_bounds__({bounds}) \
              mlxcel_dec_dmv_{kind}_{d}(const {t}* w0, {t}* o0, int n0, const {t}* w1, {t}* o1, \
              int n1, const {t}* w2, {t}* o2, int n2, const {t}* x, const {t}* aux, \
              const {t}* res, int k_len, int eps_bits) {{ \
              dec_dmv3<{nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, o0, n0, w1, o1, n1, w2, o2, n2, x, aux, \
              res, k_len, __int_as_float(eps_bits)); }}\n",
-            threads = nw * 32,
         );
     }
     wrapper += &format!(
@@ -720,6 +734,7 @@ pub fn module_source() -> String {
     // The tensor-core GEMVs too, whatever the policy says (they are off by default).
     let shapes = DecoderShapes {
         gemv: DECODER_GEMV_SHAPES,
+        gemv_min_blocks: [0; 3],
         tensor_cores: Some(crate::policy::DEFAULT_DECODE_TC_SHAPE.pair()),
     };
     for dtype in DECODER_DTYPES {
@@ -1732,6 +1747,7 @@ mod tests {
         let formats = DecoderFormats::default().with(Some(4)).with(Some(4));
         let plain = DecoderShapes {
             gemv: DECODER_GEMV_SHAPES,
+            gemv_min_blocks: [0; 3],
             tensor_cores: None,
         };
         let entry = decoder_entry(Dtype::Bfloat16, formats, plain);
@@ -1753,6 +1769,22 @@ mod tests {
                 .contains(&format!("mlxcel_dec_qmt_b4_{kind}_bfloat16(")));
         }
         assert!(tc.wrapper.contains("dec_qmt<4, 2, "));
+        // Blocks per SM asked for reach the GEMVs' launch bounds; none by default.
+        let bounded = decoder_entry(
+            Dtype::Bfloat16,
+            formats,
+            DecoderShapes {
+                gemv_min_blocks: [0, 0, 6],
+                ..plain
+            },
+        );
+        assert!(bounded
+            .wrapper
+            .contains("__launch_bounds__(128, 6) mlxcel_dec_qmv_b4_glu_"));
+        assert!(bounded
+            .wrapper
+            .contains("__launch_bounds__(128) mlxcel_dec_qmv_b4_rms_"));
+        assert!(!entry.wrapper.contains("__launch_bounds__(128, "));
         assert!(entry.wrapper.contains("mlxcel_dec_attention_bfloat16("));
         assert!(!entry.wrapper.contains("_b8_") && !entry.wrapper.contains("mlxcel_dec_dmv_"));
         let mixed = DecoderFormats::default().with(Some(8)).with(None);

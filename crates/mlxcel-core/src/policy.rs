@@ -120,6 +120,35 @@ pub enum CudaLaunch {
     Mlx,
 }
 
+/// A decode-step GEMV's launch shape and the blocks of it an SM must be able to hold at once
+/// (`__launch_bounds__`' second argument, which caps the registers a thread may take; 0: no
+/// cap): `NWxRPW` or `NWxRPW:B`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DecodeGemv {
+    /// Warps and rows per block.
+    pub shape: LaunchShape,
+    /// Resident blocks per SM the compiler must allow for (0: its own choice).
+    pub min_blocks: i32,
+}
+
+impl DecodeGemv {
+    /// `NWxRPW` or `NWxRPW:B` with 1 to 32 rows and B blocks of NW warps fitting an SM's 64
+    /// warps.
+    pub fn parse(value: &str) -> Option<DecodeGemv> {
+        let (shape, blocks) = match value.split_once(':') {
+            Some((shape, blocks)) => (shape, blocks.trim().parse().ok()?),
+            None => (value, 0),
+        };
+        let shape = LaunchShape::parse(shape).filter(|s| s.rows <= 32)?;
+        (0..=64 / shape.warps)
+            .contains(&blocks)
+            .then_some(DecodeGemv {
+                shape,
+                min_blocks: blocks,
+            })
+    }
+}
+
 /// A CUDA GEMV launch shape: warps per block and rows per block (`NWxRPW`, e.g. `4x4`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LaunchShape {
@@ -265,11 +294,12 @@ pub struct RuntimePolicy {
     /// GEMV (`qmv.cu`), which stays the path of groups of 32 and 8-bit weights always
     /// (docs/performance.md, session 26).
     pub cuda_decode_tc: Option<LaunchShape>,
-    /// `MLXCEL_CUDA_DECODE_GEMV`: the launch shapes `NWxRPW,NWxRPW,NWxRPW` of the CUDA decode
-    /// step's float GEMVs (qmv.cu): RMSNorm in (q|k|v, the head), residual out (o, down), and
-    /// gate|up (RPW rows of the two matrices, RPW/2 outputs: even). 1-32 warps and 1-32 rows
-    /// each. Default `4x8,4x4,4x8`.
-    pub cuda_decode_gemv: [LaunchShape; 3],
+    /// `MLXCEL_CUDA_DECODE_GEMV`: the launch shapes `NWxRPW[:B],NWxRPW[:B],NWxRPW[:B]` of the
+    /// CUDA decode step's float GEMVs (qmv.cu): RMSNorm in (q|k|v, the head), residual out (o,
+    /// down), and gate|up (RPW rows of the two matrices, RPW/2 outputs: even). 1-32 warps and
+    /// 1-32 rows each; B: blocks per SM the registers must allow ([`DecodeGemv`]). Default
+    /// `4x8,4x4,4x8`.
+    pub cuda_decode_gemv: [DecodeGemv; 3],
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -313,10 +343,19 @@ pub const DEFAULT_QMV_SHAPE: LaunchShape = LaunchShape { warps: 4, rows: 4 };
 
 /// The decode step's float GEMV shapes unless `MLXCEL_CUDA_DECODE_GEMV` picks others: RMSNorm
 /// in, residual out, gate|up.
-pub const DEFAULT_DECODE_GEMV_SHAPES: [LaunchShape; 3] = [
-    LaunchShape { warps: 4, rows: 8 },
-    DEFAULT_QMV_SHAPE,
-    LaunchShape { warps: 4, rows: 8 },
+pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
+    DecodeGemv {
+        shape: LaunchShape { warps: 4, rows: 8 },
+        min_blocks: 0,
+    },
+    DecodeGemv {
+        shape: DEFAULT_QMV_SHAPE,
+        min_blocks: 0,
+    },
+    DecodeGemv {
+        shape: LaunchShape { warps: 4, rows: 8 },
+        min_blocks: 0,
+    },
 ];
 /// The decode step's tensor-core GEMV shape unless `MLXCEL_CUDA_DECODE_TC` picks another.
 pub const DEFAULT_DECODE_TC_SHAPE: LaunchShape = LaunchShape { warps: 8, rows: 16 };
@@ -550,21 +589,16 @@ impl RuntimePolicy {
             };
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE_GEMV") {
-            let shapes: Vec<Option<LaunchShape>> =
-                v.raw.split(',').map(LaunchShape::parse).collect();
-            p.cuda_decode_gemv = match shapes[..] {
-                [Some(rms), Some(res), Some(glu)]
-                    if [rms, res, glu].iter().all(|s| s.rows <= 32) && glu.rows % 2 == 0 =>
-                {
-                    [rms, res, glu]
-                }
-                _ => {
-                    return Err(v.error(
-                        "three NWxRPW shapes (q|k|v and head, o and down, gate|up) of 1 to 32 \
-                         warps and 1 to 32 rows, gate|up's rows even",
-                    ))
-                }
-            };
+            let shapes: Vec<Option<DecodeGemv>> = v.raw.split(',').map(DecodeGemv::parse).collect();
+            p.cuda_decode_gemv =
+                match shapes[..] {
+                    [Some(rms), Some(res), Some(glu)] if glu.shape.rows % 2 == 0 => [rms, res, glu],
+                    _ => return Err(v.error(
+                        "three NWxRPW[:B] shapes (q|k|v and head, o and down, gate|up) of 1 to \
+                         32 warps and 1 to 32 rows, gate|up's rows even, B blocks of NW warps \
+                         within 64 warps",
+                    )),
+                };
         }
         if let Some(v) = get("MLXCEL_BATCH_PIPELINE") {
             p.batch_pipeline = v.switch()?;
@@ -921,8 +955,11 @@ mod tests {
         }
         let v = "MLXCEL_CUDA_DECODE_GEMV";
         assert_eq!(
-            one(v, "8x16, 2x8,4x4").cuda_decode_gemv,
-            [(8, 16), (2, 8), (4, 4)].map(|(w, r)| LaunchShape::new(w, r).unwrap())
+            one(v, "8x16, 2x8:32,4x4:8").cuda_decode_gemv,
+            [(8, 16, 0), (2, 8, 32), (4, 4, 8)].map(|(w, r, b)| DecodeGemv {
+                shape: LaunchShape::new(w, r).unwrap(),
+                min_blocks: b
+            })
         );
         for bad in [
             "4x8,4x4",
@@ -930,6 +967,8 @@ mod tests {
             "4x8,4x64,4x8",
             "1",
             "4x8,4x4,4x8,4x8",
+            "4x8:17,4x4,4x8",
+            "4x8:x,4x4,4x8",
         ] {
             rejects(v, bad);
         }
