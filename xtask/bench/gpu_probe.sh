@@ -36,6 +36,11 @@
 #                            decode test on its fixtures, then the 8B 4-bit shape's greedy ids
 #                            with them on and off, then speed by launch shape (TC_SHAPES) against
 #                            mlx-lm
+#   gpu_probe.sh gemv        the CUDA decode step's float GEMV launch shapes
+#                            (MLXCEL_CUDA_DECODE_GEMV, GEMV_SHAPES: "rms,res,glu" each NWxRPW[:B])
+#                            on the 8B 4-bit shape: decode tok/s of each (one process, two
+#                            requests) and an md5 of its greedy ids (launch shapes and register
+#                            caps change no arithmetic, so every line's ids should match)
 #   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
 #                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
 #                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;
@@ -284,6 +289,17 @@ load)
     echo "== $shape"
     model $shape
     PHASES=1 passes "device-load MLXCEL_CUDA_LOAD=1" "mapped MLXCEL_CUDA_LOAD=0"
+  done
+  ;;
+gemv)
+  model llama-8b-4bit
+  for c in ${GEMV_SHAPES:-4x8,4x4,4x8 4x8:6,4x4,4x8:6 4x8:8,4x4,4x8:8 4x8,4x4:12,4x8 4x8:8,4x4:16,4x8:8 4x8:5,4x4:10,4x8:5 4x8,4x4,4x8}; do
+    stats=$(mktemp)
+    out=$(MLXCEL_CUDA_DECODE_GEMV=$c timeout 120 "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" \
+      --max-new 128 --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>"$stats")
+    echo -n "  $c: ids $(echo "$out" | head -1 | md5sum | cut -c1-8) "
+    python3 -c "$fmt" < "$stats"
+    rm -f "$stats"
   done
   ;;
 fresh)
