@@ -142,7 +142,8 @@ step_against_graph() {
 
 case $what in
 tc)
-  MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-300} "$here/cuda_decode_test" \
+  # The decode test with the tensor-core GEMVs on (the test reads the MLXCEL_* environment).
+  MLXCEL_CUDA_DECODE_TC=1 MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-300} "$here/cuda_decode_test" \
     --ignored --nocapture --test-threads 1 cuda_step_matches 2>&1 | grep -v "^$" | tail -30
   model llama-8b-4bit
   for f in 1 0; do
