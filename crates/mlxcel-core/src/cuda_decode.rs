@@ -74,8 +74,9 @@ impl CudaDecoder {
         let shapes: Vec<i32> = launch
             .gemv
             .iter()
-            .chain([&launch.tensor_cores.unwrap_or((0, 0))])
-            .flat_map(|&(nw, rpw)| [nw, rpw])
+            .map(|g| g.shape.pair())
+            .chain([launch.tensor_cores.unwrap_or((0, 0))])
+            .flat_map(|(nw, rpw)| [nw, rpw])
             .collect();
         let raw = bridge::cuda_decoder_new(
             binary,

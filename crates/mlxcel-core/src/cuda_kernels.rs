@@ -36,7 +36,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use crate::policy::LaunchShape;
+use crate::policy::{DecodeGemv, LaunchShape};
 
 use crate::array::ArrayList;
 use crate::ffi::bridge::{self, CudaBinary};
@@ -501,21 +501,28 @@ pub const DECODER_GEMV_SHAPES: [(i32, i32); 3] = [
 /// policy once per decoder, for the module and its launches alike.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DecoderShapes {
-    /// (warps, rows per block) of the float GEMVs (qmv.cu) of the three kinds, in
-    /// [`DECODER_GEMV_SHAPES`]' order.
-    pub gemv: [(i32, i32); 3],
-    /// Blocks per SM each of those GEMVs' registers must allow (0: the compiler's choice).
-    pub gemv_min_blocks: [i32; 3],
+    /// The float GEMVs (qmv.cu) of the three kinds, in [`DECODER_GEMV_SHAPES`]' order: warps,
+    /// rows per block and the blocks per SM their registers must allow.
+    pub gemv: [DecodeGemv; 3],
     /// (warps, rows per block: 16 or 32) of the tensor-core GEMVs (qmv_tc.cu), or `None` when
     /// `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
     pub tensor_cores: Option<(i32, i32)>,
 }
 
+impl Default for DecoderShapes {
+    /// The policy's defaults: the float GEMVs of [`DECODER_GEMV_SHAPES`], no tensor cores.
+    fn default() -> Self {
+        DecoderShapes {
+            gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES,
+            tensor_cores: None,
+        }
+    }
+}
+
 /// The decode step's launch shapes the policy asks for now.
 pub fn decoder_shapes() -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
-        gemv: p.cuda_decode_gemv.map(|g| g.shape.pair()),
-        gemv_min_blocks: p.cuda_decode_gemv.map(|g| g.min_blocks),
+        gemv: p.cuda_decode_gemv,
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
     })
 }
@@ -578,15 +585,11 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
     let folds = [("rms", 1, 0, 0), ("res", 0, 1, 0), ("glu", 1, 0, 1)];
     // Each kind's `__launch_bounds__` arguments: its threads, then the blocks an SM must hold
     // when the policy asks for them (the default's text is unchanged, as are its cubins).
-    let bounds: Vec<String> = shapes
-        .gemv
-        .iter()
-        .zip(shapes.gemv_min_blocks)
-        .map(|(&(nw, _), blocks)| match blocks {
-            0 => format!("{}", nw * 32),
-            b => format!("{}, {b}", nw * 32),
-        })
-        .collect();
+    let bounds = shapes.gemv.map(|g| match g.min_blocks {
+        0 => format!("{}", g.shape.warps * 32),
+        b => format!("{}, {b}", g.shape.warps * 32),
+    });
+    let gemv_shapes = shapes.gemv.map(|g| g.shape.pair());
     let affine = [(4, formats.affine4), (8, formats.affine8)];
     for bits in affine
         .into_iter()
@@ -594,7 +597,7 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
         .map(|(bits, _)| bits)
     {
         for (((kind, pre, res, glu), (nw, rpw)), bounds) in
-            folds.into_iter().zip(shapes.gemv).zip(&bounds)
+            folds.into_iter().zip(gemv_shapes).zip(&bounds)
         {
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__({bounds}) \
@@ -630,7 +633,7 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             );
         }
     }
-    let dense = folds.into_iter().zip(shapes.gemv).zip(&bounds);
+    let dense = folds.into_iter().zip(gemv_shapes).zip(&bounds);
     for (((kind, pre, res, glu), (nw, rpw)), bounds) in dense.filter(|_| formats.dense) {
         wrapper += &format!(
             "extern \"C\" __global__ void __launch_bounds__({bounds}) \
@@ -733,9 +736,8 @@ pub fn module_source() -> String {
     .join("\n");
     // The tensor-core GEMVs too, whatever the policy says (they are off by default).
     let shapes = DecoderShapes {
-        gemv: DECODER_GEMV_SHAPES,
-        gemv_min_blocks: [0; 3],
         tensor_cores: Some(crate::policy::DEFAULT_DECODE_TC_SHAPE.pair()),
+        ..DecoderShapes::default()
     };
     for dtype in DECODER_DTYPES {
         src += &decoder_entry(dtype, DecoderFormats::ALL, shapes).wrapper;
@@ -1745,11 +1747,7 @@ mod tests {
     #[test]
     fn decoder_modules_hold_the_formats_asked_for() {
         let formats = DecoderFormats::default().with(Some(4)).with(Some(4));
-        let plain = DecoderShapes {
-            gemv: DECODER_GEMV_SHAPES,
-            gemv_min_blocks: [0; 3],
-            tensor_cores: None,
-        };
+        let plain = DecoderShapes::default();
         let entry = decoder_entry(Dtype::Bfloat16, formats, plain);
         for kind in ["rms", "res", "glu"] {
             assert!(entry
@@ -1774,7 +1772,14 @@ mod tests {
             Dtype::Bfloat16,
             formats,
             DecoderShapes {
-                gemv_min_blocks: [0, 0, 6],
+                gemv: [
+                    plain.gemv[0],
+                    plain.gemv[1],
+                    DecodeGemv {
+                        min_blocks: 6,
+                        ..plain.gemv[2]
+                    },
+                ],
                 ..plain
             },
         );

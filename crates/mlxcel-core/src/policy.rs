@@ -132,15 +132,15 @@ pub struct DecodeGemv {
 }
 
 impl DecodeGemv {
-    /// `NWxRPW` or `NWxRPW:B` with 1 to 32 rows and B blocks of NW warps fitting an SM's 64
-    /// warps.
+    /// `NWxRPW` or `NWxRPW:B` with 1 to 32 rows and B blocks of NW warps fitting an SM (at
+    /// most 32 blocks and 64 warps on sm_80/sm_90).
     pub fn parse(value: &str) -> Option<DecodeGemv> {
         let (shape, blocks) = match value.split_once(':') {
             Some((shape, blocks)) => (shape, blocks.trim().parse().ok()?),
             None => (value, 0),
         };
         let shape = LaunchShape::parse(shape).filter(|s| s.rows <= 32)?;
-        (0..=64 / shape.warps)
+        (0..=(64 / shape.warps).min(32))
             .contains(&blocks)
             .then_some(DecodeGemv {
                 shape,
@@ -596,7 +596,7 @@ impl RuntimePolicy {
                     _ => return Err(v.error(
                         "three NWxRPW[:B] shapes (q|k|v and head, o and down, gate|up) of 1 to \
                          32 warps and 1 to 32 rows, gate|up's rows even, B blocks of NW warps \
-                         within 64 warps",
+                         within an SM's 32 blocks and 64 warps",
                     )),
                 };
         }
@@ -969,6 +969,7 @@ mod tests {
             "4x8,4x4,4x8,4x8",
             "4x8:17,4x4,4x8",
             "4x8:x,4x4,4x8",
+            "1x8:33,4x4,4x8",
         ] {
             rejects(v, bad);
         }
