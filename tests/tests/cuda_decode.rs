@@ -137,7 +137,18 @@ struct Distances {
 }
 
 fn check_model(name: &str, dtype: Dtype, prompt: &[u32], steps: usize) -> Distances {
-    let dir = model_dir(name);
+    check_dir(name, &model_dir(name), dtype, prompt, steps)
+}
+
+/// `check_model` on the model in `dir`, called `name`.
+fn check_dir(
+    name: &str,
+    dir: &std::path::Path,
+    dtype: Dtype,
+    prompt: &[u32],
+    steps: usize,
+) -> Distances {
+    let dir = dir.to_path_buf();
     let graph = load(&dir, false, dtype);
     let engine = load(&dir, true, dtype);
     let on_graph = decode_step_census(&graph.model);
@@ -232,10 +243,23 @@ fn cuda_step_matches_the_graph_on_llama_qwen_and_moe_fixtures() {
             "mixtral",
         ] {
             let d = check_model(name, dtype, &prompt(250, 500), 12);
+            worst.push((name.to_string(), dtype, d));
+        }
+        // Models made on the GPU machine (`MLXCEL_DECODE_TEST_MODELS`, comma-separated folders:
+        // gpu_probe.sh decode passes make_random_model.py's llama-wide, whose rows are long
+        // enough and whose matrices tall enough for the streaming GEMVs' loops).
+        let extra = std::env::var("MLXCEL_DECODE_TEST_MODELS").unwrap_or_default();
+        for dir in extra.split(',').filter(|d| !d.is_empty()) {
+            let dir = std::path::Path::new(dir);
+            let name = dir.file_name().map_or(dir.display().to_string(), |n| {
+                n.to_string_lossy().into_owned()
+            });
+            let d = check_dir(&name, dir, dtype, &prompt(250, 500), 12);
             worst.push((name, dtype, d));
         }
     }
-    for &(name, dtype, d) in &worst {
+    for (name, dtype, d) in &worst {
+        let (dtype, d) = (*dtype, *d);
         eprintln!(
             "{name} {}: max |Δ| logits from float32, graph {:.2e}, CUDA step {:.2e}; \
              between them {:.2e} (of the largest)",

@@ -122,10 +122,18 @@ passes() {
 # The CUDA decode step against the MLX graph: the decode test (its fixtures, when $2 is "test"),
 # then shape $1's greedy ids with the step on and off, then speed against mlx-lm (GRAPH=0: the
 # step alone).
+# The CUDA decode step's GPU test (the fixtures and make_random_model.py's llama-wide, whose
+# long rows and tall matrices the streaming GEMVs need to walk their loops) under the
+# environment's MLXCEL_* policy; $1: the test name filter.
+decode_test() {
+  local wide=$models/llama-wide
+  [ -f "$wide/config.json" ] || python3 "$here/make_random_model.py" make llama-wide "$wide" | tail -1
+  MLXCEL_DECODE_TEST_MODELS=$wide MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-400} \
+    "$here/cuda_decode_test" --ignored --nocapture --test-threads 1 ${1:-} 2>&1 | grep -v "^$" | tail -60
+}
 step_against_graph() {
   if [ "${2:-}" = test ]; then
-    MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-400} "$here/cuda_decode_test" \
-      --ignored --nocapture --test-threads 1 2>&1 | grep -v "^$" | tail -60
+    decode_test
   fi
   model "$1"
   for f in 1 0; do
@@ -143,8 +151,7 @@ step_against_graph() {
 case $what in
 tc)
   # The decode test with the tensor-core GEMVs on (the test reads the MLXCEL_* environment).
-  MLXCEL_CUDA_DECODE_TC=1 MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-300} "$here/cuda_decode_test" \
-    --ignored --nocapture --test-threads 1 cuda_step_matches 2>&1 | grep -v "^$" | tail -30
+  MLXCEL_CUDA_DECODE_TC=1 decode_test cuda_step_matches
   model llama-8b-4bit
   for f in 1 0; do
     echo -n "  greedy ids, MLXCEL_CUDA_DECODE_TC=$f: "
@@ -294,7 +301,7 @@ load)
   ;;
 gemv)
   model llama-8b-4bit
-  for c in ${GEMV_SHAPES:-4x8,4x4,4x8 4x8:6,4x4,4x8:6 4x8:8,4x4,4x8:8 4x8,4x4:12,4x8 4x8:8,4x4:16,4x8:8 4x8:5,4x4:10,4x8:5 4x8,4x4,4x8}; do
+  for c in ${GEMV_SHAPES:-4x8,4x4,4x8 s4x8,s4x4,s4x8 s4x4,s4x4,s4x4 s4x8,s2x4,s4x8 s4x8:4,s4x4,s4x8:4 s2x8,s2x4,s2x8 4x8:6,4x4,4x8:6 4x8,4x4,4x8}; do
     stats=$(mktemp)
     out=$(MLXCEL_CUDA_DECODE_GEMV=$c timeout 120 "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" \
       --max-new 128 --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>"$stats")

@@ -51,6 +51,16 @@ SHAPES = {
         rope_theta=1000000.0, max_position_embeddings=40960, rope_scaling=None,
         hidden_act="silu", attention_bias=False, bos_token_id=151643, eos_token_id=151645,
         torch_dtype="bfloat16"),
+    # Small, with an MLP wide enough that the CUDA decode step's streaming GEMVs walk several
+    # chunks of a row (down: K = 10240) and several row tiles a block (gate|up, the head): what
+    # the tiny fixtures never reach (gpu_probe.sh decode tests the step on it).
+    "llama-wide": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        intermediate_size=10240, vocab_size=16384, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096, rope_scaling=None,
+        hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1,
+        eos_token_id=2, torch_dtype="bfloat16"),
     # Llama-3.1-70B: bf16 it is ~141 GB, more than one H200 holds.
     "llama-70b": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=8192,

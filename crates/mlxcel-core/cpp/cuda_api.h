@@ -54,6 +54,10 @@ struct LaunchApi {
   int (*get_error_string)(int, const char**);
   int (*memcpy_htod)(void* device, const void* host, size_t bytes);
   int (*ctx_synchronize)();
+  int (*ctx_get_device)(CUdevice*);
+  int (*device_get_attribute)(int*, int attribute, CUdevice);
+  int (*func_set_attribute)(CUfunction, int attribute, int value);
+  int (*occupancy)(int* blocks, CUfunction, int block_threads, size_t dynamic_shared_bytes);
 };
 
 // Points `slot` at the process's `symbol` (found with dlsym: MLX's CUDA backend and the driver
@@ -79,6 +83,12 @@ void load(const LaunchApi& api, const CudaBinary& binary);
 
 // Kernel `name` of `binary`'s module (loaded first if need be).
 void* function(const LaunchApi& api, const CudaBinary& binary, const std::string& name);
+
+// How many blocks of `threads` threads and `shared_bytes` of dynamic shared memory the current
+// device holds at once (its SMs times the kernel's occupancy), after letting `kernel` take that
+// much shared memory; an error naming `what` when it fits nowhere.
+unsigned resident_blocks(const LaunchApi& api, CUfunction kernel, int threads,
+                         unsigned shared_bytes, const std::string& what);
 
 // The device address of `a`'s first element: MLX's CUDA buffers begin with their device pointer
 // (`cu::CudaBuffer::data`) and an array's offset is in bytes (see `gpu_ptr` in MLX's

@@ -14,6 +14,7 @@
 // the logits. Scratch space is one stream-ordered allocation per step. Every node reads and
 // writes that scratch array, so MLX's encoder chains the nodes in order; the first node also
 // depends on the inputs, the last one is the producer of the logits and of the caches.
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <memory>
@@ -149,6 +150,13 @@ struct Args {
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// A streaming GEMV's (decode_gemv.cu) dynamic shared memory for rows of k values at `bits`:
+// x prepared in T (2 bytes a value), then a float2 per 16-byte chunk of a weight row.
+unsigned stream_shared_bytes(int k, int bits) {
+  const int chunks = k * bits / 128;
+  return unsigned(2 * k + 8 * chunks);
+}
+
 }  // namespace
 
 struct CudaDecoderState {
@@ -161,6 +169,10 @@ struct CudaDecoderState {
   std::optional<mx::array> inv_freq_dev;
   // (warps, rows per block) of each GEMV kind (DECODER_GEMV_SHAPES in src/cuda_kernels.rs).
   int shape[3][2] = {};
+  // Whether each kind's affine GEMVs stream (decode_gemv.cu), and then the blocks of them the
+  // GPU holds at once, by [4-bit, 8-bit][kind]: their grid is at most that.
+  bool stream[3] = {};
+  unsigned stream_blocks[2][3] = {};
   // (warps, rows per block) of the tensor-core GEMVs of every kind; warps 0: none.
   int tc_shape[2] = {};
   std::vector<Layer> layer;
@@ -384,14 +396,32 @@ class CudaDecodeStep : public mx::Primitive {
     void* function;
     int warps, rows;
     unsigned shared_bytes;
+    // The most blocks worth launching (streaming GEMVs: those the GPU holds at once, each
+    // walking tiles); 0: a block per tile.
+    unsigned max_blocks;
+    // The grid for `tiles` row tiles: with max_blocks, the fewest blocks that still give no
+    // block more tiles than max_blocks would (so blocks end together: with 1,024 tiles on 792
+    // slots, 512 blocks of two tiles, not 232 of two and 560 of one).
+    unsigned grid(unsigned tiles) const {
+      if (max_blocks == 0 || tiles <= max_blocks) {
+        return tiles;
+      }
+      const unsigned per_block = (tiles + max_blocks - 1) / max_blocks;
+      return (tiles + per_block - 1) / per_block;
+    }
   };
   GemvLaunch pick(const QLinear& m, int kind) const {
     const CudaDecoderState& st = *state_;
     if (st.gemv_tc[kind] != nullptr && m.tensor_core_ok()) {
       const int k = m.cols();
-      return {st.gemv_tc[kind], st.tc_shape[0], st.tc_shape[1], unsigned(2 * k + k / 16)};
+      return {st.gemv_tc[kind], st.tc_shape[0], st.tc_shape[1], unsigned(2 * k + k / 16), 0};
     }
-    return {st.gemv[m.table()][kind], st.shape[kind][0], st.shape[kind][1], 0};
+    const int table = m.table();
+    if (table < 2 && st.stream[kind]) {
+      return {st.gemv[table][kind], st.shape[kind][0], st.shape[kind][1],
+              stream_shared_bytes(m.cols(), m.bits), st.stream_blocks[table][kind]};
+    }
+    return {st.gemv[table][kind], st.shape[kind][0], st.shape[kind][1], 0, 0};
   }
 
   // The GEMV of `kind` over `segments` (matrices of one K): consecutive segments of equal
@@ -423,8 +453,8 @@ class CudaDecodeStep : public mx::Primitive {
         blocks += m ? unsigned(ceil_div(m->rows(), rpw)) : 0;
       }
       tail_args(a, first, x, aux, res);
-      launch(how.function, Dim3{blocks, 1, 1}, Dim3{unsigned(how.warps * 32), 1, 1}, a,
-             last && j == all.size(), how.shared_bytes);
+      launch(how.function, Dim3{how.grid(blocks), 1, 1}, Dim3{unsigned(how.warps * 32), 1, 1},
+             a, last && j == all.size(), how.shared_bytes);
       i = j;
     }
   }
@@ -468,7 +498,8 @@ class CudaDecodeStep : public mx::Primitive {
     tail_args(a, gate, x, aux, nullptr);
     const unsigned blocks = unsigned(ceil_div(inter, rpw / 2));
     const unsigned threads = unsigned(how.warps * 32);
-    launch(how.function, Dim3{blocks, 1, 1}, Dim3{threads, 1, 1}, a, false, how.shared_bytes);
+    launch(how.function, Dim3{how.grid(blocks), 1, 1}, Dim3{threads, 1, 1}, a, false,
+           how.shared_bytes);
   }
 
   // A routed-expert feed-forward on `h` (in place): the router's GEMV, then decode_moe.cu's
@@ -569,7 +600,7 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
     throw std::invalid_argument("mlxcel: cuda decoder: invalid shape");
   }
   if (head_dim > MAX_HEAD_DIM || head_dim % 8 != 0 || heads / kv_heads > MAX_GROUP ||
-      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 8) {
+      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 11) {
     throw std::invalid_argument(
         "mlxcel: cuda decoder: head_dim a multiple of 8 up to 256, at most 16 query heads per "
         "key/value head, rope within the head");
@@ -588,11 +619,12 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
   st->traditional = traditional;
   st->inv_freq.assign(inv_freq.begin(), inv_freq.end());
   for (int k = 0; k < 3; ++k) {
-    st->shape[k][0] = shapes[2 * k];
-    st->shape[k][1] = shapes[2 * k + 1];
+    st->shape[k][0] = shapes[3 * k];
+    st->shape[k][1] = shapes[3 * k + 1];
+    st->stream[k] = shapes[3 * k + 2] != 0;
   }
-  st->tc_shape[0] = shapes[6];
-  st->tc_shape[1] = shapes[7];
+  st->tc_shape[0] = shapes[9];
+  st->tc_shape[1] = shapes[10];
   st->layer.resize(layers);
   d->state = std::move(st);
   return d;
@@ -804,7 +836,7 @@ void cuda_decoder_finish(CudaDecoder& d) {
   }
   const std::string t = st.dtype == mx::float16 ? "float16" : "bfloat16";
   const char* kinds[3] = {"rms", "res", "glu"};
-  const char* tables[3] = {"qmv_b4", "qmv_b8", "dmv"};
+  const char* tables[2] = {"b4", "b8"};
   // The module has the GEMVs of the weight formats the model uses only.
   bool used[3] = {};
   auto use = [&used](const QLinear& m) {
@@ -818,10 +850,20 @@ void cuda_decoder_finish(CudaDecoder& d) {
     }
   }
   use(st.head);
+  // The widest K each kind meets: q|k|v, the head and the router (RMS) and gate|up read the
+  // hidden state, o and down (RES) the attention's output or the MLP's activations.
+  const int widest[3] = {st.hidden, std::max(q_dim, st.inter), st.hidden};
   for (int b = 0; b < 3; ++b) {
     for (int k = 0; k < 3 && used[b]; ++k) {
-      st.gemv[b][k] = function(*api, *st.binary,
-                               std::string("mlxcel_dec_") + tables[b] + "_" + kinds[k] + "_" + t);
+      const bool stream = b < 2 && st.stream[k];
+      const std::string table = b == 2 ? "dmv" : (stream ? "qmvs_" : "qmv_") + std::string(tables[b]);
+      st.gemv[b][k] =
+          function(*api, *st.binary, "mlxcel_dec_" + table + "_" + kinds[k] + "_" + t);
+      if (stream) {
+        st.stream_blocks[b][k] = resident_blocks(
+            *api, st.gemv[b][k], st.shape[k][0] * 32,
+            stream_shared_bytes(widest[k], b == 0 ? 4 : 8), "a streaming GEMV");
+      }
     }
   }
   if (used[0] && st.tc_shape[0] > 0) {

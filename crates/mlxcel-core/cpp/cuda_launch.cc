@@ -131,6 +131,10 @@ const LaunchApi* resolved_launch_api() {
     get(a.get_error_string, "cuGetErrorString");
     get(a.memcpy_htod, "cuMemcpyHtoD_v2");
     get(a.ctx_synchronize, "cuCtxSynchronize");
+    get(a.ctx_get_device, "cuCtxGetDevice");
+    get(a.device_get_attribute, "cuDeviceGetAttribute");
+    get(a.func_set_attribute, "cuFuncSetAttribute");
+    get(a.occupancy, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     return found ? &a : nullptr;
   }();
   return api;
@@ -204,6 +208,32 @@ void load(const LaunchApi& api, const CudaBinary& binary) {
 void* function(const LaunchApi& api, const CudaBinary& binary, const std::string& name) {
   load(api, binary);
   return module_function(api, binary.module, name);
+}
+
+unsigned resident_blocks(const LaunchApi& api, CUfunction kernel, int threads,
+                         unsigned shared_bytes, const std::string& what) {
+  constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
+  constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
+  // Above 48 KB a kernel must opt in to its dynamic shared memory.
+  if (shared_bytes > 48 * 1024) {
+    check(api,
+          api.func_set_attribute(kernel, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 int(shared_bytes)),
+          what + ": " + std::to_string(shared_bytes) + " bytes of shared memory");
+  }
+  CUdevice device = 0;
+  int sms = 0, per_sm = 0;
+  check(api, api.ctx_get_device(&device), "cuCtxGetDevice");
+  check(api, api.device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
+        "cuDeviceGetAttribute");
+  check(api, api.occupancy(&per_sm, kernel, threads, shared_bytes),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (per_sm <= 0 || sms <= 0) {
+    throw std::runtime_error("mlxcel: " + what + " of " + std::to_string(threads) +
+                             " threads and " + std::to_string(shared_bytes) +
+                             " bytes of shared memory fits no SM of this GPU");
+  }
+  return unsigned(sms * per_sm);
 }
 
 void* device_pointer(const mx::array& a) {

@@ -70,13 +70,14 @@ impl CudaDecoder {
         // in).
         let launch = crate::cuda_kernels::decoder_shapes();
         let binary = crate::cuda_kernels::decoder_binary(dtype, formats, launch)?;
-        // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none).
+        // The three GEMV kinds' (warps, rows, streaming), then the tensor-core GEMVs' (warps,
+        // rows; 0, 0: none).
+        let (tc_warps, tc_rows) = launch.tensor_cores.unwrap_or((0, 0));
         let shapes: Vec<i32> = launch
             .gemv
             .iter()
-            .map(|g| g.shape.pair())
-            .chain([launch.tensor_cores.unwrap_or((0, 0))])
-            .flat_map(|(nw, rpw)| [nw, rpw])
+            .flat_map(|g| [g.shape.warps, g.shape.rows, i32::from(g.stream)])
+            .chain([tc_warps, tc_rows])
             .collect();
         let raw = bridge::cuda_decoder_new(
             binary,

@@ -49,24 +49,29 @@ const QMV: &str = include_str!("../kernels/cuda/qmv.cu");
 const QMV_MMA: &str = include_str!("../kernels/cuda/qmv_mma.cu");
 const DEQUANT: &str = include_str!("../kernels/cuda/dequant.cu");
 const SCAN: &str = include_str!("../kernels/cuda/scan.cu");
-/// The decode step's kernels (decode.cu) after the GEMV they call (qmv.cu).
-const QMV_AND_DECODE: &str = concat!(
-    include_str!("../kernels/cuda/qmv.cu"),
-    "\n",
-    include_str!("../kernels/cuda/qmv_tc.cu"),
-    "\n",
-    include_str!("../kernels/cuda/decode.cu")
-);
-/// The decode step's kernels with its routed-expert layers (decode_moe.cu), for models that
-/// have them; a model without keeps the module (and the cached cubins) of decode.cu alone.
-const QMV_DECODE_AND_MOE: &str = concat!(
-    include_str!("../kernels/cuda/qmv.cu"),
-    "\n",
-    include_str!("../kernels/cuda/qmv_tc.cu"),
-    "\n",
-    include_str!("../kernels/cuda/decode.cu"),
-    "\n",
-    include_str!("../kernels/cuda/decode_moe.cu")
+/// The decode step's kernels (decode.cu) after the GEMV they call (qmv.cu); with `$tail`, the
+/// files after decode.cu (decode_gemv.cu, decode_moe.cu).
+macro_rules! decode_module {
+    ($($tail:literal),*) => {
+        concat!(
+            include_str!("../kernels/cuda/qmv.cu"),
+            "\n",
+            include_str!("../kernels/cuda/qmv_tc.cu"),
+            "\n",
+            include_str!("../kernels/cuda/decode.cu")
+            $(, "\n", include_str!($tail))*
+        )
+    };
+}
+const QMV_AND_DECODE: &str = decode_module!();
+/// With its routed-expert layers (decode_moe.cu), for models that have them; a model without
+/// keeps the module (and the cached cubins) of decode.cu alone.
+const QMV_DECODE_AND_MOE: &str = decode_module!("../kernels/cuda/decode_moe.cu");
+/// With the streaming GEMVs (decode_gemv.cu) a policy's `s` shapes ask for.
+const QMV_DECODE_STREAM: &str = decode_module!("../kernels/cuda/decode_gemv.cu");
+const QMV_DECODE_STREAM_AND_MOE: &str = decode_module!(
+    "../kernels/cuda/decode_gemv.cu",
+    "../kernels/cuda/decode_moe.cu"
 );
 /// In every module: the launcher's copy of an input that is not row-contiguous.
 const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
@@ -519,6 +524,14 @@ impl Default for DecoderShapes {
     }
 }
 
+impl DecoderShapes {
+    /// Whether the module has streaming GEMVs (decode_gemv.cu): a kind asks for them and the
+    /// model has affine weights.
+    pub fn streams(&self, formats: DecoderFormats) -> bool {
+        (formats.affine4 || formats.affine8) && self.gemv.iter().any(|g| g.stream)
+    }
+}
+
 /// The decode step's launch shapes the policy asks for now.
 pub fn decoder_shapes() -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
@@ -596,18 +609,27 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
         .filter(|&(_, on)| on)
         .map(|(bits, _)| bits)
     {
-        for (((kind, pre, res, glu), (nw, rpw)), bounds) in
-            folds.into_iter().zip(gemv_shapes).zip(&bounds)
+        for ((((kind, pre, res, glu), (nw, rpw)), bounds), gemv) in folds
+            .into_iter()
+            .zip(gemv_shapes)
+            .zip(&bounds)
+            .zip(shapes.gemv)
         {
+            // qmv.cu's one tile per block, or decode_gemv.cu's streaming blocks.
+            let (f, q) = if gemv.stream {
+                ("dec_qmvs", "qmvs")
+            } else {
+                ("dec_qmv", "qmv")
+            };
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__({bounds}) \
-                 mlxcel_dec_qmv_b{bits}_{kind}_{d}(\
+                 mlxcel_dec_{q}_b{bits}_{kind}_{d}(\
                  const uint32_t* w0, const {t}* s0, const {t}* z0, {t}* o0, int n0, \
                  const uint32_t* w1, const {t}* s1, const {t}* z1, {t}* o1, int n1, \
                  const uint32_t* w2, const {t}* s2, const {t}* z2, {t}* o2, int n2, \
                  const {t}* x, const {t}* aux, const {t}* res, int words_per_row, \
                  int groups_per_row, int eps_bits) {{ \
-                 dec_qmv<{bits}, {nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
+                 {f}<{bits}, {nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
                  o1, n1, w2, s2, z2, o2, n2, x, aux, res, words_per_row, groups_per_row, \
                  __int_as_float(eps_bits)); }}\n",
             );
@@ -691,10 +713,11 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
         // A kernel of the module (the loader resolves it first); each format set's source,
         // hence its cache file, differs.
         name: format!("mlxcel_dec_attention_{d}"),
-        kernel: if formats.experts {
-            QMV_DECODE_AND_MOE
-        } else {
-            QMV_AND_DECODE
+        kernel: match (formats.experts, shapes.streams(formats)) {
+            (false, false) => QMV_AND_DECODE,
+            (true, false) => QMV_DECODE_AND_MOE,
+            (false, true) => QMV_DECODE_STREAM,
+            (true, true) => QMV_DECODE_STREAM_AND_MOE,
         },
         wrapper,
     }
@@ -727,7 +750,7 @@ pub fn module_source() -> String {
     let mut src = [
         PRELUDE,
         HEADER,
-        QMV_DECODE_AND_MOE,
+        QMV_DECODE_STREAM_AND_MOE,
         QMV_MMA,
         DEQUANT,
         SCAN,
@@ -739,8 +762,18 @@ pub fn module_source() -> String {
         tensor_cores: Some(crate::policy::DEFAULT_DECODE_TC_SHAPE.pair()),
         ..DecoderShapes::default()
     };
+    // And the streaming GEMVs (their entry points only: the rest is in the module once).
+    let streaming = DecoderShapes {
+        gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES.map(|g| DecodeGemv { stream: true, ..g }),
+        tensor_cores: None,
+    };
     for dtype in DECODER_DTYPES {
         src += &decoder_entry(dtype, DecoderFormats::ALL, shapes).wrapper;
+        let entries = decoder_entry(dtype, DecoderFormats::ALL, streaming).wrapper;
+        for line in entries.lines().filter(|l| l.contains("mlxcel_dec_qmvs_")) {
+            src += line;
+            src += "\n";
+        }
     }
     for j in SCAN_STATES_PER_LANE {
         src += &scan_entry(j).wrapper;
@@ -1726,6 +1759,8 @@ mod tests {
             "mlxcel_qmv_mma_b4_float16_8w_r1_n1",
             "mlxcel_gather_2",
             "mlxcel_dec_qmv_b4_rms_bfloat16",
+            "mlxcel_dec_qmvs_b4_rms_bfloat16",
+            "mlxcel_dec_qmvs_b8_glu_float16",
             "mlxcel_dec_qmv_b8_glu_float16",
             "mlxcel_dec_attention_bfloat16",
             "mlxcel_dec_dmv_glu_bfloat16",
@@ -1805,6 +1840,35 @@ mod tests {
                 .contains(&format!("mlxcel_dec_{name}_bfloat16(")));
         }
         assert!(!moe.wrapper.contains("_b8_") && moe.kernel == QMV_DECODE_AND_MOE);
+        // A kind that streams gets decode_gemv.cu's kernel under its own name; dense weights
+        // alone never stream.
+        let streaming = DecoderShapes {
+            gemv: [
+                DecodeGemv {
+                    stream: true,
+                    ..plain.gemv[0]
+                },
+                plain.gemv[1],
+                plain.gemv[2],
+            ],
+            ..plain
+        };
+        let entry = decoder_entry(Dtype::Bfloat16, formats, streaming);
+        assert!(entry
+            .wrapper
+            .contains("mlxcel_dec_qmvs_b4_rms_bfloat16(const uint32_t* w0"));
+        assert!(entry
+            .wrapper
+            .contains("dec_qmvs<4, 4, 8, 1, 0, 0, mlxcel_bf16>"));
+        assert!(entry.wrapper.contains("mlxcel_dec_qmv_b4_res_bfloat16("));
+        assert_eq!(entry.kernel, QMV_DECODE_STREAM);
+        let moe = decoder_entry(Dtype::Bfloat16, formats.with_experts(), streaming);
+        assert_eq!(moe.kernel, QMV_DECODE_STREAM_AND_MOE);
+        let dense = DecoderFormats::default().with(None);
+        assert_eq!(
+            decoder_entry(Dtype::Bfloat16, dense, streaming).kernel,
+            QMV_AND_DECODE
+        );
         assert_eq!(
             DecoderFormats::default()
                 .with(Some(4))

@@ -120,31 +120,42 @@ pub enum CudaLaunch {
     Mlx,
 }
 
-/// A decode-step GEMV's launch shape and the blocks of it an SM must be able to hold at once
+/// A decode-step GEMV's launch shape, the blocks of it an SM must be able to hold at once
 /// (`__launch_bounds__`' second argument, which caps the registers a thread may take; 0: no
-/// cap): `NWxRPW` or `NWxRPW:B`.
+/// cap) and whether its blocks stream (`[s]NWxRPW[:B]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DecodeGemv {
     /// Warps and rows per block.
     pub shape: LaunchShape,
     /// Resident blocks per SM the compiler must allow for (0: its own choice).
     pub min_blocks: i32,
+    /// `s`: the streaming GEMV (decode_gemv.cu: as many blocks as the GPU holds at once, each
+    /// walking row tiles with the next one's loads in flight and x prepared once) for affine
+    /// weights, RPW a power of two; else qmv.cu's one tile per block.
+    pub stream: bool,
 }
 
 impl DecodeGemv {
-    /// `NWxRPW` or `NWxRPW:B` with 1 to 32 rows and B blocks of NW warps fitting an SM (at
-    /// most 32 blocks and 64 warps on sm_80/sm_90).
+    /// `[s]NWxRPW[:B]` with 1 to 32 rows (a power of two with `s`) and B blocks of NW warps
+    /// fitting an SM (at most 32 blocks and 64 warps on sm_80/sm_90).
     pub fn parse(value: &str) -> Option<DecodeGemv> {
+        let value = value.trim();
+        let (stream, value) = match value.strip_prefix('s') {
+            Some(rest) => (true, rest),
+            None => (false, value),
+        };
         let (shape, blocks) = match value.split_once(':') {
             Some((shape, blocks)) => (shape, blocks.trim().parse().ok()?),
             None => (value, 0),
         };
-        let shape = LaunchShape::parse(shape).filter(|s| s.rows <= 32)?;
+        let shape = LaunchShape::parse(shape)
+            .filter(|s| s.rows <= 32 && (!stream || (s.rows as u32).is_power_of_two()))?;
         (0..=(64 / shape.warps).min(32))
             .contains(&blocks)
             .then_some(DecodeGemv {
                 shape,
                 min_blocks: blocks,
+                stream,
             })
     }
 }
@@ -294,10 +305,11 @@ pub struct RuntimePolicy {
     /// GEMV (`qmv.cu`), which stays the path of groups of 32 and 8-bit weights always
     /// (docs/performance.md, session 26).
     pub cuda_decode_tc: Option<LaunchShape>,
-    /// `MLXCEL_CUDA_DECODE_GEMV`: the launch shapes `NWxRPW[:B],NWxRPW[:B],NWxRPW[:B]` of the
-    /// CUDA decode step's float GEMVs (qmv.cu): RMSNorm in (q|k|v, the head), residual out (o,
-    /// down), and gate|up (RPW rows of the two matrices, RPW/2 outputs: even). 1-32 warps and
-    /// 1-32 rows each; B: blocks per SM the registers must allow ([`DecodeGemv`]). Default
+    /// `MLXCEL_CUDA_DECODE_GEMV`: the launch shapes `[s]NWxRPW[:B],..` (three) of the CUDA
+    /// decode step's float GEMVs (qmv.cu, or decode_gemv.cu's streaming blocks after `s`):
+    /// RMSNorm in (q|k|v, the head), residual out (o, down), and gate|up (RPW rows of the two
+    /// matrices, RPW/2 outputs: even). 1-32 warps and 1-32 rows each; B: blocks per SM the
+    /// registers must allow ([`DecodeGemv`]). Default
     /// `4x8,4x4,4x8`.
     pub cuda_decode_gemv: [DecodeGemv; 3],
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
@@ -347,14 +359,17 @@ pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
     DecodeGemv {
         shape: LaunchShape { warps: 4, rows: 8 },
         min_blocks: 0,
+        stream: false,
     },
     DecodeGemv {
         shape: DEFAULT_QMV_SHAPE,
         min_blocks: 0,
+        stream: false,
     },
     DecodeGemv {
         shape: LaunchShape { warps: 4, rows: 8 },
         min_blocks: 0,
+        stream: false,
     },
 ];
 /// The decode step's tensor-core GEMV shape unless `MLXCEL_CUDA_DECODE_TC` picks another.
@@ -594,9 +609,9 @@ impl RuntimePolicy {
                 match shapes[..] {
                     [Some(rms), Some(res), Some(glu)] if glu.shape.rows % 2 == 0 => [rms, res, glu],
                     _ => return Err(v.error(
-                        "three NWxRPW[:B] shapes (q|k|v and head, o and down, gate|up) of 1 to \
-                         32 warps and 1 to 32 rows, gate|up's rows even, B blocks of NW warps \
-                         within an SM's 32 blocks and 64 warps",
+                        "three [s]NWxRPW[:B] shapes (q|k|v and head, o and down, gate|up) of 1 \
+                         to 32 warps and 1 to 32 rows (a power of two after s), gate|up's rows \
+                         even, B blocks of NW warps within an SM's 32 blocks and 64 warps",
                     )),
                 };
         }
@@ -958,7 +973,18 @@ mod tests {
             one(v, "8x16, 2x8:32,4x4:8").cuda_decode_gemv,
             [(8, 16, 0), (2, 8, 32), (4, 4, 8)].map(|(w, r, b)| DecodeGemv {
                 shape: LaunchShape::new(w, r).unwrap(),
-                min_blocks: b
+                min_blocks: b,
+                stream: false,
+            })
+        );
+        assert_eq!(
+            one(v, "s4x8,4x4:8,s2x4:6").cuda_decode_gemv,
+            [(4, 8, 0, true), (4, 4, 8, false), (2, 4, 6, true)].map(|(w, r, b, s)| {
+                DecodeGemv {
+                    shape: LaunchShape::new(w, r).unwrap(),
+                    min_blocks: b,
+                    stream: s,
+                }
             })
         );
         for bad in [
@@ -970,6 +996,8 @@ mod tests {
             "4x8:17,4x4,4x8",
             "4x8:x,4x4,4x8",
             "1x8:33,4x4,4x8",
+            "s4x6,4x4,4x8",
+            "4x8,4x4,x4x8",
         ] {
             rejects(v, bad);
         }
