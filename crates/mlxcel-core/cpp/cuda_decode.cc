@@ -61,6 +61,8 @@ enum {
 enum { NORM_INPUT, NORM_POST, NORM_Q, NORM_K, NORM_FINAL };
 // The GEMV kinds of decode.cu: RMSNorm in; residual out; RMSNorm in and silu(gate) * up out.
 enum { GEMV_RMS, GEMV_RES, GEMV_GLU };
+// decode.cu's DEC_WARM_RANGES: the weight ranges a layer's attention kernel asks L2 for.
+constexpr int WARM_RANGES = 5;
 // The largest K of a tensor-core GEMV (its shared memory: 2K + K/16 bytes).
 constexpr int TC_MAX_K = 16384;
 
@@ -173,6 +175,10 @@ struct CudaDecoderState {
   // GPU holds at once, by [4-bit, 8-bit][kind]: their grid is at most that.
   bool stream[3] = {};
   unsigned stream_blocks[2][3] = {};
+  // Whether each layer's attention asks L2 for the weights the GEMVs after it read first, and
+  // those byte ranges: WARM_RANGES (address, bytes) pairs per layer (uint64; bytes 0: none).
+  bool warm_l2 = false;
+  std::optional<mx::array> warm;
   // (warps, rows per block) of the tensor-core GEMVs of every kind; warps 0: none.
   int tc_shape[2] = {};
   std::vector<Layer> layer;
@@ -322,6 +328,9 @@ class CudaDecodeStep : public mx::Primitive {
           .ptr(partial)
           .ptr(device_pointer(*st.counters))
           .ptr(attn)
+          .ptr(st.warm ? static_cast<char*>(device_pointer(*st.warm)) +
+                             size_t(l) * WARM_RANGES * 2 * sizeof(uint64_t)
+                       : nullptr)
           .i32(st.heads)
           .i32(st.kv_heads)
           .i32(st.head_dim)
@@ -600,7 +609,7 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
     throw std::invalid_argument("mlxcel: cuda decoder: invalid shape");
   }
   if (head_dim > MAX_HEAD_DIM || head_dim % 8 != 0 || heads / kv_heads > MAX_GROUP ||
-      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 11) {
+      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 12) {
     throw std::invalid_argument(
         "mlxcel: cuda decoder: head_dim a multiple of 8 up to 256, at most 16 query heads per "
         "key/value head, rope within the head");
@@ -625,6 +634,7 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
   }
   st->tc_shape[0] = shapes[9];
   st->tc_shape[1] = shapes[10];
+  st->warm_l2 = shapes[11] != 0;
   st->layer.resize(layers);
   d->state = std::move(st);
   return d;
@@ -712,6 +722,64 @@ void cuda_decoder_set_norm(CudaDecoder& d, int32_t layer, int32_t role, const mx
   check_vector(w, n, st.dtype, "norm " + std::to_string(role) + " of " + st.where(layer));
   st.layer[layer].norm[role] = w;
 }
+
+namespace {
+
+// Each layer's WARM_RANGES (address, bytes) pairs for its attention kernel to ask L2 for: the
+// o projection's weights, scales and biases, then the first rows of the MLP's gate and of its
+// up projection (the rows the streaming GEMV's first tiles read), in all at most half the L2.
+// A routed-expert layer warms its o projection alone. The weights must be evaluated.
+mx::array warm_ranges(const LaunchApi& api, const CudaDecoderState& st) {
+  constexpr int CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38;
+  CUdevice device = 0;
+  int l2 = 0;
+  check(api, api.ctx_get_device(&device), "cuCtxGetDevice");
+  check(api, api.device_get_attribute(&l2, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, device),
+        "cuDeviceGetAttribute");
+  const uint64_t budget = uint64_t(l2) / 2;
+  std::vector<uint64_t> v(size_t(st.layers) * WARM_RANGES * 2, 0);
+  for (int l = 0; l < st.layers; ++l) {
+    const Layer& ly = st.layer[l];
+    uint64_t* r = v.data() + size_t(l) * WARM_RANGES * 2;
+    uint64_t used = 0;
+    int n = 0;
+    auto add = [&](const void* p, uint64_t bytes) {
+      bytes = std::min(bytes, budget - std::min(budget, used));
+      if (p != nullptr && bytes > 0 && n < WARM_RANGES) {
+        r[2 * n] = reinterpret_cast<uint64_t>(p);
+        r[2 * n + 1] = bytes;
+        ++n;
+        used += bytes;
+      }
+    };
+    const QLinear& o = ly.linear[ROLE_O];
+    add(device_pointer(*o.w), o.w->nbytes());
+    if (!o.dense()) {
+      add(device_pointer(*o.scales), o.scales->nbytes());
+      add(device_pointer(*o.biases), o.biases->nbytes());
+    }
+    if (ly.moe()) {
+      continue;
+    }
+    // Gate and up rows [0, rows): the fused matrix's up rows start at `inter`.
+    const int inter = ly.linear[ROLE_DOWN].cols();
+    const bool fused = bool(ly.linear[ROLE_GATE_UP].w);
+    const QLinear& gate = fused ? ly.linear[ROLE_GATE_UP] : ly.linear[ROLE_GATE];
+    const QLinear& up = fused ? ly.linear[ROLE_GATE_UP] : ly.linear[ROLE_UP];
+    const uint64_t row_bytes = uint64_t(gate.w->nbytes()) / uint64_t(gate.rows());
+    const uint64_t half = (budget - std::min(budget, used)) / 2;
+    const uint64_t rows = std::min<uint64_t>(uint64_t(inter), half / row_bytes);
+    const char* g = static_cast<const char*>(device_pointer(*gate.w));
+    const char* u = static_cast<const char*>(device_pointer(*up.w)) +
+                    (fused ? uint64_t(inter) * row_bytes : 0);
+    add(g, rows * row_bytes);
+    add(u, rows * row_bytes);
+  }
+  return mx::array(reinterpret_cast<const uint64_t*>(v.data()),
+                   mx::Shape{static_cast<int>(v.size())}, mx::uint64);
+}
+
+}  // namespace
 
 void cuda_decoder_finish(CudaDecoder& d) {
   auto& st = *d.state;
@@ -829,6 +897,10 @@ void cuda_decoder_finish(CudaDecoder& d) {
   all.push_back(*st.counters);
   // Contiguous, evaluated weights: the kernels read them by address.
   mx::eval(all);
+  if (st.warm_l2) {
+    st.warm = warm_ranges(*api, st);
+    mx::eval(*st.warm);
+  }
   for (auto& a : all) {
     if (!a.flags().row_contiguous) {
       throw std::invalid_argument("mlxcel: cuda decoder: a weight is not row-contiguous");

@@ -71,13 +71,14 @@ impl CudaDecoder {
         let launch = crate::cuda_kernels::decoder_shapes();
         let binary = crate::cuda_kernels::decoder_binary(dtype, formats, launch)?;
         // The three GEMV kinds' (warps, rows, streaming), then the tensor-core GEMVs' (warps,
-        // rows; 0, 0: none).
+        // rows; 0, 0: none), then whether attention warms L2 for the GEMVs after it.
         let (tc_warps, tc_rows) = launch.tensor_cores.unwrap_or((0, 0));
+        let warm = crate::policy::with(|p| p.cuda_decode_warm);
         let shapes: Vec<i32> = launch
             .gemv
             .iter()
             .flat_map(|g| [g.shape.warps, g.shape.rows, i32::from(g.stream)])
-            .chain([tc_warps, tc_rows])
+            .chain([tc_warps, tc_rows, i32::from(warm)])
             .collect();
         let raw = bridge::cuda_decoder_new(
             binary,

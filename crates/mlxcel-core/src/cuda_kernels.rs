@@ -670,11 +670,12 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
         "extern \"C\" __global__ void __launch_bounds__(DEC_ATTN_THREADS) \
          mlxcel_dec_attention_{d}(const {t}* qkv, const {t}* q_bias, const {t}* k_bias, \
          const {t}* v_bias, const {t}* q_norm, const {t}* k_norm, const float* inv_freq, \
-         {t}* k_cache, {t}* v_cache, float* partial, int* counters, {t}* out, int heads, \
+         {t}* k_cache, {t}* v_cache, float* partial, int* counters, {t}* out, \
+         const unsigned long long* warm, int heads, \
          int kv_heads, int head_dim, int rot_half, int traditional, int position, int capacity, \
          int chunk, int n_chunks, int eps_bits, int scale_bits) {{ \
          dec_attention<{t}>(qkv, q_bias, k_bias, v_bias, q_norm, k_norm, inv_freq, k_cache, \
-         v_cache, partial, counters, out, heads, kv_heads, head_dim, rot_half, traditional, \
+         v_cache, partial, counters, out, warm, heads, kv_heads, head_dim, rot_half, traditional, \
          position, capacity, chunk, n_chunks, __int_as_float(eps_bits), \
          __int_as_float(scale_bits)); }}\n"
     );

@@ -370,7 +370,7 @@ pub(crate) mod bridge {
         type CudaDecoder;
         /// A decoder of `layers` layers on bf16 (`f16`: float16) activations; `shapes`: the
         /// (warps, rows, streaming 0/1) of each GEMV kind, then the (warps, rows) of the
-        /// tensor-core GEMVs ((0, 0): none).
+        /// tensor-core GEMVs ((0, 0): none), then whether attention warms L2 (0/1).
         #[allow(clippy::too_many_arguments)]
         fn cuda_decoder_new(
             binary: &CudaBinary,

@@ -312,6 +312,11 @@ pub struct RuntimePolicy {
     /// registers must allow ([`DecodeGemv`]). Default
     /// `4x8,4x4,4x8`.
     pub cuda_decode_gemv: [DecodeGemv; 3],
+    /// `MLXCEL_CUDA_DECODE_WARM`: each layer's attention kernel of the CUDA decode step asks L2
+    /// for the weights the GEMVs after it read first (o's, then the first rows of gate|up, up to
+    /// half the L2), while DRAM would otherwise idle under the attention's latency-bound work.
+    /// Default on.
+    pub cuda_decode_warm: bool,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -407,6 +412,7 @@ impl RuntimePolicy {
         cuda_decode: true,
         cuda_decode_tc: None,
         cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
+        cuda_decode_warm: true,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -418,7 +424,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 36] = [
+    pub const VARIABLES: [&'static str; 37] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -444,6 +450,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV_MMA",
         "MLXCEL_CUDA_DECODE_TC",
         "MLXCEL_CUDA_DECODE_GEMV",
+        "MLXCEL_CUDA_DECODE_WARM",
         "MLXCEL_CUDA_GATHER",
         "MLXCEL_CUDA_LOAD",
         "MLXCEL_CUDA_LOAD_READERS",
@@ -589,6 +596,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE") {
             p.cuda_decode = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DECODE_WARM") {
+            p.cuda_decode_warm = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE_TC") {
             p.cuda_decode_tc = match v.word().as_str() {
