@@ -61,8 +61,11 @@ enum {
 enum { NORM_INPUT, NORM_POST, NORM_Q, NORM_K, NORM_FINAL };
 // The GEMV kinds of decode.cu: RMSNorm in; residual out; RMSNorm in and silu(gate) * up out.
 enum { GEMV_RMS, GEMV_RES, GEMV_GLU };
-// decode.cu's DEC_WARM_RANGES: the weight ranges a layer's attention kernel asks L2 for.
+// decode_gemv.cu's DEC_WARM_RANGES: the weight ranges warmed in L2 before a layer's attention,
+// and dec_warm's launch (its threads' 16 KB pieces cover 64 MB in one pass).
 constexpr int WARM_RANGES = 5;
+constexpr unsigned WARM_BLOCKS = 32;
+constexpr unsigned WARM_THREADS = 128;
 // The largest K of a tensor-core GEMV (its shared memory: 2K + K/16 bytes).
 constexpr int TC_MAX_K = 16384;
 
@@ -175,10 +178,12 @@ struct CudaDecoderState {
   // GPU holds at once, by [4-bit, 8-bit][kind]: their grid is at most that.
   bool stream[3] = {};
   unsigned stream_blocks[2][3] = {};
-  // Whether each layer's attention asks L2 for the weights the GEMVs after it read first, and
-  // those byte ranges: WARM_RANGES (address, bytes) pairs per layer (uint64; bytes 0: none).
+  // Whether dec_warm asks L2, before each layer's attention, for the weights the GEMVs after it
+  // read first, and those byte ranges: WARM_RANGES (address, bytes) pairs per layer (uint64;
+  // bytes 0: none).
   bool warm_l2 = false;
   std::optional<mx::array> warm;
+  void* warm_kernel = nullptr;
   // (warps, rows per block) of the tensor-core GEMVs of every kind; warps 0: none.
   int tc_shape[2] = {};
   std::vector<Layer> layer;
@@ -328,9 +333,6 @@ class CudaDecodeStep : public mx::Primitive {
           .ptr(partial)
           .ptr(device_pointer(*st.counters))
           .ptr(attn)
-          .ptr(st.warm ? static_cast<char*>(device_pointer(*st.warm)) +
-                             size_t(l) * WARM_RANGES * 2 * sizeof(uint64_t)
-                       : nullptr)
           .i32(st.heads)
           .i32(st.kv_heads)
           .i32(st.head_dim)
@@ -342,6 +344,13 @@ class CudaDecodeStep : public mx::Primitive {
           .i32(n_chunks)
           .f32(st.eps)
           .f32(st.scale);
+      if (st.warm) {
+        // L2 fetches the next GEMVs' first weights while attention runs (decode_gemv.cu).
+        Args w;
+        w.ptr(static_cast<char*>(device_pointer(*st.warm)) +
+              size_t(l) * WARM_RANGES * 2 * sizeof(uint64_t));
+        launch(st.warm_kernel, Dim3{WARM_BLOCKS, 1, 1}, Dim3{WARM_THREADS, 1, 1}, w);
+      }
       launch(st.attention, Dim3{unsigned(st.kv_heads), unsigned(n_chunks), 1},
              Dim3{ATTN_THREADS, 1, 1}, at);
       gemv(GEMV_RES, {Segment{&ly.linear[ROLE_O], h}}, attn, nullptr, h_in);
@@ -725,7 +734,7 @@ void cuda_decoder_set_norm(CudaDecoder& d, int32_t layer, int32_t role, const mx
 
 namespace {
 
-// Each layer's WARM_RANGES (address, bytes) pairs for its attention kernel to ask L2 for: the
+// Each layer's WARM_RANGES (address, bytes) pairs for dec_warm to ask L2 for: the
 // o projection's weights, scales and biases, then the first rows of the MLP's gate and of its
 // up projection (the rows the streaming GEMV's first tiles read), in all at most half the L2.
 // A routed-expert layer warms its o projection alone. The weights must be evaluated.
@@ -945,6 +954,9 @@ void cuda_decoder_finish(CudaDecoder& d) {
     }
   }
   st.attention = function(*api, *st.binary, "mlxcel_dec_attention_" + t);
+  if (st.warm) {
+    st.warm_kernel = function(*api, *st.binary, "mlxcel_dec_warm");
+  }
   if (st.top_k > 0) {
     st.route = function(*api, *st.binary, "mlxcel_dec_route_" + t);
     const char* formats[3] = {"b4", "b8", "dense"};

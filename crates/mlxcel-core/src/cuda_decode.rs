@@ -73,12 +73,11 @@ impl CudaDecoder {
         // The three GEMV kinds' (warps, rows, streaming), then the tensor-core GEMVs' (warps,
         // rows; 0, 0: none), then whether attention warms L2 for the GEMVs after it.
         let (tc_warps, tc_rows) = launch.tensor_cores.unwrap_or((0, 0));
-        let warm = crate::policy::with(|p| p.cuda_decode_warm);
         let shapes: Vec<i32> = launch
             .gemv
             .iter()
             .flat_map(|g| [g.shape.warps, g.shape.rows, i32::from(g.stream)])
-            .chain([tc_warps, tc_rows, i32::from(warm)])
+            .chain([tc_warps, tc_rows, i32::from(launch.warm)])
             .collect();
         let raw = bridge::cuda_decoder_new(
             binary,

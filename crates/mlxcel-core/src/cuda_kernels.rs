@@ -67,7 +67,7 @@ const QMV_AND_DECODE: &str = decode_module!();
 /// With its routed-expert layers (decode_moe.cu), for models that have them; a model without
 /// keeps the module (and the cached cubins) of decode.cu alone.
 const QMV_DECODE_AND_MOE: &str = decode_module!("../kernels/cuda/decode_moe.cu");
-/// With the streaming GEMVs (decode_gemv.cu) a policy's `s` shapes ask for.
+/// With decode_gemv.cu's opt-in parts (streaming GEMVs, L2 warming) when the policy asks.
 const QMV_DECODE_STREAM: &str = decode_module!("../kernels/cuda/decode_gemv.cu");
 const QMV_DECODE_STREAM_AND_MOE: &str = decode_module!(
     "../kernels/cuda/decode_gemv.cu",
@@ -512,6 +512,9 @@ pub struct DecoderShapes {
     /// (warps, rows per block: 16 or 32) of the tensor-core GEMVs (qmv_tc.cu), or `None` when
     /// `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
     pub tensor_cores: Option<(i32, i32)>,
+    /// `MLXCEL_CUDA_DECODE_WARM`: the module has `mlxcel_dec_warm` (decode_gemv.cu), launched
+    /// before each layer's attention.
+    pub warm: bool,
 }
 
 impl Default for DecoderShapes {
@@ -520,15 +523,16 @@ impl Default for DecoderShapes {
         DecoderShapes {
             gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES,
             tensor_cores: None,
+            warm: false,
         }
     }
 }
 
 impl DecoderShapes {
-    /// Whether the module has streaming GEMVs (decode_gemv.cu): a kind asks for them and the
-    /// model has affine weights.
-    pub fn streams(&self, formats: DecoderFormats) -> bool {
-        (formats.affine4 || formats.affine8) && self.gemv.iter().any(|g| g.stream)
+    /// Whether the module has decode_gemv.cu: a kind asks for streaming GEMVs and the model has
+    /// affine weights, or attention warms L2.
+    pub fn has_decode_gemv(&self, formats: DecoderFormats) -> bool {
+        self.warm || ((formats.affine4 || formats.affine8) && self.gemv.iter().any(|g| g.stream))
     }
 }
 
@@ -537,6 +541,7 @@ pub fn decoder_shapes() -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
         gemv: p.cuda_decode_gemv,
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
+        warm: p.cuda_decode_warm,
     })
 }
 
@@ -670,12 +675,11 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
         "extern \"C\" __global__ void __launch_bounds__(DEC_ATTN_THREADS) \
          mlxcel_dec_attention_{d}(const {t}* qkv, const {t}* q_bias, const {t}* k_bias, \
          const {t}* v_bias, const {t}* q_norm, const {t}* k_norm, const float* inv_freq, \
-         {t}* k_cache, {t}* v_cache, float* partial, int* counters, {t}* out, \
-         const unsigned long long* warm, int heads, \
+         {t}* k_cache, {t}* v_cache, float* partial, int* counters, {t}* out, int heads, \
          int kv_heads, int head_dim, int rot_half, int traditional, int position, int capacity, \
          int chunk, int n_chunks, int eps_bits, int scale_bits) {{ \
          dec_attention<{t}>(qkv, q_bias, k_bias, v_bias, q_norm, k_norm, inv_freq, k_cache, \
-         v_cache, partial, counters, out, warm, heads, kv_heads, head_dim, rot_half, traditional, \
+         v_cache, partial, counters, out, heads, kv_heads, head_dim, rot_half, traditional, \
          position, capacity, chunk, n_chunks, __int_as_float(eps_bits), \
          __int_as_float(scale_bits)); }}\n"
     );
@@ -710,11 +714,15 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             );
         }
     }
+    if shapes.warm {
+        wrapper += "extern \"C\" __global__ void __launch_bounds__(128) \
+                    mlxcel_dec_warm(const unsigned long long* warm) { dec_warm(warm); }\n";
+    }
     Entry {
         // A kernel of the module (the loader resolves it first); each format set's source,
         // hence its cache file, differs.
         name: format!("mlxcel_dec_attention_{d}"),
-        kernel: match (formats.experts, shapes.streams(formats)) {
+        kernel: match (formats.experts, shapes.has_decode_gemv(formats)) {
             (false, false) => QMV_AND_DECODE,
             (true, false) => QMV_DECODE_AND_MOE,
             (false, true) => QMV_DECODE_STREAM,
@@ -767,11 +775,16 @@ pub fn module_source() -> String {
     let streaming = DecoderShapes {
         gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES.map(|g| DecodeGemv { stream: true, ..g }),
         tensor_cores: None,
+        warm: true,
     };
     for dtype in DECODER_DTYPES {
         src += &decoder_entry(dtype, DecoderFormats::ALL, shapes).wrapper;
         let entries = decoder_entry(dtype, DecoderFormats::ALL, streaming).wrapper;
-        for line in entries.lines().filter(|l| l.contains("mlxcel_dec_qmvs_")) {
+        let once = dtype == DECODER_DTYPES[0];
+        for line in entries
+            .lines()
+            .filter(|l| l.contains("mlxcel_dec_qmvs_") || (once && l.contains("mlxcel_dec_warm(")))
+        {
             src += line;
             src += "\n";
         }
@@ -1762,6 +1775,7 @@ mod tests {
             "mlxcel_dec_qmv_b4_rms_bfloat16",
             "mlxcel_dec_qmvs_b4_rms_bfloat16",
             "mlxcel_dec_qmvs_b8_glu_float16",
+            "mlxcel_dec_warm",
             "mlxcel_dec_qmv_b8_glu_float16",
             "mlxcel_dec_attention_bfloat16",
             "mlxcel_dec_dmv_glu_bfloat16",
@@ -1870,6 +1884,20 @@ mod tests {
             decoder_entry(Dtype::Bfloat16, dense, streaming).kernel,
             QMV_AND_DECODE
         );
+        // Warming L2 brings decode_gemv.cu's warm kernel, dense weights or not; off by default.
+        assert!(!plain.warm && !entry.wrapper.contains("mlxcel_dec_warm("));
+        let warm = decoder_entry(
+            Dtype::Bfloat16,
+            dense,
+            DecoderShapes {
+                warm: true,
+                ..plain
+            },
+        );
+        assert!(warm
+            .wrapper
+            .contains("mlxcel_dec_warm(const unsigned long long* warm)"));
+        assert_eq!(warm.kernel, QMV_DECODE_STREAM);
         assert_eq!(
             DecoderFormats::default()
                 .with(Some(4))

@@ -312,10 +312,10 @@ pub struct RuntimePolicy {
     /// registers must allow ([`DecodeGemv`]). Default
     /// `4x8,4x4,4x8`.
     pub cuda_decode_gemv: [DecodeGemv; 3],
-    /// `MLXCEL_CUDA_DECODE_WARM`: each layer's attention kernel of the CUDA decode step asks L2
-    /// for the weights the GEMVs after it read first (o's, then the first rows of gate|up, up to
-    /// half the L2), while DRAM would otherwise idle under the attention's latency-bound work.
-    /// Default on.
+    /// `MLXCEL_CUDA_DECODE_WARM`: before each layer's attention the CUDA decode step launches a
+    /// kernel that asks L2 for the weights the GEMVs after it read first (o's, then the first
+    /// rows of gate and up, up to half the L2), fetched while DRAM would otherwise idle under
+    /// the attention's latency-bound work. Default off (not yet measured).
     pub cuda_decode_warm: bool,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
@@ -412,7 +412,7 @@ impl RuntimePolicy {
         cuda_decode: true,
         cuda_decode_tc: None,
         cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
-        cuda_decode_warm: true,
+        cuda_decode_warm: false,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,

@@ -255,29 +255,10 @@ __device__ __forceinline__ void dec_prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Asks L2 for `bytes` bytes at p (16-byte aligned, a multiple of 16): one bulk prefetch on
-// sm_90, else a line at a time.
-__device__ __forceinline__ void dec_prefetch_l2_bulk(const char* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-  for (unsigned at = 0; at < bytes; at += 128) {
-    dec_prefetch_l2(p + at);
-  }
-#endif
-}
-
-// The weight ranges a layer's attention asks L2 for ((address, bytes) pairs, bytes 0: none;
-// cpp/cuda_decode.cc's WARM_RANGES), and the most bytes one prefetch takes.
-constexpr int DEC_WARM_RANGES = 5;
-constexpr unsigned DEC_WARM_PIECE = 16384;
-
 // Grid (kv_heads, n_chunks), DEC_ATTN_THREADS threads. Block (g, c) takes the query heads of
 // key/value head g against keys [c*chunk, min(len, (c+1)*chunk)), len = position + 1:
 //  0. it asks L2 for its chunk's key and value rows, so that the loads below wait on L2, not
-//     on DRAM, while it ropes the queries; and, with `warm` (DEC_WARM_RANGES (address, bytes)
-//     pairs), for its share of the weights the GEMVs after it read first (o's, the first rows
-//     of gate|up): this kernel's work is latency, under which DRAM would otherwise idle;
+//     on DRAM, while it ropes the queries;
 //  1. the group's query heads of qkv = [q (heads*D) | k (kv_heads*D) | v (kv_heads*D)] through
 //     bias, per-head RMSNorm and rope (dec_rope_head), into shared memory;
 //  2. the block of the last chunk (the one holding `position`) writes head g's roped key and
@@ -306,9 +287,8 @@ template <typename T>
 __device__ __forceinline__ void dec_attention(
     const T* qkv, const T* q_bias, const T* k_bias, const T* v_bias, const T* q_norm,
     const T* k_norm, const float* inv_freq, T* k_cache, T* v_cache, float* partial,
-    int* counters, T* out, const unsigned long long* warm, int heads, int kv_heads,
-    int head_dim, int rot_half, int traditional, int position, int capacity, int chunk,
-    int n_chunks, float eps, float scale) {
+    int* counters, T* out, int heads, int kv_heads, int head_dim, int rot_half, int traditional,
+    int position, int capacity, int chunk, int n_chunks, float eps, float scale) {
   __shared__ __align__(16) float qs[DEC_MAX_GROUP * DEC_MAX_HEAD_DIM];
   __shared__ float p[DEC_MAX_GROUP][DEC_ATTN_THREADS];
   __shared__ float stats[DEC_MAX_GROUP][2];
@@ -336,21 +316,6 @@ __device__ __forceinline__ void dec_attention(
     for (int at = tid * 128; at < bytes; at += DEC_ATTN_THREADS * 128) {
       dec_prefetch_l2(reinterpret_cast<const char*>(keys) + at);
       dec_prefetch_l2(reinterpret_cast<const char*>(values) + at);
-    }
-  }
-  if (warm != nullptr) {
-    const unsigned long long blocks = gridDim.x * gridDim.y;
-    const unsigned long long b = blockIdx.y * gridDim.x + blockIdx.x;
-    for (int r = 0; r < DEC_WARM_RANGES; ++r) {
-      const char* base = reinterpret_cast<const char*>(warm[2 * r]);
-      const unsigned long long n = warm[2 * r + 1] & ~15ull;
-      // This block's share, in whole 16-byte units.
-      const unsigned long long per = (n / 16 + blocks - 1) / blocks * 16;
-      const unsigned long long hi = min(n, (b + 1) * per);
-      for (unsigned long long at = b * per + (unsigned long long)tid * DEC_WARM_PIECE; at < hi;
-           at += (unsigned long long)DEC_ATTN_THREADS * DEC_WARM_PIECE) {
-        dec_prefetch_l2_bulk(base + at, (unsigned)min((unsigned long long)DEC_WARM_PIECE, hi - at));
-      }
     }
   }
   // 1. Every block of the group ropes the group's queries itself (a few hundred values).

@@ -1,6 +1,10 @@
-// decode_gemv.cu: the decode step's streaming GEMV (`MLXCEL_CUDA_DECODE_GEMV`'s `s` shapes),
-// dec_qmv's product (same arguments, same folds, same float math per 16-byte chunk) with its
-// blocks kept busy from the first byte to the last.
+// decode_gemv.cu: the decode step's opt-in GEMV parts, in its module only when the policy asks
+// for them (so the default module, and its shipped cubins, do not change): the streaming GEMV
+// (`MLXCEL_CUDA_DECODE_GEMV`'s `s` shapes) and the L2 warming before attention
+// (`MLXCEL_CUDA_DECODE_WARM`, at the end).
+//
+// The streaming GEMV is dec_qmv's product (same arguments, same folds, same float math per
+// 16-byte chunk) with its blocks kept busy from the first byte to the last.
 //
 // dec_qmv gives each block one tile of RPW rows: the block normalises x, loads its rows once,
 // reduces and exits, so most of its life is a chain of latencies (the RMSNorm pass over x, the
@@ -279,6 +283,39 @@ __device__ __forceinline__ void dec_qmvs(const uint32_t* w0, const T* s0, const 
   };
   if (t < tiles) {
     while (step(a, b) && step(b, a)) {
+    }
+  }
+}
+
+// ---- warming L2 for the GEMVs after attention (`MLXCEL_CUDA_DECODE_WARM`) -----------------
+// A layer's attention kernel is latency-bound: DRAM idles under it. Launched just before it,
+// dec_warm asks L2 for the weights the GEMVs after it read first (cpp/cuda_decode.cc's
+// `warm_ranges`: o's weights, scales and biases, then the first rows of gate and of up, up to
+// half the L2) and ends at once: the prefetches complete while attention runs.
+// `warm`: DEC_WARM_RANGES (address, bytes) pairs, bytes 0 for none. Any grid; each thread
+// takes pieces of DEC_WARM_PIECE bytes, one bulk prefetch each on sm_90 (a line at a time
+// before it).
+constexpr int DEC_WARM_RANGES = 5;
+constexpr unsigned DEC_WARM_PIECE = 16384;
+
+__device__ __forceinline__ void dec_prefetch_l2_bulk(const char* p, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  for (unsigned at = 0; at < bytes; at += 128) {
+    dec_prefetch_l2(p + at);
+  }
+#endif
+}
+
+__device__ __forceinline__ void dec_warm(const unsigned long long* warm) {
+  const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
+  const unsigned long long me = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (int r = 0; r < DEC_WARM_RANGES; ++r) {
+    const char* base = reinterpret_cast<const char*>(warm[2 * r]);
+    const unsigned long long n = warm[2 * r + 1] & ~15ull;  // whole 16-byte units
+    for (unsigned long long at = me * DEC_WARM_PIECE; at < n; at += threads * DEC_WARM_PIECE) {
+      dec_prefetch_l2_bulk(base + at, (unsigned)min((unsigned long long)DEC_WARM_PIECE, n - at));
     }
   }
 }
