@@ -13,9 +13,7 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <condition_variable>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -136,67 +134,6 @@ void run_lane(const LaunchApi& api, const CopyApi& copy, Lane& lane, int index, 
   check(api, copy.stream_synchronize(lane.stream), "cuStreamSynchronize");
 }
 
-// The reader threads: lanes 1.. of every tensor's read (the caller is lane 0), started at
-// their first use and kept for the process. A model has ~740 tensors: starting and joining 7
-// threads for each cost more than its smaller tensors' reads.
-class Readers {
- public:
-  // Runs body(0) here and body(1) .. body(lanes - 1) on the readers; returns when all are done.
-  // One call at a time (the caller holds Staging::busy).
-  void run(int lanes, const std::function<void(int)>& body) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      while (static_cast<int>(threads_) < lanes - 1) {
-        const int index = 1 + static_cast<int>(threads_++);
-        std::thread([this, index] { serve(index); }).detach();
-      }
-      job_ = &body;
-      job_lanes_ = lanes;
-      pending_ = lanes - 1;
-      ++generation_;
-    }
-    wake_.notify_all();
-    body(0);
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return pending_ == 0; });
-  }
-
- private:
-  void serve(int index) {
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int)>* job = nullptr;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
-        if (index >= job_lanes_) {
-          continue;  // not one of this tensor's lanes
-        }
-        job = job_;
-      }
-      (*job)(index);
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (--pending_ == 0) {
-        done_.notify_all();
-      }
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable wake_, done_;
-  size_t threads_ = 0;
-  uint64_t generation_ = 0;
-  const std::function<void(int)>* job_ = nullptr;
-  int job_lanes_ = 0;
-  int pending_ = 0;
-};
-
-Readers& reader_pool() {
-  static Readers* r = new Readers;  // lives for the process, as its threads do
-  return *r;
-}
-
 }  // namespace
 
 std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nbytes,
@@ -221,7 +158,7 @@ std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nby
       std::clamp(readers, 1, MAX_LANES), (nbytes + STAGE_BYTES - 1) / STAGE_BYTES));
   ensure_lanes(*api, *copy, st, lanes);
   std::vector<std::string> errors(lanes);
-  const std::function<void(int)> lane_body = [&](int i) {
+  auto lane_body = [&](int i) {
     try {
       run_lane(*api, *copy, st.lanes[i], i, lanes, fd, offset, nbytes, device);
     } catch (const std::exception& e) {
@@ -230,7 +167,14 @@ std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nby
       copy->stream_synchronize(st.lanes[i].stream);
     }
   };
-  reader_pool().run(lanes, lane_body);
+  std::vector<std::thread> helpers;
+  for (int i = 1; i < lanes; ++i) {
+    helpers.emplace_back(lane_body, i);
+  }
+  lane_body(0);
+  for (auto& h : helpers) {
+    h.join();
+  }
   for (const auto& e : errors) {
     if (!e.empty()) {
       throw std::runtime_error("mlxcel: reading " + std::to_string(nbytes) + " bytes at byte " +
