@@ -54,10 +54,13 @@ struct LaunchApi {
   int (*get_error_string)(int, const char**);
   int (*memcpy_htod)(void* device, const void* host, size_t bytes);
   int (*ctx_synchronize)();
+  // Device queries of the opt-in decode paths (streaming GEMVs, L2 warming); all set or
+  // `device_queries` false (`require_device_queries`).
   int (*ctx_get_device)(CUdevice*);
   int (*device_get_attribute)(int*, int attribute, CUdevice);
   int (*func_set_attribute)(CUfunction, int attribute, int value);
   int (*occupancy)(int* blocks, CUfunction, int block_threads, size_t dynamic_shared_bytes);
+  bool device_queries = false;
 };
 
 // Points `slot` at the process's `symbol` (found with dlsym: MLX's CUDA backend and the driver
@@ -83,6 +86,9 @@ void load(const LaunchApi& api, const CudaBinary& binary);
 
 // Kernel `name` of `binary`'s module (loaded first if need be).
 void* function(const LaunchApi& api, const CudaBinary& binary, const std::string& name);
+
+// Throws an error naming `what` unless the driver's device queries were found.
+void require_device_queries(const LaunchApi& api, const std::string& what);
 
 // How many blocks of `threads` threads and `shared_bytes` of dynamic shared memory the current
 // device holds at once (its SMs times the kernel's occupancy), after letting `kernel` take that

@@ -740,6 +740,7 @@ namespace {
 // A routed-expert layer warms its o projection alone. The weights must be evaluated.
 mx::array warm_ranges(const LaunchApi& api, const CudaDecoderState& st) {
   constexpr int CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38;
+  require_device_queries(api, "MLXCEL_CUDA_DECODE_WARM");
   CUdevice device = 0;
   int l2 = 0;
   check(api, api.ctx_get_device(&device), "cuCtxGetDevice");

@@ -131,10 +131,13 @@ const LaunchApi* resolved_launch_api() {
     get(a.get_error_string, "cuGetErrorString");
     get(a.memcpy_htod, "cuMemcpyHtoD_v2");
     get(a.ctx_synchronize, "cuCtxSynchronize");
-    get(a.ctx_get_device, "cuCtxGetDevice");
-    get(a.device_get_attribute, "cuDeviceGetAttribute");
-    get(a.func_set_attribute, "cuFuncSetAttribute");
-    get(a.occupancy, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    // Only the opt-in decode paths need these (`device_query`): their absence costs nothing else.
+    bool optional = true;
+    resolve_symbol(a.ctx_get_device, "cuCtxGetDevice", optional);
+    resolve_symbol(a.device_get_attribute, "cuDeviceGetAttribute", optional);
+    resolve_symbol(a.func_set_attribute, "cuFuncSetAttribute", optional);
+    resolve_symbol(a.occupancy, "cuOccupancyMaxActiveBlocksPerMultiprocessor", optional);
+    a.device_queries = optional;
     return found ? &a : nullptr;
   }();
   return api;
@@ -210,10 +213,20 @@ void* function(const LaunchApi& api, const CudaBinary& binary, const std::string
   return module_function(api, binary.module, name);
 }
 
+void require_device_queries(const LaunchApi& api, const std::string& what) {
+  if (!api.device_queries) {
+    throw std::runtime_error("mlxcel: " + what +
+                             " needs the CUDA driver's cuCtxGetDevice, cuDeviceGetAttribute, "
+                             "cuFuncSetAttribute and cuOccupancyMaxActiveBlocksPerMultiprocessor, "
+                             "which this process does not have");
+  }
+}
+
 unsigned resident_blocks(const LaunchApi& api, CUfunction kernel, int threads,
                          unsigned shared_bytes, const std::string& what) {
   constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
   constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
+  require_device_queries(api, what);
   // Above 48 KB a kernel must opt in to its dynamic shared memory.
   if (shared_bytes > 48 * 1024) {
     check(api,
