@@ -90,6 +90,9 @@ void* function(const LaunchApi& api, const CudaBinary& binary, const std::string
 // Throws an error naming `what` unless the driver's device queries were found.
 void require_device_queries(const LaunchApi& api, const std::string& what);
 
+// Attribute `attribute` (a CU_DEVICE_ATTRIBUTE_*) of the current context's device, for `what`.
+int device_attribute(const LaunchApi& api, int attribute, const std::string& what);
+
 // How many blocks of `threads` threads and `shared_bytes` of dynamic shared memory the current
 // device holds at once (its SMs times the kernel's occupancy), after letting `kernel` take that
 // much shared memory; an error naming `what` when it fits nowhere.

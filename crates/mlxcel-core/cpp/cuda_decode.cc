@@ -740,12 +740,7 @@ namespace {
 // A routed-expert layer warms its o projection alone. The weights must be evaluated.
 mx::array warm_ranges(const LaunchApi& api, const CudaDecoderState& st) {
   constexpr int CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38;
-  require_device_queries(api, "MLXCEL_CUDA_DECODE_WARM");
-  CUdevice device = 0;
-  int l2 = 0;
-  check(api, api.ctx_get_device(&device), "cuCtxGetDevice");
-  check(api, api.device_get_attribute(&l2, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, device),
-        "cuDeviceGetAttribute");
+  const int l2 = device_attribute(api, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "MLXCEL_CUDA_DECODE_WARM");
   const uint64_t budget = uint64_t(l2) / 2;
   std::vector<uint64_t> v(size_t(st.layers) * WARM_RANGES * 2, 0);
   for (int l = 0; l < st.layers; ++l) {

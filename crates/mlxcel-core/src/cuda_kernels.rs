@@ -614,12 +614,10 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
         .filter(|&(_, on)| on)
         .map(|(bits, _)| bits)
     {
-        for ((((kind, pre, res, glu), (nw, rpw)), bounds), gemv) in folds
-            .into_iter()
-            .zip(gemv_shapes)
-            .zip(&bounds)
-            .zip(shapes.gemv)
+        for (((kind, pre, res, glu), gemv), bounds) in
+            folds.into_iter().zip(shapes.gemv).zip(&bounds)
         {
+            let (nw, rpw) = gemv.shape.pair();
             // qmv.cu's one tile per block, or decode_gemv.cu's streaming blocks.
             let (f, q) = if gemv.stream {
                 ("dec_qmvs", "qmvs")
