@@ -105,11 +105,12 @@ unsigned resident_blocks(const LaunchApi& api, CUfunction kernel, int threads,
 void* device_pointer(const mx::array& a);
 
 // `nbytes` bytes at byte `offset` of the open file `fd` in a new array of `shape` and `dtype`
-// in device memory, read by `readers` threads through pinned staging buffers (cuda_load.cc);
+// in device memory, read by `readers` threads (kept for the process when `pooled`) through
+// pinned staging buffers (cuda_load.cc);
 // nullopt when the driver entry points are not in the process.
 std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nbytes,
                                              const mx::Shape& shape, mx::Dtype dtype,
-                                             int readers);
+                                             int readers, bool pooled);
 
 // `in` copied to a fresh row-contiguous array by the gather kernel of `binary`'s module (see
 // kernels/cuda/gather.cu), as a node of `encoder`'s graph; the copy lives until the graph has run.

@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -70,6 +72,7 @@ const CopyApi* copy_api() {
 constexpr int MAX_LANES = 32;
 constexpr int DEPTH = 2;
 constexpr size_t STAGE_BYTES = size_t(2) << 20;
+constexpr size_t MIN_POOLED_STAGE = size_t(256) << 10;
 
 struct Lane {
   CUstream stream = nullptr;
@@ -116,13 +119,14 @@ void read_fully(int fd, char* to, size_t len, uint64_t offset) {
   }
 }
 
-// Lane `index` of `lanes` copies the stages index, index + lanes, ... of the tensor.
-void run_lane(const LaunchApi& api, const CopyApi& copy, Lane& lane, int index, int lanes, int fd,
-              uint64_t offset, size_t nbytes, char* device) {
+// Lane `index` of `lanes` copies the stages index, index + lanes, ... of the tensor, each of
+// `stage` bytes (at most STAGE_BYTES).
+void run_lane(const LaunchApi& api, const CopyApi& copy, Lane& lane, int index, int lanes,
+              size_t stage, int fd, uint64_t offset, size_t nbytes, char* device) {
   use_mlx_context(api);
   int k = 0;
-  for (size_t at = size_t(index) * STAGE_BYTES; at < nbytes; at += size_t(lanes) * STAGE_BYTES) {
-    const size_t len = std::min(STAGE_BYTES, nbytes - at);
+  for (size_t at = size_t(index) * stage; at < nbytes; at += size_t(lanes) * stage) {
+    const size_t len = std::min(stage, nbytes - at);
     const int b = k++ % DEPTH;
     // The buffer's previous copy must have left it (an event never recorded is complete).
     check(api, copy.event_synchronize(lane.copied[b]), "cuEventSynchronize");
@@ -134,11 +138,73 @@ void run_lane(const LaunchApi& api, const CopyApi& copy, Lane& lane, int index, 
   check(api, copy.stream_synchronize(lane.stream), "cuStreamSynchronize");
 }
 
+// The reader threads of the pooled load (MLXCEL_CUDA_LOAD_POOL): lanes 1.. of every tensor's
+// read (the caller is lane 0), started at their first use and kept for the process. A model
+// has ~740 tensors: starting and joining 7 threads for each costs more than its smaller
+// tensors' reads.
+class Readers {
+ public:
+  // Runs body(0) here and body(1) .. body(lanes - 1) on the readers; returns when all are done.
+  // One call at a time (the caller holds Staging::busy).
+  void run(int lanes, const std::function<void(int)>& body) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (static_cast<int>(threads_) < lanes - 1) {
+        const int index = 1 + static_cast<int>(threads_++);
+        std::thread([this, index] { serve(index); }).detach();
+      }
+      job_ = &body;
+      job_lanes_ = lanes;
+      pending_ = lanes - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    body(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+  }
+
+ private:
+  void serve(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (index >= job_lanes_) {
+          continue;  // not one of this tensor's lanes
+        }
+        job = job_;
+      }
+      (*job)(index);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) {
+        done_.notify_all();
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  size_t threads_ = 0;
+  uint64_t generation_ = 0;
+  const std::function<void(int)>* job_ = nullptr;
+  int job_lanes_ = 0;
+  int pending_ = 0;
+};
+
+Readers& reader_pool() {
+  static Readers* r = new Readers;  // lives for the process, as its threads do
+  return *r;
+}
+
 }  // namespace
 
 std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nbytes,
                                              const mx::Shape& shape, mx::Dtype dtype,
-                                             int readers) {
+                                             int readers, bool pooled) {
   const LaunchApi* api = resolved_launch_api();
   const CopyApi* copy = copy_api();
   if (api == nullptr || copy == nullptr || nbytes == 0) {
@@ -154,26 +220,36 @@ std::optional<mx::array> read_file_to_device(int fd, uint64_t offset, size_t nby
   char* device = static_cast<char*>(device_pointer(out));
   Staging& st = staging();
   std::lock_guard<std::mutex> hold(st.busy);
-  const int lanes = static_cast<int>(std::min<size_t>(
-      std::clamp(readers, 1, MAX_LANES), (nbytes + STAGE_BYTES - 1) / STAGE_BYTES));
+  readers = std::clamp(readers, 1, MAX_LANES);
+  // Pooled, a tensor smaller than `readers` full stages is cut into `readers` smaller ones
+  // (not under MIN_POOLED_STAGE), so scales, biases and norms are read by several threads too.
+  const size_t stage =
+      pooled ? std::clamp((nbytes + readers - 1) / readers, MIN_POOLED_STAGE, STAGE_BYTES)
+             : STAGE_BYTES;
+  const int lanes =
+      static_cast<int>(std::min<size_t>(readers, (nbytes + stage - 1) / stage));
   ensure_lanes(*api, *copy, st, lanes);
   std::vector<std::string> errors(lanes);
-  auto lane_body = [&](int i) {
+  const std::function<void(int)> lane_body = [&](int i) {
     try {
-      run_lane(*api, *copy, st.lanes[i], i, lanes, fd, offset, nbytes, device);
+      run_lane(*api, *copy, st.lanes[i], i, lanes, stage, fd, offset, nbytes, device);
     } catch (const std::exception& e) {
       errors[i] = e.what();
       // Leave the lane's stream idle before its buffers are reused.
       copy->stream_synchronize(st.lanes[i].stream);
     }
   };
-  std::vector<std::thread> helpers;
-  for (int i = 1; i < lanes; ++i) {
-    helpers.emplace_back(lane_body, i);
-  }
-  lane_body(0);
-  for (auto& h : helpers) {
-    h.join();
+  if (pooled) {
+    reader_pool().run(lanes, lane_body);
+  } else {
+    std::vector<std::thread> helpers;
+    for (int i = 1; i < lanes; ++i) {
+      helpers.emplace_back(lane_body, i);
+    }
+    lane_body(0);
+    for (auto& h : helpers) {
+      h.join();
+    }
   }
   for (const auto& e : errors) {
     if (!e.empty()) {

@@ -176,10 +176,11 @@ Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t>
 }
 
 Ptr array_from_file_on_device(int32_t fd, uint64_t offset, size_t nbytes,
-                              rust::Slice<const int32_t> shape, Dtype dtype, int32_t readers) {
+                              rust::Slice<const int32_t> shape, Dtype dtype, int32_t readers,
+                              bool pooled) {
   auto dt = to_mlx(dtype);
   check_byte_count(nbytes, shape, dt);
-  auto a = cuda::read_file_to_device(fd, offset, nbytes, shape_of(shape), dt, readers);
+  auto a = cuda::read_file_to_device(fd, offset, nbytes, shape_of(shape), dt, readers, pooled);
   return a ? wrap(std::move(*a)) : nullptr;
 }
 

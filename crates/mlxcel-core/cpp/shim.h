@@ -116,7 +116,7 @@ Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t>
 // backend, read by `readers` threads (cuda_load.cc), or null where the CUDA driver is not in
 // the process.
 Ptr array_from_file_on_device(int32_t fd, uint64_t offset, size_t nbytes,
-                              rust::Slice<const int32_t> shape, Dtype dtype, int32_t readers);
+                              rust::Slice<const int32_t> shape, Dtype dtype, int32_t readers, bool pooled);
 Ptr array_borrowing_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
                           Dtype dtype, rust::Box<BorrowedBytesOwner> owner);
 size_t array_data_address(const array& a);

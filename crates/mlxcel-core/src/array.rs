@@ -120,7 +120,8 @@ impl Array {
     ) -> Result<Option<Array>> {
         use std::os::fd::AsRawFd;
         check_shape(shape)?;
-        let readers = crate::policy::with(|p| p.cuda_load_readers) as i32;
+        let (readers, pooled) =
+            crate::policy::with(|p| (p.cuda_load_readers as i32, p.cuda_load_pool));
         let raw = bridge::array_from_file_on_device(
             file.as_raw_fd(),
             offset,
@@ -128,6 +129,7 @@ impl Array {
             shape,
             dtype,
             readers,
+            pooled,
         )?;
         Ok((!raw.is_null()).then(|| Array::from_raw(raw)))
     }

@@ -108,6 +108,7 @@ pub(crate) mod bridge {
             shape: &[i32],
             dtype: Dtype,
             readers: i32,
+            pooled: bool,
         ) -> Result<UniquePtr<MlxArray>>;
         /// An array over `data` without a copy where MLX's allocator allows it (the CPU
         /// backend), else a copy; `owner` is dropped when MLX no longer needs `data`.

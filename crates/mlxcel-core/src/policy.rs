@@ -289,6 +289,11 @@ pub struct RuntimePolicy {
     /// (`cuda_load`), 1 to 32; default 8 (4 to 16 measured alike on an H100 host). Each
     /// holds 4 MiB of pinned staging memory.
     pub cuda_load_readers: usize,
+    /// `MLXCEL_CUDA_LOAD_POOL`: the readers of `cuda_load` are threads kept for the process
+    /// instead of started per tensor, and a tensor under `cuda_load_readers` × 2 MiB is cut into
+    /// that many pieces (of at least 256 KiB), so scales and biases are read in parallel too.
+    /// Off by default until measured (`1` turns it on).
+    pub cuda_load_pool: bool,
     /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
     /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
     /// GPU as one mlxcel primitive that adds the whole step's kernels (5 per layer, `decode.cu`)
@@ -409,6 +414,7 @@ impl RuntimePolicy {
         cuda_gather: true,
         cuda_load: true,
         cuda_load_readers: 8,
+        cuda_load_pool: false,
         cuda_decode: true,
         cuda_decode_tc: None,
         cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
@@ -424,7 +430,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 37] = [
+    pub const VARIABLES: [&'static str; 38] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -454,6 +460,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_GATHER",
         "MLXCEL_CUDA_LOAD",
         "MLXCEL_CUDA_LOAD_READERS",
+        "MLXCEL_CUDA_LOAD_POOL",
         "MLXCEL_BATCH_PIPELINE",
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
@@ -646,6 +653,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_LOAD_READERS") {
             p.cuda_load_readers = v.in_range("a number of readers from 1 to 32", 1, 32)?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_LOAD_POOL") {
+            p.cuda_load_pool = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_ROWS") {
             p.cuda_rows = v.switch()?;
@@ -967,6 +977,10 @@ mod tests {
         for bad in ["0", "33", "eight", "-1"] {
             rejects(v, bad);
         }
+        let v = "MLXCEL_CUDA_LOAD_POOL";
+        assert!(!RuntimePolicy::default().cuda_load_pool);
+        assert!(one(v, "1").cuda_load_pool);
+        rejects(v, "pool");
     }
 
     #[test]
