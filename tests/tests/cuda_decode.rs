@@ -247,7 +247,7 @@ fn cuda_step_matches_the_graph_on_llama_qwen_and_moe_fixtures() {
         }
         // Models made on the GPU machine (`MLXCEL_DECODE_TEST_MODELS`, comma-separated folders:
         // gpu_probe.sh decode passes make_random_model.py's llama-wide, whose rows are long
-        // enough and whose matrices tall enough for the streaming GEMVs' loops).
+        // and whose matrices tall, which the fixtures' are not).
         let extra = std::env::var("MLXCEL_DECODE_TEST_MODELS").unwrap_or_default();
         for dir in extra.split(',').filter(|d| !d.is_empty()) {
             let dir = std::path::Path::new(dir);

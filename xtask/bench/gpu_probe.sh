@@ -37,13 +37,10 @@
 #                            with them on and off, then speed by launch shape (TC_SHAPES) against
 #                            mlx-lm
 #   gpu_probe.sh gemv        the CUDA decode step's float GEMV launch shapes
-#                            (MLXCEL_CUDA_DECODE_GEMV, GEMV_SHAPES: "rms,res,glu" each
-#                            [s]NWxRPW[:B], optionally "/1" for MLXCEL_CUDA_DECODE_WARM=1) on the
-#                            8B 4-bit shape: decode tok/s of each (one process, two requests) and
-#                            an md5 of its greedy ids (launch shapes and register caps change no
-#                            arithmetic; the streaming GEMVs sum in another order)
-#   gpu_probe.sh stream      the decode test with the streaming GEMVs (TEST_SHAPES) and L2
-#                            warming on (fixtures and llama-wide), then gemv's sweep
+#                            (MLXCEL_CUDA_DECODE_GEMV, GEMV_SHAPES: "rms,res,glu" each NWxRPW[:B])
+#                            on the 8B 4-bit shape: decode tok/s of each (one process, two
+#                            requests) and an md5 of its greedy ids (launch shapes and register
+#                            caps change no arithmetic, so every line's ids should match)
 #   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
 #                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
 #                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;
@@ -126,7 +123,7 @@ passes() {
 # then shape $1's greedy ids with the step on and off, then speed against mlx-lm (GRAPH=0: the
 # step alone).
 # The CUDA decode step's GPU test (the fixtures and make_random_model.py's llama-wide, whose
-# long rows and tall matrices the streaming GEMVs need to walk their loops) under the
+# long rows and tall matrices the tiny fixtures never give the GEMVs' loops) under the
 # environment's MLXCEL_* policy; $1: the test name filter.
 decode_test() {
   local wide=$models/llama-wide
@@ -302,18 +299,13 @@ load)
     PHASES=1 passes "device-load MLXCEL_CUDA_LOAD=1" "mapped MLXCEL_CUDA_LOAD=0"
   done
   ;;
-gemv | stream)
-  # stream: the decode test with the streaming GEMVs and L2 warming on first.
-  if [ "$what" = stream ]; then
-    MLXCEL_CUDA_DECODE_GEMV=${TEST_SHAPES:-s4x8,s4x4,s4x8} MLXCEL_CUDA_DECODE_WARM=1 decode_test cuda_step_matches
-  fi
+gemv)
   model llama-8b-4bit
-  for cw in ${GEMV_SHAPES:-4x8,4x4,4x8/0 4x8,4x4,4x8/1 s4x8,s4x4,s4x8/0 s4x8,s4x4,s4x8/1 s4x4,s4x4,s4x4/1 s4x8,s2x4,s4x8/1 s4x8:4,s4x4,s4x8:4/1 4x8:6,4x4,4x8:6/0 4x8,4x4,4x8/0}; do
-    c=${cw%/*}; w=0; [ "$c" != "$cw" ] && w=${cw#*/}
+  for c in ${GEMV_SHAPES:-4x8,4x4,4x8 4x8:6,4x4,4x8:6 4x8:8,4x4,4x8:8 4x8,4x4:12,4x8 4x8:8,4x4:16,4x8:8 4x8:5,4x4:10,4x8:5 4x8,4x4,4x8}; do
     stats=$(mktemp)
-    out=$(MLXCEL_CUDA_DECODE_WARM=$w MLXCEL_CUDA_DECODE_GEMV=$c timeout 120 "$here/mlxcel" generate --model "$M" \
-      --prompt-ids "$ids" --max-new 128 --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>"$stats")
-    echo -n "  $c warm=$w: ids $(echo "$out" | head -1 | md5sum | cut -c1-8) "
+    out=$(MLXCEL_CUDA_DECODE_GEMV=$c timeout 120 "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" \
+      --max-new 128 --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>"$stats")
+    echo -n "  $c: ids $(echo "$out" | head -1 | md5sum | cut -c1-8) "
     python3 -c "$fmt" < "$stats"
     rm -f "$stats"
   done
@@ -331,5 +323,5 @@ fresh)
   ls -la "$HOME/.cache/mlxcel/cuda" 2>/dev/null | tail -n +2
   du -sh "$HOME"/.cache/* 2>/dev/null
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | moe | gather | load | ssm | fresh | final | tc | gemv | stream" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | moe | gather | load | ssm | fresh | final | tc | gemv" >&2; exit 2 ;;
 esac

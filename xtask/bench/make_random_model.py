@@ -51,9 +51,9 @@ SHAPES = {
         rope_theta=1000000.0, max_position_embeddings=40960, rope_scaling=None,
         hidden_act="silu", attention_bias=False, bos_token_id=151643, eos_token_id=151645,
         torch_dtype="bfloat16"),
-    # Small, with an MLP wide enough that the CUDA decode step's streaming GEMVs walk several
-    # chunks of a row (down: K = 10240) and several row tiles a block (gate|up, the head): what
-    # the tiny fixtures never reach (gpu_probe.sh decode tests the step on it).
+    # Small, with an MLP wide enough that the CUDA decode step's GEMVs walk several chunks of a
+    # row (down: K = 10240) and matrices taller than a grid's first wave (gate|up, the head):
+    # what the tiny fixtures never reach (gpu_probe.sh decode tests the step on it).
     "llama-wide": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

@@ -54,13 +54,6 @@ struct LaunchApi {
   int (*get_error_string)(int, const char**);
   int (*memcpy_htod)(void* device, const void* host, size_t bytes);
   int (*ctx_synchronize)();
-  // Device queries of the opt-in decode paths (streaming GEMVs, L2 warming); all set or
-  // `device_queries` false (`require_device_queries`).
-  int (*ctx_get_device)(CUdevice*);
-  int (*device_get_attribute)(int*, int attribute, CUdevice);
-  int (*func_set_attribute)(CUfunction, int attribute, int value);
-  int (*occupancy)(int* blocks, CUfunction, int block_threads, size_t dynamic_shared_bytes);
-  bool device_queries = false;
 };
 
 // Points `slot` at the process's `symbol` (found with dlsym: MLX's CUDA backend and the driver
@@ -86,18 +79,6 @@ void load(const LaunchApi& api, const CudaBinary& binary);
 
 // Kernel `name` of `binary`'s module (loaded first if need be).
 void* function(const LaunchApi& api, const CudaBinary& binary, const std::string& name);
-
-// Throws an error naming `what` unless the driver's device queries were found.
-void require_device_queries(const LaunchApi& api, const std::string& what);
-
-// Attribute `attribute` (a CU_DEVICE_ATTRIBUTE_*) of the current context's device, for `what`.
-int device_attribute(const LaunchApi& api, int attribute, const std::string& what);
-
-// How many blocks of `threads` threads and `shared_bytes` of dynamic shared memory the current
-// device holds at once (its SMs times the kernel's occupancy), after letting `kernel` take that
-// much shared memory; an error naming `what` when it fits nowhere.
-unsigned resident_blocks(const LaunchApi& api, CUfunction kernel, int threads,
-                         unsigned shared_bytes, const std::string& what);
 
 // The device address of `a`'s first element: MLX's CUDA buffers begin with their device pointer
 // (`cu::CudaBuffer::data`) and an array's offset is in bytes (see `gpu_ptr` in MLX's

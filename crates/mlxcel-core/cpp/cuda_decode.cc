@@ -14,7 +14,6 @@
 // the logits. Scratch space is one stream-ordered allocation per step. Every node reads and
 // writes that scratch array, so MLX's encoder chains the nodes in order; the first node also
 // depends on the inputs, the last one is the producer of the logits and of the caches.
-#include <algorithm>
 #include <array>
 #include <cstring>
 #include <memory>
@@ -61,11 +60,6 @@ enum {
 enum { NORM_INPUT, NORM_POST, NORM_Q, NORM_K, NORM_FINAL };
 // The GEMV kinds of decode.cu: RMSNorm in; residual out; RMSNorm in and silu(gate) * up out.
 enum { GEMV_RMS, GEMV_RES, GEMV_GLU };
-// decode_gemv.cu's DEC_WARM_RANGES: the weight ranges warmed in L2 before a layer's attention,
-// and dec_warm's launch (its threads' 16 KB pieces cover 64 MB in one pass).
-constexpr int WARM_RANGES = 5;
-constexpr unsigned WARM_BLOCKS = 32;
-constexpr unsigned WARM_THREADS = 128;
 // The largest K of a tensor-core GEMV (its shared memory: 2K + K/16 bytes).
 constexpr int TC_MAX_K = 16384;
 
@@ -155,13 +149,6 @@ struct Args {
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// A streaming GEMV's (decode_gemv.cu) dynamic shared memory for rows of k values at `bits`:
-// x prepared in T (2 bytes a value), then a float2 per 16-byte chunk of a weight row.
-unsigned stream_shared_bytes(int k, int bits) {
-  const int chunks = k * bits / 128;
-  return unsigned(2 * k + 8 * chunks);
-}
-
 }  // namespace
 
 struct CudaDecoderState {
@@ -174,16 +161,6 @@ struct CudaDecoderState {
   std::optional<mx::array> inv_freq_dev;
   // (warps, rows per block) of each GEMV kind (DECODER_GEMV_SHAPES in src/cuda_kernels.rs).
   int shape[3][2] = {};
-  // Whether each kind's affine GEMVs stream (decode_gemv.cu), and then the blocks of them the
-  // GPU holds at once, by [4-bit, 8-bit][kind]: their grid is at most that.
-  bool stream[3] = {};
-  unsigned stream_blocks[2][3] = {};
-  // Whether dec_warm asks L2, before each layer's attention, for the weights the GEMVs after it
-  // read first, and those byte ranges: WARM_RANGES (address, bytes) pairs per layer (uint64;
-  // bytes 0: none).
-  bool warm_l2 = false;
-  std::optional<mx::array> warm;
-  void* warm_kernel = nullptr;
   // (warps, rows per block) of the tensor-core GEMVs of every kind; warps 0: none.
   int tc_shape[2] = {};
   std::vector<Layer> layer;
@@ -344,13 +321,6 @@ class CudaDecodeStep : public mx::Primitive {
           .i32(n_chunks)
           .f32(st.eps)
           .f32(st.scale);
-      if (st.warm) {
-        // L2 fetches the next GEMVs' first weights while attention runs (decode_gemv.cu).
-        Args w;
-        w.ptr(static_cast<char*>(device_pointer(*st.warm)) +
-              size_t(l) * WARM_RANGES * 2 * sizeof(uint64_t));
-        launch(st.warm_kernel, Dim3{WARM_BLOCKS, 1, 1}, Dim3{WARM_THREADS, 1, 1}, w);
-      }
       launch(st.attention, Dim3{unsigned(st.kv_heads), unsigned(n_chunks), 1},
              Dim3{ATTN_THREADS, 1, 1}, at);
       gemv(GEMV_RES, {Segment{&ly.linear[ROLE_O], h}}, attn, nullptr, h_in);
@@ -414,32 +384,14 @@ class CudaDecodeStep : public mx::Primitive {
     void* function;
     int warps, rows;
     unsigned shared_bytes;
-    // The most blocks worth launching (streaming GEMVs: those the GPU holds at once, each
-    // walking tiles); 0: a block per tile.
-    unsigned max_blocks;
-    // The grid for `tiles` row tiles: with max_blocks, the fewest blocks that still give no
-    // block more tiles than max_blocks would (so blocks end together: with 1,024 tiles on 792
-    // slots, 512 blocks of two tiles, not 232 of two and 560 of one).
-    unsigned grid(unsigned tiles) const {
-      if (max_blocks == 0 || tiles <= max_blocks) {
-        return tiles;
-      }
-      const unsigned per_block = (tiles + max_blocks - 1) / max_blocks;
-      return (tiles + per_block - 1) / per_block;
-    }
   };
   GemvLaunch pick(const QLinear& m, int kind) const {
     const CudaDecoderState& st = *state_;
     if (st.gemv_tc[kind] != nullptr && m.tensor_core_ok()) {
       const int k = m.cols();
-      return {st.gemv_tc[kind], st.tc_shape[0], st.tc_shape[1], unsigned(2 * k + k / 16), 0};
+      return {st.gemv_tc[kind], st.tc_shape[0], st.tc_shape[1], unsigned(2 * k + k / 16)};
     }
-    const int table = m.table();
-    if (table < 2 && st.stream[kind]) {
-      return {st.gemv[table][kind], st.shape[kind][0], st.shape[kind][1],
-              stream_shared_bytes(m.cols(), m.bits), st.stream_blocks[table][kind]};
-    }
-    return {st.gemv[table][kind], st.shape[kind][0], st.shape[kind][1], 0, 0};
+    return {st.gemv[m.table()][kind], st.shape[kind][0], st.shape[kind][1], 0};
   }
 
   // The GEMV of `kind` over `segments` (matrices of one K): consecutive segments of equal
@@ -471,8 +423,8 @@ class CudaDecodeStep : public mx::Primitive {
         blocks += m ? unsigned(ceil_div(m->rows(), rpw)) : 0;
       }
       tail_args(a, first, x, aux, res);
-      launch(how.function, Dim3{how.grid(blocks), 1, 1}, Dim3{unsigned(how.warps * 32), 1, 1},
-             a, last && j == all.size(), how.shared_bytes);
+      launch(how.function, Dim3{blocks, 1, 1}, Dim3{unsigned(how.warps * 32), 1, 1}, a,
+             last && j == all.size(), how.shared_bytes);
       i = j;
     }
   }
@@ -516,8 +468,7 @@ class CudaDecodeStep : public mx::Primitive {
     tail_args(a, gate, x, aux, nullptr);
     const unsigned blocks = unsigned(ceil_div(inter, rpw / 2));
     const unsigned threads = unsigned(how.warps * 32);
-    launch(how.function, Dim3{how.grid(blocks), 1, 1}, Dim3{threads, 1, 1}, a, false,
-           how.shared_bytes);
+    launch(how.function, Dim3{blocks, 1, 1}, Dim3{threads, 1, 1}, a, false, how.shared_bytes);
   }
 
   // A routed-expert feed-forward on `h` (in place): the router's GEMV, then decode_moe.cu's
@@ -618,7 +569,7 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
     throw std::invalid_argument("mlxcel: cuda decoder: invalid shape");
   }
   if (head_dim > MAX_HEAD_DIM || head_dim % 8 != 0 || heads / kv_heads > MAX_GROUP ||
-      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 12) {
+      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 8) {
     throw std::invalid_argument(
         "mlxcel: cuda decoder: head_dim a multiple of 8 up to 256, at most 16 query heads per "
         "key/value head, rope within the head");
@@ -637,13 +588,11 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
   st->traditional = traditional;
   st->inv_freq.assign(inv_freq.begin(), inv_freq.end());
   for (int k = 0; k < 3; ++k) {
-    st->shape[k][0] = shapes[3 * k];
-    st->shape[k][1] = shapes[3 * k + 1];
-    st->stream[k] = shapes[3 * k + 2] != 0;
+    st->shape[k][0] = shapes[2 * k];
+    st->shape[k][1] = shapes[2 * k + 1];
   }
-  st->tc_shape[0] = shapes[9];
-  st->tc_shape[1] = shapes[10];
-  st->warm_l2 = shapes[11] != 0;
+  st->tc_shape[0] = shapes[6];
+  st->tc_shape[1] = shapes[7];
   st->layer.resize(layers);
   d->state = std::move(st);
   return d;
@@ -731,60 +680,6 @@ void cuda_decoder_set_norm(CudaDecoder& d, int32_t layer, int32_t role, const mx
   check_vector(w, n, st.dtype, "norm " + std::to_string(role) + " of " + st.where(layer));
   st.layer[layer].norm[role] = w;
 }
-
-namespace {
-
-// Each layer's WARM_RANGES (address, bytes) pairs for dec_warm to ask L2 for: the
-// o projection's weights, scales and biases, then the first rows of the MLP's gate and of its
-// up projection (the rows the streaming GEMV's first tiles read), in all at most half the L2.
-// A routed-expert layer warms its o projection alone. The weights must be evaluated.
-mx::array warm_ranges(const LaunchApi& api, const CudaDecoderState& st) {
-  constexpr int CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38;
-  const int l2 = device_attribute(api, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "MLXCEL_CUDA_DECODE_WARM");
-  const uint64_t budget = uint64_t(l2) / 2;
-  std::vector<uint64_t> v(size_t(st.layers) * WARM_RANGES * 2, 0);
-  for (int l = 0; l < st.layers; ++l) {
-    const Layer& ly = st.layer[l];
-    uint64_t* r = v.data() + size_t(l) * WARM_RANGES * 2;
-    uint64_t used = 0;
-    int n = 0;
-    auto add = [&](const void* p, uint64_t bytes) {
-      bytes = std::min(bytes, budget - std::min(budget, used));
-      if (p != nullptr && bytes > 0 && n < WARM_RANGES) {
-        r[2 * n] = reinterpret_cast<uint64_t>(p);
-        r[2 * n + 1] = bytes;
-        ++n;
-        used += bytes;
-      }
-    };
-    const QLinear& o = ly.linear[ROLE_O];
-    add(device_pointer(*o.w), o.w->nbytes());
-    if (!o.dense()) {
-      add(device_pointer(*o.scales), o.scales->nbytes());
-      add(device_pointer(*o.biases), o.biases->nbytes());
-    }
-    if (ly.moe()) {
-      continue;
-    }
-    // Gate and up rows [0, rows): the fused matrix's up rows start at `inter`.
-    const int inter = ly.linear[ROLE_DOWN].cols();
-    const bool fused = bool(ly.linear[ROLE_GATE_UP].w);
-    const QLinear& gate = fused ? ly.linear[ROLE_GATE_UP] : ly.linear[ROLE_GATE];
-    const QLinear& up = fused ? ly.linear[ROLE_GATE_UP] : ly.linear[ROLE_UP];
-    const uint64_t row_bytes = uint64_t(gate.w->nbytes()) / uint64_t(gate.rows());
-    const uint64_t half = (budget - std::min(budget, used)) / 2;
-    const uint64_t rows = std::min<uint64_t>(uint64_t(inter), half / row_bytes);
-    const char* g = static_cast<const char*>(device_pointer(*gate.w));
-    const char* u = static_cast<const char*>(device_pointer(*up.w)) +
-                    (fused ? uint64_t(inter) * row_bytes : 0);
-    add(g, rows * row_bytes);
-    add(u, rows * row_bytes);
-  }
-  return mx::array(reinterpret_cast<const uint64_t*>(v.data()),
-                   mx::Shape{static_cast<int>(v.size())}, mx::uint64);
-}
-
-}  // namespace
 
 void cuda_decoder_finish(CudaDecoder& d) {
   auto& st = *d.state;
@@ -902,10 +797,6 @@ void cuda_decoder_finish(CudaDecoder& d) {
   all.push_back(*st.counters);
   // Contiguous, evaluated weights: the kernels read them by address.
   mx::eval(all);
-  if (st.warm_l2) {
-    st.warm = warm_ranges(*api, st);
-    mx::eval(*st.warm);
-  }
   for (auto& a : all) {
     if (!a.flags().row_contiguous) {
       throw std::invalid_argument("mlxcel: cuda decoder: a weight is not row-contiguous");
@@ -913,7 +804,7 @@ void cuda_decoder_finish(CudaDecoder& d) {
   }
   const std::string t = st.dtype == mx::float16 ? "float16" : "bfloat16";
   const char* kinds[3] = {"rms", "res", "glu"};
-  const char* tables[2] = {"b4", "b8"};
+  const char* tables[3] = {"qmv_b4", "qmv_b8", "dmv"};
   // The module has the GEMVs of the weight formats the model uses only.
   bool used[3] = {};
   auto use = [&used](const QLinear& m) {
@@ -927,20 +818,10 @@ void cuda_decoder_finish(CudaDecoder& d) {
     }
   }
   use(st.head);
-  // The widest K each kind meets: q|k|v, the head and the router (RMS) and gate|up read the
-  // hidden state, o and down (RES) the attention's output or the MLP's activations.
-  const int widest[3] = {st.hidden, std::max(q_dim, st.inter), st.hidden};
   for (int b = 0; b < 3; ++b) {
     for (int k = 0; k < 3 && used[b]; ++k) {
-      const bool stream = b < 2 && st.stream[k];
-      const std::string table = b == 2 ? "dmv" : (stream ? "qmvs_" : "qmv_") + std::string(tables[b]);
-      st.gemv[b][k] =
-          function(*api, *st.binary, "mlxcel_dec_" + table + "_" + kinds[k] + "_" + t);
-      if (stream) {
-        st.stream_blocks[b][k] = resident_blocks(
-            *api, st.gemv[b][k], st.shape[k][0] * 32,
-            stream_shared_bytes(widest[k], b == 0 ? 4 : 8), "a streaming GEMV");
-      }
+      st.gemv[b][k] = function(*api, *st.binary,
+                               std::string("mlxcel_dec_") + tables[b] + "_" + kinds[k] + "_" + t);
     }
   }
   if (used[0] && st.tc_shape[0] > 0) {
@@ -950,9 +831,6 @@ void cuda_decoder_finish(CudaDecoder& d) {
     }
   }
   st.attention = function(*api, *st.binary, "mlxcel_dec_attention_" + t);
-  if (st.warm) {
-    st.warm_kernel = function(*api, *st.binary, "mlxcel_dec_warm");
-  }
   if (st.top_k > 0) {
     st.route = function(*api, *st.binary, "mlxcel_dec_route_" + t);
     const char* formats[3] = {"b4", "b8", "dense"};

@@ -131,14 +131,6 @@ const LaunchApi* resolved_launch_api() {
     get(a.get_error_string, "cuGetErrorString");
     get(a.memcpy_htod, "cuMemcpyHtoD_v2");
     get(a.ctx_synchronize, "cuCtxSynchronize");
-    // Only the opt-in decode paths need these (`require_device_queries`): their absence costs
-    // nothing else.
-    bool optional = true;
-    resolve_symbol(a.ctx_get_device, "cuCtxGetDevice", optional);
-    resolve_symbol(a.device_get_attribute, "cuDeviceGetAttribute", optional);
-    resolve_symbol(a.func_set_attribute, "cuFuncSetAttribute", optional);
-    resolve_symbol(a.occupancy, "cuOccupancyMaxActiveBlocksPerMultiprocessor", optional);
-    a.device_queries = optional;
     return found ? &a : nullptr;
   }();
   return api;
@@ -212,48 +204,6 @@ void load(const LaunchApi& api, const CudaBinary& binary) {
 void* function(const LaunchApi& api, const CudaBinary& binary, const std::string& name) {
   load(api, binary);
   return module_function(api, binary.module, name);
-}
-
-void require_device_queries(const LaunchApi& api, const std::string& what) {
-  if (!api.device_queries) {
-    throw std::runtime_error("mlxcel: " + what +
-                             " needs the CUDA driver's cuCtxGetDevice, cuDeviceGetAttribute, "
-                             "cuFuncSetAttribute and cuOccupancyMaxActiveBlocksPerMultiprocessor, "
-                             "which this process does not have");
-  }
-}
-
-int device_attribute(const LaunchApi& api, int attribute, const std::string& what) {
-  require_device_queries(api, what);
-  CUdevice device = 0;
-  int value = 0;
-  check(api, api.ctx_get_device(&device), "cuCtxGetDevice");
-  check(api, api.device_get_attribute(&value, attribute, device),
-        "cuDeviceGetAttribute " + std::to_string(attribute));
-  return value;
-}
-
-unsigned resident_blocks(const LaunchApi& api, CUfunction kernel, int threads,
-                         unsigned shared_bytes, const std::string& what) {
-  constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
-  constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
-  const int sms = device_attribute(api, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, what);
-  // Above 48 KB a kernel must opt in to its dynamic shared memory.
-  if (shared_bytes > 48 * 1024) {
-    check(api,
-          api.func_set_attribute(kernel, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                 int(shared_bytes)),
-          what + ": " + std::to_string(shared_bytes) + " bytes of shared memory");
-  }
-  int per_sm = 0;
-  check(api, api.occupancy(&per_sm, kernel, threads, shared_bytes),
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor");
-  if (per_sm <= 0 || sms <= 0) {
-    throw std::runtime_error("mlxcel: " + what + " of " + std::to_string(threads) +
-                             " threads and " + std::to_string(shared_bytes) +
-                             " bytes of shared memory fits no SM of this GPU");
-  }
-  return unsigned(sms * per_sm);
 }
 
 void* device_pointer(const mx::array& a) {

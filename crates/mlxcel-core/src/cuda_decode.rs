@@ -70,14 +70,13 @@ impl CudaDecoder {
         // in).
         let launch = crate::cuda_kernels::decoder_shapes();
         let binary = crate::cuda_kernels::decoder_binary(dtype, formats, launch)?;
-        // The three GEMV kinds' (warps, rows, streaming), then the tensor-core GEMVs' (warps,
-        // rows; 0, 0: none), then whether attention warms L2 for the GEMVs after it.
-        let (tc_warps, tc_rows) = launch.tensor_cores.unwrap_or((0, 0));
+        // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none).
         let shapes: Vec<i32> = launch
             .gemv
             .iter()
-            .flat_map(|g| [g.shape.warps, g.shape.rows, i32::from(g.stream)])
-            .chain([tc_warps, tc_rows, i32::from(launch.warm)])
+            .map(|g| g.shape.pair())
+            .chain([launch.tensor_cores.unwrap_or((0, 0))])
+            .flat_map(|(nw, rpw)| [nw, rpw])
             .collect();
         let raw = bridge::cuda_decoder_new(
             binary,

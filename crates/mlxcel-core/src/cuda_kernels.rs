@@ -49,29 +49,24 @@ const QMV: &str = include_str!("../kernels/cuda/qmv.cu");
 const QMV_MMA: &str = include_str!("../kernels/cuda/qmv_mma.cu");
 const DEQUANT: &str = include_str!("../kernels/cuda/dequant.cu");
 const SCAN: &str = include_str!("../kernels/cuda/scan.cu");
-/// The decode step's kernels (decode.cu) after the GEMV they call (qmv.cu); with `$tail`, the
-/// files after decode.cu (decode_gemv.cu, decode_moe.cu).
-macro_rules! decode_module {
-    ($($tail:literal),*) => {
-        concat!(
-            include_str!("../kernels/cuda/qmv.cu"),
-            "\n",
-            include_str!("../kernels/cuda/qmv_tc.cu"),
-            "\n",
-            include_str!("../kernels/cuda/decode.cu")
-            $(, "\n", include_str!($tail))*
-        )
-    };
-}
-const QMV_AND_DECODE: &str = decode_module!();
-/// With its routed-expert layers (decode_moe.cu), for models that have them; a model without
-/// keeps the module (and the cached cubins) of decode.cu alone.
-const QMV_DECODE_AND_MOE: &str = decode_module!("../kernels/cuda/decode_moe.cu");
-/// With decode_gemv.cu's opt-in parts (streaming GEMVs, L2 warming) when the policy asks.
-const QMV_DECODE_STREAM: &str = decode_module!("../kernels/cuda/decode_gemv.cu");
-const QMV_DECODE_STREAM_AND_MOE: &str = decode_module!(
-    "../kernels/cuda/decode_gemv.cu",
-    "../kernels/cuda/decode_moe.cu"
+/// The decode step's kernels (decode.cu) after the GEMV they call (qmv.cu).
+const QMV_AND_DECODE: &str = concat!(
+    include_str!("../kernels/cuda/qmv.cu"),
+    "\n",
+    include_str!("../kernels/cuda/qmv_tc.cu"),
+    "\n",
+    include_str!("../kernels/cuda/decode.cu")
+);
+/// The decode step's kernels with its routed-expert layers (decode_moe.cu), for models that
+/// have them; a model without keeps the module (and the cached cubins) of decode.cu alone.
+const QMV_DECODE_AND_MOE: &str = concat!(
+    include_str!("../kernels/cuda/qmv.cu"),
+    "\n",
+    include_str!("../kernels/cuda/qmv_tc.cu"),
+    "\n",
+    include_str!("../kernels/cuda/decode.cu"),
+    "\n",
+    include_str!("../kernels/cuda/decode_moe.cu")
 );
 /// In every module: the launcher's copy of an input that is not row-contiguous.
 const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
@@ -512,9 +507,6 @@ pub struct DecoderShapes {
     /// (warps, rows per block: 16 or 32) of the tensor-core GEMVs (qmv_tc.cu), or `None` when
     /// `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
     pub tensor_cores: Option<(i32, i32)>,
-    /// `MLXCEL_CUDA_DECODE_WARM`: the module has `mlxcel_dec_warm` (decode_gemv.cu), launched
-    /// before each layer's attention.
-    pub warm: bool,
 }
 
 impl Default for DecoderShapes {
@@ -523,16 +515,7 @@ impl Default for DecoderShapes {
         DecoderShapes {
             gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES,
             tensor_cores: None,
-            warm: false,
         }
-    }
-}
-
-impl DecoderShapes {
-    /// Whether the module has decode_gemv.cu: a kind asks for streaming GEMVs and the model has
-    /// affine weights, or attention warms L2.
-    pub fn has_decode_gemv(&self, formats: DecoderFormats) -> bool {
-        self.warm || ((formats.affine4 || formats.affine8) && self.gemv.iter().any(|g| g.stream))
     }
 }
 
@@ -541,7 +524,6 @@ pub fn decoder_shapes() -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
         gemv: p.cuda_decode_gemv,
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
-        warm: p.cuda_decode_warm,
     })
 }
 
@@ -614,25 +596,18 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
         .filter(|&(_, on)| on)
         .map(|(bits, _)| bits)
     {
-        for (((kind, pre, res, glu), gemv), bounds) in
-            folds.into_iter().zip(shapes.gemv).zip(&bounds)
+        for (((kind, pre, res, glu), (nw, rpw)), bounds) in
+            folds.into_iter().zip(gemv_shapes).zip(&bounds)
         {
-            let (nw, rpw) = gemv.shape.pair();
-            // qmv.cu's one tile per block, or decode_gemv.cu's streaming blocks.
-            let (f, q) = if gemv.stream {
-                ("dec_qmvs", "qmvs")
-            } else {
-                ("dec_qmv", "qmv")
-            };
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__({bounds}) \
-                 mlxcel_dec_{q}_b{bits}_{kind}_{d}(\
+                 mlxcel_dec_qmv_b{bits}_{kind}_{d}(\
                  const uint32_t* w0, const {t}* s0, const {t}* z0, {t}* o0, int n0, \
                  const uint32_t* w1, const {t}* s1, const {t}* z1, {t}* o1, int n1, \
                  const uint32_t* w2, const {t}* s2, const {t}* z2, {t}* o2, int n2, \
                  const {t}* x, const {t}* aux, const {t}* res, int words_per_row, \
                  int groups_per_row, int eps_bits) {{ \
-                 {f}<{bits}, {nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
+                 dec_qmv<{bits}, {nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
                  o1, n1, w2, s2, z2, o2, n2, x, aux, res, words_per_row, groups_per_row, \
                  __int_as_float(eps_bits)); }}\n",
             );
@@ -712,19 +687,14 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             );
         }
     }
-    if shapes.warm {
-        wrapper += "extern \"C\" __global__ void __launch_bounds__(128) \
-                    mlxcel_dec_warm(const unsigned long long* warm) { dec_warm(warm); }\n";
-    }
     Entry {
         // A kernel of the module (the loader resolves it first); each format set's source,
         // hence its cache file, differs.
         name: format!("mlxcel_dec_attention_{d}"),
-        kernel: match (formats.experts, shapes.has_decode_gemv(formats)) {
-            (false, false) => QMV_AND_DECODE,
-            (true, false) => QMV_DECODE_AND_MOE,
-            (false, true) => QMV_DECODE_STREAM,
-            (true, true) => QMV_DECODE_STREAM_AND_MOE,
+        kernel: if formats.experts {
+            QMV_DECODE_AND_MOE
+        } else {
+            QMV_AND_DECODE
         },
         wrapper,
     }
@@ -757,7 +727,7 @@ pub fn module_source() -> String {
     let mut src = [
         PRELUDE,
         HEADER,
-        QMV_DECODE_STREAM_AND_MOE,
+        QMV_DECODE_AND_MOE,
         QMV_MMA,
         DEQUANT,
         SCAN,
@@ -769,23 +739,8 @@ pub fn module_source() -> String {
         tensor_cores: Some(crate::policy::DEFAULT_DECODE_TC_SHAPE.pair()),
         ..DecoderShapes::default()
     };
-    // And the streaming GEMVs (their entry points only: the rest is in the module once).
-    let streaming = DecoderShapes {
-        gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES.map(|g| DecodeGemv { stream: true, ..g }),
-        tensor_cores: None,
-        warm: true,
-    };
     for dtype in DECODER_DTYPES {
         src += &decoder_entry(dtype, DecoderFormats::ALL, shapes).wrapper;
-        let entries = decoder_entry(dtype, DecoderFormats::ALL, streaming).wrapper;
-        let once = dtype == DECODER_DTYPES[0];
-        for line in entries
-            .lines()
-            .filter(|l| l.contains("mlxcel_dec_qmvs_") || (once && l.contains("mlxcel_dec_warm(")))
-        {
-            src += line;
-            src += "\n";
-        }
     }
     for j in SCAN_STATES_PER_LANE {
         src += &scan_entry(j).wrapper;
@@ -1771,9 +1726,6 @@ mod tests {
             "mlxcel_qmv_mma_b4_float16_8w_r1_n1",
             "mlxcel_gather_2",
             "mlxcel_dec_qmv_b4_rms_bfloat16",
-            "mlxcel_dec_qmvs_b4_rms_bfloat16",
-            "mlxcel_dec_qmvs_b8_glu_float16",
-            "mlxcel_dec_warm",
             "mlxcel_dec_qmv_b8_glu_float16",
             "mlxcel_dec_attention_bfloat16",
             "mlxcel_dec_dmv_glu_bfloat16",
@@ -1853,49 +1805,6 @@ mod tests {
                 .contains(&format!("mlxcel_dec_{name}_bfloat16(")));
         }
         assert!(!moe.wrapper.contains("_b8_") && moe.kernel == QMV_DECODE_AND_MOE);
-        // A kind that streams gets decode_gemv.cu's kernel under its own name; dense weights
-        // alone never stream.
-        let streaming = DecoderShapes {
-            gemv: [
-                DecodeGemv {
-                    stream: true,
-                    ..plain.gemv[0]
-                },
-                plain.gemv[1],
-                plain.gemv[2],
-            ],
-            ..plain
-        };
-        let entry = decoder_entry(Dtype::Bfloat16, formats, streaming);
-        assert!(entry
-            .wrapper
-            .contains("mlxcel_dec_qmvs_b4_rms_bfloat16(const uint32_t* w0"));
-        assert!(entry
-            .wrapper
-            .contains("dec_qmvs<4, 4, 8, 1, 0, 0, mlxcel_bf16>"));
-        assert!(entry.wrapper.contains("mlxcel_dec_qmv_b4_res_bfloat16("));
-        assert_eq!(entry.kernel, QMV_DECODE_STREAM);
-        let moe = decoder_entry(Dtype::Bfloat16, formats.with_experts(), streaming);
-        assert_eq!(moe.kernel, QMV_DECODE_STREAM_AND_MOE);
-        let dense = DecoderFormats::default().with(None);
-        assert_eq!(
-            decoder_entry(Dtype::Bfloat16, dense, streaming).kernel,
-            QMV_AND_DECODE
-        );
-        // Warming L2 brings decode_gemv.cu's warm kernel, dense weights or not; off by default.
-        assert!(!plain.warm && !entry.wrapper.contains("mlxcel_dec_warm("));
-        let warm = decoder_entry(
-            Dtype::Bfloat16,
-            dense,
-            DecoderShapes {
-                warm: true,
-                ..plain
-            },
-        );
-        assert!(warm
-            .wrapper
-            .contains("mlxcel_dec_warm(const unsigned long long* warm)"));
-        assert_eq!(warm.kernel, QMV_DECODE_STREAM);
         assert_eq!(
             DecoderFormats::default()
                 .with(Some(4))

@@ -370,8 +370,8 @@ pub(crate) mod bridge {
         /// The CUDA decode step (cpp/cuda_decode.cc), over the kernels of `binary`.
         type CudaDecoder;
         /// A decoder of `layers` layers on bf16 (`f16`: float16) activations; `shapes`: the
-        /// (warps, rows, streaming 0/1) of each GEMV kind, then the (warps, rows) of the
-        /// tensor-core GEMVs ((0, 0): none), then whether attention warms L2 (0/1).
+        /// (warps, rows) launch shape of each GEMV kind, then of the tensor-core GEMVs ((0, 0):
+        /// none).
         #[allow(clippy::too_many_arguments)]
         fn cuda_decoder_new(
             binary: &CudaBinary,

@@ -120,42 +120,31 @@ pub enum CudaLaunch {
     Mlx,
 }
 
-/// A decode-step GEMV's launch shape, the blocks of it an SM must be able to hold at once
+/// A decode-step GEMV's launch shape and the blocks of it an SM must be able to hold at once
 /// (`__launch_bounds__`' second argument, which caps the registers a thread may take; 0: no
-/// cap) and whether its blocks stream (`[s]NWxRPW[:B]`).
+/// cap): `NWxRPW` or `NWxRPW:B`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DecodeGemv {
     /// Warps and rows per block.
     pub shape: LaunchShape,
     /// Resident blocks per SM the compiler must allow for (0: its own choice).
     pub min_blocks: i32,
-    /// `s`: the streaming GEMV (decode_gemv.cu: as many blocks as the GPU holds at once, each
-    /// walking row tiles with the next one's loads in flight and x prepared once) for affine
-    /// weights, RPW a power of two; else qmv.cu's one tile per block.
-    pub stream: bool,
 }
 
 impl DecodeGemv {
-    /// `[s]NWxRPW[:B]` with 1 to 32 rows (a power of two with `s`) and B blocks of NW warps
-    /// fitting an SM (at most 32 blocks and 64 warps on sm_80/sm_90).
+    /// `NWxRPW` or `NWxRPW:B` with 1 to 32 rows and B blocks of NW warps fitting an SM (at
+    /// most 32 blocks and 64 warps on sm_80/sm_90).
     pub fn parse(value: &str) -> Option<DecodeGemv> {
-        let value = value.trim();
-        let (stream, value) = match value.strip_prefix('s') {
-            Some(rest) => (true, rest),
-            None => (false, value),
-        };
         let (shape, blocks) = match value.split_once(':') {
             Some((shape, blocks)) => (shape, blocks.trim().parse().ok()?),
             None => (value, 0),
         };
-        let shape = LaunchShape::parse(shape)
-            .filter(|s| s.rows <= 32 && (!stream || (s.rows as u32).is_power_of_two()))?;
+        let shape = LaunchShape::parse(shape).filter(|s| s.rows <= 32)?;
         (0..=(64 / shape.warps).min(32))
             .contains(&blocks)
             .then_some(DecodeGemv {
                 shape,
                 min_blocks: blocks,
-                stream,
             })
     }
 }
@@ -292,7 +281,9 @@ pub struct RuntimePolicy {
     /// `MLXCEL_CUDA_LOAD_POOL`: the readers of `cuda_load` are threads kept for the process
     /// instead of started per tensor, and a tensor under `cuda_load_readers` × 2 MiB is cut into
     /// that many pieces (of at least 256 KiB), so scales and biases are read in parallel too.
-    /// Off by default until measured (`1` turns it on).
+    /// On by default: the Llama-3.1-8B 4-bit shape loads in 0.67-0.85 s against 0.77-0.88 s
+    /// with a thread per reader and tensor, in the same passes on an H100, bit-equal (session
+    /// 29, docs/performance.md); `0` turns it off.
     pub cuda_load_pool: bool,
     /// `MLXCEL_CUDA_DECODE`: single-token decode steps of the decoders mlxcel's CPU decode
     /// engine covers, with affine 4/8-bit or dense weights and bf16/f16 activations, run on the
@@ -310,18 +301,12 @@ pub struct RuntimePolicy {
     /// GEMV (`qmv.cu`), which stays the path of groups of 32 and 8-bit weights always
     /// (docs/performance.md, session 26).
     pub cuda_decode_tc: Option<LaunchShape>,
-    /// `MLXCEL_CUDA_DECODE_GEMV`: the launch shapes `[s]NWxRPW[:B],..` (three) of the CUDA
-    /// decode step's float GEMVs (qmv.cu, or decode_gemv.cu's streaming blocks after `s`):
-    /// RMSNorm in (q|k|v, the head), residual out (o, down), and gate|up (RPW rows of the two
-    /// matrices, RPW/2 outputs: even). 1-32 warps and 1-32 rows each; B: blocks per SM the
-    /// registers must allow ([`DecodeGemv`]). Default
+    /// `MLXCEL_CUDA_DECODE_GEMV`: the launch shapes `NWxRPW[:B],NWxRPW[:B],NWxRPW[:B]` of the
+    /// CUDA decode step's float GEMVs (qmv.cu): RMSNorm in (q|k|v, the head), residual out (o,
+    /// down), and gate|up (RPW rows of the two matrices, RPW/2 outputs: even). 1-32 warps and
+    /// 1-32 rows each; B: blocks per SM the registers must allow ([`DecodeGemv`]). Default
     /// `4x8,4x4,4x8`.
     pub cuda_decode_gemv: [DecodeGemv; 3],
-    /// `MLXCEL_CUDA_DECODE_WARM`: before each layer's attention the CUDA decode step launches a
-    /// kernel that asks L2 for the weights the GEMVs after it read first (o's, then the first
-    /// rows of gate and up, up to half the L2), fetched while DRAM would otherwise idle under
-    /// the attention's latency-bound work. Default off (not yet measured).
-    pub cuda_decode_warm: bool,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -369,17 +354,14 @@ pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
     DecodeGemv {
         shape: LaunchShape { warps: 4, rows: 8 },
         min_blocks: 0,
-        stream: false,
     },
     DecodeGemv {
         shape: DEFAULT_QMV_SHAPE,
         min_blocks: 0,
-        stream: false,
     },
     DecodeGemv {
         shape: LaunchShape { warps: 4, rows: 8 },
         min_blocks: 0,
-        stream: false,
     },
 ];
 /// The decode step's tensor-core GEMV shape unless `MLXCEL_CUDA_DECODE_TC` picks another.
@@ -414,11 +396,10 @@ impl RuntimePolicy {
         cuda_gather: true,
         cuda_load: true,
         cuda_load_readers: 8,
-        cuda_load_pool: false,
+        cuda_load_pool: true,
         cuda_decode: true,
         cuda_decode_tc: None,
         cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
-        cuda_decode_warm: false,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -430,7 +411,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 38] = [
+    pub const VARIABLES: [&'static str; 37] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -456,7 +437,6 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV_MMA",
         "MLXCEL_CUDA_DECODE_TC",
         "MLXCEL_CUDA_DECODE_GEMV",
-        "MLXCEL_CUDA_DECODE_WARM",
         "MLXCEL_CUDA_GATHER",
         "MLXCEL_CUDA_LOAD",
         "MLXCEL_CUDA_LOAD_READERS",
@@ -604,9 +584,6 @@ impl RuntimePolicy {
         if let Some(v) = get("MLXCEL_CUDA_DECODE") {
             p.cuda_decode = v.switch()?;
         }
-        if let Some(v) = get("MLXCEL_CUDA_DECODE_WARM") {
-            p.cuda_decode_warm = v.switch()?;
-        }
         if let Some(v) = get("MLXCEL_CUDA_DECODE_TC") {
             p.cuda_decode_tc = match v.word().as_str() {
                 "0" => None,
@@ -626,9 +603,9 @@ impl RuntimePolicy {
                 match shapes[..] {
                     [Some(rms), Some(res), Some(glu)] if glu.shape.rows % 2 == 0 => [rms, res, glu],
                     _ => return Err(v.error(
-                        "three [s]NWxRPW[:B] shapes (q|k|v and head, o and down, gate|up) of 1 \
-                         to 32 warps and 1 to 32 rows (a power of two after s), gate|up's rows \
-                         even, B blocks of NW warps within an SM's 32 blocks and 64 warps",
+                        "three NWxRPW[:B] shapes (q|k|v and head, o and down, gate|up) of 1 to \
+                         32 warps and 1 to 32 rows, gate|up's rows even, B blocks of NW warps \
+                         within an SM's 32 blocks and 64 warps",
                     )),
                 };
         }
@@ -978,8 +955,8 @@ mod tests {
             rejects(v, bad);
         }
         let v = "MLXCEL_CUDA_LOAD_POOL";
-        assert!(!RuntimePolicy::default().cuda_load_pool);
-        assert!(one(v, "1").cuda_load_pool);
+        assert!(RuntimePolicy::default().cuda_load_pool);
+        assert!(!one(v, "0").cuda_load_pool);
         rejects(v, "pool");
     }
 
@@ -997,18 +974,7 @@ mod tests {
             one(v, "8x16, 2x8:32,4x4:8").cuda_decode_gemv,
             [(8, 16, 0), (2, 8, 32), (4, 4, 8)].map(|(w, r, b)| DecodeGemv {
                 shape: LaunchShape::new(w, r).unwrap(),
-                min_blocks: b,
-                stream: false,
-            })
-        );
-        assert_eq!(
-            one(v, "s4x8,4x4:8,s2x4:6").cuda_decode_gemv,
-            [(4, 8, 0, true), (4, 4, 8, false), (2, 4, 6, true)].map(|(w, r, b, s)| {
-                DecodeGemv {
-                    shape: LaunchShape::new(w, r).unwrap(),
-                    min_blocks: b,
-                    stream: s,
-                }
+                min_blocks: b
             })
         );
         for bad in [
@@ -1020,8 +986,6 @@ mod tests {
             "4x8:17,4x4,4x8",
             "4x8:x,4x4,4x8",
             "1x8:33,4x4,4x8",
-            "s4x6,4x4,4x8",
-            "4x8,4x4,x4x8",
         ] {
             rejects(v, bad);
         }
