@@ -287,7 +287,8 @@ final)
   ;;
 load)
   # Checkpoint tensors read into device memory (MLXCEL_CUDA_LOAD=1: pinned staging buffers,
-  # cpp/cuda_load.cc) against MLX's copy into unified memory: the cuda_decode test that both
+  # cpp/cuda_load.cc, by reader threads kept for the process; "unpooled": threads started per
+  # tensor) against MLX's copy into unified memory: the cuda_decode test that both
   # make bit-equal models (fixtures staged by gpu.sh stage), then load time, the first
   # request and the steady state on the 4-bit shapes (SHAPES) against mlx-lm, with the load's
   # phases.
@@ -296,7 +297,7 @@ load)
   for shape in ${SHAPES:-llama-8b-4bit qwen3-30b-a3b-4bit}; do
     echo "== $shape"
     model $shape
-    PHASES=1 passes "device-load MLXCEL_CUDA_LOAD=1" "mapped MLXCEL_CUDA_LOAD=0"
+    PHASES=1 passes "device-load MLXCEL_CUDA_LOAD=1" "unpooled MLXCEL_CUDA_LOAD_POOL=0" "mapped MLXCEL_CUDA_LOAD=0"
   done
   ;;
 gemv)

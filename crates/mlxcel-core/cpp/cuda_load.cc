@@ -147,6 +147,10 @@ class Readers {
   // Runs body(0) here and body(1) .. body(lanes - 1) on the readers; returns when all are done.
   // One call at a time (the caller holds Staging::busy).
   void run(int lanes, const std::function<void(int)>& body) {
+    if (lanes <= 1) {
+      body(0);  // a tensor of one stage: waking the readers would only put them back to sleep
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       while (static_cast<int>(threads_) < lanes - 1) {
