@@ -148,9 +148,8 @@ fn check_dir(
     prompt: &[u32],
     steps: usize,
 ) -> Distances {
-    let dir = dir.to_path_buf();
-    let graph = load(&dir, false, dtype);
-    let engine = load(&dir, true, dtype);
+    let graph = load(dir, false, dtype);
+    let engine = load(dir, true, dtype);
     let on_graph = decode_step_census(&graph.model);
     let on_engine = decode_step_census(&engine.model);
     assert!(
@@ -174,7 +173,7 @@ fn check_dir(
     let second = run_both(name, &mut sg, &mut se, &again, Some(1), steps);
     drop((sg, se));
     let turns = [first, second];
-    let reference = reference(&dir, &turns);
+    let reference = reference(dir, &turns);
     let mut worst = Distances::default();
     let mut lines = Vec::new();
     for (turn, want) in turns.iter().zip(&reference) {

@@ -119,9 +119,6 @@ passes() {
   done
 }
 
-# The CUDA decode step against the MLX graph: the decode test (its fixtures, when $2 is "test"),
-# then shape $1's greedy ids with the step on and off, then speed against mlx-lm (GRAPH=0: the
-# step alone).
 # The CUDA decode step's GPU test (the fixtures and make_random_model.py's llama-wide, whose
 # long rows and tall matrices the tiny fixtures never give the GEMVs' loops) under the
 # environment's MLXCEL_* policy; $1: the test name filter.
@@ -131,6 +128,9 @@ decode_test() {
   MLXCEL_DECODE_TEST_MODELS=$wide MLXCEL_FIXTURES_DIR=$here/fixtures-decode timeout ${TEST_TIMEOUT:-400} \
     "$here/cuda_decode_test" --ignored --nocapture --test-threads 1 ${1:-} 2>&1 | grep -v "^$" | tail -60
 }
+# The CUDA decode step against the MLX graph: the decode test (its fixtures, when $2 is "test"),
+# then shape $1's greedy ids with the step on and off, then speed against mlx-lm (GRAPH=0: the
+# step alone).
 step_against_graph() {
   if [ "${2:-}" = test ]; then
     decode_test

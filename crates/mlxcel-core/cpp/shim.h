@@ -113,10 +113,11 @@ void clear_cache();
 Ptr array_clone(const array& a);
 Ptr array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, Dtype dtype);
 // The bytes at `offset` of the open file `fd` in a new array in device memory on MLX's CUDA
-// backend, read by `readers` threads (cuda_load.cc), or null where the CUDA driver is not in
-// the process.
+// backend, read by `readers` threads (kept for the process when `pooled`; cuda_load.cc), or
+// null where the CUDA driver is not in the process.
 Ptr array_from_file_on_device(int32_t fd, uint64_t offset, size_t nbytes,
-                              rust::Slice<const int32_t> shape, Dtype dtype, int32_t readers, bool pooled);
+                              rust::Slice<const int32_t> shape, Dtype dtype, int32_t readers,
+                              bool pooled);
 Ptr array_borrowing_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
                           Dtype dtype, rust::Box<BorrowedBytesOwner> owner);
 size_t array_data_address(const array& a);
