@@ -507,6 +507,8 @@ pub struct DecoderShapes {
     /// (warps, rows per block: 16 or 32) of the tensor-core GEMVs (qmv_tc.cu), or `None` when
     /// `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
     pub tensor_cores: Option<(i32, i32)>,
+    /// The routed-expert GEMVs' load depth (decode_moe.cu's `DEPTH`).
+    pub expert_depth: i32,
 }
 
 impl Default for DecoderShapes {
@@ -515,6 +517,7 @@ impl Default for DecoderShapes {
         DecoderShapes {
             gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES,
             tensor_cores: None,
+            expert_depth: crate::policy::DEFAULT_DECODE_EXPERT_DEPTH,
         }
     }
 }
@@ -524,6 +527,7 @@ pub fn decoder_shapes() -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
         gemv: p.cuda_decode_gemv,
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
+        expert_depth: p.cuda_decode_expert_depth,
     })
 }
 
@@ -676,14 +680,15 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
                  mlxcel_dec_moe_glu_{f}_{d}(const uint32_t* gw, const {t}* gs, const {t}* gb, \
                  const uint32_t* uw, const {t}* us, const {t}* ub, const int* ids, const {t}* x, \
                  {t}* out, int inter, int words, int groups, int top_k) {{ \
-                 dec_moe_glu<{bits}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
+                 dec_moe_glu<{bits}, {depth}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
                  groups, top_k); }}\n\
                  extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
                  mlxcel_dec_moe_down_{f}_{d}(const uint32_t* dw, const {t}* ds, const {t}* db, \
                  const int* ids, const float* weights, const {t}* a, const {t}* res, {t}* out, \
                  int n_rows, int words, int groups, int top_k, int outs) {{ \
-                 dec_moe_down<{bits}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
-                 groups, top_k, outs); }}\n"
+                 dec_moe_down<{bits}, {depth}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
+                 groups, top_k, outs); }}\n",
+                depth = shapes.expert_depth,
             );
         }
     }
@@ -881,7 +886,12 @@ fn binary_file_name(entry: &Entry, source: &str, arch: i32) -> String {
 /// already ships for it; returns the files written. Run on a GPU machine, then commit the files
 /// into `crates/mlxcel-core/kernels/prebuilt/` (and delete the stale ones the CPU test names).
 pub fn prebuild(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
-    let arch = bridge::cuda_device_arch()?;
+    prebuild_for(dir, bridge::cuda_device_arch()?)
+}
+
+/// [`prebuild`] for GPU architecture `arch` (e.g. 90), with whatever NVRTC the process has
+/// loaded: a GPU is not needed (the CPU test `prebuild_cubins_for_sm90` uses NVRTC from PyPI).
+fn prebuild_for(dir: &std::path::Path, arch: i32) -> Result<Vec<std::path::PathBuf>> {
     std::fs::create_dir_all(dir).map_err(|e| Error::Invalid(format!("{}: {e}", dir.display())))?;
     let mut written = Vec::new();
     for id in prebuilt_set() {
@@ -1704,6 +1714,20 @@ mod tests {
         // SAFETY: dlopen of a shared library by path; the handle stays open for the process.
         let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
         assert!(!handle.is_null(), "could not load {}", lib.display());
+    }
+
+    /// Writes the shipped cubins of changed kernel sources for sm_90 (H100/H200) into
+    /// `MLXCEL_PREBUILD_DIR` with NVRTC from PyPI, for a machine without a GPU; the GPU path is
+    /// `cuda_kernels --prebuild DIR`. Copy the files into kernels/prebuilt/ and delete the stale
+    /// ones `shipped_cubins_are_of_the_current_kernel_sources` names.
+    #[test]
+    #[ignore = "a tool: writes cubins into MLXCEL_PREBUILD_DIR"]
+    fn prebuild_cubins_for_sm90() {
+        let dir = std::env::var("MLXCEL_PREBUILD_DIR").expect("MLXCEL_PREBUILD_DIR");
+        load_nvrtc();
+        for file in super::prebuild_for(std::path::Path::new(&dir), 90).expect("prebuild") {
+            println!("{}", file.display());
+        }
     }
 
     /// Every kernel of this build compiles, through mlxcel's own compile path, for the H200

@@ -38,61 +38,85 @@ __device__ __forceinline__ unsigned dec_moe_group_mask() {
 // R weight rows (w[r], with their scales s[r] and biases b[r] for affine BITS 4/8) dotted with
 // x (K values of T), by one lane group: the sums in every lane of the group. `words`: uint32
 // words per row (16-byte chunks: words / 4); `gshift`: log2 of chunks per quantization group.
-template <int BITS, int R, typename T>
+// DEPTH: the lane's chunk steps whose loads (R 16-byte weight loads and their groups' scales
+// and biases) are issued together before any is used. An expert's rows are short (Qwen3-30B-
+// A3B: 8 steps a lane for gate|up, 3 for down), so the expert GEMVs are bound by how many
+// times a lane waits for memory, ceil(steps / DEPTH), not by their bytes. Any DEPTH sums the
+// chunks in the same order (the same bits).
+template <int BITS, int R, int DEPTH, typename T>
 __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const T* const (&s)[R],
                                             const T* const (&b)[R], const T* x, int words,
                                             int gshift, float (&acc)[R]) {
   constexpr bool FAST = BITS == 4;
+  constexpr int EPW = BITS == 16 ? 2 : 32 / BITS;  // elements per word
+  constexpr int SCALED = BITS == 16 ? 0 : DEPTH;   // steps with scales and biases to hold
   const int chunks = words / 4;
+  const uint32_t up = qmv_up(words);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     acc[r] = 0.0f;
   }
-#pragma unroll 2
-  for (int c = threadIdx.x & (DEC_MOE_LPR - 1); c < chunks; c += DEC_MOE_LPR) {
-    uint4 wv[R];
+  for (int c0 = threadIdx.x & (DEC_MOE_LPR - 1); c0 < chunks; c0 += DEPTH * DEC_MOE_LPR) {
+    uint4 wv[DEPTH][R];
+    T sv[SCALED > 0 ? SCALED : 1][R];
+    T bv[SCALED > 0 ? SCALED : 1][R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      wv[r] = qmv_load_w<1>(w[r] + (size_t)c * 4);
-    }
-    if constexpr (BITS == 16) {
-      float xf[8];
-      qmv_load_x<8>(x + c * 8, xf);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float wf[8];
-        dec_unpack8(wv[r], wf, x);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          acc[r] = fmaf(wf[j], xf[j], acc[r]);
-        }
-      }
-    } else {
-      constexpr int EPW = 32 / BITS;  // elements per word
-      constexpr float OFF = BITS == 4 ? 128.0f : 256.0f;
-      constexpr float HI_EXTRA = 0.26171875f;  // qmv_dot_word<4, 1>'s constant
-      const int g = c >> gshift;
-      float d[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        d[r] = 0.0f;
-      }
-      float xsum = 0.0f, xhi = 0.0f;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        float xf[EPW];
-        qmv_load_x<EPW>(x + c * 4 * EPW + k * EPW, xf);
-        qmv_add_sums<FAST>(xf, xsum, xhi);
+    for (int u = 0; u < DEPTH; ++u) {
+      const int c = c0 + u * DEC_MOE_LPR;
+      if (c < chunks) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          d[r] = qmv_dot_word<BITS, FAST ? 1 : 0>(qmv_word(wv[r], k), xf, d[r]);
+          wv[u][r] = qmv_load_w<1>(w[r] + (size_t)c * 4);
+          if constexpr (SCALED > 0) {
+            sv[u][r] = s[r][c >> gshift];
+            bv[u][r] = b[r][c >> gshift];
+          }
         }
       }
-      const float xoff = FAST ? fmaf(HI_EXTRA, xhi, OFF * xsum) : OFF * xsum;
+    }
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        acc[r] = fmaf(qmv_to_float(s[r][g]), d[r] - xoff,
-                      fmaf(qmv_to_float(b[r][g]), xsum, acc[r]));
+    for (int u = 0; u < DEPTH; ++u) {
+      const int c = c0 + u * DEC_MOE_LPR;
+      if (c >= chunks) {
+        break;
+      }
+      if constexpr (BITS == 16) {
+        float xf[8];
+        qmv_load_x<8>(x + c * 8, xf);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          float wf[8];
+          dec_unpack8(wv[u][r], wf, x);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            acc[r] = fmaf(wf[j], xf[j], acc[r]);
+          }
+        }
+      } else {
+        constexpr float OFF = BITS == 4 ? 128.0f : 256.0f;
+        constexpr float HI_EXTRA = 0.26171875f;  // qmv_dot_word<4, 1>'s constant
+        float d[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          d[r] = 0.0f;
+        }
+        float xsum = 0.0f, xhi = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          float xf[EPW];
+          qmv_load_x<EPW>(x + c * 4 * EPW + k * EPW, xf);
+          qmv_add_sums<FAST>(xf, xsum, xhi);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            d[r] = qmv_dot_word<BITS, FAST ? 1 : 0>(qmv_word(wv[u][r], k), xf, d[r], up);
+          }
+        }
+        const float xoff = FAST ? fmaf(HI_EXTRA, xhi, OFF * xsum) : OFF * xsum;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          acc[r] = fmaf(qmv_to_float(sv[u][r]), d[r] - xoff,
+                        fmaf(qmv_to_float(bv[u][r]), xsum, acc[r]));
+        }
       }
     }
   }
@@ -199,7 +223,7 @@ __device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* 
 // a[s * inter + r] = silu(x @ Wg[e]^T)[r] * (x @ Wu[e]^T)[r], e = ids[s], for every slot s <
 // top_k and row r < inter; one lane group per (s, r). Grid: ceil(top_k * inter /
 // DEC_MOE_GROUPS) blocks of DEC_MOE_THREADS.
-template <int BITS, typename T>
+template <int BITS, int DEPTH, typename T>
 __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, const T* gb,
                                             const uint32_t* uw, const T* us, const T* ub,
                                             const int* ids, const T* x, T* out, int inter,
@@ -217,7 +241,7 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
   const T* s[2] = {gs + go, us + go};
   const T* b[2] = {gb + go, ub + go};
   float acc[2];
-  dec_moe_dot<BITS, 2>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
+  dec_moe_dot<BITS, 2, DEPTH>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
   if ((threadIdx.x & (DEC_MOE_LPR - 1)) == 0) {
     qmv_store(out + item, qmv_silu_gate(x, qmv_round(x, acc[0]), qmv_round(x, acc[1])));
   }
@@ -230,7 +254,7 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
 // block sums each row's slots in slot order (no atomics: the same bits every run). out may be
 // res. Grid: ceil(n_rows / outs) blocks of DEC_MOE_THREADS; top_k * outs <= 2 *
 // DEC_MOE_MAX_TOP_K.
-template <int BITS, typename T>
+template <int BITS, int DEPTH, typename T>
 __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, const T* db,
                                              const int* ids, const float* weights, const T* a,
                                              const T* res, T* out, int n_rows, int words,
@@ -248,7 +272,7 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
     const T* s[1] = {ds + row * (size_t)groups};
     const T* b[1] = {db + row * (size_t)groups};
     float acc[1];
-    dec_moe_dot<BITS, 1>(w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift, acc);
+    dec_moe_dot<BITS, 1, DEPTH>(w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift, acc);
     if ((threadIdx.x & (DEC_MOE_LPR - 1)) == 0) {
       part[item] = qmv_round(a, acc[0]);
     }

@@ -60,8 +60,15 @@ __device__ __forceinline__ void qmv_input(const T* xrow, const T* aux, int k, in
     float wf[N];
     qmv_load_x(aux + k, wf);
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      xf[j] = qmv_round(xrow, wf[j] * qmv_round(xrow, xf[j] * inv_rms));
+    for (int j = 0; j < N; j += 2) {
+      // round(w * round(x * inv_rms)), two at a time
+      float a = xf[j] * inv_rms, b = xf[j + 1] * inv_rms;
+      qmv_round2(xrow, a, b);
+      a = wf[j] * a;
+      b = wf[j + 1] * b;
+      qmv_round2(xrow, a, b);
+      xf[j] = a;
+      xf[j + 1] = b;
     }
   } else if constexpr (PRE == 2) {
     float uf[N];
@@ -202,6 +209,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
   const int tid = threadIdx.x;
   const int m0 = blockIdx.y * MB;
   const int row0 = bx * OUTS;
+  const uint32_t up = qmv_up(words_per_row);
 
   // Rows past the end are clamped for loading (always in bounds) and never stored. Row r reads
   // the up matrix where GLU says so (r is a constant of every unrolled loop: no select).
@@ -287,7 +295,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
       qmv_add_sums<QMV_FAST>(xf, xsum[0], xhi[0]);
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        d[0][r] = qmv_dot_word<BITS, FAST>(qmv_word(st.wv[r], k), xf, d[0][r]);
+        d[0][r] = qmv_dot_word<BITS, FAST>(qmv_word(st.wv[r], k), xf, d[0][r], up);
       }
     }
 #pragma unroll
@@ -303,7 +311,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
         float q[QMV_EPW];
-        qmv_unpack_word<BITS, FAST>(qmv_word(st.wv[r], k), q);
+        qmv_unpack_word<BITS, FAST>(qmv_word(st.wv[r], k), q, up);
 #pragma unroll
         for (int b = 0; b < MB; ++b) {
           d[b][r] = qmv_dot_unpacked<BITS, FAST>(q, xf[b], d[b][r]);

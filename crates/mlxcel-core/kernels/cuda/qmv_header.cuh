@@ -37,6 +37,19 @@ __device__ __forceinline__ float qmv_round(const mlxcel_f16*, float v) {
 __device__ __forceinline__ float qmv_round(const float*, float v) {
   return v;
 }
+// qmv_round of two values; for bf16 in one paired conversion (cvt.rn.bf16x2.f32: conversions
+// issue at a fraction of the FMA rate, and the GEMV's folded RMSNorm rounds twice per input).
+template <typename T>
+__device__ __forceinline__ void qmv_round2(const T* like, float& a, float& b) {
+  a = qmv_round(like, a);
+  b = qmv_round(like, b);
+}
+__device__ __forceinline__ void qmv_round2(const mlxcel_bf16*, float& a, float& b) {
+  uint32_t p;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(b), "f"(a));  // a in the low half
+  a = __uint_as_float(p << 16);
+  b = __uint_as_float(p & 0xFFFF0000u);
+}
 
 // ---- loads -------------------------------------------------------------------------------
 
@@ -156,14 +169,38 @@ __device__ __forceinline__ uint32_t qmv_word(const uint4& v, int k) {
 // at most 15/65536 on a value in 0..15 (relative error ~2e-5 on the result, far below bf16's
 // 4e-3, but not float32-exact: use FAST=0 for float32 outputs).
 // Returns acc + sum_j (offset_j + q_j) * xf[j].
+// ((w >> 4p) & 0x000F000F) | 0x43004300 (hi) in one LOP3 after the shift, and its low half
+// moved up (lo) by a multiply on the FMA pipe. In PTX because NVVM splits the AND-OR into two
+// LOP3s (SASS takes one immediate) and rewrites the shifted low half as another shift, AND and
+// OR: 4.5 integer-pipe instructions per pair of weights instead of 2, on the pipe that bounds the
+// decode GEMV (it runs at half the FMA pipe's rate). `up` is 65536 in a register ptxas cannot
+// see through (else it turns the multiply back into an integer-pipe shift): qmv_up().
+__device__ __forceinline__ void qmv_pair4(uint32_t w, int p, uint32_t up, uint32_t& lo,
+                                          uint32_t& hi) {
+  asm("{\n\t.reg .b32 t;\n\t"
+      "shr.b32 t, %2, %3;\n\t"
+      "lop3.b32 %1, t, 0x000F000F, 0x43004300, 0xEA;\n\t"
+      "mul.lo.u32 %0, %1, %4;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w), "r"(4 * p), "r"(up));
+}
+// 65536 as qmv_pair4's `up`, from any non-negative kernel argument `n` (the compiler cannot
+// prove n >= 0, so it cannot fold the value into an immediate).
+__device__ __forceinline__ uint32_t qmv_up(int n) {
+  return 65536u | ((uint32_t)n >> 31);
+}
+
+// `up`: qmv_up() (used by FAST only).
 template <int BITS, int FAST>
-__device__ __forceinline__ float qmv_dot_word(uint32_t w, const float* xf, float acc) {
+__device__ __forceinline__ float qmv_dot_word(uint32_t w, const float* xf, float acc,
+                                              uint32_t up) {
   float a0 = acc, a1 = 0.0f;
   if constexpr (BITS == 4 && FAST != 0) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const uint32_t v = ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u;
-      a0 = fmaf(__uint_as_float(v << 16), xf[p], a0);   // element p
+      uint32_t lo, v;
+      qmv_pair4(w, p, up, lo, v);
+      a0 = fmaf(__uint_as_float(lo), xf[p], a0);        // element p
       a1 = fmaf(__uint_as_float(v), xf[p + 4], a1);     // element p + 4
     }
   } else if constexpr (BITS == 4) {
@@ -204,12 +241,13 @@ __device__ __forceinline__ float qmv_dot_word(uint32_t w, const float* xf, float
 
 // The 32/BITS weights of `w` as the floats qmv_dot_word multiplies.
 template <int BITS, int FAST>
-__device__ __forceinline__ void qmv_unpack_word(uint32_t w, float (&q)[32 / BITS]) {
+__device__ __forceinline__ void qmv_unpack_word(uint32_t w, float (&q)[32 / BITS], uint32_t up) {
   if constexpr (BITS == 4 && FAST != 0) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const uint32_t v = ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u;
-      q[p] = __uint_as_float(v << 16);
+      uint32_t lo, v;
+      qmv_pair4(w, p, up, lo, v);
+      q[p] = __uint_as_float(lo);
       q[p + 4] = __uint_as_float(v);
     }
   } else if constexpr (BITS == 4) {
