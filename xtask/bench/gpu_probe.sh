@@ -37,13 +37,11 @@
 #                            with them on and off, then speed by launch shape (TC_SHAPES) against
 #                            mlx-lm
 #   gpu_probe.sh gemv        the CUDA decode step's float GEMV launch shapes
-#                            (MLXCEL_CUDA_DECODE_GEMV, GEMV_SHAPES: "rms,res,glu" each NWxRPW[:B],
-#                            optionally "/D" for the expert depth) on SHAPE (the 8B 4-bit shape): decode tok/s of each (one process, two
-#                            requests) and an md5 of its greedy ids (launch shapes and register
-#                            caps change no arithmetic, so every line's ids should match)
-#   gpu_probe.sh expert      the routed-expert GEMVs' load depth (MLXCEL_CUDA_DECODE_EXPERT_DEPTH):
-#                            the decode test at DEPTHS, then `gemv` on the 30B-A3B 4-bit shape
-#                            over "rms,res,glu/depth" configurations
+#                            (MLXCEL_CUDA_DECODE_GEMV, GEMV_SHAPES: "rms,res,glu" each NWxRPW[:B])
+#                            on SHAPE (default the 8B 4-bit shape): decode tok/s of each (one process, two
+#                            requests) and an md5 of its greedy ids (rows per block and register
+#                            caps change no arithmetic, so those lines' ids should match; warps per
+#                            block change the order of a block's sums)
 #   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
 #                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
 #                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;
@@ -305,24 +303,14 @@ load)
   ;;
 gemv)
   model ${SHAPE:-llama-8b-4bit}
-  for c in ${GEMV_SHAPES:-4x8,4x4,4x8 4x8:6,4x4,4x8:6 4x8:8,4x4,4x8:8 4x8,4x4:12,4x8 4x8:8,4x4:16,4x8:8 4x8:5,4x4:10,4x8:5 4x8,4x4,4x8}; do
+  for c in ${GEMV_SHAPES:-4x8,4x4:8,4x8 4x8,4x4,4x8 4x8:4,4x4:8,4x8 4x8,4x4:8,4x8:5 4x8,4x8:6,4x8 4x8,4x4:8,4x8}; do
     stats=$(mktemp)
-    IFS=/ read -r gemv depth <<< "$c"
-    out=$(MLXCEL_CUDA_DECODE_GEMV=$gemv MLXCEL_CUDA_DECODE_EXPERT_DEPTH=${depth:-2} timeout 120 "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" \
+    out=$(MLXCEL_CUDA_DECODE_GEMV=$c timeout 120 "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" \
       --max-new 128 --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>"$stats")
     echo -n "  $c: ids $(echo "$out" | head -1 | md5sum | cut -c1-8) "
     python3 -c "$fmt" < "$stats"
     rm -f "$stats"
   done
-  ;;
-expert)
-  # The routed-expert GEMVs' load depth: the decode test (MoE fixtures included) at each depth
-  # of DEPTHS, then the gemv sweep on the 30B-A3B 4-bit shape.
-  for d in ${DEPTHS:-4 8}; do
-    echo "== decode test, MLXCEL_CUDA_DECODE_EXPERT_DEPTH=$d"
-    MLXCEL_CUDA_DECODE_EXPERT_DEPTH=$d decode_test cuda_step_matches | tail -${TEST_LINES:-8}
-  done
-  SHAPE=qwen3-30b-a3b-4bit GEMV_SHAPES=${GEMV_SHAPES:-"4x8,4x4,4x8/2 4x8,4x4,4x8/4 4x8,4x4,4x8/8 2x8,4x4,4x8/2 2x8,4x4,4x8/8 2x16,4x4,4x8/8 4x8,4x4,4x8/2"} "$0" gemv
   ;;
 fresh)
   for shape in ${SHAPES:-llama-8b-4bit llama-8b-bf16}; do
@@ -337,5 +325,5 @@ fresh)
   ls -la "$HOME/.cache/mlxcel/cuda" 2>/dev/null | tail -n +2
   du -sh "$HOME"/.cache/* 2>/dev/null
   ;;
-*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | moe | gather | load | ssm | fresh | final | tc | gemv | expert" >&2; exit 2 ;;
+*) echo "usage: gpu_probe.sh kernels | all | graphs | llama-8b | llama-8b-bf16 | qwen3-30b-a3b | fold | speculative | decode | moe | gather | load | ssm | fresh | final | tc | gemv" >&2; exit 2 ;;
 esac

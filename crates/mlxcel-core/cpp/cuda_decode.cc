@@ -58,12 +58,8 @@ enum {
   ROLES
 };
 enum { NORM_INPUT, NORM_POST, NORM_Q, NORM_K, NORM_FINAL };
-// The GEMV kinds of decode.cu: RMSNorm in; residual out; RMSNorm in and silu(gate) * up out;
-// then those fed the norm's output ready (PLAIN for RMS, GLU_PLAIN for GLU) by a residual GEMV
-// whose last block writes it (RES_NORM: dec_norm_last).
-enum { GEMV_RMS, GEMV_RES, GEMV_GLU, GEMV_PLAIN, GEMV_GLU_PLAIN, GEMV_RES_NORM, GEMV_KINDS };
-// The launch shape (of the three the policy sets) each kind takes.
-constexpr int GEMV_SHAPE_OF[GEMV_KINDS] = {0, 1, 2, 0, 2, 1};
+// The GEMV kinds of decode.cu: RMSNorm in; residual out; RMSNorm in and silu(gate) * up out.
+enum { GEMV_RMS, GEMV_RES, GEMV_GLU };
 // The largest K of a tensor-core GEMV (its shared memory: 2K + K/16 bytes).
 constexpr int TC_MAX_K = 16384;
 
@@ -172,16 +168,15 @@ struct CudaDecoderState {
   std::optional<mx::array> final_norm;
   // Kernels, loaded by `finish`: GEMVs by [4-bit, 8-bit, dense][kind], then attention, then
   // those of routed-expert layers (decode_moe.cu; the expert GEMVs by format as the GEMVs).
-  void* gemv[3][GEMV_KINDS] = {};
+  void* gemv[3][3] = {};
   // The tensor-core GEMVs by kind (4-bit weights `QLinear::tensor_core_ok` takes).
   void* gemv_tc[3] = {};
   void* attention = nullptr;
   void* route = nullptr;
   void* moe_glu[3] = {};
   void* moe_down[3] = {};
-  // One int32 per key/value head, then one more, 0 between launches: dec_attention's count of
-  // the blocks done, then a RES_NORM GEMV's (their last blocks set them back). Steps run one
-  // at a time on MLX's stream.
+  // One int32 per key/value head, 0 between launches: dec_attention's count of the blocks
+  // done (its last block sets it back). Steps run one at a time on MLX's stream.
   std::optional<mx::array> counters;
   int inter = 0;  // widest MLP
   // Routed-expert layers: most experts, most kept per token, widest top_k * expert width.
@@ -265,8 +260,6 @@ class CudaDecodeStep : public mx::Primitive {
     // Routed-expert layers: the experts' normed input, the router's logits, the chosen ids and
     // their weights.
     const size_t xn_at = part(st.top_k > 0 ? st.hidden * elt : 0);
-    // A norm's output written by the residual GEMV before its consumer (RES_NORM).
-    const size_t normed_at = part(st.hidden * elt);
     const size_t logits_at = part(size_t(st.experts) * elt);
     const size_t ids_at = part(size_t(st.top_k) * 4);
     const size_t weights_at = part(size_t(st.top_k) * 4);
@@ -279,23 +272,9 @@ class CudaDecodeStep : public mx::Primitive {
     char* attn = base + attn_at;
     char* gu = base + gu_at;  // silu(gate) * up (of each chosen expert)
     char* partial = base + partial_at;
-    char* normed = base + normed_at;
     const Moe moe{base + xn_at, base + logits_at, base + ids_at, base + weights_at, gu};
 
     const void* h_in = device_pointer(x);
-    // Whether `normed` holds this layer's input norm of h (the previous layer's down projection
-    // wrote it). The tensor-core GEMVs have no kinds that read it.
-    const bool norm_once = st.tc_shape[0] == 0;
-    bool normed_ready = false;
-    // The RMSNorm-folded GEMV of `norm` over h, or the plain one over `normed` when it is ready.
-    auto input_gemv = [&](std::initializer_list<Segment> segments, const void* norm,
-                          bool last = false) {
-      if (normed_ready) {
-        gemv(GEMV_PLAIN, segments, normed, nullptr, nullptr, last);
-      } else {
-        gemv(GEMV_RMS, segments, h_in, norm, nullptr, last);
-      }
-    };
     for (int l = 0; l < st.layers; ++l) {
       const Layer& ly = st.layer[l];
       const mx::array& kc = inputs[1 + l];
@@ -306,17 +285,17 @@ class CudaDecodeStep : public mx::Primitive {
       const char* k_bias = static_cast<const char*>(ptr(ly.linear[ROLE_K].bias));
       const char* v_bias = static_cast<const char*>(ptr(ly.linear[ROLE_V].bias));
       if (fused_qkv.w) {
-        input_gemv({Segment{&fused_qkv, qkv}}, ptr(ly.norm[NORM_INPUT]));
+        gemv(GEMV_RMS, {Segment{&fused_qkv, qkv}}, h_in, ptr(ly.norm[NORM_INPUT]), nullptr);
         if (fused_qkv.bias) {
           q_bias = static_cast<const char*>(device_pointer(*fused_qkv.bias));
           k_bias = q_bias + q_dim * elt;
           v_bias = q_bias + size_t(q_dim + kv_dim) * elt;
         }
       } else {
-        input_gemv(
-            {Segment{&ly.linear[ROLE_Q], qkv}, Segment{&ly.linear[ROLE_K], qkv + q_dim * elt},
-             Segment{&ly.linear[ROLE_V], qkv + size_t(q_dim + kv_dim) * elt}},
-            ptr(ly.norm[NORM_INPUT]));
+        gemv(GEMV_RMS,
+             {Segment{&ly.linear[ROLE_Q], qkv}, Segment{&ly.linear[ROLE_K], qkv + q_dim * elt},
+              Segment{&ly.linear[ROLE_V], qkv + size_t(q_dim + kv_dim) * elt}},
+             h_in, ptr(ly.norm[NORM_INPUT]), nullptr);
       }
       Args at;
       at.ptr(qkv)
@@ -344,47 +323,24 @@ class CudaDecodeStep : public mx::Primitive {
           .f32(st.scale);
       launch(st.attention, Dim3{unsigned(st.kv_heads), unsigned(n_chunks), 1},
              Dim3{ATTN_THREADS, 1, 1}, at);
+      gemv(GEMV_RES, {Segment{&ly.linear[ROLE_O], h}}, attn, nullptr, h_in);
+      h_in = h;
       if (ly.moe()) {
-        gemv(GEMV_RES, {Segment{&ly.linear[ROLE_O], h}}, attn, nullptr, h_in);
-        h_in = h;
         experts(ly, moe, h);
-        normed_ready = false;
         continue;
       }
-      // The MLP's gate|up reads the post-attention norm of h, which the o projection's last
-      // block writes (or each of its blocks computes).
-      const void* post_norm = ptr(ly.norm[NORM_POST]);
-      if (norm_once) {
-        gemv(GEMV_RES_NORM, {Segment{&ly.linear[ROLE_O], h}}, attn, post_norm, h_in, false,
-             normed);
-      } else {
-        gemv(GEMV_RES, {Segment{&ly.linear[ROLE_O], h}}, attn, nullptr, h_in);
-      }
-      h_in = h;
-      const int glu_kind = norm_once ? GEMV_GLU_PLAIN : GEMV_GLU;
-      const void* glu_x = norm_once ? static_cast<const void*>(normed) : h;
-      const void* glu_norm = norm_once ? nullptr : post_norm;
       const QLinear& fused_gate_up = ly.linear[ROLE_GATE_UP];
       const int inter = ly.linear[ROLE_DOWN].cols();
       if (fused_gate_up.w) {
-        glu(glu_kind, fused_gate_up, 0, fused_gate_up, inter, inter, gu, glu_x, glu_norm);
+        glu(fused_gate_up, 0, fused_gate_up, inter, inter, gu, h, ptr(ly.norm[NORM_POST]));
       } else {
-        glu(glu_kind, ly.linear[ROLE_GATE], 0, ly.linear[ROLE_UP], 0, inter, gu, glu_x,
-            glu_norm);
+        glu(ly.linear[ROLE_GATE], 0, ly.linear[ROLE_UP], 0, inter, gu, h,
+            ptr(ly.norm[NORM_POST]));
       }
-      // The down projection's last block writes the next layer's input norm (the final norm
-      // after the last layer) for the q|k|v GEMV (the head) after it.
-      if (norm_once) {
-        const void* next_norm =
-            l + 1 < st.layers ? ptr(st.layer[l + 1].norm[NORM_INPUT]) : ptr(st.final_norm);
-        gemv(GEMV_RES_NORM, {Segment{&ly.linear[ROLE_DOWN], h}}, gu, next_norm, h, false,
-             normed);
-        normed_ready = true;
-      } else {
-        gemv(GEMV_RES, {Segment{&ly.linear[ROLE_DOWN], h}}, gu, nullptr, h);
-      }
+      gemv(GEMV_RES, {Segment{&ly.linear[ROLE_DOWN], h}}, gu, nullptr, h);
     }
-    input_gemv({Segment{&st.head, device_pointer(logits)}}, ptr(st.final_norm), /*last=*/true);
+    gemv(GEMV_RMS, {Segment{&st.head, device_pointer(logits)}}, h, ptr(st.final_norm), nullptr,
+         /*last=*/true);
     api.add_completed_handler(encoder_, [arena = *arena_]() {});
     arena_.reset();
   }
@@ -431,19 +387,17 @@ class CudaDecodeStep : public mx::Primitive {
   };
   GemvLaunch pick(const QLinear& m, int kind) const {
     const CudaDecoderState& st = *state_;
-    if (kind < 3 && st.gemv_tc[kind] != nullptr && m.tensor_core_ok()) {
+    if (st.gemv_tc[kind] != nullptr && m.tensor_core_ok()) {
       const int k = m.cols();
       return {st.gemv_tc[kind], st.tc_shape[0], st.tc_shape[1], unsigned(2 * k + k / 16)};
     }
-    const int* shape = st.shape[GEMV_SHAPE_OF[kind]];
-    return {st.gemv[m.table()][kind], shape[0], shape[1], 0};
+    return {st.gemv[m.table()][kind], st.shape[kind][0], st.shape[kind][1], 0};
   }
 
   // The GEMV of `kind` over `segments` (matrices of one K): consecutive segments of equal
-  // packing share a launch. `aux`: the RMSNorm weight (GEMV_RMS; GEMV_RES_NORM: that of the
-  // norm it writes into `normed`); `res`: the residual.
+  // packing share a launch. `aux`: the RMSNorm weight (GEMV_RMS); `res`: the residual.
   void gemv(int kind, std::initializer_list<Segment> segments, const void* x, const void* aux,
-            const void* res, bool last = false, void* normed = nullptr) {
+            const void* res, bool last = false) {
     const CudaDecoderState& st = *state_;
     std::vector<Segment> all(segments);
     for (size_t i = 0; i < all.size();) {
@@ -469,13 +423,6 @@ class CudaDecodeStep : public mx::Primitive {
         blocks += m ? unsigned(ceil_div(m->rows(), rpw)) : 0;
       }
       tail_args(a, first, x, aux, res);
-      if (kind == GEMV_RES_NORM) {
-        // One matrix a launch: its last block sees every row of h.
-        if (j - i != 1) {
-          throw std::logic_error("mlxcel: cuda decoder: a norm-writing GEMV of several matrices");
-        }
-        a.ptr(normed).ptr(static_cast<int*>(device_pointer(*st.counters)) + st.kv_heads);
-      }
       launch(how.function, Dim3{blocks, 1, 1}, Dim3{unsigned(how.warps * 32), 1, 1}, a,
              last && j == all.size(), how.shared_bytes);
       i = j;
@@ -484,13 +431,12 @@ class CudaDecodeStep : public mx::Primitive {
 
   // The MLP's silu(gate) * up (`inter` values) into `out`, from rows [gate_row, gate_row +
   // inter) of `gate` and [up_row, up_row + inter) of `up` (the fused gate|up matrix twice, or
-  // the two matrices) applied to rms_norm(x) * aux (kind GEMV_GLU), or to x as it is
-  // (GEMV_GLU_PLAIN): one launch of the GLU GEMV.
-  void glu(int kind, const QLinear& gate, int gate_row, const QLinear& up, int up_row, int inter,
+  // the two matrices) applied to rms_norm(x) * aux: one launch of the GLU GEMV.
+  void glu(const QLinear& gate, int gate_row, const QLinear& up, int up_row, int inter,
            void* out, const void* x, const void* aux) {
     const CudaDecoderState& st = *state_;
     const size_t elt = mx::size_of(st.dtype);
-    const GemvLaunch how = pick(gate, kind);
+    const GemvLaunch how = pick(gate, GEMV_GLU);
     const int rpw = how.rows;
     // A row's bytes of weights and of scales (and biases).
     auto rows_of = [&](const QLinear& m, int row) {
@@ -846,8 +792,8 @@ void cuda_decoder_finish(CudaDecoder& d) {
                         ? mx::array(st.inv_freq.data(), mx::Shape{rot_half}, mx::float32)
                         : mx::zeros({1}, mx::float32);
   all.push_back(*st.inv_freq_dev);
-  std::vector<int32_t> zeros(st.kv_heads + 1, 0);
-  st.counters = mx::array(zeros.data(), mx::Shape{st.kv_heads + 1}, mx::int32);
+  std::vector<int32_t> zeros(st.kv_heads, 0);
+  st.counters = mx::array(zeros.data(), mx::Shape{st.kv_heads}, mx::int32);
   all.push_back(*st.counters);
   // Contiguous, evaluated weights: the kernels read them by address.
   mx::eval(all);
@@ -857,7 +803,7 @@ void cuda_decoder_finish(CudaDecoder& d) {
     }
   }
   const std::string t = st.dtype == mx::float16 ? "float16" : "bfloat16";
-  const char* kinds[GEMV_KINDS] = {"rms", "res", "glu", "plain", "glup", "resn"};
+  const char* kinds[3] = {"rms", "res", "glu"};
   const char* tables[3] = {"qmv_b4", "qmv_b8", "dmv"};
   // The module has the GEMVs of the weight formats the model uses only.
   bool used[3] = {};
@@ -873,7 +819,7 @@ void cuda_decoder_finish(CudaDecoder& d) {
   }
   use(st.head);
   for (int b = 0; b < 3; ++b) {
-    for (int k = 0; k < GEMV_KINDS && used[b]; ++k) {
+    for (int k = 0; k < 3 && used[b]; ++k) {
       st.gemv[b][k] = function(*api, *st.binary,
                                std::string("mlxcel_dec_") + tables[b] + "_" + kinds[k] + "_" + t);
     }

@@ -507,8 +507,6 @@ pub struct DecoderShapes {
     /// (warps, rows per block: 16 or 32) of the tensor-core GEMVs (qmv_tc.cu), or `None` when
     /// `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
     pub tensor_cores: Option<(i32, i32)>,
-    /// The routed-expert GEMVs' load depth (decode_moe.cu's `DEPTH`).
-    pub expert_depth: i32,
 }
 
 impl Default for DecoderShapes {
@@ -517,7 +515,6 @@ impl Default for DecoderShapes {
         DecoderShapes {
             gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES,
             tensor_cores: None,
-            expert_depth: crate::policy::DEFAULT_DECODE_EXPERT_DEPTH,
         }
     }
 }
@@ -527,7 +524,6 @@ pub fn decoder_shapes() -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
         gemv: p.cuda_decode_gemv,
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
-        expert_depth: p.cuda_decode_expert_depth,
     })
 }
 
@@ -585,45 +581,24 @@ impl DecoderFormats {
 fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -> Entry {
     let (t, d) = (type_name(dtype), dtype.name());
     let mut wrapper = String::new();
-    // (name, PRE, RES, GLU, the next norm written, the policy shape it takes) of qmv.cu: RMSNorm
-    // folded in, residual out, gate|up with RMSNorm folded in; then the same fed the norm's
-    // output ready (plain, glup) by a residual GEMV that writes it (resn: dec_norm_last, `aux`
-    // then the next norm's weight).
-    let folds = [
-        ("rms", 1, 0, 0, false, 0),
-        ("res", 0, 1, 0, false, 1),
-        ("glu", 1, 0, 1, false, 2),
-        ("plain", 0, 0, 0, false, 0),
-        ("glup", 0, 0, 1, false, 2),
-        ("resn", 0, 1, 0, true, 1),
-    ];
+    // (name, PRE, RES, GLU) of qmv.cu.
+    let folds = [("rms", 1, 0, 0), ("res", 0, 1, 0), ("glu", 1, 0, 1)];
     // Each kind's `__launch_bounds__` arguments: its threads, then the blocks an SM must hold
-    // when the policy asks for them.
+    // when the policy asks for them (the default's text is unchanged, as are its cubins).
     let bounds = shapes.gemv.map(|g| match g.min_blocks {
         0 => format!("{}", g.shape.warps * 32),
         b => format!("{}, {b}", g.shape.warps * 32),
     });
     let gemv_shapes = shapes.gemv.map(|g| g.shape.pair());
-    // The resn kernels' extra arguments and the call after their GEMV.
-    let norm_out = |norm: bool, nw: i32, k: &str| {
-        if norm {
-            (
-                format!(", {t}* xn, int* counter"),
-                format!(" dec_norm_last<{nw}, {t}>(o0, aux, xn, counter, n0, {k});"),
-            )
-        } else {
-            (String::new(), String::new())
-        }
-    };
     let affine = [(4, formats.affine4), (8, formats.affine8)];
     for bits in affine
         .into_iter()
         .filter(|&(_, on)| on)
         .map(|(bits, _)| bits)
     {
-        for (kind, pre, res, glu, norm, shape) in folds {
-            let ((nw, rpw), bounds) = (gemv_shapes[shape], &bounds[shape]);
-            let (args, after) = norm_out(norm, nw, "__int_as_float(eps_bits)");
+        for (((kind, pre, res, glu), (nw, rpw)), bounds) in
+            folds.into_iter().zip(gemv_shapes).zip(&bounds)
+        {
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__({bounds}) \
                  mlxcel_dec_qmv_b{bits}_{kind}_{d}(\
@@ -631,17 +606,17 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
                  const uint32_t* w1, const {t}* s1, const {t}* z1, {t}* o1, int n1, \
                  const uint32_t* w2, const {t}* s2, const {t}* z2, {t}* o2, int n2, \
                  const {t}* x, const {t}* aux, const {t}* res, int words_per_row, \
-                 int groups_per_row, int eps_bits{args}) {{ \
+                 int groups_per_row, int eps_bits) {{ \
                  dec_qmv<{bits}, {nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, s0, z0, o0, n0, w1, s1, z1, \
                  o1, n1, w2, s2, z2, o2, n2, x, aux, res, words_per_row, groups_per_row, \
-                 __int_as_float(eps_bits));{after} }}\n",
+                 __int_as_float(eps_bits)); }}\n",
             );
         }
     }
     // The tensor-core GEMVs of 4-bit weights in groups of 64 or 128 (qmv_tc.cu), one launch
     // shape for the three kinds (`MLXCEL_CUDA_DECODE_TC`).
     if let Some((nw, rows)) = shapes.tensor_cores.filter(|_| formats.affine4) {
-        for (kind, pre, res, glu, _, _) in folds.into_iter().take(3) {
+        for (kind, pre, res, glu) in folds {
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__({threads}) \
                  mlxcel_dec_qmt_b4_{kind}_{d}(\
@@ -658,16 +633,15 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             );
         }
     }
-    for (kind, pre, res, glu, norm, shape) in folds.into_iter().filter(|_| formats.dense) {
-        let ((nw, rpw), bounds) = (gemv_shapes[shape], &bounds[shape]);
-        let (args, after) = norm_out(norm, nw, "__int_as_float(eps_bits)");
+    let dense = folds.into_iter().zip(gemv_shapes).zip(&bounds);
+    for (((kind, pre, res, glu), (nw, rpw)), bounds) in dense.filter(|_| formats.dense) {
         wrapper += &format!(
             "extern \"C\" __global__ void __launch_bounds__({bounds}) \
              mlxcel_dec_dmv_{kind}_{d}(const {t}* w0, {t}* o0, int n0, const {t}* w1, {t}* o1, \
              int n1, const {t}* w2, {t}* o2, int n2, const {t}* x, const {t}* aux, \
-             const {t}* res, int k_len, int eps_bits{args}) {{ \
+             const {t}* res, int k_len, int eps_bits) {{ \
              dec_dmv3<{nw}, {rpw}, {pre}, {res}, {glu}, {t}>(w0, o0, n0, w1, o1, n1, w2, o2, n2, x, aux, \
-             res, k_len, __int_as_float(eps_bits));{after} }}\n",
+             res, k_len, __int_as_float(eps_bits)); }}\n",
         );
     }
     wrapper += &format!(
@@ -702,15 +676,14 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
                  mlxcel_dec_moe_glu_{f}_{d}(const uint32_t* gw, const {t}* gs, const {t}* gb, \
                  const uint32_t* uw, const {t}* us, const {t}* ub, const int* ids, const {t}* x, \
                  {t}* out, int inter, int words, int groups, int top_k) {{ \
-                 dec_moe_glu<{bits}, {depth}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
+                 dec_moe_glu<{bits}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
                  groups, top_k); }}\n\
                  extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
                  mlxcel_dec_moe_down_{f}_{d}(const uint32_t* dw, const {t}* ds, const {t}* db, \
                  const int* ids, const float* weights, const {t}* a, const {t}* res, {t}* out, \
                  int n_rows, int words, int groups, int top_k, int outs) {{ \
-                 dec_moe_down<{bits}, {depth}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
-                 groups, top_k, outs); }}\n",
-                depth = shapes.expert_depth,
+                 dec_moe_down<{bits}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
+                 groups, top_k, outs); }}\n"
             );
         }
     }
@@ -1814,7 +1787,7 @@ mod tests {
         }
         assert!(tc.wrapper.contains("dec_qmt<4, 2, "));
         // Blocks per SM asked for reach the GEMVs' launch bounds (by default 8 for the residual
-        // ones only), the kinds sharing a shape alike.
+        // GEMVs only).
         let bounded = decoder_entry(
             Dtype::Bfloat16,
             formats,
@@ -1835,22 +1808,11 @@ mod tests {
             .contains("__launch_bounds__(128, 6) mlxcel_dec_qmv_b4_glu_"));
         assert!(bounded
             .wrapper
-            .contains("__launch_bounds__(128, 6) mlxcel_dec_qmv_b4_glup_"));
-        assert!(bounded
-            .wrapper
             .contains("__launch_bounds__(128) mlxcel_dec_qmv_b4_rms_"));
-        for kind in ["res", "resn"] {
-            assert!(entry
-                .wrapper
-                .contains(&format!("__launch_bounds__(128, 8) mlxcel_dec_qmv_b4_{kind}_")));
-        }
         assert!(entry
             .wrapper
-            .contains("__launch_bounds__(128) mlxcel_dec_qmv_b4_glu_"));
-        // Only the norm-writing kind takes the norm's output and the counter, and calls
-        // dec_norm_last.
-        assert_eq!(entry.wrapper.matches("dec_norm_last<").count(), 1);
-        assert_eq!(entry.wrapper.matches("int* counter)").count(), 1);
+            .contains("__launch_bounds__(128, 8) mlxcel_dec_qmv_b4_res_"));
+        assert_eq!(entry.wrapper.matches("__launch_bounds__(128, ").count(), 1);
         assert!(entry.wrapper.contains("mlxcel_dec_attention_bfloat16("));
         assert!(!entry.wrapper.contains("_b8_") && !entry.wrapper.contains("mlxcel_dec_dmv_"));
         let mixed = DecoderFormats::default().with(Some(8)).with(None);

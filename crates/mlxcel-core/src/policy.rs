@@ -307,11 +307,6 @@ pub struct RuntimePolicy {
     /// 1-32 rows each; B: blocks per SM the registers must allow ([`DecodeGemv`]). Default
     /// `4x8,4x4:8,4x8`.
     pub cuda_decode_gemv: [DecodeGemv; 3],
-    /// `MLXCEL_CUDA_DECODE_EXPERT_DEPTH`: how many of a lane's 16-byte steps along an expert's
-    /// row the CUDA decode step's routed-expert GEMVs (decode_moe.cu) load before using any
-    /// (1 to 8). Expert rows are short (Qwen3-30B-A3B: 8 steps a lane for gate|up), so these
-    /// GEMVs wait on memory once per `depth` steps. Default 2 (the kernel before it was a knob).
-    pub cuda_decode_expert_depth: i32,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -371,8 +366,6 @@ pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
         min_blocks: 0,
     },
 ];
-/// The routed-expert GEMVs' load depth unless `MLXCEL_CUDA_DECODE_EXPERT_DEPTH` picks another.
-pub const DEFAULT_DECODE_EXPERT_DEPTH: i32 = 2;
 /// The decode step's tensor-core GEMV shape unless `MLXCEL_CUDA_DECODE_TC` picks another.
 pub const DEFAULT_DECODE_TC_SHAPE: LaunchShape = LaunchShape { warps: 8, rows: 16 };
 
@@ -409,7 +402,6 @@ impl RuntimePolicy {
         cuda_decode: true,
         cuda_decode_tc: None,
         cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
-        cuda_decode_expert_depth: DEFAULT_DECODE_EXPERT_DEPTH,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -421,7 +413,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 38] = [
+    pub const VARIABLES: [&'static str; 37] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -447,7 +439,6 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV_MMA",
         "MLXCEL_CUDA_DECODE_TC",
         "MLXCEL_CUDA_DECODE_GEMV",
-        "MLXCEL_CUDA_DECODE_EXPERT_DEPTH",
         "MLXCEL_CUDA_GATHER",
         "MLXCEL_CUDA_LOAD",
         "MLXCEL_CUDA_LOAD_READERS",
@@ -619,9 +610,6 @@ impl RuntimePolicy {
                          within an SM's 32 blocks and 64 warps",
                     )),
                 };
-        }
-        if let Some(v) = get("MLXCEL_CUDA_DECODE_EXPERT_DEPTH") {
-            p.cuda_decode_expert_depth = v.in_range("a depth from 1 to 8", 1, 8)? as i32;
         }
         if let Some(v) = get("MLXCEL_BATCH_PIPELINE") {
             p.batch_pipeline = v.switch()?;
@@ -981,12 +969,6 @@ mod tests {
         assert_eq!(one(v, "1").cuda_decode_tc, Some(DEFAULT_DECODE_TC_SHAPE));
         assert_eq!(one(v, "4x32").cuda_decode_tc, LaunchShape::new(4, 32));
         for bad in ["4x8", "32x16", "8x64", "8", "on"] {
-            rejects(v, bad);
-        }
-        let v = "MLXCEL_CUDA_DECODE_EXPERT_DEPTH";
-        assert_eq!(RuntimePolicy::default().cuda_decode_expert_depth, 2);
-        assert_eq!(one(v, "8").cuda_decode_expert_depth, 8);
-        for bad in ["0", "9", "deep"] {
             rejects(v, bad);
         }
         let v = "MLXCEL_CUDA_DECODE_GEMV";

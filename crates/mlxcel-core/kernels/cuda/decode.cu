@@ -12,8 +12,6 @@
 //   dec_qmv (RES 1)  h += attn @ Wo^T
 //   dec_qmv (PRE 1, GLU 1)  a = silu(rms_norm(h) @ Wg^T) * (rms_norm(h) @ Wu^T)
 //   dec_qmv (RES 1)  h += a @ Wd^T
-// where a residual GEMV's last block may also write the next norm's output (dec_norm_last),
-// which the GEMV after then reads as it is (PRE 0: kinds plain, glup and resn).
 // Each rounds to T where MLX's ops would, so the step matches the MLX graph to T's precision.
 
 // ---- the GEMV over up to three matrices sharing K ------------------------------------------
@@ -194,42 +192,6 @@ __device__ __forceinline__ void dec_dmv3(const T* w0, T* o0, int n0, const T* w1
     w = w1, o = o1, n = n1, bx -= b0;
   }
   dec_dmv<NW, RPW, PRE, RES, 0, T>(w, x, aux, res, o, n, k_len, eps, bx);
-}
-
-// ---- the next RMSNorm, once per step ------------------------------------------------------
-// After a residual GEMV (RES 1, one matrix) has written h ([n], each block its rows): the block
-// that finishes last writes xn = norm * rms_norm(h), rounded as PRE 1 rounds its input, so the
-// GEMV after reads it ready (PRE 0) instead of each of its blocks normalising h again (the
-// sum of squares, two roundings per value: a quarter of a 4-bit decode GEMV's instructions).
-// The sum is taken in qmv_inv_rms's order, so with the consumer's NW xn is bit for bit what
-// its PRE 1 blocks would have computed. `counter` is 0 between launches (the last block sets it
-// back); steps run one at a time on one stream.
-template <int NW, typename T>
-__device__ __forceinline__ void dec_norm_last(const T* h, const T* norm, T* xn, int* counter,
-                                              int n, float eps) {
-  __shared__ int dec_is_last;
-  __threadfence();  // this block's rows of h are visible before it counts itself done
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    dec_is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!dec_is_last) {
-    return;
-  }
-  __threadfence();
-  const float inv = qmv_inv_rms<NW, T, true>(h, n, eps);
-  for (int k = threadIdx.x * 8; k < n; k += NW * 32 * 8) {
-    float f[8];
-    qmv_input<1, 8, T, true>(h, norm, k, n, inv, f);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      qmv_store(xn + k + j, f[j]);
-    }
-  }
-  if (threadIdx.x == 0) {
-    *counter = 0;
-  }
 }
 
 // ---- attention: rope, the cache write, split-K attention and its combine, one launch -----

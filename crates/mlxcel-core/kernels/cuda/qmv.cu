@@ -51,12 +51,11 @@ __device__ __forceinline__ float qmv_silu_gate(const T* like, float g, float u) 
   return qmv_round(like, qmv_round(like, g * sig) * u);
 }
 
-// N activations starting at element `k` of row `xrow`, prepared as PRE says (CG: x from L2,
-// see qmv_load_words).
-template <int PRE, int N, typename T, bool CG = false>
+// N activations starting at element `k` of row `xrow`, prepared as PRE says.
+template <int PRE, int N, typename T>
 __device__ __forceinline__ void qmv_input(const T* xrow, const T* aux, int k, int k_len,
                                           float inv_rms, float (&xf)[N]) {
-  qmv_load_x<N, CG>(xrow + k, xf);
+  qmv_load_x(xrow + k, xf);
   if constexpr (PRE == 1) {
     float wf[N];
     qmv_load_x(aux + k, wf);
@@ -81,15 +80,14 @@ __device__ __forceinline__ void qmv_input(const T* xrow, const T* aux, int k, in
   }
 }
 
-// 1 / sqrt(mean(x^2) + eps) over a row of k_len activations, in every thread of the block
-// (CG: x from L2, see qmv_load_words).
-template <int NW, typename T, bool CG = false>
+// 1 / sqrt(mean(x^2) + eps) over a row of k_len activations, in every thread of the block.
+template <int NW, typename T>
 __device__ __forceinline__ float qmv_inv_rms(const T* xrow, int k_len, float eps) {
   __shared__ float qmv_ss[NW];
   float ss = 0.0f;
   for (int k = threadIdx.x * 8; k < k_len; k += NW * 32 * 8) {
     float f[8];
-    qmv_load_x<8, CG>(xrow + k, f);
+    qmv_load_x(xrow + k, f);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       ss = fmaf(f[j], f[j], ss);

@@ -70,21 +70,18 @@ __device__ __forceinline__ uint4 qmv_load_w(const uint32_t* p) {
   return r;
 }
 
-// W consecutive 32-bit words (W * 4 bytes, which must be that aligned) in one or two vector loads;
-// CG: from L2 (ld.global.cg), for values other blocks of the same launch wrote (L1 is not
-// coherent: this SM may hold lines it read before they were written).
-template <int W, bool CG = false>
+// W consecutive 32-bit words (W * 4 bytes, which must be that aligned) in one or two vector loads.
+template <int W>
 __device__ __forceinline__ void qmv_load_words(const void* p, uint32_t (&u)[W]) {
   static_assert(W == 2 || W == 4 || W == 8, "qmv: 2, 4 or 8 words");
   if constexpr (W == 2) {
-    const uint2 v = CG ? __ldcg(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
     u[0] = v.x;
     u[1] = v.y;
   } else {
 #pragma unroll
     for (int i = 0; i < W / 4; ++i) {
-      const uint4 v = CG ? __ldcg(reinterpret_cast<const uint4*>(p) + i)
-                         : reinterpret_cast<const uint4*>(p)[i];
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
       u[4 * i + 0] = v.x;
       u[4 * i + 1] = v.y;
       u[4 * i + 2] = v.z;
@@ -94,30 +91,30 @@ __device__ __forceinline__ void qmv_load_words(const void* p, uint32_t (&u)[W]) 
 }
 
 // N consecutive activations as floats (element 2i is the low half of word i).
-template <int N, bool CG = false>
+template <int N>
 __device__ __forceinline__ void qmv_load_x(const mlxcel_bf16* p, float (&xf)[N]) {
   uint32_t u[N / 2];
-  qmv_load_words<N / 2, CG>(p, u);
+  qmv_load_words<N / 2>(p, u);
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
     xf[2 * i] = __uint_as_float(u[i] << 16);
     xf[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
   }
 }
-template <int N, bool CG = false>
+template <int N>
 __device__ __forceinline__ void qmv_load_x(const mlxcel_f16* p, float (&xf)[N]) {
   uint32_t u[N / 2];
-  qmv_load_words<N / 2, CG>(p, u);
+  qmv_load_words<N / 2>(p, u);
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
     xf[2 * i] = mlxcel_f16_bits_to_float((unsigned short)(u[i] & 0xFFFFu));
     xf[2 * i + 1] = mlxcel_f16_bits_to_float((unsigned short)(u[i] >> 16));
   }
 }
-template <int N, bool CG = false>
+template <int N>
 __device__ __forceinline__ void qmv_load_x(const float* p, float (&xf)[N]) {
   uint32_t u[N];
-  qmv_load_words<N, CG>(p, u);
+  qmv_load_words<N>(p, u);
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     xf[i] = __uint_as_float(u[i]);
