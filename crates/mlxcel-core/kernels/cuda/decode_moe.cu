@@ -27,8 +27,9 @@ constexpr int DEC_MOE_GROUPS = DEC_MOE_THREADS / DEC_MOE_LPR;
 constexpr int DEC_MOE_MAX_TOP_K = 32;
 constexpr int DEC_MOE_MAX_EXPERTS = 1024;
 constexpr int DEC_ROUTE_THREADS = 256;
-// dec_moe_dot's DEPTH for the expert kernels: 2 (on an H100, Qwen3-30B-A3B 4-bit shape, session
-// 30: 321 tok/s against 304 at 4 and 308 at 8, whose registers cost more than the waits saved).
+// dec_moe_dot's DEPTH for the expert kernels: 2. Deeper loads cost more registers than the
+// waits they save (H100, Qwen3-30B-A3B 4-bit shape, session 30: 321 tok/s at 2, 304 at 4, 308
+// at 8).
 constexpr int DEC_MOE_DEPTH = 2;
 
 // The lanes of this thread's lane group, for shuffles that stay inside it (groups of one warp
@@ -42,10 +43,9 @@ __device__ __forceinline__ unsigned dec_moe_group_mask() {
 // x (K values of T), by one lane group: the sums in every lane of the group. `words`: uint32
 // words per row (16-byte chunks: words / 4); `gshift`: log2 of chunks per quantization group.
 // DEPTH: the lane's chunk steps whose loads (R 16-byte weight loads and their groups' scales
-// and biases) are issued together before any is used. An expert's rows are short (Qwen3-30B-
-// A3B: 8 steps a lane for gate|up, 3 for down), so the expert GEMVs are bound by how many
-// times a lane waits for memory, ceil(steps / DEPTH), not by their bytes. Any DEPTH sums the
-// chunks in the same order (the same bits).
+// and biases) are issued together before any is used, so a lane waits for memory
+// ceil(steps / DEPTH) times (Qwen3-30B-A3B: 8 steps a lane for gate|up, 3 for down). Any DEPTH
+// sums the chunks in the same order (the same bits).
 template <int BITS, int R, int DEPTH, typename T>
 __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const T* const (&s)[R],
                                             const T* const (&b)[R], const T* x, int words,

@@ -152,7 +152,7 @@ __device__ __forceinline__ uint32_t qmv_word(const uint4& v, int k) {
 }
 
 // ---- dequantize + dot of one packed word -------------------------------------------------
-//
+
 // Element j of a word sits at bits BITS*j .. BITS*j+BITS-1. Instead of shift/and/I2F (the
 // int->float convert is quarter rate), the quantized value q is moved into the top of a
 // float mantissa under a fixed exponent, which yields the exact float QOFF + q:
@@ -168,7 +168,7 @@ __device__ __forceinline__ uint32_t qmv_word(const uint4& v, int k) {
 // (removed by the caller through the sum of the high-half activations) and a perturbation of
 // at most 15/65536 on a value in 0..15 (relative error ~2e-5 on the result, far below bf16's
 // 4e-3, but not float32-exact: use FAST=0 for float32 outputs).
-// Returns acc + sum_j (offset_j + q_j) * xf[j].
+
 // ((w >> 4p) & 0x000F000F) | 0x43004300 (hi) in one LOP3 after the shift, and its low half
 // moved up (lo) by a multiply on the FMA pipe. In PTX because NVVM splits the AND-OR into two
 // LOP3s (SASS takes one immediate) and rewrites the shifted low half as another shift, AND and
@@ -190,7 +190,7 @@ __device__ __forceinline__ uint32_t qmv_up(int n) {
   return 65536u | ((uint32_t)n >> 31);
 }
 
-// `up`: qmv_up() (used by FAST only).
+// Returns acc + sum_j (offset_j + q_j) * xf[j]; `up`: qmv_up()'s 65536 (FAST only).
 template <int BITS, int FAST>
 __device__ __forceinline__ float qmv_dot_word(uint32_t w, const float* xf, float acc,
                                               uint32_t up) {
