@@ -38,10 +38,10 @@
 #                            mlx-lm
 #   gpu_probe.sh gemv        the CUDA decode step's float GEMV launch shapes
 #                            (MLXCEL_CUDA_DECODE_GEMV, GEMV_SHAPES: "rms,res,glu" each NWxRPW[:B])
-#                            on SHAPE (default the 8B 4-bit shape): decode tok/s of each (one process, two
-#                            requests) and an md5 of its greedy ids (rows per block and register
-#                            caps change no arithmetic, so those lines' ids should match; warps per
-#                            block change the order of a block's sums)
+#                            on SHAPE (default the 8B 4-bit shape): decode tok/s of each (one
+#                            process, two requests) and an md5 of its greedy ids (rows per block
+#                            and register caps change no arithmetic, so those lines' ids should
+#                            match; warps per block change the order of a block's sums)
 #   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
 #                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
 #                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;

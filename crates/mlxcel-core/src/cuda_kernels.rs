@@ -49,25 +49,24 @@ const QMV: &str = include_str!("../kernels/cuda/qmv.cu");
 const QMV_MMA: &str = include_str!("../kernels/cuda/qmv_mma.cu");
 const DEQUANT: &str = include_str!("../kernels/cuda/dequant.cu");
 const SCAN: &str = include_str!("../kernels/cuda/scan.cu");
-/// The decode step's kernels (decode.cu) after the GEMV they call (qmv.cu).
-const QMV_AND_DECODE: &str = concat!(
-    include_str!("../kernels/cuda/qmv.cu"),
-    "\n",
-    include_str!("../kernels/cuda/qmv_tc.cu"),
-    "\n",
-    include_str!("../kernels/cuda/decode.cu")
-);
-/// The decode step's kernels with its routed-expert layers (decode_moe.cu), for models that
-/// have them; a model without keeps the module (and the cached cubins) of decode.cu alone.
-const QMV_DECODE_AND_MOE: &str = concat!(
-    include_str!("../kernels/cuda/qmv.cu"),
-    "\n",
-    include_str!("../kernels/cuda/qmv_tc.cu"),
-    "\n",
-    include_str!("../kernels/cuda/decode.cu"),
-    "\n",
-    include_str!("../kernels/cuda/decode_moe.cu")
-);
+/// The decode step's kernels (decode.cu) after the GEMVs they call (qmv.cu, qmv_tc.cu); with
+/// `$tail`, the files after decode.cu.
+macro_rules! decode_module {
+    ($($tail:literal),*) => {
+        concat!(
+            include_str!("../kernels/cuda/qmv.cu"),
+            "\n",
+            include_str!("../kernels/cuda/qmv_tc.cu"),
+            "\n",
+            include_str!("../kernels/cuda/decode.cu")
+            $(, "\n", include_str!($tail))*
+        )
+    };
+}
+const QMV_AND_DECODE: &str = decode_module!();
+/// With its routed-expert layers (decode_moe.cu), for models that have them; a model without
+/// keeps the module (and the cached cubins) of decode.cu alone.
+const QMV_DECODE_AND_MOE: &str = decode_module!("../kernels/cuda/decode_moe.cu");
 /// In every module: the launcher's copy of an input that is not row-contiguous.
 const GATHER: &str = include_str!("../kernels/cuda/gather.cu");
 const ROWS: &str = include_str!("../kernels/cuda/rows.cu");
