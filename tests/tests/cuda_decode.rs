@@ -268,6 +268,16 @@ fn cuda_step_matches_the_graph_on_llama_qwen_and_moe_fixtures() {
             d.between
         );
     }
+    // Overlapped launches (on by default) must have been taken, not fallen back from: the
+    // GPU machines this runs on are Hopper's, whose driver builds programmatic edges.
+    let overlap = RuntimePolicy::from_env().unwrap().cuda_decode_overlap;
+    let overlapped = mlxcel_core::cuda_decode::overlapped_decoders();
+    eprintln!("MLXCEL_CUDA_DECODE_OVERLAP {overlap}: {overlapped} steps built overlapped");
+    assert_eq!(
+        overlapped > 0,
+        overlap,
+        "overlapped launches as the policy asks"
+    );
     for (name, dtype, d) in worst {
         let allowed = 1.5 * d.graph + slack(dtype);
         assert!(

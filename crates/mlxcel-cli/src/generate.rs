@@ -671,6 +671,8 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
         },
         // mlxcel's CUDA kernels compiled in this process so far (load and this request).
         "kernel_compile_s": mlxcel_core::cuda_kernels::compile_seconds(),
+        // CUDA decode steps built with overlapped launches (MLXCEL_CUDA_DECODE_OVERLAP).
+        "cuda_decode_overlapped": mlxcel_core::cuda_decode::overlapped_decoders(),
         "prompt_tokens": stats.prompt_tokens,
         "prefill_s": stats.prefill_seconds,
         "prefill_tps": stats.prefill_tokens_per_second(),

@@ -14,6 +14,15 @@
 // the logits. Scratch space is one stream-ordered allocation per step. Every node reads and
 // writes that scratch array, so MLX's encoder chains the nodes in order; the first node also
 // depends on the inputs, the last one is the producer of the logits and of the caches.
+//
+// Overlapped launches (`overlap`, MLXCEL_CUDA_DECODE_OVERLAP): the step's kernels go into a
+// graph of their own, each joined to the one before by a programmatic edge (Hopper's
+// programmatic dependent launch), and that graph into MLX's as one child node. A kernel then
+// launches while the one before it finishes, issues its weights' first loads and waits
+// (prelude.cuh's mlxcel_follow_prior_grid) instead of starting only after the previous grid
+// has drained: the step's ~160-340 kernel boundaries each cost a launch and a first memory
+// latency otherwise. `cuda_decoder_finish` checks once that the driver builds and instantiates
+// such a graph, and keeps the plain chain when it does not.
 #include <array>
 #include <cstring>
 #include <memory>
@@ -181,6 +190,8 @@ struct CudaDecoderState {
   int inter = 0;  // widest MLP
   // Routed-expert layers: most experts, most kept per token, widest top_k * expert width.
   int experts = 0, top_k = 0, moe_inter = 0;
+  // The kernels in a child graph joined by programmatic edges (see the file's comment).
+  bool overlap = false;
   bool finished = false;
 
   std::string where(int l) const {
@@ -209,6 +220,118 @@ struct Moe {
   char* act;
 };
 
+// The driver's graph entry points and MLX's `CommandEncoder::add_graph_node(graph, key,
+// updatable)`, for overlapped launches; null when any is missing.
+struct CUgraphEdgeData {
+  unsigned char from_port, to_port, type, reserved[5];
+};
+// CUDA_KERNEL_NODE_PARAMS_v2.
+struct KernelNodeParams {
+  CUfunction func;
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+  void** params;
+  void** extra;
+  void* kernel;
+  CUcontext ctx;
+};
+constexpr unsigned char GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1;
+constexpr unsigned char GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 1;
+
+struct OverlapApi {
+  int (*graph_create)(void** graph, unsigned flags);
+  int (*graph_destroy)(void* graph);
+  int (*add_kernel_node)(void** node, void* graph, void* const* deps, size_t n_deps,
+                         const KernelNodeParams* params);
+  int (*add_dependencies)(void* graph, void* const* from, void* const* to,
+                          const CUgraphEdgeData* edges, size_t n);
+  int (*add_child_graph_node)(void** node, void* graph, void* const* deps, size_t n_deps,
+                              void* child);
+  int (*instantiate)(void** exec, void* graph, unsigned long long flags);
+  int (*exec_destroy)(void* exec);
+  void (*add_graph_node)(void* encoder, void* graph, const std::string& key, bool updatable);
+};
+
+const OverlapApi* overlap_api() {
+  static const OverlapApi* api = []() -> const OverlapApi* {
+    static OverlapApi a;
+    bool found = true;
+    auto get = [&found](auto& slot, const char* symbol) { resolve_symbol(slot, symbol, found); };
+    get(a.graph_create, "cuGraphCreate");
+    get(a.graph_destroy, "cuGraphDestroy");
+    get(a.add_kernel_node, "cuGraphAddKernelNode_v2");
+    get(a.add_dependencies, "cuGraphAddDependencies_v2");
+    get(a.add_child_graph_node, "cuGraphAddChildGraphNode");
+    get(a.instantiate, "cuGraphInstantiateWithFlags");
+    get(a.exec_destroy, "cuGraphExecDestroy");
+    get(a.add_graph_node,
+        "_ZN3mlx4core2cu14CommandEncoder14add_graph_nodeEP10CUgraph_stRKNSt7__cxx1112basic_"
+        "stringIcSt11char_traitsIcESaIcEEEb");
+    return found ? &a : nullptr;
+  }();
+  return api;
+}
+
+// A graph being built, destroyed with its holder.
+struct OwnedGraph {
+  const OverlapApi& api;
+  void* graph = nullptr;
+  explicit OwnedGraph(const OverlapApi& a) : api(a) {}
+  ~OwnedGraph() {
+    if (graph != nullptr) {
+      api.graph_destroy(graph);
+    }
+  }
+  OwnedGraph(const OwnedGraph&) = delete;
+  OwnedGraph& operator=(const OwnedGraph&) = delete;
+};
+
+// Adds a node launching `function` to `graph`, after `prior` (null: none) by a programmatic
+// edge; returns a driver status.
+int add_overlapped_kernel(const OverlapApi& api, void* graph, void* prior, void** node,
+                          CUfunction function, Dim3 grid, Dim3 block, unsigned shared_bytes,
+                          void** params) {
+  const KernelNodeParams p{function, grid.x,      grid.y,  grid.z,  block.x, block.y,
+                           block.z,  shared_bytes, params, nullptr, nullptr, nullptr};
+  int status = api.add_kernel_node(node, graph, nullptr, 0, &p);
+  if (status == 0 && prior != nullptr) {
+    const CUgraphEdgeData edge{GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, 0,
+                               GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC, {}};
+    status = api.add_dependencies(graph, &prior, node, &edge, 1);
+  }
+  return status;
+}
+
+// Whether this driver builds and instantiates a graph holding two kernels joined by a
+// programmatic edge as a child node (what an overlapped step gives MLX); `function` is any
+// kernel of the module (never launched).
+bool overlap_supported(const OverlapApi& api, CUfunction function) {
+  OwnedGraph child(api), parent(api);
+  if (api.graph_create(&child.graph, 0) != 0 || api.graph_create(&parent.graph, 0) != 0) {
+    return false;
+  }
+  uint64_t slot = 0;
+  void* params[32];
+  for (auto& p : params) {
+    p = &slot;
+  }
+  void* first = nullptr;
+  void* second = nullptr;
+  void* node = nullptr;
+  void* exec = nullptr;
+  const Dim3 one{1, 1, 1};
+  const bool built =
+      add_overlapped_kernel(api, child.graph, nullptr, &first, function, one, one, 0, params) ==
+          0 &&
+      add_overlapped_kernel(api, child.graph, first, &second, function, one, one, 0, params) ==
+          0 &&
+      api.add_child_graph_node(&node, parent.graph, nullptr, 0, child.graph) == 0 &&
+      api.instantiate(&exec, parent.graph, 0) == 0;
+  if (exec != nullptr) {
+    api.exec_destroy(exec);
+  }
+  return built;
+}
+
 class CudaDecodeStep : public mx::Primitive {
  public:
   CudaDecodeStep(mx::Stream stream, std::shared_ptr<const CudaDecoderState> state, int position)
@@ -226,6 +349,17 @@ class CudaDecodeStep : public mx::Primitive {
     inputs_ = &inputs;
     auto& enc = *static_cast<mx::cu::CommandEncoder*>(encoder_);
     first_ = true;
+    std::optional<OwnedGraph> graph;
+    if (st.overlap) {
+      const OverlapApi& overlap = *overlap_api();
+      graph.emplace(overlap);
+      check(api, overlap.graph_create(&graph->graph, 0), "cuGraphCreate");
+      graph_ = &*graph;
+      prior_ = nullptr;
+      nodes_ = 0;
+    } else {
+      graph_ = nullptr;
+    }
 
     mx::array x = inputs[0];
     if (!x.flags().row_contiguous) {
@@ -341,6 +475,15 @@ class CudaDecodeStep : public mx::Primitive {
     }
     gemv(GEMV_RMS, {Segment{&st.head, device_pointer(logits)}}, h, ptr(st.final_norm), nullptr,
          /*last=*/true);
+    if (graph) {
+      // The child node stands for every kernel: it reads the inputs and writes the arena, the
+      // logits and the caches. Its key tells MLX's graph cache the child's topology (a chain of
+      // `nodes_` kernels) for updating the instantiated graph in place.
+      set_dependencies(true);
+      graph->api.add_graph_node(encoder_, graph->graph, "(mlxcelpdl" + std::to_string(nodes_) + ")",
+                                true);
+      graph_ = nullptr;
+    }
     api.add_completed_handler(encoder_, [arena = *arena_]() {});
     arena_.reset();
   }
@@ -357,6 +500,24 @@ class CudaDecodeStep : public mx::Primitive {
   // it.
   void launch(void* function, Dim3 grid, Dim3 block, Args& args, bool last = false,
               unsigned shared_bytes = 0) {
+    if (graph_ != nullptr) {
+      void* node = nullptr;
+      check(*api_,
+            add_overlapped_kernel(graph_->api, graph_->graph, prior_, &node, function, grid,
+                                  block, shared_bytes, args.params()),
+            "adding a kernel of the decode step to its graph");
+      prior_ = node;
+      ++nodes_;
+      return;
+    }
+    set_dependencies(last);
+    api_->add_kernel(encoder_, function, grid, block, Dim3{1, 1, 1}, shared_bytes,
+                     args.params());
+  }
+
+  // What MLX's encoder makes the next node depend on and produce: the inputs (first node), the
+  // arena (every node), the logits and the caches (`last`).
+  void set_dependencies(bool last) {
     const LaunchApi& api = *api_;
     const CudaDecoderState& st = *state_;
     if (first_) {
@@ -376,7 +537,6 @@ class CudaDecodeStep : public mx::Primitive {
         api.set_output(encoder_, (*inputs_)[i]);
       }
     }
-    api.add_kernel(encoder_, function, grid, block, Dim3{1, 1, 1}, shared_bytes, args.params());
   }
 
   // The kernel and launch shape of a GEMV of `kind` over `m` (and matrices like it).
@@ -548,6 +708,10 @@ class CudaDecodeStep : public mx::Primitive {
   const mx::array* logits_ = nullptr;
   std::optional<mx::array> arena_;
   bool first_ = false;
+  // Overlapped launches: the step's graph, its last kernel node and its node count.
+  OwnedGraph* graph_ = nullptr;
+  void* prior_ = nullptr;
+  int nodes_ = 0;
 };
 
 void check_vector(const mx::array& a, int n, mx::Dtype dtype, const std::string& what) {
@@ -563,7 +727,8 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
                                               int32_t heads, int32_t kv_heads, int32_t head_dim,
                                               int32_t layers, float eps, float attn_scale,
                                               rust::Slice<const float> inv_freq, bool traditional,
-                                              rust::Slice<const int32_t> shapes) {
+                                              rust::Slice<const int32_t> shapes,
+                                              bool overlap) {
   if (hidden <= 0 || heads <= 0 || kv_heads <= 0 || head_dim <= 0 || layers <= 0 ||
       heads % kv_heads != 0) {
     throw std::invalid_argument("mlxcel: cuda decoder: invalid shape");
@@ -593,6 +758,7 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
   }
   st->tc_shape[0] = shapes[6];
   st->tc_shape[1] = shapes[7];
+  st->overlap = overlap;
   st->layer.resize(layers);
   d->state = std::move(st);
   return d;
@@ -831,6 +997,10 @@ void cuda_decoder_finish(CudaDecoder& d) {
     }
   }
   st.attention = function(*api, *st.binary, "mlxcel_dec_attention_" + t);
+  if (st.overlap) {
+    const OverlapApi* overlap = overlap_api();
+    st.overlap = overlap != nullptr && overlap_supported(*overlap, st.attention);
+  }
   if (st.top_k > 0) {
     st.route = function(*api, *st.binary, "mlxcel_dec_route_" + t);
     const char* formats[3] = {"b4", "b8", "dense"};
@@ -845,6 +1015,8 @@ void cuda_decoder_finish(CudaDecoder& d) {
   }
   st.finished = true;
 }
+
+bool cuda_decoder_overlapped(const CudaDecoder& d) { return d.state->finished && d.state->overlap; }
 
 std::unique_ptr<array> cuda_decoder_step(const CudaDecoder& d, const mx::array& x,
                                          const ArrayVec& keys, const ArrayVec& values,

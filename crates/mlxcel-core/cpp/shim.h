@@ -83,7 +83,8 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
                                               int32_t heads, int32_t kv_heads, int32_t head_dim,
                                               int32_t layers, float eps, float attn_scale,
                                               rust::Slice<const float> inv_freq, bool traditional,
-                                              rust::Slice<const int32_t> shapes);
+                                              rust::Slice<const int32_t> shapes,
+                                              bool overlap);
 void cuda_decoder_set_linear(CudaDecoder& d, int32_t layer, int32_t role, const array& w,
                              const array* scales, const array* biases, const array* bias,
                              int32_t group_size, int32_t bits);
@@ -91,6 +92,7 @@ void cuda_decoder_set_routing(CudaDecoder& d, int32_t layer, int32_t top_k, bool
                               float weight_scale);
 void cuda_decoder_set_norm(CudaDecoder& d, int32_t layer, int32_t role, const array& w);
 void cuda_decoder_finish(CudaDecoder& d);
+bool cuda_decoder_overlapped(const CudaDecoder& d);
 std::unique_ptr<array> cuda_decoder_step(const CudaDecoder& d, const array& x,
                                          const ArrayVec& keys, const ArrayVec& values,
                                          int64_t position);

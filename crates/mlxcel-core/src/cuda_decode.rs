@@ -34,6 +34,16 @@ impl std::fmt::Debug for CudaDecoder {
     }
 }
 
+/// Decoders finished in this process whose kernels launch overlapped (see
+/// [`CudaDecoder::overlapped`]).
+static OVERLAPPED_DECODERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many decode steps built in this process launch their kernels overlapped (the stats
+/// line's `cuda_decode_overlapped`, and what the GPU test checks the policy against).
+pub fn overlapped_decoders() -> usize {
+    OVERLAPPED_DECODERS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Most experts a routed-expert layer of the step may have (decode_moe.cu's
 /// `DEC_MOE_MAX_EXPERTS`).
 pub const MAX_EXPERTS: i32 = 1024;
@@ -91,6 +101,7 @@ impl CudaDecoder {
             &shape.inv_freq,
             shape.traditional,
             &shapes,
+            crate::policy::with(|p| p.cuda_decode_overlap),
         )?;
         Ok(CudaDecoder {
             raw,
@@ -163,7 +174,17 @@ impl CudaDecoder {
     /// afterwards.
     pub fn finish(&mut self) -> Result<()> {
         bridge::cuda_decoder_finish(self.raw.pin_mut())?;
+        if self.overlapped() {
+            OVERLAPPED_DECODERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         Ok(())
+    }
+
+    /// Whether the finished step launches each kernel while the one before it finishes
+    /// (`MLXCEL_CUDA_DECODE_OVERLAP`, where the driver builds such graphs: see
+    /// `cpp/cuda_decode.cc`).
+    pub fn overlapped(&self) -> bool {
+        bridge::cuda_decoder_overlapped(&self.raw)
     }
 
     /// Layers of the step.

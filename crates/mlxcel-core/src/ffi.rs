@@ -371,7 +371,7 @@ pub(crate) mod bridge {
         type CudaDecoder;
         /// A decoder of `layers` layers on bf16 (`f16`: float16) activations; `shapes`: the
         /// (warps, rows) launch shape of each GEMV kind, then of the tensor-core GEMVs ((0, 0):
-        /// none).
+        /// none); `overlap`: its kernels joined by programmatic edges where the driver can.
         #[allow(clippy::too_many_arguments)]
         fn cuda_decoder_new(
             binary: &CudaBinary,
@@ -386,6 +386,7 @@ pub(crate) mod bridge {
             inv_freq: &[f32],
             traditional: bool,
             shapes: &[i32],
+            overlap: bool,
         ) -> Result<UniquePtr<CudaDecoder>>;
         /// As `cpu_decoder_set_linear` (affine 4/8-bit only; a bias on q/k/v only).
         ///
@@ -421,6 +422,8 @@ pub(crate) mod bridge {
         ) -> Result<()>;
         /// Checks every part, evaluates the weights and loads the kernels.
         fn cuda_decoder_finish(d: Pin<&mut CudaDecoder>) -> Result<()>;
+        /// Whether the finished decoder launches its kernels overlapped.
+        fn cuda_decoder_overlapped(d: &CudaDecoder) -> bool;
         /// The logits `[1, 1, vocab]` of one decode step, lazily: `x` the embedded token, the
         /// layers' key/value buffers (row `position` is written in place when it runs).
         fn cuda_decoder_step(

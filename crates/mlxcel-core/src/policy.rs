@@ -307,6 +307,11 @@ pub struct RuntimePolicy {
     /// 1-32 rows each; B: blocks per SM the registers must allow ([`DecodeGemv`]). Default
     /// `4x8,4x4:8,4x8`.
     pub cuda_decode_gemv: [DecodeGemv; 3],
+    /// `MLXCEL_CUDA_DECODE_OVERLAP`: the CUDA decode step's kernels join a graph of their own
+    /// by programmatic edges (Hopper's programmatic dependent launch), so that each launches
+    /// and issues its first weight loads while the one before it finishes; kept off where the
+    /// driver cannot build such a graph. `0` chains them as plain graph nodes.
+    pub cuda_decode_overlap: bool,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -402,6 +407,7 @@ impl RuntimePolicy {
         cuda_decode: true,
         cuda_decode_tc: None,
         cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
+        cuda_decode_overlap: true,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -413,7 +419,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 37] = [
+    pub const VARIABLES: [&'static str; 38] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -439,6 +445,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_QMV_MMA",
         "MLXCEL_CUDA_DECODE_TC",
         "MLXCEL_CUDA_DECODE_GEMV",
+        "MLXCEL_CUDA_DECODE_OVERLAP",
         "MLXCEL_CUDA_GATHER",
         "MLXCEL_CUDA_LOAD",
         "MLXCEL_CUDA_LOAD_READERS",
@@ -582,6 +589,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_QMV_MMA") {
             p.cuda_qmv_mma = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DECODE_OVERLAP") {
+            p.cuda_decode_overlap = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE") {
             p.cuda_decode = v.switch()?;
@@ -880,7 +890,7 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 12] = [
+        let cases: [(&str, Get); 13] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
@@ -888,6 +898,9 @@ mod tests {
             ("MLXCEL_CUDA_QMV_FOLD", |p| Some(p.cuda_qmv_fold)),
             ("MLXCEL_CUDA_QMV_MMA", |p| Some(p.cuda_qmv_mma)),
             ("MLXCEL_CUDA_DECODE", |p| Some(p.cuda_decode)),
+            ("MLXCEL_CUDA_DECODE_OVERLAP", |p| {
+                Some(p.cuda_decode_overlap)
+            }),
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
             ("MLXCEL_CUDA_ROWS", |p| Some(p.cuda_rows)),
             ("MLXCEL_CUDA_GATHER", |p| Some(p.cuda_gather)),

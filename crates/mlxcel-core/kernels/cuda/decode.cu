@@ -29,7 +29,7 @@ __device__ __forceinline__ void dec_qmv(const uint32_t* w0, const T* s0, const T
                                         float eps) {
   constexpr int FAST = BITS == 4 ? 1 : 0;
   if constexpr (GLU != 0) {
-    qmv<BITS, NW, RPW, 1, 1, FAST, PRE, RES, T, 1>(w0, s0, z0, x, aux, res, o0, n0,
+    qmv<BITS, NW, RPW, 1, 1, FAST, PRE, RES, T, 1, 1>(w0, s0, z0, x, aux, res, o0, n0,
                                                    words_per_row, groups_per_row, 1, eps,
                                                    blockIdx.x, w1, s1, z1);
     return;
@@ -49,8 +49,8 @@ __device__ __forceinline__ void dec_qmv(const uint32_t* w0, const T* s0, const T
   } else if (bx >= b0) {
     w = w1, sc = s1, z = z1, o = o1, n = n1, bx -= b0;
   }
-  qmv<BITS, NW, RPW, 1, 1, FAST, PRE, RES, T>(w, sc, z, x, aux, res, o, n, words_per_row,
-                                              groups_per_row, 1, eps, bx);
+  qmv<BITS, NW, RPW, 1, 1, FAST, PRE, RES, T, 0, 1>(w, sc, z, x, aux, res, o, n, words_per_row,
+                                                    groups_per_row, 1, eps, bx);
 }
 
 // The same on tensor cores (qmv_tc.cu: 4-bit weights in groups of 64 or 128, K <= 16384):
@@ -62,6 +62,7 @@ __device__ __forceinline__ void dec_qmt(const uint32_t* w0, const T* s0, const T
                                         const T* z2, T* o2, int n2, const T* x, const T* aux,
                                         const T* res, int words_per_row, int groups_per_row,
                                         float eps) {
+  mlxcel_follow_prior_grid();
   if constexpr (GLU != 0) {
     qmt<NW, RT, PRE, RES, 1, T>(w0, s0, z0, x, aux, res, o0, n0, words_per_row, groups_per_row,
                                 eps, blockIdx.x, w1, s1, z1);
@@ -176,6 +177,7 @@ template <int NW, int RPW, int PRE, int RES, int GLU, typename T>
 __device__ __forceinline__ void dec_dmv3(const T* w0, T* o0, int n0, const T* w1, T* o1, int n1,
                                          const T* w2, T* o2, int n2, const T* x, const T* aux,
                                          const T* res, int k_len, float eps) {
+  mlxcel_follow_prior_grid();
   if constexpr (GLU != 0) {
     dec_dmv<NW, RPW, PRE, RES, 1, T>(w0, x, aux, res, o0, n0, k_len, eps, blockIdx.x, w1);
     return;
@@ -318,6 +320,9 @@ __device__ __forceinline__ void dec_attention(
       dec_prefetch_l2(reinterpret_cast<const char*>(values) + at);
     }
   }
+  // Cached rows come from earlier steps; q|k|v (and the counters, the partials) from the
+  // kernels just before.
+  mlxcel_follow_prior_grid();
   // 1. Every block of the group ropes the group's queries itself (a few hundred values).
   for (int i = warp; i < group; i += DEC_ATTN_WARPS) {
     const int h = g * group + i;

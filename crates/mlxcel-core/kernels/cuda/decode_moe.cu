@@ -155,6 +155,7 @@ __device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* 
                                           int* ids, float* weights, int experts, int top_k,
                                           int normalize, float scale, int hidden, float eps) {
   __shared__ float score[DEC_MOE_MAX_EXPERTS];
+  mlxcel_follow_prior_grid();
   const int tid = threadIdx.x;
   const float inv = qmv_inv_rms<DEC_ROUTE_THREADS / 32>(h, hidden, eps);
   for (int i = tid; i < hidden; i += DEC_ROUTE_THREADS) {
@@ -231,6 +232,7 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
                                             const uint32_t* uw, const T* us, const T* ub,
                                             const int* ids, const T* x, T* out, int inter,
                                             int words, int groups, int top_k) {
+  mlxcel_follow_prior_grid();
   const int item = blockIdx.x * DEC_MOE_GROUPS + (int)(threadIdx.x / DEC_MOE_LPR);
   if (item >= top_k * inter) {
     return;  // the whole lane group: its shuffles name its own lanes only
@@ -266,6 +268,21 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
   const int row0 = blockIdx.x * outs;
   const int k_len = BITS == 16 ? 2 * words : words * (32 / BITS);
   const int gshift = dec_moe_gshift<BITS>(words, groups);
+  // The routing was written two kernels back (dec_route, before dec_moe_glu), so the block can
+  // ask L2 for its experts' rows while dec_moe_glu finishes (read past L1: this SM's L1 may
+  // hold an earlier layer's ids).
+  for (int item = (int)(threadIdx.x / DEC_MOE_LPR); item < top_k * outs;
+       item += DEC_MOE_GROUPS) {
+    const int slot = item / outs;
+    const int n = min(row0 + item - slot * outs, n_rows - 1);
+    const size_t row = (size_t)__ldcg(ids + slot) * (size_t)n_rows + (size_t)n;
+    const char* bytes = reinterpret_cast<const char*>(dw + row * (size_t)words);
+    for (int at = (int)(threadIdx.x & (DEC_MOE_LPR - 1)) * 128; at < words * 4;
+         at += DEC_MOE_LPR * 128) {
+      dec_prefetch_l2(bytes + at);
+    }
+  }
+  mlxcel_follow_prior_grid();
   for (int item = (int)(threadIdx.x / DEC_MOE_LPR); item < top_k * outs;
        item += DEC_MOE_GROUPS) {
     const int slot = item / outs;

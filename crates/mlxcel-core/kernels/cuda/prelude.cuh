@@ -33,3 +33,28 @@ __device__ __forceinline__ unsigned short mlxcel_float_to_f16_bits(float v) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
   return h;
 }
+
+// Programmatic dependent launch (sm_90 and later; nothing on older GPUs). A kernel that a graph
+// edge of the programmatic kind follows may let the next kernel start launching before it
+// ends: `mlxcel_release_next_grid` says this block has started, and once every block has, the
+// next grid's blocks take the SM room this one frees and run what does not read its outputs
+// (their weights' first loads). `mlxcel_wait_prior_grid` then holds them until this grid has
+// completed and its writes are visible. Launched after an ordinary edge, both do nothing.
+__device__ __forceinline__ void mlxcel_wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mlxcel_release_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Both, in the order the decode step's kernels use them: a kernel waits for the one before it
+// to complete before it lets the one after it launch, so no more than two grids of the step
+// are ever resident, and what a kernel reads before its wait was written at least two kernels
+// earlier.
+__device__ __forceinline__ void mlxcel_follow_prior_grid() {
+  mlxcel_wait_prior_grid();
+  mlxcel_release_next_grid();
+}

@@ -181,8 +181,11 @@ __device__ __forceinline__ void qmv_finish(float (&acc)[MB][RPW], const T* res, 
 // biases) and the same RPW/2 rows of the up matrix (w_up, scales_up, biases_up), and it stores
 // silu(gate) * up for its RPW/2 outputs (n_rows = the gate's rows): the MLP's gate|up
 // projection whose down projection then reads one plain row.
+// PDL 1 (the decode step, launched after a programmatic edge): the block issues its first
+// step's weight loads (or, without HOIST, asks L2 for them), then waits for the kernel before
+// it (prelude.cuh's mlxcel_follow_prior_grid) before reading anything that kernel writes.
 template <int BITS, int NW, int RPW, int MB, int NOALLOC, int FAST, int PRE, int RES,
-          typename T, int GLU = 0>
+          typename T, int GLU = 0, int PDL = 0>
 __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T* biases,
                                     const T* x, const T* aux, const T* res, T* out, int n_rows,
                                     int words_per_row, int groups_per_row, int m_rows, float eps,
@@ -253,6 +256,15 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
   Step first;
   if (HOIST && tid < chunks_per_row) {
     load(tid, first);
+  }
+  if constexpr (PDL != 0) {
+    if (!HOIST && tid < chunks_per_row) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w_of(r) + wbase[r] + (size_t)tid * 4));
+      }
+    }
+    mlxcel_follow_prior_grid();
   }
 
   // The block's activation rows; rows past M repeat the last one and are never stored.
