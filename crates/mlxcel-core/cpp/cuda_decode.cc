@@ -78,11 +78,10 @@ constexpr unsigned ATTN_THREADS = 128; // DEC_ATTN_THREADS
 constexpr int MAX_CHUNK = 128;         // keys per attention block (a score each per thread)
 // Attention blocks per step the chunking aims at (about two per SM of an H100/H200).
 constexpr int ATTN_BLOCKS = 264;
-// decode_moe.cu's DEC_ROUTE_THREADS, DEC_MOE_THREADS, DEC_MOE_GROUPS (lane groups per block),
-// DEC_MOE_MAX_TOP_K and DEC_MOE_MAX_EXPERTS.
+// decode_moe.cu's DEC_ROUTE_THREADS, DEC_MOE_THREADS, DEC_MOE_MAX_TOP_K and
+// DEC_MOE_MAX_EXPERTS.
 constexpr unsigned ROUTE_THREADS = 256;
 constexpr unsigned MOE_THREADS = 128;
-constexpr int MOE_GROUPS = 16;
 constexpr int MAX_TOP_K = 32;
 constexpr int MAX_EXPERTS = 1024;
 
@@ -190,6 +189,8 @@ struct CudaDecoderState {
   int inter = 0;  // widest MLP
   // Routed-expert layers: most experts, most kept per token, widest top_k * expert width.
   int experts = 0, top_k = 0, moe_inter = 0;
+  // Lane groups per block of the expert GEMVs (DEC_MOE_THREADS / their LPR).
+  int moe_groups = 16;
   // The kernels in a child graph joined by programmatic edges (see the file's comment).
   bool overlap = false;
   bool finished = false;
@@ -663,10 +664,10 @@ class CudaDecodeStep : public mx::Primitive {
       g.ptr(device_pointer(*q->w)).ptr(ptr(q->scales)).ptr(ptr(q->biases));
     }
     g.ptr(m.ids).ptr(m.xn).ptr(m.act).i32(inter).i32(gate.words32()).i32(gate.groups()).i32(top_k);
-    launch(st.moe_glu[gate.table()], Dim3{unsigned(ceil_div(top_k * inter, MOE_GROUPS)), 1, 1},
+    launch(st.moe_glu[gate.table()], Dim3{unsigned(ceil_div(top_k * inter, st.moe_groups)), 1, 1},
            Dim3{MOE_THREADS, 1, 1}, g);
     // Rows per block: the block's lane groups cover every kept expert of each row.
-    const int outs = std::max(1, MOE_GROUPS / top_k);
+    const int outs = std::max(1, st.moe_groups / top_k);
     Args d;
     d.ptr(device_pointer(*down.w))
         .ptr(ptr(down.scales))
@@ -734,10 +735,11 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
     throw std::invalid_argument("mlxcel: cuda decoder: invalid shape");
   }
   if (head_dim > MAX_HEAD_DIM || head_dim % 8 != 0 || heads / kv_heads > MAX_GROUP ||
-      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 8) {
+      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 9 ||
+      (shapes[8] != 8 && shapes[8] != 16 && shapes[8] != 32)) {
     throw std::invalid_argument(
         "mlxcel: cuda decoder: head_dim a multiple of 8 up to 256, at most 16 query heads per "
-        "key/value head, rope within the head");
+        "key/value head, rope within the head, 8, 16 or 32 lanes per expert row");
   }
   auto d = std::make_unique<CudaDecoder>();
   auto st = std::make_shared<CudaDecoderState>();
@@ -758,6 +760,7 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
   }
   st->tc_shape[0] = shapes[6];
   st->tc_shape[1] = shapes[7];
+  st->moe_groups = int(MOE_THREADS) / shapes[8];
   st->overlap = overlap;
   st->layer.resize(layers);
   d->state = std::move(st);

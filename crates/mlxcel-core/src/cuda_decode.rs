@@ -80,13 +80,15 @@ impl CudaDecoder {
         // in).
         let launch = crate::cuda_kernels::decoder_shapes();
         let binary = crate::cuda_kernels::decoder_binary(dtype, formats, launch)?;
-        // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none).
+        // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none), then the
+        // expert GEMVs' lanes per row.
         let shapes: Vec<i32> = launch
             .gemv
             .iter()
             .map(|g| g.shape.pair())
             .chain([launch.tensor_cores.unwrap_or((0, 0))])
             .flat_map(|(nw, rpw)| [nw, rpw])
+            .chain([launch.moe_lanes])
             .collect();
         let raw = bridge::cuda_decoder_new(
             binary,

@@ -506,6 +506,9 @@ pub struct DecoderShapes {
     /// (warps, rows per block: 16 or 32) of the tensor-core GEMVs (qmv_tc.cu), or `None` when
     /// `MLXCEL_CUDA_DECODE_TC=0` keeps every 4-bit GEMV on qmv.cu.
     pub tensor_cores: Option<(i32, i32)>,
+    /// Lanes per (expert, row) dot product of the routed-expert GEMVs (decode_moe.cu's LPR:
+    /// 8, 16 or 32).
+    pub moe_lanes: i32,
 }
 
 impl Default for DecoderShapes {
@@ -514,6 +517,7 @@ impl Default for DecoderShapes {
         DecoderShapes {
             gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES,
             tensor_cores: None,
+            moe_lanes: crate::policy::DEFAULT_DECODE_MOE_LANES,
         }
     }
 }
@@ -523,6 +527,7 @@ pub fn decoder_shapes() -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
         gemv: p.cuda_decode_gemv,
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
+        moe_lanes: p.cuda_decode_moe_lanes,
     })
 }
 
@@ -669,19 +674,20 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             (8, "b8", formats.affine8),
             (16, "dense", formats.dense),
         ];
+        let lanes = shapes.moe_lanes;
         for (bits, f, _) in expert_formats.into_iter().filter(|&(_, _, on)| on) {
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
                  mlxcel_dec_moe_glu_{f}_{d}(const uint32_t* gw, const {t}* gs, const {t}* gb, \
                  const uint32_t* uw, const {t}* us, const {t}* ub, const int* ids, const {t}* x, \
                  {t}* out, int inter, int words, int groups, int top_k) {{ \
-                 dec_moe_glu<{bits}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
+                 dec_moe_glu<{bits}, {lanes}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
                  groups, top_k); }}\n\
                  extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
                  mlxcel_dec_moe_down_{f}_{d}(const uint32_t* dw, const {t}* ds, const {t}* db, \
                  const int* ids, const float* weights, const {t}* a, const {t}* res, {t}* out, \
                  int n_rows, int words, int groups, int top_k, int outs) {{ \
-                 dec_moe_down<{bits}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
+                 dec_moe_down<{bits}, {lanes}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
                  groups, top_k, outs); }}\n"
             );
         }

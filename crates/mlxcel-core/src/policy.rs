@@ -312,6 +312,10 @@ pub struct RuntimePolicy {
     /// and issues its first weight loads while the one before it finishes; kept off where the
     /// driver cannot build such a graph. `0` chains them as plain graph nodes.
     pub cuda_decode_overlap: bool,
+    /// `MLXCEL_CUDA_DECODE_MOE_LANES`: lanes per (expert, row) dot product of the CUDA decode
+    /// step's routed-expert GEMVs (decode_moe.cu): 8 (default), 16 or 32. More lanes split K
+    /// finer: fewer dependent loads per lane, more shuffles, more warps.
+    pub cuda_decode_moe_lanes: i32,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -371,6 +375,10 @@ pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
         min_blocks: 0,
     },
 ];
+/// Lanes per (expert, row) dot product of the decode step's routed-expert GEMVs unless
+/// `MLXCEL_CUDA_DECODE_MOE_LANES` picks another.
+pub const DEFAULT_DECODE_MOE_LANES: i32 = 8;
+
 /// The decode step's tensor-core GEMV shape unless `MLXCEL_CUDA_DECODE_TC` picks another.
 pub const DEFAULT_DECODE_TC_SHAPE: LaunchShape = LaunchShape { warps: 8, rows: 16 };
 
@@ -408,6 +416,7 @@ impl RuntimePolicy {
         cuda_decode_tc: None,
         cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
         cuda_decode_overlap: true,
+        cuda_decode_moe_lanes: DEFAULT_DECODE_MOE_LANES,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -419,7 +428,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 38] = [
+    pub const VARIABLES: [&'static str; 39] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -446,6 +455,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_DECODE_TC",
         "MLXCEL_CUDA_DECODE_GEMV",
         "MLXCEL_CUDA_DECODE_OVERLAP",
+        "MLXCEL_CUDA_DECODE_MOE_LANES",
         "MLXCEL_CUDA_GATHER",
         "MLXCEL_CUDA_LOAD",
         "MLXCEL_CUDA_LOAD_READERS",
@@ -592,6 +602,14 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE_OVERLAP") {
             p.cuda_decode_overlap = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DECODE_MOE_LANES") {
+            p.cuda_decode_moe_lanes = match v.word().as_str() {
+                "8" => 8,
+                "16" => 16,
+                "32" => 32,
+                _ => return Err(v.error("8, 16 or 32")),
+            };
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE") {
             p.cuda_decode = v.switch()?;
@@ -876,6 +894,16 @@ mod tests {
         assert_eq!(one(v, " CACHED ").expert_io, ExpertIo::Cached);
         assert_eq!(one(v, "direct").expert_io, ExpertIo::Direct);
         rejects(v, "o_direct");
+    }
+
+    #[test]
+    fn decode_moe_lanes() {
+        let v = "MLXCEL_CUDA_DECODE_MOE_LANES";
+        assert_eq!(parse(&[]).unwrap().cuda_decode_moe_lanes, 8);
+        assert_eq!(one(v, "16").cuda_decode_moe_lanes, 16);
+        assert_eq!(one(v, " 32 ").cuda_decode_moe_lanes, 32);
+        rejects(v, "4");
+        rejects(v, "64");
     }
 
     #[test]

@@ -16,14 +16,14 @@
 //
 // Expert stacks are `[E, rows, words]` (MLX's `switch_mlp` layout), affine 4/8-bit with scales
 // and biases `[E, rows, groups]`, or dense in T (BITS 16, `words` then counting pairs of T).
-// Work split of the expert GEMVs: a lane group of DEC_MOE_LPR lanes owns one (slot, row) dot
-// product and strides along K in 16-byte chunks (32 elements at 4 bits), so every row is read
-// as whole 128-byte lines however short K is (an expert's down projection has K = 768 in
-// Qwen3-30B-A3B: 24 chunks, which qmv's 32-lanes-per-row split would leave a quarter idle).
+// Work split of the expert GEMVs: a lane group of LPR lanes (8 by default; 16 or 32 with the
+// policy's MLXCEL_CUDA_DECODE_MOE_LANES) owns one (slot, row) dot product and strides along K
+// in 16-byte chunks (32 elements at 4 bits), so every row is read as whole 128-byte lines
+// however short K is (an expert's down projection has K = 768 in Qwen3-30B-A3B: 24 chunks,
+// which a 32-lane split would leave a quarter idle). The block's lane groups:
+// DEC_MOE_THREADS / LPR.
 
-constexpr int DEC_MOE_LPR = 8;          // lanes per (slot, row) dot product
 constexpr int DEC_MOE_THREADS = 128;    // threads per block of the expert kernels
-constexpr int DEC_MOE_GROUPS = DEC_MOE_THREADS / DEC_MOE_LPR;
 constexpr int DEC_MOE_MAX_TOP_K = 32;
 constexpr int DEC_MOE_MAX_EXPERTS = 1024;
 constexpr int DEC_ROUTE_THREADS = 256;
@@ -34,9 +34,10 @@ constexpr int DEC_MOE_DEPTH = 2;
 
 // The lanes of this thread's lane group, for shuffles that stay inside it (groups of one warp
 // may run different trip counts).
+template <int LPR>
 __device__ __forceinline__ unsigned dec_moe_group_mask() {
   const unsigned lane = threadIdx.x & 31;
-  return ((1u << DEC_MOE_LPR) - 1u) << (lane & ~unsigned(DEC_MOE_LPR - 1));
+  return LPR == 32 ? 0xffffffffu : ((1u << LPR) - 1u) << (lane & ~unsigned(LPR - 1));
 }
 
 // R weight rows (w[r], with their scales s[r] and biases b[r] for affine BITS 4/8) dotted with
@@ -46,7 +47,7 @@ __device__ __forceinline__ unsigned dec_moe_group_mask() {
 // and biases) are issued together before any is used, so a lane waits for memory
 // ceil(steps / DEPTH) times (Qwen3-30B-A3B: 8 steps a lane for gate|up, 3 for down). Any DEPTH
 // sums the chunks in the same order (the same bits).
-template <int BITS, int R, int DEPTH, typename T>
+template <int BITS, int LPR, int R, int DEPTH, typename T>
 __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const T* const (&s)[R],
                                             const T* const (&b)[R], const T* x, int words,
                                             int gshift, float (&acc)[R]) {
@@ -59,13 +60,13 @@ __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const
   for (int r = 0; r < R; ++r) {
     acc[r] = 0.0f;
   }
-  for (int c0 = threadIdx.x & (DEC_MOE_LPR - 1); c0 < chunks; c0 += DEPTH * DEC_MOE_LPR) {
+  for (int c0 = threadIdx.x & (LPR - 1); c0 < chunks; c0 += DEPTH * LPR) {
     uint4 wv[DEPTH][R];
     T sv[SCALED > 0 ? SCALED : 1][R];
     T bv[SCALED > 0 ? SCALED : 1][R];
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u) {
-      const int c = c0 + u * DEC_MOE_LPR;
+      const int c = c0 + u * LPR;
       if (c < chunks) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -79,7 +80,7 @@ __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const
     }
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u) {
-      const int c = c0 + u * DEC_MOE_LPR;
+      const int c = c0 + u * LPR;
       if (c >= chunks) {
         break;
       }
@@ -123,11 +124,11 @@ __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const
       }
     }
   }
-  const unsigned mask = dec_moe_group_mask();
+  const unsigned mask = dec_moe_group_mask<LPR>();
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
-    for (int o = DEC_MOE_LPR / 2; o > 0; o >>= 1) {
+    for (int o = LPR / 2; o > 0; o >>= 1) {
       acc[r] += __shfl_xor_sync(mask, acc[r], o);
     }
   }
@@ -225,15 +226,15 @@ __device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* 
 }
 
 // a[s * inter + r] = silu(x @ Wg[e]^T)[r] * (x @ Wu[e]^T)[r], e = ids[s], for every slot s <
-// top_k and row r < inter; one lane group per (s, r). Grid: ceil(top_k * inter /
-// DEC_MOE_GROUPS) blocks of DEC_MOE_THREADS.
-template <int BITS, typename T>
+// top_k and row r < inter; one lane group per (s, r). Grid: ceil(top_k * inter / groups)
+// blocks of DEC_MOE_THREADS.
+template <int BITS, int LPR, typename T>
 __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, const T* gb,
                                             const uint32_t* uw, const T* us, const T* ub,
                                             const int* ids, const T* x, T* out, int inter,
                                             int words, int groups, int top_k) {
   mlxcel_follow_prior_grid();
-  const int item = blockIdx.x * DEC_MOE_GROUPS + (int)(threadIdx.x / DEC_MOE_LPR);
+  const int item = blockIdx.x * (DEC_MOE_THREADS / LPR) + (int)(threadIdx.x / LPR);
   if (item >= top_k * inter) {
     return;  // the whole lane group: its shuffles name its own lanes only
   }
@@ -246,8 +247,8 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
   const T* s[2] = {gs + go, us + go};
   const T* b[2] = {gb + go, ub + go};
   float acc[2];
-  dec_moe_dot<BITS, 2, DEC_MOE_DEPTH>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
-  if ((threadIdx.x & (DEC_MOE_LPR - 1)) == 0) {
+  dec_moe_dot<BITS, LPR, 2, DEC_MOE_DEPTH>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
+  if ((threadIdx.x & (LPR - 1)) == 0) {
     qmv_store(out + item, qmv_silu_gate(x, qmv_round(x, acc[0]), qmv_round(x, acc[1])));
   }
 }
@@ -255,11 +256,10 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
 // out[n] = res[n] + sum_s weights[s] * (a[s] @ Wd[e_s]^T)[n] for the block's `outs` rows n
 // (a: [top_k, K], K = the experts' width), each expert's output rounded to T, then its
 // product with its weight, then the sum and the residual, as the graph rounds them. Lane group
-// g takes the (slot, row) pairs g, g + DEC_MOE_GROUPS, ... of the block's top_k * outs; the
-// block sums each row's slots in slot order (no atomics: the same bits every run). out may be
-// res. Grid: ceil(n_rows / outs) blocks of DEC_MOE_THREADS; top_k * outs <= 2 *
-// DEC_MOE_MAX_TOP_K.
-template <int BITS, typename T>
+// g takes the (slot, row) pairs g, g + groups, ... of the block's top_k * outs; the block sums
+// each row's slots in slot order (no atomics: the same bits every run). out may be res.
+// Grid: ceil(n_rows / outs) blocks of DEC_MOE_THREADS; top_k * outs <= 2 * DEC_MOE_MAX_TOP_K.
+template <int BITS, int LPR, typename T>
 __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, const T* db,
                                              const int* ids, const float* weights, const T* a,
                                              const T* res, T* out, int n_rows, int words,
@@ -271,20 +271,20 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
   // The routing was written two kernels back (dec_route, before dec_moe_glu), so the block can
   // ask L2 for its experts' rows while dec_moe_glu finishes (read past L1: this SM's L1 may
   // hold an earlier layer's ids).
-  for (int item = (int)(threadIdx.x / DEC_MOE_LPR); item < top_k * outs;
-       item += DEC_MOE_GROUPS) {
+  for (int item = (int)(threadIdx.x / LPR); item < top_k * outs;
+       item += (DEC_MOE_THREADS / LPR)) {
     const int slot = item / outs;
     const int n = min(row0 + item - slot * outs, n_rows - 1);
     const size_t row = (size_t)__ldcg(ids + slot) * (size_t)n_rows + (size_t)n;
     const char* bytes = reinterpret_cast<const char*>(dw + row * (size_t)words);
-    for (int at = (int)(threadIdx.x & (DEC_MOE_LPR - 1)) * 128; at < words * 4;
-         at += DEC_MOE_LPR * 128) {
+    for (int at = (int)(threadIdx.x & (LPR - 1)) * 128; at < words * 4;
+         at += LPR * 128) {
       dec_prefetch_l2(bytes + at);
     }
   }
   mlxcel_follow_prior_grid();
-  for (int item = (int)(threadIdx.x / DEC_MOE_LPR); item < top_k * outs;
-       item += DEC_MOE_GROUPS) {
+  for (int item = (int)(threadIdx.x / LPR); item < top_k * outs;
+       item += (DEC_MOE_THREADS / LPR)) {
     const int slot = item / outs;
     const int n = min(row0 + item - slot * outs, n_rows - 1);
     const size_t row = (size_t)ids[slot] * (size_t)n_rows + (size_t)n;
@@ -292,8 +292,8 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
     const T* s[1] = {ds + row * (size_t)groups};
     const T* b[1] = {db + row * (size_t)groups};
     float acc[1];
-    dec_moe_dot<BITS, 1, DEC_MOE_DEPTH>(w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift, acc);
-    if ((threadIdx.x & (DEC_MOE_LPR - 1)) == 0) {
+    dec_moe_dot<BITS, LPR, 1, DEC_MOE_DEPTH>(w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift, acc);
+    if ((threadIdx.x & (LPR - 1)) == 0) {
       part[item] = qmv_round(a, acc[0]);
     }
   }
