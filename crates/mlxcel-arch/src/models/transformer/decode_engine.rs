@@ -533,7 +533,9 @@ fn build_cuda(plan: &Plan<'_>, dtype: Dtype) -> Result<Option<CudaDecoder>> {
         && s.heads % s.kv_heads == 0
         && s.heads / s.kv_heads <= 16
         && 2 * s.inv_freq.len() <= s.head_dim as usize;
-    if !fits {
+    let experts_fit =
+        plan.routings.is_empty() || s.hidden <= mlxcel_core::cuda_decode::MAX_EXPERT_HIDDEN;
+    if !fits || !experts_fit {
         return Ok(None);
     }
     for l in &plan.linears {
