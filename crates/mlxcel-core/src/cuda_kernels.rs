@@ -1684,6 +1684,18 @@ mod tests {
             );
             assert!(!image.is_empty(), "{file} is empty");
         }
+        // And the whole set for sm_90 (a rebuild writes only the modules that changed: a
+        // folder replaced by its output alone would send the others back to NVRTC on a fresh
+        // machine's first process).
+        for id in super::prebuilt_set() {
+            let entry = id.entry();
+            let name = super::binary_file_name(&entry, &entry.source(), 90);
+            assert!(
+                super::PREBUILT_CUBINS.iter().any(|(file, _)| *file == name),
+                "kernels/prebuilt/{name} is missing (MLXCEL_PREBUILD_DIR=DIR cargo test -p \
+                 mlxcel-core --lib prebuild_cubins_for_sm90 -- --ignored writes it)"
+            );
+        }
     }
 
     use super::*;
