@@ -78,12 +78,12 @@ constexpr unsigned ATTN_THREADS = 128; // DEC_ATTN_THREADS
 constexpr int MAX_CHUNK = 128;         // keys per attention block (a score each per thread)
 // Attention blocks per step the chunking aims at (about two per SM of an H100/H200).
 constexpr int ATTN_BLOCKS = 264;
-// decode_moe.cu's DEC_MOE_THREADS, DEC_MOE_MAX_TOP_K and DEC_MOE_MAX_EXPERTS, and the widest
-// hidden size its expert kernels take (their normed copy of h in shared memory).
+// decode_moe.cu's DEC_ROUTE_THREADS, DEC_MOE_THREADS, DEC_MOE_MAX_TOP_K and
+// DEC_MOE_MAX_EXPERTS.
+constexpr unsigned ROUTE_THREADS = 256;
 constexpr unsigned MOE_THREADS = 128;
 constexpr int MAX_TOP_K = 32;
 constexpr int MAX_EXPERTS = 1024;
-constexpr int MAX_EXPERT_HIDDEN = 16384;
 
 // A projection: affine `bits`-bit (4 or 8) with scales and biases, or dense in the activations'
 // dtype (`bits` 16, no scales); `[rows, words]`, or a stack of experts' `[experts, rows, words]`.
@@ -180,6 +180,7 @@ struct CudaDecoderState {
   // The tensor-core GEMVs by kind (4-bit weights `QLinear::tensor_core_ok` takes).
   void* gemv_tc[3] = {};
   void* attention = nullptr;
+  void* route = nullptr;
   void* moe_glu[3] = {};
   void* moe_down[3] = {};
   // One int32 per key/value head, 0 between launches: dec_attention's count of the blocks
@@ -210,10 +211,13 @@ struct Segment {
   void* out;
 };
 
-// The scratch parts of a routed-expert layer: the router's logits and the chosen experts'
-// silu(gate) * up rows.
+// The scratch parts of a routed-expert layer: the experts' normed input, the router's logits,
+// the chosen experts' ids (int32) and weights (float), their silu(gate) * up rows.
 struct Moe {
+  char* xn;
   char* logits;
+  char* ids;
+  char* weights;
   char* act;
 };
 
@@ -388,8 +392,12 @@ class CudaDecodeStep : public mx::Primitive {
     const size_t gu_at = part(size_t(std::max(st.inter, st.moe_inter)) * elt);
     // dec_attention's partials: each (head, chunk)'s D weighted values, then its 2 stats.
     const size_t partial_at = part(size_t(st.heads) * n_chunks * (st.head_dim + 2) * 4);
-    // Routed-expert layers: the router's logits.
+    // Routed-expert layers: the experts' normed input, the router's logits, the chosen ids and
+    // their weights.
+    const size_t xn_at = part(st.top_k > 0 ? st.hidden * elt : 0);
     const size_t logits_at = part(size_t(st.experts) * elt);
+    const size_t ids_at = part(size_t(st.top_k) * 4);
+    const size_t weights_at = part(size_t(st.top_k) * 4);
     arena_.emplace(mx::Shape{static_cast<int>(bytes)}, mx::uint8, nullptr,
                    std::vector<mx::array>{});
     arena_->set_data(api.malloc_async(bytes, enc));
@@ -399,7 +407,7 @@ class CudaDecodeStep : public mx::Primitive {
     char* attn = base + attn_at;
     char* gu = base + gu_at;  // silu(gate) * up (of each chosen expert)
     char* partial = base + partial_at;
-    const Moe moe{base + logits_at, gu};
+    const Moe moe{base + xn_at, base + logits_at, base + ids_at, base + weights_at, gu};
 
     const void* h_in = device_pointer(x);
     for (int l = 0; l < st.layers; ++l) {
@@ -625,8 +633,8 @@ class CudaDecodeStep : public mx::Primitive {
   }
 
   // A routed-expert feed-forward on `h` (in place): the router's GEMV, then decode_moe.cu's
-  // chosen experts' silu(gate) * up and their weighted down projections with the residual
-  // (each block of those two routes for itself from the router's logits).
+  // routing, the chosen experts' silu(gate) * up and their weighted down projections with the
+  // residual.
   void experts(const Layer& ly, const Moe& m, char* h) {
     const CudaDecoderState& st = *state_;
     const QLinear& router = ly.linear[ROLE_ROUTER];
@@ -637,44 +645,42 @@ class CudaDecodeStep : public mx::Primitive {
     const int top_k = ly.routing.top_k;
     const int inter = gate.rows();
     gemv(GEMV_RMS, {Segment{&router, m.logits}}, h, norm, nullptr);
-    Args g;
-    for (const QLinear* q : {&gate, &up}) {
-      g.ptr(device_pointer(*q->w)).ptr(ptr(q->scales)).ptr(ptr(q->biases));
-    }
-    g.ptr(m.logits)
+    Args r;
+    r.ptr(m.logits)
         .ptr(h)
         .ptr(norm)
-        .ptr(m.act)
-        .i32(inter)
-        .i32(gate.words32())
-        .i32(gate.groups())
+        .ptr(m.xn)
+        .ptr(m.ids)
+        .ptr(m.weights)
         .i32(router.rows())
         .i32(top_k)
         .i32(ly.routing.normalize ? 1 : 0)
         .f32(ly.routing.scale)
         .i32(st.hidden)
         .f32(st.eps);
-    // The block's normed copy of h in dynamic shared memory.
-    const unsigned xn_bytes = unsigned(st.hidden * mx::size_of(st.dtype));
+    launch(st.route, Dim3{1, 1, 1}, Dim3{ROUTE_THREADS, 1, 1}, r);
+    Args g;
+    for (const QLinear* q : {&gate, &up}) {
+      g.ptr(device_pointer(*q->w)).ptr(ptr(q->scales)).ptr(ptr(q->biases));
+    }
+    g.ptr(m.ids).ptr(m.xn).ptr(m.act).i32(inter).i32(gate.words32()).i32(gate.groups()).i32(top_k);
     launch(st.moe_glu[gate.table()], Dim3{unsigned(ceil_div(top_k * inter, st.moe_groups)), 1, 1},
-           Dim3{MOE_THREADS, 1, 1}, g, false, xn_bytes);
+           Dim3{MOE_THREADS, 1, 1}, g);
     // Rows per block: the block's lane groups cover every kept expert of each row.
     const int outs = std::max(1, st.moe_groups / top_k);
     Args d;
     d.ptr(device_pointer(*down.w))
         .ptr(ptr(down.scales))
         .ptr(ptr(down.biases))
-        .ptr(m.logits)
+        .ptr(m.ids)
+        .ptr(m.weights)
         .ptr(m.act)
         .ptr(h)
         .ptr(h)
         .i32(st.hidden)
         .i32(down.words32())
         .i32(down.groups())
-        .i32(router.rows())
         .i32(top_k)
-        .i32(ly.routing.normalize ? 1 : 0)
-        .f32(ly.routing.scale)
         .i32(outs);
     launch(st.moe_down[down.table()], Dim3{unsigned(ceil_div(st.hidden, outs)), 1, 1},
            Dim3{MOE_THREADS, 1, 1}, d);
@@ -903,11 +909,6 @@ void cuda_decoder_finish(CudaDecoder& d) {
                                   "): at most " + std::to_string(MAX_EXPERTS) +
                                   " experts and a width a multiple of 8");
     }
-    if (st.hidden > MAX_EXPERT_HIDDEN) {
-      throw std::invalid_argument("mlxcel: cuda decoder: a hidden size of " +
-                                  std::to_string(st.hidden) + " with routed experts" + at +
-                                  ": at most " + std::to_string(MAX_EXPERT_HIDDEN));
-    }
     for (int role : {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN}) {
       const QLinear& m = ly.linear[role];
       if (m.w && m.experts() != experts) {
@@ -1004,6 +1005,7 @@ void cuda_decoder_finish(CudaDecoder& d) {
     st.overlap = overlap != nullptr && overlap_supported(*overlap, st.attention);
   }
   if (st.top_k > 0) {
+    st.route = function(*api, *st.binary, "mlxcel_dec_route_" + t);
     const char* formats[3] = {"b4", "b8", "dense"};
     for (int b = 0; b < 3; ++b) {
       if (used[b]) {

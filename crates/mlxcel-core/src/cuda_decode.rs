@@ -47,9 +47,6 @@ pub fn overlapped_decoders() -> usize {
 /// Most experts a routed-expert layer of the step may have (decode_moe.cu's
 /// `DEC_MOE_MAX_EXPERTS`).
 pub const MAX_EXPERTS: i32 = 1024;
-/// The widest hidden size of a model with routed-expert layers the step takes (its expert
-/// kernels keep a normed copy of the hidden state in shared memory).
-pub const MAX_EXPERT_HIDDEN: i32 = 16384;
 /// Most experts per token (decode_moe.cu's `DEC_MOE_MAX_TOP_K`).
 pub const MAX_TOP_K: i32 = 32;
 

@@ -661,6 +661,14 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
          __int_as_float(scale_bits)); }}\n"
     );
     if formats.experts {
+        wrapper += &format!(
+            "extern \"C\" __global__ void __launch_bounds__(DEC_ROUTE_THREADS) \
+             mlxcel_dec_route_{d}(const {t}* logits, const {t}* h, const {t}* norm, {t}* xn, \
+             int* ids, float* weights, int experts, int top_k, int normalize, int scale_bits, \
+             int hidden, int eps_bits) {{ dec_route<{t}>(logits, h, norm, xn, ids, weights, \
+             experts, top_k, normalize, __int_as_float(scale_bits), hidden, \
+             __int_as_float(eps_bits)); }}\n"
+        );
         let expert_formats = [
             (4, "b4", formats.affine4),
             (8, "b8", formats.affine8),
@@ -671,21 +679,16 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
                  mlxcel_dec_moe_glu_{f}_{d}(const uint32_t* gw, const {t}* gs, const {t}* gb, \
-                 const uint32_t* uw, const {t}* us, const {t}* ub, const {t}* logits, \
-                 const {t}* h, const {t}* norm, {t}* out, int inter, int words, int groups, \
-                 int experts, int top_k, int normalize, int scale_bits, int hidden, \
-                 int eps_bits) {{ \
-                 dec_moe_glu<{bits}, {lanes}, {t}>(gw, gs, gb, uw, us, ub, logits, h, norm, out, \
-                 inter, words, groups, experts, top_k, normalize, __int_as_float(scale_bits), \
-                 hidden, __int_as_float(eps_bits)); }}\n\
+                 const uint32_t* uw, const {t}* us, const {t}* ub, const int* ids, const {t}* x, \
+                 {t}* out, int inter, int words, int groups, int top_k) {{ \
+                 dec_moe_glu<{bits}, {lanes}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
+                 groups, top_k); }}\n\
                  extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
                  mlxcel_dec_moe_down_{f}_{d}(const uint32_t* dw, const {t}* ds, const {t}* db, \
-                 const {t}* logits, const {t}* a, const {t}* res, {t}* out, int n_rows, \
-                 int words, int groups, int experts, int top_k, int normalize, int scale_bits, \
-                 int outs) {{ \
-                 dec_moe_down<{bits}, {lanes}, {t}>(dw, ds, db, logits, a, res, out, n_rows, \
-                 words, groups, experts, top_k, normalize, __int_as_float(scale_bits), \
-                 outs); }}\n"
+                 const int* ids, const float* weights, const {t}* a, const {t}* res, {t}* out, \
+                 int n_rows, int words, int groups, int top_k, int outs) {{ \
+                 dec_moe_down<{bits}, {lanes}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
+                 groups, top_k, outs); }}\n"
             );
         }
     }
@@ -1763,6 +1766,7 @@ mod tests {
             "mlxcel_dec_attention_bfloat16",
             "mlxcel_dec_dmv_glu_bfloat16",
             "mlxcel_dec_attention_float16",
+            "mlxcel_dec_route_bfloat16",
             "mlxcel_dec_moe_glu_b4_bfloat16",
             "mlxcel_dec_moe_down_b8_float16",
             "mlxcel_dec_moe_down_dense_bfloat16",
@@ -1835,7 +1839,7 @@ mod tests {
         assert!(!entry.wrapper.contains("_b4_") && !entry.wrapper.contains("mlxcel_dec_qmt_"));
         assert!(!entry.wrapper.contains("moe") && entry.kernel == QMV_AND_DECODE);
         let moe = decoder_entry(Dtype::Bfloat16, formats.with_experts(), plain);
-        for name in ["moe_glu_b4", "moe_down_b4"] {
+        for name in ["route", "moe_glu_b4", "moe_down_b4"] {
             assert!(moe
                 .wrapper
                 .contains(&format!("mlxcel_dec_{name}_bfloat16(")));

@@ -3,15 +3,14 @@
 // of a model without them is built without this file, so its source and cached cubins stay
 // those of decode.cu alone).
 //
-// A softmax-routed MoE feed-forward (Qwen3-MoE, Mixtral: no shared expert) as 3 kernels, none
+// A softmax-routed MoE feed-forward (Qwen3-MoE, Mixtral: no shared expert) as 4 kernels, none
 // of which waits on the host for the router's choice (the MLX graph of the same layer reads
 // nothing back either, but costs ~30 arrays of host time):
 //   dec_qmv (PRE 1)  logits = rms_norm(h) @ Wr^T                  (decode.cu's GEMV, E rows)
+//   dec_route        xn = rms_norm(h) as the experts read it; softmax over the E logits in
+//                    float32, the top k, renormalised if asked, times a scale, rounded to T
 //   dec_moe_glu      a[s] = silu(xn @ Wg[e_s]^T) * (xn @ Wu[e_s]^T)   for each slot s < k
 //   dec_moe_down     h += sum_s w_s * (a[s] @ Wd[e_s]^T)
-// where every block of the last two routes for itself (dec_moe_prepare: softmax over the E
-// logits in float32, the top k, renormalised if asked, times a scale, rounded to T) and
-// dec_moe_glu's blocks normalise h (xn = rms_norm(h) as the experts read it).
 // Each rounds to T where the MLX graph (nn/moe.rs) does: the projections' outputs, silu and
 // the product, each expert's output, its product with the (T) weight, the sum, the residual.
 //
@@ -27,6 +26,7 @@
 constexpr int DEC_MOE_THREADS = 128;    // threads per block of the expert kernels
 constexpr int DEC_MOE_MAX_TOP_K = 32;
 constexpr int DEC_MOE_MAX_EXPERTS = 1024;
+constexpr int DEC_ROUTE_THREADS = 256;
 // dec_moe_dot's DEPTH for the expert kernels: 2. Deeper loads cost more registers than the
 // waits they save (H100, Qwen3-30B-A3B 4-bit shape, session 30: 321 tok/s at 2, 304 at 4, 308
 // at 8).
@@ -145,168 +145,111 @@ __device__ __forceinline__ int dec_moe_gshift(int words, int groups) {
   }
 }
 
-// A block's copy of its layer's routing (dec_moe_prepare).
-struct DecMoeRoute {
-  int ids[DEC_MOE_MAX_TOP_K];
-  float weights[DEC_MOE_MAX_TOP_K];
-};
-
-// A value of T read from L2 (an expert kernel may read the logits before its wait, past an L1
-// that may hold an earlier layer's).
-__device__ __forceinline__ float dec_load_l2(const mlxcel_bf16* p) {
-  return mlxcel_bf16_bits_to_float(__ldcg(reinterpret_cast<const unsigned short*>(p)));
-}
-__device__ __forceinline__ float dec_load_l2(const mlxcel_f16* p) {
-  return mlxcel_f16_bits_to_float(__ldcg(reinterpret_cast<const unsigned short*>(p)));
-}
-
-// What every block of the expert kernels (DEC_MOE_THREADS threads) computes for itself before
-// its products, so that no kernel of its own stands between the router's GEMV and the experts
-// (one fewer launch and drain per layer: 8 us of a 70 us layer, ncu, session 31):
-//  - the routing, into `r`: p = softmax(logits) in float32, the top_k experts by logit (the
-//    lowest id first among equal ones) in r.ids[0..top_k), their p (divided by the kept p's sum
-//    when `normalize`) times `scale`, rounded to T, in r.weights[]. Warp 0 takes the max and
-//    the sum of exponentials (lane-strided sums, then a shuffle tree); then every thread ranks
-//    its experts against all E (rank: the experts with a larger logit, or an equal one and a
-//    lower id; NaN ranks as -inf) and an expert of rank < top_k takes slot `rank`. A slot whose
-//    expert's logit is -inf or NaN (fewer than top_k others) gets id 0, which keeps the
-//    kernels in bounds (the output is NaN or degenerate, as on the graph);
-//  - with `xn`: xn = norm * rms_norm(h) (hidden values, rounded as the GEMVs' PRE 1 rounds
-//    them), the experts' input. The sum of squares is taken in the order 8 warps of 32 lanes
-//    would take it (qmv_inv_rms<8>): each thread stands for two, so xn is the same whatever
-//    the block's size.
-// Every block gets the same bits. experts <= DEC_MOE_MAX_EXPERTS, top_k <= min(experts,
-// DEC_MOE_MAX_TOP_K), hidden % 8 == 0.
+// One block of DEC_ROUTE_THREADS threads:
+//  1. xn = norm * rms_norm(h), rounded as the GEMVs' PRE 1 rounds it (the experts' input);
+//  2. warp 0: p = softmax(logits) in float32, the top_k experts by logit (the lowest id first
+//     among equal ones) into ids[0..top_k), their p (divided by the kept p's sum when
+//     `normalize`) times `scale`, rounded to T, into weights[].
+// experts <= DEC_MOE_MAX_EXPERTS, top_k <= min(experts, DEC_MOE_MAX_TOP_K), hidden % 8 == 0.
 template <typename T>
-__device__ __forceinline__ void dec_moe_prepare(const T* logits, int experts, int top_k,
-                                                int normalize, float scale, const T* h,
-                                                const T* norm, int hidden, float eps, T* xn,
-                                                DecMoeRoute& r) {
+__device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* norm, T* xn,
+                                          int* ids, float* weights, int experts, int top_k,
+                                          int normalize, float scale, int hidden, float eps) {
   __shared__ float score[DEC_MOE_MAX_EXPERTS];
-  __shared__ float kept[DEC_MOE_MAX_TOP_K];
-  __shared__ float stats[3];  // max, sum of exponentials, sum of the kept p
-  __shared__ float squares[2 * DEC_MOE_THREADS / 32];
-  constexpr int VIRTUAL = 2 * DEC_MOE_THREADS;  // the threads the sum of squares is taken as
+  mlxcel_follow_prior_grid();
   const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  for (int i = tid; i < experts; i += DEC_MOE_THREADS) {
-    score[i] = dec_load_l2(logits + i);
+  const float inv = qmv_inv_rms<DEC_ROUTE_THREADS / 32>(h, hidden, eps);
+  for (int i = tid; i < hidden; i += DEC_ROUTE_THREADS) {
+    const float v = qmv_round(h, qmv_to_float(h[i]) * inv);
+    qmv_store(xn + i, qmv_to_float(norm[i]) * v);
   }
-  if (xn != nullptr) {
-    float ss[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      for (int k = (tid + v * DEC_MOE_THREADS) * 8; k < hidden; k += VIRTUAL * 8) {
-        float f[8];
-        qmv_load_x(h + k, f);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          ss[v] = fmaf(f[j], f[j], ss[v]);
-        }
+  if (tid >= 32) {
+    return;
+  }
+  const int lane = tid;
+  float m = DEC_NEG_INF;
+  for (int i = lane; i < experts; i += 32) {
+    const float v = qmv_to_float(logits[i]);
+    score[i] = v;
+    m = fmaxf(m, v);
+  }
+  m = dec_warp_max(m);
+  float total = 0.0f;
+  for (int i = lane; i < experts; i += 32) {
+    total += __expf(score[i] - m);
+  }
+  total = dec_warp_sum(total);
+  __syncwarp();
+  float kept[DEC_MOE_MAX_TOP_K];
+  float kept_sum = 0.0f;
+  for (int s = 0; s < top_k; ++s) {
+    float best = DEC_NEG_INF;
+    int at = experts;
+    for (int i = lane; i < experts; i += 32) {
+      const float v = score[i];
+      if (v > best) {  // ascending i: the lowest id wins a tie within a lane
+        best = v;
+        at = i;
       }
-      ss[v] = dec_warp_sum(ss[v]);
     }
-    if (lane == 0) {
-      squares[warp] = ss[0];
-      squares[warp + DEC_MOE_THREADS / 32] = ss[1];
-    }
-  }
-  __syncthreads();
-  if (warp == 0) {
-    float m = DEC_NEG_INF;
-    for (int i = lane; i < experts; i += 32) {
-      m = fmaxf(m, score[i]);
-    }
-    m = dec_warp_max(m);
-    float total = 0.0f;
-    for (int i = lane; i < experts; i += 32) {
-      total += __expf(score[i] - m);
-    }
-    total = dec_warp_sum(total);
-    if (lane == 0) {
-      stats[0] = m;
-      stats[1] = total;
-    }
-  }
-  if (xn != nullptr) {
-    float total = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 2 * DEC_MOE_THREADS / 32; ++i) {
-      total += squares[i];
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oa = __shfl_xor_sync(0xffffffffu, at, o);
+      if (ob > best || (ob == best && oa < at)) {
+        best = ob;
+        at = oa;
+      }
     }
-    const float inv = rsqrtf(total / (float)hidden + eps);
-    for (int i = tid; i < hidden; i += DEC_MOE_THREADS) {
-      const float v = qmv_round(h, qmv_to_float(h[i]) * inv);
-      qmv_store(xn + i, qmv_to_float(norm[i]) * v);
+    // A NaN or every logit -inf picks no expert: id 0 keeps the expert kernels in bounds
+    // (the logits, hence the output, are NaN or degenerate as on the graph).
+    at = at < experts ? at : 0;
+    const float p = __expf(best - m) / total;
+    kept[s] = p;
+    kept_sum += p;
+    if (lane == 0) {
+      ids[s] = at;
     }
+    // Every lane has read score[at] before it is struck out.
+    __syncwarp();
+    if (lane == (at & 31)) {
+      score[at] = DEC_NEG_INF;
+    }
+    __syncwarp();
   }
-  __syncthreads();
-  const float m = stats[0];
-  const float total = stats[1];
-  for (int i = tid; i < experts; i += DEC_MOE_THREADS) {
-    const float raw = score[i];
-    const float v = raw == raw ? raw : DEC_NEG_INF;
-    int rank = 0;
-    for (int j = 0; j < experts && rank < top_k; ++j) {
-      const float o = score[j];
-      const float w = o == o ? o : DEC_NEG_INF;
-      rank += (w > v || (w == v && j < i)) ? 1 : 0;
-    }
-    if (rank < top_k) {
-      r.ids[rank] = v == DEC_NEG_INF ? 0 : i;
-      kept[rank] = __expf(v - m) / total;
-    }
-  }
-  __syncthreads();
-  if (tid == 0) {
-    float sum = 0.0f;
+  if (lane == 0) {
     for (int s = 0; s < top_k; ++s) {
-      sum += kept[s];
+      const float p = normalize ? kept[s] / kept_sum : kept[s];
+      weights[s] = qmv_round(h, p * scale);
     }
-    stats[2] = sum;
   }
-  __syncthreads();
-  if (tid < top_k) {
-    const float p = normalize ? kept[tid] / stats[2] : kept[tid];
-    r.weights[tid] = qmv_round(logits, p * scale);
-  }
-  __syncthreads();
 }
 
-// a[s * inter + r] = silu(xn @ Wg[e]^T)[r] * (xn @ Wu[e]^T)[r], e = the slot's expert, for
-// every slot s < top_k and row r < inter; one lane group per (s, r). Each block routes and
-// normalises h itself first (dec_moe_prepare; xn in its dynamic shared memory: hidden values of
-// T). Grid: ceil(top_k * inter / groups) blocks of DEC_MOE_THREADS.
+// a[s * inter + r] = silu(x @ Wg[e]^T)[r] * (x @ Wu[e]^T)[r], e = ids[s], for every slot s <
+// top_k and row r < inter; one lane group per (s, r). Grid: ceil(top_k * inter / groups)
+// blocks of DEC_MOE_THREADS.
 template <int BITS, int LPR, typename T>
 __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, const T* gb,
                                             const uint32_t* uw, const T* us, const T* ub,
-                                            const T* logits, const T* h, const T* norm, T* out,
-                                            int inter, int words, int groups, int experts,
-                                            int top_k, int normalize, float scale, int hidden,
-                                            float eps) {
-  extern __shared__ __align__(16) unsigned char dec_moe_dynamic[];
-  __shared__ DecMoeRoute route;
-  T* xn = reinterpret_cast<T*>(dec_moe_dynamic);
+                                            const int* ids, const T* x, T* out, int inter,
+                                            int words, int groups, int top_k) {
   mlxcel_follow_prior_grid();
-  dec_moe_prepare(logits, experts, top_k, normalize, scale, h, norm, hidden, eps, xn, route);
   const int item = blockIdx.x * (DEC_MOE_THREADS / LPR) + (int)(threadIdx.x / LPR);
   if (item >= top_k * inter) {
     return;  // the whole lane group: its shuffles name its own lanes only
   }
   const int slot = item / inter;
   const int r = item - slot * inter;
-  const size_t row = (size_t)route.ids[slot] * (size_t)inter + (size_t)r;
+  const size_t row = (size_t)ids[slot] * (size_t)inter + (size_t)r;
   const size_t wo = row * (size_t)words;
   const size_t go = row * (size_t)groups;
   const uint32_t* w[2] = {gw + wo, uw + wo};
   const T* s[2] = {gs + go, us + go};
   const T* b[2] = {gb + go, ub + go};
   float acc[2];
-  dec_moe_dot<BITS, LPR, 2, DEC_MOE_DEPTH>(w, s, b, xn, words, dec_moe_gshift<BITS>(words, groups),
-                                           acc);
+  dec_moe_dot<BITS, LPR, 2, DEC_MOE_DEPTH>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
   if ((threadIdx.x & (LPR - 1)) == 0) {
-    qmv_store(out + item, qmv_silu_gate(xn, qmv_round(xn, acc[0]), qmv_round(xn, acc[1])));
+    qmv_store(out + item, qmv_silu_gate(x, qmv_round(x, acc[0]), qmv_round(x, acc[1])));
   }
 }
 
@@ -315,28 +258,27 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
 // product with its weight, then the sum and the residual, as the graph rounds them. Lane group
 // g takes the (slot, row) pairs g, g + groups, ... of the block's top_k * outs; the block sums
 // each row's slots in slot order (no atomics: the same bits every run). out may be res.
-// The block routes itself (dec_moe_prepare, from the router's logits) and asks L2 for its
-// experts' rows before it waits for dec_moe_glu: the logits were written two kernels back.
 // Grid: ceil(n_rows / outs) blocks of DEC_MOE_THREADS; top_k * outs <= 2 * DEC_MOE_MAX_TOP_K.
 template <int BITS, int LPR, typename T>
 __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, const T* db,
-                                             const T* logits, const T* a, const T* res, T* out,
-                                             int n_rows, int words, int groups, int experts,
-                                             int top_k, int normalize, float scale, int outs) {
+                                             const int* ids, const float* weights, const T* a,
+                                             const T* res, T* out, int n_rows, int words,
+                                             int groups, int top_k, int outs) {
   __shared__ float part[2 * DEC_MOE_MAX_TOP_K];
-  __shared__ DecMoeRoute route;
   const int row0 = blockIdx.x * outs;
   const int k_len = BITS == 16 ? 2 * words : words * (32 / BITS);
   const int gshift = dec_moe_gshift<BITS>(words, groups);
-  dec_moe_prepare<T>(logits, experts, top_k, normalize, scale, nullptr, nullptr, 0, 0.0f,
-                     nullptr, route);
+  // The routing was written two kernels back (dec_route, before dec_moe_glu), so the block can
+  // ask L2 for its experts' rows while dec_moe_glu finishes (read past L1: this SM's L1 may
+  // hold an earlier layer's ids).
   for (int item = (int)(threadIdx.x / LPR); item < top_k * outs;
        item += (DEC_MOE_THREADS / LPR)) {
     const int slot = item / outs;
     const int n = min(row0 + item - slot * outs, n_rows - 1);
-    const size_t row = (size_t)route.ids[slot] * (size_t)n_rows + (size_t)n;
+    const size_t row = (size_t)__ldcg(ids + slot) * (size_t)n_rows + (size_t)n;
     const char* bytes = reinterpret_cast<const char*>(dw + row * (size_t)words);
-    for (int at = (int)(threadIdx.x & (LPR - 1)) * 128; at < words * 4; at += LPR * 128) {
+    for (int at = (int)(threadIdx.x & (LPR - 1)) * 128; at < words * 4;
+         at += LPR * 128) {
       dec_prefetch_l2(bytes + at);
     }
   }
@@ -345,13 +287,12 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
        item += (DEC_MOE_THREADS / LPR)) {
     const int slot = item / outs;
     const int n = min(row0 + item - slot * outs, n_rows - 1);
-    const size_t row = (size_t)route.ids[slot] * (size_t)n_rows + (size_t)n;
+    const size_t row = (size_t)ids[slot] * (size_t)n_rows + (size_t)n;
     const uint32_t* w[1] = {dw + row * (size_t)words};
     const T* s[1] = {ds + row * (size_t)groups};
     const T* b[1] = {db + row * (size_t)groups};
     float acc[1];
-    dec_moe_dot<BITS, LPR, 1, DEC_MOE_DEPTH>(w, s, b, a + (size_t)slot * (size_t)k_len, words,
-                                             gshift, acc);
+    dec_moe_dot<BITS, LPR, 1, DEC_MOE_DEPTH>(w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift, acc);
     if ((threadIdx.x & (LPR - 1)) == 0) {
       part[item] = qmv_round(a, acc[0]);
     }
@@ -361,7 +302,7 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
   if (t < outs && row0 + t < n_rows) {
     float sum = 0.0f;
     for (int s = 0; s < top_k; ++s) {
-      sum += qmv_round(a, route.weights[s] * part[s * outs + t]);
+      sum += qmv_round(a, weights[s] * part[s * outs + t]);
     }
     const int n = row0 + t;
     qmv_store(out + n, qmv_round(a, sum) + qmv_to_float(res[n]));

@@ -533,9 +533,7 @@ fn build_cuda(plan: &Plan<'_>, dtype: Dtype) -> Result<Option<CudaDecoder>> {
         && s.heads % s.kv_heads == 0
         && s.heads / s.kv_heads <= 16
         && 2 * s.inv_freq.len() <= s.head_dim as usize;
-    let experts_fit =
-        plan.routings.is_empty() || s.hidden <= mlxcel_core::cuda_decode::MAX_EXPERT_HIDDEN;
-    if !fits || !experts_fit {
+    if !fits {
         return Ok(None);
     }
     for l in &plan.linears {
