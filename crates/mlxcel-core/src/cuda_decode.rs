@@ -34,6 +34,15 @@ impl std::fmt::Debug for CudaDecoder {
     }
 }
 
+/// The first compute capability (times ten) with programmatic dependent launch (Hopper).
+const PROGRAMMATIC_LAUNCH_ARCH: i32 = 90;
+
+/// Whether this process's GPU has programmatic dependent launch (what overlapped launches of
+/// the step need; the driver must still build the graph: [`CudaDecoder::overlapped`]).
+pub fn programmatic_launch_available() -> Result<bool> {
+    Ok(bridge::cuda_device_arch()? >= PROGRAMMATIC_LAUNCH_ARCH)
+}
+
 /// Decoders finished in this process whose kernels launch overlapped (see
 /// [`CudaDecoder::overlapped`]).
 static OVERLAPPED_DECODERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -90,6 +99,10 @@ impl CudaDecoder {
             .flat_map(|(nw, rpw)| [nw, rpw])
             .chain([launch.moe_lanes])
             .collect();
+        // Overlapped launches on sm_90 and later only: older GPUs compile the kernels without
+        // their wait (prelude.cuh), so a programmatic edge must never reach them.
+        let overlap =
+            crate::policy::with(|p| p.cuda_decode_overlap) && programmatic_launch_available()?;
         let raw = bridge::cuda_decoder_new(
             binary,
             dtype == Dtype::Float16,
@@ -103,7 +116,7 @@ impl CudaDecoder {
             &shape.inv_freq,
             shape.traditional,
             &shapes,
-            crate::policy::with(|p| p.cuda_decode_overlap),
+            overlap,
         )?;
         Ok(CudaDecoder {
             raw,
