@@ -252,10 +252,6 @@ __device__ __forceinline__ float dec_lane8_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 4);
   return v;
 }
-// Asks L2 for the 128-byte line holding p (no register waits on it).
-__device__ __forceinline__ void dec_prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
 
 // Grid (kv_heads, n_chunks), DEC_ATTN_THREADS threads. Block (g, c) takes the query heads of
 // key/value head g against keys [c*chunk, min(len, (c+1)*chunk)), len = position + 1:
@@ -316,8 +312,8 @@ __device__ __forceinline__ void dec_attention(
   {
     const int bytes = nk * head_dim * (int)sizeof(T);
     for (int at = tid * 128; at < bytes; at += DEC_ATTN_THREADS * 128) {
-      dec_prefetch_l2(reinterpret_cast<const char*>(keys) + at);
-      dec_prefetch_l2(reinterpret_cast<const char*>(values) + at);
+      mlxcel_prefetch_l2(reinterpret_cast<const char*>(keys) + at);
+      mlxcel_prefetch_l2(reinterpret_cast<const char*>(values) + at);
     }
   }
   // Cached rows come from earlier steps; q|k|v (and the counters, the partials) from the

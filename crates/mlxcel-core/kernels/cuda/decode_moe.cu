@@ -247,7 +247,8 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
   const T* s[2] = {gs + go, us + go};
   const T* b[2] = {gb + go, ub + go};
   float acc[2];
-  dec_moe_dot<BITS, LPR, 2, DEC_MOE_DEPTH>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
+  dec_moe_dot<BITS, LPR, 2, DEC_MOE_DEPTH>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups),
+                                           acc);
   if ((threadIdx.x & (LPR - 1)) == 0) {
     qmv_store(out + item, qmv_silu_gate(x, qmv_round(x, acc[0]), qmv_round(x, acc[1])));
   }
@@ -277,9 +278,8 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
     const int n = min(row0 + item - slot * outs, n_rows - 1);
     const size_t row = (size_t)__ldcg(ids + slot) * (size_t)n_rows + (size_t)n;
     const char* bytes = reinterpret_cast<const char*>(dw + row * (size_t)words);
-    for (int at = (int)(threadIdx.x & (LPR - 1)) * 128; at < words * 4;
-         at += LPR * 128) {
-      dec_prefetch_l2(bytes + at);
+    for (int at = (int)(threadIdx.x & (LPR - 1)) * 128; at < words * 4; at += LPR * 128) {
+      mlxcel_prefetch_l2(bytes + at);
     }
   }
   mlxcel_follow_prior_grid();
@@ -292,7 +292,8 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
     const T* s[1] = {ds + row * (size_t)groups};
     const T* b[1] = {db + row * (size_t)groups};
     float acc[1];
-    dec_moe_dot<BITS, LPR, 1, DEC_MOE_DEPTH>(w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift, acc);
+    dec_moe_dot<BITS, LPR, 1, DEC_MOE_DEPTH>(w, s, b, a + (size_t)slot * (size_t)k_len, words,
+                                             gshift, acc);
     if ((threadIdx.x & (LPR - 1)) == 0) {
       part[item] = qmv_round(a, acc[0]);
     }

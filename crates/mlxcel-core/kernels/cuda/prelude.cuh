@@ -34,6 +34,11 @@ __device__ __forceinline__ unsigned short mlxcel_float_to_f16_bits(float v) {
   return h;
 }
 
+// Asks L2 for the 128-byte line holding p (no register waits on it).
+__device__ __forceinline__ void mlxcel_prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Programmatic dependent launch (sm_90 and later; nothing on older GPUs). A kernel that a graph
 // edge of the programmatic kind follows may let the next kernel start launching before it
 // ends: `mlxcel_release_next_grid` says this block has started, and once every block has, the

@@ -261,7 +261,7 @@ __device__ __forceinline__ void qmv(const uint32_t* w, const T* scales, const T*
     if (!HOIST && tid < chunks_per_row) {
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(w_of(r) + wbase[r] + (size_t)tid * 4));
+        mlxcel_prefetch_l2(w_of(r) + wbase[r] + (size_t)tid * 4);
       }
     }
     mlxcel_follow_prior_grid();
