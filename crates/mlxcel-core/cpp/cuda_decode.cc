@@ -76,8 +76,6 @@ constexpr int MAX_HEAD_DIM = 256;      // DEC_MAX_HEAD_DIM of decode.cu
 constexpr int MAX_GROUP = 16;          // DEC_MAX_GROUP
 constexpr unsigned ATTN_THREADS = 128; // DEC_ATTN_THREADS
 constexpr int MAX_CHUNK = 128;         // keys per attention block (a score each per thread)
-// Attention blocks per step the chunking aims at (about two per SM of an H100/H200).
-constexpr int ATTN_BLOCKS = 264;
 // decode_moe.cu's DEC_ROUTE_THREADS, DEC_MOE_THREADS, DEC_MOE_MAX_TOP_K and
 // DEC_MOE_MAX_EXPERTS.
 constexpr unsigned ROUTE_THREADS = 256;
@@ -191,6 +189,12 @@ struct CudaDecoderState {
   int experts = 0, top_k = 0, moe_inter = 0;
   // Lane groups per block of the expert GEMVs (DEC_MOE_THREADS / their LPR).
   int moe_groups = 16;
+  // Attention blocks per step the chunking aims at (MLXCEL_CUDA_DECODE_ATTN_BLOCKS).
+  int attn_blocks = 264;
+  // The routing in the router GEMV's last block (MLXCEL_CUDA_DECODE_FUSED_ROUTE): the fused
+  // kernels by router format as `gemv`, loaded by `finish` when the option is on.
+  bool fused_route = false;
+  void* router[3] = {};
   // The kernels in a child graph joined by programmatic edges (see the file's comment).
   bool overlap = false;
   bool finished = false;
@@ -374,7 +378,7 @@ class CudaDecodeStep : public mx::Primitive {
     const int len = position_ + 1;
     const int q_dim = st.heads * st.head_dim;
     const int kv_dim = st.kv_heads * st.head_dim;
-    int chunk = ceil_div(len * st.kv_heads, ATTN_BLOCKS);
+    int chunk = ceil_div(len * st.kv_heads, st.attn_blocks);
     chunk = std::min(MAX_CHUNK, std::max(16, chunk));
     const int n_chunks = ceil_div(len, chunk);
 
@@ -644,21 +648,34 @@ class CudaDecodeStep : public mx::Primitive {
     const void* norm = ptr(ly.norm[NORM_POST]);
     const int top_k = ly.routing.top_k;
     const int inter = gate.rows();
-    gemv(GEMV_RMS, {Segment{&router, m.logits}}, h, norm, nullptr);
-    Args r;
-    r.ptr(m.logits)
-        .ptr(h)
-        .ptr(norm)
-        .ptr(m.xn)
-        .ptr(m.ids)
-        .ptr(m.weights)
-        .i32(router.rows())
-        .i32(top_k)
-        .i32(ly.routing.normalize ? 1 : 0)
-        .f32(ly.routing.scale)
-        .i32(st.hidden)
-        .f32(st.eps);
-    launch(st.route, Dim3{1, 1, 1}, Dim3{ROUTE_THREADS, 1, 1}, r);
+    const GemvLaunch how = pick(router, GEMV_RMS);
+    void* fused = st.router[router.table()];
+    if (fused != nullptr && how.function == st.gemv[router.table()][GEMV_RMS]) {
+      // The router's GEMV with the routing in its last block (dec_router): its counter follows
+      // the attention's.
+      Args r;
+      r.ptr(device_pointer(*router.w))
+          .ptr(ptr(router.scales))
+          .ptr(ptr(router.biases))
+          .ptr(m.logits)
+          .ptr(h)
+          .ptr(norm)
+          .i32(router.dense() ? router.cols() : router.words())
+          .i32(router.groups())
+          .f32(st.eps)
+          .ptr(m.xn)
+          .ptr(m.ids)
+          .ptr(m.weights)
+          .ptr(static_cast<int*>(device_pointer(*st.counters)) + st.kv_heads)
+          .i32(router.rows())
+          .i32(top_k)
+          .i32(ly.routing.normalize ? 1 : 0)
+          .f32(ly.routing.scale);
+      launch(fused, Dim3{unsigned(ceil_div(router.rows(), how.rows)), 1, 1},
+             Dim3{unsigned(how.warps * 32), 1, 1}, r);
+    } else {
+      route(ly, m, h, norm);
+    }
     Args g;
     for (const QLinear* q : {&gate, &up}) {
       g.ptr(device_pointer(*q->w)).ptr(ptr(q->scales)).ptr(ptr(q->biases));
@@ -684,6 +701,28 @@ class CudaDecodeStep : public mx::Primitive {
         .i32(outs);
     launch(st.moe_down[down.table()], Dim3{unsigned(ceil_div(st.hidden, outs)), 1, 1},
            Dim3{MOE_THREADS, 1, 1}, d);
+  }
+
+  // The router's GEMV, then decode_moe.cu's routing as a one-block kernel of its own.
+  void route(const Layer& ly, const Moe& m, char* h, const void* norm) {
+    const CudaDecoderState& st = *state_;
+    const QLinear& router = ly.linear[ROLE_ROUTER];
+    const int top_k = ly.routing.top_k;
+    gemv(GEMV_RMS, {Segment{&router, m.logits}}, h, norm, nullptr);
+    Args r;
+    r.ptr(m.logits)
+        .ptr(h)
+        .ptr(norm)
+        .ptr(m.xn)
+        .ptr(m.ids)
+        .ptr(m.weights)
+        .i32(router.rows())
+        .i32(top_k)
+        .i32(ly.routing.normalize ? 1 : 0)
+        .f32(ly.routing.scale)
+        .i32(st.hidden)
+        .f32(st.eps);
+    launch(st.route, Dim3{1, 1, 1}, Dim3{ROUTE_THREADS, 1, 1}, r);
   }
 
   // The arguments every GEMV kernel of decode.cu ends with: the input, the norm weight, the
@@ -735,11 +774,12 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
     throw std::invalid_argument("mlxcel: cuda decoder: invalid shape");
   }
   if (head_dim > MAX_HEAD_DIM || head_dim % 8 != 0 || heads / kv_heads > MAX_GROUP ||
-      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 9 ||
-      (shapes[8] != 8 && shapes[8] != 16 && shapes[8] != 32)) {
+      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 11 ||
+      (shapes[8] != 8 && shapes[8] != 16 && shapes[8] != 32) || shapes[9] < 1) {
     throw std::invalid_argument(
         "mlxcel: cuda decoder: head_dim a multiple of 8 up to 256, at most 16 query heads per "
-        "key/value head, rope within the head, 8, 16 or 32 lanes per expert row");
+        "key/value head, rope within the head, 8, 16 or 32 lanes per expert row, at least one "
+        "attention block");
   }
   auto d = std::make_unique<CudaDecoder>();
   auto st = std::make_shared<CudaDecoderState>();
@@ -761,6 +801,8 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
   st->tc_shape[0] = shapes[6];
   st->tc_shape[1] = shapes[7];
   st->moe_groups = int(MOE_THREADS) / shapes[8];
+  st->attn_blocks = shapes[9];
+  st->fused_route = shapes[10] != 0;
   st->overlap = overlap;
   st->layer.resize(layers);
   d->state = std::move(st);
@@ -961,8 +1003,9 @@ void cuda_decoder_finish(CudaDecoder& d) {
                         ? mx::array(st.inv_freq.data(), mx::Shape{rot_half}, mx::float32)
                         : mx::zeros({1}, mx::float32);
   all.push_back(*st.inv_freq_dev);
-  std::vector<int32_t> zeros(st.kv_heads, 0);
-  st.counters = mx::array(zeros.data(), mx::Shape{st.kv_heads}, mx::int32);
+  // dec_attention's counter per key/value head, then dec_router's.
+  std::vector<int32_t> zeros(st.kv_heads + 1, 0);
+  st.counters = mx::array(zeros.data(), mx::Shape{st.kv_heads + 1}, mx::int32);
   all.push_back(*st.counters);
   // Contiguous, evaluated weights: the kernels read them by address.
   mx::eval(all);
@@ -1013,6 +1056,10 @@ void cuda_decoder_finish(CudaDecoder& d) {
             function(*api, *st.binary, std::string("mlxcel_dec_moe_glu_") + formats[b] + "_" + t);
         st.moe_down[b] =
             function(*api, *st.binary, std::string("mlxcel_dec_moe_down_") + formats[b] + "_" + t);
+        if (st.fused_route) {
+          st.router[b] =
+              function(*api, *st.binary, std::string("mlxcel_dec_router_") + formats[b] + "_" + t);
+        }
       }
     }
   }

@@ -90,14 +90,17 @@ impl CudaDecoder {
         let launch = crate::cuda_kernels::decoder_shapes();
         let binary = crate::cuda_kernels::decoder_binary(dtype, formats, launch)?;
         // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none), then the
-        // expert GEMVs' lanes per row.
+        // expert GEMVs' lanes per row, the attention blocks per step and whether the routing
+        // runs in the router's GEMV.
+        let (attn_blocks, fused_route) =
+            crate::policy::with(|p| (p.cuda_decode_attn_blocks, p.cuda_decode_fused_route));
         let shapes: Vec<i32> = launch
             .gemv
             .iter()
             .map(|g| g.shape.pair())
             .chain([launch.tensor_cores.unwrap_or((0, 0))])
             .flat_map(|(nw, rpw)| [nw, rpw])
-            .chain([launch.moe_lanes])
+            .chain([launch.moe_lanes, attn_blocks, i32::from(fused_route)])
             .collect();
         // Overlapped launches on sm_90 and later only: older GPUs compile the kernels without
         // their wait (prelude.cuh), so a programmatic edge must never reach them.

@@ -675,7 +675,19 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             (16, "dense", formats.dense),
         ];
         let lanes = shapes.moe_lanes;
+        // The router's GEMV with the routing in its last block: the RMS GEMV's launch shape.
+        let ((nw, rpw), router_bounds) = (gemv_shapes[0], &bounds[0]);
         for (bits, f, _) in expert_formats.into_iter().filter(|&(_, _, on)| on) {
+            wrapper += &format!(
+                "extern \"C\" __global__ void __launch_bounds__({router_bounds}) \
+                 mlxcel_dec_router_{f}_{d}(const uint32_t* w, const {t}* s, const {t}* z, \
+                 {t}* logits, const {t}* h, const {t}* norm, int words, int groups, int eps_bits, \
+                 {t}* xn, int* ids, float* weights, int* counter, int experts, int top_k, \
+                 int normalize, int scale_bits) {{ \
+                 dec_router<{bits}, {nw}, {rpw}, {t}>(w, s, z, logits, h, norm, words, groups, \
+                 __int_as_float(eps_bits), xn, ids, weights, counter, experts, top_k, normalize, \
+                 __int_as_float(scale_bits)); }}\n"
+            );
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
                  mlxcel_dec_moe_glu_{f}_{d}(const uint32_t* gw, const {t}* gs, const {t}* gb, \
@@ -1767,6 +1779,8 @@ mod tests {
             "mlxcel_dec_dmv_glu_bfloat16",
             "mlxcel_dec_attention_float16",
             "mlxcel_dec_route_bfloat16",
+            "mlxcel_dec_router_b4_bfloat16",
+            "mlxcel_dec_router_dense_float16",
             "mlxcel_dec_moe_glu_b4_bfloat16",
             "mlxcel_dec_moe_down_b8_float16",
             "mlxcel_dec_moe_down_dense_bfloat16",

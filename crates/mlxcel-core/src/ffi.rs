@@ -371,8 +371,9 @@ pub(crate) mod bridge {
         type CudaDecoder;
         /// A decoder of `layers` layers on bf16 (`f16`: float16) activations; `shapes`: the
         /// (warps, rows) launch shape of each GEMV kind, then of the tensor-core GEMVs ((0, 0):
-        /// none), then the routed-expert GEMVs' lanes per row (8, 16, 32); `overlap`: its
-        /// kernels joined by programmatic edges where the driver can.
+        /// none), then the routed-expert GEMVs' lanes per row (8, 16, 32), the attention blocks
+        /// a step aims at, and 1 to route in the router GEMV's last block (0: a kernel of its
+        /// own); `overlap`: its kernels joined by programmatic edges where the driver can.
         #[allow(clippy::too_many_arguments)]
         fn cuda_decoder_new(
             binary: &CudaBinary,

@@ -316,6 +316,15 @@ pub struct RuntimePolicy {
     /// step's routed-expert GEMVs (decode_moe.cu): 8 (default), 16 or 32. More lanes split K
     /// finer: fewer dependent loads per lane, more shuffles, more warps.
     pub cuda_decode_moe_lanes: i32,
+    /// `MLXCEL_CUDA_DECODE_FUSED_ROUTE`: the CUDA decode step routes each token in the last
+    /// block of the router's GEMV (one kernel boundary fewer per routed-expert layer) instead
+    /// of in a one-block kernel after it. Default on; `0` keeps the separate kernel.
+    pub cuda_decode_fused_route: bool,
+    /// `MLXCEL_CUDA_DECODE_ATTN_BLOCKS`: how many blocks the CUDA decode step's split-K
+    /// attention aims at per step (all key/value heads together): the cached rows are cut into
+    /// chunks of `len * kv_heads / blocks` keys (16 to 128). Default 264 (two per SM of an
+    /// H100/H200); fewer means longer chunks and fewer partials to merge.
+    pub cuda_decode_attn_blocks: i32,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -378,6 +387,8 @@ pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
 /// Lanes per (expert, row) dot product of the decode step's routed-expert GEMVs unless
 /// `MLXCEL_CUDA_DECODE_MOE_LANES` picks another.
 pub const DEFAULT_DECODE_MOE_LANES: i32 = 8;
+/// Attention blocks per decode step unless `MLXCEL_CUDA_DECODE_ATTN_BLOCKS` picks another.
+pub const DEFAULT_DECODE_ATTN_BLOCKS: i32 = 264;
 
 /// The decode step's tensor-core GEMV shape unless `MLXCEL_CUDA_DECODE_TC` picks another.
 pub const DEFAULT_DECODE_TC_SHAPE: LaunchShape = LaunchShape { warps: 8, rows: 16 };
@@ -417,6 +428,8 @@ impl RuntimePolicy {
         cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
         cuda_decode_overlap: true,
         cuda_decode_moe_lanes: DEFAULT_DECODE_MOE_LANES,
+        cuda_decode_fused_route: false,
+        cuda_decode_attn_blocks: DEFAULT_DECODE_ATTN_BLOCKS,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -428,7 +441,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 39] = [
+    pub const VARIABLES: [&'static str; 41] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -456,6 +469,8 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_DECODE_GEMV",
         "MLXCEL_CUDA_DECODE_OVERLAP",
         "MLXCEL_CUDA_DECODE_MOE_LANES",
+        "MLXCEL_CUDA_DECODE_FUSED_ROUTE",
+        "MLXCEL_CUDA_DECODE_ATTN_BLOCKS",
         "MLXCEL_CUDA_GATHER",
         "MLXCEL_CUDA_LOAD",
         "MLXCEL_CUDA_LOAD_READERS",
@@ -610,6 +625,13 @@ impl RuntimePolicy {
                 "32" => 32,
                 _ => return Err(v.error("8, 16 or 32")),
             };
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DECODE_FUSED_ROUTE") {
+            p.cuda_decode_fused_route = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DECODE_ATTN_BLOCKS") {
+            p.cuda_decode_attn_blocks =
+                v.in_range("a number of blocks from 1 to 65536", 1, 65536)? as i32;
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE") {
             p.cuda_decode = v.switch()?;
@@ -907,6 +929,17 @@ mod tests {
     }
 
     #[test]
+    fn decode_attn_blocks() {
+        let v = "MLXCEL_CUDA_DECODE_ATTN_BLOCKS";
+        assert_eq!(parse(&[]).unwrap().cuda_decode_attn_blocks, 264);
+        assert_eq!(one(v, "66").cuda_decode_attn_blocks, 66);
+        assert_eq!(one(v, " 1 ").cuda_decode_attn_blocks, 1);
+        for bad in ["0", "-3", "65537", "many"] {
+            rejects(v, bad);
+        }
+    }
+
+    #[test]
     fn dequant_rows() {
         let v = "MLXCEL_DEQUANT_ROWS";
         assert_eq!(one(v, "2").dequant_rows, Some(2));
@@ -918,7 +951,7 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 13] = [
+        let cases: [(&str, Get); 14] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
@@ -928,6 +961,9 @@ mod tests {
             ("MLXCEL_CUDA_DECODE", |p| Some(p.cuda_decode)),
             ("MLXCEL_CUDA_DECODE_OVERLAP", |p| {
                 Some(p.cuda_decode_overlap)
+            }),
+            ("MLXCEL_CUDA_DECODE_FUSED_ROUTE", |p| {
+                Some(p.cuda_decode_fused_route)
             }),
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
             ("MLXCEL_CUDA_ROWS", |p| Some(p.cuda_rows)),

@@ -3,12 +3,13 @@
 // of a model without them is built without this file, so its source and cached cubins stay
 // those of decode.cu alone).
 //
-// A softmax-routed MoE feed-forward (Qwen3-MoE, Mixtral: no shared expert) as 4 kernels, none
+// A softmax-routed MoE feed-forward (Qwen3-MoE, Mixtral: no shared expert) as 3 kernels, none
 // of which waits on the host for the router's choice (the MLX graph of the same layer reads
 // nothing back either, but costs ~30 arrays of host time):
-//   dec_qmv (PRE 1)  logits = rms_norm(h) @ Wr^T                  (decode.cu's GEMV, E rows)
-//   dec_route        xn = rms_norm(h) as the experts read it; softmax over the E logits in
-//                    float32, the top k, renormalised if asked, times a scale, rounded to T
+//   dec_router       logits = rms_norm(h) @ Wr^T (decode.cu's GEMV, E rows), and in its last
+//                    block: xn = rms_norm(h) as the experts read it; softmax over the E logits
+//                    in float32, the top k, renormalised if asked, times a scale, rounded to T
+//                    (or the GEMV, then dec_route doing the same in a kernel of its own)
 //   dec_moe_glu      a[s] = silu(xn @ Wg[e_s]^T) * (xn @ Wu[e_s]^T)   for each slot s < k
 //   dec_moe_down     h += sum_s w_s * (a[s] @ Wd[e_s]^T)
 // Each rounds to T where the MLX graph (nn/moe.rs) does: the projections' outputs, silu and
@@ -145,21 +146,22 @@ __device__ __forceinline__ int dec_moe_gshift(int words, int groups) {
   }
 }
 
-// One block of DEC_ROUTE_THREADS threads:
+// The routing of one token by one block of NW warps (what follows the router's GEMV):
 //  1. xn = norm * rms_norm(h), rounded as the GEMVs' PRE 1 rounds it (the experts' input);
 //  2. warp 0: p = softmax(logits) in float32, the top_k experts by logit (the lowest id first
 //     among equal ones) into ids[0..top_k), their p (divided by the kept p's sum when
 //     `normalize`) times `scale`, rounded to T, into weights[].
+// The logits are read from L2 (__ldcg): dec_router's other blocks wrote them during this grid.
 // experts <= DEC_MOE_MAX_EXPERTS, top_k <= min(experts, DEC_MOE_MAX_TOP_K), hidden % 8 == 0.
-template <typename T>
-__device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* norm, T* xn,
-                                          int* ids, float* weights, int experts, int top_k,
-                                          int normalize, float scale, int hidden, float eps) {
+template <int NW, typename T>
+__device__ __forceinline__ void dec_route_block(const T* logits, const T* h, const T* norm, T* xn,
+                                                int* ids, float* weights, int experts,
+                                                int top_k, int normalize, float scale,
+                                                int hidden, float eps) {
   __shared__ float score[DEC_MOE_MAX_EXPERTS];
-  mlxcel_follow_prior_grid();
   const int tid = threadIdx.x;
-  const float inv = qmv_inv_rms<DEC_ROUTE_THREADS / 32>(h, hidden, eps);
-  for (int i = tid; i < hidden; i += DEC_ROUTE_THREADS) {
+  const float inv = qmv_inv_rms<NW>(h, hidden, eps);
+  for (int i = tid; i < hidden; i += NW * 32) {
     const float v = qmv_round(h, qmv_to_float(h[i]) * inv);
     qmv_store(xn + i, qmv_to_float(norm[i]) * v);
   }
@@ -167,9 +169,10 @@ __device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* 
     return;
   }
   const int lane = tid;
+  const unsigned short* logit_bits = reinterpret_cast<const unsigned short*>(logits);
   float m = DEC_NEG_INF;
   for (int i = lane; i < experts; i += 32) {
-    const float v = qmv_to_float(logits[i]);
+    const float v = qmm_to_float<T>(__ldcg(logit_bits + i));
     score[i] = v;
     m = fmaxf(m, v);
   }
@@ -222,6 +225,57 @@ __device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* 
       const float p = normalize ? kept[s] / kept_sum : kept[s];
       weights[s] = qmv_round(h, p * scale);
     }
+  }
+}
+
+// The routing as a kernel of its own after the router's GEMV: one block of DEC_ROUTE_THREADS
+// (MLXCEL_CUDA_DECODE_FUSED_ROUTE=0, or a router on tensor cores).
+template <typename T>
+__device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* norm, T* xn,
+                                          int* ids, float* weights, int experts, int top_k,
+                                          int normalize, float scale, int hidden, float eps) {
+  mlxcel_follow_prior_grid();
+  dec_route_block<DEC_ROUTE_THREADS / 32>(logits, h, norm, xn, ids, weights, experts, top_k,
+                                          normalize, scale, hidden, eps);
+}
+
+// The router's GEMV (logits = rms_norm(h) * norm @ Wr^T over E rows, decode.cu's GEMV of kind
+// RMS: affine BITS 4/8, or dense in T for BITS 16 with `words` then K) with the routing folded
+// into its last block: each block counts itself done once its logits are visible device-wide
+// (counter, which the last block sets back to 0 for the next layer), and the last one routes
+// (dec_route_block). One kernel boundary fewer per layer than the GEMV and dec_route.
+template <int BITS, int NW, int RPW, typename T>
+__device__ __forceinline__ void dec_router(const uint32_t* w, const T* s, const T* z, T* logits,
+                                           const T* h, const T* norm, int words, int groups,
+                                           float eps, T* xn, int* ids, float* weights,
+                                           int* counter, int experts, int top_k, int normalize,
+                                           float scale) {
+  __shared__ int last;
+  int hidden;
+  if constexpr (BITS == 16) {
+    hidden = words;
+    mlxcel_follow_prior_grid();
+    dec_dmv<NW, RPW, 1, 0, 0, T>(reinterpret_cast<const T*>(w), h, norm, nullptr, logits,
+                                 experts, hidden, eps, blockIdx.x);
+  } else {
+    hidden = words * (32 / BITS);
+    qmv<BITS, NW, RPW, 1, 1, BITS == 4 ? 1 : 0, 1, 0, T, 0, 1>(
+        w, s, z, h, norm, nullptr, logits, experts, words, groups, 1, eps, blockIdx.x);
+  }
+  // The threadFenceReduction pattern, as dec_attention's merge.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) {
+    return;
+  }
+  dec_route_block<NW>(logits, h, norm, xn, ids, weights, experts, top_k, normalize, scale,
+                      hidden, eps);
+  if (threadIdx.x == 0) {
+    *counter = 0;
   }
 }
 
