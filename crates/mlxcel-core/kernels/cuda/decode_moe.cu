@@ -146,35 +146,73 @@ __device__ __forceinline__ int dec_moe_gshift(int words, int groups) {
   }
 }
 
-// The routing of one token by one block of NW warps (what follows the router's GEMV):
-//  1. xn = norm * rms_norm(h), rounded as the GEMVs' PRE 1 rounds it (the experts' input);
-//  2. warp 0: p = softmax(logits) in float32, the top_k experts by logit (the lowest id first
-//     among equal ones) into ids[0..top_k), their p (divided by the kept p's sum when
-//     `normalize`) times `scale`, rounded to T, into weights[].
-// The logits are read from L2 (__ldcg): dec_router's other blocks wrote them during this grid.
-// experts <= DEC_MOE_MAX_EXPERTS, top_k <= min(experts, DEC_MOE_MAX_TOP_K), hidden % 8 == 0.
+// The routing of one token by one block of NW warps (what follows the router's GEMV), after
+// the block's RMS of h:
+//  - warps 1..NW-1: xn = norm * rms_norm(h), rounded as the GEMVs' PRE 1 rounds it (the
+//    experts' input), 8 values a thread;
+//  - warp 0, meanwhile: p = softmax(logits) in float32, the top_k experts by logit (the lowest
+//    id first among equal ones) into ids[0..top_k), their p (divided by the kept p's sum when
+//    `normalize`) times `scale`, rounded to T, into weights[].
+// Every pass issues its loads before its stores: for the compiler a store may alias the next
+// load, and it would otherwise wait for each load in turn (with 128 threads, 16 round trips to
+// L2 for a 2048-wide h). The logits are read from L2 (__ldcg): dec_router's other blocks wrote
+// them during this grid.
+// NW >= 2, experts <= DEC_MOE_MAX_EXPERTS, top_k <= min(experts, DEC_MOE_MAX_TOP_K),
+// hidden % 8 == 0.
 template <int NW, typename T>
 __device__ __forceinline__ void dec_route_block(const T* logits, const T* h, const T* norm, T* xn,
                                                 int* ids, float* weights, int experts,
                                                 int top_k, int normalize, float scale,
                                                 int hidden, float eps) {
+  static_assert(NW >= 2, "dec_route_block: warp 0 routes, the others normalise");
   __shared__ float score[DEC_MOE_MAX_EXPERTS];
   const int tid = threadIdx.x;
   const float inv = qmv_inv_rms<NW>(h, hidden, eps);
-  for (int i = tid; i < hidden; i += NW * 32) {
-    const float v = qmv_round(h, qmv_to_float(h[i]) * inv);
-    qmv_store(xn + i, qmv_to_float(norm[i]) * v);
-  }
   if (tid >= 32) {
+    constexpr int NT = (NW - 1) * 32;
+    constexpr int U = 4;
+    const int chunks = hidden / 8;
+    for (int c0 = tid - 32; c0 < chunks; c0 += U * NT) {
+      float hv[U][8], nv[U][8];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * NT;
+        if (c < chunks) {
+          qmv_load_x<8>(h + 8 * c, hv[u]);
+          qmv_load_x<8>(norm + 8 * c, nv[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * NT;
+        if (c < chunks) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            qmv_store(xn + 8 * c + e, nv[u][e] * qmv_round(h, hv[u][e] * inv));
+          }
+        }
+      }
+    }
     return;
   }
   const int lane = tid;
   const unsigned short* logit_bits = reinterpret_cast<const unsigned short*>(logits);
   float m = DEC_NEG_INF;
-  for (int i = lane; i < experts; i += 32) {
-    const float v = qmm_to_float<T>(__ldcg(logit_bits + i));
-    score[i] = v;
-    m = fmaxf(m, v);
+  for (int i0 = lane; i0 < experts; i0 += 4 * 32) {
+    float v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + 32 * u;
+      v[u] = i < experts ? qmm_to_float<T>(__ldcg(logit_bits + i)) : DEC_NEG_INF;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + 32 * u;
+      if (i < experts) {
+        score[i] = v[u];
+        m = fmaxf(m, v[u]);
+      }
+    }
   }
   m = dec_warp_max(m);
   float total = 0.0f;
