@@ -318,7 +318,8 @@ pub struct RuntimePolicy {
     pub cuda_decode_moe_lanes: i32,
     /// `MLXCEL_CUDA_DECODE_FUSED_ROUTE`: the CUDA decode step routes each token in the last
     /// block of the router's GEMV (one kernel boundary fewer per routed-expert layer) instead
-    /// of in a one-block kernel after it. Default on; `0` keeps the separate kernel.
+    /// of in a one-block kernel after it. Off by default: on an H100 both measured the same
+    /// (Qwen3-30B-A3B 4-bit: 314-315 against 313-316 tok/s; docs/performance.md, session 32).
     pub cuda_decode_fused_route: bool,
     /// `MLXCEL_CUDA_DECODE_ATTN_BLOCKS`: how many blocks the CUDA decode step's split-K
     /// attention aims at per step (all key/value heads together): the cached rows are cut into
