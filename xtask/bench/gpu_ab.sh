@@ -18,7 +18,8 @@
 #              llama-wide (the decode test's wide model); ~25 s on a fresh machine
 #   env        $ROUNDS rounds over $AB_MODELS x $AB_ENVS (each `A=1,B=2`; X=1 = no change)
 #   bins       $ROUNDS rounds over $AB_MODELS x $BINS (default ./mlxcel_base ./mlxcel)
-#   test       the GPU decode test on every fixture and llama-wide, then the kernel checks
+#   test       the GPU decode test on every fixture and llama-wide, with the defaults and with
+#              each of $TEST_ENVS (default: the fused router), then the kernel checks
 #   ncu        one decode step kernel by kernel ($NCU_MODEL, ncu_sum.py): $NCU_PER_STEP launches
 #              matching mlxcel_dec per step (8B: 161; 30B-A3B: 337, or 289 with the fused router)
 #   detail     stall reasons and occupancy of one launch of each of $DETAIL_KERNELS
@@ -79,9 +80,13 @@ for phase in ${PHASES:-models env}; do
     done ;;
   test)
     late test && continue
-    echo "== decode test"
-    MLXCEL_DECODE_TEST_MODELS=$models/llama-wide MLXCEL_FIXTURES_DIR=$PWD/fixtures-decode \
-      timeout 240 ./cuda_decode_test --ignored --nocapture --test-threads 1 cuda_step_matches 2>&1 | grep -v "^$" | tail -12
+    # The defaults, then each of $TEST_ENVS (the step's variants that are off by default).
+    for e in X=1 ${TEST_ENVS:-MLXCEL_CUDA_DECODE_FUSED_ROUTE=1}; do
+      late test && break
+      echo "== decode test [$e]"
+      env ${e//,/ } MLXCEL_DECODE_TEST_MODELS=$models/llama-wide MLXCEL_FIXTURES_DIR=$PWD/fixtures-decode \
+        timeout 240 ./cuda_decode_test --ignored --nocapture --test-threads 1 cuda_step_matches 2>&1 | grep -v "^$" | tail -12
+    done
     echo "== kernel checks"; timeout 200 ./cuda_kernels 2>&1 | tail -5
     echo "at ${SECONDS}s" ;;
   ncu)
