@@ -189,7 +189,8 @@ struct CudaDecoderState {
   int experts = 0, top_k = 0, moe_inter = 0;
   // Lane groups per block of the expert GEMVs (DEC_MOE_THREADS / their LPR).
   int moe_groups = 16;
-  // Attention blocks per step the chunking aims at (MLXCEL_CUDA_DECODE_ATTN_BLOCKS).
+  // Attention blocks per step the chunking aims at (MLXCEL_CUDA_DECODE_ATTN_BLOCKS, or
+  // policy::default_decode_attn_blocks of the model).
   int attn_blocks = 264;
   // The routing in the router GEMV's last block (MLXCEL_CUDA_DECODE_FUSED_ROUTE): the fused
   // kernels by router format as `gemv`, loaded by `finish` when the option is on.

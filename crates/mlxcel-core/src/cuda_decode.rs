@@ -94,6 +94,9 @@ impl CudaDecoder {
         // runs in the router's GEMV.
         let (attn_blocks, fused_route) =
             crate::policy::with(|p| (p.cuda_decode_attn_blocks, p.cuda_decode_fused_route));
+        let group = shape.heads / shape.kv_heads.max(1);
+        let attn_blocks =
+            attn_blocks.unwrap_or_else(|| crate::policy::default_decode_attn_blocks(group));
         let shapes: Vec<i32> = launch
             .gemv
             .iter()

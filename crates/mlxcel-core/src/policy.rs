@@ -323,9 +323,9 @@ pub struct RuntimePolicy {
     pub cuda_decode_fused_route: bool,
     /// `MLXCEL_CUDA_DECODE_ATTN_BLOCKS`: how many blocks the CUDA decode step's split-K
     /// attention aims at per step (all key/value heads together): the cached rows are cut into
-    /// chunks of `len * kv_heads / blocks` keys (16 to 128). Default 264 (two per SM of an
-    /// H100/H200); fewer means longer chunks and fewer partials to merge.
-    pub cuda_decode_attn_blocks: i32,
+    /// chunks of `len * kv_heads / blocks` keys (16 to 128); fewer means longer chunks and
+    /// fewer partials to merge. `None` (unset): [`default_decode_attn_blocks`] of the model.
+    pub cuda_decode_attn_blocks: Option<i32>,
     /// `MLXCEL_CUDA_LAUNCH`: `mlxcel` (default) or `mlx`.
     pub cuda_launch: CudaLaunch,
     /// `MLXCEL_BATCH_PIPELINE`: an all-greedy decode batch queues its next step before reading
@@ -388,8 +388,19 @@ pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
 /// Lanes per (expert, row) dot product of the decode step's routed-expert GEMVs unless
 /// `MLXCEL_CUDA_DECODE_MOE_LANES` picks another.
 pub const DEFAULT_DECODE_MOE_LANES: i32 = 8;
-/// Attention blocks per decode step unless `MLXCEL_CUDA_DECODE_ATTN_BLOCKS` picks another.
-pub const DEFAULT_DECODE_ATTN_BLOCKS: i32 = 264;
+/// Attention blocks per decode step unless `MLXCEL_CUDA_DECODE_ATTN_BLOCKS` picks another, for
+/// `group` query heads per key/value head: 264 (two per SM of an H100/H200), halved from 8
+/// query heads per key/value head on, whose blocks each carry twice the queries of a
+/// Llama-3.1-8B's. Measured on an H100 at 640 cached rows (docs/performance.md, session 32):
+/// the 8B 4-bit shape (4 per group) decodes at 395-397 tok/s with 264 against 384-386 with 132;
+/// Qwen3-30B-A3B 4-bit (8 per group) at 310.5-312.5 with 132 against 304.2-306.2 with 264.
+pub fn default_decode_attn_blocks(group: i32) -> i32 {
+    if group >= 8 {
+        132
+    } else {
+        264
+    }
+}
 
 /// The decode step's tensor-core GEMV shape unless `MLXCEL_CUDA_DECODE_TC` picks another.
 pub const DEFAULT_DECODE_TC_SHAPE: LaunchShape = LaunchShape { warps: 8, rows: 16 };
@@ -430,7 +441,7 @@ impl RuntimePolicy {
         cuda_decode_overlap: true,
         cuda_decode_moe_lanes: DEFAULT_DECODE_MOE_LANES,
         cuda_decode_fused_route: false,
-        cuda_decode_attn_blocks: DEFAULT_DECODE_ATTN_BLOCKS,
+        cuda_decode_attn_blocks: None,
         batch_pipeline: true,
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
@@ -632,7 +643,7 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE_ATTN_BLOCKS") {
             p.cuda_decode_attn_blocks =
-                v.in_range("a number of blocks from 1 to 65536", 1, 65536)? as i32;
+                Some(v.in_range("a number of blocks from 1 to 65536", 1, 65536)? as i32);
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE") {
             p.cuda_decode = v.switch()?;
@@ -932,9 +943,12 @@ mod tests {
     #[test]
     fn decode_attn_blocks() {
         let v = "MLXCEL_CUDA_DECODE_ATTN_BLOCKS";
-        assert_eq!(parse(&[]).unwrap().cuda_decode_attn_blocks, 264);
-        assert_eq!(one(v, "66").cuda_decode_attn_blocks, 66);
-        assert_eq!(one(v, " 1 ").cuda_decode_attn_blocks, 1);
+        assert_eq!(parse(&[]).unwrap().cuda_decode_attn_blocks, None);
+        assert_eq!(one(v, "66").cuda_decode_attn_blocks, Some(66));
+        assert_eq!(one(v, " 1 ").cuda_decode_attn_blocks, Some(1));
+        assert_eq!(default_decode_attn_blocks(4), 264);
+        assert_eq!(default_decode_attn_blocks(8), 132);
+        assert_eq!(default_decode_attn_blocks(16), 132);
         for bad in ["0", "-3", "65537", "many"] {
             rejects(v, bad);
         }
