@@ -92,8 +92,13 @@ impl CudaDecoder {
         // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none), then the
         // expert GEMVs' lanes per row, the attention blocks per step and whether the routing
         // runs in the router's GEMV.
-        let (attn_blocks, fused_route) =
-            crate::policy::with(|p| (p.cuda_decode_attn_blocks, p.cuda_decode_fused_route));
+        let (attn_blocks, fused_route, overlap) = crate::policy::with(|p| {
+            (
+                p.cuda_decode_attn_blocks,
+                p.cuda_decode_fused_route,
+                p.cuda_decode_overlap,
+            )
+        });
         let group = shape.heads / shape.kv_heads.max(1);
         let attn_blocks =
             attn_blocks.unwrap_or_else(|| crate::policy::default_decode_attn_blocks(group));
@@ -107,8 +112,7 @@ impl CudaDecoder {
             .collect();
         // Overlapped launches on sm_90 and later only: older GPUs compile the kernels without
         // their wait (prelude.cuh), so a programmatic edge must never reach them.
-        let overlap =
-            crate::policy::with(|p| p.cuda_decode_overlap) && programmatic_launch_available()?;
+        let overlap = overlap && programmatic_launch_available()?;
         let raw = bridge::cuda_decoder_new(
             binary,
             dtype == Dtype::Float16,

@@ -277,8 +277,9 @@ __device__ __forceinline__ void dec_route(const T* logits, const T* h, const T* 
                                           normalize, scale, hidden, eps);
 }
 
-// The router's GEMV (logits = rms_norm(h) * norm @ Wr^T over E rows, decode.cu's GEMV of kind
-// RMS: affine BITS 4/8, or dense in T for BITS 16 with `words` then K) with the routing folded
+// The router's GEMV (logits = rms_norm(h) * norm @ Wr^T over E rows: decode.cu's dec_qmv for
+// affine BITS 4/8, dec_dmv3 for dense weights in T, BITS 16 with `words` then K; the same
+// bodies the separate path launches, so the logits are the same bits) with the routing folded
 // into its last block: each block counts itself done once its logits are visible device-wide
 // (counter, which the last block sets back to 0 for the next layer), and the last one routes
 // (dec_route_block). One kernel boundary fewer per layer than the GEMV and dec_route.
@@ -292,13 +293,13 @@ __device__ __forceinline__ void dec_router(const uint32_t* w, const T* s, const 
   int hidden;
   if constexpr (BITS == 16) {
     hidden = words;
-    mlxcel_follow_prior_grid();
-    dec_dmv<NW, RPW, 1, 0, 0, T>(reinterpret_cast<const T*>(w), h, norm, nullptr, logits,
-                                 experts, hidden, eps, blockIdx.x);
+    dec_dmv3<NW, RPW, 1, 0, 0, T>(reinterpret_cast<const T*>(w), logits, experts, nullptr,
+                                  nullptr, 0, nullptr, nullptr, 0, h, norm, nullptr, hidden, eps);
   } else {
     hidden = words * (32 / BITS);
-    qmv<BITS, NW, RPW, 1, 1, BITS == 4 ? 1 : 0, 1, 0, T, 0, 1>(
-        w, s, z, h, norm, nullptr, logits, experts, words, groups, 1, eps, blockIdx.x);
+    dec_qmv<BITS, NW, RPW, 1, 0, 0, T>(w, s, z, logits, experts, nullptr, nullptr, nullptr,
+                                       nullptr, 0, nullptr, nullptr, nullptr, nullptr, 0, h,
+                                       norm, nullptr, words, groups, eps);
   }
   // The threadFenceReduction pattern, as dec_attention's merge.
   __threadfence();
