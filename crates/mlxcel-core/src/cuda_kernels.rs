@@ -509,6 +509,9 @@ pub struct DecoderShapes {
     /// Lanes per (expert, row) dot product of the routed-expert GEMVs (decode_moe.cu's LPR:
     /// 8, 16 or 32).
     pub moe_lanes: i32,
+    /// Chunks per lane those GEMVs stage in shared memory (decode_moe.cu's STAGE; 0: two at a
+    /// time in registers).
+    pub moe_stage: i32,
 }
 
 impl Default for DecoderShapes {
@@ -518,6 +521,7 @@ impl Default for DecoderShapes {
             gemv: crate::policy::DEFAULT_DECODE_GEMV_SHAPES,
             tensor_cores: None,
             moe_lanes: crate::policy::DEFAULT_DECODE_MOE_LANES,
+            moe_stage: crate::policy::DEFAULT_DECODE_MOE_STAGE,
         }
     }
 }
@@ -528,6 +532,7 @@ pub fn decoder_shapes() -> DecoderShapes {
         gemv: p.cuda_decode_gemv,
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
         moe_lanes: p.cuda_decode_moe_lanes,
+        moe_stage: p.cuda_decode_moe_stage,
     })
 }
 
@@ -674,7 +679,7 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             (8, "b8", formats.affine8),
             (16, "dense", formats.dense),
         ];
-        let lanes = shapes.moe_lanes;
+        let (lanes, stage) = (shapes.moe_lanes, shapes.moe_stage);
         // The router's GEMV with the routing in its last block: the RMS GEMV's launch shape.
         let ((nw, rpw), router_bounds) = (gemv_shapes[0], &bounds[0]);
         for (bits, f, _) in expert_formats.into_iter().filter(|&(_, _, on)| on) {
@@ -693,13 +698,13 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
                  mlxcel_dec_moe_glu_{f}_{d}(const uint32_t* gw, const {t}* gs, const {t}* gb, \
                  const uint32_t* uw, const {t}* us, const {t}* ub, const int* ids, const {t}* x, \
                  {t}* out, int inter, int words, int groups, int top_k) {{ \
-                 dec_moe_glu<{bits}, {lanes}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
+                 dec_moe_glu<{bits}, {lanes}, {stage}, {t}>(gw, gs, gb, uw, us, ub, ids, x, out, inter, words, \
                  groups, top_k); }}\n\
                  extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
                  mlxcel_dec_moe_down_{f}_{d}(const uint32_t* dw, const {t}* ds, const {t}* db, \
                  const int* ids, const float* weights, const {t}* a, const {t}* res, {t}* out, \
                  int n_rows, int words, int groups, int top_k, int outs) {{ \
-                 dec_moe_down<{bits}, {lanes}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
+                 dec_moe_down<{bits}, {lanes}, {stage}, {t}>(dw, ds, db, ids, weights, a, res, out, n_rows, words, \
                  groups, top_k, outs); }}\n"
             );
         }
@@ -1859,6 +1864,11 @@ mod tests {
                 .contains(&format!("mlxcel_dec_{name}_bfloat16(")));
         }
         assert!(!moe.wrapper.contains("_b8_") && moe.kernel == QMV_DECODE_AND_MOE);
+        // The experts' GEMVs stage their weights as the policy says (8 chunks a lane).
+        assert!(
+            moe.wrapper.contains("dec_moe_glu<4, 8, 8, ")
+                && moe.wrapper.contains("dec_moe_down<4, 8, 8, ")
+        );
         assert_eq!(
             DecoderFormats::default()
                 .with(Some(4))

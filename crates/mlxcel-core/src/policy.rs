@@ -316,6 +316,11 @@ pub struct RuntimePolicy {
     /// step's routed-expert GEMVs (decode_moe.cu): 8 (default), 16 or 32. More lanes split K
     /// finer: fewer dependent loads per lane, more shuffles, more warps.
     pub cuda_decode_moe_lanes: i32,
+    /// `MLXCEL_CUDA_DECODE_MOE_STAGE`: chunks of 16 bytes per lane that the routed-expert GEMVs
+    /// (decode_moe.cu) copy into shared memory with cp.async before using any (2, 4 or 8; a
+    /// Qwen3-30B-A3B 4-bit expert row is 8 chunks a lane for gate|up, 3 for down), or `0` for
+    /// two chunks at a time in registers.
+    pub cuda_decode_moe_stage: i32,
     /// `MLXCEL_CUDA_DECODE_FUSED_ROUTE`: the CUDA decode step routes each token in the last
     /// block of the router's GEMV (one kernel boundary fewer per routed-expert layer) instead
     /// of in a one-block kernel after it. Off by default: on an H100 both measured the same
@@ -388,6 +393,9 @@ pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
 /// Lanes per (expert, row) dot product of the decode step's routed-expert GEMVs unless
 /// `MLXCEL_CUDA_DECODE_MOE_LANES` picks another.
 pub const DEFAULT_DECODE_MOE_LANES: i32 = 8;
+/// Chunks per lane the decode step's routed-expert GEMVs stage in shared memory unless
+/// `MLXCEL_CUDA_DECODE_MOE_STAGE` picks another.
+pub const DEFAULT_DECODE_MOE_STAGE: i32 = 8;
 /// Attention blocks per decode step unless `MLXCEL_CUDA_DECODE_ATTN_BLOCKS` picks another, for
 /// `group` query heads per key/value head: 264 (two per SM of an H100/H200), halved from 8
 /// query heads per key/value head on, whose blocks each carry twice the queries of a
@@ -440,6 +448,7 @@ impl RuntimePolicy {
         cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
         cuda_decode_overlap: true,
         cuda_decode_moe_lanes: DEFAULT_DECODE_MOE_LANES,
+        cuda_decode_moe_stage: DEFAULT_DECODE_MOE_STAGE,
         cuda_decode_fused_route: false,
         cuda_decode_attn_blocks: None,
         batch_pipeline: true,
@@ -453,7 +462,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 41] = [
+    pub const VARIABLES: [&'static str; 42] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -481,6 +490,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_DECODE_GEMV",
         "MLXCEL_CUDA_DECODE_OVERLAP",
         "MLXCEL_CUDA_DECODE_MOE_LANES",
+        "MLXCEL_CUDA_DECODE_MOE_STAGE",
         "MLXCEL_CUDA_DECODE_FUSED_ROUTE",
         "MLXCEL_CUDA_DECODE_ATTN_BLOCKS",
         "MLXCEL_CUDA_GATHER",
@@ -636,6 +646,15 @@ impl RuntimePolicy {
                 "16" => 16,
                 "32" => 32,
                 _ => return Err(v.error("8, 16 or 32")),
+            };
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DECODE_MOE_STAGE") {
+            p.cuda_decode_moe_stage = match v.word().as_str() {
+                "0" => 0,
+                "2" => 2,
+                "4" => 4,
+                "8" => 8,
+                _ => return Err(v.error("0, 2, 4 or 8")),
             };
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE_FUSED_ROUTE") {
@@ -938,6 +957,16 @@ mod tests {
         assert_eq!(one(v, " 32 ").cuda_decode_moe_lanes, 32);
         rejects(v, "4");
         rejects(v, "64");
+    }
+
+    #[test]
+    fn decode_moe_stage() {
+        let v = "MLXCEL_CUDA_DECODE_MOE_STAGE";
+        assert_eq!(parse(&[]).unwrap().cuda_decode_moe_stage, 8);
+        assert_eq!(one(v, "0").cuda_decode_moe_stage, 0);
+        assert_eq!(one(v, " 4 ").cuda_decode_moe_stage, 4);
+        rejects(v, "16");
+        rejects(v, "3");
     }
 
     #[test]

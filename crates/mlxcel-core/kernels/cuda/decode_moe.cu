@@ -28,9 +28,10 @@ constexpr int DEC_MOE_THREADS = 128;    // threads per block of the expert kerne
 constexpr int DEC_MOE_MAX_TOP_K = 32;
 constexpr int DEC_MOE_MAX_EXPERTS = 1024;
 constexpr int DEC_ROUTE_THREADS = 256;
-// dec_moe_dot's DEPTH for the expert kernels: 2. Deeper loads cost more registers than the
-// waits they save (H100, Qwen3-30B-A3B 4-bit shape, session 30: 321 tok/s at 2, 304 at 4, 308
-// at 8).
+// dec_moe_dot's DEPTH for the expert kernels' weights in registers (STAGE 0): 2. Deeper loads
+// cost more registers than the waits they save (H100, Qwen3-30B-A3B 4-bit shape, session 30:
+// 321 tok/s at 2, 304 at 4, 308 at 8). The kernels' STAGE (MLXCEL_CUDA_DECODE_MOE_STAGE), when
+// not 0, is the DEPTH of weights staged in shared memory instead.
 constexpr int DEC_MOE_DEPTH = 2;
 
 // The lanes of this thread's lane group, for shuffles that stay inside it (groups of one warp
@@ -41,43 +42,106 @@ __device__ __forceinline__ unsigned dec_moe_group_mask() {
   return LPR == 32 ? 0xffffffffu : ((1u << LPR) - 1u) << (lane & ~unsigned(LPR - 1));
 }
 
+// One 16-byte chunk of each of R weight rows (wv[r], with its group's scale sv[r] and bias
+// bv[r] for affine BITS 4/8) dotted with the chunk's activations `xc` (32 / 16 / 8 values of T
+// at 4 / 8 / 16 bits), added to acc[r]. `up`: qmv_up(words).
+template <int BITS, int R, typename T>
+__device__ __forceinline__ void dec_moe_chunk(const uint4 (&wv)[R], const T (&sv)[R],
+                                              const T (&bv)[R], const T* xc, uint32_t up,
+                                              float (&acc)[R]) {
+  if constexpr (BITS == 16) {
+    float xf[8];
+    qmv_load_x<8>(xc, xf);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float wf[8];
+      dec_unpack8(wv[r], wf, xc);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc[r] = fmaf(wf[j], xf[j], acc[r]);
+      }
+    }
+  } else {
+    constexpr bool FAST = BITS == 4;
+    constexpr int EPW = 32 / BITS;  // elements per word
+    constexpr float OFF = BITS == 4 ? 128.0f : 256.0f;
+    constexpr float HI_EXTRA = 0.26171875f;  // qmv_dot_word<4, 1>'s constant
+    float d[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      d[r] = 0.0f;
+    }
+    float xsum = 0.0f, xhi = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float xf[EPW];
+      qmv_load_x<EPW>(xc + k * EPW, xf);
+      qmv_add_sums<FAST>(xf, xsum, xhi);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        d[r] = qmv_dot_word<BITS, FAST ? 1 : 0>(qmv_word(wv[r], k), xf, d[r], up);
+      }
+    }
+    const float xoff = FAST ? fmaf(HI_EXTRA, xhi, OFF * xsum) : OFF * xsum;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc[r] = fmaf(qmv_to_float(sv[r]), d[r] - xoff, fmaf(qmv_to_float(bv[r]), xsum, acc[r]));
+    }
+  }
+}
+
 // R weight rows (w[r], with their scales s[r] and biases b[r] for affine BITS 4/8) dotted with
 // x (K values of T), by one lane group: the sums in every lane of the group. `words`: uint32
 // words per row (16-byte chunks: words / 4); `gshift`: log2 of chunks per quantization group.
-// DEPTH: the lane's chunk steps whose loads (R 16-byte weight loads and their groups' scales
-// and biases) are issued together before any is used, so a lane waits for memory
-// ceil(steps / DEPTH) times (Qwen3-30B-A3B: 8 steps a lane for gate|up, 3 for down). Any DEPTH
-// sums the chunks in the same order (the same bits).
-template <int BITS, int LPR, int R, int DEPTH, typename T>
+// A lane takes chunks lane, lane + LPR, ... in rounds of DEPTH chunks whose loads (R 16-byte
+// weight loads each, and their groups' scales and biases) are all issued before any is used,
+// so a lane waits for memory ceil(steps / DEPTH) times (Qwen3-30B-A3B 4-bit: 8 steps a lane
+// for gate|up, 3 for down). Without STAGE a round's weights land in registers; with STAGE,
+// cp.async copies them into shared memory, which holds no registers while they are in flight
+// (a round can then cover a whole row of Qwen3-30B-A3B's experts). Any DEPTH and STAGE sum the
+// chunks in the same order (the same bits).
+template <int BITS, int LPR, int R, int DEPTH, bool STAGE, typename T>
 __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const T* const (&s)[R],
                                             const T* const (&b)[R], const T* x, int words,
                                             int gshift, float (&acc)[R]) {
-  constexpr bool FAST = BITS == 4;
-  constexpr int EPW = BITS == 16 ? 2 : 32 / BITS;  // elements per word
-  constexpr int SCALED = BITS == 16 ? 0 : DEPTH;   // steps with scales and biases to hold
+  constexpr int EPC = BITS == 16 ? 8 : 128 / BITS;  // elements per 16-byte chunk
+  constexpr int SCALED = BITS == 16 ? 1 : DEPTH;    // steps with scales and biases to hold
+  constexpr int HELD = STAGE ? 1 : DEPTH;      // steps with weights in registers
   const int chunks = words / 4;
   const uint32_t up = qmv_up(words);
+  const int tid = threadIdx.x;
+  // Thread tid's round of weights: [u][r][tid] (consecutive threads, consecutive 16 bytes).
+  __shared__ uint4 staged[STAGE ? DEPTH * R * DEC_MOE_THREADS : 1];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     acc[r] = 0.0f;
   }
-  for (int c0 = threadIdx.x & (LPR - 1); c0 < chunks; c0 += DEPTH * LPR) {
-    uint4 wv[DEPTH][R];
-    T sv[SCALED > 0 ? SCALED : 1][R];
-    T bv[SCALED > 0 ? SCALED : 1][R];
+  for (int c0 = tid & (LPR - 1); c0 < chunks; c0 += DEPTH * LPR) {
+    uint4 wv[HELD][R];
+    T sv[SCALED][R];
+    T bv[SCALED][R];
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u) {
       const int c = c0 + u * LPR;
       if (c < chunks) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          wv[u][r] = qmv_load_w<1>(w[r] + (size_t)c * 4);
-          if constexpr (SCALED > 0) {
+          if constexpr (STAGE) {
+            mlxcel_cp_async16(mlxcel_smem_addr(&staged[(u * R + r) * DEC_MOE_THREADS + tid]),
+                              w[r] + (size_t)c * 4, true);
+          } else {
+            wv[u][r] = qmv_load_w<1>(w[r] + (size_t)c * 4);
+          }
+          if constexpr (BITS != 16) {
             sv[u][r] = s[r][c >> gshift];
             bv[u][r] = b[r][c >> gshift];
           }
         }
       }
+    }
+    if constexpr (STAGE) {
+      mlxcel_cp_commit();
+      mlxcel_cp_wait<0>();  // each thread reads back only what it copied
     }
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u) {
@@ -85,44 +149,21 @@ __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const
       if (c >= chunks) {
         break;
       }
-      if constexpr (BITS == 16) {
-        float xf[8];
-        qmv_load_x<8>(x + c * 8, xf);
+      uint4 wr[R];
+      T sr[R], br[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float wf[8];
-          dec_unpack8(wv[u][r], wf, x);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            acc[r] = fmaf(wf[j], xf[j], acc[r]);
-          }
+      for (int r = 0; r < R; ++r) {
+        if constexpr (STAGE) {
+          wr[r] = staged[(u * R + r) * DEC_MOE_THREADS + tid];
+        } else {
+          wr[r] = wv[u][r];
         }
-      } else {
-        constexpr float OFF = BITS == 4 ? 128.0f : 256.0f;
-        constexpr float HI_EXTRA = 0.26171875f;  // qmv_dot_word<4, 1>'s constant
-        float d[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          d[r] = 0.0f;
-        }
-        float xsum = 0.0f, xhi = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          float xf[EPW];
-          qmv_load_x<EPW>(x + c * 4 * EPW + k * EPW, xf);
-          qmv_add_sums<FAST>(xf, xsum, xhi);
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            d[r] = qmv_dot_word<BITS, FAST ? 1 : 0>(qmv_word(wv[u][r], k), xf, d[r], up);
-          }
-        }
-        const float xoff = FAST ? fmaf(HI_EXTRA, xhi, OFF * xsum) : OFF * xsum;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          acc[r] = fmaf(qmv_to_float(sv[u][r]), d[r] - xoff,
-                        fmaf(qmv_to_float(bv[u][r]), xsum, acc[r]));
+        if constexpr (BITS != 16) {
+          sr[r] = sv[u][r];
+          br[r] = bv[u][r];
         }
       }
+      dec_moe_chunk<BITS, R>(wr, sr, br, x + c * EPC, up, acc);
     }
   }
   const unsigned mask = dec_moe_group_mask<LPR>();
@@ -321,7 +362,7 @@ __device__ __forceinline__ void dec_router(const uint32_t* w, const T* s, const 
 // a[s * inter + r] = silu(x @ Wg[e]^T)[r] * (x @ Wu[e]^T)[r], e = ids[s], for every slot s <
 // top_k and row r < inter; one lane group per (s, r). Grid: ceil(top_k * inter / groups)
 // blocks of DEC_MOE_THREADS.
-template <int BITS, int LPR, typename T>
+template <int BITS, int LPR, int STAGE, typename T>
 __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, const T* gb,
                                             const uint32_t* uw, const T* us, const T* ub,
                                             const int* ids, const T* x, T* out, int inter,
@@ -340,8 +381,8 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
   const T* s[2] = {gs + go, us + go};
   const T* b[2] = {gb + go, ub + go};
   float acc[2];
-  dec_moe_dot<BITS, LPR, 2, DEC_MOE_DEPTH>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups),
-                                           acc);
+  dec_moe_dot<BITS, LPR, 2, STAGE != 0 ? STAGE : DEC_MOE_DEPTH, STAGE != 0>(
+      w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
   if ((threadIdx.x & (LPR - 1)) == 0) {
     qmv_store(out + item, qmv_silu_gate(x, qmv_round(x, acc[0]), qmv_round(x, acc[1])));
   }
@@ -353,7 +394,7 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
 // g takes the (slot, row) pairs g, g + groups, ... of the block's top_k * outs; the block sums
 // each row's slots in slot order (no atomics: the same bits every run). out may be res.
 // Grid: ceil(n_rows / outs) blocks of DEC_MOE_THREADS; top_k * outs <= 2 * DEC_MOE_MAX_TOP_K.
-template <int BITS, int LPR, typename T>
+template <int BITS, int LPR, int STAGE, typename T>
 __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, const T* db,
                                              const int* ids, const float* weights, const T* a,
                                              const T* res, T* out, int n_rows, int words,
@@ -385,8 +426,8 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
     const T* s[1] = {ds + row * (size_t)groups};
     const T* b[1] = {db + row * (size_t)groups};
     float acc[1];
-    dec_moe_dot<BITS, LPR, 1, DEC_MOE_DEPTH>(w, s, b, a + (size_t)slot * (size_t)k_len, words,
-                                             gshift, acc);
+    dec_moe_dot<BITS, LPR, 1, STAGE != 0 ? STAGE : DEC_MOE_DEPTH, STAGE != 0>(
+        w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift, acc);
     if ((threadIdx.x & (LPR - 1)) == 0) {
       part[item] = qmv_round(a, acc[0]);
     }

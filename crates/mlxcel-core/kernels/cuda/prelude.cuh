@@ -39,6 +39,29 @@ __device__ __forceinline__ void mlxcel_prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// The shared-window address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t mlxcel_smem_addr(const void* p) {
+  uint32_t a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// 16 bytes global -> shared without a register (cp.async, sm_80 and later), zero-filled when
+// !valid (nothing is read then); a thread's copies land once it has committed them as a group
+// and waited for all but N of its groups.
+__device__ __forceinline__ void mlxcel_cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void mlxcel_cp_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void mlxcel_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Programmatic dependent launch (sm_90 and later; nothing on older GPUs). A kernel that a graph
 // edge of the programmatic kind follows may let the next kernel start launching before it
 // ends: `mlxcel_release_next_grid` says this block has started, and once every block has, the

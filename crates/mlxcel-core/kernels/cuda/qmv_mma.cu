@@ -59,27 +59,6 @@
 #define QMM_STAGES 4
 #define QMM_CHUNKS 4  // 32-element chunks per step (128 elements: a multiple of every gs)
 
-// The shared-window address of a generic pointer into shared memory.
-__device__ __forceinline__ uint32_t qmm_smem_addr(const void* p) {
-  uint32_t a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-
-// 16 bytes global -> shared, zero-filled when !valid (nothing is read then).
-__device__ __forceinline__ void qmm_cp_async(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n)
-               : "memory");
-}
-__device__ __forceinline__ void qmm_cp_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void qmm_cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ void qmm_ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -139,7 +118,7 @@ __device__ __forceinline__ void qmm_tile(const uint32_t* w, const T* scales, con
   const uint32_t* csrc[COPIES];
   uint32_t cdst[COPIES];
   int cchunk[COPIES];
-  const uint32_t wbase = qmm_smem_addr(&qmm_w[warp][0][0]);
+  const uint32_t wbase = mlxcel_smem_addr(&qmm_w[warp][0][0]);
 #pragma unroll
   for (int i = 0; i < COPIES; ++i) {
     const int idx = i * 32 + lane;
@@ -168,10 +147,11 @@ __device__ __forceinline__ void qmm_tile(const uint32_t* w, const T* scales, con
       for (int i = 0; i < COPIES; ++i) {
         const int c = s * QMM_CHUNKS + cchunk[i];
         const bool valid = c < chunks_per_row;
-        qmm_cp_async(wbase + stage * STAGE_BYTES + cdst[i], csrc[i] + (valid ? c * 4 : 0), valid);
+        mlxcel_cp_async16(wbase + stage * STAGE_BYTES + cdst[i], csrc[i] + (valid ? c * 4 : 0),
+                          valid);
       }
     }
-    qmm_cp_commit();
+    mlxcel_cp_commit();
   };
   // The raw scale and bias bits of step s's groups for features g and g+8 of each row tile:
   // lane t holds group min(t, groups in the step - 1) of the step (a step starts a group: gs
@@ -241,7 +221,7 @@ __device__ __forceinline__ void qmm_tile(const uint32_t* w, const T* scales, con
     load_x(s + NW, xn);
     uint32_t sbn[RT][4];
     load_sb(s + NW, sbn);
-    qmm_cp_wait<QMM_STAGES - 1>();
+    mlxcel_cp_wait<QMM_STAGES - 1>();
     __syncwarp();
     const uint32_t stage = wbase + (i % QMM_STAGES) * STAGE_BYTES;
 #pragma unroll
@@ -334,7 +314,7 @@ __device__ __forceinline__ void qmm_tile(const uint32_t* w, const T* scales, con
       }
     }
   }
-  qmm_cp_wait<0>();
+  mlxcel_cp_wait<0>();
 
   // Accumulator e of tile (r, h): feature r*16 + g (+8 for e >= 2), activation row
   // h*8 + 2t + (e & 1).
