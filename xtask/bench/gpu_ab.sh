@@ -16,8 +16,9 @@
 # Phases ($PHASES, in order; each is skipped once the call has run $BUDGET seconds, default 520):
 #   models     the random checkpoints (make_random_model.py): llama-8b-4bit, qwen3-30b-a3b-4bit,
 #              llama-wide (the decode test's wide model); ~25 s on a fresh machine
-#   env        $ROUNDS rounds over $AB_MODELS x $AB_ENVS (each `A=1,B=2`; X=1 = no change)
-#   bins       $ROUNDS rounds over $AB_MODELS x $BINS (default ./mlxcel_base ./mlxcel)
+#   env        $ROUNDS rounds over $AB_MODELS x $AB_ENVS (each `A=1+B=2`; X=1 = no change)
+#   bins       $ROUNDS rounds over $AB_MODELS x $BINS (default ./mlxcel_base ./mlxcel; a binary
+#              may carry settings of its own: ./mlxcel_base@A=1+B=2)
 #   test       the GPU decode test on every fixture and llama-wide, with the defaults and with
 #              each of $TEST_ENVS (default: the fused router), then the kernel checks
 #   ncu        one decode step kernel by kernel ($NCU_MODEL, ncu_sum.py): $NCU_PER_STEP launches
@@ -34,10 +35,11 @@ ids=$(python3 -c "import random; r=random.Random(7); print(','.join(str(r.randra
 late() { [ $SECONDS -gt "${BUDGET:-520}" ] && echo "skipping $1 at ${SECONDS}s"; }
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 
-# One process (two requests) of binary $BIN on model $1 with settings $2 (A=1,B=2).
+# One process (two requests) of binary $BIN on model $1 with settings $2 (A=1+B=2: `+` between
+# settings, since a setting's value may hold commas).
 one() {
   local model=$1 envs=$2
-  out=$(env ${envs//,/ } timeout 120 "${BIN:-./mlxcel}" generate --model "$models/$model" --prompt-ids "$ids" \
+  out=$(env ${envs//+/ } timeout 120 "${BIN:-./mlxcel}" generate --model "$models/$model" --prompt-ids "$ids" \
     --max-new 128 --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>"$OUT/err.txt")
   stats=$(python3 -c '
 import json, sys
@@ -74,7 +76,9 @@ for phase in ${PHASES:-models env}; do
       for m in ${AB_MODELS:-llama-8b-4bit qwen3-30b-a3b-4bit}; do
         for b in ${BINS:-./mlxcel_base ./mlxcel}; do
           late bins && break 3
-          BIN=$b one "$m" "X=1"
+          envs=X=1
+          [[ $b == *@* ]] && envs=${b#*@}
+          BIN=${b%%@*} one "$m" "$envs"
         done
       done
     done ;;
@@ -84,7 +88,7 @@ for phase in ${PHASES:-models env}; do
     for e in X=1 ${TEST_ENVS:-MLXCEL_CUDA_DECODE_FUSED_ROUTE=1}; do
       late test && break
       echo "== decode test [$e]"
-      env ${e//,/ } MLXCEL_DECODE_TEST_MODELS=$models/llama-wide MLXCEL_FIXTURES_DIR=$PWD/fixtures-decode \
+      env ${e//+/ } MLXCEL_DECODE_TEST_MODELS=$models/llama-wide MLXCEL_FIXTURES_DIR=$PWD/fixtures-decode \
         timeout 240 ./cuda_decode_test --ignored --nocapture --test-threads 1 cuda_step_matches 2>&1 | grep -v "^$" | tail -12
     done
     echo "== kernel checks"; timeout 200 ./cuda_kernels 2>&1 | tail -5

@@ -87,7 +87,7 @@ impl CudaDecoder {
     ) -> Result<CudaDecoder> {
         // One read of the policy for the kernels and their launches (the shapes are compiled
         // in).
-        let launch = crate::cuda_kernels::decoder_shapes();
+        let launch = crate::cuda_kernels::decoder_shapes(shape.hidden);
         let binary = crate::cuda_kernels::decoder_binary(dtype, formats, launch)?;
         // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none), then the
         // expert GEMVs' lanes per row, the attention blocks per step and whether the routing

@@ -526,10 +526,12 @@ impl Default for DecoderShapes {
     }
 }
 
-/// The decode step's launch shapes the policy asks for now.
-pub fn decoder_shapes() -> DecoderShapes {
+/// The decode step's launch shapes the policy asks for now, for a model of `hidden`.
+pub fn decoder_shapes(hidden: i32) -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
-        gemv: p.cuda_decode_gemv,
+        gemv: p
+            .cuda_decode_gemv
+            .unwrap_or_else(|| crate::policy::default_decode_gemv(hidden)),
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
         moe_lanes: p.cuda_decode_moe_lanes,
         moe_stage: p.cuda_decode_moe_stage,
@@ -830,7 +832,26 @@ pub fn compile_seconds() -> f64 {
 /// Other kernels compile on first use, as do these when their source has changed since.
 fn prebuilt_set() -> Vec<KernelId> {
     let mut ids = Vec::new();
-    let shapes = decoder_shapes();
+    // The decode step's GEMV shapes depend on the hidden size (`policy::default_decode_gemv`):
+    // these of 4096 (Llama-3.1-8B) for every format below, those of 2048 (Qwen3-30B-A3B,
+    // Llama-3.2-1B) for bf16 4-bit models and MoEs.
+    let shapes = decoder_shapes(4096);
+    let narrow = decoder_shapes(2048);
+    let moe = |router| {
+        DecoderFormats::default()
+            .with(Some(4))
+            .with(router)
+            .with_experts()
+    };
+    if narrow != shapes {
+        for formats in [DecoderFormats::default().with(Some(4)), moe(Some(8))] {
+            ids.push(KernelId::Decoder {
+                dtype: Dtype::Bfloat16,
+                formats,
+                shapes: narrow,
+            });
+        }
+    }
     for dtype in [Dtype::Bfloat16, Dtype::Float16] {
         for bits in BITS {
             let formats = DecoderFormats::default().with(Some(bits));
@@ -858,13 +879,9 @@ fn prebuilt_set() -> Vec<KernelId> {
             shapes,
         });
         // A 4-bit MoE as mlx-lm writes it (8-bit routers: Qwen3-MoE's `quant_predicate`).
-        let formats = DecoderFormats::default()
-            .with(Some(4))
-            .with(Some(8))
-            .with_experts();
         ids.push(KernelId::Decoder {
             dtype,
-            formats,
+            formats: moe(Some(8)),
             shapes,
         });
         ids.push(KernelId::SiluHalves { dtype });
@@ -882,11 +899,8 @@ fn prebuilt_set() -> Vec<KernelId> {
     // The benchmark's random 30B-A3B shape (xtask/bench/make_random_model.py: dense routers).
     ids.push(KernelId::Decoder {
         dtype: Dtype::Bfloat16,
-        formats: DecoderFormats::default()
-            .with(Some(4))
-            .with(None)
-            .with_experts(),
-        shapes,
+        formats: moe(None),
+        shapes: narrow,
     });
     ids
 }
@@ -1864,11 +1878,18 @@ mod tests {
                 .contains(&format!("mlxcel_dec_{name}_bfloat16(")));
         }
         assert!(!moe.wrapper.contains("_b8_") && moe.kernel == QMV_DECODE_AND_MOE);
-        // The experts' GEMVs stage their weights as the policy says (8 chunks a lane).
-        assert!(
-            moe.wrapper.contains("dec_moe_glu<4, 8, 8, ")
-                && moe.wrapper.contains("dec_moe_down<4, 8, 8, ")
+        // The experts' GEMVs stage their weights as the policy says (by default in registers).
+        assert!(moe.wrapper.contains("dec_moe_glu<4, 8, 0, "));
+        assert!(moe.wrapper.contains("dec_moe_down<4, 8, 0, "));
+        let staged = decoder_entry(
+            Dtype::Bfloat16,
+            formats.with_experts(),
+            DecoderShapes {
+                moe_stage: 4,
+                ..plain
+            },
         );
+        assert!(staged.wrapper.contains("dec_moe_glu<4, 8, 4, "));
         assert_eq!(
             DecoderFormats::default()
                 .with(Some(4))

@@ -304,9 +304,9 @@ pub struct RuntimePolicy {
     /// `MLXCEL_CUDA_DECODE_GEMV`: the launch shapes `NWxRPW[:B],NWxRPW[:B],NWxRPW[:B]` of the
     /// CUDA decode step's float GEMVs (qmv.cu): RMSNorm in (q|k|v, the head), residual out (o,
     /// down), and gate|up (RPW rows of the two matrices, RPW/2 outputs: even). 1-32 warps and
-    /// 1-32 rows each; B: blocks per SM the registers must allow ([`DecodeGemv`]). Default
-    /// `4x8,4x4:8,4x8`.
-    pub cuda_decode_gemv: [DecodeGemv; 3],
+    /// 1-32 rows each; B: blocks per SM the registers must allow ([`DecodeGemv`]). `None`
+    /// (unset): [`default_decode_gemv`] for the model's hidden size.
+    pub cuda_decode_gemv: Option<[DecodeGemv; 3]>,
     /// `MLXCEL_CUDA_DECODE_OVERLAP`: the CUDA decode step's kernels join a graph of their own
     /// by programmatic edges (Hopper's programmatic dependent launch), so that each launches
     /// and issues its first weight loads while the one before it finishes; kept off where the
@@ -318,8 +318,8 @@ pub struct RuntimePolicy {
     pub cuda_decode_moe_lanes: i32,
     /// `MLXCEL_CUDA_DECODE_MOE_STAGE`: chunks of 16 bytes per lane that the routed-expert GEMVs
     /// (decode_moe.cu) copy into shared memory with cp.async before using any (2, 4 or 8; a
-    /// Qwen3-30B-A3B 4-bit expert row is 8 chunks a lane for gate|up, 3 for down), or `0` for
-    /// two chunks at a time in registers.
+    /// Qwen3-30B-A3B 4-bit expert row is 8 chunks a lane for gate|up, 3 for down), or `0`
+    /// (default) for two chunks at a time in registers.
     pub cuda_decode_moe_stage: i32,
     /// `MLXCEL_CUDA_DECODE_FUSED_ROUTE`: the CUDA decode step routes each token in the last
     /// block of the router's GEMV (one kernel boundary fewer per routed-expert layer) instead
@@ -390,12 +390,29 @@ pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
         min_blocks: 0,
     },
 ];
+/// The decode step's float GEMV shapes for a model of `hidden` unless `MLXCEL_CUDA_DECODE_GEMV`
+/// picks others: [`DEFAULT_DECODE_GEMV_SHAPES`], with 2 warps instead of 4 for the RMSNorm-in
+/// GEMVs (q|k|v, a router, the head: K = hidden) from a hidden size of 2048 down. Their
+/// threads stride K in 32-value chunks of 4-bit weights, and K = 2048 has 64 of them: half of
+/// 4 warps would idle. Measured on an H100 (docs/performance.md, session 33): the
+/// Qwen3-30B-A3B 4-bit shape (hidden 2048) decodes at 306.8-311.2 tok/s with 2x8 against
+/// 300.1-304.5 with 4x8, and at 287.6-289.6 with 2x16.
+pub fn default_decode_gemv(hidden: i32) -> [DecodeGemv; 3] {
+    let mut shapes = DEFAULT_DECODE_GEMV_SHAPES;
+    if hidden <= 2048 {
+        shapes[0].shape = LaunchShape { warps: 2, rows: 8 };
+    }
+    shapes
+}
+
 /// Lanes per (expert, row) dot product of the decode step's routed-expert GEMVs unless
 /// `MLXCEL_CUDA_DECODE_MOE_LANES` picks another.
 pub const DEFAULT_DECODE_MOE_LANES: i32 = 8;
 /// Chunks per lane the decode step's routed-expert GEMVs stage in shared memory unless
-/// `MLXCEL_CUDA_DECODE_MOE_STAGE` picks another.
-pub const DEFAULT_DECODE_MOE_STAGE: i32 = 8;
+/// `MLXCEL_CUDA_DECODE_MOE_STAGE` picks another: none. Staging measured slower on an H100
+/// (Qwen3-30B-A3B 4-bit shape: 308-312 tok/s at 8, 324-326 at 4, 329-333 in registers;
+/// docs/performance.md, session 33).
+pub const DEFAULT_DECODE_MOE_STAGE: i32 = 0;
 /// Attention blocks per decode step unless `MLXCEL_CUDA_DECODE_ATTN_BLOCKS` picks another, for
 /// `group` query heads per key/value head: 264 (two per SM of an H100/H200), halved from 8
 /// query heads per key/value head on, whose blocks each carry twice the queries of a
@@ -445,7 +462,7 @@ impl RuntimePolicy {
         cuda_load_pool: true,
         cuda_decode: true,
         cuda_decode_tc: None,
-        cuda_decode_gemv: DEFAULT_DECODE_GEMV_SHAPES,
+        cuda_decode_gemv: None,
         cuda_decode_overlap: true,
         cuda_decode_moe_lanes: DEFAULT_DECODE_MOE_LANES,
         cuda_decode_moe_stage: DEFAULT_DECODE_MOE_STAGE,
@@ -684,7 +701,9 @@ impl RuntimePolicy {
             let shapes: Vec<Option<DecodeGemv>> = v.raw.split(',').map(DecodeGemv::parse).collect();
             p.cuda_decode_gemv =
                 match shapes[..] {
-                    [Some(rms), Some(res), Some(glu)] if glu.shape.rows % 2 == 0 => [rms, res, glu],
+                    [Some(rms), Some(res), Some(glu)] if glu.shape.rows % 2 == 0 => {
+                        Some([rms, res, glu])
+                    }
                     _ => return Err(v.error(
                         "three NWxRPW[:B] shapes (q|k|v and head, o and down, gate|up) of 1 to \
                          32 warps and 1 to 32 rows, gate|up's rows even, B blocks of NW warps \
@@ -962,8 +981,8 @@ mod tests {
     #[test]
     fn decode_moe_stage() {
         let v = "MLXCEL_CUDA_DECODE_MOE_STAGE";
-        assert_eq!(parse(&[]).unwrap().cuda_decode_moe_stage, 8);
-        assert_eq!(one(v, "0").cuda_decode_moe_stage, 0);
+        assert_eq!(parse(&[]).unwrap().cuda_decode_moe_stage, 0);
+        assert_eq!(one(v, "8").cuda_decode_moe_stage, 8);
         assert_eq!(one(v, " 4 ").cuda_decode_moe_stage, 4);
         rejects(v, "16");
         rejects(v, "3");
@@ -1095,10 +1114,19 @@ mod tests {
         let v = "MLXCEL_CUDA_DECODE_GEMV";
         assert_eq!(
             one(v, "8x16, 2x8:32,4x4:8").cuda_decode_gemv,
-            [(8, 16, 0), (2, 8, 32), (4, 4, 8)].map(|(w, r, b)| DecodeGemv {
-                shape: LaunchShape::new(w, r).unwrap(),
-                min_blocks: b
-            })
+            Some(
+                [(8, 16, 0), (2, 8, 32), (4, 4, 8)].map(|(w, r, b)| DecodeGemv {
+                    shape: LaunchShape::new(w, r).unwrap(),
+                    min_blocks: b
+                })
+            )
+        );
+        assert_eq!(parse(&[]).unwrap().cuda_decode_gemv, None);
+        assert_eq!(default_decode_gemv(4096), DEFAULT_DECODE_GEMV_SHAPES);
+        assert_eq!(default_decode_gemv(2048)[0].shape.pair(), (2, 8));
+        assert_eq!(
+            default_decode_gemv(2048)[1..],
+            DEFAULT_DECODE_GEMV_SHAPES[1..]
         );
         for bad in [
             "4x8,4x4",

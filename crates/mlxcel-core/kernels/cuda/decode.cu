@@ -201,20 +201,6 @@ constexpr int DEC_ATTN_THREADS = 128;
 constexpr int DEC_ATTN_WARPS = DEC_ATTN_THREADS / 32;
 constexpr int DEC_MAX_GROUP = 16;  // query heads per key/value head
 
-// 8 consecutive values of T from p as floats: one 16-byte load where p is so aligned (always
-// inside qkv; a bias or norm weight array could be a view at any element).
-template <typename T>
-__device__ __forceinline__ void dec_load8(const T* p, float (&f)[8]) {
-  if ((reinterpret_cast<size_t>(p) & 15) == 0) {
-    dec_unpack8(*reinterpret_cast<const uint4*>(p), f, p);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      f[e] = qmv_to_float(p[e]);
-    }
-  }
-}
-
 // One head of `src` (head_dim values of qkv) through its bias (nullable), the per-head RMSNorm
 // (nullable, eps) and rope on the first 2*rot_half dims (inv_freq: rot_half angles per
 // position; traditional: adjacent pairs, else halves), by one warp; store(d, value) takes the
@@ -225,37 +211,19 @@ __device__ __forceinline__ void dec_rope_head(const T* src, const T* bias, const
                                               int rot_half, int traditional, int position,
                                               float eps, Store store) {
   const int lane = threadIdx.x & 31;
-  // A lane per 8 values (one 16-byte load each of the head, its bias and its norm weights: a
-  // head of up to 256 values in one round trip to memory, not one per 32 values).
-  const int slices = head_dim / 8;
   float ss = 0.0f;
-  for (int sl = lane; sl < slices; sl += 32) {
-    float v[8];
-    dec_load8(src + 8 * sl, v);
+  for (int d = lane; d < head_dim; d += 32) {
+    float v = qmv_to_float(src[d]);
     if (bias != nullptr) {
-      float b[8];
-      dec_load8(bias + 8 * sl, b);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        v[e] = qmv_round(src, v[e] + b[e]);
-      }
+      v = qmv_round(src, v + qmv_to_float(bias[d]));
     }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      row[8 * sl + e] = v[e];
-      ss = fmaf(v[e], v[e], ss);
-    }
+    row[d] = v;
+    ss = fmaf(v, v, ss);
   }
   if (norm != nullptr) {
     const float inv = rsqrtf(dec_warp_sum(ss) / (float)head_dim + eps);
-    for (int sl = lane; sl < slices; sl += 32) {
-      float w[8];
-      dec_load8(norm + 8 * sl, w);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int d = 8 * sl + e;
-        row[d] = qmv_round(src, w[e] * qmv_round(src, row[d] * inv));
-      }
+    for (int d = lane; d < head_dim; d += 32) {
+      row[d] = qmv_round(src, qmv_to_float(norm[d]) * qmv_round(src, row[d] * inv));
     }
   }
   __syncwarp();
@@ -370,21 +338,12 @@ __device__ __forceinline__ void dec_attention(
                     [&](int d, float v) { qmv_store(k_cache + at + d, v); });
     } else if (warp == 1) {
       const T* vsrc = qkv + (heads + kv_heads + g) * head_dim;
-      for (int sl = lane; sl < head_dim / 8; sl += 32) {
-        float v[8];
-        dec_load8(vsrc + 8 * sl, v);
+      for (int d = lane; d < head_dim; d += 32) {
+        float v = qmv_to_float(vsrc[d]);
         if (v_bias != nullptr) {
-          float b[8];
-          dec_load8(v_bias + g * head_dim + 8 * sl, b);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            v[e] += b[e];
-          }
+          v += qmv_to_float(v_bias[g * head_dim + d]);
         }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          qmv_store(v_cache + at + 8 * sl + e, v[e]);
-        }
+        qmv_store(v_cache + at + d, v);
       }
     }
   }
