@@ -99,6 +99,7 @@ impl CudaDecoder {
                 p.cuda_decode_overlap,
             )
         });
+        let fused_route = fused_route && crate::cuda_kernels::fused_router_fits(&launch);
         let group = shape.heads / shape.kv_heads.max(1);
         let attn_blocks =
             attn_blocks.unwrap_or_else(|| crate::policy::default_decode_attn_blocks(group));

@@ -526,6 +526,13 @@ impl Default for DecoderShapes {
     }
 }
 
+/// Whether a decode step of `shapes` can route in its router's GEMV (dec_router: the RMSNorm-in
+/// GEMV's blocks, of which one warp ranks the experts while the others normalise h): from 2
+/// warps. With 1 (`MLXCEL_CUDA_DECODE_GEMV=1x..`) the routing keeps its own kernel.
+pub fn fused_router_fits(shapes: &DecoderShapes) -> bool {
+    shapes.gemv[0].shape.warps >= 2
+}
+
 /// The decode step's launch shapes the policy asks for now, for a model of `hidden`.
 pub fn decoder_shapes(hidden: i32) -> DecoderShapes {
     crate::policy::with(|p| DecoderShapes {
@@ -682,11 +689,13 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
             (16, "dense", formats.dense),
         ];
         let (lanes, stage) = (shapes.moe_lanes, shapes.moe_stage);
-        // The router's GEMV with the routing in its last block: the RMS GEMV's launch shape.
+        // The router's GEMV with the routing in its last block: the RMS GEMV's launch shape,
+        // from 2 warps (one routes while the others normalise; see `fused_router_fits`).
         let ((nw, rpw), router_bounds) = (gemv_shapes[0], &bounds[0]);
         for (bits, f, _) in expert_formats.into_iter().filter(|&(_, _, on)| on) {
-            wrapper += &format!(
-                "extern \"C\" __global__ void __launch_bounds__({router_bounds}) \
+            if fused_router_fits(&shapes) {
+                wrapper += &format!(
+                    "extern \"C\" __global__ void __launch_bounds__({router_bounds}) \
                  mlxcel_dec_router_{f}_{d}(const uint32_t* w, const {t}* s, const {t}* z, \
                  {t}* logits, const {t}* h, const {t}* norm, int words, int groups, int eps_bits, \
                  {t}* xn, int* ids, float* weights, int* counter, int experts, int top_k, \
@@ -694,7 +703,8 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
                  dec_router<{bits}, {nw}, {rpw}, {t}>(w, s, z, logits, h, norm, words, groups, \
                  __int_as_float(eps_bits), xn, ids, weights, counter, experts, top_k, normalize, \
                  __int_as_float(scale_bits)); }}\n"
-            );
+                );
+            }
             wrapper += &format!(
                 "extern \"C\" __global__ void __launch_bounds__(DEC_MOE_THREADS) \
                  mlxcel_dec_moe_glu_{f}_{d}(const uint32_t* gw, const {t}* gs, const {t}* gb, \
@@ -1890,6 +1900,14 @@ mod tests {
             },
         );
         assert!(staged.wrapper.contains("dec_moe_glu<4, 8, 4, "));
+        // A 1-warp RMSNorm-in GEMV leaves the routing to its own kernel: dec_router needs 2.
+        assert!(moe.wrapper.contains("mlxcel_dec_router_b4_bfloat16("));
+        let mut one_warp = plain;
+        one_warp.gemv[0].shape = LaunchShape::new(1, 8).unwrap();
+        let routed = decoder_entry(Dtype::Bfloat16, formats.with_experts(), one_warp);
+        assert!(!fused_router_fits(&one_warp) && fused_router_fits(&plain));
+        assert!(!routed.wrapper.contains("dec_router<"));
+        assert!(routed.wrapper.contains("mlxcel_dec_route_bfloat16("));
         assert_eq!(
             DecoderFormats::default()
                 .with(Some(4))
