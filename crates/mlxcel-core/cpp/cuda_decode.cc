@@ -74,7 +74,6 @@ constexpr int TC_MAX_K = 16384;
 
 constexpr int MAX_HEAD_DIM = 256;      // DEC_MAX_HEAD_DIM of decode.cu
 constexpr int MAX_GROUP = 16;          // DEC_MAX_GROUP
-constexpr unsigned ATTN_THREADS = 128; // DEC_ATTN_THREADS
 constexpr int MAX_CHUNK = 128;         // keys per attention block (a score each per thread)
 // decode_moe.cu's DEC_ROUTE_THREADS, DEC_MOE_THREADS, DEC_MOE_MAX_TOP_K and
 // DEC_MOE_MAX_EXPERTS.
@@ -192,6 +191,8 @@ struct CudaDecoderState {
   // Attention blocks per step the chunking aims at (MLXCEL_CUDA_DECODE_ATTN_BLOCKS, or
   // policy::default_decode_attn_blocks of the model).
   int attn_blocks = 264;
+  // Threads per attention block (dec_attention's NT: MLXCEL_CUDA_DECODE_ATTN_THREADS).
+  unsigned attn_threads = 128;
   // The routing in the router GEMV's last block (MLXCEL_CUDA_DECODE_FUSED_ROUTE): the fused
   // kernels by router format as `gemv`, loaded by `finish` when the option is on.
   bool fused_route = false;
@@ -462,7 +463,7 @@ class CudaDecodeStep : public mx::Primitive {
           .f32(st.eps)
           .f32(st.scale);
       launch(st.attention, Dim3{unsigned(st.kv_heads), unsigned(n_chunks), 1},
-             Dim3{ATTN_THREADS, 1, 1}, at);
+             Dim3{st.attn_threads, 1, 1}, at);
       gemv(GEMV_RES, {Segment{&ly.linear[ROLE_O], h}}, attn, nullptr, h_in);
       h_in = h;
       if (ly.moe()) {
@@ -775,12 +776,13 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
     throw std::invalid_argument("mlxcel: cuda decoder: invalid shape");
   }
   if (head_dim > MAX_HEAD_DIM || head_dim % 8 != 0 || heads / kv_heads > MAX_GROUP ||
-      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 11 ||
-      (shapes[8] != 8 && shapes[8] != 16 && shapes[8] != 32) || shapes[9] < 1) {
+      size_t(2) * inv_freq.size() > size_t(head_dim) || shapes.size() != 12 ||
+      (shapes[8] != 8 && shapes[8] != 16 && shapes[8] != 32) || shapes[9] < 1 ||
+      (shapes[11] != 128 && shapes[11] != 256)) {
     throw std::invalid_argument(
         "mlxcel: cuda decoder: head_dim a multiple of 8 up to 256, at most 16 query heads per "
         "key/value head, rope within the head, 8, 16 or 32 lanes per expert row, at least one "
-        "attention block");
+        "attention block of 128 or 256 threads");
   }
   auto d = std::make_unique<CudaDecoder>();
   auto st = std::make_shared<CudaDecoderState>();
@@ -804,6 +806,7 @@ std::unique_ptr<CudaDecoder> cuda_decoder_new(const CudaBinary& binary, bool f16
   st->moe_groups = int(MOE_THREADS) / shapes[8];
   st->attn_blocks = shapes[9];
   st->fused_route = shapes[10] != 0;
+  st->attn_threads = unsigned(shapes[11]);
   st->overlap = overlap;
   st->layer.resize(layers);
   d->state = std::move(st);

@@ -90,8 +90,8 @@ impl CudaDecoder {
         let launch = crate::cuda_kernels::decoder_shapes(shape.hidden);
         let binary = crate::cuda_kernels::decoder_binary(dtype, formats, launch)?;
         // The three GEMV kinds' shapes, then the tensor-core GEMVs' (0, 0: none), then the
-        // expert GEMVs' lanes per row, the attention blocks per step and whether the routing
-        // runs in the router's GEMV.
+        // expert GEMVs' lanes per row, the attention blocks per step, whether the routing
+        // runs in the router's GEMV and the attention blocks' threads.
         let (attn_blocks, fused_route, overlap) = crate::policy::with(|p| {
             (
                 p.cuda_decode_attn_blocks,
@@ -109,7 +109,12 @@ impl CudaDecoder {
             .map(|g| g.shape.pair())
             .chain([launch.tensor_cores.unwrap_or((0, 0))])
             .flat_map(|(nw, rpw)| [nw, rpw])
-            .chain([launch.moe_lanes, attn_blocks, i32::from(fused_route)])
+            .chain([
+                launch.moe_lanes,
+                attn_blocks,
+                i32::from(fused_route),
+                launch.attn_threads,
+            ])
             .collect();
         // Overlapped launches on sm_90 and later only: older GPUs compile the kernels without
         // their wait (prelude.cuh), so a programmatic edge must never reach them.

@@ -512,6 +512,8 @@ pub struct DecoderShapes {
     /// Chunks per lane those GEMVs stage in shared memory (decode_moe.cu's STAGE; 0: two at a
     /// time in registers).
     pub moe_stage: i32,
+    /// Threads per attention block (decode.cu's `dec_attention` NT: 128 or 256).
+    pub attn_threads: i32,
 }
 
 impl Default for DecoderShapes {
@@ -522,6 +524,7 @@ impl Default for DecoderShapes {
             tensor_cores: None,
             moe_lanes: crate::policy::DEFAULT_DECODE_MOE_LANES,
             moe_stage: crate::policy::DEFAULT_DECODE_MOE_STAGE,
+            attn_threads: 128,
         }
     }
 }
@@ -542,6 +545,7 @@ pub fn decoder_shapes(hidden: i32) -> DecoderShapes {
         tensor_cores: p.cuda_decode_tc.map(LaunchShape::pair),
         moe_lanes: p.cuda_decode_moe_lanes,
         moe_stage: p.cuda_decode_moe_stage,
+        attn_threads: p.cuda_decode_attn_threads,
     })
 }
 
@@ -662,14 +666,15 @@ fn decoder_entry(dtype: Dtype, formats: DecoderFormats, shapes: DecoderShapes) -
              res, k_len, __int_as_float(eps_bits)); }}\n",
         );
     }
+    let nt = shapes.attn_threads;
     wrapper += &format!(
-        "extern \"C\" __global__ void __launch_bounds__(DEC_ATTN_THREADS) \
+        "extern \"C\" __global__ void __launch_bounds__({nt}) \
          mlxcel_dec_attention_{d}(const {t}* qkv, const {t}* q_bias, const {t}* k_bias, \
          const {t}* v_bias, const {t}* q_norm, const {t}* k_norm, const float* inv_freq, \
          {t}* k_cache, {t}* v_cache, float* partial, int* counters, {t}* out, int heads, \
          int kv_heads, int head_dim, int rot_half, int traditional, int position, int capacity, \
          int chunk, int n_chunks, int eps_bits, int scale_bits) {{ \
-         dec_attention<{t}>(qkv, q_bias, k_bias, v_bias, q_norm, k_norm, inv_freq, k_cache, \
+         dec_attention<{t}, {nt}>(qkv, q_bias, k_bias, v_bias, q_norm, k_norm, inv_freq, k_cache, \
          v_cache, partial, counters, out, heads, kv_heads, head_dim, rot_half, traditional, \
          position, capacity, chunk, n_chunks, __int_as_float(eps_bits), \
          __int_as_float(scale_bits)); }}\n"
@@ -1900,6 +1905,20 @@ mod tests {
             },
         );
         assert!(staged.wrapper.contains("dec_moe_glu<4, 8, 4, "));
+        // The attention's block size as the policy says (128 threads by default).
+        assert!(moe.wrapper.contains("dec_attention<mlxcel_bf16, 128>("));
+        let wide = decoder_entry(
+            Dtype::Bfloat16,
+            formats,
+            DecoderShapes {
+                attn_threads: 256,
+                ..plain
+            },
+        );
+        assert!(wide
+            .wrapper
+            .contains("__launch_bounds__(256) mlxcel_dec_attention_bfloat16("));
+        assert!(wide.wrapper.contains("dec_attention<mlxcel_bf16, 256>("));
         // A 1-warp RMSNorm-in GEMV leaves the routing to its own kernel: dec_router needs 2.
         assert!(moe.wrapper.contains("mlxcel_dec_router_b4_bfloat16("));
         let mut one_warp = plain;

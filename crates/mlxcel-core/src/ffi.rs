@@ -372,8 +372,9 @@ pub(crate) mod bridge {
         /// A decoder of `layers` layers on bf16 (`f16`: float16) activations; `shapes`: the
         /// (warps, rows) launch shape of each GEMV kind, then of the tensor-core GEMVs ((0, 0):
         /// none), then the routed-expert GEMVs' lanes per row (8, 16, 32), the attention blocks
-        /// a step aims at, and 1 to route in the router GEMV's last block (0: a kernel of its
-        /// own); `overlap`: its kernels joined by programmatic edges where the driver can.
+        /// a step aims at, 1 to route in the router GEMV's last block (0: a kernel of its own)
+        /// and the attention blocks' threads (128 or 256); `overlap`: its kernels joined by
+        /// programmatic edges where the driver can.
         #[allow(clippy::too_many_arguments)]
         fn cuda_decoder_new(
             binary: &CudaBinary,

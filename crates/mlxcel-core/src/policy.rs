@@ -321,6 +321,11 @@ pub struct RuntimePolicy {
     /// Qwen3-30B-A3B 4-bit expert row is 8 chunks a lane for gate|up, 3 for down), or `0`
     /// (default) for two chunks at a time in registers.
     pub cuda_decode_moe_stage: i32,
+    /// `MLXCEL_CUDA_DECODE_ATTN_THREADS`: threads per block of the CUDA decode step's attention
+    /// (decode.cu's `dec_attention`): 128 (default) or 256. More warps split its latency-bound
+    /// phases finer (the queries' rope, softmax and merge); each block then runs two warps per
+    /// scheduler instead of one.
+    pub cuda_decode_attn_threads: i32,
     /// `MLXCEL_CUDA_DECODE_FUSED_ROUTE`: the CUDA decode step routes each token in the last
     /// block of the router's GEMV (one kernel boundary fewer per routed-expert layer) instead
     /// of in a one-block kernel after it. Off by default: on an H100 both measured the same
@@ -466,6 +471,7 @@ impl RuntimePolicy {
         cuda_decode_overlap: true,
         cuda_decode_moe_lanes: DEFAULT_DECODE_MOE_LANES,
         cuda_decode_moe_stage: DEFAULT_DECODE_MOE_STAGE,
+        cuda_decode_attn_threads: 128,
         cuda_decode_fused_route: false,
         cuda_decode_attn_blocks: None,
         batch_pipeline: true,
@@ -479,7 +485,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 42] = [
+    pub const VARIABLES: [&'static str; 43] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -508,6 +514,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_DECODE_OVERLAP",
         "MLXCEL_CUDA_DECODE_MOE_LANES",
         "MLXCEL_CUDA_DECODE_MOE_STAGE",
+        "MLXCEL_CUDA_DECODE_ATTN_THREADS",
         "MLXCEL_CUDA_DECODE_FUSED_ROUTE",
         "MLXCEL_CUDA_DECODE_ATTN_BLOCKS",
         "MLXCEL_CUDA_GATHER",
@@ -672,6 +679,13 @@ impl RuntimePolicy {
                 "4" => 4,
                 "8" => 8,
                 _ => return Err(v.error("0, 2, 4 or 8")),
+            };
+        }
+        if let Some(v) = get("MLXCEL_CUDA_DECODE_ATTN_THREADS") {
+            p.cuda_decode_attn_threads = match v.word().as_str() {
+                "128" => 128,
+                "256" => 256,
+                _ => return Err(v.error("128 or 256")),
             };
         }
         if let Some(v) = get("MLXCEL_CUDA_DECODE_FUSED_ROUTE") {
@@ -986,6 +1000,15 @@ mod tests {
         assert_eq!(one(v, " 4 ").cuda_decode_moe_stage, 4);
         rejects(v, "16");
         rejects(v, "3");
+    }
+
+    #[test]
+    fn decode_attn_threads() {
+        let v = "MLXCEL_CUDA_DECODE_ATTN_THREADS";
+        assert_eq!(parse(&[]).unwrap().cuda_decode_attn_threads, 128);
+        assert_eq!(one(v, "256").cuda_decode_attn_threads, 256);
+        rejects(v, "64");
+        rejects(v, "512");
     }
 
     #[test]

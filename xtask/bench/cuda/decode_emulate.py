@@ -4,7 +4,10 @@ buffers with the kernel's index arithmetic, and compares it with an independent
 reference: rope as MLX applies it (halves or adjacent pairs, the first 2*rot_half dims), grouped
 attention over the cached keys, softmax in float64. No GPU needed (numpy).
 
-    python3 xtask/bench/cuda/decode_emulate.py
+    python3 xtask/bench/cuda/decode_emulate.py [128|256]
+
+The argument is the block's thread count (dec_attention's NT, MLXCEL_CUDA_DECODE_ATTN_THREADS;
+default 128): it sets the keys a scores pass and the value slices a pass take.
 
 Prints the largest difference per shape, relative to the largest output, and fails above 1e-2
 (the outputs are rounded to bf16 as the kernels store them: 2^-8 relative).
@@ -37,7 +40,8 @@ def rope_head(src, inv_freq, traditional, position):
 
 
 KEY_LANES = 8        # DEC_KEY_LANES: adjacent threads sharing a key or a value slice
-THREADS = 128        # DEC_ATTN_THREADS
+THREADS = int(sys.argv[1]) if len(sys.argv) > 1 else 128  # dec_attention's NT
+assert THREADS in (128, 256)
 KEYS_PER_PASS = THREADS // KEY_LANES
 KEY_SLICES = 256 // (8 * KEY_LANES)
 HEAD_BATCH = 4
@@ -82,7 +86,8 @@ def attention(qkv, inv_freq, k_cache, v_cache, heads, kv_heads, head_dim, tradit
             k_cache[at:at + head_dim] = bf16(
                 rope_head(qkv[k_src:k_src + head_dim], inv_freq, traditional, position))
             v_cache[at:at + head_dim] = bf16(qkv[v_src:v_src + head_dim])
-        # 3. Scores: thread tid = 8 * slot + kl takes key j0 + u * 16 + slot, slices d = 8*kl + 64*i.
+        # 3. Scores: thread tid = 8 * slot + kl takes key j0 + u * NT/8 + slot, slices
+        # d = 8*kl + 64*i.
         p = np.full((group, THREADS), np.nan, np.float32)
         for j0 in range(0, nk, 2 * KEYS_PER_PASS):
             for u in range(2):

@@ -197,8 +197,6 @@ __device__ __forceinline__ void dec_dmv3(const T* w0, T* o0, int n0, const T* w1
 }
 
 // ---- attention: rope, the cache write, split-K attention and its combine, one launch -----
-constexpr int DEC_ATTN_THREADS = 128;
-constexpr int DEC_ATTN_WARPS = DEC_ATTN_THREADS / 32;
 constexpr int DEC_MAX_GROUP = 16;  // query heads per key/value head
 
 // One head of `src` (head_dim values of qkv) through its bias (nullable), the per-head RMSNorm
@@ -253,7 +251,10 @@ __device__ __forceinline__ float dec_lane8_sum(float v) {
   return v;
 }
 
-// Grid (kv_heads, n_chunks), DEC_ATTN_THREADS threads. Block (g, c) takes the query heads of
+// Grid (kv_heads, n_chunks), NT threads (128 or 256: MLXCEL_CUDA_DECODE_ATTN_THREADS; more
+// warps split each latency-bound phase finer: the queries' rope, the softmax and the merge a
+// head or an output per thread fewer each, the scores and values 2x the keys or slices a
+// pass). Block (g, c) takes the query heads of
 // key/value head g against keys [c*chunk, min(len, (c+1)*chunk)), len = position + 1:
 //  0. it asks L2 for its chunk's key and value rows, so that the loads below wait on L2, not
 //     on DRAM, while it ropes the queries;
@@ -262,7 +263,7 @@ __device__ __forceinline__ float dec_lane8_sum(float v) {
 //  2. the block of the last chunk (the one holding `position`) writes head g's roped key and
 //     its value (plus bias) into row `position` of the caches ([kv_heads, capacity, D]);
 //  3. scores: DEC_KEY_LANES adjacent threads share a key, lane kl taking the 16-byte slices
-//     d = 8*kl + 64*i of it, every load of two passes (2 * DEC_KEYS_PER_PASS keys) issued
+//     d = 8*kl + 64*i of it, every load of two passes (2 * NT / DEC_KEY_LANES keys) issued
 //     before the first multiply; the lanes' sums meet by shuffles;
 //  4. softmax over the chunk, then the weighted values: DEC_KEY_LANES adjacent threads share an
 //     8-value slice of the rows, lane kl taking keys kl, kl + 8, ... (four loads in flight),
@@ -275,22 +276,24 @@ __device__ __forceinline__ float dec_lane8_sum(float v) {
 // Each latency-bound step keeps its loads independent of each other: the kernel this replaced
 // (a thread per key, its 16 loads of a 128-value row one after another; the values a column
 // at a time) took 22 us per layer of an 8B model on an H100 for under a hundred cached rows.
-// D a multiple of 8 (16-byte key loads), at most DEC_MAX_HEAD_DIM; chunk <= DEC_ATTN_THREADS.
+// D a multiple of 8 (16-byte key loads), at most DEC_MAX_HEAD_DIM; chunk <= NT.
 // Sums are taken in a fixed order, so the output does not depend on block timing.
 constexpr int DEC_KEY_LANES = 8;
-constexpr int DEC_KEYS_PER_PASS = DEC_ATTN_THREADS / DEC_KEY_LANES;
 constexpr int DEC_KEY_SLICES = DEC_MAX_HEAD_DIM / (8 * DEC_KEY_LANES);
 constexpr int DEC_HEAD_BATCH = 4;
-template <typename T>
+template <typename T, int NT>
 __device__ __forceinline__ void dec_attention(
     const T* qkv, const T* q_bias, const T* k_bias, const T* v_bias, const T* q_norm,
     const T* k_norm, const float* inv_freq, T* k_cache, T* v_cache, float* partial,
     int* counters, T* out, int heads, int kv_heads, int head_dim, int rot_half, int traditional,
     int position, int capacity, int chunk, int n_chunks, float eps, float scale) {
+  static_assert(NT == 128 || NT == 256, "dec_attention: 4 or 8 warps");
+  constexpr int WARPS = NT / 32;
+  constexpr int KEYS_PER_PASS = NT / DEC_KEY_LANES;
   __shared__ __align__(16) float qs[DEC_MAX_GROUP * DEC_MAX_HEAD_DIM];
-  __shared__ float p[DEC_MAX_GROUP][DEC_ATTN_THREADS];
+  __shared__ float p[DEC_MAX_GROUP][NT];
   __shared__ float stats[DEC_MAX_GROUP][2];
-  __shared__ float rows[DEC_ATTN_WARPS][DEC_MAX_HEAD_DIM];
+  __shared__ float rows[WARPS][DEC_MAX_HEAD_DIM];
   __shared__ int last;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -311,7 +314,7 @@ __device__ __forceinline__ void dec_attention(
   // 0. The chunk's rows are contiguous: nk * D values of each cache.
   {
     const int bytes = nk * head_dim * (int)sizeof(T);
-    for (int at = tid * 128; at < bytes; at += DEC_ATTN_THREADS * 128) {
+    for (int at = tid * 128; at < bytes; at += NT * 128) {
       mlxcel_prefetch_l2(reinterpret_cast<const char*>(keys) + at);
       mlxcel_prefetch_l2(reinterpret_cast<const char*>(values) + at);
     }
@@ -320,7 +323,7 @@ __device__ __forceinline__ void dec_attention(
   // kernels just before.
   mlxcel_follow_prior_grid();
   // 1. Every block of the group ropes the group's queries itself (a few hundred values).
-  for (int i = warp; i < group; i += DEC_ATTN_WARPS) {
+  for (int i = warp; i < group; i += WARPS) {
     const int h = g * group + i;
     float* dst = qs + i * head_dim;
     dec_rope_head(qkv + h * head_dim, q_bias != nullptr ? q_bias + h * head_dim : nullptr,
@@ -349,13 +352,13 @@ __device__ __forceinline__ void dec_attention(
   }
   __syncthreads();
 
-  // 3. Scores, two passes of DEC_KEYS_PER_PASS keys at a time (the loop bounds are the
+  // 3. Scores, two passes of KEYS_PER_PASS keys at a time (the loop bounds are the
   // block's, so every lane reaches the shuffles).
-  for (int j0 = 0; j0 < nk; j0 += 2 * DEC_KEYS_PER_PASS) {
+  for (int j0 = 0; j0 < nk; j0 += 2 * KEYS_PER_PASS) {
     uint4 kv[2][DEC_KEY_SLICES];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const int j = j0 + u * DEC_KEYS_PER_PASS + slot;
+      const int j = j0 + u * KEYS_PER_PASS + slot;
 #pragma unroll
       for (int i = 0; i < DEC_KEY_SLICES; ++i) {
         const int d = 8 * kl + 8 * DEC_KEY_LANES * i;
@@ -402,7 +405,7 @@ __device__ __forceinline__ void dec_attention(
       }
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        const int j = j0 + u * DEC_KEYS_PER_PASS + slot;
+        const int j = j0 + u * KEYS_PER_PASS + slot;
 #pragma unroll
         for (int b = 0; b < DEC_HEAD_BATCH; ++b) {
           const float sum = dec_lane8_sum(s[u][b]);
@@ -415,7 +418,7 @@ __device__ __forceinline__ void dec_attention(
   }
   __syncthreads();
   // 4. Softmax over the chunk, a warp per head.
-  for (int h = warp; h < group; h += DEC_ATTN_WARPS) {
+  for (int h = warp; h < group; h += WARPS) {
     float m = DEC_NEG_INF;
     for (int j = lane; j < nk; j += 32) {
       m = fmaxf(m, p[h][j]);
@@ -435,9 +438,9 @@ __device__ __forceinline__ void dec_attention(
     }
   }
   __syncthreads();
-  // The weighted values: slice `slot` (+ DEC_KEYS_PER_PASS, ...) of D/8, keys kl + 8*n.
+  // The weighted values: slice `slot` (+ KEYS_PER_PASS, ...) of D/8, keys kl + 8*n.
   const int slices = head_dim / 8;
-  for (int s0 = 0; s0 < slices; s0 += DEC_KEYS_PER_PASS) {
+  for (int s0 = 0; s0 < slices; s0 += KEYS_PER_PASS) {
     const int sl = s0 + slot;
     const bool on = sl < slices;
     for (int h0 = 0; h0 < group; h0 += DEC_HEAD_BATCH) {
@@ -507,7 +510,7 @@ __device__ __forceinline__ void dec_attention(
   // Each head's largest chunk max m and 1 / sum_k l_k exp(m_k - m), a warp per head: each lane
   // folds its chunks online, then the lanes meet (the partials come from L2: __ldcg, as other
   // blocks wrote them).
-  for (int i = warp; i < group; i += DEC_ATTN_WARPS) {
+  for (int i = warp; i < group; i += WARPS) {
     const float* st = partial_stats + (size_t)(g * group + i) * n_chunks * 2;
     float m = DEC_NEG_INF;
     float l = 0.0f;
@@ -528,7 +531,7 @@ __device__ __forceinline__ void dec_attention(
   // A thread per 4 outputs: its float4 of every chunk's partial values, weighted by
   // exp(m_k - m), loads independent of each other.
   const int outs4 = group * head_dim / 4;
-  for (int o = tid; o < outs4; o += DEC_ATTN_THREADS) {
+  for (int o = tid; o < outs4; o += NT) {
     const int i = 4 * o / head_dim;
     const int d = 4 * o - i * head_dim;
     const float* col = partial_values + (size_t)(g * group + i) * n_chunks * head_dim + d;
