@@ -524,7 +524,7 @@ impl Default for DecoderShapes {
             tensor_cores: None,
             moe_lanes: crate::policy::DEFAULT_DECODE_MOE_LANES,
             moe_stage: crate::policy::DEFAULT_DECODE_MOE_STAGE,
-            attn_threads: 128,
+            attn_threads: crate::policy::DEFAULT_DECODE_ATTN_THREADS,
         }
     }
 }

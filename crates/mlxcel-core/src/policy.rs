@@ -400,8 +400,8 @@ pub const DEFAULT_DECODE_GEMV_SHAPES: [DecodeGemv; 3] = [
 /// GEMVs (q|k|v, a router, the head: K = hidden) from a hidden size of 2048 down. Their
 /// threads stride K in 32-value chunks of 4-bit weights, and K = 2048 has 64 of them: half of
 /// 4 warps would idle. Measured on an H100 (docs/performance.md, session 33): the
-/// Qwen3-30B-A3B 4-bit shape (hidden 2048) decodes at 306.8-311.2 tok/s with 2x8 against
-/// 300.1-304.5 with 4x8, and at 287.6-289.6 with 2x16.
+/// Qwen3-30B-A3B 4-bit shape (hidden 2048) decodes at 339.0-342.3 tok/s with 2x8 against
+/// 332.1-334.3 with 4x8 (2x16 was 5% slower).
 pub fn default_decode_gemv(hidden: i32) -> [DecodeGemv; 3] {
     let mut shapes = DEFAULT_DECODE_GEMV_SHAPES;
     if hidden <= 2048 {
@@ -418,6 +418,9 @@ pub const DEFAULT_DECODE_MOE_LANES: i32 = 8;
 /// (Qwen3-30B-A3B 4-bit shape: 308-312 tok/s at 8, 324-326 at 4, 329-333 in registers;
 /// docs/performance.md, session 33).
 pub const DEFAULT_DECODE_MOE_STAGE: i32 = 0;
+/// Threads per attention block of the decode step unless `MLXCEL_CUDA_DECODE_ATTN_THREADS`
+/// picks 256.
+pub const DEFAULT_DECODE_ATTN_THREADS: i32 = 128;
 /// Attention blocks per decode step unless `MLXCEL_CUDA_DECODE_ATTN_BLOCKS` picks another, for
 /// `group` query heads per key/value head: 264 (two per SM of an H100/H200), halved from 8
 /// query heads per key/value head on, whose blocks each carry twice the queries of a
@@ -471,7 +474,7 @@ impl RuntimePolicy {
         cuda_decode_overlap: true,
         cuda_decode_moe_lanes: DEFAULT_DECODE_MOE_LANES,
         cuda_decode_moe_stage: DEFAULT_DECODE_MOE_STAGE,
-        cuda_decode_attn_threads: 128,
+        cuda_decode_attn_threads: DEFAULT_DECODE_ATTN_THREADS,
         cuda_decode_fused_route: false,
         cuda_decode_attn_blocks: None,
         batch_pipeline: true,

@@ -28,10 +28,9 @@ constexpr int DEC_MOE_THREADS = 128;    // threads per block of the expert kerne
 constexpr int DEC_MOE_MAX_TOP_K = 32;
 constexpr int DEC_MOE_MAX_EXPERTS = 1024;
 constexpr int DEC_ROUTE_THREADS = 256;
-// dec_moe_dot's DEPTH for the expert kernels' weights in registers (STAGE 0): 2. Deeper loads
-// cost more registers than the waits they save (H100, Qwen3-30B-A3B 4-bit shape, session 30:
-// 321 tok/s at 2, 304 at 4, 308 at 8). The kernels' STAGE (MLXCEL_CUDA_DECODE_MOE_STAGE), when
-// not 0, is the DEPTH of weights staged in shared memory instead.
+// dec_moe_dot's chunks a round for weights in registers (STAGE 0): 2. Deeper loads cost more
+// registers than the waits they save (H100, Qwen3-30B-A3B 4-bit shape, session 30: 321 tok/s
+// at 2, 304 at 4, 308 at 8).
 constexpr int DEC_MOE_DEPTH = 2;
 
 // The lanes of this thread's lane group, for shuffles that stay inside it (groups of one warp
@@ -96,22 +95,23 @@ __device__ __forceinline__ void dec_moe_chunk(const uint4 (&wv)[R], const T (&sv
 // A lane takes chunks lane, lane + LPR, ... in rounds of DEPTH chunks whose loads (R 16-byte
 // weight loads each, and their groups' scales and biases) are all issued before any is used,
 // so a lane waits for memory ceil(steps / DEPTH) times (Qwen3-30B-A3B 4-bit: 8 steps a lane
-// for gate|up, 3 for down). Without STAGE a round's weights land in registers; with STAGE,
-// cp.async copies them into shared memory, which holds no registers while they are in flight
-// (a round can then cover a whole row of Qwen3-30B-A3B's experts). Any DEPTH and STAGE sum the
-// chunks in the same order (the same bits).
-template <int BITS, int LPR, int R, int DEPTH, bool STAGE, typename T>
+// for gate|up, 3 for down). STAGE 0 (MLXCEL_CUDA_DECODE_MOE_STAGE): a round's weights land in
+// registers, DEC_MOE_DEPTH of them; STAGE n: cp.async copies n chunks a round into shared
+// memory, which holds no registers while they are in flight (a round can then cover a whole
+// row of Qwen3-30B-A3B's experts). Any STAGE sums the chunks in the same order (the same bits).
+template <int BITS, int LPR, int R, int STAGE, typename T>
 __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const T* const (&s)[R],
                                             const T* const (&b)[R], const T* x, int words,
                                             int gshift, float (&acc)[R]) {
+  constexpr int DEPTH = STAGE != 0 ? STAGE : DEC_MOE_DEPTH;  // chunk steps a round
   constexpr int EPC = BITS == 16 ? 8 : 128 / BITS;  // elements per 16-byte chunk
   constexpr int SCALED = BITS == 16 ? 1 : DEPTH;    // steps with scales and biases to hold
-  constexpr int HELD = STAGE ? 1 : DEPTH;      // steps with weights in registers
+  constexpr int HELD = STAGE != 0 ? 1 : DEPTH;      // steps with weights in registers
   const int chunks = words / 4;
   const uint32_t up = qmv_up(words);
   const int tid = threadIdx.x;
   // Thread tid's round of weights: [u][r][tid] (consecutive threads, consecutive 16 bytes).
-  __shared__ uint4 staged[STAGE ? DEPTH * R * DEC_MOE_THREADS : 1];
+  __shared__ uint4 staged[STAGE != 0 ? DEPTH * R * DEC_MOE_THREADS : 1];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     acc[r] = 0.0f;
@@ -126,7 +126,7 @@ __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const
       if (c < chunks) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          if constexpr (STAGE) {
+          if constexpr (STAGE != 0) {
             mlxcel_cp_async16(mlxcel_smem_addr(&staged[(u * R + r) * DEC_MOE_THREADS + tid]),
                               w[r] + (size_t)c * 4, true);
           } else {
@@ -139,7 +139,7 @@ __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const
         }
       }
     }
-    if constexpr (STAGE) {
+    if constexpr (STAGE != 0) {
       mlxcel_cp_commit();
       mlxcel_cp_wait<0>();  // each thread reads back only what it copied
     }
@@ -153,7 +153,7 @@ __device__ __forceinline__ void dec_moe_dot(const uint32_t* const (&w)[R], const
       T sr[R], br[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        if constexpr (STAGE) {
+        if constexpr (STAGE != 0) {
           wr[r] = staged[(u * R + r) * DEC_MOE_THREADS + tid];
         } else {
           wr[r] = wv[u][r];
@@ -381,8 +381,7 @@ __device__ __forceinline__ void dec_moe_glu(const uint32_t* gw, const T* gs, con
   const T* s[2] = {gs + go, us + go};
   const T* b[2] = {gb + go, ub + go};
   float acc[2];
-  dec_moe_dot<BITS, LPR, 2, STAGE != 0 ? STAGE : DEC_MOE_DEPTH, STAGE != 0>(
-      w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
+  dec_moe_dot<BITS, LPR, 2, STAGE>(w, s, b, x, words, dec_moe_gshift<BITS>(words, groups), acc);
   if ((threadIdx.x & (LPR - 1)) == 0) {
     qmv_store(out + item, qmv_silu_gate(x, qmv_round(x, acc[0]), qmv_round(x, acc[1])));
   }
@@ -426,8 +425,8 @@ __device__ __forceinline__ void dec_moe_down(const uint32_t* dw, const T* ds, co
     const T* s[1] = {ds + row * (size_t)groups};
     const T* b[1] = {db + row * (size_t)groups};
     float acc[1];
-    dec_moe_dot<BITS, LPR, 1, STAGE != 0 ? STAGE : DEC_MOE_DEPTH, STAGE != 0>(
-        w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift, acc);
+    dec_moe_dot<BITS, LPR, 1, STAGE>(w, s, b, a + (size_t)slot * (size_t)k_len, words, gshift,
+                                     acc);
     if ((threadIdx.x & (LPR - 1)) == 0) {
       part[item] = qmv_round(a, acc[0]);
     }
