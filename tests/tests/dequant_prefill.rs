@@ -1,17 +1,31 @@
 //! The GPU prefill path (quantized layers dequantized and run as dense GEMMs from
 //! `MLXCEL_DEQUANT_ROWS` rows, here a `RuntimePolicy` given to the loads) forced on here: it
-//! must give the quantized kernels' results. Its own test binary, because the installed policy
-//! is process-wide.
+//! must give the quantized kernels' results, and its dense copies kept between prompts
+//! (`MLXCEL_PREFILL_DENSE_BYTES`) must give the transient copies' results. Its own test binary,
+//! because the installed policy is process-wide (the tests below take turns).
 
+use std::sync::Mutex;
+
+use mlxcel_arch::nn::prefill_dense_bytes_kept;
 use mlxcel_core::RuntimePolicy;
-use mlxcel_tests::assert_matches_reference_with;
+use mlxcel_loading::{load_model, LoadOptions};
+use mlxcel_tests::{assert_matches_reference_with, logits_for, model_dir, reference};
+
+/// The installed policy is process-wide: one test at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn prefill_policy(dense_bytes: u64) -> RuntimePolicy {
+    RuntimePolicy {
+        dequant_rows: Some(2),
+        prefill_dense_bytes: Some(dense_bytes),
+        ..RuntimePolicy::default()
+    }
+}
 
 #[test]
 fn dequantized_prefill_matches_the_quantized_reference() {
-    let policy = RuntimePolicy {
-        dequant_rows: Some(2),
-        ..RuntimePolicy::default()
-    };
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let policy = prefill_policy(0);
     mlxcel_core::policy::install(&policy).unwrap();
     assert_eq!(mlxcel_arch::nn::dequantize_rows_threshold(), 2);
     for name in [
@@ -25,5 +39,48 @@ fn dequantized_prefill_matches_the_quantized_reference() {
     ] {
         assert_matches_reference_with(name, 1e-3, Some(policy.clone()));
         assert_eq!(mlxcel_arch::nn::dequantize_rows_threshold(), 2);
+    }
+}
+
+/// Prefill logits of fixture `name` for two prompts in a row under a dense-copy budget of
+/// `dense_bytes`, and the bytes kept after them (the model is dropped before returning).
+fn two_prefills(name: &str, dense_bytes: u64) -> (Vec<f32>, Vec<f32>, u64) {
+    let loaded = load_model(
+        model_dir(name),
+        &LoadOptions {
+            skip_tokenizer: true,
+            policy: Some(prefill_policy(dense_bytes)),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let ids = reference(name).prompt_ids;
+    let first = logits_for(&loaded.model, &ids);
+    let second = logits_for(&loaded.model, &ids);
+    (first, second, prefill_dense_bytes_kept())
+}
+
+#[test]
+fn kept_dense_copies_give_the_transient_copies_logits_within_their_budget() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for name in ["llama-affine4-g64", "llama-mixed_3_6", "qwen3_moe-affine4-g64"] {
+        assert_eq!(prefill_dense_bytes_kept(), 0, "{name}: bytes left kept");
+        let (transient, again, kept) = two_prefills(name, 0);
+        assert_eq!(kept, 0, "{name}: a zero budget keeps nothing");
+        assert_eq!(transient, again, "{name}: transient copies vary");
+
+        // Every quantized layer prefill reaches is kept, and the second prompt runs on them.
+        let (first, second, all) = two_prefills(name, u64::MAX / 2);
+        assert!(all > 0, "{name}: nothing kept");
+        assert_eq!(first, transient, "{name}: the first prompt under a budget");
+        assert_eq!(second, transient, "{name}: the prompt on the kept copies");
+        assert_eq!(prefill_dense_bytes_kept(), 0, "{name}: a dropped model's copies");
+
+        // Half the budget keeps some layers, never past it; the others dequantize per prompt.
+        let (first, second, some) = two_prefills(name, all / 2);
+        assert!(some > 0 && some <= all / 2, "{name}: {some} of {all} kept");
+        assert_eq!(first, transient, "{name}: first prompt, half the budget");
+        assert_eq!(second, transient, "{name}: second prompt, half the budget");
+        assert_eq!(prefill_dense_bytes_kept(), 0, "{name}: a dropped model's copies");
     }
 }

@@ -644,7 +644,7 @@ impl ModelWeights {
             }
         };
         let base = match self.quantized_split(prefix, &[out_features], in_features, split)? {
-            Some(q) => Linear::Quantized { weight: q, bias },
+            Some(q) => Linear::quantized(q, bias),
             None => {
                 let cut = split.map(|s| match s {
                     Split::Outputs(rows) => Cut {

@@ -1028,7 +1028,9 @@ fn save(file: &std::path::Path, image: &[u8]) {
     }
 }
 
-fn on_gpu() -> Result<bool> {
+/// Whether the default device is a GPU on MLX's CUDA backend (a Linux GPU; Apple GPUs run
+/// Metal, whose memory is the system's).
+pub fn on_gpu() -> Result<bool> {
     Ok(cfg!(target_os = "linux") && crate::default_device()? == crate::Device::Gpu)
 }
 

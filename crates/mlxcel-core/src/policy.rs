@@ -217,6 +217,10 @@ pub struct RuntimePolicy {
     /// dequantize + dense GEMM (0 = never; setting it also covers routed experts). `None`:
     /// 256 on a GPU, never on the CPU.
     pub dequant_rows: Option<usize>,
+    /// `MLXCEL_PREFILL_DENSE_BYTES`: bytes of device memory the dequantized copies of quantized
+    /// layers may keep between prompts, so that later prefills skip the dequantization (0 =
+    /// none kept). `None`: a quarter of a CUDA GPU's memory, none elsewhere.
+    pub prefill_dense_bytes: Option<u64>,
     /// `MLXCEL_WARM_UP`: one throwaway decode step at load. `None`: on for a GPU.
     pub warm_up: Option<bool>,
     /// `MLXCEL_CPU_KERNELS`: mlxcel's CPU linear kernel instead of MLX's (default on).
@@ -453,6 +457,7 @@ impl RuntimePolicy {
         ple_io: PleIo::Mmap,
         ple_cache_bytes: DEFAULT_PLE_CACHE_BYTES,
         dequant_rows: None,
+        prefill_dense_bytes: None,
         warm_up: None,
         cpu_kernels: true,
         cpu_decode: true,
@@ -488,7 +493,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 43] = [
+    pub const VARIABLES: [&'static str; 44] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -501,6 +506,7 @@ impl RuntimePolicy {
         "MLXCEL_PLE_IO",
         "MLXCEL_PLE_CACHE_BYTES",
         "MLXCEL_DEQUANT_ROWS",
+        "MLXCEL_PREFILL_DENSE_BYTES",
         "MLXCEL_WARM_UP",
         "MLXCEL_CPU_KERNELS",
         "MLXCEL_CPU_DECODE",
@@ -616,6 +622,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_DEQUANT_ROWS") {
             p.dequant_rows = Some(v.number("a number of rows (0 = never)")?);
+        }
+        if let Some(v) = get("MLXCEL_PREFILL_DENSE_BYTES") {
+            p.prefill_dense_bytes = Some(v.number("a byte count (0 = keep none)")?);
         }
         if let Some(v) = get("MLXCEL_WARM_UP") {
             p.warm_up = Some(v.switch()?);
@@ -1035,6 +1044,16 @@ mod tests {
         assert_eq!(one(v, "0").dequant_rows, Some(0));
         rejects(v, "many");
         rejects(v, "-5");
+    }
+
+    #[test]
+    fn prefill_dense_bytes() {
+        let v = "MLXCEL_PREFILL_DENSE_BYTES";
+        assert_eq!(RuntimePolicy::default().prefill_dense_bytes, None);
+        assert_eq!(one(v, "0").prefill_dense_bytes, Some(0));
+        assert_eq!(one(v, "17179869184").prefill_dense_bytes, Some(1 << 34));
+        rejects(v, "16G");
+        rejects(v, "-1");
     }
 
     #[test]

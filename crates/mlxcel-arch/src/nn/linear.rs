@@ -6,6 +6,7 @@ use mlxcel_core::{Array, Dtype};
 use mlxcel_quant::QuantizedWeight;
 
 use super::lora::LoraLayer;
+use super::prefill_dense::PrefillDense;
 use super::{Activation, Norm};
 use crate::Result;
 
@@ -79,6 +80,9 @@ pub enum Linear {
         weight: QuantizedWeight,
         /// `[out]`, when the layer has one.
         bias: Option<Array>,
+        /// The dequantized weight kept for prefill, once one was (see [`super::prefill_dense`]);
+        /// build with [`Linear::quantized`].
+        prefill: PrefillDense,
     },
     /// A layer with runtime LoRA adapters over its unchanged base (see [`super::lora`]): with
     /// no adapter active it runs exactly `base`.
@@ -98,6 +102,15 @@ impl Linear {
             weight,
             bias,
         })
+    }
+
+    /// A quantized layer from its planes and an optional `bias` `[out]`.
+    pub fn quantized(weight: QuantizedWeight, bias: Option<Array>) -> Linear {
+        Linear::Quantized {
+            weight,
+            bias,
+            prefill: PrefillDense::default(),
+        }
     }
 
     /// `x` `[.., in]` → `[.., out]`.
@@ -166,12 +179,16 @@ impl Linear {
                 super::calibration::observe(weight, x);
                 ops::linear(x, weight, Some(weight_t))?
             }
-            Linear::Quantized { weight, .. } => {
+            Linear::Quantized {
+                weight, prefill, ..
+            } => {
                 let rows = x.size() / x.dim(-1)?.max(1) as usize;
                 if dequantize_for(rows) {
                     // Many rows (prefill): one dense GEMM on the dequantized layer beats the
-                    // quantized kernels by far on GPUs; the dense copy is transient.
-                    let w = weight.dequantize(x.dtype()?)?;
+                    // quantized kernels by far on GPUs; the dense copy is kept for the next
+                    // prompt while the budget allows.
+                    let dtype = x.dtype()?;
+                    let w = prefill.get_or_dequantize(dtype, || Ok(weight.dequantize(dtype)?))?;
                     x.matmul(&w.t()?)?
                 } else {
                     weight.matmul_t(x)?
@@ -251,7 +268,10 @@ impl Linear {
                 return base.forward_fused(x, input, residual);
             }
         }
-        if let Linear::Quantized { weight, bias: None } = self {
+        if let Linear::Quantized {
+            weight, bias: None, ..
+        } = self
+        {
             let kernel_input = match input {
                 LinearInput::Plain => Some(GemvInput::Plain),
                 LinearInput::Normed(norm) => norm
@@ -334,15 +354,15 @@ impl Linear {
         }
         // All or none have a biases plane (checked above).
         let biases: Option<Vec<&Array>> = qs.iter().map(|q| q.biases.as_ref()).collect();
-        Ok(Some(Linear::Quantized {
-            weight: QuantizedWeight {
+        Ok(Some(Linear::quantized(
+            QuantizedWeight {
                 weight: cat(qs.iter().map(|q| &q.weight).collect())?,
                 scales: cat(qs.iter().map(|q| &q.scales).collect())?,
                 biases: biases.map(cat).transpose()?,
                 spec: first.spec,
             },
             bias,
-        }))
+        )))
     }
 
     /// The bias `[out]`, if any.
@@ -357,7 +377,7 @@ impl Linear {
     pub fn arrays(&self) -> Vec<&Array> {
         match self {
             Linear::Dense { weight, bias, .. } => std::iter::once(weight).chain(bias).collect(),
-            Linear::Quantized { weight, bias } => weight.arrays().into_iter().chain(bias).collect(),
+            Linear::Quantized { weight, bias, .. } => weight.arrays().into_iter().chain(bias).collect(),
             Linear::Adapted { base, lora } => {
                 base.arrays().into_iter().chain(lora.arrays()).collect()
             }

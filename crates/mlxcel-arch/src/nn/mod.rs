@@ -14,6 +14,7 @@ mod mla;
 mod mlp;
 mod moe;
 mod norm;
+mod prefill_dense;
 mod rope;
 pub mod ssm;
 
@@ -28,5 +29,6 @@ pub use moe::{
     RouterScoring, StreamedGlu, SwitchGlu,
 };
 pub use norm::{Norm, NormKind};
+pub use prefill_dense::{prefill_dense_bytes_kept, PrefillDense};
 pub use rope::{RopeConfig, RotaryEmbedding};
 pub use ssm::{Mamba2Mixer, MambaMixer};
