@@ -63,7 +63,11 @@ fn two_prefills(name: &str, dense_bytes: u64) -> (Vec<f32>, Vec<f32>, u64) {
 #[test]
 fn kept_dense_copies_give_the_transient_copies_logits_within_their_budget() {
     let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    for name in ["llama-affine4-g64", "llama-mixed_3_6", "qwen3_moe-affine4-g64"] {
+    for name in [
+        "llama-affine4-g64",
+        "llama-mixed_3_6",
+        "qwen3_moe-affine4-g64",
+    ] {
         assert_eq!(prefill_dense_bytes_kept(), 0, "{name}: bytes left kept");
         let (transient, again, kept) = two_prefills(name, 0);
         assert_eq!(kept, 0, "{name}: a zero budget keeps nothing");
@@ -74,13 +78,21 @@ fn kept_dense_copies_give_the_transient_copies_logits_within_their_budget() {
         assert!(all > 0, "{name}: nothing kept");
         assert_eq!(first, transient, "{name}: the first prompt under a budget");
         assert_eq!(second, transient, "{name}: the prompt on the kept copies");
-        assert_eq!(prefill_dense_bytes_kept(), 0, "{name}: a dropped model's copies");
+        assert_eq!(
+            prefill_dense_bytes_kept(),
+            0,
+            "{name}: a dropped model's copies"
+        );
 
         // Half the budget keeps some layers, never past it; the others dequantize per prompt.
         let (first, second, some) = two_prefills(name, all / 2);
         assert!(some > 0 && some <= all / 2, "{name}: {some} of {all} kept");
         assert_eq!(first, transient, "{name}: first prompt, half the budget");
         assert_eq!(second, transient, "{name}: second prompt, half the budget");
-        assert_eq!(prefill_dense_bytes_kept(), 0, "{name}: a dropped model's copies");
+        assert_eq!(
+            prefill_dense_bytes_kept(),
+            0,
+            "{name}: a dropped model's copies"
+        );
     }
 }

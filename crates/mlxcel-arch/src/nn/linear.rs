@@ -377,7 +377,9 @@ impl Linear {
     pub fn arrays(&self) -> Vec<&Array> {
         match self {
             Linear::Dense { weight, bias, .. } => std::iter::once(weight).chain(bias).collect(),
-            Linear::Quantized { weight, bias, .. } => weight.arrays().into_iter().chain(bias).collect(),
+            Linear::Quantized { weight, bias, .. } => {
+                weight.arrays().into_iter().chain(bias).collect()
+            }
             Linear::Adapted { base, lora } => {
                 base.arrays().into_iter().chain(lora.arrays()).collect()
             }

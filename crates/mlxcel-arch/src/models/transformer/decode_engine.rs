@@ -78,7 +78,9 @@ type LinearPlanes<'a> = (&'a Array, Option<(&'a Array, &'a Array, i32, i32)>);
 fn planes(l: &Linear) -> Option<(LinearPlanes<'_>, Option<&Array>)> {
     match l {
         Linear::Dense { weight, bias, .. } => Some(((weight, None), bias.as_ref())),
-        Linear::Quantized { weight: q, bias, .. } => Some((quantized_planes(q)?, bias.as_ref())),
+        Linear::Quantized {
+            weight: q, bias, ..
+        } => Some((quantized_planes(q)?, bias.as_ref())),
         Linear::Adapted { .. } => None,
     }
 }
