@@ -50,8 +50,9 @@ if not s:
 else:
     print(" ".join("%.1f" % x["decode_tps"] for x in s), "tok/s, prefill",
           " ".join("%.0f" % x["prefill_tps"] for x in s),
-          "(overlapped %s, compile %.1f s, load %.2f s)" % (s[0].get("cuda_decode_overlapped"),
-          s[0].get("kernel_compile_s", 0), s[0].get("load_s", 0)))' "$OUT/err.txt")
+          "(overlapped %s, compile %.1f s, load %.2f s, kept %.1f GB, peak %.1f GB)" % (
+          s[0].get("cuda_decode_overlapped"), s[0].get("kernel_compile_s", 0), s[0].get("load_s", 0),
+          s[-1].get("prefill_dense_bytes", 0) / 1e9, s[-1].get("peak_mlx_bytes", 0) / 1e9))' "$OUT/err.txt")
   echo "$model ${BIN:-./mlxcel} [$envs] $stats ids $(echo "$out" | head -1 | md5sum | cut -c1-8) at ${SECONDS}s" | tee -a "$OUT/ab.txt"
   grep -i "error\|panic" "$OUT/err.txt" | head -3
 }

@@ -685,6 +685,8 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
             .map(|(name, n)| format!("{name} {n}")).collect::<Vec<_>>(),
         "decode_tps": stats.decode_tokens_per_second(),
         "peak_mlx_bytes": mlxcel_core::memory::peak_bytes().unwrap_or(0),
+        // Dense copies of quantized layers kept for prefill (MLXCEL_PREFILL_DENSE_BYTES).
+        "prefill_dense_bytes": mlxcel_arch::nn::prefill_dense_bytes_kept(),
         "vmhwm_bytes": vmhwm,
     });
     // Fields present only when their feature ran.
