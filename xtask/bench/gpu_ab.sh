@@ -20,7 +20,7 @@
 #   bins       $ROUNDS rounds over $AB_MODELS x $BINS (default ./mlxcel_base ./mlxcel; a binary
 #              may carry settings of its own: ./mlxcel_base@A=1+B=2)
 #   test       the GPU decode test on every fixture and llama-wide, with the defaults and with
-#              each of $TEST_ENVS (default: the fused router, 256-thread attention blocks), then
+#              each of $TEST_ENVS (default: the fused router, 128-thread attention blocks), then
 #              the kernel checks
 #   ncu        one decode step kernel by kernel ($NCU_MODEL, ncu_sum.py): $NCU_PER_STEP launches
 #              matching mlxcel_dec per step (8B: 161; 30B-A3B: 337, or 289 with the fused router)
@@ -87,7 +87,7 @@ for phase in ${PHASES:-models env}; do
   test)
     late test && continue
     # The defaults, then each of $TEST_ENVS (the step's variants that are off by default).
-    for e in X=1 ${TEST_ENVS:-MLXCEL_CUDA_DECODE_FUSED_ROUTE=1 MLXCEL_CUDA_DECODE_ATTN_THREADS=256}; do
+    for e in X=1 ${TEST_ENVS:-MLXCEL_CUDA_DECODE_FUSED_ROUTE=1 MLXCEL_CUDA_DECODE_ATTN_THREADS=128}; do
       late test && break
       echo "== decode test [$e]"
       env ${e//+/ } MLXCEL_DECODE_TEST_MODELS=$models/llama-wide MLXCEL_FIXTURES_DIR=$PWD/fixtures-decode \

@@ -1907,20 +1907,20 @@ mod tests {
             },
         );
         assert!(staged.wrapper.contains("dec_moe_glu<4, 8, 4, "));
-        // The attention's block size as the policy says (128 threads by default).
-        assert!(moe.wrapper.contains("dec_attention<mlxcel_bf16, 128>("));
-        let wide = decoder_entry(
+        // The attention's block size as the policy says (256 threads by default).
+        assert!(moe.wrapper.contains("dec_attention<mlxcel_bf16, 256>("));
+        let narrow = decoder_entry(
             Dtype::Bfloat16,
             formats,
             DecoderShapes {
-                attn_threads: 256,
+                attn_threads: 128,
                 ..plain
             },
         );
-        assert!(wide
+        assert!(narrow
             .wrapper
-            .contains("__launch_bounds__(256) mlxcel_dec_attention_bfloat16("));
-        assert!(wide.wrapper.contains("dec_attention<mlxcel_bf16, 256>("));
+            .contains("__launch_bounds__(128) mlxcel_dec_attention_bfloat16("));
+        assert!(narrow.wrapper.contains("dec_attention<mlxcel_bf16, 128>("));
         // A 1-warp RMSNorm-in GEMV leaves the routing to its own kernel: dec_router needs 2.
         assert!(moe.wrapper.contains("mlxcel_dec_router_b4_bfloat16("));
         let mut one_warp = plain;
