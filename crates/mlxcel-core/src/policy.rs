@@ -219,7 +219,8 @@ pub struct RuntimePolicy {
     pub dequant_rows: Option<usize>,
     /// `MLXCEL_PREFILL_DENSE_BYTES`: bytes of device memory the dequantized copies of quantized
     /// layers may keep between prompts, so that later prefills skip the dequantization (0 =
-    /// none kept). `None`: a quarter of a CUDA GPU's memory, none elsewhere.
+    /// none kept). `None`: a quarter of a CUDA GPU's memory while MLX's active memory stays
+    /// under half of it, none elsewhere.
     pub prefill_dense_bytes: Option<u64>,
     /// `MLXCEL_WARM_UP`: one throwaway decode step at load. `None`: on for a GPU.
     pub warm_up: Option<bool>,

@@ -8,10 +8,11 @@
 //! the dense copy's memory. The copy is the very array the transient path would compute (same
 //! kernel, same rounding), so outputs do not change.
 //!
-//! The budget (`MLXCEL_PREFILL_DENSE_BYTES`; by default a quarter of a CUDA GPU's memory, none
-//! on the CPU or on Apple GPUs, whose memory is the system's) is shared by every model of the process: layers are kept in the order prefill first
-//! reaches them until it is spent, and the rest dequantize per prompt as before. A copy gives
-//! its bytes back when the last clone of its layer is dropped.
+//! The budget (`MLXCEL_PREFILL_DENSE_BYTES`; by default a quarter of a CUDA GPU's memory, while
+//! MLX's active memory stays under half of it, and none on the CPU or on Apple GPUs, whose
+//! memory is the system's) is shared by every model of the process: layers are kept in the
+//! order prefill first reaches them until it is spent, and the rest dequantize per prompt as
+//! before. A copy gives its bytes back when the last clone of its layer is dropped.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -24,26 +25,49 @@ use crate::Result;
 /// Bytes held by kept copies, all models of the process together.
 static KEPT_BYTES: AtomicU64 = AtomicU64::new(0);
 
-/// The share of a CUDA GPU's memory dense copies may take when `MLXCEL_PREFILL_DENSE_BYTES` is unset.
+/// The share of a CUDA GPU's memory dense copies may take when `MLXCEL_PREFILL_DENSE_BYTES` is
+/// unset.
 const DEFAULT_GPU_SHARE: u64 = 4;
 
-/// The process's budget for dense copies in bytes (0 = none kept).
-fn budget() -> u64 {
+/// How much device memory dense copies may use.
+enum Budget {
+    /// `MLXCEL_PREFILL_DENSE_BYTES`: exactly this many bytes (0 = none kept).
+    Set(u64),
+    /// The default on a CUDA GPU of `device` bytes: a quarter of it, and only while MLX's active
+    /// memory with the copy stays under half of it, so that a model filling most of the GPU
+    /// (weights, KV caches, a server's batches) is not pushed out of memory by its copies.
+    Default { device: u64 },
+}
+
+fn budget() -> Budget {
     if let Some(bytes) = mlxcel_core::policy::with(|p| p.prefill_dense_bytes) {
-        return bytes;
+        return Budget::Set(bytes);
     }
     if !mlxcel_core::cuda_kernels::on_gpu().unwrap_or(false) {
-        return 0;
+        return Budget::Set(0);
     }
     match Device::Gpu.memory_bytes() {
-        Ok(Some(bytes)) => bytes as u64 / DEFAULT_GPU_SHARE,
-        _ => 0,
+        Ok(Some(bytes)) => Budget::Default {
+            device: bytes as u64,
+        },
+        _ => Budget::Set(0),
     }
 }
 
 /// Reserves `bytes` of the budget; false (nothing reserved) when they do not fit.
 fn reserve(bytes: u64) -> bool {
-    let limit = budget();
+    let limit = match budget() {
+        Budget::Set(limit) => limit,
+        Budget::Default { device } => {
+            let Ok(active) = mlxcel_core::memory::active_bytes() else {
+                return false;
+            };
+            if (active as u64).saturating_add(bytes) > device / 2 {
+                return false;
+            }
+            device / DEFAULT_GPU_SHARE
+        }
+    };
     KEPT_BYTES
         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |kept| {
             kept.checked_add(bytes).filter(|&total| total <= limit)
