@@ -80,7 +80,7 @@ pub enum Linear {
         weight: QuantizedWeight,
         /// `[out]`, when the layer has one.
         bias: Option<Array>,
-        /// The dequantized weight kept for prefill, once one was (see [`super::prefill_dense`]);
+        /// The dequantized weight kept for prefill, once one was (see [`PrefillDense`]);
         /// build with [`Linear::quantized`].
         prefill: PrefillDense,
     },
