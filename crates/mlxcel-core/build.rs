@@ -40,6 +40,8 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/cuda_launch.cc");
     println!("cargo:rerun-if-changed=cpp/cuda_decode.cc");
     println!("cargo:rerun-if-changed=cpp/cuda_load.cc");
+    println!("cargo:rerun-if-changed=cpp/cuda_emulation.cc");
+    println!("cargo:rerun-if-changed=kernels/cuda/rows.cu");
     println!("cargo:rerun-if-changed=cpp/cuda_api.h");
     println!("cargo:rerun-if-changed=cpp/cpu_kernels.h");
     println!("cargo:rerun-if-changed=cpp/cpu_vec_math.inc");
@@ -86,6 +88,7 @@ fn main() {
         .file("cpp/cuda_launch.cc")
         .file("cpp/cuda_decode.cc")
         .file("cpp/cuda_load.cc")
+        .file("cpp/cuda_emulation.cc")
         .include(&include)
         .include(&out)
         .flag_if_supported("-std=c++20")

@@ -7,6 +7,8 @@
 //!     cuda_kernels --mma      the tensor-core batch GEMV's check and timings only (the full
 //!                             run includes them when MLXCEL_CUDA_QMV_MMA=1)
 //!     cuda_kernels --gather   the routed-expert product's (MoE prefill) check and timings only
+//!     cuda_kernels --rows     rows.cu's checks (embedding rows, SiLU gating, a prompt's rope
+//!                             into heads) and the rope's timing on the Llama-8B prompt shape
 //!
 //! Reference: MLX's `dequantize` and `quantized_matmul` on the same planes. The dequantized
 //! values must be bit-equal (both compute `scale * q + bias` in float32 and round once); the GEMV
@@ -533,7 +535,101 @@ fn check_rows() -> R<Vec<String>> {
             }
         }
     }
+    failures.extend(check_heads_rope()?);
     Ok(failures)
+}
+
+/// What `heads_rope` replaces: the fused projection `[B, L, heads, D]` transposed into heads,
+/// MLX's rope on the queries and on the keys (periods given, as llama3 scaling gives them),
+/// the values as they are, in one `[B, heads, L, D]` array.
+fn mlx_heads_rope(
+    qkv: &Array,
+    periods: &Array,
+    (nq, nk): (i32, i32),
+    traditional: bool,
+    offset: i32,
+) -> R<Array> {
+    let spec = ops::Rope {
+        dims: periods.size() as i32 * 2,
+        traditional,
+        base: 10_000.0,
+        scale: 1.0,
+        freqs: Some(periods),
+    };
+    let parts = qkv.transpose(&[0, 2, 1, 3])?.split_at(&[nq, nq + nk], 1)?;
+    Ok(ops::concatenate(
+        &[
+            parts[0].rope(&spec, offset)?,
+            parts[1].rope(&spec, offset)?,
+            parts[2].clone(),
+        ],
+        1,
+    )?)
+}
+
+/// Llama-3-like periods for `rot_half` rotated pairs (base 500000, stretched from pair 8 on).
+fn rope_periods(rot_half: i32) -> R<(Array, Array)> {
+    let periods: Vec<f32> = (0..rot_half)
+        .map(|j| 500_000f32.powf(j as f32 / rot_half as f32) * if j >= 8 { 8.0 } else { 1.0 })
+        .collect();
+    let inv: Vec<f32> = periods.iter().map(|p| 1.0 / p).collect();
+    Ok((
+        Array::from_slice(&periods, &[rot_half])?,
+        Array::from_slice(&inv, &[rot_half])?,
+    ))
+}
+
+/// rows.cu's `heads_rope` against [`mlx_heads_rope`]: both rope in float32 and round once, so
+/// within one unit in the last place. Full and partial rotation, halves and adjacent pairs,
+/// positions from 0 and from 4093, a batch of 2.
+fn check_heads_rope() -> R<Vec<String>> {
+    let mut failures = Vec::new();
+    for dtype in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
+        for (b, l, (nq, nk), d, rot_half, traditional, offset) in [
+            (1, 37, (8, 2), 64, 32, false, 0),
+            (2, 5, (4, 4), 128, 64, false, 4093),
+            (1, 300, (6, 2), 80, 16, true, 17),
+        ] {
+            let heads = nq + 2 * nk;
+            let qkv = random(&[b, l, heads, d], dtype, (l * d) as u64)?;
+            let (periods, inv) = rope_periods(rot_half)?;
+            let ours = cuda_kernels::heads_rope(&qkv, &inv, nq + nk, traditional, offset as usize)?;
+            let mlx = mlx_heads_rope(&qkv, &periods, (nq, nk), traditional, offset)?;
+            let label = format!(
+                "heads_rope {b}x{l}x{heads}x{d} rot {} {} from {offset} {}",
+                2 * rot_half,
+                if traditional { "pairs" } else { "halves" },
+                dtype.name()
+            );
+            if ours.shape() != mlx.shape() || !close(&label, &ours, &mlx, dtype, 1.0)? {
+                failures.push(label);
+            }
+        }
+    }
+    Ok(failures)
+}
+
+/// `heads_rope` against the MLX ops it replaces (made contiguous, as attention's inputs are
+/// read) on the Llama-3.1-8B prompt shape: 512 positions of 32 query and 8 key/value heads.
+fn speed_rows() -> R<()> {
+    let (nq, nk, d) = (32, 8, 128);
+    for l in [512, 2048] {
+        let qkv = random(&[1, l, nq + 2 * nk, d], Dtype::Bfloat16, 3)?;
+        let (periods, inv) = rope_periods(d / 2)?;
+        let ours = time(50, &|| {
+            Ok(cuda_kernels::heads_rope(&qkv, &inv, nq + nk, false, 0)?)
+        })?;
+        let mlx = time(50, &|| {
+            Ok(mlx_heads_rope(&qkv, &periods, (nq, nk), false, 0)?.contiguous()?)
+        })?;
+        println!(
+            "heads_rope 1x{l}x{}x{d} bf16: mlxcel {:.1} us, MLX rope + copies {:.1} us",
+            nq + 2 * nk,
+            ours * 1e6,
+            mlx * 1e6
+        );
+    }
+    Ok(())
 }
 
 fn check() -> R<Vec<String>> {
@@ -867,6 +963,15 @@ fn main() -> R<()> {
         // The routed-expert product alone: its check, then its timings.
         let result = check_gather().and_then(|failures| {
             speed_gather()?;
+            Ok(failures)
+        });
+        report(result);
+        return Ok(());
+    }
+    if std::env::args().any(|a| a == "--rows") {
+        // rows.cu's kernels alone: their checks, then the rope's timing.
+        let result = check_rows().and_then(|failures| {
+            speed_rows()?;
             Ok(failures)
         });
         report(result);

@@ -197,6 +197,10 @@ enum KernelId {
     SiluHalves {
         dtype: Dtype,
     },
+    /// rows.cu's `heads_rope` in `dtype`.
+    HeadsRope {
+        dtype: Dtype,
+    },
 }
 
 /// Which neighbouring ops a GEMV kernel folds in (`PRE` and `RES` of qmv.cu).
@@ -239,6 +243,7 @@ impl KernelId {
             } => decoder_entry(dtype, formats, shapes),
             KernelId::TakeRows { dtype } => rows_entry("take_rows", dtype),
             KernelId::SiluHalves { dtype } => rows_entry("silu_halves", dtype),
+            KernelId::HeadsRope { dtype } => rows_entry("heads_rope", dtype),
         }
     }
 }
@@ -268,21 +273,28 @@ fn element_type(dtype: Dtype) -> &'static str {
     }
 }
 
-/// rows.cu's `kernel` (`take_rows` or `silu_halves`) over elements of `dtype`.
+/// rows.cu's `kernel` (`take_rows`, `silu_halves` or `heads_rope`) over elements of `dtype`.
 fn rows_entry(kernel: &str, dtype: Dtype) -> Entry {
     let name = format!("mlxcel_{kernel}_{}", dtype.name());
     let t = element_type(dtype);
-    let wrapper = if kernel == "take_rows" {
-        format!(
+    let wrapper = match kernel {
+        "take_rows" => format!(
             "extern \"C\" __global__ void {name}(const {t}* table, const int* ids, {t}* out, \
              int n_ids, int row_len, int n_rows) {{ \
              take_rows<{t}>(table, ids, out, n_ids, row_len, n_rows); }}\n"
-        )
-    } else {
-        format!(
+        ),
+        "silu_halves" => format!(
             "extern \"C\" __global__ void {name}(const {t}* x, {t}* out, int rows, int cols) {{ \
              silu_halves<{t}>(x, out, rows, cols); }}\n"
-        )
+        ),
+        "heads_rope" => format!(
+            "extern \"C\" __global__ void {name}(const {t}* qkv, const float* inv_freq, \
+             {t}* out, int batch, int len, int heads, int head_dim, int rope_heads, \
+             int rot_half, int traditional, int offset) {{ \
+             heads_rope<{t}>(qkv, inv_freq, out, batch, len, heads, head_dim, rope_heads, \
+             rot_half, traditional, offset); }}\n"
+        ),
+        other => unreachable!("rows.cu has no kernel `{other}`"),
     };
     Entry {
         name,
@@ -377,6 +389,83 @@ pub fn silu_halves(x: &Array) -> Result<Array> {
 /// `MLXCEL_CUDA_ROWS` (default on): rows.cu's kernels instead of MLX's JIT-compiled ones.
 fn rows_enabled() -> bool {
     crate::policy::with(|p| p.cuda_rows)
+}
+
+/// Whether [`heads_rope`] takes a prompt's `[B, L, heads, head_dim]` projection of `elements`
+/// values: on a GPU with `MLXCEL_CUDA_PREFILL_ROPE=1` (off by default until measured), and
+/// sizes a 32-bit index covers. Decide before building the projection, so a layer that falls
+/// back builds its MLX graph once.
+pub fn heads_rope_applies(elements: i64) -> Result<bool> {
+    Ok(crate::policy::with(|p| p.cuda_prefill_rope)
+        && on_gpu()?
+        && elements < i32::MAX as i64 - ROWS_THREADS as i64)
+}
+
+/// A prompt's fused q|k|v projection `qkv` `[B, L, heads, head_dim]` in the head layout
+/// `[B, heads, L, head_dim]` that attention reads, its first `rope_heads` heads (queries, then
+/// keys) rotated for positions `offset..offset + L` as MLX's rope does (`inv_freq` float32
+/// `[rot_half]`: the angle per position of each rotated pair, the first `2 * rot_half` dims;
+/// `traditional`: adjacent pairs, else halves), the rest (values) copied. One mlxcel kernel
+/// (rows.cu) where MLX runs a rope per operand and copies out of the strided views (see
+/// [`heads_rope_applies`]).
+pub fn heads_rope(
+    qkv: &Array,
+    inv_freq: &Array,
+    rope_heads: i32,
+    traditional: bool,
+    offset: usize,
+) -> Result<Array> {
+    let shape = qkv.shape();
+    let &[batch, len, heads, head_dim] = shape.as_slice() else {
+        return Err(Error::Invalid(format!(
+            "heads_rope: qkv must be [batch, len, heads, head_dim], got {shape:?}"
+        )));
+    };
+    let dtype = qkv.dtype()?;
+    let rot_half = inv_freq.size() as i32;
+    if offset + len.max(0) as usize > i32::MAX as usize {
+        return Err(Error::Invalid(format!(
+            "heads_rope: positions from {offset} past a 32-bit index"
+        )));
+    }
+    if !SILU_HALVES_DTYPES.contains(&dtype)
+        || inv_freq.dtype()? != Dtype::Float32
+        || inv_freq.ndim() != 1
+        || 2 * rot_half > head_dim
+        || !(0..=heads).contains(&rope_heads)
+    {
+        return Err(Error::Invalid(format!(
+            "heads_rope: {} qkv {shape:?} with {} inv_freq [{rot_half}] and {rope_heads} \
+             rotated heads: needs a float qkv, float32 inv_freq of at most head_dim / 2 \
+             entries and at most `heads` rotated heads",
+            dtype.name(),
+            inv_freq.dtype()?.name()
+        )));
+    }
+    let elements = qkv.size() as i64;
+    if elements >= i32::MAX as i64 - ROWS_THREADS as i64 {
+        return Err(Error::Invalid(format!(
+            "heads_rope: {elements} values are past a 32-bit index"
+        )));
+    }
+    call(
+        KernelId::HeadsRope { dtype },
+        &[qkv.clone(), inv_freq.clone()],
+        vec![batch, heads, len, head_dim],
+        dtype,
+        &[
+            batch,
+            len,
+            heads,
+            head_dim,
+            rope_heads,
+            rot_half,
+            i32::from(traditional),
+            offset as i32,
+        ],
+        rows_grid(elements),
+        [ROWS_THREADS, 1, 1],
+    )
 }
 
 fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), mb: i32, fold: GemvFold) -> Entry {
@@ -790,6 +879,7 @@ pub fn module_source() -> String {
     }
     for dtype in SILU_HALVES_DTYPES {
         src += &rows_entry("silu_halves", dtype).wrapper;
+        src += &rows_entry("heads_rope", dtype).wrapper;
     }
     for dtype in QMV_MMA_DTYPES {
         for shape in QMV_MMA_SHAPES {
@@ -901,6 +991,7 @@ fn prebuilt_set() -> Vec<KernelId> {
         });
         ids.push(KernelId::SiluHalves { dtype });
         ids.push(KernelId::TakeRows { dtype });
+        ids.push(KernelId::HeadsRope { dtype });
         // MoE prefill's routed-expert product (4-bit experts).
         ids.push(KernelId::QmmGather {
             dtype,
@@ -1946,6 +2037,148 @@ mod tests {
         assert_eq!(parse("16x16"), Some((16, 16)));
         for bad in ["", "4", "0x4", "4x0", "33x4", "1x33", "4x8x2", "ax4"] {
             assert_eq!(parse(bad), None, "{bad}");
+        }
+    }
+
+    extern "C" {
+        /// cpp/cuda_emulation.cc: rows.cu's `heads_rope` run on the CPU.
+        fn mlxcel_emulate_heads_rope(
+            bf16: i32,
+            qkv: *const std::ffi::c_void,
+            inv_freq: *const f32,
+            out: *mut std::ffi::c_void,
+            batch: i32,
+            len: i32,
+            heads: i32,
+            head_dim: i32,
+            rope_heads: i32,
+            rot_half: i32,
+            traditional: i32,
+            offset: i32,
+        );
+    }
+
+    /// rows.cu's `heads_rope`, run on the CPU thread by thread (cpp/cuda_emulation.cc), against
+    /// MLX's own ops on the same projection: the transpose into heads, `fast::rope` on the
+    /// queries and on the keys at `offset`, the values as they are. Full and partial rotation,
+    /// halves and adjacent pairs, batches of 1 and 2, positions from 0 to 70,300. MLX's rope
+    /// takes the periods (as llama3 scaling gives them), the kernel their reciprocals (what
+    /// `RotaryEmbedding` hands it for every fixed scaling). The reference ropes in float32 and
+    /// rounds once, as the kernel does: float32 agrees to float32 precision, bf16 to one unit
+    /// in the last place.
+    #[test]
+    fn heads_rope_kernel_matches_mlx_rope_on_the_cpu() {
+        use crate::ops::Rope;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut uniform = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+                })
+                .collect()
+        };
+        // (batch, len, query heads, kv heads, head_dim, rotated dims, traditional, offset)
+        let cases = [
+            (1, 7, 4, 2, 16, 16, false, 0),
+            (2, 5, 6, 2, 32, 32, false, 1000),
+            (1, 9, 2, 1, 24, 8, true, 3),
+            (2, 3, 3, 3, 16, 12, false, 37),
+            (1, 300, 2, 1, 64, 64, true, 70_000),
+        ];
+        for (b, l, nq, nk, d, dims, traditional, offset) in cases {
+            let heads = nq + 2 * nk;
+            let base = 10_000.0f32;
+            let rot_half = dims / 2;
+            let periods: Vec<f32> = (0..rot_half)
+                .map(|j| base.powf(2.0 * j as f32 / dims as f32) * (1.0 + 0.1 * j as f32))
+                .collect();
+            let periods_array = Array::from_slice(&periods, &[rot_half]).unwrap();
+            // The kernel's angle per position: the reciprocal of what MLX divides positions by.
+            let inv_freq: Vec<f32> = periods.iter().map(|p| 1.0 / p).collect();
+            let spec = Rope {
+                dims,
+                traditional,
+                base,
+                scale: 1.0,
+                freqs: Some(&periods_array),
+            };
+            let shape = [b, l, heads, d];
+            let values = uniform((b * l * heads * d) as usize);
+            for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                let qkv = Array::from_slice(&values, &shape)
+                    .unwrap()
+                    .astype(dtype)
+                    .unwrap();
+                // Reference: float32 ops on the same (rounded) inputs, rounded once at the end.
+                let wide = qkv
+                    .astype(Dtype::Float32)
+                    .unwrap()
+                    .transpose(&[0, 2, 1, 3])
+                    .unwrap();
+                let parts = wide.split_at(&[nq, nq + nk], 1).unwrap();
+                let expected = crate::ops::concatenate(
+                    &[
+                        parts[0].rope(&spec, offset).unwrap(),
+                        parts[1].rope(&spec, offset).unwrap(),
+                        parts[2].clone(),
+                    ],
+                    1,
+                )
+                .unwrap()
+                .astype(dtype)
+                .unwrap()
+                .astype(Dtype::Float32)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+                let input = qkv.contiguous().unwrap();
+                input.eval().unwrap();
+                let bytes = input.to_bytes().unwrap();
+                let mut out = vec![0u8; bytes.len()];
+                // SAFETY: `bytes` holds the [b, l, heads, d] input and `out` room for the
+                // [b, heads, l, d] output, both of `dtype`; `inv_freq` has rot_half entries.
+                unsafe {
+                    mlxcel_emulate_heads_rope(
+                        i32::from(dtype == Dtype::Bfloat16),
+                        bytes.as_ptr().cast(),
+                        inv_freq.as_ptr(),
+                        out.as_mut_ptr().cast(),
+                        b,
+                        l,
+                        heads,
+                        d,
+                        nq + nk,
+                        rot_half,
+                        i32::from(traditional),
+                        offset,
+                    );
+                }
+                let got = Array::from_bytes(&out, &[b, heads, l, d], dtype)
+                    .unwrap()
+                    .astype(Dtype::Float32)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                // A bf16 unit in the last place below 4 is 2^-6; float32's, 2^-21.
+                let tolerance = match dtype {
+                    Dtype::Bfloat16 => 2f32.powi(-6),
+                    _ => 2f32.powi(-20),
+                };
+                let worst = got
+                    .iter()
+                    .zip(&expected)
+                    .map(|(g, e)| (g - e).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst <= tolerance,
+                    "{} case {:?}: max |kernel - MLX| {worst:e} > {tolerance:e}",
+                    dtype.name(),
+                    (b, l, nq, nk, d, dims, traditional, offset)
+                );
+            }
         }
     }
 }

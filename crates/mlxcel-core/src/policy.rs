@@ -352,6 +352,11 @@ pub struct RuntimePolicy {
     /// `silu(gate) * up` instead of MLX's, which MLX JIT-compiles on a machine's first request
     /// (default on).
     pub cuda_rows: bool,
+    /// `MLXCEL_CUDA_PREFILL_ROPE`: a prompt's queries, keys and values put into the head layout
+    /// with rope applied by one mlxcel CUDA kernel per attention layer
+    /// ([`crate::cuda_kernels::heads_rope`]) instead of MLX's rope on each operand (default off
+    /// until measured on a GPU).
+    pub cuda_prefill_rope: bool,
     /// `MLXCEL_FUSE_PROJECTIONS`: fuse q/k/v and gate/up projections at load. `None`: on for a
     /// GPU, off on the CPU.
     pub fuse_projections: Option<bool>,
@@ -490,6 +495,7 @@ impl RuntimePolicy {
         cuda_launch: CudaLaunch::Mlxcel,
         cuda_dequant: true,
         cuda_rows: true,
+        cuda_prefill_rope: false,
         fuse_projections: None,
         surgery: None,
         embed_pad_to: None,
@@ -497,7 +503,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 44] = [
+    pub const VARIABLES: [&'static str; 45] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -538,6 +544,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_LAUNCH",
         "MLXCEL_CUDA_DEQUANT",
         "MLXCEL_CUDA_ROWS",
+        "MLXCEL_CUDA_PREFILL_ROPE",
         "MLXCEL_FUSE_PROJECTIONS",
         "MLXCEL_SURGERY",
         "MLXCEL_EMBED_PAD_TO",
@@ -768,6 +775,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_ROWS") {
             p.cuda_rows = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_PREFILL_ROPE") {
+            p.cuda_prefill_rope = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_SCAN") {
             p.cuda_scan = match v.word().as_str() {
@@ -1063,7 +1073,7 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 14] = [
+        let cases: [(&str, Get); 15] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
@@ -1079,6 +1089,7 @@ mod tests {
             }),
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
             ("MLXCEL_CUDA_ROWS", |p| Some(p.cuda_rows)),
+            ("MLXCEL_CUDA_PREFILL_ROPE", |p| Some(p.cuda_prefill_rope)),
             ("MLXCEL_CUDA_GATHER", |p| Some(p.cuda_gather)),
             ("MLXCEL_CUDA_LOAD", |p| Some(p.cuda_load)),
             ("MLXCEL_FUSE_PROJECTIONS", |p| p.fuse_projections),

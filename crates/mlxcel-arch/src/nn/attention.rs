@@ -203,14 +203,19 @@ impl Attention {
         let shape = x.shape();
         let (b, l) = (shape[0], shape[1]);
         let c = &self.cfg;
-        let (mut q, mut k, v) = self.project_heads(x, norm, b, l)?;
-        if let QkNorm::PerHead { q: qn, k: kn } | QkNorm::PerHeadWeights { q: qn, k: kn } =
-            &self.qk_norm
-        {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
-        }
-        let out = self.attend(q, k, v, cache, positions)?;
+        let out = match self.prefill_heads_roped(x, norm, b, l, cache, positions)? {
+            Some((q, k, v)) => self.attend(q, k, v, cache, positions, true)?,
+            None => {
+                let (mut q, mut k, v) = self.project_heads(x, norm, b, l)?;
+                if let QkNorm::PerHead { q: qn, k: kn } | QkNorm::PerHeadWeights { q: qn, k: kn } =
+                    &self.qk_norm
+                {
+                    q = qn.forward(&q)?;
+                    k = kn.forward(&k)?;
+                }
+                self.attend(q, k, v, cache, positions, false)?
+            }
+        };
         let out = if l == 1 {
             // [B, H, 1, D] has the memory order of [B, 1, H, D]: no transpose node needed.
             out.reshape(&[b, 1, c.n_heads * c.head_dim])?
@@ -228,9 +233,10 @@ impl Attention {
         self.o.forward_fused(&out, LinearInput::Plain, residual)
     }
 
-    /// Rope, cache update and attention of heads `[B, heads, L, head_dim]` →
-    /// `[B, heads, L, head_dim]`: one sequence (or rows at one position), or a decode batch of
-    /// conversations at their own positions ([`LayerCache::Batch`]).
+    /// Rope (unless `roped`: applied already), cache update and attention of heads
+    /// `[B, heads, L, head_dim]` → `[B, heads, L, head_dim]`: one sequence (or rows at one
+    /// position), or a decode batch of conversations at their own positions
+    /// ([`LayerCache::Batch`]).
     fn attend(
         &self,
         mut q: Array,
@@ -238,11 +244,12 @@ impl Attention {
         v: Array,
         cache: &mut LayerCache,
         positions: Option<&Array>,
+        roped: bool,
     ) -> Result<Array> {
         let c = &self.cfg;
         let l = q.dim(2)?;
         let offset = cache.offset();
-        if let Some(rope) = &self.rope {
+        if let (Some(rope), false) = (&self.rope, roped) {
             match (&*cache, positions) {
                 (LayerCache::Batch(b), None) => {
                     let offsets = b.positions()?;
@@ -295,6 +302,58 @@ impl Attention {
         self.rope.as_ref().is_none_or(|r| r.takes_row_offsets())
             && self.cfg.query_scale.is_none()
             && self.cfg.chunk.is_none()
+    }
+
+    /// A prompt's queries, keys and values as `[B, heads, L, head_dim]` with rope applied, by
+    /// one mlxcel CUDA kernel on the fused projection's output (`cuda_kernels::heads_rope`,
+    /// `MLXCEL_CUDA_PREFILL_ROPE`) where MLX would rope each strided operand and copy it into
+    /// that layout. `None` where it does not apply: one position, a decode batch, explicit
+    /// positions, separate projections, q/k norms, a rope whose frequencies depend on the
+    /// length or that scales its output, or not on a GPU.
+    fn prefill_heads_roped(
+        &self,
+        x: &Array,
+        norm: Option<&Norm>,
+        b: i32,
+        l: i32,
+        cache: &LayerCache,
+        positions: Option<&Array>,
+    ) -> Result<Option<(Array, Array, Array)>> {
+        let (QkvProjection::Fused(qkv), QkNorm::None, Some(rope), None) =
+            (&self.qkv, &self.qk_norm, &self.rope, positions)
+        else {
+            return Ok(None);
+        };
+        let c = &self.cfg;
+        let heads = c.n_heads + 2 * c.n_kv_heads;
+        let elements = b as i64 * l as i64 * heads as i64 * c.head_dim as i64;
+        if l == 1
+            || matches!(cache, LayerCache::Batch(_))
+            || !mlxcel_core::cuda_kernels::heads_rope_applies(elements)?
+        {
+            return Ok(None);
+        }
+        let Some((inv_freq, traditional)) = rope.inv_freq_array()? else {
+            return Ok(None);
+        };
+        let input = norm.map_or(LinearInput::Plain, LinearInput::Normed);
+        let projected = qkv
+            .forward_fused(x, input, None)?
+            .reshape(&[b, l, heads, c.head_dim])?;
+        let all = mlxcel_core::cuda_kernels::heads_rope(
+            &projected,
+            &inv_freq,
+            c.n_heads + c.n_kv_heads,
+            traditional,
+            cache.offset(),
+        )?;
+        let mut parts = all
+            .split_at(&[c.n_heads, c.n_heads + c.n_kv_heads], 1)?
+            .into_iter();
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some(q), Some(k), Some(v)) => Ok(Some((q, k, v))),
+            _ => unreachable!("a split at two indices has three parts"),
+        }
     }
 
     /// Queries, keys and values of `x` `[B, L, hidden]` as `[B, heads, L, head_dim]`, with

@@ -53,6 +53,9 @@ pub struct RotaryEmbedding {
     base: f64,
     traditional: bool,
     scaling: Scaling,
+    /// [`RotaryEmbedding::fixed_inv_freq`] as a float32 array, made at its first use
+    /// ([`RotaryEmbedding::inv_freq_array`]).
+    inv_freq_array: std::cell::OnceCell<Option<(Array, bool)>>,
 }
 
 fn num(v: &Value, key: &str) -> Option<f64> {
@@ -108,6 +111,7 @@ impl RotaryEmbedding {
                 base,
                 traditional: cfg.traditional,
                 scaling: fixed(None, 1.0, 1.0),
+                inv_freq_array: Default::default(),
             });
         };
         let kind = s
@@ -235,6 +239,7 @@ impl RotaryEmbedding {
             base,
             traditional: cfg.traditional,
             scaling,
+            inv_freq_array: Default::default(),
         })
     }
 
@@ -267,6 +272,21 @@ impl RotaryEmbedding {
                 .collect(),
         };
         Ok(Some((inv, self.traditional)))
+    }
+
+    /// [`RotaryEmbedding::fixed_inv_freq`] as a float32 array `[dims / 2]`, for the kernels that
+    /// rotate inside a fused op (`mlxcel_core::cuda_kernels::heads_rope`); made once.
+    pub(crate) fn inv_freq_array(&self) -> Result<Option<(Array, bool)>> {
+        if let Some(made) = self.inv_freq_array.get() {
+            return Ok(made.clone());
+        }
+        let made = match self.fixed_inv_freq()? {
+            Some((inv, traditional)) => {
+                Some((Array::from_slice(&inv, &[inv.len() as i32])?, traditional))
+            }
+            None => None,
+        };
+        Ok(self.inv_freq_array.get_or_init(|| made).clone())
     }
 
     /// Applies the rotation to `x` `[B, H, L, D]` whose first row is at position `offset`.

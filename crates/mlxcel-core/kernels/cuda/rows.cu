@@ -1,12 +1,22 @@
-// rows.cu: two small kernels of a prompt's forward pass that MLX's CUDA backend would otherwise
+// rows.cu: small kernels of a prompt's forward pass. Two that MLX's CUDA backend would otherwise
 // JIT-compile with NVRTC on a machine's first request (its `gather` for an embedding lookup and
 // the fused `silu(gate) * up` that `mx::compile` builds): 2-4 s each on a fresh machine. As
-// mlxcel kernels they ship compiled (kernels/prebuilt/).
+// mlxcel kernels they ship compiled (kernels/prebuilt/). And one that replaces several MLX
+// kernels of each attention layer (`heads_rope`).
 //
 // take_rows:   out[r, c] = table[ids[r], c]          table T [n_rows, row_len], ids int32 [n_ids]
 //              (ids are checked against n_rows before the call; clamped so none reads outside)
 // silu_halves: out[r, c] = silu(x[r, c]) * x[r, cols + c]     x T [rows, 2 * cols]
 //              rounded to T after each op, as MLX's fused kernel of `g * sigmoid(g) * u` rounds
+// heads_rope:  out[b, h, l, :] = rope(qkv[b, l, h, :], offset + l)   for heads h < rope_heads
+//              out[b, h, l, :] = qkv[b, l, h, :]                     for the others
+//              qkv T [batch, len, heads, head_dim] (a fused q|k|v projection's output),
+//              out T [batch, heads, len, head_dim] (the layout attention reads), inv_freq float
+//              [rot_half]. On a prompt this is one launch where MLX runs a rope kernel on the
+//              queries and one on the keys, over strided views, plus copies into that layout.
+//              Rope as MLX's kernel computes it: the first 2 * rot_half dims rotate, pair j by
+//              the angle position * inv_freq[j], pairs (2j, 2j + 1) when traditional, else
+//              (j, j + rot_half); float32 arithmetic, rounded to T once.
 //
 // Launch: threadgroup (256, 1, 1), grid = the output's element count (rounded up), one thread
 // per output element.
@@ -38,4 +48,36 @@ __device__ __forceinline__ void silu_halves(const T* x, T* out, int rows, int co
   const float sig = qmv_round(out, 1.0f / (1.0f + expf(-g)));
   const float gated = qmv_round(out, g * sig);
   qmv_store(out + i, gated * u);
+}
+
+template <typename T>
+__device__ __forceinline__ void heads_rope(const T* qkv, const float* inv_freq, T* out, int batch,
+                                           int len, int heads, int head_dim, int rope_heads,
+                                           int rot_half, int traditional, int offset) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)batch * heads * len * head_dim) {
+    return;
+  }
+  // Output order: consecutive threads write (and read) consecutive dims of one head's row.
+  const int d = (int)(i % head_dim);
+  long long rest = i / head_dim;
+  const int l = (int)(rest % len);
+  rest /= len;
+  const int h = (int)(rest % heads);
+  const long long b = rest / heads;
+  const T* src = qkv + ((b * len + l) * heads + h) * head_dim;
+  if (h >= rope_heads || d >= 2 * rot_half) {
+    out[i] = src[d];
+    return;
+  }
+  // This dim's pair (i0, i1) and whether it is the pair's first member.
+  const bool first = traditional ? (d & 1) == 0 : d < rot_half;
+  const int j = traditional ? d >> 1 : (first ? d : d - rot_half);
+  const int i0 = traditional ? 2 * j : j;
+  const int i1 = traditional ? 2 * j + 1 : j + rot_half;
+  float sn, cs;
+  sincosf((float)(offset + l) * inv_freq[j], &sn, &cs);
+  const float a = qmv_to_float(src[i0]);
+  const float c = qmv_to_float(src[i1]);
+  qmv_store(out + i, first ? a * cs - c * sn : c * cs + a * sn);
 }

@@ -1,0 +1,99 @@
+// cuda_emulation.cc: rows.cu's kernels run on the CPU, one emulated thread after another, for
+// the CPU tests of their index arithmetic and rounding (`cuda_kernels::tests`): a machine
+// without a GPU can then check a kernel's output against MLX's own op before the GPU check
+// (`cuda_kernels` example) confirms it. Only kernels without shared memory, barriers or warp
+// operations can run this way; bf16 and float32 element types.
+//
+// The kernel source is included as it is compiled by NVRTC, with the few CUDA built-ins it uses
+// defined here for the host. Nothing in the library calls these functions: the tests declare
+// them, so the linker leaves this object out of every other binary.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace mlxcel_emulated {
+
+#define __device__
+#define __forceinline__ inline
+
+struct Dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+Dim3 blockIdx, blockDim, threadIdx;
+
+struct mlxcel_bf16 {
+  unsigned short bits;
+};
+
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+using ::expf;
+using ::sincosf;
+
+// As prelude.cuh and qmv_header.cuh define them for the GPU (round to nearest even).
+inline float qmv_to_float(mlxcel_bf16 v) { return __uint_as_float(unsigned(v.bits) << 16); }
+inline float qmv_to_float(float v) { return v; }
+inline unsigned short float_to_bf16_bits(float v) {
+  const unsigned u = __float_as_uint(v);
+  return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline void qmv_store(mlxcel_bf16* p, float v) { p->bits = float_to_bf16_bits(v); }
+inline void qmv_store(float* p, float v) { *p = v; }
+inline float qmv_round(const mlxcel_bf16*, float v) {
+  return qmv_to_float(mlxcel_bf16{float_to_bf16_bits(v)});
+}
+inline float qmv_round(const float*, float v) { return v; }
+
+#include "../kernels/cuda/rows.cu"
+
+#undef __device__
+#undef __forceinline__
+
+// Runs `body` as a launch of `threads` threads in blocks of 256 (rows.cu's launch shape).
+template <typename Body>
+void launch(long long threads, Body body) {
+  blockDim = Dim3{256, 1, 1};
+  const long long blocks = (threads + 255) / 256;
+  for (long long b = 0; b < blocks; ++b) {
+    blockIdx = Dim3{unsigned(b), 0, 0};
+    for (unsigned t = 0; t < 256; ++t) {
+      threadIdx = Dim3{t, 0, 0};
+      body();
+    }
+  }
+}
+
+template <typename T>
+void run_heads_rope(const void* qkv, const float* inv_freq, void* out, int batch, int len,
+                    int heads, int head_dim, int rope_heads, int rot_half, int traditional,
+                    int offset) {
+  launch((long long)batch * heads * len * head_dim, [&] {
+    heads_rope<T>(static_cast<const T*>(qkv), inv_freq, static_cast<T*>(out), batch, len, heads,
+                  head_dim, rope_heads, rot_half, traditional, offset);
+  });
+}
+
+}  // namespace mlxcel_emulated
+
+// rows.cu's heads_rope on the CPU; `bf16` picks bf16 elements, else float32.
+extern "C" void mlxcel_emulate_heads_rope(int bf16, const void* qkv, const float* inv_freq,
+                                          void* out, int batch, int len, int heads, int head_dim,
+                                          int rope_heads, int rot_half, int traditional,
+                                          int offset) {
+  using namespace mlxcel_emulated;
+  if (bf16 != 0) {
+    run_heads_rope<mlxcel_bf16>(qkv, inv_freq, out, batch, len, heads, head_dim, rope_heads,
+                                rot_half, traditional, offset);
+  } else {
+    run_heads_rope<float>(qkv, inv_freq, out, batch, len, heads, head_dim, rope_heads, rot_half,
+                          traditional, offset);
+  }
+}
