@@ -356,21 +356,28 @@ fn moe_prefill_on_qmm_gather_matches_the_dequantized_path() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A prompt's rope on mlxcel's `heads_rope` kernel (`MLXCEL_CUDA_PREFILL_ROPE`: the fused
-/// projection put into heads with queries and keys rotated, one launch per layer) against MLX's
-/// rope on each operand: a 300-position prompt prefilled in chunks of 128 (rotations from
-/// positions 0, 128 and 256, the caches growing under them), then 8 decode steps on the CUDA
-/// step, which read the keys and values the prefill wrote. Both paths rope in float32 and round
-/// once, so their greedy ids must be the same and the kernel's logits as close to the float32
-/// replay on MLX's CPU as the MLX path's, plus the dtype's slack. Llama-style attention
-/// (quantized, dense, MoE), q/k/v biases (qwen2), and per-head q/k norms (qwen3), which the
-/// kernel does not take: that model must come out unchanged.
+/// The prompt-side variants that are off by default, each against the path it replaces:
+/// mlxcel's `heads_rope` kernel (`MLXCEL_CUDA_PREFILL_ROPE`: the fused projection put into
+/// heads with queries and keys rotated, one launch per layer) against MLX's rope on each
+/// operand, and the residual adds folded into the dequantized GEMMs
+/// (`MLXCEL_PREFILL_FOLD_RESIDUAL`: cuBLAS's epilogue) against separate adds. A 300-position
+/// prompt prefilled in chunks of 128 (rotations from positions 0, 128 and 256, the caches
+/// growing under them), then 8 decode steps on the CUDA step, which read the keys and values
+/// the prefill wrote. Each variant's greedy ids must be the default path's and its logits as
+/// close to the float32 replay on MLX's CPU, plus the dtype's slack. Llama-style attention
+/// (quantized, dense, MoE), q/k/v biases (qwen2), and per-head q/k norms (qwen3, which the rope
+/// kernel does not take: it must come out unchanged).
 #[test]
 #[ignore = "needs MLX's CUDA backend and a GPU (xtask/bench/gpu_ab.sh prefill)"]
-fn prefill_rope_kernel_matches_mlx_rope() {
+fn prefill_variants_match_the_default_path() {
     assert!(on_gpu(), "MLX's default device is not a GPU");
     let tokens = prompt(300, 500);
     let mut failures = Vec::new();
+    type Variant = fn(&mut RuntimePolicy);
+    let variants: [(&str, Variant); 2] = [
+        ("heads_rope", |p| p.cuda_prefill_rope = true),
+        ("folded residual", |p| p.prefill_fold_residual = true),
+    ];
     for dtype in [Dtype::Float16, Dtype::Bfloat16] {
         for name in [
             "llama-affine4-g64",
@@ -383,13 +390,15 @@ fn prefill_rope_kernel_matches_mlx_rope() {
             let model = load(&dir, true, dtype);
             let before = mlxcel_core::policy::current();
             // The prompt (every projection dequantized for a dense GEMM, so no MLX quantized
-            // GEMM compiles), then 8 steps fed `feed` (the MLX path's greedy ids) or its own.
-            let run = |rope_kernel: bool, feed: &[u32]| -> (Vec<u32>, Vec<Vec<f32>>) {
-                let policy = RuntimePolicy {
-                    cuda_prefill_rope: rope_kernel,
+            // GEMM compiles), then 8 steps fed `feed` (the default path's greedy ids) or its own.
+            let run = |variant: Option<Variant>, feed: &[u32]| -> (Vec<u32>, Vec<Vec<f32>>) {
+                let mut policy = RuntimePolicy {
                     dequant_rows: Some(16),
                     ..before.clone()
                 };
+                if let Some(change) = variant {
+                    change(&mut policy);
+                }
                 mlxcel_core::policy::install(&policy).unwrap();
                 let mut session = Session::new(&model.model);
                 let (_, mut last) = session.prefill(&tokens, Some(128)).unwrap();
@@ -404,42 +413,53 @@ fn prefill_rope_kernel_matches_mlx_rope() {
                 }
                 (ids, logits)
             };
-            let (mlx_ids, mlx_logits) = run(false, &[]);
-            let (kernel_ids, kernel_logits) = run(true, &mlx_ids);
+            let (ids, logits) = run(None, &[]);
+            let runs: Vec<_> = variants
+                .iter()
+                .map(|(label, change)| (*label, run(Some(*change), &ids)))
+                .collect();
             mlxcel_core::policy::install(&before).unwrap();
             drop(model);
             let turn = Turn {
                 prompt: tokens.clone(),
-                tokens: mlx_ids.clone(),
-                graph: mlx_logits,
-                engine: kernel_logits,
+                tokens: ids.clone(),
+                graph: logits,
+                engine: Vec::new(),
             };
             let want = reference(&dir, std::slice::from_ref(&turn)).remove(0);
-            let (mut d_mlx, mut d_kernel, mut between) = (0f32, 0f32, 0f32);
-            for ((m, k), r) in turn.graph.iter().zip(&turn.engine).zip(&want) {
-                let scale = r.iter().fold(1.0f32, |s, v| s.max(v.abs()));
-                d_mlx = d_mlx.max(max_abs_diff(m, r).0 / scale);
-                d_kernel = d_kernel.max(max_abs_diff(k, r).0 / scale);
-                between = between.max(max_abs_diff(k, m).0 / scale);
-            }
-            eprintln!(
-                "{name} {}: logits from float32, MLX rope {d_mlx:.2e}, heads_rope {d_kernel:.2e}; \
-                 between them {between:.2e} (of the largest); greedy ids {}",
-                dtype.name(),
-                if kernel_ids == mlx_ids {
-                    "equal"
-                } else {
-                    "DIFFER"
+            let distance = |logits: &[Vec<f32>], from: &[Vec<f32>]| {
+                logits
+                    .iter()
+                    .zip(from)
+                    .zip(&want)
+                    .map(|((l, f), r)| {
+                        max_abs_diff(l, f).0 / r.iter().fold(1.0f32, |s, v| s.max(v.abs()))
+                    })
+                    .fold(0f32, f32::max)
+            };
+            let d_default = distance(&turn.graph, &want);
+            for (label, (variant_ids, variant_logits)) in runs {
+                let d = distance(&variant_logits, &want);
+                let between = distance(&variant_logits, &turn.graph);
+                eprintln!(
+                    "{name} {}: logits from float32, default {d_default:.2e}, {label} {d:.2e}; \
+                     between them {between:.2e} (of the largest); greedy ids {}",
+                    dtype.name(),
+                    if variant_ids == ids {
+                        "equal"
+                    } else {
+                        "DIFFER"
+                    }
+                );
+                let allowed = 1.5 * d_default + slack(dtype);
+                let finite = variant_logits.iter().flatten().all(|v| v.is_finite());
+                if !(finite && d <= allowed && variant_ids == ids) {
+                    failures.push(format!(
+                        "{name} {} {label}: {d:.2e} from float32 (allowed {allowed:.2e}), ids \
+                         {variant_ids:?} against {ids:?}",
+                        dtype.name()
+                    ));
                 }
-            );
-            let allowed = 1.5 * d_mlx + slack(dtype);
-            let finite = turn.engine.iter().flatten().all(|v| v.is_finite());
-            if !(finite && d_kernel <= allowed && kernel_ids == mlx_ids) {
-                failures.push(format!(
-                    "{name} {}: heads_rope {d_kernel:.2e} from float32 (allowed {allowed:.2e}), \
-                     ids {kernel_ids:?} against {mlx_ids:?}",
-                    dtype.name()
-                ));
             }
         }
     }

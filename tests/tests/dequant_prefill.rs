@@ -7,6 +7,7 @@
 use std::sync::Mutex;
 
 use mlxcel_arch::nn::prefill_dense_bytes_kept;
+use mlxcel_arch::LanguageModel;
 use mlxcel_core::RuntimePolicy;
 use mlxcel_loading::{load_model, LoadOptions};
 use mlxcel_tests::{assert_matches_reference_with, logits_for, model_dir, reference};
@@ -93,6 +94,73 @@ fn kept_dense_copies_give_the_transient_copies_logits_within_their_budget() {
             prefill_dense_bytes_kept(),
             0,
             "{name}: a dropped model's copies"
+        );
+    }
+}
+
+/// Prefill logits of fixture `name` under `policy`, and how many `AddMM` nodes their graph
+/// holds (residual adds folded into a GEMM).
+fn prefill_logits(name: &str, policy: RuntimePolicy) -> (Vec<f32>, usize) {
+    let loaded = load_model(
+        model_dir(name),
+        &LoadOptions {
+            skip_tokenizer: true,
+            policy: Some(policy),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let ids: Vec<i32> = reference(name)
+        .prompt_ids
+        .iter()
+        .map(|&t| t as i32)
+        .collect();
+    let tokens = mlxcel_core::Array::from_slice(&ids, &[1, ids.len() as i32]).unwrap();
+    let mut caches = loaded.model.make_caches();
+    let logits = loaded.model.forward(&tokens, &mut caches).unwrap();
+    let folds = mlxcel_core::ops::graph_census([&logits])
+        .unwrap()
+        .into_iter()
+        .filter(|(primitive, _)| primitive == "AddMM")
+        .map(|(_, n)| n)
+        .sum();
+    (logits.to_vec::<f32>().unwrap(), folds)
+}
+
+/// The residual adds folded into the prompt's dequantized GEMMs (`MLXCEL_PREFILL_FOLD_RESIDUAL`:
+/// MLX's `addmm`) match the quantized reference as the separate adds do, and the separate
+/// adds' logits within float32 rounding (on the CPU, BLAS adds the residual to the rounded
+/// product, so they come out equal). Every layer folds two adds (attention's output, the
+/// MLP's down projection), a MoE layer one (its experts' sum is added apart).
+#[test]
+fn residual_folded_into_the_prompt_gemm_matches_the_separate_add() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let folded = RuntimePolicy {
+        prefill_fold_residual: true,
+        ..prefill_policy(0)
+    };
+    for (name, per_layer) in [
+        ("llama-affine4-g64", 2),
+        ("qwen3-affine4-g64", 2),
+        ("mixtral-affine4-g32", 1),
+    ] {
+        assert_matches_reference_with(name, 1e-3, Some(folded.clone()));
+        let (apart, none) = prefill_logits(name, prefill_policy(0));
+        let (fused, folds) = prefill_logits(name, folded.clone());
+        let config = std::fs::read_to_string(model_dir(name).join("config.json")).unwrap();
+        let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+        let layers = config["num_hidden_layers"].as_u64().unwrap() as usize;
+        assert_eq!(none, 0, "{name}: AddMM nodes with the fold off");
+        assert_eq!(
+            folds,
+            per_layer * layers,
+            "{name}: AddMM nodes ({layers} layers)"
+        );
+        let scale = apart.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let (diff, _) = mlxcel_tests::max_abs_diff(&fused, &apart);
+        assert!(
+            diff <= 1e-5 * scale,
+            "{name}: folded residual {diff:e} from the separate adds"
         );
     }
 }

@@ -22,11 +22,11 @@
 #   test       the GPU decode test on every fixture and llama-wide, with the defaults and with
 #              each of $TEST_ENVS (default: the fused router, 128-thread attention blocks), then
 #              the kernel checks
-#   prefill    the prompt-side kernels' checks: the GPU test of the prefill rope kernel against
-#              MLX's rope (cuda_decode_test prefill_rope), rows.cu's checks and the rope's timing
-#              (cuda_kernels --rows), then a fresh process's first 512-id prompt kernel by kernel
-#              (ncu, $NCU_MODEL, warm-up off) under each of $PREFILL_ENVS (default: X=1 and
-#              MLXCEL_CUDA_PREFILL_ROPE=1)
+#   prefill    the prompt-side variants' checks: their GPU test against the default path
+#              (cuda_decode_test prefill_variants: the rope kernel, the folded residual), rows.cu's
+#              checks and the rope's timing (cuda_kernels --rows), then a fresh process's first
+#              512-id prompt kernel by kernel (ncu, $NCU_MODEL, warm-up off) under each of
+#              $PREFILL_ENVS (default: X=1 and both variants on)
 #   ncu        one decode step kernel by kernel ($NCU_MODEL, ncu_sum.py): $NCU_PER_STEP launches
 #              matching mlxcel_dec per step (8B: 161; 30B-A3B: 337, or 289 with the fused router)
 #   detail     stall reasons and occupancy of one launch of each of $DETAIL_KERNELS
@@ -102,11 +102,11 @@ for phase in ${PHASES:-models env}; do
     echo "at ${SECONDS}s" ;;
   prefill)
     late prefill && continue
-    echo "== prefill rope test"
+    echo "== prefill variants test"
     MLXCEL_FIXTURES_DIR=$PWD/fixtures-decode timeout 240 ./cuda_decode_test --ignored --nocapture \
-      --test-threads 1 prefill_rope 2>&1 | grep -v "^$" | tail -14
+      --test-threads 1 prefill_variants 2>&1 | grep -v "^$" | tail -14
     echo "== rows.cu checks"; timeout 120 ./cuda_kernels --rows 2>&1 | tail -8
-    for e in ${PREFILL_ENVS:-X=1 MLXCEL_CUDA_PREFILL_ROPE=1}; do
+    for e in ${PREFILL_ENVS:-X=1 MLXCEL_CUDA_PREFILL_ROPE=1+MLXCEL_PREFILL_FOLD_RESIDUAL=1}; do
       late prefill && break
       echo "== first prompt kernel by kernel [$e]"
       env ${e//+/ } MLXCEL_WARM_UP=0 timeout 300 "$NCU" --cache-control none --clock-control none --csv \

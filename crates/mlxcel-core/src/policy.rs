@@ -222,6 +222,11 @@ pub struct RuntimePolicy {
     /// none kept). `None`: a quarter of a CUDA GPU's memory while MLX's active memory stays
     /// under half of it, none elsewhere.
     pub prefill_dense_bytes: Option<u64>,
+    /// `MLXCEL_PREFILL_FOLD_RESIDUAL`: a prompt's dequantized projections that end in a residual
+    /// add (attention's output, the MLP's down projection) run as one GEMM that adds it (MLX's
+    /// `addmm`: on a GPU, cuBLAS's epilogue) instead of a GEMM and an add; the sum is rounded
+    /// once instead of twice (default off until measured on a GPU).
+    pub prefill_fold_residual: bool,
     /// `MLXCEL_WARM_UP`: one throwaway decode step at load. `None`: on for a GPU.
     pub warm_up: Option<bool>,
     /// `MLXCEL_CPU_KERNELS`: mlxcel's CPU linear kernel instead of MLX's (default on).
@@ -467,6 +472,7 @@ impl RuntimePolicy {
         ple_cache_bytes: DEFAULT_PLE_CACHE_BYTES,
         dequant_rows: None,
         prefill_dense_bytes: None,
+        prefill_fold_residual: false,
         warm_up: None,
         cpu_kernels: true,
         cpu_decode: true,
@@ -503,7 +509,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 45] = [
+    pub const VARIABLES: [&'static str; 46] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -517,6 +523,7 @@ impl RuntimePolicy {
         "MLXCEL_PLE_CACHE_BYTES",
         "MLXCEL_DEQUANT_ROWS",
         "MLXCEL_PREFILL_DENSE_BYTES",
+        "MLXCEL_PREFILL_FOLD_RESIDUAL",
         "MLXCEL_WARM_UP",
         "MLXCEL_CPU_KERNELS",
         "MLXCEL_CPU_DECODE",
@@ -636,6 +643,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_PREFILL_DENSE_BYTES") {
             p.prefill_dense_bytes = Some(v.number("a byte count (0 = keep none)")?);
+        }
+        if let Some(v) = get("MLXCEL_PREFILL_FOLD_RESIDUAL") {
+            p.prefill_fold_residual = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_WARM_UP") {
             p.warm_up = Some(v.switch()?);
@@ -1073,7 +1083,7 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 15] = [
+        let cases: [(&str, Get); 16] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
@@ -1090,6 +1100,9 @@ mod tests {
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
             ("MLXCEL_CUDA_ROWS", |p| Some(p.cuda_rows)),
             ("MLXCEL_CUDA_PREFILL_ROPE", |p| Some(p.cuda_prefill_rope)),
+            ("MLXCEL_PREFILL_FOLD_RESIDUAL", |p| {
+                Some(p.prefill_fold_residual)
+            }),
             ("MLXCEL_CUDA_GATHER", |p| Some(p.cuda_gather)),
             ("MLXCEL_CUDA_LOAD", |p| Some(p.cuda_load)),
             ("MLXCEL_FUSE_PROJECTIONS", |p| p.fuse_projections),

@@ -62,6 +62,16 @@ fn dequantize_experts_for(rows: usize, experts: usize) -> bool {
     dequant_policy().experts && dequantize_for(rows) && rows >= 4 * experts
 }
 
+/// A quantized layer's dense weight in `dtype` for a prompt's GEMM: the copy kept from an
+/// earlier prompt, or dequantized now (and kept while the budget allows, [`PrefillDense`]).
+fn prompt_dense_weight(
+    weight: &QuantizedWeight,
+    prefill: &PrefillDense,
+    dtype: Dtype,
+) -> Result<Array> {
+    prefill.get_or_dequantize(dtype, || Ok(weight.dequantize(dtype)?))
+}
+
 /// `y = x W^T + b` with `W` `[out, in]`.
 #[derive(Debug, Clone)]
 pub enum Linear {
@@ -187,8 +197,7 @@ impl Linear {
                     // Many rows (prefill): one dense GEMM on the dequantized layer beats the
                     // quantized kernels by far on GPUs; the dense copy is kept for the next
                     // prompt while the budget allows.
-                    let dtype = x.dtype()?;
-                    let w = prefill.get_or_dequantize(dtype, || Ok(weight.dequantize(dtype)?))?;
+                    let w = prompt_dense_weight(weight, prefill, x.dtype()?)?;
                     x.matmul(&w.t()?)?
                 } else {
                     weight.matmul_t(x)?
@@ -286,15 +295,43 @@ impl Linear {
                 }
             }
         }
-        let y = match input {
-            LinearInput::Plain => self.forward(x)?,
-            LinearInput::Normed(norm) => self.forward(&norm.forward(x)?)?,
-            LinearInput::Gated(act) => self.forward(&act.gated_halves(x)?)?,
+        let x = match input {
+            LinearInput::Plain => x.clone(),
+            LinearInput::Normed(norm) => norm.forward(x)?,
+            LinearInput::Gated(act) => act.gated_halves(x)?,
         };
+        if let Some(r) = residual {
+            if let Some(y) = self.prefill_product_onto(&x, r)? {
+                return Ok(y);
+            }
+        }
+        let y = self.forward(&x)?;
         Ok(match residual {
             Some(r) => r.add(&y)?,
             None => y,
         })
+    }
+
+    /// `residual + x·Wᵀ` as one GEMM that adds `residual` (MLX's `addmm`; on a GPU cuBLAS adds
+    /// it in its epilogue, where a separate add is one more kernel and graph node per layer),
+    /// for a quantized layer without a bias that a prompt runs dequantized
+    /// (`MLXCEL_PREFILL_FOLD_RESIDUAL`, off by default until measured). `None` leaves it to
+    /// the product and an add.
+    fn prefill_product_onto(&self, x: &Array, residual: &Array) -> Result<Option<Array>> {
+        let Linear::Quantized {
+            weight,
+            bias: None,
+            prefill,
+        } = self
+        else {
+            return Ok(None);
+        };
+        let rows = x.size() / x.dim(-1)?.max(1) as usize;
+        if !mlxcel_core::policy::with(|p| p.prefill_fold_residual) || !dequantize_for(rows) {
+            return Ok(None);
+        }
+        let w = prompt_dense_weight(weight, prefill, x.dtype()?)?;
+        Ok(Some(residual.addmm(x, &w.t()?, 1.0, 1.0)?))
     }
 
     /// One layer computing `parts` side by side (outputs concatenated in order), when they
