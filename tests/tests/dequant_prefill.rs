@@ -98,10 +98,9 @@ fn kept_dense_copies_give_the_transient_copies_logits_within_their_budget() {
     }
 }
 
-/// Prefill logits of fixture `name` under `policy`, and how many `AddMM` nodes their graph
-/// holds (residual adds folded into a GEMM).
-fn prefill_logits(name: &str, policy: RuntimePolicy) -> (Vec<f32>, usize) {
-    let loaded = load_model(
+/// Fixture `name` loaded under `policy`.
+fn load_under(name: &str, policy: RuntimePolicy) -> mlxcel_loading::Loaded {
+    load_model(
         model_dir(name),
         &LoadOptions {
             skip_tokenizer: true,
@@ -109,22 +108,55 @@ fn prefill_logits(name: &str, policy: RuntimePolicy) -> (Vec<f32>, usize) {
             ..Default::default()
         },
     )
-    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// Prefill logits of fixture `name`'s reference prompt on `model`, and how many nodes of
+/// primitive `counted` their graph holds.
+fn prompt_logits(model: &dyn LanguageModel, name: &str, counted: &str) -> (Vec<f32>, usize) {
     let ids: Vec<i32> = reference(name)
         .prompt_ids
         .iter()
         .map(|&t| t as i32)
         .collect();
     let tokens = mlxcel_core::Array::from_slice(&ids, &[1, ids.len() as i32]).unwrap();
-    let mut caches = loaded.model.make_caches();
-    let logits = loaded.model.forward(&tokens, &mut caches).unwrap();
-    let folds = mlxcel_core::ops::graph_census([&logits])
+    let mut caches = model.make_caches();
+    let logits = model.forward(&tokens, &mut caches).unwrap();
+    let nodes = mlxcel_core::ops::graph_census([&logits])
         .unwrap()
         .into_iter()
-        .filter(|(primitive, _)| primitive == "AddMM")
+        .filter(|(primitive, _)| primitive == counted)
         .map(|(_, n)| n)
         .sum();
-    (logits.to_vec::<f32>().unwrap(), folds)
+    (logits.to_vec::<f32>().unwrap(), nodes)
+}
+
+/// Prefill logits of fixture `name` under `policy`, and how many `AddMM` nodes their graph
+/// holds (residual adds folded into a GEMM).
+fn prefill_logits(name: &str, policy: RuntimePolicy) -> (Vec<f32>, usize) {
+    let loaded = load_under(name, policy);
+    prompt_logits(&loaded.model, name, "AddMM")
+}
+
+/// Kept copies are held transposed, as the GEMM reads them: a later prompt's graph has one
+/// `Transpose` node fewer per kept layer (on a GPU, MLX spends host time on every node).
+#[test]
+fn kept_copies_leave_the_transposes_out_of_later_prompts() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let name = "llama-affine4-g64";
+    let loaded = load_under(name, prefill_policy(u64::MAX / 2));
+    let (first, first_transposes) = prompt_logits(&loaded.model, name, "Transpose");
+    let (second, later_transposes) = prompt_logits(&loaded.model, name, "Transpose");
+    assert_eq!(first, second);
+    // Seven projections a layer (the CPU load keeps q/k/v and gate/up apart) and the head.
+    let config = std::fs::read_to_string(model_dir(name).join("config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    let layers = config["num_hidden_layers"].as_u64().unwrap() as usize;
+    assert_eq!(
+        first_transposes - later_transposes,
+        7 * layers + 1,
+        "Transpose nodes: first prompt {first_transposes}, later {later_transposes}"
+    );
 }
 
 /// The residual adds folded into the prompt's dequantized GEMMs (`MLXCEL_PREFILL_FOLD_RESIDUAL`:

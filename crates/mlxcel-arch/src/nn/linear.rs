@@ -62,14 +62,15 @@ fn dequantize_experts_for(rows: usize, experts: usize) -> bool {
     dequant_policy().experts && dequantize_for(rows) && rows >= 4 * experts
 }
 
-/// A quantized layer's dense weight in `dtype` for a prompt's GEMM: the copy kept from an
-/// earlier prompt, or dequantized now (and kept while the budget allows, [`PrefillDense`]).
-fn prompt_dense_weight(
+/// A quantized layer's dense weight in `dtype`, transposed (`[in, out]`), for a prompt's GEMM:
+/// the copy kept from an earlier prompt, or dequantized now (and kept while the budget allows,
+/// [`PrefillDense`]).
+fn prompt_dense_weight_t(
     weight: &QuantizedWeight,
     prefill: &PrefillDense,
     dtype: Dtype,
 ) -> Result<Array> {
-    prefill.get_or_dequantize(dtype, || Ok(weight.dequantize(dtype)?))
+    prefill.get_or_dequantize_t(dtype, || Ok(weight.dequantize(dtype)?))
 }
 
 /// `y = x W^T + b` with `W` `[out, in]`.
@@ -197,8 +198,7 @@ impl Linear {
                     // Many rows (prefill): one dense GEMM on the dequantized layer beats the
                     // quantized kernels by far on GPUs; the dense copy is kept for the next
                     // prompt while the budget allows.
-                    let w = prompt_dense_weight(weight, prefill, x.dtype()?)?;
-                    x.matmul(&w.t()?)?
+                    x.matmul(&prompt_dense_weight_t(weight, prefill, x.dtype()?)?)?
                 } else {
                     weight.matmul_t(x)?
                 }
@@ -330,8 +330,8 @@ impl Linear {
         if !mlxcel_core::policy::with(|p| p.prefill_fold_residual) || !dequantize_for(rows) {
             return Ok(None);
         }
-        let w = prompt_dense_weight(weight, prefill, x.dtype()?)?;
-        Ok(Some(residual.addmm(x, &w.t()?, 1.0, 1.0)?))
+        let w_t = prompt_dense_weight_t(weight, prefill, x.dtype()?)?;
+        Ok(Some(residual.addmm(x, &w_t, 1.0, 1.0)?))
     }
 
     /// One layer computing `parts` side by side (outputs concatenated in order), when they

@@ -80,9 +80,12 @@ pub fn prefill_dense_bytes_kept() -> u64 {
     KEPT_BYTES.load(Ordering::SeqCst)
 }
 
-/// A kept copy; its bytes go back to the budget when it is dropped.
+/// A kept copy, held as the transposed view `[in, out]` the GEMM reads: once evaluated it is a
+/// leaf of later prompts' graphs, where a fresh `transpose` would be one more node per layer
+/// and prompt (on a GPU, MLX spends host time on every node). Its bytes go back to the budget
+/// when it is dropped.
 struct Kept {
-    dense: Array,
+    dense_t: Array,
     bytes: u64,
 }
 
@@ -108,30 +111,31 @@ impl std::fmt::Debug for PrefillDense {
 }
 
 impl PrefillDense {
-    /// The layer's dense weight in `dtype`: the kept copy when there is one in that dtype, else
-    /// `dequantize()`, kept when the budget has room for it.
-    pub(crate) fn get_or_dequantize(
+    /// The layer's dense weight in `dtype`, transposed (`[in, out]`, a view): the kept copy
+    /// when there is one in that dtype, else `dequantize()`'s, kept when the budget has room
+    /// for it.
+    pub(crate) fn get_or_dequantize_t(
         &self,
         dtype: mlxcel_core::Dtype,
         dequantize: impl FnOnce() -> Result<Array>,
     ) -> Result<Array> {
         if let Some(k) = self.0.borrow().as_ref() {
-            if k.dense.dtype()? == dtype {
-                return Ok(k.dense.clone());
+            if k.dense_t.dtype()? == dtype {
+                return Ok(k.dense_t.clone());
             }
         }
-        let dense = dequantize()?;
-        let bytes = dense.nbytes() as u64;
+        let dense_t = dequantize()?.t()?;
+        let bytes = dense_t.nbytes() as u64;
         let mut slot = self.0.borrow_mut();
         // A copy in another dtype (a model run in two compute dtypes) is replaced, its bytes
         // returned first.
         *slot = None;
         if reserve(bytes) {
             *slot = Some(Kept {
-                dense: dense.clone(),
+                dense_t: dense_t.clone(),
                 bytes,
             });
         }
-        Ok(dense)
+        Ok(dense_t)
     }
 }
