@@ -35,6 +35,9 @@
 cd "$(dirname "$0")" && xz -d -f ./*.xz 2>/dev/null
 chmod +x mlxcel* cuda_kernels cuda_decode_test 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# The host's NUMA layout and the GPU's node (the load reads the checkpoint through host memory).
+lscpu 2>/dev/null | grep -i "numa" | tr -s ' '
+nvidia-smi topo -m 2>/dev/null | head -3
 models=$HOME/bench-models
 mkdir -p "$models"
 ids=$(python3 -c "import random; r=random.Random(7); print(','.join(str(r.randrange(1000, 32000)) for _ in range(512)))")
@@ -42,10 +45,12 @@ late() { [ $SECONDS -gt "${BUDGET:-520}" ] && echo "skipping $1 at ${SECONDS}s";
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 
 # One process (two requests) of binary $BIN on model $1 with settings $2 (A=1+B=2: `+` between
-# settings, since a setting's value may hold commas).
+# settings, since a setting's value may hold commas). The setting PIN=<cpu list> runs the
+# process under `taskset -c <cpu list>` (e.g. one NUMA node's CPUs, for the load's reads).
 one() {
-  local model=$1 envs=$2
-  out=$(env ${envs//+/ } timeout 120 "${BIN:-./mlxcel}" generate --model "$models/$model" --prompt-ids "$ids" \
+  local model=$1 envs=$2 pin=
+  [[ $envs =~ (^|\+)PIN=([^+]*) ]] && pin="taskset -c ${BASH_REMATCH[2]}"
+  out=$(env ${envs//+/ } $pin timeout 120 "${BIN:-./mlxcel}" generate --model "$models/$model" --prompt-ids "$ids" \
     --max-new 128 --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>"$OUT/err.txt")
   stats=$(python3 -c '
 import json, sys
@@ -55,8 +60,10 @@ if not s:
 else:
     print(" ".join("%.1f" % x["decode_tps"] for x in s), "tok/s, prefill",
           " ".join("%.0f" % x["prefill_tps"] for x in s),
-          "(overlapped %s, compile %.1f s, load %.2f s, kept %.1f GB, peak %.1f GB)" % (
+          "(overlapped %s, compile %.1f s, load %.2f s: build %.2f s, reads %.2f s of %.1f GB, warm-up %.2f s; kept %.1f GB, peak %.1f GB)" % (
           s[0].get("cuda_decode_overlapped"), s[0].get("kernel_compile_s", 0), s[0].get("load_s", 0),
+          s[0].get("load_phases_s", {}).get("build", 0), s[0].get("device_reads", {}).get("s", 0),
+          s[0].get("device_reads", {}).get("bytes", 0) / 1e9, s[0].get("load_phases_s", {}).get("warm_up", 0),
           s[-1].get("prefill_dense_bytes", 0) / 1e9, s[-1].get("peak_mlx_bytes", 0) / 1e9))' "$OUT/err.txt")
   echo "$model ${BIN:-./mlxcel} [$envs] $stats ids $(echo "$out" | head -1 | md5sum | cut -c1-8) at ${SECONDS}s" | tee -a "$OUT/ab.txt"
   grep -i "error\|panic" "$OUT/err.txt" | head -3

@@ -657,6 +657,7 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
             line.split_whitespace().nth(1)?.parse::<u64>().ok()
         })
         .map(|kib| kib * 1024);
+    let device_reads = mlxcel_core::weights::device_reads();
     let mut json = serde_json::json!({
         "engine": "mlxcel",
         "dtype": loaded.dtype.to_string(),
@@ -668,6 +669,12 @@ fn print_stats_json(loaded: &Loaded, stats: &GenerationStats) {
             "build": loaded.load_phases.build,
             "warm_up": loaded.load_phases.warm_up,
             "tokenizer": loaded.load_phases.tokenizer,
+        },
+        // Tensors read straight into device memory (a GPU load), and the time those reads took.
+        "device_reads": {
+            "tensors": device_reads.tensors,
+            "bytes": device_reads.bytes,
+            "s": device_reads.seconds,
         },
         // mlxcel's CUDA kernels compiled in this process so far (load and this request).
         "kernel_compile_s": mlxcel_core::cuda_kernels::compile_seconds(),

@@ -35,7 +35,7 @@ pub use device::{default_device, set_default_device, Device};
 pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use policy::RuntimePolicy;
-pub use weights::{MappedFiles, Materialization, TensorInfo, WeightMap};
+pub use weights::{DeviceReads, MappedFiles, Materialization, TensorInfo, WeightMap};
 
 /// The version string of the MLX library this process is running against (which may differ from
 /// the one it was built against when `LD_LIBRARY_PATH` selects another `libmlx`).

@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use memmap2::{Advice, MmapMut, MmapOptions};
@@ -311,6 +312,33 @@ pub fn device_load_enabled() -> bool {
     crate::policy::with(|p| p.cuda_load) && crate::default_device().ok() == Some(crate::Device::Gpu)
 }
 
+/// Tensors read straight into device memory by this process so far ([`device_load_enabled`]),
+/// for load diagnostics (`mlxcel generate --stats-json`: `device_reads`): how many, their
+/// bytes, and the wall time the reads took. A load's build time less its reads' is what
+/// building does besides reading.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DeviceReads {
+    /// Tensors read.
+    pub tensors: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Seconds spent reading them (each read returns once its tensor is in device memory).
+    pub seconds: f64,
+}
+
+static DEVICE_READ_TENSORS: AtomicU64 = AtomicU64::new(0);
+static DEVICE_READ_BYTES: AtomicU64 = AtomicU64::new(0);
+static DEVICE_READ_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// The process's [`DeviceReads`] so far.
+pub fn device_reads() -> DeviceReads {
+    DeviceReads {
+        tensors: DEVICE_READ_TENSORS.load(Ordering::Relaxed),
+        bytes: DEVICE_READ_BYTES.load(Ordering::Relaxed),
+        seconds: DEVICE_READ_NANOS.load(Ordering::Relaxed) as f64 * 1e-9,
+    }
+}
+
 /// The array of `bytes`, the range of `shard`'s mapped file from byte `start`: borrowed from
 /// the map on the CPU ([`zero_copy_enabled`]), read into device memory on a GPU
 /// ([`device_load_enabled`]), else copied by MLX.
@@ -325,9 +353,13 @@ fn file_array(
         return Array::from_bytes(bytes, shape, dtype);
     }
     if device_load_enabled() {
+        let reading = std::time::Instant::now();
         if let Some(a) =
             Array::from_file_on_device(&shard.file, start as u64, bytes.len(), shape, dtype)?
         {
+            DEVICE_READ_NANOS.fetch_add(reading.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            DEVICE_READ_BYTES.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            DEVICE_READ_TENSORS.fetch_add(1, Ordering::Relaxed);
             return Ok(a);
         }
     }
