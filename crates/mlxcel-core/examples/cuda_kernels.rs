@@ -950,32 +950,25 @@ fn main() -> R<()> {
         );
         return Ok(());
     }
-    if std::env::args().any(|a| a == "--mma") {
-        // The tensor-core batch GEMV alone: its check, then its timings.
-        let result = check_mma().and_then(|failures| {
-            speed_mma()?;
-            Ok(failures)
-        });
-        report(result);
-        return Ok(());
-    }
-    if std::env::args().any(|a| a == "--gather") {
-        // The routed-expert product alone: its check, then its timings.
-        let result = check_gather().and_then(|failures| {
-            speed_gather()?;
-            Ok(failures)
-        });
-        report(result);
-        return Ok(());
-    }
-    if std::env::args().any(|a| a == "--rows") {
-        // rows.cu's kernels alone: their checks, then the rope's timing.
-        let result = check_rows().and_then(|failures| {
-            speed_rows()?;
-            Ok(failures)
-        });
-        report(result);
-        return Ok(());
+    // One kernel family alone: its check, then its timings.
+    type Part = (&'static str, fn() -> R<Vec<String>>, fn() -> R<()>);
+    let parts: [Part; 3] = [
+        // The tensor-core batch GEMV.
+        ("--mma", check_mma, speed_mma),
+        // The routed-expert product.
+        ("--gather", check_gather, speed_gather),
+        // rows.cu's kernels (the rope's timing).
+        ("--rows", check_rows, speed_rows),
+    ];
+    for (flag, check_part, speed_part) in parts {
+        if std::env::args().any(|a| a == flag) {
+            let result = check_part().and_then(|failures| {
+                speed_part()?;
+                Ok(failures)
+            });
+            report(result);
+            return Ok(());
+        }
     }
     if std::env::args().any(|a| a == "--speed") {
         // Timings only (after a checked run of the same build).
