@@ -24,6 +24,7 @@ Dim3 blockIdx, blockDim, threadIdx;
 struct mlxcel_bf16 {
   unsigned short bits;
 };
+using uint32_t = std::uint32_t;
 
 inline float __uint_as_float(unsigned u) {
   float f;
@@ -71,6 +72,16 @@ void launch(long long threads, Body body) {
   }
 }
 
+// Runs `body<T>()` with T bf16 when `bf16`, else float32.
+template <typename Body>
+void with_type(int bf16, Body body) {
+  if (bf16 != 0) {
+    body(mlxcel_bf16{});
+  } else {
+    body(0.0f);
+  }
+}
+
 template <typename T>
 void run_heads_rope(const void* qkv, const float* inv_freq, void* out, int batch, int len,
                     int heads, int head_dim, int rope_heads, int rot_half, int traditional,
@@ -83,7 +94,7 @@ void run_heads_rope(const void* qkv, const float* inv_freq, void* out, int batch
 
 }  // namespace mlxcel_emulated
 
-// rows.cu's heads_rope on the CPU; `bf16` picks bf16 elements, else float32.
+// rows.cu's kernels on the CPU; `bf16` picks bf16 elements, else float32.
 extern "C" void mlxcel_emulate_heads_rope(int bf16, const void* qkv, const float* inv_freq,
                                           void* out, int batch, int len, int heads, int head_dim,
                                           int rope_heads, int rot_half, int traditional,
@@ -96,4 +107,40 @@ extern "C" void mlxcel_emulate_heads_rope(int bf16, const void* qkv, const float
     run_heads_rope<float>(qkv, inv_freq, out, batch, len, heads, head_dim, rope_heads, rot_half,
                           traditional, offset);
   }
+}
+
+extern "C" void mlxcel_emulate_silu_halves(int bf16, const void* x, void* out, int rows,
+                                           int cols) {
+  using namespace mlxcel_emulated;
+  with_type(bf16, [&](auto like) {
+    using T = decltype(like);
+    launch((long long)rows * cols, [&] {
+      silu_halves<T>(static_cast<const T*>(x), static_cast<T*>(out), rows, cols);
+    });
+  });
+}
+
+extern "C" void mlxcel_emulate_silu_mul(int bf16, const void* gate, const void* up, void* out,
+                                        int n) {
+  using namespace mlxcel_emulated;
+  with_type(bf16, [&](auto like) {
+    using T = decltype(like);
+    launch(n, [&] {
+      silu_mul<T>(static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(out),
+                  n);
+    });
+  });
+}
+
+extern "C" void mlxcel_emulate_take_along_rows(int bf16, const void* values,
+                                               const std::uint32_t* ids, void* out, int rows,
+                                               int cols, int k) {
+  using namespace mlxcel_emulated;
+  with_type(bf16, [&](auto like) {
+    using T = decltype(like);
+    launch((long long)rows * k, [&] {
+      take_along_rows<T>(static_cast<const T*>(values), ids, static_cast<T*>(out), rows, cols,
+                         k);
+    });
+  });
 }

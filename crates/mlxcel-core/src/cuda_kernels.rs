@@ -201,6 +201,14 @@ enum KernelId {
     HeadsRope {
         dtype: Dtype,
     },
+    /// rows.cu's `silu_mul` in `dtype`.
+    SiluMul {
+        dtype: Dtype,
+    },
+    /// rows.cu's `take_along_rows` over values of `dtype`.
+    TakeAlongRows {
+        dtype: Dtype,
+    },
 }
 
 /// Which neighbouring ops a GEMV kernel folds in (`PRE` and `RES` of qmv.cu).
@@ -244,6 +252,8 @@ impl KernelId {
             KernelId::TakeRows { dtype } => rows_entry("take_rows", dtype),
             KernelId::SiluHalves { dtype } => rows_entry("silu_halves", dtype),
             KernelId::HeadsRope { dtype } => rows_entry("heads_rope", dtype),
+            KernelId::SiluMul { dtype } => rows_entry("silu_mul", dtype),
+            KernelId::TakeAlongRows { dtype } => rows_entry("take_along_rows", dtype),
         }
     }
 }
@@ -273,7 +283,7 @@ fn element_type(dtype: Dtype) -> &'static str {
     }
 }
 
-/// rows.cu's `kernel` (`take_rows`, `silu_halves` or `heads_rope`) over elements of `dtype`.
+/// rows.cu's `kernel` over elements of `dtype`.
 fn rows_entry(kernel: &str, dtype: Dtype) -> Entry {
     let name = format!("mlxcel_{kernel}_{}", dtype.name());
     let t = element_type(dtype);
@@ -293,6 +303,15 @@ fn rows_entry(kernel: &str, dtype: Dtype) -> Entry {
              int rot_half, int traditional, int offset) {{ \
              heads_rope<{t}>(qkv, inv_freq, out, batch, len, heads, head_dim, rope_heads, \
              rot_half, traditional, offset); }}\n"
+        ),
+        "silu_mul" => format!(
+            "extern \"C\" __global__ void {name}(const {t}* gate, const {t}* up, {t}* out, \
+             int n) {{ silu_mul<{t}>(gate, up, out, n); }}\n"
+        ),
+        "take_along_rows" => format!(
+            "extern \"C\" __global__ void {name}(const {t}* values, const uint32_t* ids, \
+             {t}* out, int rows, int cols, int k) {{ \
+             take_along_rows<{t}>(values, ids, out, rows, cols, k); }}\n"
         ),
         other => unreachable!("rows.cu has no kernel `{other}`"),
     };
@@ -389,6 +408,69 @@ pub fn silu_halves(x: &Array) -> Result<Array> {
 /// `MLXCEL_CUDA_ROWS` (default on): rows.cu's kernels instead of MLX's JIT-compiled ones.
 fn rows_enabled() -> bool {
     crate::policy::with(|p| p.cuda_rows)
+}
+
+/// Whether [`silu_mul`] takes `gate` and `up`: on a GPU (unless `MLXCEL_CUDA_ROWS=0`), one
+/// shape and one supported dtype for both, and sizes a 32-bit index covers.
+pub fn silu_mul_applies(gate: &Array, up: &Array) -> Result<bool> {
+    if !rows_enabled() || !on_gpu()? {
+        return Ok(false);
+    }
+    let dtype = gate.dtype()?;
+    Ok(SILU_HALVES_DTYPES.contains(&dtype)
+        && up.dtype()? == dtype
+        && gate.shape() == up.shape()
+        && (gate.size() as i64) < i32::MAX as i64 - ROWS_THREADS as i64)
+}
+
+/// `silu(gate) * up` element by element (separate gate and up projections: routed experts),
+/// as one mlxcel kernel that ships compiled, rounded as [`silu_halves`] (see
+/// [`silu_mul_applies`]). MLX would JIT-compile its fused kernel on a machine's first prompt.
+pub fn silu_mul(gate: &Array, up: &Array) -> Result<Array> {
+    let n = gate.size() as i32;
+    let dtype = gate.dtype()?;
+    let flat = call(
+        KernelId::SiluMul { dtype },
+        &[gate.reshape(&[-1])?, up.reshape(&[-1])?],
+        vec![n],
+        dtype,
+        &[n],
+        rows_grid(n as i64),
+        [ROWS_THREADS, 1, 1],
+    )?;
+    flat.reshape(&gate.shape())
+}
+
+/// Whether [`take_along_rows`] takes this lookup: on a GPU (unless `MLXCEL_CUDA_ROWS=0`), 2-D
+/// float `values`, 2-D uint32 `ids` with as many rows, and sizes a 32-bit index covers.
+pub fn take_along_rows_applies(values: &Array, ids: &Array) -> Result<bool> {
+    if !rows_enabled() || !on_gpu()? || values.ndim() != 2 || ids.ndim() != 2 {
+        return Ok(false);
+    }
+    Ok(SILU_HALVES_DTYPES.contains(&values.dtype()?)
+        && ids.dtype()? == Dtype::Uint32
+        && ids.dim(0)? == values.dim(0)?
+        && (values.size() as i64) < i32::MAX as i64
+        && (ids.size() as i64) < i32::MAX as i64 - ROWS_THREADS as i64)
+}
+
+/// `values[r, ids[r, j]]` for `values` `[rows, cols]` and `ids` `[rows, k]` (each row's chosen
+/// columns: a router's experts), `[rows, k]`, on mlxcel's kernel (see
+/// [`take_along_rows_applies`]), where MLX's `take_along_axis` JIT-compiles its `gather_axis`
+/// module on a machine's first prompt. Ids past a row are clamped to its last column (the
+/// caller's ids come from a sort of that row).
+pub fn take_along_rows(values: &Array, ids: &Array) -> Result<Array> {
+    let (rows, cols, k) = (values.dim(0)?, values.dim(1)?, ids.dim(1)?);
+    let dtype = values.dtype()?;
+    call(
+        KernelId::TakeAlongRows { dtype },
+        &[values.clone(), ids.clone()],
+        vec![rows, k],
+        dtype,
+        &[rows, cols, k],
+        rows_grid(rows as i64 * k as i64),
+        [ROWS_THREADS, 1, 1],
+    )
 }
 
 /// Whether [`heads_rope`] takes a prompt's `[B, L, heads, head_dim]` projection of `elements`
@@ -880,6 +962,8 @@ pub fn module_source() -> String {
     for dtype in SILU_HALVES_DTYPES {
         src += &rows_entry("silu_halves", dtype).wrapper;
         src += &rows_entry("heads_rope", dtype).wrapper;
+        src += &rows_entry("silu_mul", dtype).wrapper;
+        src += &rows_entry("take_along_rows", dtype).wrapper;
     }
     for dtype in QMV_MMA_DTYPES {
         for shape in QMV_MMA_SHAPES {
@@ -992,6 +1076,8 @@ fn prebuilt_set() -> Vec<KernelId> {
         ids.push(KernelId::SiluHalves { dtype });
         ids.push(KernelId::TakeRows { dtype });
         ids.push(KernelId::HeadsRope { dtype });
+        // A MoE prompt's SiLU gating of separate expert projections.
+        ids.push(KernelId::SiluMul { dtype });
         // MoE prefill's routed-expert product (4-bit experts).
         ids.push(KernelId::QmmGather {
             dtype,
@@ -1001,6 +1087,10 @@ fn prebuilt_set() -> Vec<KernelId> {
     }
     ids.push(KernelId::TakeRows {
         dtype: Dtype::Uint32,
+    });
+    // A MoE prompt's routing: the chosen experts' float32 scores.
+    ids.push(KernelId::TakeAlongRows {
+        dtype: Dtype::Float32,
     });
     // The benchmark's random 30B-A3B shape (xtask/bench/make_random_model.py: dense routers).
     ids.push(KernelId::Decoder {
@@ -2056,6 +2146,178 @@ mod tests {
             traditional: i32,
             offset: i32,
         );
+        fn mlxcel_emulate_silu_halves(
+            bf16: i32,
+            x: *const std::ffi::c_void,
+            out: *mut std::ffi::c_void,
+            rows: i32,
+            cols: i32,
+        );
+        fn mlxcel_emulate_silu_mul(
+            bf16: i32,
+            gate: *const std::ffi::c_void,
+            up: *const std::ffi::c_void,
+            out: *mut std::ffi::c_void,
+            n: i32,
+        );
+        fn mlxcel_emulate_take_along_rows(
+            bf16: i32,
+            values: *const std::ffi::c_void,
+            ids: *const u32,
+            out: *mut std::ffi::c_void,
+            rows: i32,
+            cols: i32,
+            k: i32,
+        );
+    }
+
+    /// Runs an emulated rows.cu kernel (cpp/cuda_emulation.cc) on `inputs` (their bytes, row
+    /// major) into a new array of `shape` and `dtype` (float32 or bf16, which `run` gets as
+    /// its first argument, 1 for bf16).
+    fn emulated(
+        inputs: &[&Array],
+        shape: &[i32],
+        dtype: Dtype,
+        run: impl FnOnce(i32, &[*const std::ffi::c_void], *mut std::ffi::c_void),
+    ) -> Array {
+        let bytes: Vec<Vec<u8>> = inputs
+            .iter()
+            .map(|a| {
+                let a = a.contiguous().unwrap();
+                a.eval().unwrap();
+                a.to_bytes().unwrap()
+            })
+            .collect();
+        let pointers: Vec<*const std::ffi::c_void> =
+            bytes.iter().map(|b| b.as_ptr().cast()).collect();
+        let elements: usize = shape.iter().map(|&d| d as usize).product();
+        let mut out = vec![0u8; elements * dtype.size_of()];
+        run(
+            i32::from(dtype == Dtype::Bfloat16),
+            &pointers,
+            out.as_mut_ptr().cast(),
+        );
+        Array::from_bytes(&out, shape, dtype).unwrap()
+    }
+
+    /// Values uniform in [-`range`, `range`) as `dtype`, from a seeded xorshift.
+    fn uniform_array(shape: &[i32], range: f32, dtype: Dtype, seed: u64) -> Array {
+        let mut state = seed | 1;
+        let n: usize = shape.iter().map(|&d| d as usize).product();
+        let values: Vec<f32> = (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * range
+            })
+            .collect();
+        Array::from_slice(&values, shape)
+            .unwrap()
+            .astype(dtype)
+            .unwrap()
+    }
+
+    fn float_values(a: &Array) -> Vec<f32> {
+        a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+    }
+
+    /// rows.cu's SiLU gating, run on the CPU (cpp/cuda_emulation.cc): `silu_halves` of a fused
+    /// `[gate | up]` row and `silu_mul` of separate gate and up arrays, against MLX's unfused
+    /// ops (`sigmoid`, two products), which round to the dtype after each op as the kernels do:
+    /// within one unit in the last place of the output (the exponentials may differ there).
+    #[test]
+    fn silu_kernels_match_mlx_on_the_cpu() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let (rows, cols) = (7, 40);
+            let x = uniform_array(&[rows, 2 * cols], 6.0, dtype, 11);
+            let parts = x.split_at(&[cols], -1).unwrap();
+            let (gate, up) = (
+                parts[0].contiguous().unwrap(),
+                parts[1].contiguous().unwrap(),
+            );
+            let want = float_values(
+                &crate::ops::gated_activation_as(
+                    crate::ops::GatedActivation::Silu,
+                    &gate,
+                    &up,
+                    false,
+                )
+                .unwrap(),
+            );
+            // SAFETY (both): the pointers hold the inputs' bytes in `dtype`, `out` room for
+            // rows x cols outputs.
+            let halves = emulated(&[&x], &[rows, cols], dtype, |bf16, inputs, out| unsafe {
+                mlxcel_emulate_silu_halves(bf16, inputs[0], out, rows, cols)
+            });
+            let mul = emulated(
+                &[&gate, &up],
+                &[rows, cols],
+                dtype,
+                |bf16, inputs, out| unsafe {
+                    mlxcel_emulate_silu_mul(bf16, inputs[0], inputs[1], out, rows * cols)
+                },
+            );
+            let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let ulp = if dtype == Dtype::Bfloat16 {
+                2f32.powi(-8)
+            } else {
+                2f32.powi(-23)
+            };
+            for (what, got) in [("silu_halves", halves), ("silu_mul", mul)] {
+                let worst = float_values(&got)
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, w)| (g - w).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst <= ulp * scale,
+                    "{what} {}: max |kernel - MLX| {worst:e} (scale {scale})",
+                    dtype.name()
+                );
+            }
+        }
+    }
+
+    /// rows.cu's `take_along_rows` (a router's chosen experts' scores), run on the CPU, gives
+    /// MLX's `take_along_axis` bit for bit; an id past its row reads the row's last column.
+    #[test]
+    fn take_along_rows_kernel_matches_mlx_on_the_cpu() {
+        let (rows, cols, k) = (5, 17, 4);
+        let ids: Vec<u32> = (0..rows * k).map(|i| ((i * 7 + 3) % cols) as u32).collect();
+        let ids = Array::from_slice(&ids, &[rows, k]).unwrap();
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let values = uniform_array(&[rows, cols], 1.0, dtype, 5);
+            let want = float_values(&values.take_along_axis(&ids, -1).unwrap());
+            let ids_bytes = ids.to_vec::<u32>().unwrap();
+            let got = emulated(&[&values], &[rows, k], dtype, |bf16, inputs, out| unsafe {
+                // SAFETY: values' bytes, rows x k ids below `cols`, room for rows x k outputs.
+                mlxcel_emulate_take_along_rows(
+                    bf16,
+                    inputs[0],
+                    ids_bytes.as_ptr(),
+                    out,
+                    rows,
+                    cols,
+                    k,
+                )
+            });
+            assert_eq!(float_values(&got), want, "{}", dtype.name());
+            // Clamped: every id past the row reads its last column.
+            let past = vec![cols as u32 + 5; (rows * k) as usize];
+            let clamped = emulated(&[&values], &[rows, k], dtype, |bf16, inputs, out| unsafe {
+                // SAFETY: as above; the kernel clamps the ids.
+                mlxcel_emulate_take_along_rows(bf16, inputs[0], past.as_ptr(), out, rows, cols, k)
+            });
+            let last = float_values(&values.slice_axis(1, cols - 1, cols).unwrap());
+            for (r, row) in float_values(&clamped).chunks(k as usize).enumerate() {
+                assert!(
+                    row.iter().all(|v| *v == last[r]),
+                    "{} row {r}",
+                    dtype.name()
+                );
+            }
+        }
     }
 
     /// rows.cu's `heads_rope`, run on the CPU thread by thread (cpp/cuda_emulation.cc), against

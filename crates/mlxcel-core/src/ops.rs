@@ -547,12 +547,28 @@ pub fn take_rows(table: &Array, ids: &Array) -> Result<Array> {
     table.take(ids, 0)
 }
 
-/// `act(gate) * up` for gated MLPs. On a GPU it runs as one kernel (a function compiled once
-/// with MLX's `compile`: decode is bound by per-kernel dispatch, and SiLU-and-multiply is
-/// otherwise three kernels, tanh-GELU-and-multiply nine). On the CPU the same ops run unfused:
+/// `values[r, ids[r, j]]` for 2-D `values` and uint32 `ids` (each row's chosen columns), what
+/// `take_along_axis(ids, -1)` gives. On a GPU it runs on mlxcel's kernel (`MLXCEL_CUDA_ROWS`),
+/// which ships compiled: MLX would JIT-compile its `gather_axis` on a machine's first prompt.
+pub fn take_along_rows(values: &Array, ids: &Array) -> Result<Array> {
+    if crate::cuda_kernels::take_along_rows_applies(values, ids)? {
+        return crate::cuda_kernels::take_along_rows(values, ids);
+    }
+    values.take_along_axis(ids, -1)
+}
+
+/// `act(gate) * up` for gated MLPs. On a GPU it runs as one kernel: SiLU's on mlxcel's
+/// (`MLXCEL_CUDA_ROWS`, shipped compiled), the others a function compiled once with MLX's
+/// `compile` (decode is bound by per-kernel dispatch, and SiLU-and-multiply is otherwise three
+/// kernels, tanh-GELU-and-multiply nine). On the CPU the same ops run unfused:
 /// MLX compiles fused CPU kernels with the system C++ compiler at run time, which a deployed
 /// binary cannot count on.
 pub fn gated_activation(kind: GatedActivation, gate: &Array, up: &Array) -> Result<Array> {
+    if kind == GatedActivation::Silu && crate::cuda_kernels::silu_mul_applies(gate, up)? {
+        // mlxcel's kernel, which ships compiled: MLX would JIT-compile the fused function on
+        // a machine's first prompt.
+        return crate::cuda_kernels::silu_mul(gate, up);
+    }
     let fused = crate::default_device()? == crate::Device::Gpu;
     gated_activation_as(kind, gate, up, fused)
 }

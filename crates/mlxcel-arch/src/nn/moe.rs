@@ -95,7 +95,7 @@ impl Router {
             .negative()?
             .argpartition(k - 1, -1)?
             .slice_axis(-1, 0, k)?;
-        let mut weights = scores.take_along_axis(&ids, -1)?;
+        let mut weights = mlxcel_core::ops::take_along_rows(&scores, &ids)?;
         if self.normalize {
             // The epsilon transformers adds for sigmoid routers; negligible for softmax ones.
             let sum = weights.sum(&[-1], true)?;
@@ -168,9 +168,20 @@ pub struct SwitchGlu {
 /// `y`'s batch shape), or `y` unchanged without biases.
 fn add_expert_bias(y: Array, bias: Option<&Array>, experts: &Array) -> Result<Array> {
     Ok(match bias {
-        Some(b) => y.add(&b.take(experts, 0)?.expand_dims(&[-2])?)?,
+        Some(b) => y.add(&take_rows(b, experts)?.expand_dims(&[-2])?)?,
         None => y,
     })
+}
+
+/// `table[ids]` along the first axis for uint32 `ids` below 2^31 (expert ids, row orders),
+/// through `ops::take_rows`: on a GPU mlxcel's kernel, which ships compiled, where MLX's `take`
+/// JIT-compiles a gather module per dtype on a machine's first MoE prompt. The ids are read as
+/// int32 in place (a view, no copy).
+fn take_rows(table: &Array, ids: &Array) -> Result<Array> {
+    Ok(mlxcel_core::ops::take_rows(
+        table,
+        &ids.view(Dtype::Int32)?,
+    )?)
 }
 
 impl SwitchGlu {
@@ -215,9 +226,9 @@ impl SwitchGlu {
         // Sort (token, expert) pairs by expert so each expert's rows are contiguous.
         let order = flat.argsort(0)?;
         let inverse = order.argsort(0)?;
-        let sorted_ids = flat.take(&order, 0)?;
+        let sorted_ids = take_rows(&flat.reshape(&[t * k, 1])?, &order)?.reshape(&[t * k])?;
         let token_of = order.floor_divide(&order.scalar_like(k as f64)?)?;
-        let rows = x.take(&token_of, 0)?.reshape(&[t * k, 1, d])?;
+        let rows = take_rows(&x.reshape(&[t, d])?, &token_of)?.reshape(&[t * k, 1, d])?;
         let u = self.up.forward(&rows, &sorted_ids, true)?;
         let u = add_expert_bias(u, self.bias(1), &sorted_ids)?;
         let h = match &self.gate {
@@ -230,7 +241,7 @@ impl SwitchGlu {
         };
         let y = self.down.forward(&h, &sorted_ids, true)?;
         let y = add_expert_bias(y, self.bias(2), &sorted_ids)?;
-        Ok(y.take(&inverse, 0)?.reshape(&[t, k, d])?)
+        Ok(take_rows(&y.reshape(&[t * k, d])?, &inverse)?.reshape(&[t, k, d])?)
     }
 }
 

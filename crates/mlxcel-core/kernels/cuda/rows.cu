@@ -1,13 +1,17 @@
-// rows.cu: small kernels of a prompt's forward pass. Two that MLX's CUDA backend would otherwise
-// JIT-compile with NVRTC on a machine's first request (its `gather` for an embedding lookup and
-// the fused `silu(gate) * up` that `mx::compile` builds): 2-4 s each on a fresh machine. As
-// mlxcel kernels they ship compiled (kernels/prebuilt/). And one that replaces several MLX
-// kernels of each attention layer (`heads_rope`).
+// rows.cu: small kernels of a prompt's forward pass. Most replace kernels that MLX's CUDA backend
+// would otherwise JIT-compile with NVRTC on a machine's first request (its `gather` and
+// `gather_axis` modules for lookups, the fused `silu(gate) * up` that `mx::compile` builds): 2-4 s
+// each on a fresh machine. As mlxcel kernels they ship compiled (kernels/prebuilt/). One
+// replaces several MLX kernels of each attention layer (`heads_rope`).
 //
 // take_rows:   out[r, c] = table[ids[r], c]          table T [n_rows, row_len], ids int32 [n_ids]
 //              (ids are checked against n_rows before the call; clamped so none reads outside)
 // silu_halves: out[r, c] = silu(x[r, c]) * x[r, cols + c]     x T [rows, 2 * cols]
 //              rounded to T after each op, as MLX's fused kernel of `g * sigmoid(g) * u` rounds
+// silu_mul:    out[i] = silu(gate[i]) * up[i]                  gate, up T [n] (separate
+//              projections: routed experts), rounded as silu_halves
+// take_along_rows: out[r, j] = values[r, ids[r, j]]            values T [rows, cols], ids uint32
+//              [rows, k] (a router's chosen experts' scores; ids clamped to the row)
 // heads_rope:  out[b, h, l, :] = rope(qkv[b, l, h, :], offset + l)   for heads h < rope_heads
 //              out[b, h, l, :] = qkv[b, l, h, :]                     for the others
 //              qkv T [batch, len, heads, head_dim] (a fused q|k|v projection's output),
@@ -35,6 +39,15 @@ __device__ __forceinline__ void take_rows(const T* table, const int* ids, T* out
   out[i] = table[(long long)id * row_len + c];
 }
 
+// silu(g) * u as MLX's fused kernel of `g * sigmoid(g) * u` computes it: rounded to T (`like`
+// picks it) after the sigmoid and after the product with the gate; the caller rounds the last.
+template <typename T>
+__device__ __forceinline__ float silu_times(const T* like, float g, float u) {
+  const float sig = qmv_round(like, 1.0f / (1.0f + expf(-g)));
+  const float gated = qmv_round(like, g * sig);
+  return gated * u;
+}
+
 template <typename T>
 __device__ __forceinline__ void silu_halves(const T* x, T* out, int rows, int cols) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -45,9 +58,29 @@ __device__ __forceinline__ void silu_halves(const T* x, T* out, int rows, int co
   const long long c = i - r * cols;
   const float g = qmv_to_float(x[r * 2 * cols + c]);
   const float u = qmv_to_float(x[r * 2 * cols + cols + c]);
-  const float sig = qmv_round(out, 1.0f / (1.0f + expf(-g)));
-  const float gated = qmv_round(out, g * sig);
-  qmv_store(out + i, gated * u);
+  qmv_store(out + i, silu_times(out, g, u));
+}
+
+template <typename T>
+__device__ __forceinline__ void silu_mul(const T* gate, const T* up, T* out, int n) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) {
+    return;
+  }
+  qmv_store(out + i, silu_times(out, qmv_to_float(gate[i]), qmv_to_float(up[i])));
+}
+
+template <typename T>
+__device__ __forceinline__ void take_along_rows(const T* values, const uint32_t* ids, T* out,
+                                                int rows, int cols, int k) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)rows * k) {
+    return;
+  }
+  const long long r = i / k;
+  uint32_t c = ids[i];
+  c = c >= (uint32_t)cols ? (uint32_t)cols - 1 : c;
+  out[i] = values[r * cols + c];
 }
 
 template <typename T>
