@@ -7,8 +7,9 @@
 //!     cuda_kernels --mma      the tensor-core batch GEMV's check and timings only (the full
 //!                             run includes them when MLXCEL_CUDA_QMV_MMA=1)
 //!     cuda_kernels --gather   the routed-expert product's (MoE prefill) check and timings only
-//!     cuda_kernels --rows     rows.cu's checks (embedding rows, SiLU gating, a prompt's rope
-//!                             into heads) and the rope's timing on the Llama-8B prompt shape
+//!     cuda_kernels --rows     rows.cu's checks (embedding rows, SiLU gating, a router's
+//!                             chosen scores, a prompt's rope into heads) and the rope's timing
+//!                             on the Llama-8B prompt shape
 //!
 //! Reference: MLX's `dequantize` and `quantized_matmul` on the same planes. The dequantized
 //! values must be bit-equal (both compute `scale * q + bias` in float32 and round once); the GEMV
@@ -488,10 +489,11 @@ fn speed_gather() -> R<()> {
 }
 
 /// rows.cu: the embedding lookup against MLX's `take` (bit-equal, every table dtype, ids with
-/// repeats and a 2-D shape) and `silu(gate) * up` of `[gate | up]` against MLX's compiled
-/// kernel of the split halves. Both round to the dtype after the sigmoid, the product with the
-/// gate and the product with up, but MLX's sigmoid rounds inside too: measured up to 1.5 units
-/// in the last place in bf16 (H100), 1 in f16.
+/// repeats and a 2-D shape), `silu(gate) * up` of `[gate | up]` and of separate gate and up
+/// against MLX's compiled kernel, a router's chosen scores against `take_along_axis`
+/// (bit-equal), and the prompt's rope into heads. The SiLU kernels round to the dtype after the
+/// sigmoid, the product with the gate and the product with up, but MLX's sigmoid rounds inside
+/// too: measured up to 1.5 units in the last place in bf16 (H100), 1 in f16.
 fn check_rows() -> R<Vec<String>> {
     let mut failures = Vec::new();
     let ids: Vec<i32> = vec![3, 0, 1000, 3, 517, 999, 42, 7];
@@ -528,11 +530,40 @@ fn check_rows() -> R<Vec<String>> {
             let x = random(&[rows, 2 * 1408], dtype, rows as u64)?;
             let ours = cuda_kernels::silu_halves(&x)?;
             let parts = x.split_at(&[1408], -1)?;
-            let mlx = ops::gated_activation(ops::GatedActivation::Silu, &parts[0], &parts[1])?;
+            // MLX's own fused kernel (`ops::gated_activation` would take mlxcel's silu_mul).
+            let mlx =
+                ops::gated_activation_as(ops::GatedActivation::Silu, &parts[0], &parts[1], true)?;
             let label = format!("silu_halves {rows}x{} {}", 2 * 1408, dtype.name());
             if !close(&label, &ours, &mlx, dtype, 2.0)? {
                 failures.push(label);
             }
+        }
+    }
+    for dtype in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
+        // Separate gate and up (a MoE prompt's experts) against MLX's compiled kernel.
+        let (gate, up) = (
+            random(&[300, 768], dtype, 21)?,
+            random(&[300, 768], dtype, 22)?,
+        );
+        let ours = cuda_kernels::silu_mul(&gate, &up)?;
+        let mlx = ops::gated_activation_as(ops::GatedActivation::Silu, &gate, &up, true)?;
+        let label = format!("silu_mul 300x768 {}", dtype.name());
+        if !close(&label, &ours, &mlx, dtype, 2.0)? {
+            failures.push(label);
+        }
+        // A router's chosen experts' scores: bit-equal to MLX's take_along_axis.
+        let scores = random(&[300, 128], dtype, 23)?;
+        let ids: Vec<u32> = (0..300 * 8)
+            .map(|i| ((i * 37 + i / 8) % 128) as u32)
+            .collect();
+        let ids = Array::from_slice(&ids, &[300, 8])?;
+        let ours = cuda_kernels::take_along_rows(&scores, &ids)?;
+        let mlx = scores.take_along_axis(&ids, -1)?;
+        let (diff, _) = max_abs(&ours, &mlx)?;
+        let label = format!("take_along_rows 300x128 top-8 {}", dtype.name());
+        println!("{label}: max|ours - MLX| {diff:.3e}");
+        if diff != 0.0 {
+            failures.push(label);
         }
     }
     failures.extend(check_heads_rope()?);
@@ -723,7 +754,8 @@ fn check_folds(
         let eps = 1e-5;
         let normed = x.rms_norm(Some(&norm_w), eps)?;
         let halves = gate_up.split_at(&[k], -1)?;
-        let gated = ops::gated_activation(ops::GatedActivation::Silu, &halves[0], &halves[1])?;
+        let silu = ops::GatedActivation::Silu;
+        let gated = ops::gated_activation_as(silu, &halves[0], &halves[1], true)?;
         let rms = cuda_kernels::GemvInput::RmsNorm {
             weight: &norm_w,
             eps,

@@ -21,6 +21,13 @@
 //!   Off by default until measured; `MLXCEL_CUDA_QMV_MMA=1` turns it on ([`gemv`] then takes
 //!   it for plain-input GEMVs, with or without a residual).
 //!
+//! - **rows** (`rows.cu`): small kernels of a prompt's forward pass, shipped compiled where MLX
+//!   would JIT-compile its own on a machine's first request: embedding and MoE row gathers
+//!   ([`take_rows`]), a router's chosen scores ([`take_along_rows`]), SiLU gating
+//!   ([`silu_halves`], [`silu_mul`]); and a prompt's rope into the head layout ([`heads_rope`],
+//!   `MLXCEL_CUDA_PREFILL_ROPE`). `MLXCEL_CUDA_ROWS=0` keeps MLX's. Their CPU tests run them
+//!   thread by thread on the host (`cpp/cuda_emulation.cc`).
+//!
 //! - **selective scan** (`scan.cu`): Mamba-1/Mamba-2's recurrence, one graph node per layer
 //!   instead of the MLX graphs of `mlxcel_arch::nn::ssm` ([`selective_scan`]).
 //!   `MLXCEL_CUDA_SCAN=0` keeps the graphs, `decode` uses it for one-position steps only.
@@ -1015,8 +1022,8 @@ pub fn compile_seconds() -> f64 {
 }
 
 /// The kernels shipped compiled in kernels/prebuilt/ (`cuda_kernels --prebuild DIR` on a GPU
-/// writes them): what the first load and request of a Llama-style model use, 4-bit, 8-bit or
-/// unquantized, with bf16 or f16 activations (measured with `gpu_probe.sh fresh`: the decode
+/// writes them): what the first load and request of a Llama-style model or a Qwen3-style MoE
+/// use, 4-bit, 8-bit or unquantized, with bf16 or f16 activations (measured with `gpu_probe.sh fresh`: the decode
 /// step's module, the prefill's dequantize kernel, the warm-up's RMSNorm-folded GEMV).
 /// Other kernels compile on first use, as do these when their source has changed since.
 fn prebuilt_set() -> Vec<KernelId> {
@@ -2224,8 +2231,10 @@ mod tests {
 
     /// rows.cu's SiLU gating, run on the CPU (cpp/cuda_emulation.cc): `silu_halves` of a fused
     /// `[gate | up]` row and `silu_mul` of separate gate and up arrays, against MLX's unfused
-    /// ops (`sigmoid`, two products), which round to the dtype after each op as the kernels do:
-    /// within one unit in the last place of the output (the exponentials may differ there).
+    /// ops (`sigmoid`, two products), which round to the dtype after each op as the kernels do.
+    /// The exponentials differ in their last bits, which a rounding can carry to a unit or two
+    /// of the output: no output may be further off than that, and in bf16 at least 80% must be
+    /// equal (87.5% measured; 68% with the gate's rounding left out of the kernel).
     #[test]
     fn silu_kernels_match_mlx_on_the_cpu() {
         for dtype in [Dtype::Float32, Dtype::Bfloat16] {
@@ -2236,15 +2245,9 @@ mod tests {
                 parts[0].contiguous().unwrap(),
                 parts[1].contiguous().unwrap(),
             );
-            let want = float_values(
-                &crate::ops::gated_activation_as(
-                    crate::ops::GatedActivation::Silu,
-                    &gate,
-                    &up,
-                    false,
-                )
-                .unwrap(),
-            );
+            let silu = crate::ops::GatedActivation::Silu;
+            let want =
+                float_values(&crate::ops::gated_activation_as(silu, &gate, &up, false).unwrap());
             // SAFETY (both): the pointers hold the inputs' bytes in `dtype`, `out` room for
             // rows x cols outputs.
             let halves = emulated(&[&x], &[rows, cols], dtype, |bf16, inputs, out| unsafe {
@@ -2258,22 +2261,26 @@ mod tests {
                     mlxcel_emulate_silu_mul(bf16, inputs[0], inputs[1], out, rows * cols)
                 },
             );
-            let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-            let ulp = if dtype == Dtype::Bfloat16 {
-                2f32.powi(-8)
+            // Two units in the last place, relative to the value (bf16: 8 bits of precision).
+            let units = if dtype == Dtype::Bfloat16 {
+                2f32.powi(-6)
             } else {
-                2f32.powi(-23)
+                2f32.powi(-21)
             };
             for (what, got) in [("silu_halves", halves), ("silu_mul", mul)] {
-                let worst = float_values(&got)
-                    .iter()
-                    .zip(&want)
-                    .map(|(g, w)| (g - w).abs())
-                    .fold(0.0f32, f32::max);
+                let got = float_values(&got);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= units * w.abs(),
+                        "{what} {} output {i}: kernel {g}, MLX {w}",
+                        dtype.name()
+                    );
+                }
+                let equal = got.iter().zip(&want).filter(|(g, w)| g == w).count();
                 assert!(
-                    worst <= ulp * scale,
-                    "{what} {}: max |kernel - MLX| {worst:e} (scale {scale})",
-                    dtype.name()
+                    dtype != Dtype::Bfloat16 || equal * 5 >= got.len() * 4,
+                    "{what}: {equal} of {} outputs equal MLX's",
+                    got.len()
                 );
             }
         }

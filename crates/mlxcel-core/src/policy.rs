@@ -353,9 +353,9 @@ pub struct RuntimePolicy {
     pub batch_pipeline: bool,
     /// `MLXCEL_CUDA_DEQUANT`: mlxcel's CUDA dequantize kernel for GPU prefill (default on).
     pub cuda_dequant: bool,
-    /// `MLXCEL_CUDA_ROWS`: mlxcel's CUDA kernels for embedding lookups and the prompt's
-    /// `silu(gate) * up` instead of MLX's, which MLX JIT-compiles on a machine's first request
-    /// (default on).
+    /// `MLXCEL_CUDA_ROWS`: mlxcel's CUDA kernels for embedding lookups, a MoE prompt's row
+    /// gathers and router scores, and the prompt's `silu(gate) * up` instead of MLX's, which MLX
+    /// JIT-compiles on a machine's first request (default on).
     pub cuda_rows: bool,
     /// `MLXCEL_CUDA_PREFILL_ROPE`: a prompt's queries, keys and values put into the head layout
     /// with rope applied by one mlxcel CUDA kernel per attention layer
