@@ -49,6 +49,8 @@ NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 # process under `taskset -c <cpu list>` (e.g. one NUMA node's CPUs, for the load's reads).
 one() {
   local model=$1 envs=$2 pin=
+  # The checkpoint read into the page cache first, as gpu_probe.sh does for every process.
+  cat "$models/$model"/*.safetensors > /dev/null 2>&1 || true
   [[ $envs =~ (^|\+)PIN=([^+]*) ]] && pin="taskset -c ${BASH_REMATCH[2]}"
   out=$(env ${envs//+/ } $pin timeout 120 "${BIN:-./mlxcel}" generate --model "$models/$model" --prompt-ids "$ids" \
     --max-new 128 --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>"$OUT/err.txt")

@@ -50,7 +50,10 @@
 #                            plans/{mamba2,jamba}-4bit.json (`cargo xtask synth-plan mamba2
 #                            --bits 4 > .device/run/plans/mamba2-4bit.json`, likewise jamba)
 # Each engine runs once to fill MLX's kernel cache, then RUNS (default 2) measured passes;
-# prompt 512 ids, 128 new tokens, EOS ignored. Every process generates twice (`--repeat 2`):
+# prompt 512 ids, 128 new tokens, EOS ignored. Every process, of either engine, starts with the
+# model's files just read into the page cache (docs/performance.md's Method: load-to-ready is
+# measured from the page cache), so that neither loads from disk what the other's process left
+# in memory, whichever runs first after another shape's processes. Every process generates twice (`--repeat 2`):
 # run 1 pays first-use costs in the process (GPU kernel modules, first touch of the weights),
 # run 2 shows the steady state a server sees.
 set -u
@@ -79,9 +82,12 @@ split_config() {
   ENVS=(); FLAGS=()
   for word in "$@"; do case $word in --*) FLAGS+=("$word") ;; *) ENVS+=("$word") ;; esac; done
 }
+# The model's checkpoint files read into the page cache (outside the processes' measured load).
+warm_cache() { cat "$M"/*.safetensors > /dev/null 2>&1 || true; }
 mlxcel() {  # label, env assignments and --flags...
   local label=$1; shift
   split_config "$@"
+  warm_cache
   echo -n "  mlxcel $label: "
   env "${ENVS[@]}" "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 128 --ignore-eos \
     --stats-json --print-ids --quiet --repeat 2 ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 >/dev/null | python3 -c "$fmt"
@@ -89,6 +95,7 @@ mlxcel() {  # label, env assignments and --flags...
 mlxlm() {  # [label, env assignments and --flags...]
   local label=${1:-}; shift || true
   split_config "$@"
+  warm_cache
   echo -n "  mlx-lm${label:+ $label}: "
   env "${ENVS[@]}" python3 "$here/mlx_lm_bench.py" "$M" --prompt-ids "$ids" --max-new 128 --repeat 2 \
     ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 >/dev/null | python3 -c "$fmt"
