@@ -43,9 +43,10 @@
 #                            and register caps change no arithmetic, so those lines' ids should
 #                            match; warps per block change the order of a block's sums)
 #   gpu_probe.sh fresh       a machine's first process per shape (SHAPES, default the 8B 4-bit and
-#                            bf16 ones): which of mlxcel's CUDA kernels it compiles and how long
-#                            each takes (MLXCEL_KERNEL_LOG), its load and first-request speed;
-#                            then the kernel caches on disk
+#                            bf16 ones; CLEAR=1 deletes every kernel cache first): which of
+#                            mlxcel's CUDA kernels it compiles and how long each takes
+#                            (MLXCEL_KERNEL_LOG), its load and first-request speed, the files in
+#                            MLX's JIT cache; then the kernel caches on disk
 #   gpu_probe.sh ssm         the CPU bench's Mamba-2- and Jamba-shaped 4-bit models, built from
 #                            plans/{mamba2,jamba}-4bit.json (`cargo xtask synth-plan mamba2
 #                            --bits 4 > .device/run/plans/mamba2-4bit.json`, likewise jamba)
@@ -323,10 +324,16 @@ fresh)
   for shape in ${SHAPES:-llama-8b-4bit llama-8b-bf16}; do
     echo "== $shape (first process on this machine)"
     model $shape
+    # CLEAR=1: every kernel cache deleted first (mlxcel's, MLX's JIT, the driver's PTX cache),
+    # as on a machine that never ran either engine.
+    [ "${CLEAR:-0}" = 1 ] && rm -rf "$HOME/.cache/mlxcel/cuda" /tmp/mlx "$HOME/.nv/ComputeCache"
+    warm_cache
     out=$(MLXCEL_KERNEL_LOG=1 "$here/mlxcel" generate --model "$M" --prompt-ids "$ids" --max-new 128 \
       --ignore-eos --stats-json --print-ids --quiet --repeat 2 2>&1 >/dev/null)
     echo "$out" | grep '^\[mlxcel CUDA kernel' || echo "  (no mlxcel kernel compiled)"
     echo -n "  mlxcel: "; echo "$out" | python3 -c "$fmt"
+    echo "  MLX JIT cache: $(find /tmp/mlx -type f 2>/dev/null | wc -l) files"
+    find /tmp/mlx -type f 2>/dev/null | sed 's|.*/||' | head -8 | sed 's/^/    /'
   done
   echo "== kernel caches on disk"
   ls -la "$HOME/.cache/mlxcel/cuda" 2>/dev/null | tail -n +2
