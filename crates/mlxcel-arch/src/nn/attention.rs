@@ -347,13 +347,7 @@ impl Attention {
             traditional,
             cache.offset(),
         )?;
-        let mut parts = all
-            .split_at(&[c.n_heads, c.n_heads + c.n_kv_heads], 1)?
-            .into_iter();
-        match (parts.next(), parts.next(), parts.next()) {
-            (Some(q), Some(k), Some(v)) => Ok(Some((q, k, v))),
-            _ => unreachable!("a split at two indices has three parts"),
-        }
+        Ok(Some(split_heads(&all, c.n_heads, c.n_kv_heads)?))
     }
 
     /// Queries, keys and values of `x` `[B, L, hidden]` as `[B, heads, L, head_dim]`, with
@@ -389,13 +383,7 @@ impl Attention {
                     &qkv.forward_fused(x, input, None)?,
                     c.n_heads + 2 * c.n_kv_heads,
                 )?;
-                // One split node rather than three slices.
-                let (nq, nk) = (c.n_heads, c.n_kv_heads);
-                let mut parts = all.split_at(&[nq, nq + nk], 1)?.into_iter();
-                match (parts.next(), parts.next(), parts.next()) {
-                    (Some(q), Some(k), Some(v)) => Ok((q, k, v)),
-                    _ => unreachable!("a split at two indices has three parts"),
-                }
+                split_heads(&all, c.n_heads, c.n_kv_heads)
             }
             _ => {
                 let (mut q, mut k, v) = match &self.qkv {
@@ -431,6 +419,16 @@ impl Attention {
                 ))
             }
         }
+    }
+}
+
+/// Queries, keys and values of `all` `[B, nq + 2 * nk, L, D]` (heads of a fused projection),
+/// as one split node rather than three slices.
+fn split_heads(all: &Array, nq: i32, nk: i32) -> Result<(Array, Array, Array)> {
+    let mut parts = all.split_at(&[nq, nq + nk], 1)?.into_iter();
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(q), Some(k), Some(v)) => Ok((q, k, v)),
+        _ => unreachable!("a split at two indices has three parts"),
     }
 }
 
