@@ -359,14 +359,15 @@ fn moe_prefill_on_qmm_gather_matches_the_dequantized_path() {
 /// The prompt-side variants that are off by default, each against the path it replaces:
 /// mlxcel's `heads_rope` kernel (`MLXCEL_CUDA_PREFILL_ROPE`: the fused projection put into
 /// heads with queries and keys rotated, one launch per layer) against MLX's rope on each
-/// operand, and the residual adds folded into the dequantized GEMMs
-/// (`MLXCEL_PREFILL_FOLD_RESIDUAL`: cuBLAS's epilogue) against separate adds. A 300-position
+/// operand, the residual adds folded into the dequantized GEMMs
+/// (`MLXCEL_PREFILL_FOLD_RESIDUAL`: cuBLAS's epilogue) against separate adds, and the MoE
+/// router as one kernel (`MLXCEL_CUDA_ROUTER`) against MLX's graph of it. A 300-position
 /// prompt prefilled in chunks of 128 (rotations from positions 0, 128 and 256, the caches
 /// growing under them), then 8 decode steps on the CUDA step, which read the keys and values
 /// the prefill wrote. Each variant's greedy ids must be the default path's and its logits as
 /// close to the float32 replay on MLX's CPU, plus the dtype's slack. Llama-style attention
-/// (quantized, dense, MoE), q/k/v biases (qwen2), and per-head q/k norms (qwen3, which the rope
-/// kernel does not take: it must come out unchanged).
+/// (quantized, dense, MoE), q/k/v biases (qwen2), routed experts (mixtral, qwen3_moe), and
+/// per-head q/k norms (qwen3, which the rope kernel does not take: it must come out unchanged).
 #[test]
 #[ignore = "needs MLX's CUDA backend and a GPU (xtask/bench/gpu_ab.sh prefill)"]
 fn prefill_variants_match_the_default_path() {
@@ -374,9 +375,10 @@ fn prefill_variants_match_the_default_path() {
     let tokens = prompt(300, 500);
     let mut failures = Vec::new();
     type Variant = fn(&mut RuntimePolicy);
-    let variants: [(&str, Variant); 2] = [
+    let variants: [(&str, Variant); 3] = [
         ("heads_rope", |p| p.cuda_prefill_rope = true),
         ("folded residual", |p| p.prefill_fold_residual = true),
+        ("router kernel", |p| p.cuda_router = true),
     ];
     for dtype in [Dtype::Float16, Dtype::Bfloat16] {
         for name in [
@@ -384,6 +386,7 @@ fn prefill_variants_match_the_default_path() {
             "llama",
             "qwen2",
             "mixtral-affine4-g32",
+            "qwen3_moe-affine4-g64",
             "qwen3",
         ] {
             let dir = model_dir(name);

@@ -36,7 +36,13 @@ inline unsigned __float_as_uint(float f) {
   std::memcpy(&u, &f, sizeof u);
   return u;
 }
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+}
 using ::expf;
+using ::fmaxf;
 using ::sincosf;
 
 // As prelude.cuh and qmv_header.cuh define them for the GPU (round to nearest even).
@@ -141,6 +147,20 @@ extern "C" void mlxcel_emulate_take_along_rows(int bf16, const void* values,
     launch((long long)rows * k, [&] {
       take_along_rows<T>(static_cast<const T*>(values), ids, static_cast<T*>(out), rows, cols,
                          k);
+    });
+  });
+}
+
+extern "C" void mlxcel_emulate_route_topk(int bf16, const float* logits, const float* bias,
+                                          std::uint32_t* ids, void* weights, int rows,
+                                          int experts, int k, int scoring, int has_bias,
+                                          int normalize, float scale) {
+  using namespace mlxcel_emulated;
+  with_type(bf16, [&](auto like) {
+    using T = decltype(like);
+    launch(rows, [&] {
+      route_topk<T>(logits, bias, ids, static_cast<T*>(weights), rows, experts, k, scoring,
+                    has_bias, normalize, scale);
     });
   });
 }

@@ -567,6 +567,64 @@ fn check_rows() -> R<Vec<String>> {
         }
     }
     failures.extend(check_heads_rope()?);
+    failures.extend(check_route()?);
+    Ok(failures)
+}
+
+/// rows.cu's `route_topk` against MLX's ops for the same router (on the GPU MLX's argsort is a
+/// stable full sort, so the top k come in descending order, ties to the lower expert, as the
+/// kernel gives them): ids equal, weights within float32 rounding of the output dtype.
+fn check_route() -> R<Vec<String>> {
+    let mut failures = Vec::new();
+    let (rows, experts, k) = (300, 128, 8);
+    let logits = random(&[rows, experts], Dtype::Float32, 31)?.mul_scalar(4.0)?;
+    let bias = random(&[experts], Dtype::Float32, 32)?.mul_scalar(0.05)?;
+    for (sigmoid, with_bias, normalize, scale) in [
+        (false, false, true, 1.0f32),
+        (false, false, false, 2.5),
+        (true, true, true, 1.0),
+    ] {
+        for dtype in [Dtype::Bfloat16, Dtype::Float32] {
+            let spec = cuda_kernels::RouteSpec {
+                top_k: k,
+                sigmoid,
+                normalize,
+                scale,
+            };
+            let (ids, weights) =
+                cuda_kernels::route_topk(&logits, with_bias.then_some(&bias), spec, dtype)?;
+            let scores = if sigmoid {
+                logits.sigmoid()?
+            } else {
+                logits.softmax(&[-1], true)?
+            };
+            let choice = if with_bias {
+                scores.add(&bias)?
+            } else {
+                scores.clone()
+            };
+            let want_ids = choice.negative()?.argsort(-1)?.slice_axis(-1, 0, k)?;
+            let mut want = scores.take_along_axis(&want_ids, -1)?;
+            if normalize {
+                let sum = want.sum(&[-1], true)?;
+                want = want.divide(&if sigmoid { sum.add_scalar(1e-20)? } else { sum })?;
+            }
+            let want = want.mul_scalar(scale as f64)?.astype(dtype)?;
+            let label = format!(
+                "route_topk {rows}x{experts} top-{k} sigmoid {sigmoid} bias {with_bias} \
+                 normalize {normalize} scale {scale} {}",
+                dtype.name()
+            );
+            let same_ids =
+                ids.to_vec::<u32>()? == want_ids.astype(Dtype::Uint32)?.to_vec::<u32>()?;
+            if !same_ids {
+                println!("{label}: ids DIFFER");
+            }
+            if !same_ids || !close(&label, &weights, &want, dtype, 2.0)? {
+                failures.push(label);
+            }
+        }
+    }
     Ok(failures)
 }
 

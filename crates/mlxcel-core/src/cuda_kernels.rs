@@ -216,6 +216,10 @@ enum KernelId {
     TakeAlongRows {
         dtype: Dtype,
     },
+    /// rows.cu's `route_topk` with weights in `dtype`.
+    RouteTopk {
+        dtype: Dtype,
+    },
 }
 
 /// Which neighbouring ops a GEMV kernel folds in (`PRE` and `RES` of qmv.cu).
@@ -261,6 +265,7 @@ impl KernelId {
             KernelId::HeadsRope { dtype } => rows_entry("heads_rope", dtype),
             KernelId::SiluMul { dtype } => rows_entry("silu_mul", dtype),
             KernelId::TakeAlongRows { dtype } => rows_entry("take_along_rows", dtype),
+            KernelId::RouteTopk { dtype } => rows_entry("route_topk", dtype),
         }
     }
 }
@@ -319,6 +324,13 @@ fn rows_entry(kernel: &str, dtype: Dtype) -> Entry {
             "extern \"C\" __global__ void {name}(const {t}* values, const uint32_t* ids, \
              {t}* out, int rows, int cols, int k) {{ \
              take_along_rows<{t}>(values, ids, out, rows, cols, k); }}\n"
+        ),
+        "route_topk" => format!(
+            "extern \"C\" __global__ void {name}(const float* logits, const float* bias, \
+             uint32_t* ids, {t}* weights, int rows, int experts, int k, int scoring, \
+             int has_bias, int normalize, int scale_bits) {{ \
+             route_topk<{t}>(logits, bias, ids, weights, rows, experts, k, scoring, has_bias, \
+             normalize, __int_as_float(scale_bits)); }}\n"
         ),
         other => unreachable!("rows.cu has no kernel `{other}`"),
     };
@@ -478,6 +490,88 @@ pub fn take_along_rows(values: &Array, ids: &Array) -> Result<Array> {
         rows_grid(rows as i64 * k as i64),
         [ROWS_THREADS, 1, 1],
     )
+}
+
+/// The most experts a token may choose in [`route_topk`] (`ROUTE_MAX_K` of rows.cu).
+pub const ROUTE_MAX_K: i32 = 16;
+
+/// How [`route_topk`] scores and weighs a router's experts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouteSpec {
+    /// Experts chosen per token (at most [`ROUTE_MAX_K`]).
+    pub top_k: i32,
+    /// Sigmoid scores instead of a softmax over the experts.
+    pub sigmoid: bool,
+    /// Weights divided by their sum.
+    pub normalize: bool,
+    /// Weights multiplied by this at the end.
+    pub scale: f32,
+}
+
+/// Whether [`route_topk`] takes a router's `logits` `[tokens, experts]`: on a GPU with
+/// `MLXCEL_CUDA_ROUTER=1` (off by default until measured), float32 logits, and `top_k` from 1
+/// to [`ROUTE_MAX_K`] and at most the experts.
+pub fn route_topk_applies(logits: &Array, top_k: i32) -> Result<bool> {
+    if !crate::policy::with(|p| p.cuda_router) || !on_gpu()? || logits.ndim() != 2 {
+        return Ok(false);
+    }
+    Ok(logits.dtype()? == Dtype::Float32
+        && (1..=ROUTE_MAX_K.min(logits.dim(1)?)).contains(&top_k)
+        && (logits.size() as i64) < i32::MAX as i64)
+}
+
+/// A MoE router's choice as one mlxcel kernel (rows.cu's `route_topk`, see
+/// [`route_topk_applies`]): for `logits` `[tokens, experts]` (float32), the experts' scores
+/// (softmax, or sigmoid per `spec`), the `top_k` largest of scores + `bias` (`[experts]`
+/// float32, a correction some routers add for the choice only) in descending order, ties to
+/// the lower expert, and their scores as weights (normalized and scaled per `spec`) in
+/// `dtype`: (ids `[tokens, k]` uint32, weights `[tokens, k]`). MLX's graph of the same is a
+/// softmax, a sort of every row, a gather, a sum, a division and casts.
+pub fn route_topk(
+    logits: &Array,
+    bias: Option<&Array>,
+    spec: RouteSpec,
+    dtype: Dtype,
+) -> Result<(Array, Array)> {
+    let (rows, experts) = (logits.dim(0)?, logits.dim(1)?);
+    let k = spec.top_k;
+    if let Some(b) = bias {
+        if b.dtype()? != Dtype::Float32 || b.size() != experts as usize {
+            return Err(Error::Invalid(format!(
+                "route_topk: the bias must be float32 [{experts}], got {} {:?}",
+                b.dtype()?.name(),
+                b.shape()
+            )));
+        }
+    }
+    if !SILU_HALVES_DTYPES.contains(&dtype) {
+        return Err(Error::Invalid(format!(
+            "route_topk: weights in {} (a float dtype expected)",
+            dtype.name()
+        )));
+    }
+    // Without a bias the kernel never reads its bias argument: the logits stand in for it.
+    let has_bias = bias.is_some();
+    let bias = bias.unwrap_or(logits).reshape(&[-1])?;
+    let mut outputs = call_outputs(
+        KernelId::RouteTopk { dtype },
+        &[logits.clone(), bias],
+        &[(vec![rows, k], Dtype::Uint32), (vec![rows, k], dtype)],
+        &[
+            rows,
+            experts,
+            k,
+            i32::from(spec.sigmoid),
+            i32::from(has_bias),
+            i32::from(spec.normalize),
+            spec.scale.to_bits() as i32,
+        ],
+        rows_grid(rows as i64),
+        [ROWS_THREADS, 1, 1],
+    )?;
+    let weights = outputs.pop().expect("two outputs");
+    let ids = outputs.pop().expect("two outputs");
+    Ok((ids, weights))
 }
 
 /// Whether [`heads_rope`] takes a prompt's `[B, L, heads, head_dim]` projection of `elements`
@@ -971,6 +1065,7 @@ pub fn module_source() -> String {
         src += &rows_entry("heads_rope", dtype).wrapper;
         src += &rows_entry("silu_mul", dtype).wrapper;
         src += &rows_entry("take_along_rows", dtype).wrapper;
+        src += &rows_entry("route_topk", dtype).wrapper;
     }
     for dtype in QMV_MMA_DTYPES {
         for shape in QMV_MMA_SHAPES {
@@ -1083,8 +1178,10 @@ fn prebuilt_set() -> Vec<KernelId> {
         ids.push(KernelId::SiluHalves { dtype });
         ids.push(KernelId::TakeRows { dtype });
         ids.push(KernelId::HeadsRope { dtype });
-        // A MoE prompt's SiLU gating of separate expert projections.
+        // A MoE prompt's SiLU gating of separate expert projections, and its router as one
+        // kernel (MLXCEL_CUDA_ROUTER).
         ids.push(KernelId::SiluMul { dtype });
+        ids.push(KernelId::RouteTopk { dtype });
         // MoE prefill's routed-expert product (4-bit experts).
         ids.push(KernelId::QmmGather {
             dtype,
@@ -1231,20 +1328,38 @@ fn call(
     grid: [i32; 3],
     threadgroup: [i32; 3],
 ) -> Result<Array> {
+    let mut outputs = call_outputs(id, inputs, &[(shape, dtype)], scalars, grid, threadgroup)?;
+    Ok(outputs.remove(0))
+}
+
+/// [`call`] of a kernel with several outputs (`(shape, dtype)` each, in its argument order).
+fn call_outputs(
+    id: KernelId,
+    inputs: &[Array],
+    outputs: &[(Vec<i32>, Dtype)],
+    scalars: &[i32],
+    grid: [i32; 3],
+    threadgroup: [i32; 3],
+) -> Result<Vec<Array>> {
     let binary = binary(id)?;
     let list = ArrayList::new(inputs)?;
-    let ndims = [shape.len() as i32];
+    let shapes: Vec<i32> = outputs
+        .iter()
+        .flat_map(|(s, _)| s.iter().copied())
+        .collect();
+    let ndims: Vec<i32> = outputs.iter().map(|(s, _)| s.len() as i32).collect();
+    let dtypes: Vec<Dtype> = outputs.iter().map(|(_, d)| *d).collect();
     let out = bridge::cuda_binary_call(
         binary,
         list.as_ref(),
-        &shape,
+        &shapes,
         &ndims,
-        &[dtype],
+        &dtypes,
         scalars,
         &grid,
         &threadgroup,
     )?;
-    Ok(ArrayList::from_raw(out).into_vec()?.remove(0))
+    ArrayList::from_raw(out).into_vec()
 }
 
 /// Affine 4/8-bit, group size 32/64/128, a 2-D uint32 matrix with a multiple of 32 elements
@@ -2167,6 +2282,20 @@ mod tests {
             out: *mut std::ffi::c_void,
             n: i32,
         );
+        fn mlxcel_emulate_route_topk(
+            bf16: i32,
+            logits: *const f32,
+            bias: *const f32,
+            ids: *mut u32,
+            weights: *mut std::ffi::c_void,
+            rows: i32,
+            experts: i32,
+            k: i32,
+            scoring: i32,
+            has_bias: i32,
+            normalize: i32,
+            scale: f32,
+        );
         fn mlxcel_emulate_take_along_rows(
             bf16: i32,
             values: *const std::ffi::c_void,
@@ -2447,6 +2576,98 @@ mod tests {
                     dtype.name(),
                     (b, l, nq, nk, d, dims, traditional, offset)
                 );
+            }
+        }
+    }
+
+    /// rows.cu's `route_topk`, run on the CPU, against a float64 reference of a router written
+    /// out here: softmax or sigmoid scores, an optional correction bias for the choice, the
+    /// top k in descending order with ties to the lower expert (rows with exact ties included),
+    /// weights normalized or not and scaled. Ids must be the reference's exactly, weights
+    /// within float32 rounding (bf16: one unit in the last place).
+    #[test]
+    fn route_topk_kernel_matches_a_reference_router_on_the_cpu() {
+        let (rows, experts, k) = (9usize, 64usize, 8usize);
+        let mut logits: Vec<f32> = float_values(&uniform_array(
+            &[rows as i32, experts as i32],
+            4.0,
+            Dtype::Float32,
+            3,
+        ));
+        // Row 0: ten experts tied at the top, eight of which make the cut.
+        for e in [5, 9, 17, 40, 63, 2, 30, 50, 11, 44] {
+            logits[e] = 3.5;
+        }
+        let bias: Vec<f32> = (0..experts).map(|e| (e % 7) as f32 * 0.01).collect();
+        for (sigmoid, with_bias, normalize, scale) in [
+            (false, false, true, 1.0f32),
+            (false, false, false, 2.5),
+            (true, true, true, 1.0),
+            (true, false, false, 1.0),
+        ] {
+            for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                let mut ids = vec![0u32; rows * k];
+                let mut weights = vec![0u8; rows * k * dtype.size_of()];
+                // SAFETY: logits [rows, experts], bias [experts], ids and weights [rows, k].
+                unsafe {
+                    mlxcel_emulate_route_topk(
+                        i32::from(dtype == Dtype::Bfloat16),
+                        logits.as_ptr(),
+                        bias.as_ptr(),
+                        ids.as_mut_ptr(),
+                        weights.as_mut_ptr().cast(),
+                        rows as i32,
+                        experts as i32,
+                        k as i32,
+                        i32::from(sigmoid),
+                        i32::from(with_bias),
+                        i32::from(normalize),
+                        scale,
+                    );
+                }
+                let weights = float_values(
+                    &Array::from_bytes(&weights, &[(rows * k) as i32], dtype).unwrap(),
+                );
+                let case = format!(
+                    "sigmoid {sigmoid} bias {with_bias} normalize {normalize} scale {scale} {}",
+                    dtype.name()
+                );
+                for r in 0..rows {
+                    let x = &logits[r * experts..(r + 1) * experts];
+                    let top = x.iter().fold(f64::MIN, |m, &v| m.max(v as f64));
+                    let total: f64 = x.iter().map(|&v| (v as f64 - top).exp()).sum();
+                    let score = |e: usize| {
+                        if sigmoid {
+                            1.0 / (1.0 + (-(x[e] as f64)).exp())
+                        } else {
+                            (x[e] as f64 - top).exp() / total
+                        }
+                    };
+                    let choice = |e: usize| score(e) + if with_bias { bias[e] as f64 } else { 0.0 };
+                    let mut order: Vec<usize> = (0..experts).collect();
+                    // Stable: equal choices keep the lower expert first.
+                    order.sort_by(|&a, &b| choice(b).total_cmp(&choice(a)));
+                    let want: Vec<u32> = order[..k].iter().map(|&e| e as u32).collect();
+                    assert_eq!(&ids[r * k..(r + 1) * k], want.as_slice(), "{case} row {r}");
+                    let sum: f64 = order[..k].iter().map(|&e| score(e)).sum();
+                    for (j, &e) in order[..k].iter().enumerate() {
+                        let mut w = score(e);
+                        if normalize {
+                            w /= if sigmoid { sum + 1e-20 } else { sum };
+                        }
+                        let w = w * scale as f64;
+                        let got = weights[r * k + j] as f64;
+                        let allowed = if dtype == Dtype::Bfloat16 {
+                            2f64.powi(-8)
+                        } else {
+                            1e-6
+                        };
+                        assert!(
+                            (got - w).abs() <= allowed * w.abs().max(1e-3),
+                            "{case} row {r} weight {j}: kernel {got}, reference {w}"
+                        );
+                    }
+                }
             }
         }
     }

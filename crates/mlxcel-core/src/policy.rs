@@ -362,6 +362,10 @@ pub struct RuntimePolicy {
     /// ([`crate::cuda_kernels::heads_rope`]) instead of MLX's rope on each operand (default off
     /// until measured on a GPU).
     pub cuda_prefill_rope: bool,
+    /// `MLXCEL_CUDA_ROUTER`: a MoE router's softmax or sigmoid, top-k choice and weights as one
+    /// mlxcel CUDA kernel ([`crate::cuda_kernels::route_topk`]) where the MLX graph sorts
+    /// every token's scores (default off until measured on a GPU).
+    pub cuda_router: bool,
     /// `MLXCEL_FUSE_PROJECTIONS`: fuse q/k/v and gate/up projections at load. `None`: on for a
     /// GPU, off on the CPU.
     pub fuse_projections: Option<bool>,
@@ -502,6 +506,7 @@ impl RuntimePolicy {
         cuda_dequant: true,
         cuda_rows: true,
         cuda_prefill_rope: false,
+        cuda_router: false,
         fuse_projections: None,
         surgery: None,
         embed_pad_to: None,
@@ -509,7 +514,7 @@ impl RuntimePolicy {
     };
 
     /// Every runtime variable this policy reads.
-    pub const VARIABLES: [&'static str; 46] = [
+    pub const VARIABLES: [&'static str; 47] = [
         "MLXCEL_WEIGHT_MATERIALIZATION",
         "MLXCEL_EXPERT_STREAM",
         "MLXCEL_EXPERT_ARENA_BYTES",
@@ -552,6 +557,7 @@ impl RuntimePolicy {
         "MLXCEL_CUDA_DEQUANT",
         "MLXCEL_CUDA_ROWS",
         "MLXCEL_CUDA_PREFILL_ROPE",
+        "MLXCEL_CUDA_ROUTER",
         "MLXCEL_FUSE_PROJECTIONS",
         "MLXCEL_SURGERY",
         "MLXCEL_EMBED_PAD_TO",
@@ -788,6 +794,9 @@ impl RuntimePolicy {
         }
         if let Some(v) = get("MLXCEL_CUDA_PREFILL_ROPE") {
             p.cuda_prefill_rope = v.switch()?;
+        }
+        if let Some(v) = get("MLXCEL_CUDA_ROUTER") {
+            p.cuda_router = v.switch()?;
         }
         if let Some(v) = get("MLXCEL_CUDA_SCAN") {
             p.cuda_scan = match v.word().as_str() {
@@ -1083,7 +1092,7 @@ mod tests {
     #[test]
     fn switches() {
         type Get = fn(&RuntimePolicy) -> Option<bool>;
-        let cases: [(&str, Get); 16] = [
+        let cases: [(&str, Get); 17] = [
             ("MLXCEL_WARM_UP", |p| p.warm_up),
             ("MLXCEL_CPU_KERNELS", |p| Some(p.cpu_kernels)),
             ("MLXCEL_CPU_DECODE", |p| Some(p.cpu_decode)),
@@ -1100,6 +1109,7 @@ mod tests {
             ("MLXCEL_CUDA_DEQUANT", |p| Some(p.cuda_dequant)),
             ("MLXCEL_CUDA_ROWS", |p| Some(p.cuda_rows)),
             ("MLXCEL_CUDA_PREFILL_ROPE", |p| Some(p.cuda_prefill_rope)),
+            ("MLXCEL_CUDA_ROUTER", |p| Some(p.cuda_router)),
             ("MLXCEL_PREFILL_FOLD_RESIDUAL", |p| {
                 Some(p.prefill_fold_residual)
             }),

@@ -79,6 +79,9 @@ impl Router {
     /// `x` `[T, D]` → (expert ids `[T, k]` uint32, weights `[T, k]` in x's dtype).
     pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
         let logits = self.gate.forward(x)?.astype(Dtype::Float32)?;
+        if let Some(routed) = self.route_on_kernel(&logits, x.dtype()?)? {
+            return Ok(routed);
+        }
         let scores = match self.scoring {
             RouterScoring::Softmax => logits.softmax(&[-1], true)?,
             RouterScoring::Sigmoid => logits.sigmoid()?,
@@ -109,6 +112,30 @@ impl Router {
             weights = weights.mul_scalar(self.weight_scale as f64)?;
         }
         Ok((ids.astype(Dtype::Uint32)?, weights.astype(x.dtype()?)?))
+    }
+}
+
+impl Router {
+    /// [`Router::route`]'s choice from float32 `logits` as one mlxcel CUDA kernel
+    /// (`cuda_kernels::route_topk`, `MLXCEL_CUDA_ROUTER`): the same scores, choice and weights
+    /// without MLX's sort of every token's scores. `None` where it does not apply (group-limited
+    /// routers, more than 16 experts a token, not on a GPU).
+    fn route_on_kernel(&self, logits: &Array, dtype: Dtype) -> Result<Option<(Array, Array)>> {
+        use mlxcel_core::cuda_kernels::{route_topk, route_topk_applies, RouteSpec};
+        if self.group_limit.is_some() || !route_topk_applies(logits, self.top_k)? {
+            return Ok(None);
+        }
+        let spec = RouteSpec {
+            top_k: self.top_k,
+            sigmoid: self.scoring == RouterScoring::Sigmoid,
+            normalize: self.normalize,
+            scale: self.weight_scale,
+        };
+        let bias = match &self.correction_bias {
+            Some(b) => Some(b.astype(Dtype::Float32)?.reshape(&[-1])?),
+            None => None,
+        };
+        Ok(Some(route_topk(logits, bias.as_ref(), spec, dtype)?))
     }
 }
 

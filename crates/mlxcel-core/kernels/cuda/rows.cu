@@ -12,6 +12,12 @@
 //              projections: routed experts), rounded as silu_halves
 // take_along_rows: out[r, j] = values[r, ids[r, j]]            values T [rows, cols], ids uint32
 //              [rows, k] (a router's chosen experts' scores; ids clamped to the row)
+// route_topk:  a MoE router's choice for each row of logits float [rows, experts], one thread
+//              a row: scores = softmax (scoring 0) or sigmoid (1) of the row; the k largest
+//              of scores + bias (float [experts], when has_bias) in descending order, ties to
+//              the lower expert (MLX's stable argsort of the negated choices), as ids uint32
+//              [rows, k]; their scores, divided by their sum when normalize (plus 1e-20 for
+//              sigmoid), times scale, as weights T [rows, k]. k <= ROUTE_MAX_K.
 // heads_rope:  out[b, h, l, :] = rope(qkv[b, l, h, :], offset + l)   for heads h < rope_heads
 //              out[b, h, l, :] = qkv[b, l, h, :]                     for the others
 //              qkv T [batch, len, heads, head_dim] (a fused q|k|v projection's output),
@@ -113,4 +119,56 @@ __device__ __forceinline__ void heads_rope(const T* qkv, const float* inv_freq, 
   const float a = qmv_to_float(src[i0]);
   const float c = qmv_to_float(src[i1]);
   qmv_store(out + i, first ? a * cs - c * sn : c * cs + a * sn);
+}
+
+constexpr int ROUTE_MAX_K = 16;
+
+template <typename T>
+__device__ __forceinline__ void route_topk(const float* logits, const float* bias, uint32_t* ids,
+                                           T* weights, int rows, int experts, int k, int scoring,
+                                           int has_bias, int normalize, float scale) {
+  const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) {
+    return;
+  }
+  const float* x = logits + r * experts;
+  float top = -3.402823466e38f, total = 0.0f;
+  if (scoring == 0) {
+    for (int e = 0; e < experts; ++e) {
+      top = fmaxf(top, x[e]);
+    }
+    for (int e = 0; e < experts; ++e) {
+      total += expf(x[e] - top);
+    }
+  }
+  float best[ROUTE_MAX_K];
+  int chosen[ROUTE_MAX_K];
+  int count = 0;
+  for (int e = 0; e < experts; ++e) {
+    const float score = scoring == 0 ? expf(x[e] - top) / total : 1.0f / (1.0f + expf(-x[e]));
+    const float choice = has_bias ? score + bias[e] : score;
+    if (count == k && !(choice > best[k - 1])) {
+      continue;  // not above the k-th: an equal choice keeps the earlier expert
+    }
+    int at = count < k ? count++ : k - 1;
+    while (at > 0 && choice > best[at - 1]) {
+      best[at] = best[at - 1];
+      chosen[at] = chosen[at - 1];
+      --at;
+    }
+    best[at] = choice;
+    chosen[at] = e;
+  }
+  float picked[ROUTE_MAX_K], sum = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    const int e = chosen[j];
+    picked[j] = scoring == 0 ? expf(x[e] - top) / total : 1.0f / (1.0f + expf(-x[e]));
+    sum += picked[j];
+  }
+  const float denominator = scoring == 0 ? sum : sum + 1e-20f;
+  for (int j = 0; j < k; ++j) {
+    ids[r * k + j] = (uint32_t)chosen[j];
+    const float w = normalize ? picked[j] / denominator : picked[j];
+    qmv_store(weights + r * k + j, w * scale);
+  }
 }
