@@ -19,7 +19,8 @@ namespace mlxcel_emulated {
 struct Dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
-Dim3 blockIdx, blockDim, threadIdx;
+// Per test thread: tests run emulated kernels in parallel.
+thread_local Dim3 blockIdx, blockDim, threadIdx;
 
 struct mlxcel_bf16 {
   unsigned short bits;

@@ -2532,34 +2532,27 @@ mod tests {
                 .unwrap()
                 .to_vec::<f32>()
                 .unwrap();
-                let input = qkv.contiguous().unwrap();
-                input.eval().unwrap();
-                let bytes = input.to_bytes().unwrap();
-                let mut out = vec![0u8; bytes.len()];
-                // SAFETY: `bytes` holds the [b, l, heads, d] input and `out` room for the
-                // [b, heads, l, d] output, both of `dtype`; `inv_freq` has rot_half entries.
-                unsafe {
-                    mlxcel_emulate_heads_rope(
-                        i32::from(dtype == Dtype::Bfloat16),
-                        bytes.as_ptr().cast(),
-                        inv_freq.as_ptr(),
-                        out.as_mut_ptr().cast(),
-                        b,
-                        l,
-                        heads,
-                        d,
-                        nq + nk,
-                        rot_half,
-                        i32::from(traditional),
-                        offset,
-                    );
-                }
-                let got = Array::from_bytes(&out, &[b, heads, l, d], dtype)
-                    .unwrap()
-                    .astype(Dtype::Float32)
-                    .unwrap()
-                    .to_vec::<f32>()
-                    .unwrap();
+                let got = emulated(&[&qkv], &[b, heads, l, d], dtype, |bf16, inputs, out| {
+                    // SAFETY: the [b, l, heads, d] input's bytes, room for the [b, heads, l, d]
+                    // output, both of `dtype`; `inv_freq` has rot_half entries.
+                    unsafe {
+                        mlxcel_emulate_heads_rope(
+                            bf16,
+                            inputs[0],
+                            inv_freq.as_ptr(),
+                            out,
+                            b,
+                            l,
+                            heads,
+                            d,
+                            nq + nk,
+                            rot_half,
+                            i32::from(traditional),
+                            offset,
+                        )
+                    }
+                });
+                let got = float_values(&got);
                 // A bf16 unit in the last place below 4 is 2^-6; float32's, 2^-21.
                 let tolerance = match dtype {
                     Dtype::Bfloat16 => 2f32.powi(-6),
