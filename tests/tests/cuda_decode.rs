@@ -367,7 +367,7 @@ fn moe_prefill_on_qmm_gather_matches_the_dequantized_path() {
 /// the prefill wrote. Each variant's greedy ids must be the default path's and its logits as
 /// close to the float32 replay on MLX's CPU, plus the dtype's slack. Llama-style attention
 /// (quantized, dense, MoE), q/k/v biases (qwen2), routed experts (mixtral, qwen3_moe), and
-/// per-head q/k norms (qwen3, which the rope kernel does not take: it must come out unchanged).
+/// per-head q/k norms before the rope (qwen3, qwen3_moe: `heads_norm_rope`).
 #[test]
 #[ignore = "needs MLX's CUDA backend and a GPU (xtask/bench/gpu_ab.sh prefill)"]
 fn prefill_variants_match_the_default_path() {

@@ -42,7 +42,9 @@ inline float __int_as_float(int i) {
   std::memcpy(&f, &i, sizeof f);
   return f;
 }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using ::expf;
+using ::fmaf;
 using ::fmaxf;
 using ::sincosf;
 
@@ -162,6 +164,24 @@ extern "C" void mlxcel_emulate_route_topk(int bf16, const float* logits, const f
     launch(rows, [&] {
       route_topk<T>(logits, bias, ids, static_cast<T*>(weights), rows, experts, k, scoring,
                     has_bias, normalize, scale);
+    });
+  });
+}
+
+extern "C" void mlxcel_emulate_heads_norm_rope(int bf16, const void* qkv, const void* q_norm,
+                                               const void* k_norm, const float* inv_freq,
+                                               void* out, int batch, int len, int heads,
+                                               int head_dim, int n_q, int rope_heads,
+                                               int rot_half, int traditional, int offset,
+                                               float eps) {
+  using namespace mlxcel_emulated;
+  with_type(bf16, [&](auto like) {
+    using T = decltype(like);
+    launch((long long)batch * heads * len, [&] {
+      heads_norm_rope<T>(static_cast<const T*>(qkv), static_cast<const T*>(q_norm),
+                         static_cast<const T*>(k_norm), inv_freq, static_cast<T*>(out), batch,
+                         len, heads, head_dim, n_q, rope_heads, rot_half, traditional, offset,
+                         eps);
     });
   });
 }

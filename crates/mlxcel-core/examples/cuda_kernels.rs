@@ -682,7 +682,45 @@ fn check_heads_rope() -> R<Vec<String>> {
             let heads = nq + 2 * nk;
             let qkv = random(&[b, l, heads, d], dtype, (l * d) as u64)?;
             let (periods, inv) = rope_periods(rot_half)?;
-            let ours = cuda_kernels::heads_rope(&qkv, &inv, nq + nk, traditional, offset as usize)?;
+            let spec = cuda_kernels::HeadsRope {
+                inv_freq: &inv,
+                traditional,
+                query_heads: nq,
+                kv_heads: nk,
+                norms: None,
+            };
+            let ours = cuda_kernels::heads_rope(&qkv, &spec, offset as usize)?;
+            // With Qwen3's per-head q/k RMSNorms first (heads_norm_rope): MLX's rms_norm on each
+            // operand, then the same rope.
+            let (q_norm, k_norm) = (
+                random(&[d], dtype, 41)?.add_scalar(1.0)?,
+                random(&[d], dtype, 42)?.add_scalar(1.0)?,
+            );
+            let normed_spec = cuda_kernels::HeadsRope {
+                norms: Some((&q_norm, &k_norm, 1e-6)),
+                ..spec
+            };
+            let ours_normed = cuda_kernels::heads_rope(&qkv, &normed_spec, offset as usize)?;
+            let parts = qkv.transpose(&[0, 2, 1, 3])?.split_at(&[nq, nq + nk], 1)?;
+            let normed = ops::concatenate(
+                &[
+                    parts[0].rms_norm(Some(&q_norm), 1e-6)?,
+                    parts[1].rms_norm(Some(&k_norm), 1e-6)?,
+                    parts[2].clone(),
+                ],
+                1,
+            )?
+            .transpose(&[0, 2, 1, 3])?;
+            let mlx_normed = mlx_heads_rope(&normed, &periods, (nq, nk), traditional, offset)?;
+            let label_normed = format!(
+                "heads_norm_rope {b}x{l}x{heads}x{d} from {offset} {}",
+                dtype.name()
+            );
+            if ours_normed.shape() != mlx_normed.shape()
+                || !close(&label_normed, &ours_normed, &mlx_normed, dtype, 2.0)?
+            {
+                failures.push(label_normed);
+            }
             let mlx = mlx_heads_rope(&qkv, &periods, (nq, nk), traditional, offset)?;
             let label = format!(
                 "heads_rope {b}x{l}x{heads}x{d} rot {} {} from {offset} {}",
@@ -705,9 +743,14 @@ fn speed_rows() -> R<()> {
     for l in [512, 2048] {
         let qkv = random(&[1, l, nq + 2 * nk, d], Dtype::Bfloat16, 3)?;
         let (periods, inv) = rope_periods(d / 2)?;
-        let ours = time(50, &|| {
-            Ok(cuda_kernels::heads_rope(&qkv, &inv, nq + nk, false, 0)?)
-        })?;
+        let spec = cuda_kernels::HeadsRope {
+            inv_freq: &inv,
+            traditional: false,
+            query_heads: nq,
+            kv_heads: nk,
+            norms: None,
+        };
+        let ours = time(50, &|| Ok(cuda_kernels::heads_rope(&qkv, &spec, 0)?))?;
         let mlx = time(50, &|| {
             Ok(mlx_heads_rope(&qkv, &periods, (nq, nk), false, 0)?.contiguous()?)
         })?;

@@ -304,11 +304,12 @@ impl Attention {
             && self.cfg.chunk.is_none()
     }
 
-    /// A prompt's queries, keys and values as `[B, heads, L, head_dim]` with rope applied, by
-    /// one mlxcel CUDA kernel on the fused projection's output (`cuda_kernels::heads_rope`,
-    /// `MLXCEL_CUDA_PREFILL_ROPE`) where MLX would rope each strided operand and copy it into
-    /// that layout. `None` where it does not apply: one position, a decode batch, explicit
-    /// positions, separate projections, q/k norms, a rope whose frequencies depend on the
+    /// A prompt's queries, keys and values as `[B, heads, L, head_dim]` with per-head q/k
+    /// norms and rope applied, by one mlxcel CUDA kernel on the fused projection's output
+    /// (`cuda_kernels::heads_rope`, `MLXCEL_CUDA_PREFILL_ROPE`) where MLX would normalise and
+    /// rope each strided operand and copy it into that layout. `None` where it does not apply:
+    /// one position, a decode batch, explicit positions, separate projections, q/k norms other
+    /// than per-head RMSNorms with one weight and eps, a rope whose frequencies depend on the
     /// length or that scales its output, or not on a GPU.
     fn prefill_heads_roped(
         &self,
@@ -319,10 +320,17 @@ impl Attention {
         cache: &LayerCache,
         positions: Option<&Array>,
     ) -> Result<Option<(Array, Array, Array)>> {
-        let (QkvProjection::Fused(qkv), QkNorm::None, Some(rope), None) =
-            (&self.qkv, &self.qk_norm, &self.rope, positions)
+        let (QkvProjection::Fused(qkv), Some(rope), None) = (&self.qkv, &self.rope, positions)
         else {
             return Ok(None);
+        };
+        let norms = match &self.qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead { q, k } => match (q.rms_parts(), k.rms_parts()) {
+                (Some((q, q_eps)), Some((k, k_eps))) if q_eps == k_eps => Some((q, k, q_eps)),
+                _ => return Ok(None),
+            },
+            _ => return Ok(None),
         };
         let c = &self.cfg;
         let heads = c.n_heads + 2 * c.n_kv_heads;
@@ -340,13 +348,20 @@ impl Attention {
         let projected = qkv
             .forward_fused(x, input, None)?
             .reshape(&[b, l, heads, c.head_dim])?;
-        let all = mlxcel_core::cuda_kernels::heads_rope(
-            &projected,
-            &inv_freq,
-            c.n_heads + c.n_kv_heads,
+        // The norms' weights in the projection's dtype, as MLX's rms_norm reads them.
+        let dtype = projected.dtype()?;
+        let norms = match norms {
+            Some((q, k, eps)) => Some((q.astype(dtype)?, k.astype(dtype)?, eps)),
+            None => None,
+        };
+        let spec = mlxcel_core::cuda_kernels::HeadsRope {
+            inv_freq: &inv_freq,
             traditional,
-            cache.offset(),
-        )?;
+            query_heads: c.n_heads,
+            kv_heads: c.n_kv_heads,
+            norms: norms.as_ref().map(|(q, k, eps)| (q, k, *eps)),
+        };
+        let all = mlxcel_core::cuda_kernels::heads_rope(&projected, &spec, cache.offset())?;
         Ok(Some(split_heads(&all, c.n_heads, c.n_kv_heads)?))
     }
 

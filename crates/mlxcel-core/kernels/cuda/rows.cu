@@ -27,9 +27,14 @@
 //              Rope as MLX's kernel computes it: the first 2 * rot_half dims rotate, pair j by
 //              the angle position * inv_freq[j], pairs (2j, 2j + 1) when traditional, else
 //              (j, j + rot_half); float32 arithmetic, rounded to T once.
+// heads_norm_rope: heads_rope with a per-head RMSNorm before the rope (Qwen3's and Gemma 3's
+//              q_norm and k_norm, weights T [head_dim], one eps): heads h < n_q take q_norm,
+//              n_q <= h < rope_heads k_norm. One thread per (b, h, l) row (the norm needs the
+//              whole row); normalised as MLX's rms_norm rounds, x * rsqrt(mean(x^2) + eps)
+//              rounded to T, times the weight rounded to T, then roped as heads_rope.
 //
 // Launch: threadgroup (256, 1, 1), grid = the output's element count (rounded up), one thread
-// per output element.
+// per output element; route_topk and heads_norm_rope: one thread per row.
 
 template <typename T>
 __device__ __forceinline__ void take_rows(const T* table, const int* ids, T* out, int n_ids,
@@ -170,5 +175,54 @@ __device__ __forceinline__ void route_topk(const float* logits, const float* bia
     ids[r * k + j] = (uint32_t)chosen[j];
     const float w = normalize ? picked[j] / denominator : picked[j];
     qmv_store(weights + r * k + j, w * scale);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void heads_norm_rope(const T* qkv, const T* q_norm, const T* k_norm,
+                                                const float* inv_freq, T* out, int batch, int len,
+                                                int heads, int head_dim, int n_q, int rope_heads,
+                                                int rot_half, int traditional, int offset,
+                                                float eps) {
+  const long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= (long long)batch * heads * len) {
+    return;
+  }
+  // Output rows in order (b, h, l).
+  const int l = (int)(row % len);
+  const int h = (int)((row / len) % heads);
+  const long long b = row / ((long long)len * heads);
+  const T* src = qkv + ((b * len + l) * heads + h) * head_dim;
+  T* dst = out + row * head_dim;
+  if (h >= rope_heads) {
+    for (int d = 0; d < head_dim; ++d) {
+      dst[d] = src[d];
+    }
+    return;
+  }
+  const T* w = h < n_q ? q_norm : k_norm;
+  float ss = 0.0f;
+  for (int d = 0; d < head_dim; ++d) {
+    const float v = qmv_to_float(src[d]);
+    ss = fmaf(v, v, ss);
+  }
+  const float inv = rsqrtf(ss / (float)head_dim + eps);
+  // The normalised value of dim d, rounded as MLX's rms_norm output is.
+  auto normed = [&](int d) {
+    return qmv_round(dst, qmv_to_float(w[d]) * qmv_round(dst, qmv_to_float(src[d]) * inv));
+  };
+  const float position = (float)(offset + l);
+  for (int j = 0; j < rot_half; ++j) {
+    const int i0 = traditional ? 2 * j : j;
+    const int i1 = traditional ? 2 * j + 1 : j + rot_half;
+    float sn, cs;
+    sincosf(position * inv_freq[j], &sn, &cs);
+    const float a = normed(i0);
+    const float c = normed(i1);
+    qmv_store(dst + i0, a * cs - c * sn);
+    qmv_store(dst + i1, c * cs + a * sn);
+  }
+  for (int d = 2 * rot_half; d < head_dim; ++d) {
+    qmv_store(dst + d, normed(d));
   }
 }
