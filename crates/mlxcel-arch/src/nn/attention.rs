@@ -324,14 +324,6 @@ impl Attention {
         else {
             return Ok(None);
         };
-        let norms = match &self.qk_norm {
-            QkNorm::None => None,
-            QkNorm::PerHead { q, k } => match (q.rms_parts(), k.rms_parts()) {
-                (Some((q, q_eps)), Some((k, k_eps))) if q_eps == k_eps => Some((q, k, q_eps)),
-                _ => return Ok(None),
-            },
-            _ => return Ok(None),
-        };
         let c = &self.cfg;
         let heads = c.n_heads + 2 * c.n_kv_heads;
         let elements = b as i64 * l as i64 * heads as i64 * c.head_dim as i64;
@@ -341,6 +333,20 @@ impl Attention {
         {
             return Ok(None);
         }
+        // Per-head norms with one eps and weights in the activations' dtype (MLX's rms_norm
+        // would promote to a wider weight's dtype).
+        let norms = match &self.qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead { q, k } => match (q.rms_parts(), k.rms_parts()) {
+                (Some((q, q_eps)), Some((k, k_eps)))
+                    if q_eps == k_eps && q.dtype()? == x.dtype()? && k.dtype()? == x.dtype()? =>
+                {
+                    Some((q, k, q_eps))
+                }
+                _ => return Ok(None),
+            },
+            _ => return Ok(None),
+        };
         let Some((inv_freq, traditional)) = rope.inv_freq_array()? else {
             return Ok(None);
         };
@@ -348,18 +354,18 @@ impl Attention {
         let projected = qkv
             .forward_fused(x, input, None)?
             .reshape(&[b, l, heads, c.head_dim])?;
-        // The norms' weights in the projection's dtype, as MLX's rms_norm reads them.
-        let dtype = projected.dtype()?;
-        let norms = match norms {
-            Some((q, k, eps)) => Some((q.astype(dtype)?, k.astype(dtype)?, eps)),
-            None => None,
-        };
+        if let Some((q, _, _)) = norms {
+            if q.dtype()? != projected.dtype()? {
+                // A projection that widened its output: leave it to MLX's ops.
+                return Ok(None);
+            }
+        }
         let spec = mlxcel_core::cuda_kernels::HeadsRope {
             inv_freq: &inv_freq,
             traditional,
             query_heads: c.n_heads,
             kv_heads: c.n_kv_heads,
-            norms: norms.as_ref().map(|(q, k, eps)| (q, k, *eps)),
+            norms,
         };
         let all = mlxcel_core::cuda_kernels::heads_rope(&projected, &spec, cache.offset())?;
         Ok(Some(split_heads(&all, c.n_heads, c.n_kv_heads)?))
