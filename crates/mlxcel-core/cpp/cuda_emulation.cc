@@ -91,16 +91,6 @@ void with_type(int bf16, Body body) {
   }
 }
 
-template <typename T>
-void run_heads_rope(const void* qkv, const float* inv_freq, void* out, int batch, int len,
-                    int heads, int head_dim, int rope_heads, int rot_half, int traditional,
-                    int offset) {
-  launch((long long)batch * heads * len * head_dim, [&] {
-    heads_rope<T>(static_cast<const T*>(qkv), inv_freq, static_cast<T*>(out), batch, len, heads,
-                  head_dim, rope_heads, rot_half, traditional, offset);
-  });
-}
-
 }  // namespace mlxcel_emulated
 
 // rows.cu's kernels on the CPU; `bf16` picks bf16 elements, else float32.
@@ -109,13 +99,13 @@ extern "C" void mlxcel_emulate_heads_rope(int bf16, const void* qkv, const float
                                           int rope_heads, int rot_half, int traditional,
                                           int offset) {
   using namespace mlxcel_emulated;
-  if (bf16 != 0) {
-    run_heads_rope<mlxcel_bf16>(qkv, inv_freq, out, batch, len, heads, head_dim, rope_heads,
-                                rot_half, traditional, offset);
-  } else {
-    run_heads_rope<float>(qkv, inv_freq, out, batch, len, heads, head_dim, rope_heads, rot_half,
-                          traditional, offset);
-  }
+  with_type(bf16, [&](auto like) {
+    using T = decltype(like);
+    launch((long long)batch * heads * len * head_dim, [&] {
+      heads_rope<T>(static_cast<const T*>(qkv), inv_freq, static_cast<T*>(out), batch, len,
+                    heads, head_dim, rope_heads, rot_half, traditional, offset);
+    });
+  });
 }
 
 extern "C" void mlxcel_emulate_silu_halves(int bf16, const void* x, void* out, int rows,

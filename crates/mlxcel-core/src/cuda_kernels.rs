@@ -369,6 +369,12 @@ const SILU_HALVES_DTYPES: [Dtype; 3] = [Dtype::Bfloat16, Dtype::Float16, Dtype::
 /// Threads per block of rows.cu's kernels.
 const ROWS_THREADS: i32 = 256;
 
+/// Whether a rows.cu launch of one thread per each of `n` outputs fits its 32-bit indices (the
+/// grid is rounded up to whole blocks).
+fn rows_launch_fits(n: i64) -> bool {
+    n < i32::MAX as i64 - ROWS_THREADS as i64
+}
+
 /// The launch grid (in threads) covering `n` outputs.
 fn rows_grid(n: i64) -> [i32; 3] {
     let threads = (n + ROWS_THREADS as i64 - 1) / ROWS_THREADS as i64 * ROWS_THREADS as i64;
@@ -384,7 +390,7 @@ pub fn take_rows_applies(table: &Array, ids: &Array) -> Result<bool> {
     let outputs = ids.size() as i64 * table.dim(1)? as i64;
     Ok(TAKE_ROWS_DTYPES.contains(&table.dtype()?)
         && (table.size() as i64) < i32::MAX as i64
-        && outputs < i32::MAX as i64 - ROWS_THREADS as i64)
+        && rows_launch_fits(outputs))
 }
 
 /// `table[ids]` along the first axis, `[..ids, row_len]`, on mlxcel's kernel (see
@@ -415,7 +421,7 @@ pub fn silu_halves_applies(x: &Array) -> Result<bool> {
     }
     Ok(SILU_HALVES_DTYPES.contains(&x.dtype()?)
         && x.dim(-1)? % 2 == 0
-        && (x.size() as i64) < i32::MAX as i64 - ROWS_THREADS as i64)
+        && rows_launch_fits(x.size() as i64))
 }
 
 /// `silu(gate) * up` of `x = [gate | up]` along its last axis, `[.., last / 2]`, as one
@@ -453,7 +459,7 @@ pub fn silu_mul_applies(gate: &Array, up: &Array) -> Result<bool> {
     Ok(SILU_HALVES_DTYPES.contains(&dtype)
         && up.dtype()? == dtype
         && gate.shape() == up.shape()
-        && (gate.size() as i64) < i32::MAX as i64 - ROWS_THREADS as i64)
+        && rows_launch_fits(gate.size() as i64))
 }
 
 /// `silu(gate) * up` element by element (separate gate and up projections: routed experts),
@@ -484,7 +490,7 @@ pub fn take_along_rows_applies(values: &Array, ids: &Array) -> Result<bool> {
         && ids.dtype()? == Dtype::Uint32
         && ids.dim(0)? == values.dim(0)?
         && (values.size() as i64) < i32::MAX as i64
-        && (ids.size() as i64) < i32::MAX as i64 - ROWS_THREADS as i64)
+        && rows_launch_fits(ids.size() as i64))
 }
 
 /// `values[r, ids[r, j]]` for `values` `[rows, cols]` and `ids` `[rows, k]` (each row's chosen
@@ -593,9 +599,7 @@ pub fn route_topk(
 /// sizes a 32-bit index covers. Decide before building the projection, so a layer that falls
 /// back builds its MLX graph once.
 pub fn heads_rope_applies(elements: i64) -> Result<bool> {
-    Ok(crate::policy::with(|p| p.cuda_prefill_rope)
-        && on_gpu()?
-        && elements < i32::MAX as i64 - ROWS_THREADS as i64)
+    Ok(crate::policy::with(|p| p.cuda_prefill_rope) && on_gpu()? && rows_launch_fits(elements))
 }
 
 /// How [`heads_rope`] treats a fused projection's heads: queries first, then keys (rotated),
@@ -669,7 +673,7 @@ pub fn heads_rope(qkv: &Array, spec: &HeadsRope<'_>, offset: usize) -> Result<Ar
         }
     }
     let elements = qkv.size() as i64;
-    if elements >= i32::MAX as i64 - ROWS_THREADS as i64 {
+    if !rows_launch_fits(elements) {
         return Err(Error::Invalid(format!(
             "heads_rope: {elements} values are past a 32-bit index"
         )));
@@ -1191,8 +1195,9 @@ pub fn compile_seconds() -> f64 {
 
 /// The kernels shipped compiled in kernels/prebuilt/ (`cuda_kernels --prebuild DIR` on a GPU
 /// writes them): what the first load and request of a Llama-style model or a Qwen3-style MoE
-/// use, 4-bit, 8-bit or unquantized, with bf16 or f16 activations (measured with `gpu_probe.sh fresh`: the decode
-/// step's module, the prefill's dequantize kernel, the warm-up's RMSNorm-folded GEMV).
+/// use, 4-bit, 8-bit or unquantized, with bf16 or f16 activations (measured with
+/// `gpu_probe.sh fresh`: the decode step's module, the prefill's dequantize kernel, the
+/// warm-up's RMSNorm-folded GEMV).
 /// Other kernels compile on first use, as do these when their source has changed since.
 fn prebuilt_set() -> Vec<KernelId> {
     let mut ids = Vec::new();

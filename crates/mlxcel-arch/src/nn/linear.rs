@@ -62,17 +62,6 @@ fn dequantize_experts_for(rows: usize, experts: usize) -> bool {
     dequant_policy().experts && dequantize_for(rows) && rows >= 4 * experts
 }
 
-/// A quantized layer's dense weight in `dtype`, transposed (`[in, out]`), for a prompt's GEMM:
-/// the copy kept from an earlier prompt, or dequantized now (and kept while the budget allows,
-/// [`PrefillDense`]).
-fn prompt_dense_weight_t(
-    weight: &QuantizedWeight,
-    prefill: &PrefillDense,
-    dtype: Dtype,
-) -> Result<Array> {
-    prefill.get_or_dequantize_t(dtype, || Ok(weight.dequantize(dtype)?))
-}
-
 /// `y = x W^T + b` with `W` `[out, in]`.
 #[derive(Debug, Clone)]
 pub enum Linear {
@@ -190,19 +179,10 @@ impl Linear {
                 super::calibration::observe(weight, x);
                 ops::linear(x, weight, Some(weight_t))?
             }
-            Linear::Quantized {
-                weight, prefill, ..
-            } => {
-                let rows = x.size() / x.dim(-1)?.max(1) as usize;
-                if dequantize_for(rows) {
-                    // Many rows (prefill): one dense GEMM on the dequantized layer beats the
-                    // quantized kernels by far on GPUs; the dense copy is kept for the next
-                    // prompt while the budget allows.
-                    x.matmul(&prompt_dense_weight_t(weight, prefill, x.dtype()?)?)?
-                } else {
-                    weight.matmul_t(x)?
-                }
-            }
+            Linear::Quantized { weight, .. } => match self.prompt_dense_weight_t(x)? {
+                Some(w_t) => x.matmul(&w_t)?,
+                None => weight.matmul_t(x)?,
+            },
         })
     }
 
@@ -318,20 +298,36 @@ impl Linear {
     /// (`MLXCEL_PREFILL_FOLD_RESIDUAL`, off by default until measured). `None` leaves it to
     /// the product and an add.
     fn prefill_product_onto(&self, x: &Array, residual: &Array) -> Result<Option<Array>> {
+        if !matches!(self, Linear::Quantized { bias: None, .. })
+            || !mlxcel_core::policy::with(|p| p.prefill_fold_residual)
+        {
+            return Ok(None);
+        }
+        Ok(match self.prompt_dense_weight_t(x)? {
+            Some(w_t) => Some(residual.addmm(x, &w_t, 1.0, 1.0)?),
+            None => None,
+        })
+    }
+
+    /// For a quantized layer that `x`'s rows run as a dense GEMM (many rows, a prompt: on GPUs
+    /// one GEMM on the dequantized layer beats the quantized kernels by far), its dense weight
+    /// in `x`'s dtype, transposed (`[in, out]`): the copy kept from an earlier prompt, or
+    /// dequantized now and kept while the budget allows ([`PrefillDense`]). `None` otherwise.
+    fn prompt_dense_weight_t(&self, x: &Array) -> Result<Option<Array>> {
         let Linear::Quantized {
-            weight,
-            bias: None,
-            prefill,
+            weight, prefill, ..
         } = self
         else {
             return Ok(None);
         };
         let rows = x.size() / x.dim(-1)?.max(1) as usize;
-        if !mlxcel_core::policy::with(|p| p.prefill_fold_residual) || !dequantize_for(rows) {
+        if !dequantize_for(rows) {
             return Ok(None);
         }
-        let w_t = prompt_dense_weight_t(weight, prefill, x.dtype()?)?;
-        Ok(Some(residual.addmm(x, &w_t, 1.0, 1.0)?))
+        let dtype = x.dtype()?;
+        Ok(Some(prefill.get_or_dequantize_t(dtype, || {
+            Ok(weight.dequantize(dtype)?)
+        })?))
     }
 
     /// One layer computing `parts` side by side (outputs concatenated in order), when they

@@ -113,9 +113,7 @@ impl Router {
         }
         Ok((ids.astype(Dtype::Uint32)?, weights.astype(x.dtype()?)?))
     }
-}
 
-impl Router {
     /// [`Router::route`]'s choice from float32 `logits` as one mlxcel CUDA kernel
     /// (`cuda_kernels::route_topk`, `MLXCEL_CUDA_ROUTER`): the same scores, choice and weights
     /// without MLX's sort of every token's scores. `None` where it does not apply (group-limited
