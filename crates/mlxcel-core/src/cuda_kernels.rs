@@ -452,9 +452,12 @@ fn rows_enabled() -> bool {
 /// Whether [`silu_mul`] takes `gate` and `up`: on a GPU (unless `MLXCEL_CUDA_ROWS=0`), one
 /// shape and one supported dtype for both, and sizes a 32-bit index covers.
 pub fn silu_mul_applies(gate: &Array, up: &Array) -> Result<bool> {
-    if !rows_enabled() || !on_gpu()? {
-        return Ok(false);
-    }
+    Ok(rows_enabled() && on_gpu()? && silu_mul_takes(gate, up)?)
+}
+
+/// The operands [`silu_mul`] reads: one shape and one supported dtype for both, within its
+/// 32-bit indices.
+fn silu_mul_takes(gate: &Array, up: &Array) -> Result<bool> {
     let dtype = gate.dtype()?;
     Ok(SILU_HALVES_DTYPES.contains(&dtype)
         && up.dtype()? == dtype
@@ -466,6 +469,15 @@ pub fn silu_mul_applies(gate: &Array, up: &Array) -> Result<bool> {
 /// as one mlxcel kernel that ships compiled, rounded as [`silu_halves`] (see
 /// [`silu_mul_applies`]). MLX would JIT-compile its fused kernel on a machine's first prompt.
 pub fn silu_mul(gate: &Array, up: &Array) -> Result<Array> {
+    if !silu_mul_takes(gate, up)? {
+        return Err(Error::Invalid(format!(
+            "silu_mul: gate {} {:?} and up {} {:?} must share one float dtype and shape",
+            gate.dtype()?.name(),
+            gate.shape(),
+            up.dtype()?.name(),
+            up.shape()
+        )));
+    }
     let n = gate.size() as i32;
     let dtype = gate.dtype()?;
     let flat = call(
@@ -483,7 +495,13 @@ pub fn silu_mul(gate: &Array, up: &Array) -> Result<Array> {
 /// Whether [`take_along_rows`] takes this lookup: on a GPU (unless `MLXCEL_CUDA_ROWS=0`), 2-D
 /// float `values`, 2-D uint32 `ids` with as many rows, and sizes a 32-bit index covers.
 pub fn take_along_rows_applies(values: &Array, ids: &Array) -> Result<bool> {
-    if !rows_enabled() || !on_gpu()? || values.ndim() != 2 || ids.ndim() != 2 {
+    Ok(rows_enabled() && on_gpu()? && take_along_rows_takes(values, ids)?)
+}
+
+/// The operands [`take_along_rows`] reads: 2-D float `values`, 2-D uint32 `ids` with as many
+/// rows, within its 32-bit indices.
+fn take_along_rows_takes(values: &Array, ids: &Array) -> Result<bool> {
+    if values.ndim() != 2 || ids.ndim() != 2 {
         return Ok(false);
     }
     Ok(SILU_HALVES_DTYPES.contains(&values.dtype()?)
@@ -499,6 +517,16 @@ pub fn take_along_rows_applies(values: &Array, ids: &Array) -> Result<bool> {
 /// module on a machine's first prompt. Ids past a row are clamped to its last column (the
 /// caller's ids come from a sort of that row).
 pub fn take_along_rows(values: &Array, ids: &Array) -> Result<Array> {
+    if !take_along_rows_takes(values, ids)? {
+        return Err(Error::Invalid(format!(
+            "take_along_rows: values {} {:?} and ids {} {:?}: needs 2-D float values and 2-D \
+             uint32 ids with as many rows",
+            values.dtype()?.name(),
+            values.shape(),
+            ids.dtype()?.name(),
+            ids.shape()
+        )));
+    }
     let (rows, cols, k) = (values.dim(0)?, values.dim(1)?, ids.dim(1)?);
     let dtype = values.dtype()?;
     call(
@@ -532,10 +560,14 @@ pub struct RouteSpec {
 /// `MLXCEL_CUDA_ROUTER=1` (off by default until measured), float32 logits, and `top_k` from 1
 /// to [`ROUTE_MAX_K`] and at most the experts.
 pub fn route_topk_applies(logits: &Array, top_k: i32) -> Result<bool> {
-    if !crate::policy::with(|p| p.cuda_router) || !on_gpu()? || logits.ndim() != 2 {
-        return Ok(false);
-    }
-    Ok(logits.dtype()? == Dtype::Float32
+    Ok(crate::policy::with(|p| p.cuda_router) && on_gpu()? && route_topk_takes(logits, top_k)?)
+}
+
+/// What [`route_topk`] reads: 2-D float32 logits within 32-bit indices, and `top_k` from 1 to
+/// [`ROUTE_MAX_K`] and at most the experts (the kernel's per-thread arrays hold that many).
+fn route_topk_takes(logits: &Array, top_k: i32) -> Result<bool> {
+    Ok(logits.ndim() == 2
+        && logits.dtype()? == Dtype::Float32
         && (1..=ROUTE_MAX_K.min(logits.dim(1)?)).contains(&top_k)
         && (logits.size() as i64) < i32::MAX as i64)
 }
@@ -553,8 +585,16 @@ pub fn route_topk(
     spec: RouteSpec,
     dtype: Dtype,
 ) -> Result<(Array, Array)> {
-    let (rows, experts) = (logits.dim(0)?, logits.dim(1)?);
     let k = spec.top_k;
+    if !route_topk_takes(logits, k)? {
+        return Err(Error::Invalid(format!(
+            "route_topk: {} logits {:?} choosing {k}: needs 2-D float32 logits and 1 to \
+             {ROUTE_MAX_K} experts a token, at most all of them",
+            logits.dtype()?.name(),
+            logits.shape()
+        )));
+    }
+    let (rows, experts) = (logits.dim(0)?, logits.dim(1)?);
     if let Some(b) = bias {
         if b.dtype()? != Dtype::Float32 || b.size() != experts as usize {
             return Err(Error::Invalid(format!(
@@ -2873,5 +2913,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// rows.cu's public launchers refuse operands their kernels would read past (before
+    /// anything is launched): an error naming the kernel and what is wrong, never a launch.
+    #[test]
+    fn rows_kernels_refuse_operands_they_would_read_past() {
+        let f32s = |shape: &[i32]| uniform_array(shape, 1.0, Dtype::Float32, 9);
+        let ids = |shape: &[i32]| {
+            let n: i32 = shape.iter().product();
+            Array::from_slice(&(0..n as u32).collect::<Vec<_>>(), shape).unwrap()
+        };
+        let err = |r: Result<Array>| r.expect_err("refused").to_string();
+        assert!(err(super::silu_mul(&f32s(&[4, 8]), &f32s(&[4, 7]))).contains("silu_mul"));
+        assert!(
+            err(super::take_along_rows(&f32s(&[4, 8]), &ids(&[3, 2]))).contains("take_along_rows")
+        );
+        let int_ids = ids(&[4, 2]).astype(Dtype::Int32).unwrap();
+        assert!(err(super::take_along_rows(&f32s(&[4, 8]), &int_ids)).contains("uint32"));
+        let spec = |top_k| RouteSpec {
+            top_k,
+            sigmoid: false,
+            normalize: true,
+            scale: 1.0,
+        };
+        let logits = f32s(&[3, 12]);
+        for k in [0, 13, 17] {
+            let e = super::route_topk(&logits, None, spec(k), Dtype::Float32).unwrap_err();
+            assert!(e.to_string().contains("route_topk"), "{e}");
+        }
+        let short_bias = f32s(&[11]);
+        let e = super::route_topk(&logits, Some(&short_bias), spec(2), Dtype::Float32).unwrap_err();
+        assert!(e.to_string().contains("bias"), "{e}");
+        let qkv = f32s(&[1, 3, 6, 8]);
+        let inv = f32s(&[4]);
+        let rope = |query_heads, kv_heads, inv_freq, norms| HeadsRope {
+            inv_freq,
+            traditional: false,
+            query_heads,
+            kv_heads,
+            norms,
+        };
+        let long_inv = f32s(&[5]);
+        let short_norm = f32s(&[7]);
+        for (what, spec) in [
+            ("heads", rope(4, 3, &inv, None)),
+            ("inv_freq", rope(4, 1, &long_inv, None)),
+            (
+                "norm",
+                rope(4, 1, &inv, Some((&short_norm, &short_norm, 1e-6))),
+            ),
+        ] {
+            let e = super::heads_rope(&qkv, &spec, 0).unwrap_err().to_string();
+            assert!(e.contains("heads_rope"), "{what}: {e}");
+        }
+        assert!(super::heads_rope(&f32s(&[3, 6, 8]), &rope(4, 1, &inv, None), 0).is_err());
     }
 }
