@@ -26,7 +26,7 @@ if [ "$mode" = stage ]; then
   mkdir -p "$root/.device/run"
   cp "$root/target/release/mlxcel" "$root/target/release/examples/cuda_kernels" "$here/gpu.sh" "$here/gpu_warm_compare.sh" "$here/gpu_probe.sh" "$here/gpu_dist.sh" \
      "$here/mlx_lm_bench.py" "$here/make_random_model.py" \
-     "$here/cuda/prefill_probe.py" "$here/make_plan_model.py" "$here/gpu_embed.sh" "$here/st_embed_bench.py" "$here/gpu_serve.sh" "$here/gpu_serve_configs.sh" "$here/gpu_serve_probe.sh" "$here/gpu_serve_model.sh" "$here/same_replies.py" "$here/serve_client.py" "$here/gpu_speculative_ids.sh" "$here/gpu_stream.sh" "$here/stream_gpu.py" "$here/gpu_ab.sh" "$here/cuda/ncu_sum.py" "$root/.device/run/"
+     "$here/cuda/prefill_probe.py" "$here/make_plan_model.py" "$here/gpu_embed.sh" "$here/st_embed_bench.py" "$here/gpu_serve.sh" "$here/gpu_serve_configs.sh" "$here/gpu_serve_probe.sh" "$here/gpu_serve_model.sh" "$here/same_replies.py" "$here/serve_client.py" "$here/gpu_speculative_ids.sh" "$here/gpu_stream.sh" "$here/stream_gpu.py" "$here/gpu_ab.sh" "$here/gpu_pending.sh" "$here/cuda/ncu_sum.py" "$root/.device/run/"
   # The MoE fixtures (5.5 MB), for gpu_stream.sh fixtures.
   mkdir -p "$root/.device/run/fixtures"
   for f in qwen3_moe qwen3_moe-affine4-g64 mixtral mixtral-affine4-g32 qwen2_moe olmoe; do
