@@ -134,6 +134,10 @@ pub struct StandardCache {
     /// no other cache shares (see [`StandardCache::owned_decode_buffers`]): cloning the cache
     /// clones the token, and a graph update drops it.
     owner: Option<std::sync::Arc<()>>,
+    /// Set while `keys` and `values` may share memory with a first prompt's own key and value
+    /// arrays ([`first_rows`] of a prompt filling whole growth steps); an engine that writes
+    /// rows in place copies them first.
+    prompt_rows: bool,
 }
 
 /// Keys and values of a sliding-window layer: a ring of `window` rows (plus, during a chunk,
@@ -222,6 +226,25 @@ fn grow_rows(old: Option<&Array>, keep: usize, cap: usize, like: &Array) -> Resu
         Some(o) => ops::concatenate(&[o.slice_axis(2, 0, keep as i32)?, fresh], 2)?,
         None => fresh,
     })
+}
+
+/// A fresh cache's buffer for a first prompt's rows `new` (`[B, H, L, D]`): `new` itself, dense,
+/// when `cap` equals L, else `new` followed by zero rows up to `cap`. Either way one op, where
+/// growing an empty buffer and then writing the prompt into it ([`grow_rows`], [`write_rows`])
+/// is a zero fill and two copies: on a GPU prompt of 512 ids that was four kernels a layer.
+/// The result is laid out as [`grow_rows`]' buffer would be (dense, `cap` rows), so attention
+/// reads the same layout; it may share `new`'s memory (see `StandardCache::prompt_rows`).
+fn first_rows(new: &Array, cap: usize) -> Result<Array> {
+    let l = new.dim(2)? as usize;
+    if l == cap {
+        return Ok(new.contiguous()?);
+    }
+    let mut shape = new.shape();
+    shape[2] = (cap - l) as i32;
+    Ok(ops::concatenate(
+        &[new.clone(), ops::zeros(&shape, new.dtype()?)?],
+        2,
+    )?)
 }
 
 /// `buf` with `new`'s positions (axis 2) written from row `at` on.
@@ -521,13 +544,22 @@ impl StandardCache {
         let prev = self.offset;
         let l = k.dim(2)? as usize;
         let end = prev + l;
-        if end > rows(&self.keys)? {
-            let cap = end.div_ceil(STEP as usize) * STEP as usize;
-            self.keys = Some(grow_rows(self.keys.as_ref(), prev, cap, k)?);
-            self.values = Some(grow_rows(self.values.as_ref(), prev, cap, v)?);
-        }
-        let keys = write_rows(self.keys.as_ref().expect("grown above"), k, prev)?;
-        let values = write_rows(self.values.as_ref().expect("grown above"), v, prev)?;
+        let cap = end.div_ceil(STEP as usize) * STEP as usize;
+        let (keys, values) = if prev == 0 && self.keys.is_none() && self.values.is_none() {
+            // Only a prompt filling whole steps is its own buffer; a shorter one is copied.
+            self.prompt_rows = end == cap;
+            (first_rows(k, cap)?, first_rows(v, cap)?)
+        } else {
+            if end > rows(&self.keys)? {
+                self.keys = Some(grow_rows(self.keys.as_ref(), prev, cap, k)?);
+                self.values = Some(grow_rows(self.values.as_ref(), prev, cap, v)?);
+            }
+            self.prompt_rows = false;
+            (
+                write_rows(self.keys.as_ref().expect("grown above"), k, prev)?,
+                write_rows(self.values.as_ref().expect("grown above"), v, prev)?,
+            )
+        };
         self.owner = None;
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
@@ -569,7 +601,11 @@ impl StandardCache {
                 None => Ok(false),
             }
         };
-        if prev + 1 > rows(&self.keys)? || strided(&self.keys)? || strided(&self.values)? {
+        if self.prompt_rows
+            || prev + 1 > rows(&self.keys)?
+            || strided(&self.keys)?
+            || strided(&self.values)?
+        {
             let cap = (prev + 1).div_ceil(STEP as usize) * STEP as usize;
             let keys = grow_rows(self.keys.as_ref(), prev, cap, like)?;
             let values = grow_rows(self.values.as_ref(), prev, cap, like)?;
@@ -577,6 +613,7 @@ impl StandardCache {
             values.eval()?;
             self.keys = Some(keys);
             self.values = Some(values);
+            self.prompt_rows = false;
         }
         match (&self.keys, &self.values) {
             (Some(k), Some(v)) => Ok((k, v, prev)),
@@ -621,6 +658,7 @@ impl StandardCache {
             self.keys = Some(keys);
             self.values = Some(values);
             self.owner = Some(std::sync::Arc::new(()));
+            self.prompt_rows = false;
         }
         match (&self.keys, &self.values) {
             (Some(k), Some(v)) => Ok((k.clone(), v.clone(), prev)),
@@ -844,6 +882,60 @@ mod tests {
         long.update(&keys(0, 256), &keys(0, 256), None).unwrap();
         let (_, cap, held, at) = owned(&mut long);
         assert_eq!((cap, at, held[255]), (512, 256, 255.));
+    }
+
+    #[test]
+    fn a_first_prompt_becomes_the_buffer_without_a_fill_or_a_copy() {
+        let buffers = |c: &LayerCache| -> (Array, Array) {
+            let LayerCache::Standard(s) = c else {
+                unreachable!()
+            };
+            (s.keys.clone().unwrap(), s.values.clone().unwrap())
+        };
+        // A whole growth step of rows: the prompt's own (dense) array is the buffer.
+        let prompt = keys(0, 256);
+        prompt.eval().unwrap();
+        let mut cache = LayerCache::standard();
+        let (k, v, mask) = cache.update(&prompt, &keys(1000, 256), None).unwrap();
+        assert!(matches!(mask, Mask::Causal));
+        k.eval().unwrap();
+        assert_eq!(k.data_address().unwrap(), prompt.data_address().unwrap());
+        assert_eq!(rows_of(&k), rows_of(&prompt));
+        assert_eq!(rows_of(&v)[255], 1255.);
+        // A strided prompt (a transposed view) comes out dense, as a grown buffer would.
+        let strided = keys(0, 256)
+            .reshape(&[1, 256, 1, 1])
+            .unwrap()
+            .transpose(&[0, 2, 1, 3])
+            .unwrap();
+        let mut other = LayerCache::standard();
+        let (k, ..) = other.update(&strided, &strided, None).unwrap();
+        k.eval().unwrap();
+        assert!(k.is_row_contiguous().unwrap());
+        assert_eq!(rows_of(&k), rows_of(&prompt));
+        // Fewer rows: zero rows after them up to the step, the prompt's rows handed out.
+        let mut short = LayerCache::standard();
+        let (k, _, _) = short.update(&keys(0, 5), &keys(0, 5), None).unwrap();
+        assert_eq!(rows_of(&k), vec![0., 1., 2., 3., 4.]);
+        let (held, _) = buffers(&short);
+        assert_eq!(held.dim(2).unwrap(), 256);
+        assert!(rows_of(&held)[5..].iter().all(|&x| x == 0.));
+        // The next update writes after them as before.
+        let (k, _, _) = short.update(&keys(5, 2), &keys(5, 2), None).unwrap();
+        assert_eq!(rows_of(&k), vec![0., 1., 2., 3., 4., 5., 6.]);
+        // The CPU decode engine writes rows in place: rewound inside the prompt, it must get
+        // buffers of its own, not the prompt's array.
+        cache.rewind(100).unwrap();
+        let LayerCache::Standard(s) = &mut cache else {
+            unreachable!()
+        };
+        let (engine_keys, _, at) = s.decode_buffers(&prompt).unwrap();
+        assert_eq!(at, 100);
+        assert_ne!(
+            engine_keys.data_address().unwrap(),
+            prompt.data_address().unwrap()
+        );
+        assert_eq!(&rows_of(engine_keys)[..100], &rows_of(&prompt)[..100]);
     }
 
     #[test]
@@ -1184,6 +1276,7 @@ impl BatchCache {
                     offset,
                     blocks: Vec::new(),
                     owner: None,
+                    prompt_rows: false,
                 }),
                 Some(window) => LayerCache::Rotating(RotatingCache {
                     window,
