@@ -718,15 +718,14 @@ pub fn heads_rope(qkv: &Array, spec: &HeadsRope<'_>, offset: usize) -> Result<Ar
             "heads_rope: {elements} values are past a 32-bit index"
         )));
     }
-    let out_shape = vec![batch, heads, len, head_dim];
     let (traditional, offset) = (i32::from(spec.traditional), offset as i32);
-    match spec.norms {
-        None => call(
+    // The same layout either way; with norms the kernel takes their weights and eps, and one
+    // thread per head row (the norm needs the whole row) instead of one per element.
+    let (id, inputs, scalars, threads) = match spec.norms {
+        None => (
             KernelId::HeadsRope { dtype },
-            &[qkv.clone(), inv_freq.clone()],
-            out_shape,
-            dtype,
-            &[
+            vec![qkv.clone(), inv_freq.clone()],
+            vec![
                 batch,
                 len,
                 heads,
@@ -736,20 +735,17 @@ pub fn heads_rope(qkv: &Array, spec: &HeadsRope<'_>, offset: usize) -> Result<Ar
                 traditional,
                 offset,
             ],
-            rows_grid(elements),
-            [ROWS_THREADS, 1, 1],
+            elements,
         ),
-        Some((q_norm, k_norm, eps)) => call(
+        Some((q_norm, k_norm, eps)) => (
             KernelId::HeadsNormRope { dtype },
-            &[
+            vec![
                 qkv.clone(),
                 q_norm.reshape(&[-1])?,
                 k_norm.reshape(&[-1])?,
                 inv_freq.clone(),
             ],
-            out_shape,
-            dtype,
-            &[
+            vec![
                 batch,
                 len,
                 heads,
@@ -761,10 +757,18 @@ pub fn heads_rope(qkv: &Array, spec: &HeadsRope<'_>, offset: usize) -> Result<Ar
                 offset,
                 eps.to_bits() as i32,
             ],
-            rows_grid(batch as i64 * heads as i64 * len as i64),
-            [ROWS_THREADS, 1, 1],
+            batch as i64 * heads as i64 * len as i64,
         ),
-    }
+    };
+    call(
+        id,
+        &inputs,
+        vec![batch, heads, len, head_dim],
+        dtype,
+        &scalars,
+        rows_grid(threads),
+        [ROWS_THREADS, 1, 1],
+    )
 }
 
 fn qmv_entry(bits: i32, dtype: Dtype, (nw, rpw): (i32, i32), mb: i32, fold: GemvFold) -> Entry {
